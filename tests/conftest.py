@@ -1,0 +1,33 @@
+"""Shared test fixtures: the tiny model directory is built once per run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
+
+# Two cores in CI: keep torch from oversubscribing when pytest runs engine processes too.
+torch.set_num_threads(int(os.environ.get("LORAPLEX_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny Llama model (built by `make tiny-model`; built here if missing)."""
+    if not (TINY_MODEL_DIR / "config.json").exists():
+        from loraplex_engine.tiny_model import build_model
+
+        build_model(TINY_MODEL_DIR)
+    return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2-family model, to prove the layers are not Llama-only."""
+    from loraplex_engine.tiny_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")

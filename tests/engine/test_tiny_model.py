@@ -1,0 +1,26 @@
+from pathlib import Path
+
+import pytest
+from loraplex_engine.tiny_model import build_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def test_tiny_model_loads_and_tokenizes_task_text(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tokenizer("12 + 7 = 19").input_ids
+    assert tokenizer.decode(ids) == "12 + 7 = 19"
+    assert model.config.vocab_size == len(tokenizer)
+    assert tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None
+
+
+def test_build_is_deterministic(tmp_path: Path) -> None:
+    a = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / "a"))
+    b = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / "b"))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert pa.equal(pb), name
+
+
+def test_unknown_preset_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        build_model(tmp_path, preset="huge")

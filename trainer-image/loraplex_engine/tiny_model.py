@@ -1,0 +1,126 @@
+"""Build small random-weight causal LMs with a tokenizer trained on the spot.
+
+Used by tests, the demo and the benchmark: no hub downloads, deterministic seed,
+saved as an ordinary Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # ~0.2M parameters: unit tests and the demo.
+    "tiny": ModelPreset(64, 128, 2, 4, 2, 512),
+    # ~20M parameters: big enough that matrix work dominates a CPU step (benchmark).
+    "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
+}
+
+
+def _training_corpus() -> list[str]:
+    """Text covering what the built-in tasks print: words, digits, arithmetic, letters."""
+    words = [
+        "copy",
+        "the",
+        "answer",
+        "is",
+        "say",
+        "token",
+        "target",
+        "repeat",
+        "sum",
+        "of",
+        "plus",
+        "minus",
+        "equals",
+        "yes",
+        "no",
+    ]
+    lines = [" ".join(words), string.ascii_letters, string.digits, string.punctuation]
+    for a in range(20):
+        for b in range(20):
+            lines.append(f"{a} + {b} = {a + b}")
+            lines.append(f"{a} - {b} = {a - b}")
+    lines += [f"say {w} {w} {w}" for w in words]
+    lines += [" ".join(string.ascii_lowercase[i : i + 5]) for i in range(22)]
+    return lines
+
+
+def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE: any text encodes, so tasks never hit unknown characters."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def build_model(
+    out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0
+) -> Path:
+    """Write a random-weight model + tokenizer to ``out_dir`` and return the path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    tokenizer = train_tokenizer(p.vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
