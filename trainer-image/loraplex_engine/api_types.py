@@ -1,0 +1,175 @@
+"""Types the engine exposes to its drivers (HTTP server, local runner, benchmark).
+
+The engine loop, the server and the runner agree on these and nothing else, so the
+server stays a thin translation layer between HTTP and :class:`EngineService`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+PHASES = ("Running", "Succeeded", "Failed")
+
+
+class EngineError(Exception):
+    """An error a client caused; carries the HTTP status and the field at fault."""
+
+    status = 400
+    code = "invalid_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
+
+
+class NotFoundError(EngineError):
+    status, code = 404, "not_found"
+
+
+class ConflictError(EngineError):
+    status, code = 409, "conflict"
+
+
+class NoCapacityError(EngineError):
+    status, code = 409, "no_capacity"
+
+
+class InvalidSpecError(EngineError):
+    status, code = 422, "invalid_spec"
+
+
+class BadCheckpointError(EngineError):
+    status, code = 422, "bad_checkpoint"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    path: str
+    step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step}
+
+
+@dataclass
+class ExperimentStatus:
+    id: str
+    namespace: str
+    name: str
+    phase: str
+    step: int
+    max_steps: int
+    reward: float | None
+    rollout_tokens: int
+    train_tokens: int
+    checkpoint: CheckpointRef | None
+    adapter_path: str | None
+    error: str | None
+    started_at: str
+    updated_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "namespace": self.namespace,
+            "name": self.name,
+            "phase": self.phase,
+            "step": self.step,
+            "maxSteps": self.max_steps,
+            "reward": self.reward,
+            "rolloutTokens": self.rollout_tokens,
+            "trainTokens": self.train_tokens,
+            "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
+            "adapterPath": self.adapter_path,
+            "error": self.error,
+            "startedAt": self.started_at,
+            "updatedAt": self.updated_at,
+        }
+
+
+@dataclass
+class Capacity:
+    model: str
+    rollout_backend: str
+    max_adapters: int
+    max_rank: int
+    used_slots: int
+    experiments: list[str]
+    rss_bytes: int
+    device_bytes: int
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_adapters - self.used_slots
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "rolloutBackend": self.rollout_backend,
+            "maxAdapters": self.max_adapters,
+            "maxRank": self.max_rank,
+            "usedSlots": self.used_slots,
+            "freeSlots": self.free_slots,
+            "experiments": self.experiments,
+            "memory": {"rssBytes": self.rss_bytes, "deviceBytes": self.device_bytes},
+        }
+
+
+@dataclass
+class ExperimentTick:
+    """What one experiment did in one tick (feeds metrics and progress output)."""
+
+    id: str
+    namespace: str
+    step: int
+    reward: float
+    rollout_tokens: int
+    train_tokens: int
+    checkpointed: bool = False
+    failed_reason: str | None = None  # set when this tick failed the experiment
+
+
+@dataclass
+class TickReport:
+    seconds: float
+    phase_seconds: dict[str, float]  # rollout, reward, train, sync, checkpoint
+    experiments: list[ExperimentTick] = field(default_factory=list)
+
+
+class EngineService(Protocol):
+    """What the HTTP server and the local runner call. All methods are thread-safe."""
+
+    model_name: str
+    rollout_backend: str
+
+    def is_ready(self) -> bool: ...
+
+    def put_experiment(
+        self, exp_id: str, spec: Any, namespace: str, name: str, resume_from: str | None
+    ) -> tuple[ExperimentStatus, bool]:
+        """Start or resume; returns (status, created). Same spec again is a no-op."""
+
+    def get_experiment(self, exp_id: str) -> ExperimentStatus: ...
+
+    def list_experiments(self) -> list[ExperimentStatus]: ...
+
+    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef: ...
+
+    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+        """Checkpoint, then unload and free the slot."""
+
+    def capacity(self) -> Capacity: ...
+
+    def complete(
+        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
+    ) -> list[str]:
+        """Completions from an experiment's current adapter (or the base), served in
+        the next tick's rollout batch. Blocks until done."""
+
+    def tick(self) -> TickReport | None:
+        """Advance every running experiment one step; None when nothing ran."""

@@ -1,0 +1,31 @@
+"""Backend-neutral rollout request/result types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutRequest:
+    """One sequence to generate: which adapter slot, which prompt, how to sample.
+
+    Requests that share a ``generator`` (one per experiment) draw their samples from it
+    in request order, so an experiment's rollouts do not depend on who else is batched.
+    """
+
+    slot: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    generator: torch.Generator | None = None
+    group: str = ""  # experiment id; rows of one group sample together
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token under the sampling distribution
+    finished: bool  # stopped on EOS rather than on the token limit
+    extra: dict = field(default_factory=dict)
