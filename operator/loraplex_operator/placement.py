@@ -10,8 +10,11 @@ deterministic list of decisions:
 - `Wait(experiment, reason)` — nothing to do for it this round (why, for its status).
 
 Order: priority descending, then age (oldest first), then key. Best fit: among engines
-that can host an experiment, the one left with the fewest free slots, then the least
-rank headroom, then the least free memory, then by name. Capacity of not-ready engines
+that can host an experiment, the one left with the least rank headroom, then the fewest
+free slots, then the least free memory, then by name (`order=SLOTS_FIRST` swaps the
+first two; in a pool whose engines share one max rank the two orders agree, and with
+mixed max ranks rank-first keeps high-rank engines for high-rank experiments: see
+bench/placement_bench.py and docs/architecture.md). Capacity of not-ready engines
 and of engines asked for in this round is reserved (so one burst does not scale up
 twice) but never bound to. Preemption happens only when an experiment fits nowhere and
 the pool cannot grow; engines are never over-committed.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 # --- memory estimate -------------------------------------------------------------------
 
@@ -149,6 +153,10 @@ class Wait:
 
 Decision = Bind | Preempt | ScaleUp | Wait
 
+RANK_FIRST = "rank-first"
+SLOTS_FIRST = "slots-first"
+FitOrder = Literal["rank-first", "slots-first"]
+
 WAIT_STARTING = "WaitingForEngine"  # reserved on an engine that is starting
 WAIT_PREEMPTING = "WaitingForPreemption"  # victims are being checkpointed
 WAIT_NO_CAPACITY = "NoCapacity"  # no room, cannot scale, nothing to preempt
@@ -183,9 +191,13 @@ class _Slotting:
         self.free_slots += 1
         self.memory_used -= victim.memory_bytes
 
-    def fit_key(self, exp: PendingExperiment) -> tuple[int, int, int, str]:
-        mem_left = self.memory_budget - self.memory_used - exp.memory_bytes
-        return (self.free_slots - 1, self.max_rank - exp.rank, max(mem_left, 0), self.name)
+    def fit_key(self, exp: PendingExperiment, order: FitOrder) -> tuple[int, int, int, str]:
+        slots_left = self.free_slots - 1
+        rank_left = self.max_rank - exp.rank
+        mem_left = max(self.memory_budget - self.memory_used - exp.memory_bytes, 0)
+        if order == RANK_FIRST:
+            return (rank_left, slots_left, mem_left, self.name)
+        return (slots_left, rank_left, mem_left, self.name)
 
 
 def _slotting(engine: Engine) -> _Slotting:
@@ -218,9 +230,11 @@ def _queue_order(p: PendingExperiment) -> tuple[int, float, str]:
     return (-p.priority, p.created, p.key)
 
 
-def _best_fit(candidates: Sequence[_Slotting], exp: PendingExperiment) -> _Slotting | None:
+def _best_fit(
+    candidates: Sequence[_Slotting], exp: PendingExperiment, order: FitOrder
+) -> _Slotting | None:
     fitting = [c for c in candidates if c.fits(exp)]
-    return min(fitting, key=lambda c: c.fit_key(exp)) if fitting else None
+    return min(fitting, key=lambda c: c.fit_key(exp, order)) if fitting else None
 
 
 # --- preemption ------------------------------------------------------------------------
@@ -268,8 +282,13 @@ def plan(
     pending: Iterable[PendingExperiment],
     engines: Iterable[Engine],
     limits: PoolLimits,
+    order: FitOrder = RANK_FIRST,
 ) -> list[Decision]:
-    """One placement round for one pool. Deterministic for the same inputs."""
+    """One placement round for one pool. Deterministic for the same inputs.
+
+    `order` picks the best-fit key: RANK_FIRST (least rank headroom, then fewest free
+    slots, then least free memory) or SLOTS_FIRST (slots, then rank, then memory).
+    """
     ordered_engines = sorted(engines, key=lambda e: e.name)
     ready = [_slotting(e) for e in ordered_engines if e.ready]
     starting = [_slotting(e) for e in ordered_engines if not e.ready]
@@ -278,12 +297,12 @@ def plan(
     decisions: list[Decision] = []
 
     for exp in sorted(pending, key=_queue_order):
-        target = _best_fit(ready, exp)
+        target = _best_fit(ready, exp, order)
         if target is not None:
             target.take(exp)
             decisions.append(Bind(exp.key, target.name))
             continue
-        future = _best_fit(starting + planned, exp)
+        future = _best_fit(starting + planned, exp, order)
         if future is not None:
             future.take(exp)
             decisions.append(Wait(exp.key, WAIT_STARTING))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from builders import engine, limits, pending, run
 from loraplex_operator.placement import (
+    SLOTS_FIRST,
     WAIT_NO_CAPACITY,
     WAIT_PREEMPTING,
     WAIT_STARTING,
@@ -80,7 +81,7 @@ CASES = [
         want=[Bind("ns/big", "b")],
     ),
     Case(
-        "rank headroom breaks a slot tie: keep the high-rank engine free",
+        "rank headroom: keep the high-rank engine free",
         pending=[pending("ns/small").rank(16).build()],
         engines=[engine("a").max_rank(128).build(), engine("b").max_rank(32).build()],
         limits=limits(2, 2),
@@ -231,6 +232,16 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_plan(case: Case) -> None:
     assert plan(case.pending, case.engines, case.limits) == case.want
+
+
+def test_rank_first_keeps_high_rank_engines_for_high_ranks() -> None:
+    engines = [
+        engine("big-rank").slots(4, used=3).max_rank(128).build(),
+        engine("small-rank").slots(8).max_rank(16).build(),
+    ]
+    exps = [pending("ns/r16").rank(16).build()]
+    assert plan(exps, engines, limits(2, 2)) == [Bind("ns/r16", "small-rank")]
+    assert plan(exps, engines, limits(2, 2), order=SLOTS_FIRST) == [Bind("ns/r16", "big-rank")]
 
 
 def test_plan_is_deterministic_under_input_order() -> None:
