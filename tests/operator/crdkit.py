@@ -1,5 +1,9 @@
 """Offline stand-ins for what the API server does with our CRDs: structural defaults,
 OpenAPI validation (jsonschema), pruning of unknown fields, and CEL rules (cel-python).
+
+Known gap: cel-python's `has(self.a.b)` is false when `a` is missing, where the API
+server's cel-go raises "no such key"; guard each level (`has(self.a) && has(self.a.b)`).
+Plain field reads of a missing key do raise here, as on the server.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from builders import experiment, pool
-from crdkit import admit, schema_of, walk_rules
+from crdkit import admit, cel_errors, schema_of, walk_rules
 
 Obj = dict[str, Any]
 
@@ -151,3 +151,17 @@ def test_transition_rule_skipped_on_create(kind: str, message: str, case: RuleCa
 def test_unchanged_update_passes_every_transition_rule() -> None:
     obj = experiment("a").rank(32).alpha(64).modules("q_proj", "o_proj").obj()
     assert admit("LoRAExperiment", obj, old=obj) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "obj"),
+    [
+        ("LoRAExperiment", experiment("a").obj()),
+        ("EnginePool", pool().obj()),
+        ("EnginePool", pool().replicas(0, 2).template(volumeMounts=[]).obj()),
+    ],
+)
+def test_rules_guard_optional_fields(kind: str, obj: Obj) -> None:
+    """Rules must evaluate (not error) on objects before defaulting: has() guards."""
+    schema = schema_of(kind)
+    cel_errors(schema, obj, old=obj)  # raises if a rule reads a missing field
