@@ -22,22 +22,37 @@ def _slot_ids(model: MultiLoRAModel, rows: list[str | None]) -> torch.Tensor:
     return torch.tensor([model.slot_of(n) if n else 0 for n in rows])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_mixed_batch_logits_equal_peft_per_adapter(arch, tiny_model_dir, tiny_qwen2_dir) -> None:
+# Row layouts that take each path of the layer: gather + padding (unequal groups), gather
+# without padding (equal groups, interleaved), and tenants contiguous (no gather at all).
+LAYOUTS = {
+    "unequal": ["b", "a", None, "c", "a", "b", "c", "c"],
+    "interleaved": ROWS,
+    "contiguous": ["a", "a", "b", "b", "c", "c"],
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [("llama", "unequal"), ("llama", "interleaved"), ("llama", "contiguous"), ("qwen2", "unequal")],
+)
+def test_mixed_batch_logits_equal_peft_per_adapter(
+    arch, layout, tiny_model_dir, tiny_qwen2_dir
+) -> None:
     model_dir = tiny_model_dir if arch == "llama" else tiny_qwen2_dir
+    rows_of = LAYOUTS[layout]
     model = multi_model(model_dir)
-    ids, mask = batch(len(ROWS), 9)
+    ids, mask = batch(len(rows_of), 9)
     with torch.no_grad():
-        got = model(ids, mask, slot_ids=_slot_ids(model, ROWS)).logits
+        got = model(ids, mask, slot_ids=_slot_ids(model, rows_of)).logits
         base = load_base(model_dir)(input_ids=ids, attention_mask=mask).logits
     for name, cfg in CONFIGS.items():
         ref_model = peft_model(model_dir, cfg, model.adapter_state_dict(name))
         with torch.no_grad():
             ref = ref_model(input_ids=ids, attention_mask=mask).logits
-        rows = [i for i, n in enumerate(ROWS) if n == name]
+        rows = [i for i, n in enumerate(rows_of) if n == name]
         assert rel_err(ref[rows], base[rows]) > 1e-2  # the adapter really changes the output
         assert rel_err(got[rows], ref[rows]) < 1e-5, name
-    base_rows = [i for i, n in enumerate(ROWS) if n is None]
+    base_rows = [i for i, n in enumerate(rows_of) if n is None]
     assert torch.equal(got[base_rows], base[base_rows])
 
 

@@ -56,6 +56,12 @@ class Routing:
     pos: Tensor  # [n] position of the row inside its group
     slots: Tensor  # [g] slot of each group
     width: int  # rows in the largest group
+    in_order: bool  # rows == all rows, in order (tenants already contiguous): no gather needed
+
+    @property
+    def dense(self) -> bool:
+        """Every group has ``width`` rows, so the grouped rows need no padding."""
+        return self.rows.numel() == self.slots.numel() * self.width
 
     @classmethod
     def build(cls, slot_ids: Tensor) -> Routing | None:
@@ -70,7 +76,8 @@ class Routing:
         )
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.arange(rows.numel(), device=rows.device) - starts[group]
-        return cls(len(slot_ids), rows, group, pos, slots, int(counts.max()))
+        in_order = rows.numel() == len(slot_ids) and bool((order[1:] > order[:-1]).all())
+        return cls(len(slot_ids), rows, group, pos, slots, int(counts.max()), in_order)
 
 
 class Router:
@@ -149,19 +156,24 @@ class MultiLoRALinear(nn.Module):
         plan = self.router.plan(x.shape[0]) if self.router is not None else None
         if plan is None:
             return y
-        return y.index_add(0, plan.rows, self._delta(x, plan).to(y.dtype))
+        delta = self._delta(x, plan).to(y.dtype)
+        return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
 
     def _delta(self, x: Tensor, plan: Routing) -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
-        xs = x[plan.rows].to(self.lora_A.dtype)
+        xs = (x if plan.in_order else x[plan.rows]).to(self.lora_A.dtype)
         if self.training:
             xs = self._dropout(xs, self.dropout[plan.slots][plan.group])
         groups = plan.slots.numel()
-        padded = xs.new_zeros((groups, plan.width, *xs.shape[1:]))
-        padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
+        if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
+            padded = xs.reshape(groups, -1, xs.shape[-1])
+        else:
+            padded = xs.new_zeros((groups, plan.width, *xs.shape[1:]))
+            padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
         h = torch.bmm(padded, self.lora_A[plan.slots].mT)
         d = torch.bmm(h, self.lora_B[plan.slots].mT) * self.scale[plan.slots].view(-1, 1, 1)
-        return d.view(groups, plan.width, *xs.shape[1:-1], -1)[plan.group, plan.pos]
+        d = d.view(groups, plan.width, *xs.shape[1:-1], -1)
+        return d.flatten(0, 1) if plan.dense else d[plan.group, plan.pos]
 
     @staticmethod
     def _dropout(xs: Tensor, p: Tensor) -> Tensor:
