@@ -25,6 +25,7 @@ from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.tiny_model import build_model
 from transformers import AutoModelForCausalLM
 
+DEVICE = "cpu"
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -33,14 +34,22 @@ def median_time(fn: Callable[[], None], warmup: int, repeat: int) -> float:
         fn()
     times = []
     for _ in range(repeat):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def make_engine(model_dir: Path, n: int, rank: int) -> tuple[MultiLoRAModel, PerAdapterAdamW]:
-    model = MultiLoRAModel(AutoModelForCausalLM.from_pretrained(model_dir), 8, rank)
+    base = AutoModelForCausalLM.from_pretrained(model_dir).to(DEVICE)
+    model = MultiLoRAModel(base, 8, rank)
     opt = PerAdapterAdamW(model)
     for i in range(n):
         model.add_adapter(f"e{i}", LoRAConfig(rank, 2.0 * rank, target_modules=ALL), seed=i)
@@ -61,8 +70,8 @@ def time_steps(
 ) -> tuple[float, float]:
     """Median seconds of (fused step, sequential steps) for ``n`` adapters."""
     model, opt = make_engine(model_dir, n, args.rank)
-    ids = torch.randint(4, vocab, (n * args.rows, args.seq))
-    slots = torch.arange(1, n + 1).repeat_interleave(args.rows)
+    ids = torch.randint(4, vocab, (n * args.rows, args.seq), device=DEVICE)
+    slots = torch.arange(1, n + 1, device=DEVICE).repeat_interleave(args.rows)
 
     def fused() -> None:
         loss_of(model, ids, slots, n).backward()
@@ -108,13 +117,13 @@ def delta_loop(layer: MultiLoRALinear, x: torch.Tensor, ids: torch.Tensor) -> to
 def bench_layer(args: argparse.Namespace, hidden: int) -> None:
     print(f"\none layer's LoRA delta, forward+backward, {hidden}x{hidden}, 8 adapters, rank 16")
     print(f"{'shape':>22} {'grouped bmm':>12} {'gather bmm':>11} {'segment loop':>13}")
-    layer = MultiLoRALinear(torch.nn.Linear(hidden, hidden, bias=False), 9, 16)
+    layer = MultiLoRALinear(torch.nn.Linear(hidden, hidden, bias=False, device=DEVICE), 9, 16)
     for s in range(1, 9):
         layer.set_slot(s, 16, 2.0, 0.0)
     torch.nn.init.normal_(layer.lora_B)
     for rows, seq, label in ((8 * args.rows, args.seq, "train"), (64, 1, "decode")):
-        x = torch.randn(rows, seq, hidden)
-        ids = torch.arange(1, 9).repeat_interleave(rows // 8)
+        x = torch.randn(rows, seq, hidden, device=DEVICE)
+        ids = torch.arange(1, 9, device=DEVICE).repeat_interleave(rows // 8)
         plan = Routing.build(ids)
         fns = {
             "grouped": lambda x=x, plan=plan: layer._delta(x, plan),
@@ -140,14 +149,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_dir = Path(".cache/models") / f"{args.preset}-llama"
     if not (model_dir / "config.json").exists():
         build_model(model_dir, preset=args.preset)
     config = AutoModelForCausalLM.from_pretrained(model_dir).config
-    print(f"model {model_dir} ({args.preset}), torch threads {args.threads}")
+    print(f"model {model_dir} ({args.preset}), {DEVICE}, torch threads {args.threads}")
     bench_steps(args, model_dir, min(config.vocab_size, 200))
     bench_layer(args, config.hidden_size)
 

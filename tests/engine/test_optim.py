@@ -91,3 +91,18 @@ def test_state_dict_roundtrip(tiny_model_dir) -> None:
     bad = {**sd, "exp_avg": {k: t[..., :1] for k, t in sd["exp_avg"].items()}}
     with pytest.raises(AdapterError, match="has shape"):
         opt2.load_state_dict("b", bad)
+
+
+def test_step_refuses_a_slot_reused_without_new_optimiser_state(tiny_model_dir) -> None:
+    model = multi_model(tiny_model_dir)
+    opt = PerAdapterAdamW(model)
+    opt.add_adapter("a", SETTINGS["a"])
+    slot = model.slot_of("a")
+    model.remove_adapter("a")
+    assert model.add_adapter("new", model.config_of("b"), seed=1) == slot
+    for p in opt.params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(AdapterError, match=f"slot {slot} holds adapter 'new' in the model but 'a'"):
+        opt.step([slot])
+    opt.add_adapter("new", SETTINGS["b"])
+    assert opt.step([slot]) == [slot] and opt.step_count("new") == 1

@@ -170,8 +170,9 @@ class MultiLoRALinear(nn.Module):
         else:
             padded = xs.new_zeros((groups, plan.width, *xs.shape[1:]))
             padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
-        h = torch.bmm(padded, self.lora_A[plan.slots].mT)
-        d = torch.bmm(h, self.lora_B[plan.slots].mT) * self.scale[plan.slots].view(-1, 1, 1)
+        # Scale the rank-sized intermediate, not the output: r/out times fewer multiplies.
+        h = torch.bmm(padded, self.lora_A[plan.slots].mT) * self.scale[plan.slots].view(-1, 1, 1)
+        d = torch.bmm(h, self.lora_B[plan.slots].mT)
         d = d.view(groups, plan.width, *xs.shape[1:-1], -1)
         return d.flatten(0, 1) if plan.dense else d[plan.group, plan.pos]
 

@@ -100,9 +100,7 @@ class PerAdapterAdamW:
         were in the batch) to step an adapter whose gradient happens to be exactly zero.
         """
         active = sorted(set(self.slots_with_grad() if slots is None else slots) - {0})
-        unknown = [s for s in active if s not in self.settings]
-        if unknown:
-            raise AdapterError(f"slots {unknown} have gradients but no optimiser settings")
+        self._check_slots(active)
         groups: dict[tuple[AdamWSettings, int], list[int]] = {}
         for slot in active:
             self.steps[slot] += 1
@@ -110,6 +108,18 @@ class PerAdapterAdamW:
         for (settings, step), group in groups.items():
             self._update(group, settings, step)
         return active
+
+    def _check_slots(self, slots: list[int]) -> None:
+        """Every slot to step must hold, in the model, the adapter registered here for it."""
+        in_model = {slot: name for name, slot in self.model.adapters().items()}
+        mine = {slot: name for name, slot in self._slots.items()}
+        for slot in slots:
+            if slot not in mine or in_model.get(slot) != mine[slot]:
+                raise AdapterError(
+                    f"slot {slot} holds adapter {in_model.get(slot)!r} in the model but"
+                    f" {mine.get(slot)!r} in the optimiser (no optimiser settings);"
+                    " call add_adapter"
+                )
 
     def _update(self, slots: list[int], s: AdamWSettings, step: int) -> None:
         params, grads, m, v = [], [], [], []
