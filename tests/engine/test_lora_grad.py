@@ -61,3 +61,21 @@ def test_gradient_stays_inside_each_slots_block(tiny_model_dir) -> None:
                 grad_a[s, :r] = 0
                 grad_b[s, :, :r] = 0
         assert grad_a.abs().sum() == 0 and grad_b.abs().sum() == 0, path
+
+
+def test_gradient_checkpointing_with_backward_inside_route(tiny_model_dir) -> None:
+    """Checkpointed layers recompute in backward(), so backward runs inside the route block."""
+    grads = []
+    for checkpointing in (False, True):
+        model = multi_model(tiny_model_dir)
+        if checkpointing:
+            model.base_model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()
+        ids, mask = batch(len(ROWS), 6)
+        slots = torch.tensor([model.slot_of(n) if n else 0 for n in ROWS])
+        with model.route(slots):
+            out = model.base_model(input_ids=ids, attention_mask=mask).logits
+            out.square().mean().backward()
+        grads.append(model.adapter_views("b", lambda p: p.grad))
+    for key, ref in grads[0].items():
+        assert rel_err(grads[1][key], ref) < 1e-6, key

@@ -122,6 +122,7 @@ class MultiLoRALinear(nn.Module):
         # Zero scale means "no contribution": slot 0, free slots, adapters not targeting us.
         self.register_buffer("scale", torch.zeros(slots, **kw), persistent=False)
         self.register_buffer("dropout", torch.zeros(slots, **kw), persistent=False)
+        self._dropout_slots: set[int] = set()  # host-side copy: no device sync per forward
         self.router: Router | None = None
 
     @property
@@ -146,6 +147,9 @@ class MultiLoRALinear(nn.Module):
         self.lora_B[slot].zero_()
         self.scale[slot] = scale
         self.dropout[slot] = dropout
+        self._dropout_slots.discard(slot)
+        if dropout:
+            self._dropout_slots.add(slot)
         if scale:
             a = torch.empty(rank, self.in_features, dtype=torch.float32)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
@@ -162,7 +166,7 @@ class MultiLoRALinear(nn.Module):
     def _delta(self, x: Tensor, plan: Routing) -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
         xs = (x if plan.in_order else x[plan.rows]).to(self.lora_A.dtype)
-        if self.training:
+        if self.training and self._dropout_slots:
             xs = self._dropout(xs, self.dropout[plan.slots][plan.group])
         groups = plan.slots.numel()
         if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
@@ -179,8 +183,6 @@ class MultiLoRALinear(nn.Module):
     @staticmethod
     def _dropout(xs: Tensor, p: Tensor) -> Tensor:
         """Inverted dropout with a per-row probability (each row's slot's)."""
-        if not bool((p > 0).any()):
-            return xs
         p = p.view(-1, *([1] * (xs.dim() - 1)))
         keep = torch.rand_like(xs) >= p
         return xs * keep / (1 - p)
