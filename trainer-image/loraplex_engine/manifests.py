@@ -64,6 +64,7 @@ def _check_doc(doc: Any, max_rank: int | None, known_modules: Iterable[str] | No
     if "spec" not in doc:
         raise SpecError("spec", "required")
     spec = parse_spec(doc["spec"])
+    spec.check_task()
     if max_rank is not None or known_modules is not None:
         spec.validate_for_engine(
             max_rank if max_rank is not None else 256,

@@ -114,6 +114,10 @@ class ExperimentSpec(_Model):
                 "spec.lora.targetModules",
                 f"unknown module(s) {unknown}; this engine supports {sorted(known)}",
             )
+        self.check_task()
+
+    def check_task(self) -> None:
+        """Task parameters (free-form in the schema) against the task's known ones."""
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import TaskError, check_task
 

@@ -35,13 +35,16 @@ class JsonlTask(Task):
         self.rows: list[Prompt] = []
         self._offset = 0  # bytes consumed so far
         self._line_no = 0  # newline-terminated lines consumed so far
+        self._inode: int | None = None
         self.refresh()
 
     def refresh(self) -> int:
         """Load rows appended since the last call; returns how many were added."""
-        size = self.path.stat().st_size
-        if size < self._offset:  # truncated or replaced: start over
+        st = self.path.stat()
+        size = st.st_size
+        if size < self._offset or st.st_ino != self._inode:  # truncated or replaced
             self.rows, self._offset, self._line_no = [], 0, 0
+            self._inode = st.st_ino
         if size == self._offset:
             return 0
         with self.path.open("rb") as f:
