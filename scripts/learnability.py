@@ -100,7 +100,8 @@ def main() -> None:
     print(
         f"RESULT task={args.task} params={params} lr={args.lr} rank={args.rank} "
         f"group={args.group} prompts={args.prompts} new_tokens={args.new_tokens} "
-        f"steps={args.steps} targets={args.targets} head_std={args.head_std} start={start:.3f} end={end:.3f} time={time.time() - t0:.1f}s"
+        f"steps={args.steps} targets={args.targets} head_std={args.head_std} "
+        f"start={start:.3f} end={end:.3f} time={time.time() - t0:.1f}s"
     )
 
 
