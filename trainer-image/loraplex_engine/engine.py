@@ -157,7 +157,9 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         base.to(self.device).eval()
-        self.model = MultiLoRAModel(base, max_adapters=max_adapters, max_rank=max_rank)
+        self.model = MultiLoRAModel(
+            base, max_adapters=max_adapters, max_rank=max_rank, target_modules=_targets(base)
+        )
         self.optimizer = PerAdapterAdamW(self.model)
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
@@ -214,7 +216,7 @@ class Engine:
         with self._model_lock:
             existing = self._experiments.get(exp_id)
             if existing is not None:
-                if existing.spec != spec:
+                if _adapter_spec(existing.spec) != _adapter_spec(spec):
                     raise ConflictError(
                         f"experiment {exp_id!r} is loaded with a different spec; "
                         "DELETE it first to change its spec"
@@ -657,6 +659,26 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _targets(base: torch.nn.Module) -> list[str]:
+    """Every linear projection, plus the output head when untied (LoRA on lm_head is what
+    lets a tiny random model learn a task quickly; tied heads stay frozen)."""
+    names = {
+        path.rsplit(".", 1)[-1]
+        for path, mod in base.named_modules()
+        if type(mod) is torch.nn.Linear
+    }
+    head = base.get_output_embeddings()
+    tied = head is not None and head.weight is base.get_input_embeddings().weight
+    if tied:
+        names.discard(_head_name(base))
+    return sorted(names)
+
+
+def _head_name(base: torch.nn.Module) -> str:
+    head = base.get_output_embeddings()
+    return next(p.rsplit(".", 1)[-1] for p, m in base.named_modules() if m is head)
+
+
 def _adapter_field(error: AdapterError) -> str:
     name = type(error).__name__
     if "Rank" in name:
@@ -674,3 +696,8 @@ def _encode_random_state(rng: random.Random) -> list[Any]:
 def _decode_random_state(raw: list[Any]) -> tuple[Any, ...]:
     version, state, gauss = raw
     return (version, tuple(state), gauss)
+
+
+def _adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
+    """The spec minus operator-only fields (pool, priority, suspend): what the engine runs."""
+    return spec.model_dump(exclude={"engine_pool", "priority", "suspend"})

@@ -236,9 +236,15 @@ def _wrap_linears(
     max_rank: int,
     dtype: torch.dtype | None,
 ) -> dict[str, MultiLoRALinear]:
-    """Replace matching ``nn.Linear`` modules in place; returns path -> wrapper."""
+    """Replace matching ``nn.Linear`` modules in place; returns path -> wrapper.
+
+    The output head is wrapped only when named explicitly (e.g. ``lm_head``): it is large,
+    and tied to the input embeddings in many models.
+    """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     wanted = set(target_modules) if target_modules is not None else None
+    if head is not None and wanted is not None and _name_of(model, head) in wanted:
+        head = None
     found = [
         (path, mod)
         for path, mod in model.named_modules()
@@ -256,3 +262,11 @@ def _wrap_linears(
         setattr(model.get_submodule(parent_path), attr, layer)
         wrapped[path] = layer
     return wrapped
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str | None:
+    """Last path component of ``module`` inside ``model``."""
+    for path, mod in model.named_modules():
+        if mod is module:
+            return path.rsplit(".", 1)[-1]
+    return None
