@@ -5,14 +5,15 @@
 
 {{/* Full name prefix of every resource. */}}
 {{- define "loraplex.fullname" -}}
+{{- /* 40 characters: suffixes such as -dashboard-experiment must fit in 63. */}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
