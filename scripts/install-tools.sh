@@ -81,7 +81,8 @@ install_prometheus() {
   if ! (cd "$tmp" && apt-get download -q prometheus >/dev/null 2>&1); then
     log "apt-get download failed; running apt-get update first"
     apt-get update -qq >/dev/null
-    (cd "$tmp" && apt-get download -q prometheus >/dev/null)
+    (cd "$tmp" && apt-get download -q prometheus 2>&1 >/dev/null | grep -v "unsandboxed" >&2 || true)
+    ls "$tmp"/prometheus_*.deb >/dev/null
   fi
   rm -rf "$TOOLS/prometheus"
   dpkg -x "$tmp"/prometheus_*.deb "$TOOLS/prometheus"

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from chart_helpers import CONTRACT, NAMESPACE, SCENARIOS, by_kind, one, render
 
-SCOPES = {"cluster", "watched", "engines", "engineSecret"}
+SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret"}
 MODES = {"cluster", "namespaced"}
 SECRET = "loraplex-engine-token"
 VALID_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
@@ -52,6 +52,8 @@ def expected(mode: str, watched: list[str], engine_ns: str) -> dict[str, set[tup
             targets = ["cluster"]
         elif scope == "watched":
             targets = watched
+        elif scope == "operatorNamespace":
+            targets = [NAMESPACE]
         else:
             targets = [engine_ns]
         for target in targets:

@@ -76,10 +76,10 @@ EXPECTED_KINDS = {
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
         "NetworkPolicy": 1, "EnginePool": 1,
     },
-    # two watched namespaces + the engine namespace
+    # two watched namespaces, the engine namespace, the operator's namespace
     "namespaced": {
         "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
-        "Role": 3, "RoleBinding": 3, "Service": 2, "Secret": 1,
+        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
     "minimal": {
