@@ -328,3 +328,14 @@ def test_notes() -> None:
     assert "team-a,team-b" in notes
     assert "loraplex / Fleet" in notes
     assert "NetworkPolicy" in notes
+
+
+def test_kubernetes_older_than_supported_is_refused() -> None:
+    proc = subprocess.run(
+        [str(tool("helm")), "template", "x", str(CHART), "--kube-version", "1.28.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "chart requires kubeVersion: >=1.29.0-0" in proc.stderr, proc.stderr
