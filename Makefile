@@ -56,5 +56,11 @@ chart: tools
 		> out/chart/all-on.yaml
 	@echo "rendered: out/chart/default.yaml out/chart/all-on.yaml"
 
+# The main job on the embedded default: one local hot engine, the tiny model, the
+# experiments in samples/demo.yaml. Writes out/demo/{summary.json,rewards.png,adapters/}.
+DEMO_FILE ?= samples/demo.yaml
+demo: tiny-model
+	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
+
 clean:
 	rm -rf $(VENV) .cache out .tools
