@@ -1,0 +1,1 @@
+"""Rollout backends: generate completions for many adapters in one batch."""
