@@ -40,8 +40,10 @@ class VLLMWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled continuation: new token ids and, per token, its log-probability
-    under the sampling policy (after temperature, before top-p/top-k filtering)."""
+    """One sampled continuation: new token ids and, per token, its log-probability.
+    With the default ``logprobs_mode="raw_logprobs"`` that is the log-softmax of the
+    model's raw logits (temperature 1, no top-k/top-p), which is what a trainer
+    recomputes; ``"processed_logprobs"`` gives the sampling distribution instead."""
 
     token_ids: list[int]
     logprobs: list[float] | None
@@ -56,7 +58,13 @@ def default_vllm_python() -> str:
 
 class VLLMRollout:
     """Owns one vLLM ``LLM`` (in a worker process) serving the base model and up to
-    ``max_adapters`` LoRA adapters of rank <= ``max_rank``, mixed in one batch."""
+    ``max_adapters`` LoRA adapters of rank <= ``max_rank``, mixed in one batch.
+
+    Memory: ``kv_cache_bytes`` sizes vLLM's KV cache exactly. Left ``None``, it is
+    64 MiB on CPU (vLLM's own CPU default would reserve ``gpu_memory_utilization`` of
+    the host's RAM, ~20 GB on a 24 GB box) and ``gpu_memory_utilization`` decides on GPU.
+    ``threads`` is the worker's OpenMP thread count (threads are not pinned to cores).
+    """
 
     def __init__(
         self,
@@ -69,9 +77,10 @@ class VLLMRollout:
         dtype: str = "auto",
         seed: int = 0,
         threads: int = 1,
-        kv_cache_bytes: int | None = 64 << 20,
+        kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         enforce_eager: bool = True,
+        logprobs_mode: str = "raw_logprobs",
         zero_base_adapter: bool | None = None,
         python: str | None = None,
         env: dict[str, str] | None = None,
@@ -101,6 +110,7 @@ class VLLMRollout:
             kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            logprobs_mode=logprobs_mode,
             env=env or {},
             llm_kwargs=llm_kwargs or {},
         )

@@ -91,8 +91,13 @@ class Worker:
             # The tokenizer is loaded (it gives vLLM the EOS id to stop at), but prompts
             # and completions stay token ids (detokenize=False).
         )
-        if cfg.get("kv_cache_bytes"):
-            kwargs["kv_cache_memory_bytes"] = int(cfg["kv_cache_bytes"])
+        kv_bytes = cfg.get("kv_cache_bytes")
+        if kv_bytes is None and self.is_cpu:
+            # vLLM's CPU default reserves gpu_memory_utilization (0.9) of host RAM.
+            kv_bytes = 64 << 20
+        if kv_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
         if cfg.get("gpu_memory_utilization"):
             kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
         kwargs.update(cfg.get("llm_kwargs") or {})
