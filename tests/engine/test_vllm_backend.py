@@ -204,3 +204,17 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.generate([("c", PROMPTS[0])], max_new_tokens=2)
     assert len(_greedy(rollout, [(None, PROMPTS[0]), ("a", PROMPTS[1])])) == 2
+
+
+def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path) -> None:
+    """The plain tiny preset has head_dim 16, which vLLM's CPU attention lacks."""
+    from loraplex_engine.rollout.vllm_backend import VLLMRollout, VLLMWorkerError
+
+    with pytest.raises(VLLMWorkerError, match="head_dim=16"):
+        VLLMRollout(tiny_model_dir, python=str(VLLM_PYTHON), max_adapters=1, max_rank=8)
+
+
+def test_worker_knows_vllms_cpu_head_sizes(rollout) -> None:
+    from loraplex_engine.rollout.vllm_worker import CPU_HEAD_SIZES
+
+    assert rollout.info["cpu_head_sizes"] == list(CPU_HEAD_SIZES)

@@ -58,9 +58,26 @@ def _setup_env(cfg: dict[str, Any]) -> None:
         os.environ[key] = str(value)
 
 
+# vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
+# vLLM 0.32 (a test pins the two together).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _check_cpu_head_dim(model_dir: str) -> None:
+    """vLLM only fails at the first forward pass on an unsupported head size: fail now."""
+    sizes = CPU_HEAD_SIZES  # checked before importing vLLM's engine (seconds)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in sizes:
+        raise ValueError(
+            f"vLLM's CPU attention has no kernel for head_dim={head_dim} "
+            f"(supported: {', '.join(map(str, sizes))}); for tests use the tiny-vllm "
+            "model preset (head_dim 32)"
+        )
+
+
 class Worker:
     def __init__(self, cfg: dict[str, Any]) -> None:
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.cfg = cfg
@@ -93,7 +110,7 @@ class Worker:
         )
         kv_bytes = cfg.get("kv_cache_bytes")
         if kv_bytes is None and self.is_cpu:
-            # vLLM's CPU default reserves gpu_memory_utilization (0.9) of host RAM.
+            # vLLM's CPU default reserves gpu_memory_utilization (0.92) of host RAM.
             kv_bytes = 64 << 20
         if kv_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
@@ -101,6 +118,10 @@ class Worker:
         if cfg.get("gpu_memory_utilization"):
             kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
         kwargs.update(cfg.get("llm_kwargs") or {})
+        if self.is_cpu:
+            _check_cpu_head_dim(cfg["model"])
+        from vllm import LLM
+
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
@@ -259,7 +280,17 @@ class Worker:
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
             "maxrss_mb": _maxrss_mb(),
+            "cpu_head_sizes": _cpu_head_sizes(),
         }
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:
+        return None
 
 
 def _maxrss_mb() -> float:
