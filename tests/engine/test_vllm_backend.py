@@ -64,6 +64,7 @@ def adapters(tiny_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         "a": _make_adapter(tiny_vllm_dir, root / "a", rank=8, targets=all_linear, seed=1),
         "b": _make_adapter(tiny_vllm_dir, root / "b", rank=4, targets=["q_proj", "v_proj"], seed=2),
         "c": _make_adapter(tiny_vllm_dir, root / "c", rank=8, targets=all_linear, seed=3),
+        "d": _make_adapter(tiny_vllm_dir, root / "d", rank=4, targets=all_linear, seed=4),
     }
 
 
@@ -81,8 +82,10 @@ def rollout(tiny_vllm_dir: Path, adapters: dict[str, Path]):
         threads=1,
     )
     try:
-        backend.load_adapter("a", adapters["a"])
-        backend.load_adapter("b", adapters["b"])
+        # Every slot taken: with a free slot left, vLLM's CPU "-1 = last slot" bug for
+        # base rows would hide behind that slot's zeros.
+        for name in ("a", "b", "c"):
+            backend.load_adapter(name, adapters[name])
         yield backend
     finally:
         backend.close()
@@ -129,7 +132,7 @@ def _greedy(rollout, requests):
 
 
 def test_mixed_adapter_greedy_batch_matches_peft(rollout, tiny_vllm_dir, adapters) -> None:
-    names = [None, "a", "b"]
+    names = [None, "a", "b", "c"]
     requests = [(name, prompt) for prompt in PROMPTS for name in names]
     comps = _greedy(rollout, requests)
     assert len(comps) == len(requests)
@@ -142,7 +145,8 @@ def test_mixed_adapter_greedy_batch_matches_peft(rollout, tiny_vllm_dir, adapter
     # base: the CPU "-1 index" bug would make them follow the last slot's adapter).
     assert by_name["a"] != by_name[None]
     assert by_name["b"] != by_name[None]
-    assert by_name["a"] != by_name["b"]
+    assert by_name["c"] != by_name[None]
+    assert by_name["a"] != by_name["b"] != by_name["c"]
 
 
 def test_update_adapter_is_adapter_only_and_not_stale(
@@ -156,12 +160,12 @@ def test_update_adapter_is_adapter_only_and_not_stale(
     shutil.copytree(adapters["a"], step_dir)
     rollout.update_adapter("a", step_dir)
     shutil.rmtree(step_dir)
-    shutil.copytree(adapters["c"], step_dir)
+    shutil.copytree(adapters["d"], step_dir)  # other weights, other rank
     seconds = rollout.update_adapter("a", step_dir)
     assert seconds < 5
     after = _greedy(rollout, [(None, prompt), ("a", prompt), ("b", prompt)])
     assert after[1].token_ids != before[1].token_ids
-    _assert_matches_hf(tiny_vllm_dir, adapters["c"], prompt, after[1])
+    _assert_matches_hf(tiny_vllm_dir, adapters["d"], prompt, after[1])
     assert after[0].token_ids == before[0].token_ids  # base untouched
     assert after[2].token_ids == before[2].token_ids  # other adapter untouched
     assert rollout.adapters["a"] == 2
@@ -193,16 +197,18 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
         rollout.generate([("nope", PROMPTS[0])], max_new_tokens=2)
     with pytest.raises(VLLMWorkerError, match="already loaded"):
         rollout.load_adapter("a", adapters["a"])
-    big = _make_adapter(TINY_VLLM_DIR, tmp_path / "big", rank=16, targets=["q_proj"], seed=4)
-    with pytest.raises(VLLMWorkerError, match="max_lora_rank"):
-        rollout.load_adapter("big", big)
-    # Third slot: load, use, remove.
-    rollout.load_adapter("c", adapters["c"])
-    assert _greedy(rollout, [("c", PROMPTS[0])])[0].token_ids
+    with pytest.raises(VLLMWorkerError, match="slots are in use"):
+        rollout.load_adapter("d", adapters["d"])
+    before = _greedy(rollout, [("c", PROMPTS[0])])[0]
     rollout.remove_adapter("c")
     assert set(rollout.adapters) == {"a", "b"}
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.generate([("c", PROMPTS[0])], max_new_tokens=2)
+    big = _make_adapter(TINY_VLLM_DIR, tmp_path / "big", rank=16, targets=["q_proj"], seed=5)
+    with pytest.raises(VLLMWorkerError, match="max_lora_rank"):
+        rollout.load_adapter("big", big)
+    rollout.load_adapter("c", adapters["c"])  # the freed slot is reusable
+    assert _greedy(rollout, [("c", PROMPTS[0])])[0] == before
     assert len(_greedy(rollout, [(None, PROMPTS[0]), ("a", PROMPTS[1])])) == 2
 
 
