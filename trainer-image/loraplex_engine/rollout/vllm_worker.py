@@ -176,9 +176,13 @@ class Worker:
         if n_user >= self.max_adapters:
             raise ValueError(f"all {self.max_adapters} adapter slots are in use")
         t0 = time.perf_counter()
+        self._add(name, path)  # first, so that a bad adapter fails under its own name
         if self.zero_base and BASE_ADAPTER not in self.adapters:
-            self._add(BASE_ADAPTER, self._make_zero_adapter(path))
-        self._add(name, path)
+            try:
+                self._add(BASE_ADAPTER, self._make_zero_adapter(path))
+            except BaseException:
+                self.remove_adapter(name)
+                raise
         return {"seconds": time.perf_counter() - t0}
 
     def update_adapter(self, name: str, path: str) -> dict[str, Any]:
