@@ -20,7 +20,7 @@ $(STAMP): requirements/*.txt trainer-image/pyproject.toml operator/pyproject.tom
 		-r requirements/dev.txt -e ./trainer-image -e ./operator
 	@touch $@
 
-# vLLM for CPU in its own venv (.venv-vllm): see scripts/install-vllm.sh. Idempotent; ~6 min
+# vLLM for CPU in its own venv (.venv-vllm): see scripts/install-vllm.sh. Idempotent; ~4 min
 # and ~2.5 GB the first time, instant after. The vllm rollout backend's tests need it.
 vllm-venv:
 	./scripts/install-vllm.sh
