@@ -36,6 +36,9 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     # ~0.2M parameters: unit tests and the demo.
     "tiny": ModelPreset(64, 128, 2, 4, 2, 512),
+    # The tiny model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention kernels
+    # support head sizes 32, 64, 80, ... only, so the vllm rollout backend's tests use this.
+    "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512),
     # ~20M parameters: big enough that matrix work dominates a CPU step (benchmark).
     "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
 }
