@@ -31,6 +31,9 @@ class ModelPreset:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
+    # A wider output head (std, default init 0.02) lets LoRA on the attention/MLP
+    # projections alone move the logits: vLLM serves no LoRA on lm_head.
+    head_std: float | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -38,7 +41,7 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(64, 128, 2, 4, 2, 512),
     # The tiny model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention kernels
     # support head sizes 32, 64, 80, ... only, so the vllm rollout backend's tests use this.
-    "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512),
+    "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512, head_std=0.2),
     # ~20M parameters: big enough that matrix work dominates a CPU step (benchmark).
     "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
 }
@@ -122,6 +125,8 @@ def build_model(
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    if p.head_std is not None:
+        torch.nn.init.normal_(model.lm_head.weight, std=p.head_std)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
