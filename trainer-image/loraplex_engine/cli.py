@@ -15,6 +15,12 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from loraplex_engine.serve import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
+
+    from loraplex_engine.serve import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 
