@@ -13,6 +13,7 @@ with the log tail, if the process exits first. Output goes to ``<workdir>/server
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +231,36 @@ class EngineServer:
 
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+
+def wait_until(
+    condition: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.05
+) -> Any:
+    """Poll ``condition`` (e.g. a status read over HTTP) until truthy; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+MEASUREMENTS = Path(__file__).resolve().parents[2] / "out" / "engine-server-measurements.json"
+
+
+def record_measurement(name: str, value: float | None, note: str = "") -> None:
+    """Keep a number for the report (out/engine-server-measurements.json)."""
+    MEASUREMENTS.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(MEASUREMENTS.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[name] = {
+        "value": value,
+        "note": note,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    MEASUREMENTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"measurement {name} = {value} ({note})", file=sys.stderr)

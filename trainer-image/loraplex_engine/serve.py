@@ -202,8 +202,9 @@ class EngineHolder:
 class EngineLoop:
     """Calls ``engine.tick()`` on its own thread until stopped.
 
-    After a tick that ran nothing it waits on an event (set by :meth:`wake`, i.e. by a
-    request that gave the engine work) for at most ``idle_wait_s``. An unexpected
+    After a tick that ran nothing it waits on an event (the engine's ``work_available``
+    if it has one, else one set by :meth:`wake`, i.e. by a request that gave the engine
+    work) for at most ``idle_wait_s``. An unexpected
     exception from ``tick`` is logged and retried with back-off; after
     ``max_errors`` in a row the loop stops and reports itself dead (liveness fails,
     so Kubernetes restarts the pod and the operator resumes its experiments)."""
@@ -220,7 +221,12 @@ class EngineLoop:
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
         self.max_errors = max_errors
-        self._wake = threading.Event()
+        # The engine's own "work available" event, where it has one: it sets it when a
+        # request queues work and clears it, under its lock, when a tick finds none, so
+        # no wake-up is lost between the two. Otherwise our own event, set by wake().
+        work = getattr(engine, "work_available", None)
+        self._own_event = not isinstance(work, threading.Event)
+        self._wake: threading.Event = threading.Event() if self._own_event else work
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failed = False
@@ -246,7 +252,8 @@ class EngineLoop:
     def _run(self) -> None:
         errors = 0
         while not self._stop.is_set():
-            self._wake.clear()  # a wake() during the tick makes the next wait return at once
+            if self._own_event:
+                self._wake.clear()  # a wake() during the tick makes the next wait return
             try:
                 report = self.engine.tick()
             except Exception:
@@ -385,7 +392,9 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
+            t_import = time.monotonic()
             factory = _load_factory(args.engine_factory)
+            t_build = time.monotonic()
             kwargs: dict[str, Any] = {
                 "max_adapters": args.max_adapters,
                 "max_rank": args.max_rank,
@@ -400,10 +409,15 @@ def run(args: argparse.Namespace) -> int:
             loop = EngineLoop(engine, metrics)
             loop_box["loop"] = loop
             loop.start()
-            startup = time.monotonic() - t0
+            now = time.monotonic()
+            startup = now - t0
             log.info(
-                "engine ready in %.2fs (model %s, %d slots, max rank %d, backend %s, pool %s)",
+                "engine ready in %.2fs (to app %.2fs, engine imports %.2fs, model load %.2fs; "
+                "model %s, %d slots, max rank %d, backend %s, pool %s)",
                 startup,
+                t_import - t0,
+                t_build - t_import,
+                now - t_build,
                 args.model,
                 args.max_adapters,
                 args.max_rank,

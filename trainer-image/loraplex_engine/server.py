@@ -47,7 +47,7 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 MAX_PROMPTS = 16
 MAX_N = 16
 MAX_CHOICES = 64
-MAX_PROMPT_CHARS = 16_384
+MAX_PROMPT_CHARS = 8_192
 DEFAULT_MAX_COMPLETION_TOKENS = 512
 COMPLETION_THREADS = 32
 
@@ -244,6 +244,14 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
+def _error_field(error: dict[str, Any]) -> str | None:
+    loc = tuple(error.get("loc", ()))
+    extra = (error.get("ctx") or {}).get("field")  # a model validator naming its field
+    if isinstance(extra, str):
+        loc = (*loc, extra)
+    return _field_path(loc)
+
+
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -252,10 +260,10 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         body = {"code": "invalid_json", "message": f"malformed JSON body: {detail}", "field": None}
         return JSONResponse({"error": body}, status_code=400)
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    field = _field_path(tuple(first.get("loc", ())))
+    field = _error_field(first)
     messages = []
     for e in errors[:5]:
-        where = _field_path(tuple(e.get("loc", ()))) or "body"
+        where = _error_field(e) or "body"
         msg = "unknown field" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid")
         messages.append(f"{where}: {msg}")
     if len(errors) > 5:
