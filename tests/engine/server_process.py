@@ -45,9 +45,10 @@ class EngineServer:
         model_dir: str | os.PathLike[str],
         checkpoint_root: str | os.PathLike[str],
         *,
-        max_adapters: int = 4,
-        max_rank: int = 16,
+        max_adapters: int | None = 4,
+        max_rank: int | None = 16,
         token: str | None = None,
+        auth: bool = True,
         workdir: str | os.PathLike[str] | None = None,
         threads: int = 1,
         extra_args: list[str] | None = None,
@@ -59,6 +60,7 @@ class EngineServer:
         self.workdir = Path(workdir) if workdir else self.checkpoint_root.parent
         self.max_adapters = max_adapters
         self.max_rank = max_rank
+        self.auth = auth
         self.token = token or secrets.token_urlsafe(24)
         self.threads = threads
         self.extra_args = list(extra_args or [])
@@ -77,7 +79,7 @@ class EngineServer:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        return {"Authorization": f"Bearer {self.token}"} if self.auth else {}
 
     @property
     def log_path(self) -> Path:
@@ -89,19 +91,27 @@ class EngineServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         self.starts += 1
-        token_file = self.workdir / "token"
-        token_file.write_text(self.token + "\n")
-        token_file.chmod(0o600)
+        if self.auth:
+            token_file = self.workdir / "token"
+            token_file.write_text(self.token + "\n")
+            token_file.chmod(0o600)
+            auth_args = ["--token-file", str(token_file)]
+        else:
+            auth_args = ["--insecure-no-auth"]
+        sizes = []
+        if self.max_adapters is not None:
+            sizes += ["--max-adapters", str(self.max_adapters)]
+        if self.max_rank is not None:
+            sizes += ["--max-rank", str(self.max_rank)]
         cmd = [
             *engine_command(),
             "serve",
             "--model", str(self.model_dir),
             "--host", "127.0.0.1",
             "--port", "0",
-            "--token-file", str(token_file),
+            *auth_args,
             "--checkpoint-root", str(self.checkpoint_root),
-            "--max-adapters", str(self.max_adapters),
-            "--max-rank", str(self.max_rank),
+            *sizes,
             "--rollout-backend", "torch",
             "--device", "cpu",
             "--threads", str(self.threads),
