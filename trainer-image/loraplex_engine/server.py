@@ -63,15 +63,12 @@ class UnavailableError(EngineError):
     status, code = 503, "unavailable"
 
 
-class InvalidRequestError(EngineError):
-    status, code = 422, "invalid_request"
-
-
 # --- request and response bodies ------------------------------------------------------
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No unknown fields, no coercion (true is not 1, "8" is not 8), as in the spec.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PutExperimentRequest(_Strict):
@@ -86,7 +83,7 @@ class PutExperimentRequest(_Strict):
     )
 
 
-class CompletionRequest(_Strict):
+class CompletionRequestBase(_Strict):
     model: str = Field(min_length=1, max_length=253, description="experiment id or base model")
     prompt: (
         Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
@@ -100,7 +97,7 @@ class CompletionRequest(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
-    def _bounded(self) -> CompletionRequest:
+    def _bounded(self) -> CompletionRequestBase:
         prompts = 1 if isinstance(self.prompt, str) else len(self.prompt)
         if prompts * self.n > MAX_CHOICES:
             raise ValueError(f"len(prompt) * n must be at most {MAX_CHOICES}")
@@ -301,6 +298,10 @@ def create_app(
     counter = count_tokens or _default_counter(engine)
     completion_limiter = anyio.CapacityLimiter(COMPLETION_THREADS)
 
+    class CompletionRequest(CompletionRequestBase):
+        # The engine's own limit, so the schema states it.
+        max_tokens: int = Field(min(16, max_completion_tokens), ge=1, le=max_completion_tokens)
+
     app = FastAPI(
         title="loraplex engine",
         version="v1",
@@ -454,20 +455,9 @@ def create_app(
         metrics.forget(id)
         return status.to_json()
 
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses=_errors(400, 401, 404, 422, 503),
-        **v1,
-    )
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
+    async def completions(body: CompletionRequestBase) -> dict[str, Any]:
         """OpenAI completions subset. `model` is an experiment id (its current adapter)
         or the base model's name; served in the engine's next rollout batch."""
-        if body.max_tokens > max_completion_tokens:
-            raise InvalidRequestError(
-                f"max_tokens {body.max_tokens} exceeds this engine's limit {max_completion_tokens}",
-                field="max_tokens",
-            )
         eng = await run_in_threadpool(_ready_engine)
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
 
@@ -510,6 +500,16 @@ def create_app(
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+    # The body type is local to this app (its max_tokens limit); annotations here are
+    # strings that FastAPI would resolve in the module, so set the real class.
+    completions.__annotations__["body"] = CompletionRequest
+    app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=_errors(400, 401, 404, 422, 503),
+        **v1,
+    )(completions)
 
     return app
 
