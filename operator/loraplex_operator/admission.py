@@ -1,0 +1,151 @@
+"""Semantic admission of a LoRAExperiment against its EnginePool (pure, no I/O).
+
+The CRD schema and its CEL rules reject malformed objects at the API server; these
+checks need the pool (and the namespace's labels), so the operator runs them and
+reports the problems on the experiment's `Admitted` condition and as an Event.
+Each problem names the field it is about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex_operator.placement import ModelShape, adapter_memory_bytes
+
+DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """metav1.LabelSelector semantics (an empty selector matches everything)."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    return all(_expression_matches(e, labels) for e in selector.get("matchExpressions") or ())
+
+
+def _expression_matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    key, op, values = expr["key"], expr["operator"], expr.get("values") or ()
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    return False
+
+
+def namespace_allowed(
+    pool_spec: Mapping[str, Any], namespace: str, namespace_labels: Mapping[str, str] | None
+) -> bool:
+    """Listed or selected; a pool with neither list nor selector admits every namespace."""
+    listed = pool_spec.get("allowedNamespaces")
+    selector = pool_spec.get("namespaceSelector")
+    if listed is None and selector is None:
+        return True
+    if listed and namespace in listed:
+        return True
+    return selector is not None and selector_matches(selector, namespace_labels or {})
+
+
+def pool_model_shape(pool_spec: Mapping[str, Any]) -> ModelShape | None:
+    shape = pool_spec.get("modelShape")
+    if not shape:
+        return None
+    return ModelShape(
+        num_layers=shape["numLayers"],
+        hidden_size=shape["hiddenSize"],
+        intermediate_size=shape.get("intermediateSize"),
+        kv_dim=shape.get("kvDim"),
+    )
+
+
+def experiment_memory_bytes(exp_spec: Mapping[str, Any], pool_spec: Mapping[str, Any]) -> int:
+    """Adapter memory estimate of an experiment on this pool (0 without a model shape)."""
+    lora = exp_spec.get("lora", {})
+    modules = lora.get("targetModules", DEFAULT_TARGET_MODULES)
+    return adapter_memory_bytes(lora.get("rank", 8), modules, pool_model_shape(pool_spec))
+
+
+def check_experiment(
+    experiment: Mapping[str, Any],
+    pool: Mapping[str, Any] | None,
+    namespace_labels: Mapping[str, str] | None = None,
+) -> list[Problem]:
+    """Problems that keep `experiment` off `pool` (None = the named pool does not exist)."""
+    spec = experiment.get("spec", {})
+    pool_name = spec.get("enginePool", "")
+    if pool is None:
+        return [Problem("spec.enginePool", f"EnginePool {pool_name!r} not found")]
+    pool_spec = pool.get("spec", {})
+    namespace = experiment.get("metadata", {}).get("namespace", "default")
+    problems: list[Problem] = []
+    if not namespace_allowed(pool_spec, namespace, namespace_labels):
+        problems.append(
+            Problem(
+                "metadata.namespace",
+                f"namespace {namespace!r} may not use EnginePool {pool_name!r}",
+            )
+        )
+    problems.extend(_lora_problems(spec.get("lora", {}), pool_spec, pool_name))
+    problems.extend(_memory_problems(spec, pool_spec, pool_name))
+    return problems
+
+
+def _lora_problems(
+    lora: Mapping[str, Any], pool_spec: Mapping[str, Any], pool_name: str
+) -> list[Problem]:
+    problems: list[Problem] = []
+    rank = lora.get("rank", 8)
+    max_rank = pool_spec.get("capacity", {}).get("maxRank", 64)
+    if rank > max_rank:
+        problems.append(
+            Problem(
+                "spec.lora.rank",
+                f"rank {rank} exceeds EnginePool {pool_name!r} max rank {max_rank}",
+            )
+        )
+    allowed = pool_spec.get("allowedTargetModules")
+    if allowed is not None:
+        extra = _unlisted(lora.get("targetModules", DEFAULT_TARGET_MODULES), allowed)
+        if extra:
+            problems.append(
+                Problem(
+                    "spec.lora.targetModules",
+                    f"{', '.join(extra)} not allowed by EnginePool {pool_name!r} "
+                    f"(allowed: {', '.join(allowed)})",
+                )
+            )
+    return problems
+
+
+def _unlisted(wanted: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    return sorted(set(wanted) - set(allowed))
+
+
+def _memory_problems(
+    spec: Mapping[str, Any], pool_spec: Mapping[str, Any], pool_name: str
+) -> list[Problem]:
+    budget = pool_spec.get("capacity", {}).get("memoryBytes", 0)
+    need = experiment_memory_bytes(spec, pool_spec)
+    if budget and need > budget:
+        return [
+            Problem(
+                "spec.lora.rank",
+                f"adapter needs about {need} bytes, more than EnginePool {pool_name!r} "
+                f"memory budget per engine ({budget})",
+            )
+        ]
+    return []

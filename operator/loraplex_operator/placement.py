@@ -1,0 +1,359 @@
+"""Placement: pack pending LoRAExperiments onto engines of one pool (pure, no I/O).
+
+`plan()` takes a snapshot (pending experiments, engines, pool limits) and returns a
+deterministic list of decisions:
+
+- `Bind(experiment, engine)` — PUT the experiment onto that ready engine now;
+- `Preempt(victim, engine, for_experiment)` — checkpoint and unload a strictly
+  lower-priority experiment so that `for_experiment` fits there next round;
+- `ScaleUp(count)` — create that many engine pods;
+- `Wait(experiment, reason)` — nothing to do for it this round (why, for its status).
+
+Order: priority descending, then age (oldest first), then key. Best fit: among engines
+that can host an experiment, the one left with the least rank headroom, then the fewest
+free slots, then the least free memory, then by name (`order=SLOTS_FIRST` swaps the
+first two; in a pool whose engines share one max rank the two orders agree, and with
+mixed max ranks rank-first keeps high-rank engines for high-rank experiments: see
+bench/placement_bench.py and docs/architecture.md). Capacity of not-ready engines
+and of engines asked for in this round is reserved (so one burst does not scale up
+twice) but never bound to. Preemption happens only when an experiment fits nowhere and
+the pool cannot grow; engines are never over-committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+# --- memory estimate -------------------------------------------------------------------
+
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, one value per parameter each
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Base model dimensions that size a LoRA adapter (EnginePool `spec.modelShape`)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int | None = None  # MLP width; defaults to 4 × hidden
+    kv_dim: int | None = None  # k/v projection width (GQA); defaults to hidden
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a Llama-style target module; unknown → square."""
+        h = self.hidden_size
+        inter = self.intermediate_size or 4 * h
+        kv = self.kv_dim or h
+        dims = {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, inter),
+            "up_proj": (h, inter),
+            "down_proj": (inter, h),
+        }
+        return dims.get(module, (h, h))
+
+
+def lora_params(rank: int, target_modules: Iterable[str], shape: ModelShape) -> int:
+    """Trainable parameters of one adapter: per layer and module, A is r×in and B is out×r."""
+    per_layer = sum(rank * sum(shape.module_dims(m)) for m in set(target_modules))
+    return shape.num_layers * per_layer
+
+
+def adapter_memory_bytes(
+    rank: int,
+    target_modules: Iterable[str],
+    shape: ModelShape | None,
+    weight_bytes: int = FP32_BYTES,
+) -> int:
+    """Bytes one adapter pins on an engine: weights + gradients + fp32 Adam moments.
+
+    Returns 0 when the pool declares no model shape (memory then is not enforced).
+    """
+    if shape is None:
+        return 0
+    params = lora_params(rank, target_modules, shape)
+    return params * (2 * weight_bytes + ADAM_MOMENTS * FP32_BYTES)
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PendingExperiment:
+    key: str  # "<namespace>/<name>"
+    priority: int
+    created: float  # creation time, seconds since the epoch
+    rank: int
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RunningExperiment:
+    key: str
+    priority: int
+    rank: int
+    memory_bytes: int = 0
+    started: float = 0.0  # newer starters are preempted first among equal priorities
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    ready: bool
+    slots_total: int
+    slots_used: int
+    max_rank: int
+    memory_budget: int = 0  # 0 = not enforced
+    memory_used: int = 0
+    running: tuple[RunningExperiment, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """The pool's bounds and the shape of a new engine (from the EnginePool spec)."""
+
+    max_replicas: int
+    current_replicas: int  # engine pods that exist, ready or not
+    slots_per_engine: int
+    max_rank: int
+    memory_budget: int = 0
+
+
+# --- outputs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bind:
+    experiment: str
+    engine: str
+
+
+@dataclass(frozen=True)
+class Preempt:
+    victim: str
+    engine: str
+    for_experiment: str
+
+
+@dataclass(frozen=True)
+class ScaleUp:
+    count: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    experiment: str
+    reason: str
+
+
+Decision = Bind | Preempt | ScaleUp | Wait
+
+RANK_FIRST = "rank-first"
+SLOTS_FIRST = "slots-first"
+FitOrder = Literal["rank-first", "slots-first"]
+
+WAIT_STARTING = "WaitingForEngine"  # reserved on an engine that is starting
+WAIT_PREEMPTING = "WaitingForPreemption"  # victims are being checkpointed
+WAIT_NO_CAPACITY = "NoCapacity"  # no room, cannot scale, nothing to preempt
+WAIT_UNSCHEDULABLE = "Unschedulable"  # no engine of this pool could ever host it
+
+
+# --- working state ---------------------------------------------------------------------
+
+
+@dataclass
+class _Slotting:
+    """Mutable free capacity of one engine (real or planned) during a round."""
+
+    name: str
+    free_slots: int
+    max_rank: int
+    memory_budget: int
+    memory_used: int
+    running: list[RunningExperiment] = field(default_factory=list)
+
+    def fits(self, exp: PendingExperiment) -> bool:
+        if self.free_slots < 1 or exp.rank > self.max_rank:
+            return False
+        return self.memory_budget <= 0 or self.memory_used + exp.memory_bytes <= self.memory_budget
+
+    def take(self, exp: PendingExperiment) -> None:
+        self.free_slots -= 1
+        self.memory_used += exp.memory_bytes
+
+    def release(self, victim: RunningExperiment) -> None:
+        self.running.remove(victim)
+        self.free_slots += 1
+        self.memory_used -= victim.memory_bytes
+
+    def fit_key(self, exp: PendingExperiment, order: FitOrder) -> tuple[int, int, int, str]:
+        slots_left = self.free_slots - 1
+        rank_left = self.max_rank - exp.rank
+        mem_left = max(self.memory_budget - self.memory_used - exp.memory_bytes, 0)
+        if order == RANK_FIRST:
+            return (rank_left, slots_left, mem_left, self.name)
+        return (slots_left, rank_left, mem_left, self.name)
+
+
+def _slotting(engine: Engine) -> _Slotting:
+    return _Slotting(
+        name=engine.name,
+        free_slots=max(engine.slots_total - engine.slots_used, 0),
+        max_rank=engine.max_rank,
+        memory_budget=engine.memory_budget,
+        memory_used=engine.memory_used,
+        running=sorted(engine.running, key=_victim_order),
+    )
+
+
+def _new_engine(limits: PoolLimits, index: int) -> _Slotting:
+    return _Slotting(
+        name=f"<new-{index}>",
+        free_slots=limits.slots_per_engine,
+        max_rank=limits.max_rank,
+        memory_budget=limits.memory_budget,
+        memory_used=0,
+    )
+
+
+def _victim_order(r: RunningExperiment) -> tuple[int, float, str]:
+    """Lowest priority first; among equals the most recently started (least work lost)."""
+    return (r.priority, -r.started, r.key)
+
+
+def _queue_order(p: PendingExperiment) -> tuple[int, float, str]:
+    return (-p.priority, p.created, p.key)
+
+
+def _best_fit(
+    candidates: Sequence[_Slotting], exp: PendingExperiment, order: FitOrder
+) -> _Slotting | None:
+    fitting = [c for c in candidates if c.fits(exp)]
+    return min(fitting, key=lambda c: c.fit_key(exp, order)) if fitting else None
+
+
+# --- preemption ------------------------------------------------------------------------
+
+
+def _victims_on(engine: _Slotting, exp: PendingExperiment) -> list[RunningExperiment] | None:
+    """Fewest strictly-lower-priority victims (cheapest first) that make `exp` fit, or None."""
+    if exp.rank > engine.max_rank:
+        return None
+    free, mem = engine.free_slots, engine.memory_used
+    chosen: list[RunningExperiment] = []
+    for victim in engine.running:  # already in victim order
+        if free >= 1 and (
+            engine.memory_budget <= 0 or mem + exp.memory_bytes <= engine.memory_budget
+        ):
+            break
+        if victim.priority >= exp.priority:
+            return None
+        chosen.append(victim)
+        free += 1
+        mem -= victim.memory_bytes
+    ok_mem = engine.memory_budget <= 0 or mem + exp.memory_bytes <= engine.memory_budget
+    return chosen if free >= 1 and ok_mem else None
+
+
+def _preemption(
+    engines: Sequence[_Slotting], exp: PendingExperiment
+) -> tuple[_Slotting, list[RunningExperiment]] | None:
+    options = []
+    for engine in engines:
+        victims = _victims_on(engine, exp)
+        if victims:
+            cost = (max(v.priority for v in victims), len(victims), engine.name)
+            options.append((cost, engine, victims))
+    if not options:
+        return None
+    _, engine, victims = min(options, key=lambda o: o[0])
+    return engine, victims
+
+
+# --- the round -------------------------------------------------------------------------
+
+
+def plan(
+    pending: Iterable[PendingExperiment],
+    engines: Iterable[Engine],
+    limits: PoolLimits,
+    order: FitOrder = RANK_FIRST,
+) -> list[Decision]:
+    """One placement round for one pool. Deterministic for the same inputs.
+
+    `order` picks the best-fit key: RANK_FIRST (least rank headroom, then fewest free
+    slots, then least free memory) or SLOTS_FIRST (slots, then rank, then memory).
+    """
+    ordered_engines = sorted(engines, key=lambda e: e.name)
+    ready = [_slotting(e) for e in ordered_engines if e.ready]
+    starting = [_slotting(e) for e in ordered_engines if not e.ready]
+    planned: list[_Slotting] = []
+    room_to_grow = max(limits.max_replicas - limits.current_replicas, 0)
+    decisions: list[Decision] = []
+
+    for exp in sorted(pending, key=_queue_order):
+        target = _best_fit(ready, exp, order)
+        if target is not None:
+            target.take(exp)
+            decisions.append(Bind(exp.key, target.name))
+            continue
+        future = _best_fit(starting + planned, exp, order)
+        if future is not None:
+            future.take(exp)
+            decisions.append(Wait(exp.key, WAIT_STARTING))
+            continue
+        fresh = _new_engine(limits, len(planned))
+        if len(planned) < room_to_grow and fresh.fits(exp):
+            fresh.take(exp)
+            planned.append(fresh)
+            decisions.append(Wait(exp.key, WAIT_STARTING))
+            continue
+        decisions.extend(_preempt_or_wait(ready, exp, could_ever_fit=_could_fit(exp, limits)))
+
+    if planned:
+        decisions.insert(0, ScaleUp(len(planned)))
+    return decisions
+
+
+def _could_fit(exp: PendingExperiment, limits: PoolLimits) -> bool:
+    return _new_engine(limits, 0).fits(exp)
+
+
+def _preempt_or_wait(
+    ready: Sequence[_Slotting], exp: PendingExperiment, could_ever_fit: bool
+) -> list[Decision]:
+    found = _preemption(ready, exp)
+    if found is None:
+        reason = WAIT_NO_CAPACITY if could_ever_fit else WAIT_UNSCHEDULABLE
+        return [Wait(exp.key, reason)]
+    engine, victims = found
+    for victim in victims:
+        engine.release(victim)
+    engine.take(exp)  # reserved for exp: later, lower-priority experiments cannot take it
+    preempts: list[Decision] = [Preempt(v.key, engine.name, exp.key) for v in victims]
+    return [*preempts, Wait(exp.key, WAIT_PREEMPTING)]
+
+
+def summarize(decisions: Iterable[Decision]) -> dict[str, int]:
+    """Counts by decision kind (for logs and metrics)."""
+    counts: dict[str, int] = {"bind": 0, "preempt": 0, "scale_up": 0, "wait": 0}
+    for d in decisions:
+        if isinstance(d, Bind):
+            counts["bind"] += 1
+        elif isinstance(d, Preempt):
+            counts["preempt"] += 1
+        elif isinstance(d, ScaleUp):
+            counts["scale_up"] += d.count
+        else:
+            counts["wait"] += 1
+    return counts
+
+
+def bindings(decisions: Iterable[Decision]) -> Mapping[str, str]:
+    """experiment key → engine name for the Bind decisions."""
+    return {d.experiment: d.engine for d in decisions if isinstance(d, Bind)}

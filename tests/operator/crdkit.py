@@ -1,0 +1,228 @@
+"""Offline stand-ins for what the API server does with our CRDs: structural defaults,
+OpenAPI validation (jsonschema), pruning of unknown fields, and CEL rules (cel-python).
+
+Known gap: cel-python's `has(self.a.b)` is false when `a` is missing, where the API
+server's cel-go raises "no such key"; guard each level (`has(self.a) && has(self.a.b)`).
+Plain field reads of a missing key do raise here, as on the server.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_DIR = REPO / "crds"
+CRD_FILES = {
+    "LoRAExperiment": CRD_DIR / "loraexperiments.yaml",
+    "EnginePool": CRD_DIR / "enginepools.yaml",
+}
+
+
+def load_crd(kind: str) -> dict[str, Any]:
+    return yaml.safe_load(CRD_FILES[kind].read_text())
+
+
+def schema_of(kind: str) -> dict[str, Any]:
+    return load_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+# --- defaults and pruning --------------------------------------------------------------
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting, top-down as the API server does (returns a new value)."""
+    value = copy.deepcopy(value)
+    _default_into(schema, value)
+    return value
+
+
+def _default_into(schema: dict[str, Any], value: Any) -> None:
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                _default_into(sub, value[name])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name in set(value) - set(schema.get("properties", {})):
+                _default_into(extra, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            _default_into(schema["items"], item)
+
+
+def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the API server would prune (or reject under strict field validation)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found: list[str] = []
+    if isinstance(value, dict) and schema.get("type") == "object":
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for name, sub in value.items():
+            where = f"{path}.{name}" if path else name
+            if name in props:
+                found += unknown_fields(props[name], sub, where)
+            elif isinstance(extra, dict):
+                found += unknown_fields(extra, sub, where)
+            elif path == "" and name in ("apiVersion", "kind", "metadata"):
+                continue
+            elif path != "metadata":
+                found.append(where)
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            found += unknown_fields(schema["items"], item, f"{path}[{i}]")
+    return found
+
+
+def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
+    """OpenAPI v3 (draft-4 style: boolean exclusiveMinimum) validation messages."""
+    validator = jsonschema.Draft4Validator(schema)
+    return sorted(
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(obj)
+    )
+
+
+# --- CEL -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: tuple[str, ...]  # property names; "[]" steps into array items
+    rule: str
+    message: str
+
+    @property
+    def is_transition(self) -> bool:
+        return "oldSelf" in self.rule
+
+
+def walk_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[Rule]:
+    """Every x-kubernetes-validations rule in a schema, with where it sits."""
+    for v in schema.get("x-kubernetes-validations", []):
+        yield Rule(path, v["rule"], v.get("message", v["rule"]))
+    for name, sub in schema.get("properties", {}).items():
+        yield from walk_rules(sub, (*path, name))
+    if "items" in schema:
+        yield from walk_rules(schema["items"], (*path, "[]"))
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk_rules(schema["additionalProperties"], (*path, "{}"))
+
+
+def to_cel(schema: dict[str, Any], value: Any) -> Any:
+    """JSON → CEL values as the API server types them (`number` is always a double)."""
+    t = schema.get("type")
+    if value is None:
+        return None
+    if t == "number":
+        return celpy.celtypes.DoubleType(float(value))
+    if t == "integer":
+        return celpy.celtypes.IntType(int(value))
+    if t == "boolean":
+        return celpy.celtypes.BoolType(value)
+    if t == "string":
+        return celpy.celtypes.StringType(value)
+    if isinstance(value, list):
+        items = schema.get("items", {})
+        return celpy.celtypes.ListType([to_cel(items, v) for v in value])
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = (
+            schema.get("additionalProperties")
+            if isinstance(schema.get("additionalProperties"), dict)
+            else {}
+        )
+        return celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): to_cel(props.get(k, extra), v) for k, v in value.items()}
+        )
+    return celpy.json_to_cel(value)
+
+
+_ENV = celpy.Environment()
+_PROGRAMS: dict[str, Any] = {}
+
+
+def _program(rule: str) -> Any:
+    if rule not in _PROGRAMS:
+        _PROGRAMS[rule] = _ENV.program(_ENV.compile(rule))
+    return _PROGRAMS[rule]
+
+
+def eval_rule(rule: str, schema: dict[str, Any], value: Any, old: Any = None) -> bool:
+    activation = {"self": to_cel(schema, value)}
+    if old is not None:
+        activation["oldSelf"] = to_cel(schema, old)
+    result = _program(rule).evaluate(activation)
+    if isinstance(result, Exception):
+        raise RuntimeError(f"CEL rule {rule!r} failed to evaluate: {result}")
+    return bool(result)
+
+
+def _nodes(schema: dict[str, Any], value: Any, path: tuple[str, ...]) -> Iterator[tuple[dict, Any]]:
+    """(schema, value) pairs at `path` inside `value` (arrays fan out)."""
+    if not path:
+        yield schema, value
+        return
+    step, rest = path[0], path[1:]
+    if step == "[]":
+        for item in value if isinstance(value, list) else ():
+            yield from _nodes(schema["items"], item, rest)
+    elif step == "{}":
+        for item in (value or {}).values() if isinstance(value, dict) else ():
+            yield from _nodes(schema["additionalProperties"], item, rest)
+    elif isinstance(value, dict) and step in value:
+        yield from _nodes(schema["properties"][step], value[step], rest)
+
+
+def _at(value: Any, path: tuple[str, ...]) -> Any:
+    for step in path:
+        if not isinstance(value, dict) or step not in value:
+            return None
+        value = value[step]
+    return value
+
+
+def cel_errors(schema: dict[str, Any], obj: Any, old: Any = None) -> list[str]:
+    """Messages of the CEL rules `obj` breaks (transition rules only when `old` is given).
+
+    Like the API server: a transition rule runs only where the old object had the field
+    too; rules under arrays are not correlated with old items (we have none).
+    """
+    failed: list[str] = []
+    for rule in walk_rules(schema):
+        if rule.is_transition:
+            if old is None or "[]" in rule.path or "{}" in rule.path:
+                continue
+            new_v, old_v = _at(obj, rule.path), _at(old, rule.path)
+            if new_v is None or old_v is None:
+                continue
+            sub = next(_nodes(schema, obj, rule.path))[0]
+            if not eval_rule(rule.rule, sub, new_v, old_v):
+                failed.append(rule.message)
+            continue
+        for sub, value in _nodes(schema, obj, rule.path):
+            if not eval_rule(rule.rule, sub, value):
+                failed.append(rule.message)
+    return failed
+
+
+def admit(kind: str, obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Everything the API server would say about creating (or updating to) `obj`."""
+    schema = schema_of(kind)
+    full = apply_defaults(schema, obj)
+    old_full = apply_defaults(schema, old) if old is not None else None
+    errors = schema_errors(schema, full)
+    errors += [f"unknown field {f}" for f in unknown_fields(schema, full)]
+    if not errors:  # the API server runs CEL only on schema-valid objects
+        errors += cel_errors(schema, full, old_full)
+    return errors

@@ -1,0 +1,125 @@
+"""Semantic admission against the pool: each check names its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from builders import experiment, pool
+from crdkit import apply_defaults, schema_of
+from loraplex_operator.admission import (
+    Problem,
+    check_experiment,
+    experiment_memory_bytes,
+    selector_matches,
+)
+
+
+def _full(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+    return apply_defaults(schema_of(kind), obj)
+
+
+def _fields(exp: dict[str, Any], p: dict[str, Any] | None, labels: dict | None = None) -> list[str]:
+    full_pool = _full("EnginePool", p) if p is not None else None
+    return [x.field for x in check_experiment(_full("LoRAExperiment", exp), full_pool, labels)]
+
+
+def test_admitted() -> None:
+    assert _fields(experiment("a").obj(), pool().obj()) == []
+
+
+def test_pool_not_found() -> None:
+    problems = check_experiment(experiment("a").pool("nope").obj(), None)
+    assert problems == [Problem("spec.enginePool", "EnginePool 'nope' not found")]
+
+
+def test_rank_above_pool_max() -> None:
+    problems = check_experiment(
+        _full("LoRAExperiment", experiment("a").rank(128).alpha(128).obj()),
+        _full("EnginePool", pool().max_rank(64).obj()),
+    )
+    assert [str(p) for p in problems] == [
+        "spec.lora.rank: rank 128 exceeds EnginePool 'pool-a' max rank 64"
+    ]
+
+
+def test_rank_equal_to_pool_max_is_fine() -> None:
+    assert _fields(experiment("a").rank(64).obj(), pool().max_rank(64).obj()) == []
+
+
+@pytest.mark.parametrize(
+    ("allowed", "selector", "labels", "ok"),
+    [
+        (None, None, {}, True),  # neither set: open pool
+        (["team-a"], None, {}, True),
+        (["team-b"], None, {}, False),
+        ([], None, {}, False),  # an explicit empty list admits nobody
+        (None, {"matchLabels": {"gpu": "yes"}}, {"gpu": "yes"}, True),
+        (None, {"matchLabels": {"gpu": "yes"}}, {"gpu": "no"}, False),
+        (["team-b"], {"matchLabels": {"gpu": "yes"}}, {"gpu": "yes"}, True),  # either admits
+        (None, {}, {}, True),  # empty selector selects all
+    ],
+)
+def test_namespace_allowed(
+    allowed: list | None, selector: dict | None, labels: dict, ok: bool
+) -> None:
+    p = pool()
+    if allowed is not None:
+        p = p.allowed_namespaces(*allowed)
+    if selector is not None:
+        p = p.namespace_selector(selector)
+    fields = _fields(experiment("a", namespace="team-a").obj(), p.obj(), labels)
+    assert (fields == []) is ok
+    if not ok:
+        assert fields == ["metadata.namespace"]
+
+
+@pytest.mark.parametrize(
+    ("expr", "labels", "ok"),
+    [
+        ({"key": "tier", "operator": "In", "values": ["gold"]}, {"tier": "gold"}, True),
+        ({"key": "tier", "operator": "In", "values": ["gold"]}, {}, False),
+        ({"key": "tier", "operator": "NotIn", "values": ["gold"]}, {}, True),
+        ({"key": "tier", "operator": "NotIn", "values": ["gold"]}, {"tier": "gold"}, False),
+        ({"key": "tier", "operator": "Exists"}, {"tier": "x"}, True),
+        ({"key": "tier", "operator": "DoesNotExist"}, {"tier": "x"}, False),
+    ],
+)
+def test_selector_expressions(expr: dict, labels: dict, ok: bool) -> None:
+    assert selector_matches({"matchExpressions": [expr]}, labels) is ok
+
+
+def test_target_modules_outside_pool_allowlist() -> None:
+    exp = experiment("a").modules("q_proj", "lm_head", "embed_tokens").obj()
+    problems = check_experiment(
+        _full("LoRAExperiment", exp), _full("EnginePool", pool().target_modules("q_proj").obj())
+    )
+    assert [p.field for p in problems] == ["spec.lora.targetModules"]
+    assert "embed_tokens, lm_head not allowed" in problems[0].message
+
+
+def test_default_pool_allowlist_covers_llama_projections() -> None:
+    exp = experiment("a").modules("q_proj", "k_proj", "v_proj", "o_proj", "down_proj").obj()
+    assert _fields(exp, pool().obj()) == []
+
+
+def test_memory_estimate_over_engine_budget() -> None:
+    p = pool().model_shape(numLayers=2, hiddenSize=64, kvDim=32).memory(57344)
+    assert _fields(experiment("a").rank(8).obj(), p.obj()) == []  # exactly the budget
+    assert _fields(experiment("b").rank(16).obj(), p.obj()) == ["spec.lora.rank"]
+
+
+def test_memory_not_checked_without_model_shape() -> None:
+    assert _fields(experiment("a").rank(64).obj(), pool().memory(1).obj()) == []
+
+
+def test_memory_estimate_uses_pool_shape() -> None:
+    p = _full("EnginePool", pool().model_shape(numLayers=2, hiddenSize=64, kvDim=32).obj())
+    spec = _full("LoRAExperiment", experiment("a").obj())["spec"]
+    assert experiment_memory_bytes(spec, p["spec"]) == 57344
+
+
+def test_several_problems_reported_together() -> None:
+    exp = experiment("a", namespace="team-z").rank(128).alpha(128).modules("lm_head").obj()
+    p = pool().max_rank(32).allowed_namespaces("team-a").obj()
+    assert _fields(exp, p) == ["metadata.namespace", "spec.lora.rank", "spec.lora.targetModules"]

@@ -1,0 +1,180 @@
+"""Engine Pod builder: labels, ownership, engine args, probes, token and checkpoint mounts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from builders import pool
+from crdkit import REPO, apply_defaults, schema_of
+from loraplex_operator.manifests import (
+    POOL_LABEL,
+    SPEC_HASH_ANNOTATION,
+    TOKEN_FILE,
+    engine_args,
+    engine_pod,
+    engine_url,
+    is_pod_ready,
+    spec_hash,
+)
+
+K8S_VERSION = "1.33"
+_PVC = {"persistentVolumeClaim": {"claimName": "ckpt"}}
+
+
+def _gpu_pool() -> dict[str, Any]:
+    obj = (
+        pool("gpu-qwen")
+        .backend("vllm")
+        .slots(16)
+        .max_rank(64)
+        .replicas(0, 4)
+        .checkpoint(root="/shared/ckpt", volume=_PVC)
+        .template(
+            image="ghcr.io/loraplex/engine-cuda:0.1.0",
+            resources={"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}},
+            nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            volumes=[{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+            volumeMounts=[{"name": "models", "mountPath": "/models", "readOnly": True}],
+            env=[{"name": "HF_HUB_OFFLINE", "value": "1"}],
+            extraArgs=["--log-level", "info"],
+        )
+        .set("spec.baseModel", "/models/Qwen3-4B")
+        .obj()
+    )
+    return apply_defaults(schema_of("EnginePool"), obj)
+
+
+def _sample_pool() -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "samples" / "pool-cpu.yaml").read_text())
+    doc["metadata"]["uid"] = "5f0c-uid"
+    return apply_defaults(schema_of("EnginePool"), doc)
+
+
+def _minimal_pool() -> dict[str, Any]:
+    return apply_defaults(schema_of("EnginePool"), pool("tiny").obj())
+
+
+POOLS = {"gpu": _gpu_pool, "sample": _sample_pool, "minimal": _minimal_pool}
+
+
+@pytest.mark.parametrize("which", sorted(POOLS))
+def test_pod_validates_strictly(which: str) -> None:
+    kubernetes_validate.validate(engine_pod(POOLS[which](), "a1b2c"), K8S_VERSION, strict=True)
+
+
+def test_identity_labels_and_owner() -> None:
+    pod = engine_pod(_gpu_pool(), "a1b2c")
+    meta = pod["metadata"]
+    assert meta["name"] == "gpu-qwen-engine-a1b2c" and meta["namespace"] == "loraplex-system"
+    assert meta["labels"][POOL_LABEL] == "gpu-qwen"
+    (owner,) = meta["ownerReferences"]
+    assert owner == {
+        "apiVersion": "loraplex.dev/v1alpha1",
+        "kind": "EnginePool",
+        "name": "gpu-qwen",
+        "uid": "uid-gpu-qwen",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def test_engine_command_line() -> None:
+    (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
+    assert container["command"] == ["loraplex-engine"]
+    assert container["args"] == [
+        "serve",
+        "--model", "/models/Qwen3-4B",
+        "--port", "8000",
+        "--token-file", "/var/run/loraplex/token",
+        "--checkpoint-root", "/shared/ckpt",
+        "--max-adapters", "16",
+        "--max-rank", "64",
+        "--rollout-backend", "vllm",
+        "--log-level", "info",
+    ]  # fmt: skip
+
+
+def test_args_use_pool_defaults() -> None:
+    args = engine_args(_minimal_pool()["spec"])
+    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    assert flags["--max-adapters"] == "8" and flags["--max-rank"] == "64"
+    assert flags["--rollout-backend"] == "torch" and flags["--checkpoint-root"] == "/ckpt"
+
+
+def test_probes_hit_engine_routes() -> None:
+    (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_token_secret_mounted_read_only_at_token_file() -> None:
+    pod = engine_pod(_gpu_pool(), "x")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    secret = volumes["loraplex-token"]["secret"]
+    assert secret["secretName"] == "engine-token"
+    assert secret["items"] == [{"key": "token", "path": "token"}]
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    token_mount = mounts["loraplex-token"]
+    assert f"{token_mount['mountPath']}/token" == TOKEN_FILE and token_mount["readOnly"] is True
+
+
+def test_checkpoint_volume_mounted_at_root() -> None:
+    pod = engine_pod(_gpu_pool(), "x")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["loraplex-checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts == {
+        "loraplex-token": "/var/run/loraplex",
+        "loraplex-checkpoints": "/shared/ckpt",
+        "models": "/models",
+    }
+
+
+def test_checkpoint_falls_back_to_empty_dir() -> None:
+    volumes = {v["name"]: v for v in engine_pod(_minimal_pool(), "x")["spec"]["volumes"]}
+    assert volumes["loraplex-checkpoints"] == {"name": "loraplex-checkpoints", "emptyDir": {}}
+
+
+def test_template_pod_bits_pass_through() -> None:
+    spec = engine_pod(_gpu_pool(), "x")["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["HF_HUB_OFFLINE"]["value"] == "1" and env["LORAPLEX_POOL"]["value"] == "gpu-qwen"
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_user_env_cannot_override_operator_env() -> None:
+    obj = _minimal_pool()
+    obj["spec"]["template"]["env"] = [{"name": "LORAPLEX_POOL", "value": "spoofed"}]
+    env = engine_pod(obj, "x")["spec"]["containers"][0]["env"]
+    assert [e.get("value") for e in env if e["name"] == "LORAPLEX_POOL"] == ["tiny"]
+
+
+def test_builder_does_not_alias_the_pool() -> None:
+    obj = _gpu_pool()
+    pod = engine_pod(obj, "x")
+    pod["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] = "changed"
+    assert obj["spec"]["template"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+
+
+def test_spec_hash_tracks_pod_shaping_fields_only() -> None:
+    a = _gpu_pool()
+    b = _gpu_pool()
+    b["spec"]["replicas"]["max"] = 9  # scaling does not reshape pods
+    assert spec_hash(a) == spec_hash(b)
+    b["spec"]["template"]["image"] = "ghcr.io/loraplex/engine-cuda:0.2.0"
+    assert spec_hash(a) != spec_hash(b)
+    assert engine_pod(a, "x")["metadata"]["annotations"][SPEC_HASH_ANNOTATION] == spec_hash(a)
+
+
+def test_pod_helpers() -> None:
+    pod = {"status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert engine_url(pod) == "http://10.0.0.7:8000" and is_pod_ready(pod)
+    assert engine_url({}) is None and not is_pod_ready({"status": {"conditions": []}})
