@@ -212,6 +212,20 @@ def test_errors_are_json_and_name_the_problem(client) -> None:
         "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 10**6}, headers=AUTH
     )
     assert r.status_code == 422 and r.json()["error"]["field"] == "max_tokens"
+    r = client.post("/v1/completions", json={"model": "x", "prompt": ["a", 3]}, headers=AUTH)
+    assert r.status_code == 422 and "prompt[1]: Input should be a valid string" in r.text
+    r = client.post(
+        "/v1/completions", json={"model": "x", "prompt": ["a"] * 5, "n": 16}, headers=AUTH
+    )
+    assert r.status_code == 422 and r.json()["error"]["field"] == "n"
+    r = client.post("/v1/completions", json={"model": "x", "prompt": "a", "n": True}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "n"  # no coercion
+    r = client.put(
+        "/v1/experiments/default.a",
+        content=b"",
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 422 and "JSON object body is required" in r.text
 
 
 def test_rank_and_capacity_errors_come_from_the_engine(client) -> None:

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -100,7 +101,11 @@ class CompletionRequestBase(_Strict):
     def _bounded(self) -> CompletionRequestBase:
         prompts = 1 if isinstance(self.prompt, str) else len(self.prompt)
         if prompts * self.n > MAX_CHOICES:
-            raise ValueError(f"len(prompt) * n must be at most {MAX_CHOICES}")
+            raise PydanticCustomError(
+                "too_many_choices",
+                "{prompts} prompt(s) x n={n} choices; at most {limit} in one request",
+                {"prompts": prompts, "n": self.n, "limit": MAX_CHOICES, "field": "n"},
+            )
         return self
 
 
@@ -227,12 +232,20 @@ class BearerAuth:
 # --- the app --------------------------------------------------------------------------
 
 
+def _is_union_tag(part: str) -> bool:
+    """pydantic puts the union member it tried into the location ("str", "list[str]")."""
+    return "[" in part or part.startswith("constrained-") or part in _TYPE_TAGS
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
 def _field_path(loc: tuple[Any, ...]) -> str | None:
     parts = list(loc)
     if parts and parts[0] in ("body", "path", "query", "header"):
         parts = parts[1:]
     # pydantic adds the union member ("str", "list[str]") to the location; not a field
-    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in ("str",)))]
+    parts = [p for p in parts if not (isinstance(p, str) and _is_union_tag(p))]
     if not parts:
         return None
     out = ""
@@ -261,7 +274,11 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     messages = []
     for e in errors[:5]:
         where = _error_field(e) or "body"
-        msg = "unknown field" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid")
+        msg = e.get("msg", "invalid")
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        elif e.get("type") == "missing" and where == "body":
+            msg = "a JSON object body is required"
         messages.append(f"{where}: {msg}")
     if len(errors) > 5:
         messages.append(f"... and {len(errors) - 5} more")
