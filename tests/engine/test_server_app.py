@@ -228,6 +228,30 @@ def test_errors_are_json_and_name_the_problem(client) -> None:
     assert r.status_code == 422 and "JSON object body is required" in r.text
 
 
+def test_oversized_bodies_are_refused_before_parsing(engine: FakeEngine) -> None:
+    from fastapi.testclient import TestClient
+
+    c = TestClient(create_app(engine, TOKEN, max_body_bytes=1000))
+    big = {"model": "fake-base", "prompt": "x" * 2000}
+    r = c.post("/v1/completions", json=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+
+    def chunks():
+        yield b'{"model": "fake-base", "prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = c.post(
+        "/v1/completions",
+        content=chunks(),
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code in (400, 413) and "error" in r.json()
+    assert c.post("/v1/completions", json=big).status_code == 401  # the token comes first
+    assert engine.calls == []
+
+
 def test_rank_and_capacity_errors_come_from_the_engine(client) -> None:
     spec = _spec()
     spec["lora"] = {**spec["lora"], "rank": 64}

@@ -51,6 +51,7 @@ MAX_CHOICES = 64
 MAX_PROMPT_CHARS = 8_192
 DEFAULT_MAX_COMPLETION_TOKENS = 512
 COMPLETION_THREADS = 32
+MAX_BODY_BYTES = 4 * 1024 * 1024  # 16 prompts of 8192 characters, JSON-escaped, fit
 
 
 ExpId = Annotated[
@@ -229,6 +230,47 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with 413 before they are read whole (by
+    Content-Length, or by counting a chunked body as it arrives)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = int(value) if value.isdigit() else None
+        if length is not None and length > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLargeError(f"request body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = BodyTooLargeError(f"request body over {self.max_bytes} bytes").to_json()
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+class BodyTooLargeError(EngineError):
+    status, code = 413, "too_large"
+
+
 # --- the app --------------------------------------------------------------------------
 
 
@@ -297,6 +339,7 @@ def create_app(
     alive: Callable[[], bool] | None = None,
     count_tokens: Callable[[str], int] | None = None,
     max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The HTTP app for ``engine``.
 
@@ -328,7 +371,8 @@ def create_app(
     )
     app.state.engine = engine
     app.state.metrics = metrics
-    if token is not None:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if token is not None:  # added last = outermost: nothing runs before the token check
         if not token:
             raise ValueError("empty token: pass None to serve without auth")
         app.add_middleware(BearerAuth, token=token)
