@@ -43,7 +43,8 @@ def test_engine_image(name: str) -> None:
     assert "pip install ./trainer-image" in runs
     assert "loraplex-engine serve --help" in runs  # the entry point is installed and imports
     if IMAGES[name] == "vllm":
-        assert "vllm==" in runs
+        assert '/opt/vllm/bin/pip install "vllm==' in runs  # its own venv (pins differ)
+        assert "LORAPLEX_VLLM_PYTHON=/opt/vllm/bin/python" in " ".join(by["ENV"])
 
     for rest in by["COPY"]:
         src = rest.split()[0]

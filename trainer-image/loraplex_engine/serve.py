@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import socket
@@ -93,6 +94,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
     )
     p.add_argument(
+        "--vllm-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the vllm rollout backend (value parsed as JSON if it parses), "
+        "e.g. max_model_len=4096 gpu_memory_utilization=0.5; repeatable. "
+        "LORAPLEX_VLLM_OPTIONS may hold a JSON object of them",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=int(_env("THREADS", "0")),
@@ -139,6 +149,26 @@ def read_token(args: argparse.Namespace) -> str | None:
     if token is not None and args.insecure_no_auth:
         log.warning("--insecure-no-auth given together with a token: the token is enforced")
     return token
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """LORAPLEX_VLLM_OPTIONS (a JSON object), then each --vllm-option KEY=VALUE over it."""
+    options: dict[str, Any] = {}
+    raw = _env("VLLM_OPTIONS")
+    if raw:
+        try:
+            options = dict(json.loads(raw))
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"LORAPLEX_VLLM_OPTIONS must be a JSON object: {e}") from e
+    for item in args.vllm_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--vllm-option takes KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 # --- the engine while it loads --------------------------------------------------------
@@ -286,6 +316,12 @@ def _load_factory(spec: str) -> Callable[..., EngineService]:
     return getattr(importlib.import_module(module), attr)
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), so start-up time includes the
     interpreter and imports, not just model loading."""
@@ -337,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_adapters < 1 or args.max_rank < 1:
         raise SystemExit("--max-adapters and --max-rank must be at least 1")
     token = read_token(args)
+    vllm_options(args)  # fail fast on a malformed option, before loading anything
     if token is None:
         log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
     if args.threads > 0:
@@ -401,8 +438,9 @@ def run(args: argparse.Namespace) -> int:
                 "checkpoint_root": args.checkpoint_root,
                 "rollout_backend": args.rollout_backend,
             }
-            if args.device:
-                kwargs["device"] = args.device
+            kwargs["device"] = args.device or _default_device()
+            if args.rollout_backend == "vllm":
+                kwargs["vllm_options"] = vllm_options(args)
             engine = factory(args.model, **kwargs)
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
@@ -440,23 +478,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:
-    """Stop the loop after its current tick, then checkpoint running experiments."""
+    """Stop the loop after its current tick, checkpoint running experiments, close the
+    engine (its rollout backend's worker)."""
     if loop is not None:
         loop.stop(timeout=60)
     engine = holder.engine
-    if engine is None or not checkpoint:
+    if engine is None:
         return
     try:
         running = [s for s in engine.list_experiments() if s.phase == "Running"]
     except Exception:
         log.exception("could not list experiments at shutdown")
-        return
+        running = []
+    if not checkpoint:
+        running = []
     for status in running:
         try:
             ref = engine.checkpoint_experiment(status.id)
             log.info("shutdown checkpoint %s at step %d: %s", status.id, ref.step, ref.path)
         except Exception:
             log.exception("shutdown checkpoint of %s failed", status.id)
+    close = getattr(engine, "close", None)  # e.g. the vLLM worker process
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.exception("closing the engine failed")
 
 
 def main(argv: list[str] | None = None) -> int:
