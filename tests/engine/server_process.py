@@ -49,6 +49,7 @@ class EngineServer:
         max_rank: int | None = 16,
         token: str | None = None,
         auth: bool = True,
+        rollout_backend: str = "torch",
         workdir: str | os.PathLike[str] | None = None,
         threads: int = 1,
         extra_args: list[str] | None = None,
@@ -61,6 +62,7 @@ class EngineServer:
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.auth = auth
+        self.rollout_backend = rollout_backend
         self.token = token or secrets.token_urlsafe(24)
         self.threads = threads
         self.extra_args = list(extra_args or [])
@@ -112,7 +114,7 @@ class EngineServer:
             *auth_args,
             "--checkpoint-root", str(self.checkpoint_root),
             *sizes,
-            "--rollout-backend", "torch",
+            "--rollout-backend", self.rollout_backend,
             "--device", "cpu",
             "--threads", str(self.threads),
             *self.extra_args,
