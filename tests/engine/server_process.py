@@ -50,6 +50,7 @@ class EngineServer:
         token: str | None = None,
         auth: bool = True,
         rollout_backend: str = "torch",
+        command: list[str] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         threads: int = 1,
         extra_args: list[str] | None = None,
@@ -63,6 +64,7 @@ class EngineServer:
         self.max_rank = max_rank
         self.auth = auth
         self.rollout_backend = rollout_backend
+        self.command = command or engine_command()
         self.token = token or secrets.token_urlsafe(24)
         self.threads = threads
         self.extra_args = list(extra_args or [])
@@ -106,7 +108,7 @@ class EngineServer:
         if self.max_rank is not None:
             sizes += ["--max-rank", str(self.max_rank)]
         cmd = [
-            *engine_command(),
+            *self.command,
             "serve",
             "--model", str(self.model_dir),
             "--host", "127.0.0.1",

@@ -3,13 +3,18 @@
 They pin what the operator and Kubernetes rely on: the entry point the engine pod runs
 (`loraplex-engine serve`, operator/loraplex_operator/manifests.py), port 8000, a non-root
 user, a HEALTHCHECK on /healthz, and installs through requirements/engine.txt plus the
-package itself; and that every path the Dockerfiles COPY exists in the repository.
+package itself; and that every path the Dockerfiles COPY exists in the repository. In
+CI, the CPU image's install steps also run for real in a scratch venv.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +89,48 @@ def test_operator_runs_what_the_image_serves() -> None:
     )
     assert (args.max_adapters, args.max_rank, args.rollout_backend) == (6, 32, "vllm")
     assert args.max_completion_tokens == 256
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("CI") != "true" and os.environ.get("LORAPLEX_TEST_IMAGE_INSTALL") != "1",
+    reason="~2.5 min of installs: runs in CI, or with LORAPLEX_TEST_IMAGE_INSTALL=1",
+)
+def test_cpu_image_install_steps_give_a_working_server(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Dockerfile.cpu's install steps in a fresh venv (torch, then requirements/engine.txt,
+    then the package, not editable), then that venv's `loraplex-engine serve` trains."""
+    from server_process import EngineServer, wait_until
+    from test_server_live import put_body, small_spec
+
+    venv = tmp_path / "venv"
+    src = tmp_path / "src" / "trainer-image"
+    shutil.copytree(
+        REPO / "trainer-image", src, ignore=shutil.ignore_patterns("*.egg-info", "build")
+    )
+    pip = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+    ]
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for step in (["torch==2.13.0"], ["-r", str(REPO / "requirements" / "engine.txt")], [str(src)]):
+        subprocess.run([*pip, *step], check=True, timeout=900)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], check=True)
+    exe = venv / "bin" / "loraplex-engine"
+    subprocess.run([str(exe), "serve", "--help"], check=True, capture_output=True)
+
+    srv = EngineServer(tiny_model_dir, tmp_path / "ckpt", workdir=tmp_path, command=[str(exe)])
+    try:
+        srv.start()
+        with srv.client() as api:
+            r = api.put("/v1/experiments/default.img", json=put_body("default.img", small_spec()))
+            assert r.status_code == 201, r.text
+            wait_until(lambda: api.get("/v1/experiments/default.img").json()["step"] >= 2)
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
