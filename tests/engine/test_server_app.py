@@ -157,11 +157,6 @@ def client(engine: FakeEngine):
 
 
 def _spec() -> dict[str, Any]:
-    # A body the real ExperimentSpec also accepts, once it exists.
-    try:
-        from loraplex_engine.spec import ExperimentSpec  # noqa: F401
-    except ImportError:
-        return dict(SPEC)
     from test_server_live import small_spec
 
     return small_spec(rank=4)

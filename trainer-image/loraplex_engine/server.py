@@ -34,11 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraplex_engine.api_types import EngineError, EngineService
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
-
-try:  # the experiment spec model (camelCase, extra="forbid"), shared with the CRD
-    from loraplex_engine.spec import ExperimentSpec as SpecModel
-except ImportError:  # pragma: no cover - only before loraplex_engine.spec existed
-    SpecModel = dict[str, Any]  # type: ignore[misc,assignment]
+from loraplex_engine.spec import ExperimentSpec
 
 log = logging.getLogger("loraplex_engine.server")
 
@@ -74,7 +70,7 @@ class _Strict(BaseModel):
 
 
 class PutExperimentRequest(_Strict):
-    spec: SpecModel  # type: ignore[valid-type]
+    spec: ExperimentSpec  # the LoRAExperiment spec, camelCase, strict (loraplex_engine.spec)
     namespace: str = Field("default", min_length=1, max_length=63, pattern=NAMESPACE_PATTERN)
     name: str = Field(min_length=1, max_length=253, pattern=ID_PATTERN)
     resumeFrom: str | None = Field(
@@ -389,7 +385,12 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        codes = {404: "not_found", 405: "method_not_allowed"}
+        codes = {
+            400: "invalid_request",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "too_large",
+        }
         body = {"code": codes.get(exc.status_code, "http_error"), "message": str(exc.detail)}
         return JSONResponse(
             {"error": {**body, "field": None}},
