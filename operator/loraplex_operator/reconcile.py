@@ -382,7 +382,9 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
             engine = by_name[d.engine]
             victim = plan.work[d.victim]
             plan.unloads.append(
-                Unload(engine.name, engine.url or "", victim.id, d.victim, PREEMPT, d.experiment)
+                Unload(
+                    engine.name, engine.url or "", victim.id, d.victim, PREEMPT, d.for_experiment
+                )
             )
         elif isinstance(d, placement.ScaleUp):
             plan.create_pods += d.count
