@@ -583,7 +583,11 @@ class PoolReconciler:
             if changed and self._should_write(w.key, changed):
                 writes.append(self._write(w, new))
             for type_, reason, message in w.events:
+                if type_ == WARNING:
+                    log.warning("%s: %s: %s", w.key, reason, message)
                 self.emit(w.obj, type_, reason, message)
+        if plan.recoveries:
+            m.RECOVERIES.labels(pool=pool_name).inc(plan.recoveries)
         await asyncio.gather(*writes)
         await self._pool_status(snap, plan, phases, now)
 
@@ -621,6 +625,7 @@ class PoolReconciler:
             m.RECONCILE_ERRORS.labels(kind="unload").inc()
             log.warning("unload %s from %s (%s): %s", u.exp_id, u.engine, u.reason, e)
             return
+        log.info("unloaded %s from %s (%s)", u.exp_id, u.engine, u.reason)
         w = plan.work.get(u.key) if u.key else None
         if w is None or u.reason == DUPLICATE:
             return
@@ -670,6 +675,7 @@ class PoolReconciler:
             w.engine_status = {"phase": st.FAILED, "error": f"{field_}: {e.message}"}
             w.event(WARNING, "EngineRejected", f"engine {p.engine} rejected it: {field_}: {e}")
             return
+        log.info("bound %s to %s (%s, resumeFrom=%s)", p.key, p.engine, code, p.body["resumeFrom"])
         w.binding = st.Binding(p.engine, p.node)
         w.engine_status = body
         w.bound_now = code == 201
