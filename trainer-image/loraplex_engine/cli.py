@@ -15,6 +15,29 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from loraplex_engine.manifests import ManifestError
+    from loraplex_engine.runner import run_file
+
+    try:
+        summary = run_file(
+            args.manifests,
+            args.model,
+            args.out,
+            max_adapters=args.max_adapters,
+            max_rank=args.max_rank,
+            train_mode=args.train_mode,
+        )
+    except (ManifestError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
+    if failed:
+        print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
+
+    run = sub.add_parser("run", help="train the experiments of a manifest file on a local engine")
+    run.add_argument("manifests", help="YAML file of LoRAExperiment manifests")
+    run.add_argument("--model", required=True, help="base model directory")
+    run.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
+    run.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default: 8)")
+    run.add_argument("--max-rank", type=int, default=64, help="max LoRA rank (default: 64)")
+    run.add_argument(
+        "--train-mode",
+        choices=["fused", "timesliced"],
+        default="fused",
+        help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
+    )
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -1,0 +1,112 @@
+"""The rendered RBAC is exactly rbac-contract.yaml, placed as each RBAC mode says."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from chart_helpers import CONTRACT, NAMESPACE, SCENARIOS, by_kind, one, render
+
+SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret"}
+MODES = {"cluster", "namespaced"}
+SECRET = "loraplex-engine-token"
+VALID_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+
+
+def contract() -> dict:
+    return yaml.safe_load(CONTRACT.read_text())
+
+
+def test_contract_is_well_formed() -> None:
+    data = contract()
+    assert data["kopfFlags"] == ["--standalone"]
+    for rule in data["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "scope", "modes", "why"}, rule
+        assert rule["scope"] in SCOPES, rule
+        assert set(rule.get("modes", MODES)) <= MODES, rule
+        assert set(rule["verbs"]) <= VALID_VERBS, rule
+        assert rule["why"], rule
+        assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], rule
+
+
+def _triples(rules: list[dict]) -> set[tuple]:
+    out = set()
+    for rule in rules:
+        names = tuple(rule.get("resourceNames", ()))
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    out.add((group, resource, verb, names))
+    return out
+
+
+def expected(mode: str, watched: list[str], engine_ns: str) -> dict[str, set[tuple]]:
+    """Where each contract rule must be granted: 'cluster' or a namespace → triples."""
+    out: dict[str, set[tuple]] = {}
+    for rule in contract()["rules"]:
+        if mode not in rule.get("modes", MODES):
+            continue
+        scope = rule["scope"]
+        if scope == "engineSecret":
+            targets, rule = [engine_ns], {**rule, "resourceNames": [SECRET]}
+        elif scope == "cluster" or mode == "cluster":
+            targets = ["cluster"]
+        elif scope == "watched":
+            targets = watched
+        elif scope == "operatorNamespace":
+            targets = [NAMESPACE]
+        else:
+            targets = [engine_ns]
+        for target in targets:
+            out.setdefault(target, set()).update(_triples([rule]))
+    return out
+
+
+def rendered(docs: list[dict]) -> dict[str, set[tuple]]:
+    out: dict[str, set[tuple]] = {}
+    for role in by_kind(docs, "ClusterRole"):
+        out.setdefault("cluster", set()).update(_triples(role["rules"]))
+    for role in by_kind(docs, "Role"):
+        out.setdefault(role["metadata"]["namespace"], set()).update(_triples(role["rules"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mode", "watched", "engine_ns"),
+    [
+        ("default", "cluster", [], NAMESPACE),
+        ("all-on", "cluster", [], NAMESPACE),
+        ("namespaced", "namespaced", ["team-a", "team-b"], NAMESPACE),
+        ("engines-elsewhere", "namespaced", ["team-a", "team-b"], "gpu-engines"),
+    ],
+)
+def test_rendered_rbac_matches_contract(scenario, mode, watched, engine_ns) -> None:
+    docs = render(SCENARIOS[scenario])
+    assert rendered(docs) == expected(mode, watched, engine_ns)
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced", "engines-elsewhere"])
+def test_bindings_bind_the_operator(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    dep = one(docs, "Deployment")
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
+             for r in by_kind(docs, "ClusterRole") + by_kind(docs, "Role")}  # fmt: skip
+    bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
+    assert len(bindings) == len(roles)
+    for b in bindings:
+        ns = b["metadata"].get("namespace")
+        assert (b["roleRef"]["kind"], ns, b["roleRef"]["name"]) in roles, b
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+
+
+def test_kopf_flags_match_contract() -> None:
+    args = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    for flag in contract()["kopfFlags"]:
+        assert flag in args
+
+
+def test_no_rbac_when_disabled() -> None:
+    docs = render(SCENARIOS["minimal"])
+    assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
+    sa = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert sa == "preexisting-sa"

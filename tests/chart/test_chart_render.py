@@ -1,0 +1,341 @@
+"""helm lint and helm template over the toggle combinations that matter."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+
+import pytest
+import yaml
+from chart_helpers import (
+    ALL_ON,
+    CHART,
+    DASHBOARDS,
+    NAMESPACE,
+    RULES_FILE,
+    SCENARIOS,
+    by_kind,
+    one,
+    render,
+    render_notes,
+    tool,
+)
+
+FULL = "loraplex"  # release "loraplex" + chart "loraplex" → full name "loraplex"
+
+
+ALL_ON_SETS = [
+    "--set",
+    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
+    "--set",
+    "monitoring.prometheusRule.enabled=true,monitoring.dashboards.enabled=true",
+    "--set",
+    "networkPolicy.enabled=true,defaultPool.enabled=true",
+]
+
+
+@pytest.mark.parametrize("sets", [[], ALL_ON_SETS], ids=["default", "all-on"])
+def test_helm_lint(sets: list[str]) -> None:
+    proc = subprocess.run(
+        [str(tool("helm")), "lint", "--strict", str(CHART), *sets],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_renders_well_formed(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    assert docs, "nothing rendered"
+    seen = set()
+    for doc in docs:
+        assert doc.get("apiVersion") and doc.get("kind"), doc
+        meta = doc["metadata"]
+        name = meta["name"]
+        assert len(name) <= 63, f"{doc['kind']} name too long: {name}"
+        key = (doc["kind"], meta.get("namespace"), name)
+        assert key not in seen, f"duplicate {key}"
+        seen.add(key)
+        labels = meta.get("labels", {})
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm", key
+        assert labels.get("app.kubernetes.io/part-of") == "loraplex", key
+
+
+# Which kinds a scenario renders (count per kind).
+EXPECTED_KINDS = {
+    "default": {
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1,
+    },
+    "all-on": {
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "ServiceMonitor": 1,
+        "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
+        "NetworkPolicy": 1, "EnginePool": 1,
+    },
+    # two watched namespaces, the engine namespace, the operator's namespace
+    "namespaced": {
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1,
+    },
+    "existing-secret": {"Secret": 0, "EnginePool": 1},
+    "minimal": {
+        "Deployment": 1, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 0,
+        "Secret": 1,
+    },
+    "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
+    "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
+    "monitoring-only": {
+        "ServiceMonitor": 1, "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
+        "NetworkPolicy": 0, "EnginePool": 0,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED_KINDS))
+def test_kinds_per_toggle(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    counts: dict[str, int] = {}
+    for doc in docs:
+        counts[doc["kind"]] = counts.get(doc["kind"], 0) + 1
+    for kind, n in EXPECTED_KINDS[scenario].items():
+        assert counts.get(kind, 0) == n, f"{scenario}: {kind} x{counts.get(kind, 0)}, want {n}"
+    if scenario == "default":
+        assert set(counts) == set(EXPECTED_KINDS["default"]), counts
+
+
+def _container(docs):
+    dep = one(docs, "Deployment")
+    return dep, dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_operator_deployment_defaults() -> None:
+    docs = render()
+    dep, c = _container(docs)
+    spec = dep["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert c["command"] == ["kopf"]
+    args = c["args"]
+    assert args[0] == "run"
+    assert "--standalone" in args
+    assert "--liveness=http://0.0.0.0:8081/healthz" in args
+    assert "--all-namespaces" in args
+    assert args[-2:] == ["-m", "loraplex_operator"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+        assert c[probe]["periodSeconds"] > 0
+    env = {e["name"]: e for e in c["env"]}
+    assert env["LORAPLEX_METRICS_PORT"]["value"] == "8080"
+    assert env["LORAPLEX_WATCH_NAMESPACES"]["value"] == ""
+    assert env["LORAPLEX_ENGINE_NAMESPACE"]["value"] == NAMESPACE
+    assert env["LORAPLEX_ENGINE_TOKEN_SECRET"]["value"] == f"{FULL}-engine-token"
+    assert env["LORAPLEX_ENGINE_TOKEN_KEY"]["value"] == "token"
+    assert env["LORAPLEX_ENGINE_PORT"]["value"] == "8000"
+    assert env["LORAPLEX_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["image"] == "loraplex/operator:0.1.0"
+
+
+def test_operator_pod_is_restricted() -> None:
+    """Pod Security Standard "restricted" (the checks that apply to this pod)."""
+    dep, c = _container(render())
+    pod = dep["spec"]["template"]["spec"]
+    psc, csc = pod["securityContext"], c["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0
+    assert psc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost")
+    assert csc["allowPrivilegeEscalation"] is False
+    assert csc["capabilities"]["drop"] == ["ALL"]
+    assert "add" not in csc["capabilities"]
+    assert csc["readOnlyRootFilesystem"] is True
+    assert not csc.get("privileged")
+    assert not any(k in pod for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert all("hostPath" not in v for v in pod.get("volumes", []))
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+
+
+def test_namespaced_mode_args_and_env() -> None:
+    _, c = _container(render(SCENARIOS["namespaced"]))
+    assert "--all-namespaces" not in c["args"]
+    assert [a for a in c["args"] if a.startswith("--namespace=")] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["LORAPLEX_WATCH_NAMESPACES"] == "team-a,team-b"
+
+
+def test_image_digest_and_log_level() -> None:
+    docs = render(SCENARIOS["digest-debug"])
+    dep, c = _container(docs)
+    assert c["image"] == "loraplex/operator@sha256:" + "a" * 64
+    assert "--debug" in c["args"]
+    assert dep["metadata"]["name"] == "lp-operator"
+
+
+def test_generated_token_secret() -> None:
+    docs = render()
+    secret = one(docs, "Secret")
+    assert secret["metadata"]["name"] == f"{FULL}-engine-token"
+    assert secret["metadata"]["namespace"] == NAMESPACE
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    # A new render without a cluster draws a new token (lookup finds nothing offline);
+    # against a cluster, lookup returns the stored one (see engine-token-secret.yaml).
+    assert "lookup" in (CHART / "templates" / "engine-token-secret.yaml").read_text()
+
+
+def test_existing_secret_is_used_everywhere() -> None:
+    docs = render(SCENARIOS["existing-secret"])
+    assert not by_kind(docs, "Secret")
+    _, c = _container(docs)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["LORAPLEX_ENGINE_TOKEN_SECRET"] == "my-engine-token"
+    assert env["LORAPLEX_ENGINE_TOKEN_KEY"] == "tok"
+    pool = one(docs, "EnginePool")
+    assert pool["spec"]["tokenSecretRef"] == {"name": "my-engine-token", "key": "tok"}
+    role = one(docs, "Role", f"{FULL}-operator-engines")
+    secret_rules = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secret_rules == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+         "resourceNames": ["my-engine-token"]}
+    ]  # fmt: skip
+
+
+def test_default_pool() -> None:
+    docs = render(SCENARIOS["pool-only"])
+    pool = one(docs, "EnginePool")
+    assert pool["apiVersion"] == "loraplex.dev/v1alpha1"
+    assert "namespace" not in pool["metadata"], "EnginePool is cluster-scoped"
+    assert pool["metadata"]["name"] == "default"
+    spec = pool["spec"]
+    assert spec["engineNamespace"] == NAMESPACE
+    assert spec["tokenSecretRef"] == {"name": f"{FULL}-engine-token", "key": "token"}
+    assert spec["baseModel"].startswith("/") and spec["template"]["image"]
+
+
+def test_engines_in_another_namespace() -> None:
+    docs = render(SCENARIOS["engines-elsewhere"])
+    ns = "gpu-engines"
+    assert one(docs, "Secret")["metadata"]["namespace"] == ns
+    assert one(docs, "NetworkPolicy")["metadata"]["namespace"] == ns
+    assert one(docs, "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": [ns]}
+    assert one(docs, "EnginePool")["spec"]["engineNamespace"] == ns
+    assert one(docs, "Role", f"{FULL}-operator-engines")["metadata"]["namespace"] == ns
+    engines_svc = one(docs, "Service", f"{FULL}-engines")
+    assert engines_svc["metadata"]["namespace"] == ns
+    # The operator itself stays in the release namespace.
+    assert one(docs, "Deployment")["metadata"]["namespace"] == NAMESPACE
+
+
+def test_services() -> None:
+    docs = render()
+    op = one(docs, "Service", f"{FULL}-operator-metrics")
+    assert op["spec"]["ports"] == [
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    dep = one(docs, "Deployment")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert op["spec"]["selector"].items() <= pod_labels.items()
+    eng = one(docs, "Service", f"{FULL}-engines")
+    assert eng["spec"]["clusterIP"] == "None"
+    assert eng["spec"]["selector"] == {"app.kubernetes.io/component": "engine"}
+    assert eng["spec"]["ports"][0]["targetPort"] == "http"
+    assert eng["spec"]["ports"][0]["port"] == 8000
+
+
+def test_monitors() -> None:
+    docs = render(ALL_ON)
+    sm = one(docs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    svc = one(docs, "Service", f"{FULL}-operator-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] == "metrics"
+    assert {"action": "replace", "targetLabel": "job", "replacement": "loraplex-operator"} in ep[
+        "relabelings"
+    ]
+    pm = one(docs, "PodMonitor")
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "engine"}
+    assert {"key": "loraplex.dev/pool", "operator": "Exists"} in pm["spec"]["selector"][
+        "matchExpressions"
+    ]
+    (pep,) = pm["spec"]["podMetricsEndpoints"]
+    assert pep["port"] == "http" and pep["path"] == "/metrics"
+    # engines export `namespace` = the experiment's namespace: keep it.
+    assert pep["honorLabels"] is True
+    relabel = {r["targetLabel"]: r for r in pep["relabelings"]}
+    assert relabel["job"]["replacement"] == "loraplex-engine"
+    assert relabel["pool"]["sourceLabels"] == ["__meta_kubernetes_pod_label_loraplex_dev_pool"]
+
+
+def test_prometheus_rule_is_the_rules_file() -> None:
+    docs = render(ALL_ON)
+    rule = one(docs, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES_FILE.read_text())["groups"]
+
+
+def test_dashboard_configmaps() -> None:
+    docs = render(ALL_ON)
+    cms = by_kind(docs, "ConfigMap")
+    assert len(cms) == len(DASHBOARDS)
+    found = {}
+    for cm in cms:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "loraplex"}
+        ((key, text),) = cm["data"].items()
+        found[key] = json.loads(text)
+    assert found == {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
+
+
+def test_network_policy() -> None:
+    docs = render(SCENARIOS["netpol-only"])
+    np = one(docs, "NetworkPolicy")
+    spec = np["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/component": "engine"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    operator_peer, prometheus_peer = rule["from"]
+    dep = one(docs, "Deployment")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert operator_peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert operator_peer["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}
+    }
+    assert prometheus_peer["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}
+    }
+    extra = {"ipBlock": {"cidr": "10.0.0.0/8"}}
+    docs = render({"networkPolicy": {"enabled": True, "extraIngress": [extra]}})
+    assert one(docs, "NetworkPolicy")["spec"]["ingress"][0]["from"][-1] == extra
+
+
+def test_notes() -> None:
+    notes = render_notes()
+    assert "kubectl get lx -A" in notes
+    assert "every namespace" in notes
+    assert f"{FULL}-engine-token" in notes
+    notes = render_notes({**SCENARIOS["namespaced"], **ALL_ON})
+    assert "team-a,team-b" in notes
+    assert "loraplex / Fleet" in notes
+    assert "NetworkPolicy" in notes
+
+
+def test_kubernetes_older_than_supported_is_refused() -> None:
+    proc = subprocess.run(
+        [str(tool("helm")), "template", "x", str(CHART), "--kube-version", "1.28.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "chart requires kubeVersion: >=1.29.0-0" in proc.stderr, proc.stderr

@@ -1,0 +1,162 @@
+"""PEFT-format adapters in and out, trainer state, atomic directories, bad checkpoints."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lora_helpers import CONFIGS, batch, load_base, multi_model, rel_err
+from loraplex_engine.checkpoint import (
+    atomic_dir,
+    load_adapter,
+    load_trainer_state,
+    save_adapter,
+    save_trainer_state,
+)
+from loraplex_engine.errors import CheckpointError
+from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+
+
+def _logits(model, ids, mask, slot: int | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        if slot is None:
+            return model(input_ids=ids, attention_mask=mask).logits
+        return model(ids, mask, slot_ids=torch.full((len(ids),), slot)).logits
+
+
+def test_saved_adapter_loads_in_peft_with_same_logits(tiny_model_dir, tmp_path) -> None:
+    model = multi_model(tiny_model_dir)
+    ids, mask = batch(3, 7)
+    for name in CONFIGS:
+        out = save_adapter(model, name, tmp_path / name)
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        assert cfg["r"] == CONFIGS[name].rank and cfg["base_model_name_or_path"]
+        peft = PeftModel.from_pretrained(load_base(tiny_model_dir), out)
+        ref = _logits(peft, ids, mask)
+        assert rel_err(_logits(model, ids, mask, model.slot_of(name)), ref) < 1e-5
+
+
+def test_peft_saved_adapter_loads_into_a_slot(tiny_model_dir, tmp_path) -> None:
+    peft = get_peft_model(
+        load_base(tiny_model_dir),
+        LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "up_proj", "down_proj"]),
+    )
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.2)
+    peft.save_pretrained(tmp_path / "peft")
+    model = multi_model(tiny_model_dir)
+    slot = load_adapter(model, "p", tmp_path / "peft")
+    ids, mask = batch(3, 7)
+    ref = _logits(peft, ids, mask)
+    assert rel_err(ref, _logits(load_base(tiny_model_dir), ids, mask)) > 1e-2
+    assert rel_err(_logits(model, ids, mask, slot), ref) < 1e-5
+
+
+def _state(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + [
+        layer.scale.clone() for layer in model.lora_layers.values()
+    ]
+
+
+def _corrupt(case: str, src: Path, dst: Path) -> None:
+    """Copy checkpoint src to dst and break it in one way."""
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    weights = load_file(src / "adapter_model.safetensors")
+    if case == "missing weights":
+        weights = None
+    elif case == "truncated weights":
+        (dst / "adapter_model.safetensors").write_bytes(
+            (src / "adapter_model.safetensors").read_bytes()[:100]
+        )
+        weights = None
+    elif case == "wrong shape":
+        key = sorted(weights)[0]
+        weights[key] = torch.zeros(weights[key].shape[0], 3)
+    elif case == "missing key":
+        del weights[sorted(weights)[0]]
+    elif case == "rank above max":
+        cfg["r"] = 64
+    elif case == "unknown module":
+        cfg["target_modules"] = ["c_attn"]
+    elif case == "dora":
+        cfg["use_dora"] = True
+    elif case == "bad json":
+        cfg = None
+        (dst / "adapter_config.json").write_text("{not json")
+    if cfg is not None:
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        save_file(weights, dst / "adapter_model.safetensors")
+
+
+CORRUPTIONS = {
+    "missing weights": "adapter_model.safetensors is missing",
+    "truncated weights": "adapter_model.safetensors is corrupt",
+    "wrong shape": r"down_proj.lora_A.weight has shape \[4, 3\], expected \[4, 128\]",
+    "missing key": "missing keys",
+    "rank above max": "rank 64 exceeds the engine's max rank 8",
+    "unknown module": r"unknown target modules \['c_attn'\]",
+    "dora": "use_dora=True is not supported",
+    "bad json": "adapter_config.json is not valid JSON",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_bad_adapter_checkpoint_is_rejected_without_change(case, tiny_model_dir, tmp_path):
+    model = multi_model(tiny_model_dir)
+    good = save_adapter(model, "c", tmp_path / "good")
+    _corrupt(case, good, tmp_path / "bad")
+    before, adapters = _state(model), model.adapters()
+    for name in ("new", "c"):  # into a new slot, and over the existing adapter
+        with pytest.raises(CheckpointError, match=CORRUPTIONS[case]):
+            load_adapter(model, name, tmp_path / "bad")
+    assert model.adapters() == adapters
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model), strict=True))
+
+
+def test_trainer_state_roundtrip_and_bad_state(tiny_model_dir, tmp_path) -> None:
+    model = multi_model(tiny_model_dir)
+    opt = PerAdapterAdamW(model)
+    opt.add_adapter("a", AdamWSettings(lr=1e-3))
+    for p in opt.params:
+        p.grad = torch.randn_like(p)
+    opt.step([model.slot_of("a")])
+    gen = torch.Generator().manual_seed(5)
+    save_trainer_state(tmp_path / "s", opt, "a", generator=gen, metadata={"step": 1, "x": "y"})
+    expected_draw = torch.rand(3, generator=gen)
+
+    opt2, gen2 = PerAdapterAdamW(model), torch.Generator()
+    assert load_trainer_state(tmp_path / "s", opt2, "a", generator=gen2) == {"step": 1, "x": "y"}
+    assert opt2.step_count("a") == 1
+    assert torch.equal(torch.rand(3, generator=gen2), expected_draw)
+
+    # A state whose moments do not fit adapter "b" (other rank and targets) is rejected.
+    opt2.add_adapter("b", AdamWSettings(lr=1e-3))
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: optimiser exp_avg"):
+        load_trainer_state(tmp_path / "s", opt2, "b")
+    assert opt2.step_count("b") == 0
+    (tmp_path / "s" / "trainer_state.json").write_text('{"format": 1}')
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: bad trainer state"):
+        load_trainer_state(tmp_path / "s", opt2, "a")
+
+
+def test_atomic_dir_leaves_nothing_half_written(tmp_path) -> None:
+    final = tmp_path / "ckpt" / "step-00000001"
+    with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("partial")
+        raise RuntimeError("crash mid-write")
+    assert not final.exists() and list(final.parent.iterdir()) == []
+    with atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("done")
+    assert (final / "a.txt").read_text() == "done"
+    with pytest.raises(CheckpointError, match="already exists"), atomic_dir(final):
+        pass
+    with atomic_dir(final, overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("new")
+    assert [p.name for p in final.parent.iterdir()] == ["step-00000001"]
+    assert [p.name for p in final.iterdir()] == ["b.txt"]

@@ -1,0 +1,141 @@
+import math
+
+import pytest
+import torch
+from loraplex_engine.algorithms import (
+    ALGORITHMS,
+    get_algorithm,
+    group_advantages,
+    grpo_loss,
+    per_experiment_loss,
+    token_logprobs,
+)
+
+
+def test_group_advantages_hand_computed() -> None:
+    adv = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), group_size=2, eps=0.0)
+    # group 1: mean 0.5, population std 0.5 → ±1; group 2: all equal → 0 (0/0 guarded).
+    adv_eps = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), group_size=2)
+    assert torch.allclose(adv[:2], torch.tensor([1.0, -1.0]))
+    assert torch.equal(adv_eps[2:], torch.zeros(2))
+
+
+def test_identical_rewards_give_zero_advantage() -> None:
+    adv = group_advantages(torch.full((8,), 0.7), group_size=4)
+    assert torch.equal(adv, torch.zeros(8))
+
+
+def test_advantages_without_std_normalisation() -> None:
+    adv = group_advantages(torch.tensor([3.0, 1.0, 2.0]), group_size=3, normalize_std=False)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_group_size_must_divide() -> None:
+    with pytest.raises(ValueError, match="multiple of group_size=3"):
+        group_advantages(torch.zeros(4), group_size=3)
+
+
+def test_on_policy_loss_is_minus_masked_mean_advantage() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = grpo_loss(logp, logp.detach(), None, torch.tensor([2.0, -1.0]), mask, clip=0.2)
+    # ratio = 1 everywhere → token loss = -A; per-sequence masked mean.
+    assert torch.allclose(out.seq_loss, torch.tensor([-2.0, 1.0]))
+    out.seq_loss.sum().backward()
+    # d(-A·exp(logp - old))/dlogp = -A, averaged over the row's 2 (resp. 1) tokens.
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert out.clip_fraction.item() == 0.0 and out.ratio_mean.item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "adv", "clipped"),
+    [
+        (math.log(1.5), 1.0, True),  # above 1+ε with A>0: no further push up
+        (math.log(0.5), -1.0, True),  # below 1-ε with A<0: no further push down
+        (math.log(1.5), -1.0, False),  # above 1+ε with A<0: still corrected
+        (math.log(0.5), 1.0, False),  # below 1-ε with A>0: still corrected
+        (math.log(1.1), 1.0, False),  # inside the trust region
+    ],
+)
+def test_clipping_zeroes_gradient_only_on_the_pessimistic_side(
+    log_ratio: float, adv: float, clipped: bool
+) -> None:
+    old = torch.tensor([[-2.0]])
+    logp = (old + log_ratio).clone().requires_grad_(True)
+    out = grpo_loss(logp, old, None, torch.tensor([adv]), torch.ones(1, 1), clip=0.2)
+    out.seq_loss.sum().backward()
+    assert (logp.grad.abs().item() == 0.0) == clipped
+    assert out.clip_fraction.item() == float(clipped)
+    if not clipped:
+        assert logp.grad.item() == pytest.approx(-adv * math.exp(log_ratio))
+
+
+def test_kl_is_zero_when_policy_equals_reference() -> None:
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    out = grpo_loss(logp, logp.detach(), logp.detach(), torch.zeros(1), torch.ones(1, 2), 0.2, 1.0)
+    assert out.kl.item() == 0.0 and out.seq_loss.item() == 0.0
+    out.seq_loss.sum().backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 2))
+
+
+def test_k3_kl_value_and_penalty() -> None:
+    logp = torch.tensor([[-1.0]])
+    ref = torch.tensor([[-2.0]])
+    out = grpo_loss(logp, logp, ref, torch.zeros(1), torch.ones(1, 1), clip=0.2, kl_coef=0.5)
+    k3 = math.exp(-1.0) - (-1.0) - 1.0
+    assert out.kl.item() == pytest.approx(k3)
+    assert out.seq_loss.item() == pytest.approx(0.5 * k3)
+
+
+def test_masked_tokens_do_not_matter() -> None:
+    logp = torch.tensor([[-1.0, -5.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0]])
+    out = grpo_loss(logp, torch.tensor([[-1.0, 0.0]]), None, torch.ones(1), mask, clip=0.2)
+    out.seq_loss.sum().backward()
+    assert logp.grad[0, 1].item() == 0.0 and out.clip_fraction.item() == 0.0
+
+
+def test_token_logprobs_matches_log_softmax() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    got = token_logprobs(logits, targets)
+    assert torch.allclose(got[1, 2], torch.log_softmax(logits[1, 2], -1)[3])
+
+
+def test_per_experiment_loss_gives_each_adapter_its_solo_gradient() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Two "adapters" with different row counts (3 vs 1) in one fused batch.
+    w = {e: torch.randn(4, generator=gen, requires_grad=True) for e in ("a", "b")}
+    x = torch.randn(4, 4, generator=gen)
+    ids = ["a", "a", "b", "a"]
+    row_losses = torch.stack([(x[i] * w[e]).sum() ** 2 for i, e in enumerate(ids)])
+    total, means = per_experiment_loss(row_losses, ids)
+    fused = torch.autograd.grad(total, [w["a"], w["b"]], retain_graph=True)
+    for k, e in enumerate(("a", "b")):
+        rows = [i for i, r in enumerate(ids) if r == e]
+        solo_loss = torch.stack([(x[i] * w[e]).sum() ** 2 for i in rows]).mean()
+        (solo,) = torch.autograd.grad(solo_loss, [w[e]])
+        assert torch.allclose(fused[k], solo)
+        assert means[e].item() == pytest.approx(solo_loss.item())
+    # A plain mean over all rows would under-weight b (1 of 4 rows): prove the test can fail.
+    (naive_b,) = torch.autograd.grad(row_losses.mean(), [w["b"]])
+    assert not torch.allclose(naive_b, fused[1])
+
+
+def test_per_experiment_loss_accepts_tensor_ids_and_checks_length() -> None:
+    total, means = per_experiment_loss(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]))
+    assert total.item() == 7.0 and set(means) == {0, 1}
+    with pytest.raises(ValueError, match="2 experiment ids for 3 rows"):
+        per_experiment_loss(torch.zeros(3), ["a", "b"])
+
+
+def test_registry() -> None:
+    algo = get_algorithm("grpo")
+    assert ALGORITHMS["grpo"] is algo and algo.name == "grpo"
+    adv = algo.advantages(torch.tensor([1.0, 0.0]), 2)
+    out = algo.loss(
+        torch.zeros(2, 1), torch.zeros(2, 1), None, adv, torch.ones(2, 1), clip=0.2, kl_coef=0.0
+    )
+    assert out.seq_loss.shape == (2,)
+    with pytest.raises(KeyError, match="unknown algorithm 'ppo'"):
+        get_algorithm("ppo")

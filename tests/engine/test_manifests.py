@@ -1,0 +1,88 @@
+from pathlib import Path
+
+import pytest
+from loraplex_engine.manifests import ManifestError, load_manifests, parse_manifests
+
+REPO = Path(__file__).resolve().parents[2]
+
+GOOD = """
+apiVersion: loraplex.dev/v1alpha1
+kind: LoRAExperiment
+metadata: {name: exp1, namespace: team-a}
+spec:
+  task: {name: copy}
+---
+apiVersion: loraplex.dev/v1alpha1
+kind: LoRAExperiment
+metadata: {name: exp2}
+spec:
+  lora: {rank: 4}
+  task: {name: target-token, params: {target: "no"}}
+---
+"""
+
+
+def doc(body: str, name: str = "bad") -> str:
+    return (
+        f"apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
+        f"metadata: {{name: {name}}}\n{body}"
+    )
+
+
+def test_good_manifests_parse_in_order() -> None:
+    out = parse_manifests(GOOD)
+    assert [m.id for m in out] == ["team-a.exp1", "default.exp2"]
+    assert out[1].spec.lora.rank == 4 and out[1].spec.task.params == {"target": "no"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (doc("spec:\n  task: {name: chess}"), "document 0 ('bad'): spec.task.name:"),
+        (doc("spec:\n  lora: {rank: 300}\n  task: {name: copy}"), "spec.lora.rank:"),
+        (doc("spec:\n  lora: {rnak: 3}\n  task: {name: copy}"), "spec.lora.rnak: unknown field"),
+        (doc("spec: {}"), "spec.task: Field required"),
+        (doc(""), "document 0 ('bad'): spec: required"),
+        (doc("spec:\n  task: {name: copy, params: {lenght: '3'}}"), "spec.task.params.lenght"),
+        (GOOD.replace("kind: LoRAExperiment", "kind: EnginePool", 1), "document 0 ('exp1'): kind"),
+        (GOOD.replace("v1alpha1", "v2", 1), "apiVersion: must be loraplex.dev/v1alpha1"),
+        (doc("spec:\n  task: {name: copy}", name="Bad_Name"), "metadata.name: must be"),
+        ("kind: LoRAExperiment\napiVersion: loraplex.dev/v1alpha1\nspec: {}", "metadata"),
+        ("- 1\n- 2", "document 0: (document): must be a mapping"),
+        ("a: [1,", "invalid YAML"),
+        ("", "no documents"),
+    ],
+)
+def test_bad_documents_are_rejected_naming_document_and_field(text: str, expected: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifests(text)
+    assert expected in str(info.value)
+
+
+def test_engine_limits_checked_up_front() -> None:
+    with pytest.raises(
+        ManifestError, match=r"document 1 \('exp2'\): spec.lora.rank: rank 4 exceeds"
+    ):
+        parse_manifests(GOOD.replace("exp1, namespace: team-a", "exp1"), max_rank=2)
+    with pytest.raises(ManifestError, match=r"spec\.lora\.targetModules"):
+        parse_manifests(GOOD, known_modules=["q_proj"])
+
+
+def test_duplicates_and_all_problems_reported_together() -> None:
+    text = GOOD + GOOD.replace("team-a", "team-b") + doc("spec:\n  task: {name: chess}")
+    with pytest.raises(ManifestError) as info:
+        parse_manifests(text, source="x.yaml")
+    problems = info.value.problems
+    assert len(problems) == 2
+    assert "document 3 ('exp2'): metadata.name: duplicate 'default.exp2'" in problems[0]
+    assert "document 4 ('bad')" in problems[1]
+    assert str(info.value).startswith("x.yaml: 2 problem(s)")
+
+
+def test_demo_sample_is_valid() -> None:
+    out = load_manifests(REPO / "samples" / "demo.yaml", max_rank=64)
+    assert len(out) == 4
+    assert len({m.spec.algorithm.learning_rate for m in out}) > 1
+    assert len({m.spec.algorithm.seed for m in out}) == 4
+    assert {m.spec.engine_pool for m in out} == {"local"}
+    assert sum(m.spec.task.name == "target-token" for m in out) >= 2

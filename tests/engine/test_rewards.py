@@ -1,0 +1,142 @@
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+from loraplex_engine.rewards import (
+    BUILTIN_REWARDS,
+    BuiltinReward,
+    HttpReward,
+    RewardError,
+    RewardItem,
+    contains,
+    coverage,
+    exact_match,
+    make_reward,
+    prefix_overlap,
+    word_fraction,
+)
+
+ITEMS = [
+    RewardItem(prompt="2 + 2 =", completion=" 4", answer="4"),
+    RewardItem(prompt="say yes:", completion=" no", answer="yes"),
+]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict]] = []
+
+    def log_message(self, *args: object) -> None:  # keep test output quiet
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Handler.received.append(body)
+        items = body["items"]
+        answers = {
+            "/score": {"scores": [float(it["completion"].strip() == it["answer"]) for it in items]},
+            "/nan": {"scores": [math.nan] * len(items)},
+            "/text": {"scores": ["high"] * len(items)},
+            "/bool": {"scores": [True] * len(items)},
+            "/short": {"scores": [1.0]},
+            "/noscores": {"result": 1},
+        }
+        if self.path == "/boom":
+            self._send(500, b'{"detail": "reward code raised KeyError"}')
+        elif self.path == "/notjson":
+            self._send(200, b"<html>oops</html>")
+        elif self.path == "/slow":
+            time.sleep(1.0)
+            self._send(200, json.dumps({"scores": [0.0] * len(items)}).encode())
+        else:
+            self._send(200, json.dumps(answers[self.path]).encode())
+
+    def _send(self, status: int, payload: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except BrokenPipeError:  # the client timed out first (the /slow case)
+            pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_http_reward_scores_a_batch_in_one_request(server: str) -> None:
+    _Handler.received.clear()
+    reward = HttpReward(f"{server}/score", timeout=5)
+    assert reward.score(ITEMS) == [1.0, 0.0]
+    assert len(_Handler.received) == 1
+    assert _Handler.received[0] == {
+        "items": [
+            {"prompt": "2 + 2 =", "completion": " 4", "answer": "4"},
+            {"prompt": "say yes:", "completion": " no", "answer": "yes"},
+        ]
+    }
+    assert reward.score([]) == []
+    reward.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/boom", "answered HTTP 500.*KeyError"),
+        ("/nan", "score 0 is not finite"),
+        ("/text", "score 0 is not a number: 'high'"),
+        ("/bool", "score 0 is not a number: True"),
+        ("/short", "1 scores for 2 items"),
+        ("/noscores", "no 'scores' list"),
+        ("/notjson", "invalid JSON"),
+    ],
+)
+def test_http_reward_failures_raise_reward_error(server: str, path: str, message: str) -> None:
+    with pytest.raises(RewardError, match=message):
+        HttpReward(f"{server}{path}", timeout=5).score(ITEMS)
+
+
+def test_http_reward_timeout_and_unreachable(server: str) -> None:
+    with pytest.raises(RewardError, match="unreachable"):
+        HttpReward(f"{server}/slow", timeout=0.2).score(ITEMS)
+    with pytest.raises(RewardError, match="unreachable"):
+        HttpReward("http://127.0.0.1:9/score", timeout=1).score(ITEMS)
+
+
+def test_builtin_scores() -> None:
+    assert exact_match(" 42 ", "42") == 1.0 and exact_match("42 43", "42") == 0.0
+    assert contains("the answer is 42.", "42") == 1.0 and contains("4 2", "42") == 0.0
+    assert prefix_overlap(" abd", "abc") == pytest.approx(2 / 3)
+    assert prefix_overlap(" xbc", "abc") == pytest.approx(2 / 3)  # in place, not prefix-only
+    assert prefix_overlap("", "abc") == 0.0
+    assert word_fraction(" yes no yes yes", "yes") == 0.75 and word_fraction("", "yes") == 0.0
+    assert coverage(" yes yes", "yes") == 1.0
+    assert coverage(" yesxyz", "yes") == 0.5 and coverage("   ", "yes") == 0.0
+
+
+def test_builtin_reward_rejects_non_finite_scores() -> None:
+    bad = BuiltinReward("bad", lambda c, a: math.inf)
+    with pytest.raises(RewardError, match="reward bad: score 0 is not finite"):
+        bad.score(ITEMS)
+
+
+def test_make_reward() -> None:
+    assert make_reward("contains").score(ITEMS) == [1.0, 0.0]
+    assert isinstance(make_reward("http", "http://x/score"), HttpReward)
+    assert set(BUILTIN_REWARDS) >= {"exact-match", "contains", "prefix-overlap"}
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        make_reward("nope")
+    with pytest.raises(ValueError, match="needs a rewardUrl"):
+        make_reward("http")

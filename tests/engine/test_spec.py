@@ -1,0 +1,180 @@
+import copy
+from typing import Any, get_args
+
+import pytest
+from loraplex_engine.spec import (
+    ExperimentSpec,
+    RewardName,
+    SpecError,
+    TaskName,
+    all_spec_errors,
+    parse_spec,
+)
+from loraplex_engine.tasks import REWARD_NAMES, TASKS
+from pydantic import ValidationError
+
+# The example from docs/engine-api.md, verbatim.
+DOC_EXAMPLE: dict[str, Any] = {
+    "enginePool": "pool-a",
+    "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": ["q_proj", "v_proj"]},
+    "task": {
+        "name": "target-token",
+        "params": {"target": "yes"},
+        "dataset": "/data/train.jsonl",
+        "reward": "exact-match",
+        "rewardUrl": "http://rewards:8080/score",
+    },
+    "algorithm": {
+        "name": "grpo",
+        "groupSize": 8,
+        "promptsPerStep": 4,
+        "learningRate": 0.0005,
+        "klCoef": 0.0,
+        "clip": 0.2,
+        "maxSteps": 50,
+        "seed": 0,
+    },
+    "rollout": {"maxNewTokens": 8, "temperature": 1.0},
+    "checkpoint": {"everySteps": 10, "keep": 3},
+    "priority": 0,
+    "suspend": False,
+}
+
+
+def with_change(path: str, value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(DOC_EXAMPLE)
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return data
+
+
+def test_doc_example_round_trips_field_for_field() -> None:
+    spec = parse_spec(DOC_EXAMPLE)
+    assert spec.to_json() == DOC_EXAMPLE
+    assert spec.algorithm.learning_rate == 0.0005 and spec.lora.target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
+
+
+def test_defaults_fill_a_minimal_spec() -> None:
+    spec = parse_spec({"task": {"name": "copy"}})
+    assert (spec.lora.rank, spec.algorithm.group_size, spec.rollout.max_new_tokens) == (8, 8, 8)
+    assert spec.task.reward == "default" and spec.algorithm.max_steps == 50
+    assert "enginePool" not in spec.to_json()  # None fields are left out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("lora.rank", 0, "spec.lora.rank"),
+        ("lora.rank", 257, "spec.lora.rank"),
+        ("lora.alpha", 0, "spec.lora.alpha"),
+        ("lora.dropout", 1.0, "spec.lora.dropout"),
+        ("lora.targetModules", [], "spec.lora.targetModules"),
+        ("lora.targetModules", ["q proj"], "spec.lora.targetModules.0"),
+        ("algorithm.groupSize", 1, "spec.algorithm.groupSize"),
+        ("algorithm.groupSize", 257, "spec.algorithm.groupSize"),
+        ("algorithm.promptsPerStep", 0, "spec.algorithm.promptsPerStep"),
+        ("algorithm.promptsPerStep", 1025, "spec.algorithm.promptsPerStep"),
+        ("algorithm.learningRate", 0, "spec.algorithm.learningRate"),
+        ("algorithm.learningRate", float("inf"), "spec.algorithm.learningRate"),
+        ("algorithm.learningRate", float("nan"), "spec.algorithm.learningRate"),
+        ("algorithm.klCoef", -0.1, "spec.algorithm.klCoef"),
+        ("algorithm.clip", 0, "spec.algorithm.clip"),
+        ("algorithm.clip", 1.5, "spec.algorithm.clip"),
+        ("algorithm.maxSteps", -1, "spec.algorithm.maxSteps"),
+        ("algorithm.name", "ppo", "spec.algorithm.name"),
+        ("rollout.maxNewTokens", 0, "spec.rollout.maxNewTokens"),
+        ("rollout.maxNewTokens", 4097, "spec.rollout.maxNewTokens"),
+        ("rollout.temperature", 2.5, "spec.rollout.temperature"),
+        ("rollout.temperature", -0.1, "spec.rollout.temperature"),
+        ("checkpoint.everySteps", 0, "spec.checkpoint.everySteps"),
+        ("checkpoint.keep", 0, "spec.checkpoint.keep"),
+        ("task.name", "chess", "spec.task.name"),
+        ("task.reward", "vibes", "spec.task.reward"),
+        ("task.params", {"target": 3}, "spec.task.params.target"),
+        ("lora.rank", "8", "spec.lora.rank"),  # strict, like the CRD's integer type
+        ("lora.rnak", 8, "spec.lora.rnak"),
+        ("extra", 1, "spec.extra"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(path: str, value: Any, field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(with_change(path, value))
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_bounds_edges_are_accepted() -> None:
+    for path, value in [
+        ("lora.rank", 256),
+        ("algorithm.groupSize", 2),
+        ("algorithm.clip", 1.0),
+        ("algorithm.maxSteps", 0),
+        ("rollout.temperature", 0),
+        ("rollout.temperature", 2),
+        ("rollout.maxNewTokens", 4096),
+    ]:
+        parse_spec(with_change(path, value))
+
+
+def test_unknown_field_says_so() -> None:
+    with pytest.raises(SpecError, match=r"spec.lora.rnak: unknown field"):
+        parse_spec(with_change("lora.rnak", 8))
+
+
+def test_jsonl_requires_dataset_and_http_requires_url() -> None:
+    data = with_change("task", {"name": "jsonl"})
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    assert info.value.field == "spec.task.dataset"
+    data = with_change("task", {"name": "copy", "reward": "http"})
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    assert info.value.field == "spec.task.rewardUrl"
+
+
+def test_missing_task_and_non_mapping() -> None:
+    with pytest.raises(SpecError, match=r"spec\.task: Field required"):
+        parse_spec({})
+    with pytest.raises(SpecError, match="must be a mapping"):
+        parse_spec([1, 2])
+
+
+def test_all_errors_are_listed() -> None:
+    bad = with_change("lora.rank", 0)
+    bad["rollout"]["temperature"] = 9
+    assert {e.field for e in all_spec_errors(bad)} == {"spec.lora.rank", "spec.rollout.temperature"}
+    assert all_spec_errors(DOC_EXAMPLE) == []
+
+
+def test_validate_for_engine() -> None:
+    spec = parse_spec(with_change("lora.rank", 128))
+    with pytest.raises(SpecError, match="rank 128 exceeds the engine's max rank 64") as info:
+        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+    assert info.value.field == "spec.lora.rank"
+    spec = parse_spec(with_change("lora.targetModules", ["q_proj", "w_proj"]))
+    with pytest.raises(SpecError, match=r"\['w_proj'\]") as info:
+        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+    assert info.value.field == "spec.lora.targetModules"
+    spec = parse_spec(with_change("task.params", {"targt": "yes"}))
+    with pytest.raises(SpecError) as info:
+        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+    assert info.value.field == "spec.task.params.targt"
+    parse_spec(DOC_EXAMPLE).validate_for_engine(max_rank=8, known_modules=["q_proj", "v_proj"])
+
+
+def test_names_match_the_registries() -> None:
+    assert set(get_args(TaskName)) == set(TASKS)
+    assert set(get_args(RewardName)) == set(REWARD_NAMES)
+
+
+def test_spec_is_immutable() -> None:
+    spec = parse_spec(DOC_EXAMPLE)
+    with pytest.raises(ValidationError, match="frozen"):
+        spec.priority = 3  # type: ignore[misc]
+    assert isinstance(spec, ExperimentSpec)

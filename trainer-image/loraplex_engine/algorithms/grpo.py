@@ -1,0 +1,132 @@
+"""GRPO maths: group-relative advantages and the clipped-ratio policy loss.
+
+Pure tensor code (no model): the loop hands in per-token log-probabilities and a
+mask, and gets back one loss per sequence plus statistics.
+
+Normalisation choice: each sequence's loss is the masked *mean* over its own
+completion tokens, and an experiment's loss is the mean over its sequences
+("sequence-mean" as in the GRPO paper). A long completion therefore weighs the
+same as a short one, and the loss scale does not depend on ``maxNewTokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True
+) -> Tensor:
+    """Advantage of each completion relative to its group (same prompt).
+
+    ``rewards`` is flat ``[n_groups * group_size]``, groups contiguous.
+    A group whose rewards are all equal gets zero advantage (nothing to learn).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} "
+            f"entries, got shape {tuple(rewards.shape)}"
+        )
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        # Population std (unbiased=False) keeps group_size=2 well defined.
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) per position: logits ``[B, T, V]``, targets ``[B, T]`` → ``[B, T]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class LossOutput:
+    """``seq_loss`` carries the graph; the rest are detached statistics over the batch."""
+
+    seq_loss: Tensor  # [B], masked token mean per sequence
+    clip_fraction: Tensor  # scalar: share of tokens where the clip was active
+    kl: Tensor  # scalar: mean k3 KL(policy || ref) over tokens (0 without ref)
+    ratio_mean: Tensor  # scalar: mean importance ratio over tokens
+
+
+def masked_seq_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over each row's masked tokens; rows with no tokens give 0."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+def _masked_scalar_mean(values: Tensor, mask: Tensor) -> Tensor:
+    mask = mask.to(values.dtype)
+    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float = 0.2,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """PPO-style clipped surrogate with an optional k3 KL penalty to the reference.
+
+    Shapes: log-probs and mask ``[B, T]`` (mask 1 on completion tokens),
+    advantages ``[B]``. Returns the loss to *minimise*.
+    """
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv
+    # min() picks the pessimistic bound: outside the trust region the clipped
+    # branch is constant, so the token contributes no gradient.
+    token_loss = -torch.minimum(unclipped, clipped)
+    if ref_logprobs is not None:
+        delta = ref_logprobs.detach() - logprobs
+        kl_tok = torch.exp(delta) - delta - 1.0  # k3: unbiased, always >= 0
+    else:
+        kl_tok = torch.zeros_like(logprobs)
+    if kl_coef:
+        token_loss = token_loss + kl_coef * kl_tok
+    # Active = the constant clipped branch won the min (token gives no gradient).
+    clipped_active = (clipped < unclipped).to(logprobs.dtype)
+    return LossOutput(
+        seq_loss=masked_seq_mean(token_loss, mask),
+        clip_fraction=_masked_scalar_mean(clipped_active, mask),
+        kl=_masked_scalar_mean(kl_tok.detach(), mask),
+        ratio_mean=_masked_scalar_mean(ratio.detach(), mask),
+    )
+
+
+def per_experiment_loss(
+    row_losses: Tensor, row_experiment_ids: Sequence[Hashable] | Tensor
+) -> tuple[Tensor, dict[Hashable, Tensor]]:
+    """Reduce a fused batch: sum over experiments of each experiment's mean row loss.
+
+    Rows of experiment *e* depend only on adapter *e*, so d(total)/d(adapter e)
+    = d(mean of e's rows)/d(adapter e): exactly the gradient it would get alone,
+    whatever the other experiments' row counts. Returns the total and each
+    experiment's (detached) mean.
+    """
+    if isinstance(row_experiment_ids, Tensor):
+        ids = row_experiment_ids.tolist()
+    else:
+        ids = list(row_experiment_ids)
+    if len(ids) != row_losses.shape[0]:
+        raise ValueError(f"{len(ids)} experiment ids for {row_losses.shape[0]} rows")
+    rows_by_exp: dict[Hashable, list[int]] = {}
+    for row, exp in enumerate(ids):
+        rows_by_exp.setdefault(exp, []).append(row)
+    total = row_losses.new_zeros(())
+    means: dict[Hashable, Tensor] = {}
+    for exp, rows in rows_by_exp.items():
+        mean = row_losses[torch.tensor(rows, device=row_losses.device)].mean()
+        total = total + mean
+        means[exp] = mean.detach()
+    return total, means

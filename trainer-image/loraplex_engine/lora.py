@@ -1,0 +1,188 @@
+"""The multi-LoRA linear layer: one frozen base linear, many stacked adapter slots.
+
+Each row of a batch carries a slot id. ``y = base(x)`` runs once for all rows; the LoRA delta
+``scale[s] * (x A[s]^T) B[s]^T`` is then added to the rows of each slot ``s``. Slot 0 holds no
+adapter: its rows skip the delta, so they equal the frozen base exactly.
+
+Rows are grouped by slot and padded to the largest group, so the delta is two batched matmuls
+over ``[groups, rows*tokens, in]`` with each slot's A/B read once (not copied per row, which
+would cost ``rows * rank * in`` memory per layer, ruinous in KV-cache decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .errors import AdapterError, RoutingError
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """One adapter's settings; ``scale = alpha / rank`` (PEFT's default, no rsLoRA)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def __post_init__(self) -> None:
+        # A set in meaning: sorted, so equal configs compare equal.
+        object.__setattr__(self, "target_modules", tuple(sorted(set(self.target_modules))))
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise AdapterError(f"rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise AdapterError(f"alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise AdapterError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise AdapterError("target_modules must name at least one module")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a batch's rows map onto slot groups; built once per batch, shared by all layers."""
+
+    batch: int
+    rows: Tensor  # [n] rows that have an adapter, grouped by slot
+    group: Tensor  # [n] group index of each of those rows
+    pos: Tensor  # [n] position of the row inside its group
+    slots: Tensor  # [g] slot of each group
+    width: int  # rows in the largest group
+    in_order: bool  # rows == all rows, in order (tenants already contiguous): no gather needed
+
+    @property
+    def dense(self) -> bool:
+        """Every group has ``width`` rows, so the grouped rows need no padding."""
+        return self.rows.numel() == self.slots.numel() * self.width
+
+    @classmethod
+    def build(cls, slot_ids: Tensor) -> Routing | None:
+        """None when no row has an adapter (the whole batch is the base model)."""
+        rows = torch.nonzero(slot_ids, as_tuple=True)[0]
+        if rows.numel() == 0:
+            return None
+        order = torch.argsort(slot_ids[rows], stable=True)
+        rows = rows[order]
+        slots, group, counts = torch.unique_consecutive(
+            slot_ids[rows], return_inverse=True, return_counts=True
+        )
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(rows.numel(), device=rows.device) - starts[group]
+        in_order = rows.numel() == len(slot_ids) and bool((order[1:] > order[:-1]).all())
+        return cls(len(slot_ids), rows, group, pos, slots, int(counts.max()), in_order)
+
+
+class Router:
+    """Per-row slot ids for one forward or ``generate`` call.
+
+    ``generate`` may expand each prompt into ``k`` rows (``num_return_sequences``, beams)
+    with ``repeat_interleave``; the plan for such a batch is derived from the same ids.
+    """
+
+    def __init__(self, slot_ids: Tensor) -> None:
+        self.slot_ids = slot_ids
+        self._plans: dict[int, Routing | None] = {}
+
+    def plan(self, batch: int) -> Routing | None:
+        if batch not in self._plans:
+            n = len(self.slot_ids)
+            if batch % n:
+                raise RoutingError(f"batch of {batch} rows does not fit {n} slot ids")
+            self._plans[batch] = Routing.build(self.slot_ids.repeat_interleave(batch // n))
+        return self._plans[batch]
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus ``slots`` LoRA adapters stacked and zero-padded to ``max_rank``.
+
+    ``lora_A: [slots, max_rank, in]`` and ``lora_B: [slots, out, max_rank]`` are one parameter
+    each; a slot only ever receives gradient from its own rows, so per-slot optimisation is a
+    matter of slicing (see optim.py). Padding beyond a slot's rank stays exactly zero: its
+    gradient is zero and AdamW keeps a zero parameter with zero gradient at zero.
+    """
+
+    def __init__(
+        self, base_layer: nn.Linear, slots: int, max_rank: int, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.base_layer.requires_grad_(False)
+        out_f, in_f = base_layer.weight.shape
+        kw = {"device": base_layer.weight.device, "dtype": dtype or base_layer.weight.dtype}
+        self.lora_A = nn.Parameter(torch.zeros(slots, max_rank, in_f, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(slots, out_f, max_rank, **kw))
+        # Zero scale means "no contribution": slot 0, free slots, adapters not targeting us.
+        self.register_buffer("scale", torch.zeros(slots, **kw), persistent=False)
+        self.register_buffer("dropout", torch.zeros(slots, **kw), persistent=False)
+        self._dropout_slots: set[int] = set()  # host-side copy: no device sync per forward
+        self.router: Router | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_A.shape[2]
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_B.shape[1]
+
+    @torch.no_grad()
+    def set_slot(
+        self,
+        slot: int,
+        rank: int,
+        scale: float,
+        dropout: float,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Init a slot PEFT-style: A kaiming-uniform (a=sqrt(5)), B zero; ``scale=0`` clears it."""
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.scale[slot] = scale
+        self.dropout[slot] = dropout
+        self._dropout_slots.discard(slot)
+        if dropout:
+            self._dropout_slots.add(slot)
+        if scale:
+            a = torch.empty(rank, self.in_features, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            self.lora_A[slot, :rank] = a
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base_layer(x)
+        plan = self.router.plan(x.shape[0]) if self.router is not None else None
+        if plan is None:
+            return y
+        delta = self._delta(x, plan).to(y.dtype)
+        return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
+
+    def _delta(self, x: Tensor, plan: Routing) -> Tensor:
+        """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
+        xs = (x if plan.in_order else x[plan.rows]).to(self.lora_A.dtype)
+        if self.training and self._dropout_slots:
+            xs = self._dropout(xs, self.dropout[plan.slots][plan.group])
+        groups = plan.slots.numel()
+        if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
+            padded = xs.reshape(groups, -1, xs.shape[-1])
+        else:
+            padded = xs.new_zeros((groups, plan.width, *xs.shape[1:]))
+            padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
+        # Scale the rank-sized intermediate, not the output: r/out times fewer multiplies.
+        h = torch.bmm(padded, self.lora_A[plan.slots].mT) * self.scale[plan.slots].view(-1, 1, 1)
+        d = torch.bmm(h, self.lora_B[plan.slots].mT)
+        d = d.view(groups, plan.width, *xs.shape[1:-1], -1)
+        return d.flatten(0, 1) if plan.dense else d[plan.group, plan.pos]
+
+    @staticmethod
+    def _dropout(xs: Tensor, p: Tensor) -> Tensor:
+        """Inverted dropout with a per-row probability (each row's slot's)."""
+        p = p.view(-1, *([1] * (xs.dim() - 1)))
+        keep = torch.rand_like(xs) >= p
+        return xs * keep / (1 - p)

@@ -1,0 +1,183 @@
+"""Local runner: train the experiments of a manifest file on one in-process hot engine.
+
+Drives the same engine object as the HTTP server (no HTTP in between), prints live
+progress, and writes ``summary.json``, ``rewards.png`` and the final adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
+
+FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
+
+
+@dataclass
+class Progress:
+    """Per-experiment reward curve and token counts, collected from tick reports."""
+
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def record(self, report: TickReport) -> None:
+        for exp in report.experiments:
+            if exp.failed_reason is None:
+                self.rewards.setdefault(exp.id, []).append(exp.reward)
+            self.tokens[exp.id] = self.tokens.get(exp.id, 0) + exp.rollout_tokens
+        for phase, seconds in report.phase_seconds.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
+    reward = "   -  " if status.reward is None else f"{status.reward:6.3f}"
+    limit = status.max_steps or "∞"
+    line = f"  {status.name:<24} {status.phase:<9} step {status.step:>4}/{limit:<4} "
+    return line + f"reward {reward}  {tokens_per_s:7.1f} tok/s"
+
+
+def run_until_done(
+    engine: EngineService,
+    ids: list[str],
+    out: TextIO,
+    progress: Progress,
+    print_every_s: float = 2.0,
+    on_tick: Callable[[TickReport], None] | None = None,
+) -> float:
+    """Tick until every experiment has finished; returns wall seconds."""
+    start = last_print = time.monotonic()
+    while True:
+        report = engine.tick()
+        if report is not None:
+            progress.record(report)
+            if on_tick:
+                on_tick(report)
+        statuses = [engine.get_experiment(i) for i in ids]
+        now = time.monotonic()
+        done = all(s.phase != "Running" for s in statuses)
+        if done or now - last_print >= print_every_s:
+            last_print = now
+            elapsed = max(now - start, 1e-9)
+            out.write(f"[{elapsed:7.1f}s]\n")
+            for s in statuses:
+                out.write(progress_line(s, progress.tokens.get(s.id, 0) / elapsed) + "\n")
+            out.flush()
+        if done:
+            return now - start
+
+
+def write_summary(
+    engine: EngineService,
+    ids: list[str],
+    progress: Progress,
+    wall: float,
+    out_dir: Path,
+    task_names: dict[str, str],
+) -> dict[str, Any]:
+    """summary.json + one PEFT adapter directory per experiment under ``out_dir``."""
+    experiments = []
+    for exp_id in ids:
+        status = engine.get_experiment(exp_id)
+        curve = progress.rewards.get(exp_id, [])
+        adapter_dir = out_dir / "adapters" / status.name
+        if status.adapter_path:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+            shutil.copytree(status.adapter_path, adapter_dir)
+        experiments.append(
+            {
+                "name": status.name,
+                "task": task_names[exp_id],
+                "phase": status.phase,
+                "steps": status.step,
+                "reward_first": _mean(curve[:FIRST_LAST_K]),
+                "reward_last": _mean(curve[-FIRST_LAST_K:]),
+                "rewards": curve,
+                "adapter_path": str(adapter_dir) if status.adapter_path else None,
+                "error": status.error,
+            }
+        )
+    summary = {
+        "wall_seconds": wall,
+        "phase_seconds": progress.phase_seconds,
+        "experiments": experiments,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def plot_rewards(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for exp in summary["experiments"]:
+        ax.plot(range(1, len(exp["rewards"]) + 1), exp["rewards"], label=exp["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("loraplex: reward per experiment (one hot engine)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_file(
+    manifest_path: str | Path,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    max_adapters: int = 8,
+    max_rank: int = 64,
+    train_mode: str = "fused",
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Validate every manifest up front, then train them all on one hot engine."""
+    import sys
+
+    from loraplex_engine.engine import Engine
+    from loraplex_engine.manifests import load_manifests
+
+    out = out or sys.stdout
+    manifests = load_manifests(manifest_path, max_rank=max_rank)
+    if len(manifests) > max_adapters:
+        raise ValueError(
+            f"{manifest_path}: {len(manifests)} experiments but the engine has "
+            f"{max_adapters} adapter slots (raise --max-adapters)"
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    engine = Engine(
+        model_dir,
+        max_adapters=max_adapters,
+        max_rank=max_rank,
+        checkpoint_root=out_dir / "checkpoints",
+        train_mode=train_mode,
+    )
+    out.write(
+        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name}, "
+        f"{len(manifests)} experiments, {train_mode} training\n"
+    )
+    for m in manifests:
+        engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+    ids = [m.id for m in manifests]
+    progress = Progress()
+    wall = run_until_done(engine, ids, out, progress)
+    tasks = {m.id: m.spec.task.name for m in manifests}
+    summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
+    plot_rewards(summary, out_dir / "rewards.png")
+    out.write(f"done in {wall:.1f}s; wrote {out_dir / 'summary.json'} and rewards.png\n")
+    return summary
