@@ -66,6 +66,8 @@ class Config:
     scale_down_delay: float = 60.0  # an engine idle this long (above min) is removed
     max_restarts: int = st.DEFAULT_MAX_RESTARTS
     engine_timeout: float = 30.0
+    # Namespaces whose experiments this operator may read (namespaced RBAC); () = all.
+    namespaces: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -78,6 +80,11 @@ class Config:
             scale_down_delay=num("SCALE_DOWN_DELAY", cls.scale_down_delay),
             max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),
             engine_timeout=num("ENGINE_TIMEOUT", cls.engine_timeout),
+            namespaces=tuple(
+                n.strip()
+                for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")
+                if n.strip()
+            ),
         )
 
 
@@ -529,9 +536,7 @@ class PoolReconciler:
         if pool is None:
             return None
         token = await self.token(pool)
-        exps, views = await asyncio.gather(
-            self.kube.list(EXPERIMENTS), self.engine_views(pool, token)
-        )
+        exps, views = await asyncio.gather(self._experiments(), self.engine_views(pool, token))
         exps = [x for x in exps if x.get("spec", {}).get("enginePool") == pool_name]
         ns_labels: dict[str, dict[str, str]] = {}
         if pool.get("spec", {}).get("namespaceSelector") is not None:
@@ -547,6 +552,19 @@ class PoolReconciler:
             idle_since=self._idle_since.get(pool_name, {}),
         )
         return snap, token
+
+    async def _experiments(self) -> list[dict[str, Any]]:
+        if not self.config.namespaces:  # cluster-wide RBAC: one list
+            items = await self.kube.list(EXPERIMENTS)
+        else:  # namespaced RBAC: one list per watched namespace
+            lists = await asyncio.gather(
+                *(self.kube.list(EXPERIMENTS, ns) for ns in self.config.namespaces)
+            )
+            items = [x for xs in lists for x in xs]
+        for x in items:  # list items may lack kind/apiVersion; Events need them
+            x.setdefault("apiVersion", f"{EXPERIMENTS.group}/{EXPERIMENTS.version}")
+            x.setdefault("kind", "LoRAExperiment")
+        return items
 
     # -- the round --
 

@@ -252,3 +252,14 @@ def test_status_changes_sees_removed_fields() -> None:
 def test_work_ids() -> None:
     w = Work(obj=experiment("x", namespace="ns1").obj())
     assert (w.key, w.id) == ("ns1/x", "ns1.x")
+
+
+def test_config_from_env() -> None:
+    env = {
+        "LORAPLEX_RECONCILE_INTERVAL": "2",
+        "LORAPLEX_MAX_RESTARTS": "5",
+        "LORAPLEX_WATCH_NAMESPACES": "team-b,team-a",
+    }
+    cfg = Config.from_env(env)
+    assert (cfg.interval, cfg.max_restarts, cfg.namespaces) == (2.0, 5, ("team-b", "team-a"))
+    assert Config.from_env({}).namespaces == ()
