@@ -92,6 +92,15 @@ async def _messages(h: Harness, name: str, reason: str) -> list[str]:
     return [e.get("message", "") for e in await h.events(NS, name) if e.get("reason") == reason]
 
 
+async def _event(h: Harness, name: str, reason: str, contains: str = "") -> str:
+    """Wait for an Event (kopf posts them asynchronously) and return its message."""
+
+    async def found() -> str | None:
+        return next((m for m in await _messages(h, name, reason) if contains in m), None)
+
+    return await h.wait_for(f"{reason} event on {name} with {contains!r}", found, timeout=30)
+
+
 # --- scenarios -------------------------------------------------------------------------
 
 
@@ -188,10 +197,8 @@ async def test_engine_killed_mid_training_resumes_on_another_engine(h: Harness) 
     await h.wait_for("experiments moved to another engine", moved, timeout=180, interval=0.1)
     for n in on_victim:
         assert lowest[n] >= killed_at[n] - every, (n, killed_at[n], lowest[n])
-        lost = await _messages(h, n, "EngineLost")
-        assert lost and victim in lost[0], lost
-        bound = await _messages(h, n, "Bound")
-        assert any("resuming from" in m for m in bound), bound
+        await _event(h, n, "EngineLost", victim)
+        await _event(h, n, "Bound", "resuming from")
     for n in names:
         s = await h.wait_phase(NS, n, "Succeeded", timeout=300)
         assert s["step"] == LONG
@@ -223,7 +230,7 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
     assert high["step"] == 8
     s = await h.wait_phase(NS, victim, "Succeeded", timeout=300)
     assert s["step"] == LONG and s["restarts"] == 0
-    assert any("resuming from" in m for m in await _messages(h, victim, "Bound"))
+    await _event(h, victim, "Bound", "resuming from")
     other = next(n for n in lows if n != victim)
     await h.wait_phase(NS, other, "Succeeded", timeout=120)
     if h.operator is not None:
@@ -270,11 +277,7 @@ async def test_invalid_experiments_are_rejected_naming_the_field(h: Harness) -> 
         s = await h.status(NS, name)
         assert s["phase"] == "Pending" and not s.get("engine")
 
-        async def event() -> bool:
-            msgs = await _messages(h, name, "AdmissionFailed")
-            return any(field in m for m in msgs)
-
-        await h.wait_for(f"AdmissionFailed event naming {field}", event, timeout=30)
+        await _event(h, name, "AdmissionFailed", field)
 
     await rejected("too-big", "spec.lora.rank")
     await rejected("no-pool", "spec.enginePool")
@@ -328,5 +331,5 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     await h.patch_spec(NS, "sus", {"suspend": False})
     s = await h.wait_phase(NS, "sus", "Succeeded", timeout=240)
     assert s["step"] == LONG
-    assert any("resuming from" in m for m in await _messages(h, "sus", "Bound"))
+    await _event(h, "sus", "Bound", "resuming from")
     assert await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)  # type: ignore[union-attr]
