@@ -714,11 +714,15 @@ class PoolReconciler:
 
     async def _pods(self, pool: Mapping[str, Any], plan: RoundPlan) -> None:
         ns = manifests.engine_namespace(pool)
+        pool_obj = {"apiVersion": manifests.API_VERSION, "kind": "EnginePool", **pool}
         for _ in range(plan.create_pods):
             pod = manifests.engine_pod(pool, _suffix())
             try:
                 await self.kube.create(PODS, pod, ns)
                 log.info("created engine pod %s/%s", ns, pod["metadata"]["name"])
+                self.emit(
+                    pool_obj, NORMAL, "EngineCreated", f"engine pod {pod['metadata']['name']}"
+                )
             except KubeError as e:
                 m.RECONCILE_ERRORS.labels(kind="pod").inc()
                 log.warning("create engine pod: %s", e)
@@ -726,6 +730,7 @@ class PoolReconciler:
             try:
                 await self.kube.delete(PODS, name, ns)
                 log.info("deleted engine pod %s/%s", ns, name)
+                self.emit(pool_obj, NORMAL, "EngineRemoved", f"engine pod {name} (idle or dead)")
             except KubeError as e:
                 m.RECONCILE_ERRORS.labels(kind="pod").inc()
                 log.warning("delete engine pod %s: %s", name, e)
