@@ -29,17 +29,20 @@ DEVICE = "cpu"
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def median_time(fn: Callable[[], None], warmup: int, repeat: int) -> float:
+def median_times(fns: list[Callable[[], None]], warmup: int, repeat: int) -> list[float]:
+    """Median seconds of each fn; runs are interleaved (ABAB...) so load noise hits all alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times, strict=True):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def _sync() -> None:
@@ -85,9 +88,8 @@ def time_steps(
             opt.step([s])
             opt.zero_grad()
 
-    return median_time(fused, args.warmup, args.repeat), median_time(
-        sequential, args.warmup, args.repeat
-    )
+    tf, ts = median_times([fused, sequential], args.warmup, args.repeat)
+    return tf, ts
 
 
 def bench_steps(args: argparse.Namespace, model_dir: Path, vocab: int) -> None:
@@ -130,9 +132,8 @@ def bench_layer(args: argparse.Namespace, hidden: int) -> None:
             "gather": lambda x=x, ids=ids: delta_gather(layer, x, ids),
             "loop": lambda x=x, ids=ids: delta_loop(layer, x, ids),
         }
-        times = {
-            k: median_time(lambda f=f: f().sum().backward(), 2, args.repeat) for k, f in fns.items()
-        }
+        runs = [lambda f=f: f().sum().backward() for f in fns.values()]
+        times = dict(zip(fns, median_times(runs, 2, args.repeat), strict=True))
         shape = f"{label} {rows}x{seq}"
         print(
             f"{shape:>22} {times['grouped'] * 1e3:>10.2f}ms {times['gather'] * 1e3:>9.2f}ms"

@@ -14,6 +14,8 @@ import time
 
 import torch
 from loraplex_engine.algorithms import group_advantages, grpo_loss, token_logprobs
+from loraplex_engine.manifests import load_manifests
+from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import build_task
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,11 +40,42 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--head-std", type=float, default=0.0, help="re-init lm_head with this std")
+    p.add_argument("--manifest", help="run every experiment of this YAML with its own settings")
     return p.parse_args()
+
+
+def args_from_manifest(args: argparse.Namespace, spec: ExperimentSpec) -> argparse.Namespace:
+    a, lora = spec.algorithm, spec.lora
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "task": spec.task.name,
+            "params": [f"{k}={v}" for k, v in spec.task.params.items()],
+            "steps": a.max_steps,
+            "lr": a.learning_rate,
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "targets": ",".join(lora.target_modules),
+            "group": a.group_size,
+            "prompts": a.prompts_per_step,
+            "new_tokens": spec.rollout.max_new_tokens,
+            "temperature": spec.rollout.temperature,
+            "seed": a.seed,
+        }
+    )
 
 
 def main() -> None:
     args = parse_args()
+    if args.manifest:
+        for m in load_manifests(args.manifest):
+            print(f"== {m.id}")
+            run(args_from_manifest(args, m.spec))
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -62,8 +62,8 @@ def test_doc_example_round_trips_field_for_field() -> None:
 
 def test_defaults_fill_a_minimal_spec() -> None:
     spec = parse_spec({"task": {"name": "copy"}})
-    assert (spec.lora.rank, spec.algorithm.group_size, spec.rollout.max_new_tokens) == (8, 8, 8)
-    assert spec.task.reward == "default" and spec.algorithm.max_steps == 50
+    assert (spec.lora.rank, spec.algorithm.group_size, spec.rollout.max_new_tokens) == (8, 8, 64)
+    assert spec.task.reward is None and spec.algorithm.max_steps == 50
     assert "enginePool" not in spec.to_json()  # None fields are left out
 
 

@@ -87,6 +87,8 @@ def test_reward_override_and_http() -> None:
     assert task.reward(Prompt("say yes:", "yes"), " no yes") == 1.0
     http = build_task("copy", reward="http", reward_url="http://127.0.0.1:9/score")
     assert isinstance(http.reward_fn, HttpReward)
+    http.close()
+    task.close()  # built-in reward: nothing to release, must not fail
     with pytest.raises(TaskError, match="rewardUrl"):
         build_task("copy", reward="http")
     with pytest.raises(TaskError, match="unknown reward"):

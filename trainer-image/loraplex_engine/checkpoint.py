@@ -44,6 +44,15 @@ _UNSUPPORTED = {
     "rank_pattern": {},
     "alpha_pattern": {},
 }
+# Newer PEFT options: checked on load, not written (older PEFT/vLLM readers do not know them).
+_UNSUPPORTED_NEW = {
+    "lora_bias": False,
+    "exclude_modules": None,
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+}
 
 
 # ---- atomic directories ------------------------------------------------------------------
@@ -131,9 +140,10 @@ def read_adapter_config(path: str | Path) -> LoRAConfig:
     raw = _read_json(file)
     if raw.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{file}: peft_type {raw['peft_type']!r} is not LORA")
-    for key, default in _UNSUPPORTED.items():
-        if raw.get(key, default) not in (default, None, {}, False, "none"):
-            raise CheckpointError(f"{file}: {key}={raw[key]!r} is not supported")
+    for key, default in {**_UNSUPPORTED, **_UNSUPPORTED_NEW}.items():
+        value = raw.get(key, default)
+        if value and value != default:  # empty / null / false / "none" all mean "not used"
+            raise CheckpointError(f"{file}: {key}={value!r} is not supported")
     targets = raw.get("target_modules")
     if not isinstance(targets, list):
         raise CheckpointError(f"{file}: target_modules must be a list of names, got {targets!r}")

@@ -365,6 +365,11 @@ class Engine:
         return out.logits[:, -1].float().cpu(), out.past_key_values
 
     def _score(self, r: _Rollout, reports: dict[str, ExperimentTick]) -> None:
+        if any(c.nonfinite for c in r.completions):
+            self._fail(
+                r.exp, "non-finite logits from the adapter (diverged)", "non_finite", reports
+            )
+            return
         texts = [self._decode(c.token_ids) for c in r.completions]
         try:
             rewards = r.exp.task.score(r.prompts, texts)

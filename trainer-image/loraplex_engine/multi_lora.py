@@ -149,7 +149,7 @@ class MultiLoRAModel(nn.Module):
         attention_mask: Tensor | None = None,
         slot_ids: Tensor | None = None,
         **gen_kwargs: Any,
-    ) -> Tensor:
+    ) -> Any:
         """``base_model.generate`` with per-row adapters; KV cache and expansion work as usual."""
         with self.route(self._default_slots(input_ids, slot_ids)):
             return self.base_model.generate(

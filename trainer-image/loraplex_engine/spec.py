@@ -38,10 +38,10 @@ class _Model(BaseModel):
 
 class LoraSpec(_Model):
     rank: int = Field(8, ge=1, le=256)
-    alpha: float = Field(16.0, gt=0)
+    alpha: float = Field(16.0, gt=0, le=4096)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[ModuleName] = Field(
-        default_factory=lambda: ["q_proj", "v_proj"], alias="targetModules", min_length=1
+        default=["q_proj", "v_proj"], alias="targetModules", min_length=1
     )
 
 
@@ -49,7 +49,7 @@ class TaskSpec(_Model):
     name: TaskName
     params: dict[str, str] = Field(default_factory=dict)
     dataset: str | None = Field(None, min_length=1)
-    reward: RewardName = "default"
+    reward: RewardName | None = None  # None = the task's own reward
     reward_url: str | None = Field(None, alias="rewardUrl", pattern=r"^https?://")
 
     @model_validator(mode="after")
@@ -70,7 +70,7 @@ class AlgorithmSpec(_Model):
     name: AlgorithmName = "grpo"
     group_size: int = Field(8, ge=2, le=256, alias="groupSize")
     prompts_per_step: int = Field(4, ge=1, le=1024, alias="promptsPerStep")
-    learning_rate: float = Field(5e-4, gt=0, alias="learningRate")
+    learning_rate: float = Field(5e-4, gt=0, le=1, alias="learningRate")
     kl_coef: float = Field(0.0, ge=0, alias="klCoef")
     clip: float = Field(0.2, gt=0, le=1)
     max_steps: int = Field(50, ge=0, alias="maxSteps")  # 0 = continual
@@ -78,13 +78,13 @@ class AlgorithmSpec(_Model):
 
 
 class RolloutSpec(_Model):
-    max_new_tokens: int = Field(8, ge=1, le=4096, alias="maxNewTokens")
+    max_new_tokens: int = Field(64, ge=1, le=4096, alias="maxNewTokens")
     temperature: float = Field(1.0, ge=0, le=2)  # 0 = greedy
 
 
 class CheckpointSpec(_Model):
     every_steps: int = Field(10, ge=1, alias="everySteps")
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, le=1000)
 
 
 class ExperimentSpec(_Model):
@@ -94,7 +94,7 @@ class ExperimentSpec(_Model):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    priority: int = 0  # operator only
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # operator only
     suspend: bool = False  # operator only
 
     def to_json(self) -> dict[str, Any]:

@@ -137,7 +137,9 @@ def _micro_batch_loss(
             kl_coef=upd.kl_coef,
         )
         total = total + out.seq_loss.sum() * weights[exp]
-        stats.loss[exp] = stats.loss.get(exp, 0.0) + float(out.seq_loss.sum()) * weights[exp]
+        stats.loss[exp] = (
+            stats.loss.get(exp, 0.0) + float(out.seq_loss.detach().sum()) * weights[exp]
+        )
         stats.kl[exp] = float(out.kl)
         stats.clip_fraction[exp] = float(out.clip_fraction)
         stats.tokens[exp] = stats.tokens.get(exp, 0) + int(batch["attn"][index].sum())

@@ -32,14 +32,26 @@ def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, t
 
 
 def _sample_rows(
-    logits: torch.Tensor, requests: Sequence[RolloutRequest], groups: dict[str, list[int]]
+    logits: torch.Tensor,
+    requests: Sequence[RolloutRequest],
+    groups: dict[str, list[int]],
+    broken: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; each group draws from its own generator, in row order."""
+    """Pick one token per row; each group draws from its own generator, in row order.
+
+    A group whose logits are not finite (a diverged adapter) gets pad tokens and is
+    flagged in ``broken`` instead of failing the whole batch.
+    """
     tokens = torch.empty(len(requests), dtype=torch.long)
     logprobs = torch.empty(len(requests), dtype=logits.dtype)
     for rows in groups.values():
         index = torch.tensor(rows)
         temperature = requests[rows[0]].temperature
+        if not bool(torch.isfinite(logits[index]).all()):
+            broken[index] = True
+            tokens[index] = 0
+            logprobs[index] = float("nan")
+            continue
         if temperature <= 0:
             scaled = logits[index].log_softmax(-1)
             chosen = scaled.argmax(-1)
@@ -77,13 +89,15 @@ def generate(
     out_tokens: list[list[int]] = [[] for _ in requests]
     out_logprobs: list[list[float]] = [[] for _ in requests]
     groups = _groups(requests)
+    broken = torch.zeros(len(requests), dtype=torch.bool)
     next_pos = positions[:, -1]
     for step in range(int(limits.max())):
-        tokens, logprobs = _sample_rows(logits.float(), requests, groups)
+        tokens, logprobs = _sample_rows(logits.float(), requests, groups, broken)
         for row in torch.nonzero(~done).flatten().tolist():
             out_tokens[row].append(int(tokens[row]))
             out_logprobs[row].append(float(logprobs[row]))
         hit_eos |= ~done & (tokens == eos_id)
+        done |= broken
         done |= hit_eos | (limits <= step + 1)
         if bool(done.all()):
             break
@@ -92,6 +106,8 @@ def generate(
         mask = torch.cat([mask, torch.ones((len(requests), 1), dtype=mask.dtype)], dim=1)
         logits, past = forward(tokens[:, None], mask, next_pos[:, None], past)
     return [
-        Completion(token_ids=t, logprobs=lp, finished=bool(e))
-        for t, lp, e in zip(out_tokens, out_logprobs, hit_eos.tolist(), strict=True)
+        Completion(token_ids=t, logprobs=lp, finished=bool(e), nonfinite=bool(b))
+        for t, lp, e, b in zip(
+            out_tokens, out_logprobs, hit_eos.tolist(), broken.tolist(), strict=True
+        )
     ]

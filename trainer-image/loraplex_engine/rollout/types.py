@@ -28,4 +28,5 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token under the sampling distribution
     finished: bool  # stopped on EOS rather than on the token limit
+    nonfinite: bool = False  # the adapter produced NaN/inf logits: the row is garbage
     extra: dict = field(default_factory=dict)

@@ -82,6 +82,12 @@ class Task(ABC):
     def reward(self, prompt: Prompt, completion: str) -> float:
         return self.score([prompt], [completion])[0]
 
+    def close(self) -> None:
+        """Release the reward's resources (the HTTP client's connections)."""
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
+
 
 def int_param(params: Mapping[str, str], key: str, lo: int, hi: int) -> int:
     """Parse an integer parameter in [lo, hi], naming the field on failure."""

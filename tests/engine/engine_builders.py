@@ -1,0 +1,65 @@
+"""Small builders for engine tests: specs that read like the manifests users write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loraplex_engine.engine import Engine
+from loraplex_engine.spec import ExperimentSpec, parse_spec
+
+# LoRA on lm_head: the tiny random model learns its tasks through the head (see
+# docs/architecture.md, "RL: tasks, rewards, GRPO").
+TINY_LORA = {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "lm_head"]}
+
+
+def spec(
+    task: dict[str, Any] | None = None,
+    *,
+    lr: float = 0.02,
+    steps: int = 20,
+    seed: int = 0,
+    group: int = 8,
+    prompts: int = 4,
+    every: int = 10,
+    keep: int = 3,
+    **extra: Any,
+) -> ExperimentSpec:
+    body: dict[str, Any] = {
+        "lora": dict(TINY_LORA),
+        "task": task or {"name": "target-token", "params": {"target": "yes"}},
+        "algorithm": {
+            "groupSize": group,
+            "promptsPerStep": prompts,
+            "learningRate": lr,
+            "maxSteps": steps,
+            "seed": seed,
+        },
+        "rollout": {"maxNewTokens": 8, "temperature": 1.0},
+        "checkpoint": {"everySteps": every, "keep": keep},
+    }
+    body.update(extra)
+    return parse_spec(body)
+
+
+def engine(model_dir: Path, root: Path, **kwargs: Any) -> Engine:
+    kwargs.setdefault("max_adapters", 4)
+    kwargs.setdefault("max_rank", 16)
+    return Engine(model_dir, checkpoint_root=root, **kwargs)
+
+
+def run_to_end(eng: Engine, ids: list[str], max_ticks: int = 500) -> dict[str, list[float]]:
+    """Tick until no experiment runs; returns each experiment's reward curve."""
+    curves: dict[str, list[float]] = {i: [] for i in ids}
+    for _ in range(max_ticks):
+        report = eng.tick()
+        if report is None:
+            return curves
+        for exp in report.experiments:
+            if exp.failed_reason is None and exp.id in curves:
+                curves[exp.id].append(exp.reward)
+    raise AssertionError(f"experiments still running after {max_ticks} ticks")
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)

@@ -1,0 +1,197 @@
+"""Failures stay contained: a bad experiment fails alone, a crash loses no checkpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex_engine.api_types import BadCheckpointError, InvalidSpecError, NoCapacityError
+
+from tests.conftest import REPO_ROOT
+from tests.engine.engine_builders import engine, run_to_end, spec
+
+
+class _BrokenReward(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.send_response(500)
+        self.end_headers()
+        self.wfile.write(b"reward function raised ZeroDivisionError")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def broken_reward_url():
+    server = HTTPServer(("127.0.0.1", 0), _BrokenReward)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/score"
+    server.shutdown()
+
+
+def test_reward_that_raises_fails_only_its_experiment(tiny_model_dir, tmp_path, broken_reward_url):
+    eng = engine(tiny_model_dir, tmp_path)
+    bad_task = {"name": "target-token", "reward": "http", "rewardUrl": broken_reward_url}
+    eng.put_experiment("default.good", spec(steps=4), "default", "good")
+    eng.put_experiment("default.bad", spec(bad_task, steps=4), "default", "bad")
+    run_to_end(eng, ["default.good", "default.bad"])
+    bad, good = (
+        eng.get_experiment("default.bad"),
+        eng.get_experiment("default.bad".replace("bad", "good")),
+    )
+    assert bad.phase == "Failed" and bad.step == 0
+    assert "reward failed" in bad.error and "500" in bad.error
+    assert good.phase == "Succeeded" and good.step == 4
+
+
+def test_diverged_adapter_fails_alone_and_keeps_its_last_checkpoint(tiny_model_dir, tmp_path):
+    eng = engine(tiny_model_dir, tmp_path)
+    eng.put_experiment("default.good", spec(steps=4, every=2), "default", "good")
+    eng.put_experiment("default.nan", spec(steps=4, every=2, seed=1), "default", "nan")
+    eng.tick()
+    eng.tick()  # both checkpoint at step 2
+    slot = eng.model.slot_of("default.nan")
+    with torch.no_grad():  # fault injection: the adapter's weights blow up
+        next(iter(eng.model.lora_layers.values())).lora_B[slot].fill_(float("nan"))
+    run_to_end(eng, ["default.good", "default.nan"])
+    bad = eng.get_experiment("default.nan")
+    assert bad.phase == "Failed" and "non-finite" in bad.error
+    assert bad.checkpoint.step == 2
+    saved = Path(bad.checkpoint.path) / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(saved).values())
+    assert eng.get_experiment("default.good").phase == "Succeeded"
+
+
+def test_kill_9_then_resume_continues_the_same_run(tiny_model_dir, tmp_path):
+    body = spec(steps=8, every=3).to_json()
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.engine.train_worker",
+            str(tiny_model_dir),
+            str(tmp_path / "crashed"),
+            json.dumps(body),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    for line in worker.stdout:  # wait for progress past the step-3 checkpoint
+        if int(line) >= 4:
+            break
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    ckpts = sorted((tmp_path / "crashed" / "default" / "crash").glob("step-*"))
+    assert [p.name for p in ckpts] == ["step-00000003"], "no half-written checkpoint is left"
+
+    resumed = engine(tiny_model_dir, tmp_path / "crashed")
+    status, _ = resumed.put_experiment(
+        "default.crash", spec(steps=8, every=3), "default", "crash", resume_from=str(ckpts[-1])
+    )
+    assert status.step == 3
+    tail = run_to_end(resumed, ["default.crash"])["default.crash"]
+
+    straight = engine(tiny_model_dir, tmp_path / "straight")
+    straight.put_experiment("default.crash", spec(steps=8, every=3), "default", "crash")
+    full = run_to_end(straight, ["default.crash"])["default.crash"]
+    assert len(tail) == 5
+    assert tail == pytest.approx(full[3:], abs=1e-6)
+    for key, value in straight.model.adapter_state_dict("default.crash").items():
+        torch.testing.assert_close(resumed.model.adapter_state_dict("default.crash")[key], value)
+
+
+def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
+    eng = engine(tiny_model_dir, tmp_path, max_adapters=1)
+    with pytest.raises(InvalidSpecError) as err:
+        eng.put_experiment("default.big", spec(lora={"rank": 64, "alpha": 16}), "default", "big")
+    assert err.value.field == "spec.lora.rank"
+    with pytest.raises(InvalidSpecError) as err:
+        eng.put_experiment(
+            "default.odd",
+            spec(lora={"rank": 4, "alpha": 8, "targetModules": ["conv"]}),
+            "default",
+            "odd",
+        )
+    assert err.value.field == "spec.lora.targetModules"
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    with pytest.raises(BadCheckpointError, match=r"adapter_config\.json"):
+        eng.put_experiment("default.r", spec(), "default", "r", resume_from=str(bogus))
+    assert eng.list_experiments() == [] and eng.model.free_slots() == [1]
+    eng.put_experiment("default.one", spec(), "default", "one")
+    with pytest.raises(NoCapacityError):
+        eng.put_experiment("default.two", spec(), "default", "two")
+    assert [s.id for s in eng.list_experiments()] == ["default.one"]
+
+
+def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_model_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "say yes", "answer": "yes"}) + "\n")
+    eng = engine(tiny_model_dir, tmp_path / "ckpt")
+    task = {"name": "jsonl", "dataset": str(data), "reward": "contains"}
+    eng.put_experiment("default.live", spec(task, steps=0, every=2, keep=10), "default", "live")
+    for _ in range(4):
+        eng.tick()
+    with data.open("a") as f:
+        for i in range(3):
+            f.write(json.dumps({"prompt": f"new row {i}", "answer": "no"}) + "\n")
+    versions = set()
+    for _ in range(4):
+        eng.tick()
+        versions.add(eng.get_experiment("default.live").adapter_path)
+    status = eng.get_experiment("default.live")
+    assert status.phase == "Running" and status.step == 8 and status.max_steps == 0
+    assert len(eng._experiments["default.live"].task.rows) == 4  # the appended rows are in
+    # the adapter published at steps 4, 6 and 8 (every 2) as the policy went on learning
+    assert sorted(Path(v).name for v in versions) == [
+        "step-00000004",
+        "step-00000006",
+        "step-00000008",
+    ]
+    published = sorted(p.name for p in (tmp_path / "ckpt/default/live").glob("step-*"))
+    assert published == ["step-00000002", "step-00000004", "step-00000006", "step-00000008"]
+
+
+def test_demo_cli_rejects_bad_manifests_up_front(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\nmetadata: {name: a}\n"
+        "spec: {task: {name: nope}}\n---\n"
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\nmetadata: {name: b}\n"
+        "spec: {lora: {rank: 128}, task: {name: copy}}\n---\n"
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\nmetadata: {name: c}\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loraplex_engine.cli",
+            "run",
+            str(bad),
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(tmp_path / "out"),
+            "--max-rank",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2
+    assert "spec.task.name" in result.stderr
+    assert "spec.lora.rank" in result.stderr
+    assert "document 2 ('c'): spec" in result.stderr
+    assert not (tmp_path / "out").exists()
