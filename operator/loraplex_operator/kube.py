@@ -49,6 +49,7 @@ SECRETS = Resource("", "v1", "secrets")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 
 MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "loraplex-operator/0.1.0"
 
 
 class KubeError(Exception):
@@ -106,8 +107,9 @@ class Kube:
         auth: tuple[str, str] | None = None,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        user_agent: str = USER_AGENT,
     ) -> None:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": user_agent}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(

@@ -131,6 +131,41 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
     )
 
 
+# --- RBAC: what the operator called vs. what the chart grants ------------------------
+
+RBAC_CONTRACT = REPO / "charts" / "loraplex" / "rbac-contract.yaml"
+OPERATOR_AGENTS = ("kopf/", "loraplex-operator/")
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
+VERBS |= {"UPDATE": "patch", "DELETE": "delete"}
+
+
+def operator_calls(api: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every call kopf or our client made."""
+    calls = set()
+    for req in list(api):
+        agent = next((v for k, v in req.headers.items() if k.lower() == "user-agent"), "")
+        if not agent.startswith(OPERATOR_AGENTS) or req.resource is None or req.action is None:
+            continue
+        if not req.resource.plural:  # API discovery: open to every authenticated user
+            continue
+        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+        calls.add((req.resource.group, resource, VERBS[req.action.value]))
+    return calls
+
+
+def rbac_violations(calls: set[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Calls that no rule of charts/loraplex/rbac-contract.yaml allows (a 403 in a cluster)."""
+    rules = yaml.safe_load(RBAC_CONTRACT.read_text())["rules"]
+    allowed = {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    return sorted(c for c in calls if c not in allowed)
+
+
 # --- engines and the kubelet ---------------------------------------------------------------
 
 
@@ -443,7 +478,7 @@ class Harness:
             url = str(server.url).rstrip("/")
             kubeconfig = self.workdir / "kubeconfig"
             kubeconfig.write_text(yaml.safe_dump(_kubeconfig(url)))
-            self.kube = Kube(url)
+            self.kube = Kube(url, user_agent="loraplex-tests")
             launcher = self.launcher or real_launcher(
                 self.model_dir, self.checkpoint_root, self.workdir / "engines"
             )
@@ -457,6 +492,16 @@ class Harness:
     async def __aexit__(self, *exc: Any) -> None:
         if self.operator is not None:
             await asyncio.to_thread(self.operator.stop)
+        try:
+            if self.api is not None and RBAC_CONTRACT.exists() and exc[0] is None:
+                calls = operator_calls(self.api)
+                assert calls, "no operator API calls recorded"
+                missing = rbac_violations(calls)
+                assert not missing, f"operator calls outside {RBAC_CONTRACT.name}: {missing}"
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
         if self.kubelet is not None:
             await self.kubelet.close()
         if self.real_cluster and self.kube is not None:
