@@ -141,9 +141,8 @@ async def test_six_experiments_pack_onto_two_engines_and_succeed(h: Harness) -> 
         assert s["restarts"] == 0
     assert first_step is not None
     _record("cold_pool_apply_to_first_step_s", first_step)
-    if h.kubelet is not None:
-        for pod, seconds in h.kubelet.start_seconds.items():
-            _record(f"cold_pool_engine_process_start_s[{pod.rsplit('-', 1)[1]}]", seconds)
+    if h.kubelet is not None and h.kubelet.start_seconds:
+        _record("cold_pool_engine_process_start_s", max(h.kubelet.start_seconds.values()))
 
     # Idle engines above replicas.min (0) are removed.
     async def scaled_down() -> bool:
@@ -196,6 +195,7 @@ async def test_engine_killed_mid_training_resumes_on_another_engine(h: Harness) 
 
     await h.wait_for("experiments moved to another engine", moved, timeout=180, interval=0.1)
     for n in on_victim:
+        print(f"recovery {n}: step {killed_at[n]} at the kill, {lowest[n]} after, every {every}")
         assert lowest[n] >= killed_at[n] - every, (n, killed_at[n], lowest[n])
         await _event(h, n, "EngineLost", victim)
         await _event(h, n, "Bound", "resuming from")
