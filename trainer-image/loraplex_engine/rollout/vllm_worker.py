@@ -1,0 +1,356 @@
+"""vLLM worker process for the ``vllm`` rollout backend.
+
+Run as a script by :class:`loraplex_engine.rollout.vllm_backend.VLLMRollout`, with the
+python of the environment that holds vLLM (``.venv-vllm`` on CPU). It imports only the
+standard library and vLLM (never ``loraplex_engine``), so it runs in an environment where
+the engine package is not installed.
+
+Protocol: one JSON object per line. Requests come on stdin; replies go to the process's
+original stdout, which is moved to a private file descriptor at start-up, and fd 1 is
+pointed at stderr so that anything vLLM or a C library prints cannot corrupt the protocol.
+Every request gets exactly one reply: ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": "...", "type": "ExceptionName"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# vLLM accepts these as max_lora_rank (vllm.config.lora.MaxLoRARanks); adapters may have any
+# rank up to it.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+BASE_ADAPTER = "__base__"
+
+
+def _setup_env(cfg: dict[str, Any]) -> None:
+    """Environment vLLM reads at import: must run before ``import vllm``."""
+    threads = str(cfg.get("threads", 1))
+    defaults = {
+        # Engine core in this process: no extra process, no ZMQ, no spawn-guard issues.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Don't pin OpenMP threads to cores: the box is shared (CI: 2 cores, 5 jobs).
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if cfg.get("disable_torch_compile", True):
+        # vLLM torch.compiles a few sampler helpers even with enforce_eager (the logprobs
+        # gather): ~5 s of inductor C++ compilation on the first call with logprobs, and
+        # it needs a C++ compiler. Plain eager is exact and fast enough at rollout sizes.
+        defaults["TORCHDYNAMO_DISABLE"] = "1"
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    for key, value in (cfg.get("env") or {}).items():
+        os.environ[key] = str(value)
+
+
+# vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
+# vLLM 0.32 (a test pins the two together).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _check_cpu_head_dim(model_dir: str) -> None:
+    """vLLM only fails at the first forward pass on an unsupported head size: fail now."""
+    sizes = CPU_HEAD_SIZES  # checked before importing vLLM's engine (seconds)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in sizes:
+        raise ValueError(
+            f"vLLM's CPU attention has no kernel for head_dim={head_dim} "
+            f"(supported: {', '.join(map(str, sizes))}); for tests use the tiny-vllm "
+            "model preset (head_dim 32)"
+        )
+
+
+class Worker:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from vllm.platforms import current_platform
+
+        self.cfg = cfg
+        self.max_adapters = int(cfg.get("max_adapters", 4))
+        self.is_cpu = current_platform.is_cpu()
+        # vLLM 0.32's CPU LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py) index the stacked
+        # adapter weights with the "no LoRA" sentinel -1, so a base-model request batched
+        # with LoRA requests gets the LAST slot's adapter applied (vllm-project/vllm#48421,
+        # open). Workaround: base requests go through an all-zero adapter ("__base__"),
+        # which costs one slot. The Triton kernels on GPU honour -1, so only on CPU.
+        self.zero_base = bool(cfg.get("zero_base_adapter", self.is_cpu))
+        max_rank = int(cfg.get("max_rank", 16))
+        vllm_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= max_rank), None)
+        if vllm_rank is None:
+            raise ValueError(f"max_rank {max_rank} > vLLM's largest max_lora_rank 512")
+        slots = self.max_adapters + (1 if self.zero_base else 0)
+        kwargs: dict[str, Any] = dict(
+            model=cfg["model"],
+            dtype=cfg.get("dtype", "auto"),
+            seed=int(cfg.get("seed", 0)),
+            max_model_len=int(cfg.get("max_model_len", 512)),
+            max_num_seqs=int(cfg.get("max_num_seqs", 64)),
+            enforce_eager=bool(cfg.get("enforce_eager", True)),
+            enable_lora=True,
+            max_loras=slots,
+            max_cpu_loras=slots,
+            max_lora_rank=vllm_rank,
+            # The tokenizer is loaded (it gives vLLM the EOS id to stop at), but prompts
+            # and completions stay token ids (detokenize=False).
+        )
+        kv_bytes = cfg.get("kv_cache_bytes")
+        if kv_bytes is None and self.is_cpu:
+            # vLLM's CPU default reserves gpu_memory_utilization (0.92) of host RAM.
+            kv_bytes = 64 << 20
+        if kv_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
+        if cfg.get("gpu_memory_utilization"):
+            kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
+        kwargs.update(cfg.get("llm_kwargs") or {})
+        if self.is_cpu:
+            _check_cpu_head_dim(cfg["model"])
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        self.vllm_rank = vllm_rank
+        # name -> [int id, version, path]; ids are stable per name, versions bump per update.
+        self.adapters: dict[str, list[Any]] = {}
+        self._next_id = 1
+        self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-vllm-")
+
+    # -- adapters --------------------------------------------------------------------
+
+    def _request(self, name: str, *, load_inplace: bool = False):
+        from vllm.lora.request import LoRARequest
+
+        lora_id, version, path = self.adapters[name]
+        # The name carries the version: vLLM's prefix cache keys blocks by (lora_name,
+        # lora_path), so KV computed with old weights is never reused after an update.
+        return LoRARequest(f"{name}@v{version}", lora_id, path, load_inplace=load_inplace)
+
+    def _add(self, name: str, path: str) -> None:
+        engine = self.llm.llm_engine
+        self.adapters[name] = [self._next_id, 0, path]
+        self._next_id += 1
+        try:
+            if not engine.add_lora(self._request(name)):
+                raise RuntimeError(f"vLLM refused adapter {name!r} from {path}")
+        except BaseException:
+            del self.adapters[name]
+            raise
+
+    def _make_zero_adapter(self, template_dir: str) -> str:
+        """A copy of a user adapter with every B matrix zero: its delta is exactly 0."""
+        from safetensors.torch import load_file, save_file
+
+        out = Path(self._tmp.name) / BASE_ADAPTER
+        out.mkdir(exist_ok=True)
+        src = Path(template_dir)
+        (out / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+        tensors = load_file(str(src / "adapter_model.safetensors"))
+        for key, tensor in tensors.items():
+            if "lora_B" in key or "lora_embedding_B" in key:
+                tensor.zero_()
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+        return str(out)
+
+    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        if name == BASE_ADAPTER:
+            raise ValueError(f"adapter name {BASE_ADAPTER!r} is reserved")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded; use update_adapter")
+        n_user = len(self.adapters) - (1 if BASE_ADAPTER in self.adapters else 0)
+        if n_user >= self.max_adapters:
+            raise ValueError(f"all {self.max_adapters} adapter slots are in use")
+        t0 = time.perf_counter()
+        self._add(name, path)  # first, so that a bad adapter fails under its own name
+        if self.zero_base and BASE_ADAPTER not in self.adapters:
+            try:
+                self._add(BASE_ADAPTER, self._make_zero_adapter(path))
+            except BaseException:
+                self.remove_adapter(name)
+                raise
+        return {"seconds": time.perf_counter() - t0}
+
+    def update_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Adapter-only weight sync: reload this adapter's tensors into its slot."""
+        if name not in self.adapters or name == BASE_ADAPTER:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        t0 = time.perf_counter()
+        entry = self.adapters[name]
+        old = list(entry)
+        entry[1] += 1
+        entry[2] = path
+        try:
+            ok = self.llm.llm_engine.add_lora(self._request(name, load_inplace=True))
+            if not ok:
+                raise RuntimeError(f"vLLM refused the update of adapter {name!r}")
+        except BaseException:
+            entry[:] = old
+            raise
+        return {"seconds": time.perf_counter() - t0, "version": entry[1]}
+
+    def remove_adapter(self, name: str) -> dict[str, Any]:
+        if name not in self.adapters or name == BASE_ADAPTER:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        lora_id = self.adapters.pop(name)[0]
+        self.llm.llm_engine.remove_lora(lora_id)
+        return {}
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: list[list[Any]],
+        n: int = 1,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        logprobs: bool = True,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[dict[str, Any]]]:
+        from vllm import SamplingParams
+
+        prompts, params, loras = [], [], []
+        for i, (name, token_ids) in enumerate(requests):
+            if name is None:
+                lora = self._request(BASE_ADAPTER) if BASE_ADAPTER in self.adapters else None
+            elif name in self.adapters and name != BASE_ADAPTER:
+                lora = self._request(name)
+            else:
+                raise KeyError(f"adapter {name!r} is not loaded")
+            prompts.append({"prompt_token_ids": [int(t) for t in token_ids]})
+            loras.append(lora)
+            params.append(
+                SamplingParams(
+                    n=n,
+                    max_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    # vLLM gives the n children of a request seeds seed+0..n-1: space the
+                    # requests' seeds n apart so that every sample has its own stream.
+                    seed=None if seed is None else seed + i * n,
+                    logprobs=0 if logprobs else None,
+                    stop_token_ids=stop_token_ids,
+                    ignore_eos=ignore_eos,
+                    detokenize=False,
+                )
+            )
+        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        result = []
+        for out in outputs:
+            comps = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                lps = None
+                if logprobs and c.logprobs is not None:
+                    lps = [
+                        step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)
+                    ]
+                comps.append(
+                    {
+                        "token_ids": list(c.token_ids),
+                        "logprobs": lps,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            result.append(comps)
+        return result
+
+    def info(self) -> dict[str, Any]:
+        import vllm
+
+        return {
+            "vllm_version": vllm.__version__,
+            "startup_s": self.startup_s,
+            "max_lora_rank": self.vllm_rank,
+            "zero_base_adapter": self.zero_base,
+            "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
+            "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
+            "maxrss_mb": _maxrss_mb(),
+            "cpu_head_sizes": _cpu_head_sizes(),
+        }
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:
+        return None
+
+
+def _maxrss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> int:
+    # Keep the real stdout for replies; send everything else that writes to fd 1 to stderr.
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+
+    def reply(obj: dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    worker: Worker | None = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+            op = msg.pop("op")
+            if op == "init":
+                _setup_env(msg)
+                worker = Worker(msg)
+                result: Any = worker.info()
+            elif op == "close":
+                if worker is not None:
+                    worker._tmp.cleanup()
+                reply({"ok": True, "result": None})
+                replies.close()
+                # vLLM's own shutdown (atexit hooks, thread joins) takes seconds and can
+                # hang; the process holds nothing else worth a graceful exit.
+                os._exit(0)
+            elif worker is None:
+                raise RuntimeError("worker not initialised: send 'init' first")
+            elif op in ("load_adapter", "update_adapter", "remove_adapter", "generate", "info"):
+                result = getattr(worker, op)(**msg)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            reply({"ok": True, "result": result})
+        except Exception as exc:
+            reply(
+                {
+                    "ok": False,
+                    "type": type(exc).__name__,
+                    "error": str(exc),
+                    "traceback": traceback.format_exc(),
+                }
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

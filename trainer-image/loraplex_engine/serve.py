@@ -1,0 +1,469 @@
+"""``loraplex-engine serve``: the engine process of one pod.
+
+Order of events:
+
+1. bind the port (so ``--port 0`` works and probes connect at once) and start uvicorn;
+   ``/healthz`` answers 200 from here on, ``/readyz`` 503;
+2. load the base model in a background thread (the :class:`Engine` constructor);
+3. start the engine loop thread, which calls ``engine.tick()`` while there is work and
+   sleeps on an event when there is none; requests that give it work set the event;
+4. ``/readyz`` turns 200 and one line ``loraplex-engine ready: url=... startup_s=...``
+   goes to stderr (tests and humans wait on it);
+5. on SIGTERM/SIGINT uvicorn stops taking requests and drains; then the loop stops after
+   its current tick and every running experiment is checkpointed (the pod's
+   termination grace period covers this), and the process exits 0.
+
+Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-rank`` ->
+``LORAPLEX_MAX_RANK``); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from loraplex_engine.api_types import (
+    Capacity,
+    CheckpointRef,
+    EngineService,
+    ExperimentStatus,
+    TickReport,
+)
+from loraplex_engine.metrics import EngineMetrics
+from loraplex_engine.server import DEFAULT_MAX_COMPLETION_TOKENS, UnavailableError, create_app
+
+log = logging.getLogger("loraplex_engine.serve")
+
+READY_LINE = "loraplex-engine ready:"
+LISTEN_LINE = "loraplex-engine listening:"
+IDLE_WAIT_S = 1.0  # an idle loop re-checks this often even without a wake-up
+MAX_TICK_ERRORS = 5  # consecutive unexpected tick errors before the loop gives up
+
+
+# --- flags ----------------------------------------------------------------------------
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(f"LORAPLEX_{name}", default)
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("MODEL"), help="base model directory (local)")
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address")
+    p.add_argument(
+        "--port", type=int, default=int(_env("PORT", "8000")), help="listen port (0: any free)"
+    )
+    p.add_argument("--token-file", default=_env("TOKEN_FILE"), help="file holding the bearer token")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=_env_flag("INSECURE_NO_AUTH"),
+        help="serve /v1 without a token (local experiments only)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        default=_env("CHECKPOINT_ROOT", "/ckpt"),
+        help="checkpoints go to <root>/<namespace>/<name>/step-<n>/",
+    )
+    p.add_argument(
+        "--max-adapters", type=int, default=int(_env("MAX_ADAPTERS", "8")), help="adapter slots"
+    )
+    p.add_argument(
+        "--max-rank", type=int, default=int(_env("MAX_RANK", "64")), help="largest LoRA rank"
+    )
+    p.add_argument(
+        "--rollout-backend",
+        choices=["torch", "vllm"],
+        default=_env("ROLLOUT_BACKEND", "torch"),
+        help="generation backend",
+    )
+    p.add_argument(
+        "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(_env("THREADS", "0")),
+        help="torch CPU threads (0: torch's default)",
+    )
+    p.add_argument(
+        "--max-completion-tokens",
+        type=int,
+        default=int(_env("MAX_COMPLETION_TOKENS", str(DEFAULT_MAX_COMPLETION_TOKENS))),
+        help="largest max_tokens accepted by /v1/completions",
+    )
+    p.add_argument(
+        "--no-checkpoint-on-shutdown",
+        action="store_true",
+        default=_env_flag("NO_CHECKPOINT_ON_SHUTDOWN"),
+        help="skip the final checkpoint of running experiments on SIGTERM",
+    )
+    p.add_argument(
+        "--engine-factory",
+        default=_env("ENGINE_FACTORY", "loraplex_engine.engine:Engine"),
+        help="module:callable that builds the engine (tests may substitute their own)",
+    )
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The bearer token, or None with --insecure-no-auth. Raises SystemExit otherwise."""
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise SystemExit(f"cannot read --token-file {args.token_file}: {e}") from e
+        if not token:
+            raise SystemExit(f"--token-file {args.token_file} is empty")
+    elif os.environ.get("LORAPLEX_TOKEN", "").strip():
+        token = os.environ["LORAPLEX_TOKEN"].strip()
+    if token is None and not args.insecure_no_auth:
+        raise SystemExit(
+            "no token: give --token-file FILE or LORAPLEX_TOKEN "
+            "(or --insecure-no-auth to serve /v1 without auth)"
+        )
+    if token is not None and args.insecure_no_auth:
+        log.warning("--insecure-no-auth given together with a token: the token is enforced")
+    return token
+
+
+# --- the engine while it loads --------------------------------------------------------
+
+
+class EngineHolder:
+    """Stands in for the engine until it has loaded, so the HTTP app can start first.
+
+    Before loading finishes every call raises :class:`UnavailableError` (503)."""
+
+    def __init__(self, model_name: str, rollout_backend: str) -> None:
+        self.model_name = model_name
+        self.rollout_backend = rollout_backend
+        self.engine: EngineService | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.engine, "tokenizer", None)
+
+    def _get(self) -> EngineService:
+        engine = self.engine
+        if engine is None:
+            raise UnavailableError("the engine is still loading")
+        return engine
+
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.is_ready()
+
+    def put_experiment(
+        self, exp_id: str, spec: Any, namespace: str, name: str, resume_from: str | None
+    ) -> tuple[ExperimentStatus, bool]:
+        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from)
+
+    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self._get().get_experiment(exp_id)
+
+    def list_experiments(self) -> list[ExperimentStatus]:
+        return self._get().list_experiments()
+
+    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+        return self._get().checkpoint_experiment(exp_id)
+
+    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self._get().remove_experiment(exp_id)
+
+    def capacity(self) -> Capacity:
+        return self._get().capacity()
+
+    def complete(
+        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
+    ) -> list[str]:
+        return self._get().complete(model, prompt, max_tokens, temperature, n)
+
+    def tick(self) -> TickReport | None:
+        return self._get().tick()
+
+
+# --- the loop -------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Calls ``engine.tick()`` on its own thread until stopped.
+
+    After a tick that ran nothing it waits on an event (the engine's ``work_available``
+    if it has one, else one set by :meth:`wake`, i.e. by a request that gave the engine
+    work) for at most ``idle_wait_s``. An unexpected
+    exception from ``tick`` is logged and retried with back-off; after
+    ``max_errors`` in a row the loop stops and reports itself dead (liveness fails,
+    so Kubernetes restarts the pod and the operator resumes its experiments)."""
+
+    def __init__(
+        self,
+        engine: EngineService,
+        metrics: EngineMetrics,
+        *,
+        idle_wait_s: float = IDLE_WAIT_S,
+        max_errors: int = MAX_TICK_ERRORS,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self.max_errors = max_errors
+        # The engine's own "work available" event, where it has one: it sets it when a
+        # request queues work and clears it, under its lock, when a tick finds none, so
+        # no wake-up is lost between the two. Otherwise our own event, set by wake().
+        work = getattr(engine, "work_available", None)
+        self._own_event = not isinstance(work, threading.Event)
+        self._wake: threading.Event = threading.Event() if self._own_event else work
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed = False
+        self.ticks = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.failed
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        errors = 0
+        while not self._stop.is_set():
+            if self._own_event:
+                self._wake.clear()  # a wake() during the tick makes the next wait return
+            try:
+                report = self.engine.tick()
+            except Exception:
+                errors += 1
+                log.exception("engine tick failed (%d in a row)", errors)
+                if errors >= self.max_errors:
+                    log.error("engine loop stopping after %d failed ticks", errors)
+                    self.failed = True
+                    return
+                self._stop.wait(min(0.1 * 2**errors, 5.0))
+                continue
+            errors = 0
+            if report is None:
+                self._wake.wait(self.idle_wait_s)
+                continue
+            self.ticks += 1
+            try:
+                self.metrics.observe_tick(report)
+            except Exception:  # metrics must never stop training
+                log.exception("could not record tick metrics")
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def _load_factory(spec: str) -> Callable[..., EngineService]:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise SystemExit(f"--engine-factory must be module:callable, not {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), so start-up time includes the
+    interpreter and imports, not just model loading."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5); [0] is field 3
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has drained, which would kill the
+        process before the loop is stopped and experiments are checkpointed. Forget the
+        signal instead: run() then returns, shutdown() runs, and the process exits 0."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            log.info("signal %d: draining requests, then checkpointing", sig)
+            self._captured_signals.clear()
+
+    return _Server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.model:
+        raise SystemExit("--model (or LORAPLEX_MODEL) is required")
+    if args.max_adapters < 1 or args.max_rank < 1:
+        raise SystemExit("--max-adapters and --max-rank must be at least 1")
+    token = read_token(args)
+    if token is None:
+        log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    import uvicorn
+
+    age = _process_age_s()
+    t0 = time.monotonic() - (age if age is not None else 0.0)
+    metrics = EngineMetrics()
+    model_name = os.path.basename(os.path.normpath(args.model))
+    holder = EngineHolder(model_name, args.rollout_backend)
+    loop_box: dict[str, EngineLoop] = {}
+
+    def wake() -> None:
+        if "loop" in loop_box:
+            loop_box["loop"].wake()
+
+    def alive() -> bool:
+        loop = loop_box.get("loop")
+        return loop is None or not loop.failed
+
+    def ready() -> bool:
+        loop = loop_box.get("loop")
+        return loop is not None and loop.running and holder.is_ready()
+
+    app = create_app(
+        holder,
+        token,
+        metrics=metrics,
+        on_work=wake,
+        ready=ready,
+        alive=alive,
+        max_completion_tokens=args.max_completion_tokens,
+    )
+
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        lifespan="off",
+    )
+    server = _uvicorn_server_class()(config)
+    outcome = {"rc": 0}
+
+    def load() -> None:
+        try:
+            t_import = time.monotonic()
+            factory = _load_factory(args.engine_factory)
+            t_build = time.monotonic()
+            kwargs: dict[str, Any] = {
+                "max_adapters": args.max_adapters,
+                "max_rank": args.max_rank,
+                "checkpoint_root": args.checkpoint_root,
+                "rollout_backend": args.rollout_backend,
+            }
+            if args.device:
+                kwargs["device"] = args.device
+            engine = factory(args.model, **kwargs)
+            holder.model_name = getattr(engine, "model_name", model_name)
+            holder.engine = engine
+            loop = EngineLoop(engine, metrics)
+            loop_box["loop"] = loop
+            loop.start()
+            now = time.monotonic()
+            startup = now - t0
+            log.info(
+                "engine ready in %.2fs (to app %.2fs, engine imports %.2fs, model load %.2fs; "
+                "model %s, %d slots, max rank %d, backend %s, pool %s)",
+                startup,
+                t_import - t0,
+                t_build - t_import,
+                now - t_build,
+                args.model,
+                args.max_adapters,
+                args.max_rank,
+                args.rollout_backend,
+                os.environ.get("LORAPLEX_POOL", "-"),
+            )
+            print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
+        except BaseException:
+            log.exception("engine failed to load")
+            outcome["rc"] = 1
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="engine-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        shutdown(holder, loop_box.get("loop"), checkpoint=not args.no_checkpoint_on_shutdown)
+    return outcome["rc"]
+
+
+def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:
+    """Stop the loop after its current tick, then checkpoint running experiments."""
+    if loop is not None:
+        loop.stop(timeout=60)
+    engine = holder.engine
+    if engine is None or not checkpoint:
+        return
+    try:
+        running = [s for s in engine.list_experiments() if s.phase == "Running"]
+    except Exception:
+        log.exception("could not list experiments at shutdown")
+        return
+    for status in running:
+        try:
+            ref = engine.checkpoint_experiment(status.id)
+            log.info("shutdown checkpoint %s at step %d: %s", status.id, ref.step, ref.path)
+        except Exception:
+            log.exception("shutdown checkpoint of %s failed", status.id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loraplex-engine serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
