@@ -31,7 +31,7 @@ NS = "team-a"
 # The tiny model trains a step in tens of milliseconds, so scenarios that must catch an
 # experiment mid-run (kill, preempt, restart, suspend) use long runs with sparse
 # checkpoints; LORAPLEX_E2E_STEPS scales them (a slower engine needs fewer).
-LONG = int(os.environ.get("LORAPLEX_E2E_STEPS", "300"))
+LONG = int(os.environ.get("LORAPLEX_E2E_STEPS", "200"))
 EVERY = max(LONG // 15, 2)
 MEASURE_FILE = Path(os.environ.get("LORAPLEX_MEASURE_FILE", "out/operator-measurements.json"))
 
