@@ -78,6 +78,7 @@ $(SMOLLM2)/config.json: $(STAMP)
 
 demo-smollm2: smollm2
 	$(VENV)/bin/loraplex-engine run samples/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
+
 # The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
 # KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at
 # LORAPLEX_E2E_MODEL, default /models/tiny-llama), and pod IPs reachable from here (the
