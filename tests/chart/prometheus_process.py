@@ -22,6 +22,7 @@ import re
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -229,14 +230,25 @@ def write_sd_file(path: Path, groups: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+class QueryError(AssertionError):
+    """Prometheus answered an API call with an error."""
+
+
 # --- the server -------------------------------------------------------------------------------
 
 
 class PrometheusServer:
-    def __init__(self, binary: Path, workdir: Path, scrape_configs: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        workdir: Path,
+        scrape_configs: list[dict[str, Any]],
+        rule_files: list[Path] | None = None,
+    ) -> None:
         self.binary = binary
         self.workdir = workdir
         self.scrape_configs = scrape_configs
+        self.rule_files = list(rule_files or [])
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.url = ""
@@ -253,6 +265,7 @@ class PrometheusServer:
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(f) for f in self.rule_files],
                     "scrape_configs": self.scrape_configs,
                 },
                 sort_keys=False,
@@ -315,11 +328,18 @@ class PrometheusServer:
     # --- HTTP API ---
 
     def api(self, path: str, **params: str) -> Any:
+        """GET an API path; a PromQL error raises QueryError with Prometheus's message."""
         query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=30) as r:
-            body = json.load(r)
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=30) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:  # 400/422/503 carry a JSON error body
+            try:
+                body = json.load(e)
+            except ValueError:
+                raise QueryError(f"{path} {params}: HTTP {e.code}") from e
         if body.get("status") != "success":
-            raise AssertionError(f"{path} {params}: {body}")
+            raise QueryError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
@@ -329,6 +349,9 @@ class PrometheusServer:
         data = self.api("/api/v1/query", **params)
         result = data["result"]
         return result if data["resultType"] == "vector" else [{"metric": {}, "value": result}]
+
+    def rules(self) -> list[dict[str, Any]]:
+        return [r for g in self.api("/api/v1/rules")["groups"] for r in g["rules"]]
 
     def active_targets(self) -> list[dict[str, Any]]:
         return self.api("/api/v1/targets", state="active")["activeTargets"]
