@@ -82,7 +82,7 @@ def probe(memo: Any, **_: Any) -> dict[str, Any]:
     return {"stale": hb.stale(max(60.0, 10 * memo.config.interval))}
 
 
-@kopf.daemon(*POOLS, cancellation_timeout=10.0, initial_delay=0)
+@kopf.daemon(*POOLS, cancellation_backoff=15.0, cancellation_timeout=30.0, initial_delay=0)
 async def pool_reconciler(name: str, stopped: Any, memo: Any, logger: Any, **_: Any) -> None:
     """One reconciler per pool: rounds until the pool is deleted or the operator stops."""
     wake = memo.wake.setdefault(name, asyncio.Event())
@@ -97,6 +97,10 @@ async def pool_reconciler(name: str, stopped: Any, memo: Any, logger: Any, **_: 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), timeout=interval)
     memo.wake.pop(name, None)
+    reason = getattr(stopped, "reason", None)
+    if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
+        logger.info("pool %s deleted: its experiments go back to Pending", name)
+        await memo.reconciler.pool_deleted(name)
 
 
 async def _experiment_changed(body: Any, spec: Any, memo: Any) -> None:

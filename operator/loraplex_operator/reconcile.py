@@ -781,6 +781,28 @@ class PoolReconciler:
                     finals.append({"engine": view.name, **final})
         return finals
 
+    async def pool_deleted(self, pool_name: str) -> None:
+        """The pool is going away (its engines with it): its experiments go Pending with
+        `Admitted=False` naming spec.enginePool; a pool of that name created later admits
+        them again, and they resume from their recorded checkpoints."""
+        m.forget_pool(pool_name)
+        self.heartbeats.forget(pool_name)
+        self._idle_since.pop(pool_name, None)
+        now = datetime.now(UTC)
+        for obj in await self._experiments():
+            if obj.get("spec", {}).get("enginePool") != pool_name:
+                continue
+            if _deleting(obj) or _phase(obj) in st.TERMINAL:
+                continue
+            w = Work(obj=obj, restarts=int((obj.get("status") or {}).get("restarts", 0)))
+            w.problems = [f"spec.enginePool: EnginePool {pool_name!r} was deleted"]
+            admission_events(w)
+            new = derive(w, self.config, now)
+            if status_changes(obj.get("status") or {}, new):
+                await self._write(w, new)
+            for type_, reason, message in w.events:
+                self.emit(w.obj, type_, reason, message)
+
     async def admit_orphan(self, obj: Mapping[str, Any]) -> bool:
         """An experiment whose pool does not exist: Pending, Admitted=False, an Event.
 

@@ -289,8 +289,19 @@ class Kubelet:
                 print(f"kubelet: {e!r}", file=sys.stderr)
             await asyncio.sleep(0.2)
 
+    def _pool_exists(self, name: str) -> bool:
+        for (res, _ns, n), obj in list(self.api.objects.items()):
+            if res.plural == "enginepools" and n == name and not obj.deleted:
+                return not obj.raw.get("metadata", {}).get("deletionTimestamp")
+        return False
+
     async def _sync(self) -> None:
         pods = self._pods()
+        for name, pod in list(pods.items()):  # the garbage collector: owner gone → pod gone
+            owners = pod["metadata"].get("ownerReferences") or []
+            if owners and not any(self._pool_exists(o["name"]) for o in owners):
+                await self.client.delete(PODS, name, pod["metadata"]["namespace"])
+                del pods[name]
         for name, pod in pods.items():
             if name not in self.processes and name not in self._starting | self.failed:
                 self._starting.add(name)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import ENGINE_NS, TOKEN_SECRET, Harness, engine_server_class
-from loraplex_operator.kube import SECRETS
+from loraplex_operator.kube import POOLS, SECRETS
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +31,7 @@ NS = "team-a"
 # The tiny model trains a step in tens of milliseconds, so scenarios that must catch an
 # experiment mid-run (kill, preempt, restart, suspend) use long runs with sparse
 # checkpoints; LORAPLEX_E2E_STEPS scales them (a slower engine needs fewer).
-LONG = int(os.environ.get("LORAPLEX_E2E_STEPS", "300"))
+LONG = int(os.environ.get("LORAPLEX_E2E_STEPS", "200"))
 EVERY = max(LONG // 15, 2)
 MEASURE_FILE = Path(os.environ.get("LORAPLEX_MEASURE_FILE", "out/operator-measurements.json"))
 
@@ -303,6 +303,7 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     _record("warm_engine_apply_to_bound_s", bound)
     _record("warm_engine_apply_to_first_step_s", first)
     await h.apply(h.experiment_obj("sus", "pool-d", max_steps=LONG, every=EVERY, seed=3))
+    await h.apply(h.experiment_obj("stay", "pool-d", max_steps=0, every=EVERY, seed=4))
 
     async def checkpointed(name: str) -> dict[str, Any] | None:
         s = await h.status(NS, name)
@@ -332,4 +333,16 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     s = await h.wait_phase(NS, "sus", "Succeeded", timeout=240)
     assert s["step"] == LONG
     await _event(h, "sus", "Bound", "resuming from")
+
+    # Deleting the pool (its engines go with it) sends what it ran back to Pending.
+    assert (await h.status(NS, "stay")).get("engine")
+    await h.kube.delete(POOLS, "pool-d")  # type: ignore[union-attr]
+
+    async def orphaned() -> bool:
+        s = await h.status(NS, "stay")
+        adm = next((c for c in s.get("conditions", []) if c["type"] == "Admitted"), {})
+        return s.get("phase") == "Pending" and "spec.enginePool" in adm.get("message", "")
+
+    await h.wait_for("stay pending after its pool was deleted", orphaned, timeout=60)
+    assert not (await h.status(NS, "stay")).get("engine")
     assert await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)  # type: ignore[union-attr]

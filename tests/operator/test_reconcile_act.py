@@ -22,10 +22,14 @@ from loraplex_operator.reconcile import (
 
 
 class FakeKube:
-    def __init__(self) -> None:
+    def __init__(self, objects: list[dict[str, Any]] | None = None) -> None:
+        self.objects = objects or []
         self.patches: list[tuple[str, dict[str, Any]]] = []
         self.created: list[dict[str, Any]] = []
         self.deleted: list[str] = []
+
+    async def list(self, res: Any, ns: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        return [dict(o) for o in self.objects]
 
     async def patch(self, res: Any, name: str, patch: dict[str, Any], **kw: Any) -> dict:
         self.patches.append((name, patch))
@@ -152,3 +156,17 @@ async def test_unchanged_status_is_not_rewritten() -> None:
     snap, plan = _round(obj)
     await r.act(snap, plan, "token")
     assert not [p for n, p in kube.patches if n == "a"]
+
+
+async def test_pool_deleted_sends_its_experiments_back_to_pending() -> None:
+    running = experiment("a").status(phase="Running", engine="e1").obj()
+    done = experiment("b").status(phase="Succeeded", engine="e1").obj()
+    other = experiment("c").pool("pool-b").status(phase="Running", engine="x").obj()
+    r, _, events = _reconciler(FakeEngines())
+    r.kube = kube = FakeKube([running, done, other])  # type: ignore[assignment]
+    await r.pool_deleted("pool-a")
+    assert [n for n, _ in kube.patches] == ["a"]
+    s = _status(kube)
+    assert s["phase"] == "Pending" and s["engine"] is None
+    assert "spec.enginePool" in s["message"]
+    assert [e[2] for e in events] == ["AdmissionFailed"]
