@@ -29,12 +29,14 @@ import contextlib
 import json
 import math
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from chart_helpers import ALL_ON, DASHBOARDS, METRICS_DOC, REPO, RULES_FILE, one, render, tool
 from prometheus_process import (
     PrometheusServer,
@@ -359,3 +361,24 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             for d in (json.loads(p.read_text()) for p in DASHBOARDS)
         )
         assert checked == panels > 0
+
+
+def test_generated_scrape_config_is_valid(tmp_path: Path) -> None:
+    """The config the live test runs Prometheus with passes `promtool check config`."""
+    scrapes = Scrapes(tmp_path)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump({"rule_files": [str(RULES_FILE)], "scrape_configs": scrapes.configs()})
+    )
+    proc = subprocess.run(
+        [str(tool("promtool")), "check", "config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = {c["job_name"] for c in scrapes.configs()}
+    assert jobs == {
+        "podMonitor/loraplex-system/loraplex-engines/0",
+        "serviceMonitor/loraplex-system/loraplex-operator/0",
+    }
