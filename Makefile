@@ -79,6 +79,15 @@ $(SMOLLM2)/config.json: $(STAMP)
 demo-smollm2: smollm2
 	$(VENV)/bin/loraplex-engine run samples/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
 
+# Container images (needs a Docker engine; none runs on the build machines here, where the
+# images' install steps are exercised by tests/engine/test_server_images.py instead).
+IMAGE_TAG ?= dev
+images:
+	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine reachable (docker info failed)"; exit 1; }
+	docker build -f trainer-image/Dockerfile -t loraplex-engine:$(IMAGE_TAG) .
+	docker build -f trainer-image/Dockerfile.cpu -t loraplex-engine:$(IMAGE_TAG)-cpu .
+	@if [ -f operator/Dockerfile ]; then docker build -f operator/Dockerfile -t loraplex-operator:$(IMAGE_TAG) .; fi
+
 # The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
 # KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at
 # LORAPLEX_E2E_MODEL, default /models/tiny-llama), and pod IPs reachable from here (the

@@ -27,7 +27,7 @@ import logging
 import random
 import string
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -148,7 +148,6 @@ class Work:
     waiting_reason: str | None = None
     resume_from: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
-    bound_now: bool = False  # PUT answered 201 this round
 
     @property
     def key(self) -> str:
@@ -696,7 +695,6 @@ class PoolReconciler:
         log.info("bound %s to %s (%s, resumeFrom=%s)", p.key, p.engine, code, p.body["resumeFrom"])
         w.binding = st.Binding(p.engine, p.node)
         w.engine_status = body
-        w.bound_now = code == 201
         m.PLACEMENTS.labels(pool=pool_name).inc()
         since = self._pending_since(w.obj)
         if since is not None:
@@ -822,7 +820,3 @@ class PoolReconciler:
         for type_, reason, message in w.events:
             self.emit(w.obj, type_, reason, message)
         return False
-
-
-def pending_keys(decisions: Sequence[placement.Decision]) -> list[str]:
-    return [d.experiment for d in decisions if isinstance(d, placement.Wait)]
