@@ -49,6 +49,11 @@ RECONCILE_ERRORS = Counter(
 )
 
 PHASES = ("Pending", "Scheduled", "Running", "Suspended", "Succeeded", "Failed")
+# The `kind` values handlers.py and reconcile.py count errors under; exported at 0 from
+# the start so dashboards and rate() show 0 rather than "no data" before the first error.
+RECONCILE_ERROR_KINDS = ("pool", "experiment", "delete", "status", "unload", "pod")
+for _kind in RECONCILE_ERROR_KINDS:
+    RECONCILE_ERRORS.labels(kind=_kind)
 
 
 def exported_names() -> set[str]:
@@ -66,6 +71,11 @@ def exported_names() -> set[str]:
 
 
 def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: int) -> None:
+    # The pool's event counters and latency histogram exist at 0 from its first round, so
+    # rate()/increase() see the first placement (and preemptions/recoveries show 0, not
+    # "no data"). labels() creates a child once and returns the existing one after.
+    for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
+        counter.labels(pool=pool)
     for phase in PHASES:
         EXPERIMENTS.labels(pool=pool, phase=phase).set(phases.get(phase, 0))
     POOL_ENGINES.labels(pool=pool).set(engines)
@@ -79,6 +89,8 @@ def forget_pool(pool: str) -> None:
     _remove(POOL_ENGINES, pool)
     _remove(POOL_SLOTS, pool, "used")
     _remove(POOL_SLOTS, pool, "free")
+    for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
+        _remove(counter, pool)
 
 
 def _remove(metric: Any, *labels: str) -> None:
