@@ -88,5 +88,13 @@ images:
 	docker build -f trainer-image/Dockerfile.cpu -t loraplex-engine:$(IMAGE_TAG)-cpu .
 	@if [ -f operator/Dockerfile ]; then docker build -f operator/Dockerfile -t loraplex-operator:$(IMAGE_TAG) .; fi
 
+# The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
+# KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at
+# LORAPLEX_E2E_MODEL, default /models/tiny-llama), and pod IPs reachable from here (the
+# operator runs locally, as in `make test` where the API server is kmock).
+e2e: $(STAMP) tiny-model
+	@test -n "$$KUBECONFIG" || { echo "make e2e: set KUBECONFIG to a real cluster (see Makefile)"; exit 2; }
+	LORAPLEX_E2E=1 $(PY) -m pytest -q tests/operator/test_operator_e2e.py
+
 clean:
 	rm -rf $(VENV) .venv-vllm .cache out .tools

@@ -21,6 +21,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 POOL_LABEL = "loraplex.dev/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 SPEC_HASH_ANNOTATION = "loraplex.dev/spec-hash"
+# Where the engine listens, when not http://<podIP>:8000 (test kubelets, host networking).
+ENGINE_URL_ANNOTATION = "loraplex.dev/engine-url"
 ENGINE_PORT = 8000
 TOKEN_DIR = "/var/run/loraplex"
 TOKEN_FILE = f"{TOKEN_DIR}/token"
@@ -190,7 +192,11 @@ def engine_pod(pool: Mapping[str, Any], suffix: str) -> dict[str, Any]:
 
 
 def engine_url(pod: Mapping[str, Any]) -> str | None:
-    """http://<podIP>:8000 once the pod has an IP."""
+    """The `loraplex.dev/engine-url` annotation if set, else http://<podIP>:8000 once the
+    pod has an IP."""
+    annotated = (pod.get("metadata", {}).get("annotations") or {}).get(ENGINE_URL_ANNOTATION)
+    if annotated:
+        return annotated.rstrip("/")
     ip = pod.get("status", {}).get("podIP")
     return f"http://{ip}:{ENGINE_PORT}" if ip else None
 

@@ -1,8 +1,8 @@
 """Metric names in PromQL, Grafana dashboards, Prometheus rule files and docs/metrics.md.
 
 Reusable: the chart tests compare the names that dashboards and alert rules use with
-docs/metrics.md; a later test compares them with what the engine and operator register
-(prometheus-client registries) through the same functions.
+docs/metrics.md; test_metric_registrations.py compares them with what the engine and
+operator register (prometheus-client registries) through the same functions.
 
 Not a full PromQL parser: it removes strings, label matchers, range/subquery brackets,
 grouping label lists and function calls, and takes the identifiers that are left. The

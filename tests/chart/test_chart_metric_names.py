@@ -1,7 +1,7 @@
 """Dashboards and alert rules use only the metric names of docs/metrics.md.
 
-A later test checks the same names against what the engine and operator register;
-it should reuse promql_names (dashboard_names, rules_names, unknown_names).
+test_metric_registrations.py checks the same names against what the engine and operator
+register; test_prometheus_live.py runs every dashboard query against live processes.
 """
 
 from __future__ import annotations

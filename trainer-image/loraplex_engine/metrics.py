@@ -31,8 +31,11 @@ PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
+# The failure kinds the engine reports (engine.py `_fail`); exported at 0 from the start so
+# the failures panel and alert read 0 instead of "no data" until the first failure.
+FAILURE_REASONS = ("non_finite", "reward_error")
 
-__all__ = ["CONTENT_TYPE_LATEST", "PHASES", "EngineMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "PHASES", "EngineMetrics"]
 
 
 class EngineMetrics:
@@ -95,6 +98,8 @@ class EngineMetrics:
             self.phase_seconds.labels(phase=phase)
         for kind in ("rss", "device"):
             self.memory.labels(kind=kind)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason=reason)
 
         self._per_experiment = (
             self.steps,

@@ -1,0 +1,60 @@
+"""`python -m loraplex_operator`: run the operator (kopf) with sane defaults.
+
+One replica only (kopf has no leader election; deploy with strategy Recreate). By
+default the operator runs standalone (no kopf peering objects); `--peering NAME` uses
+kopf peering instead, so a second instance started by mistake pauses rather than
+fighting. Metrics and `/healthz` on `--metrics-port` (8080); kopf's own liveness probe
+listens on loopback `--liveness-port` and is forwarded by `/healthz`.
+
+Tuning through the environment: LORAPLEX_RECONCILE_INTERVAL (5 s),
+LORAPLEX_STATUS_INTERVAL (10 s), LORAPLEX_SCALE_DOWN_DELAY (60 s),
+LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loraplex_operator", description=__doc__)
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8080)))
+    p.add_argument("--liveness-port", type=int, default=None, help="default: metrics port + 1")
+    p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch LoRAExperiments only here (repeatable; default: all namespaces)",
+    )
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import kopf
+
+    import loraplex_operator.handlers  # noqa: F401  (registers the handlers)
+
+    liveness_port = args.liveness_port or (args.metrics_port + 1 if args.metrics_port else 0)
+    liveness = f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None
+    os.environ["LORAPLEX_METRICS_PORT"] = str(args.metrics_port)
+    if liveness:
+        os.environ["LORAPLEX_KOPF_LIVENESS"] = liveness
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    kopf.run(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

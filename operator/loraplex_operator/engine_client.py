@@ -1,0 +1,127 @@
+"""Async client for the engine HTTP API (docs/engine-api.md), bearer token per pool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+
+class EngineError(Exception):
+    """A 4xx/5xx answer from an engine, with the engine's error code and field."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}" + (f" ({field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class EngineUnreachable(Exception):
+    """The engine did not answer (connection refused, timeout)."""
+
+
+def experiment_id(namespace: str, name: str) -> str:
+    """The engine id of an experiment: `<namespace>.<name>` (a namespace holds no dot)."""
+    return f"{namespace}.{name}"
+
+
+def split_id(exp_id: str) -> tuple[str, str]:
+    namespace, _, name = exp_id.partition(".")
+    return namespace, name
+
+
+class EngineClient:
+    def __init__(
+        self, timeout: float = 30.0, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        token: str | None,
+        json: Any = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        kw: dict[str, Any] = {"headers": headers}
+        if json is not None:
+            kw["json"] = json
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            return await self._http.request(method, url, **kw)
+        except httpx.TransportError as e:
+            raise EngineUnreachable(f"{method} {url}: {e!r}") from e
+
+    @staticmethod
+    def _raise(r: httpx.Response) -> None:
+        if r.status_code < 400:
+            return
+        try:
+            err = r.json().get("error") or {}
+        except ValueError:
+            err = {}
+        raise EngineError(
+            r.status_code,
+            str(err.get("code") or "http_error"),
+            str(err.get("message") or r.text[:500]),
+            err.get("field"),
+        )
+
+    async def ready(self, base: str) -> bool:
+        try:
+            r = await self._call("GET", f"{base}/readyz", None, timeout=5)
+        except EngineUnreachable:
+            return False
+        return r.status_code == 200
+
+    async def capacity(self, base: str, token: str) -> dict[str, Any]:
+        r = await self._call("GET", f"{base}/v1/capacity", token)
+        self._raise(r)
+        return r.json()
+
+    async def list(self, base: str, token: str) -> list[dict[str, Any]]:
+        r = await self._call("GET", f"{base}/v1/experiments", token)
+        self._raise(r)
+        return list(r.json().get("experiments", []))
+
+    async def get(self, base: str, token: str, exp_id: str) -> dict[str, Any] | None:
+        r = await self._call("GET", f"{base}/v1/experiments/{exp_id}", token)
+        if r.status_code == 404:
+            return None
+        self._raise(r)
+        return r.json()
+
+    async def put(
+        self,
+        base: str,
+        token: str,
+        exp_id: str,
+        spec: Mapping[str, Any],
+        namespace: str,
+        name: str,
+        resume_from: str | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Start or resume. (201, status) new, (200, status) already loaded with this spec."""
+        body = {"spec": dict(spec), "namespace": namespace, "name": name, "resumeFrom": resume_from}
+        r = await self._call("PUT", f"{base}/v1/experiments/{exp_id}", token, json=body)
+        self._raise(r)
+        return r.status_code, r.json()
+
+    async def delete(
+        self, base: str, token: str, exp_id: str, timeout: float = 120.0
+    ) -> dict[str, Any] | None:
+        """Checkpoint, then unload. The final status, or None if it was not loaded."""
+        r = await self._call("DELETE", f"{base}/v1/experiments/{exp_id}", token, timeout=timeout)
+        if r.status_code == 404:
+            return None
+        self._raise(r)
+        return r.json()

@@ -1,0 +1,159 @@
+"""Operator metrics (docs/metrics.md) and the HTTP server for `/metrics` and `/healthz`.
+
+One port (8080 by default) serves both: `/metrics` in the Prometheus text format from
+the operator's own registry, `/healthz` = kopf's liveness probe (kopf serves it on a
+loopback port; we forward) and, on top, every pool reconciler must have finished a
+round recently, so a wedged reconciler restarts the pod too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+EXPERIMENTS = Gauge(
+    "loraplex_experiments", "Experiments by phase.", ["pool", "phase"], registry=REGISTRY
+)
+PLACEMENTS = Counter(
+    "loraplex_placements", "Experiments bound to an engine.", ["pool"], registry=REGISTRY
+)
+PREEMPTIONS = Counter(
+    "loraplex_preemptions",
+    "Experiments checkpointed back to pending for a higher priority.",
+    ["pool"],
+    registry=REGISTRY,
+)
+RECOVERIES = Counter(
+    "loraplex_recoveries",
+    "Experiments moved after their engine died.",
+    ["pool"],
+    registry=REGISTRY,
+)
+SCHEDULING_LATENCY = Histogram(
+    "loraplex_scheduling_latency_seconds",
+    "Pending to Running (bound) latency.",
+    ["pool"],
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+    registry=REGISTRY,
+)
+POOL_ENGINES = Gauge("loraplex_pool_engines", "Engine pods.", ["pool"], registry=REGISTRY)
+POOL_SLOTS = Gauge("loraplex_pool_slots", "Adapter slots.", ["pool", "state"], registry=REGISTRY)
+RECONCILE_ERRORS = Counter(
+    "loraplex_reconcile_errors", "Handler errors.", ["kind"], registry=REGISTRY
+)
+
+PHASES = ("Pending", "Scheduled", "Running", "Suspended", "Succeeded", "Failed")
+# The `kind` values handlers.py and reconcile.py count errors under; exported at 0 from
+# the start so dashboards and rate() show 0 rather than "no data" before the first error.
+RECONCILE_ERROR_KINDS = ("pool", "experiment", "delete", "status", "unload", "pod")
+for _kind in RECONCILE_ERROR_KINDS:
+    RECONCILE_ERRORS.labels(kind=_kind)
+
+
+def exported_names() -> set[str]:
+    """Sample names this registry exports (what dashboards and alerts may use)."""
+    names: set[str] = set()
+    for metric in REGISTRY.collect():
+        if metric.type == "counter":
+            names.add(f"{metric.name}_total")
+        elif metric.type == "histogram":
+            names.update(f"{metric.name}{s}" for s in ("_bucket", "_count", "_sum"))
+            names.add(metric.name)
+        else:
+            names.add(metric.name)
+    return names
+
+
+def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: int) -> None:
+    # The pool's event counters and latency histogram exist at 0 from its first round, so
+    # rate()/increase() see the first placement (and preemptions/recoveries show 0, not
+    # "no data"). labels() creates a child once and returns the existing one after.
+    for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
+        counter.labels(pool=pool)
+    for phase in PHASES:
+        EXPERIMENTS.labels(pool=pool, phase=phase).set(phases.get(phase, 0))
+    POOL_ENGINES.labels(pool=pool).set(engines)
+    POOL_SLOTS.labels(pool=pool, state="used").set(used)
+    POOL_SLOTS.labels(pool=pool, state="free").set(free)
+
+
+def forget_pool(pool: str) -> None:
+    for phase in PHASES:
+        _remove(EXPERIMENTS, pool, phase)
+    _remove(POOL_ENGINES, pool)
+    _remove(POOL_SLOTS, pool, "used")
+    _remove(POOL_SLOTS, pool, "free")
+    for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
+        _remove(counter, pool)
+
+
+def _remove(metric: Any, *labels: str) -> None:
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
+
+
+class Heartbeats:
+    """When each pool reconciler last finished a round (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def beat(self, pool: str) -> None:
+        self._last[pool] = time.monotonic()
+
+    def forget(self, pool: str) -> None:
+        self._last.pop(pool, None)
+
+    def stale(self, max_age: float) -> list[str]:
+        now = time.monotonic()
+        return sorted(p for p, t in self._last.items() if now - t > max_age)
+
+
+async def serve(
+    port: int,
+    heartbeats: Heartbeats,
+    max_age: float,
+    kopf_liveness: str | None,
+    host: str = "0.0.0.0",
+) -> Any:
+    """Start the metrics/health server in the running loop; returns the aiohttp runner."""
+    import aiohttp
+    import aiohttp.web
+
+    async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        body = generate_latest(REGISTRY)
+        return aiohttp.web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        report: dict[str, Any] = {}
+        ok = True
+        if kopf_liveness:
+            try:
+                timeout = aiohttp.ClientTimeout(total=5)
+                async with (
+                    aiohttp.ClientSession(timeout=timeout) as s,
+                    s.get(kopf_liveness) as r,
+                ):
+                    report["kopf"] = await r.json()
+                    ok = r.status == 200
+            except Exception as e:  # kopf's probe server is gone: not alive
+                report["kopf"] = repr(e)
+                ok = False
+        stale = heartbeats.stale(max_age)
+        if stale:
+            report["stalePools"] = stale
+            ok = False
+        return aiohttp.web.json_response(report, status=200 if ok else 503)
+
+    app = aiohttp.web.Application()
+    app.add_routes([aiohttp.web.get("/metrics", metrics), aiohttp.web.get("/healthz", healthz)])
+    runner = aiohttp.web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,384 @@
+"""Every dashboard panel shows data from a real Prometheus scraping a real engine and the
+real operator while experiments train.
+
+- The operator harness (tests/operator/harness.py): kmock as the API server, a kubelet
+  that runs a real `loraplex-engine serve` (tiny model) per engine Pod, and the operator
+  process (`python -m loraplex_operator`) with its metrics port.
+- A real Prometheus (`.tools/bin/prometheus`, 127.0.0.1, scrape interval 1 s) whose
+  scrape configs are translated from the chart's rendered PodMonitor (engines) and
+  ServiceMonitor (operator) as the Prometheus Operator does (prometheus_process.py); the
+  engine Pods the operator creates are fed to it through file-based discovery with the
+  metadata Kubernetes discovery gives them. So `job`, `pool`, `pod` and `namespace` are
+  the labels a cluster would have, and a PodMonitor selector that stopped matching the
+  operator's engine Pods would leave the engine target out.
+- One pool, experiments in two namespaces; once Prometheus holds enough steps and
+  checkpoints of each, every panel query (and every query variable) of every dashboard
+  is evaluated through `/api/v1/query` with Grafana's variables set to values that
+  exist (read from the variables' own queries) and must return data that is not NaN.
+
+`$__rate_interval`, `$__interval` and `$__range` are set to the span of the run, at least
+30 s (as for a dashboard zoomed onto the run): the scheduling latency histogram only
+moves when an experiment is placed, at the start, and a narrower window would make its
+quantile NaN ("no data" in Grafana) through no fault of the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart_helpers import ALL_ON, DASHBOARDS, METRICS_DOC, REPO, RULES_FILE, one, render, tool
+from prometheus_process import (
+    PrometheusServer,
+    QueryError,
+    endpoint_targets,
+    pod_monitor_scrape_config,
+    pod_targets,
+    service_monitor_scrape_config,
+    write_sd_file,
+)
+from promql_names import (
+    dashboard_queries,
+    documented_metrics,
+    exported_series_names,
+    rule_exprs,
+)
+
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+from harness import Harness, engine_server_class
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(engine_server_class() is None, reason="needs the engine server"),
+]
+
+POOL = "pool-live"
+# (namespace, name): two namespaces, so `namespace` must be the experiment's, not the pod's.
+EXPERIMENTS = [("team-a", "live-a"), ("team-b", "live-b")]
+MIN_STEPS = 25  # per experiment, seen by Prometheus, before the panels are checked
+MIN_CHECKPOINTS = 2
+CHECKPOINT_EVERY = 5
+MAX_STEPS = 100_000  # still training when the panels are checked; deleted at the end
+
+# Panel queries allowed to return nothing, with the reason. Empty: every counter that
+# only moves on rare events (preemptions, recoveries, reconcile errors, experiment
+# failures) is exported at 0 from the start, so its panel shows 0, not "no data".
+EXCUSED: dict[str, str] = {}
+
+# Alerts that must stay quiet on a healthy live system (label joins: pool, job, pod).
+QUIET_ALERTS = (
+    "LoraplexEngineDown",
+    "LoraplexEnginesMissing",
+    "LoraplexOperatorDown",
+    "LoraplexRewardNaN",
+    "LoraplexExperimentNoProgress",
+    "LoraplexExperimentFailures",
+    "LoraplexExperimentStuckPending",
+)
+
+_VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?:[.:][^}]*)?\}|\$([A-Za-z_]\w*)|\[\[(\w+)\]\]")
+_LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*(\w+)\)\s*$", re.DOTALL)
+
+
+def fill(query: str, variables: dict[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2) or m.group(3)
+        if name not in variables:
+            raise KeyError(f"dashboard variable ${name} has no value (query: {query})")
+        return variables[name]
+
+    return _VAR.sub(sub, query)
+
+
+class Scrapes:
+    """The chart's monitors as Prometheus scrape configs + file_sd files to fill."""
+
+    def __init__(self, workdir: Path) -> None:
+        docs = render(ALL_ON)
+        self.pod_monitor = one(docs, "PodMonitor")
+        self.service_monitor = one(docs, "ServiceMonitor")
+        selector = self.service_monitor["spec"]["selector"]["matchLabels"]
+        services = [
+            d
+            for d in docs
+            if d["kind"] == "Service"
+            and selector.items() <= (d["metadata"].get("labels") or {}).items()
+        ]
+        assert len(services) == 1, "the ServiceMonitor selects no (or several) Services"
+        self.operator_service = services[0]
+        self.operator_deployment = one(docs, "Deployment")
+        self.engines_sd = workdir / "engines.json"
+        self.operator_sd = workdir / "operator.json"
+        write_sd_file(self.engines_sd, [])
+        write_sd_file(self.operator_sd, [])
+
+    def configs(self) -> list[dict[str, Any]]:
+        return [
+            pod_monitor_scrape_config(self.pod_monitor, self.engines_sd, "1s"),
+            service_monitor_scrape_config(self.service_monitor, self.operator_sd, "1s"),
+        ]
+
+    def set_operator(self, port: int) -> None:
+        deployment = self.operator_deployment
+        container = deployment["spec"]["template"]["spec"]["containers"][0]["name"]
+        pod = f"{deployment['metadata']['name']}-7d9c5b6f4-x2x9q"
+        write_sd_file(
+            self.operator_sd,
+            endpoint_targets(self.operator_service, pod, container, f"127.0.0.1:{port}"),
+        )
+
+    def set_engines(self, pods: list[dict[str, Any]]) -> None:
+        from loraplex_operator.manifests import engine_url
+
+        groups = []
+        for pod in pods:
+            url = engine_url(pod)
+            if url and (pod.get("status") or {}).get("phase") == "Running":
+                groups += pod_targets(pod, url.removeprefix("http://"))
+        write_sd_file(self.engines_sd, groups)
+
+
+async def _poll(h: Harness, what: str, check: Any, timeout: float) -> Any:
+    async def once() -> Any:
+        return await asyncio.to_thread(check)
+
+    return await h.wait_for(what, once, timeout=timeout, interval=0.5)
+
+
+async def _feed_engines(h: Harness, scrapes: Scrapes) -> None:
+    """The discovery loop: engine Pods of the pool → the engines' file_sd file."""
+    while True:
+        with contextlib.suppress(Exception):
+            scrapes.set_engines(await h.engine_pods(POOL))
+        await asyncio.sleep(0.5)
+
+
+def _value(prom: PrometheusServer, expr: str) -> float:
+    result = prom.query(expr)
+    return float(result[0]["value"][1]) if result else math.nan
+
+
+def _resolve_variables(
+    prom: PrometheusServer,
+    dashboard: dict[str, Any],
+    base: dict[str, str],
+    prefer: dict[str, str],
+    at: float,
+) -> tuple[dict[str, str], list[str]]:
+    """Values for the dashboard's variables, each read from its own query (in order);
+    the `prefer`red value must be among those the query offers."""
+    variables = dict(base)
+    problems = []
+    for var in dashboard.get("templating", {}).get("list", []):
+        name = var["name"]
+        if var.get("type") != "query":
+            variables.setdefault(name, "x")
+            continue
+        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+        m = _LABEL_VALUES.match(query)
+        assert m, f"variable {name}: only label_values(selector, label) is handled: {query}"
+        expr, label = fill(m.group(1), variables), m.group(2)
+        values = sorted({s["metric"].get(label, "") for s in prom.query(expr, at)} - {""})
+        if prefer.get(name) not in values:
+            problems.append(f"variable {name}: {prefer.get(name)!r} not in {values} ({expr})")
+        variables[name] = prefer.get(name) if prefer.get(name) in values else values[0]
+    return variables, problems
+
+
+def _views(dashboard: dict[str, Any]) -> list[dict[str, str]]:
+    """Variable choices to check a dashboard with: each experiment for the experiment
+    view (two namespaces), the pool for the fleet view."""
+    names = {v["name"] for v in dashboard.get("templating", {}).get("list", [])}
+    if "experiment" in names:
+        return [
+            {"namespace": ns, "pool": POOL, "experiment": f"{ns}.{name}"}
+            for ns, name in EXPERIMENTS
+        ]
+    return [{"pool": POOL}]
+
+
+def _check_panels(prom: PrometheusServer, window: str, at: float) -> tuple[list[str], int, int]:
+    """Problems, panel queries checked, and how many of them returned data."""
+    problems: list[str] = []
+    checked = ok = 0
+    base = {"__rate_interval": window, "__interval": window, "__range": window}
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        for prefer in _views(dashboard):
+            view = f"{path.stem} ({', '.join(f'{k}={v}' for k, v in prefer.items())})"
+            try:
+                variables, var_problems = _resolve_variables(prom, dashboard, base, prefer, at)
+            except (AssertionError, IndexError) as e:
+                problems.append(f"{view}: variables: {e}")
+                continue
+            problems += [f"{view}: {p}" for p in var_problems]
+            for where, query in dashboard_queries(dashboard):
+                if where.startswith("variable "):
+                    continue  # resolved above
+                checked += 1
+                expr = fill(query, variables)
+                try:
+                    result = prom.query(expr, at)
+                except QueryError as e:
+                    problems.append(f"{view}: {where}: {e}")
+                    continue
+                if not result:
+                    if f"{path.stem}: {where}" not in EXCUSED:
+                        problems.append(f"{view}: {where}: no data for {expr}")
+                    continue
+                nan = [s["metric"] for s in result if math.isnan(float(s["value"][1]))]
+                if nan:
+                    problems.append(f"{view}: {where}: NaN for {nan} from {expr}")
+                else:
+                    ok += 1
+    return problems, checked, ok
+
+
+def _check_table_join(prom: PrometheusServer, at: float) -> list[str]:
+    fleet = json.loads(next(p for p in DASHBOARDS if p.name == "loraplex-fleet.json").read_text())
+    (table,) = [p for p in fleet["panels"] if p["type"] == "table"]
+    variables = {"pool": POOL, "__rate_interval": "1m"}
+    a, b = (prom.query(fill(t["expr"], variables), at) for t in table["targets"])
+    keys_a = {json.dumps(s["metric"], sort_keys=True) for s in a}
+    keys_b = {json.dumps(s["metric"], sort_keys=True) for s in b}
+    problems = []
+    if keys_a != keys_b:
+        problems.append(f"fleet table: the two queries' label sets differ: {keys_a ^ keys_b}")
+    want = {f"{ns}.{name}" for ns, name in EXPERIMENTS}
+    got = {s["metric"].get("experiment") for s in a}
+    if got != want:
+        problems.append(f"fleet table: experiments {got}, expected {want}")
+    for s in a:
+        if s["metric"].get("namespace") not in {ns for ns, _ in EXPERIMENTS}:
+            problems.append(f"fleet table: namespace should be the experiment's: {s['metric']}")
+    return problems
+
+
+async def test_dashboards_show_data_from_live_engine_and_operator(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    t_start = time.monotonic()
+    binary = tool("prometheus")
+    scrapes = Scrapes(tmp_path)
+    prom = PrometheusServer(
+        binary, tmp_path / "prometheus", scrapes.configs(), rule_files=[RULES_FILE]
+    )
+    async with Harness(tmp_path / "cluster", tiny_model_dir) as h:
+        assert h.operator is not None
+        await asyncio.to_thread(prom.start)
+        feeder = asyncio.create_task(_feed_engines(h, scrapes))
+        try:
+            scrapes.set_operator(h.operator.metrics_port)
+            # One engine from the start (min 1), so it loads while the operator settles.
+            await h.apply(h.pool_obj(POOL, slots=4, max_rank=8, replicas=(1, 1)))
+            await _poll(h, "operator target up", lambda: prom.up_targets("loraplex-operator"), 60)
+            # The pool's counters exist at 0 before the first placement, so rate() and
+            # the latency histogram see that placement.
+            await _poll(
+                h,
+                "pool counters at 0 in Prometheus",
+                lambda: prom.query(f'loraplex_scheduling_latency_seconds_count{{pool="{POOL}"}}'),
+                60,
+            )
+            await _poll(h, "engine target up", lambda: prom.up_targets("loraplex-engine"), 150)
+            for i, (ns, name) in enumerate(EXPERIMENTS):
+                obj = h.experiment_obj(
+                    name, POOL, max_steps=MAX_STEPS, every=CHECKPOINT_EVERY, seed=i, namespace=ns
+                )
+                await h.apply(obj)
+
+            def trained() -> bool:
+                for ns, name in EXPERIMENTS:
+                    sel = f'namespace="{ns}", experiment="{ns}.{name}", job="loraplex-engine"'
+                    steps = _value(prom, f"loraplex_engine_steps_total{{{sel}}}")
+                    checkpoints = _value(prom, f"loraplex_engine_checkpoints_total{{{sel}}}")
+                    if not (steps >= MIN_STEPS and checkpoints >= MIN_CHECKPOINTS):
+                        return False
+                running = f'loraplex_experiments{{pool="{POOL}", phase="Running"}}'
+                return _value(prom, running) == len(EXPERIMENTS)
+
+            await _poll(h, f"{MIN_STEPS} steps of each experiment in Prometheus", trained, 120)
+
+            at = time.time()
+            window = f"{max(30, math.ceil(at - prom.started_at) + 5)}s"
+            problems, checked, with_data = await asyncio.to_thread(_check_panels, prom, window, at)
+            problems += await asyncio.to_thread(_check_table_join, prom, at)
+
+            exprs = dict(rule_exprs(RULES_FILE))
+            for alert in QUIET_ALERTS:
+                firing = await asyncio.to_thread(prom.query, exprs[alert], at)
+                if firing:
+                    problems.append(f"alert {alert} matches on healthy data: {firing[:2]}")
+            # The deployed rules file, loaded as is, evaluates on the live series without
+            # errors (e.g. many-to-many joins, which only real label sets can reveal).
+            rules = await asyncio.to_thread(prom.rules)
+            if {r["name"] for r in rules} != set(exprs):
+                problems.append(f"rules loaded: {sorted(r['name'] for r in rules)}")
+            for rule in rules:
+                if rule.get("health") != "ok":
+                    problems.append(
+                        f"rule {rule['name']}: {rule.get('health')} {rule.get('lastError')}"
+                    )
+                elif rule["name"] in QUIET_ALERTS and rule.get("state") != "inactive":
+                    problems.append(f"alert {rule['name']} is {rule.get('state')} on healthy data")
+
+            # Every documented series exists in the live data (counters at 0 included).
+            present = {
+                s["metric"]["__name__"]
+                for s in await asyncio.to_thread(
+                    prom.query, 'group by (__name__) ({__name__=~"loraplex_.+"})', at
+                )
+            }
+            missing = exported_series_names(documented_metrics(METRICS_DOC)) - present
+            if missing:
+                problems.append(f"documented series absent from the live data: {sorted(missing)}")
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeder
+            prom.stop()
+            for ns, name in EXPERIMENTS:
+                with contextlib.suppress(Exception):
+                    await h.delete(ns, name)
+        print(
+            f"live prometheus check: {with_data}/{checked} panel queries with data, "
+            f"{time.monotonic() - t_start:.1f}s, window {window}"
+        )
+        assert not problems, "\n".join(problems)
+        panels = sum(
+            len([w for w, _ in dashboard_queries(d) if not w.startswith("variable ")])
+            * len(_views(d))
+            for d in (json.loads(p.read_text()) for p in DASHBOARDS)
+        )
+        assert checked == panels > 0
+
+
+def test_generated_scrape_config_is_valid(tmp_path: Path) -> None:
+    """The config the live test runs Prometheus with passes `promtool check config`."""
+    scrapes = Scrapes(tmp_path)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump({"rule_files": [str(RULES_FILE)], "scrape_configs": scrapes.configs()})
+    )
+    proc = subprocess.run(
+        [str(tool("promtool")), "check", "config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = {c["job_name"] for c in scrapes.configs()}
+    assert jobs == {
+        "podMonitor/loraplex-system/loraplex-engines/0",
+        "serviceMonitor/loraplex-system/loraplex-operator/0",
+    }

@@ -1,0 +1,693 @@
+"""Operator integration harness: a Kubernetes API (kmock, or a real cluster), a "kubelet"
+that runs a real engine process for every engine Pod, and the real operator process.
+
+kmock mode (default)::
+
+    async with Harness.kmock(tmp_path, tiny_model_dir) as h:
+        await h.apply_pool(h.pool_obj("pool-a", slots=4, replicas=(0, 2)))
+        await h.apply(h.experiment_obj("exp1", max_steps=6))
+        await h.wait_phase("team-a", "exp1", "Succeeded")
+
+- `ApiServer` is kmock's `KubernetesEmulator` with what our tests need from a real API
+  server: names from `generateName` (kopf's Events), `uid`, `creationTimestamp`,
+  `generation`, and for our two CRDs structural defaults plus the schema and CEL checks
+  (`crdkit.admit`), answering 422 like the API server would.
+- `Kubelet` watches the emulator's Pods; for each engine Pod it starts a real
+  `loraplex-engine serve` on 127.0.0.1 (`tests/engine/server_process.EngineServer`),
+  then patches the Pod Running/Ready with `podIP` 127.0.0.1 and the
+  `loraplex.dev/engine-url` annotation (the port differs per engine). A Pod deleted →
+  SIGTERM; a process that dies → the Pod turns `Failed` (as after a node loss).
+  All engines share one checkpoint directory, like a ReadWriteMany volume.
+- `OperatorProcess` runs `python -m loraplex_operator` against a kubeconfig that points
+  at the emulator; tests may kill and restart it.
+
+Real-cluster mode (`make e2e`, `KUBECONFIG` set, `LORAPLEX_E2E=1`): no emulator and no
+kubelet; the CRDs must be installed and `LORAPLEX_E2E_IMAGE` names an engine image that
+holds the model at `LORAPLEX_E2E_MODEL` (default /models/tiny-llama). "Killing an
+engine" deletes its Pod with a zero grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import kmock
+import yaml
+from crdkit import admit, apply_defaults, schema_of
+from loraplex_operator import manifests
+from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS, Kube
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_NS = "loraplex-system"
+TOKEN_SECRET = "engine-token"
+NODE = "kmock-node"
+
+# --- the API server --------------------------------------------------------------------
+
+CRD_KINDS = {"loraexperiments": "LoRAExperiment", "enginepools": "EnginePool"}
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock plus the few API-server behaviours the operator relies on."""
+
+    async def _handle(self, request: Any) -> Any:
+        if (
+            request.resource is not None
+            and request.action == kmock.action.CREATE
+            and isinstance(request.data, dict)
+        ):
+            errors = self._on_create(request)
+            if errors:
+                kind = CRD_KINDS.get(request.resource.plural, "")
+                return await self._render_error(
+                    kmock.KubernetesError(
+                        status=422,
+                        reason="Invalid",
+                        message=f"{kind} is invalid: " + "; ".join(errors),
+                    )
+                )
+        return await super()._handle(request)
+
+    def _on_create(self, request: Any) -> list[str]:
+        obj = request.data
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(4)
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        meta.setdefault("generation", 1)
+        # kopf's JSON patches "test" metadata.resourceVersion; kmock keeps no versions, so
+        # one constant version makes every such test pass (no optimistic concurrency here).
+        meta["resourceVersion"] = "1"
+        kind = CRD_KINDS.get(request.resource.plural)
+        if kind is None or request.resource.group != "loraplex.dev":
+            return []
+        errors = admit(kind, obj)
+        if not errors:
+            defaulted = apply_defaults(schema_of(kind), obj)
+            obj.clear()
+            obj.update(defaulted)
+        return errors
+
+
+def declare_resources(api: kmock.KubernetesEmulator) -> None:
+    api.resources.load_bundled()
+    api.resources["loraplex.dev/v1alpha1/loraexperiments"] = kmock.ResourceInfo(
+        kind="LoRAExperiment",
+        singular="loraexperiment",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete", "update"},
+        shortnames={"lx", "loraexp"},
+        subresources={"status"},
+    )
+    api.resources["loraplex.dev/v1alpha1/enginepools"] = kmock.ResourceInfo(
+        kind="EnginePool",
+        singular="enginepool",
+        namespaced=False,
+        verbs={"get", "list", "watch", "create", "patch", "delete", "update"},
+        shortnames={"ep", "lxpool"},
+        subresources={"status"},
+    )
+
+
+# --- RBAC: what the operator called vs. what the chart grants ------------------------
+
+RBAC_CONTRACT = REPO / "charts" / "loraplex" / "rbac-contract.yaml"
+OPERATOR_AGENTS = ("kopf/", "loraplex-operator/")
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
+VERBS |= {"UPDATE": "patch", "DELETE": "delete"}
+
+
+def operator_calls(api: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every call kopf or our client made."""
+    calls = set()
+    for req in list(api):
+        agent = next((v for k, v in req.headers.items() if k.lower() == "user-agent"), "")
+        if not agent.startswith(OPERATOR_AGENTS) or req.resource is None or req.action is None:
+            continue
+        if not req.resource.plural:  # API discovery: open to every authenticated user
+            continue
+        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+        calls.add((req.resource.group, resource, VERBS[req.action.value]))
+    return calls
+
+
+def rbac_violations(calls: set[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Calls that no rule of charts/loraplex/rbac-contract.yaml allows (a 403 in a cluster)."""
+    rules = yaml.safe_load(RBAC_CONTRACT.read_text())["rules"]
+    allowed = {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    return sorted(c for c in calls if c not in allowed)
+
+
+# --- engines and the kubelet ---------------------------------------------------------------
+
+
+class EngineHandle(Protocol):
+    url: str
+
+    def kill(self) -> None: ...
+    def stop(self, timeout: float = 60.0) -> int | None: ...
+    def alive(self) -> bool: ...
+
+
+@dataclass
+class EngineRequest:
+    pod: str
+    token: str
+    max_adapters: int
+    max_rank: int
+
+
+Launcher = Callable[[EngineRequest], EngineHandle]  # blocking; runs in a thread
+
+
+def _arg(args: list[str], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args else default
+
+
+class RealEngine:
+    """`tests/engine/server_process.EngineServer` behind the EngineHandle protocol."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.url = server.url
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        return self.server.stop(timeout)
+
+    def alive(self) -> bool:
+        return self.server.proc is not None and self.server.proc.poll() is None
+
+
+def engine_server_class() -> Any:
+    """The real engine subprocess helper, or None while the engine server has not landed."""
+    sys.path.insert(0, str(REPO / "tests" / "engine"))
+    try:
+        from server_process import EngineServer
+    except ImportError:
+        return None
+    return EngineServer
+
+
+def real_launcher(model_dir: Path, checkpoint_root: Path, workdir: Path) -> Launcher:
+    EngineServer = engine_server_class()
+    if EngineServer is None:
+        raise RuntimeError("tests/engine/server_process.py (the engine server) is missing")
+
+    def launch(req: EngineRequest) -> EngineHandle:
+        server = EngineServer(
+            model_dir,
+            checkpoint_root,
+            max_adapters=req.max_adapters,
+            max_rank=req.max_rank,
+            token=req.token,
+            workdir=workdir / req.pod,
+            threads=1,
+        )
+        return RealEngine(server.start())
+
+    return launch
+
+
+@dataclass
+class Kubelet:
+    """Runs an engine process per engine Pod of the emulator and reports Pod status."""
+
+    api: kmock.KubernetesEmulator
+    client: Kube
+    launcher: Launcher
+    processes: dict[str, EngineHandle] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    start_seconds: dict[str, float] = field(default_factory=dict)
+    _starting: set[str] = field(default_factory=set)
+    _task: asyncio.Task[None] | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def _pods(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for (res, _ns, name), obj in list(self.api.objects.items()):
+            if res.group == "" and res.plural == "pods" and not obj.deleted:
+                raw = obj.raw
+                if manifests.POOL_LABEL in (raw.get("metadata", {}).get("labels") or {}):
+                    out[name] = raw
+        return out
+
+    def _secret(self, namespace: str, name: str, key: str) -> str | None:
+        for (res, ns, n), obj in list(self.api.objects.items()):
+            if res.plural == "secrets" and ns == namespace and n == name and not obj.deleted:
+                data = obj.raw.get("data") or {}
+                if key in data:
+                    return base64.b64decode(data[key]).decode().strip()
+        return None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(asyncio.to_thread(p.kill) for p in self.processes.values()))
+        self.processes.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._sync()
+            except Exception as e:  # keep the kubelet alive; tests see the effects
+                print(f"kubelet: {e!r}", file=sys.stderr)
+            await asyncio.sleep(0.2)
+
+    def _pool_exists(self, name: str) -> bool:
+        for (res, _ns, n), obj in list(self.api.objects.items()):
+            if res.plural == "enginepools" and n == name and not obj.deleted:
+                return not obj.raw.get("metadata", {}).get("deletionTimestamp")
+        return False
+
+    async def _sync(self) -> None:
+        pods = self._pods()
+        for name, pod in list(pods.items()):  # the garbage collector: owner gone → pod gone
+            owners = pod["metadata"].get("ownerReferences") or []
+            if owners and not any(self._pool_exists(o["name"]) for o in owners):
+                await self.client.delete(PODS, name, pod["metadata"]["namespace"])
+                del pods[name]
+        for name, pod in pods.items():
+            if name not in self.processes and name not in self._starting | self.failed:
+                self._starting.add(name)
+                task = asyncio.create_task(self._run_pod(pod))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        for name, proc in list(self.processes.items()):
+            if name not in pods:
+                del self.processes[name]
+                await asyncio.to_thread(proc.stop, 30.0)
+            elif not proc.alive() and name not in self.failed:
+                self.failed.add(name)
+                ns = pods[name]["metadata"]["namespace"]
+                await self._patch(ns, name, _pod_status(False, phase="Failed"))
+
+    async def _run_pod(self, pod: dict[str, Any]) -> None:
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        container = pod["spec"]["containers"][0]
+        args = container.get("args", [])
+        secret = next(v for v in pod["spec"]["volumes"] if v["name"] == manifests.TOKEN_VOLUME)
+        key = secret["secret"]["items"][0]["key"]
+        token = self._secret(ns, secret["secret"]["secretName"], key)
+        try:
+            if token is None:
+                raise RuntimeError(f"secret {secret['secret']['secretName']} not found")
+            req = EngineRequest(
+                pod=name,
+                token=token,
+                max_adapters=int(_arg(args, "--max-adapters", "8")),
+                max_rank=int(_arg(args, "--max-rank", "64")),
+            )
+            t0 = time.monotonic()
+            proc = await asyncio.to_thread(self.launcher, req)
+            self.start_seconds[name] = time.monotonic() - t0
+        except Exception as e:
+            print(f"kubelet: engine for pod {name} failed to start: {e!r}", file=sys.stderr)
+            self.failed.add(name)
+            self._starting.discard(name)
+            await self._patch(ns, name, _pod_status(False, phase="Failed"))
+            return
+        self._starting.discard(name)
+        if name not in self._pods():  # deleted while starting
+            await asyncio.to_thread(proc.stop, 30.0)
+            return
+        self.processes[name] = proc
+        patch = _pod_status(True, phase="Running")
+        patch["metadata"] = {"annotations": {manifests.ENGINE_URL_ANNOTATION: proc.url}}
+        patch["spec"] = {"nodeName": NODE}
+        await self._patch(ns, name, patch)
+
+    async def _patch(self, ns: str, name: str, patch: dict[str, Any]) -> None:
+        await self.client.patch(PODS, name, patch, namespace=ns)
+
+    def kill(self, pod: str) -> None:
+        """SIGKILL the engine of `pod` (no checkpoint on the way out)."""
+        self.processes[pod].kill()
+
+
+def _pod_status(ready: bool, phase: str) -> dict[str, Any]:
+    flag = "True" if ready else "False"
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [
+            {"type": "Ready", "status": flag, "lastTransitionTime": _now()},
+            {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()},
+        ],
+    }
+    if ready:
+        status["podIP"] = "127.0.0.1"
+    return {"status": status}
+
+
+# --- the operator process ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class OperatorProcess:
+    kubeconfig: Path
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = 0
+    starts: int = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.metrics_port = free_port()
+        log = open(self.workdir / f"operator-{self.starts}.log", "wb")  # noqa: SIM115
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loraplex_operator",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--liveness-port",
+                str(free_port()),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(self.workdir),
+        )
+        log.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_text(self) -> str:
+        return "".join(
+            (self.workdir / f"operator-{i}.log").read_text(errors="replace")
+            for i in range(1, self.starts + 1)
+        )
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+
+# --- the harness -------------------------------------------------------------------------
+
+
+class Harness:
+    """One API server (kmock or real), its kubelet, one operator process, helpers."""
+
+    def __init__(self, workdir: Path, model_dir: Path, real_cluster: bool = False) -> None:
+        self.workdir = workdir
+        self.model_dir = model_dir
+        self.real_cluster = real_cluster
+        self.checkpoint_root = workdir / "ckpt"
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        self.api: ApiServer | None = None
+        self.kube: Kube | None = None
+        self.kubelet: Kubelet | None = None
+        self.operator: OperatorProcess | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self.launcher: Launcher | None = None
+        self.operator_env: dict[str, str] = {
+            "LORAPLEX_RECONCILE_INTERVAL": "1",
+            "LORAPLEX_STATUS_INTERVAL": "0",
+            "LORAPLEX_SCALE_DOWN_DELAY": "3",
+            "LORAPLEX_ENGINE_TIMEOUT": "60",
+        }
+
+    @classmethod
+    def create(cls, workdir: Path, model_dir: Path) -> Harness:
+        real = bool(os.environ.get("LORAPLEX_E2E")) and bool(os.environ.get("KUBECONFIG"))
+        return cls(workdir, model_dir, real_cluster=real)
+
+    async def __aenter__(self) -> Harness:
+        if self.real_cluster:
+            kubeconfig = Path(os.environ["KUBECONFIG"])
+            import kopf
+
+            self.kube = Kube.from_environment(kopf.OperatorSettings())
+        else:
+            self.api = ApiServer()
+            declare_resources(self.api)
+            await self._stack.enter_async_context(self.api)
+            server = await self._stack.enter_async_context(kmock.Server(self.api))
+            url = str(server.url).rstrip("/")
+            kubeconfig = self.workdir / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump(_kubeconfig(url)))
+            self.kube = Kube(url, user_agent="loraplex-tests")
+            launcher = self.launcher or real_launcher(
+                self.model_dir, self.checkpoint_root, self.workdir / "engines"
+            )
+            self.kubelet = Kubelet(self.api, self.kube, launcher)
+            await self.kubelet.start()
+        await self._ensure_namespace_and_token()
+        self.operator = OperatorProcess(kubeconfig, self.workdir, env=self.operator_env)
+        self.operator.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.operator is not None:
+            await asyncio.to_thread(self.operator.stop)
+        try:
+            if self.api is not None and RBAC_CONTRACT.exists() and exc[0] is None:
+                calls = operator_calls(self.api)
+                assert calls, "no operator API calls recorded"
+                missing = rbac_violations(calls)
+                assert not missing, f"operator calls outside {RBAC_CONTRACT.name}: {missing}"
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        if self.kubelet is not None:
+            await self.kubelet.close()
+        if self.real_cluster and self.kube is not None:
+            await self._cleanup_cluster()
+        if self.kube is not None:
+            await self.kube.close()
+        await self._stack.aclose()
+
+    async def _ensure_namespace_and_token(self) -> None:
+        assert self.kube is not None
+        for ns in (ENGINE_NS, "team-a") if self.real_cluster else ():  # kmock: implicit
+            if await self.kube.get(NAMESPACES, ns) is None:
+                await self.kube.create(NAMESPACES, {"metadata": {"name": ns}})
+        if await self.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS) is None:
+            token = base64.b64encode(secrets.token_hex(24).encode()).decode()
+            await self.kube.create(
+                SECRETS,
+                {
+                    "metadata": {"name": TOKEN_SECRET, "namespace": ENGINE_NS},
+                    "data": {"token": token},
+                },
+                ENGINE_NS,
+            )
+
+    async def _cleanup_cluster(self) -> None:
+        assert self.kube is not None
+        for obj in await self.kube.list(EXPERIMENTS, "team-a"):
+            await self.kube.delete(EXPERIMENTS, obj["metadata"]["name"], "team-a")
+        for obj in await self.kube.list(POOLS):
+            if obj["metadata"]["name"].startswith("e2e-"):
+                await self.kube.delete(POOLS, obj["metadata"]["name"])
+
+    # -- objects --
+
+    def pool_obj(
+        self,
+        name: str,
+        slots: int = 4,
+        max_rank: int = 16,
+        replicas: tuple[int, int] = (0, 2),
+    ) -> dict[str, Any]:
+        image = os.environ.get("LORAPLEX_E2E_IMAGE", "loraplex/engine-cpu:test")
+        model = os.environ.get("LORAPLEX_E2E_MODEL", "/models/tiny-llama")
+        spec: dict[str, Any] = {
+            "baseModel": model,
+            "rolloutBackend": "torch",
+            "engineNamespace": ENGINE_NS,
+            "capacity": {"maxAdapters": slots, "maxRank": max_rank},
+            "replicas": {"min": replicas[0], "max": replicas[1]},
+            "template": {"image": image, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
+            "tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"},
+        }
+        if replicas[1] > 1:  # shared by all engines (kmock: the kubelet's shared directory)
+            host = os.environ.get("LORAPLEX_E2E_CHECKPOINTS", "/var/lib/loraplex/checkpoints")
+            volume = {"hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+            spec["checkpoint"] = {"root": "/ckpt", "volume": volume}
+        return {
+            "apiVersion": "loraplex.dev/v1alpha1",
+            "kind": "EnginePool",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+
+    @staticmethod
+    def experiment_obj(
+        name: str,
+        pool: str,
+        max_steps: int = 6,
+        every: int = 2,
+        priority: int = 0,
+        rank: int = 4,
+        seed: int = 0,
+        namespace: str = "team-a",
+    ) -> dict[str, Any]:
+        return {
+            "apiVersion": "loraplex.dev/v1alpha1",
+            "kind": "LoRAExperiment",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "enginePool": pool,
+                "lora": {"rank": rank, "alpha": 2 * rank, "targetModules": ["q_proj", "v_proj"]},
+                "task": {"name": "target-token", "params": {"target": "yes"}},
+                "algorithm": {
+                    "groupSize": 2,
+                    "promptsPerStep": 2,
+                    "learningRate": 0.001,
+                    "maxSteps": max_steps,
+                    "seed": seed,
+                },
+                "rollout": {"maxNewTokens": 4, "temperature": 1.0},
+                "checkpoint": {"everySteps": every, "keep": 2},
+                "priority": priority,
+            },
+        }
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        assert self.kube is not None
+        res = POOLS if obj["kind"] == "EnginePool" else EXPERIMENTS
+        return await self.kube.create(res, obj, obj["metadata"].get("namespace"))
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        assert self.kube is not None
+        return await self.kube.get(EXPERIMENTS, name, namespace)
+
+    async def status(self, namespace: str, name: str) -> dict[str, Any]:
+        obj = await self.get(namespace, name)
+        return (obj or {}).get("status") or {}
+
+    async def patch_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
+        assert self.kube is not None
+        await self.kube.patch(EXPERIMENTS, name, {"spec": spec}, namespace=namespace)
+
+    async def delete(self, namespace: str, name: str) -> None:
+        assert self.kube is not None
+        await self.kube.delete(EXPERIMENTS, name, namespace)
+
+    async def engine_pods(self, pool: str) -> list[dict[str, Any]]:
+        assert self.kube is not None
+        pods = await self.kube.list(PODS, ENGINE_NS, labels={manifests.POOL_LABEL: pool})
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    async def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        assert self.kube is not None
+        from loraplex_operator.kube import Resource
+
+        events = await self.kube.list(Resource("", "v1", "events"), namespace)
+        return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
+
+    async def kill_engine(self, pod: str) -> None:
+        if self.kubelet is not None:
+            await asyncio.to_thread(self.kubelet.kill, pod)
+        else:
+            assert self.kube is not None
+            await self.kube.delete(PODS, pod, ENGINE_NS)
+
+    async def restart_operator(self, kill: bool = True) -> None:
+        assert self.operator is not None
+        await asyncio.to_thread(self.operator.kill if kill else self.operator.stop)
+        self.operator.start()
+
+    async def wait_for(
+        self,
+        what: str,
+        check: Callable[[], Awaitable[Any]],
+        timeout: float = 120.0,
+        interval: float = 0.25,
+    ) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            last = await check()
+            if last:
+                return last
+            if self.operator and self.operator.proc and self.operator.proc.poll() is not None:
+                raise AssertionError(f"operator exited:\n{self.operator.log_text()[-6000:]}")
+            await asyncio.sleep(interval)
+        log = self.operator.log_text()[-6000:] if self.operator else ""
+        raise AssertionError(f"timed out waiting for {what} (last: {last!r})\n{log}")
+
+    async def wait_phase(
+        self, namespace: str, name: str, *phases: str, timeout: float = 120.0
+    ) -> dict[str, Any]:
+        async def check() -> dict[str, Any] | None:
+            status = await self.status(namespace, name)
+            return status if status.get("phase") in phases else None
+
+        return await self.wait_for(f"{namespace}/{name} in {phases}", check, timeout)
+
+
+def _kubeconfig(server: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "kmock", "user": {}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }

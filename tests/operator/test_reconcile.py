@@ -1,0 +1,265 @@
+"""The pool reconciler's round planning (pure): adoption, recovery, unloads, binds,
+preemption, scale-up and scale-down, admission — from observations, no I/O."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from builders import experiment, pool
+from loraplex_operator import placement
+from loraplex_operator import status as st
+from loraplex_operator.reconcile import (
+    DUPLICATE,
+    FINISHED,
+    ORPHAN,
+    PREEMPT,
+    SUSPEND,
+    Config,
+    EngineView,
+    Snapshot,
+    Work,
+    derive,
+    plan_round,
+    status_changes,
+)
+
+NOW = 1_800_000_000.0
+CFG = Config(scale_down_delay=30.0, max_restarts=2)
+
+
+def engine(
+    name: str, *running: str, slots: int = 4, ready: bool = True, **statuses: Any
+) -> EngineView:
+    exps = {}
+    for exp_id in running:
+        ns, _, n = exp_id.partition(".")
+        exps[exp_id] = {"id": exp_id, "namespace": ns, "name": n, "phase": "Running", "step": 3}
+        exps[exp_id].update(statuses.get(exp_id.replace(".", "_").replace("-", "_"), {}))
+    return EngineView(
+        name=name,
+        url=f"http://{name}:8000",
+        node="node-1",
+        pod_ready=ready,
+        reachable=ready,
+        pod_phase="Running",
+        capacity={"maxAdapters": slots, "maxRank": 64, "usedSlots": len(exps)},
+        experiments=exps if ready else {},
+    )
+
+
+def exp(name: str, created: int = 0, **status: Any) -> dict[str, Any]:
+    w = experiment(name).set("metadata.creationTimestamp", _ts(NOW - 1000 + created))
+    if status:
+        w = w.status(**status)
+    return w.obj()
+
+
+def _ts(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def snap(
+    exps: list[dict[str, Any]], engines: list[EngineView], p: Any = None, **kw: Any
+) -> Snapshot:
+    p = p or pool().slots(4).replicas(0, 2).obj()
+    return Snapshot(pool=p, experiments=exps, engines=engines, now=NOW, **kw)
+
+
+def test_pending_experiments_bind_to_a_ready_engine_with_resume_from_checkpoint() -> None:
+    exps = [
+        exp("a"),
+        exp(
+            "b", created=1, phase="Pending", checkpoint={"path": "/ckpt/team-a/b/step-4", "step": 4}
+        ),
+    ]
+    plan = plan_round(snap(exps, [engine("e1")]), CFG)
+    puts = {p.key: p for p in plan.puts}
+    assert set(puts) == {"team-a/a", "team-a/b"}
+    assert puts["team-a/a"].body["resumeFrom"] is None
+    assert puts["team-a/b"].body["resumeFrom"] == "/ckpt/team-a/b/step-4"
+    assert puts["team-a/b"].exp_id == "team-a.b"
+    assert puts["team-a/b"].body["spec"]["enginePool"] == "pool-a"
+    assert plan.create_pods == 0
+
+
+def test_no_engine_scales_up_once_for_a_burst() -> None:
+    exps = [exp(f"x{i}", created=i) for i in range(6)]
+    plan = plan_round(snap(exps, []), CFG)
+    assert plan.create_pods == 2  # 6 onto engines of 4 slots, max 2
+    assert not plan.puts
+    assert {w.waiting_reason for w in plan.work.values()} == {placement.WAIT_STARTING}
+
+
+def test_starting_engines_reserve_room_no_second_scale_up() -> None:
+    exps = [exp(f"x{i}", created=i) for i in range(3)]
+    plan = plan_round(snap(exps, [engine("e1", ready=False)]), CFG)
+    assert plan.create_pods == 0 and not plan.puts
+
+
+def test_running_on_engine_is_adopted_without_a_put_even_if_status_forgot() -> None:
+    # Operator restarted between the PUT and the status write: engine is the truth.
+    plan = plan_round(snap([exp("a")], [engine("e1", "team-a.a")]), CFG)
+    assert not plan.puts and not plan.unloads
+    w = plan.work["team-a/a"]
+    assert w.binding == st.Binding("e1", "node-1")
+    assert [e[1] for e in w.events] == ["Adopted"]
+    status = derive(w, CFG, datetime.now(UTC))
+    assert status["phase"] == "Running" and status["engine"] == "e1" and status["step"] == 3
+
+
+def test_never_bound_twice_when_running_anywhere() -> None:
+    e1 = engine("e1", "team-a.a")
+    plan = plan_round(snap([exp("a", phase="Running", engine="e1")], [e1, engine("e2")]), CFG)
+    assert not plan.puts
+
+
+def test_duplicate_on_two_engines_keeps_the_recorded_one() -> None:
+    exps = [exp("a", phase="Running", engine="e2")]
+    plan = plan_round(snap(exps, [engine("e1", "team-a.a"), engine("e2", "team-a.a")]), CFG)
+    assert [(u.engine, u.reason) for u in plan.unloads] == [("e1", DUPLICATE)]
+    assert plan.work["team-a/a"].binding.engine == "e2"
+
+
+def test_engine_gone_recovers_from_checkpoint_with_restart_and_event() -> None:
+    ckpt = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    exps = [exp("a", phase="Running", engine="gone", step=5, checkpoint=ckpt)]
+    plan = plan_round(snap(exps, [engine("e2")]), CFG)
+    w = plan.work["team-a/a"]
+    assert w.restarts == 1 and plan.recoveries == 1
+    assert [p.body["resumeFrom"] for p in plan.puts] == [ckpt["path"]]
+    assert plan.puts[0].engine == "e2"
+    (type_, reason, message) = w.events[0]
+    assert (type_, reason) == ("Warning", "EngineLost")
+    assert "gone" in message and "step 4" in message
+
+
+def test_engine_not_ready_counts_as_lost() -> None:
+    exps = [exp("a", phase="Running", engine="e1")]
+    plan = plan_round(snap(exps, [engine("e1", ready=False), engine("e2")]), CFG)
+    assert plan.work["team-a/a"].restarts == 1
+    assert "not ready" in plan.work["team-a/a"].events[0][2]
+    assert [p.engine for p in plan.puts] == ["e2"]
+
+
+def test_failed_pod_is_replaced() -> None:
+    dead = engine("e1", ready=False)
+    dead.pod_phase = "Failed"
+    p = pool().slots(4).replicas(1, 2).obj()
+    plan = plan_round(snap([], [dead], p), CFG)
+    assert plan.delete_pods == ["e1"] and plan.create_pods == 1
+
+
+def test_restart_budget_turns_into_failed() -> None:
+    exps = [exp("a", phase="Running", engine="gone", restarts=2)]
+    plan = plan_round(snap(exps, [engine("e2")]), CFG)
+    w = plan.work["team-a/a"]
+    assert not plan.puts
+    status = derive(w, CFG, datetime.now(UTC))
+    assert status["phase"] == "Failed" and status["restarts"] == 3
+    assert "budget" in status["message"]
+    assert w.events[0][1] == "RestartBudgetExhausted"
+
+
+def test_finished_experiment_is_recorded_then_unloaded_next_round() -> None:
+    done = {"team_a_a": {"phase": "Succeeded", "step": 8, "adapterPath": "/ckpt/a/step-8"}}
+    e1 = engine("e1", "team-a.a", **done)
+    first = plan_round(snap([exp("a", phase="Running", engine="e1")], [e1]), CFG)
+    assert not first.unloads
+    status = derive(first.work["team-a/a"], CFG, datetime.now(UTC))
+    assert status["phase"] == "Succeeded" and status["adapterPath"] == "/ckpt/a/step-8"
+    assert status["engine"] == "e1"
+    second = plan_round(snap([exp("a", **status)], [e1]), CFG)
+    assert [(u.engine, u.reason) for u in second.unloads] == [("e1", FINISHED)]
+
+
+def test_suspend_unloads_and_frees_the_slot_unsuspend_resumes() -> None:
+    obj = experiment("a").suspend().status(phase="Running", engine="e1").obj()
+    plan = plan_round(snap([obj], [engine("e1", "team-a.a")]), CFG)
+    assert [(u.reason, u.engine) for u in plan.unloads] == [(SUSPEND, "e1")]
+    # Once unloaded (status Suspended with its checkpoint), nothing binds it...
+    ckpt = {"path": "/ckpt/team-a/a/step-2", "step": 2}
+    obj = experiment("a").suspend().status(phase="Suspended", checkpoint=ckpt).obj()
+    assert not plan_round(snap([obj], [engine("e1")]), CFG).puts
+    # ...until suspend is cleared: resume from the checkpoint.
+    obj["spec"]["suspend"] = False
+    puts = plan_round(snap([obj], [engine("e1")]), CFG).puts
+    assert [p.body["resumeFrom"] for p in puts] == [ckpt["path"]]
+
+
+def test_orphan_on_engine_is_unloaded() -> None:
+    plan = plan_round(snap([], [engine("e1", "team-a.deleted")]), CFG)
+    assert [(u.exp_id, u.reason) for u in plan.unloads] == [("team-a.deleted", ORPHAN)]
+
+
+def test_deleting_experiment_is_left_to_the_finalizer() -> None:
+    obj = experiment("a").set("metadata.deletionTimestamp", _ts(NOW)).obj()
+    plan = plan_round(snap([obj], [engine("e1", "team-a.a")]), CFG)
+    assert not plan.unloads and not plan.puts and "team-a/a" not in plan.work
+
+
+def test_preemption_of_lower_priority_when_full() -> None:
+    running = [exp(f"low{i}", phase="Running", engine="e1") for i in range(4)]
+    for r in running:
+        r["spec"]["priority"] = 0
+    high = exp("high", created=10)
+    high["spec"]["priority"] = 10
+    e1 = engine("e1", *(f"team-a.low{i}" for i in range(4)))
+    p = pool().slots(4).replicas(0, 1).obj()
+    plan = plan_round(snap([*running, high], [e1], p), CFG)
+    preempts = [u for u in plan.unloads if u.reason == PREEMPT]
+    assert len(preempts) == 1 and preempts[0].for_key == "team-a/high"
+    assert plan.work["team-a/high"].waiting_reason == placement.WAIT_PREEMPTING
+    assert not plan.puts
+
+
+def test_admission_problem_names_the_field_and_blocks_binding() -> None:
+    obj = experiment("big").rank(128).obj()
+    plan = plan_round(snap([obj], [engine("e1")], pool().max_rank(32).obj()), CFG)
+    assert not plan.puts
+    w = plan.work["team-a/big"]
+    assert any(pr.startswith("spec.lora.rank") for pr in w.problems)
+    status = derive(w, CFG, datetime.now(UTC))
+    admitted = st.get_condition(status["conditions"], st.ADMITTED)
+    assert admitted["status"] == "False" and "spec.lora.rank" in admitted["message"]
+
+
+def test_scale_down_idle_engines_above_min_after_delay() -> None:
+    p = pool().slots(4).replicas(1, 3).obj()
+    engines = [engine("e1", "team-a.a"), engine("e2"), engine("e3")]
+    exps = [exp("a", phase="Running", engine="e1")]
+    first = plan_round(snap(exps, engines, p), CFG)
+    assert first.delete_pods == []  # idle, but not for long enough yet
+    assert set(first.idle_since) == {"e2", "e3"}
+    later = snap(exps, engines, p, idle_since={"e2": NOW - 60, "e3": NOW - 60})
+    assert sorted(plan_round(later, CFG).delete_pods) == ["e2", "e3"]
+    # never below min: with nothing running, one idle engine stays
+    idle_all = snap([], engines[1:], p, idle_since={"e2": NOW - 60, "e3": NOW - 60})
+    assert len(plan_round(idle_all, CFG).delete_pods) == 1
+
+
+def test_min_replicas_are_kept() -> None:
+    plan = plan_round(snap([], [], pool().replicas(2, 3).obj()), CFG)
+    assert plan.create_pods == 2
+
+
+def test_status_changes_sees_removed_fields() -> None:
+    assert status_changes({"engine": "e1"}, {"engine": None}) == {"engine"}
+    assert status_changes({}, {"engine": None}) == set()
+    assert status_changes({"step": 1}, {"step": 2}) == {"step"}
+
+
+def test_work_ids() -> None:
+    w = Work(obj=experiment("x", namespace="ns1").obj())
+    assert (w.key, w.id) == ("ns1/x", "ns1.x")
+
+
+def test_config_from_env() -> None:
+    env = {
+        "LORAPLEX_RECONCILE_INTERVAL": "2",
+        "LORAPLEX_MAX_RESTARTS": "5",
+        "LORAPLEX_WATCH_NAMESPACES": "team-b,team-a",
+    }
+    cfg = Config.from_env(env)
+    assert (cfg.interval, cfg.max_restarts, cfg.namespaces) == (2.0, 5, ("team-b", "team-a"))
+    assert Config.from_env({}).namespaces == ()

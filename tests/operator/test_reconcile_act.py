@@ -1,0 +1,172 @@
+"""The reconciler's act step against in-memory stand-ins for the API server and engine
+client: what reaches the status and the Events when engines answer, refuse or vanish.
+(The scenarios with real engines and a real operator process are test_operator_e2e.py.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from builders import experiment, pool
+from loraplex_operator.engine_client import EngineError, EngineUnreachable
+from loraplex_operator.reconcile import (
+    PREEMPT,
+    SUSPEND,
+    Config,
+    PoolReconciler,
+    Put,
+    RoundPlan,
+    Snapshot,
+    Unload,
+    Work,
+)
+
+
+class FakeKube:
+    def __init__(self, objects: list[dict[str, Any]] | None = None) -> None:
+        self.objects = objects or []
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.created: list[dict[str, Any]] = []
+        self.deleted: list[str] = []
+
+    async def list(self, res: Any, ns: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        return [dict(o) for o in self.objects]
+
+    async def patch(self, res: Any, name: str, patch: dict[str, Any], **kw: Any) -> dict:
+        self.patches.append((name, patch))
+        return {}
+
+    async def create(self, res: Any, body: dict[str, Any], ns: str | None = None) -> dict:
+        self.created.append(body)
+        return body
+
+    async def delete(self, res: Any, name: str, ns: str | None = None) -> bool:
+        self.deleted.append(name)
+        return True
+
+
+class FakeEngines:
+    def __init__(self, put: Any = None, delete: Any = None) -> None:
+        self._put, self._delete = put, delete
+
+    async def put(self, *args: Any) -> tuple[int, dict[str, Any]]:
+        if isinstance(self._put, Exception):
+            raise self._put
+        return self._put
+
+    async def delete(self, *args: Any) -> dict[str, Any] | None:
+        if isinstance(self._delete, Exception):
+            raise self._delete
+        return self._delete
+
+
+def _reconciler(engines: FakeEngines) -> tuple[PoolReconciler, FakeKube, list[tuple]]:
+    kube, events = FakeKube(), []
+    r = PoolReconciler(
+        kube,  # type: ignore[arg-type]
+        engines,  # type: ignore[arg-type]
+        Config(status_interval=0),
+        emit=lambda obj, t, reason, msg: events.append((obj["metadata"]["name"], t, reason, msg)),
+    )
+    return r, kube, events
+
+
+def _round(obj: dict[str, Any], puts=(), unloads=()) -> tuple[Snapshot, RoundPlan]:
+    w = Work(obj=obj)
+    snap = Snapshot(pool=pool().obj(), experiments=[obj], engines=[], now=0.0)
+    return snap, RoundPlan(work={w.key: w}, puts=list(puts), unloads=list(unloads))
+
+
+def _put(obj: dict[str, Any], resume: str | None = None) -> Put:
+    body = {"spec": obj["spec"], "namespace": "team-a", "name": "a", "resumeFrom": resume}
+    return Put("e1", "http://e1", "node-1", "team-a/a", "team-a.a", body)
+
+
+def _status(kube: FakeKube) -> dict[str, Any]:
+    return next(p["status"] for n, p in kube.patches if n == "a")
+
+
+async def test_bind_writes_engine_node_and_running() -> None:
+    obj = experiment("a").obj()
+    running = {"id": "team-a.a", "phase": "Running", "step": 0}
+    r, kube, events = _reconciler(FakeEngines(put=(201, running)))
+    snap, plan = _round(obj, puts=[_put(obj, "/ckpt/team-a/a/step-00000004")])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert (s["phase"], s["engine"], s["node"]) == ("Running", "e1", "node-1")
+    assert [e[2] for e in events] == ["Bound"]
+    assert "resuming from /ckpt/team-a/a/step-00000004" in events[0][3]
+
+
+async def test_engine_rejecting_the_spec_fails_it_naming_the_field() -> None:
+    obj = experiment("a").obj()
+    err = EngineError(422, "invalid_spec", "unknown task parameter", "spec.task.params")
+    r, kube, events = _reconciler(FakeEngines(put=err))
+    snap, plan = _round(obj, puts=[_put(obj)])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert s["phase"] == "Failed" and "spec.task.params" in s["message"]
+    assert events[0][:3] == ("a", "Warning", "EngineRejected")
+
+
+async def test_full_or_unreachable_engine_leaves_it_pending() -> None:
+    for err in (EngineError(409, "no_capacity", "full"), EngineUnreachable("refused")):
+        obj = experiment("a").obj()
+        r, kube, _ = _reconciler(FakeEngines(put=err))
+        snap, plan = _round(obj, puts=[_put(obj)])
+        await r.act(snap, plan, "token")
+        s = _status(kube)
+        assert s["phase"] == "Pending" and s["engine"] is None
+
+
+async def test_preempted_victim_goes_pending_with_its_checkpoint() -> None:
+    obj = experiment("a").status(phase="Running", engine="e1").obj()
+    final = {"id": "team-a.a", "phase": "Running", "step": 7}
+    final["checkpoint"] = {"path": "/ckpt/team-a/a/step-00000007", "step": 7}
+    r, kube, events = _reconciler(FakeEngines(delete=final))
+    unload = Unload("e1", "http://e1", "team-a.a", "team-a/a", PREEMPT, "team-a/high")
+    snap, plan = _round(obj, unloads=[unload])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert s["phase"] == "Pending" and s["engine"] is None
+    assert s["checkpoint"] == {"path": "/ckpt/team-a/a/step-00000007", "step": 7}
+    assert events[0][2] == "Preempted" and "team-a/high" in events[0][3]
+
+
+async def test_suspend_records_the_final_checkpoint() -> None:
+    obj = experiment("a").suspend().status(phase="Running", engine="e1").obj()
+    final = {"id": "team-a.a", "phase": "Running", "step": 5}
+    final["checkpoint"] = {"path": "/ckpt/team-a/a/step-00000005", "step": 5}
+    r, kube, events = _reconciler(FakeEngines(delete=final))
+    unload = Unload("e1", "http://e1", "team-a.a", "team-a/a", SUSPEND)
+    snap, plan = _round(obj, unloads=[unload])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert s["phase"] == "Suspended" and s["checkpoint"]["step"] == 5 and s["engine"] is None
+    assert events[0][2] == "Suspended"
+
+
+async def test_unchanged_status_is_not_rewritten() -> None:
+    obj = experiment("a").obj()
+    r, kube, _ = _reconciler(FakeEngines())
+    snap, plan = _round(obj)
+    await r.act(snap, plan, "token")
+    first = _status(kube)
+    obj["status"] = first
+    kube.patches.clear()
+    snap, plan = _round(obj)
+    await r.act(snap, plan, "token")
+    assert not [p for n, p in kube.patches if n == "a"]
+
+
+async def test_pool_deleted_sends_its_experiments_back_to_pending() -> None:
+    running = experiment("a").status(phase="Running", engine="e1").obj()
+    done = experiment("b").status(phase="Succeeded", engine="e1").obj()
+    other = experiment("c").pool("pool-b").status(phase="Running", engine="x").obj()
+    r, _, events = _reconciler(FakeEngines())
+    r.kube = kube = FakeKube([running, done, other])  # type: ignore[assignment]
+    await r.pool_deleted("pool-a")
+    assert [n for n, _ in kube.patches] == ["a"]
+    s = _status(kube)
+    assert s["phase"] == "Pending" and s["engine"] is None
+    assert "spec.enginePool" in s["message"]
+    assert [e[2] for e in events] == ["AdmissionFailed"]
