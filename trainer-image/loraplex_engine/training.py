@@ -160,7 +160,9 @@ def fused_backward(
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     stats = TrainStats()
     for indices in pack_micro_batches(rows, token_budget):
-        chunk = [rows[i] for i in indices]
+        # Tenants contiguous inside the micro-batch: the LoRA layers then add the delta
+        # in place instead of gathering rows and scattering them back (lora.Routing).
+        chunk = sorted((rows[i] for i in indices), key=lambda r: r.slot)
         loss = _micro_batch_loss(forward, chunk, _collate(chunk, pad_id), updates, weights, stats)
         loss.backward()
         stats.micro_batches += 1
