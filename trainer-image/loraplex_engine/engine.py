@@ -444,7 +444,9 @@ class Engine:
             attention_mask=mask.to(self.device),
             slot_ids=slots.to(self.device),
         )
-        return out.logits.float().cpu() if self.device.type != "cpu" else out.logits.float()
+        # Logits stay on the device: the loss and its backward run there (the batch
+        # tensors follow the logits, training._logprobs).
+        return out.logits.float()
 
     def _step_finite(self, exps: list[Experiment], reports: dict[str, ExperimentTick]) -> None:
         """Optimiser step for every adapter whose gradient is finite; fail the others."""
