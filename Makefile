@@ -64,3 +64,16 @@ demo: tiny-model
 
 clean:
 	rm -rf $(VENV) .cache out .tools
+
+# Experiment throughput (issue 7): sequential cold vs hot time-sliced vs hot fused, arms
+# interleaved, medians of repeats; see docs/benchmarks.md. The full protocol on the ~13M
+# `bench` model takes about an hour on 2 busy cores (long runs only at N=1 and N=8).
+BENCH_THREADS ?= 1
+BENCH_ARGS ?= --preset bench --ns 1,2,4,8 --steps 10,50 --long-ns 1,8 --repeats 3
+bench: venv
+	$(PY) bench/throughput.py $(BENCH_ARGS) --threads $(BENCH_THREADS) --out out/bench
+
+# A few minutes on the tiny model: same harness, same output shape, out/bench-quick/.
+bench-quick: tiny-model
+	$(PY) bench/throughput.py --preset tiny --ns 1,2,4 --steps 5 --repeats 2 \
+		--threads $(BENCH_THREADS) --out out/bench-quick

@@ -3,7 +3,10 @@
     python bench/worker.py JOB.json RESULT.json
 
 ``JOB.json``: ``{"model_dir", "mode": "fused"|"timesliced", "threads", "max_rank",
-"micro_batch_tokens", "checkpoint_root", "launch_unix", "experiments": [{"id", "spec"}]}``.
+"micro_batch_tokens", "checkpoint_root", "launch_unix", "experiments": [{"id", "spec"}]}``
+and optionally ``"device"`` (default cpu) and ``"autocast"`` (e.g. ``"bfloat16"``: the
+frozen base is cast to it and ticks run under ``torch.autocast``; LoRA weights and Adam
+moments stay fp32 — the GPU benchmark's setting).
 The sequential-cold arm starts one such process per experiment (one experiment each);
 the hot arms start one process for all experiments. Everything from interpreter start to
 "engine ready" counts as model load (``launch_unix`` is stamped by the parent just before
@@ -33,6 +36,7 @@ def main(job_path: str, result_path: str) -> None:
     from loraplex_engine.spec import parse_spec
 
     experiments = job["experiments"]
+    device = job.get("device", "cpu")
     engine = Engine(
         job["model_dir"],
         max_adapters=len(experiments),
@@ -41,7 +45,14 @@ def main(job_path: str, result_path: str) -> None:
         train_mode=job["mode"],
         micro_batch_tokens=int(job["micro_batch_tokens"]),
         ignore_eos=True,
+        device=device,
     )
+    amp = job.get("autocast")  # "bfloat16": frozen base in bf16, LoRA + Adam stay fp32
+    if amp:
+        dtype = getattr(torch, amp)
+        for p in engine.model.base_model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
     for exp in experiments:
         name = exp["id"].split(".", 1)[1]
         engine.put_experiment(exp["id"], parse_spec(exp["spec"]), "bench", name)
@@ -54,8 +65,15 @@ def main(job_path: str, result_path: str) -> None:
     finished: dict[str, float] = {}
     failed: dict[str, str] = {}
     ticks = 0
+
+    def run_tick():
+        if not amp:
+            return engine.tick()
+        with torch.autocast(torch.device(device).type, dtype=getattr(torch, amp)):
+            return engine.tick()
+
     while True:
-        report = engine.tick()
+        report = run_tick()
         if report is None:
             break
         ticks += 1
@@ -87,6 +105,9 @@ def main(job_path: str, result_path: str) -> None:
         "failed": failed,
         "adapters": {e: engine.get_experiment(e).adapter_path for e in rewards},
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_device_bytes": (
+            torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
+        ),
         "torch_threads": torch.get_num_threads(),
     }
     with open(result_path, "w") as f:
