@@ -319,6 +319,34 @@ def model_info(model_dir: Path) -> dict[str, Any]:
     }
 
 
+def write_results(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    runs: list[dict[str, Any]],
+    curves: dict[tuple[str, int, int], dict[str, list[list[float]]]],
+    cells: list[tuple[int, int]],
+    device_peaks: list[dict[str, Any]],
+    t0: float,
+    complete: bool,
+) -> dict[str, Any]:
+    """(Re)write results.json and curves.json; ``config.complete`` says if the grid is done."""
+    config = {**config, "complete": complete, "wall_s": time.time() - t0}
+    config["machine_end"] = machine_info()
+    results = {
+        "config": config,
+        "runs": runs,
+        "ratios": ratios(runs, cells),
+        "reward_parity": reward_parity(curves, cells),
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "curves.json").write_text(
+        json.dumps({f"{a}/{n}/{s}": v for (a, n, s), v in curves.items()})
+    )
+    if args.device != "cpu":
+        (args.out / "device_memory.json").write_text(json.dumps(device_peaks, indent=1))
+    return results
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="bench", choices=["tiny", "bench"])
@@ -406,63 +434,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         curves: dict[tuple[str, int, int], dict[str, list[list[float]]]] = {}
         device_peaks: list[dict[str, Any]] = []
         flip = False
-        for repeat in range(args.repeats):
-            for n, steps in cells:
-                exps = experiment_specs(n, steps, args)
-                order = list(reversed(args.arms)) if flip else list(args.arms)
-                flip = not flip
-                for arm in order:
-                    m = run_arm(arm, exps, args, workdir)
-                    rewards = m.pop("rewards")
-                    failed = m.pop("failed")
-                    device_bytes = m.pop("peak_device_bytes")
-                    k = last_k(steps)
-                    finals = [statistics.fmean(c[-k:]) for c in rewards.values() if c]
-                    row = {
-                        "arm": arm,
-                        "n": n,
-                        "steps": steps,
+        # Short experiments first (all repeats), then long ones: a run cut short still
+        # has complete short cells. results.json is rewritten after every run.
+        schedule = [
+            (repeat, n, steps)
+            for length in args.steps
+            for repeat in range(args.repeats)
+            for n, steps in cells
+            if steps == length
+        ]
+        for repeat, n, steps in schedule:
+            exps = experiment_specs(n, steps, args)
+            order = list(reversed(args.arms)) if flip else list(args.arms)
+            flip = not flip
+            for arm in order:
+                m = run_arm(arm, exps, args, workdir)
+                rewards = m.pop("rewards")
+                failed = m.pop("failed")
+                device_bytes = m.pop("peak_device_bytes")
+                k = last_k(steps)
+                finals = [statistics.fmean(c[-k:]) for c in rewards.values() if c]
+                row = {
+                    "arm": arm,
+                    "n": n,
+                    "steps": steps,
+                    "repeat": repeat,
+                    **m,
+                    "final_reward_mean": statistics.fmean(finals) if finals else float("nan"),
+                }
+                if failed:
+                    row["failed"] = failed
+                runs.append(row)
+                device_peaks.append(
+                    {
+                        **{k: row[k] for k in ("arm", "n", "steps")},
                         "repeat": repeat,
-                        **m,
-                        "final_reward_mean": statistics.fmean(finals) if finals else float("nan"),
+                        "peak_device_bytes": device_bytes,
                     }
-                    if failed:
-                        row["failed"] = failed
-                    runs.append(row)
-                    device_peaks.append(
-                        {
-                            **{k: row[k] for k in ("arm", "n", "steps")},
-                            "repeat": repeat,
-                            "peak_device_bytes": device_bytes,
-                        }
-                    )
-                    for exp_id, c in rewards.items():
-                        curves.setdefault((arm, n, steps), {}).setdefault(exp_id, []).append(c)
-                    print(
-                        f"[{time.time() - t0:7.1f}s] r{repeat} N={n} steps={steps} {arm:<16}"
-                        f" makespan {m['makespan_s']:7.2f}s load {m['model_load_s']:5.2f}s"
-                        f" train {m['phase_s']['train']:6.2f}s"
-                        f" rollout {m['phase_s']['rollout']:6.2f}s"
-                        f" tokens {m['rollout_tokens']}/{m['train_tokens']}"
-                        f" reward {row['final_reward_mean']:.3f}",
-                        flush=True,
-                    )
+                )
+                for exp_id, c in rewards.items():
+                    curves.setdefault((arm, n, steps), {}).setdefault(exp_id, []).append(c)
+                print(
+                    f"[{time.time() - t0:7.1f}s] r{repeat} N={n} steps={steps} {arm:<16}"
+                    f" makespan {m['makespan_s']:7.2f}s load {m['model_load_s']:5.2f}s"
+                    f" train {m['phase_s']['train']:6.2f}s"
+                    f" rollout {m['phase_s']['rollout']:6.2f}s"
+                    f" tokens {m['rollout_tokens']}/{m['train_tokens']}"
+                    f" reward {row['final_reward_mean']:.3f}",
+                    flush=True,
+                )
+                write_results(args, config, runs, curves, cells, device_peaks, t0, False)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    config["machine_end"] = machine_info()
-    config["wall_s"] = time.time() - t0
-    results = {
-        "config": config,
-        "runs": runs,
-        "ratios": ratios(runs, cells),
-        "reward_parity": reward_parity(curves, cells),
-    }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "curves.json").write_text(
-        json.dumps({f"{a}/{n}/{s}": v for (a, n, s), v in curves.items()})
-    )
-    if args.device != "cpu":
-        (args.out / "device_memory.json").write_text(json.dumps(device_peaks, indent=1))
+    results = write_results(args, config, runs, curves, cells, device_peaks, t0, True)
     plot_throughput(results, args.out / "throughput.png")
     plot_rewards(curves, args.out / "rewards.png")
     for r in results["ratios"]:
@@ -474,7 +498,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     parity = results["reward_parity"]
     print(f"reward parity: {sum(p['within_2se'] for p in parity)}/{len(parity)} within 2 SE")
-    print(f"wrote {args.out}/results.json, throughput.png, rewards.png in {config['wall_s']:.0f}s")
+    print(
+        f"wrote {args.out}/results.json, throughput.png, rewards.png"
+        f" in {results['config']['wall_s']:.0f}s"
+    )
     return results
 
 
