@@ -98,3 +98,16 @@ e2e: $(STAMP) tiny-model
 
 clean:
 	rm -rf $(VENV) .venv-vllm .cache out .tools
+
+# Experiment throughput (issue 7): sequential cold vs hot time-sliced vs hot fused, arms
+# interleaved, medians of repeats; see docs/benchmarks.md. The full protocol on the ~13M
+# `bench` model takes about an hour on 2 busy cores (50-step runs only at N=4: see docs/benchmarks.md).
+BENCH_THREADS ?= 1
+BENCH_ARGS ?= --preset bench --ns 1,2,4,8 --steps 10,50 --long-ns 4 --repeats 3
+bench: venv
+	$(PY) bench/throughput.py $(BENCH_ARGS) --threads $(BENCH_THREADS) --out out/bench
+
+# A few minutes on the tiny model: same harness, same output shape, out/bench-quick/.
+bench-quick: tiny-model
+	$(PY) bench/throughput.py --preset tiny --ns 1,2,4 --steps 5 --repeats 2 \
+		--threads $(BENCH_THREADS) --out out/bench-quick

@@ -105,9 +105,10 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
 
 def _logprobs(forward: RoutedForward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
+    dev = logits.device  # the model's device: no host round trip of [B, T, V] logits
     # Score under the same temperature the rollout sampled with, so ratio = 1 on-policy.
-    logits = logits / batch["temp"][:, None, None]
-    return token_logprobs(logits, batch["ids"][:, 1:])
+    logits = logits / batch["temp"].to(dev)[:, None, None]
+    return token_logprobs(logits, batch["ids"][:, 1:].to(dev))
 
 
 def _micro_batch_loss(
@@ -119,13 +120,16 @@ def _micro_batch_loss(
     stats: TrainStats,
 ) -> torch.Tensor:
     logprobs = _logprobs(forward, batch)
+    batch = {k: v.to(logprobs.device) for k, v in batch.items()}
     ref = None
     if any(updates[r.experiment].kl_coef > 0 for r in rows):
         with torch.no_grad():  # slot 0 = the frozen base: the KL reference for free
             ref = _logprobs(forward, {**batch, "slots": torch.zeros_like(batch["slots"])})
     total = logprobs.new_zeros(())
     for exp in dict.fromkeys(r.experiment for r in rows):
-        index = torch.tensor([i for i, r in enumerate(rows) if r.experiment == exp])
+        index = torch.tensor(
+            [i for i, r in enumerate(rows) if r.experiment == exp], device=logprobs.device
+        )
         upd = updates[exp]
         out = upd.algorithm.loss(
             logprobs[index],
@@ -160,7 +164,9 @@ def fused_backward(
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     stats = TrainStats()
     for indices in pack_micro_batches(rows, token_budget):
-        chunk = [rows[i] for i in indices]
+        # Tenants contiguous inside the micro-batch: the LoRA layers then add the delta
+        # in place instead of gathering rows and scattering them back (lora.Routing).
+        chunk = sorted((rows[i] for i in indices), key=lambda r: r.slot)
         loss = _micro_batch_loss(forward, chunk, _collate(chunk, pad_id), updates, weights, stats)
         loss.backward()
         stats.micro_batches += 1

@@ -79,11 +79,13 @@ class VLLMRolloutBackend:
         *,
         max_adapters: int,
         max_rank: int,
+        ignore_eos: bool = False,
         **kwargs: Any,
     ) -> None:
         from loraplex_engine.rollout.vllm_backend import VLLMRollout
 
         self._save = save_adapter
+        self._ignore_eos = ignore_eos
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
         self._vllm = VLLMRollout(
             model_dir,
@@ -107,6 +109,7 @@ class VLLMRolloutBackend:
                 max_new_tokens=limit,
                 temperature=temperature,
                 seed=seed,
+                ignore_eos=self._ignore_eos,
             )
             for i, [comp] in zip(rows, results, strict=True):
                 out[i] = Completion(

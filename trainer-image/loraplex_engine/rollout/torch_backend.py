@@ -75,9 +75,12 @@ def _groups(requests: Sequence[RolloutRequest]) -> dict[str, list[int]]:
 
 @torch.no_grad()
 def generate(
-    forward: ForwardFn, requests: Sequence[RolloutRequest], pad_id: int, eos_id: int
+    forward: ForwardFn, requests: Sequence[RolloutRequest], pad_id: int, eos_id: int | None
 ) -> list[Completion]:
-    """Generate all requests in one batch; finished rows keep decoding pad (ignored)."""
+    """Generate all requests in one batch; finished rows keep decoding pad (ignored).
+
+    ``eos_id`` None: no row stops early; each generates exactly its ``max_new_tokens``.
+    """
     if not requests:
         return []
     ids, mask = left_pad([r.prompt_ids for r in requests], pad_id)
@@ -96,7 +99,8 @@ def generate(
         for row in torch.nonzero(~done).flatten().tolist():
             out_tokens[row].append(int(tokens[row]))
             out_logprobs[row].append(float(logprobs[row]))
-        hit_eos |= ~done & (tokens == eos_id)
+        if eos_id is not None:
+            hit_eos |= ~done & (tokens == eos_id)
         done |= broken
         done |= hit_eos | (limits <= step + 1)
         if bool(done.all()):

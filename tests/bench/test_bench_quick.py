@@ -1,0 +1,98 @@
+"""`make bench-quick` at CI size: the harness runs all three arms end to end and writes
+results.json in the documented shape with equal token counts across arms (not speed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARMS = {"sequential_cold", "hot_timesliced", "hot_fused"}
+RUN_KEYS = {
+    "arm": str,
+    "n": int,
+    "steps": int,
+    "repeat": int,
+    "makespan_s": float,
+    "mean_completion_s": float,
+    "model_load_s": float,
+    "phase_s": dict,
+    "rollout_tokens": int,
+    "train_tokens": int,
+    "final_reward_mean": float,
+    "peak_rss_bytes": int,
+}
+RATIO_KEYS = {
+    "n",
+    "steps",
+    "fused_vs_sequential",
+    "fused_vs_sequential_excl_load",
+    "fused_vs_timesliced",
+    "train_phase_fused_vs_timesliced",
+}
+PARITY_KEYS = {
+    "n",
+    "steps",
+    "experiment",
+    "sequential_last_k_mean",
+    "fused_last_k_mean",
+    "within_2se",
+}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-quick")
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "throughput.py"),
+        "--preset=tiny",
+        f"--model-dir={tiny_model_dir}",
+        "--ns=1,2",
+        "--steps=2",
+        "--repeats=1",
+        "--warmup=0",
+        "--group=2",
+        "--prompts=2",
+        "--max-new-tokens=4",
+        f"--out={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "throughput.png").stat().st_size > 0
+    assert (out / "rewards.png").stat().st_size > 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_results_have_the_documented_shape(results: dict) -> None:
+    assert set(results) == {"config", "runs", "ratios", "reward_parity"}
+    assert {(r["arm"], r["n"]) for r in results["runs"]} == {(a, n) for a in ARMS for n in (1, 2)}
+    for run in results["runs"]:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(run[key], kind), (key, run[key])
+        assert set(run["phase_s"]) == {"rollout", "reward", "train", "sync"}
+        assert run["makespan_s"] > run["model_load_s"] > 0
+        assert 0 < run["mean_completion_s"] <= run["makespan_s"] + 1e-6
+        assert run["peak_rss_bytes"] > 0 and math.isfinite(run["final_reward_mean"])
+    assert [(r["n"], r["steps"]) for r in results["ratios"]] == [(1, 2), (2, 2)]
+    for ratio in results["ratios"]:
+        assert set(ratio) == RATIO_KEYS
+        assert all(ratio[k] > 0 for k in RATIO_KEYS - {"n", "steps"})
+    # one row per experiment and cell: 1 + 2 experiments
+    assert len(results["reward_parity"]) == 3
+    for row in results["reward_parity"]:
+        assert set(row) == PARITY_KEYS and isinstance(row["within_2se"], bool)
+
+
+def test_token_counts_are_equal_across_arms(results: dict) -> None:
+    for n in (1, 2):
+        runs = [r for r in results["runs"] if r["n"] == n]
+        assert len({r["rollout_tokens"] for r in runs}) == 1, runs
+        assert len({r["train_tokens"] for r in runs}) == 1, runs
+        # fixed generation length: every rollout generated exactly maxNewTokens
+        assert runs[0]["rollout_tokens"] == n * 2 * (2 * 2) * 4
