@@ -293,7 +293,7 @@ class Engine:
         )
         with self._jobs_lock:
             self._jobs.append(job)
-        self.work_available.set()
+            self.work_available.set()
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -304,11 +304,11 @@ class Engine:
     def tick(self) -> TickReport | None:
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
-            with self._jobs_lock:
+            with self._jobs_lock:  # drain and clear together: no wake-up is lost
                 jobs, self._jobs = self._jobs, []
-            if not running and not jobs:
-                self.work_available.clear()
-                return None
+                if not running and not jobs:
+                    self.work_available.clear()
+                    return None
             return self._tick(running, jobs)
 
     def _tick(self, running: list[Experiment], jobs: list[_CompletionJob]) -> TickReport:
