@@ -101,7 +101,7 @@ clean:
 
 # Experiment throughput (issue 7): sequential cold vs hot time-sliced vs hot fused, arms
 # interleaved, medians of repeats; see docs/benchmarks.md. The full protocol on the ~13M
-# `bench` model takes about an hour on 2 busy cores (50-step runs only at N=4: see docs/benchmarks.md).
+# `bench` model took 37 min on 2 shared cores (50-step runs only at N=4: see docs/benchmarks.md).
 BENCH_THREADS ?= 1
 BENCH_ARGS ?= --preset bench --ns 1,2,4,8 --steps 10,50 --long-ns 4 --repeats 3
 bench: venv

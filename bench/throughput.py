@@ -52,8 +52,14 @@ REPO = Path(__file__).resolve().parents[1]
 # ---- experiments ----------------------------------------------------------------------
 
 
-def experiment_specs(n: int, steps: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """N distinct experiments: seed i, target i, lr spread ±20 % around --lr."""
+def experiment_specs(
+    n: int, steps: int, args: argparse.Namespace, repeat: int = 0
+) -> list[dict[str, Any]]:
+    """N distinct experiments: seed i, target i, lr spread ±20 % around --lr.
+
+    With ``--seed-per-repeat`` every repeat gets fresh seeds (the same in every arm), so
+    the reward-parity test pools independent trajectories instead of one replayed three
+    times (runs are deterministic given the seed)."""
     spread = (1.0, 0.8, 1.2, 0.9, 1.1, 0.85, 1.15, 0.95)
     out = []
     for i in range(n):
@@ -65,7 +71,7 @@ def experiment_specs(n: int, steps: int, args: argparse.Namespace) -> list[dict[
                 "promptsPerStep": args.prompts,
                 "learningRate": round(args.lr * spread[i % len(spread)], 6),
                 "maxSteps": steps,
-                "seed": 1000 + i,
+                "seed": 1000 + i + (100 * repeat if args.seed_per_repeat else 0),
             },
             "rollout": {"maxNewTokens": args.max_new_tokens, "temperature": 1.0},
             "checkpoint": {"everySteps": 10_000, "keep": 1},  # one save, at the end
@@ -371,6 +377,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument(
+        "--seed-per-repeat",
+        action="store_true",
+        help="seeds 1000+i+100*repeat instead of 1000+i (independent trajectories per repeat)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--autocast", default=None, help="e.g. bfloat16 (GPU benchmark)")
     p.add_argument("--out", type=Path, default=Path("out/bench"))
@@ -414,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ignore_eos": True,
             "lora": {"rank": args.rank, "alpha": 2 * args.rank, "targetModules": args.targets},
             "lr": f"{args.lr} x (1.0, 0.8, 1.2, 0.9, 1.1, 0.85, 1.15, 0.95)[i]",
-            "seeds": "1000 + i",
+            "seeds": "1000 + i + 100 * repeat" if args.seed_per_repeat else "1000 + i",
         },
         "micro_batch_tokens": args.micro_batch_tokens,
         "device": args.device,
@@ -444,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if steps == length
         ]
         for repeat, n, steps in schedule:
-            exps = experiment_specs(n, steps, args)
+            exps = experiment_specs(n, steps, args, repeat)
             order = list(reversed(args.arms)) if flip else list(args.arms)
             flip = not flip
             for arm in order:
