@@ -135,6 +135,14 @@ def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
     assert [s.id for s in eng.list_experiments()] == ["default.one"]
 
 
+def test_a_spec_asking_for_too_much_work_per_step_is_refused(tiny_model_dir, tmp_path):
+    eng = engine(tiny_model_dir, tmp_path, max_step_tokens=1000)
+    with pytest.raises(InvalidSpecError, match=r"1024 rollout tokens per step") as err:
+        eng.put_experiment("default.big", spec(group=16, prompts=8), "default", "big")  # x 8
+    assert err.value.field == "spec.algorithm.promptsPerStep"
+    assert eng.list_experiments() == [] and len(eng.model.free_slots()) == 4
+
+
 def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_model_dir, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "say yes", "answer": "yes"}) + "\n")

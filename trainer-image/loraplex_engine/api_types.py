@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 PHASES = ("Running", "Succeeded", "Failed")
+# Rollout tokens one experiment may ask for per step (groupSize x promptsPerStep x
+# maxNewTokens): a tick waits for every tenant, so one huge spec would stall them all.
+DEFAULT_MAX_STEP_TOKENS = 1 << 20
 
 
 class EngineError(Exception):

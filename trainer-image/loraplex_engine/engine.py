@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.algorithms import Algorithm, get_algorithm
 from loraplex_engine.api_types import (
+    DEFAULT_MAX_STEP_TOKENS,
     BadCheckpointError,
     Capacity,
     CheckpointRef,
@@ -144,6 +145,7 @@ class Engine:
         model_name: str | None = None,
         vllm_options: dict[str, Any] | None = None,
         ignore_eos: bool = False,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -157,6 +159,7 @@ class Engine:
         self.micro_batch_tokens = micro_batch_tokens
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
+        self.max_step_tokens = max_step_tokens
         self.checkpoint_root = Path(checkpoint_root)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
@@ -623,6 +626,7 @@ class Engine:
             self.model.check_config(config)
         except AdapterError as e:
             raise InvalidSpecError(str(e), field=_adapter_field(e)) from e
+        self._check_step_work(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
         try:
@@ -659,6 +663,16 @@ class Engine:
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
         return exp
+
+    def _check_step_work(self, spec: ExperimentSpec) -> None:
+        alg = spec.algorithm
+        work = alg.group_size * alg.prompts_per_step * spec.rollout.max_new_tokens
+        if work > self.max_step_tokens:
+            raise InvalidSpecError(
+                f"groupSize x promptsPerStep x maxNewTokens = {work} rollout tokens per step "
+                f"exceeds this engine's limit of {self.max_step_tokens}; lower one of them",
+                field="spec.algorithm.promptsPerStep",
+            )
 
     def _resume(self, exp: Experiment, config: LoRAConfig, path: Path) -> None:
         try:

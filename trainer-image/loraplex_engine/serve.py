@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loraplex_engine.api_types import (
+    DEFAULT_MAX_STEP_TOKENS,
     Capacity,
     CheckpointRef,
     EngineService,
@@ -83,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-rank", type=int, default=int(_env("MAX_RANK", "64")), help="largest LoRA rank"
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=int(_env("MAX_STEP_TOKENS", str(DEFAULT_MAX_STEP_TOKENS))),
+        help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
+        "per step (one tenant must not stall the others)",
     )
     p.add_argument(
         "--rollout-backend",
@@ -437,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
                 "max_rank": args.max_rank,
                 "checkpoint_root": args.checkpoint_root,
                 "rollout_backend": args.rollout_backend,
+                "max_step_tokens": args.max_step_tokens,
             }
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":
