@@ -30,8 +30,15 @@ def tables(results: dict) -> str:
             def med(key: str, sub: str | None = None, sel=sel) -> float:
                 return statistics.median(r[key][sub] if sub else r[key] for r in sel)
 
-            tokens = {(r["rollout_tokens"], r["train_tokens"]) for r in sel}
-            tok = "/".join(map(str, next(iter(tokens)))) if len(tokens) == 1 else "differ!"
+            # Equal across arms within each repeat (with --seed-per-repeat the prompts,
+            # hence train tokens, change from one repeat to the next).
+            cell = [r for r in runs if (r["n"], r["steps"]) == (n, steps)]
+            same = all(
+                len({(r["rollout_tokens"], r["train_tokens"]) for r in cell if r["repeat"] == k})
+                == 1
+                for k in {r["repeat"] for r in cell}
+            )
+            tok = f"{med('rollout_tokens'):.0f}/{med('train_tokens'):.0f}" if same else "differ!"
             lines.append(
                 f"| {steps} | {n} | {arm} | {med('makespan_s'):.1f} "
                 f"| {3600 * n / med('makespan_s'):.0f} | {med('mean_completion_s'):.1f} "

@@ -486,7 +486,10 @@ class Engine:
     def _step_finite(self, exps: list[Experiment], reports: dict[str, ExperimentTick]) -> None:
         """Optimiser step for every adapter whose gradient is finite; fail the others."""
         slots = []
-        grad_ok = self._finite_slots(p.grad for p in self.optimizer.params if p.grad is not None)
+        mine = [self.model.slot_of(exp.id) for exp in exps]
+        grad_ok = self._finite_slots(
+            (p.grad for p in self.optimizer.params if p.grad is not None), mine
+        )
         for exp in exps:
             slot = self.model.slot_of(exp.id)
             if grad_ok[slot]:
@@ -495,7 +498,7 @@ class Engine:
                 self._clear_grad(slot)
                 self._fail(exp, "non-finite gradient (loss diverged)", "non_finite", reports)
         self.optimizer.step(slots)
-        weights_ok = self._finite_slots(p.data for p in self.optimizer.params)
+        weights_ok = self._finite_slots((p.data for p in self.optimizer.params), mine)
         for exp in exps:
             if exp.phase == "Running" and not weights_ok[self.model.slot_of(exp.id)]:
                 self._fail(
@@ -535,13 +538,16 @@ class Engine:
                 tensors[f"{path}.{pname}.v"] = self.optimizer.exp_avg_sq[p][slot]
         return tensors
 
-    def _finite_slots(self, tensors: Any) -> list[bool]:
-        """Per slot: every entry of the stacked tensors finite (one host sync, not one per
-        slot and tensor: that was ~5,700 tiny checks per tick at 8 adapters)."""
-        ok = torch.ones(self.model.max_adapters + 1, dtype=torch.bool, device=self.device)
+    def _finite_slots(self, tensors: Any, slots: list[int]) -> dict[int, bool]:
+        """Per slot in ``slots``: every entry of the stacked tensors finite. One check per
+        tensor over the slice of slots in play (a view), one host sync in all, instead of
+        one sync per slot and tensor (~5,700 tiny checks per tick at 8 adapters)."""
+        lo, hi = min(slots), max(slots) + 1
+        ok = torch.ones(hi - lo, dtype=torch.bool, device=self.device)
         for t in tensors:
-            ok &= torch.isfinite(t).flatten(1).all(1)
-        return ok.tolist()
+            ok &= torch.isfinite(t[lo:hi]).flatten(1).all(1)
+        flags = ok.tolist()
+        return {s: flags[s - lo] for s in slots}
 
     def _clear_grad(self, slot: int) -> None:
         for p in self.optimizer.params:
