@@ -126,7 +126,7 @@ def test_schema_is_strict_everywhere() -> None:
 
 
 def test_good_values_accepted() -> None:
-    render(
+    docs = render(
         {
             "rbac": {"scope": "namespaced", "namespaces": ["team-a"]},
             "operator": {"ports": {"metrics": 9090, "health": 9091}, "logLevel": "quiet"},
@@ -134,3 +134,7 @@ def test_good_values_accepted() -> None:
             "defaultPool": {"enabled": True, "name": "a" * 40},
         }
     )
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "PodMonitor", "EnginePool", "Role"} <= kinds
+    (pool,) = [d for d in docs if d["kind"] == "EnginePool"]
+    assert pool["metadata"]["name"] == "a" * 40

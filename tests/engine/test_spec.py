@@ -119,7 +119,9 @@ def test_bounds_edges_are_accepted() -> None:
         ("rollout.temperature", 2),
         ("rollout.maxNewTokens", 4096),
     ]:
-        parse_spec(with_change(path, value))
+        section, key = path.split(".")
+        parsed = parse_spec(with_change(path, value)).to_json()
+        assert parsed[section][key] == value, path
 
 
 def test_unknown_field_says_so() -> None:

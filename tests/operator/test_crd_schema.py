@@ -247,7 +247,8 @@ def test_crd_document_shape(kind: str) -> None:
 def test_crd_validates_as_apiextensions_v1(kind: str) -> None:
     import kubernetes_validate
 
-    kubernetes_validate.validate(load_crd(kind), K8S_VERSION, strict=True)
+    checked = kubernetes_validate.validate(load_crd(kind), K8S_VERSION, strict=True)
+    assert checked == K8S_VERSION
 
 
 K8S_VERSION = "1.33"

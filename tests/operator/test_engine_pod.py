@@ -63,7 +63,11 @@ POOLS = {"gpu": _gpu_pool, "sample": _sample_pool, "minimal": _minimal_pool}
 
 @pytest.mark.parametrize("which", sorted(POOLS))
 def test_pod_validates_strictly(which: str) -> None:
-    kubernetes_validate.validate(engine_pod(POOLS[which](), "a1b2c"), K8S_VERSION, strict=True)
+    # validate() raises on any schema error and returns the version it checked against
+    checked = kubernetes_validate.validate(
+        engine_pod(POOLS[which](), "a1b2c"), K8S_VERSION, strict=True
+    )
+    assert checked == K8S_VERSION
 
 
 def test_identity_labels_and_owner() -> None:
