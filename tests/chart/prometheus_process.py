@@ -103,6 +103,34 @@ def _selector_keeps(selector: dict[str, Any], prefix: str) -> list[dict[str, Any
     return rules
 
 
+def _namespace_keep(monitor: dict[str, Any]) -> dict[str, Any]:
+    """Keep targets in the monitor's namespaceSelector (both monitor kinds)."""
+    return {
+        "action": "keep",
+        "source_labels": ["__meta_kubernetes_namespace"],
+        "regex": "|".join(monitor["spec"]["namespaceSelector"]["matchNames"]),
+    }
+
+
+def _scrape_job(
+    name: str,
+    endpoint: dict[str, Any],
+    sd_file: Path,
+    interval: str,
+    relabel: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The scrape job both monitor kinds become, around their own relabelling."""
+    return {
+        "job_name": name,
+        "honor_labels": bool(endpoint.get("honorLabels", False)),
+        "metrics_path": endpoint.get("path", "/metrics"),
+        "scrape_interval": interval,
+        "scrape_timeout": interval,
+        "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}],
+        "relabel_configs": relabel,
+    }
+
+
 def pod_monitor_scrape_config(
     monitor: dict[str, Any], sd_file: Path, interval: str
 ) -> dict[str, Any]:
@@ -110,11 +138,7 @@ def pod_monitor_scrape_config(
     meta = monitor["metadata"]
     relabel: list[dict[str, Any]] = [
         *_selector_keeps(monitor["spec"]["selector"], "pod"),
-        {
-            "action": "keep",
-            "source_labels": ["__meta_kubernetes_namespace"],
-            "regex": "|".join(monitor["spec"]["namespaceSelector"]["matchNames"]),
-        },
+        _namespace_keep(monitor),
         {
             "action": "keep",
             "source_labels": ["__meta_kubernetes_pod_container_port_name"],
@@ -127,15 +151,9 @@ def pod_monitor_scrape_config(
         {"target_label": "endpoint", "replacement": endpoint["port"]},
         *_user_relabelings(endpoint.get("relabelings") or []),
     ]
-    return {
-        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
-        "honor_labels": bool(endpoint.get("honorLabels", False)),
-        "metrics_path": endpoint.get("path", "/metrics"),
-        "scrape_interval": interval,
-        "scrape_timeout": interval,
-        "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}],
-        "relabel_configs": relabel,
-    }
+    return _scrape_job(
+        f"podMonitor/{meta['namespace']}/{meta['name']}/0", endpoint, sd_file, interval, relabel
+    )
 
 
 def service_monitor_scrape_config(
@@ -145,11 +163,7 @@ def service_monitor_scrape_config(
     meta = monitor["metadata"]
     relabel: list[dict[str, Any]] = [
         *_selector_keeps(monitor["spec"]["selector"], "service"),
-        {
-            "action": "keep",
-            "source_labels": ["__meta_kubernetes_namespace"],
-            "regex": "|".join(monitor["spec"]["namespaceSelector"]["matchNames"]),
-        },
+        _namespace_keep(monitor),
         {
             "action": "keep",
             "source_labels": ["__meta_kubernetes_endpoint_port_name"],
@@ -163,15 +177,9 @@ def service_monitor_scrape_config(
         {"target_label": "endpoint", "replacement": endpoint["port"]},
         *_user_relabelings(endpoint.get("relabelings") or []),
     ]
-    return {
-        "job_name": f"serviceMonitor/{meta['namespace']}/{meta['name']}/0",
-        "honor_labels": bool(endpoint.get("honorLabels", False)),
-        "metrics_path": endpoint.get("path", "/metrics"),
-        "scrape_interval": interval,
-        "scrape_timeout": interval,
-        "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}],
-        "relabel_configs": relabel,
-    }
+    return _scrape_job(
+        f"serviceMonitor/{meta['namespace']}/{meta['name']}/0", endpoint, sd_file, interval, relabel
+    )
 
 
 # --- discovery metadata, as Kubernetes service discovery attaches it -----------------------
