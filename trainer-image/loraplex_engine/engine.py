@@ -530,12 +530,21 @@ class Engine:
                 buffers[key] = tensor.detach().to("cpu", copy=True)
 
     def _slot_tensors(self, slot: int) -> dict[str, torch.Tensor]:
+        """Views of what one adapter owns: its rank's rows of A and columns of B, and their
+        moments, in the layers it targets. A one-adapter-at-a-time system swaps exactly
+        this; copying the whole stacked slot would overcharge the baseline."""
         tensors: dict[str, torch.Tensor] = {}
         for path, layer in self.model.lora_layers.items():
-            for pname, p in (("A", layer.lora_A), ("B", layer.lora_B)):
-                tensors[f"{path}.{pname}"] = p.data[slot]
-                tensors[f"{path}.{pname}.m"] = self.optimizer.exp_avg[p][slot]
-                tensors[f"{path}.{pname}.v"] = self.optimizer.exp_avg_sq[p][slot]
+            r = layer.rank_of(slot)
+            if not r:
+                continue
+            for pname, p, part in (
+                ("A", layer.lora_A, (slot, slice(0, r))),
+                ("B", layer.lora_B, (slot, slice(None), slice(0, r))),
+            ):
+                tensors[f"{path}.{pname}"] = p.data[part]
+                tensors[f"{path}.{pname}.m"] = self.optimizer.exp_avg[p][part]
+                tensors[f"{path}.{pname}.v"] = self.optimizer.exp_avg_sq[p][part]
         return tensors
 
     def _finite_slots(self, tensors: Any, slots: list[int]) -> dict[int, bool]:

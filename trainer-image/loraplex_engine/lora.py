@@ -144,6 +144,10 @@ class MultiLoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.lora_B.shape[1]
 
+    def rank_of(self, slot: int) -> int:
+        """The rank ``slot`` uses here; 0 when it does not target this layer."""
+        return self._ranks.get(slot, 0)
+
     @torch.no_grad()
     def set_slot(
         self,
