@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.api_types import BadCheckpointError, InvalidSpecError, NoCapacityError
+from loraplex_engine.api_types import (
+    BadCheckpointError,
+    ConflictError,
+    InvalidSpecError,
+    NoCapacityError,
+)
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, run_to_end, spec
@@ -109,6 +114,35 @@ def test_kill_9_then_resume_continues_the_same_run(tiny_model_dir, tmp_path):
     assert tail == pytest.approx(full[3:], abs=1e-6)
     for key, value in straight.model.adapter_state_dict("default.crash").items():
         torch.testing.assert_close(resumed.model.adapter_state_dict("default.crash")[key], value)
+
+
+def test_checkpoint_settings_edited_between_placements_apply_on_resume(tiny_model_dir, tmp_path):
+    """spec.checkpoint is the one training-side block the CRD lets users edit: a loaded
+    experiment keeps the settings it was given (a PUT with others is a 409), the next
+    placement (resume from its checkpoint) writes and prunes by the edited ones."""
+    eng = engine(tiny_model_dir, tmp_path)
+    small = {"group": 2, "prompts": 2, "steps": 6}
+    eng.put_experiment("default.ck", spec(every=2, keep=3, **small), "default", "ck")
+    eng.tick()
+    eng.tick()
+    with pytest.raises(ConflictError, match="different spec"):
+        eng.put_experiment("default.ck", spec(every=3, keep=2, **small), "default", "ck")
+    unloaded = eng.remove_experiment("default.ck")
+    assert unloaded.checkpoint is not None and unloaded.checkpoint.step == 2
+
+    status, created = eng.put_experiment(
+        "default.ck",
+        spec(every=3, keep=2, **small),
+        "default",
+        "ck",
+        resume_from=unloaded.checkpoint.path,
+    )
+    assert created and status.step == 2
+    run_to_end(eng, ["default.ck"])
+    assert eng.get_experiment("default.ck").phase == "Succeeded"
+    # every 2, keep 3 would have left step-2, step-4 and step-6
+    kept = sorted(p.name for p in (tmp_path / "default" / "ck").glob("step-*"))
+    assert kept == ["step-00000003", "step-00000006"]
 
 
 def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):

@@ -4,11 +4,16 @@ OpenAPI validation (jsonschema), pruning of unknown fields, and CEL rules (cel-p
 Known gap: cel-python's `has(self.a.b)` is false when `a` is missing, where the API
 server's cel-go raises "no such key"; guard each level (`has(self.a) && has(self.a.b)`).
 Plain field reads of a missing key do raise here, as on the server.
+
+Lists with `x-kubernetes-list-type: set` or `map` reach CEL in one canonical order:
+the API server compares them without regard to order (`[a, b] == [b, a]`), which is
+what a transition rule such as `self == oldSelf` sees when a user reorders a set.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +139,8 @@ def to_cel(schema: dict[str, Any], value: Any) -> Any:
         return celpy.celtypes.StringType(value)
     if isinstance(value, list):
         items = schema.get("items", {})
+        if schema.get("x-kubernetes-list-type") in ("set", "map"):
+            value = sorted(value, key=lambda v: json.dumps(v, sort_keys=True))
         return celpy.celtypes.ListType([to_cel(items, v) for v in value])
     if isinstance(value, dict):
         props = schema.get("properties", {})

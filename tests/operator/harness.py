@@ -11,7 +11,9 @@ kmock mode (default)::
 - `ApiServer` is kmock's `KubernetesEmulator` with what our tests need from a real API
   server: names from `generateName` (kopf's Events), `uid`, `creationTimestamp`,
   `generation`, and for our two CRDs structural defaults plus the schema and CEL checks
-  (`crdkit.admit`), answering 422 like the API server would.
+  (`crdkit.admit`), answering 422 like the API server would: on create, and on a merge
+  patch of the main resource that touches `spec` (CEL transition rules against the
+  stored object). Other patches (kopf's metadata, status) are not validated.
 - `Kubelet` watches the emulator's Pods; for each engine Pod it starts a real
   `loraplex-engine serve` on 127.0.0.1 (`tests/engine/server_process.EngineServer`),
   then patches the Pod Running/Ready with `podIP` 127.0.0.1 and the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import os
 import secrets
 import signal
@@ -70,12 +73,12 @@ class ApiServer(kmock.KubernetesEmulator):
     """kmock plus the few API-server behaviours the operator relies on."""
 
     async def _handle(self, request: Any) -> Any:
-        if (
-            request.resource is not None
-            and request.action == kmock.action.CREATE
-            and isinstance(request.data, dict)
-        ):
-            errors = self._on_create(request)
+        if request.resource is not None and isinstance(request.data, dict):
+            errors: list[str] = []
+            if request.action == kmock.action.CREATE:
+                errors = self._on_create(request)
+            elif request.action == kmock.action.UPDATE:
+                errors = self._on_spec_patch(request)
             if errors:
                 kind = CRD_KINDS.get(request.resource.plural, "")
                 return await self._render_error(
@@ -109,6 +112,36 @@ class ApiServer(kmock.KubernetesEmulator):
             obj.clear()
             obj.update(defaulted)
         return errors
+
+    def _on_spec_patch(self, request: Any) -> list[str]:
+        """Schema and CEL (transition rules included) on the object a spec patch would make."""
+        kind = CRD_KINDS.get(request.resource.plural)
+        if (
+            kind is None
+            or request.resource.group != "loraplex.dev"
+            or request.subresource
+            or request.name is None
+            or "spec" not in request.data
+        ):
+            return []
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return []  # kmock answers 404
+        old = copy.deepcopy(self.objects[key].raw)
+        return admit(kind, _merge_patch(old, request.data), old)
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (`null` removes a key), on a copy."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out
 
 
 def declare_resources(api: kmock.KubernetesEmulator) -> None:

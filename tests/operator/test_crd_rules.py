@@ -46,15 +46,30 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: experiment("a").algorithm(groupSize=256, promptsPerStep=32).obj(),
         invalid=lambda: experiment("a").algorithm(groupSize=256, promptsPerStep=33).obj(),
     ),
-    "enginePool is immutable": RuleCase(
+    "spec.enginePool is immutable": RuleCase(
         valid=lambda: experiment("a").pool("pool-a").priority(3).obj(),
         invalid=lambda: experiment("a").pool("pool-b").obj(),
         old=lambda: experiment("a").pool("pool-a").obj(),
     ),
-    "lora is immutable": RuleCase(
+    "spec.lora is immutable": RuleCase(
         valid=lambda: experiment("a").rank(16).suspend().obj(),
         invalid=lambda: experiment("a").rank(32).obj(),
         old=lambda: experiment("a").rank(16).obj(),
+    ),
+    "spec.task is immutable": RuleCase(
+        valid=lambda: experiment("a").reward("exact-match").priority(7).obj(),
+        invalid=lambda: experiment("a").reward("contains").obj(),
+        old=lambda: experiment("a").reward("exact-match").obj(),
+    ),
+    "spec.algorithm is immutable": RuleCase(
+        valid=lambda: experiment("a").algorithm(learningRate=0.01).checkpoint(keep=9).obj(),
+        invalid=lambda: experiment("a").algorithm(learningRate=0.02).obj(),
+        old=lambda: experiment("a").algorithm(learningRate=0.01).obj(),
+    ),
+    "spec.rollout is immutable": RuleCase(
+        valid=lambda: experiment("a").rollout(temperature=0.7).suspend().obj(),
+        invalid=lambda: experiment("a").rollout(temperature=0.8).obj(),
+        old=lambda: experiment("a").rollout(temperature=0.7).obj(),
     ),
     "lora.alpha must be at most 16 × lora.rank": RuleCase(
         valid=lambda: experiment("a").rank(1).alpha(16).obj(),
@@ -151,6 +166,188 @@ def test_transition_rule_skipped_on_create(kind: str, message: str, case: RuleCa
 def test_unchanged_update_passes_every_transition_rule() -> None:
     obj = experiment("a").rank(32).alpha(64).modules("q_proj", "o_proj").obj()
     assert admit("LoRAExperiment", obj, old=obj) == []
+
+
+# --- which spec fields an update may change --------------------------------------------
+# Every leaf of the experiment spec is classified here (test_every_spec_field_is_classified):
+# a new field needs a deliberate decision, and a test that the API server enforces it.
+
+_POOL = "spec.enginePool is immutable"
+_LORA = "spec.lora is immutable"
+_TASK = "spec.task is immutable"
+_ALG = "spec.algorithm is immutable"
+_ROLL = "spec.rollout is immutable"
+
+
+def _plain() -> Obj:
+    return experiment("a").obj()
+
+
+def _jsonl() -> Obj:
+    return experiment("a").task("jsonl", dataset="/data/a.jsonl").obj()
+
+
+def _http() -> Obj:
+    return experiment("a").reward("http", "http://rewards:8080/a").obj()
+
+
+# (field, new value, rule that refuses it, the object being edited)
+IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
+    ("spec.enginePool", "pool-b", _POOL, _plain),
+    ("spec.lora.rank", 16, _LORA, _plain),
+    ("spec.lora.alpha", 8, _LORA, _plain),
+    ("spec.lora.dropout", 0.1, _LORA, _plain),
+    ("spec.lora.targetModules", ["q_proj"], _LORA, _plain),
+    ("spec.task.name", "copy", _TASK, _plain),
+    ("spec.task.params", {"target": "no"}, _TASK, _plain),
+    ("spec.task.dataset", "/data/b.jsonl", _TASK, _jsonl),
+    ("spec.task.reward", "exact-match", _TASK, _plain),
+    ("spec.task.rewardUrl", "http://rewards:8080/b", _TASK, _http),
+    ("spec.algorithm.groupSize", 4, _ALG, _plain),
+    ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),
+    ("spec.algorithm.learningRate", 0.001, _ALG, _plain),
+    ("spec.algorithm.klCoef", 0.05, _ALG, _plain),
+    ("spec.algorithm.clip", 0.3, _ALG, _plain),
+    ("spec.algorithm.maxSteps", 100, _ALG, _plain),  # raised
+    ("spec.algorithm.maxSteps", 10, _ALG, _plain),  # lowered
+    ("spec.algorithm.maxSteps", 0, _ALG, _plain),  # made continual
+    ("spec.algorithm.seed", 1, _ALG, _plain),
+    ("spec.rollout.maxNewTokens", 32, _ROLL, _plain),
+    ("spec.rollout.temperature", 0.7, _ROLL, _plain),
+]
+# The operator acts on these every round, or the engine reads them at the next placement.
+MUTABLE_EDITS: list[tuple[str, Any]] = [
+    ("spec.priority", 5),
+    ("spec.suspend", True),
+    ("spec.checkpoint.everySteps", 5),
+    ("spec.checkpoint.keep", 10),
+]
+# One allowed value today, so no edit is possible; the spec.algorithm rule covers it.
+SINGLE_VALUED = {"spec.algorithm.name"}
+
+
+def _edited(base: Obj, field: str, value: Any) -> Obj:
+    *parents, leaf = field.split(".")
+    node = base
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return base
+
+
+def _spec_leaves(schema: dict[str, Any], path: str) -> set[str]:
+    props = schema.get("properties")
+    if schema.get("type") != "object" or not props:
+        return {path}
+    return {leaf for name, sub in props.items() for leaf in _spec_leaves(sub, f"{path}.{name}")}
+
+
+def test_every_spec_field_is_classified() -> None:
+    leaves = _spec_leaves(schema_of("LoRAExperiment")["properties"]["spec"], "spec")
+    immutable = {field for field, *_ in IMMUTABLE_EDITS}
+    mutable = {field for field, _ in MUTABLE_EDITS}
+    assert immutable.isdisjoint(mutable)
+    assert immutable | mutable | SINGLE_VALUED == leaves
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message", "base"), IMMUTABLE_EDITS, ids=lambda v: str(v)[:40]
+)
+def test_edit_of_immutable_field_is_refused(
+    field: str, value: Any, message: str, base: Callable[[], Obj]
+) -> None:
+    old = base()
+    new = _edited(base(), field, value)
+    assert admit("LoRAExperiment", new) == []  # a valid object: only the edit is refused
+    errors = admit("LoRAExperiment", new, old)
+    assert len(errors) == 1 and errors[0].startswith(message), errors
+    assert "create a new LoRAExperiment" in errors[0]
+
+
+@pytest.mark.parametrize(("field", "value"), MUTABLE_EDITS, ids=lambda v: str(v))
+def test_edit_of_mutable_field_is_allowed(field: str, value: Any) -> None:
+    old = experiment("a").obj()
+    new = _edited(experiment("a").obj(), field, value)
+    assert new != old
+    assert admit("LoRAExperiment", new, old) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "refused_by"),
+    [
+        pytest.param(
+            experiment("a").algorithm(maxSteps=500).obj(),
+            experiment("a").obj(),
+            _ALG,
+            id="drop algorithm block holding a non-default",
+        ),
+        pytest.param(
+            experiment("a").rollout(maxNewTokens=64, temperature=1.0).obj(),
+            experiment("a").obj(),
+            None,
+            id="drop rollout block holding the defaults",
+        ),
+        pytest.param(
+            experiment("a").obj(),
+            experiment("a").rank(8).alpha(16).dropout(0.0).modules("q_proj", "v_proj").obj(),
+            None,
+            id="add lora block spelling out the defaults",
+        ),
+        pytest.param(
+            experiment("a").obj(),
+            experiment("a").rank(16).obj(),
+            _LORA,
+            id="add lora block with a non-default",
+        ),
+        pytest.param(
+            experiment("a").obj(),
+            experiment("a").set("spec.task", {"name": "target-token"}).obj(),
+            _TASK,
+            id="drop task.params",
+        ),
+        pytest.param(
+            experiment("a").obj(),
+            experiment("a").reward("default").obj(),
+            _TASK,
+            id="add task.reward, even the default",  # stricter than needed; simple to explain
+        ),
+        pytest.param(
+            experiment("a").checkpoint(everySteps=2, keep=7).obj(),
+            experiment("a").obj(),
+            None,
+            id="drop checkpoint block (mutable)",
+        ),
+        pytest.param(
+            experiment("a").modules("q_proj", "v_proj", "o_proj").obj(),
+            experiment("a").modules("o_proj", "q_proj", "v_proj").obj(),
+            None,
+            id="reorder targetModules (a set: the API server ignores order)",
+        ),
+    ],
+)
+def test_adding_or_dropping_an_optional_block(old: Obj, new: Obj, refused_by: str | None) -> None:
+    """A dropped block is defaulted again before the rules run (on the server as here), so
+    it is a change only if it held something other than the defaults."""
+    errors = admit("LoRAExperiment", new, old)
+    if refused_by is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and errors[0].startswith(refused_by), errors
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_transition_rules_sit_on_fields_every_object_has(kind: str) -> None:
+    """The API server skips a transition rule where the old or the new object lacks the
+    field. Ours sit on required or defaulted fields (each level up to the root), so they
+    run on every update, including one that adds or removes the block."""
+    schema = schema_of(kind)
+    for rule in (r for r in walk_rules(schema) if r.is_transition):
+        node = schema
+        for step in rule.path:
+            assert step not in ("[]", "{}"), rule
+            child = node["properties"][step]
+            assert step in node.get("required", []) or "default" in child, (rule.path, step)
+            node = child
 
 
 @pytest.mark.parametrize(

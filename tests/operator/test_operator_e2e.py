@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import ENGINE_NS, TOKEN_SECRET, Harness, engine_server_class
-from loraplex_operator.kube import POOLS, SECRETS
+from loraplex_operator.kube import POOLS, SECRETS, KubeError
 
 pytestmark = [
     pytest.mark.slow,
@@ -333,6 +333,17 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     s = await h.wait_phase(NS, "sus", "Succeeded", timeout=240)
     assert s["step"] == LONG
     await _event(h, "sus", "Bound", "resuming from")
+
+    # Editing what defines a running run is refused at apply time (CEL transition rule,
+    # evaluated by the real API server or, on kmock, by the harness with crdkit) and the
+    # run goes on unchanged; priority stays editable.
+    assert (await h.status(NS, "stay")).get("engine")
+    with pytest.raises(KubeError, match=r"spec\.lora is immutable once created"):
+        await h.patch_spec(NS, "stay", {"lora": {"rank": 8}})
+    await h.patch_spec(NS, "stay", {"priority": 1})
+    stay = await h.get(NS, "stay")
+    assert stay is not None and (stay["spec"]["lora"]["rank"], stay["spec"]["priority"]) == (4, 1)
+    assert "team-a.stay" in await _engine_experiments(h, pod)
 
     # Deleting the pool (its engines go with it) sends what it ran back to Pending.
     assert (await h.status(NS, "stay")).get("engine")

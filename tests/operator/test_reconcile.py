@@ -187,6 +187,20 @@ def test_suspend_unloads_and_frees_the_slot_unsuspend_resumes() -> None:
     assert [p.body["resumeFrom"] for p in puts] == [ckpt["path"]]
 
 
+def test_checkpoint_edit_reaches_the_engine_at_the_next_placement() -> None:
+    """spec.checkpoint may be edited (the CRD allows it): the running copy is left alone
+    (no PUT: the engine would answer 409), the next bind carries the edited settings."""
+    obj = experiment("a").checkpoint(everySteps=5).status(phase="Running", engine="e1").obj()
+    plan = plan_round(snap([obj], [engine("e1", "team-a.a")]), CFG)
+    assert not plan.puts and not plan.unloads
+    ckpt = {"path": "/ckpt/team-a/a/step-2", "step": 2}
+    obj = experiment("a").checkpoint(everySteps=5).status(phase="Suspended", checkpoint=ckpt).obj()
+    puts = plan_round(snap([obj], [engine("e1")]), CFG).puts
+    assert [(p.body["spec"]["checkpoint"], p.body["resumeFrom"]) for p in puts] == [
+        ({"everySteps": 5}, ckpt["path"])
+    ]
+
+
 def test_orphan_on_engine_is_unloaded() -> None:
     plan = plan_round(snap([], [engine("e1", "team-a.deleted")]), CFG)
     assert [(u.exp_id, u.reason) for u in plan.unloads] == [("team-a.deleted", ORPHAN)]
