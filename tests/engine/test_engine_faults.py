@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.api_types import BadCheckpointError, InvalidSpecError, NoCapacityError
+from loraplex_engine.errors import BadCheckpointError, InvalidSpecError, NoCapacityError
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, run_to_end, spec

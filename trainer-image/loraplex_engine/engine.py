@@ -27,18 +27,22 @@ from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.algorithms import Algorithm, get_algorithm
 from loraplex_engine.api_types import (
     DEFAULT_MAX_STEP_TOKENS,
-    BadCheckpointError,
     Capacity,
     CheckpointRef,
-    ConflictError,
     ExperimentStatus,
     ExperimentTick,
-    InvalidSpecError,
-    NoCapacityError,
-    NotFoundError,
     TickReport,
 )
-from loraplex_engine.errors import AdapterError, CheckpointError, NoFreeSlotError
+from loraplex_engine.errors import (
+    AdapterError,
+    BadCheckpointError,
+    CheckpointError,
+    ConflictError,
+    InvalidSpecError,
+    NoCapacityError,
+    NoFreeSlotError,
+    NotFoundError,
+)
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
