@@ -7,6 +7,7 @@ new class can neither silently answer 500 nor inherit its parent's code by accid
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from loraplex_engine import errors
-from loraplex_engine.errors import ApiError, UnavailableError
+from loraplex_engine.errors import ApiError, LoraplexError, UnavailableError
 from loraplex_engine.server import HTTP_STATUS, create_app, http_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,3 +123,20 @@ def test_a_core_error_reaching_the_server_is_an_engine_bug(
         "message": "internal error (CheckpointError)",
         "field": None,
     }
+
+
+def test_every_engine_error_class_lives_in_errors_py() -> None:
+    """One hierarchy, one module: no exception class is defined anywhere else."""
+    elsewhere = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b.endswith(("Error", "Exception")) for b in bases):
+                    elsewhere.append(f"{path.relative_to(PACKAGE)}: {node.name}")
+    assert elsewhere == []
+    for cls in _subclasses(Exception):
+        if cls.__module__ == "loraplex_engine.errors":
+            assert issubclass(cls, LoraplexError), cls

@@ -2,8 +2,9 @@
 
 Two branches:
 
-- **core errors** (adapters, routing, checkpoints) say what went wrong inside the engine
-  and are raised *before* anything changes, so a caller can report them and carry on. They
+- **core errors** (specs, tasks, rewards, manifests, adapters, routing, checkpoints, the
+  vLLM worker) say what went wrong inside the engine; adapter and checkpoint errors are
+  raised *before* anything changes, so a caller can report them and carry on. They
   carry no API code: the same core error means different things to a client depending on
   the call (an unknown adapter is an invalid spec in a PUT, an unknown model in a
   completion), so the engine translates them into API errors where it knows the call.
@@ -21,6 +22,39 @@ class LoraplexError(Exception):
 
 
 # --- core errors ----------------------------------------------------------------------
+
+
+class FieldError(LoraplexError, ValueError):
+    """A bad value at one path of the spec: ``str(e)`` is ``"<field>: <message>"``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class SpecError(FieldError):
+    """An invalid spec; ``field`` is the path, e.g. ``spec.lora.rank``."""
+
+
+class TaskError(FieldError):
+    """Bad task settings or data; ``field`` is the spec path (``spec.task.params.x``)."""
+
+
+class ManifestError(LoraplexError, ValueError):
+    """One or more bad manifest documents; ``problems`` lists one line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        super().__init__(f"{source}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+class RewardError(LoraplexError, RuntimeError):
+    """A reward could not be computed (service down, bad answer, non-finite score)."""
+
+
+class VLLMWorkerError(LoraplexError, RuntimeError):
+    """The vLLM worker failed a request, or died."""
 
 
 class AdapterError(LoraplexError, ValueError):
