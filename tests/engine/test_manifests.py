@@ -1,7 +1,8 @@
 from pathlib import Path
 
 import pytest
-from loraplex_engine.manifests import ManifestError, load_manifests, parse_manifests
+from loraplex_engine.errors import ManifestError
+from loraplex_engine.manifests import load_manifests, parse_manifests
 
 REPO = Path(__file__).resolve().parents[2]
 

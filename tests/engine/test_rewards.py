@@ -7,11 +7,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
+from loraplex_engine.errors import RewardError
 from loraplex_engine.rewards import (
     BUILTIN_REWARDS,
     BuiltinReward,
     HttpReward,
-    RewardError,
     RewardItem,
     contains,
     coverage,

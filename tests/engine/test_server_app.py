@@ -21,14 +21,11 @@ import pytest
 from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
-    ConflictError,
     ExperimentStatus,
     ExperimentTick,
-    InvalidSpecError,
-    NoCapacityError,
-    NotFoundError,
     TickReport,
 )
+from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.serve import EngineHolder, EngineLoop
 from loraplex_engine.server import create_app, v1_routes

@@ -2,10 +2,10 @@ import copy
 from typing import Any, get_args
 
 import pytest
+from loraplex_engine.errors import SpecError
 from loraplex_engine.spec import (
     ExperimentSpec,
     RewardName,
-    SpecError,
     TaskName,
     all_spec_errors,
     parse_spec,

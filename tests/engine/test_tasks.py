@@ -3,6 +3,7 @@ import random
 from pathlib import Path
 
 import pytest
+from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import HttpReward
 from loraplex_engine.tasks import (
     ArithmeticTask,
@@ -10,7 +11,6 @@ from loraplex_engine.tasks import (
     JsonlTask,
     Prompt,
     TargetTokenTask,
-    TaskError,
     build_task,
     check_task,
 )

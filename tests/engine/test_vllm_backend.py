@@ -191,7 +191,7 @@ def test_sampling_is_seeded_and_reports_logprobs(rollout) -> None:
 
 
 def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_path) -> None:
-    from loraplex_engine.rollout.vllm_backend import VLLMWorkerError
+    from loraplex_engine.errors import VLLMWorkerError
 
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.generate([("nope", PROMPTS[0])], max_new_tokens=2)
@@ -214,7 +214,8 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
 
 def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path) -> None:
     """The plain tiny preset has head_dim 16, which vLLM's CPU attention lacks."""
-    from loraplex_engine.rollout.vllm_backend import VLLMRollout, VLLMWorkerError
+    from loraplex_engine.errors import VLLMWorkerError
+    from loraplex_engine.rollout.vllm_backend import VLLMRollout
 
     with pytest.raises(VLLMWorkerError, match="head_dim=16"):
         VLLMRollout(tiny_model_dir, python=str(VLLM_PYTHON), max_adapters=1, max_rank=8)

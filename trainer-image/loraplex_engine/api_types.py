@@ -1,7 +1,8 @@
 """Types the engine exposes to its drivers (HTTP server, local runner, benchmark).
 
 The engine loop, the server and the runner agree on these and nothing else, so the
-server stays a thin translation layer between HTTP and :class:`EngineService`.
+server stays a thin translation layer between HTTP and :class:`EngineService`. The errors
+its methods raise live in :mod:`loraplex_engine.errors` (``ApiError`` and subclasses).
 """
 
 from __future__ import annotations
@@ -13,41 +14,6 @@ PHASES = ("Running", "Succeeded", "Failed")
 # Rollout tokens one experiment may ask for per step (groupSize x promptsPerStep x
 # maxNewTokens): a tick waits for every tenant, so one huge spec would stall them all.
 DEFAULT_MAX_STEP_TOKENS = 1 << 20
-
-
-class EngineError(Exception):
-    """An error a client caused; carries the HTTP status and the field at fault."""
-
-    status = 400
-    code = "invalid_request"
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
-
-
-class NotFoundError(EngineError):
-    status, code = 404, "not_found"
-
-
-class ConflictError(EngineError):
-    status, code = 409, "conflict"
-
-
-class NoCapacityError(EngineError):
-    status, code = 409, "no_capacity"
-
-
-class InvalidSpecError(EngineError):
-    status, code = 422, "invalid_spec"
-
-
-class BadCheckpointError(EngineError):
-    status, code = 422, "bad_checkpoint"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from loraplex_engine.manifests import ManifestError
+    from loraplex_engine.errors import ManifestError
     from loraplex_engine.runner import run_file
 
     try:

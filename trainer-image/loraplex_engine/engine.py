@@ -27,26 +27,31 @@ from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.algorithms import Algorithm, get_algorithm
 from loraplex_engine.api_types import (
     DEFAULT_MAX_STEP_TOKENS,
-    BadCheckpointError,
     Capacity,
     CheckpointRef,
-    ConflictError,
     ExperimentStatus,
     ExperimentTick,
-    InvalidSpecError,
-    NoCapacityError,
-    NotFoundError,
     TickReport,
 )
-from loraplex_engine.errors import AdapterError, CheckpointError, NoFreeSlotError
+from loraplex_engine.errors import (
+    AdapterError,
+    BadCheckpointError,
+    CheckpointError,
+    ConflictError,
+    InvalidSpecError,
+    NoCapacityError,
+    NoFreeSlotError,
+    NotFoundError,
+    RewardError,
+    TaskError,
+)
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-from loraplex_engine.rewards import RewardError
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.tasks import Prompt, Task, TaskError, build_task
+from loraplex_engine.tasks import Prompt, Task, build_task
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
 PHASES = ("rollout", "reward", "train", "sync", "checkpoint")

@@ -1,22 +1,64 @@
-"""Engine error types.
+"""Every error the engine raises on purpose: one hierarchy under :class:`LoraplexError`.
 
-Every error is raised *before* anything changes, so a caller can report it and carry on.
-``code`` is the HTTP API error code (docs/engine-api.md) the server should answer with.
+Two branches:
+
+- **core errors** (specs, tasks, rewards, manifests, adapters, routing, checkpoints, the
+  vLLM worker) say what went wrong inside the engine; adapter and checkpoint errors are
+  raised *before* anything changes, so a caller can report them and carry on. They
+  carry no API code: the same core error means different things to a client depending on
+  the call (an unknown adapter is an invalid spec in a PUT, an unknown model in a
+  completion), so the engine translates them into API errors where it knows the call.
+- **API errors** (:class:`ApiError`) are what a client caused: a stable ``code``
+  (docs/engine-api.md), a ``message`` and the ``field`` at fault. Their HTTP status is
+  chosen in one place, ``server.HTTP_STATUS``; this module knows nothing of HTTP. A core
+  error that reaches the server untranslated is an engine bug and answers 500.
 """
 
 from __future__ import annotations
 
 
-class EngineError(Exception):
-    """Base class of all loraplex engine errors."""
-
-    code = "invalid_request"
+class LoraplexError(Exception):
+    """Root of every loraplex engine error."""
 
 
-class AdapterError(EngineError, ValueError):
+# --- core errors ----------------------------------------------------------------------
+
+
+class FieldError(LoraplexError, ValueError):
+    """A bad value at one path of the spec: ``str(e)`` is ``"<field>: <message>"``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class SpecError(FieldError):
+    """An invalid spec; ``field`` is the path, e.g. ``spec.lora.rank``."""
+
+
+class TaskError(FieldError):
+    """Bad task settings or data; ``field`` is the spec path (``spec.task.params.x``)."""
+
+
+class ManifestError(LoraplexError, ValueError):
+    """One or more bad manifest documents; ``problems`` lists one line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        super().__init__(f"{source}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+class RewardError(LoraplexError, RuntimeError):
+    """A reward could not be computed (service down, bad answer, non-finite score)."""
+
+
+class VLLMWorkerError(LoraplexError, RuntimeError):
+    """The vLLM worker failed a request, or died."""
+
+
+class AdapterError(LoraplexError, ValueError):
     """A bad adapter request (config, name, slot)."""
-
-    code = "invalid_spec"
 
 
 class RankTooLargeError(AdapterError):
@@ -30,26 +72,80 @@ class UnknownTargetModuleError(AdapterError):
 class NoFreeSlotError(AdapterError):
     """All adapter slots are taken."""
 
-    code = "no_capacity"
-
 
 class DuplicateAdapterError(AdapterError):
     """An adapter with that name is already loaded."""
-
-    code = "conflict"
 
 
 class UnknownAdapterError(AdapterError):
     """No adapter with that name is loaded."""
 
-    code = "not_found"
 
-
-class RoutingError(EngineError, ValueError):
+class RoutingError(LoraplexError, ValueError):
     """Slot ids that do not fit the batch or name an empty slot."""
 
 
-class CheckpointError(EngineError, ValueError):
+class CheckpointError(LoraplexError, ValueError):
     """A checkpoint that is missing, corrupt, or does not fit the model."""
 
+
+# --- API errors -----------------------------------------------------------------------
+
+
+class ApiError(LoraplexError):
+    """An error a client caused: a stable ``code``, a message and the field at fault."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class UnauthorizedError(ApiError):
+    """Missing or wrong bearer token."""
+
+    code = "unauthorized"
+
+
+class NotFoundError(ApiError):
+    """Unknown experiment or model."""
+
+    code = "not_found"
+
+
+class ConflictError(ApiError):
+    """A different spec for a loaded id, or a checkpoint of a failed experiment."""
+
+    code = "conflict"
+
+
+class NoCapacityError(ApiError):
+    """No free adapter slot."""
+
+    code = "no_capacity"
+
+
+class BodyTooLargeError(ApiError):
+    """A request body over the server's limit."""
+
+    code = "too_large"
+
+
+class InvalidSpecError(ApiError):
+    """A spec the engine cannot take; ``field`` names the spec path."""
+
+    code = "invalid_spec"
+
+
+class BadCheckpointError(ApiError):
+    """``resumeFrom`` is not a usable checkpoint."""
+
     code = "bad_checkpoint"
+
+
+class UnavailableError(ApiError):
+    """The engine is still loading (or its loop has stopped)."""
+
+    code = "unavailable"

@@ -13,21 +13,14 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from loraplex_engine.spec import ExperimentSpec, SpecError, parse_spec
+from loraplex_engine.errors import ManifestError, SpecError
+from loraplex_engine.spec import ExperimentSpec, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
 # Kubernetes object names (DNS-1123 label); namespaces hold no dot, so
 # "<namespace>.<name>" is a valid, unambiguous experiment id.
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class ManifestError(ValueError):
-    """One or more bad documents; ``problems`` lists one line per problem."""
-
-    def __init__(self, source: str, problems: list[str]):
-        super().__init__(f"{source}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
-        self.problems = problems
 
 
 class Manifest(NamedTuple):

@@ -14,9 +14,7 @@ from typing import Any, Protocol
 
 import httpx
 
-
-class RewardError(RuntimeError):
-    """A reward could not be computed (service down, bad answer, non-finite score)."""
+from loraplex_engine.errors import RewardError
 
 
 @dataclass(frozen=True)

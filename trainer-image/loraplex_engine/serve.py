@@ -39,8 +39,9 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     TickReport,
 )
+from loraplex_engine.errors import UnavailableError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.server import DEFAULT_MAX_COMPLETION_TOKENS, UnavailableError, create_app
+from loraplex_engine.server import DEFAULT_MAX_COMPLETION_TOKENS, create_app
 
 log = logging.getLogger("loraplex_engine.serve")
 

@@ -32,7 +32,18 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_engine.api_types import EngineError, EngineService
+from loraplex_engine.api_types import EngineService
+from loraplex_engine.errors import (
+    ApiError,
+    BadCheckpointError,
+    BodyTooLargeError,
+    ConflictError,
+    InvalidSpecError,
+    NoCapacityError,
+    NotFoundError,
+    UnauthorizedError,
+    UnavailableError,
+)
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from loraplex_engine.spec import ExperimentSpec
 
@@ -54,11 +65,30 @@ ExpId = Annotated[
     str, Path(min_length=1, max_length=253, pattern=ID_PATTERN, description="experiment id")
 ]
 
+# The HTTP status of every API error: the one place a status is chosen (errors.py knows
+# nothing of HTTP). A class not listed answers its nearest listed base's status;
+# tests/engine/test_errors.py requires every ApiError subclass to be listed.
+HTTP_STATUS: dict[type[ApiError], int] = {
+    ApiError: 400,
+    UnauthorizedError: 401,
+    NotFoundError: 404,
+    ConflictError: 409,
+    NoCapacityError: 409,
+    BodyTooLargeError: 413,
+    InvalidSpecError: 422,
+    BadCheckpointError: 422,
+    UnavailableError: 503,
+}
 
-class UnavailableError(EngineError):
-    """The engine is still loading (or its loop has stopped)."""
 
-    status, code = 503, "unavailable"
+def http_status(exc: ApiError) -> int:
+    return next(HTTP_STATUS[c] for c in type(exc).__mro__ if c in HTTP_STATUS)
+
+
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``{"error": {code, message, field}}`` with the error's status."""
+    body = {"error": {"code": exc.code, "message": exc.message, "field": exc.field}}
+    return JSONResponse(body, status_code=http_status(exc), headers=headers)
 
 
 # --- request and response bodies ------------------------------------------------------
@@ -216,11 +246,8 @@ class BearerAuth:
             if given[:7].lower() == b"bearer ":
                 given = b"Bearer " + given[7:].strip()
             if not hmac.compare_digest(given, self.expected):
-                body = EngineError("missing or wrong bearer token").to_json()
-                body["error"]["code"] = "unauthorized"
-                response = JSONResponse(
-                    body, status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                )
+                error = UnauthorizedError("missing or wrong bearer token")
+                response = error_response(error, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -259,12 +286,8 @@ class BodyLimit:
         await self.app(scope, counting_receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = BodyTooLargeError(f"request body over {self.max_bytes} bytes").to_json()
-        await JSONResponse(body, status_code=413)(scope, receive, send)
-
-
-class BodyTooLargeError(EngineError):
-    status, code = 413, "too_large"
+        error = BodyTooLargeError(f"request body over {self.max_bytes} bytes")
+        await error_response(error)(scope, receive, send)
 
 
 # --- the app --------------------------------------------------------------------------
@@ -375,9 +398,9 @@ def create_app(
     bearer = HTTPBearer(auto_error=False, description="the pool's engine token")
     v1 = {"dependencies": [Security(bearer)]}  # documents the scheme; BearerAuth enforces
 
-    @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -437,7 +460,7 @@ def create_app(
             try:
                 metrics.update_capacity(engine.capacity())
                 metrics.sync_experiments(engine.list_experiments())
-            except EngineError:
+            except ApiError:
                 pass
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from loraplex_engine.errors import SpecError, TaskError
+
 TaskName = Literal["target-token", "copy", "arithmetic", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
 RewardName = Literal[
@@ -20,15 +22,6 @@ RewardName = Literal[
 ]
 AlgorithmName = Literal["grpo"]
 ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=128)]
-
-
-class SpecError(ValueError):
-    """An invalid spec; ``field`` is the path, e.g. ``spec.lora.rank``."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class _Model(BaseModel):
@@ -119,7 +112,7 @@ class ExperimentSpec(_Model):
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
-        from loraplex_engine.tasks import TaskError, check_task
+        from loraplex_engine.tasks import check_task
 
         try:
             check_task(self.task.name, self.task.params)
@@ -173,7 +166,6 @@ __all__ = [
     "ExperimentSpec",
     "LoraSpec",
     "RolloutSpec",
-    "SpecError",
     "TaskSpec",
     "all_spec_errors",
     "parse_spec",

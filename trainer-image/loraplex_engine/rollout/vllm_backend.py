@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex_engine.errors import VLLMWorkerError
+
 WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
-
-
-class VLLMWorkerError(RuntimeError):
-    """The vLLM worker failed a request, or died."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import BUILTIN_REWARDS, make_reward
-from loraplex_engine.tasks.base import Prompt, Task, TaskError
+from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.builtin import ArithmeticTask, CopyTask, TargetTokenTask
 from loraplex_engine.tasks.jsonl import JsonlTask
 
@@ -56,7 +57,6 @@ __all__ = [
     "Prompt",
     "TargetTokenTask",
     "Task",
-    "TaskError",
     "build_task",
     "check_task",
 ]

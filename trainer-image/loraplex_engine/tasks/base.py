@@ -13,16 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import BuiltinReward, Reward, RewardItem
-
-
-class TaskError(ValueError):
-    """Bad task settings or data; ``field`` is the spec path (``spec.task.params.x``)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)

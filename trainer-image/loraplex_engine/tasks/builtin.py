@@ -10,8 +10,9 @@ import random
 import re
 from collections.abc import Mapping
 
+from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import coverage, prefix_overlap
-from loraplex_engine.tasks.base import Prompt, Task, TaskError, bool_param, int_param
+from loraplex_engine.tasks.base import Prompt, Task, bool_param, int_param
 
 FILLER_WORDS = ("the", "answer", "is", "token", "repeat", "of", "copy", "sum", "say")
 

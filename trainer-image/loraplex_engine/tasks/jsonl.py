@@ -12,8 +12,9 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
+from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import Reward, exact_match
-from loraplex_engine.tasks.base import Prompt, Task, TaskError
+from loraplex_engine.tasks.base import Prompt, Task
 
 FIELD = "spec.task.dataset"
 
