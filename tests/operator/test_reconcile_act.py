@@ -87,14 +87,31 @@ def _status(kube: FakeKube) -> dict[str, Any]:
 
 async def test_bind_writes_engine_node_and_running() -> None:
     obj = experiment("a").obj()
-    running = {"id": "team-a.a", "phase": "Running", "step": 0}
+    ckpt = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    running = {"id": "team-a.a", "phase": "Running", "step": 4, "checkpoint": ckpt}
     r, kube, events = _reconciler(FakeEngines(put=(201, running)))
-    snap, plan = _round(obj, puts=[_put(obj, "/ckpt/team-a/a/step-00000004")])
+    snap, plan = _round(obj, puts=[_put(obj, ckpt["path"])])
     await r.act(snap, plan, "token")
     s = _status(kube)
     assert (s["phase"], s["engine"], s["node"]) == ("Running", "e1", "node-1")
     assert [e[2] for e in events] == ["Bound"]
-    assert "resuming from /ckpt/team-a/a/step-00000004" in events[0][3]
+    assert events[0][3] == f"bound to engine e1 (resumed from step 4: {ckpt['path']})"
+
+
+async def test_resume_records_the_checkpoint_the_engine_actually_loaded() -> None:
+    # The engine resumed from a newer checkpoint of the run (its SIGTERM one) than the one
+    # status recorded: status and the Bound event follow the engine.
+    older = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    obj = experiment("a").status(phase="Pending", step=5, checkpoint=older).obj()
+    newer = {"path": "/ckpt/team-a/a/step-00000006", "step": 6}
+    running = {"id": "team-a.a", "phase": "Running", "step": 6, "checkpoint": newer}
+    r, kube, events = _reconciler(FakeEngines(put=(201, running)))
+    snap, plan = _round(obj, puts=[_put(obj, older["path"])])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert (s["phase"], s["step"], s["checkpoint"]) == ("Running", 6, newer)
+    assert events[0][2] == "Bound"
+    assert f"resumed from step 6, requested step 4: {newer['path']}" in events[0][3]
 
 
 async def test_engine_rejecting_the_spec_fails_it_naming_the_field() -> None:
