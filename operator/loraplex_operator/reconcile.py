@@ -7,9 +7,11 @@ Every round for one EnginePool:
    (`GET /v1/capacity`, `GET /v1/experiments`). Engines are the truth about placement;
    `status.engine` is only the operator's memory of it.
 2. **plan** (`plan_round`, pure): per experiment, adopt what an engine runs, recover what
-   a lost engine ran (restarts + 1, resume from `status.checkpoint`), unload what must not
-   run (finished, suspended, duplicated, orphaned), admit or reject, then hand the pending
-   ones to `placement.plan` for binds, preemptions and scale-up; scale idle engines down.
+   a lost engine ran (restarts + 1, resume from `status.checkpoint`, which the engine
+   takes as "this or a newer checkpoint of the same run"; a deleted engine is first left
+   to finish its SIGTERM checkpoints), unload what must not run (finished, suspended,
+   duplicated, orphaned), admit or reject, then hand the pending ones to
+   `placement.plan` for binds, preemptions and scale-up; scale idle engines down.
 3. **act** (`PoolReconciler.act`): unloads and preemptions (`DELETE` = checkpoint +
    unload), binds (`PUT`, idempotent), Pod creates/deletes, then one status patch per
    experiment whose derived status changed (progress-only changes at most every
@@ -116,8 +118,8 @@ class EngineView:
         return self.deleting_until is not None
 
     def draining(self, now: float) -> bool:
-        """Deleted, and its grace period not over: the engine may be checkpointing."""
-        return self.deleting_until is not None and now < self.deleting_until
+        """Deleted, alive, and its grace period not over: it may still be checkpointing."""
+        return self.deleting_until is not None and not self.dead and now < self.deleting_until
 
     @property
     def dead(self) -> bool:
@@ -550,10 +552,9 @@ class PoolReconciler:
         )
 
     async def engine_views(self, pool: Mapping[str, Any], token: str | None) -> list[EngineView]:
+        namespace = manifests.engine_namespace(pool)
         pods = await self.kube.list(
-            PODS,
-            manifests.engine_namespace(pool),
-            labels={manifests.POOL_LABEL: pool["metadata"]["name"]},
+            PODS, namespace, labels={manifests.POOL_LABEL: pool["metadata"]["name"]}
         )
         views = [
             EngineView(
@@ -566,10 +567,10 @@ class PoolReconciler:
             )
             for p in pods
         ]
-        await asyncio.gather(*(self._probe(v, token) for v in views))
+        await asyncio.gather(*(self._probe(v, token, namespace) for v in views))
         return views
 
-    async def _probe(self, view: EngineView, token: str | None) -> None:
+    async def _probe(self, view: EngineView, token: str | None, namespace: str) -> None:
         if not (view.pod_ready and view.url and token) or view.terminating:
             return  # a deleted engine takes no work and is not asked what it runs
         try:
@@ -578,10 +579,22 @@ class PoolReconciler:
             )
         except (EngineUnreachable, EngineError) as e:
             log.warning("engine %s: %s", view.name, e)
+            await self._recheck_deletion(view, namespace)
             return
         view.capacity = cap
         view.experiments = {s["id"]: s for s in listed}
         view.reachable = True
+
+    async def _recheck_deletion(self, view: EngineView, namespace: str) -> None:
+        """An engine stops answering on SIGTERM, which may come after the pod list: re-read
+        the pod, so that an engine deleted meanwhile is seen draining, not lost."""
+        try:
+            pod = await self.kube.get(PODS, view.name, namespace)
+        except KubeError as e:
+            log.warning("engine pod %s: %s", view.name, e)
+            return
+        if pod is not None:
+            view.deleting_until = _deleting_until(pod)
 
     async def observe(self, pool_name: str) -> tuple[Snapshot, str | None] | None:
         pool = await self.kube.get(POOLS, pool_name)
