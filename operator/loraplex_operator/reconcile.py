@@ -7,9 +7,11 @@ Every round for one EnginePool:
    (`GET /v1/capacity`, `GET /v1/experiments`). Engines are the truth about placement;
    `status.engine` is only the operator's memory of it.
 2. **plan** (`plan_round`, pure): per experiment, adopt what an engine runs, recover what
-   a lost engine ran (restarts + 1, resume from `status.checkpoint`), unload what must not
-   run (finished, suspended, duplicated, orphaned), admit or reject, then hand the pending
-   ones to `placement.plan` for binds, preemptions and scale-up; scale idle engines down.
+   a lost engine ran (restarts + 1, resume from `status.checkpoint`, which the engine
+   takes as "this or a newer checkpoint of the same run"; a deleted engine is first left
+   to finish its SIGTERM checkpoints), unload what must not run (finished, suspended,
+   duplicated, orphaned), admit or reject, then hand the pending ones to
+   `placement.plan` for binds, preemptions and scale-up; scale idle engines down.
 3. **act** (`PoolReconciler.act`): unloads and preemptions (`DELETE` = checkpoint +
    unload), binds (`PUT`, idempotent), Pod creates/deletes, then one status patch per
    experiment whose derived status changed (progress-only changes at most every
@@ -103,10 +105,21 @@ class EngineView:
     pod_phase: str | None = None
     capacity: Mapping[str, Any] | None = None
     experiments: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> status
+    # Pod being deleted: epoch of its deletionTimestamp, by when the kubelet kills the
+    # engine. Until then the engine may still be writing its SIGTERM checkpoints.
+    deleting_until: float | None = None
 
     @property
     def usable(self) -> bool:
-        return self.pod_ready and self.reachable and self.url is not None
+        return self.pod_ready and self.reachable and self.url is not None and not self.terminating
+
+    @property
+    def terminating(self) -> bool:
+        return self.deleting_until is not None
+
+    def draining(self, now: float) -> bool:
+        """Deleted, alive, and its grace period not over: it may still be checkpointing."""
+        return self.deleting_until is not None and not self.dead and now < self.deleting_until
 
     @property
     def dead(self) -> bool:
@@ -116,6 +129,8 @@ class EngineView:
     def why_lost(self) -> str:
         if self.dead:
             return f"engine pod {self.name} is {self.pod_phase}"
+        if self.terminating:
+            return f"engine pod {self.name} outlived its deletion grace period"
         if not self.pod_ready:
             return f"engine pod {self.name} is not ready"
         if not self.reachable:
@@ -239,7 +254,7 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
     """Everything one round should do, from one observation (pure)."""
     pool = snap.pool
     pool_spec = pool.get("spec", {})
-    live = [e for e in snap.engines if not e.dead]
+    live = _live(snap.engines)
     by_name = {e.name: e for e in live}
     all_engines = {e.name: e for e in snap.engines}
     holders: dict[str, list[EngineView]] = {}
@@ -249,7 +264,7 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
                 holders.setdefault(exp_id, []).append(engine)
 
     plan = RoundPlan(work={})
-    plan.delete_pods.extend(e.name for e in snap.engines if e.dead)
+    plan.delete_pods.extend(e.name for e in snap.engines if e.dead and not e.terminating)
     known_ids: set[str] = set()
     pending: list[placement.PendingExperiment] = []
     running_on: dict[str, list[placement.RunningExperiment]] = {}
@@ -299,6 +314,9 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
             continue
         if recorded:
             engine = all_engines.get(recorded)
+            if engine is not None and engine.draining(snap.now):
+                _await_drain(w, engine)
+                continue
             why = engine.why_lost() if engine else f"engine pod {recorded} is gone"
             w.restarts += 1
             plan.recoveries += 1
@@ -420,6 +438,21 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
 # --- status ----------------------------------------------------------------------------
 
 
+def _live(engines: list[EngineView]) -> list[EngineView]:
+    """Engines that count: neither dead nor being deleted."""
+    return [e for e in engines if not e.dead and not e.terminating]
+
+
+def _await_drain(w: Work, engine: EngineView) -> None:
+    """Keep the experiment bound to its deleted engine until that engine is gone: it
+    checkpoints on SIGTERM, and resuming elsewhere first would race that checkpoint (the
+    new engine would start from an older one, and both would write the same steps)."""
+    old = w.obj.get("status") or {}
+    w.binding = st.Binding(engine.name, old.get("node"))
+    w.engine_status = {"phase": old["phase"]} if old.get("phase") == st.RUNNING else None
+    log.info("%s: engine pod %s is shutting down; resume waits for it", w.key, engine.name)
+
+
 def derive(w: Work, config: Config, now: datetime) -> dict[str, Any]:
     obs = st.Observation(
         binding=w.binding,
@@ -465,6 +498,28 @@ def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) ->
     kopf.event(dict(obj), type=type_, reason=reason, message=message[:1024])
 
 
+def _resumed(requested: str | None, requested_step: int | None, engine: Mapping[str, Any]) -> str:
+    """Where a bound experiment starts: the engine may resume from a newer checkpoint of
+    the same run than the one requested (one written on SIGTERM), and says which."""
+    if not requested:
+        return "from the start"
+    got = engine.get("checkpoint") or {}
+    if got.get("step") is None:
+        return f"resuming from {requested}"
+    path = got.get("path") or requested
+    asked = "" if path == requested else f", requested step {requested_step}"
+    return f"resumed from step {got['step']}{asked}: {path}"
+
+
+def _deleting_until(pod: Mapping[str, Any]) -> float | None:
+    """A deleted pod's deletionTimestamp (the API server sets it to the deletion time plus
+    the grace period); an unreadable one counts as already passed."""
+    stamp = pod.get("metadata", {}).get("deletionTimestamp")
+    if not stamp:
+        return None
+    return parse_time(stamp) or 0.0
+
+
 def _suffix() -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
 
@@ -497,12 +552,10 @@ class PoolReconciler:
         )
 
     async def engine_views(self, pool: Mapping[str, Any], token: str | None) -> list[EngineView]:
+        namespace = manifests.engine_namespace(pool)
         pods = await self.kube.list(
-            PODS,
-            manifests.engine_namespace(pool),
-            labels={manifests.POOL_LABEL: pool["metadata"]["name"]},
+            PODS, namespace, labels={manifests.POOL_LABEL: pool["metadata"]["name"]}
         )
-        pods = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
         views = [
             EngineView(
                 name=p["metadata"]["name"],
@@ -510,25 +563,38 @@ class PoolReconciler:
                 node=p.get("spec", {}).get("nodeName"),
                 pod_ready=manifests.is_pod_ready(p),
                 pod_phase=p.get("status", {}).get("phase"),
+                deleting_until=_deleting_until(p),
             )
             for p in pods
         ]
-        await asyncio.gather(*(self._probe(v, token) for v in views))
+        await asyncio.gather(*(self._probe(v, token, namespace) for v in views))
         return views
 
-    async def _probe(self, view: EngineView, token: str | None) -> None:
-        if not (view.pod_ready and view.url and token):
-            return
+    async def _probe(self, view: EngineView, token: str | None, namespace: str) -> None:
+        if not (view.pod_ready and view.url and token) or view.terminating:
+            return  # a deleted engine takes no work and is not asked what it runs
         try:
             cap, listed = await asyncio.gather(
                 self.engines.capacity(view.url, token), self.engines.list(view.url, token)
             )
         except (EngineUnreachable, EngineError) as e:
             log.warning("engine %s: %s", view.name, e)
+            await self._recheck_deletion(view, namespace)
             return
         view.capacity = cap
         view.experiments = {s["id"]: s for s in listed}
         view.reachable = True
+
+    async def _recheck_deletion(self, view: EngineView, namespace: str) -> None:
+        """An engine stops answering on SIGTERM, which may come after the pod list: re-read
+        the pod, so that an engine deleted meanwhile is seen draining, not lost."""
+        try:
+            pod = await self.kube.get(PODS, view.name, namespace)
+        except KubeError as e:
+            log.warning("engine pod %s: %s", view.name, e)
+            return
+        if pod is not None:
+            view.deleting_until = _deleting_until(pod)
 
     async def observe(self, pool_name: str) -> tuple[Snapshot, str | None] | None:
         pool = await self.kube.get(POOLS, pool_name)
@@ -699,8 +765,7 @@ class PoolReconciler:
         since = self._pending_since(w.obj)
         if since is not None:
             m.SCHEDULING_LATENCY.labels(pool=pool_name).observe(max(time.time() - since, 0.0))
-        resume = p.body["resumeFrom"]
-        how = f"resuming from {resume}" if resume else "from the start"
+        how = _resumed(p.body["resumeFrom"], _checkpoint_step(w.obj), body)
         w.event(NORMAL, "Bound", f"bound to engine {p.engine} ({how})")
 
     @staticmethod
@@ -738,7 +803,7 @@ class PoolReconciler:
     ) -> None:
         pool = snap.pool
         name = pool["metadata"]["name"]
-        live = [e for e in snap.engines if not e.dead]
+        live = _live(snap.engines)
         ready = [e for e in live if e.usable]
         used = sum(int((e.capacity or {}).get("usedSlots", len(e.experiments))) for e in ready)
         total = sum(int((e.capacity or {}).get("maxAdapters", 0)) for e in ready)

@@ -17,8 +17,12 @@ kmock mode (default)::
 - `Kubelet` watches the emulator's Pods; for each engine Pod it starts a real
   `loraplex-engine serve` on 127.0.0.1 (`tests/engine/server_process.EngineServer`),
   then patches the Pod Running/Ready with `podIP` 127.0.0.1 and the
-  `loraplex.dev/engine-url` annotation (the port differs per engine). A Pod deleted →
-  SIGTERM; a process that dies → the Pod turns `Failed` (as after a node loss).
+  `loraplex.dev/engine-url` annotation (the port differs per engine). Deleting a Pod
+  that runs is graceful, as in Kubernetes: the API server sets `deletionTimestamp` to
+  now + `terminationGracePeriodSeconds` and keeps the Pod (held by the kubelet's
+  finalizer `KUBELET_HOLD`); the kubelet sends SIGTERM, and once the engine has exited
+  (it checkpoints first) removes the Pod. A process that dies → the Pod turns `Failed`
+  (as after a node loss).
   All engines share one checkpoint directory, like a ReadWriteMany volume.
 - `OperatorProcess` runs `python -m loraplex_operator` against a kubeconfig that points
   at the emulator; tests may kill and restart it.
@@ -43,9 +47,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +63,8 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_NS = "loraplex-system"
 TOKEN_SECRET = "engine-token"
 NODE = "kmock-node"
+# Holds a deleted Pod while its engine shuts down (a real API server does this natively).
+KUBELET_HOLD = "kmock.loraplex.dev/kubelet"
 
 # --- the API server --------------------------------------------------------------------
 
@@ -88,7 +94,37 @@ class ApiServer(kmock.KubernetesEmulator):
                         message=f"{kind} is invalid: " + "; ".join(errors),
                     )
                 )
+        if (
+            request.resource is not None
+            and request.resource.group == ""
+            and request.resource.plural == "pods"
+            and request.action == kmock.action.DELETE
+            and request.params.get("gracePeriodSeconds") != "0"
+        ):
+            self._begin_graceful_delete(request)
         return await super()._handle(request)
+
+    def _begin_graceful_delete(self, request: Any) -> None:
+        """A Pod on a node is not removed at once: it gets deletionTimestamp = now + its
+        grace period and stays until the kubelet has stopped its containers."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # kmock answers 404
+        pod = self.objects[key]
+        meta = pod.get("metadata", {})
+        if not pod.get("spec", {}).get("nodeName") or meta.get("deletionTimestamp"):
+            return  # never started (removed at once), or already terminating
+        grace = int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        until = datetime.now(UTC) + timedelta(seconds=grace)
+        pod.patch(
+            {
+                "metadata": {
+                    "deletionTimestamp": until.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "deletionGracePeriodSeconds": grace,
+                    "finalizers": [*(meta.get("finalizers") or []), KUBELET_HOLD],
+                }
+            }
+        )
 
     def _on_create(self, request: Any) -> list[str]:
         obj = request.data
@@ -283,6 +319,7 @@ class Kubelet:
     failed: set[str] = field(default_factory=set)
     start_seconds: dict[str, float] = field(default_factory=dict)
     _starting: set[str] = field(default_factory=set)
+    _stopping: dict[str, EngineHandle | None] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -311,7 +348,8 @@ class Kubelet:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.gather(*(asyncio.to_thread(p.kill) for p in self.processes.values()))
+        procs = [*self.processes.values(), *(p for p in self._stopping.values() if p)]
+        await asyncio.gather(*(asyncio.to_thread(p.kill) for p in procs))
         self.processes.clear()
 
     async def _loop(self) -> None:
@@ -332,23 +370,47 @@ class Kubelet:
         pods = self._pods()
         for name, pod in list(pods.items()):  # the garbage collector: owner gone → pod gone
             owners = pod["metadata"].get("ownerReferences") or []
-            if owners and not any(self._pool_exists(o["name"]) for o in owners):
+            gone = owners and not any(self._pool_exists(o["name"]) for o in owners)
+            if gone and not _terminating(pod):
                 await self.client.delete(PODS, name, pod["metadata"]["namespace"])
-                del pods[name]
         for name, pod in pods.items():
-            if name not in self.processes and name not in self._starting | self.failed:
+            if _terminating(pod):
+                if name not in self._starting and name not in self._stopping:
+                    self._stopping[name] = self.processes.pop(name, None)
+                    self._spawn(self._terminate(pod))
+            elif name not in self.processes and name not in self._starting | self.failed:
                 self._starting.add(name)
-                task = asyncio.create_task(self._run_pod(pod))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._run_pod(pod))
         for name, proc in list(self.processes.items()):
-            if name not in pods:
+            if name not in pods:  # removed without a grace period
                 del self.processes[name]
                 await asyncio.to_thread(proc.stop, 30.0)
             elif not proc.alive() and name not in self.failed:
                 self.failed.add(name)
                 ns = pods[name]["metadata"]["namespace"]
                 await self._patch(ns, name, _pod_status(False, phase="Failed"))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _terminate(self, pod: dict[str, Any]) -> None:
+        """SIGTERM the engine of a deleted Pod, wait for it to exit (SIGKILL after the
+        grace period), then let the API server remove the Pod."""
+        name, meta = pod["metadata"]["name"], pod["metadata"]
+        try:
+            proc = self._stopping[name]
+            if proc is not None:
+                grace = float(meta.get("deletionGracePeriodSeconds", 30))
+                await asyncio.to_thread(proc.stop, grace)
+            held = [f for f in meta.get("finalizers") or [] if f != KUBELET_HOLD]
+            patch = {"metadata": {"finalizers": held}}
+            await self.client.patch(PODS, name, patch, namespace=meta["namespace"])
+        except Exception as e:  # keep the kubelet alive; tests see the effects
+            print(f"kubelet: stopping pod {name}: {e!r}", file=sys.stderr)
+        finally:
+            del self._stopping[name]
 
     async def _run_pod(self, pod: dict[str, Any]) -> None:
         name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
@@ -391,6 +453,10 @@ class Kubelet:
     def kill(self, pod: str) -> None:
         """SIGKILL the engine of `pod` (no checkpoint on the way out)."""
         self.processes[pod].kill()
+
+
+def _terminating(pod: dict[str, Any]) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp"))
 
 
 def _pod_status(ready: bool, phase: str) -> dict[str, Any]:
@@ -680,6 +746,12 @@ class Harness:
         else:
             assert self.kube is not None
             await self.kube.delete(PODS, pod, ENGINE_NS)
+
+    async def stop_engine(self, pod: str) -> None:
+        """Delete the engine Pod gracefully (a drain, an eviction): its engine gets SIGTERM,
+        checkpoints what it runs and exits; the Pod is gone after that."""
+        assert self.kube is not None
+        await self.kube.delete(PODS, pod, ENGINE_NS)
 
     async def restart_operator(self, kill: bool = True) -> None:
         assert self.operator is not None

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness, engine_server_class
+from harness import ENGINE_NS, TOKEN_SECRET, Harness, RealEngine, engine_server_class
 from loraplex_operator.kube import POOLS, SECRETS, KubeError
 
 pytestmark = [
@@ -64,6 +64,26 @@ async def _engine_experiments(h: Harness, pod: dict[str, Any]) -> list[str]:
         )
         r.raise_for_status()
         return [e["id"] for e in r.json()["experiments"]]
+
+
+async def _checkpoint_now(h: Harness, pod: dict[str, Any], exp_id: str) -> dict[str, Any]:
+    from loraplex_operator.manifests import engine_url
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(
+            f"{engine_url(pod)}/v1/experiments/{exp_id}/checkpoint",
+            headers={"Authorization": f"Bearer {await _token(h)}"},
+        )
+        r.raise_for_status()
+        return r.json()
+
+
+async def _ready_engines(h: Harness, pool: str, n: int) -> list[dict[str, Any]]:
+    async def ready() -> list[dict[str, Any]] | None:
+        pods = [p for p in await h.engine_pods(pool) if p.get("status", {}).get("podIP")]
+        return pods if len(pods) == n else None
+
+    return await h.wait_for(f"{n} ready engines in {pool}", ready, timeout=180)
 
 
 async def _bound_and_first_step(
@@ -153,13 +173,7 @@ async def test_six_experiments_pack_onto_two_engines_and_succeed(h: Harness) -> 
 
 async def test_engine_killed_mid_training_resumes_on_another_engine(h: Harness) -> None:
     await h.apply(h.pool_obj("pool-k", slots=4, replicas=(2, 2)))
-
-    async def two_ready() -> bool:
-        pods = await h.engine_pods("pool-k")
-        ready = [p for p in pods if p.get("status", {}).get("podIP")]
-        return len(ready) == 2
-
-    await h.wait_for("two ready engines", two_ready, timeout=180)
+    await _ready_engines(h, "pool-k", 2)
     every = EVERY
     names = ["kill0", "kill1", "kill2"]
     for i, name in enumerate(names):
@@ -198,11 +212,51 @@ async def test_engine_killed_mid_training_resumes_on_another_engine(h: Harness) 
         print(f"recovery {n}: step {killed_at[n]} at the kill, {lowest[n]} after, every {every}")
         assert lowest[n] >= killed_at[n] - every, (n, killed_at[n], lowest[n])
         await _event(h, n, "EngineLost", victim)
-        await _event(h, n, "Bound", "resuming from")
+        await _event(h, n, "Bound", "resumed from step")
     for n in names:
         s = await h.wait_phase(NS, n, "Succeeded", timeout=300)
         assert s["step"] == LONG
         assert s["restarts"] == (1 if n in on_victim else 0)
+
+
+async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: Harness) -> None:
+    await h.apply(h.pool_obj("pool-g", slots=4, replicas=(2, 2)))
+    pods = await _ready_engines(h, "pool-g", 2)
+    # No periodic checkpoint before the last step: the only ones are the one taken below,
+    # which status records, and the one the engine writes on SIGTERM.
+    await h.apply(h.experiment_obj("drain", "pool-g", max_steps=LONG, every=LONG))
+
+    async def training() -> dict[str, Any] | None:
+        s = await h.status(NS, "drain")
+        return s if s.get("phase") == "Running" and s.get("step", 0) >= 1 else None
+
+    victim = (await h.wait_for("drain training", training, timeout=120))["engine"]
+    pod = next(p for p in pods if p["metadata"]["name"] == victim)
+    requested = (await _checkpoint_now(h, pod, "team-a.drain"))["step"]
+
+    async def past_recorded_checkpoint() -> dict[str, Any] | None:
+        s = await h.status(NS, "drain")
+        recorded = (s.get("checkpoint") or {}).get("step") == requested
+        return s if recorded and s.get("step", 0) > requested else None
+
+    seen = (await h.wait_for("status past its checkpoint", past_recorded_checkpoint))["step"]
+    engine = h.kubelet.processes.get(victim) if h.kubelet is not None else None
+    await h.stop_engine(victim)
+
+    async def moved() -> dict[str, Any] | None:
+        s = await h.status(NS, "drain")
+        return s if s.get("restarts") == 1 and s.get("engine") not in (None, victim) else None
+
+    s = await h.wait_for("drain resumed on another engine", moved, timeout=180, interval=0.1)
+    resumed = s["checkpoint"]["step"]
+    print(f"graceful stop: status checkpoint {requested}, step {seen} seen, resumed at {resumed}")
+    assert resumed >= seen > requested, (requested, seen, resumed)  # the SIGTERM checkpoint
+    assert s["checkpoint"]["path"].endswith(f"/drain/step-{resumed:08d}")
+    await _event(h, "drain", "Bound", f"resumed from step {resumed}, requested step {requested}")
+    if isinstance(engine, RealEngine):
+        assert f"shutdown checkpoint team-a.drain at step {resumed}:" in engine.server.log_text()
+    s = await h.wait_phase(NS, "drain", "Succeeded", timeout=300)
+    assert s["step"] == LONG and s["restarts"] == 1
 
 
 async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness) -> None:
@@ -230,7 +284,7 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
     assert high["step"] == 8
     s = await h.wait_phase(NS, victim, "Succeeded", timeout=300)
     assert s["step"] == LONG and s["restarts"] == 0
-    await _event(h, victim, "Bound", "resuming from")
+    await _event(h, victim, "Bound", "resumed from step")
     other = next(n for n in lows if n != victim)
     await h.wait_phase(NS, other, "Succeeded", timeout=120)
     if h.operator is not None:
@@ -332,7 +386,7 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     await h.patch_spec(NS, "sus", {"suspend": False})
     s = await h.wait_phase(NS, "sus", "Succeeded", timeout=240)
     assert s["step"] == LONG
-    await _event(h, "sus", "Bound", "resuming from")
+    await _event(h, "sus", "Bound", "resumed from step")
 
     # Editing what defines a running run is refused at apply time (CEL transition rule,
     # evaluated by the real API server or, on kmock, by the harness with crdkit) and the

@@ -142,6 +142,35 @@ def test_engine_not_ready_counts_as_lost() -> None:
     assert [p.engine for p in plan.puts] == ["e2"]
 
 
+def _deleted(view: EngineView, seconds_left: float) -> EngineView:
+    view.deleting_until = NOW + seconds_left
+    view.pod_ready = view.reachable = False  # the engine stops answering on SIGTERM
+    view.experiments = {}
+    return view
+
+
+def test_deleted_engine_is_awaited_while_it_checkpoints_then_recovered() -> None:
+    # Recovering while the deleted engine still writes its SIGTERM checkpoint would
+    # resume from an older one; so the experiment stays bound until the pod is gone.
+    ckpt = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    exps = [exp("a", phase="Running", engine="e1", node="node-1", step=5, checkpoint=ckpt)]
+    draining = _deleted(engine("e1", "team-a.a"), seconds_left=30)
+    plan = plan_round(snap(exps, [draining, engine("e2")], pool().replicas(2, 3).obj()), CFG)
+    w = plan.work["team-a/a"]
+    assert not plan.puts and w.restarts == 0 and not w.events and plan.recoveries == 0
+    assert plan.create_pods == 1  # a replacement: the deleted one no longer counts
+    assert "e1" not in plan.delete_pods
+    status = derive(w, CFG, datetime.now(UTC))
+    assert (status["phase"], status["engine"], status["node"]) == ("Running", "e1", "node-1")
+    assert (status["step"], status["checkpoint"], status["restarts"]) == (5, ckpt, 0)
+
+    # Past its grace period the kubelet has killed it (or its node is gone): recover.
+    overdue = _deleted(engine("e1"), seconds_left=-1)
+    plan = plan_round(snap(exps, [overdue, engine("e2")]), CFG)
+    assert [p.body["resumeFrom"] for p in plan.puts] == [ckpt["path"]]
+    assert "grace period" in plan.work["team-a/a"].events[0][2]
+
+
 def test_failed_pod_is_replaced() -> None:
     dead = engine("e1", ready=False)
     dead.pod_phase = "Failed"

@@ -12,12 +12,14 @@ from loraplex_operator.reconcile import (
     PREEMPT,
     SUSPEND,
     Config,
+    EngineView,
     PoolReconciler,
     Put,
     RoundPlan,
     Snapshot,
     Unload,
     Work,
+    parse_time,
 )
 
 
@@ -30,6 +32,9 @@ class FakeKube:
 
     async def list(self, res: Any, ns: str | None = None, **kw: Any) -> list[dict[str, Any]]:
         return [dict(o) for o in self.objects]
+
+    async def get(self, res: Any, name: str, ns: str | None = None) -> dict[str, Any] | None:
+        return next((o for o in self.objects if o["metadata"]["name"] == name), None)
 
     async def patch(self, res: Any, name: str, patch: dict[str, Any], **kw: Any) -> dict:
         self.patches.append((name, patch))
@@ -47,6 +52,12 @@ class FakeKube:
 class FakeEngines:
     def __init__(self, put: Any = None, delete: Any = None) -> None:
         self._put, self._delete = put, delete
+
+    async def capacity(self, *args: Any) -> dict[str, Any]:
+        raise EngineUnreachable("connection refused")
+
+    async def list(self, *args: Any) -> list[dict[str, Any]]:
+        raise EngineUnreachable("connection refused")
 
     async def put(self, *args: Any) -> tuple[int, dict[str, Any]]:
         if isinstance(self._put, Exception):
@@ -87,14 +98,31 @@ def _status(kube: FakeKube) -> dict[str, Any]:
 
 async def test_bind_writes_engine_node_and_running() -> None:
     obj = experiment("a").obj()
-    running = {"id": "team-a.a", "phase": "Running", "step": 0}
+    ckpt = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    running = {"id": "team-a.a", "phase": "Running", "step": 4, "checkpoint": ckpt}
     r, kube, events = _reconciler(FakeEngines(put=(201, running)))
-    snap, plan = _round(obj, puts=[_put(obj, "/ckpt/team-a/a/step-00000004")])
+    snap, plan = _round(obj, puts=[_put(obj, ckpt["path"])])
     await r.act(snap, plan, "token")
     s = _status(kube)
     assert (s["phase"], s["engine"], s["node"]) == ("Running", "e1", "node-1")
     assert [e[2] for e in events] == ["Bound"]
-    assert "resuming from /ckpt/team-a/a/step-00000004" in events[0][3]
+    assert events[0][3] == f"bound to engine e1 (resumed from step 4: {ckpt['path']})"
+
+
+async def test_resume_records_the_checkpoint_the_engine_actually_loaded() -> None:
+    # The engine resumed from a newer checkpoint of the run (its SIGTERM one) than the one
+    # status recorded: status and the Bound event follow the engine.
+    older = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
+    obj = experiment("a").status(phase="Pending", step=5, checkpoint=older).obj()
+    newer = {"path": "/ckpt/team-a/a/step-00000006", "step": 6}
+    running = {"id": "team-a.a", "phase": "Running", "step": 6, "checkpoint": newer}
+    r, kube, events = _reconciler(FakeEngines(put=(201, running)))
+    snap, plan = _round(obj, puts=[_put(obj, older["path"])])
+    await r.act(snap, plan, "token")
+    s = _status(kube)
+    assert (s["phase"], s["step"], s["checkpoint"]) == ("Running", 6, newer)
+    assert events[0][2] == "Bound"
+    assert f"resumed from step 6, requested step 4: {newer['path']}" in events[0][3]
 
 
 async def test_engine_rejecting_the_spec_fails_it_naming_the_field() -> None:
@@ -170,3 +198,21 @@ async def test_pool_deleted_sends_its_experiments_back_to_pending() -> None:
     assert s["phase"] == "Pending" and s["engine"] is None
     assert "spec.enginePool" in s["message"]
     assert [e[2] for e in events] == ["AdmissionFailed"]
+
+
+async def test_engine_that_stops_answering_after_its_pod_was_deleted_is_draining() -> None:
+    # The pod list showed it running; the engine then got SIGTERM (pod deleted) and
+    # stopped answering: a fresh read of the pod tells draining from lost.
+    stamp = "2030-01-01T00:01:00Z"
+    deleted = {"metadata": {"name": "e1", "deletionTimestamp": stamp}, "status": {}}
+    r, _, _ = _reconciler(FakeEngines())
+    r.kube = FakeKube([deleted])  # type: ignore[assignment]
+    view = EngineView(name="e1", url="http://e1", pod_ready=True, pod_phase="Running")
+    await r._probe(view, "token", "loraplex-system")
+    assert not view.reachable and view.terminating
+    assert view.deleting_until == parse_time(stamp)
+
+    r.kube = FakeKube([])  # type: ignore[assignment]
+    crashed = EngineView(name="e2", url="http://e2", pod_ready=True, pod_phase="Running")
+    await r._probe(crashed, "token", "loraplex-system")
+    assert not crashed.reachable and not crashed.terminating

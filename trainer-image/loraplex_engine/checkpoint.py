@@ -11,10 +11,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE_FORMAT = 1
+# Metadata key of the run id: made when an experiment starts fresh, carried over on resume.
+RUN_ID = "runId"
+# The names the engine gives checkpoint directories (temporary ones start with ".").
+STEP_DIR = re.compile(r"step-\d{8}")
 
 # PEFT options we do not implement: loading an adapter that sets them would be silently wrong.
 _UNSUPPORTED = {
@@ -228,6 +234,15 @@ def save_trainer_state(
     (out / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
 
 
+def read_metadata(in_dir: str | Path) -> dict[str, Any]:
+    """The JSON metadata of a trainer state, without touching any optimiser or RNG."""
+    file = Path(in_dir) / TRAINER_STATE
+    state = _read_json(file)
+    if state.get("format") != TRAINER_STATE_FORMAT or not isinstance(state.get("metadata"), dict):
+        raise CheckpointError(f"{file}: unknown format or no metadata")
+    return dict(state["metadata"])
+
+
 def load_trainer_state(
     in_dir: str | Path,
     optimizer: PerAdapterAdamW,
@@ -257,6 +272,45 @@ def load_trainer_state(
         raise CheckpointError(f"{Path(in_dir) / OPTIMIZER_STATE}: {e}") from e
     (generator or torch.default_generator).set_state(rng)
     return metadata
+
+
+# ---- which checkpoint to resume from --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint directory and its trainer-state metadata (None: unreadable)."""
+
+    path: Path
+    metadata: Mapping[str, Any] | None
+
+
+def resume_order(requested: Candidate, siblings: Iterable[Candidate]) -> list[Path]:
+    """Checkpoints to try, best first: the same run's newer ones, newest first, then the
+    requested one (always last, so its own error is the one reported).
+
+    A newer checkpoint counts only when it provably belongs to the requested one's run:
+    same run id and a later step. Without a run id (a checkpoint written before run ids)
+    nothing but the requested checkpoint is used.
+    """
+    run, step = _run_and_step(requested.metadata)
+    if run is None or step is None:
+        return [requested.path]
+    newer: list[tuple[int, Path]] = []
+    for c in siblings:
+        c_run, c_step = _run_and_step(c.metadata)
+        if c.path != requested.path and c_run == run and c_step is not None and c_step > step:
+            newer.append((c_step, c.path))
+    newer.sort(key=lambda sp: sp[0], reverse=True)
+    return [p for _, p in newer] + [requested.path]
+
+
+def _run_and_step(metadata: Mapping[str, Any] | None) -> tuple[str | None, int | None]:
+    if not metadata:
+        return None, None
+    run, step = metadata.get(RUN_ID), metadata.get("step")
+    valid_step = isinstance(step, int) and not isinstance(step, bool)
+    return (run if isinstance(run, str) and run else None), (step if valid_step else None)
 
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

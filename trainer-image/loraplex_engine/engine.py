@@ -9,11 +9,13 @@ update goes non-finite fails alone. Reads (status, capacity) never wait for a ti
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -56,6 +58,8 @@ from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
 PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 
+log = logging.getLogger("loraplex_engine.engine")
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -83,6 +87,9 @@ class Experiment:
     error: str | None = None
     started_at: str = field(default_factory=_now)
     updated_at: str = field(default_factory=_now)
+    # Ties this run's checkpoints together across engines (resume picks the newest of the
+    # run); fresh per start, so a recreated experiment of the same name never matches.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def max_steps(self) -> int:
@@ -608,6 +615,7 @@ class Engine:
     def _metadata(self, exp: Experiment) -> dict[str, Any]:
         return {
             "experiment": exp.id,
+            ckpt.RUN_ID: exp.run_id,
             "step": exp.step,
             "reward": exp.reward,
             "rolloutTokens": exp.rollout_tokens,
@@ -694,20 +702,51 @@ class Engine:
                 field="spec.algorithm.promptsPerStep",
             )
 
-    def _resume(self, exp: Experiment, config: LoRAConfig, path: Path) -> None:
-        try:
-            saved = ckpt.read_adapter_config(path)
-            if saved != config:
-                raise CheckpointError(f"{path}: checkpoint has {saved}, the spec asks for {config}")
-            ckpt.load_adapter(self.model, exp.id, path)
+    def _resume(self, exp: Experiment, config: LoRAConfig, requested: Path) -> None:
+        """Resume from the newest intact checkpoint of the requested one's run at or after
+        its step: one written after the caller last looked (e.g. on SIGTERM) is not
+        redone. A broken newer one is skipped (and kept); the requested one's own error
+        is the one reported."""
+        for path in self._resume_order(requested):
             try:
-                meta = ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen)
-            except CheckpointError:
-                self.model.remove_adapter(exp.id)
-                raise
-        except CheckpointError as e:
-            raise BadCheckpointError(str(e), field="resumeFrom") from e
+                self._load_checkpoint(exp, config, path)
+                return
+            except CheckpointError as e:
+                if path == requested:
+                    raise BadCheckpointError(str(e), field="resumeFrom") from e
+                log.warning("resume of %s: skipping newer checkpoint %s: %s", exp.id, path, e)
+
+    def _resume_order(self, requested: Path) -> list[Path]:
+        """Candidates from the sibling step directories, ordered by ckpt.resume_order."""
+        try:
+            own = ckpt.Candidate(requested, ckpt.read_metadata(requested))
+        except CheckpointError:
+            return [requested]  # loading it reports what is wrong with it
+        step = own.metadata.get("step") if own.metadata else None
+        if not isinstance(step, int):
+            return [requested]
+        siblings = []
+        for path in _newer_step_dirs(requested, step):
+            try:
+                siblings.append(ckpt.Candidate(path, ckpt.read_metadata(path)))
+            except CheckpointError as e:  # may be this run's, but it cannot be told: skip it
+                log.warning("resume from %s: skipping newer checkpoint: %s", requested, e)
+        return ckpt.resume_order(own, siblings)
+
+    def _load_checkpoint(self, exp: Experiment, config: LoRAConfig, path: Path) -> None:
+        """Load one checkpoint into ``exp``; a CheckpointError leaves nothing loaded."""
+        saved = ckpt.read_adapter_config(path)
+        if saved != config:
+            raise CheckpointError(f"{path}: checkpoint has {saved}, the spec asks for {config}")
+        ckpt.load_adapter(self.model, exp.id, path)
+        try:
+            meta = ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen)
+        except CheckpointError:
+            self.model.remove_adapter(exp.id)
+            raise
         self.optimizer.set_lr(exp.id, exp.spec.algorithm.learning_rate)
+        # A checkpoint from before run ids keeps the fresh id: later resumes find its successors.
+        exp.run_id = meta.get(ckpt.RUN_ID) or exp.run_id
         exp.step = int(meta.get("step", 0))
         exp.reward = meta.get("reward")
         exp.rollout_tokens = int(meta.get("rolloutTokens", 0))
@@ -736,6 +775,19 @@ class Engine:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _newer_step_dirs(requested: Path, step: int) -> list[Path]:
+    """Step directories beside ``requested`` named after a later step than ``step``."""
+    try:
+        entries = list(requested.parent.iterdir())
+    except OSError:
+        return []
+    return [
+        p
+        for p in entries
+        if ckpt.STEP_DIR.fullmatch(p.name) and int(p.name[5:]) > step and p.is_dir()
+    ]
 
 
 def _targets(base: torch.nn.Module) -> list[str]:
