@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.api_types import BadCheckpointError
 from loraplex_engine.checkpoint import RUN_ID, Candidate, read_metadata, resume_order
+from loraplex_engine.errors import BadCheckpointError
 from safetensors.torch import load_file
 
 from tests.engine.engine_builders import engine, spec
