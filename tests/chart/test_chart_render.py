@@ -260,6 +260,8 @@ def test_monitors() -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     (ep,) = sm["spec"]["endpoints"]
     assert ep["port"] == "metrics"
+    # the operator's per-experiment series export `namespace` = the experiment's: keep it.
+    assert ep["honorLabels"] is True
     assert {"action": "replace", "targetLabel": "job", "replacement": "loraplex-operator"} in ep[
         "relabelings"
     ]
