@@ -267,6 +267,7 @@ def test_alert_rules_quiet_on_healthy_data(prometheus: tuple[str, int]) -> None:
         "LoraplexEnginesMissing",
         "LoraplexOperatorDown",
         "LoraplexExperimentStuckPending",
+        "LoraplexExperimentRestarting",
     )
     for name in quiet:
         assert _query(url, exprs[name], end) == [], name

@@ -285,6 +285,19 @@ def test_prometheus_rule_is_the_rules_file() -> None:
     assert rule["spec"]["groups"] == yaml.safe_load(RULES_FILE.read_text())["groups"]
 
 
+def test_runbook_url_replaces_the_placeholder() -> None:
+    url = "https://git.example.com/ml/loraplex/-/blob/main/docs/runbooks.md"
+    values = {"monitoring": {"prometheusRule": {"enabled": True, "runbookUrl": url}}}
+    rule = one(render(values), "PrometheusRule")
+    placeholder = "https://loraplex.invalid/docs/runbooks.md"
+    want = yaml.safe_load(RULES_FILE.read_text().replace(placeholder, url))["groups"]
+    assert rule["spec"]["groups"] == want
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert alerts and all(
+        r["annotations"]["runbook_url"] == f"{url}#{r['alert'].lower()}" for r in alerts
+    )
+
+
 def test_dashboard_configmaps() -> None:
     docs = render(ALL_ON)
     cms = by_kind(docs, "ConfigMap")
