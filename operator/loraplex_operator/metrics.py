@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -48,6 +50,35 @@ RECONCILE_ERRORS = Counter(
     "loraplex_reconcile_errors", "Handler errors.", ["kind"], registry=REGISTRY
 )
 
+# Per experiment (namespace, experiment = the engine's id <namespace>.<name>, so they join
+# the engine's per-experiment series on (namespace, experiment)). Set from the status each
+# round derives, removed when the experiment is deleted or its pool goes.
+_PER_EXP = ["namespace", "experiment", "pool"]
+EXPERIMENT_PHASE = Gauge(
+    "loraplex_experiment_phase",
+    "1 for the experiment's current phase and its reason (one series per experiment).",
+    [*_PER_EXP, "phase", "reason"],
+    registry=REGISTRY,
+)
+EXPERIMENT_RESTARTS = Gauge(
+    "loraplex_experiment_restarts",
+    "Times the experiment was resumed elsewhere after its engine was lost (status.restarts).",
+    _PER_EXP,
+    registry=REGISTRY,
+)
+EXPERIMENT_STEP = Gauge(
+    "loraplex_experiment_step",
+    "Optimiser steps the experiment has done (status.step, as of the latest round).",
+    _PER_EXP,
+    registry=REGISTRY,
+)
+EXPERIMENT_MAX_STEPS = Gauge(
+    "loraplex_experiment_max_steps",
+    "spec.algorithm.maxSteps (0 = continual).",
+    _PER_EXP,
+    registry=REGISTRY,
+)
+
 PHASES = ("Pending", "Scheduled", "Running", "Suspended", "Succeeded", "Failed")
 # The `kind` values handlers.py and reconcile.py count errors under; exported at 0 from
 # the start so dashboards and rate() show 0 rather than "no data" before the first error.
@@ -83,7 +114,57 @@ def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: i
     POOL_SLOTS.labels(pool=pool, state="free").set(free)
 
 
+@dataclass(frozen=True)
+class ExperimentState:
+    """What the per-experiment series of one experiment say."""
+
+    namespace: str
+    experiment: str  # <namespace>.<name>, the engine's `experiment` label
+    phase: str
+    reason: str
+    restarts: int
+    step: int
+    max_steps: int
+
+
+# pool -> (namespace, experiment) -> what was exported for it last
+_exported: dict[str, dict[tuple[str, str], ExperimentState]] = {}
+
+
+def set_experiments(pool: str, states: Iterable[ExperimentState]) -> None:
+    """Make the pool's per-experiment series say exactly `states`.
+
+    Level-based like the round that calls it: the same states twice change nothing; an
+    experiment missing from `states` (deleted) loses all its series, and a changed
+    phase or reason replaces the phase series, so there is one per experiment.
+    """
+    new = {(s.namespace, s.experiment): s for s in states}
+    for key, old in _exported.get(pool, {}).items():
+        now = new.get(key)
+        if now is None:
+            _remove_experiment(pool, old)
+        elif (now.phase, now.reason) != (old.phase, old.reason):
+            _remove(EXPERIMENT_PHASE, old.namespace, old.experiment, pool, old.phase, old.reason)
+    for s in new.values():
+        labels = {"namespace": s.namespace, "experiment": s.experiment, "pool": pool}
+        EXPERIMENT_PHASE.labels(**labels, phase=s.phase, reason=s.reason).set(1)
+        EXPERIMENT_RESTARTS.labels(**labels).set(s.restarts)
+        EXPERIMENT_STEP.labels(**labels).set(s.step)
+        EXPERIMENT_MAX_STEPS.labels(**labels).set(s.max_steps)
+    if new:
+        _exported[pool] = new
+    else:
+        _exported.pop(pool, None)
+
+
+def _remove_experiment(pool: str, s: ExperimentState) -> None:
+    _remove(EXPERIMENT_PHASE, s.namespace, s.experiment, pool, s.phase, s.reason)
+    for gauge in (EXPERIMENT_RESTARTS, EXPERIMENT_STEP, EXPERIMENT_MAX_STEPS):
+        _remove(gauge, s.namespace, s.experiment, pool)
+
+
 def forget_pool(pool: str) -> None:
+    set_experiments(pool, ())
     for phase in PHASES:
         _remove(EXPERIMENTS, pool, phase)
     _remove(POOL_ENGINES, pool)

@@ -477,6 +477,25 @@ def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[str]:
     return changed
 
 
+def experiment_state(obj: Mapping[str, Any], status: Mapping[str, Any]) -> m.ExperimentState:
+    """The per-experiment metrics for `obj` whose derived status is `status` (pure).
+
+    From the status this round derives, not the one last written: progress-only writes
+    are throttled, the metrics are not.
+    """
+    meta = obj["metadata"]
+    namespace = meta.get("namespace", "default")
+    return m.ExperimentState(
+        namespace=namespace,
+        experiment=experiment_id(namespace, meta["name"]),
+        phase=status["phase"],
+        reason=st.phase_reason(status),
+        restarts=int(status.get("restarts") or 0),
+        step=int(status.get("step") or 0),
+        max_steps=st.max_steps(obj.get("spec", {})),
+    )
+
+
 def admission_events(w: Work) -> None:
     old = st.get_condition((w.obj.get("status") or {}).get("conditions"), st.ADMITTED)
     if w.problems:
@@ -655,11 +674,13 @@ class PoolReconciler:
 
         now = datetime.now(UTC)
         phases: dict[str, int] = {}
+        series: list[m.ExperimentState] = []
         writes = []
         for w in plan.work.values():
             admission_events(w)
             new = derive(w, self.config, now)
             phases[new["phase"]] = phases.get(new["phase"], 0) + 1
+            series.append(experiment_state(w.obj, new))
             old = w.obj.get("status") or {}
             self._terminal_event(w, old, new)
             changed = status_changes(old, new)
@@ -671,6 +692,7 @@ class PoolReconciler:
                 self.emit(w.obj, type_, reason, message)
         if plan.recoveries:
             m.RECOVERIES.labels(pool=pool_name).inc(plan.recoveries)
+        m.set_experiments(pool_name, series)
         await asyncio.gather(*writes)
         await self._pool_status(snap, plan, phases, now)
 

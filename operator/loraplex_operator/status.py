@@ -12,6 +12,7 @@ Suspended, Succeeded, Failed. Succeeded and Failed are terminal and sticky.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,6 +36,20 @@ CONDITION_TYPES = (
 )
 
 DEFAULT_MAX_RESTARTS = 3
+# The CRD's default for spec.algorithm.maxSteps (0 = continual); objects read from the API
+# server always carry it, so this only matters for objects built by hand.
+DEFAULT_MAX_STEPS = 50
+
+# The condition whose reason says why an experiment is in each phase.
+_PHASE_CONDITION = {
+    PENDING: COND_SCHEDULED,  # NoCapacity, WaitingForEngine, AdmissionFailed, Preempted, ...
+    SCHEDULED: COND_SCHEDULED,  # Bound
+    RUNNING: COND_RUNNING,  # Training
+    SUSPENDED: COND_SUSPENDED,  # SuspendRequested
+    SUCCEEDED: COND_SUCCEEDED,  # MaxStepsReached
+    FAILED: COND_FAILED,  # EngineReportedFailure, RestartBudgetExhausted
+}
+_REASON = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -228,6 +243,21 @@ def derive_status(obj: Mapping[str, Any], obs: Observation, now: datetime) -> di
     if verdict.phase in TERMINAL:
         status["completedAt"] = rfc3339(now)
     return status
+
+
+def phase_reason(status: Mapping[str, Any]) -> str:
+    """Why the experiment is in its phase, as one CamelCase word: the reason of the
+    condition that explains the phase (see `_PHASE_CONDITION`). The reasons come from a
+    fixed set written by this module, which makes them fit for a metric label; anything
+    else (no condition, a hand-written status) is "Unknown"."""
+    cond = get_condition(status.get("conditions"), _PHASE_CONDITION.get(status.get("phase"), ""))
+    reason = str((cond or {}).get("reason") or "")
+    return reason if _REASON.fullmatch(reason) else "Unknown"
+
+
+def max_steps(spec: Mapping[str, Any]) -> int:
+    """spec.algorithm.maxSteps (0 = continual: train until suspended or deleted)."""
+    return int((spec.get("algorithm") or {}).get("maxSteps", DEFAULT_MAX_STEPS))
 
 
 def pool_status(

@@ -33,6 +33,7 @@ ENGINE = {
     "pool": "pool-a",
 }
 EXPERIMENTS = [("team-a", "team-a.exp1"), ("team-b", "team-b.exp2")]
+FAILED = ("team-a", "team-a.exp3")  # known to the operator only
 BUCKETS = ["0.1", "0.5", "1", "5", "30", "120", "600", "+Inf"]
 PHASES = ["rollout", "reward", "train", "sync", "checkpoint"]
 VARIABLES = {
@@ -83,6 +84,17 @@ def _openmetrics(end: int) -> str:
     gauge("loraplex_pool_slots", {**OP, **pool, "state": "used"}, 2)
     gauge("loraplex_pool_slots", {**OP, **pool, "state": "free"}, 6)
     counter("loraplex_reconcile_errors_total", {**OP, "kind": "LoRAExperiment"}, 0.001)
+    # Per experiment (honorLabels: `namespace` is the experiment's): the two training
+    # ones, and one that failed.
+    for ns, exp, phase, reason, restarts in (
+        *((ns, exp, "Running", "Training", 0) for ns, exp in EXPERIMENTS),
+        (*FAILED, "Failed", "EngineReportedFailure", 1),
+    ):
+        per_exp = {**OP, **pool, "namespace": ns, "experiment": exp}
+        gauge("loraplex_experiment_phase", {**per_exp, "phase": phase, "reason": reason}, 1)
+        gauge("loraplex_experiment_restarts", per_exp, restarts)
+        gauge("loraplex_experiment_step", per_exp, 120)
+        gauge("loraplex_experiment_max_steps", per_exp, 1000)
 
     engine_wide = {**ENGINE, "namespace": "loraplex-system"}
     for ns, exp in EXPERIMENTS:
@@ -204,16 +216,44 @@ def test_query_returns_data(prometheus: tuple[str, int], where: str, query: str)
         assert value == value, f"{where}: NaN from {expr}"  # NaN = a broken ratio/quantile
 
 
-def test_experiment_table_queries_join(prometheus: tuple[str, int]) -> None:
-    """The fleet table merges its two queries on identical label sets."""
-    url, end = prometheus
+def _fleet_table(title: str) -> dict:
     fleet = json.loads(next(p for p in DASHBOARDS if p.name == "loraplex-fleet.json").read_text())
-    (table,) = [p for p in fleet["panels"] if p["type"] == "table"]
-    a, b = (_query(url, _fill(t["expr"]), end) for t in table["targets"])
-    assert {json.dumps(s["metric"], sort_keys=True) for s in a} == {
-        json.dumps(s["metric"], sort_keys=True) for s in b
-    }
+    (table,) = [p for p in fleet["panels"] if p["type"] == "table" and p["title"] == title]
+    return table
+
+
+def _label_sets(result: list[dict]) -> set[str]:
+    return {json.dumps(s["metric"], sort_keys=True) for s in result}
+
+
+def test_experiment_table_queries_join(prometheus: tuple[str, int]) -> None:
+    """The fleet's tables merge their queries on identical label sets."""
+    url, end = prometheus
+    a, b = (
+        _query(url, _fill(t["expr"]), end)
+        for t in _fleet_table("Experiments on engines")["targets"]
+    )
+    assert _label_sets(a) == _label_sets(b)
     assert {s["metric"]["experiment"] for s in a} == {e for _, e in EXPERIMENTS}
+
+    # Every experiment the operator knows; ETA only for those making progress.
+    restarts, step, max_steps, eta = (
+        _query(url, _fill(t["expr"]), end) for t in _fleet_table("Experiments")["targets"]
+    )
+    assert _label_sets(restarts) == _label_sets(step) == _label_sets(max_steps)
+    assert _label_sets(eta) < _label_sets(restarts)
+    assert {s["metric"]["experiment"] for s in restarts} == {e for _, e in [*EXPERIMENTS, FAILED]}
+    assert {s["metric"]["experiment"] for s in eta} == {e for _, e in EXPERIMENTS}
+    # 880 steps left at 0.5 steps/s
+    assert {round(float(s["value"][1])) for s in eta} == {1760}
+
+    failed = [
+        _query(url, _fill(t["expr"]), end) for t in _fleet_table("Failed experiments")["targets"]
+    ]
+    for result in failed:
+        assert [(s["metric"]["experiment"], s["metric"]["reason"]) for s in result] == [
+            (FAILED[1], "EngineReportedFailure")
+        ]
 
 
 def test_alert_rules_quiet_on_healthy_data(prometheus: tuple[str, int]) -> None:
@@ -227,6 +267,7 @@ def test_alert_rules_quiet_on_healthy_data(prometheus: tuple[str, int]) -> None:
         "LoraplexEnginesMissing",
         "LoraplexOperatorDown",
         "LoraplexExperimentStuckPending",
+        "LoraplexExperimentRestarting",
     )
     for name in quiet:
         assert _query(url, exprs[name], end) == [], name

@@ -66,6 +66,10 @@ def test_dashboards_cover_the_fleet_metrics() -> None:
         "loraplex_recoveries_total",
         "loraplex_engine_rollout_tokens_total",
         "loraplex_engine_steps_total",
+        "loraplex_experiment_phase",
+        "loraplex_experiment_restarts",
+        "loraplex_experiment_step",
+        "loraplex_experiment_max_steps",
     ):
         assert name in used, name
 

@@ -260,6 +260,8 @@ def test_monitors() -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     (ep,) = sm["spec"]["endpoints"]
     assert ep["port"] == "metrics"
+    # the operator's per-experiment series export `namespace` = the experiment's: keep it.
+    assert ep["honorLabels"] is True
     assert {"action": "replace", "targetLabel": "job", "replacement": "loraplex-operator"} in ep[
         "relabelings"
     ]
@@ -281,6 +283,19 @@ def test_prometheus_rule_is_the_rules_file() -> None:
     docs = render(ALL_ON)
     rule = one(docs, "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES_FILE.read_text())["groups"]
+
+
+def test_runbook_url_replaces_the_placeholder() -> None:
+    url = "https://git.example.com/ml/loraplex/-/blob/main/docs/runbooks.md"
+    values = {"monitoring": {"prometheusRule": {"enabled": True, "runbookUrl": url}}}
+    rule = one(render(values), "PrometheusRule")
+    placeholder = "https://loraplex.invalid/docs/runbooks.md"
+    want = yaml.safe_load(RULES_FILE.read_text().replace(placeholder, url))["groups"]
+    assert rule["spec"]["groups"] == want
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert alerts and all(
+        r["annotations"]["runbook_url"] == f"{url}#{r['alert'].lower()}" for r in alerts
+    )
 
 
 def test_dashboard_configmaps() -> None:

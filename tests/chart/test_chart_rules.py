@@ -6,7 +6,11 @@ import re
 import subprocess
 
 import yaml
-from chart_helpers import RULES_FILE, RULES_TEST, tool
+from chart_helpers import REPO, RULES_FILE, RULES_TEST, tool
+
+RUNBOOKS = REPO / "docs" / "runbooks.md"
+# The chart's monitoring.prometheusRule.runbookUrl replaces this base (values.yaml).
+RUNBOOK_BASE = "https://loraplex.invalid/docs/runbooks.md"
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
@@ -47,6 +51,32 @@ def test_alert_conventions() -> None:
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"].strip(), name
         assert len(rule["annotations"]["description"]) > 40, name
+
+
+def _runbook_sections() -> dict[str, str]:
+    """`## Heading` → its text, from docs/runbooks.md."""
+    parts = re.split(r"^## ", RUNBOOKS.read_text(), flags=re.M)[1:]
+    return {p.split("\n", 1)[0].strip(): p.split("\n", 1)[1] for p in parts}
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    sections = _runbook_sections()
+    alerts = {rule["alert"]: rule for rule in _alerts()}
+    assert set(sections) == set(alerts), {
+        "alerts without a section": sorted(set(alerts) - set(sections)),
+        "sections without an alert": sorted(set(sections) - set(alerts)),
+    }
+    for name, rule in alerts.items():
+        # GitHub/GitLab anchor of "## LoraplexFoo" is "#loraplexfoo".
+        assert rule["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}#{name.lower()}", name
+        for part in ("**Means.**", "**Check.**", "**Do.**"):
+            assert part in sections[name], (name, part)
+
+
+def test_runbook_cross_links_resolve() -> None:
+    anchors = {name.lower() for name in _runbook_sections()}
+    links = re.findall(r"\]\(#([^)]+)\)", RUNBOOKS.read_text())
+    assert links and set(links) <= anchors, set(links) - anchors
 
 
 def test_required_alerts_exist() -> None:

@@ -77,6 +77,10 @@ BAD_VALUES = {
         {"monitoring": {"dashboards": {"labels": {"grafana_dashboard": 1}}}},
         "monitoring.dashboards.labels.grafana_dashboard: Invalid type. Expected: string",
     ),
+    "runbook url with a fragment": (
+        {"monitoring": {"prometheusRule": {"runbookUrl": "https://docs.example/runbooks.md#x"}}},
+        "monitoring.prometheusRule.runbookUrl: Does not match pattern",
+    ),
     # Checks across values (templates/validate.yaml, servicemonitor.yaml):
     "metrics and health on one port": (
         {"operator": {"ports": {"metrics": 8080, "health": 8080}}},

@@ -11,10 +11,14 @@ real operator while experiments train.
   metadata Kubernetes discovery gives them. So `job`, `pool`, `pod` and `namespace` are
   the labels a cluster would have, and a PodMonitor selector that stopped matching the
   operator's engine Pods would leave the engine target out.
-- One pool, experiments in two namespaces; once Prometheus holds enough steps and
-  checkpoints of each, every panel query (and every query variable) of every dashboard
-  is evaluated through `/api/v1/query` with Grafana's variables set to values that
-  exist (read from the variables' own queries) and must return data that is not NaN.
+- One pool, experiments in two namespaces, and one more whose HTTP reward answers 500,
+  so the engine fails it in its first tick: the failure panels, the failed-experiments
+  table and the failure alerts see a real failure rather than being excused. Once
+  Prometheus holds enough steps and checkpoints of each, the failure and its unload,
+  every panel query (and every query variable) of every dashboard is evaluated through
+  `/api/v1/query` with Grafana's variables set to values that exist (read from the
+  variables' own queries) and must return data that is not NaN. At the end the failed
+  experiment is deleted and its per-experiment operator series must go.
 
 `$__rate_interval`, `$__interval` and `$__range` are set to the span of the run, at least
 30 s (as for a dashboard zoomed onto the run): the scheduling latency histogram only
@@ -31,7 +35,11 @@ import math
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +73,9 @@ pytestmark = [
 POOL = "pool-live"
 # (namespace, name): two namespaces, so `namespace` must be the experiment's, not the pod's.
 EXPERIMENTS = [("team-a", "live-a"), ("team-b", "live-b")]
+# Fails in its first tick (its reward service answers 500); stays Failed until deleted.
+FAILING = ("team-a", "live-fail")
+FAILING_ID = f"{FAILING[0]}.{FAILING[1]}"
 MIN_STEPS = 25  # per experiment, seen by Prometheus, before the panels are checked
 MIN_CHECKPOINTS = 2
 CHECKPOINT_EVERY = 5
@@ -72,7 +83,8 @@ MAX_STEPS = 100_000  # still training when the panels are checked; deleted at th
 
 # Panel queries allowed to return nothing, with the reason. Empty: every counter that
 # only moves on rare events (preemptions, recoveries, reconcile errors, experiment
-# failures) is exported at 0 from the start, so its panel shows 0, not "no data".
+# failures) is exported at 0 from the start, so its panel shows 0, not "no data", and the
+# failed-experiments table has the FAILING experiment to show.
 EXCUSED: dict[str, str] = {}
 
 # Alerts that must stay quiet on a healthy live system (label joins: pool, job, pod).
@@ -82,9 +94,36 @@ QUIET_ALERTS = (
     "LoraplexOperatorDown",
     "LoraplexRewardNaN",
     "LoraplexExperimentNoProgress",
-    "LoraplexExperimentFailures",
     "LoraplexExperimentStuckPending",
+    "LoraplexExperimentRestarting",
 )
+# Alerts the FAILING experiment must trigger, with the labels they must carry.
+FAILURE_ALERTS = {
+    "LoraplexExperimentFailures": {"reason": "reward_error"},
+    "LoraplexFailedExperiments": {"pool": POOL},
+}
+
+
+class _Answers500(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.send_response(500)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture()
+def reward_url() -> Iterator[str]:
+    """An HTTP reward service that answers every request with 500."""
+    server = HTTPServer(("127.0.0.1", 0), _Answers500)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+
 
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?:[.:][^}]*)?\}|\$([A-Za-z_]\w*)|\[\[(\w+)\]\]")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*(\w+)\)\s*$", re.DOTALL)
@@ -207,6 +246,21 @@ def _views(dashboard: dict[str, Any]) -> list[dict[str, str]]:
     return [{"pool": POOL}]
 
 
+def _rules_after(prom: PrometheusServer, at: float) -> list[dict[str, Any]] | None:
+    """The loaded rules, once every one of them has been evaluated after `at`."""
+    rules = prom.rules()
+
+    def evaluated(rule: dict[str, Any]) -> float:
+        # RFC 3339 with nanoseconds: "2026-12-02T18:21:30.123456789Z"
+        stamp = re.sub(r"(\.\d{6})\d*", r"\1", rule.get("lastEvaluation", ""))
+        try:
+            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return 0.0
+
+    return rules if rules and all(evaluated(r) > at for r in rules) else None
+
+
 def _check_panels(prom: PrometheusServer, window: str, at: float) -> tuple[list[str], int, int]:
     """Problems, panel queries checked, and how many of them returned data."""
     problems: list[str] = []
@@ -244,11 +298,19 @@ def _check_panels(prom: PrometheusServer, window: str, at: float) -> tuple[list[
     return problems, checked, ok
 
 
-def _check_table_join(prom: PrometheusServer, at: float) -> list[str]:
+def _fleet_table(title: str) -> dict[str, Any]:
     fleet = json.loads(next(p for p in DASHBOARDS if p.name == "loraplex-fleet.json").read_text())
-    (table,) = [p for p in fleet["panels"] if p["type"] == "table"]
+    (table,) = [p for p in fleet["panels"] if p["type"] == "table" and p["title"] == title]
+    return table
+
+
+def _table_results(prom: PrometheusServer, title: str, at: float) -> list[list[dict[str, Any]]]:
     variables = {"pool": POOL, "__rate_interval": "1m"}
-    a, b = (prom.query(fill(t["expr"], variables), at) for t in table["targets"])
+    return [prom.query(fill(t["expr"], variables), at) for t in _fleet_table(title)["targets"]]
+
+
+def _check_table_join(prom: PrometheusServer, at: float) -> list[str]:
+    a, b = _table_results(prom, "Experiments on engines", at)
     keys_a = {json.dumps(s["metric"], sort_keys=True) for s in a}
     keys_b = {json.dumps(s["metric"], sort_keys=True) for s in b}
     problems = []
@@ -261,11 +323,37 @@ def _check_table_join(prom: PrometheusServer, at: float) -> list[str]:
     for s in a:
         if s["metric"].get("namespace") not in {ns for ns, _ in EXPERIMENTS}:
             problems.append(f"fleet table: namespace should be the experiment's: {s['metric']}")
+
+    # The operator's view: every experiment with its phase; ETA for the training ones.
+    restarts, step, max_steps, eta = _table_results(prom, "Experiments", at)
+    rows = {
+        (s["metric"].get("namespace"), s["metric"]["experiment"], s["metric"]["phase"])
+        for s in restarts
+    }
+    want_rows = {(ns, f"{ns}.{name}", "Running") for ns, name in EXPERIMENTS}
+    want_rows.add((FAILING[0], FAILING_ID, "Failed"))
+    if rows != want_rows:
+        problems.append(f"experiments table: {rows}, expected {want_rows}")
+    keys = [
+        {json.dumps(s["metric"], sort_keys=True) for s in r} for r in (restarts, step, max_steps)
+    ]
+    if not keys[0] == keys[1] == keys[2]:
+        problems.append(f"experiments table: the queries' label sets differ: {keys}")
+    if {s["metric"]["experiment"] for s in eta} != want:
+        problems.append(f"experiments table: ETA for {[s['metric'] for s in eta]}, expected {want}")
+    for s in eta:
+        if not 0 < float(s["value"][1]) < math.inf:
+            problems.append(f"experiments table: ETA {s['value'][1]} for {s['metric']}")
+
+    for result in _table_results(prom, "Failed experiments", at):
+        got_failed = [(s["metric"]["experiment"], s["metric"]["reason"]) for s in result]
+        if got_failed != [(FAILING_ID, "EngineReportedFailure")]:
+            problems.append(f"failed experiments table: {got_failed}")
     return problems
 
 
 async def test_dashboards_show_data_from_live_engine_and_operator(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, reward_url: str
 ) -> None:
     t_start = time.monotonic()
     binary = tool("prometheus")
@@ -296,6 +384,9 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                     name, POOL, max_steps=MAX_STEPS, every=CHECKPOINT_EVERY, seed=i, namespace=ns
                 )
                 await h.apply(obj)
+            failing = h.experiment_obj(FAILING[1], POOL, max_steps=MAX_STEPS, namespace=FAILING[0])
+            failing["spec"]["task"].update(reward="http", rewardUrl=reward_url)
+            await h.apply(failing)
 
             def trained() -> bool:
                 for ns, name in EXPERIMENTS:
@@ -307,7 +398,17 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                 running = f'loraplex_experiments{{pool="{POOL}", phase="Running"}}'
                 return _value(prom, running) == len(EXPERIMENTS)
 
+            def failed_and_unloaded() -> bool:
+                sel = f'namespace="{FAILING[0]}", experiment="{FAILING_ID}"'
+                failed = f'loraplex_experiment_phase{{{sel}, phase="Failed"}}'
+                # unloaded: its engine series are gone (the "Experiments on engines" table)
+                on_engine = f"loraplex_engine_steps_total{{{sel}}}"
+                return _value(prom, failed) == 1 and not prom.query(on_engine)
+
             await _poll(h, f"{MIN_STEPS} steps of each experiment in Prometheus", trained, 120)
+            await _poll(
+                h, f"{FAILING_ID} Failed and unloaded in Prometheus", failed_and_unloaded, 60
+            )
 
             at = time.time()
             window = f"{max(30, math.ceil(at - prom.started_at) + 5)}s"
@@ -319,9 +420,18 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                 firing = await asyncio.to_thread(prom.query, exprs[alert], at)
                 if firing:
                     problems.append(f"alert {alert} matches on healthy data: {firing[:2]}")
+            for alert, labels in FAILURE_ALERTS.items():
+                firing = await asyncio.to_thread(prom.query, exprs[alert], at)
+                if [s["metric"] for s in firing] != [labels]:
+                    problems.append(f"alert {alert} should match {labels} once: {firing}")
             # The deployed rules file, loaded as is, evaluates on the live series without
-            # errors (e.g. many-to-many joins, which only real label sets can reveal).
-            rules = await asyncio.to_thread(prom.rules)
+            # errors (e.g. many-to-many joins, which only real label sets can reveal). The
+            # states are read from an evaluation after `at`: one from before may still hold
+            # a pending NoProgress from the moment the failed experiment sat on its engine
+            # without a step (legitimate then, gone once it was unloaded).
+            rules = await _poll(
+                h, "a rule evaluation after the checked instant", lambda: _rules_after(prom, at), 60
+            )
             if {r["name"] for r in rules} != set(exprs):
                 problems.append(f"rules loaded: {sorted(r['name'] for r in rules)}")
             for rule in rules:
@@ -330,7 +440,10 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                         f"rule {rule['name']}: {rule.get('health')} {rule.get('lastError')}"
                     )
                 elif rule["name"] in QUIET_ALERTS and rule.get("state") != "inactive":
-                    problems.append(f"alert {rule['name']} is {rule.get('state')} on healthy data")
+                    problems.append(
+                        f"alert {rule['name']} is {rule.get('state')} on healthy data: "
+                        f"{rule.get('alerts')}"
+                    )
 
             # Every documented series exists in the live data (counters at 0 included).
             present = {
@@ -342,12 +455,21 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             missing = exported_series_names(documented_metrics(METRICS_DOC)) - present
             if missing:
                 problems.append(f"documented series absent from the live data: {sorted(missing)}")
+
+            want_ids = {f"{ns}.{name}" for ns, name in EXPERIMENTS}
+            # Deleted: every per-experiment series of the operator goes (no stale series).
+            await h.delete(*FAILING)
+            gone = f'{{__name__=~"loraplex_experiment_.+", experiment="{FAILING_ID}"}}'
+            await _poll(h, f"{FAILING_ID}'s series gone", lambda: not prom.query(gone), 60)
+            others = await asyncio.to_thread(prom.query, "loraplex_experiment_phase")
+            if {s["metric"]["experiment"] for s in others} != want_ids:
+                problems.append(f"after the delete: phase series {others}")
         finally:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await feeder
             prom.stop()
-            for ns, name in EXPERIMENTS:
+            for ns, name in [*EXPERIMENTS, FAILING]:
                 with contextlib.suppress(Exception):
                     await h.delete(ns, name)
         print(

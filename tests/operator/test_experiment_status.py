@@ -9,12 +9,15 @@ import pytest
 from builders import experiment
 from crdkit import schema_errors, schema_of
 from loraplex_operator.status import (
+    DEFAULT_MAX_STEPS,
     Binding,
     Observation,
     derive_status,
     get_condition,
     is_true,
+    max_steps,
     merge_conditions,
+    phase_reason,
     pool_status,
 )
 
@@ -113,6 +116,68 @@ def test_phase_and_conditions(
     status = derive_status(obj, obs, T0)
     assert status["phase"] == phase
     assert _true_conditions(status) == true_conditions
+
+
+@pytest.mark.parametrize(
+    ("obj", "obs", "phase", "reason"),
+    [
+        (experiment("a").obj(), Observation(), "Pending", "WaitingForPlacement"),
+        (experiment("a").obj(), Observation(waiting_reason="NoCapacity"), "Pending", "NoCapacity"),
+        (experiment("a").obj(), Observation(problems=["spec.x: no"]), "Pending", "AdmissionFailed"),
+        (experiment("a").obj(), Observation(binding=BOUND), "Scheduled", "Bound"),
+        (
+            experiment("a").obj(),
+            Observation(binding=BOUND, engine_status=RUNNING_ENGINE),
+            "Running",
+            "Training",
+        ),
+        (experiment("a").suspend().obj(), Observation(), "Suspended", "SuspendRequested"),
+        (
+            experiment("a").obj(),
+            Observation(binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Succeeded"}),
+            "Succeeded",
+            "MaxStepsReached",
+        ),
+        (
+            experiment("a").obj(),
+            Observation(binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Failed"}),
+            "Failed",
+            "EngineReportedFailure",
+        ),
+        (experiment("a").obj(), Observation(restarts=4), "Failed", "RestartBudgetExhausted"),
+    ],
+)
+def test_phase_reason_is_the_reason_of_the_phase(
+    obj: dict, obs: Observation, phase: str, reason: str
+) -> None:
+    status = derive_status(obj, obs, T0)
+    assert (status["phase"], phase_reason(status)) == (phase, reason)
+    # Terminal phases are sticky, and so is their reason.
+    obj["status"] = status
+    again = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T1)
+    if phase in ("Succeeded", "Failed"):
+        assert (again["phase"], phase_reason(again)) == (phase, reason)
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        {},
+        {"phase": "Failed"},  # no conditions
+        {"phase": "Failed", "conditions": [{"type": "Failed", "reason": "not a label value"}]},
+        {"phase": "Failed", "conditions": [{"type": "Failed", "reason": "X" * 65}]},
+    ],
+)
+def test_phase_reason_is_bounded(status: dict[str, Any]) -> None:
+    assert phase_reason(status) == "Unknown"
+
+
+def test_max_steps_default_is_the_crds() -> None:
+    algorithm = schema_of("LoRAExperiment")["properties"]["spec"]["properties"]["algorithm"]
+    assert algorithm["properties"]["maxSteps"]["default"] == DEFAULT_MAX_STEPS
+    assert max_steps({}) == DEFAULT_MAX_STEPS
+    assert max_steps(experiment("a").algorithm(maxSteps=0).obj()["spec"]) == 0
+    assert max_steps(experiment("a").algorithm(maxSteps=7).obj()["spec"]) == 7
 
 
 def test_running_copies_engine_progress() -> None:

@@ -51,3 +51,99 @@ async def test_metrics_and_healthz_served_on_one_port() -> None:
     finally:
         await runner.cleanup()
         m.forget_pool("pool-x")
+
+
+# --- per-experiment series: set, change, delete ------------------------------------------
+
+PER_EXPERIMENT = (
+    "loraplex_experiment_phase",
+    "loraplex_experiment_restarts",
+    "loraplex_experiment_step",
+    "loraplex_experiment_max_steps",
+)
+
+
+def _series(pool: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(name, sorted labels) -> value of every per-experiment sample of `pool`."""
+    out = {}
+    for family in m.REGISTRY.collect():
+        for s in family.samples:
+            if s.name in PER_EXPERIMENT and s.labels.get("pool") == pool:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _phases(pool: str) -> dict[str, tuple[str, str]]:
+    """experiment -> (phase, reason) of its phase series (asserting there is one)."""
+    out: dict[str, tuple[str, str]] = {}
+    for (name, labels), value in _series(pool).items():
+        if name == "loraplex_experiment_phase":
+            d = dict(labels)
+            assert d["experiment"] not in out, f"two phase series for {d['experiment']}"
+            assert value == 1
+            out[d["experiment"]] = (d["phase"], d["reason"])
+    return out
+
+
+def _state(name: str, phase: str, reason: str, restarts: int = 0, step: int = 0):
+    return m.ExperimentState("team-a", f"team-a.{name}", phase, reason, restarts, step, 50)
+
+
+def test_experiment_series_follow_set_change_and_delete() -> None:
+    pool = "pool-lifecycle"
+    try:
+        m.set_experiments(
+            pool, [_state("a", "Pending", "NoCapacity"), _state("b", "Running", "Training", step=3)]
+        )
+        assert _phases(pool) == {
+            "team-a.a": ("Pending", "NoCapacity"),
+            "team-a.b": ("Running", "Training"),
+        }
+        labels = {"namespace": "team-a", "experiment": "team-a.b", "pool": pool}
+        assert m.REGISTRY.get_sample_value("loraplex_experiment_step", labels) == 3
+        assert m.REGISTRY.get_sample_value("loraplex_experiment_max_steps", labels) == 50
+
+        # Rounds repeat: the same states again change nothing.
+        before = _series(pool)
+        m.set_experiments(
+            pool, [_state("a", "Pending", "NoCapacity"), _state("b", "Running", "Training", step=3)]
+        )
+        assert _series(pool) == before
+
+        # a is bound and runs; b's engine is lost: it restarts, pending again.
+        m.set_experiments(
+            pool,
+            [
+                _state("a", "Running", "Training", step=1),
+                _state("b", "Pending", "WaitingForEngine", restarts=1, step=3),
+            ],
+        )
+        assert _phases(pool) == {
+            "team-a.a": ("Running", "Training"),
+            "team-a.b": ("Pending", "WaitingForEngine"),
+        }
+        assert m.REGISTRY.get_sample_value("loraplex_experiment_restarts", labels) == 1
+
+        # b is deleted: every series of b goes, a's stay.
+        m.set_experiments(pool, [_state("a", "Failed", "EngineReportedFailure", step=1)])
+        assert _phases(pool) == {"team-a.a": ("Failed", "EngineReportedFailure")}
+        assert not [k for k in _series(pool) if ("experiment", "team-a.b") in k[1]]
+        assert len(_series(pool)) == len(PER_EXPERIMENT)
+
+        # The last one deleted: nothing left of the pool.
+        m.set_experiments(pool, [])
+        assert _series(pool) == {}
+    finally:
+        m.forget_pool(pool)
+
+
+def test_forget_pool_removes_its_experiments_only() -> None:
+    try:
+        m.set_experiments("pool-x1", [_state("a", "Running", "Training")])
+        m.set_experiments("pool-x2", [_state("b", "Running", "Training")])
+        m.forget_pool("pool-x1")
+        assert _series("pool-x1") == {}
+        assert _phases("pool-x2") == {"team-a.b": ("Running", "Training")}
+    finally:
+        m.forget_pool("pool-x1")
+        m.forget_pool("pool-x2")

@@ -104,6 +104,22 @@ async def _bound_and_first_step(
     return (bound if bound is not None else first), first
 
 
+async def _experiment_samples(h: Harness, **labels: str) -> list[Any]:
+    """The operator's loraplex_experiment_* samples whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert h.operator is not None
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(f"{h.operator.metrics_url}/metrics")).text
+    return [
+        s
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("loraplex_experiment_")
+        for s in family.samples
+        if labels.items() <= s.labels.items()
+    ]
+
+
 async def _reasons(h: Harness, name: str) -> list[str]:
     return [e.get("reason") for e in await h.events(NS, name)]
 
@@ -217,6 +233,24 @@ async def test_engine_killed_mid_training_resumes_on_another_engine(h: Harness) 
         s = await h.wait_phase(NS, n, "Succeeded", timeout=300)
         assert s["step"] == LONG
         assert s["restarts"] == (1 if n in on_victim else 0)
+    if h.operator is not None:  # the operator's per-experiment series say the same
+        want = {(f"{NS}.{n}", 1 if n in on_victim else 0, "Succeeded") for n in names}
+
+        async def exported() -> bool:
+            samples = await _experiment_samples(h, pool="pool-k")
+            restarts = {
+                s.labels["experiment"]: s.value
+                for s in samples
+                if s.name == "loraplex_experiment_restarts"
+            }
+            phases = {
+                s.labels["experiment"]: s.labels["phase"]
+                for s in samples
+                if s.name == "loraplex_experiment_phase"
+            }
+            return {(e, restarts.get(e), phases.get(e)) for e in phases} == want
+
+        await h.wait_for("restarts and phases in the operator's /metrics", exported, timeout=60)
 
 
 async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: Harness) -> None:
@@ -374,6 +408,13 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
 
     await h.wait_for("del deleted (finalizer released)", gone, timeout=60)
     assert "team-a.del" not in await _engine_experiments(h, pod)
+    if h.operator is not None:  # no stale series of a deleted experiment
+        assert await _experiment_samples(h, experiment="team-a.stay")
+
+        async def series_gone() -> bool:
+            return not await _experiment_samples(h, experiment="team-a.del")
+
+        await h.wait_for("del's series gone from the operator's /metrics", series_gone, 60)
     if not h.real_cluster:
         assert list((h.checkpoint_root / NS / "del").glob("step-*/adapter_config.json"))
 
@@ -410,4 +451,6 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
 
     await h.wait_for("stay pending after its pool was deleted", orphaned, timeout=60)
     assert not (await h.status(NS, "stay")).get("engine")
+    if h.operator is not None:  # the pool's per-experiment series went with it
+        assert not await _experiment_samples(h, pool="pool-d")
     assert await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)  # type: ignore[union-attr]

@@ -216,3 +216,46 @@ async def test_engine_that_stops_answering_after_its_pod_was_deleted_is_draining
     crashed = EngineView(name="e2", url="http://e2", pod_ready=True, pod_phase="Running")
     await r._probe(crashed, "token", "loraplex-system")
     assert not crashed.reachable and not crashed.terminating
+
+
+def _experiment_series(pool: str) -> dict[tuple[str, str], float]:
+    from loraplex_operator import metrics as m
+
+    out = {}
+    for family in m.REGISTRY.collect():
+        for s in family.samples:
+            if s.name.startswith("loraplex_experiment_") and s.labels.get("pool") == pool:
+                out[(s.name, s.labels.get("phase", ""))] = s.value
+    return out
+
+
+async def test_round_exports_the_derived_status_and_drops_deleted_experiments() -> None:
+    from loraplex_operator import metrics as m
+
+    obj = experiment("a").algorithm(maxSteps=40).status(restarts=2, step=4).obj()
+    running = {"id": "team-a.a", "phase": "Running", "step": 9}
+    r, _, _ = _reconciler(FakeEngines(put=(201, running)))
+    snap, plan = _round(obj, puts=[_put(obj)])
+    plan.work["team-a/a"].restarts = 2
+    try:
+        await r.act(snap, plan, "token")
+        assert _experiment_series("pool-a") == {
+            ("loraplex_experiment_phase", "Running"): 1,
+            ("loraplex_experiment_restarts", ""): 2,
+            ("loraplex_experiment_step", ""): 9,
+            ("loraplex_experiment_max_steps", ""): 40,
+        }
+        labels = {
+            "namespace": "team-a",
+            "experiment": "team-a.a",
+            "pool": "pool-a",
+            "phase": "Running",
+            "reason": "Training",
+        }
+        assert m.REGISTRY.get_sample_value("loraplex_experiment_phase", labels) == 1
+        # Deleted (or being deleted: plan_round leaves it out of the work): series gone.
+        snap = Snapshot(pool=snap.pool, experiments=[], engines=[], now=0.0)
+        await r.act(snap, RoundPlan(work={}), "token")
+        assert _experiment_series("pool-a") == {}
+    finally:
+        m.forget_pool("pool-a")
