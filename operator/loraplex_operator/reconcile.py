@@ -694,6 +694,10 @@ class PoolReconciler:
             m.RECOVERIES.labels(pool=pool_name).inc(plan.recoveries)
         m.set_experiments(pool_name, series)
         await asyncio.gather(*writes)
+        # Deleted experiments leave the plan: forget their write times, or the map grows
+        # with every experiment the pool ever ran.
+        for key in self._last_write.keys() - plan.work.keys():
+            del self._last_write[key]
         await self._pool_status(snap, plan, phases, now)
 
     def _should_write(self, key: str, changed: set[str]) -> bool:

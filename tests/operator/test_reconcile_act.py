@@ -253,9 +253,12 @@ async def test_round_exports_the_derived_status_and_drops_deleted_experiments() 
             "reason": "Training",
         }
         assert m.REGISTRY.get_sample_value("loraplex_experiment_phase", labels) == 1
-        # Deleted (or being deleted: plan_round leaves it out of the work): series gone.
+        assert "team-a/a" in r._last_write  # its status was written
+        # Deleted (or being deleted: plan_round leaves it out of the work): series gone,
+        # and the reconciler keeps nothing of it.
         snap = Snapshot(pool=snap.pool, experiments=[], engines=[], now=0.0)
         await r.act(snap, RoundPlan(work={}), "token")
         assert _experiment_series("pool-a") == {}
+        assert "team-a/a" not in r._last_write
     finally:
         m.forget_pool("pool-a")

@@ -44,8 +44,10 @@ from loraplex_engine.errors import (
     NoCapacityError,
     NoFreeSlotError,
     NotFoundError,
+    RankTooLargeError,
     RewardError,
     TaskError,
+    UnknownTargetModuleError,
 )
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
@@ -811,10 +813,9 @@ def _head_name(base: torch.nn.Module) -> str:
 
 
 def _adapter_field(error: AdapterError) -> str:
-    name = type(error).__name__
-    if "Rank" in name:
+    if isinstance(error, RankTooLargeError):
         return "spec.lora.rank"
-    if "Target" in name:
+    if isinstance(error, UnknownTargetModuleError):
         return "spec.lora.targetModules"
     return "spec.lora"
 
