@@ -762,16 +762,7 @@ class PoolReconciler:
     async def _put(self, plan: RoundPlan, p: Put, token: str, pool_name: str) -> None:
         w = plan.work[p.key]
         try:
-            code, body = await self.engines.put(
-                p.url,
-                token,
-                p.exp_id,
-                p.body["spec"],
-                p.body["namespace"],
-                p.body["name"],
-                p.body["resumeFrom"],
-                p.body.get("runId"),
-            )
+            code, body = await self._engine_put(p, token)
         except EngineUnreachable as e:
             log.warning("bind %s to %s: %s", p.key, p.engine, e)
             w.waiting_reason = placement.WAIT_STARTING
@@ -794,6 +785,19 @@ class PoolReconciler:
             m.SCHEDULING_LATENCY.labels(pool=pool_name).observe(max(time.time() - since, 0.0))
         how = _resumed(p.body["resumeFrom"], _checkpoint_step(w.obj), body)
         w.event(NORMAL, "Bound", f"bound to engine {p.engine} ({how})")
+
+    async def _engine_put(self, p: Put, token: str) -> tuple[int, dict[str, Any]]:
+        args = (p.url, token, p.exp_id, p.body["spec"], p.body["namespace"], p.body["name"])
+        run_id = p.body.get("runId")
+        try:
+            return await self.engines.put(*args, p.body["resumeFrom"], run_id)
+        except EngineError as e:
+            if run_id is None or e.field != "runId":
+                raise
+            # An engine from before run ids refuses the field (422 "unknown field"): bind
+            # without it, as before, rather than fail the experiment during an upgrade.
+            log.warning("bind %s to %s: %s; binding without runId", p.key, p.engine, e)
+            return await self.engines.put(*args, p.body["resumeFrom"], None)
 
     @staticmethod
     def _pending_since(obj: Mapping[str, Any]) -> float | None:
