@@ -109,9 +109,20 @@ class EngineClient:
         namespace: str,
         name: str,
         resume_from: str | None = None,
+        run_id: str | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Start or resume. (201, status) new, (200, status) already loaded with this spec."""
-        body = {"spec": dict(spec), "namespace": namespace, "name": name, "resumeFrom": resume_from}
+        """Start or resume. (201, status) new, (200, status) already loaded with this spec.
+
+        ``run_id`` (the LoRAExperiment's uid) names the run: its checkpoints' directory,
+        and without ``resume_from`` the engine resumes that run's newest checkpoint."""
+        body: dict[str, Any] = {
+            "spec": dict(spec),
+            "namespace": namespace,
+            "name": name,
+            "resumeFrom": resume_from,
+        }
+        if run_id is not None:
+            body["runId"] = run_id
         r = await self._call("PUT", f"{base}/v1/experiments/{exp_id}", token, json=body)
         self._raise(r)
         return r.status_code, r.json()

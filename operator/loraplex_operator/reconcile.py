@@ -8,7 +8,9 @@ Every round for one EnginePool:
    `status.engine` is only the operator's memory of it.
 2. **plan** (`plan_round`, pure): per experiment, adopt what an engine runs, recover what
    a lost engine ran (restarts + 1, resume from `status.checkpoint`, which the engine
-   takes as "this or a newer checkpoint of the same run"; a deleted engine is first left
+   takes as "this or a newer checkpoint of the same run"; every bind names the run, the
+   object's `metadata.uid`, so with no checkpoint in the status the engine still resumes
+   the run's newest one; a deleted engine is first left
    to finish its SIGTERM checkpoints), unload what must not run (finished, suspended,
    duplicated, orphaned), admit or reject, then hand the pending ones to
    `placement.plan` for binds, preemptions and scale-up; scale idle engines down.
@@ -321,7 +323,11 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
             w.restarts += 1
             plan.recoveries += 1
             step = _checkpoint_step(obj)
-            where = f"checkpoint at step {step}" if step is not None else "the start"
+            where = (
+                f"checkpoint at step {step} or a newer one of its run"
+                if step is not None
+                else "its run's newest checkpoint, if it has one"
+            )
             if w.restarts > config.max_restarts:
                 w.event(
                     WARNING,
@@ -399,6 +405,7 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
                 "namespace": meta.get("namespace", "default"),
                 "name": meta["name"],
                 "resumeFrom": w.resume_from,
+                "runId": _run_id(meta),
             }
             plan.puts.append(Put(engine.name, engine.url or "", engine.node, w.key, w.id, body))
             bound_to.add(engine.name)
@@ -517,12 +524,31 @@ def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) ->
     kopf.event(dict(obj), type=type_, reason=reason, message=message[:1024])
 
 
+def _run_id(meta: Mapping[str, Any]) -> str | None:
+    """The run a bind names: the object's uid (one per incarnation, the same through every
+    recovery), so the engine writes its checkpoints into a directory of their own and can
+    resume the run's newest one without being told where. The API server always sets a
+    uid; without one the engine falls back to what it did before run ids were sent."""
+    uid = meta.get("uid")
+    if isinstance(uid, str) and uid:
+        return uid
+    log.warning(
+        "%s/%s has no metadata.uid: binding it without a runId",
+        meta.get("namespace", "default"),
+        meta.get("name"),
+    )
+    return None
+
+
 def _resumed(requested: str | None, requested_step: int | None, engine: Mapping[str, Any]) -> str:
     """Where a bound experiment starts: the engine may resume from a newer checkpoint of
-    the same run than the one requested (one written on SIGTERM), and says which."""
-    if not requested:
-        return "from the start"
+    the same run than the one requested (one written on SIGTERM), or, with none requested,
+    from the run's newest checkpoint; it says which."""
     got = engine.get("checkpoint") or {}
+    if not requested:
+        if got.get("step") is None:
+            return "from the start"
+        return f"resumed from step {got['step']}, its run's newest checkpoint: {got.get('path')}"
     if got.get("step") is None:
         return f"resuming from {requested}"
     path = got.get("path") or requested
@@ -762,15 +788,7 @@ class PoolReconciler:
     async def _put(self, plan: RoundPlan, p: Put, token: str, pool_name: str) -> None:
         w = plan.work[p.key]
         try:
-            code, body = await self.engines.put(
-                p.url,
-                token,
-                p.exp_id,
-                p.body["spec"],
-                p.body["namespace"],
-                p.body["name"],
-                p.body["resumeFrom"],
-            )
+            code, body = await self._engine_put(p, token)
         except EngineUnreachable as e:
             log.warning("bind %s to %s: %s", p.key, p.engine, e)
             w.waiting_reason = placement.WAIT_STARTING
@@ -793,6 +811,19 @@ class PoolReconciler:
             m.SCHEDULING_LATENCY.labels(pool=pool_name).observe(max(time.time() - since, 0.0))
         how = _resumed(p.body["resumeFrom"], _checkpoint_step(w.obj), body)
         w.event(NORMAL, "Bound", f"bound to engine {p.engine} ({how})")
+
+    async def _engine_put(self, p: Put, token: str) -> tuple[int, dict[str, Any]]:
+        args = (p.url, token, p.exp_id, p.body["spec"], p.body["namespace"], p.body["name"])
+        run_id = p.body.get("runId")
+        try:
+            return await self.engines.put(*args, p.body["resumeFrom"], run_id)
+        except EngineError as e:
+            if run_id is None or e.field != "runId":
+                raise
+            # An engine from before run ids refuses the field (422 "unknown field"): bind
+            # without it, as before, rather than fail the experiment during an upgrade.
+            log.warning("bind %s to %s: %s; binding without runId", p.key, p.engine, e)
+            return await self.engines.put(*args, p.body["resumeFrom"], None)
 
     @staticmethod
     def _pending_since(obj: Mapping[str, Any]) -> float | None:

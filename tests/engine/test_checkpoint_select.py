@@ -1,7 +1,9 @@
 """Which checkpoint a resume loads: the newest intact one of the requested one's run at or
 after its step (so a checkpoint written on SIGTERM, after the operator last looked, is not
-redone). The choice itself is pure (`resume_order`); the engine tries its candidates in
-order, skipping broken newer ones."""
+redone), or, given only a run id, the newest intact one in that run's directory. The
+choice itself is pure (`resume_order`, `run_order`); the engine tries its candidates in
+order, skipping broken newer ones. Each run writes and prunes only its own directory
+(`<root>/<ns>/<name>/<runId>/`), so a recreated experiment never touches the old run's."""
 
 from __future__ import annotations
 
@@ -12,8 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.checkpoint import RUN_ID, Candidate, read_metadata, resume_order
-from loraplex_engine.errors import BadCheckpointError
+from loraplex_engine.checkpoint import (
+    RUN_ID,
+    Candidate,
+    read_metadata,
+    resume_order,
+    run_order,
+    valid_run_id,
+)
+from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidRequestError
 from safetensors.torch import load_file
 
 from tests.engine.engine_builders import engine, spec
@@ -52,6 +61,45 @@ def test_bad_metadata_values_never_match() -> None:
     assert _names(resume_order(_c(4), odd)) == [4]
     empty_run = Candidate(Path("/ckpt/ns/x/step-00000004"), {"step": 4, RUN_ID: ""})
     assert _names(resume_order(empty_run, [_c(5, run="")])) == [4]
+    # A run id that is no safe directory name is no run id at all.
+    assert _names(resume_order(_c(4, run="../r1"), [_c(6, run="../r1")])) == [4]
+
+
+def test_the_run_resumed_as_counts_too() -> None:
+    # A checkpoint from before run directories (run r1), resumed as run u1: u1's newer
+    # checkpoints (written since, into u1's directory) count as well as r1's.
+    siblings = [_c(5), _c(7, run="u1"), _c(9, run="other"), _c(3, run="u1")]
+    assert _names(resume_order(_c(4), siblings, run_id="u1")) == [7, 5, 4]
+    # ... also when the requested one has no run id.
+    assert _names(resume_order(_c(4, run=None), siblings, run_id="u1")) == [7, 4]
+
+
+def test_run_order_is_that_runs_checkpoints_newest_first() -> None:
+    found = [_c(2), _c(6), _c(8, run="r2"), _c(7, readable=False), _c(4), _c(9, run=None)]
+    assert _names(run_order("r1", found)) == [6, 4, 2]
+    assert run_order("r3", found) == []
+
+
+@pytest.mark.parametrize(
+    ("run", "ok"),
+    [
+        ("0b7c6d2e-5f1a-4c3b-9e8d-7a6b5c4d3e2f", True),  # a Kubernetes uid
+        ("a", True),
+        ("R.1_x-2", True),
+        ("a" * 64, True),
+        ("a" * 65, False),
+        ("", False),
+        ("..", False),
+        (".hidden", False),
+        ("-a", False),
+        ("a/b", False),
+        ("a b", False),
+        (7, False),
+        (None, False),
+    ],
+)
+def test_valid_run_ids_are_safe_directory_names(run: object, ok: bool) -> None:
+    assert valid_run_id(run) is ok
 
 
 # --- the engine, with real checkpoints ---------------------------------------------------
@@ -87,19 +135,20 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = engine(tiny_model_dir, tmp_path)
-    first.put_experiment(
+    started, _ = first.put_experiment(
         "default.r", spec(steps=20, every=2, keep=10, group=2, prompts=2), "default", "r"
     )
     for _ in range(6):
         first.tick()
-    run_dir = tmp_path / "default" / "r"
+    run = started.run_id  # made at the fresh start: no runId given
+    assert run
+    run_dir = tmp_path / "default" / "r" / run
     step = {k: run_dir / f"step-{k:08d}" for k in (2, 4, 6)}
     assert all(p.is_dir() for p in step.values())
-    run = read_metadata(step[2])[RUN_ID]
-    assert run and read_metadata(step[6])[RUN_ID] == run
+    assert read_metadata(step[2])[RUN_ID] == run and read_metadata(step[6])[RUN_ID] == run
 
-    # Another run's newer checkpoint in the same directory (a deleted and recreated
-    # experiment of the same name) is never picked up.
+    # Another run's newer checkpoint among the run's (copied there by hand) is never
+    # picked up.
     shutil.copytree(step[4], run_dir / "step-00000009")
     other = json.loads((run_dir / "step-00000009" / "trainer_state.json").read_text())
     other["metadata"].update({RUN_ID: "another-run", "step": 9})
@@ -136,3 +185,171 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
         _resume(second, "broken", step[2])
     assert err.value.field == "resumeFrom"
     assert "default.broken" not in second.model.adapters()
+
+
+# --- one directory per run -----------------------------------------------------------------
+
+
+def _tiny(steps: int = 20, every: int = 1, keep: int = 1):
+    return spec(steps=steps, every=every, keep=keep, group=2, prompts=2)
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*.*")}
+
+
+def test_a_recreated_experiment_never_prunes_or_overwrites_the_old_runs_checkpoints(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    eng = engine(tiny_model_dir, tmp_path)
+    exp_dir = tmp_path / "default" / "x"
+    eng.put_experiment("default.x", _tiny(), "default", "x", run_id="run-old")
+    for _ in range(3):
+        eng.tick()
+    eng.remove_experiment("default.x")  # deleted; its checkpoints stay
+    old = exp_dir / "run-old"
+    assert [p.name for p in old.iterdir()] == ["step-00000003"]  # keep: 1
+    before = _snapshot(old)
+
+    # Created again under the same name: a new run, from step 0, beside the old one. With
+    # keep: 1 it keeps what it just wrote, and its step 3 does not replace the old step 3.
+    status, created = eng.put_experiment("default.x", _tiny(), "default", "x", run_id="run-new")
+    assert created and status.step == 0 and status.checkpoint is None
+    for k in (1, 2, 3):
+        eng.tick()
+        assert [p.name for p in (exp_dir / "run-new").iterdir()] == [f"step-{k:08d}"]
+    assert read_metadata(exp_dir / "run-new" / "step-00000003")[RUN_ID] == "run-new"
+    assert _snapshot(old) == before
+    assert read_metadata(old / "step-00000003")[RUN_ID] == "run-old"
+
+    # Without a runId (local runner, bench) a fresh start makes its own run directory.
+    eng.remove_experiment("default.x")
+    third, _ = eng.put_experiment("default.x", _tiny(), "default", "x")
+    eng.tick()
+    assert third.run_id not in (None, "run-old", "run-new")
+    assert sorted(p.name for p in exp_dir.iterdir()) == sorted(["run-old", "run-new", third.run_id])
+    assert _snapshot(old) == before
+
+
+def test_put_with_a_run_id_alone_resumes_that_runs_newest_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # The engine stops before anyone saw a checkpoint: none periodic yet, one on "SIGTERM".
+    first = engine(tiny_model_dir, tmp_path)
+    first.put_experiment("default.y", _tiny(every=10), "default", "y", run_id="uid-y")
+    for _ in range(3):
+        first.tick()
+    sigterm = first.checkpoint_experiment("default.y")
+    run_dir = tmp_path / "default" / "y" / "uid-y"
+    assert Path(sigterm.path) == run_dir / "step-00000003"
+
+    second = engine(tiny_model_dir, tmp_path)
+    status, created = second.put_experiment(
+        "default.y", _tiny(every=10), "default", "y", run_id="uid-y"
+    )
+    assert created and (status.step, status.run_id) == (3, "uid-y")
+    assert status.checkpoint is not None and status.checkpoint.path == sigterm.path
+    _assert_holds(second, "default.y", Path(sigterm.path))
+
+    # Same spec and run again: a no-op; another run under the loaded id: refused.
+    again, created = second.put_experiment(
+        "default.y", _tiny(every=10), "default", "y", run_id="uid-y"
+    )
+    assert not created and again.step == 3
+    with pytest.raises(ConflictError, match="uid-other"):
+        second.put_experiment("default.y", _tiny(every=10), "default", "y", run_id="uid-other")
+
+    # A run with no checkpoints starts fresh.
+    fresh, created = second.put_experiment(
+        "default.new", _tiny(every=10), "default", "new", run_id="uid-new"
+    )
+    assert created and (fresh.step, fresh.checkpoint, fresh.run_id) == (0, None, "uid-new")
+
+    # A run whose directory holds checkpoints, none of which loads, is not restarted over
+    # them (its step-1 would be pruned in favour of the broken step-3).
+    broken = tmp_path / "default" / "broken" / "uid-b" / "step-00000003"
+    shutil.copytree(run_dir / "step-00000003", broken)
+    state = json.loads((broken / "trainer_state.json").read_text())
+    state["metadata"][RUN_ID] = "uid-b"
+    (broken / "trainer_state.json").write_text(json.dumps(state))
+    (broken / "adapter_model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(BadCheckpointError, match=r"adapter_model\.safetensors") as err:
+        second.put_experiment("default.broken", _tiny(), "default", "broken", run_id="uid-b")
+    assert err.value.field == "runId"
+    assert "default.broken" not in second.model.adapters()
+
+    with pytest.raises(InvalidRequestError) as bad:
+        second.put_experiment("default.z", _tiny(), "default", "z", run_id="../y")
+    assert bad.value.field == "runId"
+
+
+def test_resume_from_must_belong_to_the_run_id(tiny_model_dir: Path, tmp_path: Path) -> None:
+    eng = engine(tiny_model_dir, tmp_path)
+    eng.put_experiment("default.m", _tiny(every=2, keep=5), "default", "m", run_id="uid-a")
+    for _ in range(4):
+        eng.tick()
+    eng.remove_experiment("default.m")
+    step2 = tmp_path / "default" / "m" / "uid-a" / "step-00000002"
+
+    with pytest.raises(BadCheckpointError) as err:
+        eng.put_experiment("default.m", _tiny(), "default", "m", str(step2), run_id="uid-b")
+    assert err.value.field == "resumeFrom"
+    assert "'uid-a'" in err.value.message and "'uid-b'" in err.value.message
+    assert "default.m" not in eng.model.adapters()
+
+    # Its own run: the newest checkpoint of the run at or after the requested one.
+    status, _ = eng.put_experiment("default.m", _tiny(), "default", "m", str(step2), "uid-a")
+    assert (status.step, status.run_id) == (4, "uid-a")
+
+
+def test_checkpoints_from_before_run_directories_resume_when_named(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    eng = engine(tiny_model_dir, tmp_path)
+    eng.put_experiment("default.src", _tiny(every=2, keep=5), "default", "src", run_id="r-src")
+    for _ in range(4):
+        eng.tick()
+    src = tmp_path / "default" / "src" / "r-src"
+    # The old layout: <root>/<ns>/<name>/step-N, with a run id (as main wrote until now)
+    # or without (before run ids).
+    legacy = tmp_path / "default" / "leg"
+    shutil.copytree(src / "step-00000002", legacy / "step-00000002")
+    _without_run_id(src / "step-00000004", tmp_path / "default" / "pre" / "step-00000004")
+
+    # Named with a runId (the operator after an upgrade: the object's uid is no old run id):
+    # the run adopts it and writes on in its own directory; the old one is left alone.
+    status, _ = eng.put_experiment(
+        "default.leg",
+        _tiny(every=2, keep=5),
+        "default",
+        "leg",
+        str(legacy / "step-00000002"),
+        "uid-l",
+    )
+    assert (status.step, status.run_id) == (2, "uid-l")
+    eng.tick()
+    eng.tick()
+    assert [p.name for p in (legacy / "uid-l").iterdir()] == ["step-00000004"]
+    assert sorted(p.name for p in legacy.iterdir()) == ["step-00000002", "uid-l"]
+    eng.remove_experiment("default.leg")
+    # The status still naming the old checkpoint: the run's newer one is found in its
+    # directory (a checkpoint written after the upgrade is not redone).
+    again, _ = eng.put_experiment(
+        "default.leg",
+        _tiny(every=2, keep=5),
+        "default",
+        "leg",
+        str(legacy / "step-00000002"),
+        "uid-l",
+    )
+    assert again.step == 4 and again.checkpoint.path == str(legacy / "uid-l" / "step-00000004")
+
+    # Named without a runId, one from before run ids: exactly it, under a fresh run id.
+    pre, _ = eng.put_experiment(
+        "default.pre",
+        _tiny(),
+        "default",
+        "pre",
+        str(tmp_path / "default" / "pre" / "step-00000004"),
+    )
+    assert pre.step == 4 and pre.run_id not in (None, "r-src")

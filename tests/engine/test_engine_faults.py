@@ -97,7 +97,7 @@ def test_kill_9_then_resume_continues_the_same_run(tiny_model_dir, tmp_path):
             break
     worker.send_signal(signal.SIGKILL)
     worker.wait()
-    ckpts = sorted((tmp_path / "crashed" / "default" / "crash").glob("step-*"))
+    ckpts = sorted((tmp_path / "crashed" / "default" / "crash").glob("*/step-*"))
     assert [p.name for p in ckpts] == ["step-00000003"], "no half-written checkpoint is left"
 
     resumed = engine(tiny_model_dir, tmp_path / "crashed")
@@ -141,7 +141,9 @@ def test_checkpoint_settings_edited_between_placements_apply_on_resume(tiny_mode
     run_to_end(eng, ["default.ck"])
     assert eng.get_experiment("default.ck").phase == "Succeeded"
     # every 2, keep 3 would have left step-2, step-4 and step-6
-    kept = sorted(p.name for p in (tmp_path / "default" / "ck").glob("step-*"))
+    exp_dir = tmp_path / "default" / "ck"
+    assert [p.name for p in exp_dir.iterdir()] == [status.run_id]  # one run, resumed
+    kept = sorted(p.name for p in (exp_dir / status.run_id).glob("step-*"))
     assert kept == ["step-00000003", "step-00000006"]
 
 
@@ -201,7 +203,7 @@ def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_mo
         "step-00000006",
         "step-00000008",
     ]
-    published = sorted(p.name for p in (tmp_path / "ckpt/default/live").glob("step-*"))
+    published = sorted(p.name for p in (tmp_path / "ckpt/default/live").glob("*/step-*"))
     assert published == ["step-00000002", "step-00000004", "step-00000006", "step-00000008"]
 
 

@@ -29,6 +29,7 @@ EXPECTED = {
     "ConflictError": ("conflict", 409),
     "NoCapacityError": ("no_capacity", 409),
     "BodyTooLargeError": ("too_large", 413),
+    "InvalidRequestError": ("invalid_request", 422),
     "InvalidSpecError": ("invalid_spec", 422),
     "BadCheckpointError": ("bad_checkpoint", 422),
     "UnavailableError": ("unavailable", 503),

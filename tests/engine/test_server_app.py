@@ -62,7 +62,7 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def put_experiment(self, exp_id, spec, namespace, name, resume_from):
+    def put_experiment(self, exp_id, spec, namespace, name, resume_from, run_id=None):
         self.calls.append(f"put {exp_id}")
         spec = self._spec_dict(spec)
         rank = spec.get("lora", {}).get("rank", 8)
@@ -80,7 +80,7 @@ class FakeEngine:
                 raise NoCapacityError("no free adapter slot")
             status = ExperimentStatus(
                 exp_id, namespace, name, "Running", 0, 10, None, 0, 0, None, None, None,
-                _now(), _now(),
+                _now(), _now(), run_id or "made-by-engine",
             )  # fmt: skip
             self.exps[exp_id] = (spec, status)
             return status, True
@@ -174,6 +174,25 @@ def test_put_is_idempotent_and_conflicts_on_a_different_spec(client) -> None:
     other["lora"] = {**other["lora"], "rank": 2}
     r = put(client, "default.a", spec=other)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+
+
+def test_run_id_reaches_the_engine_and_comes_back_in_the_status(client) -> None:
+    r = put(client, "default.a", runId="0b7c6d2e-5f1a-4c3b-9e8d-7a6b5c4d3e2f")
+    assert r.status_code == 201, r.text
+    assert r.json()["runId"] == "0b7c6d2e-5f1a-4c3b-9e8d-7a6b5c4d3e2f"
+    got = client.get("/v1/experiments/default.a", headers=AUTH).json()
+    assert got["runId"] == "0b7c6d2e-5f1a-4c3b-9e8d-7a6b5c4d3e2f"
+    assert put(client, "default.b", runId=None).json()["runId"] == "made-by-engine"
+
+
+@pytest.mark.parametrize("run_id", ["", "../x", "a/b", ".a", "-a", "a" * 65, "a b", 5, True])
+def test_a_bad_run_id_is_refused_naming_the_field(client, engine, run_id) -> None:
+    r = put(client, "default.a", runId=run_id)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["field"]) == ("invalid_request", "runId")
+    assert err["message"].startswith("runId: ")
+    assert engine.calls == []
 
 
 def test_errors_are_json_and_name_the_problem(client) -> None:

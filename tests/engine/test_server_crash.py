@@ -1,6 +1,7 @@
 """Crash safety over HTTP: `kill -9` a real engine server mid-training, start a new one on
 the same checkpoint storage, PUT each experiment with `resumeFrom` its newest
-checkpoint, and check it continues from exactly there. Then SIGTERM: the server drains,
+checkpoint (or only its `runId`, as the operator does when it never saw a checkpoint),
+and check it continues from exactly there. Then SIGTERM: the server drains,
 checkpoints what is running and exits 0. No fakes: `loraplex-engine serve`, tiny model.
 """
 
@@ -21,6 +22,7 @@ from test_server_live import put_body, small_spec
 pytestmark = pytest.mark.slow
 
 EXPS = {"default.crash-a": 0, "default.crash-b": 1, "team-c.crash-c": 2}
+RUN_ONLY = "team-c.crash-c"  # resumed by runId alone, no resumeFrom
 CKPT_FILES = (
     "adapter_config.json",
     "adapter_model.safetensors",
@@ -33,12 +35,16 @@ def spec_for(exp_id: str, **kw) -> dict:
     return small_spec("yes", seed=EXPS.get(exp_id, 7), **kw)
 
 
+def run_id(exp_id: str) -> str:
+    return f"uid-{exp_id}"
+
+
 def newest_checkpoint(root: Path, exp_id: str) -> Path:
-    """The newest complete `step-NNNNNNNN` directory; temp dirs never match the name."""
+    """The newest complete `step-NNNNNNNN` directory of the experiment's run; temp dirs
+    never match the name."""
     namespace, name = exp_id.split(".", 1)
-    dirs = sorted(
-        p for p in (root / namespace / name).iterdir() if re.fullmatch(r"step-\d{8}", p.name)
-    )
+    run_dir = root / namespace / name / run_id(exp_id)
+    dirs = sorted(p for p in run_dir.iterdir() if re.fullmatch(r"step-\d{8}", p.name))
     assert dirs, f"no checkpoint for {exp_id}"
     return dirs[-1]
 
@@ -66,8 +72,10 @@ def test_kill_9_restart_and_resume_from_the_last_checkpoint(
         srv.start()
         with srv.client() as api:
             for exp_id in EXPS:
-                r = api.put(f"/v1/experiments/{exp_id}", json=put_body(exp_id, spec_for(exp_id)))
+                body = put_body(exp_id, spec_for(exp_id), run_id=run_id(exp_id))
+                r = api.put(f"/v1/experiments/{exp_id}", json=body)
                 assert r.status_code == 201, r.text
+                assert r.json()["runId"] == run_id(exp_id) and r.json()["step"] == 0
 
             def checkpointed_twice() -> bool:
                 listed = api.get("/v1/experiments").json()["experiments"]
@@ -98,9 +106,9 @@ def test_kill_9_restart_and_resume_from_the_last_checkpoint(
                 api.get("/v1/experiments").json()["experiments"] == []
             )  # nothing survives in memory
             for exp_id, path in newest.items():
-                r = api.put(
-                    f"/v1/experiments/{exp_id}", json=put_body(exp_id, spec_for(exp_id), str(path))
-                )
+                resume = None if exp_id == RUN_ONLY else str(path)
+                body = put_body(exp_id, spec_for(exp_id), resume, run_id(exp_id))
+                r = api.put(f"/v1/experiments/{exp_id}", json=body)
                 assert r.status_code == 201, r.text
                 resumed = r.json()
                 assert resumed["step"] == step_of(path), (exp_id, resumed)
@@ -122,7 +130,10 @@ def test_kill_9_restart_and_resume_from_the_last_checkpoint(
             r = api.post(f"/v1/experiments/{copy_id}/checkpoint")
             assert r.status_code == 200, r.text
             written = Path(r.json()["path"])
-            assert r.json()["step"] == k and written.parent.name == "crash-a-copy"
+            # A copy of another run's checkpoint goes on under that run's id, in its own
+            # experiment's directory.
+            assert r.json()["step"] == k and written.parent.parent.name == "crash-a-copy"
+            assert written.parent.name == run_id("default.crash-a")
             assert_same_tensors(
                 source / "adapter_model.safetensors", written / "adapter_model.safetensors"
             )

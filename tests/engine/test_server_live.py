@@ -49,9 +49,12 @@ def small_spec(
     }
 
 
-def put_body(exp_id: str, spec: dict[str, Any], resume_from: str | None = None) -> dict:
+def put_body(
+    exp_id: str, spec: dict[str, Any], resume_from: str | None = None, run_id: str | None = None
+) -> dict:
     namespace, name = exp_id.split(".", 1)
-    return {"spec": spec, "namespace": namespace, "name": name, "resumeFrom": resume_from}
+    body = {"spec": spec, "namespace": namespace, "name": name, "resumeFrom": resume_from}
+    return body | ({"runId": run_id} if run_id is not None else {})
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +358,7 @@ def test_delete_checkpoints_unloads_and_drops_series(
     final = r.json()
     assert final["checkpoint"]["step"] == final["step"] > 0
     ckpt = Path(final["checkpoint"]["path"])
-    assert ckpt.parent == server.checkpoint_root / "team-b" / "say-sum"
+    assert ckpt.parent == server.checkpoint_root / "team-b" / "say-sum" / final["runId"]
     assert re.fullmatch(r"step-\d{8}", ckpt.name)
     for f in (
         "adapter_config.json",

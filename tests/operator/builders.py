@@ -19,7 +19,12 @@ class ExperimentWrapper:
         self._obj: dict[str, Any] = {
             "apiVersion": "loraplex.dev/v1alpha1",
             "kind": "LoRAExperiment",
-            "metadata": {"name": name, "namespace": namespace, "generation": 1},
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": f"uid-{namespace}-{name}",
+                "generation": 1,
+            },
             "spec": {
                 "enginePool": "pool-a",
                 "task": {"name": "target-token", "params": {"target": "yes"}},

@@ -285,7 +285,8 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
     resumed = s["checkpoint"]["step"]
     print(f"graceful stop: status checkpoint {requested}, step {seen} seen, resumed at {resumed}")
     assert resumed >= seen > requested, (requested, seen, resumed)  # the SIGTERM checkpoint
-    assert s["checkpoint"]["path"].endswith(f"/drain/step-{resumed:08d}")
+    uid = (await h.get(NS, "drain") or {})["metadata"]["uid"]  # the run: the object's uid
+    assert s["checkpoint"]["path"].endswith(f"/drain/{uid}/step-{resumed:08d}")
     await _event(h, "drain", "Bound", f"resumed from step {resumed}, requested step {requested}")
     if isinstance(engine, RealEngine):
         assert f"shutdown checkpoint team-a.drain at step {resumed}:" in engine.server.log_text()
@@ -400,6 +401,7 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
     await h.wait_for("del checkpointed", lambda: checkpointed("del"), timeout=120)
     pod = await engine_ready()
     assert pod is not None and "team-a.del" in await _engine_experiments(h, pod)
+    uid = (await h.get(NS, "del") or {})["metadata"]["uid"]
 
     await h.delete(NS, "del")
 
@@ -416,7 +418,8 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
 
         await h.wait_for("del's series gone from the operator's /metrics", series_gone, 60)
     if not h.real_cluster:
-        assert list((h.checkpoint_root / NS / "del").glob("step-*/adapter_config.json"))
+        # kept in the run's own directory, which a new "del" (another uid) never touches
+        assert list((h.checkpoint_root / NS / "del" / uid).glob("step-*/adapter_config.json"))
 
     # suspend: checkpoint + unload, slot freed; unsuspend: resume from the checkpoint
     await h.wait_for("sus checkpointed", lambda: checkpointed("sus"), timeout=120)

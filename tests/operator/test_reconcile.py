@@ -78,9 +78,24 @@ def test_pending_experiments_bind_to_a_ready_engine_with_resume_from_checkpoint(
     assert set(puts) == {"team-a/a", "team-a/b"}
     assert puts["team-a/a"].body["resumeFrom"] is None
     assert puts["team-a/b"].body["resumeFrom"] == "/ckpt/team-a/b/step-4"
+    # The run is the object's uid: the engine keeps its checkpoints apart from those of an
+    # earlier experiment of the same name, and resumes its newest one unasked.
+    assert puts["team-a/a"].body["runId"] == "uid-team-a-a"
+    assert puts["team-a/b"].body["runId"] == "uid-team-a-b"
     assert puts["team-a/b"].exp_id == "team-a.b"
     assert puts["team-a/b"].body["spec"]["enginePool"] == "pool-a"
     assert plan.create_pods == 0
+
+
+def test_an_object_without_uid_is_bound_without_run_id(caplog) -> None:
+    # The API server always sets metadata.uid; should one lack it, the bind goes ahead
+    # without a runId (the engine makes a run id, as before run ids were sent) and says so.
+    obj = exp("a")
+    del obj["metadata"]["uid"]
+    with caplog.at_level("WARNING", logger="loraplex_operator.reconcile"):
+        plan = plan_round(snap([obj], [engine("e1")]), CFG)
+    assert [p.body["runId"] for p in plan.puts] == [None]
+    assert "team-a/a has no metadata.uid" in caplog.text
 
 
 def test_no_engine_scales_up_once_for_a_burst() -> None:

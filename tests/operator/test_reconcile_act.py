@@ -4,10 +4,12 @@ client: what reaches the status and the Events when engines answer, refuse or va
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 from builders import experiment, pool
-from loraplex_operator.engine_client import EngineError, EngineUnreachable
+from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
 from loraplex_operator.reconcile import (
     PREEMPT,
     SUSPEND,
@@ -88,7 +90,13 @@ def _round(obj: dict[str, Any], puts=(), unloads=()) -> tuple[Snapshot, RoundPla
 
 
 def _put(obj: dict[str, Any], resume: str | None = None) -> Put:
-    body = {"spec": obj["spec"], "namespace": "team-a", "name": "a", "resumeFrom": resume}
+    body = {
+        "spec": obj["spec"],
+        "namespace": "team-a",
+        "name": "a",
+        "resumeFrom": resume,
+        "runId": obj["metadata"].get("uid"),
+    }
     return Put("e1", "http://e1", "node-1", "team-a/a", "team-a.a", body)
 
 
@@ -123,6 +131,55 @@ async def test_resume_records_the_checkpoint_the_engine_actually_loaded() -> Non
     assert (s["phase"], s["step"], s["checkpoint"]) == ("Running", 6, newer)
     assert events[0][2] == "Bound"
     assert f"resumed from step 6, requested step 4: {newer['path']}" in events[0][3]
+
+
+async def test_the_put_carries_the_uid_as_run_id_and_records_the_runs_newest_checkpoint() -> None:
+    # Status never recorded a checkpoint (the engine stopped first): the PUT names only
+    # the run, the engine resumes its newest checkpoint, and status and Event say so.
+    obj = experiment("a").status(phase="Pending", restarts=1).obj()
+    sent: list[dict[str, Any]] = []
+    ckpt = {"path": "/ckpt/team-a/a/uid-team-a-a/step-00000003", "step": 3}
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        status = {"id": "team-a.a", "phase": "Running", "step": 3, "checkpoint": ckpt}
+        return httpx.Response(201, json=status)
+
+    client = EngineClient(transport=httpx.MockTransport(engine))
+    r, kube, events = _reconciler(client)  # type: ignore[arg-type]
+    snap, plan = _round(obj, puts=[_put(obj)])
+    await r.act(snap, plan, "token")
+    await client.close()
+    assert [(b["runId"], b["resumeFrom"]) for b in sent] == [("uid-team-a-a", None)]
+    s = _status(kube)
+    assert (s["phase"], s["step"], s["checkpoint"]) == ("Running", 3, ckpt)
+    assert events[0][3] == (
+        f"bound to engine e1 (resumed from step 3, its run's newest checkpoint: {ckpt['path']})"
+    )
+
+
+async def test_an_engine_from_before_run_ids_is_bound_without_one() -> None:
+    # During an upgrade an older engine refuses the unknown field: the operator binds
+    # without it instead of failing the experiment.
+    obj = experiment("a").obj()
+    sent: list[dict[str, Any]] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        if "runId" in body:
+            err = {"code": "invalid_request", "message": "runId: unknown field", "field": "runId"}
+            return httpx.Response(422, json={"error": err})
+        return httpx.Response(201, json={"id": "team-a.a", "phase": "Running", "step": 0})
+
+    client = EngineClient(transport=httpx.MockTransport(engine))
+    r, kube, events = _reconciler(client)  # type: ignore[arg-type]
+    snap, plan = _round(obj, puts=[_put(obj)])
+    await r.act(snap, plan, "token")
+    await client.close()
+    assert [b.get("runId") for b in sent] == ["uid-team-a-a", None]
+    assert _status(kube)["phase"] == "Running"
+    assert [e[2] for e in events] == ["Bound"]
 
 
 async def test_engine_rejecting_the_spec_fails_it_naming_the_field() -> None:

@@ -14,6 +14,10 @@ PHASES = ("Running", "Succeeded", "Failed")
 # Rollout tokens one experiment may ask for per step (groupSize x promptsPerStep x
 # maxNewTokens): a tick waits for every tenant, so one huge spec would stall them all.
 DEFAULT_MAX_STEP_TOKENS = 1 << 20
+# A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
+# a safe path segment (no "/", never "." or ".."), short enough for any file system.
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+RUN_ID_MAX_LENGTH = 64
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class ExperimentStatus:
     error: str | None
     started_at: str
     updated_at: str
+    run_id: str | None = None  # the run whose checkpoints this experiment writes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +63,7 @@ class ExperimentStatus:
             "error": self.error,
             "startedAt": self.started_at,
             "updatedAt": self.updated_at,
+            "runId": self.run_id,
         }
 
 
@@ -119,9 +125,18 @@ class EngineService(Protocol):
     def is_ready(self) -> bool: ...
 
     def put_experiment(
-        self, exp_id: str, spec: Any, namespace: str, name: str, resume_from: str | None
+        self,
+        exp_id: str,
+        spec: Any,
+        namespace: str,
+        name: str,
+        resume_from: str | None,
+        run_id: str | None = None,
     ) -> tuple[ExperimentStatus, bool]:
-        """Start or resume; returns (status, created). Same spec again is a no-op."""
+        """Start or resume; returns (status, created). Same spec again is a no-op.
+
+        ``run_id`` names the run (its checkpoint directory): with it and no
+        ``resume_from``, the run's newest intact checkpoint is resumed if it has one."""
 
     def get_experiment(self, exp_id: str) -> ExperimentStatus: ...
 

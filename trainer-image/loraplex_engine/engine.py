@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import shutil
 import threading
@@ -40,6 +41,7 @@ from loraplex_engine.errors import (
     BadCheckpointError,
     CheckpointError,
     ConflictError,
+    InvalidRequestError,
     InvalidSpecError,
     NoCapacityError,
     NoFreeSlotError,
@@ -89,8 +91,10 @@ class Experiment:
     error: str | None = None
     started_at: str = field(default_factory=_now)
     updated_at: str = field(default_factory=_now)
-    # Ties this run's checkpoints together across engines (resume picks the newest of the
-    # run); fresh per start, so a recreated experiment of the same name never matches.
+    # Ties this run's checkpoints together across engines and names their directory
+    # (<root>/<ns>/<name>/<run id>/): given by the caller (the operator: the object's uid),
+    # or made at a fresh start and carried over on resume, so a recreated experiment of the
+    # same name writes elsewhere and never prunes or overwrites the old run's checkpoints.
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -113,6 +117,7 @@ class Experiment:
             error=self.error,
             started_at=self.started_at,
             updated_at=self.updated_at,
+            run_id=self.run_id,
         )
 
 
@@ -255,7 +260,14 @@ class Engine:
         namespace: str = "default",
         name: str | None = None,
         resume_from: str | None = None,
+        run_id: str | None = None,
     ) -> tuple[ExperimentStatus, bool]:
+        if run_id is not None and not ckpt.valid_run_id(run_id):
+            raise InvalidRequestError(
+                f"runId {run_id!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit",
+                field="runId",
+            )
         with self._model_lock:
             existing = self._experiments.get(exp_id)
             if existing is not None:
@@ -264,8 +276,13 @@ class Engine:
                         f"experiment {exp_id!r} is loaded with a different spec; "
                         "DELETE it first to change its spec"
                     )
+                if run_id is not None and run_id != existing.run_id:
+                    raise ConflictError(
+                        f"experiment {exp_id!r} is loaded as run {existing.run_id!r}, "
+                        f"not runId {run_id!r}; DELETE it first to start another run"
+                    )
                 return existing.status(), False
-            exp = self._load(exp_id, spec, namespace, name or exp_id, resume_from)
+            exp = self._load(exp_id, spec, namespace, name or exp_id, resume_from, run_id)
             try:
                 self.backend.add_adapter(exp_id)
             except Exception:
@@ -600,9 +617,14 @@ class Engine:
             exp.phase = "Succeeded"
         reports[exp.id] = tick
 
+    def _run_dir(self, namespace: str, name: str, run_id: str) -> Path:
+        return self.checkpoint_root / namespace / name / run_id
+
     def _checkpoint(self, exp: Experiment) -> CheckpointRef:
-        """Adapter (PEFT) + trainer state, written atomically; keep the newest K."""
-        exp_dir = self.checkpoint_root / exp.namespace / exp.name
+        """Adapter (PEFT) + trainer state, written atomically into the run's own directory;
+        keep its newest K. Other runs' directories (a deleted experiment of the same name)
+        are never touched."""
+        exp_dir = self._run_dir(exp.namespace, exp.name, exp.run_id)
         target = exp_dir / f"step-{exp.step:08d}"
         with ckpt.atomic_dir(target, overwrite=True) as tmp:
             ckpt.save_adapter(self.model, exp.id, tmp, base_model_name_or_path=str(self.model_dir))
@@ -627,9 +649,8 @@ class Engine:
         }
 
     @staticmethod
-    def _prune(exp_dir: Path, keep: int) -> None:
-        steps = sorted(p for p in exp_dir.glob("step-*") if p.is_dir())
-        for old in steps[:-keep]:
+    def _prune(run_dir: Path, keep: int) -> None:
+        for old in ckpt.step_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _fail(
@@ -643,7 +664,13 @@ class Engine:
     # ---- loading ----------------------------------------------------------------------
 
     def _load(
-        self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str, resume_from: str | None
+        self,
+        exp_id: str,
+        spec: ExperimentSpec,
+        namespace: str,
+        name: str,
+        resume_from: str | None,
+        run_id: str | None,
     ) -> Experiment:
         """Build everything first, then touch the model: a failure changes nothing."""
         config = LoRAConfig(
@@ -683,11 +710,13 @@ class Engine:
             prompt_rng=random.Random(seed),
             sample_gen=torch.Generator().manual_seed(seed),
         )
+        if run_id is not None:
+            exp.run_id = run_id
         settings = AdamWSettings(lr=spec.algorithm.learning_rate, weight_decay=0.0)
         try:
             if resume_from:
-                self._resume(exp, config, Path(resume_from))
-            else:
+                self._resume(exp, config, Path(resume_from), run_id)
+            elif run_id is None or not self._resume_run(exp, config):
                 self.model.add_adapter(exp_id, config, seed=seed)
                 self.optimizer.add_adapter(exp_id, settings)
         except NoFreeSlotError as e:
@@ -704,39 +733,98 @@ class Engine:
                 field="spec.algorithm.promptsPerStep",
             )
 
-    def _resume(self, exp: Experiment, config: LoRAConfig, requested: Path) -> None:
+    def _resume(
+        self, exp: Experiment, config: LoRAConfig, requested: Path, run_id: str | None
+    ) -> None:
         """Resume from the newest intact checkpoint of the requested one's run at or after
         its step: one written after the caller last looked (e.g. on SIGTERM) is not
         redone. A broken newer one is skipped (and kept); the requested one's own error
-        is the one reported."""
-        for path in self._resume_order(requested):
+        is the one reported. With ``run_id`` the requested checkpoint must belong to that
+        run, unless it is from before run directories (then the run adopts it)."""
+        try:
+            own = ckpt.Candidate(requested, ckpt.read_metadata(requested))
+        except CheckpointError:
+            own = ckpt.Candidate(requested, None)  # loading it reports what is wrong with it
+        own_run = ckpt.run_of(own.metadata)
+        if (
+            run_id is not None
+            and own_run not in (None, run_id)
+            and ckpt.in_run_dir(requested, own_run)
+        ):
+            raise BadCheckpointError(
+                f"resumeFrom {requested} belongs to run {own_run!r}, not to runId "
+                f"{run_id!r}: name a checkpoint of run {run_id!r}, or leave out "
+                "resumeFrom to resume that run's newest checkpoint",
+                field="resumeFrom",
+            )
+        for path in self._resume_order(exp, own, run_id or own_run):
             try:
-                self._load_checkpoint(exp, config, path)
-                return
+                meta = self._load_checkpoint(exp, config, path)
             except CheckpointError as e:
                 if path == requested:
                     raise BadCheckpointError(str(e), field="resumeFrom") from e
                 log.warning("resume of %s: skipping newer checkpoint %s: %s", exp.id, path, e)
+                continue
+            # A checkpoint from before run ids keeps the fresh id: later resumes find its
+            # successors in that run's directory.
+            exp.run_id = run_id or ckpt.run_of(meta) or exp.run_id
+            return
 
-    def _resume_order(self, requested: Path) -> list[Path]:
-        """Candidates from the sibling step directories, ordered by ckpt.resume_order."""
-        try:
-            own = ckpt.Candidate(requested, ckpt.read_metadata(requested))
-        except CheckpointError:
-            return [requested]  # loading it reports what is wrong with it
+    def _resume_order(self, exp: Experiment, own: ckpt.Candidate, run: str | None) -> list[Path]:
+        """Candidates, ordered by ckpt.resume_order: the step directories beside the
+        requested one and, when the run is known, in the run's own directory (they differ
+        when the requested checkpoint is from before run directories)."""
         step = own.metadata.get("step") if own.metadata else None
         if not isinstance(step, int):
-            return [requested]
+            return [own.path]
+        dirs = [own.path.parent]
+        if run is not None:
+            dirs.append(self._run_dir(exp.namespace, exp.name, run))
+        seen = {os.path.realpath(own.path)}
         siblings = []
-        for path in _newer_step_dirs(requested, step):
+        for path in (p for d in dirs for p in ckpt.step_dirs(d) if ckpt.dir_step(p) > step):
+            real = os.path.realpath(path)
+            if real in seen:
+                continue
+            seen.add(real)
             try:
                 siblings.append(ckpt.Candidate(path, ckpt.read_metadata(path)))
             except CheckpointError as e:  # may be this run's, but it cannot be told: skip it
-                log.warning("resume from %s: skipping newer checkpoint: %s", requested, e)
-        return ckpt.resume_order(own, siblings)
+                log.warning("resume from %s: skipping newer checkpoint: %s", own.path, e)
+        return ckpt.resume_order(own, siblings, run)
 
-    def _load_checkpoint(self, exp: Experiment, config: LoRAConfig, path: Path) -> None:
-        """Load one checkpoint into ``exp``; a CheckpointError leaves nothing loaded."""
+    def _resume_run(self, exp: Experiment, config: LoRAConfig) -> bool:
+        """Resume run ``exp.run_id`` from the newest intact checkpoint in its directory;
+        False when it has none (a fresh start). A run whose directory holds checkpoints
+        none of which loads is refused rather than restarted over them."""
+        run_dir = self._run_dir(exp.namespace, exp.name, exp.run_id)
+        found = ckpt.step_dirs(run_dir)
+        if not found:
+            return False
+        candidates = []
+        for path in found:
+            try:
+                candidates.append(ckpt.Candidate(path, ckpt.read_metadata(path)))
+            except CheckpointError as e:
+                log.warning("resume of run %s: skipping checkpoint: %s", exp.run_id, e)
+        first_error = f"no checkpoint of run {exp.run_id!r} among {[p.name for p in found]}"
+        for i, path in enumerate(ckpt.run_order(exp.run_id, candidates)):
+            try:
+                self._load_checkpoint(exp, config, path)
+                return True
+            except CheckpointError as e:
+                log.warning("resume of run %s: skipping checkpoint %s: %s", exp.run_id, path, e)
+                if i == 0:
+                    first_error = str(e)
+        raise BadCheckpointError(
+            f"runId {exp.run_id!r}: {run_dir} holds checkpoints but none of them loads "
+            f"({first_error}); it is not restarted over them",
+            field="runId",
+        )
+
+    def _load_checkpoint(self, exp: Experiment, config: LoRAConfig, path: Path) -> dict[str, Any]:
+        """Load one checkpoint into ``exp`` (returns its metadata); a CheckpointError
+        leaves nothing loaded."""
         saved = ckpt.read_adapter_config(path)
         if saved != config:
             raise CheckpointError(f"{path}: checkpoint has {saved}, the spec asks for {config}")
@@ -747,8 +835,6 @@ class Engine:
             self.model.remove_adapter(exp.id)
             raise
         self.optimizer.set_lr(exp.id, exp.spec.algorithm.learning_rate)
-        # A checkpoint from before run ids keeps the fresh id: later resumes find its successors.
-        exp.run_id = meta.get(ckpt.RUN_ID) or exp.run_id
         exp.step = int(meta.get("step", 0))
         exp.reward = meta.get("reward")
         exp.rollout_tokens = int(meta.get("rolloutTokens", 0))
@@ -759,6 +845,7 @@ class Engine:
         exp.adapter_path = str(path)
         if exp.max_steps and exp.step >= exp.max_steps:
             exp.phase = "Succeeded"
+        return meta
 
     def _require(self, exp_id: str) -> Experiment:
         exp = self._experiments.get(exp_id)
@@ -777,19 +864,6 @@ class Engine:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _newer_step_dirs(requested: Path, step: int) -> list[Path]:
-    """Step directories beside ``requested`` named after a later step than ``step``."""
-    try:
-        entries = list(requested.parent.iterdir())
-    except OSError:
-        return []
-    return [
-        p
-        for p in entries
-        if ckpt.STEP_DIR.fullmatch(p.name) and int(p.name[5:]) > step and p.is_dir()
-    ]
 
 
 def _targets(base: torch.nn.Module) -> list[str]:

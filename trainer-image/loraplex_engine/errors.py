@@ -133,6 +133,12 @@ class BodyTooLargeError(ApiError):
     code = "too_large"
 
 
+class InvalidRequestError(ApiError):
+    """A field of the request outside ``spec`` is invalid (``runId``, say)."""
+
+    code = "invalid_request"
+
+
 class InvalidSpecError(ApiError):
     """A spec the engine cannot take; ``field`` names the spec path."""
 
@@ -140,7 +146,8 @@ class InvalidSpecError(ApiError):
 
 
 class BadCheckpointError(ApiError):
-    """``resumeFrom`` is not a usable checkpoint."""
+    """``resumeFrom`` is not a usable checkpoint (or belongs to another run than
+    ``runId``), or ``runId``'s checkpoints are there but none loads."""
 
     code = "bad_checkpoint"
 

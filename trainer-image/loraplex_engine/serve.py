@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-root",
         default=_env("CHECKPOINT_ROOT", "/ckpt"),
-        help="checkpoints go to <root>/<namespace>/<name>/step-<n>/",
+        help="checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/",
     )
     p.add_argument(
         "--max-adapters", type=int, default=int(_env("MAX_ADAPTERS", "8")), help="adapter slots"
@@ -207,9 +207,15 @@ class EngineHolder:
         return self.engine is not None and self.engine.is_ready()
 
     def put_experiment(
-        self, exp_id: str, spec: Any, namespace: str, name: str, resume_from: str | None
+        self,
+        exp_id: str,
+        spec: Any,
+        namespace: str,
+        name: str,
+        resume_from: str | None,
+        run_id: str | None = None,
     ) -> tuple[ExperimentStatus, bool]:
-        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from)
+        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from, run_id)
 
     def get_experiment(self, exp_id: str) -> ExperimentStatus:
         return self._get().get_experiment(exp_id)

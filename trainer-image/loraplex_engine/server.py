@@ -32,12 +32,13 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_engine.api_types import EngineService
+from loraplex_engine.api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN, EngineService
 from loraplex_engine.errors import (
     ApiError,
     BadCheckpointError,
     BodyTooLargeError,
     ConflictError,
+    InvalidRequestError,
     InvalidSpecError,
     NoCapacityError,
     NotFoundError,
@@ -75,6 +76,7 @@ HTTP_STATUS: dict[type[ApiError], int] = {
     ConflictError: 409,
     NoCapacityError: 409,
     BodyTooLargeError: 413,
+    InvalidRequestError: 422,
     InvalidSpecError: 422,
     BadCheckpointError: 422,
     UnavailableError: 503,
@@ -108,6 +110,14 @@ class PutExperimentRequest(_Strict):
         min_length=1,
         max_length=4096,
         description="checkpoint directory to resume from (shared checkpoint storage)",
+    )
+    runId: str | None = Field(
+        None,
+        min_length=1,
+        max_length=RUN_ID_MAX_LENGTH,
+        pattern=RUN_ID_PATTERN,
+        description="the run: its checkpoints live in <root>/<namespace>/<name>/<runId>/; "
+        "without resumeFrom its newest intact checkpoint is resumed, if it has one",
     )
 
 
@@ -166,6 +176,7 @@ class StatusBody(BaseModel):
     error: str | None
     startedAt: str
     updatedAt: str
+    runId: str | None = None
 
 
 class ExperimentList(BaseModel):
@@ -489,10 +500,11 @@ def create_app(
         **v1,
     )
     def put_experiment(id: ExpId, body: PutExperimentRequest) -> JSONResponse:
-        """Start an experiment, or resume it from `resumeFrom`. Idempotent: the same spec
-        again answers 200; a different spec for a loaded id answers 409."""
+        """Start an experiment, or resume it from `resumeFrom` (or, given only `runId`, from
+        that run's newest checkpoint). Idempotent: the same spec again answers 200; a
+        different spec or run for a loaded id answers 409."""
         status, created = _ready_engine().put_experiment(
-            id, body.spec, body.namespace, body.name, body.resumeFrom
+            id, body.spec, body.namespace, body.name, body.resumeFrom, body.runId
         )
         metrics.track(status.id, status.namespace)
         wake()
