@@ -78,6 +78,7 @@ FAILING = ("team-a", "live-fail")
 FAILING_ID = f"{FAILING[0]}.{FAILING[1]}"
 MIN_STEPS = 25  # per experiment, seen by Prometheus, before the panels are checked
 MIN_CHECKPOINTS = 2
+MIN_SAMPLES = 3  # scrapes of each experiment's series within the last 30 s
 CHECKPOINT_EVERY = 5
 MAX_STEPS = 100_000  # still training when the panels are checked; deleted at the end
 
@@ -394,6 +395,11 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                     steps = _value(prom, f"loraplex_engine_steps_total{{{sel}}}")
                     checkpoints = _value(prom, f"loraplex_engine_checkpoints_total{{{sel}}}")
                     if not (steps >= MIN_STEPS and checkpoints >= MIN_CHECKPOINTS):
+                        return False
+                    # rate() over the panels' shortest window needs two samples in it; a
+                    # busy engine on a loaded box misses 1 s scrapes, so count them.
+                    samples = f"count_over_time(loraplex_engine_steps_total{{{sel}}}[30s])"
+                    if not _value(prom, samples) >= MIN_SAMPLES:
                         return False
                 running = f'loraplex_experiments{{pool="{POOL}", phase="Running"}}'
                 return _value(prom, running) == len(EXPERIMENTS)
