@@ -22,6 +22,8 @@ from loraplex_engine.training import (
     shared_prefix_forward,
 )
 
+from tests.engine.engine_builders import engine, spec
+
 PAD = 0
 KL = {"a": 0.0, "b": 0.1, "c": 0.0}  # one tenant with a KL term (slot 0 reference)
 
@@ -161,3 +163,30 @@ def test_unsupported_models_are_named(tiny_model_dir) -> None:
     assert "sliding_attention" in prefix_sharing_unsupported(model)
     model.config.model_type = "gpt2"
     assert "gpt2" in prefix_sharing_unsupported(model)
+
+
+def test_engine_updates_and_token_counts_equal_with_and_without_sharing(
+    tiny_model_dir, tmp_path
+) -> None:
+    """Same seeds, three ticks, one tenant with a KL term: the same adapter weights up to
+    float noise, the same trainTokens (logical), fewer tokens computed."""
+    task = {"name": "target-token", "params": {"target": "yes"}}
+    weights, tokens, computed = {}, {}, {}
+    for share in (True, False):
+        eng = engine(tiny_model_dir, tmp_path / str(share), share_prompt_prefix=share)
+        assert eng.share_prompt_prefix is share
+        eng.put_experiment("default.p", spec(task, seed=1, group=4), "default", "p")
+        eng.put_experiment("default.q", spec(task, seed=2, group=4, kl=0.1), "default", "q")
+        for _ in range(3):
+            eng.tick()
+        weights[share] = {i: eng.model.adapter_state_dict(i) for i in ("default.p", "default.q")}
+        tokens[share] = {i: eng.get_experiment(i).train_tokens for i in ("default.p", "default.q")}
+        computed[share] = eng.computed_train_tokens
+    assert tokens[True] == tokens[False]
+    assert computed[False] == sum(tokens[False].values())
+    assert computed[True] < computed[False]
+    for exp_id, state in weights[False].items():
+        for key, value in state.items():
+            other = weights[True][exp_id][key]
+            torch.testing.assert_close(other, value, rtol=0, atol=1e-3)
+            assert (other - value).abs().mean() < 1e-6, key
