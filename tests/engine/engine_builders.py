@@ -23,6 +23,7 @@ def spec(
     prompts: int = 4,
     every: int = 10,
     keep: int = 3,
+    kl: float = 0.0,
     **extra: Any,
 ) -> ExperimentSpec:
     body: dict[str, Any] = {
@@ -34,6 +35,7 @@ def spec(
             "learningRate": lr,
             "maxSteps": steps,
             "seed": seed,
+            "klCoef": kl,
         },
         "rollout": {"maxNewTokens": 8, "temperature": 1.0},
         "checkpoint": {"everySteps": every, "keep": keep},

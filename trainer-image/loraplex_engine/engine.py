@@ -58,7 +58,14 @@ from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMR
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Prompt, Task, build_task
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import (
+    ExperimentUpdate,
+    SharedForward,
+    TrainRow,
+    fused_backward,
+    prefix_sharing_unsupported,
+    shared_prefix_forward,
+)
 
 PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 
@@ -165,6 +172,7 @@ class Engine:
         vllm_options: dict[str, Any] | None = None,
         ignore_eos: bool = False,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        share_prompt_prefix: bool = True,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -187,6 +195,21 @@ class Engine:
             base, max_adapters=max_adapters, max_rank=max_rank, target_modules=_targets(base)
         )
         self.optimizer = PerAdapterAdamW(self.model)
+        # Training computes each prompt group's prompt once per micro-batch (training.py);
+        # off on request or for a model whose cached forward is not known to be exact.
+        self._shared_forward: SharedForward | None = None
+        if share_prompt_prefix:
+            why_not = prefix_sharing_unsupported(base)
+            if why_not is None:
+                self._shared_forward = shared_prefix_forward(self.model, self.device)
+            else:
+                log.warning("prompt-prefix sharing off (%s): training recomputes prompts", why_not)
+        else:
+            log.info("prompt-prefix sharing off (share_prompt_prefix=False)")
+        self.share_prompt_prefix = self._shared_forward is not None
+        # Tokens through the policy forward (a shared prompt counted once), for benchmarks;
+        # the per-experiment trainTokens count prompt + completion per row.
+        self.computed_train_tokens = 0
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
@@ -463,9 +486,7 @@ class Engine:
         try:
             if self.train_mode == "fused":
                 self.optimizer.zero_grad()
-                fused_backward(
-                    self._routed_forward, rows, updates, self._pad, self.micro_batch_tokens
-                )
+                self._backward(rows, updates)
                 self._step_finite([r.exp for r in live], reports)
             else:
                 for r in live:
@@ -487,8 +508,12 @@ class Engine:
             updates[r.exp.id] = ExperimentUpdate(r.exp.algorithm, alg.clip, alg.kl_coef)
             adv = r.exp.algorithm.advantages(torch.tensor(r.rewards), alg.group_size)
             slot = self.model.slot_of(r.exp.id)
+            # Prompt group = identical prompt tokens within this experiment's step (its
+            # groupSize samples, and any prompt drawn twice): they share one prefix.
+            groups: dict[tuple[int, ...], int] = {}
             for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
                 if comp.token_ids:
+                    group = groups.setdefault(tuple(req.prompt_ids), len(groups))
                     rows.append(
                         TrainRow(
                             r.exp.id,
@@ -498,9 +523,21 @@ class Engine:
                             comp.logprobs,
                             a,
                             req.temperature,
+                            group,
                         )
                     )
         return rows, updates
+
+    def _backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
+        stats = fused_backward(
+            self._routed_forward,
+            rows,
+            updates,
+            self._pad,
+            self.micro_batch_tokens,
+            self._shared_forward,
+        )
+        self.computed_train_tokens += stats.computed_tokens
 
     def _routed_forward(
         self, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
@@ -547,7 +584,7 @@ class Engine:
         slot = self.model.slot_of(exp.id)
         self._swap(slot, to_device=True)
         self.optimizer.zero_grad()
-        fused_backward(self._routed_forward, rows, updates, self._pad, self.micro_batch_tokens)
+        self._backward(rows, updates)
         self._step_finite([exp], reports)
         self._swap(slot, to_device=False)
 

@@ -6,19 +6,50 @@ Loss normalisation: every row carries ``weight = 1 / rows of its experiment``, s
 summed loss over any packing of rows into micro-batches is the sum over experiments
 of each experiment's mean sequence loss. Rows of one experiment depend only on its
 adapter, hence each adapter's gradient equals what it would get trained alone.
+
+Shared prompt prefixes: GRPO trains ``groupSize`` completions of one prompt. Rather than
+run every row as prompt + completion, a micro-batch runs each group's prompt (all but its
+last token) once, with gradient, expands the resulting KV cache to the group's rows and
+runs the completions on top of it (``SharedForward``). Backward sums the rows' gradients
+into the shared prefix, so every adapter's gradient is the unshared one up to float
+rounding (tested against the unshared path on Llama and Qwen2).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from loraplex_engine.algorithms import Algorithm, token_logprobs
+from loraplex_engine.multi_lora import MultiLoRAModel
 
 # (input_ids [B,T], attention_mask [B,T], slot_ids [B]) -> logits [B,T,V]
 RoutedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# (prefix ids [G,P], prefix mask [G,P], prefix slot_ids [G], group of each row [R],
+#  input_ids [R,T], attention_mask [R,P+T], slot_ids [R], position_ids [R,T]) -> logits [R,T,V]
+# Runs the G prefixes (right-padded, positions 0..), expands their KV cache to the R rows
+# and runs the rows on top of it; see ``shared_prefix_forward``.
+SharedForward = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+
+# Model families whose cached training forward has been checked exact against the
+# unshared one (tests/engine/test_prefix_share.py). Others train unshared.
+PREFIX_SHARING_MODEL_TYPES = frozenset({"llama", "qwen2"})
 
 
 @dataclass
@@ -32,10 +63,25 @@ class TrainRow:
     old_logprobs: list[float]
     advantage: float
     temperature: float
+    # Prompt group within this experiment's step: rows of one experiment with the same
+    # group have identical ``prompt_ids`` (and the experiment's slot), so they may share
+    # one prefix computation. None: the row shares with no other.
+    group: int | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def prefix_key(self) -> tuple[str, int] | None:
+        """Rows with equal keys share a prompt prefix; None when this row cannot.
+
+        The prefix is the prompt minus its last token (whose logits predict the first
+        completion token), so a one-token prompt has nothing to share.
+        """
+        if self.group is None or len(self.prompt_ids) < 2:
+            return None
+        return (self.experiment, self.group)
 
 
 @dataclass
@@ -52,8 +98,10 @@ class TrainStats:
     loss: dict[str, float] = field(default_factory=dict)
     kl: dict[str, float] = field(default_factory=dict)
     clip_fraction: dict[str, float] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # logical: prompt + completion per row
     micro_batches: int = 0
+    shared_micro_batches: int = 0  # of which ran with shared prompt prefixes
+    computed_tokens: int = 0  # real tokens through the policy forward (a shared prefix once)
 
 
 def pack_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list[int]]:
@@ -72,6 +120,65 @@ def pack_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list
             batches.append(current)
             current = []
         current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def prefix_groups(rows: Sequence[TrainRow], indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` grouped by shared prefix (first-seen order); a row with no key alone.
+
+    Raises ValueError if rows of one key differ in prompt or slot (a caller bug: sharing
+    them would train on the wrong prompt).
+    """
+    groups: dict[object, list[int]] = {}
+    for i in indices:
+        key = rows[i].prefix_key
+        groups.setdefault(("row", i) if key is None else key, []).append(i)
+    for members in groups.values():
+        first = rows[members[0]]
+        for i in members[1:]:
+            if rows[i].prompt_ids != first.prompt_ids or rows[i].slot != first.slot:
+                raise ValueError(
+                    f"rows of prompt group {first.prefix_key} differ in prompt or slot"
+                )
+    return list(groups.values())
+
+
+def _shared_cost(rows: Sequence[TrainRow], units: Sequence[Sequence[int]]) -> int:
+    """Padded tokens of a shared micro-batch: each prefix once, then every row's completion."""
+    prefix = max(len(rows[u[0]].prompt_ids) - 1 for u in units)
+    completion = max(len(rows[i].completion_ids) for u in units for i in u)
+    return len(units) * prefix + sum(len(u) for u in units) * completion
+
+
+def pack_micro_batches_shared(rows: Sequence[TrainRow], token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of prefix groups (lists of row indices) for the shared forward.
+
+    A group stays in one micro-batch when it fits the budget alone (its prefix counted
+    once); a larger one is split into pieces that each fit (each piece recomputes the
+    prefix: correct, just a smaller saving), at least one row per piece. Groups are
+    sorted by their longest row, so padding stays small, and tenants mix freely. Rows
+    that cannot share (one-token prompts) are not packed here: see ``fused_backward``.
+    """
+    units = prefix_groups(rows, [i for i, r in enumerate(rows) if len(r.prompt_ids) >= 2])
+    pieces: list[list[int]] = []
+    for unit in sorted(units, key=lambda u: (max(rows[i].length for i in u), u[0])):
+        unit = sorted(unit, key=lambda i: len(rows[i].completion_ids))
+        if _shared_cost(rows, [unit]) <= token_budget:
+            pieces.append(unit)
+            continue
+        prefix = len(rows[unit[0]].prompt_ids) - 1
+        width = max(len(rows[i].completion_ids) for i in unit)
+        size = max(1, (token_budget - prefix) // max(width, 1))
+        pieces += [unit[k : k + size] for k in range(0, len(unit), size)]
+    batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    for piece in pieces:
+        if current and _shared_cost(rows, [*current, piece]) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(piece)
     if current:
         batches.append(current)
     return batches
@@ -103,6 +210,68 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prefixes (prompt minus its last token) right-padded, one per group; each row's
+    input is the prompt's last token + its completion but the last token, so logits at
+    ``t`` predict completion token ``t`` and every target is a completion token."""
+    rows = [r for g in groups for r in g]
+    prefix_width = max(len(g[0].prompt_ids) - 1 for g in groups)
+    width = max(1, max(len(r.completion_ids) for r in rows))
+    prefix_ids = torch.full((len(groups), prefix_width), pad_id, dtype=torch.long)
+    prefix_attn = torch.zeros((len(groups), prefix_width), dtype=torch.long)
+    row_group = torch.tensor([g for g, members in enumerate(groups) for _ in members])
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width))
+    old = torch.zeros((len(rows), width))
+    for g, members in enumerate(groups):
+        prefix = members[0].prompt_ids[:-1]
+        prefix_ids[g, : len(prefix)] = torch.tensor(prefix)
+        prefix_attn[g, : len(prefix)] = 1
+    for i, row in enumerate(rows):
+        n = len(row.completion_ids)
+        if n:
+            ids[i, :n] = torch.tensor([row.prompt_ids[-1], *row.completion_ids[:-1]])
+            targets[i, :n] = torch.tensor(row.completion_ids)
+            old[i, :n] = torch.tensor(row.old_logprobs)
+        attn[i, :n] = 1
+        mask[i, :n] = 1
+        positions[i] = torch.arange(len(row.prompt_ids) - 1, len(row.prompt_ids) - 1 + width)
+    return {
+        "prefix_ids": prefix_ids,
+        "prefix_attn": prefix_attn,
+        "prefix_slots": torch.tensor([g[0].slot for g in groups]),
+        "row_group": row_group,
+        "ids": ids,
+        "attn": torch.cat([prefix_attn[row_group], attn], dim=1),
+        "positions": positions,
+        "targets": targets,
+        "mask": mask,
+        "old": old,
+        "slots": torch.tensor([r.slot for r in rows]),
+        "adv": torch.tensor([r.advantage for r in rows]),
+        "temp": torch.tensor([max(r.temperature, 1e-6) for r in rows]),
+    }
+
+
+def _shared_logprobs(forward: SharedForward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = forward(
+        batch["prefix_ids"],
+        batch["prefix_attn"],
+        batch["prefix_slots"],
+        batch["row_group"],
+        batch["ids"],
+        batch["attn"],
+        batch["slots"],
+        batch["positions"],
+    )
+    dev = logits.device
+    logits = logits / batch["temp"].to(dev)[:, None, None]
+    return token_logprobs(logits, batch["targets"].to(dev))
+
+
 def _logprobs(forward: RoutedForward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
     dev = logits.device  # the model's device: no host round trip of [B, T, V] logits
@@ -112,19 +281,20 @@ def _logprobs(forward: RoutedForward, batch: dict[str, torch.Tensor]) -> torch.T
 
 
 def _micro_batch_loss(
-    forward: RoutedForward,
+    logprobs_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     rows: Sequence[TrainRow],
     batch: dict[str, torch.Tensor],
     updates: dict[str, ExperimentUpdate],
     weights: dict[str, float],
     stats: TrainStats,
 ) -> torch.Tensor:
-    logprobs = _logprobs(forward, batch)
+    logprobs = logprobs_of(batch)
     batch = {k: v.to(logprobs.device) for k, v in batch.items()}
     ref = None
     if any(updates[r.experiment].kl_coef > 0 for r in rows):
         with torch.no_grad():  # slot 0 = the frozen base: the KL reference for free
-            ref = _logprobs(forward, {**batch, "slots": torch.zeros_like(batch["slots"])})
+            base = {k: torch.zeros_like(batch[k]) for k in ("slots", "prefix_slots") if k in batch}
+            ref = logprobs_of({**batch, **base})
     total = logprobs.new_zeros(())
     for exp in dict.fromkeys(r.experiment for r in rows):
         index = torch.tensor(
@@ -146,8 +316,35 @@ def _micro_batch_loss(
         )
         stats.kl[exp] = float(out.kl)
         stats.clip_fraction[exp] = float(out.clip_fraction)
-        stats.tokens[exp] = stats.tokens.get(exp, 0) + int(batch["attn"][index].sum())
+        stats.tokens[exp] = stats.tokens.get(exp, 0) + sum(
+            r.length for r in rows if r.experiment == exp
+        )
     return total
+
+
+def plan_micro_batches(
+    rows: Sequence[TrainRow], token_budget: int, share_prefix: bool
+) -> list[tuple[list[list[int]], bool]]:
+    """Micro-batches as (prefix groups of row indices, run with a shared prefix?).
+
+    Unshared (every group one row, packed by ``pack_micro_batches`` as before) are: all
+    rows when ``share_prefix`` is off or no two rows share a prompt group (``groupSize``
+    1); rows with a one-token prompt; and micro-batches whose groups all hold a single
+    row (nothing to share, so one forward instead of two).
+    """
+    keys = [r.prefix_key for r in rows if r.prefix_key is not None]
+    if not share_prefix or len(set(keys)) == len(keys):
+        return [([[i] for i in b], False) for b in pack_micro_batches(rows, token_budget)]
+    plan: list[tuple[list[list[int]], bool]] = []
+    loose = [i for i, r in enumerate(rows) if len(r.prompt_ids) < 2]
+    for groups in pack_micro_batches_shared(rows, token_budget):
+        if any(len(g) > 1 for g in groups):
+            plan.append((groups, True))
+        else:
+            loose += [g[0] for g in groups]
+    for b in pack_micro_batches([rows[i] for i in loose], token_budget):
+        plan.append(([[loose[j]] for j in b], False))
+    return plan
 
 
 def fused_backward(
@@ -156,18 +353,110 @@ def fused_backward(
     updates: dict[str, ExperimentUpdate],
     pad_id: int,
     token_budget: int,
+    shared_forward: SharedForward | None = None,
 ) -> TrainStats:
-    """Accumulate every adapter's gradient over all rows; the caller steps the optimiser."""
+    """Accumulate every adapter's gradient over all rows; the caller steps the optimiser.
+
+    With ``shared_forward``, the rows of one prompt group compute their prompt once per
+    micro-batch (``plan_micro_batches`` says which micro-batches do).
+    """
     counts: dict[str, int] = {}
     for row in rows:
         counts[row.experiment] = counts.get(row.experiment, 0) + 1
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     stats = TrainStats()
-    for indices in pack_micro_batches(rows, token_budget):
+    for groups, shared in plan_micro_batches(rows, token_budget, shared_forward is not None):
         # Tenants contiguous inside the micro-batch: the LoRA layers then add the delta
         # in place instead of gathering rows and scattering them back (lora.Routing).
-        chunk = sorted((rows[i] for i in indices), key=lambda r: r.slot)
-        loss = _micro_batch_loss(forward, chunk, _collate(chunk, pad_id), updates, weights, stats)
+        groups = sorted(groups, key=lambda g: rows[g[0]].slot)
+        chunk = [rows[i] for g in groups for i in g]
+        if shared and shared_forward is not None:
+            batch = _collate_shared([[rows[i] for i in g] for g in groups], pad_id)
+            stats.shared_micro_batches += 1
+            stats.computed_tokens += sum(len(rows[g[0]].prompt_ids) - 1 for g in groups)
+            stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
+            run = functools.partial(_shared_logprobs, shared_forward)
+        else:
+            batch = _collate(chunk, pad_id)
+            stats.computed_tokens += sum(r.length for r in chunk)
+            run = functools.partial(_logprobs, forward)
+        loss = _micro_batch_loss(run, chunk, batch, updates, weights, stats)
         loss.backward()
         stats.micro_batches += 1
     return stats
+
+
+def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
+    """Why ``shared_prefix_forward`` may not be exact for this model; None when it is.
+
+    Checked: the model family (its cached forward is tested against the unshared one),
+    full attention in every layer (a sliding-window cache drops old keys), an attention
+    implementation whose mask follows the 2-D padding mask over cache + new tokens
+    (sdpa, eager), and no gradient checkpointing (which turns the cache off in training).
+    """
+    config = getattr(base_model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PREFIX_SHARING_MODEL_TYPES:
+        return (
+            f"model type {model_type!r} is not among the checked ones"
+            f" ({', '.join(sorted(PREFIX_SHARING_MODEL_TYPES))})"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"layer types {sorted(layer_types)}: only full attention is supported"
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        return f"attention implementation {attn!r} (sdpa and eager are supported)"
+    checkpointing = getattr(base_model, "is_activation_checkpointing", None)  # transformers 5
+    if checkpointing is None:
+        checkpointing = getattr(base_model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        return "gradient checkpointing disables the KV cache in training"
+    return None
+
+
+def shared_prefix_forward(model: MultiLoRAModel, device: torch.device) -> SharedForward:
+    """The ``SharedForward`` of a Hugging Face causal LM wrapped as a ``MultiLoRAModel``.
+
+    1. The prefixes, right-padded, with their slots: positions default to 0.. (right
+       padding keeps real tokens in place), ``use_cache`` keeps every layer's keys and
+       values with their autograd graph; only the last position's logits are computed
+       (``logits_to_keep=1``, unused).
+    2. ``DynamicCache.batch_select_indices(row_group)`` expands the cache to the rows
+       (an index: its backward sums the rows' gradients into each prefix).
+    3. The rows with explicit ``position_ids`` (their prompt's length - 1 onward) and a
+       2-D mask over cache + new tokens: transformers builds the causal mask from the
+       cache length (queries sit after every cached key) and the padding mask, so a
+       short prefix's padding is masked out and its rows see their own prompt only.
+    """
+
+    def forward(
+        prefix_ids: torch.Tensor,
+        prefix_attn: torch.Tensor,
+        prefix_slots: torch.Tensor,
+        row_group: torch.Tensor,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        prefix = model(
+            input_ids=prefix_ids.to(device),
+            attention_mask=prefix_attn.to(device),
+            slot_ids=prefix_slots.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = prefix.past_key_values
+        cache.batch_select_indices(row_group.to(device))
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            slot_ids=slots.to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits.float()
+
+    return forward
