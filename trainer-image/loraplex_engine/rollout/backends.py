@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.rollout.torch_backend import ForwardFn, generate
+from loraplex_engine.rollout.torch_backend import ForwardFn, RouteFn, generate
 
 
 class RolloutBackend(Protocol):
@@ -38,15 +38,11 @@ class TorchRollout:
 
     name = "torch"
 
-    def __init__(
-        self, route: Callable[[torch.Tensor], Any], forward: ForwardFn, pad: int, eos: int
-    ):
+    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos: int | None):
         self._route, self._forward, self._pad, self._eos = route, forward, pad, eos
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
-        slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
-        with self._route(slots):
-            return generate(self._forward, requests, self._pad, self._eos)
+        return generate(self._route, self._forward, requests, self._pad, self._eos)
 
     def add_adapter(self, exp_id: str) -> None:
         pass

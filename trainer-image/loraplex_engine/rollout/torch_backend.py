@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -18,6 +20,8 @@ from loraplex_engine.rollout.base import Completion, RolloutRequest
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, object]
 ]
+# slot per row -> context in which the model routes each row to its adapter
+RouteFn = Callable[[torch.Tensor], AbstractContextManager[Any]]
 
 
 def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +77,44 @@ def _groups(requests: Sequence[RolloutRequest]) -> dict[str, list[int]]:
     return dict(groups)
 
 
+def distinct_prompts(requests: Sequence[RolloutRequest]) -> tuple[list[int], torch.Tensor]:
+    """The first row of each distinct (slot, prompt), and for every row the position of
+    its (slot, prompt) among those: GRPO asks for ``groupSize`` samples of each prompt."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    firsts: list[int] = []
+    inverse: list[int] = []
+    for row, req in enumerate(requests):
+        key = (req.slot, tuple(req.prompt_ids))
+        if key not in first:
+            first[key] = len(firsts)
+            firsts.append(row)
+        inverse.append(first[key])
+    return firsts, torch.tensor(inverse, dtype=torch.long)
+
+
+def _shared_prefill(
+    route: RouteFn, forward: ForwardFn, requests: Sequence[RolloutRequest], pad_id: int
+) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+    """Prefill each distinct prompt once, then give every row its prompt's logits and KV
+    cache (a gather): a group's samples differ only from their first sampled token on."""
+    firsts, inverse = distinct_prompts(requests)
+    ids, mask = left_pad([requests[i].prompt_ids for i in firsts], pad_id)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with route(torch.tensor([requests[i].slot for i in firsts], dtype=torch.long)):
+        logits, past = forward(ids, mask, positions, None)
+    if len(firsts) < len(requests):
+        past.batch_select_indices(inverse)  # type: ignore[attr-defined]
+        logits, mask, positions = logits[inverse], mask[inverse], positions[inverse]
+    return logits, past, mask, positions
+
+
 @torch.no_grad()
 def generate(
-    forward: ForwardFn, requests: Sequence[RolloutRequest], pad_id: int, eos_id: int | None
+    route: RouteFn,
+    forward: ForwardFn,
+    requests: Sequence[RolloutRequest],
+    pad_id: int,
+    eos_id: int | None,
 ) -> list[Completion]:
     """Generate all requests in one batch; finished rows keep decoding pad (ignored).
 
@@ -83,9 +122,21 @@ def generate(
     """
     if not requests:
         return []
-    ids, mask = left_pad([r.prompt_ids for r in requests], pad_id)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, past = forward(ids, mask, positions, None)
+    logits, past, mask, positions = _shared_prefill(route, forward, requests, pad_id)
+    with route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
+        return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_id)
+
+
+def _decode(
+    forward: ForwardFn,
+    requests: Sequence[RolloutRequest],
+    logits: torch.Tensor,
+    past: Any,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    pad_id: int,
+    eos_id: int | None,
+) -> list[Completion]:
     limits = torch.tensor([r.max_new_tokens for r in requests])
     done = torch.zeros(len(requests), dtype=torch.bool)
     hit_eos = torch.zeros(len(requests), dtype=torch.bool)
