@@ -42,7 +42,7 @@ PRESETS: dict[str, ModelPreset] = {
     # The tiny model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention kernels
     # support head sizes 32, 64, 80, ... only, so the vllm rollout backend's tests use this.
     "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512, head_std=0.2),
-    # ~20M parameters: big enough that matrix work dominates a CPU step (benchmark).
+    # ~13M parameters (12.95M): big enough that matrix work dominates a CPU step (benchmark).
     "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
 }
 
