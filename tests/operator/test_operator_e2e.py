@@ -289,7 +289,14 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
     assert s["checkpoint"]["path"].endswith(f"/drain/{uid}/step-{resumed:08d}")
     await _event(h, "drain", "Bound", f"resumed from step {resumed}, requested step {requested}")
     if isinstance(engine, RealEngine):
-        assert f"shutdown checkpoint team-a.drain at step {resumed}:" in engine.server.log_text()
+        # The engine logs the line just after renaming the checkpoint into place, so the
+        # operator can see the checkpoint before the line is written: wait for it.
+        line = f"shutdown checkpoint team-a.drain at step {resumed}:"
+
+        async def logged() -> bool:
+            return line in engine.server.log_text()
+
+        await h.wait_for("the engine's shutdown checkpoint log line", logged, timeout=30)
     s = await h.wait_phase(NS, "drain", "Succeeded", timeout=300)
     assert s["step"] == LONG and s["restarts"] == 1
 
