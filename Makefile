@@ -108,6 +108,8 @@ bench: venv
 	$(PY) bench/throughput.py $(BENCH_ARGS) --threads $(BENCH_THREADS) --out out/bench
 
 # A few minutes on the tiny model: same harness, same output shape, out/bench-quick/.
+# tests/bench/test_bench_quick.py runs this target with smaller BENCH_QUICK_ARGS.
+BENCH_QUICK_ARGS ?= --preset tiny --ns 1,2,4 --steps 5 --repeats 2
+BENCH_QUICK_OUT ?= out/bench-quick
 bench-quick: tiny-model
-	$(PY) bench/throughput.py --preset tiny --ns 1,2,4 --steps 5 --repeats 2 \
-		--threads $(BENCH_THREADS) --out out/bench-quick
+	$(PY) bench/throughput.py $(BENCH_QUICK_ARGS) --threads $(BENCH_THREADS) --out $(BENCH_QUICK_OUT)

@@ -47,10 +47,9 @@ PARITY_KEYS = {
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`make bench-quick` itself, with the grid cut to CI size (N=1,2, 2 steps, 1 repeat)."""
     out = tmp_path_factory.mktemp("bench-quick")
-    cmd = [
-        sys.executable,
-        str(REPO / "bench" / "throughput.py"),
+    quick_args = [
         "--preset=tiny",
         f"--model-dir={tiny_model_dir}",
         "--ns=1,2",
@@ -60,7 +59,14 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         "--group=2",
         "--prompts=2",
         "--max-new-tokens=4",
-        f"--out={out}",
+    ]
+    cmd = [
+        "make",
+        "--no-print-directory",
+        "bench-quick",
+        f"PY={sys.executable}",
+        f"BENCH_QUICK_ARGS={' '.join(quick_args)}",
+        f"BENCH_QUICK_OUT={out}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
