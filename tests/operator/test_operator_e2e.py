@@ -306,20 +306,35 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
         return all([(await h.status(NS, n)).get("checkpoint") for n in lows])
 
     await h.wait_for("low-priority experiments training", lows_running, timeout=240)
-    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority=10))
+    last_step = {n: 0 for n in lows}  # the furthest step status showed while training
 
-    async def one_preempted() -> str | None:
+    async def one_pending() -> tuple[str, dict[str, Any]] | None:
         for n in lows:
-            if await _messages(h, n, "Preempted"):
-                return n
+            s = await h.status(NS, n)
+            if s.get("phase") == "Running":
+                last_step[n] = max(last_step[n], s.get("step", 0))
+            elif s.get("phase") == "Pending":
+                return n, s
         return None
 
-    victim = await h.wait_for("a low-priority experiment preempted", one_preempted, 120)
+    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority=10))
+    # The victim waits in Pending while "high" trains (a second or so): poll fast.
+    victim, pending = await h.wait_for(
+        "a low-priority experiment back to Pending", one_pending, 120, interval=0.05
+    )
+    await _event(h, victim, "Preempted", "team-a/high")
+    # Checkpointed at the preemption itself (the engine's unload), not an older periodic
+    # checkpoint: it holds the step training stopped at, no earlier than status ever showed.
+    ckpt = pending.get("checkpoint") or {}
+    print(f"preempted {victim}: last seen at step {last_step[victim]}, pending with {ckpt}")
+    assert not pending.get("engine") and ckpt.get("step") == pending["step"], pending
+    assert ckpt["step"] >= last_step[victim] and ckpt["path"].endswith(f"step-{ckpt['step']:08d}")
     high = await h.wait_phase(NS, "high", "Succeeded", timeout=240)
     assert high["step"] == 8
     s = await h.wait_phase(NS, victim, "Succeeded", timeout=300)
     assert s["step"] == LONG and s["restarts"] == 0
-    await _event(h, victim, "Bound", "resumed from step")
+    resumed = await _event(h, victim, "Bound", ckpt["path"])  # from the preemption's checkpoint
+    assert f"resumed from step {ckpt['step']}" in resumed
     other = next(n for n in lows if n != victim)
     await h.wait_phase(NS, other, "Succeeded", timeout=120)
     if h.operator is not None:
