@@ -202,10 +202,20 @@ class Kube:
                 return None
             raise
 
-    async def delete(self, res: Resource, name: str, namespace: str | None = None) -> bool:
-        """True when deleted (or being deleted), False when it was not there."""
+    async def delete(
+        self,
+        res: Resource,
+        name: str,
+        namespace: str | None = None,
+        grace_seconds: int | None = None,
+    ) -> bool:
+        """True when deleted (or being deleted), False when it was not there.
+
+        `grace_seconds` overrides the object's grace period (0 = at once; a Pod's
+        containers are then killed without waiting for them to stop)."""
+        params = {} if grace_seconds is None else {"gracePeriodSeconds": str(grace_seconds)}
         try:
-            await self._request("DELETE", res.path(namespace, name))
+            await self._request("DELETE", res.path(namespace, name), params=params)
             return True
         except KubeError as e:
             if e.status == 404:

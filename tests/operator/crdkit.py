@@ -98,6 +98,56 @@ def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     )
 
 
+# --- which schema rule fired ------------------------------------------------------------
+
+# The OpenAPI keywords that reject a value (`exclusiveMinimum`/`exclusiveMaximum` are
+# draft-4 modifiers of minimum/maximum; `type` and `format` are left out: every field has
+# them, and a wrong type is the structural schema's business, not a bound).
+CONSTRAINTS = (
+    "minimum", "maximum", "enum", "pattern", "minItems", "maxItems",
+    "minLength", "maxLength", "minProperties", "maxProperties", "required",
+)  # fmt: skip
+
+
+def _where(path: str, step: str) -> str:
+    return f"{path}{step}" if step in ("[]", "{}") else f"{path}.{step}" if path else step
+
+
+def constraint_rules(schema: dict[str, Any], path: str = "") -> Iterator[str]:
+    """Every value rule in a schema as "<field> <keyword>" ("spec.lora.rank maximum",
+    "spec.lora.targetModules[] pattern", "spec required:task"); "[]" is an array's items,
+    "{}" a map's values, and each required property is a rule of its own."""
+    for keyword in CONSTRAINTS:
+        if keyword == "required":
+            yield from (f"{path or '<root>'} required:{n}" for n in schema.get(keyword, []))
+        elif keyword in schema:
+            yield f"{path or '<root>'} {keyword}"
+    for name, sub in schema.get("properties", {}).items():
+        yield from constraint_rules(sub, _where(path, name))
+    if "items" in schema:
+        yield from constraint_rules(schema["items"], _where(path, "[]"))
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from constraint_rules(schema["additionalProperties"], _where(path, "{}"))
+
+
+_SCHEMA_STEPS = {"items": "[]", "additionalProperties": "{}"}
+
+
+def broken_rules(schema: dict[str, Any], obj: Any) -> set[str]:
+    """The rules of `constraint_rules` that `obj` breaks (same names)."""
+    found = set()
+    for e in jsonschema.Draft4Validator(schema).iter_errors(obj):
+        if e.validator not in CONSTRAINTS:
+            continue
+        steps, path = list(e.absolute_schema_path)[:-1], ""
+        while steps:
+            step = steps.pop(0)
+            path = _where(path, steps.pop(0) if step == "properties" else _SCHEMA_STEPS[step])
+        name = f"required:{e.message.split(chr(39))[1]}" if e.validator == "required" else ""
+        found.add(f"{path or '<root>'} {name or e.validator}")
+    return found
+
+
 # --- CEL -------------------------------------------------------------------------------
 
 

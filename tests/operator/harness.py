@@ -741,11 +741,14 @@ class Harness:
         return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
 
     async def kill_engine(self, pod: str) -> None:
+        """The engine of `pod` dies with no checkpoint on the way out. kmock: SIGKILL its
+        process. Real cluster: delete the Pod with a zero grace period, the closest the API
+        offers (the kubelet still allows the container a short minimum before SIGKILL)."""
         if self.kubelet is not None:
             await asyncio.to_thread(self.kubelet.kill, pod)
         else:
             assert self.kube is not None
-            await self.kube.delete(PODS, pod, ENGINE_NS)
+            await self.kube.delete(PODS, pod, ENGINE_NS, grace_seconds=0)
 
     async def stop_engine(self, pod: str) -> None:
         """Delete the engine Pod gracefully (a drain, an eviction): its engine gets SIGTERM,

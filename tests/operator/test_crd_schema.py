@@ -15,6 +15,8 @@ from crdkit import (
     REPO,
     admit,
     apply_defaults,
+    broken_rules,
+    constraint_rules,
     load_crd,
     schema_errors,
     schema_of,
@@ -22,15 +24,67 @@ from crdkit import (
 )
 
 EXP = "LoRAExperiment"
+POOL = "EnginePool"
+DELETE = object()  # a table value that removes the field (for `required` rules)
 
-# (dotted field under the experiment, value, valid?)
+
+def _long(n: int, head: str = "") -> str:
+    """A string one character longer than `n` (a maxLength of `n` rejects it)."""
+    return head + "a" * (n + 1 - len(head))
+
+
+def _many(n: int, item: Any = None) -> list[Any]:
+    """n + 1 distinct items (a maxItems of `n` rejects them; set/map lists stay valid)."""
+    return [item(i) if callable(item) else f"m{i}" for i in range(n + 1)]
+
+
+_CONDITION = {
+    "type": "Ready",
+    "status": "True",
+    "lastTransitionTime": "2030-01-01T00:00:00Z",
+    "reason": "Ok",
+    "message": "",
+}
+
+
+def _condition(**fields: Any) -> list[dict[str, Any]]:
+    """A one-condition list; a field given as DELETE is left out."""
+    cond = {**_CONDITION, **fields}
+    return [{k: v for k, v in cond.items() if v is not DELETE}]
+
+
+def _condition_cases(type_pattern: bool) -> list[tuple[str, Any, bool]]:
+    """status.conditions rules (metav1.Condition), the same in both CRDs."""
+    at = "status.conditions"
+    cases = [
+        (at, _condition(), True),
+        (at, _many(16, lambda i: {**_CONDITION, "type": f"T{i}"}), False),
+        (at, _condition(type=_long(316)), False),
+        (at, _condition(status="Maybe"), False),
+        (at, _condition(observedGeneration=-1), False),
+        (at, _condition(reason=""), False),
+        (at, _condition(reason="1Bad"), False),
+        (at, _condition(reason=_long(1024)), False),
+        (at, _condition(message=_long(32768)), False),
+    ]
+    cases += [(at, _condition(**{k: DELETE}), False) for k in _CONDITION]
+    return cases + ([(at, _condition(type="-Ready"), False)] if type_pattern else [])
+
+
+# (dotted field, value, valid?). test_every_schema_rule_has_an_invalid_case holds each
+# table to every minimum/maximum/enum/pattern/length/items/properties/required rule of
+# its CRD; CEL rules are test_crd_rules.py's.
 EXPERIMENT_BOUNDS = [
+    ("spec", DELETE, False),
+    ("spec.enginePool", DELETE, False),
+    ("spec.task", DELETE, False),
     ("spec.lora.rank", 0, False),
     ("spec.lora.rank", 1, True),
     ("spec.lora.rank", 256, True),
     ("spec.lora.rank", 257, False),
     ("spec.lora.alpha", 0, False),
     ("spec.lora.alpha", 0.5, True),
+    ("spec.lora.alpha", 4096.5, False),
     ("spec.lora.dropout", 0.0, True),
     ("spec.lora.dropout", 0.99, True),
     ("spec.lora.dropout", 1.0, False),
@@ -38,11 +92,23 @@ EXPERIMENT_BOUNDS = [
     ("spec.lora.targetModules", [], False),
     ("spec.lora.targetModules", ["q_proj", "q_proj"], True),
     ("spec.lora.targetModules", ["q-proj"], False),
+    ("spec.lora.targetModules", [""], False),
+    ("spec.lora.targetModules", [_long(63)], False),
+    ("spec.lora.targetModules", _many(32)[:32], True),
+    ("spec.lora.targetModules", _many(32), False),
+    ("spec.task.name", DELETE, False),
     ("spec.task.name", "summarize", False),
     ("spec.task.name", "arithmetic", True),
     ("spec.task.params", {"target": 1}, False),
     ("spec.task.params", {"target": "no"}, True),
+    ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
+    ("spec.task.params", {"target": _long(4096)}, False),
+    ("spec.task.dataset", "", False),
+    ("spec.task.dataset", _long(4096), False),
+    ("spec.task.reward", "bleu", False),
+    ("spec.task.reward", "exact-match", True),
     ("spec.task.rewardUrl", "ftp://x", False),
+    ("spec.task.rewardUrl", _long(2048, "http://"), False),
     ("spec.algorithm.name", "ppo", False),
     ("spec.algorithm.groupSize", 1, False),
     ("spec.algorithm.groupSize", 2, True),
@@ -53,6 +119,8 @@ EXPERIMENT_BOUNDS = [
     ("spec.algorithm.promptsPerStep", 1025, False),
     ("spec.algorithm.learningRate", 0, False),
     ("spec.algorithm.learningRate", 1e-6, True),
+    ("spec.algorithm.learningRate", 1, True),
+    ("spec.algorithm.learningRate", 1.5, False),
     ("spec.algorithm.learningRate", "1e-4", False),
     ("spec.algorithm.klCoef", -0.01, False),
     ("spec.algorithm.klCoef", 0, True),
@@ -71,13 +139,109 @@ EXPERIMENT_BOUNDS = [
     ("spec.checkpoint.everySteps", 0, False),
     ("spec.checkpoint.everySteps", 1, True),
     ("spec.checkpoint.keep", 0, False),
+    ("spec.checkpoint.keep", 1000, True),
+    ("spec.checkpoint.keep", 1001, False),
     ("spec.priority", 2**31 - 1, True),
     ("spec.priority", 2**31, False),
     ("spec.priority", -(2**31), True),
+    ("spec.priority", -(2**31) - 1, False),
     ("spec.suspend", "yes", False),
     ("spec.enginePool", "Pool_A", False),
     ("spec.enginePool", "", False),
+    ("spec.enginePool", _long(253), False),
+    ("status.phase", "Done", False),
+    ("status.phase", "Succeeded", True),
+    ("status.restarts", -1, False),
+    *_condition_cases(type_pattern=True),
 ]
+
+POOL_BOUNDS = [
+    ("spec", DELETE, False),
+    ("spec.baseModel", DELETE, False),
+    ("spec.baseModel", "models/x", False),
+    ("spec.baseModel", "/", False),
+    ("spec.baseModel", _long(4096, "/"), False),
+    ("spec.template", DELETE, False),
+    ("spec.tokenSecretRef", DELETE, False),
+    ("spec.rolloutBackend", "tgi", False),
+    ("spec.rolloutBackend", "vllm", True),
+    ("spec.engineNamespace", "Team_A", False),
+    ("spec.engineNamespace", "", False),
+    ("spec.engineNamespace", _long(63), False),
+    ("spec.capacity.maxAdapters", 0, False),
+    ("spec.capacity.maxAdapters", 256, True),
+    ("spec.capacity.maxAdapters", 257, False),
+    ("spec.capacity.maxRank", 0, False),
+    ("spec.capacity.maxRank", 257, False),
+    ("spec.capacity.memoryBytes", -1, False),
+    ("spec.capacity.memoryBytes", 0, True),
+    ("spec.modelShape.numLayers", DELETE, False),
+    ("spec.modelShape.hiddenSize", DELETE, False),
+    ("spec.modelShape.numLayers", 0, False),
+    ("spec.modelShape.numLayers", 1025, False),
+    ("spec.modelShape.hiddenSize", 0, False),
+    ("spec.modelShape.hiddenSize", 1048577, False),
+    ("spec.modelShape.intermediateSize", 0, False),
+    ("spec.modelShape.intermediateSize", 4194305, False),
+    ("spec.modelShape.kvDim", 0, False),
+    ("spec.modelShape.kvDim", 1048577, False),
+    ("spec.allowedTargetModules", _many(64), False),
+    ("spec.allowedTargetModules", [""], False),
+    ("spec.allowedTargetModules", [_long(63)], False),
+    ("spec.replicas.min", -1, False),
+    ("spec.replicas.min", 1001, False),
+    ("spec.replicas.max", 0, False),
+    ("spec.replicas.max", 1001, False),
+    ("spec.template.image", DELETE, False),
+    ("spec.template.image", "", False),
+    ("spec.template.image", _long(1024), False),
+    ("spec.template.imagePullPolicy", "Sometimes", False),
+    ("spec.template.imagePullPolicy", "Never", True),
+    ("spec.template.imagePullSecrets", _many(16, lambda i: {"name": f"s{i}"}), False),
+    ("spec.template.imagePullSecrets", [{}], False),
+    ("spec.template.serviceAccountName", _long(253), False),
+    ("spec.template.priorityClassName", _long(253), False),
+    ("spec.template.tolerations", _many(64, lambda i: {"key": f"k{i}"}), False),
+    ("spec.template.volumes", _many(64, lambda i: {"name": f"v{i}"}), False),
+    ("spec.template.volumes", [{"emptyDir": {}}], False),
+    ("spec.template.volumes", [{"name": ""}], False),
+    ("spec.template.volumes", [{"name": _long(63)}], False),
+    ("spec.template.volumeMounts", _many(64, lambda i: {"name": "v", "mountPath": "/x"}), False),
+    ("spec.template.volumeMounts", [{"mountPath": "/x"}], False),
+    ("spec.template.volumeMounts", [{"name": "v"}], False),
+    ("spec.template.volumeMounts", [{"name": "", "mountPath": "/x"}], False),
+    ("spec.template.volumeMounts", [{"name": _long(63), "mountPath": "/x"}], False),
+    ("spec.template.volumeMounts", [{"name": "v", "mountPath": ""}], False),
+    ("spec.template.volumeMounts", [{"name": "v", "mountPath": _long(4096)}], False),
+    ("spec.template.env", _many(256, lambda i: {"name": f"E{i}"}), False),
+    ("spec.template.env", [{"value": "1"}], False),
+    ("spec.template.env", [{"name": ""}], False),
+    ("spec.template.env", [{"name": _long(256)}], False),
+    ("spec.template.extraArgs", _many(64), False),
+    ("spec.template.extraArgs", [_long(1024)], False),
+    ("spec.checkpoint.root", "ckpt", False),
+    ("spec.checkpoint.root", "/", False),
+    ("spec.checkpoint.root", _long(4096, "/"), False),
+    ("spec.allowedNamespaces", ["Team_A"], False),
+    ("spec.allowedNamespaces", ["team-a"], True),
+    ("spec.allowedNamespaces", _many(1024), False),
+    ("spec.allowedNamespaces", [""], False),
+    ("spec.allowedNamespaces", [_long(63)], False),
+    ("spec.namespaceSelector.matchExpressions", [{"operator": "Exists"}], False),
+    ("spec.namespaceSelector.matchExpressions", [{"key": "team"}], False),
+    ("spec.namespaceSelector.matchExpressions", [{"key": "team", "operator": "Like"}], False),
+    ("spec.namespaceSelector.matchExpressions", [{"key": "team", "operator": "Exists"}], True),
+    ("spec.tokenSecretRef.name", DELETE, False),
+    ("spec.tokenSecretRef.name", "", False),
+    ("spec.tokenSecretRef.name", _long(253), False),
+    ("spec.tokenSecretRef.key", "", False),
+    ("spec.tokenSecretRef.key", _long(253), False),
+    *[(f"status.{f}", -1, False) for f in ("engines", "ready", "slotsUsed", "slotsFree")],
+    ("status.engines", 0, True),
+    *_condition_cases(type_pattern=False),
+]
+
+BOUNDS = {EXP: EXPERIMENT_BOUNDS, POOL: POOL_BOUNDS}
 
 
 def _set(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -85,19 +249,79 @@ def _set(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     node = obj
     for p in parents:
         node = node.setdefault(p, {})
-    node[leaf] = value
+    if value is DELETE:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
     return obj
 
 
-@pytest.mark.parametrize(("field", "value", "valid"), EXPERIMENT_BOUNDS, ids=lambda v: str(v)[:30])
-def test_experiment_bounds(field: str, value: Any, valid: bool) -> None:
-    obj = _set(experiment("a").obj(), field, value)
-    errors = admit(EXP, obj)
+def _case(kind: str, field: str, value: Any) -> dict[str, Any]:
+    # The pool carries a modelShape so its fields can be broken one at a time (an absent
+    # block has no field rules to break, and a partial one breaks `required` too).
+    base = experiment("a") if kind == EXP else pool().model_shape(numLayers=2, hiddenSize=64)
+    return _set(base.obj(), field, value)
+
+
+def _names_field(error: str, field: str) -> bool:
+    """The error is about `field`: at it or inside it, or its parent saying it is required."""
+    where, _, message = error.partition(": ")
+    parent, _, leaf = field.rpartition(".")
+    inside = where == field or where.startswith(field + ".")
+    return inside or (where == parent and f"'{leaf}' is a required property" in message)
+
+
+def _check_bound(kind: str, field: str, value: Any, valid: bool) -> None:
+    errors = admit(kind, _case(kind, field, value))
     assert (errors == []) is valid, errors
-    if not valid:
-        assert any(field.split(".", 1)[1] in e or field.rsplit(".", 1)[1] in e for e in errors), (
-            errors
-        )
+    # Every message names the field, so a user can tell what to fix (and a case cannot
+    # pass on another field's rule).
+    assert all(_names_field(e, field) for e in errors), (field, errors)
+
+
+def _id(v: Any) -> str:
+    return "DELETE" if v is DELETE else str(v)[:30]
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), EXPERIMENT_BOUNDS, ids=_id)
+def test_experiment_bounds(field: str, value: Any, valid: bool) -> None:
+    _check_bound(EXP, field, value, valid)
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), POOL_BOUNDS, ids=_id)
+def test_pool_bounds(field: str, value: Any, valid: bool) -> None:
+    _check_bound(POOL, field, value, valid)
+
+
+def test_the_rule_walker_sees_nested_rules() -> None:
+    # Guards the completeness test below against a walker that finds too little.
+    exp, pool_rules = set(constraint_rules(schema_of(EXP))), set(constraint_rules(schema_of(POOL)))
+    assert {
+        "<root> required:spec",
+        "spec required:task",
+        "spec.lora.alpha maximum",
+        "spec.lora.targetModules maxItems",
+        "spec.lora.targetModules[] pattern",
+        "spec.task.params maxProperties",
+        "spec.task.params{} maxLength",
+        "spec.task.reward enum",
+        "spec.checkpoint.keep maximum",
+        "status.conditions[] required:reason",
+    } <= exp
+    assert "spec.namespaceSelector.matchExpressions[].operator enum" in pool_rules
+    assert len(exp) >= 60 and len(pool_rules) >= 90
+
+
+@pytest.mark.parametrize("kind", sorted(CRD_FILES))
+def test_every_schema_rule_has_an_invalid_case(kind: str) -> None:
+    """A rule added to a CRD without a case in its table fails here: each rule must be
+    seen rejecting a value (jsonschema reports which rule did)."""
+    schema = schema_of(kind)
+    broken: set[str] = set()
+    for field, value, valid in BOUNDS[kind]:
+        if not valid:
+            broken |= broken_rules(schema, apply_defaults(schema, _case(kind, field, value)))
+    assert [r for r in constraint_rules(schema) if r not in broken] == []
 
 
 def test_experiment_requires_pool_and_task() -> None:
@@ -138,23 +362,6 @@ def test_pool_defaults() -> None:
     assert spec["rolloutBackend"] == "torch" and spec["engineNamespace"] == "loraplex-system"
     assert spec["checkpoint"] == {"root": "/ckpt"}
     assert spec["tokenSecretRef"] == {"name": "engine-token", "key": "token"}
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("spec.rolloutBackend", "tgi"),
-        ("spec.baseModel", "models/x"),
-        ("spec.capacity.maxAdapters", 0),
-        ("spec.capacity.maxRank", 257),
-        ("spec.replicas.max", 0),
-        ("spec.capacity.memoryBytes", -1),
-        ("spec.template.imagePullPolicy", "Sometimes"),
-        ("spec.allowedNamespaces", ["Team_A"]),
-    ],
-)
-def test_pool_bounds(field: str, value: Any) -> None:
-    assert admit("EnginePool", _set(pool().obj(), field, value)) != []
 
 
 def test_pool_requires_image_and_token() -> None:

@@ -5,12 +5,13 @@ stored object). Fast: no operator, no engines."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import kmock
 import pytest
 from builders import experiment
-from harness import ApiServer, declare_resources
-from loraplex_operator.kube import EXPERIMENTS, Kube, KubeError
+from harness import ENGINE_NS, ApiServer, Harness, declare_resources
+from loraplex_operator.kube import EXPERIMENTS, PODS, Kube, KubeError
 
 
 @pytest.fixture
@@ -49,3 +50,25 @@ async def test_create_is_checked(kube: Kube) -> None:
     with pytest.raises(KubeError, match=r"422: .*lora\.alpha must be at most 16"):
         await kube.create(EXPERIMENTS, experiment("b").rank(1).alpha(64).obj(), "team-a")
     assert await kube.get(EXPERIMENTS, "b", "team-a") is None
+
+
+async def _scheduled_pod(kube: Kube, name: str) -> None:
+    pod = {"metadata": {"name": name, "namespace": ENGINE_NS}, "spec": {"nodeName": "n"}}
+    await kube.create(PODS, pod, ENGINE_NS)
+
+
+async def test_kill_engine_on_a_real_cluster_deletes_the_pod_without_grace(
+    kube: Kube, tmp_path: Path
+) -> None:
+    # A graceful delete would let the engine checkpoint on SIGTERM: not the crash that
+    # the kill scenario is about. kmock honours gracePeriodSeconds as the API server does.
+    await _scheduled_pod(kube, "drained")
+    await kube.delete(PODS, "drained", ENGINE_NS)
+    drained = await kube.get(PODS, "drained", ENGINE_NS)
+    assert drained is not None and drained["metadata"]["deletionTimestamp"]
+
+    await _scheduled_pod(kube, "killed")
+    h = Harness(tmp_path, tmp_path, real_cluster=True)  # not entered: no operator
+    h.kube = kube
+    await h.kill_engine("killed")
+    assert await kube.get(PODS, "killed", ENGINE_NS) is None

@@ -7,6 +7,8 @@ never call counts: kmock may deliver a create twice, and rounds are level-based.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
@@ -313,20 +315,35 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
         return all([(await h.status(NS, n)).get("checkpoint") for n in lows])
 
     await h.wait_for("low-priority experiments training", lows_running, timeout=240)
-    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority=10))
+    last_step = {n: 0 for n in lows}  # the furthest step status showed while training
 
-    async def one_preempted() -> str | None:
+    async def one_pending() -> tuple[str, dict[str, Any]] | None:
         for n in lows:
-            if await _messages(h, n, "Preempted"):
-                return n
+            s = await h.status(NS, n)
+            if s.get("phase") == "Running":
+                last_step[n] = max(last_step[n], s.get("step", 0))
+            elif s.get("phase") == "Pending":
+                return n, s
         return None
 
-    victim = await h.wait_for("a low-priority experiment preempted", one_preempted, 120)
+    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority=10))
+    # The victim waits in Pending while "high" trains (a second or so): poll fast.
+    victim, pending = await h.wait_for(
+        "a low-priority experiment back to Pending", one_pending, 120, interval=0.05
+    )
+    await _event(h, victim, "Preempted", "team-a/high")
+    # Checkpointed at the preemption itself (the engine's unload), not an older periodic
+    # checkpoint: it holds the step training stopped at, no earlier than status ever showed.
+    ckpt = pending.get("checkpoint") or {}
+    print(f"preempted {victim}: last seen at step {last_step[victim]}, pending with {ckpt}")
+    assert not pending.get("engine") and ckpt.get("step") == pending["step"], pending
+    assert ckpt["step"] >= last_step[victim] and ckpt["path"].endswith(f"step-{ckpt['step']:08d}")
     high = await h.wait_phase(NS, "high", "Succeeded", timeout=240)
     assert high["step"] == 8
     s = await h.wait_phase(NS, victim, "Succeeded", timeout=300)
     assert s["step"] == LONG and s["restarts"] == 0
-    await _event(h, victim, "Bound", "resumed from step")
+    resumed = await _event(h, victim, "Bound", ckpt["path"])  # from the preemption's checkpoint
+    assert f"resumed from step {ckpt['step']}" in resumed
     other = next(n for n in lows if n != victim)
     await h.wait_phase(NS, other, "Succeeded", timeout=120)
     if h.operator is not None:
@@ -335,26 +352,111 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
         assert 'loraplex_preemptions_total{pool="pool-p"} 1.0' in metrics
 
 
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+class BindingWatch:
+    """Polls every engine's GET /v1/experiments (all engines at once, so each poll is one
+    snapshot) and remembers any experiment held by two engines at the same time."""
+
+    def __init__(self, h: Harness, pods: list[dict[str, Any]]) -> None:
+        self.h, self.pods = h, pods
+        self.polls = 0
+        self.seen: set[str] = set()
+        self.doubles: list[dict[str, list[str]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _snapshot(self, c: httpx.AsyncClient, token: str) -> dict[str, list[str]]:
+        from loraplex_operator.manifests import engine_url
+
+        async def ids(pod: dict[str, Any]) -> list[str]:
+            r = await c.get(f"{engine_url(pod)}/v1/experiments", headers=_bearer(token))
+            r.raise_for_status()
+            return [e["id"] for e in r.json()["experiments"]]
+
+        held = await asyncio.gather(*(ids(p) for p in self.pods))
+        holders: dict[str, list[str]] = {}
+        for pod, exp_ids in zip(self.pods, held, strict=True):
+            for exp_id in exp_ids:
+                holders.setdefault(exp_id, []).append(pod["metadata"]["name"])
+        return holders
+
+    async def _run(self) -> None:
+        token = await _token(self.h)
+        async with httpx.AsyncClient(timeout=30) as c:
+            while True:
+                holders = await self._snapshot(c, token)
+                self.polls += 1
+                self.seen |= holders.keys()
+                if any(len(engines) > 1 for engines in holders.values()):
+                    self.doubles.append(holders)
+                await asyncio.sleep(0.1)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def check(self) -> None:
+        """Raise what the poller ran into, and any double binding, as soon as seen."""
+        assert self._task is not None
+        if self._task.done():
+            self._task.result()
+        assert not self.doubles, f"bound on two engines at once: {self.doubles[0]}"
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        self.check()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 async def test_operator_restarted_mid_flight_binds_nothing_twice_loses_nothing(
     h: Harness,
 ) -> None:
-    await h.apply(h.pool_obj("pool-r", slots=4, replicas=(1, 1)))
-    names = ["r0", "r1", "r2"]
-    for i, n in enumerate(names):
+    # Two engines with room for everything: a second operator that forgot a binding (or
+    # never saw its status) could put the same experiment on the other engine.
+    await h.apply(h.pool_obj("pool-r", slots=4, replicas=(2, 2)))
+    watch = BindingWatch(h, await _ready_engines(h, "pool-r", 2))
+    watch.start()
+    names = ["r0", "r1", "r2", "r3"]
+    for i, n in enumerate(names[:2]):
         await h.apply(h.experiment_obj(n, "pool-r", max_steps=LONG, every=EVERY, seed=i))
 
-    async def some_running() -> bool:
-        return any([(await h.status(NS, n)).get("phase") == "Running" for n in names])
+    async def first_loaded() -> bool:
+        watch.check()
+        return bool(watch.seen)
 
-    await h.wait_for("first experiment running", some_running, timeout=240, interval=0.1)
-    await h.restart_operator(kill=True)  # SIGKILL: no cleanup code runs
+    # Killed as soon as an engine holds one: the other may be mid-bind, and the loaded
+    # one's status may not be written yet.
+    await h.wait_for("first experiment on an engine", first_loaded, timeout=240, interval=0.05)
+    assert h.operator is not None
+    await asyncio.to_thread(h.operator.kill)  # SIGKILL: no cleanup code runs
+    at_kill, t_kill = len(watch.seen), time.monotonic()
+    # Two more arrive while no operator runs: the new one binds them next to what the old
+    # one left on the engines, which it must adopt rather than bind again.
+    for i, n in enumerate(names[2:], start=2):
+        await h.apply(h.experiment_obj(n, "pool-r", max_steps=LONG, every=EVERY, seed=i))
+    h.operator.start()
+
+    async def all_succeeded() -> bool:
+        watch.check()
+        phases = [(await h.status(NS, n)).get("phase") for n in names]
+        return all(p == "Succeeded" for p in phases)
+
+    await h.wait_for("all Succeeded after the restart", all_succeeded, timeout=300)
+    await watch.stop()
+    print(
+        f"restart: {at_kill} of 2 on an engine at the kill, all {len(names)} Succeeded "
+        f"{time.monotonic() - t_kill:.1f}s later; {watch.polls} engine snapshots, no double"
+    )
+    assert watch.seen == {f"{NS}.{n}" for n in names}  # each was watched on an engine
     for n in names:
-        s = await h.wait_phase(NS, n, "Succeeded", timeout=300)
+        s = await h.status(NS, n)
         assert s["step"] == LONG and s["restarts"] == 0
-    for n in names:
         bound = await _messages(h, n, "Bound")
         assert len(bound) <= 1, (n, bound)
-    assert h.operator is not None and h.operator.starts == 2
+    assert h.operator.starts == 2
 
 
 async def test_invalid_experiments_are_rejected_naming_the_field(h: Harness) -> None:

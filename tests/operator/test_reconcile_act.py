@@ -23,6 +23,7 @@ from loraplex_operator.reconcile import (
     Work,
     parse_time,
 )
+from loraplex_operator.status import Binding
 
 
 class FakeKube:
@@ -241,6 +242,39 @@ async def test_unchanged_status_is_not_rewritten() -> None:
     snap, plan = _round(obj)
     await r.act(snap, plan, "token")
     assert not [p for n, p in kube.patches if n == "a"]
+
+
+async def test_progress_only_change_waits_for_the_status_interval_a_phase_change_does_not() -> None:
+    # A busy engine moves `step` every few tens of milliseconds; writing each one would
+    # flood the API server, so only phase (and other non-progress) changes skip the wait.
+    obj = experiment("a").algorithm(maxSteps=40).obj()
+    kube = FakeKube()
+    r = PoolReconciler(
+        kube,  # type: ignore[arg-type]
+        FakeEngines(),  # type: ignore[arg-type]
+        Config(status_interval=3600),
+        emit=lambda *_: None,
+    )
+
+    async def round_with(engine_status: dict[str, Any]) -> dict[str, Any] | None:
+        """One round with the engine reporting `engine_status`; the status written, if any
+        (stored back on the object, as the API server would)."""
+        w = Work(obj=obj, binding=Binding("e1", "node-1"), engine_status=engine_status)
+        snap = Snapshot(pool=pool().obj(), experiments=[obj], engines=[], now=0.0)
+        kube.patches.clear()
+        await r.act(snap, RoundPlan(work={w.key: w}), "token")
+        written = [p["status"] for n, p in kube.patches if n == "a"]
+        if written:
+            obj["status"] = written[-1]
+        return written[-1] if written else None
+
+    first = await round_with({"id": "team-a.a", "phase": "Running", "step": 3})
+    assert first is not None and (first["phase"], first["step"]) == ("Running", 3)
+    assert await round_with({"id": "team-a.a", "phase": "Running", "step": 4}) is None
+    assert obj["status"]["step"] == 3  # held back, not lost: a later write carries it
+    done = {"id": "team-a.a", "phase": "Succeeded", "step": 40, "adapterPath": "/ckpt/x"}
+    last = await round_with(done)
+    assert last is not None and (last["phase"], last["step"]) == ("Succeeded", 40)
 
 
 async def test_pool_deleted_sends_its_experiments_back_to_pending() -> None:
