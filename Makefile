@@ -62,8 +62,8 @@ chart: tools
 	@echo "rendered: out/chart/default.yaml out/chart/all-on.yaml"
 
 # The main job on the embedded default: one local hot engine, the tiny model, the
-# experiments in samples/demo.yaml. Writes out/demo/{summary.json,rewards.png,adapters/}.
-DEMO_FILE ?= samples/demo.yaml
+# experiments in samples/local/demo.yaml. Writes out/demo/{summary.json,rewards.png,adapters/}.
+DEMO_FILE ?= samples/local/demo.yaml
 demo: tiny-model
 	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
 
@@ -77,7 +77,7 @@ $(SMOLLM2)/config.json: $(STAMP)
 	$(VENV)/bin/loraplex-engine import-gguf --out $(SMOLLM2)
 
 demo-smollm2: smollm2
-	$(VENV)/bin/loraplex-engine run samples/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
+	$(VENV)/bin/loraplex-engine run samples/local/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
 
 # Container images (needs a Docker engine; none runs on the build machines here, where the
 # images' install steps are exercised by tests/engine/test_server_images.py instead).

@@ -1,7 +1,7 @@
 """Learnability check: GRPO with plain transformers + peft LoRA on the tiny model.
 
 Shows that each built-in task's reward rises in a few tens of steps on CPU, which
-sets the defaults in samples/demo.yaml. Not used by the engine.
+sets the defaults in samples/local/demo.yaml. Not used by the engine.
 
     .venv/bin/python scripts/learnability.py --task target-token --params target=yes
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Copy the CustomResourceDefinitions from crds/ (their source) into the Helm chart's
 # crds/ folder, byte for byte, and remove chart copies whose source is gone.
-# tests/chart/test_crds_sync.py fails when the two drift.
+# tests/chart/test_chart_crds_sync.py fails when the two drift.
 #   scripts/sync-chart-crds.sh          copy
 #   scripts/sync-chart-crds.sh --check  only report drift (exit 1 when there is some)
 set -euo pipefail

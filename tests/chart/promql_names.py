@@ -6,7 +6,8 @@ operator register (prometheus-client registries) through the same functions.
 
 Not a full PromQL parser: it removes strings, label matchers, range/subquery brackets,
 grouping label lists and function calls, and takes the identifiers that are left. The
-PromQL itself is checked by promtool (tests/chart/test_dashboards.py, test_rules.py).
+PromQL itself is checked by promtool (tests/chart/test_chart_dashboards.py,
+test_chart_rules.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from chart_helpers import CONTRACT, NAMESPACE, SCENARIOS, by_kind, one, render
 SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret"}
 MODES = {"cluster", "namespaced"}
 SECRET = "loraplex-engine-token"
+KEYS = {"apiGroups", "resources", "verbs", "scope", "modes", "why", "unobserved"}
 VALID_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
 
 
@@ -20,12 +21,15 @@ def test_contract_is_well_formed() -> None:
     data = contract()
     assert data["kopfFlags"] == ["--standalone"]
     for rule in data["rules"]:
-        assert set(rule) <= {"apiGroups", "resources", "verbs", "scope", "modes", "why"}, rule
+        assert set(rule) <= KEYS, rule
         assert rule["scope"] in SCOPES, rule
         assert set(rule.get("modes", MODES)) <= MODES, rule
         assert set(rule["verbs"]) <= VALID_VERBS, rule
         assert rule["why"], rule
         assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], rule
+        # unobserved: reasons for verbs of this rule (test_chart_rbac_usage.py reads them)
+        unobserved = rule.get("unobserved", {})
+        assert set(unobserved) <= set(rule["verbs"]) and all(unobserved.values()), rule
 
 
 def _triples(rules: list[dict]) -> set[tuple]:

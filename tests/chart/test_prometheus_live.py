@@ -63,12 +63,9 @@ from promql_names import (
 )
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
-from harness import Harness, engine_server_class
+from harness import Harness
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(engine_server_class() is None, reason="needs the engine server"),
-]
+pytestmark = pytest.mark.slow
 
 POOL = "pool-live"
 # (namespace, name): two namespaces, so `namespace` must be the experiment's, not the pod's.

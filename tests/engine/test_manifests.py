@@ -81,7 +81,7 @@ def test_duplicates_and_all_problems_reported_together() -> None:
 
 
 def test_demo_sample_is_valid() -> None:
-    out = load_manifests(REPO / "samples" / "demo.yaml", max_rank=64)
+    out = load_manifests(REPO / "samples" / "local" / "demo.yaml", max_rank=64)
     assert len(out) == 4
     assert len({m.spec.algorithm.learning_rate for m in out}) > 1
     assert len({m.spec.algorithm.seed for m in out}) == 4

@@ -1,0 +1,120 @@
+"""The samples work as the README's "Install on a cluster" applies them.
+
+`kubectl apply -f samples/` takes the top-level files only (no -R), in name order, each
+file's documents in order: those are the cluster samples. `samples/local/` holds the
+`make demo` manifests for the local runner (pool `local`, which no cluster has).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from chart_helpers import CHART, KUBE_VERSIONS, NAMESPACE, REPO, by_kind, one, render
+
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+from crdkit import CRD_FILES, admit, apply_defaults, schema_of
+
+SAMPLES = REPO / "samples"
+CLUSTER_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix in {".yaml", ".yml", ".json"})
+LOCAL_FILES = sorted((SAMPLES / "local").glob("*.yaml"))
+LOCAL_POOL = "local"  # the engine `loraplex-engine run` starts (loraplex_engine.manifests)
+# Files that name sample paths for users to run or read.
+DOCS = [REPO / "README.md", REPO / "Makefile", CHART / "templates" / "NOTES.txt"]
+DOCS += sorted((REPO / "docs").glob("*.md"))
+
+
+def _docs(paths: list[Path]) -> list[dict[str, Any]]:
+    return [d for p in paths for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+CLUSTER = _docs(CLUSTER_FILES)
+
+
+def _id(doc: dict[str, Any]) -> str:
+    return f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_samples_are_split_as_the_readme_says() -> None:
+    assert {p.name for p in CLUSTER_FILES} == {"experiments.yaml", "pool-cpu.yaml"}
+    assert {p.name for p in LOCAL_FILES} == {"demo.yaml", "demo-smollm2.yaml"}
+
+
+@pytest.mark.parametrize("doc", _docs(CLUSTER_FILES + LOCAL_FILES), ids=_id)
+def test_sample_passes_the_schema(doc: dict[str, Any]) -> None:
+    """Our kinds: the CRD's OpenAPI schema, unknown fields and CEL rules, as the API server
+    would check them (crdkit); built-in kinds: the Kubernetes schema, strictly."""
+    if doc["kind"] in CRD_FILES:
+        assert admit(doc["kind"], doc) == []
+    else:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[0], strict=True)
+
+
+def _defaulted(kind: str) -> list[dict[str, Any]]:
+    """The cluster samples of `kind` as the API server stores them (CRD defaults applied)."""
+    return [apply_defaults(schema_of(kind), d) for d in by_kind(CLUSTER, kind)]
+
+
+def test_cluster_experiments_name_a_sample_pool_that_admits_them() -> None:
+    pools = {p["metadata"]["name"]: p["spec"] for p in _defaulted("EnginePool")}
+    experiments = _defaulted("LoRAExperiment")
+    assert pools and experiments
+    for exp in experiments:
+        spec, ns = exp["spec"], exp["metadata"].get("namespace", "default")
+        assert spec["enginePool"] in pools, f"{_id(exp)}: no pool {spec['enginePool']}"
+        allowed = pools[spec["enginePool"]].get("allowedNamespaces")
+        assert allowed is None or ns in allowed, f"{_id(exp)}: {ns} not in {allowed}"
+
+
+def test_cluster_namespaces_are_created_before_use() -> None:
+    """kubectl applies in order: a namespace must exist (or come earlier) when used."""
+    known = {"default", NAMESPACE}  # NAMESPACE: `helm install --create-namespace`
+    for doc in CLUSTER:
+        ns = doc["metadata"].get("namespace")
+        assert ns is None or ns in known, f"{_id(doc)}: namespace {ns} not created before"
+        if doc["kind"] == "Namespace":
+            known.add(doc["metadata"]["name"])
+
+
+def _chart_token() -> tuple[str, dict[str, str]]:
+    """(engine namespace, tokenSecretRef) that the chart's defaults create and grant."""
+    docs = render()
+    secret = one(docs, "Secret")
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+    granted = [
+        rule.get("resourceNames")
+        for role in roles
+        for rule in role["rules"]
+        if "secrets" in rule["resources"]
+    ]
+    assert granted == [[secret["metadata"]["name"]]], granted
+    (key,) = secret["data"]
+    return secret["metadata"]["namespace"], {"name": secret["metadata"]["name"], "key": key}
+
+
+def test_cluster_pools_use_the_charts_token_secret() -> None:
+    """The Secret the chart creates is the only one the operator may read (resourceNames):
+    a pool naming another one leaves its engines without a token and the operator 403s."""
+    namespace, ref = _chart_token()
+    for pool in _defaulted("EnginePool"):
+        assert pool["spec"]["tokenSecretRef"] == ref, _id(pool)
+        assert pool["spec"]["engineNamespace"] == namespace, _id(pool)
+
+
+def test_local_samples_use_the_local_pool_only() -> None:
+    assert {d["spec"]["enginePool"] for d in _docs(LOCAL_FILES)} == {LOCAL_POOL}
+    assert LOCAL_POOL not in {
+        d["spec"].get("enginePool") for d in by_kind(CLUSTER, "LoRAExperiment")
+    }
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_referenced_sample_files_exist(path: Path) -> None:
+    named = set(re.findall(r"samples/[\w./-]*\w\.ya?ml", path.read_text()))
+    missing = sorted(n for n in named if not (REPO / n).is_file())
+    assert not missing, f"{path.name} names sample files that do not exist: {missing}"
