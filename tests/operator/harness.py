@@ -279,19 +279,15 @@ class RealEngine:
 
 
 def engine_server_class() -> Any:
-    """The real engine subprocess helper, or None while the engine server has not landed."""
+    """The real engine subprocess helper (tests/engine/server_process.py)."""
     sys.path.insert(0, str(REPO / "tests" / "engine"))
-    try:
-        from server_process import EngineServer
-    except ImportError:
-        return None
+    from server_process import EngineServer
+
     return EngineServer
 
 
 def real_launcher(model_dir: Path, checkpoint_root: Path, workdir: Path) -> Launcher:
     EngineServer = engine_server_class()
-    if EngineServer is None:
-        raise RuntimeError("tests/engine/server_process.py (the engine server) is missing")
 
     def launch(req: EngineRequest) -> EngineHandle:
         server = EngineServer(

@@ -17,17 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness, RealEngine, engine_server_class
+from harness import ENGINE_NS, TOKEN_SECRET, Harness, RealEngine
 from loraplex_operator.kube import POOLS, SECRETS, KubeError
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        engine_server_class() is None,
-        reason="needs the real engine server (tests/engine/server_process.py, "
-        "`loraplex-engine serve`), not on this branch yet",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 NS = "team-a"
 # The tiny model trains a step in tens of milliseconds, so scenarios that must catch an
