@@ -28,6 +28,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=".cache/models/tiny-llama")
     p.add_argument("--task", default="target-token")
     p.add_argument("--params", nargs="*", default=[], help="key=value")
+    p.add_argument("--dataset", help="JSONL file (task jsonl)")
+    p.add_argument("--reward", default="default", help="default or a built-in reward name")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=2e-2)
     p.add_argument("--rank", type=int, default=8)
@@ -51,6 +53,8 @@ def args_from_manifest(args: argparse.Namespace, spec: ExperimentSpec) -> argpar
             **vars(args),
             "task": spec.task.name,
             "params": [f"{k}={v}" for k, v in spec.task.params.items()],
+            "dataset": spec.task.dataset,
+            "reward": spec.task.reward or "default",
             "steps": a.max_steps,
             "lr": a.learning_rate,
             "rank": lora.rank,
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     params = dict(kv.split("=", 1) for kv in args.params)
-    task = build_task(args.task, params)
+    task = build_task(args.task, params, dataset=args.dataset, reward=args.reward)
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
     base = AutoModelForCausalLM.from_pretrained(args.model)
@@ -131,7 +135,8 @@ def run(args: argparse.Namespace) -> None:
     k = 5
     start, end = sum(curve[:k]) / k, sum(curve[-k:]) / k
     print(
-        f"RESULT task={args.task} params={params} lr={args.lr} rank={args.rank} "
+        f"RESULT task={args.task} params={params} reward={args.reward} dataset={args.dataset} "
+        f"lr={args.lr} rank={args.rank} "
         f"group={args.group} prompts={args.prompts} new_tokens={args.new_tokens} "
         f"steps={args.steps} targets={args.targets} head_std={args.head_std} "
         f"start={start:.3f} end={end:.3f} time={time.time() - t0:.1f}s"

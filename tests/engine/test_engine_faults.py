@@ -179,14 +179,30 @@ def test_a_spec_asking_for_too_much_work_per_step_is_refused(tiny_model_dir, tmp
     assert eng.list_experiments() == [] and len(eng.model.free_slots()) == 4
 
 
+def _record_rollout_prompts(eng) -> list[str]:
+    """Every prompt the rollout backend is asked to complete, decoded, from now on."""
+    seen: list[str] = []
+    generate = eng.backend.generate
+
+    def recording(requests):
+        seen.extend(eng.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in requests)
+        return generate(requests)
+
+    eng.backend.generate = recording
+    return seen
+
+
 def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_model_dir, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "say yes", "answer": "yes"}) + "\n")
     eng = engine(tiny_model_dir, tmp_path / "ckpt")
     task = {"name": "jsonl", "dataset": str(data), "reward": "contains"}
     eng.put_experiment("default.live", spec(task, steps=0, every=2, keep=10), "default", "live")
+    rolled_out = _record_rollout_prompts(eng)
     for _ in range(4):
         eng.tick()
+    assert set(rolled_out) == {"say yes"}
+    rolled_out.clear()
     with data.open("a") as f:
         for i in range(3):
             f.write(json.dumps({"prompt": f"new row {i}", "answer": "no"}) + "\n")
@@ -197,6 +213,8 @@ def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_mo
     status = eng.get_experiment("default.live")
     assert status.phase == "Running" and status.step == 8 and status.max_steps == 0
     assert len(eng._experiments["default.live"].task.rows) == 4  # the appended rows are in
+    # ... and reach the rollouts: 16 draws from 4 rows (seeded) include the new ones.
+    assert {t for t in rolled_out if t.startswith("new row")}, rolled_out
     # the adapter published at steps 4, 6 and 8 (every 2) as the policy went on learning
     assert sorted(Path(v).name for v in versions) == [
         "step-00000004",

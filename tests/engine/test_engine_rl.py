@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,37 +12,54 @@ import torch
 from tests.engine.engine_builders import engine, mean, run_to_end, spec
 
 STEPS = 20
-# Three tasks, as a user would mix them. Learnability of each on the tiny model was
-# measured with scripts/learnability.py: target-token climbs from ~0.01 to ~1.0 and copy
-# from ~0.01 to ~0.3 within 30 steps at these learning rates.
-TASKS = {
+# Three task types, as a user would mix them: a built-in target word, a built-in copy
+# task, and a JSONL dataset scored by the built-in `contains` reward. Learnability on the
+# tiny model, measured with scripts/learnability.py (lm_head among the LoRA targets,
+# group 8, 4 prompts, lr 0.02, 20 steps): target-token climbs from ~0.01 to ~1.0, copy
+# from ~0.02 to ~0.1-0.3, and the JSONL task (answer "sum") from ~0.02 to >= 0.98 on
+# each of seeds 0-7. (Answer "plus" was rejected: its binary reward stays at zero for
+# some seeds, which gives GRPO no signal, e.g. seed 2 ends at 0.14.)
+TASKS: dict[str, tuple[dict[str, Any], float, int]] = {
     "default.say-yes": ({"name": "target-token", "params": {"target": "yes"}}, 0.02, 0),
-    "default.say-no": ({"name": "target-token", "params": {"target": "no"}}, 0.02, 1),
     "default.copy": ({"name": "copy", "params": {"length": "3", "alphabet": "abc"}}, 0.02, 2),
+    "default.rows": ({"name": "jsonl", "reward": "contains"}, 0.02, 1),
 }
-# "Well above its start": random completions score ~0.01; a rise of 0.15 in the mean of
-# the last 5 steps over the first 5 is ~15x the start and far beyond step-to-step noise.
+ROW_PROMPTS = ("the answer is", "say the answer", "repeat the answer", "the sum of")
+# "Well above its start": random completions score ~0.01-0.03; a rise of 0.15 in the
+# mean of the last 5 steps over the first 5 is several times the start and far beyond
+# step-to-step noise.
 MIN_RISE = 0.15
 
 
-def _start(eng, ids):
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The JSONL task's dataset: varied prompts, one answer the reward looks for."""
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    rows = [{"prompt": f"{p}: sum?", "answer": "sum"} for p in ROW_PROMPTS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _start(eng, ids: list[str], rows: Path) -> None:
     for exp_id in ids:
         task, lr, seed = TASKS[exp_id]
-        eng.put_experiment(
-            exp_id, spec(task, lr=lr, seed=seed, steps=STEPS), "default", exp_id.split(".", 1)[1]
-        )
+        if task["name"] == "jsonl":
+            task = {**task, "dataset": str(rows)}
+        name = exp_id.split(".", 1)[1]
+        eng.put_experiment(exp_id, spec(task, lr=lr, seed=seed, steps=STEPS), "default", name)
 
 
 @pytest.fixture(scope="module")
-def fused_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def fused_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, rows_file: Path):
     eng = engine(tiny_model_dir, tmp_path_factory.mktemp("fused"))
-    _start(eng, list(TASKS))
+    _start(eng, list(TASKS), rows_file)
     curves = run_to_end(eng, list(TASKS))
     return eng, curves
 
 
 def test_three_tasks_trained_together_all_improve(fused_run) -> None:
     eng, curves = fused_run
+    assert len({TASKS[i][0]["name"] for i in curves}) == 3, "three distinct task types"
     for exp_id, curve in curves.items():
         status = eng.get_experiment(exp_id)
         assert status.phase == "Succeeded", (exp_id, status.error)
@@ -50,24 +69,40 @@ def test_three_tasks_trained_together_all_improve(fused_run) -> None:
         assert status.adapter_path and (Path(status.adapter_path) / "adapter_config.json").exists()
 
 
-def test_fused_training_matches_training_each_alone(fused_run, tiny_model_dir, tmp_path) -> None:
-    _, fused = fused_run
+def test_fused_training_matches_training_each_alone(
+    fused_run, tiny_model_dir, tmp_path, rows_file
+) -> None:
+    """The whole curve and the final adapter match training each experiment alone.
+
+    Same seeds give the same prompts and the same uniform draws for sampling (each
+    experiment has its own generators), so the only difference fused training makes is
+    float rounding: other tenants' rows in the batch change padding and reduction order
+    (~1e-6 in the logits). That flips a sampled token only if a draw lands within ~1e-6
+    of a token's cumulative-probability boundary; it did not on any step here (the curves
+    were equal to the last bit, with 1 and 2 torch threads). Should it happen on another
+    platform, the two runs sample different completions from that step on and the curves
+    drift apart by whole-token rewards: that is the one benign reason this can fail, and
+    the error shows it as curves equal up to a step, then apart.
+    """
+    eng_fused, fused = fused_run
     for exp_id in TASKS:
         eng = engine(tiny_model_dir, tmp_path / exp_id)
-        _start(eng, [exp_id])
+        _start(eng, [exp_id], rows_file)
         alone = run_to_end(eng, [exp_id])[exp_id]
-        # Same seeds → same prompts, same samples, same updates, up to float noise from
-        # batching rows of other tenants alongside.
-        diffs = [abs(a - b) for a, b in zip(alone, fused[exp_id], strict=True)]
-        assert max(diffs[:10]) < 1e-3, (exp_id, alone, fused[exp_id])
-        assert abs(mean(alone[-5:]) - mean(fused[exp_id][-5:])) < 0.1
+        assert alone == pytest.approx(fused[exp_id], abs=1e-6), (exp_id, alone, fused[exp_id])
+        # Same updates, not only the same rewards. Float noise grows over 20 Adam steps
+        # (seen: at most 5e-5 per entry, 7e-6 mean); a real difference would be ~lr (2e-2).
+        mine = eng.model.adapter_state_dict(exp_id)
+        for key, value in eng_fused.model.adapter_state_dict(exp_id).items():
+            torch.testing.assert_close(mine[key], value, rtol=0, atol=1e-3)
+            assert (mine[key] - value).abs().mean() < 1e-4, key
 
 
-def test_timesliced_mode_gives_the_same_updates_as_fused(tiny_model_dir, tmp_path) -> None:
+def test_timesliced_mode_gives_the_same_updates_as_fused(tiny_model_dir, tmp_path, rows_file):
     weights = {}
     for mode in ("fused", "timesliced"):
         eng = engine(tiny_model_dir, tmp_path / mode, train_mode=mode)
-        _start(eng, list(TASKS))
+        _start(eng, list(TASKS), rows_file)
         for _ in range(3):
             eng.tick()
         weights[mode] = {i: eng.model.adapter_state_dict(i) for i in TASKS}

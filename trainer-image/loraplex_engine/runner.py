@@ -36,8 +36,10 @@ class Progress:
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
+def _mean(values: list[float]) -> float | None:
+    # None (JSON null) for an experiment that failed before its first step: NaN would
+    # make json.dumps write a bare NaN, which is not JSON.
+    return sum(values) / len(values) if values else None
 
 
 def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
@@ -77,6 +79,32 @@ def run_until_done(
             return now - start
 
 
+def final_adapter(engine: EngineService, status: ExperimentStatus) -> str | None:
+    """The checkpoint directory holding the experiment's final adapter.
+
+    A finished experiment always has one: the engine checkpoints at its last step, and
+    if that is missing (a custom engine), one is written now. A failed experiment keeps
+    its last good checkpoint (written before the failure, so its weights are finite) or
+    None when it failed before its first checkpoint: its weights at the failure (NaN,
+    or the update that made them so) are not worth shipping.
+    """
+    if status.phase == "Failed" or status.adapter_path:
+        return status.adapter_path
+    return engine.checkpoint_experiment(status.id).path
+
+
+def export_adapter(source: str | None, out_dir: Path, name: str) -> str | None:
+    """Copy the PEFT adapter files of a checkpoint to ``out_dir/adapters/<name>``."""
+    target = out_dir / "adapters" / name
+    # Also when there is nothing to copy: a previous run's adapter left under this
+    # name would pass for this run's.
+    shutil.rmtree(target, ignore_errors=True)
+    if source is None:
+        return None
+    shutil.copytree(source, target)
+    return str(target)
+
+
 def write_summary(
     engine: EngineService,
     ids: list[str],
@@ -85,15 +113,17 @@ def write_summary(
     out_dir: Path,
     task_names: dict[str, str],
 ) -> dict[str, Any]:
-    """summary.json + one PEFT adapter directory per experiment under ``out_dir``."""
+    """summary.json + one PEFT adapter directory per experiment under ``out_dir``.
+
+    Beside the issue's keys, each experiment carries its ``phase``, ``rewards`` curve and
+    ``error``. A failed experiment has ``adapter_path`` null unless it checkpointed
+    before failing, and null ``reward_first``/``reward_last`` if it never finished a step.
+    """
     experiments = []
     for exp_id in ids:
         status = engine.get_experiment(exp_id)
         curve = progress.rewards.get(exp_id, [])
-        adapter_dir = out_dir / "adapters" / status.name
-        if status.adapter_path:
-            shutil.rmtree(adapter_dir, ignore_errors=True)
-            shutil.copytree(status.adapter_path, adapter_dir)
+        adapter = export_adapter(final_adapter(engine, status), out_dir, status.name)
         experiments.append(
             {
                 "name": status.name,
@@ -103,7 +133,7 @@ def write_summary(
                 "reward_first": _mean(curve[:FIRST_LAST_K]),
                 "reward_last": _mean(curve[-FIRST_LAST_K:]),
                 "rewards": curve,
-                "adapter_path": str(adapter_dir) if status.adapter_path else None,
+                "adapter_path": adapter,
                 "error": status.error,
             }
         )
@@ -112,7 +142,8 @@ def write_summary(
         "phase_seconds": progress.phase_seconds,
         "experiments": experiments,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # allow_nan=False: fail here rather than write a file JSON parsers reject.
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
 
 

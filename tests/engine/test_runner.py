@@ -1,0 +1,166 @@
+"""The local runner (`loraplex-engine run`, behind `make demo`) end to end at tiny size."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from loraplex_engine import cli
+from loraplex_engine.api_types import CheckpointRef
+from loraplex_engine.runner import final_adapter
+
+STEPS = 6
+# The issue's summary.json schema, plus the extras README documents (per-phase seconds;
+# per experiment its phase, reward curve and error): anything else is drift.
+TOP_KEYS = {"wall_seconds": float, "experiments": list, "phase_seconds": dict}
+EXP_KEYS = {
+    "name": str,
+    "task": str,
+    "steps": int,
+    "reward_first": float,
+    "reward_last": float,
+    "adapter_path": str,
+    "phase": str,
+    "rewards": list,
+    "error": type(None),
+}
+
+
+def manifest(name: str, task: str, seed: int) -> str:
+    """One LoRAExperiment at tiny size: group 2, 2 prompts, 4 new tokens."""
+    return (
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
+        f"metadata: {{name: {name}}}\nspec:\n"
+        "  lora: {rank: 4, alpha: 8, targetModules: [q_proj, v_proj, lm_head]}\n"
+        f"  task: {task}\n"
+        "  algorithm: {groupSize: 2, promptsPerStep: 2, learningRate: 0.02, "
+        f"maxSteps: {STEPS}, seed: {seed}}}\n"
+        "  rollout: {maxNewTokens: 4}\n"
+        "  checkpoint: {everySteps: 4, keep: 1}\n"
+    )
+
+
+def run_cli(manifests: list[str], tmp_path: Path, model: Path) -> tuple[int, dict[str, Any]]:
+    """`loraplex-engine run` in-process; returns its exit code and summary.json, parsed
+    strictly (a bare NaN or Infinity, which Python's json would accept, is an error)."""
+    path = tmp_path / "experiments.yaml"
+    path.write_text("---\n".join(manifests))
+    out = tmp_path / "out"
+    code = cli.main(["run", str(path), "--model", str(model), "--out", str(out)])
+    text = (out / "summary.json").read_text()
+    return code, json.loads(text, parse_constant=_reject_constant)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"summary.json is not valid JSON: it contains {name}")
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:  # a port nobody listens on once this socket closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/score"
+
+
+def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> None:
+    """Exit 0; summary.json with exactly the documented keys and types; rewards.png;
+    adapters PEFT loads as saved; progress with step, reward and tok/s."""
+    code, summary = run_cli(
+        [
+            manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0),
+            manifest("copy-ab", "{name: copy, params: {length: '2', alphabet: ab}}", 1),
+        ],
+        tmp_path,
+        tiny_model_dir,
+    )
+    assert code == 0
+    assert_types(summary, TOP_KEYS)
+    assert [e["name"] for e in summary["experiments"]] == ["say-yes", "copy-ab"]
+    assert [e["task"] for e in summary["experiments"]] == ["target-token", "copy"]
+    for exp in summary["experiments"]:
+        assert_types(exp, EXP_KEYS)
+        assert exp["phase"] == "Succeeded" and exp["steps"] == STEPS == len(exp["rewards"])
+        assert exp["reward_first"] == pytest.approx(sum(exp["rewards"][:5]) / 5)
+        assert exp["reward_last"] == pytest.approx(sum(exp["rewards"][-5:]) / 5)
+        assert_peft_adapter_loads(Path(exp["adapter_path"]), tiny_model_dir)
+    png = tmp_path / "out" / "rewards.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert_progress(capsys.readouterr().out, ["say-yes", "copy-ab"])
+
+
+def test_failed_experiment_gives_nulls_not_nan(tiny_model_dir, tmp_path, capsys) -> None:
+    """A reward that fails at step 0: no rewards, no checkpoint. summary.json stays valid
+    JSON (null, not NaN), names the error, and the CLI exits 1; the other one finishes."""
+    bad_task = f"{{name: target-token, reward: http, rewardUrl: '{_closed_port_url()}'}}"
+    (tmp_path / "out/adapters/bad").mkdir(parents=True)  # a previous run's: to be cleared
+    code, summary = run_cli(
+        [
+            manifest("good", "{name: target-token}", 0),
+            manifest("bad", bad_task, 1),
+        ],
+        tmp_path,
+        tiny_model_dir,
+    )
+    assert code == 1
+    good, bad = summary["experiments"]
+    assert good["phase"] == "Succeeded" and isinstance(good["adapter_path"], str)
+    assert bad["phase"] == "Failed" and bad["steps"] == 0 and bad["rewards"] == []
+    assert bad["reward_first"] is None and bad["reward_last"] is None
+    assert bad["adapter_path"] is None and not (tmp_path / "out/adapters/bad").exists()
+    assert "reward failed" in bad["error"]
+    assert "did not succeed: bad" in capsys.readouterr().err
+
+
+def test_a_finished_experiment_without_a_checkpoint_gets_one_written() -> None:
+    """The runner does not trust the engine to have checkpointed the last step."""
+    written = []
+
+    def checkpoint_experiment(exp_id: str) -> CheckpointRef:
+        written.append(exp_id)
+        return CheckpointRef(f"/ckpt/{exp_id}/step-6", 6)
+
+    eng = SimpleNamespace(checkpoint_experiment=checkpoint_experiment)
+    done = SimpleNamespace(id="default.a", phase="Succeeded", adapter_path=None)
+    failed = SimpleNamespace(id="default.b", phase="Failed", adapter_path=None)
+    assert final_adapter(eng, done) == "/ckpt/default.a/step-6"
+    assert final_adapter(eng, failed) is None and written == ["default.a"]
+
+
+def assert_types(obj: dict[str, Any], schema: dict[str, type]) -> None:
+    assert set(obj) == set(schema)
+    for key, kind in schema.items():
+        # bool is an int: a True "steps" would pass isinstance(…, int) unnoticed.
+        assert type(obj[key]) is kind, (key, obj[key])
+
+
+def assert_peft_adapter_loads(path: Path, model_dir: Path) -> None:
+    """PEFT loads the directory onto the tiny base and uses every saved tensor (a key
+    PEFT did not recognise would leave its freshly initialised weight in place)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert path.parent.name == "adapters"
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, str(path)))
+    saved = load_file(path / "adapter_model.safetensors")
+    assert saved and set(saved) <= set(loaded)
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+def assert_progress(text: str, names: list[str]) -> None:
+    """The last progress block shows every experiment at its final step, with a reward
+    and a positive token rate."""
+    for name in names:
+        pattern = rf"{name}\s+Succeeded\s+step\s+{STEPS}/{STEPS}\s+reward\s+(\S+)\s+(\S+) tok/s"
+        match = re.findall(pattern, text)
+        assert match, (name, text)
+        reward, rate = (float(x) for x in match[-1])
+        assert 0.0 <= reward <= 1.0 and rate > 0
