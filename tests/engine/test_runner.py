@@ -88,7 +88,13 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
         assert exp["phase"] == "Succeeded" and exp["steps"] == STEPS == len(exp["rewards"])
         assert exp["reward_first"] == pytest.approx(sum(exp["rewards"][:5]) / 5)
         assert exp["reward_last"] == pytest.approx(sum(exp["rewards"][-5:]) / 5)
-        assert_peft_adapter_loads(Path(exp["adapter_path"]), tiny_model_dir)
+        adapter = Path(exp["adapter_path"])
+        # a PEFT adapter directory, not the whole checkpoint (no optimiser state)
+        assert sorted(p.name for p in adapter.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        assert_peft_adapter_loads(adapter, tiny_model_dir)
     png = tmp_path / "out" / "rewards.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     assert_progress(capsys.readouterr().out, ["say-yes", "copy-ab"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
+from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
 
@@ -101,7 +102,10 @@ def export_adapter(source: str | None, out_dir: Path, name: str) -> str | None:
     shutil.rmtree(target, ignore_errors=True)
     if source is None:
         return None
-    shutil.copytree(source, target)
+    # Only what PEFT reads: the optimiser and trainer state stay in the checkpoint.
+    target.mkdir(parents=True)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(Path(source) / name, target / name)
     return str(target)
 
 
