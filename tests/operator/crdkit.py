@@ -89,6 +89,33 @@ def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[s
     return found
 
 
+def list_type_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Duplicates the API server refuses: equal items of an `x-kubernetes-list-type: set`,
+    items with equal `x-kubernetes-list-map-keys` in a `map` list (jsonschema has no
+    such keyword)."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        for name, sub in value.items():
+            sub_schema = props.get(name, extra if isinstance(extra, dict) else None)
+            if sub_schema is not None:
+                found += list_type_errors(sub_schema, sub, _where(path, name))
+    elif isinstance(value, list):
+        kind, keys = schema.get("x-kubernetes-list-type"), schema.get("x-kubernetes-list-map-keys")
+        ids = [
+            json.dumps(item, sort_keys=True)
+            if kind == "set"
+            else json.dumps([item.get(k) for k in keys])
+            for item in value
+            if kind == "set" or (kind == "map" and isinstance(item, dict))
+        ]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        found += [f"{path}: Duplicate value: {i}" for i in dupes]
+        for i, item in enumerate(value):
+            found += list_type_errors(schema.get("items", {}), item, f"{path}[{i}]")
+    return found
+
+
 def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     """OpenAPI v3 (draft-4 style: boolean exclusiveMinimum) validation messages."""
     validator = jsonschema.Draft4Validator(schema)
@@ -280,6 +307,7 @@ def admit(kind: str, obj: dict[str, Any], old: dict[str, Any] | None = None) -> 
     old_full = apply_defaults(schema, old) if old is not None else None
     errors = schema_errors(schema, full)
     errors += [f"unknown field {f}" for f in unknown_fields(schema, full)]
+    errors += list_type_errors(schema, full)
     if not errors:  # the API server runs CEL only on schema-valid objects
         errors += cel_errors(schema, full, old_full)
     return errors

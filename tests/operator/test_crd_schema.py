@@ -90,7 +90,7 @@ EXPERIMENT_BOUNDS = [
     ("spec.lora.dropout", 1.0, False),
     ("spec.lora.dropout", -0.1, False),
     ("spec.lora.targetModules", [], False),
-    ("spec.lora.targetModules", ["q_proj", "q_proj"], True),
+    ("spec.lora.targetModules", ["q_proj", "q_proj"], False),  # list-type set
     ("spec.lora.targetModules", ["q-proj"], False),
     ("spec.lora.targetModules", [""], False),
     ("spec.lora.targetModules", [_long(63)], False),
@@ -215,6 +215,7 @@ POOL_BOUNDS = [
     ("spec.template.volumeMounts", [{"name": "v", "mountPath": _long(4096)}], False),
     ("spec.template.env", _many(256, lambda i: {"name": f"E{i}"}), False),
     ("spec.template.env", [{"value": "1"}], False),
+    ("spec.template.env", [{"name": "A", "value": "1"}, {"name": "A"}], False),  # map key
     ("spec.template.env", [{"name": ""}], False),
     ("spec.template.env", [{"name": _long(256)}], False),
     ("spec.template.extraArgs", _many(64), False),
@@ -224,6 +225,7 @@ POOL_BOUNDS = [
     ("spec.checkpoint.root", _long(4096, "/"), False),
     ("spec.allowedNamespaces", ["Team_A"], False),
     ("spec.allowedNamespaces", ["team-a"], True),
+    ("spec.allowedNamespaces", ["team-a", "team-a"], False),  # list-type set
     ("spec.allowedNamespaces", _many(1024), False),
     ("spec.allowedNamespaces", [""], False),
     ("spec.allowedNamespaces", [_long(63)], False),
