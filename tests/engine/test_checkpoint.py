@@ -145,6 +145,50 @@ def test_trainer_state_roundtrip_and_bad_state(tiny_model_dir, tmp_path) -> None
         load_trainer_state(tmp_path / "s", opt2, "a")
 
 
+def test_trainer_state_restores_the_global_rng_and_old_states_still_load(
+    tiny_model_dir, tmp_path
+) -> None:
+    """LoRA dropout draws from torch's global RNG, so it is saved and restored; a state
+    from before that (no "globalRng") loads and leaves the global RNG alone; a bad one
+    is refused before anything changes."""
+    model = multi_model(tiny_model_dir)
+    opt = PerAdapterAdamW(model)
+    opt.add_adapter("a", AdamWSettings(lr=1e-3))
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(11)
+    save_trainer_state(tmp_path / "s", opt, "a", generator=gen)
+    expected_global = torch.rand(3)
+
+    torch.manual_seed(99)
+    load_trainer_state(tmp_path / "s", PerAdapterAdamW(model), "a", generator=torch.Generator())
+    assert torch.equal(torch.rand(3), expected_global)
+
+    torch.manual_seed(99)
+    untouched = torch.get_rng_state()
+    opt_untouched = PerAdapterAdamW(model)
+    load_trainer_state(tmp_path / "s", opt_untouched, "a", torch.Generator(), global_rng=False)
+    assert torch.equal(torch.get_rng_state(), untouched)
+
+    file = tmp_path / "s" / "trainer_state.json"
+    state = json.loads(file.read_text())
+    del state["globalRng"]  # as written before the global RNG was saved
+    file.write_text(json.dumps(state))
+    opt2 = PerAdapterAdamW(model)
+    load_trainer_state(tmp_path / "s", opt2, "a", generator=torch.Generator())
+    assert torch.equal(torch.get_rng_state(), untouched)
+    assert opt2.step_count("a") == 0
+
+    state["globalRng"] = {"cpu": "bm90IGEgc3RhdGU="}  # base64 of "not a state"
+    file.write_text(json.dumps(state))
+    opt3, gen3 = PerAdapterAdamW(model), torch.Generator().manual_seed(7)
+    gen3_state = gen3.get_state()
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: bad trainer state"):
+        load_trainer_state(tmp_path / "s", opt3, "a", generator=gen3)
+    assert torch.equal(torch.get_rng_state(), untouched)
+    assert torch.equal(gen3.get_state(), gen3_state)
+    assert "a" not in opt3._slots  # no optimiser state was loaded
+
+
 def test_atomic_dir_leaves_nothing_half_written(tmp_path) -> None:
     final = tmp_path / "ckpt" / "step-00000001"
     with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
