@@ -1,17 +1,20 @@
 """A small fused training run that can stop at a checkpoint and resume in another process.
 
-Used by test_checkpoint_resume.py: ``python resume_worker.py MODEL_DIR CKPT_DIR OUT_FILE``
-restores every adapter from CKPT_DIR, takes one more step and saves the weights to OUT_FILE.
+Used by test_checkpoint_resume.py: ``python resume_worker.py MODEL_DIR CKPT_DIR OUT_FILE
+[DROPOUT]`` restores every adapter from CKPT_DIR, takes one more step and saves the weights
+to OUT_FILE. With DROPOUT > 0 every adapter has that LoRA dropout and the model trains in
+training mode, so the step's dropout masks come from torch's global RNG.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lora_helpers import CONFIGS, multi_model
+from lora_helpers import CONFIGS, load_base, multi_model, randomise_b
 from loraplex_engine.checkpoint import (
     atomic_dir,
     load_adapter,
@@ -30,13 +33,24 @@ SETTINGS = {
 }
 
 
-def setup(model_dir: Path) -> tuple[MultiLoRAModel, PerAdapterAdamW, dict[str, torch.Generator]]:
-    model = multi_model(model_dir)
+def setup(
+    model_dir: Path, dropout: float = 0.0
+) -> tuple[MultiLoRAModel, PerAdapterAdamW, dict[str, torch.Generator]]:
+    model = with_dropout(model_dir, dropout) if dropout else multi_model(model_dir)
     opt = PerAdapterAdamW(model)
     for name, s in SETTINGS.items():
         opt.add_adapter(name, s)
     gens = {name: torch.Generator().manual_seed(i) for i, name in enumerate(SETTINGS)}
     return model, opt, gens
+
+
+def with_dropout(model_dir: Path, dropout: float) -> MultiLoRAModel:
+    """multi_model's adapters a, b, c, each with LoRA dropout, in training mode."""
+    model = MultiLoRAModel(load_base(model_dir), max_adapters=4, max_rank=8)
+    for i, (name, cfg) in enumerate(CONFIGS.items()):
+        model.add_adapter(name, dataclasses.replace(cfg, dropout=dropout), seed=i)
+        randomise_b(model, name, seed=100 + i)
+    return model.train()
 
 
 def train_step(model: MultiLoRAModel, opt: PerAdapterAdamW, gens: dict) -> None:
@@ -62,8 +76,10 @@ def weights(model: MultiLoRAModel) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": v for n in SETTINGS for k, v in model.adapter_state_dict(n).items()}
 
 
-def resume(model_dir: Path, root: Path) -> tuple[MultiLoRAModel, PerAdapterAdamW, dict, int]:
-    model, opt, gens = setup(model_dir)  # fresh init: everything below must come from disk
+def resume(
+    model_dir: Path, root: Path, dropout: float = 0.0
+) -> tuple[MultiLoRAModel, PerAdapterAdamW, dict, int]:
+    model, opt, gens = setup(model_dir, dropout)  # fresh: what follows must come from disk
     steps = set()
     for name in CONFIGS:
         load_adapter(model, name, root / name)
@@ -74,7 +90,8 @@ def resume(model_dir: Path, root: Path) -> tuple[MultiLoRAModel, PerAdapterAdamW
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # same as the test process: identical float results
-    model_dir, root, out = map(Path, sys.argv[1:])
-    model, opt, gens, step = resume(model_dir, root)
+    model_dir, root, out = map(Path, sys.argv[1:4])
+    dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    model, opt, gens, step = resume(model_dir, root, dropout)
     train_step(model, opt, gens)
     save_file(weights(model), out, metadata={"step": str(step + 1)})

@@ -17,6 +17,7 @@ from loraplex_engine.errors import CheckpointError
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _logits(model, ids, mask, slot: int | None = None) -> torch.Tensor:
@@ -62,8 +63,8 @@ def _state(model) -> list[torch.Tensor]:
     ]
 
 
-def _corrupt(case: str, src: Path, dst: Path) -> None:
-    """Copy checkpoint src to dst and break it in one way."""
+def _corrupt(case: str, src: Path, dst: Path, model_dir: Path) -> None:
+    """Copy checkpoint src (an adapter of the model in model_dir) to dst, broken one way."""
     dst.mkdir()
     cfg = json.loads((src / "adapter_config.json").read_text())
     weights = load_file(src / "adapter_model.safetensors")
@@ -85,6 +86,9 @@ def _corrupt(case: str, src: Path, dst: Path) -> None:
         cfg["target_modules"] = ["c_attn"]
     elif case == "dora":
         cfg["use_dora"] = True
+    elif case == "other base":  # a real peft adapter, same config, made on a wider base
+        _save_peft_adapter_of_other_base(src, dst, model_dir)
+        cfg = weights = None
     elif case == "bad json":
         cfg = None
         (dst / "adapter_config.json").write_text("{not json")
@@ -92,6 +96,19 @@ def _corrupt(case: str, src: Path, dst: Path) -> None:
         (dst / "adapter_config.json").write_text(json.dumps(cfg))
     if weights is not None:
         save_file(weights, dst / "adapter_model.safetensors")
+
+
+def _save_peft_adapter_of_other_base(src: Path, dst: Path, model_dir: Path) -> None:
+    """peft's own save of the same LoRA config on a base with hidden size 96, not 64:
+    every key matches the tiny model's, the shapes do not."""
+    tiny = LlamaConfig.from_pretrained(model_dir)
+    wider = LlamaConfig(**{**tiny.to_dict(), "hidden_size": 96, "num_attention_heads": 6})
+    torch.manual_seed(0)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    lora = LoraConfig(
+        r=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=cfg["target_modules"]
+    )
+    get_peft_model(LlamaForCausalLM(wider), lora).save_pretrained(dst)
 
 
 CORRUPTIONS = {
@@ -103,6 +120,7 @@ CORRUPTIONS = {
     "unknown module": r"unknown target modules \['c_attn'\]",
     "dora": "use_dora=True is not supported",
     "bad json": "adapter_config.json is not valid JSON",
+    "other base": r"lora_[AB]\.weight has shape \[(4, 96|96, 4)\], expected \[(4, 64|64, 4)\]",
 }
 
 
@@ -110,7 +128,7 @@ CORRUPTIONS = {
 def test_bad_adapter_checkpoint_is_rejected_without_change(case, tiny_model_dir, tmp_path):
     model = multi_model(tiny_model_dir)
     good = save_adapter(model, "c", tmp_path / "good")
-    _corrupt(case, good, tmp_path / "bad")
+    _corrupt(case, good, tmp_path / "bad", tiny_model_dir)
     before, adapters = _state(model), model.adapters()
     for name in ("new", "c"):  # into a new slot, and over the existing adapter
         with pytest.raises(CheckpointError, match=CORRUPTIONS[case]):
@@ -143,6 +161,50 @@ def test_trainer_state_roundtrip_and_bad_state(tiny_model_dir, tmp_path) -> None
     (tmp_path / "s" / "trainer_state.json").write_text('{"format": 1}')
     with pytest.raises(CheckpointError, match=r"trainer_state\.json: bad trainer state"):
         load_trainer_state(tmp_path / "s", opt2, "a")
+
+
+def test_trainer_state_restores_the_global_rng_and_old_states_still_load(
+    tiny_model_dir, tmp_path
+) -> None:
+    """LoRA dropout draws from torch's global RNG, so it is saved and restored; a state
+    from before that (no "globalRng") loads and leaves the global RNG alone; a bad one
+    is refused before anything changes."""
+    model = multi_model(tiny_model_dir)
+    opt = PerAdapterAdamW(model)
+    opt.add_adapter("a", AdamWSettings(lr=1e-3))
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(11)
+    save_trainer_state(tmp_path / "s", opt, "a", generator=gen)
+    expected_global = torch.rand(3)
+
+    torch.manual_seed(99)
+    load_trainer_state(tmp_path / "s", PerAdapterAdamW(model), "a", generator=torch.Generator())
+    assert torch.equal(torch.rand(3), expected_global)
+
+    torch.manual_seed(99)
+    untouched = torch.get_rng_state()
+    opt_untouched = PerAdapterAdamW(model)
+    load_trainer_state(tmp_path / "s", opt_untouched, "a", torch.Generator(), global_rng=False)
+    assert torch.equal(torch.get_rng_state(), untouched)
+
+    file = tmp_path / "s" / "trainer_state.json"
+    state = json.loads(file.read_text())
+    del state["globalRng"]  # as written before the global RNG was saved
+    file.write_text(json.dumps(state))
+    opt2 = PerAdapterAdamW(model)
+    load_trainer_state(tmp_path / "s", opt2, "a", generator=torch.Generator())
+    assert torch.equal(torch.get_rng_state(), untouched)
+    assert opt2.step_count("a") == 0
+
+    state["globalRng"] = {"cpu": "bm90IGEgc3RhdGU="}  # base64 of "not a state"
+    file.write_text(json.dumps(state))
+    opt3, gen3 = PerAdapterAdamW(model), torch.Generator().manual_seed(7)
+    gen3_state = gen3.get_state()
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: bad trainer state"):
+        load_trainer_state(tmp_path / "s", opt3, "a", generator=gen3)
+    assert torch.equal(torch.get_rng_state(), untouched)
+    assert torch.equal(gen3.get_state(), gen3_state)
+    assert "a" not in opt3._slots  # no optimiser state was loaded
 
 
 def test_atomic_dir_leaves_nothing_half_written(tmp_path) -> None:

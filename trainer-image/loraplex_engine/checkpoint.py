@@ -219,6 +219,8 @@ def save_trainer_state(
     """Write adapter ``name``'s optimiser state, RNG state and JSON ``metadata``.
 
     ``generator`` is the experiment's own RNG (default: torch's global CPU generator).
+    torch's global RNG (CPU, and CUDA's when CUDA is in use) is saved too: LoRA dropout
+    draws from it, so without it a run with dropout > 0 does not resume exactly.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +232,8 @@ def save_trainer_state(
     state = {
         "format": TRAINER_STATE_FORMAT,
         "optimizer": {"settings": sd["settings"], "step": sd["step"]},
-        "rng": base64.b64encode(rng.numpy().tobytes()).decode("ascii"),
+        "rng": _b64(rng),
+        "globalRng": _global_rng_state(),
         "metadata": metadata or {},
     }
     (out / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
@@ -250,8 +253,12 @@ def load_trainer_state(
     optimizer: PerAdapterAdamW,
     name: str,
     generator: torch.Generator | None = None,
+    global_rng: bool = True,
 ) -> dict[str, Any]:
-    """Restore what save_trainer_state wrote; returns the metadata. Validates first."""
+    """Restore what save_trainer_state wrote; returns the metadata. Validates first.
+
+    ``global_rng=False`` leaves torch's global RNG alone. Checkpoints from before it was
+    saved load as before (the global RNG is then left as it is)."""
     file = Path(in_dir) / TRAINER_STATE
     state = _read_json(file)
     tensors = _read_safetensors(Path(in_dir) / OPTIMIZER_STATE)
@@ -263,8 +270,10 @@ def load_trainer_state(
             "exp_avg": _strip(tensors, "exp_avg."),
             "exp_avg_sq": _strip(tensors, "exp_avg_sq."),
         }
-        rng = torch.frombuffer(bytearray(base64.b64decode(state["rng"])), dtype=torch.uint8)
+        rng = _unb64(state["rng"])
         torch.Generator().set_state(rng)  # trial run: a bad state raises here, changing nothing
+        saved_global = state.get("globalRng") if global_rng else None
+        global_states = _check_global_rng_state(saved_global) if saved_global else None
         metadata = dict(state["metadata"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file}: bad trainer state: {e!r}") from e
@@ -272,8 +281,50 @@ def load_trainer_state(
         optimizer.load_state_dict(name, opt_state)
     except (AdapterError, TypeError) as e:
         raise CheckpointError(f"{Path(in_dir) / OPTIMIZER_STATE}: {e}") from e
+    if global_states is not None:
+        _set_global_rng_state(*global_states)
     (generator or torch.default_generator).set_state(rng)
     return metadata
+
+
+# torch's global generators only: the engine draws prompts and tokens from per-experiment
+# generators (saved above and in the engine's metadata) and uses neither Python's global
+# `random` nor numpy's.
+
+
+def _global_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": _b64(torch.get_rng_state())}
+    # Only if CUDA is already in use: asking for its state would initialise it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _check_global_rng_state(saved: Any) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Decode and trial-set the saved states; raises (changing nothing) if they are bad."""
+    cpu = _unb64(saved["cpu"])
+    torch.Generator().set_state(cpu)
+    cuda = [_unb64(s) for s in saved["cuda"]] if "cuda" in saved else None
+    # A different GPU count (or none) cannot take the saved CUDA states: CPU only then.
+    if cuda is not None and len(cuda) != (
+        torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ):
+        cuda = None
+    return cpu, cuda
+
+
+def _set_global_rng_state(cpu: torch.Tensor, cuda: list[torch.Tensor] | None) -> None:
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 # ---- which checkpoint to resume from --------------------------------------------------------

@@ -62,11 +62,66 @@ def _env_flag(name: str) -> bool:
     return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
 
 
+class _EnvValue(str):
+    """A flag's default taken from ``LORAPLEX_<NAME>``, remembering the variable.
+
+    argparse runs a flag's ``type`` over a *string* default only when the flag is not
+    given, and only while parsing that subcommand; so a bad value fails ``serve`` alone
+    (not every subcommand at parser build time), as a usage error (exit 2) that can
+    name the variable."""
+
+    var: str
+
+    def __new__(cls, value: str, var: str) -> _EnvValue:
+        obj = super().__new__(cls, value)
+        obj.var = var
+        return obj
+
+
+def _env_int(name: str, default: int) -> int | str:
+    raw = os.environ.get(f"LORAPLEX_{name}")
+    return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
+        raise argparse.ArgumentTypeError(f"invalid int value: {str(value)!r}{where}") from None
+
+
+# Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
+_ENV_NOTES = {
+    "vllm_option": ("LORAPLEX_VLLM_OPTIONS", "a JSON object of --vllm-option settings"),
+}
+_ENV_EXTRA = (
+    ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
+    ("LORAPLEX_VLLM_PYTHON", "python of the environment that holds vLLM (vllm backend)"),
+)
+
+
+def _env_epilog(p: argparse.ArgumentParser) -> str:
+    """Every variable `serve` reads, derived from its flags so the list cannot drift."""
+    rows = []
+    for action in p._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        flag = longs[0]
+        var, what = _ENV_NOTES.get(action.dest, (f"LORAPLEX_{action.dest.upper()}", flag))
+        rows.append((var, what))
+    rows.extend(_ENV_EXTRA)
+    width = max(len(var) for var, _ in rows)
+    lines = [f"  {var:<{width}}  {what}" for var, what in rows]
+    return "environment (a flag given on the command line wins):\n" + "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_env("MODEL"), help="base model directory (local)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address")
     p.add_argument(
-        "--port", type=int, default=int(_env("PORT", "8000")), help="listen port (0: any free)"
+        "--port", type=_int, default=_env_int("PORT", 8000), help="listen port (0: any free)"
     )
     p.add_argument("--token-file", default=_env("TOKEN_FILE"), help="file holding the bearer token")
     p.add_argument(
@@ -81,15 +136,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/",
     )
     p.add_argument(
-        "--max-adapters", type=int, default=int(_env("MAX_ADAPTERS", "8")), help="adapter slots"
+        "--max-adapters", type=_int, default=_env_int("MAX_ADAPTERS", 8), help="adapter slots"
     )
     p.add_argument(
-        "--max-rank", type=int, default=int(_env("MAX_RANK", "64")), help="largest LoRA rank"
+        "--max-rank", type=_int, default=_env_int("MAX_RANK", 64), help="largest LoRA rank"
     )
     p.add_argument(
         "--max-step-tokens",
-        type=int,
-        default=int(_env("MAX_STEP_TOKENS", str(DEFAULT_MAX_STEP_TOKENS))),
+        type=_int,
+        default=_env_int("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
         help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
         "per step (one tenant must not stall the others)",
     )
@@ -113,14 +168,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
-        default=int(_env("THREADS", "0")),
+        type=_int,
+        default=_env_int("THREADS", 0),
         help="torch CPU threads (0: torch's default)",
     )
     p.add_argument(
         "--max-completion-tokens",
-        type=int,
-        default=int(_env("MAX_COMPLETION_TOKENS", str(DEFAULT_MAX_COMPLETION_TOKENS))),
+        type=_int,
+        default=_env_int("MAX_COMPLETION_TOKENS", DEFAULT_MAX_COMPLETION_TOKENS),
         help="largest max_tokens accepted by /v1/completions",
     )
     p.add_argument(
@@ -135,6 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="module:callable that builds the engine (tests may substitute their own)",
     )
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    p.epilog = _env_epilog(p)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
 
 
 def read_token(args: argparse.Namespace) -> str | None:

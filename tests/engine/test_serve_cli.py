@@ -1,0 +1,69 @@
+"""`loraplex-engine serve` flags and their LORAPLEX_<FLAG> environment variables.
+
+The engine pod is configured mostly through the environment (the images set
+LORAPLEX_PORT, LORAPLEX_ROLLOUT_BACKEND, ...), so a bad value there must be reported
+like a bad flag, naming the variable, and must not break the other subcommands.
+"""
+
+from __future__ import annotations
+
+import pytest
+from loraplex_engine.cli import build_parser, main
+
+
+def test_a_bad_integer_in_the_environment_is_a_usage_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LORAPLEX_MAX_RANK", "abc")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: loraplex-engine serve" in err
+    assert "argument --max-rank: invalid int value: 'abc' (from LORAPLEX_MAX_RANK)" in err
+
+
+def test_a_bad_variable_does_not_break_other_subcommands_or_a_given_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAPLEX_PORT", "eighty")
+    args = build_parser().parse_args(["tiny-model", "--out", "x"])
+    assert args.command == "tiny-model"
+    # The flag on the command line wins, so the variable is never read.
+    args = build_parser().parse_args(["serve", "--port", "8001"])
+    assert args.port == 8001
+
+
+def test_integer_variables_are_parsed_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_MAX_RANK", "16")
+    monkeypatch.setenv("LORAPLEX_MAX_ADAPTERS", "3")
+    args = build_parser().parse_args(["serve", "--max-adapters", "5"])
+    assert (args.max_rank, args.max_adapters) == (16, 5)
+    assert type(args.max_rank) is int  # not the remembered-variable str subclass
+    args = build_parser().parse_args(["serve"])
+    assert (args.port, args.threads) == (8000, 0)  # unset: the plain defaults
+
+
+def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    epilog = out.split("environment (a flag given on the command line wins):")[1]
+    for var in (
+        "LORAPLEX_MODEL",
+        "LORAPLEX_PORT",
+        "LORAPLEX_TOKEN_FILE",
+        "LORAPLEX_CHECKPOINT_ROOT",
+        "LORAPLEX_MAX_ADAPTERS",
+        "LORAPLEX_MAX_RANK",
+        "LORAPLEX_ROLLOUT_BACKEND",
+        "LORAPLEX_VLLM_OPTIONS",
+        "LORAPLEX_TOKEN ",  # the token itself, not only its file
+    ):
+        assert var in epilog, var
+    # Derived from the flags: each long flag appears with its variable on one row.
+    assert any(
+        row.split() == ["LORAPLEX_MAX_STEP_TOKENS", "--max-step-tokens"]
+        for row in epilog.splitlines()
+    )
