@@ -353,3 +353,27 @@ def test_checkpoints_from_before_run_directories_resume_when_named(
         str(tmp_path / "default" / "pre" / "step-00000004"),
     )
     assert pre.step == 4 and pre.run_id not in (None, "r-src")
+
+
+def test_a_resume_restores_the_global_rng_only_onto_an_empty_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """torch's global RNG (dropout masks) is every tenant's: a resume next to a running
+    experiment leaves it alone; onto an empty engine it restores the checkpoint's."""
+    eng = engine(tiny_model_dir, tmp_path)
+    eng.put_experiment("default.a", spec(steps=9, every=1, group=2, prompts=1), "default", "a")
+    eng.tick()
+    saved = eng.checkpoint_experiment("default.a")
+    saved_rng = torch.get_rng_state()
+    eng.remove_experiment("default.a")
+
+    torch.manual_seed(1234)
+    eng.put_experiment("default.b", spec(steps=9, group=2, prompts=1), "default", "b")
+    before = torch.get_rng_state()
+    eng.put_experiment("default.c", spec(steps=9, group=2, prompts=1), "default", "c", saved.path)
+    assert torch.equal(torch.get_rng_state(), before)  # b's masks are not reshuffled
+
+    alone = engine(tiny_model_dir, tmp_path / "alone")
+    torch.manual_seed(1234)
+    alone.put_experiment("default.c", spec(steps=9, group=2, prompts=1), "default", "c", saved.path)
+    assert torch.equal(torch.get_rng_state(), saved_rng)

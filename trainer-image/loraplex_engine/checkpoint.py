@@ -190,7 +190,9 @@ def load_adapter(
             f"{path}: adapter {name!r} is loaded with {model.config_of(name)}, checkpoint has {cfg}"
         )
     if name not in model.adapters():
-        model.add_adapter(name, cfg, seed)
+        # The init is overwritten below; a seeded one leaves torch's global RNG (every
+        # tenant's dropout masks) untouched.
+        model.add_adapter(name, cfg, 0 if seed is None else seed)
     model.load_adapter_state_dict(name, weights)
     return model.slot_of(name)
 

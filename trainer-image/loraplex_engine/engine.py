@@ -867,7 +867,12 @@ class Engine:
             raise CheckpointError(f"{path}: checkpoint has {saved}, the spec asks for {config}")
         ckpt.load_adapter(self.model, exp.id, path)
         try:
-            meta = ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen)
+            # torch's global RNG (dropout masks) is shared by every tenant: restore the
+            # saved one only when this experiment will be alone on the engine, so a
+            # resume never reshuffles the masks of experiments already training.
+            meta = ckpt.load_trainer_state(
+                path, self.optimizer, exp.id, exp.sample_gen, global_rng=not self._experiments
+            )
         except CheckpointError:
             self.model.remove_adapter(exp.id)
             raise
