@@ -100,10 +100,10 @@ clean:
 	rm -rf $(VENV) .venv-vllm .cache out .tools
 
 # Experiment throughput (issue 7): sequential cold vs hot time-sliced vs hot fused, arms
-# interleaved, medians of repeats; see docs/benchmarks.md. The full protocol on the ~13M
-# `bench` model took 37 min on 2 shared cores (50-step runs only at N=4: see docs/benchmarks.md).
+# interleaved, medians of repeats, fresh seeds per repeat (the same in every arm); see
+# docs/benchmarks.md for how long the full grid takes and what it measured.
 BENCH_THREADS ?= 1
-BENCH_ARGS ?= --preset bench --ns 1,2,4,8 --steps 10,50 --long-ns 4 --repeats 3
+BENCH_ARGS ?= --preset bench --ns 1,2,4,8 --steps 10,50 --repeats 3 --seed-per-repeat
 bench: venv
 	$(PY) bench/throughput.py $(BENCH_ARGS) --threads $(BENCH_THREADS) --out out/bench
 
