@@ -252,8 +252,11 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
     await h.apply(h.pool_obj("pool-g", slots=4, replicas=(2, 2)))
     pods = await _ready_engines(h, "pool-g", 2)
     # No periodic checkpoint before the last step: the only ones are the one taken below,
-    # which status records, and the one the engine writes on SIGTERM.
-    await h.apply(h.experiment_obj("drain", "pool-g", max_steps=LONG, every=LONG))
+    # which status records, and the one the engine writes on SIGTERM. Far more steps than
+    # the test waits for, so the SIGTERM always lands mid-run: with LONG steps a quiet
+    # machine finished the run during the drain, and then there was nothing to checkpoint.
+    steps = 50 * LONG
+    await h.apply(h.experiment_obj("drain", "pool-g", max_steps=steps, every=steps))
 
     async def training() -> dict[str, Any] | None:
         s = await h.status(NS, "drain")
@@ -292,8 +295,13 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
             return line in engine.server.log_text()
 
         await h.wait_for("the engine's shutdown checkpoint log line", logged, timeout=30)
-    s = await h.wait_phase(NS, "drain", "Succeeded", timeout=300)
-    assert s["step"] == LONG and s["restarts"] == 1
+
+    async def training_again() -> dict[str, Any] | None:
+        s = await h.status(NS, "drain")
+        return s if s.get("phase") == "Running" and s.get("step", 0) > resumed + 2 else None
+
+    s = await h.wait_for("drain training on its new engine", training_again, timeout=120)
+    assert s["restarts"] == 1 and s["engine"] != victim
 
 
 async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness) -> None:
