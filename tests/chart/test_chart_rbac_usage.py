@@ -24,13 +24,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 import yaml
 from chart_helpers import CONTRACT, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
-from harness import ENGINE_NS, OPERATOR_AGENTS, VERBS, Harness
+from harness import ENGINE_NS, Call, Harness, operator_calls_in
 from loraplex_operator.kube import POOLS, Kube
 
 WATCHED = "team-a"
@@ -39,24 +38,6 @@ WATCHED = "team-a"
 # context names none (the runs here).
 KOPF_DEFAULT_NS = "default"
 POOL = "rbac-pool"
-# (apiGroup, resource[/subresource], verb, namespace or None for cluster-wide)
-Call = tuple[str, str, str, str | None]
-
-
-def calls_of(api: kmock.KubernetesEmulator) -> set[Call]:
-    """The operator's requests as kmock recorded them (harness.operator_calls, with the
-    namespace kept: a scope is a set of namespaces)."""
-    out: set[Call] = set()
-    for req in list(api):
-        agent = next((v for k, v in req.headers.items() if k.lower() == "user-agent"), "")
-        if not agent.startswith(OPERATOR_AGENTS) or req.resource is None or req.action is None:
-            continue
-        if not req.resource.plural:  # API discovery: open to every authenticated user
-            continue
-        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
-        verb = VERBS[req.action.value]
-        out.add((req.resource.group, resource, verb, req.namespace or None))
-    return out
 
 
 def covers(scope: str, namespace: str | None) -> bool:
@@ -115,7 +96,7 @@ async def _operator_calls(workdir: Path, model_dir: Path) -> set[Call]:
         await h.kube.delete(POOLS, POOL)
         await until("the pool gone", lambda: _gone(h.kube, POOL))
         await asyncio.to_thread(h.operator.stop)  # all its calls are in before reading
-        return calls_of(h.api)
+        return operator_calls_in(h.api)
 
 
 async def _gone(kube: Kube, pool: str) -> bool:

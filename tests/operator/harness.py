@@ -208,9 +208,13 @@ VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
 VERBS |= {"UPDATE": "patch", "DELETE": "delete"}
 
 
-def operator_calls(api: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
-    """(apiGroup, resource[/subresource], verb) of every call kopf or our client made."""
-    calls = set()
+# (apiGroup, resource[/subresource], verb, namespace or None for cluster-wide)
+Call = tuple[str, str, str, str | None]
+
+
+def operator_calls_in(api: kmock.KubernetesEmulator) -> set[Call]:
+    """Every call kopf or our client made, with the namespace it was made in."""
+    calls: set[Call] = set()
     for req in list(api):
         agent = next((v for k, v in req.headers.items() if k.lower() == "user-agent"), "")
         if not agent.startswith(OPERATOR_AGENTS) or req.resource is None or req.action is None:
@@ -218,8 +222,14 @@ def operator_calls(api: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
         if not req.resource.plural:  # API discovery: open to every authenticated user
             continue
         resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
-        calls.add((req.resource.group, resource, VERBS[req.action.value]))
+        verb = VERBS[req.action.value]
+        calls.add((req.resource.group, resource, verb, req.namespace or None))
     return calls
+
+
+def operator_calls(api: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every call kopf or our client made."""
+    return {(group, resource, verb) for group, resource, verb, _ in operator_calls_in(api)}
 
 
 def rbac_violations(calls: set[tuple[str, str, str]]) -> list[tuple[str, str, str]]:

@@ -104,8 +104,8 @@ def export_adapter(source: str | None, out_dir: Path, name: str) -> str | None:
         return None
     # Only what PEFT reads: the optimiser and trainer state stay in the checkpoint.
     target.mkdir(parents=True)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        shutil.copy2(Path(source) / name, target / name)
+    for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(Path(source) / file, target / file)
     return str(target)
 
 

@@ -79,7 +79,7 @@ class _EnvValue(str):
 
 
 def _env_int(name: str, default: int) -> int | str:
-    raw = os.environ.get(f"LORAPLEX_{name}")
+    raw = _env(name)
     return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
 
 
