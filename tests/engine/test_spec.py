@@ -198,9 +198,7 @@ CROSS_FIELD_VALID = [
 
 
 @pytest.mark.parametrize(("change", "field", "message"), CROSS_FIELD_RULES)
-def test_cross_field_rules_name_the_field(
-    change: dict[str, Any], field: str, message: str
-) -> None:
+def test_cross_field_rules_name_the_field(change: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_spec({"task": {"name": "copy"}, **change})
     assert info.value.field == field
