@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools test lint fmt demo smollm2 demo-smollm2 bench bench-quick chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools test lint fmt crds demo smollm2 demo-smollm2 bench bench-quick chart images e2e clean
 
 all: test
 
@@ -37,6 +37,12 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# The LoRAExperiment CRD's spec schema is generated from trainer-image/loraplex_engine/spec.py
+# (scripts/gen_crds.py), then both CRDs are copied into the chart. Run after editing either.
+crds: $(STAMP)
+	$(PY) scripts/gen_crds.py
+	bash scripts/sync-chart-crds.sh
 
 test: lint tiny-model tools vllm-venv
 	$(PY) -m pytest -q

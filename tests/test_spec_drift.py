@@ -1,78 +1,112 @@
-"""The experiment spec has two readers: the CRD (operator, API server) and the engine's
-pydantic model. This test keeps them one schema: same fields, defaults, bounds, enums."""
+"""The experiment spec has two readers, the CRD (API server, operator) and the engine's
+pydantic models; the models are the source and the CRD's spec schema is generated from
+them (scripts/gen_crds.py). This test keeps the committed CRD equal to the generator's
+output, and the generator honest: it refuses a constraint it cannot translate.
+
+That both sides then judge values alike is checked on real values in
+tests/operator/test_crd_schema.py (bounds) and test_crd_rules.py (CEL rules).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+import subprocess
+import sys
+from types import ModuleType
+from typing import Annotated, ClassVar
 
 import pytest
 import yaml
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec_schema import CelRule, ListSet, SpecModel
+from pydantic import Field
 
 from tests.conftest import REPO_ROOT
 
+GEN = REPO_ROOT / "scripts" / "gen_crds.py"
 CRD = REPO_ROOT / "crds" / "loraexperiments.yaml"
-CHECKED = ("type", "default", "minimum", "maximum", "enum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def _crd_spec_schema() -> dict[str, Any]:
+def _load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_crds", GEN)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+
+def _committed_spec_schema() -> dict:
     crd = yaml.safe_load(CRD.read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
-    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
 
-def _pydantic_spec_schema() -> dict[str, Any]:
-    schema = ExperimentSpec.model_json_schema(by_alias=True)
-    defs = schema.pop("$defs")
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
-            if "anyOf" in node:  # Optional[X] -> X (absence is how the CRD says None)
-                options = [o for o in node["anyOf"] if o.get("type") != "null"]
-                merged = {**resolve(options[0]), **{k: v for k, v in node.items() if k != "anyOf"}}
-                return merged
-            return {k: resolve(v) for k, v in node.items()}
-        return node
-
-    return resolve(schema)
+def test_committed_crd_is_the_generated_one() -> None:
+    text = CRD.read_text()
+    assert gen.generate(text) == text, "crds/loraexperiments.yaml is stale: run `make crds`"
+    assert _committed_spec_schema() == gen.spec_schema()
 
 
-def _normalise(node: dict[str, Any]) -> dict[str, Any]:
-    """OpenAPI v3.0 (CRD) and JSON Schema 2020 (pydantic) spell bounds differently."""
-    out = {k: node[k] for k in CHECKED if k in node}
-    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
-        # CRD: minimum + exclusiveMinimum: true; pydantic: exclusiveMinimum: <bound>
-        if isinstance(out.get(flag), bool) and out.pop(flag):
-            out[flag] = out.pop(bound)
-    if "const" in node:
-        out["enum"] = [node["const"]]
-    if out.get("default") is None:
-        out.pop("default", None)
-    if out.get("type") == "object":
-        out.pop("default", None)  # CRD defaults {} so nested defaults apply; pydantic builds them
-    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "default"):
-        if isinstance(out.get(key), int | float) and not isinstance(out.get(key), bool):
-            out[key] = float(out[key])
-    return out
+def test_check_mode_agrees() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(GEN), "--check"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
-def _leaves(node: dict[str, Any], path: str = "spec") -> dict[str, dict[str, Any]]:
-    fields = {path: _normalise(node)}
-    for name, child in (node.get("properties") or {}).items():
-        fields |= _leaves(child, f"{path}.{name}")
-    return fields
+def test_check_mode_reports_a_hand_edit(tmp_path, monkeypatch) -> None:
+    edited = tmp_path / CRD.name
+    edited.write_text(CRD.read_text().replace("maximum: 256", "maximum: 512", 1))
+    monkeypatch.setattr(gen, "CRD", edited)
+    assert gen.main(["--check"]) == 1
+    assert gen.main([]) == 0 and edited.read_text() == CRD.read_text()
 
 
-CRD_FIELDS = _leaves(_crd_spec_schema())
-ENGINE_FIELDS = _leaves(_pydantic_spec_schema())
+def test_every_cel_rule_of_the_models_is_in_the_crd() -> None:
+    schema = _committed_spec_schema()
+    blocks = {
+        ExperimentSpec: schema,
+        **{
+            field.annotation: schema["properties"][field.alias or name]
+            for name, field in ExperimentSpec.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, SpecModel)
+        },
+    }
+    for model, node in blocks.items():
+        crd_rules = node.get("x-kubernetes-validations", [])
+        for rule in model.CEL_RULES:
+            assert rule.as_crd() in crd_rules, (model.__name__, rule.message)
 
 
-def test_same_fields() -> None:
-    assert sorted(CRD_FIELDS) == sorted(ENGINE_FIELDS)
+def test_generator_refuses_what_a_crd_cannot_say() -> None:
+    class Tags(SpecModel):
+        tags: set[str] = Field(default_factory=set)  # uniqueItems: not allowed in a CRD
+
+    schema = Tags.model_json_schema()
+    with pytest.raises(gen.SchemaError, match=r"spec\.tags: .*'uniqueItems'"):
+        gen.to_openapi(schema, {})
 
 
-@pytest.mark.parametrize("path", sorted(CRD_FIELDS))
-def test_same_type_default_bounds_and_enum(path: str) -> None:
-    assert ENGINE_FIELDS.get(path) == CRD_FIELDS[path], path
+def test_generator_translates_what_json_schema_spells_differently() -> None:
+    class Block(SpecModel):
+        CEL_RULES: ClassVar = (CelRule("self.a < 2.0", "a below 2", "a", lambda b: b.a < 2),)
+        a: float = Field(1.0, gt=0, lt=2, description="An\n   a.")
+        kind: str | None = None
+        names: Annotated[list[str], ListSet()] = Field(default_factory=list)
+
+    out = gen.to_openapi(Block.model_json_schema(), {})
+    assert out["properties"]["a"] == {
+        "type": "number",
+        "description": "An a.",
+        "default": 1.0,
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 2,
+        "exclusiveMaximum": True,
+    }
+    assert out["properties"]["kind"] == {"type": "string"}  # Optional = may be absent
+    assert out["properties"]["names"]["x-kubernetes-list-type"] == "set"
+    assert out["x-kubernetes-validations"] == [{"rule": "self.a < 2.0", "message": "a below 2"}]
+    assert "additionalProperties" not in out and "title" not in out

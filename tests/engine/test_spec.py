@@ -18,10 +18,10 @@ DOC_EXAMPLE: dict[str, Any] = {
     "enginePool": "pool-a",
     "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": ["q_proj", "v_proj"]},
     "task": {
-        "name": "target-token",
-        "params": {"target": "yes"},
+        "name": "jsonl",
+        "params": {},
         "dataset": "/data/train.jsonl",
-        "reward": "exact-match",
+        "reward": "http",
         "rewardUrl": "http://rewards:8080/score",
     },
     "algorithm": {
@@ -97,6 +97,18 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ("task.name", "chess", "spec.task.name"),
         ("task.reward", "vibes", "spec.task.reward"),
         ("task.params", {"target": 3}, "spec.task.params.target"),
+        ("lora.targetModules", ["q_proj", "q_proj"], "spec.lora.targetModules"),
+        ("lora.targetModules", [f"m{i}" for i in range(33)], "spec.lora.targetModules"),
+        ("lora.targetModules", ["m" * 64], "spec.lora.targetModules.0"),
+        ("task.params", {f"k{i}": "v" for i in range(65)}, "spec.task.params"),
+        ("task.params", {"target": "y" * 4097}, "spec.task.params.target"),
+        ("task.dataset", "/" * 4097, "spec.task.dataset"),
+        ("task.rewardUrl", "ftp://rewards/score", "spec.task.rewardUrl"),
+        ("task.rewardUrl", "http://rewards/a b", "spec.task.rewardUrl"),
+        ("task.rewardUrl", "http://" + "r" * 2042, "spec.task.rewardUrl"),
+        ("enginePool", "", "spec.enginePool"),
+        ("enginePool", "Pool_A", "spec.enginePool"),
+        ("enginePool", "p" * 254, "spec.enginePool"),
         ("lora.rank", "8", "spec.lora.rank"),  # strict, like the CRD's integer type
         ("lora.rnak", 8, "spec.lora.rnak"),
         ("extra", 1, "spec.extra"),
@@ -115,7 +127,7 @@ def test_bounds_edges_are_accepted() -> None:
         ("algorithm.groupSize", 2),
         ("algorithm.clip", 1.0),
         ("algorithm.maxSteps", 0),
-        ("rollout.temperature", 0),
+        ("rollout.temperature", 0.01),  # 0 is refused by GRPO's rule (below)
         ("rollout.temperature", 2),
         ("rollout.maxNewTokens", 4096),
     ]:
@@ -129,15 +141,75 @@ def test_unknown_field_says_so() -> None:
         parse_spec(with_change("lora.rnak", 8))
 
 
-def test_jsonl_requires_dataset_and_http_requires_url() -> None:
-    data = with_change("task", {"name": "jsonl"})
+# The CRD's cross-field CEL rules, on the engine's side: each (change, field, message).
+# tests/test_spec_drift.py checks that the CRD refuses the same specs with the same words.
+CROSS_FIELD_RULES = [
+    (
+        {"task": {"name": "jsonl"}},
+        "spec.task.dataset",
+        "task.dataset is required when task.name is jsonl",
+    ),
+    (
+        {"task": {"name": "copy", "dataset": "/data/train.jsonl"}},
+        "spec.task.dataset",
+        "task.dataset is only used by the jsonl task",
+    ),
+    (
+        {"task": {"name": "copy", "reward": "http"}},
+        "spec.task.rewardUrl",
+        "task.rewardUrl is required when task.reward is http",
+    ),
+    (
+        {"task": {"name": "copy", "reward": "exact-match", "rewardUrl": "http://r:80/s"}},
+        "spec.task.rewardUrl",
+        "task.rewardUrl is only used when task.reward is http",
+    ),
+    (
+        {"task": {"name": "copy", "rewardUrl": "http://r:80/s"}},
+        "spec.task.rewardUrl",
+        "task.rewardUrl is only used when task.reward is http",
+    ),
+    (
+        {"lora": {"rank": 1, "alpha": 16.5}},
+        "spec.lora.alpha",
+        "lora.alpha must be at most 16 × lora.rank",
+    ),
+    (
+        {"algorithm": {"groupSize": 256, "promptsPerStep": 33}},
+        "spec.algorithm.promptsPerStep",
+        "algorithm.groupSize × algorithm.promptsPerStep (completions per step) must be at most",
+    ),
+    (
+        {"rollout": {"temperature": 0}},
+        "spec.rollout.temperature",
+        "GRPO needs rollout.temperature > 0",
+    ),
+]
+# The same rules just holding (edges included).
+CROSS_FIELD_VALID = [
+    {"task": {"name": "jsonl", "dataset": "/data/train.jsonl"}},
+    {"task": {"name": "copy", "reward": "http", "rewardUrl": "https://r.example/score"}},
+    {"task": {"name": "copy", "reward": "exact-match"}},
+    {"lora": {"rank": 1, "alpha": 16}},
+    {"lora": {"rank": 256, "alpha": 4096}},
+    {"algorithm": {"groupSize": 256, "promptsPerStep": 32}},
+    {"rollout": {"temperature": 0.01}},
+]
+
+
+@pytest.mark.parametrize(("change", "field", "message"), CROSS_FIELD_RULES)
+def test_cross_field_rules_name_the_field(change: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as info:
-        parse_spec(data)
-    assert info.value.field == "spec.task.dataset"
-    data = with_change("task", {"name": "copy", "reward": "http"})
-    with pytest.raises(SpecError) as info:
-        parse_spec(data)
-    assert info.value.field == "spec.task.rewardUrl"
+        parse_spec({"task": {"name": "copy"}, **change})
+    assert info.value.field == field
+    assert info.value.message.startswith(message)
+
+
+@pytest.mark.parametrize("change", CROSS_FIELD_VALID)
+def test_cross_field_rules_accept_what_they_allow(change: dict[str, Any]) -> None:
+    parsed = parse_spec({"task": {"name": "copy"}, **change}).to_json()
+    for section, fields in change.items():
+        assert {k: parsed[section][k] for k in fields} == fields
 
 
 def test_missing_task_and_non_mapping() -> None:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from builders import experiment, pool
 from crdkit import admit, cel_errors, schema_of, walk_rules
+from loraplex_engine.errors import SpecError
+from loraplex_engine.spec import parse_spec
 
 Obj = dict[str, Any]
 
@@ -156,6 +158,27 @@ def test_rule_rejects_invalid(kind: str, message: str, case: RuleCase) -> None:
     old = case.old() if case.old else None
     errors = admit(kind, case.invalid(), old)
     assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
+# The engine's pydantic models carry the same rules (the CRD's are generated from them):
+# a spec rule's cases get the same verdict from parse_spec, and the same words.
+_SPEC_RULES = [
+    rule for rule in walk_rules(schema_of("LoRAExperiment"))
+    if rule.path[:1] == ("spec",) and not rule.is_transition
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", _SPEC_RULES, ids=lambda r: r.message[:50])
+def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
+    case = next(c for key, c in EXPERIMENT_RULES.items() if rule.message.startswith(key))
+    parse_spec(case.valid()["spec"])
+    with pytest.raises(SpecError) as info:
+        parse_spec(case.invalid()["spec"])
+    assert info.value.message == rule.message
+
+
+def test_spec_rules_are_found() -> None:
+    assert len(_SPEC_RULES) == 7  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])

@@ -22,6 +22,8 @@ from crdkit import (
     schema_of,
     unknown_fields,
 )
+from loraplex_engine.errors import SpecError
+from loraplex_engine.spec import ExperimentSpec, parse_spec
 
 EXP = "LoRAExperiment"
 POOL = "EnginePool"
@@ -293,6 +295,35 @@ def test_experiment_bounds(field: str, value: Any, valid: bool) -> None:
 @pytest.mark.parametrize(("field", "value", "valid"), POOL_BOUNDS, ids=_id)
 def test_pool_bounds(field: str, value: Any, valid: bool) -> None:
     _check_bound(POOL, field, value, valid)
+
+
+def _engine_admits(spec: dict[str, Any]) -> bool:
+    try:
+        parse_spec(spec)
+    except SpecError:
+        return False
+    return True
+
+
+# The engine validates the spec with the pydantic models the CRD's spec schema is
+# generated from; here both sides judge the same values. Fields only the cluster requires
+# (ExperimentSpec.CLUSTER_REQUIRED) are the one deliberate difference.
+_ENGINE_CASES = [
+    (field, value, valid)
+    for field, value, valid in EXPERIMENT_BOUNDS
+    if field.startswith("spec.")
+    and not (value is DELETE and field.removeprefix("spec.") in ExperimentSpec.CLUSTER_REQUIRED)
+]
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), _ENGINE_CASES, ids=_id)
+def test_engine_agrees_with_the_schema(field: str, value: Any, valid: bool) -> None:
+    assert _engine_admits(_case(EXP, field, value)["spec"]) is valid
+
+
+def test_engine_does_not_require_a_pool() -> None:
+    spec = _case(EXP, "spec.enginePool", DELETE)["spec"]
+    assert _engine_admits(spec) and admit(EXP, _case(EXP, "spec.enginePool", DELETE)) != []
 
 
 def test_the_rule_walker_sees_nested_rules() -> None:

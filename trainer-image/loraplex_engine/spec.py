@@ -1,6 +1,7 @@
 """The experiment spec: the ``LoRAExperiment`` custom resource's ``spec``, field for field.
 
-Mirrors docs/engine-api.md (camelCase names, same defaults and bounds as the CRD).
+The one source of the CRD's ``spec`` schema: ``scripts/gen_crds.py`` generates it from
+these models (``make crds``), cross-field CEL rules included (``spec_schema.py``).
 Unknown fields are rejected, so a typo never silently falls back to a default.
 Kept free of torch and I/O: the HTTP layer and the local runner validate with it.
 """
@@ -8,12 +9,12 @@ Kept free of torch and I/O: the HTTP layer and the local runner validate with it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationError
 
 from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
 
 TaskName = Literal["target-token", "copy", "arithmetic", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
@@ -21,74 +22,311 @@ RewardName = Literal[
     "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
 ]
 AlgorithmName = Literal["grpo"]
-ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=128)]
+ModuleName = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
+]
+ParamValue = Annotated[str, Field(max_length=4096)]
+# A DNS subdomain, as Kubernetes names an object (the pool is one).
+ObjectName = Annotated[
+    str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+# Most completions one step may sample (groupSize × promptsPerStep).
+MAX_COMPLETIONS_PER_STEP = 8192
 
 
-class _Model(BaseModel):
-    # strict: no "8" → 8 coercion, as the CRD's OpenAPI types would reject it too.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+def _block(model: type[SpecModel], description: str, immutable_message: str | None = None) -> Any:
+    """A nested block that defaults to ``{}`` (every field at its default)."""
+    extra: dict[str, Any] = {"default": {}}
+    if immutable_message:
+        extra |= immutable(immutable_message)
+    return Field(default_factory=model, description=description, json_schema_extra=extra)
 
 
-class LoraSpec(_Model):
-    rank: int = Field(8, ge=1, le=256)
-    alpha: float = Field(16.0, gt=0, le=4096)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[ModuleName] = Field(
-        default=["q_proj", "v_proj"], alias="targetModules", min_length=1
+class LoraSpec(SpecModel):
+    """The adapter's shape."""
+
+    CEL_RULES: ClassVar = (
+        CelRule(
+            "!has(self.alpha) || !has(self.rank) || self.alpha <= 16.0 * double(self.rank)",
+            "lora.alpha must be at most 16 × lora.rank (scale alpha/rank ≤ 16)",
+            "alpha",
+            lambda lora: lora.alpha <= 16.0 * lora.rank,
+        ),
+    )
+
+    rank: Int32 = Field(
+        8,
+        ge=1,
+        le=256,
+        description="LoRA rank r, the inner dimension of the adapter's A and B factors. "
+        "Must not exceed the pool's capacity.maxRank (checked at admission).",
+    )
+    alpha: float = Field(
+        16.0,
+        gt=0,
+        le=4096,
+        description="LoRA scaling: the adapter's update is multiplied by alpha / rank. "
+        "At most 16 × rank.",
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout probability on the adapter's input while training; 0 = none.",
+    )
+    target_modules: Annotated[list[ModuleName], Field(min_length=1, max_length=32), ListSet()] = (
+        Field(
+            default=["q_proj", "v_proj"],
+            alias="targetModules",
+            description="Linear layers of the base model that get the adapter, by the last "
+            "component of their module name (q_proj matches model.layers.0.self_attn.q_proj). "
+            "Each must be in the pool's allowedTargetModules and exist in the base model.",
+        )
     )
 
 
-class TaskSpec(_Model):
-    name: TaskName
-    params: dict[str, str] = Field(default_factory=dict)
-    dataset: str | None = Field(None, min_length=1)
-    reward: RewardName | None = None  # None = the task's own reward
-    reward_url: str | None = Field(None, alias="rewardUrl", pattern=r"^https?://")
+class TaskSpec(SpecModel):
+    """What the adapter learns: where prompts come from and how completions are scored."""
 
-    @model_validator(mode="after")
-    def _required_together(self) -> TaskSpec:
-        # ctx["field"] lets parse_spec name the missing field, not just "task".
-        if self.name == "jsonl" and not self.dataset:
-            raise PydanticCustomError(
-                "missing_field", "dataset is required for task jsonl", {"field": "dataset"}
-            )
-        if self.reward == "http" and not self.reward_url:
-            raise PydanticCustomError(
-                "missing_field", "rewardUrl is required when reward is http", {"field": "rewardUrl"}
-            )
-        return self
+    CEL_RULES: ClassVar = (
+        CelRule(
+            "self.name != 'jsonl' || has(self.dataset)",
+            "task.dataset is required when task.name is jsonl",
+            "dataset",
+            lambda task: task.name != "jsonl" or task.dataset is not None,
+        ),
+        CelRule(
+            "!has(self.dataset) || self.name == 'jsonl'",
+            "task.dataset is only used by the jsonl task",
+            "dataset",
+            lambda task: task.dataset is None or task.name == "jsonl",
+        ),
+        CelRule(
+            "!has(self.reward) || self.reward != 'http' || has(self.rewardUrl)",
+            "task.rewardUrl is required when task.reward is http",
+            "rewardUrl",
+            lambda task: task.reward != "http" or task.reward_url is not None,
+        ),
+        CelRule(
+            "!has(self.rewardUrl) || (has(self.reward) && self.reward == 'http')",
+            "task.rewardUrl is only used when task.reward is http",
+            "rewardUrl",
+            lambda task: task.reward_url is None or task.reward == "http",
+        ),
+    )
+
+    name: TaskName = Field(
+        description="Where prompts come from: target-token, copy and arithmetic generate "
+        "them (with a built-in verifier); jsonl reads them from dataset.",
+    )
+    params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
+        default_factory=dict,
+        description="The task's settings, as strings: target (target-token); length, "
+        "alphabet (copy); maxOperand, partialCredit (arithmetic); jsonl takes none. "
+        "The engine refuses unknown keys and bad values when the experiment is placed.",
+    )
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
+        '"answer": str} object per line. Required by, and only used by, the jsonl task.',
+    )
+    reward: RewardName | None = Field(
+        None,
+        description="How a completion is scored: default (the task's own verifier), a "
+        "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
+        "against the answer), or http (scored by the service at rewardUrl). "
+        "Absent = the task's own verifier.",
+    )
+    reward_url: str | None = Field(
+        None,
+        alias="rewardUrl",
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description='URL the engine POSTs {"items": [{prompt, completion, answer}]} to, '
+        'answered by {"scores": [float]}. Required when, and only used when, reward is http.',
+    )
 
 
-class AlgorithmSpec(_Model):
-    name: AlgorithmName = "grpo"
-    group_size: int = Field(8, ge=2, le=256, alias="groupSize")
-    prompts_per_step: int = Field(4, ge=1, le=1024, alias="promptsPerStep")
-    learning_rate: float = Field(5e-4, gt=0, le=1, alias="learningRate")
-    kl_coef: float = Field(0.0, ge=0, alias="klCoef")
-    clip: float = Field(0.2, gt=0, le=1)
-    max_steps: int = Field(50, ge=0, alias="maxSteps")  # 0 = continual
-    seed: int = Field(0, ge=0)
+class AlgorithmSpec(SpecModel):
+    """The RL update and the run's length."""
+
+    CEL_RULES: ClassVar = (
+        CelRule(
+            "!has(self.groupSize) || !has(self.promptsPerStep) || "
+            f"self.groupSize * self.promptsPerStep <= {MAX_COMPLETIONS_PER_STEP}",
+            "algorithm.groupSize × algorithm.promptsPerStep (completions per step) must be at "
+            f"most {MAX_COMPLETIONS_PER_STEP}",
+            "promptsPerStep",
+            lambda alg: alg.group_size * alg.prompts_per_step <= MAX_COMPLETIONS_PER_STEP,
+        ),
+    )
+
+    name: AlgorithmName = Field(
+        "grpo", description="The RL algorithm: grpo (group relative policy optimisation)."
+    )
+    group_size: Int32 = Field(
+        8,
+        ge=2,
+        le=256,
+        alias="groupSize",
+        description="Completions sampled per prompt. GRPO's advantage of a completion is its "
+        "reward minus its group's mean, divided by the group's standard deviation.",
+    )
+    prompts_per_step: Int32 = Field(
+        4,
+        ge=1,
+        le=1024,
+        alias="promptsPerStep",
+        description="Prompts per optimiser step; a step trains on groupSize × promptsPerStep "
+        f"completions (at most {MAX_COMPLETIONS_PER_STEP}).",
+    )
+    learning_rate: float = Field(
+        5e-4, gt=0, le=1, alias="learningRate", description="Adam learning rate of the adapter."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        alias="klCoef",
+        description="Weight of the per-token KL penalty towards the base model (the reference "
+        "policy); 0 = no penalty.",
+    )
+    clip: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="PPO-style clip ε: the policy ratio is clipped to [1 - ε, 1 + ε].",
+    )
+    max_steps: Int64 = Field(
+        50,
+        ge=0,
+        alias="maxSteps",
+        description="Optimiser steps to run, after which the experiment is Succeeded; "
+        "0 = continual (train until suspended or deleted).",
+    )
+    seed: Int64 = Field(
+        0,
+        ge=0,
+        description="Seed of the adapter's initial weights, the prompt order and the "
+        "rollouts' sampling: the same spec and seed give the same run.",
+    )
 
 
-class RolloutSpec(_Model):
-    max_new_tokens: int = Field(64, ge=1, le=4096, alias="maxNewTokens")
-    temperature: float = Field(1.0, ge=0, le=2)  # 0 = greedy
+class RolloutSpec(SpecModel):
+    """How completions are sampled from the policy being trained."""
+
+    max_new_tokens: Int32 = Field(
+        64,
+        ge=1,
+        le=4096,
+        alias="maxNewTokens",
+        description="Most tokens generated per completion (fewer when the model ends it).",
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        le=2,
+        description="Sampling temperature; 0 = greedy, which GRPO refuses (a group of "
+        "identical completions has every advantage zero).",
+    )
 
 
-class CheckpointSpec(_Model):
-    every_steps: int = Field(10, ge=1, alias="everySteps")
-    keep: int = Field(3, ge=1, le=1000)
+class CheckpointSpec(SpecModel):
+    """How often checkpoints are written and how many are kept."""
+
+    every_steps: Int32 = Field(
+        10,
+        ge=1,
+        alias="everySteps",
+        description="Write a checkpoint every this many optimiser steps (the engine also "
+        "writes one when the experiment is unloaded, suspended or its pod stops).",
+    )
+    keep: Int32 = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Checkpoints kept per run: after each write, older ones beyond this "
+        "many are deleted.",
+    )
 
 
-class ExperimentSpec(_Model):
-    engine_pool: str | None = Field(None, alias="enginePool")  # operator only
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    task: TaskSpec
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # operator only
-    suspend: bool = False  # operator only
+class ExperimentSpec(SpecModel):
+    """What to train and how: the adapter (lora), the task and its reward, the RL
+    algorithm, the rollouts, checkpointing, and scheduling (enginePool, priority,
+    suspend). The operator forwards it to the engine unchanged (docs/engine-api.md)."""
+
+    CEL_RULES: ClassVar = (
+        CelRule(
+            "!has(self.algorithm) || !has(self.rollout) || !has(self.algorithm.name) || "
+            "self.algorithm.name != 'grpo' || !has(self.rollout.temperature) || "
+            "self.rollout.temperature > 0.0",
+            "GRPO needs rollout.temperature > 0: greedy rollouts make every completion of a "
+            "group identical and every advantage zero",
+            "rollout.temperature",
+            lambda spec: spec.algorithm.name != "grpo" or spec.rollout.temperature > 0,
+        ),
+    )
+    # Required by the CRD only: the operator needs a pool to place the experiment on,
+    # while the engine and the local runner ignore the field.
+    CLUSTER_REQUIRED: ClassVar[tuple[str, ...]] = ("enginePool",)
+
+    engine_pool: ObjectName | None = Field(
+        None,
+        alias="enginePool",
+        description="Name of the (cluster-scoped) EnginePool whose engines train this "
+        "experiment. Required on a cluster; the engine ignores it. Immutable.",
+        json_schema_extra=immutable(
+            "spec.enginePool is immutable once created: create a new LoRAExperiment to run "
+            "on another pool"
+        ),
+    )
+    lora: LoraSpec = _block(
+        LoraSpec,
+        "The adapter's shape. Immutable: the adapter's weights, optimiser state and "
+        "checkpoints have this shape.",
+        "spec.lora is immutable once created (the adapter's weights, optimiser state and "
+        "checkpoints have its shape): create a new LoRAExperiment to change it",
+    )
+    task: TaskSpec = Field(
+        description="Prompts and reward, i.e. what the adapter learns. Immutable.",
+        json_schema_extra=immutable(
+            "spec.task is immutable once created (its prompts and reward define what the "
+            "adapter learns): create a new LoRAExperiment to change it"
+        ),
+    )
+    algorithm: AlgorithmSpec = _block(
+        AlgorithmSpec,
+        "The RL update and the run's length. Immutable: the engine takes it once, at "
+        "placement, so an edit would silently split one run between two settings.",
+        "spec.algorithm is immutable once created (one run trains with one algorithm setting "
+        "and step budget): create a new LoRAExperiment to change it",
+    )
+    rollout: RolloutSpec = _block(
+        RolloutSpec,
+        "How completions are sampled (the policy being trained). Immutable.",
+        "spec.rollout is immutable once created (one run samples with one rollout setting): "
+        "create a new LoRAExperiment to change it",
+    )
+    checkpoint: CheckpointSpec = _block(
+        CheckpointSpec,
+        "How often checkpoints are written and how many are kept. Mutable: an edit takes "
+        "effect the next time the experiment is placed on an engine (after suspend and "
+        "resume, a preemption or a recovery); the running engine keeps the settings it was "
+        "given.",
+    )
+    priority: Int32 = Field(
+        0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Higher runs first and may preempt strictly lower priorities when the "
+        "pool is full. Mutable: the next scheduling round uses it. The engine ignores it.",
+    )
+    suspend: bool = Field(
+        False,
+        description="true: checkpoint the experiment and unload it from its engine (freeing "
+        "the slot); false again: resume from that checkpoint. Mutable. The engine ignores it.",
+    )
 
     def to_json(self) -> dict[str, Any]:
         """camelCase dict, as the CRD and the HTTP API carry it."""

@@ -1,0 +1,122 @@
+"""What the spec models carry so that the CRD's schema can be generated from them.
+
+The pydantic models in ``spec.py`` are the one source of the ``LoRAExperiment`` spec
+schema; ``scripts/gen_crds.py`` turns their JSON Schema into the CRD's OpenAPI schema.
+Plain field constraints (bounds, lengths, patterns, enums) translate directly; this
+module adds what JSON Schema has no word for, each stated once and read by both sides:
+
+- ``CelRule``: a cross-field rule, written as CEL for the API server and as a Python
+  check that ``parse_spec`` runs (the engine and ``loraplex-engine run`` see no CRD);
+- ``ListSet``: a list of distinct items (``x-kubernetes-list-type: set``), checked here too;
+- ``Int32``/``Int64``: the integer format the CRD declares;
+- ``immutable``: a transition rule (``self == oldSelf``); only the API server can check it,
+  since a spec alone has no old value (the engine's analogue is 409 on a changed spec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    model_validator,
+)
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
+
+CEL_KEY = "x-kubernetes-validations"
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """One rule, two spellings: ``cel`` for the CRD (``self`` is the model's object, after
+    the API server's defaulting) and ``holds`` for pydantic (the validated model)."""
+
+    cel: str
+    message: str
+    field: str  # where parse_spec reports a violation, relative to the model
+    holds: Callable[[Any], bool]
+
+    def as_crd(self) -> dict[str, str]:
+        return {"rule": self.cel, "message": self.message}
+
+
+def _add_cel_rules(schema: dict[str, Any], cls: type) -> None:
+    rules = getattr(cls, "CEL_RULES", ())
+    if rules:
+        schema[CEL_KEY] = [r.as_crd() for r in rules]
+
+
+class SpecModel(BaseModel):
+    """Base of the spec models: strict, closed, frozen, and checking its ``CEL_RULES``."""
+
+    # strict: no "8" → 8 coercion, as the CRD's OpenAPI types would reject it too.
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+        strict=True,
+        json_schema_extra=_add_cel_rules,
+    )
+    CEL_RULES: ClassVar[tuple[CelRule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_cel_rules(self) -> SpecModel:
+        for rule in self.CEL_RULES:
+            if not rule.holds(self):
+                # ctx["field"] lets parse_spec name the field, not just the block.
+                raise PydanticCustomError("cross_field", rule.message, {"field": rule.field})
+        return self
+
+
+def immutable(message: str) -> dict[str, Any]:
+    """``json_schema_extra`` of a field the API server refuses to change after create."""
+    return {CEL_KEY: [{"rule": "self == oldSelf", "message": message}]}
+
+
+class ListSet:
+    """A list whose items are distinct, like the API server's ``x-kubernetes-list-type: set``."""
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(_distinct, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {**handler(schema), "x-kubernetes-list-type": "set"}
+
+
+def _distinct(items: list[Any]) -> list[Any]:
+    seen: set[Any] = set()
+    for item in items:
+        if item in seen:
+            raise PydanticCustomError(
+                "duplicate_item", "items must be distinct (a set): {item} is listed twice",
+                {"item": repr(item)},
+            )  # fmt: skip
+        seen.add(item)
+    return items
+
+
+@dataclass(frozen=True)
+class _Format:
+    """The OpenAPI ``format`` an integer has in the CRD (JSON Schema has no int32)."""
+
+    name: str
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {**handler(schema), "format": self.name}
+
+
+Int32 = Annotated[int, _Format("int32")]
+Int64 = Annotated[int, _Format("int64")]
+
+__all__ = ["CEL_KEY", "CelRule", "Int32", "Int64", "ListSet", "SpecModel", "immutable"]
