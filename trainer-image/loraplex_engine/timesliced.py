@@ -6,18 +6,19 @@ modelled. Not a product mode: the engine trains fused (training_strategy.FusedTr
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import AdapterTrainer, TrainOutcome
 
 
+@dataclass
 class TimeSlicedTraining(AdapterTrainer):
     """One backward and optimiser step per adapter, swapped in from host buffers."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self._host_buffers: dict[int, dict[str, torch.Tensor]] = {}
+    _host_buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def train(
         self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]

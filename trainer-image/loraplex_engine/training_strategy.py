@@ -41,25 +41,17 @@ class TrainingStrategy(Protocol):
         ...
 
 
+@dataclass
 class AdapterTrainer:
     """Backward over rows and a guarded optimiser step, shared by both strategies."""
 
-    def __init__(
-        self,
-        model: MultiLoRAModel,
-        optimizer: PerAdapterAdamW,
-        device: torch.device,
-        pad_id: int,
-        micro_batch_tokens: int,
-        shared_forward: SharedForward | None,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.device = device
-        self.pad_id = pad_id
-        self.micro_batch_tokens = micro_batch_tokens
-        self.shared_forward = shared_forward
-        self.computed_tokens = 0
+    model: MultiLoRAModel
+    optimizer: PerAdapterAdamW
+    device: torch.device
+    pad_id: int
+    micro_batch_tokens: int
+    shared_forward: SharedForward | None
+    computed_tokens: int = 0
 
     def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
         stats = fused_backward(
