@@ -251,8 +251,8 @@ def load_trainer_state(
 ) -> dict[str, Any]:
     """Restore what save_trainer_state wrote; returns the metadata. Validates first.
 
-    ``global_rng=False`` leaves torch's global RNG alone. Checkpoints from before it was
-    saved load as before (the global RNG is then left as it is)."""
+    ``global_rng=False`` leaves torch's global RNG alone (its saved state is still
+    checked)."""
     file = Path(in_dir) / TRAINER_STATE
     state = _read_json(file)
     tensors = _read_safetensors(Path(in_dir) / OPTIMIZER_STATE)
@@ -266,8 +266,7 @@ def load_trainer_state(
         }
         rng = _unb64(state["rng"])
         torch.Generator().set_state(rng)  # trial run: a bad state raises here, changing nothing
-        saved_global = state.get("globalRng") if global_rng else None
-        global_states = _check_global_rng_state(saved_global) if saved_global else None
+        global_states = _check_global_rng_state(state["globalRng"])
         metadata = dict(state["metadata"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file}: bad trainer state: {e!r}") from e
@@ -275,7 +274,7 @@ def load_trainer_state(
         optimizer.load_state_dict(name, opt_state)
     except (AdapterError, TypeError) as e:
         raise CheckpointError(f"{Path(in_dir) / OPTIMIZER_STATE}: {e}") from e
-    if global_states is not None:
+    if global_rng:
         _set_global_rng_state(*global_states)
     (generator or torch.default_generator).set_state(rng)
     return metadata
