@@ -163,12 +163,11 @@ def test_trainer_state_roundtrip_and_bad_state(tiny_model_dir, tmp_path) -> None
         load_trainer_state(tmp_path / "s", opt2, "a")
 
 
-def test_trainer_state_restores_the_global_rng_and_old_states_still_load(
+def test_trainer_state_restores_the_global_rng_and_refuses_a_missing_or_bad_one(
     tiny_model_dir, tmp_path
 ) -> None:
     """LoRA dropout draws from torch's global RNG, so it is saved and restored; a state
-    from before that (no "globalRng") loads and leaves the global RNG alone; a bad one
-    is refused before anything changes."""
+    without it or with a bad one is refused before anything changes."""
     model = multi_model(tiny_model_dir)
     opt = PerAdapterAdamW(model)
     opt.add_adapter("a", AdamWSettings(lr=1e-3))
@@ -189,12 +188,13 @@ def test_trainer_state_restores_the_global_rng_and_old_states_still_load(
 
     file = tmp_path / "s" / "trainer_state.json"
     state = json.loads(file.read_text())
-    del state["globalRng"]  # as written before the global RNG was saved
+    del state["globalRng"]
     file.write_text(json.dumps(state))
     opt2 = PerAdapterAdamW(model)
-    load_trainer_state(tmp_path / "s", opt2, "a", generator=torch.Generator())
+    with pytest.raises(CheckpointError, match=r"bad trainer state: KeyError\('globalRng'\)"):
+        load_trainer_state(tmp_path / "s", opt2, "a", generator=torch.Generator())
     assert torch.equal(torch.get_rng_state(), untouched)
-    assert opt2.step_count("a") == 0
+    assert "a" not in opt2._slots
 
     state["globalRng"] = {"cpu": "bm90IGEgc3RhdGU="}  # base64 of "not a state"
     file.write_text(json.dumps(state))

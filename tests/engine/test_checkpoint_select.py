@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.checkpoint import (
+from loraplex_engine.checkpoint import read_metadata
+from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidRequestError
+from loraplex_engine.run_store import (
     RUN_ID,
     Candidate,
-    read_metadata,
     resume_order,
     run_order,
     valid_run_id,
 )
-from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidRequestError
 from safetensors.torch import load_file
 
 from tests.engine.engine_builders import engine, spec
@@ -63,15 +63,6 @@ def test_bad_metadata_values_never_match() -> None:
     assert _names(resume_order(empty_run, [_c(5, run="")])) == [4]
     # A run id that is no safe directory name is no run id at all.
     assert _names(resume_order(_c(4, run="../r1"), [_c(6, run="../r1")])) == [4]
-
-
-def test_the_run_resumed_as_counts_too() -> None:
-    # A checkpoint from before run directories (run r1), resumed as run u1: u1's newer
-    # checkpoints (written since, into u1's directory) count as well as r1's.
-    siblings = [_c(5), _c(7, run="u1"), _c(9, run="other"), _c(3, run="u1")]
-    assert _names(resume_order(_c(4), siblings, run_id="u1")) == [7, 5, 4]
-    # ... also when the requested one has no run id.
-    assert _names(resume_order(_c(4, run=None), siblings, run_id="u1")) == [7, 4]
 
 
 def test_run_order_is_that_runs_checkpoints_newest_first() -> None:
@@ -163,21 +154,20 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
 
     # A broken newer checkpoint is skipped with a warning, and left where it is.
     (step[6] / "optimizer.safetensors").write_bytes(b"truncated")
-    with caplog.at_level(logging.WARNING, logger="loraplex_engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="loraplex_engine.run_store"):
         fallback = _resume(second, "fallback", step[2])
     assert (fallback.step, fallback.checkpoint.path) == (4, str(step[4]))
     _assert_holds(second, "default.fallback", step[4])
     assert any(str(step[6]) in r.getMessage() for r in caplog.records)
     assert (step[6] / "adapter_model.safetensors").exists()
 
-    # Checkpoints from before run ids: exactly the requested one, and a fresh run id.
-    legacy_dir = tmp_path / "legacy" / "old"
-    for k in (2, 4):
-        _without_run_id(step[k], legacy_dir / step[k].name)
-    legacy = _resume(second, "legacy", legacy_dir / step[2].name)
-    assert (legacy.step, legacy.checkpoint.path) == (2, str(legacy_dir / step[2].name))
-    fresh = read_metadata(second.checkpoint_experiment("default.legacy").path)[RUN_ID]
-    assert fresh and fresh != run
+    # A trainer state that names no run is no checkpoint of this engine's: refused.
+    nameless = tmp_path / "elsewhere" / step[2].name
+    _without_run_id(step[2], nameless)
+    with pytest.raises(BadCheckpointError, match="names no valid runId") as err:
+        _resume(second, "nameless", nameless)
+    assert err.value.field == "resumeFrom"
+    assert "default.nameless" not in second.model.adapters()
 
     # The requested checkpoint itself broken: the clear error, even with newer ones around.
     (step[2] / "trainer_state.json").write_text("{not json")
@@ -300,59 +290,6 @@ def test_resume_from_must_belong_to_the_run_id(tiny_model_dir: Path, tmp_path: P
     # Its own run: the newest checkpoint of the run at or after the requested one.
     status, _ = eng.put_experiment("default.m", _tiny(), "default", "m", str(step2), "uid-a")
     assert (status.step, status.run_id) == (4, "uid-a")
-
-
-def test_checkpoints_from_before_run_directories_resume_when_named(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    eng = engine(tiny_model_dir, tmp_path)
-    eng.put_experiment("default.src", _tiny(every=2, keep=5), "default", "src", run_id="r-src")
-    for _ in range(4):
-        eng.tick()
-    src = tmp_path / "default" / "src" / "r-src"
-    # The old layout: <root>/<ns>/<name>/step-N, with a run id (as main wrote until now)
-    # or without (before run ids).
-    legacy = tmp_path / "default" / "leg"
-    shutil.copytree(src / "step-00000002", legacy / "step-00000002")
-    _without_run_id(src / "step-00000004", tmp_path / "default" / "pre" / "step-00000004")
-
-    # Named with a runId (the operator after an upgrade: the object's uid is no old run id):
-    # the run adopts it and writes on in its own directory; the old one is left alone.
-    status, _ = eng.put_experiment(
-        "default.leg",
-        _tiny(every=2, keep=5),
-        "default",
-        "leg",
-        str(legacy / "step-00000002"),
-        "uid-l",
-    )
-    assert (status.step, status.run_id) == (2, "uid-l")
-    eng.tick()
-    eng.tick()
-    assert [p.name for p in (legacy / "uid-l").iterdir()] == ["step-00000004"]
-    assert sorted(p.name for p in legacy.iterdir()) == ["step-00000002", "uid-l"]
-    eng.remove_experiment("default.leg")
-    # The status still naming the old checkpoint: the run's newer one is found in its
-    # directory (a checkpoint written after the upgrade is not redone).
-    again, _ = eng.put_experiment(
-        "default.leg",
-        _tiny(every=2, keep=5),
-        "default",
-        "leg",
-        str(legacy / "step-00000002"),
-        "uid-l",
-    )
-    assert again.step == 4 and again.checkpoint.path == str(legacy / "uid-l" / "step-00000004")
-
-    # Named without a runId, one from before run ids: exactly it, under a fresh run id.
-    pre, _ = eng.put_experiment(
-        "default.pre",
-        _tiny(),
-        "default",
-        "pre",
-        str(tmp_path / "default" / "pre" / "step-00000004"),
-    )
-    assert pre.step == 4 and pre.run_id not in (None, "r-src")
 
 
 def test_a_resume_restores_the_global_rng_only_onto_an_empty_engine(

@@ -8,7 +8,6 @@ from loraplex_engine.algorithms import (
     get_algorithm,
     group_advantages,
     grpo_loss,
-    per_experiment_loss,
     token_logprobs,
 )
 
@@ -101,33 +100,6 @@ def test_token_logprobs_matches_log_softmax() -> None:
     targets = torch.tensor([[0, 4, 2], [1, 1, 3]])
     got = token_logprobs(logits, targets)
     assert torch.allclose(got[1, 2], torch.log_softmax(logits[1, 2], -1)[3])
-
-
-def test_per_experiment_loss_gives_each_adapter_its_solo_gradient() -> None:
-    gen = torch.Generator().manual_seed(0)
-    # Two "adapters" with different row counts (3 vs 1) in one fused batch.
-    w = {e: torch.randn(4, generator=gen, requires_grad=True) for e in ("a", "b")}
-    x = torch.randn(4, 4, generator=gen)
-    ids = ["a", "a", "b", "a"]
-    row_losses = torch.stack([(x[i] * w[e]).sum() ** 2 for i, e in enumerate(ids)])
-    total, means = per_experiment_loss(row_losses, ids)
-    fused = torch.autograd.grad(total, [w["a"], w["b"]], retain_graph=True)
-    for k, e in enumerate(("a", "b")):
-        rows = [i for i, r in enumerate(ids) if r == e]
-        solo_loss = torch.stack([(x[i] * w[e]).sum() ** 2 for i in rows]).mean()
-        (solo,) = torch.autograd.grad(solo_loss, [w[e]])
-        assert torch.allclose(fused[k], solo)
-        assert means[e].item() == pytest.approx(solo_loss.item())
-    # A plain mean over all rows would under-weight b (1 of 4 rows): prove the test can fail.
-    (naive_b,) = torch.autograd.grad(row_losses.mean(), [w["b"]])
-    assert not torch.allclose(naive_b, fused[1])
-
-
-def test_per_experiment_loss_accepts_tensor_ids_and_checks_length() -> None:
-    total, means = per_experiment_loss(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]))
-    assert total.item() == 7.0 and set(means) == {0, 1}
-    with pytest.raises(ValueError, match="2 experiment ids for 3 rows"):
-        per_experiment_loss(torch.zeros(3), ["a", "b"])
 
 
 def test_registry() -> None:

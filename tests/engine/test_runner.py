@@ -129,7 +129,7 @@ def test_a_finished_experiment_without_a_checkpoint_gets_one_written() -> None:
 
     def checkpoint_experiment(exp_id: str) -> CheckpointRef:
         written.append(exp_id)
-        return CheckpointRef(f"/ckpt/{exp_id}/step-6", 6)
+        return CheckpointRef(path=f"/ckpt/{exp_id}/step-6", step=6)
 
     eng = SimpleNamespace(checkpoint_experiment=checkpoint_experiment)
     done = SimpleNamespace(id="default.a", phase="Succeeded", adapter_path=None)

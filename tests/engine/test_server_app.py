@@ -23,6 +23,7 @@ from loraplex_engine.api_types import (
     CheckpointRef,
     ExperimentStatus,
     ExperimentTick,
+    MemoryUse,
     TickReport,
 )
 from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
@@ -79,8 +80,10 @@ class FakeEngine:
             if len(self.exps) >= self.max_adapters:
                 raise NoCapacityError("no free adapter slot")
             status = ExperimentStatus(
-                exp_id, namespace, name, "Running", 0, 10, None, 0, 0, None, None, None,
-                _now(), _now(), run_id or "made-by-engine",
+                id=exp_id, namespace=namespace, name=name, phase="Running", step=0,
+                max_steps=10, reward=None, rollout_tokens=0, train_tokens=0, checkpoint=None,
+                adapter_path=None, error=None, started_at=_now(), updated_at=_now(),
+                run_id=run_id or "made-by-engine",
             )  # fmt: skip
             self.exps[exp_id] = (spec, status)
             return status, True
@@ -97,7 +100,9 @@ class FakeEngine:
 
     def checkpoint_experiment(self, exp_id):
         status = self.get_experiment(exp_id)
-        return CheckpointRef(f"/ckpt/{status.namespace}/{status.name}/step-1", status.step)
+        return CheckpointRef(
+            path=f"/ckpt/{status.namespace}/{status.name}/step-1", step=status.step
+        )
 
     def remove_experiment(self, exp_id):
         self.calls.append(f"delete {exp_id}")
@@ -109,8 +114,9 @@ class FakeEngine:
     def capacity(self):
         with self.lock:
             return Capacity(
-                self.model_name, "torch", self.max_adapters, self.max_rank, len(self.exps),
-                sorted(self.exps), 1000, 0,
+                model=self.model_name, rollout_backend="torch", max_adapters=self.max_adapters,
+                max_rank=self.max_rank, used_slots=len(self.exps), experiments=sorted(self.exps),
+                memory=MemoryUse(rss_bytes=1000, device_bytes=0),
             )  # fmt: skip
 
     def complete(self, model, prompt, max_tokens, temperature, n):

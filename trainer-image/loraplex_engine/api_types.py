@@ -8,9 +8,11 @@ its methods raise live in :mod:`loraplex_engine.errors` (``ApiError`` and subcla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-PHASES = ("Running", "Succeeded", "Failed")
+from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic.alias_generators import to_camel
+
 # Rollout tokens one experiment may ask for per step (groupSize x promptsPerStep x
 # maxNewTokens): a tick waits for every tenant, so one huge spec would stall them all.
 DEFAULT_MAX_STEP_TOKENS = 1 << 20
@@ -19,22 +21,31 @@ DEFAULT_MAX_STEP_TOKENS = 1 << 20
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_MAX_LENGTH = 64
 
+ExperimentPhase = Literal["Running", "Succeeded", "Failed"]
+# The phases of a tick, in order (tick.py): the keys of TickReport.phase_seconds.
+TICK_PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 
-@dataclass(frozen=True)
-class CheckpointRef:
+
+class WireModel(BaseModel):
+    """Snake_case in Python, camelCase on the wire: one model is both the engine's value
+    and the HTTP body (the server's response model), so the two cannot drift."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")
+
+
+class CheckpointRef(WireModel):
     path: str
     step: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step}
 
-
-@dataclass
-class ExperimentStatus:
+class ExperimentStatus(WireModel):
     id: str
     namespace: str
     name: str
-    phase: str
+    phase: ExperimentPhase
     step: int
     max_steps: int
     reward: float | None
@@ -47,52 +58,25 @@ class ExperimentStatus:
     updated_at: str
     run_id: str | None = None  # the run whose checkpoints this experiment writes
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "namespace": self.namespace,
-            "name": self.name,
-            "phase": self.phase,
-            "step": self.step,
-            "maxSteps": self.max_steps,
-            "reward": self.reward,
-            "rolloutTokens": self.rollout_tokens,
-            "trainTokens": self.train_tokens,
-            "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
-            "adapterPath": self.adapter_path,
-            "error": self.error,
-            "startedAt": self.started_at,
-            "updatedAt": self.updated_at,
-            "runId": self.run_id,
-        }
+
+class MemoryUse(WireModel):
+    rss_bytes: int
+    device_bytes: int
 
 
-@dataclass
-class Capacity:
+class Capacity(WireModel):
     model: str
     rollout_backend: str
     max_adapters: int
     max_rank: int
     used_slots: int
     experiments: list[str]
-    rss_bytes: int
-    device_bytes: int
+    memory: MemoryUse
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def free_slots(self) -> int:
         return self.max_adapters - self.used_slots
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "rolloutBackend": self.rollout_backend,
-            "maxAdapters": self.max_adapters,
-            "maxRank": self.max_rank,
-            "usedSlots": self.used_slots,
-            "freeSlots": self.free_slots,
-            "experiments": self.experiments,
-            "memory": {"rssBytes": self.rss_bytes, "deviceBytes": self.device_bytes},
-        }
 
 
 @dataclass
@@ -112,7 +96,7 @@ class ExperimentTick:
 @dataclass
 class TickReport:
     seconds: float
-    phase_seconds: dict[str, float]  # rollout, reward, train, sync, checkpoint
+    phase_seconds: dict[str, float]  # per TICK_PHASES entry
     experiments: list[ExperimentTick] = field(default_factory=list)
 
 

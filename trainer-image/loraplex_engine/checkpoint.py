@@ -11,12 +11,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN
 from .errors import AdapterError, CheckpointError
 from .lora import LoRAConfig
 from .multi_lora import PEFT_PREFIX, MultiLoRAModel, check_state_dict
@@ -35,11 +32,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE_FORMAT = 1
-# Metadata key of the run id: made when an experiment starts fresh, carried over on resume.
-RUN_ID = "runId"
-# The names the engine gives checkpoint directories (temporary ones start with ".").
-STEP_DIR = re.compile(r"step-\d{8}")
-_RUN_ID = re.compile(RUN_ID_PATTERN)
 
 # PEFT options we do not implement: loading an adapter that sets them would be silently wrong.
 _UNSUPPORTED = {
@@ -259,8 +251,8 @@ def load_trainer_state(
 ) -> dict[str, Any]:
     """Restore what save_trainer_state wrote; returns the metadata. Validates first.
 
-    ``global_rng=False`` leaves torch's global RNG alone. Checkpoints from before it was
-    saved load as before (the global RNG is then left as it is)."""
+    ``global_rng=False`` leaves torch's global RNG alone (its saved state is still
+    checked)."""
     file = Path(in_dir) / TRAINER_STATE
     state = _read_json(file)
     tensors = _read_safetensors(Path(in_dir) / OPTIMIZER_STATE)
@@ -274,8 +266,7 @@ def load_trainer_state(
         }
         rng = _unb64(state["rng"])
         torch.Generator().set_state(rng)  # trial run: a bad state raises here, changing nothing
-        saved_global = state.get("globalRng") if global_rng else None
-        global_states = _check_global_rng_state(saved_global) if saved_global else None
+        global_states = _check_global_rng_state(state["globalRng"])
         metadata = dict(state["metadata"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file}: bad trainer state: {e!r}") from e
@@ -283,7 +274,7 @@ def load_trainer_state(
         optimizer.load_state_dict(name, opt_state)
     except (AdapterError, TypeError) as e:
         raise CheckpointError(f"{Path(in_dir) / OPTIMIZER_STATE}: {e}") from e
-    if global_states is not None:
+    if global_rng:
         _set_global_rng_state(*global_states)
     (generator or torch.default_generator).set_state(rng)
     return metadata
@@ -327,100 +318,6 @@ def _b64(state: torch.Tensor) -> str:
 
 def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-# ---- which checkpoint to resume from --------------------------------------------------------
-
-
-def valid_run_id(value: object) -> bool:
-    """A run id the engine may use as a directory name (1-64 of ``[A-Za-z0-9._-]``, starting
-    with a letter or digit: no "/", never "." or "..")."""
-    return (
-        isinstance(value, str)
-        and len(value) <= RUN_ID_MAX_LENGTH
-        and _RUN_ID.fullmatch(value) is not None
-    )
-
-
-def run_of(metadata: Mapping[str, Any] | None) -> str | None:
-    """The run id a trainer state's metadata names; None when absent or not a valid id."""
-    return _run_and_step(metadata)[0]
-
-
-def step_dirs(directory: Path) -> list[Path]:
-    """The checkpoint (``step-NNNNNNNN``) directories in ``directory``, oldest first; none
-    when it does not exist. Temporary directories never match."""
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return []
-    return sorted(p for p in entries if STEP_DIR.fullmatch(p.name) and p.is_dir())
-
-
-def dir_step(path: Path) -> int:
-    """The step a ``step-NNNNNNNN`` directory is named after."""
-    return int(path.name[5:])
-
-
-def in_run_dir(path: Path, run: str) -> bool:
-    """Whether checkpoint ``path`` lies in the directory of run ``run``
-    (``<root>/<ns>/<name>/<run>/step-N``), the layout since per-run directories; before
-    them checkpoints sat directly in ``<root>/<ns>/<name>/``."""
-    return path.parent.name == run
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A checkpoint directory and its trainer-state metadata (None: unreadable)."""
-
-    path: Path
-    metadata: Mapping[str, Any] | None
-
-
-def resume_order(
-    requested: Candidate, siblings: Iterable[Candidate], run_id: str | None = None
-) -> list[Path]:
-    """Checkpoints to try, best first: the run's newer ones, newest first, then the
-    requested one (always last, so its own error is the one reported).
-
-    A newer checkpoint counts only when it provably continues the requested one: a later
-    step, and the requested one's run id or ``run_id`` (the run the caller resumes as,
-    whose directory may hold checkpoints written since a checkpoint from before run
-    directories was resumed into it). Without a run id on either side (a checkpoint
-    written before run ids) nothing but the requested checkpoint is used.
-    """
-    run, step = _run_and_step(requested.metadata)
-    runs = {r for r in (run, run_id) if r}
-    if not runs or step is None:
-        return [requested.path]
-    newer: dict[Path, int] = {}
-    for c in siblings:
-        c_run, c_step = _run_and_step(c.metadata)
-        if c.path != requested.path and c_run in runs and c_step is not None and c_step > step:
-            newer[c.path] = c_step
-    ordered = sorted(newer.items(), key=lambda pc: pc[1], reverse=True)
-    return [p for p, _ in ordered] + [requested.path]
-
-
-def run_order(run_id: str, candidates: Iterable[Candidate]) -> list[Path]:
-    """The checkpoints of run ``run_id`` among ``candidates`` (those in its directory),
-    newest step first: what a resume by run id alone tries, in order. A checkpoint whose
-    metadata names another run, or none, or cannot be read, is not one of them."""
-    found: list[tuple[int, Path]] = []
-    for c in candidates:
-        c_run, c_step = _run_and_step(c.metadata)
-        if c_run == run_id and c_step is not None:
-            found.append((c_step, c.path))
-    found.sort(key=lambda sp: sp[0], reverse=True)
-    return [p for _, p in found]
-
-
-def _run_and_step(metadata: Mapping[str, Any] | None) -> tuple[str | None, int | None]:
-    if not metadata:
-        return None, None
-    run, step = metadata.get(RUN_ID), metadata.get("step")
-    valid_step = isinstance(step, int) and not isinstance(step, bool)
-    return (run if valid_run_id(run) else None), (step if valid_step else None)
 
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

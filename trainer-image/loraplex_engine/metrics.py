@@ -24,18 +24,17 @@ from prometheus_client import (
     generate_latest,
 )
 
-from loraplex_engine.api_types import Capacity, ExperimentStatus, TickReport
+from loraplex_engine.api_types import TICK_PHASES, Capacity, ExperimentStatus, TickReport
 
-PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 # A tiny model on CPU ticks in milliseconds; a real model on a GPU in seconds to minutes.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
-# The failure kinds the engine reports (engine.py `_fail`); exported at 0 from the start so
+# The failure kinds a tick reports (tick.py `Failure.kind`); exported at 0 from the start so
 # the failures panel and alert read 0 instead of "no data" until the first failure.
 FAILURE_REASONS = ("non_finite", "reward_error")
 
-__all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "PHASES", "EngineMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "EngineMetrics"]
 
 
 class EngineMetrics:
@@ -94,7 +93,7 @@ class EngineMetrics:
         )
         self.free_slots = Gauge("loraplex_engine_free_slots", "Adapter slots free.", registry=r)
         self.memory = Gauge("loraplex_engine_memory_bytes", "Memory in use.", ["kind"], registry=r)
-        for phase in PHASES:  # every phase visible from the first scrape
+        for phase in TICK_PHASES:  # every phase visible from the first scrape
             self.phase_seconds.labels(phase=phase)
         for kind in ("rss", "device"):
             self.memory.labels(kind=kind)
@@ -212,8 +211,8 @@ class EngineMetrics:
     def update_capacity(self, capacity: Capacity) -> None:
         self.active_adapters.set(capacity.used_slots)
         self.free_slots.set(capacity.free_slots)
-        self.memory.labels(kind="rss").set(capacity.rss_bytes)
-        self.memory.labels(kind="device").set(capacity.device_bytes)
+        self.memory.labels(kind="rss").set(capacity.memory.rss_bytes)
+        self.memory.labels(kind="device").set(capacity.memory.device_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

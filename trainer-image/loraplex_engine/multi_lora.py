@@ -76,10 +76,6 @@ class MultiLoRAModel(nn.Module):
             layer.set_slot(slot, 0, 0.0, 0.0)
         del self._slots[name], self._configs[name]
 
-    def reset_adapter(self, name: str, seed: int | None = None) -> None:
-        """Re-initialise an adapter's weights (same slot, same config)."""
-        self._init_slot(self.slot_of(name), self._configs[name], seed)
-
     def slot_of(self, name: str) -> int:
         if name not in self._slots:
             raise UnknownAdapterError(f"no adapter named {name!r}; loaded: {sorted(self._slots)}")
@@ -112,7 +108,7 @@ class MultiLoRAModel(nn.Module):
     def _init_slot(self, slot: int, config: LoRAConfig, seed: int | None) -> None:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for path, layer in self.lora_layers.items():  # fixed order: same seed, same weights
-            if _targets(config, path):
+            if _is_target(config, path):
                 layer.set_slot(slot, config.rank, config.scale, config.dropout, gen)
             else:
                 layer.set_slot(slot, 0, 0.0, 0.0)
@@ -189,7 +185,7 @@ class MultiLoRAModel(nn.Module):
         r = config.rank
         views: dict[str, Tensor] = {}
         for path, layer in self.lora_layers.items():
-            if _targets(config, path):
+            if _is_target(config, path):
                 views[f"{PEFT_PREFIX}{path}.lora_A.weight"] = of(layer.lora_A)[slot, :r]
                 views[f"{PEFT_PREFIX}{path}.lora_B.weight"] = of(layer.lora_B)[slot, :, :r]
         return views
@@ -225,7 +221,7 @@ def check_state_dict(
             )
 
 
-def _targets(config: LoRAConfig, path: str) -> bool:
+def _is_target(config: LoRAConfig, path: str) -> bool:
     return path.rsplit(".", 1)[-1] in config.target_modules
 
 
@@ -270,3 +266,16 @@ def _name_of(model: nn.Module, module: nn.Module) -> str | None:
         if mod is module:
             return path.rsplit(".", 1)[-1]
     return None
+
+
+def adaptable_module_names(base: nn.Module) -> list[str]:
+    """The module names an adapter may target on ``base``: every linear projection, plus
+    the output head when untied (LoRA on lm_head is what lets a tiny random model learn a
+    task quickly; a tied head stays frozen)."""
+    names = {
+        path.rsplit(".", 1)[-1] for path, mod in base.named_modules() if type(mod) is nn.Linear
+    }
+    head = base.get_output_embeddings()
+    if head is not None and head.weight is base.get_input_embeddings().weight:
+        names.discard(next(p.rsplit(".", 1)[-1] for p, m in base.named_modules() if m is head))
+    return sorted(names)

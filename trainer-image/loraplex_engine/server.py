@@ -32,7 +32,14 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_engine.api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN, EngineService
+from loraplex_engine.api_types import (
+    RUN_ID_MAX_LENGTH,
+    RUN_ID_PATTERN,
+    Capacity,
+    CheckpointRef,
+    EngineService,
+    ExperimentStatus,
+)
 from loraplex_engine.errors import (
     ApiError,
     BadCheckpointError,
@@ -156,47 +163,8 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class CheckpointBody(BaseModel):
-    path: str
-    step: int
-
-
-class StatusBody(BaseModel):
-    id: str
-    namespace: str
-    name: str
-    phase: Literal["Running", "Succeeded", "Failed"]
-    step: int
-    maxSteps: int
-    reward: float | None
-    rolloutTokens: int
-    trainTokens: int
-    checkpoint: CheckpointBody | None
-    adapterPath: str | None
-    error: str | None
-    startedAt: str
-    updatedAt: str
-    runId: str | None = None
-
-
 class ExperimentList(BaseModel):
-    experiments: list[StatusBody]
-
-
-class MemoryBody(BaseModel):
-    rssBytes: int
-    deviceBytes: int
-
-
-class CapacityBody(BaseModel):
-    model: str
-    rolloutBackend: str
-    maxAdapters: int
-    maxRank: int
-    usedSlots: int
-    freeSlots: int
-    experiments: list[str]
-    memory: MemoryBody
+    experiments: list[ExperimentStatus]
 
 
 class CompletionChoice(BaseModel):
@@ -482,7 +450,7 @@ def create_app(
             raise UnavailableError("the engine is still loading")
         return engine
 
-    @app.get("/v1/capacity", response_model=CapacityBody, responses=_errors(401, 503), **v1)
+    @app.get("/v1/capacity", response_model=Capacity, responses=_errors(401, 503), **v1)
     def capacity() -> dict[str, Any]:
         """Adapter slots, max rank and memory."""
         cap = _ready_engine().capacity()
@@ -491,10 +459,10 @@ def create_app(
 
     @app.put(
         "/v1/experiments/{id}",
-        response_model=StatusBody,
+        response_model=ExperimentStatus,
         status_code=200,
         responses={
-            201: {"model": StatusBody, "description": "started (or resumed)"},
+            201: {"model": ExperimentStatus, "description": "started (or resumed)"},
             **_errors(400, 401, 409, 422, 503),
         },
         **v1,
@@ -517,7 +485,7 @@ def create_app(
 
     @app.get(
         "/v1/experiments/{id}",
-        response_model=StatusBody,
+        response_model=ExperimentStatus,
         responses=_errors(401, 404, 422, 503),
         **v1,
     )
@@ -527,7 +495,7 @@ def create_app(
 
     @app.post(
         "/v1/experiments/{id}/checkpoint",
-        response_model=CheckpointBody,
+        response_model=CheckpointRef,
         responses=_errors(401, 404, 422, 503),
         **v1,
     )
@@ -542,7 +510,7 @@ def create_app(
 
     @app.delete(
         "/v1/experiments/{id}",
-        response_model=StatusBody,
+        response_model=ExperimentStatus,
         responses=_errors(401, 404, 422, 503),
         **v1,
     )

@@ -1,6 +1,6 @@
-"""One RL policy update for many adapters: fused (one forward/backward over all
-tenants' rows, packed into token-budgeted micro-batches) or time-sliced (one adapter
-at a time, the published baseline).
+"""The maths of one RL policy update for many adapters: one forward/backward over the
+rows given, packed into token-budgeted micro-batches. Who is in one call (every tenant,
+or one adapter at a time) is the training strategy's choice (training_strategy.py).
 
 Loss normalisation: every row carries ``weight = 1 / rows of its experiment``, so the
 summed loss over any packing of rows into micro-batches is the sum over experiments

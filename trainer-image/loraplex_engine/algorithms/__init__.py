@@ -16,7 +16,6 @@ from loraplex_engine.algorithms.grpo import (
     group_advantages,
     grpo_loss,
     masked_seq_mean,
-    per_experiment_loss,
     token_logprobs,
 )
 
@@ -80,6 +79,5 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "masked_seq_mean",
-    "per_experiment_loss",
     "token_logprobs",
 ]

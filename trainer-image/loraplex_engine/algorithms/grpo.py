@@ -11,7 +11,6 @@ same as a short one, and the loss scale does not depend on ``maxNewTokens``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,31 +101,3 @@ def grpo_loss(
         kl=_masked_scalar_mean(kl_tok.detach(), mask),
         ratio_mean=_masked_scalar_mean(ratio.detach(), mask),
     )
-
-
-def per_experiment_loss(
-    row_losses: Tensor, row_experiment_ids: Sequence[Hashable] | Tensor
-) -> tuple[Tensor, dict[Hashable, Tensor]]:
-    """Reduce a fused batch: sum over experiments of each experiment's mean row loss.
-
-    Rows of experiment *e* depend only on adapter *e*, so d(total)/d(adapter e)
-    = d(mean of e's rows)/d(adapter e): exactly the gradient it would get alone,
-    whatever the other experiments' row counts. Returns the total and each
-    experiment's (detached) mean.
-    """
-    if isinstance(row_experiment_ids, Tensor):
-        ids = row_experiment_ids.tolist()
-    else:
-        ids = list(row_experiment_ids)
-    if len(ids) != row_losses.shape[0]:
-        raise ValueError(f"{len(ids)} experiment ids for {row_losses.shape[0]} rows")
-    rows_by_exp: dict[Hashable, list[int]] = {}
-    for row, exp in enumerate(ids):
-        rows_by_exp.setdefault(exp, []).append(row)
-    total = row_losses.new_zeros(())
-    means: dict[Hashable, Tensor] = {}
-    for exp, rows in rows_by_exp.items():
-        mean = row_losses[torch.tensor(rows, device=row_losses.device)].mean()
-        total = total + mean
-        means[exp] = mean.detach()
-    return total, means

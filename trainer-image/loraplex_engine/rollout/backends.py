@@ -111,7 +111,6 @@ class VLLMRolloutBackend:
                 out[i] = Completion(
                     token_ids=list(comp.token_ids),
                     logprobs=list(comp.logprobs or []),
-                    finished=comp.finish_reason == "stop",
                 )
         return [c for c in out if c is not None]
 

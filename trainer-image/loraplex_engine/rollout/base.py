@@ -3,7 +3,7 @@ with this folder on sys.path, where that name would shadow the standard library.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +29,4 @@ class RolloutRequest:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token under the sampling distribution
-    finished: bool  # stopped on EOS rather than on the token limit
     nonfinite: bool = False  # the adapter produced NaN/inf logits: the row is garbage
-    extra: dict = field(default_factory=dict)

@@ -161,8 +161,6 @@ def _decode(
         mask = torch.cat([mask, torch.ones((len(requests), 1), dtype=mask.dtype)], dim=1)
         logits, past = forward(tokens[:, None], mask, next_pos[:, None], past)
     return [
-        Completion(token_ids=t, logprobs=lp, finished=bool(e), nonfinite=bool(b))
-        for t, lp, e, b in zip(
-            out_tokens, out_logprobs, hit_eos.tolist(), broken.tolist(), strict=True
-        )
+        Completion(token_ids=t, logprobs=lp, nonfinite=bool(b))
+        for t, lp, b in zip(out_tokens, out_logprobs, broken.tolist(), strict=True)
     ]

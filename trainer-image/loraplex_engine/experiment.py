@@ -1,0 +1,140 @@
+"""One loaded experiment: its spec, task, RNGs and progress, and how a spec is turned
+into one (checked against the engine's model before anything is loaded)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from loraplex_engine.algorithms import Algorithm, get_algorithm
+from loraplex_engine.api_types import CheckpointRef, ExperimentPhase, ExperimentStatus
+from loraplex_engine.errors import (
+    AdapterError,
+    InvalidSpecError,
+    RankTooLargeError,
+    TaskError,
+    UnknownTargetModuleError,
+)
+from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.tasks import Task, build_task
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Experiment:
+    """Everything the engine keeps for one loaded experiment."""
+
+    id: str
+    namespace: str
+    name: str
+    spec: ExperimentSpec
+    task: Task
+    algorithm: Algorithm
+    prompt_rng: random.Random  # which prompts; seeded from spec.algorithm.seed
+    sample_gen: torch.Generator  # which tokens; seeded likewise
+    phase: ExperimentPhase = "Running"
+    step: int = 0
+    reward: float | None = None
+    rollout_tokens: int = 0
+    train_tokens: int = 0
+    checkpoint: CheckpointRef | None = None
+    adapter_path: str | None = None
+    error: str | None = None
+    started_at: str = field(default_factory=now)
+    updated_at: str = field(default_factory=now)
+    # Ties this run's checkpoints together across engines and names their directory
+    # (run_store.py): given by the caller (the operator: the object's uid), or made at a
+    # fresh start and carried over on resume.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def max_steps(self) -> int:
+        return self.spec.algorithm.max_steps
+
+    def fail(self, reason: str) -> None:
+        self.phase, self.error, self.updated_at = "Failed", reason, now()
+
+    def status(self) -> ExperimentStatus:
+        return ExperimentStatus(
+            id=self.id,
+            namespace=self.namespace,
+            name=self.name,
+            phase=self.phase,
+            step=self.step,
+            max_steps=self.max_steps,
+            reward=self.reward,
+            rollout_tokens=self.rollout_tokens,
+            train_tokens=self.train_tokens,
+            checkpoint=self.checkpoint,
+            adapter_path=self.adapter_path,
+            error=self.error,
+            started_at=self.started_at,
+            updated_at=self.updated_at,
+            run_id=self.run_id,
+        )
+
+
+def lora_config(spec: ExperimentSpec) -> LoRAConfig:
+    return LoRAConfig(
+        rank=spec.lora.rank,
+        alpha=spec.lora.alpha,
+        dropout=spec.lora.dropout,
+        target_modules=tuple(spec.lora.target_modules),
+    )
+
+
+def new_experiment(
+    exp_id: str, spec: ExperimentSpec, namespace: str, name: str, run_id: str | None
+) -> Experiment:
+    """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
+    unknown task, reward or algorithm is an InvalidSpecError naming the field."""
+    try:
+        task = build_task(
+            spec.task.name,
+            spec.task.params,
+            spec.task.dataset,
+            spec.task.reward or "default",
+            spec.task.reward_url,
+        )
+        algorithm = get_algorithm(spec.algorithm.name)
+    except TaskError as e:
+        raise InvalidSpecError(e.message, field=e.field) from e
+    except KeyError as e:
+        raise InvalidSpecError(str(e), field="spec.algorithm.name") from e
+    seed = spec.algorithm.seed
+    exp = Experiment(
+        id=exp_id,
+        namespace=namespace,
+        name=name,
+        spec=spec,
+        task=task,
+        algorithm=algorithm,
+        prompt_rng=random.Random(seed),
+        sample_gen=torch.Generator().manual_seed(seed),
+    )
+    if run_id is not None:
+        exp.run_id = run_id
+    return exp
+
+
+def adapter_field(error: AdapterError) -> str:
+    """The spec field an adapter config error is about."""
+    if isinstance(error, RankTooLargeError):
+        return "spec.lora.rank"
+    if isinstance(error, UnknownTargetModuleError):
+        return "spec.lora.targetModules"
+    return "spec.lora"
+
+
+def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
+    """The spec minus operator-only fields (pool, priority, suspend): what the engine runs."""
+    return spec.model_dump(exclude={"engine_pool", "priority", "suspend"})

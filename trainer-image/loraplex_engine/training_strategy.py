@@ -1,0 +1,127 @@
+"""How one tick's policy update is run across the adapters in play.
+
+Two implementations of :class:`TrainingStrategy`: :class:`FusedTraining`, the engine's
+(one forward/backward over every tenant's rows, then one optimiser step over all their
+slots), and :class:`~loraplex_engine.timesliced.TimeSlicedTraining`, the benchmark's
+baseline arm (one adapter at a time, swapped in from host memory). Both share the
+gradient maths (training.fused_backward) and the finiteness guard, so the benchmark
+compares scheduling alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.optim import PerAdapterAdamW
+from loraplex_engine.training import ExperimentUpdate, SharedForward, TrainRow, fused_backward
+
+TRAIN_MODES = ("fused", "timesliced")
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """One experiment's update: applied, or refused (its adapter is left as it was)."""
+
+    failure: str | None = None  # why the update was refused
+
+
+class TrainingStrategy(Protocol):
+    computed_tokens: int  # tokens through the policy forward so far (benchmarks)
+
+    def train(
+        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
+    ) -> dict[str, TrainOutcome]:
+        """One policy-gradient step for every experiment in ``updates`` (its rows are
+        those with its id); the model is in train mode throughout."""
+        ...
+
+
+@dataclass
+class AdapterTrainer:
+    """Backward over rows and a guarded optimiser step, shared by both strategies."""
+
+    model: MultiLoRAModel
+    optimizer: PerAdapterAdamW
+    device: torch.device
+    pad_id: int
+    micro_batch_tokens: int
+    shared_forward: SharedForward | None
+    computed_tokens: int = 0
+
+    def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
+        stats = fused_backward(
+            self._routed_forward,
+            rows,
+            updates,
+            self.pad_id,
+            self.micro_batch_tokens,
+            self.shared_forward,
+        )
+        self.computed_tokens += stats.computed_tokens
+
+    def _routed_forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            slot_ids=slots.to(self.device),
+        )
+        # Logits stay on the device: the loss and its backward run there (the batch
+        # tensors follow the logits, training._logprobs).
+        return out.logits.float()
+
+    def step_finite(self, exp_ids: list[str]) -> dict[str, TrainOutcome]:
+        """Optimiser step for every adapter whose gradient is finite; refuse the others,
+        and report any whose weights came out non-finite."""
+        slot = {e: self.model.slot_of(e) for e in exp_ids}
+        mine = list(slot.values())
+        grad_ok = self._finite_slots(
+            (p.grad for p in self.optimizer.params if p.grad is not None), mine
+        )
+        outcomes: dict[str, TrainOutcome] = {}
+        for e in exp_ids:
+            if not grad_ok[slot[e]]:
+                self._clear_grad(slot[e])
+                outcomes[e] = TrainOutcome("non-finite gradient (loss diverged)")
+        self.optimizer.step([slot[e] for e in exp_ids if e not in outcomes])
+        weights_ok = self._finite_slots((p.data for p in self.optimizer.params), mine)
+        for e in exp_ids:
+            if e not in outcomes:
+                ok = weights_ok[slot[e]]
+                outcomes[e] = TrainOutcome(
+                    None if ok else "non-finite adapter weights after the update"
+                )
+        return outcomes
+
+    def _finite_slots(self, tensors: Iterable[torch.Tensor], slots: list[int]) -> dict[int, bool]:
+        """Per slot in ``slots``: every entry of the stacked tensors finite. One check per
+        tensor over the slice of slots in play (a view), one host sync in all, instead of
+        one sync per slot and tensor (~5,700 tiny checks per tick at 8 adapters)."""
+        lo, hi = min(slots), max(slots) + 1
+        ok = torch.ones(hi - lo, dtype=torch.bool, device=self.device)
+        for t in tensors:
+            ok &= torch.isfinite(t[lo:hi]).flatten(1).all(1)
+        flags = ok.tolist()
+        return {s: flags[s - lo] for s in slots}
+
+    def _clear_grad(self, slot: int) -> None:
+        for p in self.optimizer.params:
+            if p.grad is not None:
+                p.grad[slot].zero_()
+
+
+class FusedTraining(AdapterTrainer):
+    """Every adapter's rows in one forward/backward, then one step over all slots."""
+
+    def train(
+        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
+    ) -> dict[str, TrainOutcome]:
+        self.optimizer.zero_grad()
+        self.backward(rows, updates)
+        return self.step_finite(list(updates))
