@@ -20,7 +20,6 @@ Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-ra
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -28,7 +27,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from loraplex_engine.api_types import (
@@ -39,7 +37,8 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     TickReport,
 )
-from loraplex_engine.errors import UnavailableError
+from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.errors import UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.server import DEFAULT_MAX_COMPLETION_TOKENS, create_app
 
@@ -78,17 +77,32 @@ class _EnvValue(str):
         return obj
 
 
-def _env_int(name: str, default: int) -> int | str:
+def _env_parsed(name: str, default: Any) -> Any:
+    """``LORAPLEX_<NAME>`` for the flag's ``type`` to parse (naming it if bad), else the
+    default as it is."""
     raw = _env(name)
     return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
+
+
+def _invalid(what: str, value: str, hint: str = "") -> argparse.ArgumentTypeError:
+    where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
+    return argparse.ArgumentTypeError(f"invalid {what}: {str(value)!r}{where}{hint}")
 
 
 def _int(value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
-        raise argparse.ArgumentTypeError(f"invalid int value: {str(value)!r}{where}") from None
+        raise _invalid("int value", value) from None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise _invalid("log level", value, f"; choose one of {', '.join(LOG_LEVELS)}")
+    return value.lower()
 
 
 # Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
@@ -121,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_env("MODEL"), help="base model directory (local)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address")
     p.add_argument(
-        "--port", type=_int, default=_env_int("PORT", 8000), help="listen port (0: any free)"
+        "--port", type=_int, default=_env_parsed("PORT", 8000), help="listen port (0: any free)"
     )
     p.add_argument("--token-file", default=_env("TOKEN_FILE"), help="file holding the bearer token")
     p.add_argument(
@@ -136,15 +150,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/",
     )
     p.add_argument(
-        "--max-adapters", type=_int, default=_env_int("MAX_ADAPTERS", 8), help="adapter slots"
+        "--max-adapters", type=_int, default=_env_parsed("MAX_ADAPTERS", 8), help="adapter slots"
     )
     p.add_argument(
-        "--max-rank", type=_int, default=_env_int("MAX_RANK", 64), help="largest LoRA rank"
+        "--max-rank", type=_int, default=_env_parsed("MAX_RANK", 64), help="largest LoRA rank"
     )
     p.add_argument(
         "--max-step-tokens",
         type=_int,
-        default=_env_int("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
+        default=_env_parsed("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
         help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
         "per step (one tenant must not stall the others)",
     )
@@ -169,13 +183,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=_int,
-        default=_env_int("THREADS", 0),
+        default=_env_parsed("THREADS", 0),
         help="torch CPU threads (0: torch's default)",
     )
     p.add_argument(
         "--max-completion-tokens",
         type=_int,
-        default=_env_int("MAX_COMPLETION_TOKENS", DEFAULT_MAX_COMPLETION_TOKENS),
+        default=_env_parsed("MAX_COMPLETION_TOKENS", DEFAULT_MAX_COMPLETION_TOKENS),
         help="largest max_tokens accepted by /v1/completions",
     )
     p.add_argument(
@@ -185,30 +199,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the final checkpoint of running experiments on SIGTERM",
     )
     p.add_argument(
-        "--engine-factory",
-        default=_env("ENGINE_FACTORY", "loraplex_engine.engine:Engine"),
-        help="module:callable that builds the engine (tests may substitute their own)",
+        "--log-level",
+        type=_log_level,
+        default=_env_parsed("LOG_LEVEL", "info"),
+        help=f"one of {', '.join(LOG_LEVELS)}",
     )
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
 
 
 def read_token(args: argparse.Namespace) -> str | None:
-    """The bearer token, or None with --insecure-no-auth. Raises SystemExit otherwise."""
+    """The bearer token, or None with --insecure-no-auth. Raises UsageError otherwise."""
     token = None
     if args.token_file:
         try:
             with open(args.token_file, encoding="utf-8") as f:
                 token = f.read().strip()
         except OSError as e:
-            raise SystemExit(f"cannot read --token-file {args.token_file}: {e}") from e
+            raise UsageError(f"cannot read --token-file {args.token_file}: {e}") from e
         if not token:
-            raise SystemExit(f"--token-file {args.token_file} is empty")
+            raise UsageError(f"--token-file {args.token_file} is empty")
     elif os.environ.get("LORAPLEX_TOKEN", "").strip():
         token = os.environ["LORAPLEX_TOKEN"].strip()
     if token is None and not args.insecure_no_auth:
-        raise SystemExit(
+        raise UsageError(
             "no token: give --token-file FILE or LORAPLEX_TOKEN "
             "(or --insecure-no-auth to serve /v1 without auth)"
         )
@@ -225,11 +239,11 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
         try:
             options = dict(json.loads(raw))
         except (ValueError, TypeError) as e:
-            raise SystemExit(f"LORAPLEX_VLLM_OPTIONS must be a JSON object: {e}") from e
+            raise UsageError(f"LORAPLEX_VLLM_OPTIONS must be a JSON object: {e}") from e
     for item in args.vllm_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--vllm-option takes KEY=VALUE, not {item!r}")
+            raise UsageError(f"--vllm-option takes KEY=VALUE, not {item!r}")
         try:
             options[key] = json.loads(value)
         except ValueError:
@@ -381,13 +395,6 @@ class EngineLoop:
 # --- main -----------------------------------------------------------------------------
 
 
-def _load_factory(spec: str) -> Callable[..., EngineService]:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise SystemExit(f"--engine-factory must be module:callable, not {spec!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
 def _default_device() -> str:
     import torch
 
@@ -441,9 +448,10 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     if not args.model:
-        raise SystemExit("--model (or LORAPLEX_MODEL) is required")
+        raise UsageError("--model (or LORAPLEX_MODEL) is required")
+    check_model_dir(args.model)
     if args.max_adapters < 1 or args.max_rank < 1:
-        raise SystemExit("--max-adapters and --max-rank must be at least 1")
+        raise UsageError("--max-adapters and --max-rank must be at least 1")
     token = read_token(args)
     vllm_options(args)  # fail fast on a malformed option, before loading anything
     if token is None:
@@ -484,7 +492,10 @@ def run(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
     )
 
-    sock = _bind(args.host, args.port)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:  # the port is taken, or the address is not this host's
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
@@ -502,7 +513,8 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             t_import = time.monotonic()
-            factory = _load_factory(args.engine_factory)
+            from loraplex_engine.engine import Engine  # torch and transformers: seconds
+
             t_build = time.monotonic()
             kwargs: dict[str, Any] = {
                 "max_adapters": args.max_adapters,
@@ -514,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":
                 kwargs["vllm_options"] = vllm_options(args)
-            engine = factory(args.model, **kwargs)
+            engine = Engine(args.model, **kwargs)
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
             loop = EngineLoop(engine, metrics)
@@ -577,13 +589,3 @@ def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool)
             close()
         except Exception:
             log.exception("closing the engine failed")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraplex-engine serve", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
