@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
 
-    from loraplex_engine.serve import add_arguments as add_serve_arguments
+    from loraplex_engine.serve_flags import add_arguments as add_serve_arguments
 
     serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
     add_serve_arguments(serve)
