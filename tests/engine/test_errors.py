@@ -1,4 +1,4 @@
-"""The one error hierarchy (loraplex_engine.errors) and its HTTP mapping (server.HTTP_STATUS).
+"""The one error hierarchy (loraplex_engine.errors) and its HTTP statuses (server_errors.py).
 
 Every API error class must be listed in the server's status table with a 4xx status (503
 only for ``unavailable``) and its own stable code, documented in docs/engine-api.md, so a
@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from loraplex_engine import errors
 from loraplex_engine.errors import ApiError, LoraplexError, UnavailableError
-from loraplex_engine.server import HTTP_STATUS, create_app, http_status
+from loraplex_engine.server import create_app
+from loraplex_engine.server_errors import HTTP_STATUS, http_status
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer-image" / "loraplex_engine"
@@ -50,7 +51,7 @@ def test_every_api_error_has_its_own_code_and_a_listed_client_status() -> None:
     assert API_ERRORS, "no ApiError subclasses found"
     for cls in API_ERRORS:
         assert cls.__module__ == "loraplex_engine.errors", cls
-        assert cls in HTTP_STATUS, f"{cls.__name__} has no entry in server.HTTP_STATUS"
+        assert cls in HTTP_STATUS, f"{cls.__name__} has no entry in server_errors.HTTP_STATUS"
         status = HTTP_STATUS[cls]
         assert 400 <= status < 500 or (cls is UnavailableError and status == 503), cls
         assert "code" in vars(cls), f"{cls.__name__} inherits its code"

@@ -23,6 +23,19 @@ def test_a_bad_integer_in_the_environment_is_a_usage_error_naming_it(
     assert "argument --max-rank: invalid int value: 'abc' (from LORAPLEX_MAX_RANK)" in err
 
 
+def test_a_bad_log_level_in_the_environment_is_a_usage_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LORAPLEX_LOG_LEVEL", "loud")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --log-level: invalid log level: 'loud' (from LORAPLEX_LOG_LEVEL)" in err
+    monkeypatch.setenv("LORAPLEX_LOG_LEVEL", "WARNING")  # any case, as logging takes it
+    assert build_parser().parse_args(["serve"]).log_level == "warning"
+
+
 def test_a_bad_variable_does_not_break_other_subcommands_or_a_given_flag(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from app_routes import v1_routes
 from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
@@ -29,7 +30,7 @@ from loraplex_engine.api_types import (
 from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.serve import EngineHolder, EngineLoop
-from loraplex_engine.server import create_app, v1_routes
+from loraplex_engine.server import create_app
 from prometheus_client.parser import text_string_to_metric_families
 
 TOKEN = "s3cret-token"
@@ -420,8 +421,3 @@ def _samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
             labels = tuple(s.labels[k] for k in sorted(s.labels))  # (experiment, namespace)
             out[(s.name, labels)] = s.value
     return out
-
-
-def fake_engine_factory(model_dir: str, **kwargs: Any) -> FakeEngine:
-    """`serve --engine-factory test_server_app:fake_engine_factory` (serve's own tests)."""
-    return FakeEngine(kwargs.get("max_adapters", 2), kwargs.get("max_rank", 16))

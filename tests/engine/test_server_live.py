@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from app_routes import v1_routes
 from loraplex_engine.serve import EngineHolder
-from loraplex_engine.server import create_app, v1_routes
+from loraplex_engine.server import create_app
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import EngineServer, record_measurement, wait_until
 

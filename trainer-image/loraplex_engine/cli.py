@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import sys
+from pathlib import Path
+
+from loraplex_engine.errors import FieldError, ManifestError, UsageError
+
+# What a user can get wrong: files, flags, model directories, manifests and specs.
+USER_ERRORS = (UsageError, ManifestError, FieldError)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from loraplex_engine.tiny_model import build_model
+    from loraplex_engine.tiny_model import PRESETS, build_model
 
-    out = build_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+    if args.preset not in PRESETS:
+        raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    try:
+        out = build_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: {e.strerror or e}") from None
     n_files = sum(1 for _ in out.iterdir())
     print(f"wrote {args.preset} {args.arch} model to {out} ({n_files} files)")
     return 0
@@ -19,11 +32,14 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     from loraplex_engine.tiny_model import import_gguf, smollm2_gguf_path
 
     try:
-        source = args.gguf or smollm2_gguf_path()
-        out = import_gguf(source, args.out)
+        source = Path(args.gguf) if args.gguf else smollm2_gguf_path()
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    if not source.is_file():
+        raise UsageError(f"--gguf {source}: no such file")
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError("import-gguf needs the gguf package (make smollm2 installs it)")
+    out = import_gguf(source, args.out)
     print(f"wrote {out} (fp32, from {source})")
     return 0
 
@@ -35,21 +51,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from loraplex_engine.errors import ManifestError
     from loraplex_engine.runner import run_file
 
-    try:
-        summary = run_file(
-            args.manifests,
-            args.model,
-            args.out,
-            max_adapters=args.max_adapters,
-            max_rank=args.max_rank,
-            train_mode=args.train_mode,
-        )
-    except (ManifestError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    summary = run_file(
+        args.manifests,
+        args.model,
+        args.out,
+        max_adapters=args.max_adapters,
+        max_rank=args.max_rank,
+        train_mode=args.train_mode,
+    )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)
@@ -57,8 +68,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_line(error: Exception) -> str:
+    """The error's message on one line; a list of problems (ManifestError) joined by ';'."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    head, rest = lines[0], lines[1:]
+    return f"{head} {'; '.join(rest)}" if rest else head
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex-engine", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("tiny-model", help="build a small random-weight model directory")
@@ -75,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
 
-    from loraplex_engine.serve import add_arguments as add_serve_arguments
+    from loraplex_engine.serve_flags import add_arguments as add_serve_arguments
 
     serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
     add_serve_arguments(serve)
@@ -97,9 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("loraplex-engine")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        from loraplex_engine import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        # A mistake in what the user gave us: one line naming it, the status of a usage
+        # error (as argparse's own), no traceback. Anything else is a bug and shows one.
+        print(f"{parser.prog} {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Two branches:
   completion), so the engine translates them into API errors where it knows the call.
 - **API errors** (:class:`ApiError`) are what a client caused: a stable ``code``
   (docs/engine-api.md), a ``message`` and the ``field`` at fault. Their HTTP status is
-  chosen in one place, ``server.HTTP_STATUS``; this module knows nothing of HTTP. A core
-  error that reaches the server untranslated is an engine bug and answers 500.
+  chosen in one place, ``server_errors.HTTP_STATUS``; this module knows nothing of HTTP.
+  A core error that reaches the server untranslated is an engine bug and answers 500.
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ class RoutingError(LoraplexError, ValueError):
 
 class CheckpointError(LoraplexError, ValueError):
     """A checkpoint that is missing, corrupt, or does not fit the model."""
+
+
+class UsageError(LoraplexError, ValueError):
+    """A mistake on the command line outside any spec: a file or model directory that is
+    not there, a flag out of range. ``loraplex-engine`` prints it on one line, exit 2."""
 
 
 # --- API errors -----------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from loraplex_engine.errors import ManifestError, SpecError
+from loraplex_engine.errors import ManifestError, SpecError, UsageError
 from loraplex_engine.spec import ExperimentSpec, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
@@ -76,7 +76,7 @@ def parse_manifests(
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
-        raise ManifestError(source, [f"invalid YAML: {exc}"]) from None
+        raise ManifestError(source, [f"invalid YAML: {_yaml_problem(exc)}"]) from None
     if not docs:
         raise ManifestError(source, ["no documents"])
     known = list(known_modules) if known_modules is not None else None
@@ -99,8 +99,27 @@ def parse_manifests(
     return out
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what PyYAML found and where (its own message spans several lines)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + problem
+
+
+def read_manifest_file(path: str | Path) -> str:
+    """The file's text, or ``UsageError`` naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"manifest file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"manifest file {path}: not UTF-8 text") from None
+
+
 def load_manifests(
     path: str | Path, max_rank: int | None = None, known_modules: Iterable[str] | None = None
 ) -> list[Manifest]:
-    p = Path(path)
-    return parse_manifests(p.read_text(), str(p), max_rank, known_modules)
+    return parse_manifests(read_manifest_file(path), str(path), max_rank, known_modules)

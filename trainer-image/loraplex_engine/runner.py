@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
+from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplex_engine.errors import UsageError
+from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
 
 FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
 
@@ -170,6 +174,38 @@ def plot_rewards(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def check_flags(max_adapters: int, max_rank: int) -> None:
+    for flag, value in (("--max-adapters", max_adapters), ("--max-rank", max_rank)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+
+
+def load_checked(
+    manifest_path: str | Path, model_dir: str | Path, max_adapters: int, max_rank: int
+) -> list[Manifest]:
+    """Every manifest, checked against the engine's limits and the model's modules
+    before anything loads: ``UsageError`` or ``ManifestError`` naming the problem."""
+    check_flags(max_adapters, max_rank)
+    text = read_manifest_file(manifest_path)
+    known = lora_targets_of(model_dir)
+    manifests = parse_manifests(text, str(manifest_path), max_rank, known)
+    if len(manifests) > max_adapters:
+        raise UsageError(
+            f"{manifest_path}: {len(manifests)} experiments but the engine has "
+            f"{max_adapters} adapter slots (raise --max-adapters)"
+        )
+    return manifests
+
+
+def make_out_dir(out_dir: str | Path) -> Path:
+    path = Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"output directory {path}: {exc.strerror or exc}") from None
+    return path
+
+
 def run_file(
     manifest_path: str | Path,
     model_dir: str | Path,
@@ -180,20 +216,11 @@ def run_file(
     out: TextIO | None = None,
 ) -> dict[str, Any]:
     """Validate every manifest up front, then train them all on one hot engine."""
-    import sys
-
     from loraplex_engine.engine import Engine
-    from loraplex_engine.manifests import load_manifests
 
     out = out or sys.stdout
-    manifests = load_manifests(manifest_path, max_rank=max_rank)
-    if len(manifests) > max_adapters:
-        raise ValueError(
-            f"{manifest_path}: {len(manifests)} experiments but the engine has "
-            f"{max_adapters} adapter slots (raise --max-adapters)"
-        )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
+    out_dir = make_out_dir(out_dir)
     t0 = time.monotonic()
     engine = Engine(
         model_dir,

@@ -14,34 +14,32 @@ Order of events:
    termination grace period covers this), and the process exits 0.
 
 Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-rank`` ->
-``LORAPLEX_MAX_RANK``); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
+``LORAPLEX_MAX_RANK``; serve_flags.py); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from loraplex_engine.api_types import (
-    DEFAULT_MAX_STEP_TOKENS,
     Capacity,
     CheckpointRef,
     EngineService,
     ExperimentStatus,
     TickReport,
 )
-from loraplex_engine.errors import UnavailableError
+from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.errors import UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.server import DEFAULT_MAX_COMPLETION_TOKENS, create_app
+from loraplex_engine.serve_flags import read_token, vllm_options
+from loraplex_engine.server import create_app
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -49,192 +47,6 @@ READY_LINE = "loraplex-engine ready:"
 LISTEN_LINE = "loraplex-engine listening:"
 IDLE_WAIT_S = 1.0  # an idle loop re-checks this often even without a wake-up
 MAX_TICK_ERRORS = 5  # consecutive unexpected tick errors before the loop gives up
-
-
-# --- flags ----------------------------------------------------------------------------
-
-
-def _env(name: str, default: Any = None) -> Any:
-    return os.environ.get(f"LORAPLEX_{name}", default)
-
-
-def _env_flag(name: str) -> bool:
-    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
-
-
-class _EnvValue(str):
-    """A flag's default taken from ``LORAPLEX_<NAME>``, remembering the variable.
-
-    argparse runs a flag's ``type`` over a *string* default only when the flag is not
-    given, and only while parsing that subcommand; so a bad value fails ``serve`` alone
-    (not every subcommand at parser build time), as a usage error (exit 2) that can
-    name the variable."""
-
-    var: str
-
-    def __new__(cls, value: str, var: str) -> _EnvValue:
-        obj = super().__new__(cls, value)
-        obj.var = var
-        return obj
-
-
-def _env_int(name: str, default: int) -> int | str:
-    raw = _env(name)
-    return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
-
-
-def _int(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
-        raise argparse.ArgumentTypeError(f"invalid int value: {str(value)!r}{where}") from None
-
-
-# Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
-_ENV_NOTES = {
-    "vllm_option": ("LORAPLEX_VLLM_OPTIONS", "a JSON object of --vllm-option settings"),
-}
-_ENV_EXTRA = (
-    ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
-    ("LORAPLEX_VLLM_PYTHON", "python of the environment that holds vLLM (vllm backend)"),
-)
-
-
-def _env_epilog(p: argparse.ArgumentParser) -> str:
-    """Every variable `serve` reads, derived from its flags so the list cannot drift."""
-    rows = []
-    for action in p._actions:
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        if not longs or action.dest == "help":
-            continue
-        flag = longs[0]
-        var, what = _ENV_NOTES.get(action.dest, (f"LORAPLEX_{action.dest.upper()}", flag))
-        rows.append((var, what))
-    rows.extend(_ENV_EXTRA)
-    width = max(len(var) for var, _ in rows)
-    lines = [f"  {var:<{width}}  {what}" for var, what in rows]
-    return "environment (a flag given on the command line wins):\n" + "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_env("MODEL"), help="base model directory (local)")
-    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address")
-    p.add_argument(
-        "--port", type=_int, default=_env_int("PORT", 8000), help="listen port (0: any free)"
-    )
-    p.add_argument("--token-file", default=_env("TOKEN_FILE"), help="file holding the bearer token")
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=_env_flag("INSECURE_NO_AUTH"),
-        help="serve /v1 without a token (local experiments only)",
-    )
-    p.add_argument(
-        "--checkpoint-root",
-        default=_env("CHECKPOINT_ROOT", "/ckpt"),
-        help="checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/",
-    )
-    p.add_argument(
-        "--max-adapters", type=_int, default=_env_int("MAX_ADAPTERS", 8), help="adapter slots"
-    )
-    p.add_argument(
-        "--max-rank", type=_int, default=_env_int("MAX_RANK", 64), help="largest LoRA rank"
-    )
-    p.add_argument(
-        "--max-step-tokens",
-        type=_int,
-        default=_env_int("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
-        help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
-        "per step (one tenant must not stall the others)",
-    )
-    p.add_argument(
-        "--rollout-backend",
-        choices=["torch", "vllm"],
-        default=_env("ROLLOUT_BACKEND", "torch"),
-        help="generation backend",
-    )
-    p.add_argument(
-        "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
-    )
-    p.add_argument(
-        "--vllm-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="option for the vllm rollout backend (value parsed as JSON if it parses), "
-        "e.g. max_model_len=4096 gpu_memory_utilization=0.5; repeatable. "
-        "LORAPLEX_VLLM_OPTIONS may hold a JSON object of them",
-    )
-    p.add_argument(
-        "--threads",
-        type=_int,
-        default=_env_int("THREADS", 0),
-        help="torch CPU threads (0: torch's default)",
-    )
-    p.add_argument(
-        "--max-completion-tokens",
-        type=_int,
-        default=_env_int("MAX_COMPLETION_TOKENS", DEFAULT_MAX_COMPLETION_TOKENS),
-        help="largest max_tokens accepted by /v1/completions",
-    )
-    p.add_argument(
-        "--no-checkpoint-on-shutdown",
-        action="store_true",
-        default=_env_flag("NO_CHECKPOINT_ON_SHUTDOWN"),
-        help="skip the final checkpoint of running experiments on SIGTERM",
-    )
-    p.add_argument(
-        "--engine-factory",
-        default=_env("ENGINE_FACTORY", "loraplex_engine.engine:Engine"),
-        help="module:callable that builds the engine (tests may substitute their own)",
-    )
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
-    p.epilog = _env_epilog(p)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
-
-
-def read_token(args: argparse.Namespace) -> str | None:
-    """The bearer token, or None with --insecure-no-auth. Raises SystemExit otherwise."""
-    token = None
-    if args.token_file:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise SystemExit(f"cannot read --token-file {args.token_file}: {e}") from e
-        if not token:
-            raise SystemExit(f"--token-file {args.token_file} is empty")
-    elif os.environ.get("LORAPLEX_TOKEN", "").strip():
-        token = os.environ["LORAPLEX_TOKEN"].strip()
-    if token is None and not args.insecure_no_auth:
-        raise SystemExit(
-            "no token: give --token-file FILE or LORAPLEX_TOKEN "
-            "(or --insecure-no-auth to serve /v1 without auth)"
-        )
-    if token is not None and args.insecure_no_auth:
-        log.warning("--insecure-no-auth given together with a token: the token is enforced")
-    return token
-
-
-def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
-    """LORAPLEX_VLLM_OPTIONS (a JSON object), then each --vllm-option KEY=VALUE over it."""
-    options: dict[str, Any] = {}
-    raw = _env("VLLM_OPTIONS")
-    if raw:
-        try:
-            options = dict(json.loads(raw))
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"LORAPLEX_VLLM_OPTIONS must be a JSON object: {e}") from e
-    for item in args.vllm_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--vllm-option takes KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
 
 
 # --- the engine while it loads --------------------------------------------------------
@@ -381,13 +193,6 @@ class EngineLoop:
 # --- main -----------------------------------------------------------------------------
 
 
-def _load_factory(spec: str) -> Callable[..., EngineService]:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise SystemExit(f"--engine-factory must be module:callable, not {spec!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
 def _default_device() -> str:
     import torch
 
@@ -441,9 +246,10 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     if not args.model:
-        raise SystemExit("--model (or LORAPLEX_MODEL) is required")
+        raise UsageError("--model (or LORAPLEX_MODEL) is required")
+    check_model_dir(args.model)
     if args.max_adapters < 1 or args.max_rank < 1:
-        raise SystemExit("--max-adapters and --max-rank must be at least 1")
+        raise UsageError("--max-adapters and --max-rank must be at least 1")
     token = read_token(args)
     vllm_options(args)  # fail fast on a malformed option, before loading anything
     if token is None:
@@ -484,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
     )
 
-    sock = _bind(args.host, args.port)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:  # the port is taken, or the address is not this host's
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
@@ -502,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             t_import = time.monotonic()
-            factory = _load_factory(args.engine_factory)
+            from loraplex_engine.engine import Engine  # torch and transformers: seconds
+
             t_build = time.monotonic()
             kwargs: dict[str, Any] = {
                 "max_adapters": args.max_adapters,
@@ -514,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":
                 kwargs["vllm_options"] = vllm_options(args)
-            engine = factory(args.model, **kwargs)
+            engine = Engine(args.model, **kwargs)
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
             loop = EngineLoop(engine, metrics)
@@ -577,13 +387,3 @@ def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool)
             close()
         except Exception:
             log.exception("closing the engine failed")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraplex-engine serve", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

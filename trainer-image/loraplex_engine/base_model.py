@@ -1,0 +1,49 @@
+"""A base model directory, read before its weights load: is it one, what can LoRA target.
+
+The command line checks a model directory and every manifest's target modules before it
+loads anything, so a typo is a one-line error in a second or two, not a traceback after
+the weights have loaded. The module names come from the model built on torch's meta
+device: the real module tree from ``config.json``, with no weights read or allocated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loraplex_engine.errors import UsageError
+
+if TYPE_CHECKING:
+    pass
+
+CONFIG_FILE = "config.json"
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """``path`` as a Path if it is a Hugging Face model directory, else ``UsageError``."""
+    model_dir = Path(path)
+    if not model_dir.exists():
+        raise UsageError(f"model directory {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise UsageError(f"model directory {model_dir} is not a directory")
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise UsageError(f"model directory {model_dir} has no {CONFIG_FILE}")
+    return model_dir
+
+
+def lora_targets_of(model_dir: str | Path) -> list[str]:
+    """``multi_lora.adaptable_module_names`` of the model in ``model_dir``, without loading its weights."""
+    path = check_model_dir(model_dir)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError) as exc:  # unreadable JSON, an unknown architecture
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"model directory {path}: {CONFIG_FILE}: {first_line}") from None
+    from loraplex_engine.multi_lora import adaptable_module_names
+
+    return adaptable_module_names(base)

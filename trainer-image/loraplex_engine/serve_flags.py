@@ -1,0 +1,219 @@
+"""``loraplex-engine serve``'s flags, each also read from ``LORAPLEX_<FLAG>``.
+
+The engine pod is configured mostly through the environment (the images and the operator
+set ``LORAPLEX_PORT``, ``LORAPLEX_ROLLOUT_BACKEND``, ...), so a bad value there is
+reported like a bad flag, naming the variable, and does not break other subcommands.
+The token comes from ``--token-file`` or ``LORAPLEX_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from loraplex_engine.api_types import DEFAULT_MAX_STEP_TOKENS
+from loraplex_engine.errors import UsageError
+from loraplex_engine.server_completions import DEFAULT_MAX_COMPLETION_TOKENS
+
+log = logging.getLogger("loraplex_engine.serve")
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(f"LORAPLEX_{name}", default)
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+class _EnvValue(str):
+    """A flag's default taken from ``LORAPLEX_<NAME>``, remembering the variable.
+
+    argparse runs a flag's ``type`` over a *string* default only when the flag is not
+    given, and only while parsing that subcommand; so a bad value fails ``serve`` alone
+    (not every subcommand at parser build time), as a usage error (exit 2) that can
+    name the variable."""
+
+    var: str
+
+    def __new__(cls, value: str, var: str) -> _EnvValue:
+        obj = super().__new__(cls, value)
+        obj.var = var
+        return obj
+
+
+def _env_parsed(name: str, default: Any) -> Any:
+    """``LORAPLEX_<NAME>`` for the flag's ``type`` to parse (naming it if bad), else the
+    default as it is."""
+    raw = _env(name)
+    return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
+
+
+def _invalid(what: str, value: str, hint: str = "") -> argparse.ArgumentTypeError:
+    where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
+    return argparse.ArgumentTypeError(f"invalid {what}: {str(value)!r}{where}{hint}")
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise _invalid("int value", value) from None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise _invalid("log level", value, f"; choose one of {', '.join(LOG_LEVELS)}")
+    return value.lower()
+
+
+# Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
+_ENV_NOTES = {
+    "vllm_option": ("LORAPLEX_VLLM_OPTIONS", "a JSON object of --vllm-option settings"),
+}
+_ENV_EXTRA = (
+    ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
+    ("LORAPLEX_VLLM_PYTHON", "python of the environment that holds vLLM (vllm backend)"),
+)
+
+
+def _env_epilog(p: argparse.ArgumentParser) -> str:
+    """Every variable `serve` reads, derived from its flags so the list cannot drift."""
+    rows = []
+    for action in p._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        flag = longs[0]
+        var, what = _ENV_NOTES.get(action.dest, (f"LORAPLEX_{action.dest.upper()}", flag))
+        rows.append((var, what))
+    rows.extend(_ENV_EXTRA)
+    width = max(len(var) for var, _ in rows)
+    lines = [f"  {var:<{width}}  {what}" for var, what in rows]
+    return "environment (a flag given on the command line wins):\n" + "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("MODEL"), help="base model directory (local)")
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address")
+    p.add_argument(
+        "--port", type=_int, default=_env_parsed("PORT", 8000), help="listen port (0: any free)"
+    )
+    p.add_argument("--token-file", default=_env("TOKEN_FILE"), help="file holding the bearer token")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=_env_flag("INSECURE_NO_AUTH"),
+        help="serve /v1 without a token (local experiments only)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        default=_env("CHECKPOINT_ROOT", "/ckpt"),
+        help="checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/",
+    )
+    p.add_argument(
+        "--max-adapters", type=_int, default=_env_parsed("MAX_ADAPTERS", 8), help="adapter slots"
+    )
+    p.add_argument(
+        "--max-rank", type=_int, default=_env_parsed("MAX_RANK", 64), help="largest LoRA rank"
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=_int,
+        default=_env_parsed("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
+        help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
+        "per step (one tenant must not stall the others)",
+    )
+    p.add_argument(
+        "--rollout-backend",
+        choices=["torch", "vllm"],
+        default=_env("ROLLOUT_BACKEND", "torch"),
+        help="generation backend",
+    )
+    p.add_argument(
+        "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
+    )
+    p.add_argument(
+        "--vllm-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the vllm rollout backend (value parsed as JSON if it parses), "
+        "e.g. max_model_len=4096 gpu_memory_utilization=0.5; repeatable. "
+        "LORAPLEX_VLLM_OPTIONS may hold a JSON object of them",
+    )
+    p.add_argument(
+        "--threads",
+        type=_int,
+        default=_env_parsed("THREADS", 0),
+        help="torch CPU threads (0: torch's default)",
+    )
+    p.add_argument(
+        "--max-completion-tokens",
+        type=_int,
+        default=_env_parsed("MAX_COMPLETION_TOKENS", DEFAULT_MAX_COMPLETION_TOKENS),
+        help="largest max_tokens accepted by /v1/completions",
+    )
+    p.add_argument(
+        "--no-checkpoint-on-shutdown",
+        action="store_true",
+        default=_env_flag("NO_CHECKPOINT_ON_SHUTDOWN"),
+        help="skip the final checkpoint of running experiments on SIGTERM",
+    )
+    p.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=_env_parsed("LOG_LEVEL", "info"),
+        help=f"one of {', '.join(LOG_LEVELS)}",
+    )
+    p.epilog = _env_epilog(p)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The bearer token, or None with --insecure-no-auth. Raises UsageError otherwise."""
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {e}") from e
+        if not token:
+            raise UsageError(f"--token-file {args.token_file} is empty")
+    elif os.environ.get("LORAPLEX_TOKEN", "").strip():
+        token = os.environ["LORAPLEX_TOKEN"].strip()
+    if token is None and not args.insecure_no_auth:
+        raise UsageError(
+            "no token: give --token-file FILE or LORAPLEX_TOKEN "
+            "(or --insecure-no-auth to serve /v1 without auth)"
+        )
+    if token is not None and args.insecure_no_auth:
+        log.warning("--insecure-no-auth given together with a token: the token is enforced")
+    return token
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """LORAPLEX_VLLM_OPTIONS (a JSON object), then each --vllm-option KEY=VALUE over it."""
+    options: dict[str, Any] = {}
+    raw = _env("VLLM_OPTIONS")
+    if raw:
+        try:
+            options = dict(json.loads(raw))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"LORAPLEX_VLLM_OPTIONS must be a JSON object: {e}") from e
+    for item in args.vllm_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--vllm-option takes KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
