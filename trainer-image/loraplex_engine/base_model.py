@@ -9,12 +9,8 @@ device: the real module tree from ``config.json``, with no weights read or alloc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loraplex_engine.errors import UsageError
-
-if TYPE_CHECKING:
-    pass
 
 CONFIG_FILE = "config.json"
 
@@ -32,7 +28,8 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def lora_targets_of(model_dir: str | Path) -> list[str]:
-    """``multi_lora.adaptable_module_names`` of the model in ``model_dir``, without loading its weights."""
+    """The LoRA target names (``multi_lora.adaptable_module_names``) of the model in
+    ``model_dir``, read from its config without loading its weights."""
     path = check_model_dir(model_dir)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
