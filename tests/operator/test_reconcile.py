@@ -1,5 +1,6 @@
-"""The pool reconciler's round planning (pure): adoption, recovery, unloads, binds,
-preemption, scale-up and scale-down, admission — from observations, no I/O."""
+"""The pool's round planning (pure): adoption, recovery, unloads, binds, preemption,
+scale-up and scale-down, admission — from observations, no I/O; and the pipeline's
+steps on their own."""
 
 from __future__ import annotations
 
@@ -9,20 +10,19 @@ from typing import Any
 from builders import experiment, pool
 from loraplex_operator import placement
 from loraplex_operator import status as st
-from loraplex_operator.reconcile import (
+from loraplex_operator.config import Config
+from loraplex_operator.observation import EngineView, Snapshot
+from loraplex_operator.planning import (
     DUPLICATE,
     FINISHED,
     ORPHAN,
     PREEMPT,
     SUSPEND,
-    Config,
-    EngineView,
-    Snapshot,
     Work,
-    derive,
     plan_round,
-    status_changes,
 )
+from loraplex_operator.publish import derive, status_changes
+from loraplex_operator.resources import Experiment, Pool
 
 NOW = 1_800_000_000.0
 CFG = Config(scale_down_delay=30.0, max_restarts=2)
@@ -63,7 +63,8 @@ def snap(
     exps: list[dict[str, Any]], engines: list[EngineView], p: Any = None, **kw: Any
 ) -> Snapshot:
     p = p or pool().slots(4).replicas(0, 2).obj()
-    return Snapshot(pool=p, experiments=exps, engines=engines, now=NOW, **kw)
+    views = [Experiment.from_obj(x) for x in exps]
+    return Snapshot(pool=Pool.from_obj(p), experiments=views, engines=engines, now=NOW, **kw)
 
 
 def test_pending_experiments_bind_to_a_ready_engine_with_resume_from_checkpoint() -> None:
@@ -92,7 +93,7 @@ def test_an_object_without_uid_is_bound_without_run_id(caplog) -> None:
     # without a runId (the engine makes a run id, as before run ids were sent) and says so.
     obj = exp("a")
     del obj["metadata"]["uid"]
-    with caplog.at_level("WARNING", logger="loraplex_operator.reconcile"):
+    with caplog.at_level("WARNING", logger="loraplex_operator.planning"):
         plan = plan_round(snap([obj], [engine("e1")]), CFG)
     assert [p.body["runId"] for p in plan.puts] == [None]
     assert "team-a/a has no metadata.uid" in caplog.text
@@ -308,7 +309,7 @@ def test_status_changes_sees_removed_fields() -> None:
 
 
 def test_work_ids() -> None:
-    w = Work(obj=experiment("x", namespace="ns1").obj())
+    w = Work.start(Experiment.from_obj(experiment("x", namespace="ns1").obj()))
     assert (w.key, w.id) == ("ns1/x", "ns1.x")
 
 
