@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from builders import experiment, pool
+from builders import run as run_of
 from loraplex_operator import placement
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
@@ -19,7 +20,11 @@ from loraplex_operator.planning import (
     PREEMPT,
     SUSPEND,
     Work,
+    act_on,
+    classify,
+    placement_inputs,
     plan_round,
+    scale,
 )
 from loraplex_operator.publish import derive, status_changes
 from loraplex_operator.resources import Experiment, Pool
@@ -322,3 +327,80 @@ def test_config_from_env() -> None:
     cfg = Config.from_env(env)
     assert (cfg.interval, cfg.max_restarts, cfg.namespaces) == (2.0, 5, ("team-b", "team-a"))
     assert Config.from_env({}).namespaces == ()
+
+
+# --- the pipeline's steps on their own ------------------------------------------------
+
+
+def test_placement_inputs_take_what_engines_report_over_the_pool_spec() -> None:
+    p = Pool.from_obj(pool().slots(4).max_rank(32).memory(1000).replicas(0, 3).obj())
+    reporting = engine("e1", "team-a.a", slots=6)  # says maxAdapters 6, maxRank 64
+    starting = engine("e2", ready=False)
+    a = run_of("team-a/a", memory=300)
+    inputs, lim = placement_inputs(p.spec, [reporting, starting], {"e1": [a]})
+    by_name = {e.name: e for e in inputs}
+    assert (by_name["e1"].slots_total, by_name["e1"].max_rank) == (6, 64)
+    assert (by_name["e1"].slots_used, by_name["e1"].memory_used) == (1, 300)
+    assert by_name["e1"].running == (a,)
+    # a starting engine is reserved at the pool's shape, never bound to
+    assert not by_name["e2"].ready and (by_name["e2"].slots_total, by_name["e2"].max_rank) == (
+        4,
+        32,
+    )
+    assert (lim.max_replicas, lim.current_replicas, lim.memory_budget) == (3, 2, 1000)
+
+
+def test_classify_sorts_experiments_into_adopted_pending_and_unloaded() -> None:
+    exps = [
+        exp("run", phase="Running", engine="e1"),
+        exp("new"),
+        exp("done", phase="Succeeded", engine="e1"),
+        experiment("off").suspend().obj(),
+    ]
+    held = engine("e1", "team-a.run", "team-a.done", "team-a.gone")
+    out = classify(snap(exps, [held]), [held], CFG)
+    assert sorted(out.work) == ["team-a/done", "team-a/new", "team-a/off", "team-a/run"]
+    assert [p.key for p in out.pending] == ["team-a/new"]
+    assert [r.key for r in out.running_on["e1"]] == ["team-a/run"]
+    assert sorted((u.exp_id, u.reason) for u in out.unloads) == [
+        ("team-a.done", FINISHED),
+        ("team-a.gone", ORPHAN),
+    ]
+
+
+def test_act_on_turns_decisions_into_engine_calls() -> None:
+    e1 = engine("e1", "team-a.low")
+    work = {
+        k: Work.start(Experiment.from_obj(exp(k.split("/")[1])))
+        for k in ("team-a/a", "team-a/low", "team-a/b", "team-a/c")
+    }
+    decisions = [
+        placement.ScaleUp(2),
+        placement.Bind("team-a/a", "e1"),
+        placement.Preempt("team-a/low", "e1", "team-a/b"),
+        placement.Wait("team-a/c", placement.WAIT_UNSCHEDULABLE),
+    ]
+    acts = act_on(decisions, work, {"e1": e1})
+    assert [(p.key, p.engine, p.body["runId"]) for p in acts.puts] == [
+        ("team-a/a", "e1", "uid-team-a-a")
+    ]
+    assert [(u.key, u.reason, u.for_key) for u in acts.unloads] == [
+        ("team-a/low", PREEMPT, "team-a/b")
+    ]
+    assert (acts.create_pods, acts.bound_to) == (2, {"e1"})
+    # nothing waits for room that can come: an unschedulable experiment does not hold
+    # idle engines up
+    assert not acts.waiting and work["team-a/c"].waiting_reason == placement.WAIT_UNSCHEDULABLE
+
+
+def test_scale_tops_up_to_min_and_removes_only_long_idle_engines() -> None:
+    p = pool().replicas(1, 3).obj()
+    engines = [engine("e1"), engine("e2"), engine("e3", "team-a.a")]
+    s = scale(snap([], engines, p, idle_since={"e1": NOW - 60}), engines, CFG, 0, set(), False)
+    assert s.create_pods == 0 and s.delete_pods == ["e1"]  # e2 idle only since now
+    assert s.idle_since == {"e1": NOW - 60, "e2": NOW}
+    waiting = scale(snap([], engines, p, idle_since={"e1": NOW - 60}), engines, CFG, 0, set(), True)
+    assert waiting.delete_pods == []  # something waits for room: keep every engine
+    assert (
+        scale(snap([], [], pool().replicas(2, 3).obj()), [], CFG, 1, set(), False).create_pods == 2
+    )
