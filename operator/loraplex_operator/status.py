@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from loraplex_operator.config import DEFAULT_MAX_RESTARTS
+from loraplex_operator.resources import Experiment
+
 PENDING, SCHEDULED, RUNNING = "Pending", "Scheduled", "Running"
 SUSPENDED, SUCCEEDED, FAILED = "Suspended", "Succeeded", "Failed"
-PHASES = (PENDING, SCHEDULED, RUNNING, SUSPENDED, SUCCEEDED, FAILED)
+EXPERIMENT_PHASES = (PENDING, SCHEDULED, RUNNING, SUSPENDED, SUCCEEDED, FAILED)
 TERMINAL = frozenset({SUCCEEDED, FAILED})
 
 # Condition types, in the order they are written.
@@ -34,11 +37,6 @@ CONDITION_TYPES = (
     COND_SUCCEEDED,
     COND_FAILED,
 )
-
-DEFAULT_MAX_RESTARTS = 3
-# The CRD's default for spec.algorithm.maxSteps (0 = continual); objects read from the API
-# server always carry it, so this only matters for objects built by hand.
-DEFAULT_MAX_STEPS = 50
 
 # The condition whose reason says why an experiment is in each phase.
 _PHASE_CONDITION = {
@@ -128,7 +126,7 @@ class _Verdict:
     message: str
 
 
-def _verdict(spec: Mapping[str, Any], old_phase: str | None, obs: Observation) -> _Verdict:
+def _verdict(suspend: bool, old_phase: str | None, obs: Observation) -> _Verdict:
     engine = obs.engine_status or {}
     engine_phase = engine.get("phase")
     if old_phase in TERMINAL:
@@ -142,7 +140,7 @@ def _verdict(spec: Mapping[str, Any], old_phase: str | None, obs: Observation) -
     if obs.restarts > obs.max_restarts:
         msg = f"restarted {obs.restarts} times (budget {obs.max_restarts})"
         return _Verdict(FAILED, "RestartBudgetExhausted", msg)
-    if spec.get("suspend"):
+    if suspend:
         return _Verdict(SUSPENDED, "SuspendRequested", "suspended: checkpointed and unloaded")
     if obs.problems:
         return _Verdict(PENDING, "AdmissionFailed", "; ".join(obs.problems))
@@ -209,12 +207,11 @@ def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def derive_status(obj: Mapping[str, Any], obs: Observation, now: datetime) -> dict[str, Any]:
-    """The full `status` for the experiment `obj` given `obs` (patch it as `status`)."""
-    spec = obj.get("spec", {})
-    old = obj.get("status") or {}
-    generation = int(obj.get("metadata", {}).get("generation", 0))
-    verdict = _verdict(spec, old.get("phase"), obs)
+def derive_status(exp: Experiment, obs: Observation, now: datetime) -> dict[str, Any]:
+    """The full `status` for the experiment `exp` given `obs` (patch it as `status`)."""
+    old = exp.raw_status  # carried over field by field: the status has no view of its own
+    generation = exp.meta.generation
+    verdict = _verdict(exp.spec.suspend, old.get("phase"), obs)
     if old.get("phase") in TERMINAL:
         return {**old, "observedGeneration": generation}
 
@@ -253,11 +250,6 @@ def phase_reason(status: Mapping[str, Any]) -> str:
     cond = get_condition(status.get("conditions"), _PHASE_CONDITION.get(status.get("phase"), ""))
     reason = str((cond or {}).get("reason") or "")
     return reason if _REASON.fullmatch(reason) else "Unknown"
-
-
-def max_steps(spec: Mapping[str, Any]) -> int:
-    """spec.algorithm.maxSteps (0 = continual: train until suspended or deleted)."""
-    return int((spec.get("algorithm") or {}).get("maxSteps", DEFAULT_MAX_STEPS))
 
 
 def pool_status(

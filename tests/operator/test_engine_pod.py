@@ -11,13 +11,11 @@ from builders import pool
 from crdkit import REPO, apply_defaults, schema_of
 from loraplex_operator.manifests import (
     POOL_LABEL,
-    SPEC_HASH_ANNOTATION,
     TOKEN_FILE,
     engine_args,
     engine_pod,
     engine_url,
     is_pod_ready,
-    spec_hash,
 )
 
 K8S_VERSION = "1.33"
@@ -166,16 +164,6 @@ def test_builder_does_not_alias_the_pool() -> None:
     pod = engine_pod(obj, "x")
     pod["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] = "changed"
     assert obj["spec"]["template"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
-
-
-def test_spec_hash_tracks_pod_shaping_fields_only() -> None:
-    a = _gpu_pool()
-    b = _gpu_pool()
-    b["spec"]["replicas"]["max"] = 9  # scaling does not reshape pods
-    assert spec_hash(a) == spec_hash(b)
-    b["spec"]["template"]["image"] = "ghcr.io/loraplex/engine-cuda:0.2.0"
-    assert spec_hash(a) != spec_hash(b)
-    assert engine_pod(a, "x")["metadata"]["annotations"][SPEC_HASH_ANNOTATION] == spec_hash(a)
 
 
 def test_pod_helpers() -> None:

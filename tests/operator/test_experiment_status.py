@@ -8,18 +8,23 @@ from typing import Any
 import pytest
 from builders import experiment
 from crdkit import schema_errors, schema_of
+from loraplex_operator import status as st
+from loraplex_operator.resources import Experiment
 from loraplex_operator.status import (
-    DEFAULT_MAX_STEPS,
     Binding,
     Observation,
-    derive_status,
     get_condition,
     is_true,
-    max_steps,
     merge_conditions,
     phase_reason,
     pool_status,
 )
+
+
+def derive_status(obj: dict[str, Any], obs: Observation, now: datetime) -> dict[str, Any]:
+    """The status derived for a raw object, through the view the operator builds of it."""
+    return st.derive_status(Experiment.from_obj(obj), obs, now)
+
 
 T0 = datetime(2026, 12, 2, 15, 0, 0, tzinfo=UTC)
 T1 = T0 + timedelta(minutes=5)
@@ -170,14 +175,6 @@ def test_phase_reason_is_the_reason_of_the_phase(
 )
 def test_phase_reason_is_bounded(status: dict[str, Any]) -> None:
     assert phase_reason(status) == "Unknown"
-
-
-def test_max_steps_default_is_the_crds() -> None:
-    algorithm = schema_of("LoRAExperiment")["properties"]["spec"]["properties"]["algorithm"]
-    assert algorithm["properties"]["maxSteps"]["default"] == DEFAULT_MAX_STEPS
-    assert max_steps({}) == DEFAULT_MAX_STEPS
-    assert max_steps(experiment("a").algorithm(maxSteps=0).obj()["spec"]) == 0
-    assert max_steps(experiment("a").algorithm(maxSteps=7).obj()["spec"]) == 7
 
 
 def test_running_copies_engine_progress() -> None:
