@@ -65,26 +65,28 @@ def test_renders_well_formed(scenario: str) -> None:
 
 
 # Which kinds a scenario renders (count per kind).
+# ClusterRole: the operator's, and the view and edit roles aggregated into the default
+# user roles; Pod: the `helm test` hook.
 EXPECTED_KINDS = {
     "default": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "Pod": 1,
     },
     "all-on": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
         "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "ServiceMonitor": 1,
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
-        "NetworkPolicy": 1, "EnginePool": 1,
+        "NetworkPolicy": 1, "EnginePool": 1, "Pod": 1,
     },
     # two watched namespaces, the engine namespace, the operator's namespace
     "namespaced": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
-        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
+        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1, "Pod": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
     "minimal": {
         "Deployment": 1, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 0,
-        "Secret": 1,
+        "Secret": 1, "Pod": 0,
     },
     "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
     "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
@@ -310,7 +312,8 @@ def test_network_policy() -> None:
     assert spec["policyTypes"] == ["Ingress"]
     (rule,) = spec["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    operator_peer, prometheus_peer = rule["from"]
+    operator_peer, test_peer, prometheus_peer = rule["from"]  # test: the helm test Pod
+    assert test_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "helm-test"
     dep = one(docs, "Deployment")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert operator_peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
