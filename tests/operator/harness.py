@@ -279,6 +279,7 @@ class Harness:
         """`chart_values`: the chart values the operator is rendered with (the defaults
         when None). `tuned`: add the short intervals below as `operator.extraEnv`."""
         self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = model_dir
         self.real_cluster = real_cluster
         self.chart_values = chart_values
