@@ -32,7 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from loraplex_engine.api_types import (
+    DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_REWARD_DEADLINE_S,
     Capacity,
     CheckpointRef,
     EngineService,
@@ -78,7 +80,7 @@ class _EnvValue(str):
         return obj
 
 
-def _env_int(name: str, default: int) -> int | str:
+def _env_int(name: str, default: float) -> float | str:
     raw = _env(name)
     return default if raw is None else _EnvValue(raw, f"LORAPLEX_{name}")
 
@@ -89,6 +91,17 @@ def _int(value: str) -> int:
     except ValueError:
         where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
         raise argparse.ArgumentTypeError(f"invalid int value: {str(value)!r}{where}") from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        where = f" (from {value.var})" if isinstance(value, _EnvValue) else ""
+        raise argparse.ArgumentTypeError(f"invalid seconds value: {str(value)!r}{where}") from None
+    return seconds
 
 
 # Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
@@ -145,8 +158,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-step-tokens",
         type=_int,
         default=_env_int("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
-        help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
-        "per step (one tenant must not stall the others)",
+        help="largest groupSize x promptsPerStep x (--max-prompt-tokens + maxNewTokens) one "
+        "experiment's step may cost, checked at PUT (one tenant must not stall the others)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=_int,
+        default=_env_int("MAX_PROMPT_TOKENS", DEFAULT_MAX_PROMPT_TOKENS),
+        help="longest prompt a rollout row may have; a longer one fails its experiment",
+    )
+    p.add_argument(
+        "--reward-deadline",
+        type=_seconds,
+        default=_env_int("REWARD_DEADLINE", DEFAULT_REWARD_DEADLINE_S),
+        metavar="SECONDS",
+        help="how long a tick waits for an experiment's reward; a later one trains that "
+        "experiment in the tick after it arrives, without holding the others",
     )
     p.add_argument(
         "--rollout-backend",
@@ -510,6 +537,8 @@ def run(args: argparse.Namespace) -> int:
                 "checkpoint_root": args.checkpoint_root,
                 "rollout_backend": args.rollout_backend,
                 "max_step_tokens": args.max_step_tokens,
+                "max_prompt_tokens": args.max_prompt_tokens,
+                "reward_deadline_s": args.reward_deadline,
             }
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":

@@ -1,0 +1,113 @@
+"""Fair share between tenants of one tick: who rolls out now, and rewards that wait.
+
+Two rules keep one experiment from holding the others back (docs/architecture.md,
+"Tenancy and trust"):
+
+- **Rewards run concurrently, with a deadline.** Every experiment's reward is scored on
+  a thread pool; the tick waits at most ``deadline_s`` for them. A reward not back by
+  then stays pending: its experiment skips ticks (its rollout waits, its adapter is not
+  touched, so the step stays on-policy) and trains in the first tick after the reward
+  arrives. The reward's own timeout (rewards.HttpReward) still fails it in the end.
+- **Expensive steps run less often.** An experiment whose step costs k times the
+  cheapest running one's (prompt + completion tokens over its rows) rolls out every
+  ~k-th tick, so every tenant gets about the same tokens per tick on average and a
+  maximal or long-prompt spec cannot hold every tick at its own size. Costs within a
+  factor of 1.5 round to 1: experiments of one size stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from loraplex_engine.experiment import Experiment
+
+_R = TypeVar("_R")
+
+
+@dataclass
+class _Pending(Generic[_R]):
+    exp: Experiment
+    future: Future[_R]
+
+
+class RewardScorer(Generic[_R]):
+    """Scores rewards on a pool of ``workers`` threads (one per adapter slot is enough:
+    an experiment has at most one reward in flight). ``notify`` is called from the pool
+    when a pending reward arrives, so the engine loop wakes up for it."""
+
+    def __init__(self, workers: int, deadline_s: float, notify: Callable[[], None]) -> None:
+        self.deadline_s = deadline_s
+        self._notify = notify
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="reward")
+        self._pending: dict[str, _Pending[_R]] = {}
+        self._lock = threading.Lock()
+
+    def is_pending(self, exp: Experiment) -> bool:
+        with self._lock:
+            return exp.id in self._pending
+
+    def has_arrived(self) -> bool:
+        """A pending reward is back (the next tick has work)."""
+        with self._lock:
+            return any(p.future.done() for p in self._pending.values())
+
+    def forget(self, exp_id: str) -> None:
+        """Drop the pending reward of an experiment that was removed."""
+        with self._lock:
+            self._pending.pop(exp_id, None)
+
+    def arrived(self, running: Sequence[Experiment]) -> list[_R]:
+        """Results of pending rewards that are back, for experiments still running."""
+        out: list[_R] = []
+        with self._lock:
+            for exp_id, p in list(self._pending.items()):
+                if p.future.done():
+                    del self._pending[exp_id]
+                    if any(e is p.exp for e in running):
+                        out.append(p.future.result())
+        return out
+
+    def score(self, jobs: Sequence[tuple[Experiment, Callable[[], _R]]]) -> list[_R]:
+        """Run every job on the pool; return the results back within the deadline. The
+        others stay pending (collected by :meth:`arrived` in a later tick)."""
+        submitted = [(exp, self._pool.submit(fn)) for exp, fn in jobs]
+        if submitted:
+            wait_futures([f for _, f in submitted], timeout=self.deadline_s)
+        done: list[_R] = []
+        for exp, future in submitted:
+            if future.done():
+                done.append(future.result())
+                continue
+            with self._lock:
+                self._pending[exp.id] = _Pending(exp, future)
+            future.add_done_callback(lambda _f: self._notify())
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def due_to_roll_out(eligible: Sequence[Experiment], tick_no: int) -> list[Experiment]:
+    """The experiments that roll out in tick ``tick_no``: each one ``every`` ticks after
+    its last rollout, ``every`` = its step cost over the cheapest one's, rounded. When
+    none is due, those nearest to due (no tick is left empty while work is waiting)."""
+    if not eligible:
+        return []
+    costs = [e.step_cost for e in eligible if e.step_cost > 0]
+    cheapest = min(costs, default=0)
+
+    def ticks_left(e: Experiment) -> int:
+        every = max(1, round(e.step_cost / cheapest)) if cheapest and e.step_cost else 1
+        return every - (tick_no - e.rolled_out_at)
+
+    left = {e.id: ticks_left(e) for e in eligible}
+    due = [e for e in eligible if left[e.id] <= 0]
+    if due:
+        return due
+    soonest = min(left.values())
+    return [e for e in eligible if left[e.id] == soonest]
