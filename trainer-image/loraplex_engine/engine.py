@@ -135,6 +135,7 @@ class Engine:
         self._jobs: list[CompletionJob] = []
         self._jobs_lock = threading.Lock()
         self.work_available = threading.Event()  # set when a tick would have work
+        self._refusing: str | None = None  # why completions are no longer served
         self.scorer = RewardScorer(max_adapters, reward_deadline_s, self._wake)
         self._tick = Tick(
             self.model,
@@ -200,12 +201,18 @@ class Engine:
         with self._jobs_lock:
             self.work_available.set()
 
+    def refuse_completions(self, reason: str) -> None:
+        """No tick will run again (the loop stopped): answer the queued completions and
+        every later one with ``reason`` instead of letting them wait."""
+        with self._jobs_lock:
+            self._refusing = reason
+            jobs, self._jobs = self._jobs, []
+        _resolve(jobs, UnavailableError(reason))
+
     def close(self) -> None:
         """Answer the completions still queued, stop the reward pool and the rollout
         backend's worker, if it has one."""
-        with self._jobs_lock:
-            jobs, self._jobs = self._jobs, []
-        _resolve(jobs, UnavailableError("the engine is shutting down"))
+        self.refuse_completions("the engine is shutting down")
         self.scorer.close()
         self.backend.close()
 
@@ -314,14 +321,14 @@ class Engine:
         """Served by the next tick, inside its rollout batch."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
+        prompt_ids = self.codec.encode(prompt)
+        self._check_completion_work(len(prompt_ids), max_tokens, n)
         job = CompletionJob(
-            None if model == self.model_name else model,
-            self.codec.encode(prompt),
-            max_tokens,
-            temperature,
-            n,
+            None if model == self.model_name else model, prompt_ids, max_tokens, temperature, n
         )
         with self._jobs_lock:
+            if self._refusing is not None:
+                raise UnavailableError(self._refusing)
             self._jobs.append(job)
             self.work_available.set()
         if not job.done.wait(COMPLETION_TIMEOUT_S):
@@ -399,6 +406,22 @@ class Engine:
                 f"maxNewTokens) = {work} tokens per step exceeds this engine's limit of "
                 f"{self.max_step_tokens} (serve --max-step-tokens); lower one of them",
                 field="spec.algorithm.promptsPerStep",
+            )
+
+    def _check_completion_work(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """A completion rides in a tick's rollout batch: the same limits as a step."""
+        if prompt_tokens > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt has {prompt_tokens} tokens, over this engine's limit of "
+                f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
+                field="prompt",
+            )
+        work = n * (prompt_tokens + max_tokens)
+        if work > self.max_step_tokens:
+            raise InvalidRequestError(
+                f"n x (prompt + max_tokens) = {work} tokens exceeds this engine's limit of "
+                f"{self.max_step_tokens} (serve --max-step-tokens)",
+                field="n",
             )
 
     def _require(self, exp_id: str) -> Experiment:

@@ -391,6 +391,9 @@ class EngineLoop:
                 if errors >= self.max_errors:
                     log.error("engine loop stopping after %d failed ticks", errors)
                     self.failed = True
+                    refuse = getattr(self.engine, "refuse_completions", None)
+                    if callable(refuse):  # no tick will serve them: answer, don't hang
+                        refuse(f"the engine loop stopped after {errors} failed ticks")
                     return
                 self._stop.wait(min(0.1 * 2**errors, 5.0))
                 continue
