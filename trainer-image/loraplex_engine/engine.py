@@ -137,6 +137,8 @@ class Engine:
         self.work_available = threading.Event()  # set when a tick would have work
         self._refusing: str | None = None  # why completions are no longer served
         self.scorer = RewardScorer(max_adapters, reward_deadline_s, self._wake)
+        # Longest row the base model takes (prompt + completion); None: not stated.
+        self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self._tick = Tick(
             self.model,
             self.codec,
@@ -145,6 +147,7 @@ class Engine:
             self.store,
             self.scorer,
             max_prompt_tokens,
+            self.context_tokens,
         )
 
     def _shared_forward(self, base: torch.nn.Module, wanted: bool) -> SharedForward | None:
@@ -397,9 +400,15 @@ class Engine:
     def _check_step_work(self, spec: ExperimentSpec) -> None:
         """A step's cost, prompts included, is bounded before it is admitted: every row's
         prompt is at most max_prompt_tokens (the tick refuses longer ones)."""
-        alg = spec.algorithm
+        alg, new_tokens = spec.algorithm, spec.rollout.max_new_tokens
+        if self.context_tokens is not None and new_tokens >= self.context_tokens:
+            raise InvalidSpecError(
+                f"maxNewTokens {new_tokens} leaves no room for a prompt in the base model's "
+                f"context of {self.context_tokens} tokens",
+                field="spec.rollout.maxNewTokens",
+            )
         rows = alg.group_size * alg.prompts_per_step
-        work = rows * (self.max_prompt_tokens + spec.rollout.max_new_tokens)
+        work = rows * (self.max_prompt_tokens + new_tokens)
         if work > self.max_step_tokens:
             raise InvalidSpecError(
                 f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
@@ -415,6 +424,12 @@ class Engine:
                 f"prompt has {prompt_tokens} tokens, over this engine's limit of "
                 f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
                 field="prompt",
+            )
+        if self.context_tokens is not None and prompt_tokens + max_tokens > self.context_tokens:
+            raise InvalidRequestError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the base "
+                f"model's context of {self.context_tokens} tokens",
+                field="max_tokens",
             )
         work = n * (prompt_tokens + max_tokens)
         if work > self.max_step_tokens:

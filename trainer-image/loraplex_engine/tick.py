@@ -126,6 +126,7 @@ class Tick:
         store: RunStore,
         scorer: RewardScorer[Scored | Failure],
         max_prompt_tokens: int,
+        context_tokens: int | None,
     ) -> None:
         self.model = model
         self.codec = codec
@@ -134,6 +135,7 @@ class Tick:
         self.store = store
         self.scorer = scorer
         self.max_prompt_tokens = max_prompt_tokens
+        self.context_tokens = context_tokens
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
 
     def has_work(self, running: list[Experiment]) -> bool:
@@ -182,7 +184,7 @@ class Tick:
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
-        encoded = [self._encode_prompt(p) for p in prompts]
+        encoded = [self._encode_prompt(p, roll.max_new_tokens) for p in prompts]
         requests = [
             RolloutRequest(
                 slot=slot,
@@ -200,17 +202,24 @@ class Tick:
         exp.rolled_out_at = self.count
         return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
 
-    def _encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A prompt's tokens; one over the engine's prompt limit fails its experiment
-        (truncating it would train on a prompt the data does not hold)."""
+    def _encode_prompt(self, prompt: Prompt, new_tokens: int) -> list[int]:
+        """A prompt's tokens; one over the engine's prompt limit (or the model's context)
+        fails its experiment: truncating it would train on a prompt the data does not hold,
+        and a row past the context would fail the shared rollout batch."""
         ids = self.codec.encode(prompt.text)
+        line = prompt.meta.get("line")
+        where = f"dataset line {line}" if line else "a prompt"
         if len(ids) > self.max_prompt_tokens:
-            line = prompt.meta.get("line")
-            where = f"dataset line {line}" if line else "a prompt"
             raise TaskError(
                 "spec.task.dataset",
                 f"{where} has {len(ids)} prompt tokens, over this engine's limit of "
                 f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
+            )
+        if self.context_tokens is not None and len(ids) + new_tokens > self.context_tokens:
+            raise TaskError(
+                "spec.task.dataset",
+                f"{where} has {len(ids)} prompt tokens: with maxNewTokens {new_tokens} that "
+                f"is over the base model's context of {self.context_tokens}",
             )
         return ids
 
