@@ -1,18 +1,20 @@
 """Fair share: a co-tenant's steps/s alone vs beside a slow, a maximal and a long-prompt
 neighbour (issue 15). A benchmark, not a test: it prints and writes numbers.
 
-    .venv/bin/python bench/fair_share.py [--seconds 30] [--threads 1]
+    .venv/bin/python bench/fair_share.py [--seconds 45] [--threads 1]
                                          [--out bench/results/fair-share.json]
 
 One real ``loraplex-engine serve`` process with the tiny model (tests' fixture), engine
-defaults but ``--max-prompt-tokens 384`` (the tiny model's context is 512 tokens). The
+defaults but ``--max-prompt-tokens 384`` (the tiny model's context is 512 tokens) and
+``--max-step-tokens 32768`` (a CPU pool's setting: at the default, 262144, one maximal
+step takes tens of seconds on CPU, so any co-tenant waits that long once per step). The
 co-tenant (target-token, 8 x 4 rows, 16 new tokens) trains throughout; each scenario adds
 one neighbour, lets it start, then counts the co-tenant's steps over ``--seconds``:
 
 - ``alone``: no neighbour (measured first and last; the ratio uses their mean);
 - ``slow_reward``: an HTTP reward service that sleeps 20 s per call (under its 30 s timeout);
-- ``maximal_spec``: the largest spec the engine admits at 128 new tokens (16 x 32 rows:
-  512 x (384 + 128) = 262144 tokens, the default --max-step-tokens);
+- ``maximal_spec``: the largest spec the engine admits at 128 new tokens (16 x 4 rows:
+  64 x (384 + 128) = 32768 tokens);
 - ``long_prompt``: JSONL prompts of about 380 tokens (just under the prompt limit).
 
 The target is a co-tenant at >= 70% of its steps/s alone in every scenario.
@@ -42,6 +44,7 @@ COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"
 SLOW_REWARD_S = 20.0
 MAX_PROMPT_TOKENS = 384
+MAX_STEP_TOKENS = 32768
 TARGETS = ["q_proj", "v_proj", "lm_head"]
 
 
@@ -113,7 +116,7 @@ def neighbours(reward_url: str, data: Path) -> dict[str, dict[str, Any]]:
     }
     return {
         "slow_reward": spec(http, group=8, prompts=4, new_tokens=16, seed=1),
-        "maximal_spec": spec(group=16, prompts=32, new_tokens=128, seed=2),
+        "maximal_spec": spec(group=16, prompts=4, new_tokens=128, seed=2),
         "long_prompt": spec(
             {"name": "jsonl", "dataset": str(data)}, group=8, prompts=4, new_tokens=16, seed=3
         ),
@@ -136,7 +139,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--seconds", type=float, default=45.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fair-share.json")
     args = p.parse_args()
@@ -150,10 +153,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fair-share-"))
     data = work / "long.jsonl"
     long_prompt_dataset(data, model)
+    limits = ["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
+    limits += ["--max-step-tokens", str(MAX_STEP_TOKENS)]
     srv = EngineServer(
-        model, work / "ckpt", max_adapters=4, threads=args.threads, workdir=work,
-        extra_args=["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)],
-    )  # fmt: skip
+        model, work / "ckpt", max_adapters=4, threads=args.threads, workdir=work, extra_args=limits
+    )
     results: dict[str, Any] = {}
     with srv, srv.client() as api:
         put(api, COTENANT, spec(group=8, prompts=4, new_tokens=16, seed=0))
@@ -177,7 +181,7 @@ def main() -> None:
         results[name]["vs_alone"] = round(results[name]["cotenant_steps_per_s"] / alone, 3)
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "engine": {"maxPromptTokens": MAX_PROMPT_TOKENS, "maxStepTokens": "default (262144)",
+        "engine": {"maxPromptTokens": MAX_PROMPT_TOKENS, "maxStepTokens": MAX_STEP_TOKENS,
                    "rewardDeadline": "default (1.0 s)", "threads": args.threads},
         "seconds_per_scenario": args.seconds,
         "results": results,
