@@ -277,33 +277,30 @@ class Tick:
     # ---- train --------------------------------------------------------------------------
 
     def _train(self, scored: list[Scored]) -> list[Trained | Failure]:
-        if not scored:
-            return []
-        # Each experiment's rows (its advantages) on its own; the update itself is shared.
-        failures: list[Failure] = []
+        """Each experiment's rows (its advantages) on its own, then one shared update."""
+        results: list[Trained | Failure] = []
+        kept: list[Scored] = []
         rows: list[TrainRow] = []
         updates: dict[str, ExperimentUpdate] = {}
-        kept: list[Scored] = []
         for s in scored:
-            prepared = _guarded(
-                s.rollout.exp, "reward_error", "advantages", lambda s=s: self._train_rows([s])
-            )
+            exp = s.rollout.exp
+            prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
-                failures.append(prepared)
+                results.append(prepared)
                 continue
-            rows += prepared[0]
-            updates |= prepared[1]
+            rows += prepared
+            updates[exp.id] = ExperimentUpdate(
+                exp.algorithm, exp.spec.algorithm.clip, exp.spec.algorithm.kl_coef
+            )
             kept.append(s)
         if not kept:
-            return list(failures)
-        scored = kept
+            return results
         self.model.train()
         try:
             outcomes = self.strategy.train(rows, updates)
         finally:
             self.model.eval()
-        results: list[Trained | Failure] = list(failures)
-        for s in scored:
+        for s in kept:
             exp = s.rollout.exp
             failure = outcomes[exp.id].failure
             if failure is not None:
@@ -313,36 +310,32 @@ class Tick:
                 results.append(Trained(s, tokens))
         return results
 
-    def _train_rows(
-        self, scored: list[Scored]
-    ) -> tuple[list[TrainRow], dict[str, ExperimentUpdate]]:
+    def _rows(self, s: Scored) -> list[TrainRow]:
+        """One experiment's training rows, with their group-relative advantages."""
         rows: list[TrainRow] = []
-        updates: dict[str, ExperimentUpdate] = {}
-        for s in scored:
-            r, exp = s.rollout, s.rollout.exp
-            alg = exp.spec.algorithm
-            updates[exp.id] = ExperimentUpdate(exp.algorithm, alg.clip, alg.kl_coef)
-            adv = exp.algorithm.advantages(torch.tensor(s.rewards), alg.group_size)
-            slot = self.model.slot_of(exp.id)
-            # Prompt group = identical prompt tokens within this experiment's step (its
-            # groupSize samples, and any prompt drawn twice): they share one prefix.
-            groups: dict[tuple[int, ...], int] = {}
-            for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
-                if comp.token_ids:
-                    group = groups.setdefault(tuple(req.prompt_ids), len(groups))
-                    rows.append(
-                        TrainRow(
-                            exp.id,
-                            slot,
-                            req.prompt_ids,
-                            comp.token_ids,
-                            comp.logprobs,
-                            a,
-                            req.temperature,
-                            group,
-                        )
+        r, exp = s.rollout, s.rollout.exp
+        alg = exp.spec.algorithm
+        adv = exp.algorithm.advantages(torch.tensor(s.rewards), alg.group_size)
+        slot = self.model.slot_of(exp.id)
+        # Prompt group = identical prompt tokens within this experiment's step (its
+        # groupSize samples, and any prompt drawn twice): they share one prefix.
+        groups: dict[tuple[int, ...], int] = {}
+        for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
+            if comp.token_ids:
+                group = groups.setdefault(tuple(req.prompt_ids), len(groups))
+                rows.append(
+                    TrainRow(
+                        exp.id,
+                        slot,
+                        req.prompt_ids,
+                        comp.token_ids,
+                        comp.logprobs,
+                        a,
+                        req.temperature,
+                        group,
                     )
-        return rows, updates
+                )
+        return rows
 
     # ---- bookkeeping and checkpoints ----------------------------------------------------
 
