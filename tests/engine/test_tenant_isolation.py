@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 COTENANT = "default.cotenant"
 SLOW_REWARD_S = 3.0
+STALL_S = 25.0
 REWARD_DEADLINE_S = 0.3
 LIMITS = ["--max-prompt-tokens", "64", "--max-step-tokens", "20000"]
 TARGETS = ["q_proj", "v_proj", "lm_head"]
@@ -112,12 +113,12 @@ def cotenant_keeps_training(server: EngineServer, window_s: float = 3.0) -> Iter
 
 
 class _Rewards(BaseHTTPRequestHandler):
-    """/huge: scores of 401 digits; /slow: 1.0 each after SLOW_REWARD_S seconds."""
+    """/huge: scores of 401 digits; /slow: 1.0 each after SLOW_REWARD_S seconds; /stall:
+    after STALL_S (under the reward client's 30 s timeout)."""
 
     def do_POST(self) -> None:
         items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        if self.path == "/slow":
-            time.sleep(SLOW_REWARD_S)
+        time.sleep({"/slow": SLOW_REWARD_S, "/stall": STALL_S}.get(self.path, 0.0))
         score = 10**400 if self.path == "/huge" else 1.0
         body = json.dumps({"scores": [score] * len(items)}).encode()
         self.send_response(200)
@@ -290,7 +291,7 @@ def _complete_until_refused(server: EngineServer, codes: list[int], until: float
 
 
 def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, reward_url
 ) -> None:
     faults = tmp_path / "faults"
     ckpt = tmp_path / "ckpt"
@@ -312,6 +313,9 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
         api = srv.client()
         assert put(api, COTENANT, spec()).status_code == 201
         wait_until(lambda: status(api, COTENANT)["step"] >= 1)
+        # A reward that hangs is in flight through all of this, up to SIGTERM.
+        stall = {"name": "target-token", "reward": "http", "rewardUrl": f"{reward_url}/stall"}
+        assert put(api, "team-a.stall", spec(stall)).status_code == 201
         # Three failed ticks (under the loop's budget of five): their jobs are answered.
         codes: list[int] = []
         with cotenant_keeps_training(srv, window_s=5.0):
@@ -348,4 +352,5 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
         t0 = time.monotonic()
         rc = srv.stop(timeout=60)
         took = time.monotonic() - t0
-    assert rc == 0 and took < 30, (rc, took, srv.log_tail())  # a Pod's default grace: 30 s
+    # A pod's default grace is 30 s; the hung reward (STALL_S) must not hold the exit.
+    assert rc == 0 and took < STALL_S - 5, (rc, took, srv.log_tail())

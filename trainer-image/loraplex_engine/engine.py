@@ -136,7 +136,7 @@ class Engine:
         self._jobs_lock = threading.Lock()
         self.work_available = threading.Event()  # set when a tick would have work
         self._refusing: str | None = None  # why completions are no longer served
-        self.scorer = RewardScorer(max_adapters, reward_deadline_s, self._wake)
+        self.scorer = RewardScorer(reward_deadline_s, self._wake)
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self._tick = Tick(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -42,14 +42,15 @@ class _Pending(Generic[_R]):
 
 
 class RewardScorer(Generic[_R]):
-    """Scores rewards on a pool of ``workers`` threads (one per adapter slot is enough:
-    an experiment has at most one reward in flight). ``notify`` is called from the pool
-    when a pending reward arrives, so the engine loop wakes up for it."""
+    """Scores each experiment's reward on a thread of its own (an experiment has at most
+    one reward in flight, so there are at most as many as adapter slots). Daemon threads,
+    not a ThreadPoolExecutor: the interpreter joins a pool's threads at exit, so a reward
+    service that hangs would hold SIGTERM past the pod's grace period. ``notify`` is
+    called when a pending reward arrives, so the engine loop wakes up for it."""
 
-    def __init__(self, workers: int, deadline_s: float, notify: Callable[[], None]) -> None:
+    def __init__(self, deadline_s: float, notify: Callable[[], None]) -> None:
         self.deadline_s = deadline_s
         self._notify = notify
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="reward")
         self._pending: dict[str, _Pending[_R]] = {}
         self._lock = threading.Lock()
 
@@ -81,7 +82,7 @@ class RewardScorer(Generic[_R]):
     def score(self, jobs: Sequence[tuple[Experiment, Callable[[], _R]]]) -> list[_R]:
         """Run every job on the pool; return the results back within the deadline. The
         others stay pending (collected by :meth:`arrived` in a later tick)."""
-        submitted = [(exp, self._pool.submit(fn)) for exp, fn in jobs]
+        submitted = [(exp, _start(fn)) for exp, fn in jobs]
         if submitted:
             wait_futures([f for _, f in submitted], timeout=self.deadline_s)
         done: list[_R] = []
@@ -95,7 +96,22 @@ class RewardScorer(Generic[_R]):
         return done
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop every pending reward (their threads end with their calls)."""
+        with self._lock:
+            self._pending.clear()
+
+
+def _start(fn: Callable[[], _R]) -> Future[_R]:
+    future: Future[_R] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to whoever reads the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="reward", daemon=True).start()
+    return future
 
 
 def due_to_roll_out(eligible: Sequence[Experiment], tick_no: int) -> list[Experiment]:
