@@ -142,3 +142,15 @@ def test_parse_bytes() -> None:
     assert parse_bytes("1024") == 1024
     with pytest.raises(ValueError, match="device-memory"):
         parse_bytes("lots")
+
+
+def test_checkpointing_lowers_the_planned_activations(tiny_model_dir) -> None:
+    """Checkpointed layers keep only their inputs; the recompute costs FLOPs instead."""
+    config = load_config(tiny_model_dir)
+    plain, ckpt = (
+        plan(config, Workload(adapters=2, rank=4, checkpointing=c, **SMALL), 2**30)
+        for c in (False, True)
+    )
+    assert ckpt["peak_bytes"]["activations"] < 0.8 * plain["peak_bytes"]["activations"]
+    assert ckpt["train_flops"] > 1.2 * plain["train_flops"]
+    assert ckpt["floor_flops"] == plain["floor_flops"]

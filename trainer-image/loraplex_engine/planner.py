@@ -162,10 +162,9 @@ def plan(
             model, optimizer = _adapters(base, workload)
         sizes = _static_sizes(base, model, optimizer)
         p_base, p_lora = _linear_weights(model, workload.rank)
-        with tracker.in_phase("train"):
-            train = _train_step(model, workload, config)
+        train = _train_step(model, workload, config, tracker)
         with tracker.in_phase("optimizer"):
-            optimizer.step(sorted({slot for slot in model.adapters().values()}))
+            optimizer.step(sorted(model.adapters().values()))
         sizes["grads"] = storage_bytes([p.grad for p in optimizer.params if p.grad is not None])
         say(f"training step ({time.monotonic() - started:.1f}s)")
         with tracker.in_phase("rollout"):  # the next step's rollout: gradients still held
@@ -217,11 +216,11 @@ def _static_sizes(
     }
 
 
-def _tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int, offset: int) -> list[TrainRow]:
+def _tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int) -> list[TrainRow]:
     """GRPO rows as ``Engine._train_rows`` builds them: one group per prompt."""
     rows = []
     for t in range(tenants):
-        name = f"tenant-{(offset + t) % w.adapters}"
+        name = f"tenant-{t}"
         slot = model.slot_of(name)
         for group in range(w.prompts_per_tenant):
             prompt = [(7 * group + i) % 97 + 3 for i in range(w.prompt_tokens)]
@@ -232,27 +231,37 @@ def _tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int, offset: int) 
     return rows
 
 
-def _train_step(model: MultiLoRAModel, w: Workload, config: PretrainedConfig) -> dict[str, Any]:
-    """The first ``micro_batches`` micro-batches of the step (gradients from zero)."""
+def _train_step(
+    model: MultiLoRAModel, w: Workload, config: PretrainedConfig, tracker: LiveBytes
+) -> dict[str, Any]:
+    """The first ``micro_batches`` micro-batches of the step (gradients from zero), then
+    one micro-batch again under ``FlopCounterMode`` for the FLOPs.
+
+    Two runs because the FLOP counter's module hooks keep a checkpointed layer's
+    recomputed activations alive through the backward (measured: the peak of a
+    checkpointed step comes out near the unchecked one's under the counter).
+    """
     rows_per_batch = max(1, w.micro_batch_tokens // w.row_tokens)
     total_rows = w.adapters * w.rows_per_tenant
     run_rows = min(total_rows, rows_per_batch * w.micro_batches)
-    tenants = math.ceil(run_rows / w.rows_per_tenant)
-    rows = _tenant_rows(model, w, tenants, 0)[:run_rows]
+    rows = _tenant_rows(model, w, math.ceil(run_rows / w.rows_per_tenant))[:run_rows]
     updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
     forward = HiddenStatesForward(model, CPU, w.chunk_tokens)
+    pad = config.pad_token_id or 0
     for layer in model.lora_layers.values():
         layer.lora_A.grad = layer.lora_B.grad = None
-    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops:
-        stats = fused_backward(
-            forward, rows, updates, config.pad_token_id or 0, w.micro_batch_tokens,
-            gradient_checkpointing=w.checkpointing,
-        )  # fmt: skip
+    with tracker.in_phase("train"):
+        stats = fused_backward(forward, rows, updates, pad, w.micro_batch_tokens,
+                               gradient_checkpointing=w.checkpointing)  # fmt: skip
+    counted = rows[:rows_per_batch]
+    flop_mode = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with tracker.in_phase("flops"), flop_mode as flops:
+        once = fused_backward(forward, counted, updates, pad, w.micro_batch_tokens,
+                              gradient_checkpointing=w.checkpointing)  # fmt: skip
     return {
         "flops": flops.get_total_flops(),
-        "tokens": stats.computed_tokens,
-        "rows": run_rows,
-        "scale": total_rows / run_rows,
+        "tokens": once.computed_tokens,
+        "scale": total_rows / len(counted),
         "micro_batches": stats.micro_batches,
         "total_micro_batches": math.ceil(total_rows / rows_per_batch),
     }
@@ -279,7 +288,7 @@ def _cache_bytes(past: Any) -> int:
 @torch.no_grad()
 def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
     """Every tenant's rows in one batch, as the torch rollout runs them today."""
-    rows = _tenant_rows(model, w, w.adapters, 0)
+    rows = _tenant_rows(model, w, w.adapters)
     requests = [
         RolloutRequest(r.slot, r.prompt_ids, w.completion_tokens, 1.0, group=r.experiment)
         for r in rows
