@@ -54,7 +54,13 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "results" / "memory-plan.json"))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--adapters", default="8,32")
+    p.add_argument("--merge", nargs="+", help="join these result files into --out (no plans run)")
     args = p.parse_args()
+    if args.merge:  # e.g. one process per model, run side by side
+        rows = [r for f in args.merge for r in json.loads(Path(f).read_text())["rows"]]
+        result = {"device_bytes": H200, "rows": rows, "targets": targets(rows)}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return
     rows: list[dict] = []
     for name in args.models.split(","):
         config = load_config(ROOT / "configs" / MODELS[name])

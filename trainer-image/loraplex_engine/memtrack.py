@@ -41,8 +41,10 @@ class LiveBytes(TorchDispatchMode):
 
     ``fake_scalars``: under FakeTensorMode a tensor has no value, so reading one as a
     Python number (``float(loss)``, ``.item()``) fails; with this set such a read returns
-    0 (False for bool). Only for statistics: code whose shapes depend on a tensor's value
-    cannot run under fake tensors at all.
+    0 (False for bool). Meant for statistics; a branch on such a read takes the zero
+    side (transformers' "is the mask all ones?" check then builds the attention mask a
+    real unpadded batch would skip: a few MB per forward). Code whose shapes depend on a
+    tensor's value cannot run under fake tensors at all.
     """
 
     def __init__(self, tag_of: Tagger | None = None, fake_scalars: bool = False) -> None:
