@@ -95,7 +95,7 @@ def test_plan_of_the_tiny_model_follows_from_its_shapes(tiny_model_dir, checkpoi
     work = Workload(adapters=3, rank=4, checkpointing=checkpointing, **SMALL)
     row = plan(config, work, 2**30, name="tiny")
     peak, detail = row["peak_bytes"], row["detail"]
-    assert detail["plan_seconds"] < 30
+    assert detail["plan_seconds"] < 60  # a few seconds on a quiet CPU
 
     # bf16 weights of the base; fp32 LoRA slots (adapters + slot 0), grads, 2 Adam moments.
     hidden, layers, kv_heads = config.hidden_size, config.num_hidden_layers, 2
