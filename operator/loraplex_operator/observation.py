@@ -7,12 +7,13 @@ is only the operator's memory of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loraplex_operator import manifests
 from loraplex_operator import status as st
+from loraplex_operator.placement import ModelShape
 from loraplex_operator.resources import Experiment, Pool, parse_time
 
 # Why an experiment waits for an engine pod that has no node yet (its Wait reason).
@@ -132,6 +133,34 @@ class Snapshot:
     now: float = 0.0  # epoch seconds
     idle_since: dict[str, float] = field(default_factory=dict)  # engine -> epoch
     token_found: bool = True  # the pool's engine token Secret exists
+
+
+def reported_shape(engines: Iterable[EngineView]) -> ModelShape | None:
+    """The base model's shape as the first engine that answered reports it (`modelShape`
+    on /v1/capacity); every engine of a pool loads the same model."""
+    for e in engines:
+        shape = (e.capacity or {}).get("modelShape") if e.reachable else None
+        if shape:
+            return ModelShape(
+                num_layers=int(shape["numLayers"]),
+                hidden_size=int(shape["hiddenSize"]),
+                intermediate_size=shape.get("intermediateSize"),
+                kv_dim=shape.get("kvDim"),
+            )
+    return None
+
+
+def with_reported_shape(snap: Snapshot) -> Snapshot:
+    """The snapshot with the pool's `modelShape`, or else the one its engines report: a
+    pool need not declare its model's dimensions. Until an engine reports, nothing is
+    estimated (memory checks wait; nothing binds before an engine answers anyway)."""
+    if snap.pool.spec.model_shape is not None:
+        return snap
+    shape = reported_shape(snap.engines)
+    if shape is None:
+        return snap
+    pool = replace(snap.pool, spec=replace(snap.pool.spec, model_shape=shape))
+    return replace(snap, pool=pool)
 
 
 def pool_observation(snap: Snapshot) -> st.PoolObservation:

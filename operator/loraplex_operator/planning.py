@@ -28,7 +28,7 @@ from typing import Any
 from loraplex_operator import admission, placement
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
-from loraplex_operator.observation import EngineView, Snapshot, live
+from loraplex_operator.observation import EngineView, Snapshot, live, with_reported_shape
 from loraplex_operator.resources import Capacity, Experiment, PoolSpec, parse_time
 
 log = logging.getLogger("loraplex_operator.planning")
@@ -113,6 +113,7 @@ class RoundPlan:
 
 def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
     """Everything one round should do, from one observation (pure)."""
+    snap = with_reported_shape(snap)
     engines = live(snap.engines)
     sorted_out = classify(snap, engines, config)
     inputs, limits = placement_inputs(snap.pool.spec, engines, sorted_out.running_on)
