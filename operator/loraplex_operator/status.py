@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
+from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
 
 PENDING, SCHEDULED, RUNNING = "Pending", "Scheduled", "Running"
@@ -166,7 +167,7 @@ def _verdict(suspend: bool, old_phase: str | None, obs: Observation) -> _Verdict
 
 
 # Pending for one of these reasons needs a human (fix the spec or the pool): Stalled.
-NEEDS_A_HUMAN = frozenset({"AdmissionFailed", "Unschedulable"})
+NEEDS_A_HUMAN = frozenset({"AdmissionFailed", WAIT_UNSCHEDULABLE})
 
 
 def generic_conditions(phase: str, reason: str, message: str) -> list[dict[str, Any]]:
