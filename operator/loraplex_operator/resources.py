@@ -220,6 +220,7 @@ class PoolSpec:
     # None = not set; a pool with neither list nor selector admits every namespace.
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: Mapping[str, Any] | None = None
+    queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -249,6 +250,7 @@ class PoolSpec:
             ),
             allowed_namespaces=_strings(spec.get("allowedNamespaces")),
             namespace_selector=spec.get("namespaceSelector"),
+            queue_name=spec.get("queueName") or None,
         )
 
 

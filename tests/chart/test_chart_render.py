@@ -215,6 +215,15 @@ def test_default_pool() -> None:
     assert spec["baseModel"].startswith("/") and spec["template"]["image"]
 
 
+def test_default_pool_engine_image_follows_the_app_version() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    image = one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]["template"]["image"]
+    assert image == f"loraplex/engine:{app_version}"
+    for pinned in ("registry.example:5000/loraplex/engine:9.9.9", "loraplex/engine@sha256:ab12"):
+        values = {"defaultPool": {"enabled": True, "spec": {"template": {"image": pinned}}}}
+        assert one(render(values), "EnginePool")["spec"]["template"]["image"] == pinned
+
+
 def test_engines_in_another_namespace() -> None:
     docs = render(SCENARIOS["engines-elsewhere"])
     ns = "gpu-engines"

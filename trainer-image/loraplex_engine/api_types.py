@@ -79,6 +79,16 @@ class MemoryUse(WireModel):
     device_bytes: int
 
 
+class ModelShape(WireModel):
+    """The base model's dimensions, as the operator's adapter memory estimate reads them
+    (the EnginePool's `modelShape`): a pool that does not declare one learns it here."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    kv_dim: int  # output width of k_proj/v_proj (heads x head dim with grouped-query attention)
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -87,6 +97,7 @@ class Capacity(WireModel):
     used_slots: int
     experiments: list[str]
     memory: MemoryUse
+    model_shape: ModelShape | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

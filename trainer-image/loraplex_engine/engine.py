@@ -30,6 +30,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
+from loraplex_engine.base_model import model_shape_of
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -246,6 +247,7 @@ class Engine:
             memory=MemoryUse(
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
+            model_shape=model_shape_of(self.model.base_model.config),
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
