@@ -58,6 +58,7 @@ from loraplex_engine.training import (
     shared_prefix_forward,
 )
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
+from loraplex_engine.trust import TrustPolicy
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -84,6 +85,7 @@ class Engine:
         ignore_eos: bool = False,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         share_prompt_prefix: bool = True,
+        trust: TrustPolicy | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -97,6 +99,9 @@ class Engine:
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
+        # What tenants' datasets and reward URLs may reach (trust.py); the default allows
+        # no dataset file and no local reward address.
+        self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
@@ -330,7 +335,7 @@ class Engine:
         self._check_step_work(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        exp = new_experiment(exp_id, spec, namespace, name, run_id)
+        exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
         alone = not self._experiments
         try:
             if resume_from:

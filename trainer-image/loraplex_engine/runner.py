@@ -18,8 +18,9 @@ from typing import Any, TextIO
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import ApiError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.trust import TrustPolicy
 
 FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
 
@@ -214,8 +215,13 @@ def run_file(
     max_rank: int = 64,
     train_mode: str = "fused",
     out: TextIO | None = None,
+    data_roots: list[Path] | None = None,
 ) -> dict[str, Any]:
-    """Validate every manifest up front, then train them all on one hot engine."""
+    """Validate every manifest up front, then train them all on one hot engine.
+
+    JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
+    a relative one is taken from the first. One user runs the runner: reward URLs go
+    anywhere (the engine service's limits are in trust.py)."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
@@ -228,13 +234,17 @@ def run_file(
         max_rank=max_rank,
         checkpoint_root=out_dir / "checkpoints",
         train_mode=train_mode,
+        trust=TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent]),
     )
     out.write(
         f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name}, "
         f"{len(manifests)} experiments, {train_mode} training\n"
     )
     for m in manifests:
-        engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+        try:
+            engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+        except ApiError as e:
+            raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
     ids = [m.id for m in manifests]
     progress = Progress()
     wall = run_until_done(engine, ids, out, progress)
