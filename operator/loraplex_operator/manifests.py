@@ -67,7 +67,10 @@ def spec_hash(pool: Mapping[str, Any]) -> str:
     """Short stable hash of the pool spec fields that shape an engine pod."""
     spec = pool.get("spec", {})
     keys = ("baseModel", "rolloutBackend", "capacity", "template", "checkpoint", "tokenSecretRef")
-    blob = json.dumps({k: spec.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+    shaped = {k: spec.get(k) for k in keys}
+    # Only when set, so a pool without them keeps its hash (and its pods).
+    shaped |= {k: spec[k] for k in TRUST_FIELDS if k in spec}
+    blob = json.dumps(shaped, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -83,8 +86,20 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-adapters", str(capacity.get("maxAdapters", 8)),
         "--max-rank", str(capacity.get("maxRank", 64)),
         "--rollout-backend", spec.get("rolloutBackend", "torch"),
+        *trust_args(spec),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
+
+
+TRUST_FIELDS = ("dataRoots", "rewardHosts")
+
+
+def trust_args(spec: Mapping[str, Any]) -> list[str]:
+    """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
+    is never read as another flag)."""
+    return [f"--data-root={d}" for d in spec.get("dataRoots", [])] + [
+        f"--allow-reward-host={h}" for h in spec.get("rewardHosts", [])
+    ]
 
 
 def _checkpoint_root(spec: Mapping[str, Any]) -> str:
