@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from loraplex_engine.errors import ApiError, UsageError
+from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.trust import TrustPolicy
 
@@ -198,6 +198,16 @@ def load_checked(
     return manifests
 
 
+def check_datasets(manifests: list[Manifest], trust: TrustPolicy, source: str | Path) -> None:
+    """Every jsonl dataset lies under the runner's data roots (before the model loads)."""
+    for m in manifests:
+        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
+            try:
+                trust.data.resolve(m.spec.task.dataset, m.namespace)
+            except FieldError as e:
+                raise UsageError(f"{source}: {m.name}: {e}") from None
+
+
 def make_out_dir(out_dir: str | Path) -> Path:
     path = Path(out_dir)
     try:
@@ -226,6 +236,8 @@ def run_file(
 
     out = out or sys.stdout
     manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
+    trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
+    check_datasets(manifests, trust, manifest_path)
     out_dir = make_out_dir(out_dir)
     t0 = time.monotonic()
     engine = Engine(
@@ -234,7 +246,7 @@ def run_file(
         max_rank=max_rank,
         checkpoint_root=out_dir / "checkpoints",
         train_mode=train_mode,
-        trust=TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent]),
+        trust=trust,
     )
     out.write(
         f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name}, "
