@@ -77,8 +77,17 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-adapters", str(view.capacity.max_adapters),
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
+        *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
+
+
+def trust_args(view: PoolSpec) -> list[str]:
+    """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
+    is never read as another flag)."""
+    return [f"--data-root={d}" for d in view.data_roots] + [
+        f"--allow-reward-host={h}" for h in view.reward_hosts
+    ]
 
 
 def _env(pool_name: str, template: Mapping[str, Any]) -> list[dict[str, Any]]:

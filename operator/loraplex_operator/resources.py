@@ -221,6 +221,8 @@ class PoolSpec:
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: Mapping[str, Any] | None = None
     queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
+    data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
+    reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -251,6 +253,8 @@ class PoolSpec:
             allowed_namespaces=_strings(spec.get("allowedNamespaces")),
             namespace_selector=spec.get("namespaceSelector"),
             queue_name=spec.get("queueName") or None,
+            data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
+            reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
         )
 
 

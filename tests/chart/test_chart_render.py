@@ -337,6 +337,30 @@ def test_network_policy() -> None:
     assert one(docs, "NetworkPolicy")["spec"]["ingress"][0]["from"][-1] == extra
 
 
+def test_network_policy_egress_is_dns_and_the_reward_peers_when_enabled() -> None:
+    assert "egress" not in one(render(SCENARIOS["netpol-only"]), "NetworkPolicy")["spec"]
+    reward = {
+        "to": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}],
+        "ports": [{"port": 8080}],
+    }
+    values = {
+        "networkPolicy": {"enabled": True, "egress": {"enabled": True, "rewardPeers": [reward]}}
+    }
+    spec = one(render(values), "NetworkPolicy")["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    dns, rewards = spec["egress"]
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert sorted(p["protocol"] for p in dns["ports"]) == ["TCP", "UDP"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert rewards == reward
+    assert len(spec["ingress"]) == 1  # ingress unchanged: operator and Prometheus only
+
+
 def test_notes() -> None:
     notes = render_notes()
     assert "kubectl get lx -A" in notes

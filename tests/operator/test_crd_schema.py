@@ -230,6 +230,18 @@ POOL_BOUNDS = [
     ("spec.checkpoint.root", "ckpt", False),
     ("spec.checkpoint.root", "/", False),
     ("spec.checkpoint.root", _long(4096, "/"), False),
+    ("spec.dataRoots", ["/data", "/more"], True),
+    ("spec.dataRoots", ["data"], False),  # absolute only
+    ("spec.dataRoots", ["/"], False),
+    ("spec.dataRoots", ["/data", "/data"], False),  # list-type set
+    ("spec.dataRoots", _many(16, lambda i: f"/d{i}"), False),
+    ("spec.dataRoots", [_long(4096, "/")], False),
+    ("spec.rewardHosts", ["127.0.0.1", "rewards.team-a.svc", "::1"], True),
+    ("spec.rewardHosts", ["rewards --insecure-no-auth"], False),  # no spaces: one value
+    ("spec.rewardHosts", ["h", "h"], False),
+    ("spec.rewardHosts", _many(64), False),
+    ("spec.rewardHosts", [""], False),
+    ("spec.rewardHosts", [_long(253)], False),
     ("spec.allowedNamespaces", ["Team_A"], False),
     ("spec.allowedNamespaces", ["team-a"], True),
     ("spec.allowedNamespaces", ["team-a", "team-a"], False),  # list-type set

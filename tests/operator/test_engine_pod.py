@@ -185,3 +185,17 @@ def test_pod_helpers() -> None:
     pod = {"status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert engine_url(pod) == "http://10.0.0.7:8000" and is_pod_ready(pod)
     assert engine_url({}) is None and not is_pod_ready({"status": {"conditions": []}})
+
+
+def test_data_roots_and_reward_hosts_become_serve_flags() -> None:
+    obj = pool("tenants").obj()
+    obj["spec"] |= {"dataRoots": ["/data", "/more"], "rewardHosts": ["rewards.test", "::1"]}
+    args = engine_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    trust = [a for a in args if a.startswith(("--data-root", "--allow-reward-host"))]
+    assert trust == [
+        "--data-root=/data",
+        "--data-root=/more",
+        "--allow-reward-host=rewards.test",
+        "--allow-reward-host=::1",
+    ]
+    assert not any(a.startswith("--data-root") for a in engine_args(_minimal_pool()["spec"]))

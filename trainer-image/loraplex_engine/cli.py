@@ -60,6 +60,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_adapters=args.max_adapters,
         max_rank=args.max_rank,
         train_mode=args.train_mode,
+        data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fused", "timesliced"],
         default="fused",
         help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
+    )
+    run.add_argument(
+        "--data-root",
+        action="append",
+        metavar="DIR",
+        help="directory JSONL datasets must lie under (a relative dataset is taken from "
+        "the first); repeatable. Default: the manifest file's directory",
     )
     run.set_defaults(func=_cmd_run)
 

@@ -63,6 +63,7 @@ from loraplex_engine.training import (
     shared_prefix_forward,
 )
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
+from loraplex_engine.trust import TrustPolicy
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -95,6 +96,7 @@ class Engine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         reward_deadline_s: float = DEFAULT_REWARD_DEADLINE_S,
         share_prompt_prefix: bool = True,
+        trust: TrustPolicy | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -109,6 +111,9 @@ class Engine:
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        # What tenants' datasets and reward URLs may reach (trust.py); the default allows
+        # no dataset file and no local reward address.
+        self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
@@ -386,7 +391,7 @@ class Engine:
         self._check_step_work(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        exp = new_experiment(exp_id, spec, namespace, name, run_id)
+        exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
         alone = not self._experiments
         try:
             if resume_from:

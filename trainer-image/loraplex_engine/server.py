@@ -25,7 +25,7 @@ from loraplex_engine.api_types import (
     EngineService,
     ExperimentStatus,
 )
-from loraplex_engine.errors import ApiError, UnavailableError
+from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from loraplex_engine.server_completions import (
     DEFAULT_MAX_COMPLETION_TOKENS,
@@ -192,7 +192,15 @@ def create_app(
     def put_experiment(id: ExpId, body: PutExperimentRequest) -> JSONResponse:
         """Start an experiment, or resume it from `resumeFrom` (or, given only `runId`, from
         that run's newest checkpoint). Idempotent: the same spec again answers 200; a
-        different spec or run for a loaded id answers 409."""
+        different spec or run for a loaded id answers 409. The id must be the body's
+        `<namespace>.<name>`: a request about one experiment never reaches another's
+        checkpoints."""
+        expected = f"{body.namespace}.{body.name}"
+        if id != expected:
+            raise InvalidRequestError(
+                f"experiment id {id!r} must equal <namespace>.<name> of the body, {expected!r}",
+                field="name",
+            )
         status, created = _ready_engine().put_experiment(
             id, body.spec, body.namespace, body.name, body.resumeFrom, body.runId
         )
