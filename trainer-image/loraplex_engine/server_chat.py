@@ -32,7 +32,7 @@ from loraplex_engine.openai_choices import (
     usage,
 )
 from loraplex_engine.server_completions import check_model
-from loraplex_engine.server_errors import documented_errors
+from loraplex_engine.server_errors import streamed_or_json
 
 
 class ChatCompletionResponse(BaseModel):
@@ -94,7 +94,7 @@ def add_chat_route(
     app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses=documented_errors(400, 401, 404, 503),
+        responses=streamed_or_json(400, 401, 404, 503),
         **route_options,
     )(chat_completions)
 

@@ -30,7 +30,7 @@ from loraplex_engine.openai_choices import (
     stream_error,
     usage,
 )
-from loraplex_engine.server_errors import documented_errors
+from loraplex_engine.server_errors import streamed_or_json
 
 
 class CompletionResponse(BaseModel):
@@ -101,7 +101,7 @@ def add_completions_route(
     app.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses=documented_errors(400, 401, 404, 503),
+        responses=streamed_or_json(400, 401, 404, 503),
         **route_options,
     )(completions)
 

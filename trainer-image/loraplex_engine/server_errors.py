@@ -124,6 +124,15 @@ def documented_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
 
 
+def streamed_or_json(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``documented_errors`` for an OpenAI route, whose 200 is JSON or, with ``stream:
+    true``, server-sent events."""
+    events = {"text/event-stream": {"schema": {"type": "string"}}}
+    return {200: {"content": events, "description": "JSON, or events when streaming"}} | (
+        documented_errors(*codes)
+    )
+
+
 def _is_union_tag(part: str) -> bool:
     """pydantic puts the union member it tried into the location ("str", "list[str]")."""
     return "[" in part or part.startswith("constrained-") or part in _TYPE_TAGS
