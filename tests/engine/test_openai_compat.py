@@ -333,3 +333,54 @@ def test_litellm_text_completion_and_chat(server) -> None:
         litellm.completion(model=f"openai/{EXP}", messages=MESSAGES, stream=True, **common)
     )
     assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+# ---- the vllm rollout backend ---------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+
+def test_the_vllm_backend_serves_the_openai_routes(tmp_path: Path) -> None:
+    """Same routes through vLLM (docs/engine-api.md: whole rows, so a stream's chunks
+    come when the row is done; no alternatives in logprobs)."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    from loraplex_engine.tiny_model import build_model
+
+    model = build_model(tmp_path / "tiny-vllm-chat", preset="tiny-vllm")
+    srv = EngineServer(
+        model,
+        tmp_path / "ckpt",
+        workdir=tmp_path,
+        max_adapters=1,
+        max_rank=8,
+        rollout_backend="vllm",
+        env={"LORAPLEX_VLLM_PYTHON": str(VLLM_PYTHON)},
+        extra_args=["--vllm-option", "max_model_len=256"],
+        ready_timeout=600,
+    )
+    with srv:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.token, max_retries=0)
+        name = "tiny-vllm-chat"
+        kw = {"model": name, "prompt": "hello", "max_tokens": 12}
+        greedy = c.completions.create(temperature=0, logprobs=0, **kw)
+        text = greedy.choices[0].text
+        assert greedy.usage.completion_tokens == len(greedy.choices[0].logprobs.token_logprobs)
+        assert c.completions.create(temperature=2.0, top_p=1e-6, **kw).choices[0].text == text
+        seeded = [c.completions.create(seed=5, n=2, **kw) for _ in range(2)]
+        assert [x.text for x in seeded[0].choices] == [x.text for x in seeded[1].choices]
+        streamed = c.completions.create(temperature=0, stream=True, **kw)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == text
+        if len(text) > 3:
+            stop = text[2:4]
+            cut = c.completions.create(temperature=0, stop=stop, **kw).choices[0]
+            assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(logprobs=2, **kw)
+        assert e.value.body["param"] == "logprobs"
+        chat = {"model": name, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+        reply = c.chat.completions.create(**chat).choices[0].message.content
+        chunks = c.chat.completions.create(stream=True, **chat)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == reply
+        assert [m.id for m in c.models.list()] == [name]

@@ -10,6 +10,7 @@ or whose update goes non-finite drops out failed, alone.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -33,6 +34,7 @@ from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import TrainingStrategy
 
 _T = TypeVar("_T")
+log = logging.getLogger("loraplex_engine.tick")
 
 
 @dataclass
@@ -96,8 +98,13 @@ class _JobRowSink:
     row: int
 
     def push(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
-        if self.sampling.on_token is not None:
+        if self.sampling.on_token is None:
+            return
+        try:
             self.sampling.on_token(self.row, token_id, logprob, top)
+        except Exception:  # a listener gone (its event loop closed) never fails the tick
+            log.exception("dropping a served row's token report")
+            self.sampling.on_token = None
 
     def cancelled(self) -> bool:
         check = self.sampling.cancelled
