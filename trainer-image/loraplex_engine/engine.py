@@ -291,11 +291,6 @@ class Engine:
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
         sampling = sampling or JobSampling()
-        if sampling.top_logprobs and self.rollout_backend != "torch":
-            raise InvalidRequestError(
-                f"the {self.rollout_backend} rollout backend reports no alternative tokens",
-                field="logprobs",
-            )
         slot_name = None if model == self.model_name else model
         job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
         with self._jobs_lock:

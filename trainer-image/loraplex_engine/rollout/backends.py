@@ -109,12 +109,17 @@ class VLLMRolloutBackend:
                 top_p=first.top_p,
                 seed=seed,
                 ignore_eos=self._ignore_eos,
+                top_logprobs=first.top_logprobs,
             )
             for i, [comp] in zip(rows, results, strict=True):
+                tops = None
+                if comp.top_logprobs is not None:
+                    tops = [{int(t): lp for t, lp in step} for step in comp.top_logprobs]
                 out[i] = Completion(
                     token_ids=list(comp.token_ids),
                     logprobs=list(comp.logprobs or []),
                     finish_reason="stop" if comp.finish_reason == "stop" else "length",
+                    top_logprobs=tops,
                 )
         return [c for c in out if c is not None]
 
@@ -144,6 +149,6 @@ def _by_settings(requests: Sequence[RolloutRequest]) -> dict[tuple[Any, ...], li
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, req in enumerate(requests):
         own = id(req.generator) if req.seeded else 0
-        key = (req.temperature, req.max_new_tokens, req.top_p, own)
+        key = (req.temperature, req.max_new_tokens, req.top_p, req.top_logprobs, own)
         groups.setdefault(key, []).append(i)
     return groups
