@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools test lint fmt crds demo smollm2 demo-smollm2 bench bench-quick chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools test lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
 
 all: test
 
@@ -121,3 +121,9 @@ BENCH_QUICK_ARGS ?= --preset tiny --ns 1,2,4 --steps 5 --repeats 2
 BENCH_QUICK_OUT ?= out/bench-quick
 bench-quick: tiny-model
 	$(PY) bench/throughput.py $(BENCH_QUICK_ARGS) --threads $(BENCH_THREADS) --out $(BENCH_QUICK_OUT)
+
+# The planner's memory and FLOP table (issue 12): the engine's own step on fake tensors
+# for Qwen3-4B and Llama-3.1-8B shapes; ~30 minutes on 2 cores. Rewrites the committed
+# bench/results/memory-plan.json.
+memory-plan: venv
+	$(PY) bench/memory_plan.py --out bench/results/memory-plan.json

@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex_operator.placement import ModelShape, adapter_memory_bytes
-
-DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")
+from loraplex_operator.placement import adapter_memory_bytes
+from loraplex_operator.resources import Experiment, ExperimentSpec, Pool, PoolSpec
 
 
 @dataclass(frozen=True)
@@ -48,11 +47,10 @@ def _expression_matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> b
 
 
 def namespace_allowed(
-    pool_spec: Mapping[str, Any], namespace: str, namespace_labels: Mapping[str, str] | None
+    pool: PoolSpec, namespace: str, namespace_labels: Mapping[str, str] | None
 ) -> bool:
     """Listed or selected; a pool with neither list nor selector admits every namespace."""
-    listed = pool_spec.get("allowedNamespaces")
-    selector = pool_spec.get("namespaceSelector")
+    listed, selector = pool.allowed_namespaces, pool.namespace_selector
     if listed is None and selector is None:
         return True
     if listed and namespace in listed:
@@ -60,56 +58,37 @@ def namespace_allowed(
     return selector is not None and selector_matches(selector, namespace_labels or {})
 
 
-def pool_model_shape(pool_spec: Mapping[str, Any]) -> ModelShape | None:
-    shape = pool_spec.get("modelShape")
-    if not shape:
-        return None
-    return ModelShape(
-        num_layers=shape["numLayers"],
-        hidden_size=shape["hiddenSize"],
-        intermediate_size=shape.get("intermediateSize"),
-        kv_dim=shape.get("kvDim"),
-    )
-
-
-def experiment_memory_bytes(exp_spec: Mapping[str, Any], pool_spec: Mapping[str, Any]) -> int:
+def experiment_memory_bytes(exp: ExperimentSpec, pool: PoolSpec) -> int:
     """Adapter memory estimate of an experiment on this pool (0 without a model shape)."""
-    lora = exp_spec.get("lora", {})
-    modules = lora.get("targetModules", DEFAULT_TARGET_MODULES)
-    return adapter_memory_bytes(lora.get("rank", 8), modules, pool_model_shape(pool_spec))
+    return adapter_memory_bytes(exp.lora.rank, exp.lora.target_modules, pool.model_shape)
 
 
 def check_experiment(
-    experiment: Mapping[str, Any],
-    pool: Mapping[str, Any] | None,
+    experiment: Experiment,
+    pool: Pool | None,
     namespace_labels: Mapping[str, str] | None = None,
 ) -> list[Problem]:
     """Problems that keep `experiment` off `pool` (None = the named pool does not exist)."""
-    spec = experiment.get("spec", {})
-    pool_name = spec.get("enginePool", "")
+    pool_name = experiment.spec.engine_pool
     if pool is None:
         return [Problem("spec.enginePool", f"EnginePool {pool_name!r} not found")]
-    pool_spec = pool.get("spec", {})
-    namespace = experiment.get("metadata", {}).get("namespace", "default")
+    namespace = experiment.meta.namespace
     problems: list[Problem] = []
-    if not namespace_allowed(pool_spec, namespace, namespace_labels):
+    if not namespace_allowed(pool.spec, namespace, namespace_labels):
         problems.append(
             Problem(
                 "metadata.namespace",
                 f"namespace {namespace!r} may not use EnginePool {pool_name!r}",
             )
         )
-    problems.extend(_lora_problems(spec.get("lora", {}), pool_spec, pool_name))
-    problems.extend(_memory_problems(spec, pool_spec, pool_name))
+    problems.extend(_lora_problems(experiment.spec, pool.spec, pool_name))
+    problems.extend(_memory_problems(experiment.spec, pool.spec, pool_name))
     return problems
 
 
-def _lora_problems(
-    lora: Mapping[str, Any], pool_spec: Mapping[str, Any], pool_name: str
-) -> list[Problem]:
+def _lora_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[Problem]:
     problems: list[Problem] = []
-    rank = lora.get("rank", 8)
-    max_rank = pool_spec.get("capacity", {}).get("maxRank", 64)
+    rank, max_rank = exp.lora.rank, pool.capacity.max_rank
     if rank > max_rank:
         problems.append(
             Problem(
@@ -117,17 +96,16 @@ def _lora_problems(
                 f"rank {rank} exceeds EnginePool {pool_name!r} max rank {max_rank}",
             )
         )
-    allowed = pool_spec.get("allowedTargetModules")
-    if allowed is not None:
-        extra = _unlisted(lora.get("targetModules", DEFAULT_TARGET_MODULES), allowed)
-        if extra:
-            problems.append(
-                Problem(
-                    "spec.lora.targetModules",
-                    f"{', '.join(extra)} not allowed by EnginePool {pool_name!r} "
-                    f"(allowed: {', '.join(allowed)})",
-                )
+    allowed = pool.allowed_target_modules
+    extra = _unlisted(exp.lora.target_modules, allowed)
+    if extra:
+        problems.append(
+            Problem(
+                "spec.lora.targetModules",
+                f"{', '.join(extra)} not allowed by EnginePool {pool_name!r} "
+                f"(allowed: {', '.join(allowed)})",
             )
+        )
     return problems
 
 
@@ -135,11 +113,9 @@ def _unlisted(wanted: Sequence[str], allowed: Sequence[str]) -> list[str]:
     return sorted(set(wanted) - set(allowed))
 
 
-def _memory_problems(
-    spec: Mapping[str, Any], pool_spec: Mapping[str, Any], pool_name: str
-) -> list[Problem]:
-    budget = pool_spec.get("capacity", {}).get("memoryBytes", 0)
-    need = experiment_memory_bytes(spec, pool_spec)
+def _memory_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[Problem]:
+    budget = pool.capacity.memory_bytes
+    need = experiment_memory_bytes(exp, pool)
     if budget and need > budget:
         return [
             Problem(

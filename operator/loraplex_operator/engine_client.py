@@ -23,16 +23,6 @@ class EngineUnreachable(Exception):
     """The engine did not answer (connection refused, timeout)."""
 
 
-def experiment_id(namespace: str, name: str) -> str:
-    """The engine id of an experiment: `<namespace>.<name>` (a namespace holds no dot)."""
-    return f"{namespace}.{name}"
-
-
-def split_id(exp_id: str) -> tuple[str, str]:
-    namespace, _, name = exp_id.partition(".")
-    return namespace, name
-
-
 class EngineClient:
     def __init__(
         self, timeout: float = 30.0, transport: httpx.AsyncBaseTransport | None = None
@@ -76,13 +66,6 @@ class EngineClient:
             err.get("field"),
         )
 
-    async def ready(self, base: str) -> bool:
-        try:
-            r = await self._call("GET", f"{base}/readyz", None, timeout=5)
-        except EngineUnreachable:
-            return False
-        return r.status_code == 200
-
     async def capacity(self, base: str, token: str) -> dict[str, Any]:
         r = await self._call("GET", f"{base}/v1/capacity", token)
         self._raise(r)
@@ -92,13 +75,6 @@ class EngineClient:
         r = await self._call("GET", f"{base}/v1/experiments", token)
         self._raise(r)
         return list(r.json().get("experiments", []))
-
-    async def get(self, base: str, token: str, exp_id: str) -> dict[str, Any] | None:
-        r = await self._call("GET", f"{base}/v1/experiments/{exp_id}", token)
-        if r.status_code == 404:
-            return None
-        self._raise(r)
-        return r.json()
 
     async def put(
         self,

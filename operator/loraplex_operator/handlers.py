@@ -20,21 +20,18 @@ from typing import Any
 import kopf
 
 from loraplex_operator import metrics as m
+from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.kube import Kube
-from loraplex_operator.reconcile import Config, PoolReconciler
-
-GROUP, VERSION = "loraplex.dev", "v1alpha1"
-FINALIZER = "loraplex.dev/finalizer"
-EXPERIMENTS = (GROUP, VERSION, "loraexperiments")
-POOLS = (GROUP, VERSION, "enginepools")
+from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube
+from loraplex_operator.reconcile import PoolReconciler
+from loraplex_operator.resources import API_VERSION, FINALIZER
 
 log = logging.getLogger("loraplex_operator")
 
 
 def _raw(body: Any) -> dict[str, Any]:
     obj = copy.deepcopy(dict(body))
-    obj.setdefault("apiVersion", f"{GROUP}/{VERSION}")
+    obj.setdefault("apiVersion", API_VERSION)
     return obj
 
 
@@ -82,7 +79,9 @@ def probe(memo: Any, **_: Any) -> dict[str, Any]:
     return {"stale": hb.stale(max(60.0, 10 * memo.config.interval))}
 
 
-@kopf.daemon(*POOLS, cancellation_backoff=15.0, cancellation_timeout=30.0, initial_delay=0)
+@kopf.daemon(
+    *POOLS.kopf_resource, cancellation_backoff=15.0, cancellation_timeout=30.0, initial_delay=0
+)
 async def pool_reconciler(name: str, stopped: Any, memo: Any, logger: Any, **_: Any) -> None:
     """One reconciler per pool: rounds until the pool is deleted or the operator stops."""
     wake = memo.wake.setdefault(name, asyncio.Event())
@@ -113,22 +112,22 @@ async def _experiment_changed(body: Any, spec: Any, memo: Any) -> None:
         _wake(memo, spec.get("enginePool"))
 
 
-@kopf.on.create(*EXPERIMENTS, id="admit")
+@kopf.on.create(*EXPERIMENTS.kopf_resource, id="admit")
 async def experiment_created(body: Any, spec: Any, memo: Any, **_: Any) -> None:
     await _experiment_changed(body, spec, memo)
 
 
-@kopf.on.resume(*EXPERIMENTS, id="admit")
+@kopf.on.resume(*EXPERIMENTS.kopf_resource, id="admit")
 async def experiment_resumed(body: Any, spec: Any, memo: Any, **_: Any) -> None:
     await _experiment_changed(body, spec, memo)
 
 
-@kopf.on.update(*EXPERIMENTS, id="admit-update", field="spec")
+@kopf.on.update(*EXPERIMENTS.kopf_resource, id="admit-update", field="spec")
 async def experiment_updated(body: Any, spec: Any, memo: Any, **_: Any) -> None:
     await _experiment_changed(body, spec, memo)
 
 
-@kopf.on.delete(*EXPERIMENTS, id="release")
+@kopf.on.delete(*EXPERIMENTS.kopf_resource, id="release")
 async def experiment_deleted(body: Any, spec: Any, memo: Any, logger: Any, **_: Any) -> None:
     """Checkpoint and unload from the engine; the checkpoint stays on shared storage."""
     obj = _raw(body)

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from loraplex_operator.resources import EXPERIMENT_PLURAL, GROUP, POOL_PLURAL, VERSION
+
 
 @dataclass(frozen=True)
 class Resource:
@@ -41,9 +43,14 @@ class Resource:
             base += f"/{sub}"
         return base
 
+    @property
+    def kopf_resource(self) -> tuple[str, str, str]:
+        """(group, version, plural), as kopf's handler decorators take it."""
+        return self.group, self.version, self.plural
 
-EXPERIMENTS = Resource("loraplex.dev", "v1alpha1", "loraexperiments")
-POOLS = Resource("loraplex.dev", "v1alpha1", "enginepools", namespaced=False)
+
+EXPERIMENTS = Resource(GROUP, VERSION, EXPERIMENT_PLURAL)
+POOLS = Resource(GROUP, VERSION, POOL_PLURAL, namespaced=False)
 PODS = Resource("", "v1", "pods")
 SECRETS = Resource("", "v1", "secrets")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)

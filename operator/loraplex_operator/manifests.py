@@ -2,44 +2,46 @@
 
 The operator owns engine Pods directly (no Deployment) so that it chooses which engine
 to remove. Every pod is labelled with its pool, owned by the pool (controller owner
-reference, so deleting the pool garbage-collects its engines), and carries a hash of
-the pool spec parts it was built from, so drift is visible.
+reference, so deleting the pool garbage-collects its engines). Scalar settings are read
+through the pool's typed view (its CRD defaults in one place); the pod template's parts
+(env, volumes, resources, scheduling) are copied from the raw spec as written.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
-GROUP = "loraplex.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, PoolSpec
 
-POOL_LABEL = "loraplex.dev/pool"
+POOL_LABEL = f"{GROUP}/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-SPEC_HASH_ANNOTATION = "loraplex.dev/spec-hash"
 # Where the engine listens, when not http://<podIP>:8000 (test kubelets, host networking).
-ENGINE_URL_ANNOTATION = "loraplex.dev/engine-url"
+ENGINE_URL_ANNOTATION = f"{GROUP}/engine-url"
 ENGINE_PORT = 8000
 TOKEN_DIR = "/var/run/loraplex"
 TOKEN_FILE = f"{TOKEN_DIR}/token"
 TOKEN_VOLUME = "loraplex-token"
 CHECKPOINT_VOLUME = "loraplex-checkpoints"
 CONTAINER = "engine"
-DEFAULT_NAMESPACE = "loraplex-system"
+# Kueue's pod integration admits a Pod carrying this label through the named LocalQueue
+# (its webhook adds a scheduling gate, lifted once the quota admits the Pod).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-def engine_labels(pool_name: str) -> dict[str, str]:
-    """Labels on every engine pod of a pool (select a pool's engines with POOL_LABEL)."""
-    return {
+def engine_labels(pool_name: str, queue_name: str | None = None) -> dict[str, str]:
+    """Labels on every engine pod of a pool (select a pool's engines with POOL_LABEL),
+    and the Kueue queue label when the pool names a queue."""
+    labels = {
         POOL_LABEL: pool_name,
         "app.kubernetes.io/name": "loraplex-engine",
         COMPONENT_LABEL: "engine",
         "app.kubernetes.io/managed-by": "loraplex-operator",
     }
+    if queue_name:
+        labels[KUEUE_QUEUE_LABEL] = queue_name
+    return labels
 
 
 def engine_pod_name(pool_name: str, suffix: str) -> str:
@@ -48,14 +50,14 @@ def engine_pod_name(pool_name: str, suffix: str) -> str:
 
 
 def engine_namespace(pool: Mapping[str, Any]) -> str:
-    return pool.get("spec", {}).get("engineNamespace", DEFAULT_NAMESPACE)
+    return PoolSpec.from_obj(pool.get("spec") or {}).engine_namespace
 
 
 def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:
     meta = pool["metadata"]
     return {
         "apiVersion": API_VERSION,
-        "kind": "EnginePool",
+        "kind": POOL_KIND,
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,
@@ -63,32 +65,20 @@ def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def spec_hash(pool: Mapping[str, Any]) -> str:
-    """Short stable hash of the pool spec fields that shape an engine pod."""
-    spec = pool.get("spec", {})
-    keys = ("baseModel", "rolloutBackend", "capacity", "template", "checkpoint", "tokenSecretRef")
-    blob = json.dumps({k: spec.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def engine_args(spec: Mapping[str, Any]) -> list[str]:
     """`loraplex-engine serve ...` arguments for a pool spec."""
-    capacity = spec.get("capacity", {})
+    view = PoolSpec.from_obj(spec)
     return [
         "serve",
         "--model", spec["baseModel"],
         "--port", str(ENGINE_PORT),
         "--token-file", TOKEN_FILE,
-        "--checkpoint-root", _checkpoint_root(spec),
-        "--max-adapters", str(capacity.get("maxAdapters", 8)),
-        "--max-rank", str(capacity.get("maxRank", 64)),
-        "--rollout-backend", spec.get("rolloutBackend", "torch"),
+        "--checkpoint-root", view.checkpoint_root,
+        "--max-adapters", str(view.capacity.max_adapters),
+        "--max-rank", str(view.capacity.max_rank),
+        "--rollout-backend", view.rollout_backend,
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
-
-
-def _checkpoint_root(spec: Mapping[str, Any]) -> str:
-    return spec.get("checkpoint", {}).get("root", "/ckpt")
 
 
 def _env(pool_name: str, template: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -101,12 +91,12 @@ def _env(pool_name: str, template: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    secret = spec["tokenSecretRef"]
+    secret = PoolSpec.from_obj(spec).token_secret
     token = {
         "name": TOKEN_VOLUME,
         "secret": {
-            "secretName": secret["name"],
-            "items": [{"key": secret.get("key", "token"), "path": "token"}],
+            "secretName": spec["tokenSecretRef"]["name"],  # required: a KeyError names it
+            "items": [{"key": secret.key, "path": "token"}],
             "defaultMode": 0o400,
         },
     }
@@ -118,7 +108,7 @@ def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _volume_mounts(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
-        {"name": CHECKPOINT_VOLUME, "mountPath": _checkpoint_root(spec)},
+        {"name": CHECKPOINT_VOLUME, "mountPath": PoolSpec.from_obj(spec).checkpoint_root},
         *copy.deepcopy(spec.get("template", {}).get("volumeMounts", [])),
     ]
 
@@ -183,8 +173,7 @@ def engine_pod(pool: Mapping[str, Any], suffix: str) -> dict[str, Any]:
         "metadata": {
             "name": engine_pod_name(pool_name, suffix),
             "namespace": engine_namespace(pool),
-            "labels": engine_labels(pool_name),
-            "annotations": {SPEC_HASH_ANNOTATION: spec_hash(pool)},
+            "labels": engine_labels(pool_name, PoolSpec.from_obj(spec).queue_name),
             "ownerReferences": [owner_reference(pool)],
         },
         "spec": pod_spec,

@@ -17,9 +17,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from loraplex_operator.status import EXPERIMENT_PHASES
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-EXPERIMENTS = Gauge(
+EXPERIMENTS_BY_PHASE = Gauge(
     "loraplex_experiments", "Experiments by phase.", ["pool", "phase"], registry=REGISTRY
 )
 PLACEMENTS = Counter(
@@ -79,9 +81,9 @@ EXPERIMENT_MAX_STEPS = Gauge(
     registry=REGISTRY,
 )
 
-PHASES = ("Pending", "Scheduled", "Running", "Suspended", "Succeeded", "Failed")
-# The `kind` values handlers.py and reconcile.py count errors under; exported at 0 from
-# the start so dashboards and rate() show 0 rather than "no data" before the first error.
+# The `kind` values the handlers, the reconciler and the publisher count errors under;
+# exported at 0 from the start so dashboards and rate() show 0, not "no data", before
+# the first error.
 RECONCILE_ERROR_KINDS = ("pool", "experiment", "delete", "status", "unload", "pod")
 for _kind in RECONCILE_ERROR_KINDS:
     RECONCILE_ERRORS.labels(kind=_kind)
@@ -107,8 +109,8 @@ def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: i
     # "no data"). labels() creates a child once and returns the existing one after.
     for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
         counter.labels(pool=pool)
-    for phase in PHASES:
-        EXPERIMENTS.labels(pool=pool, phase=phase).set(phases.get(phase, 0))
+    for phase in EXPERIMENT_PHASES:
+        EXPERIMENTS_BY_PHASE.labels(pool=pool, phase=phase).set(phases.get(phase, 0))
     POOL_ENGINES.labels(pool=pool).set(engines)
     POOL_SLOTS.labels(pool=pool, state="used").set(used)
     POOL_SLOTS.labels(pool=pool, state="free").set(free)
@@ -165,8 +167,8 @@ def _remove_experiment(pool: str, s: ExperimentState) -> None:
 
 def forget_pool(pool: str) -> None:
     set_experiments(pool, ())
-    for phase in PHASES:
-        _remove(EXPERIMENTS, pool, phase)
+    for phase in EXPERIMENT_PHASES:
+        _remove(EXPERIMENTS_BY_PHASE, pool, phase)
     _remove(POOL_ENGINES, pool)
     _remove(POOL_SLOTS, pool, "used")
     _remove(POOL_SLOTS, pool, "free")

@@ -22,7 +22,7 @@ the pool cannot grow; engines are never over-committed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -149,6 +149,7 @@ class ScaleUp:
 class Wait:
     experiment: str
     reason: str
+    engine: str | None = None  # the not-ready engine whose room it holds (WAIT_STARTING)
 
 
 Decision = Bind | Preempt | ScaleUp | Wait
@@ -305,7 +306,8 @@ def plan(
         future = _best_fit(starting + planned, exp, order)
         if future is not None:
             future.take(exp)
-            decisions.append(Wait(exp.key, WAIT_STARTING))
+            held = future.name if any(future is s for s in starting) else None
+            decisions.append(Wait(exp.key, WAIT_STARTING, held))
             continue
         fresh = _new_engine(limits, len(planned))
         if len(planned) < room_to_grow and fresh.fits(exp):
@@ -337,23 +339,3 @@ def _preempt_or_wait(
     engine.take(exp)  # reserved for exp: later, lower-priority experiments cannot take it
     preempts: list[Decision] = [Preempt(v.key, engine.name, exp.key) for v in victims]
     return [*preempts, Wait(exp.key, WAIT_PREEMPTING)]
-
-
-def summarize(decisions: Iterable[Decision]) -> dict[str, int]:
-    """Counts by decision kind (for logs and metrics)."""
-    counts: dict[str, int] = {"bind": 0, "preempt": 0, "scale_up": 0, "wait": 0}
-    for d in decisions:
-        if isinstance(d, Bind):
-            counts["bind"] += 1
-        elif isinstance(d, Preempt):
-            counts["preempt"] += 1
-        elif isinstance(d, ScaleUp):
-            counts["scale_up"] += d.count
-        else:
-            counts["wait"] += 1
-    return counts
-
-
-def bindings(decisions: Iterable[Decision]) -> Mapping[str, str]:
-    """experiment key → engine name for the Bind decisions."""
-    return {d.experiment: d.engine for d in decisions if isinstance(d, Bind)}

@@ -170,11 +170,14 @@ def test_reconcile_error_kinds_are_precreated() -> None:
 def test_engine_failure_reasons_are_precreated() -> None:
     from loraplex_engine.metrics import FAILURE_REASONS
 
-    engine = REPO / "trainer-image" / "loraplex_engine" / "engine.py"
-    # self._fail(exp, "message", "kind", reports)
-    kinds = _string_args([engine], r"self\._fail\(\s*[\w.]+,\s*(?:f?\"[^\"]*\"),\s*\"(\w+)\"")
-    assert kinds, "no self._fail(..., kind, ...) found: the pattern is stale"
+    tick = REPO / "trainer-image" / "loraplex_engine" / "tick.py"
+    # Failure(exp, reason, "kind") and _guarded(exp, "kind", "what", step)
+    failures = _string_args([tick], r"Failure\([^()]*?,\s*\"(\w+)\"\)")
+    guarded = _string_args([tick], r"_guarded\(\s*[\w.]+,\s*\"(\w+)\"")
+    assert failures and guarded, "no Failure(..., kind) / _guarded(exp, kind): the pattern is stale"
+    kinds = failures | guarded
     assert kinds <= set(FAILURE_REASONS), kinds - set(FAILURE_REASONS)
+    assert set(FAILURE_REASONS) <= kinds, "a listed reason the tick never reports"
 
 
 def test_precreated_series_render_at_zero() -> None:

@@ -172,9 +172,10 @@ def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
 
 
 def test_a_spec_asking_for_too_much_work_per_step_is_refused(tiny_model_dir, tmp_path):
-    eng = engine(tiny_model_dir, tmp_path, max_step_tokens=1000)
-    with pytest.raises(InvalidSpecError, match=r"1024 rollout tokens per step") as err:
-        eng.put_experiment("default.big", spec(group=16, prompts=8), "default", "big")  # x 8
+    eng = engine(tiny_model_dir, tmp_path, max_step_tokens=4000, max_prompt_tokens=24)
+    # 16 x 8 rows x (24 prompt + 8 new) tokens; prompts count, not only completions.
+    with pytest.raises(InvalidSpecError, match=r"= 4096 tokens per step .* limit of 4000") as err:
+        eng.put_experiment("default.big", spec(group=16, prompts=8), "default", "big")
     assert err.value.field == "spec.algorithm.promptsPerStep"
     assert eng.list_experiments() == [] and len(eng.model.free_slots()) == 4
 

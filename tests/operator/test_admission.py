@@ -7,16 +7,21 @@ from typing import Any
 import pytest
 from builders import experiment, pool
 from crdkit import apply_defaults, schema_of
-from loraplex_operator.admission import (
-    Problem,
-    check_experiment,
-    experiment_memory_bytes,
-    selector_matches,
-)
+from loraplex_operator import admission
+from loraplex_operator.admission import Problem, experiment_memory_bytes, selector_matches
+from loraplex_operator.resources import Experiment, ExperimentSpec, Pool, PoolSpec
 
 
 def _full(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
     return apply_defaults(schema_of(kind), obj)
+
+
+def check_experiment(
+    exp: dict[str, Any], p: dict[str, Any] | None, labels: dict | None = None
+) -> list[Problem]:
+    """Admission of raw objects, through the views the operator builds of them."""
+    pool_view = Pool.from_obj(p) if p is not None else None
+    return admission.check_experiment(Experiment.from_obj(exp), pool_view, labels)
 
 
 def _fields(exp: dict[str, Any], p: dict[str, Any] | None, labels: dict | None = None) -> list[str]:
@@ -116,7 +121,10 @@ def test_memory_not_checked_without_model_shape() -> None:
 def test_memory_estimate_uses_pool_shape() -> None:
     p = _full("EnginePool", pool().model_shape(numLayers=2, hiddenSize=64, kvDim=32).obj())
     spec = _full("LoRAExperiment", experiment("a").obj())["spec"]
-    assert experiment_memory_bytes(spec, p["spec"]) == 57344
+    assert (
+        experiment_memory_bytes(ExperimentSpec.from_obj(spec), PoolSpec.from_obj(p["spec"]))
+        == 57344
+    )
 
 
 def test_several_problems_reported_together() -> None:

@@ -10,14 +10,13 @@ import yaml
 from builders import pool
 from crdkit import REPO, apply_defaults, schema_of
 from loraplex_operator.manifests import (
+    KUEUE_QUEUE_LABEL,
     POOL_LABEL,
-    SPEC_HASH_ANNOTATION,
     TOKEN_FILE,
     engine_args,
     engine_pod,
     engine_url,
     is_pod_ready,
-    spec_hash,
 )
 
 K8S_VERSION = "1.33"
@@ -48,8 +47,8 @@ def _gpu_pool() -> dict[str, Any]:
     return apply_defaults(schema_of("EnginePool"), obj)
 
 
-def _sample_pool() -> dict[str, Any]:
-    doc = yaml.safe_load((REPO / "samples" / "pool-cpu.yaml").read_text())
+def _sample_pool(name: str = "pool-cpu.yaml") -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "samples" / name).read_text())
     doc["metadata"]["uid"] = "5f0c-uid"
     return apply_defaults(schema_of("EnginePool"), doc)
 
@@ -58,7 +57,12 @@ def _minimal_pool() -> dict[str, Any]:
     return apply_defaults(schema_of("EnginePool"), pool("tiny").obj())
 
 
-POOLS = {"gpu": _gpu_pool, "sample": _sample_pool, "minimal": _minimal_pool}
+POOLS = {
+    "gpu": _gpu_pool,
+    "sample": _sample_pool,
+    "gpu-sample": lambda: _sample_pool("pool-gpu.yaml"),
+    "minimal": _minimal_pool,
+}
 
 
 @pytest.mark.parametrize("which", sorted(POOLS))
@@ -84,6 +88,15 @@ def test_identity_labels_and_owner() -> None:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def test_queue_name_labels_the_pod_for_kueue() -> None:
+    obj = _gpu_pool()
+    assert KUEUE_QUEUE_LABEL not in engine_pod(obj, "x")["metadata"]["labels"]
+    obj["spec"]["queueName"] = "gpu-team"
+    labels = engine_pod(obj, "x")["metadata"]["labels"]
+    assert labels[KUEUE_QUEUE_LABEL] == "gpu-team" and labels[POOL_LABEL] == "gpu-qwen"
+    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
 
 
 def test_engine_command_line() -> None:
@@ -166,16 +179,6 @@ def test_builder_does_not_alias_the_pool() -> None:
     pod = engine_pod(obj, "x")
     pod["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] = "changed"
     assert obj["spec"]["template"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
-
-
-def test_spec_hash_tracks_pod_shaping_fields_only() -> None:
-    a = _gpu_pool()
-    b = _gpu_pool()
-    b["spec"]["replicas"]["max"] = 9  # scaling does not reshape pods
-    assert spec_hash(a) == spec_hash(b)
-    b["spec"]["template"]["image"] = "ghcr.io/loraplex/engine-cuda:0.2.0"
-    assert spec_hash(a) != spec_hash(b)
-    assert engine_pod(a, "x")["metadata"]["annotations"][SPEC_HASH_ANNOTATION] == spec_hash(a)
 
 
 def test_pod_helpers() -> None:

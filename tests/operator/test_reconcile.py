@@ -1,5 +1,6 @@
-"""The pool reconciler's round planning (pure): adoption, recovery, unloads, binds,
-preemption, scale-up and scale-down, admission — from observations, no I/O."""
+"""The pool's round planning (pure): adoption, recovery, unloads, binds, preemption,
+scale-up and scale-down, admission — from observations, no I/O; and the pipeline's
+steps on their own."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ from datetime import UTC, datetime
 from typing import Any
 
 from builders import experiment, pool
+from builders import run as run_of
 from loraplex_operator import placement
 from loraplex_operator import status as st
-from loraplex_operator.reconcile import (
+from loraplex_operator.config import Config
+from loraplex_operator.observation import EngineView, Snapshot
+from loraplex_operator.planning import (
     DUPLICATE,
     FINISHED,
     ORPHAN,
     PREEMPT,
     SUSPEND,
-    Config,
-    EngineView,
-    Snapshot,
     Work,
-    derive,
+    act_on,
+    classify,
+    placement_inputs,
     plan_round,
-    status_changes,
+    scale,
 )
+from loraplex_operator.publish import derive, status_changes
+from loraplex_operator.resources import Experiment, Pool
 
 NOW = 1_800_000_000.0
 CFG = Config(scale_down_delay=30.0, max_restarts=2)
@@ -63,7 +68,8 @@ def snap(
     exps: list[dict[str, Any]], engines: list[EngineView], p: Any = None, **kw: Any
 ) -> Snapshot:
     p = p or pool().slots(4).replicas(0, 2).obj()
-    return Snapshot(pool=p, experiments=exps, engines=engines, now=NOW, **kw)
+    views = [Experiment.from_obj(x) for x in exps]
+    return Snapshot(pool=Pool.from_obj(p), experiments=views, engines=engines, now=NOW, **kw)
 
 
 def test_pending_experiments_bind_to_a_ready_engine_with_resume_from_checkpoint() -> None:
@@ -92,7 +98,7 @@ def test_an_object_without_uid_is_bound_without_run_id(caplog) -> None:
     # without a runId (the engine makes a run id, as before run ids were sent) and says so.
     obj = exp("a")
     del obj["metadata"]["uid"]
-    with caplog.at_level("WARNING", logger="loraplex_operator.reconcile"):
+    with caplog.at_level("WARNING", logger="loraplex_operator.planning"):
         plan = plan_round(snap([obj], [engine("e1")]), CFG)
     assert [p.body["runId"] for p in plan.puts] == [None]
     assert "team-a/a has no metadata.uid" in caplog.text
@@ -308,7 +314,7 @@ def test_status_changes_sees_removed_fields() -> None:
 
 
 def test_work_ids() -> None:
-    w = Work(obj=experiment("x", namespace="ns1").obj())
+    w = Work.start(Experiment.from_obj(experiment("x", namespace="ns1").obj()))
     assert (w.key, w.id) == ("ns1/x", "ns1.x")
 
 
@@ -321,3 +327,80 @@ def test_config_from_env() -> None:
     cfg = Config.from_env(env)
     assert (cfg.interval, cfg.max_restarts, cfg.namespaces) == (2.0, 5, ("team-b", "team-a"))
     assert Config.from_env({}).namespaces == ()
+
+
+# --- the pipeline's steps on their own ------------------------------------------------
+
+
+def test_placement_inputs_take_what_engines_report_over_the_pool_spec() -> None:
+    p = Pool.from_obj(pool().slots(4).max_rank(32).memory(1000).replicas(0, 3).obj())
+    reporting = engine("e1", "team-a.a", slots=6)  # says maxAdapters 6, maxRank 64
+    starting = engine("e2", ready=False)
+    a = run_of("team-a/a", memory=300)
+    inputs, lim = placement_inputs(p.spec, [reporting, starting], {"e1": [a]})
+    by_name = {e.name: e for e in inputs}
+    assert (by_name["e1"].slots_total, by_name["e1"].max_rank) == (6, 64)
+    assert (by_name["e1"].slots_used, by_name["e1"].memory_used) == (1, 300)
+    assert by_name["e1"].running == (a,)
+    # a starting engine is reserved at the pool's shape, never bound to
+    assert not by_name["e2"].ready and (by_name["e2"].slots_total, by_name["e2"].max_rank) == (
+        4,
+        32,
+    )
+    assert (lim.max_replicas, lim.current_replicas, lim.memory_budget) == (3, 2, 1000)
+
+
+def test_classify_sorts_experiments_into_adopted_pending_and_unloaded() -> None:
+    exps = [
+        exp("run", phase="Running", engine="e1"),
+        exp("new"),
+        exp("done", phase="Succeeded", engine="e1"),
+        experiment("off").suspend().obj(),
+    ]
+    held = engine("e1", "team-a.run", "team-a.done", "team-a.gone")
+    out = classify(snap(exps, [held]), [held], CFG)
+    assert sorted(out.work) == ["team-a/done", "team-a/new", "team-a/off", "team-a/run"]
+    assert [p.key for p in out.pending] == ["team-a/new"]
+    assert [r.key for r in out.running_on["e1"]] == ["team-a/run"]
+    assert sorted((u.exp_id, u.reason) for u in out.unloads) == [
+        ("team-a.done", FINISHED),
+        ("team-a.gone", ORPHAN),
+    ]
+
+
+def test_act_on_turns_decisions_into_engine_calls() -> None:
+    e1 = engine("e1", "team-a.low")
+    work = {
+        k: Work.start(Experiment.from_obj(exp(k.split("/")[1])))
+        for k in ("team-a/a", "team-a/low", "team-a/b", "team-a/c")
+    }
+    decisions = [
+        placement.ScaleUp(2),
+        placement.Bind("team-a/a", "e1"),
+        placement.Preempt("team-a/low", "e1", "team-a/b"),
+        placement.Wait("team-a/c", placement.WAIT_UNSCHEDULABLE),
+    ]
+    acts = act_on(decisions, work, {"e1": e1})
+    assert [(p.key, p.engine, p.body["runId"]) for p in acts.puts] == [
+        ("team-a/a", "e1", "uid-team-a-a")
+    ]
+    assert [(u.key, u.reason, u.for_key) for u in acts.unloads] == [
+        ("team-a/low", PREEMPT, "team-a/b")
+    ]
+    assert (acts.create_pods, acts.bound_to) == (2, {"e1"})
+    # nothing waits for room that can come: an unschedulable experiment does not hold
+    # idle engines up
+    assert not acts.waiting and work["team-a/c"].waiting_reason == placement.WAIT_UNSCHEDULABLE
+
+
+def test_scale_tops_up_to_min_and_removes_only_long_idle_engines() -> None:
+    p = pool().replicas(1, 3).obj()
+    engines = [engine("e1"), engine("e2"), engine("e3", "team-a.a")]
+    s = scale(snap([], engines, p, idle_since={"e1": NOW - 60}), engines, CFG, 0, set(), False)
+    assert s.create_pods == 0 and s.delete_pods == ["e1"]  # e2 idle only since now
+    assert s.idle_since == {"e1": NOW - 60, "e2": NOW}
+    waiting = scale(snap([], engines, p, idle_since={"e1": NOW - 60}), engines, CFG, 0, set(), True)
+    assert waiting.delete_pods == []  # something waits for room: keep every engine
+    assert (
+        scale(snap([], [], pool().replicas(2, 3).obj()), [], CFG, 1, set(), False).create_pods == 2
+    )

@@ -9,20 +9,12 @@ from typing import Any
 
 import httpx
 from builders import experiment, pool
+from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.reconcile import (
-    PREEMPT,
-    SUSPEND,
-    Config,
-    EngineView,
-    PoolReconciler,
-    Put,
-    RoundPlan,
-    Snapshot,
-    Unload,
-    Work,
-    parse_time,
-)
+from loraplex_operator.observation import EngineView, Snapshot
+from loraplex_operator.planning import PREEMPT, SUSPEND, Put, RoundPlan, Unload, Work
+from loraplex_operator.reconcile import PoolReconciler
+from loraplex_operator.resources import Experiment, Pool, parse_time
 from loraplex_operator.status import Binding
 
 
@@ -84,9 +76,14 @@ def _reconciler(engines: FakeEngines) -> tuple[PoolReconciler, FakeKube, list[tu
     return r, kube, events
 
 
+def _snap(*objs: dict[str, Any]) -> Snapshot:
+    exps = [Experiment.from_obj(o) for o in objs]
+    return Snapshot(pool=Pool.from_obj(pool().obj()), experiments=exps, engines=[], now=0.0)
+
+
 def _round(obj: dict[str, Any], puts=(), unloads=()) -> tuple[Snapshot, RoundPlan]:
-    w = Work(obj=obj)
-    snap = Snapshot(pool=pool().obj(), experiments=[obj], engines=[], now=0.0)
+    w = Work(Experiment.from_obj(obj))
+    snap = _snap(obj)
     return snap, RoundPlan(work={w.key: w}, puts=list(puts), unloads=list(unloads))
 
 
@@ -259,8 +256,10 @@ async def test_progress_only_change_waits_for_the_status_interval_a_phase_change
     async def round_with(engine_status: dict[str, Any]) -> dict[str, Any] | None:
         """One round with the engine reporting `engine_status`; the status written, if any
         (stored back on the object, as the API server would)."""
-        w = Work(obj=obj, binding=Binding("e1", "node-1"), engine_status=engine_status)
-        snap = Snapshot(pool=pool().obj(), experiments=[obj], engines=[], now=0.0)
+        w = Work(
+            Experiment.from_obj(obj), binding=Binding("e1", "node-1"), engine_status=engine_status
+        )
+        snap = _snap(obj)
         kube.patches.clear()
         await r.act(snap, RoundPlan(work={w.key: w}), "token")
         written = [p["status"] for n, p in kube.patches if n == "a"]
@@ -344,12 +343,12 @@ async def test_round_exports_the_derived_status_and_drops_deleted_experiments() 
             "reason": "Training",
         }
         assert m.REGISTRY.get_sample_value("loraplex_experiment_phase", labels) == 1
-        assert "team-a/a" in r._last_write  # its status was written
+        assert "team-a/a" in r.publisher.last_write  # its status was written
         # Deleted (or being deleted: plan_round leaves it out of the work): series gone,
         # and the reconciler keeps nothing of it.
-        snap = Snapshot(pool=snap.pool, experiments=[], engines=[], now=0.0)
+        snap = _snap()
         await r.act(snap, RoundPlan(work={}), "token")
         assert _experiment_series("pool-a") == {}
-        assert "team-a/a" not in r._last_write
+        assert "team-a/a" not in r.publisher.last_write
     finally:
         m.forget_pool("pool-a")

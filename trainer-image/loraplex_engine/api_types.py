@@ -13,9 +13,15 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
-# Rollout tokens one experiment may ask for per step (groupSize x promptsPerStep x
-# maxNewTokens): a tick waits for every tenant, so one huge spec would stall them all.
-DEFAULT_MAX_STEP_TOKENS = 1 << 20
+# Tokens one experiment's step may cost: groupSize x promptsPerStep x (the prompt limit +
+# maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the
+# longest wait a co-tenant can see (fair_share.py paces big steps on average).
+DEFAULT_MAX_STEP_TOKENS = 1 << 18
+DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
+# How long a tick waits for an experiment's reward before stepping without it (it trains in
+# the tick after the reward arrives, fair_share.py): under a GPU tick (seconds), over a
+# healthy reward service's answer (milliseconds to a few hundred).
+DEFAULT_REWARD_DEADLINE_S = 1.0
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
 # a safe path segment (no "/", never "." or ".."), short enough for any file system.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -24,6 +30,13 @@ RUN_ID_MAX_LENGTH = 64
 ExperimentPhase = Literal["Running", "Succeeded", "Failed"]
 # The phases of a tick, in order (tick.py): the keys of TickReport.phase_seconds.
 TICK_PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
+# Why an experiment failed (status.failureReason, the metrics label): task_error (its task
+# data or prompts), reward_error (its reward: an error, an invalid score or no answer),
+# non_finite (it diverged), checkpoint_error (its checkpoint could not be written).
+FAILURE_REASONS = ("non_finite", "reward_error", "task_error", "checkpoint_error")
+# Failures that follow from the spec and its data alone: placing the same spec again fails
+# the same way, so a driver should not retry it elsewhere (status.deterministicFailure).
+DETERMINISTIC_FAILURES = frozenset({"non_finite", "task_error"})
 
 
 class WireModel(BaseModel):
@@ -57,11 +70,23 @@ class ExperimentStatus(WireModel):
     started_at: str
     updated_at: str
     run_id: str | None = None  # the run whose checkpoints this experiment writes
+    failure_reason: str | None = None  # a FAILURE_REASONS entry when phase is Failed
+    deterministic_failure: bool = False  # retrying the same spec would fail the same way
 
 
 class MemoryUse(WireModel):
     rss_bytes: int
     device_bytes: int
+
+
+class ModelShape(WireModel):
+    """The base model's dimensions, as the operator's adapter memory estimate reads them
+    (the EnginePool's `modelShape`): a pool that does not declare one learns it here."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    kv_dim: int  # output width of k_proj/v_proj (heads x head dim with grouped-query attention)
 
 
 class Capacity(WireModel):
@@ -72,6 +97,7 @@ class Capacity(WireModel):
     used_slots: int
     experiments: list[str]
     memory: MemoryUse
+    model_shape: ModelShape | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
     )
     run.set_defaults(func=_cmd_run)
+
+    from loraplex_engine import plan_cli
+
+    plan_cli.add_parser(sub)
     return parser
 
 

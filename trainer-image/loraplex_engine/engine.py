@@ -21,13 +21,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.api_types import (
+    DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_REWARD_DEADLINE_S,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
     MemoryUse,
     TickReport,
 )
+from loraplex_engine.base_model import model_shape_of
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -36,6 +39,7 @@ from loraplex_engine.errors import (
     NoCapacityError,
     NoFreeSlotError,
     NotFoundError,
+    UnavailableError,
 )
 from loraplex_engine.experiment import (
     Experiment,
@@ -44,6 +48,7 @@ from loraplex_engine.experiment import (
     lora_config,
     new_experiment,
 )
+from loraplex_engine.fair_share import RewardScorer
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
@@ -61,6 +66,10 @@ from loraplex_engine.training import (
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
 
 log = logging.getLogger("loraplex_engine.engine")
+
+# How long a completion request waits for a tick to serve it: a tick that cannot (the loop
+# stopped, the engine is shutting down) must not hold a request thread for ever.
+COMPLETION_TIMEOUT_S = 300.0
 
 
 class Engine:
@@ -84,6 +93,8 @@ class Engine:
         vllm_options: dict[str, Any] | None = None,
         ignore_eos: bool = False,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        reward_deadline_s: float = DEFAULT_REWARD_DEADLINE_S,
         share_prompt_prefix: bool = True,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
@@ -98,6 +109,7 @@ class Engine:
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
+        self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
@@ -119,13 +131,26 @@ class Engine:
             self.model, self.optimizer, self.device, self.codec.pad_id, micro_batch_tokens, shared
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
-        self._tick = Tick(self.model, self.codec, self.backend, self.strategy, self.store)
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
         self._state_lock = threading.Lock()  # guards the dict for quick reads
         self._jobs: list[CompletionJob] = []
         self._jobs_lock = threading.Lock()
         self.work_available = threading.Event()  # set when a tick would have work
+        self._refusing: str | None = None  # why completions are no longer served
+        self.scorer = RewardScorer(reward_deadline_s, self._wake)
+        # Longest row the base model takes (prompt + completion); None: not stated.
+        self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
+        self._tick = Tick(
+            self.model,
+            self.codec,
+            self.backend,
+            self.strategy,
+            self.store,
+            self.scorer,
+            max_prompt_tokens,
+            self.context_tokens,
+        )
 
     def _shared_forward(self, base: torch.nn.Module, wanted: bool) -> SharedForward | None:
         """Training computes each prompt group's prompt once per micro-batch (training.py);
@@ -175,8 +200,25 @@ class Engine:
         benchmarks; the per-experiment trainTokens count prompt + completion per row."""
         return self.strategy.computed_tokens
 
+    def _wake(self) -> None:
+        """Work arrived for the loop (a late reward): under the jobs lock, so the check
+        in :meth:`tick` cannot miss it."""
+        with self._jobs_lock:
+            self.work_available.set()
+
+    def refuse_completions(self, reason: str) -> None:
+        """No tick will run again (the loop stopped): answer the queued completions and
+        every later one with ``reason`` instead of letting them wait."""
+        with self._jobs_lock:
+            self._refusing = reason
+            jobs, self._jobs = self._jobs, []
+        _resolve(jobs, UnavailableError(reason))
+
     def close(self) -> None:
-        """Stop the rollout backend's worker, if it has one."""
+        """Answer the completions still queued, stop the reward pool and the rollout
+        backend's worker, if it has one."""
+        self.refuse_completions("the engine is shutting down")
+        self.scorer.close()
         self.backend.close()
 
     # ---- EngineService: reads ---------------------------------------------------------
@@ -206,6 +248,7 @@ class Engine:
             memory=MemoryUse(
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
+            model_shape=model_shape_of(self.model.base_model.config),
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
@@ -270,6 +313,7 @@ class Engine:
                 exp.checkpoint is None or exp.checkpoint.step != exp.step
             ):
                 self.store.save(exp)
+            self.scorer.forget(exp_id)
             self.backend.remove_adapter(exp_id)
             self.optimizer.remove_adapter(exp_id)
             self.model.remove_adapter(exp_id)
@@ -290,13 +334,20 @@ class Engine:
         each token as the decode makes it (torch backend; vLLM answers whole rows)."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
+        self._check_completion_work(len(prompt_ids), max_tokens, n)
         sampling = sampling or JobSampling()
         slot_name = None if model == self.model_name else model
         job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
         with self._jobs_lock:
+            if self._refusing is not None:
+                raise UnavailableError(self._refusing)
             self._jobs.append(job)
             self.work_available.set()
-        job.done.wait()
+        if not job.done.wait(COMPLETION_TIMEOUT_S):
+            with self._jobs_lock:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+            raise UnavailableError(f"no tick served this completion in {COMPLETION_TIMEOUT_S:.0f}s")
         if job.error is not None:
             raise job.error
         return job.result
@@ -317,10 +368,18 @@ class Engine:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
             with self._jobs_lock:  # drain and clear together: no wake-up is lost
                 jobs, self._jobs = self._jobs, []
-                if not running and not jobs:
+                if not jobs and not self._tick.has_work(running):
                     self.work_available.clear()
                     return None
-            return self._tick.run(running, jobs)
+            try:
+                return self._tick.run(running, jobs)
+            except BaseException as e:
+                # A fault of the shared model or device: every job this tick took is
+                # answered, none waits for a tick that already gave up on it.
+                _resolve(
+                    jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}")
+                )
+                raise
 
     # ---- loading ----------------------------------------------------------------------
 
@@ -357,13 +416,45 @@ class Engine:
         return exp
 
     def _check_step_work(self, spec: ExperimentSpec) -> None:
-        alg = spec.algorithm
-        work = alg.group_size * alg.prompts_per_step * spec.rollout.max_new_tokens
+        """A step's cost, prompts included, is bounded before it is admitted: every row's
+        prompt is at most max_prompt_tokens (the tick refuses longer ones)."""
+        alg, new_tokens = spec.algorithm, spec.rollout.max_new_tokens
+        if self.context_tokens is not None and new_tokens >= self.context_tokens:
+            raise InvalidSpecError(
+                f"maxNewTokens {new_tokens} leaves no room for a prompt in the base model's "
+                f"context of {self.context_tokens} tokens",
+                field="spec.rollout.maxNewTokens",
+            )
+        rows = alg.group_size * alg.prompts_per_step
+        work = rows * (self.max_prompt_tokens + new_tokens)
         if work > self.max_step_tokens:
             raise InvalidSpecError(
-                f"groupSize x promptsPerStep x maxNewTokens = {work} rollout tokens per step "
-                f"exceeds this engine's limit of {self.max_step_tokens}; lower one of them",
+                f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
+                f"maxNewTokens) = {work} tokens per step exceeds this engine's limit of "
+                f"{self.max_step_tokens} (serve --max-step-tokens); lower one of them",
                 field="spec.algorithm.promptsPerStep",
+            )
+
+    def _check_completion_work(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """A completion rides in a tick's rollout batch: the same limits as a step."""
+        if prompt_tokens > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt has {prompt_tokens} tokens, over this engine's limit of "
+                f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
+                field="prompt",
+            )
+        if self.context_tokens is not None and prompt_tokens + max_tokens > self.context_tokens:
+            raise InvalidRequestError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the base "
+                f"model's context of {self.context_tokens} tokens",
+                field="max_tokens",
+            )
+        work = n * (prompt_tokens + max_tokens)
+        if work > self.max_step_tokens:
+            raise InvalidRequestError(
+                f"n x (prompt + max_tokens) = {work} tokens exceeds this engine's limit of "
+                f"{self.max_step_tokens} (serve --max-step-tokens)",
+                field="n",
             )
 
     def _require(self, exp_id: str) -> Experiment:
@@ -371,3 +462,11 @@ class Engine:
         if exp is None:
             raise NotFoundError(f"no experiment {exp_id!r} on this engine")
         return exp
+
+
+def _resolve(jobs: list[CompletionJob], error: Exception) -> None:
+    """Answer every job not answered yet with ``error``."""
+    for job in jobs:
+        if not job.done.is_set():
+            job.error = error
+            job.done.set()

@@ -12,7 +12,12 @@ from typing import Any
 import torch
 
 from loraplex_engine.algorithms import Algorithm, get_algorithm
-from loraplex_engine.api_types import CheckpointRef, ExperimentPhase, ExperimentStatus
+from loraplex_engine.api_types import (
+    DETERMINISTIC_FAILURES,
+    CheckpointRef,
+    ExperimentPhase,
+    ExperimentStatus,
+)
 from loraplex_engine.errors import (
     AdapterError,
     InvalidSpecError,
@@ -55,13 +60,20 @@ class Experiment:
     # (run_store.py): given by the caller (the operator: the object's uid), or made at a
     # fresh start and carried over on resume.
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
+    # Fair share (fair_share.py): tokens of the last step planned, and that tick's number.
+    step_cost: int = 0
+    rolled_out_at: int = -(1 << 62)
 
     @property
     def max_steps(self) -> int:
         return self.spec.algorithm.max_steps
 
-    def fail(self, reason: str) -> None:
-        self.phase, self.error, self.updated_at = "Failed", reason, now()
+    def fail(self, error: str, reason: str) -> None:
+        """Fail this experiment alone: ``error`` says what happened, ``reason`` is its
+        kind (a FAILURE_REASONS entry)."""
+        self.phase, self.error, self.updated_at = "Failed", error, now()
+        self.failure_reason = reason
 
     def status(self) -> ExperimentStatus:
         return ExperimentStatus(
@@ -80,6 +92,8 @@ class Experiment:
             started_at=self.started_at,
             updated_at=self.updated_at,
             run_id=self.run_id,
+            failure_reason=self.failure_reason,
+            deterministic_failure=self.failure_reason in DETERMINISTIC_FAILURES,
         )
 
 

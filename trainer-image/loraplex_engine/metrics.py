@@ -24,7 +24,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from loraplex_engine.api_types import TICK_PHASES, Capacity, ExperimentStatus, TickReport
+from loraplex_engine.api_types import (
+    FAILURE_REASONS,
+    TICK_PHASES,
+    Capacity,
+    ExperimentStatus,
+    TickReport,
+)
 
 # A tiny model on CPU ticks in milliseconds; a real model on a GPU in seconds to minutes.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -32,7 +38,6 @@ BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
 # The failure kinds a tick reports (tick.py `Failure.kind`); exported at 0 from the start so
 # the failures panel and alert read 0 instead of "no data" until the first failure.
-FAILURE_REASONS = ("non_finite", "reward_error")
 
 __all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "EngineMetrics"]
 

@@ -61,6 +61,9 @@ class PerAdapterAdamW:
         self._clear(slot)
         del self._slots[name], self.settings[slot], self.steps[slot]
 
+    def has_adapter(self, name: str) -> bool:
+        return name in self._slots
+
     def set_lr(self, name: str, lr: float) -> None:
         slot = self._slot(name)
         self.settings[slot] = AdamWSettings(**{**asdict(self.settings[slot]), "lr": lr})

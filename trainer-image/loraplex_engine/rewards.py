@@ -98,9 +98,13 @@ def _check_score(value: Any, index: int, source: str) -> float:
     # bool is an int subclass; a True/False "score" is almost surely a bug upstream.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RewardError(f"reward {source}: score {index} is not a number: {value!r}")
-    if not math.isfinite(value):
-        raise RewardError(f"reward {source}: score {index} is not finite: {value!r}")
-    return float(value)
+    try:
+        score = float(value)  # an int too large for a float raises OverflowError
+    except OverflowError:
+        score = math.inf
+    if not math.isfinite(score):
+        raise RewardError(f"reward {source}: score {index} is not finite: {str(value)[:40]}")
+    return score
 
 
 class HttpReward:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN, CheckpointRef
 from loraplex_engine.errors import BadCheckpointError, CheckpointError
@@ -38,6 +40,8 @@ from loraplex_engine.optim import PerAdapterAdamW
 RUN_ID = "runId"
 # The names the store gives checkpoint directories (temporary ones start with ".").
 STEP_DIR = re.compile(r"step-\d{8}")
+# What checkpoint.atomic_dir leaves behind when the process dies mid-write.
+LEFTOVER_DIR = re.compile(r"\.step-\d{8}\.(tmp|old)-.+")
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 
 log = logging.getLogger("loraplex_engine.run_store")
@@ -53,6 +57,19 @@ class RunStore:
         self.model = model
         self.optimizer = optimizer
         self.base_model = base_model  # written into adapter_config.json
+        self.remove_leftovers()
+
+    def remove_leftovers(self) -> int:
+        """Remove the half-written checkpoint directories a crash left in run directories
+        (``<root>/<ns>/<name>/<run>/.step-N.tmp-*``); returns how many."""
+        found = [p for p in self.root.glob("*/*/*/.step-*") if LEFTOVER_DIR.fullmatch(p.name)]
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        if found:
+            log.info(
+                "removed %d half-written checkpoint directories under %s", len(found), self.root
+            )
+        return len(found)
 
     def run_dir(self, namespace: str, name: str, run_id: str) -> Path:
         return self.root / namespace / name / run_id
@@ -169,20 +186,25 @@ class RunStore:
         saved = ckpt.read_adapter_config(path)
         if saved != config:
             raise CheckpointError(f"{path}: checkpoint has {saved}, the spec asks for {config}")
+        meta = ckpt.read_metadata(path)
+        progress = saved_progress(meta, path)  # validated before anything is loaded
         ckpt.load_adapter(self.model, exp.id, path)
         try:
             # torch's global RNG (dropout masks) is shared by every tenant: restore the
             # saved one only when this experiment will be alone on the engine, so a
             # resume never reshuffles the masks of experiments already training.
-            meta = ckpt.load_trainer_state(
-                path, self.optimizer, exp.id, exp.sample_gen, global_rng=alone
-            )
-        except CheckpointError:
-            self.model.remove_adapter(exp.id)
+            ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen, global_rng=alone)
+            self.optimizer.set_lr(exp.id, exp.spec.algorithm.learning_rate)
+        except BaseException:
+            self._unload(exp.id)  # all or nothing: no half-loaded adapter keeps its slot
             raise
-        self.optimizer.set_lr(exp.id, exp.spec.algorithm.learning_rate)
-        _restore(exp, meta, path)
+        _restore(exp, progress, path)
         return meta
+
+    def _unload(self, exp_id: str) -> None:
+        if self.optimizer.has_adapter(exp_id):
+            self.optimizer.remove_adapter(exp_id)
+        self.model.remove_adapter(exp_id)
 
 
 def _metadata(exp: Experiment) -> dict[str, Any]:
@@ -199,13 +221,48 @@ def _metadata(exp: Experiment) -> dict[str, Any]:
     }
 
 
-def _restore(exp: Experiment, meta: Mapping[str, Any], path: Path) -> None:
-    exp.step = int(meta.get("step", 0))
-    exp.reward = meta.get("reward")
-    exp.rollout_tokens = int(meta.get("rolloutTokens", 0))
-    exp.train_tokens = int(meta.get("trainTokens", 0))
-    if "promptRng" in meta:
-        exp.prompt_rng.setstate(_decode_random_state(meta["promptRng"]))
+class SavedProgress(BaseModel):
+    """The experiment's progress a trainer state records (:func:`_metadata`), validated
+    strictly: a checkpoint whose values do not fit is refused before it is loaded."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    step: int = Field(0, ge=0)
+    reward: float | None = None
+    rollout_tokens: int = Field(0, ge=0, alias="rolloutTokens")
+    train_tokens: int = Field(0, ge=0, alias="trainTokens")
+    prompt_rng: list[Any] | None = Field(None, alias="promptRng")
+
+    @field_validator("prompt_rng")
+    @classmethod
+    def _a_random_state(cls, raw: list[Any] | None) -> list[Any] | None:
+        if raw is not None:
+            try:
+                random.Random().setstate(_decode_random_state(raw))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"not a random.Random state ({e})") from None
+        return raw
+
+
+def saved_progress(meta: Mapping[str, Any], path: Path) -> SavedProgress:
+    """The validated progress in ``meta``; a CheckpointError naming the first bad field."""
+    try:
+        return SavedProgress.model_validate(meta)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise CheckpointError(
+            f"{path / ckpt.TRAINER_STATE}: metadata field {where}: {err['msg']}"
+        ) from None
+
+
+def _restore(exp: Experiment, progress: SavedProgress, path: Path) -> None:
+    exp.step = progress.step
+    exp.reward = progress.reward
+    exp.rollout_tokens = progress.rollout_tokens
+    exp.train_tokens = progress.train_tokens
+    if progress.prompt_rng is not None:
+        exp.prompt_rng.setstate(_decode_random_state(progress.prompt_rng))
     exp.checkpoint = CheckpointRef(path=str(path), step=exp.step)
     exp.adapter_path = str(path)
     if exp.max_steps and exp.step >= exp.max_steps:

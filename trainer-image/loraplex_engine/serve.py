@@ -191,6 +191,9 @@ class EngineLoop:
                 if errors >= self.max_errors:
                     log.error("engine loop stopping after %d failed ticks", errors)
                     self.failed = True
+                    refuse = getattr(self.engine, "refuse_completions", None)
+                    if callable(refuse):  # no tick will serve them: answer, don't hang
+                        refuse(f"the engine loop stopped after {errors} failed ticks")
                     return
                 self._stop.wait(min(0.1 * 2**errors, 5.0))
                 continue
@@ -335,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
                 "checkpoint_root": args.checkpoint_root,
                 "rollout_backend": args.rollout_backend,
                 "max_step_tokens": args.max_step_tokens,
+                "max_prompt_tokens": args.max_prompt_tokens,
+                "reward_deadline_s": args.reward_deadline,
             }
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":

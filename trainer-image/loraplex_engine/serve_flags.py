@@ -14,7 +14,11 @@ import logging
 import os
 from typing import Any
 
-from loraplex_engine.api_types import DEFAULT_MAX_STEP_TOKENS
+from loraplex_engine.api_types import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_REWARD_DEADLINE_S,
+)
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
 
@@ -62,6 +66,16 @@ def _int(value: str) -> int:
         return int(value)
     except ValueError:
         raise _invalid("int value", value) from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise _invalid("seconds value", value)
+    return seconds
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -127,8 +141,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-step-tokens",
         type=_int,
         default=_env_parsed("MAX_STEP_TOKENS", DEFAULT_MAX_STEP_TOKENS),
-        help="largest groupSize x promptsPerStep x maxNewTokens one experiment may ask for "
-        "per step (one tenant must not stall the others)",
+        help="largest groupSize x promptsPerStep x (--max-prompt-tokens + maxNewTokens) one "
+        "experiment's step may cost, checked at PUT (one tenant must not stall the others)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=_int,
+        default=_env_parsed("MAX_PROMPT_TOKENS", DEFAULT_MAX_PROMPT_TOKENS),
+        help="longest prompt a rollout row may have; a longer one fails its experiment",
+    )
+    p.add_argument(
+        "--reward-deadline",
+        type=_seconds,
+        default=_env_parsed("REWARD_DEADLINE", DEFAULT_REWARD_DEADLINE_S),
+        metavar="SECONDS",
+        help="how long a tick waits for an experiment's reward; a later one trains that "
+        "experiment in the tick after it arrives, without holding the others",
     )
     p.add_argument(
         "--rollout-backend",

@@ -1,11 +1,17 @@
 """One tick: every running experiment advances one RL step, together.
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
-plan rollouts → ``rollout`` (one mixed-adapter batch, queued completions included) →
-``reward`` → ``train`` (the training strategy) → ``sync`` (rollout backend) →
-``checkpoint`` (bookkeeping, periodic and final checkpoints). Each phase takes the
-experiments still in play and returns who carries on; an experiment whose reward raises
-or whose update goes non-finite drops out failed, alone.
+plan rollouts (who is due, fair_share.py; their prompts) → ``rollout`` (one
+mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
+deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
+``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
+checkpoints). Each phase takes the experiments still in play and returns who carries on.
+
+Containment: every per-experiment step (prompts and task data, reward, training rows,
+checkpoint) runs under a guard that fails that experiment alone, with its error and a
+``failureReason`` in its status; whatever its tenant's data or reward service does, the
+tick goes on. Only the shared steps (the batched rollout, the fused update, the backend
+sync) can fail a tick: those are faults of the base model or the device.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from loraplex_engine.api_types import TICK_PHASES, ExperimentTick, TickReport
 from loraplex_engine.errors import AdapterError, NotFoundError, RewardError, TaskError
 from loraplex_engine.experiment import Experiment, now
+from loraplex_engine.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import Completion, RolloutRequest
@@ -34,6 +41,8 @@ from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import TrainingStrategy
 
 _T = TypeVar("_T")
+log = logging.getLogger("loraplex_engine.tick")
+
 log = logging.getLogger("loraplex_engine.tick")
 
 
@@ -142,7 +151,28 @@ class Trained:
 class Failure:
     exp: Experiment
     reason: str  # the experiment's error text
-    kind: str  # the metrics label (metrics.FAILURE_REASONS)
+    kind: str  # status.failureReason and the metrics label (api_types.FAILURE_REASONS)
+
+
+def _guarded(exp: Experiment, kind: str, what: str, step: Callable[[], _T]) -> _T | Failure:
+    """Run one experiment's own step; any error in it fails that experiment alone.
+
+    Broad on purpose: this is the boundary between a tenant's spec, data and reward
+    service and the shared tick, and no tenant input may stop the engine."""
+    try:
+        return step()
+    except Exception as e:
+        if not isinstance(e, RewardError | TaskError | ValueError):
+            log.warning("experiment %s: %s failed", exp.id, what, exc_info=True)
+        return Failure(exp, f"{what} failed: {_describe(e)}", kind)
+
+
+def _describe(e: Exception) -> str:
+    """One line: the error's message, with its class when that is not one of ours."""
+    text = " ".join(str(e).split())[:500] or "(no message)"
+    if isinstance(e, RewardError | TaskError):
+        return text
+    return f"{type(e).__name__}: {text}"
 
 
 class Tick:
@@ -155,17 +185,33 @@ class Tick:
         backend: RolloutBackend,
         strategy: TrainingStrategy,
         store: RunStore,
+        scorer: RewardScorer[Scored | Failure],
+        max_prompt_tokens: int,
+        context_tokens: int | None,
     ) -> None:
         self.model = model
         self.codec = codec
         self.backend = backend
         self.strategy = strategy
         self.store = store
+        self.scorer = scorer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.context_tokens = context_tokens
+        self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
+
+    def has_work(self, running: list[Experiment]) -> bool:
+        """A tick would do something: an experiment can roll out or a reward is back."""
+        return self.scorer.has_arrived() or any(not self.scorer.is_pending(e) for e in running)
 
     def run(self, running: list[Experiment], jobs: list[CompletionJob]) -> TickReport:
         start = time.perf_counter()
+        self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
+        arrived = self.scorer.arrived(running)  # late rewards: these train now
+        back = {id(_exp_of(a)) for a in arrived}
+        eligible = [e for e in running if not self.scorer.is_pending(e) and id(e) not in back]
+        due = due_to_roll_out(eligible, self.count)
 
         @contextmanager
         def timed(phase: str) -> Iterator[None]:
@@ -175,17 +221,18 @@ class Tick:
             finally:
                 phases[phase] += time.perf_counter() - t
 
-        planned = [self._plan(e) for e in running]
+        plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
+        planned = _keep(plans, failures)
         with timed("rollout"):
             rolled = self._rollout(planned, jobs)
         with timed("reward"):
-            scored = _keep(self._score(rolled), failures)
+            scored = _keep(arrived + self._score(rolled), failures)
         with timed("train"):
             trained = _keep(self._train(scored), failures)
         with timed("sync"):
             self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
         with timed("checkpoint"):
-            stepped = [self._after_step(t) for t in trained]
+            stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
@@ -198,20 +245,44 @@ class Tick:
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
-        expanded = [p for p in prompts for _ in range(alg.group_size)]
+        encoded = [self._encode_prompt(p, roll.max_new_tokens) for p in prompts]
         requests = [
             RolloutRequest(
                 slot=slot,
-                prompt_ids=self.codec.encode(p.text),
+                prompt_ids=ids,
                 max_new_tokens=roll.max_new_tokens,
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
                 group=exp.id,
                 adapter=exp.id,
             )
-            for p in expanded
+            for ids in encoded
+            for _ in range(alg.group_size)
         ]
-        return Rollout(exp, expanded, requests)
+        exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        exp.rolled_out_at = self.count
+        return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
+
+    def _encode_prompt(self, prompt: Prompt, new_tokens: int) -> list[int]:
+        """A prompt's tokens; one over the engine's prompt limit (or the model's context)
+        fails its experiment: truncating it would train on a prompt the data does not hold,
+        and a row past the context would fail the shared rollout batch."""
+        ids = self.codec.encode(prompt.text)
+        line = prompt.meta.get("line")
+        where = f"dataset line {line}" if line else "a prompt"
+        if len(ids) > self.max_prompt_tokens:
+            raise TaskError(
+                "spec.task.dataset",
+                f"{where} has {len(ids)} prompt tokens, over this engine's limit of "
+                f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
+            )
+        if self.context_tokens is not None and len(ids) + new_tokens > self.context_tokens:
+            raise TaskError(
+                "spec.task.dataset",
+                f"{where} has {len(ids)} prompt tokens: with maxNewTokens {new_tokens} that "
+                f"is over the base model's context of {self.context_tokens}",
+            )
+        return ids
 
     def _rollout(self, planned: list[Rollout], jobs: list[CompletionJob]) -> list[Rollout]:
         """One generate call for every experiment's requests and the queued jobs."""
@@ -244,34 +315,46 @@ class Tick:
     # ---- reward -------------------------------------------------------------------------
 
     def _score(self, rolled: list[Rollout]) -> list[Scored | Failure]:
-        return [self._score_one(r) for r in rolled]
-
-    def _score_one(self, r: Rollout) -> Scored | Failure:
-        if any(c.nonfinite for c in r.completions):
-            return Failure(r.exp, "non-finite logits from the adapter (diverged)", "non_finite")
-        texts = [self.codec.decode(c.token_ids) for c in r.completions]
-        try:
-            rewards = r.exp.task.score(r.prompts, texts)
-            bad = [x for x in rewards if not math.isfinite(x)]
-            if bad:
-                raise RewardError(f"reward returned a non-finite score ({bad[0]})")
-        except (RewardError, TaskError, ValueError, TypeError) as e:
-            return Failure(r.exp, f"reward failed: {e}", "reward_error")
-        return Scored(r, rewards)
+        """Every experiment's reward at once on the scorer's pool; those not back within
+        its deadline wait for a later tick (fair_share.RewardScorer)."""
+        results: list[Scored | Failure] = []
+        jobs = []
+        for r in rolled:
+            if any(c.nonfinite for c in r.completions):
+                msg = "non-finite logits from the adapter (diverged)"
+                results.append(Failure(r.exp, msg, "non_finite"))
+                continue
+            texts = [self.codec.decode(c.token_ids) for c in r.completions]  # tick thread
+            jobs.append((r.exp, lambda r=r, texts=texts: _score_one(r, texts)))
+        return results + self.scorer.score(jobs)
 
     # ---- train --------------------------------------------------------------------------
 
     def _train(self, scored: list[Scored]) -> list[Trained | Failure]:
-        if not scored:
-            return []
-        rows, updates = self._train_rows(scored)
+        """Each experiment's rows (its advantages) on its own, then one shared update."""
+        results: list[Trained | Failure] = []
+        kept: list[Scored] = []
+        rows: list[TrainRow] = []
+        updates: dict[str, ExperimentUpdate] = {}
+        for s in scored:
+            exp = s.rollout.exp
+            prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
+            if isinstance(prepared, Failure):
+                results.append(prepared)
+                continue
+            rows += prepared
+            updates[exp.id] = ExperimentUpdate(
+                exp.algorithm, exp.spec.algorithm.clip, exp.spec.algorithm.kl_coef
+            )
+            kept.append(s)
+        if not kept:
+            return results
         self.model.train()
         try:
             outcomes = self.strategy.train(rows, updates)
         finally:
             self.model.eval()
-        results: list[Trained | Failure] = []
-        for s in scored:
+        for s in kept:
             exp = s.rollout.exp
             failure = outcomes[exp.id].failure
             if failure is not None:
@@ -281,38 +364,38 @@ class Tick:
                 results.append(Trained(s, tokens))
         return results
 
-    def _train_rows(
-        self, scored: list[Scored]
-    ) -> tuple[list[TrainRow], dict[str, ExperimentUpdate]]:
+    def _rows(self, s: Scored) -> list[TrainRow]:
+        """One experiment's training rows, with their group-relative advantages."""
         rows: list[TrainRow] = []
-        updates: dict[str, ExperimentUpdate] = {}
-        for s in scored:
-            r, exp = s.rollout, s.rollout.exp
-            alg = exp.spec.algorithm
-            updates[exp.id] = ExperimentUpdate(exp.algorithm, alg.clip, alg.kl_coef)
-            adv = exp.algorithm.advantages(torch.tensor(s.rewards), alg.group_size)
-            slot = self.model.slot_of(exp.id)
-            # Prompt group = identical prompt tokens within this experiment's step (its
-            # groupSize samples, and any prompt drawn twice): they share one prefix.
-            groups: dict[tuple[int, ...], int] = {}
-            for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
-                if comp.token_ids:
-                    group = groups.setdefault(tuple(req.prompt_ids), len(groups))
-                    rows.append(
-                        TrainRow(
-                            exp.id,
-                            slot,
-                            req.prompt_ids,
-                            comp.token_ids,
-                            comp.logprobs,
-                            a,
-                            req.temperature,
-                            group,
-                        )
+        r, exp = s.rollout, s.rollout.exp
+        alg = exp.spec.algorithm
+        adv = exp.algorithm.advantages(torch.tensor(s.rewards), alg.group_size)
+        slot = self.model.slot_of(exp.id)
+        # Prompt group = identical prompt tokens within this experiment's step (its
+        # groupSize samples, and any prompt drawn twice): they share one prefix.
+        groups: dict[tuple[int, ...], int] = {}
+        for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
+            if comp.token_ids:
+                group = groups.setdefault(tuple(req.prompt_ids), len(groups))
+                rows.append(
+                    TrainRow(
+                        exp.id,
+                        slot,
+                        req.prompt_ids,
+                        comp.token_ids,
+                        comp.logprobs,
+                        a,
+                        req.temperature,
+                        group,
                     )
-        return rows, updates
+                )
+        return rows
 
     # ---- bookkeeping and checkpoints ----------------------------------------------------
+
+    def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
+        exp = t.scored.rollout.exp
+        return _guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
 
     def _after_step(self, t: Trained) -> ExperimentTick:
         r, rewards = t.scored.rollout, t.scored.rewards
@@ -335,12 +418,29 @@ class Tick:
         return tick
 
 
+def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
+    """One experiment's reward (on a pool thread)."""
+
+    def score() -> Scored:
+        rewards = [float(x) for x in r.exp.task.score(r.prompts, texts)]
+        bad = [x for x in rewards if not math.isfinite(x)]
+        if bad:
+            raise RewardError(f"reward returned a non-finite score ({bad[0]})")
+        return Scored(r, rewards)
+
+    return _guarded(r.exp, "reward_error", "reward", score)
+
+
+def _exp_of(item: Scored | Failure) -> Experiment:
+    return item.rollout.exp if isinstance(item, Scored) else item.exp
+
+
 def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
     """The experiments that carry on; the others are failed now and recorded."""
     kept: list[_T] = []
     for result in results:
         if isinstance(result, Failure):
-            result.exp.fail(result.reason)
+            result.exp.fail(result.reason, result.kind)
             failures.append(result)
         else:
             kept.append(result)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex_engine.algorithms import Algorithm, token_logprobs
+from loraplex_engine.checkpointing import gradient_checkpointing as checkpointed
+from loraplex_engine.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
 from loraplex_engine.multi_lora import MultiLoRAModel
 
 # (input_ids [B,T], attention_mask [B,T], slot_ids [B]) -> logits [B,T,V]
@@ -191,6 +193,7 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width - 1))
     old = torch.zeros((len(rows), width - 1))
+    scored: list[int] = []  # flat positions in [rows, width - 1] whose log-prob is used
     for i, row in enumerate(rows):
         seq = row.prompt_ids + row.completion_ids
         ids[i, : len(seq)] = torch.tensor(seq)
@@ -199,6 +202,7 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
         end = start + len(row.completion_ids)
         completion_mask[i, start:end] = 1
         old[i, start:end] = torch.tensor(row.old_logprobs)
+        scored += range(i * (width - 1) + start, i * (width - 1) + end)
     return {
         "ids": ids,
         "attn": attn,
@@ -207,6 +211,7 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
         "slots": torch.tensor([r.slot for r in rows]),
         "adv": torch.tensor([r.advantage for r in rows]),
         "temp": torch.tensor([max(r.temperature, 1e-6) for r in rows]),
+        "scored": torch.tensor(scored, dtype=torch.long),
     }
 
 
@@ -272,7 +277,20 @@ def _shared_logprobs(forward: SharedForward, batch: dict[str, torch.Tensor]) -> 
     return token_logprobs(logits, batch["targets"].to(dev))
 
 
-def _logprobs(forward: RoutedForward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _logprobs(
+    forward: RoutedForward | HiddenStatesForward, batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    if isinstance(forward, HiddenStatesForward):
+        hidden = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
+        dev = hidden.device
+        return chunked_token_logprobs(
+            hidden,
+            forward.head,
+            batch["ids"][:, 1:].to(dev),
+            1.0 / batch["temp"].to(dev),
+            batch["scored"].to(dev),
+            forward.chunk_tokens,
+        )
     logits = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
     dev = logits.device  # the model's device: no host round trip of [B, T, V] logits
     # Score under the same temperature the rollout sampled with, so ratio = 1 on-policy.
@@ -348,18 +366,39 @@ def plan_micro_batches(
 
 
 def fused_backward(
-    forward: RoutedForward,
+    forward: RoutedForward | HiddenStatesForward,
     rows: Sequence[TrainRow],
     updates: dict[str, ExperimentUpdate],
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None = None,
+    gradient_checkpointing: bool = False,
 ) -> TrainStats:
     """Accumulate every adapter's gradient over all rows; the caller steps the optimiser.
 
     With ``shared_forward``, the rows of one prompt group compute their prompt once per
-    micro-batch (``plan_micro_batches`` says which micro-batches do).
+    micro-batch (``plan_micro_batches`` says which micro-batches do). A
+    ``HiddenStatesForward`` computes the log-probs chunk by chunk (chunked_logprobs.py).
+    ``gradient_checkpointing`` recomputes each decoder layer in the backward under the
+    same routing (checkpointing.py); it needs a ``HiddenStatesForward`` (for its model)
+    and trains unshared, since a checkpointed layer keeps no KV cache to share.
     """
+    if not gradient_checkpointing:
+        return _fused_backward(forward, rows, updates, pad_id, token_budget, shared_forward)
+    if not isinstance(forward, HiddenStatesForward):
+        raise ValueError("gradient_checkpointing needs a HiddenStatesForward (its model)")
+    with checkpointed(forward.model):
+        return _fused_backward(forward, rows, updates, pad_id, token_budget, None)
+
+
+def _fused_backward(
+    forward: RoutedForward | HiddenStatesForward,
+    rows: Sequence[TrainRow],
+    updates: dict[str, ExperimentUpdate],
+    pad_id: int,
+    token_budget: int,
+    shared_forward: SharedForward | None,
+) -> TrainStats:
     counts: dict[str, int] = {}
     for row in rows:
         counts[row.experiment] = counts.get(row.experiment, 0) + 1

@@ -82,7 +82,7 @@ class JsonlTask(Task):
             raise TaskError(
                 FIELD, f'{self.path}:{line_no}: row must be {{"prompt": str, "answer": str}}'
             )
-        self.rows.append(Prompt(text=row["prompt"], answer=row["answer"]))
+        self.rows.append(Prompt(row["prompt"], row["answer"], meta={"line": str(line_no)}))
         return True
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[Prompt]:

@@ -1,0 +1,37 @@
+"""The operator's settings, from `LORAPLEX_*` environment variables (the chart sets them)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_MAX_RESTARTS = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    interval: float = 5.0  # seconds between rounds of one pool
+    status_interval: float = 10.0  # min seconds between progress-only status writes
+    scale_down_delay: float = 60.0  # an engine idle this long (above min) is removed
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    engine_timeout: float = 30.0
+    # Namespaces whose experiments this operator may read (namespaced RBAC); () = all.
+    namespaces: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Config:
+        def num(name: str, default: float) -> float:
+            return float(env.get(f"LORAPLEX_{name}", default))
+
+        return cls(
+            interval=num("RECONCILE_INTERVAL", cls.interval),
+            status_interval=num("STATUS_INTERVAL", cls.status_interval),
+            scale_down_delay=num("SCALE_DOWN_DELAY", cls.scale_down_delay),
+            max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),
+            engine_timeout=num("ENGINE_TIMEOUT", cls.engine_timeout),
+            namespaces=tuple(
+                n.strip()
+                for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")
+                if n.strip()
+            ),
+        )

@@ -1,0 +1,161 @@
+"""Publishing what a round learnt about an experiment, written once for every caller.
+
+One path, whoever has news of an experiment (a pool's round, the pool's deletion, an
+experiment whose pool does not exist): admission events → derive the status (pure,
+`status.derive_status`) → compare with the status written last → write the fields that
+changed (a change of progress alone at most every `status_interval`: a busy engine moves
+`step` every few tens of milliseconds) → emit the round's Events. A pool's own status
+goes the same compare-then-write way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from loraplex_operator import metrics as m
+from loraplex_operator import status as st
+from loraplex_operator.config import Config
+from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
+from loraplex_operator.planning import NORMAL, WARNING, Work
+from loraplex_operator.resources import Experiment, Pool
+
+log = logging.getLogger("loraplex_operator.publish")
+
+# Status fields whose change alone is progress (throttled); anything else is written at once.
+PROGRESS_FIELDS = frozenset({"step", "reward", "observedGeneration"})
+
+EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    import kopf
+
+    kopf.event(dict(obj), type=type_, reason=reason, message=message[:1024])
+
+
+# --- pure ------------------------------------------------------------------------------
+
+
+def derive(w: Work, config: Config, now: datetime) -> dict[str, Any]:
+    obs = st.Observation(
+        binding=w.binding,
+        engine_status=w.engine_status,
+        problems=w.problems,
+        waiting_reason=w.waiting_reason,
+        restarts=w.restarts,
+        max_restarts=config.max_restarts,
+    )
+    return st.derive_status(w.exp, obs, now)
+
+
+def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[str]:
+    """Top-level status fields that differ (None in `new` = removed)."""
+    changed = set()
+    for k, v in new.items():
+        if v is None:
+            if old.get(k) is not None:
+                changed.add(k)
+        elif old.get(k) != v:
+            changed.add(k)
+    return changed
+
+
+def admission_events(w: Work) -> None:
+    """An Event when admission problems appear or change, and when they are resolved."""
+    old = st.get_condition(w.exp.status.conditions, st.ADMITTED)
+    if w.problems:
+        message = "; ".join(w.problems)
+        if old is None or old.get("status") != "False" or old.get("message") != message:
+            w.event(WARNING, "AdmissionFailed", message)
+    elif old is not None and old.get("status") == "False" and w.exp.status.phase == st.PENDING:
+        w.event(NORMAL, "Admitted", "admission problems resolved")
+
+
+def terminal_event(w: Work, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    if new["phase"] != old.get("phase") and new["phase"] in st.TERMINAL:
+        type_ = NORMAL if new["phase"] == st.SUCCEEDED else WARNING
+        w.event(type_, new["phase"], new.get("message", ""))
+
+
+def experiment_state(exp: Experiment, status: Mapping[str, Any]) -> m.ExperimentState:
+    """The per-experiment metrics for `exp` whose derived status is `status` (pure).
+
+    From the status this round derives, not the one last written: progress-only writes
+    are throttled, the metrics are not.
+    """
+    return m.ExperimentState(
+        namespace=exp.meta.namespace,
+        experiment=exp.id,
+        phase=status["phase"],
+        reason=st.phase_reason(status),
+        restarts=int(status.get("restarts") or 0),
+        step=int(status.get("step") or 0),
+        max_steps=exp.spec.algorithm.max_steps,
+    )
+
+
+# --- I/O -------------------------------------------------------------------------------
+
+
+class StatusPublisher:
+    """Writes statuses and emits Events; remembers only when it last wrote each one."""
+
+    def __init__(self, kube: Kube, emit: EventSink, config: Config) -> None:
+        self.kube = kube
+        self.emit = emit
+        self.config = config
+        self.last_write: dict[str, float] = {}  # experiment key -> monotonic seconds
+
+    async def publish(self, w: Work, now: datetime) -> dict[str, Any]:
+        """Derive `w`'s status, emit its Events, write what changed; the derived status."""
+        admission_events(w)
+        new = derive(w, self.config, now)
+        old = w.exp.raw_status
+        terminal_event(w, old, new)
+        for type_, reason, message in w.events:
+            if type_ == WARNING:
+                log.warning("%s: %s: %s", w.key, reason, message)
+            self.emit(w.obj, type_, reason, message)
+        changed = status_changes(old, new)
+        if changed and self._due(w.key, changed):
+            await self._write(w, new)
+        return new
+
+    def forget_others(self, keys: Iterable[str]) -> None:
+        """Keep write times only for `keys`: deleted experiments leave the rounds, and the
+        map would otherwise grow with every experiment the pool ever ran."""
+        for key in self.last_write.keys() - set(keys):
+            del self.last_write[key]
+
+    def _due(self, key: str, changed: set[str]) -> bool:
+        if changed - PROGRESS_FIELDS:
+            return True
+        last = self.last_write.get(key, 0.0)
+        return time.monotonic() - last >= self.config.status_interval
+
+    async def _write(self, w: Work, status: dict[str, Any]) -> None:
+        try:
+            await self.kube.patch(
+                EXPERIMENTS,
+                w.exp.meta.name,
+                {"status": status},
+                namespace=w.exp.meta.namespace,
+                subresource="status",
+            )
+            self.last_write[w.key] = time.monotonic()
+        except KubeError as e:
+            m.RECONCILE_ERRORS.labels(kind="status").inc()
+            log.warning("status of %s: %s", w.key, e)
+
+    async def publish_pool(self, pool: Pool, new: Mapping[str, Any]) -> None:
+        if not status_changes(pool.raw_status, new):
+            return
+        try:
+            await self.kube.patch(POOLS, pool.name, {"status": dict(new)}, subresource="status")
+        except KubeError as e:
+            m.RECONCILE_ERRORS.labels(kind="status").inc()
+            log.warning("pool status %s: %s", pool.name, e)

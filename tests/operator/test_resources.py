@@ -1,0 +1,91 @@
+"""The operator's typed views: their defaults are the CRDs', field by field, and they read
+what an object says over any default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from builders import experiment, pool
+from crdkit import apply_defaults, schema_of
+from loraplex_operator.resources import (
+    Algorithm,
+    Capacity,
+    Experiment,
+    ExperimentSpec,
+    Lora,
+    Pool,
+    PoolSpec,
+    Replicas,
+    SecretRef,
+)
+
+# (CRD kind, path under .spec, the view's default for it)
+VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
+    ("LoRAExperiment", "lora.rank", Lora.rank),
+    ("LoRAExperiment", "lora.targetModules", list(Lora.target_modules)),
+    ("LoRAExperiment", "algorithm.maxSteps", Algorithm.max_steps),
+    ("LoRAExperiment", "priority", ExperimentSpec.priority),
+    ("LoRAExperiment", "suspend", ExperimentSpec.suspend),
+    ("EnginePool", "rolloutBackend", PoolSpec.rollout_backend),
+    ("EnginePool", "engineNamespace", PoolSpec.engine_namespace),
+    ("EnginePool", "capacity.maxAdapters", Capacity.max_adapters),
+    ("EnginePool", "capacity.maxRank", Capacity.max_rank),
+    ("EnginePool", "capacity.memoryBytes", Capacity.memory_bytes),
+    ("EnginePool", "replicas.min", Replicas.min),
+    ("EnginePool", "replicas.max", Replicas.max),
+    ("EnginePool", "checkpoint.root", PoolSpec.checkpoint_root),
+    ("EnginePool", "tokenSecretRef.key", SecretRef.key),
+    ("EnginePool", "allowedTargetModules", list(PoolSpec.allowed_target_modules)),
+]
+
+
+def _crd_default(kind: str, path: str) -> Any:
+    node = schema_of(kind)["properties"]["spec"]
+    for part in path.split("."):
+        node = node["properties"][part]
+    assert "default" in node, f"{kind} spec.{path} has no default in the CRD"
+    return node["default"]
+
+
+@pytest.mark.parametrize(("kind", "path", "default"), VIEW_DEFAULTS)
+def test_view_default_is_the_crds(kind: str, path: str, default: Any) -> None:
+    assert _crd_default(kind, path) == default
+
+
+def test_views_of_bare_objects_equal_views_of_the_objects_the_api_server_defaults() -> None:
+    # Covers every field the views read, including any missing from VIEW_DEFAULTS.
+    bare_exp, bare_pool = experiment("a").obj(), pool().obj()
+    full_exp = apply_defaults(schema_of("LoRAExperiment"), bare_exp)
+    full_pool = apply_defaults(schema_of("EnginePool"), bare_pool)
+    assert Experiment.from_obj(bare_exp) == Experiment.from_obj(full_exp)
+    assert Pool.from_obj(bare_pool) == Pool.from_obj(full_pool)
+
+
+def test_views_read_what_the_object_says() -> None:
+    obj = experiment("a").rank(32).modules("q_proj").priority(5).suspend().obj()
+    obj["metadata"]["deletionTimestamp"] = "2030-01-01T00:00:00Z"
+    obj["status"] = {"phase": "Running", "restarts": 2, "checkpoint": {"path": "/c", "step": 4}}
+    exp = Experiment.from_obj(obj)
+    assert (exp.key, exp.id, exp.meta.uid) == ("team-a/a", "team-a.a", "uid-team-a-a")
+    assert (exp.spec.lora.rank, exp.spec.lora.target_modules) == (32, ("q_proj",))
+    assert (exp.spec.priority, exp.spec.suspend, exp.meta.deleting) == (5, True, True)
+    assert (exp.status.phase, exp.status.restarts) == ("Running", 2)
+    assert (exp.status.checkpoint.path, exp.status.checkpoint.step) == ("/c", 4)
+
+    p = Pool.from_obj(pool().slots(2).max_rank(16).replicas(1, 3).target_modules().obj())
+    assert (p.spec.capacity.max_adapters, p.spec.capacity.max_rank) == (2, 16)
+    assert (p.spec.replicas.min, p.spec.replicas.max) == (1, 3)
+    assert p.spec.allowed_target_modules == ()  # an empty list allows nothing
+    assert p.spec.allowed_namespaces is None and p.spec.model_shape is None
+    assert p.spec.queue_name is None  # no Kueue queue unless named
+    queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
+    assert queued.spec.queue_name == "gpu-team"
+
+
+def test_a_null_sub_object_reads_as_defaults() -> None:
+    obj = experiment("a").obj()
+    obj["spec"]["lora"] = None
+    obj["status"] = None
+    exp = Experiment.from_obj(obj)
+    assert exp.spec.lora == Lora() and exp.status.restarts == 0

@@ -1,0 +1,113 @@
+"""Live storage bytes of every tensor torch creates, for real or fake tensors.
+
+``LiveBytes`` is a ``TorchDispatchMode``: each op's outputs whose storage it has not seen
+add ``untyped_storage().nbytes()``; a ``weakref.finalize`` on the storage subtracts them
+when the storage dies (views share their base's storage, so they count once). Under
+``FakeTensorMode`` nothing is allocated, yet the bytes are those a device would hold:
+the planner runs the engine's own step this way (planner.py). Not modelled: allocator
+rounding and fragmentation, and workspace memory kernels take internally. Tensors made
+outside the dispatcher (e.g. loaded from safetensors) count once ``track`` is called on
+them or an op returns them.
+
+Each allocation is also tagged (``tag_of``: e.g. "logits" for vocabulary-sized tensors),
+and ``phase`` names the part of the run under way; a phase's peak keeps the bytes of
+each tag live at that moment.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses import fake_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+Tagger = Callable[[torch.Tensor], str]
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+    by_tag: dict[str, int] = field(default_factory=dict)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks live storage bytes; ``peaks[phase]`` the highest seen during each phase.
+
+    ``fake_scalars``: under FakeTensorMode a tensor has no value, so reading one as a
+    Python number (``float(loss)``, ``.item()``) fails; with this set such a read returns
+    0 (False for bool). Meant for statistics; a branch on such a read takes the zero
+    side (transformers' "is the mask all ones?" check then builds the attention mask a
+    real unpadded batch would skip: a few MB per forward). Code whose shapes depend on a
+    tensor's value cannot run under fake tensors at all.
+    """
+
+    def __init__(self, tag_of: Tagger | None = None, fake_scalars: bool = False) -> None:
+        super().__init__()
+        self.tag_of = tag_of or (lambda t: "other")
+        self.fake_scalars = fake_scalars
+        self.live = 0
+        self.by_tag: dict[str, int] = {}
+        self.phase = "default"
+        self.peaks: dict[str, Peak] = {}
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
+            value = args[0]
+            if isinstance(value, fake_tensor.FakeTensor) and value.constant is None:
+                return _zero_of(value.dtype)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage if new (also for tensors made before the mode)."""
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        nbytes = storage.nbytes()
+        tag = self.tag_of(t)
+        self._seen[storage] = nbytes
+        self._add(tag, nbytes)
+        weakref.finalize(storage, self._add, tag, -nbytes)
+
+    def _add(self, tag: str, nbytes: int) -> None:
+        self.live += nbytes
+        self.by_tag[tag] = self.by_tag.get(tag, 0) + nbytes
+        peak = self.peaks.setdefault(self.phase, Peak())
+        if self.live > peak.bytes:
+            peak.bytes, peak.by_tag = self.live, dict(self.by_tag)
+
+    @contextmanager
+    def in_phase(self, name: str) -> Iterator[Peak]:
+        """Run a block as phase ``name``; its peak starts from what is live now."""
+        before = self.phase
+        self.phase = name
+        peak = self.peaks[name] = Peak(self.live, dict(self.by_tag))
+        try:
+            yield peak
+        finally:
+            self.phase = before
+
+
+def storage_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _zero_of(dtype: torch.dtype) -> bool | int | float:
+    if dtype is torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0

@@ -1,0 +1,383 @@
+"""Memory and FLOP plan of a workload on a model, from its config alone (no weights).
+
+The model is built with ``AutoModelForCausalLM.from_config`` under ``FakeTensorMode``
+(tensors with shapes, dtypes and devices but no storage), wrapped with the engine's own
+``MultiLoRAModel`` and ``PerAdapterAdamW``, and the engine's own code runs on it: the
+training step (``training.fused_backward`` over ``TrainRow``s built as the engine builds
+them, then the optimiser step) and the torch rollout's prefill (``_shared_prefill``) and
+decode steps. ``memtrack.LiveBytes`` counts live storage bytes throughout;
+``FlopCounterMode`` counts the training step's FLOPs.
+
+Micro-batches: the training peak is per micro-batch (gradient accumulation), so only the
+first ``micro_batches`` of the step run (at least two, so the second runs with the
+gradients already resident, as every later one does); FLOPs are scaled to the whole
+step by tokens. The rollout runs ``decode_steps`` steps and extends the KV cache's
+measured growth per step to the full completion length.
+
+The FLOP floor of a training step over ``T`` tokens::
+
+    floor = (4 P + 6 P_L) T + 3 F_a T
+
+- ``P``: weights of every linear layer of the base, the output head included (an
+  embedding lookup does no arithmetic). Forward: one multiply-add, 2 FLOPs, per weight
+  per token. Backward: the frozen base needs the gradient of its inputs only (2 more),
+  not of its weights: 4 P per token.
+- ``P_L``: one adapter's LoRA weights (every token uses its own tenant's adapter).
+  Forward 2, input gradient 2, weight gradient 2: 6 P_L per token.
+- ``F_a``: attention's own matmuls per token in the forward, ``QK^T`` and ``AV``, each
+  ``2 L d`` per query head per layer for a context of ``L`` keys:
+  ``F_a = 4 n_layers n_heads head_dim L``, ``L`` the micro-batch's padded length (what a
+  masked dense kernel computes, and what the FLOP counter counts); its backward costs
+  two forwards: 3 F_a.
+
+Gradient checkpointing recomputes each layer's forward in the backward (+2 P + 2 P_L +
+F_a per token, about 1.5x the floor): it is reported, not folded into the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .algorithms import GRPO
+from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
+from .lora import LoRAConfig
+from .memtrack import LiveBytes, Peak, storage_bytes
+from .multi_lora import MultiLoRAModel
+from .optim import AdamWSettings, PerAdapterAdamW
+from .rollout.base import RolloutRequest
+from .rollout.torch_backend import _shared_prefill
+from .training import ExperimentUpdate, TrainRow, fused_backward
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CPU = torch.device("cpu")
+# Host-built index tensors (slot ids, token ids, scored positions) keep their values
+# under FakeTensorMode up to this many elements, so the routing's host-side
+# bookkeeping (``Routing.build``) runs for real.
+CONSTANT_ELEMENTS = 1 << 22
+
+
+def _cpu_flash_flops(q: Any, k: Any, v: Any, *_args: Any, **_kw: Any) -> int:
+    return flop_counter.sdpa_flop_count(q, k, v)
+
+
+def _cpu_flash_backward_flops(grad: Any, q: Any, k: Any, v: Any, *_a: Any, **_kw: Any) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+
+
+# The CPU's fused attention kernels, which torch's FLOP counter does not know (it counts
+# their CUDA twins): the same dense formulas.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine runs: ``adapters`` tenants, each a GRPO step of
+    ``prompts_per_tenant`` prompts x ``completions_per_prompt`` samples."""
+
+    adapters: int
+    rank: int
+    targets: tuple[str, ...] | None = None  # None: every linear but the head
+    prompts_per_tenant: int = 4
+    completions_per_prompt: int = 8
+    prompt_tokens: int = 256
+    completion_tokens: int = 1024
+    dtype: str = "bfloat16"
+    lora_dtype: str = "float32"  # LoRA master weights and Adam moments
+    checkpointing: bool = False
+    micro_batch_tokens: int = 4096  # the engine's default
+    micro_batches: int = 2
+    decode_steps: int = 2
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("adapters", "rank", "prompts_per_tenant", "completions_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"workload.{name} must be at least 1")
+        if self.prompt_tokens < 2 or self.completion_tokens < 2:
+            raise ValueError("workload.prompt_tokens and completion_tokens must be at least 2")
+        for name in ("dtype", "lora_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"workload.{name} must be one of {sorted(DTYPES)}")
+        if self.micro_batches < 2 or self.decode_steps < 2:
+            raise ValueError("workload.micro_batches and decode_steps must be at least 2")
+
+    @property
+    def rows_per_tenant(self) -> int:
+        return self.prompts_per_tenant * self.completions_per_prompt
+
+    @property
+    def row_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    """A Hugging Face config: a ``config.json``-style file, or a directory holding one."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no model config at {file}")
+    values = json.loads(file.read_text())
+    if "model_type" not in values:
+        raise ValueError(f"{file}: no model_type field")
+    return AutoConfig.for_model(**values)
+
+
+def plan(
+    config: PretrainedConfig,
+    workload: Workload,
+    device_bytes: int,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Peak bytes per phase and training FLOPs of ``workload`` (see the module doc)."""
+    say = progress or (lambda _msg: None)
+    started = time.monotonic()
+    vocab = config.get_text_config().vocab_size
+    tracker = LiveBytes(
+        tag_of=lambda t: "logits" if t.dim() and t.shape[-1] == vocab else "", fake_scalars=True
+    )
+    with keep_index_values(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        with tracker.in_phase("base"):
+            base = AutoModelForCausalLM.from_config(config, dtype=DTYPES[workload.dtype]).eval()
+        say(f"base built ({time.monotonic() - started:.1f}s)")
+        with tracker.in_phase("adapters"):
+            model, optimizer = _adapters(base, workload)
+        sizes = _static_sizes(base, model, optimizer)
+        p_base, p_lora = _linear_weights(model, workload.rank)
+        train = _train_step(model, workload, config, tracker)
+        with tracker.in_phase("optimizer"):
+            optimizer.step(sorted(model.adapters().values()))
+        sizes["grads"] = storage_bytes([p.grad for p in optimizer.params if p.grad is not None])
+        say(f"training step ({time.monotonic() - started:.1f}s)")
+        with tracker.in_phase("rollout"):  # the next step's rollout: gradients still held
+            kv = _rollout(model, workload)
+        say(f"rollout ({time.monotonic() - started:.1f}s)")
+    tokens = train["tokens"] * train["scale"]
+    floor = floor_flops(config, p_base, p_lora, tokens, workload.row_tokens)
+    label = name or str(getattr(config, "model_type", "model"))
+    row = _report(label, workload, device_bytes, sizes, tracker.peaks, train, kv, floor)
+    row["detail"]["plan_seconds"] = round(time.monotonic() - started, 1)
+    return row
+
+
+@contextmanager
+def keep_index_values() -> Iterator[None]:
+    """Under FakeTensorMode, tensors made from host lists keep their values (see
+    ``CONSTANT_ELEMENTS``); ops on them only run for real while they stay that small."""
+    before = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = CONSTANT_ELEMENTS
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = before
+
+
+def _adapters(base: nn.Module, w: Workload) -> tuple[MultiLoRAModel, PerAdapterAdamW]:
+    """The engine's slots (``adapters`` of them, at ``rank``) and optimiser, all full."""
+    model = MultiLoRAModel(base, w.adapters, w.rank, w.targets, dtype=DTYPES[w.lora_dtype])
+    optimizer = PerAdapterAdamW(model)
+    config = LoRAConfig(rank=w.rank, alpha=2.0 * w.rank, target_modules=tuple(model.target_modules))
+    for i in range(w.adapters):
+        model.add_adapter(f"tenant-{i}", config, seed=i)
+        optimizer.add_adapter(f"tenant-{i}", AdamWSettings(lr=1e-5))
+    return model, optimizer
+
+
+def _static_sizes(
+    base: nn.Module, model: MultiLoRAModel, optimizer: PerAdapterAdamW
+) -> dict[str, int]:
+    lora = [p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)]
+    base_tensors = [*base.parameters(), *base.buffers()]
+    lora_ids = {id(p) for p in lora} | {
+        id(b) for m in model.lora_layers.values() for b in m.buffers()
+    }
+    return {
+        "base": storage_bytes([t for t in base_tensors if id(t) not in lora_ids]),
+        "slots": storage_bytes(lora),
+        "adam": storage_bytes([*optimizer.exp_avg.values(), *optimizer.exp_avg_sq.values()]),
+    }
+
+
+def _tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int) -> list[TrainRow]:
+    """GRPO rows as ``Engine._train_rows`` builds them: one group per prompt."""
+    rows = []
+    for t in range(tenants):
+        name = f"tenant-{t}"
+        slot = model.slot_of(name)
+        for group in range(w.prompts_per_tenant):
+            prompt = [(7 * group + i) % 97 + 3 for i in range(w.prompt_tokens)]
+            for k in range(w.completions_per_prompt):
+                done = [(5 * k + i) % 89 + 3 for i in range(w.completion_tokens)]
+                old = [-1.0] * len(done)
+                rows.append(TrainRow(name, slot, prompt, done, old, 0.5 - k % 2, 1.0, group))
+    return rows
+
+
+def _train_step(
+    model: MultiLoRAModel, w: Workload, config: PretrainedConfig, tracker: LiveBytes
+) -> dict[str, Any]:
+    """The first ``micro_batches`` micro-batches of the step (gradients from zero), then
+    one micro-batch again under ``FlopCounterMode`` for the FLOPs.
+
+    Two runs because the FLOP counter's module hooks keep a checkpointed layer's
+    recomputed activations alive through the backward (measured: the peak of a
+    checkpointed step comes out near the unchecked one's under the counter).
+    """
+    rows_per_batch = max(1, w.micro_batch_tokens // w.row_tokens)
+    total_rows = w.adapters * w.rows_per_tenant
+    run_rows = min(total_rows, rows_per_batch * w.micro_batches)
+    rows = _tenant_rows(model, w, math.ceil(run_rows / w.rows_per_tenant))[:run_rows]
+    updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
+    forward = HiddenStatesForward(model, CPU, w.chunk_tokens)
+    pad = config.pad_token_id or 0
+    for layer in model.lora_layers.values():
+        layer.lora_A.grad = layer.lora_B.grad = None
+    with tracker.in_phase("train"):
+        stats = fused_backward(forward, rows, updates, pad, w.micro_batch_tokens,
+                               gradient_checkpointing=w.checkpointing)  # fmt: skip
+    counted = rows[:rows_per_batch]
+    flop_mode = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with tracker.in_phase("flops"), flop_mode as flops:
+        once = fused_backward(forward, counted, updates, pad, w.micro_batch_tokens,
+                              gradient_checkpointing=w.checkpointing)  # fmt: skip
+    return {
+        "flops": flops.get_total_flops(),
+        "tokens": once.computed_tokens,
+        "scale": total_rows / len(counted),
+        "micro_batches": stats.micro_batches,
+        "total_micro_batches": math.ceil(total_rows / rows_per_batch),
+    }
+
+
+def _decode_forward(model: MultiLoRAModel) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The torch rollout's ``ForwardFn`` as ``Engine._decode_forward`` defines it."""
+
+    def forward(ids, mask, positions, past):  # type: ignore[no-untyped-def]
+        out = model.base_model(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            past_key_values=past, use_cache=True,
+        )  # fmt: skip
+        return out.logits[:, -1].float().cpu(), out.past_key_values
+
+    return forward
+
+
+def _cache_bytes(past: Any) -> int:
+    layers = getattr(past, "layers", [])
+    return storage_bytes([t for layer in layers for t in (layer.keys, layer.values)])
+
+
+@torch.no_grad()
+def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
+    """Every tenant's rows in one batch, as the torch rollout runs them today."""
+    rows = _tenant_rows(model, w, w.adapters)
+    requests = [
+        RolloutRequest(r.slot, r.prompt_ids, w.completion_tokens, 1.0, group=r.experiment)
+        for r in rows
+    ]
+    forward = _decode_forward(model)
+    logits, past, mask, positions = _shared_prefill(model.route, forward, requests, 0)
+    del logits
+    sizes = [_cache_bytes(past)]
+    step_pos = positions[:, -1:]
+    with model.route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
+        for _ in range(w.decode_steps):
+            tokens = torch.zeros((len(requests), 1), dtype=torch.long)
+            mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
+            step_pos = step_pos + 1
+            _, past = forward(tokens, mask, step_pos, past)
+            sizes.append(_cache_bytes(past))
+    per_step = sizes[-1] - sizes[-2]
+    remaining = w.completion_tokens - 1 - w.decode_steps
+    return {"measured": sizes[-1], "per_token": per_step, "final": sizes[-1] + per_step * remaining}
+
+
+def floor_flops(
+    config: PretrainedConfig, base_linear: int, lora: int, tokens: int, length: int
+) -> float:
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    attention = 4 * text.num_hidden_layers * heads * head_dim * length
+    return float((4 * base_linear + 6 * lora) * tokens + 3 * attention * tokens)
+
+
+def _linear_weights(model: MultiLoRAModel, rank: int) -> tuple[int, int]:
+    """(P, P_L): base linear weights (head included), one adapter's LoRA weights."""
+    base = sum(m.weight.numel() for m in model.base_model.modules() if type(m) is nn.Linear)
+    lora = sum(rank * (m.in_features + m.out_features) for m in model.lora_layers.values())
+    return base, lora
+
+
+def _report(
+    name: str,
+    w: Workload,
+    device_bytes: int,
+    sizes: dict[str, int],
+    peaks: dict[str, Peak],
+    train: dict[str, Any],
+    kv: dict[str, int],
+    floor: float,
+) -> dict[str, Any]:
+    adapters = sizes["slots"] + sizes["grads"] + sizes["adam"]
+    step = peaks["train"]
+    logits = step.by_tag.get("logits", 0)
+    rollout_total = peaks["rollout"].bytes + kv["final"] - kv["measured"]
+    train_total = max(step.bytes, peaks["optimizer"].bytes)
+    total = max(train_total, rollout_total)
+    train_flops = train["flops"] * train["scale"]
+    return {
+        "model": name,
+        "dtype": w.dtype,
+        "adapters": w.adapters,
+        "rank": w.rank,
+        "targets": sorted(w.targets) if w.targets else "all-linear",
+        "rows_per_tenant": w.rows_per_tenant,
+        "prompt_tokens": w.prompt_tokens,
+        "completion_tokens": w.completion_tokens,
+        "checkpointing": w.checkpointing,
+        "peak_bytes": {
+            "total": total,
+            "base": sizes["base"],
+            "adapters": adapters,
+            "activations": step.bytes - sizes["base"] - adapters - logits,
+            "logits": logits,
+            "kv_cache": kv["final"],
+        },
+        "train_flops": train_flops,
+        "floor_flops": floor,
+        "detail": {
+            "device_bytes": device_bytes,
+            "train_peak": step.bytes,
+            "optimizer_step_peak": peaks["optimizer"].bytes,
+            "train_total": train_total,
+            "rollout_peak": rollout_total,
+            "train_fits": train_total <= device_bytes,
+            "train_free_fraction": 1 - train_total / device_bytes,
+            "adapter_parts": {k: sizes[k] for k in ("slots", "grads", "adam")},
+            "kv_bytes_per_token": kv["per_token"],
+            "flops_over_floor": train_flops / floor,
+            "micro_batch_tokens": w.micro_batch_tokens,
+            "micro_batches_run": train["micro_batches"],
+            "micro_batches_per_step": train["total_micro_batches"],
+            "workload": asdict(w),
+        },
+    }
