@@ -160,10 +160,26 @@ class EngineService(Protocol):
     def capacity(self) -> Capacity: ...
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        """Completions from an experiment's current adapter (or the base), served in
-        the next tick's rollout batch. Blocks until done."""
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: Any = None,
+    ) -> list[Any]:
+        """``n`` completions (``rollout.base.Completion``: sampled token ids, log-probs,
+        finish reason) from an experiment's current adapter (or the base), served in the
+        next tick's rollout batch. Blocks until done. ``sampling``: a ``tick.JobSampling``
+        (top_p, alternatives, seed, per-token callback, cancellation)."""
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (ids outside the vocabulary: InvalidRequestError)."""
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages through the chat template (none: InvalidRequestError)."""
 
     def tick(self) -> TickReport | None:
         """Advance every running experiment one step; None when nothing ran."""

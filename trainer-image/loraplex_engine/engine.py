@@ -52,9 +52,10 @@ from loraplex_engine.fair_share import RewardScorer
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
+from loraplex_engine.rollout.base import Completion
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.tick import CompletionJob, Tick
+from loraplex_engine.tick import CompletionJob, JobSampling, Tick
 from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.training import (
@@ -326,16 +327,22 @@ class Engine:
             return exp.status()
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        """Served by the next tick, inside its rollout batch."""
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: JobSampling | None = None,
+    ) -> list[Completion]:
+        """Served by the next tick, inside its rollout batch; ``sampling.on_token`` sees
+        each token as the decode makes it (torch backend; vLLM answers whole rows)."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
-        prompt_ids = self.codec.encode(prompt)
         self._check_completion_work(len(prompt_ids), max_tokens, n)
-        job = CompletionJob(
-            None if model == self.model_name else model, prompt_ids, max_tokens, temperature, n
-        )
+        sampling = sampling or JobSampling()
+        slot_name = None if model == self.model_name else model
+        job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -348,7 +355,16 @@ class Engine:
             raise UnavailableError(f"no tick served this completion in {COMPLETION_TIMEOUT_S:.0f}s")
         if job.error is not None:
             raise job.error
-        return [self.codec.decode(c.token_ids) for c in job.result]
+        return job.result
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.codec.prompt_ids(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.codec.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.codec.chat_prompt_ids(messages)
 
     # ---- the tick ---------------------------------------------------------------------
 

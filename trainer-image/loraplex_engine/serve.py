@@ -106,9 +106,24 @@ class EngineHolder:
         return self._get().capacity()
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        return self._get().complete(model, prompt, max_tokens, temperature, n)
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: Any = None,
+    ) -> list[Any]:
+        return self._get().complete(model, prompt_ids, max_tokens, temperature, n, sampling)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._get().tokenize(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._get().detokenize(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._get().chat_prompt(messages)
 
     def tick(self) -> TickReport | None:
         return self._get().tick()

@@ -21,7 +21,7 @@ from loraplex_engine.api_types import (
     DEFAULT_REWARD_DEADLINE_S,
 )
 from loraplex_engine.errors import UsageError
-from loraplex_engine.server_completions import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
 
 log = logging.getLogger("loraplex_engine.serve")
 
