@@ -28,6 +28,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
+from loraplex_engine.base_model import default_lora_targets
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -98,8 +99,8 @@ class Engine:
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.codec = TokenCodec(self.tokenizer, _generation_eos_ids(base))
         base.to(self.device).eval()
         self.model = MultiLoRAModel(
             base,
@@ -107,6 +108,7 @@ class Engine:
             max_rank=max_rank,
             target_modules=adaptable_module_names(base),
         )
+        self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
             Path(checkpoint_root), self.model, self.optimizer, str(self.model_dir)
@@ -144,7 +146,7 @@ class Engine:
                 self.model.route,
                 self._decode_forward,
                 self.codec.pad_id,
-                None if self.ignore_eos else self.codec.eos_id,
+                () if self.ignore_eos else self.codec.eos_ids,
             )
         return VLLMRolloutBackend(
             self.model_dir,
@@ -152,6 +154,7 @@ class Engine:
             max_adapters=self.model.max_adapters,
             max_rank=self.model.max_rank,
             ignore_eos=self.ignore_eos,
+            eos_ids=self.codec.eos_ids,
             **options,
         )
 
@@ -322,7 +325,12 @@ class Engine:
     ) -> Experiment:
         """Check and build everything first, then touch the model: a failure changes
         nothing."""
-        config = lora_config(spec)
+        config = lora_config(spec, self.default_targets)
+        if spec.task.chat_template and not self.codec.has_chat_template:
+            raise InvalidSpecError(
+                f"the tokenizer of {self.model_name} has no chat template",
+                field="spec.task.chatTemplate",
+            )
         try:
             self.model.check_config(config)
         except AdapterError as e:
@@ -358,3 +366,13 @@ class Engine:
         if exp is None:
             raise NotFoundError(f"no experiment {exp_id!r} on this engine")
         return exp
+
+
+def _generation_eos_ids(base: torch.nn.Module) -> list[int]:
+    """generation_config.json's ``eos_token_id``: one id, a list (Llama 3, Qwen2.5
+    instruct), or none."""
+    config = getattr(base, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)

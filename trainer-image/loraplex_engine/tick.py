@@ -140,7 +140,7 @@ class Tick:
         requests = [
             RolloutRequest(
                 slot=slot,
-                prompt_ids=self.codec.encode(p.text),
+                prompt_ids=self.codec.encode_prompt(p.text, exp.spec.task.chat_template),
                 max_new_tokens=roll.max_new_tokens,
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
