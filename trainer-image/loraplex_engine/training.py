@@ -399,21 +399,14 @@ def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
     (sdpa, eager), and no gradient checkpointing (which turns the cache off in training).
     """
     config = getattr(base_model, "config", None)
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        return f"attention logits are soft-capped ({softcap})"
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if set(layer_types or ["full_attention"]) != {"full_attention"}:
-        return f"layer types {sorted(set(layer_types))}: only full attention is supported"
-    if not layer_types and window is not None:
-        return f"a sliding window of {window} tokens on every layer"
+    obstacle = _attention_obstacle(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in PREFIX_SHARING_MODEL_TYPES:
-        return (
-            f"model type {model_type!r} is not among the checked ones"
-            f" ({', '.join(sorted(PREFIX_SHARING_MODEL_TYPES))})"
-        )
+        checked = ", ".join(sorted(PREFIX_SHARING_MODEL_TYPES))
+        why = f"model type {model_type!r} is not among the checked ones ({checked})"
+        return f"{why}; {obstacle}" if obstacle else why
+    if obstacle:
+        return obstacle
     attn = getattr(config, "_attn_implementation", None)
     if attn not in ("sdpa", "eager"):
         return f"attention implementation {attn!r} (sdpa and eager are supported)"
@@ -422,6 +415,20 @@ def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
         checkpointing = getattr(base_model, "is_gradient_checkpointing", False)
     if checkpointing:
         return "gradient checkpointing disables the KV cache in training"
+    return None
+
+
+def _attention_obstacle(config: object) -> str | None:
+    """An attention feature the shared forward does not reproduce, if the config has one."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"attention logits are soft-capped ({softcap})"
+    layer_types = getattr(config, "layer_types", None)
+    if set(layer_types or ["full_attention"]) != {"full_attention"}:
+        return f"layer types {sorted(set(layer_types))}: only full attention is supported"
+    window = getattr(config, "sliding_window", None)
+    if not layer_types and window is not None:
+        return f"a sliding window of {window} tokens on every layer"
     return None
 
 
