@@ -40,7 +40,7 @@ class ModelPreset:
     num_key_value_heads: int
     vocab_size: int
     # A wider output head (std, default init 0.02) lets LoRA on the attention/MLP
-    # projections alone move the logits: vLLM serves no LoRA on lm_head.
+    # projections alone move the logits (for tests whose adapters leave lm_head out).
     head_std: float | None = None
 
 
