@@ -100,7 +100,9 @@ class Engine:
         self.max_step_tokens = max_step_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.codec = TokenCodec(self.tokenizer, _generation_eos_ids(base))
+        # generation_config.json's eos_token_id: an int, a list (Llama 3) or none.
+        eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+        self.codec = TokenCodec(self.tokenizer, eos)
         base.to(self.device).eval()
         self.model = MultiLoRAModel(
             base,
@@ -366,13 +368,3 @@ class Engine:
         if exp is None:
             raise NotFoundError(f"no experiment {exp_id!r} on this engine")
         return exp
-
-
-def _generation_eos_ids(base: torch.nn.Module) -> list[int]:
-    """generation_config.json's ``eos_token_id``: one id, a list (Llama 3, Qwen2.5
-    instruct), or none."""
-    config = getattr(base, "generation_config", None)
-    ids = getattr(config, "eos_token_id", None)
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
