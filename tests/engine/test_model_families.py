@@ -111,6 +111,37 @@ def test_fused_run_with_default_targets_equals_each_alone(arch, family_dirs, tmp
             assert (got[key] - value).abs().mean() < 1e-4, key
 
 
+SHARING = {"llama3": True, "qwen2": True, "qwen3": True, "mistral": True, "phi3": True}
+SHARING |= {"gemma2": False, "gemma3": False}  # soft-capping; sliding-window layers
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_prefix_sharing_where_exact_gives_the_unshared_updates(arch, family_dirs, tmp_path):
+    """Where the engine shares prompt prefixes in training, two ticks give the adapter
+    weights of the unshared path (float noise) while computing fewer tokens; Gemma trains
+    unshared, with the reason logged."""
+    task = {"name": "target-token", "params": {"target": "a"}}
+    weights, computed = {}, {}
+    for share in (True, False):
+        eng = engine(family_dirs[arch], tmp_path / str(share), share_prompt_prefix=share)
+        assert eng.share_prompt_prefix is (share and SHARING[arch])
+        lora = {"rank": 4, "alpha": 16}  # the family's default targets
+        eng.put_experiment("d.p", spec(task, seed=1, group=4, lr=0.05, lora=lora), "d", "p")
+        for _ in range(2):
+            eng.tick()
+        weights[share], computed[share] = (
+            eng.model.adapter_state_dict("d.p"),
+            (eng.computed_train_tokens),
+        )
+    if SHARING[arch]:
+        assert computed[True] < computed[False]
+    moved = sum(float(v.norm()) for k, v in weights[False].items() if "lora_B" in k)
+    assert moved > 1e-4, "no update: the comparison would be vacuous"
+    for key, value in weights[False].items():
+        torch.testing.assert_close(weights[True][key], value, rtol=0, atol=1e-3)
+        assert (weights[True][key] - value).abs().mean() < 1e-5, key
+
+
 def test_llama3_tokenizer_has_no_pad_token_and_two_eos_ids(family_dirs, tmp_path) -> None:
     model_dir = family_dirs["llama3"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
