@@ -348,6 +348,15 @@ class ExperimentSpec(SpecModel):
                 "spec.lora.rank", f"rank {self.lora.rank} exceeds the engine's max rank {max_rank}"
             )
         known = set(known_modules)
+        if self.lora.target_modules is None:
+            from loraplex_engine.base_model import default_lora_targets
+
+            if default_lora_targets(known) is None:
+                raise SpecError(
+                    "spec.lora.targetModules",
+                    "unset, and this engine's modules have neither q_proj+v_proj nor "
+                    f"qkv_proj for a default; name them (supported: {sorted(known)})",
+                )
         unknown = [m for m in self.lora.target_modules or () if m not in known]
         if unknown:
             raise SpecError(
