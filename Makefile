@@ -29,7 +29,8 @@ vllm-venv:
 
 tiny-model: $(TINY_MODEL)/config.json
 
-$(TINY_MODEL)/config.json: $(STAMP)
+# Rebuilt when the builder changes (a new preset shape changes the model under every test).
+$(TINY_MODEL)/config.json: $(STAMP) trainer-image/loraplex_engine/tiny_model.py
 	$(VENV)/bin/loraplex-engine tiny-model --out $(TINY_MODEL)
 
 lint: $(STAMP)

@@ -42,7 +42,8 @@ class ModelShape:
     kv_dim: int | None = None  # k/v projection width (GQA); defaults to hidden
 
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a Llama-style target module; unknown → square."""
+        """(in_features, out_features) of a Llama- or Phi-3-style target module; unknown →
+        square."""
         h = self.hidden_size
         inter = self.intermediate_size or 4 * h
         kv = self.kv_dim or h
@@ -54,6 +55,8 @@ class ModelShape:
             "gate_proj": (h, inter),
             "up_proj": (h, inter),
             "down_proj": (inter, h),
+            "qkv_proj": (h, h + 2 * kv),  # Phi-3's fused projections
+            "gate_up_proj": (h, 2 * inter),
         }
         return dims.get(module, (h, h))
 

@@ -384,12 +384,8 @@ def test_experiment_requires_pool_and_task() -> None:
 
 def test_experiment_defaults() -> None:
     spec = apply_defaults(schema_of(EXP), experiment("a").obj())["spec"]
-    assert spec["lora"] == {
-        "rank": 8,
-        "alpha": 16,
-        "dropout": 0.0,
-        "targetModules": ["q_proj", "v_proj"],
-    }
+    # No targetModules default: absent = the base model family's, which the engine resolves.
+    assert spec["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.0}
     assert spec["algorithm"] == {
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
         "klCoef": 0.0, "clip": 0.2, "maxSteps": 50, "seed": 0,

@@ -23,7 +23,6 @@ from loraplex_operator.resources import (
 # (CRD kind, path under .spec, the view's default for it)
 VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
     ("LoRAExperiment", "lora.rank", Lora.rank),
-    ("LoRAExperiment", "lora.targetModules", list(Lora.target_modules)),
     ("LoRAExperiment", "algorithm.maxSteps", Algorithm.max_steps),
     ("LoRAExperiment", "priority", ExperimentSpec.priority),
     ("LoRAExperiment", "suspend", ExperimentSpec.suspend),
@@ -51,6 +50,14 @@ def _crd_default(kind: str, path: str) -> Any:
 @pytest.mark.parametrize(("kind", "path", "default"), VIEW_DEFAULTS)
 def test_view_default_is_the_crds(kind: str, path: str, default: Any) -> None:
     assert _crd_default(kind, path) == default
+
+
+def test_unset_target_modules_stay_unset_for_the_engines_family_default() -> None:
+    # No CRD default: the API server must not write Llama names into a Phi-3 experiment.
+    lora = schema_of("LoRAExperiment")["properties"]["spec"]["properties"]["lora"]
+    assert "default" not in lora["properties"]["targetModules"]
+    assert Lora.target_modules is None
+    assert Experiment.from_obj(experiment("a").obj()).spec.lora.target_modules is None
 
 
 def test_views_of_bare_objects_equal_views_of_the_objects_the_api_server_defaults() -> None:

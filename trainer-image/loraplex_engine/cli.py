@@ -15,10 +15,12 @@ USER_ERRORS = (UsageError, ManifestError, FieldError)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from loraplex_engine.tiny_model import PRESETS, build_model
+    from loraplex_engine.tiny_model import ARCHES, PRESETS, build_model
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    if args.arch not in ARCHES:
+        raise UsageError(f"--arch {args.arch!r}: choose one of {', '.join(ARCHES)}")
     try:
         out = build_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
     except OSError as e:
@@ -86,7 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="build a small random-weight model directory")
     tiny.add_argument("--out", required=True, help="output model directory")
     tiny.add_argument("--preset", default="tiny", help="tiny (tests, demo) or bench (~20M)")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    tiny.add_argument(
+        "--arch",
+        default="llama",
+        help="model family: llama (default), llama3, qwen2, qwen3, mistral, gemma2, gemma3 or phi3",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
 

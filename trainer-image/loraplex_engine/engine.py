@@ -30,7 +30,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
-from loraplex_engine.base_model import model_shape_of
+from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -116,8 +116,10 @@ class Engine:
         # no dataset file and no local reward address.
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        # generation_config.json's eos_token_id: an int, a list (Llama 3) or none.
+        eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+        self.codec = TokenCodec(self.tokenizer, eos)
         base.to(self.device).eval()
         self.model = MultiLoRAModel(
             base,
@@ -125,6 +127,7 @@ class Engine:
             max_rank=max_rank,
             target_modules=adaptable_module_names(base),
         )
+        self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
             Path(checkpoint_root), self.model, self.optimizer, str(self.model_dir)
@@ -175,7 +178,7 @@ class Engine:
                 self.model.route,
                 self._decode_forward,
                 self.codec.pad_id,
-                None if self.ignore_eos else self.codec.eos_id,
+                () if self.ignore_eos else self.codec.eos_ids,
             )
         return VLLMRolloutBackend(
             self.model_dir,
@@ -183,6 +186,7 @@ class Engine:
             max_adapters=self.model.max_adapters,
             max_rank=self.model.max_rank,
             ignore_eos=self.ignore_eos,
+            eos_ids=self.codec.eos_ids,
             **options,
         )
 
@@ -399,7 +403,12 @@ class Engine:
     ) -> Experiment:
         """Check and build everything first, then touch the model: a failure changes
         nothing."""
-        config = lora_config(spec)
+        config = lora_config(spec, self.default_targets)
+        if spec.task.chat_template and not self.codec.has_chat_template:
+            raise InvalidSpecError(
+                f"the tokenizer of {self.model_name} has no chat template",
+                field="spec.task.chatTemplate",
+            )
         try:
             self.model.check_config(config)
         except AdapterError as e:

@@ -98,12 +98,21 @@ class Experiment:
         )
 
 
-def lora_config(spec: ExperimentSpec) -> LoRAConfig:
+def lora_config(spec: ExperimentSpec, default_targets: tuple[str, ...] | None) -> LoRAConfig:
+    """The adapter ``spec`` asks for; no targetModules = ``default_targets``, the base
+    model family's (base_model.default_lora_targets), an InvalidSpecError if it has none."""
+    targets = spec.lora.target_modules or default_targets
+    if not targets:
+        raise InvalidSpecError(
+            "the base model has neither q_proj+v_proj nor qkv_proj to target by default;"
+            " name the target modules",
+            field="spec.lora.targetModules",
+        )
     return LoRAConfig(
         rank=spec.lora.rank,
         alpha=spec.lora.alpha,
         dropout=spec.lora.dropout,
-        target_modules=tuple(spec.lora.target_modules),
+        target_modules=tuple(targets),
     )
 
 

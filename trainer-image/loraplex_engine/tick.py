@@ -245,7 +245,10 @@ class Tick:
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
-        encoded = [self._encode_prompt(p, roll.max_new_tokens) for p in prompts]
+        encoded = [
+            self._encode_prompt(p, roll.max_new_tokens, exp.spec.task.chat_template)
+            for p in prompts
+        ]
         requests = [
             RolloutRequest(
                 slot=slot,
@@ -263,11 +266,11 @@ class Tick:
         exp.rolled_out_at = self.count
         return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
 
-    def _encode_prompt(self, prompt: Prompt, new_tokens: int) -> list[int]:
+    def _encode_prompt(self, prompt: Prompt, new_tokens: int, chat_template: bool) -> list[int]:
         """A prompt's tokens; one over the engine's prompt limit (or the model's context)
         fails its experiment: truncating it would train on a prompt the data does not hold,
         and a row past the context would fail the shared rollout batch."""
-        ids = self.codec.encode(prompt.text)
+        ids = self.codec.encode_prompt(prompt.text, chat_template)
         line = prompt.meta.get("line")
         where = f"dataset line {line}" if line else "a prompt"
         if len(ids) > self.max_prompt_tokens:

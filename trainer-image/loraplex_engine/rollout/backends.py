@@ -38,8 +38,8 @@ class TorchRollout:
 
     name = "torch"
 
-    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos: int | None):
-        self._route, self._forward, self._pad, self._eos = route, forward, pad, eos
+    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos_ids: Sequence[int]):
+        self._route, self._forward, self._pad, self._eos = route, forward, pad, tuple(eos_ids)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         return generate(self._route, self._forward, requests, self._pad, self._eos)
@@ -78,12 +78,16 @@ class VLLMRolloutBackend:
         max_adapters: int,
         max_rank: int,
         ignore_eos: bool = False,
+        eos_ids: Sequence[int] = (),
         **kwargs: Any,
     ) -> None:
         from loraplex_engine.rollout.vllm_backend import VLLMRollout
 
         self._save = save_adapter
         self._ignore_eos = ignore_eos
+        # Every EOS of the generation config stops a row, as in the torch rollout (vLLM
+        # alone stops at the tokenizer's one EOS unless its generation config is read).
+        self._stop_ids = [] if ignore_eos else list(eos_ids)
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
         self._vllm = VLLMRollout(
             model_dir,
@@ -108,6 +112,7 @@ class VLLMRolloutBackend:
                 temperature=first.temperature,
                 top_p=first.top_p,
                 seed=seed,
+                stop_token_ids=self._stop_ids,
                 ignore_eos=self._ignore_eos,
                 top_logprobs=first.top_logprobs,
             )

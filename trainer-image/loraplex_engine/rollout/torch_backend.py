@@ -131,17 +131,18 @@ def generate(
     forward: ForwardFn,
     requests: Sequence[RolloutRequest],
     pad_id: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int] = (),
 ) -> list[Completion]:
     """Generate all requests in one batch; finished rows keep decoding pad (ignored).
 
-    ``eos_id`` None: no row stops early; each generates exactly its ``max_new_tokens``.
+    A row stops at any of ``eos_ids`` (kept in its completion); none: no row stops early,
+    each generates exactly its ``max_new_tokens``.
     """
     if not requests:
         return []
     logits, past, mask, positions = _shared_prefill(route, forward, requests, pad_id)
     with route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
-        return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_id)
+        return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_ids)
 
 
 def _decode(
@@ -152,8 +153,9 @@ def _decode(
     mask: torch.Tensor,
     positions: torch.Tensor,
     pad_id: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int],
 ) -> list[Completion]:
+    stops = torch.tensor(list(eos_ids), dtype=torch.long)
     limits = torch.tensor([r.max_new_tokens for r in requests])
     done = torch.zeros(len(requests), dtype=torch.bool)
     hit_eos = torch.zeros(len(requests), dtype=torch.bool)
@@ -165,8 +167,8 @@ def _decode(
         tokens, logprobs, tops = _sample_rows(logits.float(), requests, groups, broken)
         for row in torch.nonzero(~done).flatten().tolist():
             out[row].add(int(tokens[row]), float(logprobs[row]), tops.get(row))
-        if eos_id is not None:
-            hit_eos |= ~done & (tokens == eos_id)
+        if len(stops):
+            hit_eos |= ~done & torch.isin(tokens, stops)
         done |= broken
         done |= hit_eos | (limits <= step + 1) | _cancelled(out, done)
         if bool(done.all()):

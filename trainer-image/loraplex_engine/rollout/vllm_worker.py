@@ -71,8 +71,8 @@ def _check_cpu_head_dim(model_dir: str) -> None:
     if head_dim not in sizes:
         raise ValueError(
             f"vLLM's CPU attention has no kernel for head_dim={head_dim} "
-            f"(supported: {', '.join(map(str, sizes))}); for tests use the tiny-vllm "
-            "model preset (head_dim 32)"
+            f"(supported: {', '.join(map(str, sizes))}); the tiny model presets have "
+            "head_dim 32"
         )
 
 
