@@ -220,6 +220,9 @@ class PoolSpec:
     # None = not set; a pool with neither list nor selector admits every namespace.
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: Mapping[str, Any] | None = None
+    # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
+    dtype: str | None = None
+    gradient_checkpointing: bool | None = None
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -249,6 +252,12 @@ class PoolSpec:
             ),
             allowed_namespaces=_strings(spec.get("allowedNamespaces")),
             namespace_selector=spec.get("namespaceSelector"),
+            dtype=None if spec.get("dtype") is None else str(spec["dtype"]),
+            gradient_checkpointing=(
+                None
+                if spec.get("gradientCheckpointing") is None
+                else bool(spec["gradientCheckpointing"])
+            ),
         )
 
 

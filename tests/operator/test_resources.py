@@ -78,6 +78,12 @@ def test_views_read_what_the_object_says() -> None:
     assert (p.spec.replicas.min, p.spec.replicas.max) == (1, 3)
     assert p.spec.allowed_target_modules == ()  # an empty list allows nothing
     assert p.spec.allowed_namespaces is None and p.spec.model_shape is None
+    assert p.spec.dtype is None and p.spec.gradient_checkpointing is None  # engine decides
+    bf16 = pool().set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", False).obj()
+    assert (Pool.from_obj(bf16).spec.dtype, Pool.from_obj(bf16).spec.gradient_checkpointing) == (
+        "bfloat16",
+        False,
+    )
 
 
 def test_a_null_sub_object_reads_as_defaults() -> None:
