@@ -20,7 +20,7 @@ from loraplex_engine.precision import resolve_dtype
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 from transformers import AutoModelForCausalLM
 
-from tests.engine.engine_builders import engine, mean, run_to_end, spec
+from tests.engine.engine_builders import engine, mean, spec
 from tests.engine.test_runner import assert_peft_adapter_loads
 
 CPU = torch.device("cpu")
