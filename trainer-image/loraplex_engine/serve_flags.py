@@ -82,7 +82,7 @@ def _seconds(value: str) -> float:
 def _dtype(value: str) -> str:
     if value not in DTYPE_NAMES:
         raise _invalid("dtype", value, f"; choose one of {', '.join(DTYPE_NAMES)}")
-    return value
+    return str(value)
 
 
 def _bool(value: str) -> bool:
