@@ -18,6 +18,8 @@ $(STAMP): requirements/*.txt trainer-image/pyproject.toml operator/pyproject.tom
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
 		-r requirements/dev.txt -e ./trainer-image -e ./operator
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -c requirements/constraints.txt \
+		-r requirements/dev-nodeps.txt
 	@touch $@
 
 # vLLM for CPU in its own venv (.venv-vllm): see scripts/install-vllm.sh. Idempotent; ~4 min

@@ -149,6 +149,7 @@ class ScaleUp:
 class Wait:
     experiment: str
     reason: str
+    engine: str | None = None  # the not-ready engine whose room it holds (WAIT_STARTING)
 
 
 Decision = Bind | Preempt | ScaleUp | Wait
@@ -305,7 +306,8 @@ def plan(
         future = _best_fit(starting + planned, exp, order)
         if future is not None:
             future.take(exp)
-            decisions.append(Wait(exp.key, WAIT_STARTING))
+            held = future.name if any(future is s for s in starting) else None
+            decisions.append(Wait(exp.key, WAIT_STARTING, held))
             continue
         fresh = _new_engine(limits, len(planned))
         if len(planned) < room_to_grow and fresh.fits(exp):

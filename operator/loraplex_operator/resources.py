@@ -223,6 +223,9 @@ class PoolSpec:
     # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
     dtype: str | None = None
     gradient_checkpointing: bool | None = None
+    queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
+    data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
+    reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -258,6 +261,9 @@ class PoolSpec:
                 if spec.get("gradientCheckpointing") is None
                 else bool(spec["gradientCheckpointing"])
             ),
+            queue_name=spec.get("queueName") or None,
+            data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
+            reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
         )
 
 

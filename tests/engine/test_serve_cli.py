@@ -105,3 +105,23 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
         row.split() == ["LORAPLEX_MAX_STEP_TOKENS", "--max-step-tokens"]
         for row in epilog.splitlines()
     )
+
+
+def test_data_roots_and_reward_hosts_from_flags_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_model_dir
+) -> None:
+    from loraplex_engine.serve_flags import data_roots, reward_hosts
+
+    monkeypatch.setenv("LORAPLEX_DATA_ROOT", "/data:/more")
+    monkeypatch.setenv("LORAPLEX_ALLOW_REWARD_HOST", "127.0.0.1, rewards.test")
+    args = build_parser().parse_args(["serve"])
+    assert [str(p) for p in data_roots(args)] == ["/data", "/more"]
+    assert reward_hosts(args) == ["127.0.0.1", "rewards.test"]
+    args = build_parser().parse_args(["serve", "--data-root", "/x", "--allow-reward-host", "h"])
+    assert ([str(p) for p in data_roots(args)], reward_hosts(args)) == (["/x"], ["h"])
+    monkeypatch.delenv("LORAPLEX_DATA_ROOT")
+    assert data_roots(build_parser().parse_args(["serve"])) == ()  # jsonl refused
+    model = str(tiny_model_dir)
+    code = main(["serve", "--model", model, "--insecure-no-auth", "--data-root", "rel"])
+    assert code == 2  # before the port is bound or the model loaded
+    assert "--data-root must be an absolute path, not 'rel'" in capsys.readouterr().err

@@ -24,3 +24,13 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
 def test_unknown_preset_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         build_model(tmp_path, preset="huge")
+
+
+def test_the_tiny_model_ships_a_chat_template(tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(build_model(tmp_path / "chat"))
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == "<s>system: be brief\nuser: hi\nassistant:"

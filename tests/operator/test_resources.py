@@ -84,6 +84,9 @@ def test_views_read_what_the_object_says() -> None:
         "bfloat16",
         False,
     )
+    assert p.spec.queue_name is None  # no Kueue queue unless named
+    queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
+    assert queued.spec.queue_name == "gpu-team"
 
 
 def test_a_null_sub_object_reads_as_defaults() -> None:

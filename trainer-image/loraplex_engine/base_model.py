@@ -9,7 +9,9 @@ device: the real module tree from ``config.json``, with no weights read or alloc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from loraplex_engine.api_types import ModelShape
 from loraplex_engine.errors import UsageError
 
 CONFIG_FILE = "config.json"
@@ -44,3 +46,21 @@ def lora_targets_of(model_dir: str | Path) -> list[str]:
     from loraplex_engine.multi_lora import adaptable_module_names
 
     return adaptable_module_names(base)
+
+
+def model_shape_of(config: Any) -> ModelShape | None:
+    """The dimensions of a transformers decoder config (Llama, Qwen, Mistral, ...), for the
+    operator's adapter memory estimate; None when the config lacks them."""
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        return None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
+        kv_dim=min(kv_heads * head_dim, hidden),  # the pool's schema: kvDim <= hiddenSize
+    )

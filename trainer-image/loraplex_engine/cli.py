@@ -62,6 +62,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_rank=args.max_rank,
         train_mode=args.train_mode,
         dtype=args.dtype,
+        data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPE_NAMES,
         default=None,
         help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
+    )
+    run.add_argument(
+        "--data-root",
+        action="append",
+        metavar="DIR",
+        help="directory JSONL datasets must lie under (a relative dataset is taken from "
+        "the first); repeatable. Default: the manifest file's directory",
     )
     run.set_defaults(func=_cmd_run)
 

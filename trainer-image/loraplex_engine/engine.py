@@ -30,6 +30,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
+from loraplex_engine.base_model import model_shape_of
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -52,9 +53,10 @@ from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
+from loraplex_engine.rollout.base import Completion
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.tick import CompletionJob, Tick
+from loraplex_engine.tick import CompletionJob, JobSampling, Tick
 from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.training import (
@@ -63,6 +65,7 @@ from loraplex_engine.training import (
     shared_prefix_forward,
 )
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
+from loraplex_engine.trust import TrustPolicy
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -99,6 +102,7 @@ class Engine:
         share_prompt_prefix: bool = True,
         dtype: str | None = None,
         gradient_checkpointing: bool | None = None,
+        trust: TrustPolicy | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -115,6 +119,9 @@ class Engine:
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        # What tenants' datasets and reward URLs may reach (trust.py); the default allows
+        # no dataset file and no local reward address.
+        self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.codec = TokenCodec(self.tokenizer)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
@@ -265,6 +272,7 @@ class Engine:
             memory=MemoryUse(
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
+            model_shape=model_shape_of(self.model.base_model.config),
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
@@ -338,16 +346,22 @@ class Engine:
             return exp.status()
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        """Served by the next tick, inside its rollout batch."""
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: JobSampling | None = None,
+    ) -> list[Completion]:
+        """Served by the next tick, inside its rollout batch; ``sampling.on_token`` sees
+        each token as the decode makes it (torch backend; vLLM answers whole rows)."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
-        prompt_ids = self.codec.encode(prompt)
         self._check_completion_work(len(prompt_ids), max_tokens, n)
-        job = CompletionJob(
-            None if model == self.model_name else model, prompt_ids, max_tokens, temperature, n
-        )
+        sampling = sampling or JobSampling()
+        slot_name = None if model == self.model_name else model
+        job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -360,7 +374,16 @@ class Engine:
             raise UnavailableError(f"no tick served this completion in {COMPLETION_TIMEOUT_S:.0f}s")
         if job.error is not None:
             raise job.error
-        return [self.codec.decode(c.token_ids) for c in job.result]
+        return job.result
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.codec.prompt_ids(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.codec.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.codec.chat_prompt_ids(messages)
 
     # ---- the tick ---------------------------------------------------------------------
 
@@ -403,7 +426,7 @@ class Engine:
         self._check_step_work(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        exp = new_experiment(exp_id, spec, namespace, name, run_id)
+        exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
         alone = not self._experiments
         try:
             if resume_from:

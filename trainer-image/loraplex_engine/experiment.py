@@ -28,6 +28,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
+from loraplex_engine.trust import TrustPolicy
 
 
 def now() -> str:
@@ -107,17 +108,29 @@ def lora_config(spec: ExperimentSpec) -> LoRAConfig:
 
 
 def new_experiment(
-    exp_id: str, spec: ExperimentSpec, namespace: str, name: str, run_id: str | None
+    exp_id: str,
+    spec: ExperimentSpec,
+    namespace: str,
+    name: str,
+    run_id: str | None,
+    trust: TrustPolicy,
 ) -> Experiment:
     """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
-    unknown task, reward or algorithm is an InvalidSpecError naming the field."""
+    unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
+    allow, is an InvalidSpecError naming the field."""
     try:
+        dataset, dataset_root = None, None
+        if spec.task.name == "jsonl" and spec.task.dataset:
+            file, dataset_root = trust.data.resolve(spec.task.dataset, namespace)
+            dataset = str(file)
         task = build_task(
             spec.task.name,
             spec.task.params,
-            spec.task.dataset,
+            dataset,
             spec.task.reward or "default",
             spec.task.reward_url,
+            dataset_root=dataset_root,
+            reward_egress=trust.egress,
         )
         algorithm = get_algorithm(spec.algorithm.name)
     except TaskError as e:

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from loraplex_engine.api_types import (
@@ -21,7 +22,7 @@ from loraplex_engine.api_types import (
     DTYPE_NAMES,
 )
 from loraplex_engine.errors import UsageError
-from loraplex_engine.server_completions import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -104,6 +105,8 @@ def _log_level(value: str) -> str:
 # Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
 _ENV_NOTES = {
     "vllm_option": ("LORAPLEX_VLLM_OPTIONS", "a JSON object of --vllm-option settings"),
+    "data_root": ("LORAPLEX_DATA_ROOT", "--data-root directories, separated by ':'"),
+    "allow_reward_host": ("LORAPLEX_ALLOW_REWARD_HOST", "--allow-reward-host hosts, by ','"),
 }
 _ENV_EXTRA = (
     ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
@@ -229,8 +232,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_parsed("LOG_LEVEL", "info"),
         help=f"one of {', '.join(LOG_LEVELS)}",
     )
+    add_trust_arguments(p)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+# --- tenancy and trust: what tenants' datasets and reward URLs may reach (trust.py) ---
+
+
+def add_trust_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="directory of tenants' JSONL datasets, one subdirectory per namespace: "
+        "task.dataset x.jsonl of namespace team-a is <DIR>/team-a/x.jsonl; repeatable. "
+        "None given: jsonl datasets are refused",
+    )
+    p.add_argument(
+        "--allow-reward-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="rewardUrl host allowed even on a loopback, link-local or this pod's own "
+        "address (exact name or address); repeatable. Others must resolve elsewhere",
+    )
+
+
+def data_roots(args: argparse.Namespace) -> tuple[Path, ...]:
+    """--data-root (or LORAPLEX_DATA_ROOT, ':'-separated); each must be absolute."""
+    raw = args.data_root
+    if raw is None:
+        raw = [d for d in str(_env("DATA_ROOT", "")).split(":") if d.strip()]
+    roots = tuple(Path(d) for d in raw)
+    for root in roots:
+        if not root.is_absolute():
+            raise UsageError(f"--data-root must be an absolute path, not {str(root)!r}")
+    return roots
+
+
+def reward_hosts(args: argparse.Namespace) -> list[str]:
+    """--allow-reward-host (or LORAPLEX_ALLOW_REWARD_HOST, ','-separated)."""
+    if args.allow_reward_host is not None:
+        return list(args.allow_reward_host)
+    return [h.strip() for h in str(_env("ALLOW_REWARD_HOST", "")).split(",") if h.strip()]
 
 
 def read_token(args: argparse.Namespace) -> str | None:

@@ -76,6 +76,15 @@ def _training_corpus() -> list[str]:
     return lines
 
 
+# A minimal chat format, so /v1/chat/completions works on the tiny model (a real model
+# ships its own template in tokenizer_config.json / chat_template.jinja).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE: any text encodes, so tasks never hit unknown characters."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -94,6 +103,7 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
