@@ -77,9 +77,19 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-adapters", str(view.capacity.max_adapters),
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
+        *_precision_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
+
+
+def _precision_args(view: PoolSpec) -> list[str]:
+    """Only what the pool sets: otherwise the engine picks by its device."""
+    args = [] if view.dtype is None else ["--dtype", view.dtype]
+    if view.gradient_checkpointing is not None:
+        on = view.gradient_checkpointing
+        args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
+    return args
 
 
 def trust_args(view: PoolSpec) -> list[str]:

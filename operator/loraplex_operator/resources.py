@@ -234,6 +234,9 @@ class PoolSpec:
     # None = not set; a pool with neither list nor selector admits every namespace.
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: Mapping[str, Any] | None = None
+    # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
+    dtype: str | None = None
+    gradient_checkpointing: bool | None = None
     queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
     data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
     reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
@@ -266,6 +269,12 @@ class PoolSpec:
             ),
             allowed_namespaces=_strings(spec.get("allowedNamespaces")),
             namespace_selector=spec.get("namespaceSelector"),
+            dtype=None if spec.get("dtype") is None else str(spec["dtype"]),
+            gradient_checkpointing=(
+                None
+                if spec.get("gradientCheckpointing") is None
+                else bool(spec["gradientCheckpointing"])
+            ),
             queue_name=spec.get("queueName") or None,
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),

@@ -57,6 +57,29 @@ def test_integer_variables_are_parsed_and_flags_win(monkeypatch: pytest.MonkeyPa
     assert (args.port, args.threads) == (8000, 0)  # unset: the plain defaults
 
 
+def test_precision_flags_from_the_environment_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.dtype, args.gradient_checkpointing) == (None, None)  # the engine decides
+    monkeypatch.setenv("LORAPLEX_DTYPE", "bfloat16")
+    monkeypatch.setenv("LORAPLEX_GRADIENT_CHECKPOINTING", "false")
+    args = build_parser().parse_args(["serve"])
+    assert (args.dtype, args.gradient_checkpointing) == ("bfloat16", False)
+    assert type(args.dtype) is str
+    args = build_parser().parse_args(["serve", "--dtype", "float32", "--gradient-checkpointing"])
+    assert (args.dtype, args.gradient_checkpointing) == ("float32", True)
+    for var, value, message in (
+        ("LORAPLEX_DTYPE", "fp8", "argument --dtype: invalid dtype: 'fp8' (from LORAPLEX_DTYPE)"),
+        ("LORAPLEX_GRADIENT_CHECKPOINTING", "maybe", "invalid boolean: 'maybe'"),
+    ):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        monkeypatch.delenv(var)
+
+
 def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
@@ -71,6 +94,8 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
         "LORAPLEX_MAX_ADAPTERS",
         "LORAPLEX_MAX_RANK",
         "LORAPLEX_ROLLOUT_BACKEND",
+        "LORAPLEX_DTYPE",
+        "LORAPLEX_GRADIENT_CHECKPOINTING",
         "LORAPLEX_VLLM_OPTIONS",
         "LORAPLEX_TOKEN ",  # the token itself, not only its file
     ):

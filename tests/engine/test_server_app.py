@@ -117,7 +117,8 @@ class FakeEngine:
         with self.lock:
             return Capacity(
                 model=self.model_name, rollout_backend="torch", max_adapters=self.max_adapters,
-                max_rank=self.max_rank, used_slots=len(self.exps), experiments=sorted(self.exps),
+                max_rank=self.max_rank, dtype="float32", gradient_checkpointing=False,
+                used_slots=len(self.exps), experiments=sorted(self.exps),
                 memory=MemoryUse(rss_bytes=1000, device_bytes=0),
             )  # fmt: skip
 

@@ -122,6 +122,17 @@ def test_args_use_pool_defaults() -> None:
     assert flags["--rollout-backend"] == "torch" and flags["--checkpoint-root"] == "/ckpt"
 
 
+def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
+    bare = engine_args(_minimal_pool()["spec"])
+    assert "--dtype" not in bare and not any("checkpointing" in a for a in bare)
+    for on, flag in ((True, "--gradient-checkpointing"), (False, "--no-gradient-checkpointing")):
+        obj = pool("bf16").set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", on)
+        full = apply_defaults(schema_of("EnginePool"), obj.obj())
+        args = engine_args(full["spec"])
+        assert args[args.index("--dtype") + 1] == "bfloat16" and flag in args
+        kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
+
+
 def test_probes_hit_engine_routes() -> None:
     (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

@@ -85,6 +85,12 @@ def test_views_read_what_the_object_says() -> None:
     assert (p.spec.replicas.min, p.spec.replicas.max) == (1, 3)
     assert p.spec.allowed_target_modules == ()  # an empty list allows nothing
     assert p.spec.allowed_namespaces is None and p.spec.model_shape is None
+    assert p.spec.dtype is None and p.spec.gradient_checkpointing is None  # engine decides
+    bf16 = pool().set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", False).obj()
+    assert (Pool.from_obj(bf16).spec.dtype, Pool.from_obj(bf16).spec.gradient_checkpointing) == (
+        "bfloat16",
+        False,
+    )
     assert p.spec.queue_name is None  # no Kueue queue unless named
     queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
     assert queued.spec.queue_name == "gpu-team"

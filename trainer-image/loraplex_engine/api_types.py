@@ -13,6 +13,9 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
+# The dtypes a frozen base may be loaded in (precision.py maps them to torch's).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
 # Tokens one experiment's step may cost: groupSize x promptsPerStep x (the prompt limit +
 # maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the
 # longest wait a co-tenant can see (fair_share.py paces big steps on average).
@@ -94,6 +97,8 @@ class Capacity(WireModel):
     rollout_backend: str
     max_adapters: int
     max_rank: int
+    dtype: str  # the frozen base's (adapters and optimiser state are float32)
+    gradient_checkpointing: bool
     used_slots: int
     experiments: list[str]
     memory: MemoryUse

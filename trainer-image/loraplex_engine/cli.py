@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from loraplex_engine.api_types import DTYPE_NAMES
 from loraplex_engine.errors import FieldError, ManifestError, UsageError
 
 # What a user can get wrong: files, flags, model directories, manifests and specs.
@@ -62,6 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_adapters=args.max_adapters,
         max_rank=args.max_rank,
         train_mode=args.train_mode,
+        dtype=args.dtype,
         data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
@@ -120,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fused", "timesliced"],
         default="fused",
         help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
     )
     run.add_argument(
         "--data-root",

@@ -51,6 +51,7 @@ from loraplex_engine.experiment import (
 from loraplex_engine.fair_share import RewardScorer
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion
 from loraplex_engine.run_store import RunStore, valid_run_id
@@ -77,7 +78,9 @@ class Engine:
     """Implements :class:`loraplex_engine.api_types.EngineService`.
 
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
-    arm, timesliced.py)."""
+    arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
+    CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
+    elsewhere) recomputes each decoder layer in the backward (checkpointing.py)."""
 
     def __init__(
         self,
@@ -97,6 +100,8 @@ class Engine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         reward_deadline_s: float = DEFAULT_REWARD_DEADLINE_S,
         share_prompt_prefix: bool = True,
+        dtype: str | None = None,
+        gradient_checkpointing: bool | None = None,
         trust: TrustPolicy | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
@@ -107,6 +112,8 @@ class Engine:
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
         self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        enable_tf32(self.device)
         self.train_mode = train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
@@ -116,7 +123,7 @@ class Engine:
         # no dataset file and no local reward address.
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         # generation_config.json's eos_token_id: an int, a list (Llama 3) or none.
         eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
         self.codec = TokenCodec(self.tokenizer, eos)
@@ -126,6 +133,7 @@ class Engine:
             max_adapters=max_adapters,
             max_rank=max_rank,
             target_modules=adaptable_module_names(base),
+            dtype=MASTER_DTYPE,
         )
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
@@ -134,9 +142,17 @@ class Engine:
         )
         shared = self._shared_forward(base, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
+        if gradient_checkpointing is None:
+            gradient_checkpointing = self.device.type == "cuda"
         trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
         self.strategy: TrainingStrategy = trainer(
-            self.model, self.optimizer, self.device, self.codec.pad_id, micro_batch_tokens, shared
+            self.model,
+            self.optimizer,
+            self.device,
+            self.codec.pad_id,
+            micro_batch_tokens,
+            shared,
+            gradient_checkpointing=gradient_checkpointing,
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         self._experiments: dict[str, Experiment] = {}
@@ -200,6 +216,7 @@ class Engine:
             position_ids=positions.to(self.device),
             past_key_values=past,
             use_cache=True,
+            logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
         )
         return out.logits[:, -1].float().cpu(), out.past_key_values
 
@@ -252,6 +269,8 @@ class Engine:
             rollout_backend=self.rollout_backend,
             max_adapters=self.model.max_adapters,
             max_rank=self.model.max_rank,
+            dtype=dtype_name(self.dtype),
+            gradient_checkpointing=self.strategy.gradient_checkpointing,
             used_slots=len(ids),
             experiments=ids,
             memory=MemoryUse(

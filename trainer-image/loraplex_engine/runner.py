@@ -225,6 +225,7 @@ def run_file(
     max_rank: int = 64,
     train_mode: str = "fused",
     out: TextIO | None = None,
+    dtype: str | None = None,
     data_roots: list[Path] | None = None,
 ) -> dict[str, Any]:
     """Validate every manifest up front, then train them all on one hot engine.
@@ -246,10 +247,12 @@ def run_file(
         max_rank=max_rank,
         checkpoint_root=out_dir / "checkpoints",
         train_mode=train_mode,
+        dtype=dtype,
         trust=trust,
     )
     out.write(
-        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name}, "
+        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+        f"{engine.capacity().dtype}, "
         f"{len(manifests)} experiments, {train_mode} training\n"
     )
     for m in manifests:

@@ -365,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
                 "max_step_tokens": args.max_step_tokens,
                 "max_prompt_tokens": args.max_prompt_tokens,
                 "reward_deadline_s": args.reward_deadline,
+                "dtype": args.dtype,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "trust": trust_policy(args, port),
             }
             kwargs["device"] = args.device or _default_device()
@@ -380,12 +382,13 @@ def run(args: argparse.Namespace) -> int:
             startup = now - t0
             log.info(
                 "engine ready in %.2fs (to app %.2fs, engine imports %.2fs, model load %.2fs; "
-                "model %s, %d slots, max rank %d, backend %s, pool %s)",
+                "model %s in %s, %d slots, max rank %d, backend %s, pool %s)",
                 startup,
                 t_import - t0,
                 t_build - t_import,
                 now - t_build,
                 args.model,
+                engine.capacity().dtype,
                 args.max_adapters,
                 args.max_rank,
                 args.rollout_backend,

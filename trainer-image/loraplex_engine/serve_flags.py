@@ -19,6 +19,7 @@ from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DTYPE_NAMES,
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
@@ -77,6 +78,19 @@ def _seconds(value: str) -> float:
     if not seconds >= 0:  # also refuses nan
         raise _invalid("seconds value", value)
     return seconds
+
+
+def _dtype(value: str) -> str:
+    if value not in DTYPE_NAMES:
+        raise _invalid("dtype", value, f"; choose one of {', '.join(DTYPE_NAMES)}")
+    return str(value)
+
+
+def _bool(value: str) -> bool:
+    text = str(value).strip().lower()
+    if text not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise _invalid("boolean", value, "; use true or false")
+    return text in ("1", "true", "yes", "on")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -169,6 +183,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
+    )
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=_env_parsed("DTYPE", None),
+        help=f"the frozen base's dtype, one of {', '.join(DTYPE_NAMES)} (default: bfloat16 "
+        "on cuda, float32 on cpu); adapters and optimiser state are float32 whatever it is",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        type=_bool,
+        default=_env_parsed("GRADIENT_CHECKPOINTING", None),
+        help="recompute each decoder layer in the backward instead of keeping its "
+        "activations (default: on for cuda, off for cpu)",
     )
     p.add_argument(
         "--vllm-option",

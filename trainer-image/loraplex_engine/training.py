@@ -291,6 +291,7 @@ def _logprobs(
             1.0 / batch["temp"].to(dev),
             batch["scored"].to(dev),
             forward.chunk_tokens,
+            batch["slots"].to(dev),
         )
     logits = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
     dev = logits.device  # the model's device: no host round trip of [B, T, V] logits
