@@ -5,7 +5,8 @@
 
 The test API server of the operator harness (kmock, `tests/operator/harness.py`) records
 every request; requests whose User-Agent is kopf's or the operator's are counted. The
-operator runs as a real process with its production defaults (a round every 5 s).
+operator runs as the chart renders it (`tests/operator/deployed.py`), with the chart's
+defaults (a round every 5 s).
 
 No engines run: 1,000 real engines cannot run on a laptop. Each pool allows one engine
 (`replicas` 0..1) and no kubelet starts it, so every pool has one Pending engine Pod and
@@ -39,13 +40,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 import harness  # noqa: E402
+from deployed import OperatorProcess, chart_values, rendered_operator  # noqa: E402
 from harness import (  # noqa: E402
     ENGINE_NS,
     OPERATOR_AGENTS,
     TOKEN_SECRET,
     ApiServer,
     Harness,
-    OperatorProcess,
     _kubeconfig,
     declare_resources,
 )
@@ -140,7 +141,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         objs = Harness(workdir, workdir)
         pool_objs = [objs.pool_obj(p, slots=4, replicas=(0, 1)) for p in pools]
         await create_all(http, [(f"{GROUP_PATH}/enginepools", obj) for obj in pool_objs])
-        operator = OperatorProcess(kubeconfig, workdir)
+        # The operator as the chart renders it, with the chart's default settings.
+        operator = OperatorProcess(rendered_operator(chart_values(None, None)), kubeconfig, workdir)
         operator.start()
         try:
             await asyncio.sleep(args.settle)  # kopf up, one daemon per pool running

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,15 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraplex_engine.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a test left an engine or operator process running (then kill it)."""
+    children = sys.modules.get("child_processes")
+    if children is None:  # no test started one
+        return
+    left = children.survivors()
+    children.kill_all()
+    if left:
+        print(f"\nprocesses the test helpers started are still running: {left}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

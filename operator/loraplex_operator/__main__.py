@@ -1,4 +1,7 @@
-"""`python -m loraplex_operator`: run the operator (kopf) with sane defaults.
+"""`python -m loraplex_operator`: run the operator (kopf) locally with sane defaults.
+
+The chart runs `kopf run --standalone -m loraplex_operator.handlers` instead (see
+charts/loraplex/templates/deployment.yaml); both run the handlers of that module.
 
 One replica only (kopf has no leader election; deploy with strategy Recreate). By
 default the operator runs standalone (no kopf peering objects); `--peering NAME` uses

@@ -87,7 +87,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     ),
     "engines-elsewhere": merge(NAMESPACED, ALL_ON, {"engines": {"namespace": "gpu-engines"}}),
     "minimal": {
-        "rbac": {"create": False},
+        "rbac": {"create": False, "aggregateToDefaultRoles": False},
+        "tests": {"enabled": False},
         "serviceAccount": {"create": False, "name": "preexisting-sa"},
         "metrics": {"service": {"enabled": False}},
         "engines": {"metricsService": {"enabled": False}},

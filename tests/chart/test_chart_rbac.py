@@ -1,4 +1,5 @@
-"""The rendered RBAC is exactly rbac-contract.yaml, placed as each RBAC mode says."""
+"""The operator's rendered RBAC is exactly rbac-contract.yaml, placed as each RBAC mode
+says; the aggregated ClusterRoles give users read (view) and write (edit) on the kinds."""
 
 from __future__ import annotations
 
@@ -65,9 +66,21 @@ def expected(mode: str, watched: list[str], engine_ns: str) -> dict[str, set[tup
     return out
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def _aggregated(role: dict) -> bool:
+    return any(k.startswith(AGGREGATE) for k in role["metadata"].get("labels") or {})
+
+
+def operator_roles(docs: list[dict], kind: str) -> list[dict]:
+    """The (Cluster)Roles for the operator: all but those aggregated into user roles."""
+    return [r for r in by_kind(docs, kind) if not _aggregated(r)]
+
+
 def rendered(docs: list[dict]) -> dict[str, set[tuple]]:
     out: dict[str, set[tuple]] = {}
-    for role in by_kind(docs, "ClusterRole"):
+    for role in operator_roles(docs, "ClusterRole"):
         out.setdefault("cluster", set()).update(_triples(role["rules"]))
     for role in by_kind(docs, "Role"):
         out.setdefault(role["metadata"]["namespace"], set()).update(_triples(role["rules"]))
@@ -94,7 +107,7 @@ def test_bindings_bind_the_operator(scenario: str) -> None:
     dep = one(docs, "Deployment")
     sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
     roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
-             for r in by_kind(docs, "ClusterRole") + by_kind(docs, "Role")}  # fmt: skip
+             for r in operator_roles(docs, "ClusterRole") + by_kind(docs, "Role")}  # fmt: skip
     bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
     assert len(bindings) == len(roles)
     for b in bindings:
@@ -114,3 +127,38 @@ def test_no_rbac_when_disabled() -> None:
     assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
     sa = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
     assert sa == "preexisting-sa"
+
+
+def _aggregate_grants(docs: list[dict], role: str) -> set[tuple]:
+    """What `role` (view, edit, admin) gains: every aggregated ClusterRole labelled for it."""
+    labelled = [r for r in by_kind(docs, "ClusterRole")
+                if (r["metadata"].get("labels") or {}).get(AGGREGATE + role) == "true"]  # fmt: skip
+    return _triples([rule for r in labelled for rule in r["rules"]])
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced"])
+def test_default_user_roles_read_both_kinds_and_edit_experiments_only(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    reads = {"get", "list", "watch"}
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
+    g = "loraplex.dev"
+    view, edit, admin = (_aggregate_grants(docs, r) for r in ("view", "edit", "admin"))
+    both = ("loraexperiments", "enginepools")
+    assert view == {(g, res, v, ()) for res in both for v in reads} | {
+        (g, f"{res}/status", v, ()) for res in both for v in reads
+    }
+    # edit = view + writes on experiments; EnginePools (cluster-scoped: where engines run
+    # and what they cost) stay read-only for namespace users.
+    assert edit == view | {(g, "loraexperiments", v, ()) for v in writes}
+    assert admin == edit  # admin aggregates edit's rules, as Kubernetes' own roles do
+    assert not any(_aggregated(r) for r in by_kind(docs, "Role"))  # ClusterRoles only
+    bound = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
+    assert not bound & {
+        r["metadata"]["name"] for r in by_kind(docs, "ClusterRole") if _aggregated(r)
+    }
+
+
+def test_aggregate_roles_can_be_turned_off() -> None:
+    docs = render({"rbac": {"aggregateToDefaultRoles": False}})
+    assert not [r for r in by_kind(docs, "ClusterRole") if _aggregated(r)]
+    assert operator_roles(docs, "ClusterRole")  # the operator keeps its own

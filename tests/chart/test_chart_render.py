@@ -65,26 +65,28 @@ def test_renders_well_formed(scenario: str) -> None:
 
 
 # Which kinds a scenario renders (count per kind).
+# ClusterRole: the operator's, and the view and edit roles aggregated into the default
+# user roles; Pod: the `helm test` hook.
 EXPECTED_KINDS = {
     "default": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "Pod": 1,
     },
     "all-on": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
         "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "ServiceMonitor": 1,
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
-        "NetworkPolicy": 1, "EnginePool": 1,
+        "NetworkPolicy": 1, "EnginePool": 1, "Pod": 1,
     },
     # two watched namespaces, the engine namespace, the operator's namespace
     "namespaced": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
-        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1,
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
+        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1, "Pod": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
     "minimal": {
         "Deployment": 1, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 0,
-        "Secret": 1,
+        "Secret": 1, "Pod": 0,
     },
     "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
     "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
@@ -124,7 +126,7 @@ def test_operator_deployment_defaults() -> None:
     assert "--standalone" in args
     assert "--liveness=http://0.0.0.0:8081/healthz" in args
     assert "--all-namespaces" in args
-    assert args[-2:] == ["-m", "loraplex_operator"]
+    assert args[-2:] == ["-m", "loraplex_operator.handlers"]  # the module with the handlers
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"metrics": 8080, "health": 8081}
     for probe in ("livenessProbe", "readinessProbe"):
@@ -133,13 +135,8 @@ def test_operator_deployment_defaults() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["LORAPLEX_METRICS_PORT"]["value"] == "8080"
     assert env["LORAPLEX_WATCH_NAMESPACES"]["value"] == ""
-    assert env["LORAPLEX_ENGINE_NAMESPACE"]["value"] == NAMESPACE
-    assert env["LORAPLEX_ENGINE_TOKEN_SECRET"]["value"] == f"{FULL}-engine-token"
-    assert env["LORAPLEX_ENGINE_TOKEN_KEY"]["value"] == "token"
-    assert env["LORAPLEX_ENGINE_PORT"]["value"] == "8000"
-    assert env["LORAPLEX_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "metadata.namespace"
-    )
+    # Only what the operator reads (the engine namespace and token come from each pool).
+    assert set(env) == {"LORAPLEX_METRICS_PORT", "LORAPLEX_WATCH_NAMESPACES"}
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["image"] == "loraplex/operator:0.1.0"
 
@@ -196,10 +193,6 @@ def test_generated_token_secret() -> None:
 def test_existing_secret_is_used_everywhere() -> None:
     docs = render(SCENARIOS["existing-secret"])
     assert not by_kind(docs, "Secret")
-    _, c = _container(docs)
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["LORAPLEX_ENGINE_TOKEN_SECRET"] == "my-engine-token"
-    assert env["LORAPLEX_ENGINE_TOKEN_KEY"] == "tok"
     pool = one(docs, "EnginePool")
     assert pool["spec"]["tokenSecretRef"] == {"name": "my-engine-token", "key": "tok"}
     role = one(docs, "Role", f"{FULL}-operator-engines")
@@ -319,7 +312,8 @@ def test_network_policy() -> None:
     assert spec["policyTypes"] == ["Ingress"]
     (rule,) = spec["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    operator_peer, prometheus_peer = rule["from"]
+    operator_peer, test_peer, prometheus_peer = rule["from"]  # test: the helm test Pod
+    assert test_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "helm-test"
     dep = one(docs, "Deployment")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert operator_peer["podSelector"]["matchLabels"].items() <= pod_labels.items()

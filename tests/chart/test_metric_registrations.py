@@ -170,10 +170,10 @@ def test_reconcile_error_kinds_are_precreated() -> None:
 def test_engine_failure_reasons_are_precreated() -> None:
     from loraplex_engine.metrics import FAILURE_REASONS
 
-    engine = REPO / "trainer-image" / "loraplex_engine" / "engine.py"
-    # self._fail(exp, "message", "kind", reports)
-    kinds = _string_args([engine], r"self\._fail\(\s*[\w.]+,\s*(?:f?\"[^\"]*\"),\s*\"(\w+)\"")
-    assert kinds, "no self._fail(..., kind, ...) found: the pattern is stale"
+    sources = sorted((REPO / "trainer-image" / "loraplex_engine").rglob("*.py"))
+    # Failure(exp, "message" | f"..." | name, "kind")
+    kinds = _string_args(sources, r"Failure\(\s*[\w.]+,\s*(?:f?\"[^\"]*\"|\w+),\s*\"(\w+)\"")
+    assert kinds, "no Failure(..., kind) found: the pattern is stale"
     assert kinds <= set(FAILURE_REASONS), kinds - set(FAILURE_REASONS)
 
 

@@ -2,8 +2,8 @@
 real operator while experiments train.
 
 - The operator harness (tests/operator/harness.py): kmock as the API server, a kubelet
-  that runs a real `loraplex-engine serve` (tiny model) per engine Pod, and the operator
-  process (`python -m loraplex_operator`) with its metrics port.
+  that runs each engine Pod the operator writes (a real `loraplex-engine serve`, tiny
+  model), and the operator container as the chart renders it, with its metrics port.
 - A real Prometheus (`.tools/bin/prometheus`, 127.0.0.1, scrape interval 1 s) whose
   scrape configs are translated from the chart's rendered PodMonitor (engines) and
   ServiceMonitor (operator) as the Prometheus Operator does (prometheus_process.py); the

@@ -13,6 +13,7 @@ with the log tail, if the process exits first. Output goes to ``<workdir>/server
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import child_processes
 import httpx
 
 LISTEN_RE = re.compile(r"loraplex-engine listening: url=(\S+)")
@@ -95,46 +97,14 @@ class EngineServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         self.starts += 1
-        if self.auth:
-            token_file = self.workdir / "token"
-            token_file.write_text(self.token + "\n")
-            token_file.chmod(0o600)
-            auth_args = ["--token-file", str(token_file)]
-        else:
-            auth_args = ["--insecure-no-auth"]
-        sizes = []
-        if self.max_adapters is not None:
-            sizes += ["--max-adapters", str(self.max_adapters)]
-        if self.max_rank is not None:
-            sizes += ["--max-rank", str(self.max_rank)]
-        cmd = [
-            *self.command,
-            "serve",
-            "--model", str(self.model_dir),
-            "--host", "127.0.0.1",
-            "--port", "0",
-            *auth_args,
-            "--checkpoint-root", str(self.checkpoint_root),
-            *sizes,
-            "--rollout-backend", self.rollout_backend,
-            "--device", "cpu",
-            "--threads", str(self.threads),
-            *self.extra_args,
-        ]  # fmt: skip
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(self.threads),
-            "MKL_NUM_THREADS": str(self.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-            **self.env,
-        }
+        cmd, env = self.command_line(), self.process_env()
         with self._cond:
             self._lines = []
         self.url = ""
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(
+        self.proc = child_processes.spawn(
             cmd,
+            "engine " + str(self.workdir),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -153,6 +123,45 @@ class EngineServer:
             raise
         self.startup_s = time.monotonic() - t0
         return self
+
+    def command_line(self) -> list[str]:
+        """`loraplex-engine serve` with this server's flags (binds a free port itself)."""
+        if self.auth:
+            token_file = self.workdir / "token"
+            token_file.write_text(self.token + "\n")
+            token_file.chmod(0o600)
+            auth_args = ["--token-file", str(token_file)]
+        else:
+            auth_args = ["--insecure-no-auth"]
+        sizes = []
+        if self.max_adapters is not None:
+            sizes += ["--max-adapters", str(self.max_adapters)]
+        if self.max_rank is not None:
+            sizes += ["--max-rank", str(self.max_rank)]
+        return [
+            *self.command,
+            "serve",
+            "--model", str(self.model_dir),
+            "--host", "127.0.0.1",
+            "--port", "0",
+            *auth_args,
+            "--checkpoint-root", str(self.checkpoint_root),
+            *sizes,
+            "--rollout-backend", self.rollout_backend,
+            "--device", "cpu",
+            "--threads", str(self.threads),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def process_env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
 
     def _read(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -211,10 +220,10 @@ class EngineServer:
             return "".join(self._lines)
 
     def kill(self) -> None:
-        """SIGKILL (kill -9): no shutdown code runs, as when a node dies."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        """SIGKILL (kill -9) to the engine and anything it forked: no shutdown code runs,
+        as when a node dies."""
+        if self.proc is not None:
+            child_processes.kill_group(self.proc)
         self._join_reader()
 
     def stop(self, timeout: float = 60.0) -> int | None:
@@ -223,11 +232,9 @@ class EngineServer:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        child_processes.kill_group(self.proc)  # past the grace period, or what it forked
         self._join_reader()
         return self.proc.returncode
 

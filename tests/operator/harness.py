@@ -14,18 +14,22 @@ kmock mode (default)::
   (`crdkit.admit`), answering 422 like the API server would: on create, and on a merge
   patch of the main resource that touches `spec` (CEL transition rules against the
   stored object). Other patches (kopf's metadata, status) are not validated.
-- `Kubelet` watches the emulator's Pods; for each engine Pod it starts a real
-  `loraplex-engine serve` on 127.0.0.1 (`tests/engine/server_process.EngineServer`),
-  then patches the Pod Running/Ready with `podIP` 127.0.0.1 and the
-  `loraplex.dev/engine-url` annotation (the port differs per engine). Deleting a Pod
-  that runs is graceful, as in Kubernetes: the API server sets `deletionTimestamp` to
-  now + `terminationGracePeriodSeconds` and keeps the Pod (held by the kubelet's
-  finalizer `KUBELET_HOLD`); the kubelet sends SIGTERM, and once the engine has exited
-  (it checkpoints first) removes the Pod. A process that dies → the Pod turns `Failed`
-  (as after a node loss).
-  All engines share one checkpoint directory, like a ReadWriteMany volume.
-- `OperatorProcess` runs `python -m loraplex_operator` against a kubeconfig that points
-  at the emulator; tests may kill and restart it.
+- `Kubelet` (kubelet.py) runs each engine Pod's container as the operator wrote it
+  (command, args, env; volumes as local directories, the token Secret as a file;
+  `pod_runtime.py` says what is mapped) and marks the Pod Running/Ready with `podIP`
+  127.0.0.1 and the `loraplex.dev/engine-url` annotation (each engine binds its own
+  port). Deleting a Pod that runs is graceful, as in Kubernetes: the API server sets
+  `deletionTimestamp` to now + `terminationGracePeriodSeconds` and keeps the Pod (held by
+  the kubelet's finalizer `KUBELET_HOLD`); the kubelet sends SIGTERM, and once the engine
+  has exited (it checkpoints first) removes the Pod. A process that dies → the Pod turns
+  `Failed` (as after a node loss).
+- `OperatorProcess` (deployed.py) runs the operator container exactly as `helm template`
+  renders it for `chart_values` (default: the chart's defaults, with free ports and the
+  harness's short intervals as `operator.extraEnv`), with the image's `kopf` mapped to
+  the virtualenv's, against a kubeconfig that points at the emulator; tests may kill and
+  restart it.
+- Every process the harness starts runs in its own process group, killed at teardown and
+  at interpreter exit (`tests/child_processes.py`); a run that leaves one fails.
 
 Real-cluster mode (`make e2e`, `KUBECONFIG` set, `LORAPLEX_E2E=1`): no emulator and no
 kubelet; the CRDs must be installed and `LORAPLEX_E2E_IMAGE` names an engine image that
@@ -42,38 +46,31 @@ import copy
 import os
 import re
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import kmock
+import kmock._internal.parsing as kmock_parsing
 import yaml
 from crdkit import admit, apply_defaults, schema_of
+from deployed import OperatorProcess, chart_values, rendered_operator
+from kubelet import KUBELET_HOLD, Kubelet, now
 from loraplex_operator import manifests
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS, Kube
+from pod_runtime import Node
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_NS = "loraplex-system"
 TOKEN_SECRET = "engine-token"
-NODE = "kmock-node"
-# Holds a deleted Pod while its engine shuts down (a real API server does this natively).
-KUBELET_HOLD = "kmock.loraplex.dev/kubelet"
+ENGINE_MODEL = "/models/tiny-llama"  # where the engine image holds the model
 
 # --- the API server --------------------------------------------------------------------
 
 CRD_KINDS = {"loraexperiments": "LoRAExperiment", "enginepools": "EnginePool"}
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # The harness's own client (tests, kubelet) authenticates with this token.
@@ -170,7 +167,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace
         meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("creationTimestamp", _now())
+        meta.setdefault("creationTimestamp", now())
         meta.setdefault("generation", 1)
         # kopf's JSON patches "test" metadata.resourceVersion; kmock keeps no versions, so
         # one constant version makes every such test pass (no optimistic concurrency here).
@@ -243,6 +240,26 @@ def _merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+_KMOCK_PARSE_PATH = kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> kmock_parsing.ParsedPath:
+    """kmock's `parse_path`, but `/api/v1/namespaces[/NAME[/status|/finalize]]` is the
+    Namespace resource (kmock reads "namespaces" only as a namespace prefix and fails with
+    a 500 on these paths, which kopf's namespace observer calls in namespaced mode)."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        name = parts[3] if len(parts) > 3 else None
+        sub = parts[4] if len(parts) > 4 else None
+        return kmock_parsing.ParsedPath("", "v1", "namespaces", None, name, sub)
+    return _KMOCK_PARSE_PATH(path)
+
+
+kmock_parsing.parse_path = _parse_path
+
+
 def declare_resources(api: kmock.KubernetesEmulator) -> None:
     api.resources.load_bundled()
     api.resources["loraplex.dev/v1alpha1/loraexperiments"] = kmock.ResourceInfo(
@@ -308,329 +325,33 @@ def rbac_violations(calls: set[tuple[str, str, str]]) -> list[tuple[str, str, st
     return sorted(c for c in calls if c not in allowed)
 
 
-# --- engines and the kubelet ---------------------------------------------------------------
-
-
-class EngineHandle(Protocol):
-    url: str
-
-    def kill(self) -> None: ...
-    def stop(self, timeout: float = 60.0) -> int | None: ...
-    def alive(self) -> bool: ...
-
-
-@dataclass
-class EngineRequest:
-    pod: str
-    token: str
-    max_adapters: int
-    max_rank: int
-
-
-Launcher = Callable[[EngineRequest], EngineHandle]  # blocking; runs in a thread
-
-
-def _arg(args: list[str], flag: str, default: str) -> str:
-    return args[args.index(flag) + 1] if flag in args else default
-
-
-class RealEngine:
-    """`tests/engine/server_process.EngineServer` behind the EngineHandle protocol."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.url = server.url
-
-    def kill(self) -> None:
-        self.server.kill()
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        return self.server.stop(timeout)
-
-    def alive(self) -> bool:
-        return self.server.proc is not None and self.server.proc.poll() is None
-
-
-def engine_server_class() -> Any:
-    """The real engine subprocess helper (tests/engine/server_process.py)."""
-    sys.path.insert(0, str(REPO / "tests" / "engine"))
-    from server_process import EngineServer
-
-    return EngineServer
-
-
-def real_launcher(model_dir: Path, checkpoint_root: Path, workdir: Path) -> Launcher:
-    EngineServer = engine_server_class()
-
-    def launch(req: EngineRequest) -> EngineHandle:
-        server = EngineServer(
-            model_dir,
-            checkpoint_root,
-            max_adapters=req.max_adapters,
-            max_rank=req.max_rank,
-            token=req.token,
-            workdir=workdir / req.pod,
-            threads=1,
-        )
-        return RealEngine(server.start())
-
-    return launch
-
-
-@dataclass
-class Kubelet:
-    """Runs an engine process per engine Pod of the emulator and reports Pod status."""
-
-    api: kmock.KubernetesEmulator
-    client: Kube
-    launcher: Launcher
-    processes: dict[str, EngineHandle] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)
-    start_seconds: dict[str, float] = field(default_factory=dict)
-    _starting: set[str] = field(default_factory=set)
-    _stopping: dict[str, EngineHandle | None] = field(default_factory=dict)
-    _task: asyncio.Task[None] | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    def _pods(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for (res, _ns, name), obj in list(self.api.objects.items()):
-            if res.group == "" and res.plural == "pods" and not obj.deleted:
-                raw = obj.raw
-                if manifests.POOL_LABEL in (raw.get("metadata", {}).get("labels") or {}):
-                    out[name] = raw
-        return out
-
-    def _secret(self, namespace: str, name: str, key: str) -> str | None:
-        for (res, ns, n), obj in list(self.api.objects.items()):
-            if res.plural == "secrets" and ns == namespace and n == name and not obj.deleted:
-                data = obj.raw.get("data") or {}
-                if key in data:
-                    return base64.b64decode(data[key]).decode().strip()
-        return None
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        procs = [*self.processes.values(), *(p for p in self._stopping.values() if p)]
-        await asyncio.gather(*(asyncio.to_thread(p.kill) for p in procs))
-        self.processes.clear()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self._sync()
-            except Exception as e:  # keep the kubelet alive; tests see the effects
-                print(f"kubelet: {e!r}", file=sys.stderr)
-            await asyncio.sleep(0.2)
-
-    def _pool_exists(self, name: str) -> bool:
-        for (res, _ns, n), obj in list(self.api.objects.items()):
-            if res.plural == "enginepools" and n == name and not obj.deleted:
-                return not obj.raw.get("metadata", {}).get("deletionTimestamp")
-        return False
-
-    async def _sync(self) -> None:
-        pods = self._pods()
-        for name, pod in list(pods.items()):  # the garbage collector: owner gone → pod gone
-            owners = pod["metadata"].get("ownerReferences") or []
-            gone = owners and not any(self._pool_exists(o["name"]) for o in owners)
-            if gone and not _terminating(pod):
-                await self.client.delete(PODS, name, pod["metadata"]["namespace"])
-        for name, pod in pods.items():
-            if _terminating(pod):
-                if name not in self._starting and name not in self._stopping:
-                    self._stopping[name] = self.processes.pop(name, None)
-                    self._spawn(self._terminate(pod))
-            elif name not in self.processes and name not in self._starting | self.failed:
-                self._starting.add(name)
-                self._spawn(self._run_pod(pod))
-        for name, proc in list(self.processes.items()):
-            if name not in pods:  # removed without a grace period
-                del self.processes[name]
-                await asyncio.to_thread(proc.stop, 30.0)
-            elif not proc.alive() and name not in self.failed:
-                self.failed.add(name)
-                ns = pods[name]["metadata"]["namespace"]
-                await self._patch(ns, name, _pod_status(False, phase="Failed"))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _terminate(self, pod: dict[str, Any]) -> None:
-        """SIGTERM the engine of a deleted Pod, wait for it to exit (SIGKILL after the
-        grace period), then let the API server remove the Pod."""
-        name, meta = pod["metadata"]["name"], pod["metadata"]
-        try:
-            proc = self._stopping[name]
-            if proc is not None:
-                grace = float(meta.get("deletionGracePeriodSeconds", 30))
-                await asyncio.to_thread(proc.stop, grace)
-            held = [f for f in meta.get("finalizers") or [] if f != KUBELET_HOLD]
-            patch = {"metadata": {"finalizers": held}}
-            await self.client.patch(PODS, name, patch, namespace=meta["namespace"])
-        except Exception as e:  # keep the kubelet alive; tests see the effects
-            print(f"kubelet: stopping pod {name}: {e!r}", file=sys.stderr)
-        finally:
-            del self._stopping[name]
-
-    async def _run_pod(self, pod: dict[str, Any]) -> None:
-        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
-        container = pod["spec"]["containers"][0]
-        args = container.get("args", [])
-        secret = next(v for v in pod["spec"]["volumes"] if v["name"] == manifests.TOKEN_VOLUME)
-        key = secret["secret"]["items"][0]["key"]
-        token = self._secret(ns, secret["secret"]["secretName"], key)
-        try:
-            if token is None:
-                raise RuntimeError(f"secret {secret['secret']['secretName']} not found")
-            req = EngineRequest(
-                pod=name,
-                token=token,
-                max_adapters=int(_arg(args, "--max-adapters", "8")),
-                max_rank=int(_arg(args, "--max-rank", "64")),
-            )
-            t0 = time.monotonic()
-            proc = await asyncio.to_thread(self.launcher, req)
-            self.start_seconds[name] = time.monotonic() - t0
-        except Exception as e:
-            print(f"kubelet: engine for pod {name} failed to start: {e!r}", file=sys.stderr)
-            self.failed.add(name)
-            self._starting.discard(name)
-            await self._patch(ns, name, _pod_status(False, phase="Failed"))
-            return
-        self._starting.discard(name)
-        if name not in self._pods():  # deleted while starting
-            await asyncio.to_thread(proc.stop, 30.0)
-            return
-        self.processes[name] = proc
-        patch = _pod_status(True, phase="Running")
-        patch["metadata"] = {"annotations": {manifests.ENGINE_URL_ANNOTATION: proc.url}}
-        patch["spec"] = {"nodeName": NODE}
-        await self._patch(ns, name, patch)
-
-    async def _patch(self, ns: str, name: str, patch: dict[str, Any]) -> None:
-        await self.client.patch(PODS, name, patch, namespace=ns)
-
-    def kill(self, pod: str) -> None:
-        """SIGKILL the engine of `pod` (no checkpoint on the way out)."""
-        self.processes[pod].kill()
-
-
-def _terminating(pod: dict[str, Any]) -> bool:
-    return bool(pod["metadata"].get("deletionTimestamp"))
-
-
-def _pod_status(ready: bool, phase: str) -> dict[str, Any]:
-    flag = "True" if ready else "False"
-    status: dict[str, Any] = {
-        "phase": phase,
-        "conditions": [
-            {"type": "Ready", "status": flag, "lastTransitionTime": _now()},
-            {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()},
-        ],
-    }
-    if ready:
-        status["podIP"] = "127.0.0.1"
-    return {"status": status}
-
-
-# --- the operator process ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class OperatorProcess:
-    kubeconfig: Path
-    workdir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
-    metrics_port: int = 0
-    starts: int = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        self.metrics_port = free_port()
-        log = open(self.workdir / f"operator-{self.starts}.log", "wb")  # noqa: SIM115
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "PYTHONUNBUFFERED": "1",
-            **self.env,
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "loraplex_operator",
-                "--metrics-port",
-                str(self.metrics_port),
-                "--liveness-port",
-                str(free_port()),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=str(self.workdir),
-        )
-        log.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def log_text(self) -> str:
-        return "".join(
-            (self.workdir / f"operator-{i}.log").read_text(errors="replace")
-            for i in range(1, self.starts + 1)
-        )
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}"
-
-
 # --- the harness -------------------------------------------------------------------------
 
 
 class Harness:
     """One API server (kmock or real), its kubelet, one operator process, helpers."""
 
-    def __init__(self, workdir: Path, model_dir: Path, real_cluster: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model_dir: Path,
+        real_cluster: bool = False,
+        chart_values: dict[str, Any] | None = None,
+        tuned: bool = True,
+    ) -> None:
+        """`chart_values`: the chart values the operator is rendered with (the defaults
+        when None). `tuned`: add the short intervals below as `operator.extraEnv`."""
         self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = model_dir
         self.real_cluster = real_cluster
-        self.checkpoint_root = workdir / "ckpt"
-        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        self.chart_values = chart_values
+        self.tuned = tuned
         self.api: ApiServer | None = None
         self.kube: Kube | None = None
         self.kubelet: Kubelet | None = None
         self.operator: OperatorProcess | None = None
         self._stack = contextlib.AsyncExitStack()
-        self.launcher: Launcher | None = None
         # kmock: the kubeconfig `user` the operator gets, and the bearer tokens the API
         # server accepts from it (None: no authentication).
         self.kubeconfig_user: dict[str, Any] = {}
@@ -663,13 +384,13 @@ class Harness:
             kubeconfig = self.workdir / "kubeconfig"
             kubeconfig.write_text(yaml.safe_dump(_kubeconfig(url, self.kubeconfig_user)))
             self.kube = Kube(url, token=HARNESS_TOKEN, user_agent="loraplex-tests")
-            launcher = self.launcher or real_launcher(
-                self.model_dir, self.checkpoint_root, self.workdir / "engines"
-            )
-            self.kubelet = Kubelet(self.api, self.kube, launcher)
+            # The engine image holds the model at the pool's baseModel path.
+            node = Node(self.workdir / "node", image_paths={ENGINE_MODEL: self.model_dir})
+            self.kubelet = Kubelet(self.api, self.kube, node)
             await self.kubelet.start()
         await self._ensure_namespace_and_token()
-        self.operator = OperatorProcess(kubeconfig, self.workdir, env=self.operator_env)
+        values = chart_values(self.chart_values, self.operator_env if self.tuned else None)
+        self.operator = OperatorProcess(rendered_operator(values), kubeconfig, self.workdir)
         self.operator.start()
         return self
 
@@ -686,6 +407,8 @@ class Harness:
             await self._close()
 
     async def _close(self) -> None:
+        if self.operator is not None:
+            await asyncio.to_thread(self.operator.kill)  # no-op unless the stop failed
         if self.kubelet is not None:
             await self.kubelet.close()
         if self.real_cluster and self.kube is not None:
@@ -696,7 +419,7 @@ class Harness:
 
     async def _ensure_namespace_and_token(self) -> None:
         assert self.kube is not None
-        for ns in (ENGINE_NS, "team-a") if self.real_cluster else ():  # kmock: implicit
+        for ns in (ENGINE_NS, "team-a"):  # kopf in namespaced mode lists them
             if await self.kube.get(NAMESPACES, ns) is None:
                 await self.kube.create(NAMESPACES, {"metadata": {"name": ns}})
         if await self.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS) is None:
@@ -728,7 +451,7 @@ class Harness:
         replicas: tuple[int, int] = (0, 2),
     ) -> dict[str, Any]:
         image = os.environ.get("LORAPLEX_E2E_IMAGE", "loraplex/engine-cpu:test")
-        model = os.environ.get("LORAPLEX_E2E_MODEL", "/models/tiny-llama")
+        model = os.environ.get("LORAPLEX_E2E_MODEL", ENGINE_MODEL)
         spec: dict[str, Any] = {
             "baseModel": model,
             "rolloutBackend": "torch",
@@ -738,7 +461,7 @@ class Harness:
             "template": {"image": image, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
             "tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"},
         }
-        if replicas[1] > 1:  # shared by all engines (kmock: the kubelet's shared directory)
+        if replicas[1] > 1:  # shared by the engines (kmock: one host directory on its node)
             host = os.environ.get("LORAPLEX_E2E_CHECKPOINTS", "/var/lib/loraplex/checkpoints")
             volume = {"hostPath": {"path": host, "type": "DirectoryOrCreate"}}
             spec["checkpoint"] = {"root": "/ckpt", "volume": volume}
@@ -813,6 +536,11 @@ class Harness:
 
         events = await self.kube.list(Resource("", "v1", "events"), namespace)
         return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
+
+    def checkpoint_dir(self, pod: str) -> Path:
+        """kmock: the local directory behind the checkpoint volume of engine Pod `pod`."""
+        assert self.kubelet is not None, "only the test kubelet has local volumes"
+        return self.kubelet.processes[pod].volumes[manifests.CHECKPOINT_VOLUME]
 
     async def kill_engine(self, pod: str) -> None:
         """The engine of `pod` dies with no checkpoint on the way out. kmock: SIGKILL its

@@ -1,17 +1,21 @@
 """The kmock API server of the e2e harness answers like the real one where our scenarios
 rely on it: schema and CEL on create, and on a spec patch (transition rules against the
-stored object). Fast: no operator, no engines."""
+stored object), and Namespaces as a resource; and the Pod runtime of its kubelet maps
+only what a node provides. Fast: no operator, no engines."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import kmock
+import pod_runtime
 import pytest
 from builders import experiment
 from harness import ENGINE_NS, ApiServer, Harness, declare_resources
-from loraplex_operator.kube import EXPERIMENTS, PODS, Kube, KubeError
+from loraplex_operator import manifests
+from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, Kube, KubeError
 
 
 @pytest.fixture
@@ -72,3 +76,46 @@ async def test_kill_engine_on_a_real_cluster_deletes_the_pod_without_grace(
     h.kube = kube
     await h.kill_engine("killed")
     assert await kube.get(PODS, "killed", ENGINE_NS) is None
+
+
+async def test_namespaces_are_served_as_a_resource(kube: Kube) -> None:
+    """kmock alone answers 500 on /api/v1/namespaces; kopf lists them in namespaced mode."""
+    await kube.create(NAMESPACES, {"metadata": {"name": "team-z"}})
+    assert (await kube.get(NAMESPACES, "team-z"))["metadata"]["name"] == "team-z"
+    assert "team-z" in {n["metadata"]["name"] for n in await kube.list(NAMESPACES)}
+
+
+def test_pod_runtime_maps_the_image_volumes_and_ports_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the kubelet runs for an engine Pod: the operator's command line, with the
+    program, the model path, volume paths and the container port made local."""
+    monkeypatch.setenv("LORAPLEX_TEST_ONLY", "1")
+    pool = {
+        "metadata": {"name": "p", "uid": "u1"},
+        "spec": {
+            "baseModel": "/models/m",
+            "capacity": {"maxAdapters": 3, "maxRank": 8},
+            "template": {"image": "engine:x", "env": [{"name": "A", "value": "/ckpt/a"}]},
+            "tokenSecretRef": {"name": "tok", "key": "k"},
+        },
+    }
+    pod = manifests.engine_pod(pool, "abc")
+    node = pod_runtime.Node(tmp_path, image_paths={"/models/m": tmp_path / "model"})
+    secret = {"k": base64.b64encode(b"s3cret").decode()}
+    volumes = node.volume_dirs(pod, lambda ns, name: secret if name == "tok" else None)
+    container = pod["spec"]["containers"][0]
+    mapped = node.path_map(container, volumes)
+    argv = pod_runtime.local_command(container, mapped)
+    env = pod_runtime.local_env(pod_runtime.container_env(pod, container), mapped)
+    token = volumes[manifests.TOKEN_VOLUME] / "token"
+    assert token.read_text() == "s3cret" and token.stat().st_mode & 0o777 == 0o400
+    ckpt = volumes[manifests.CHECKPOINT_VOLUME]
+    want = [str(pod_runtime.VENV_BIN / "loraplex-engine"), *container["args"]]
+    want = [{"/models/m": str(tmp_path / "model"), manifests.TOKEN_FILE: str(token),
+             "/ckpt": str(ckpt), "8000": "0"}.get(a, a) for a in want]  # fmt: skip
+    assert argv == want
+    assert env["A"] == f"{ckpt}/a" and env["LORAPLEX_ENGINE"] == "p-engine-abc"
+    assert "LORAPLEX_TEST_ONLY" not in env  # nothing of the test process leaks in
+    with pytest.raises(pod_runtime.PodSpecError, match="Secret tok not found"):
+        node.volume_dirs(pod, lambda ns, name: None)

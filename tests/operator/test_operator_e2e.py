@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness, RealEngine
+from harness import ENGINE_NS, TOKEN_SECRET, Harness
+from kubelet import PodEngine
 from loraplex_operator.kube import POOLS, SECRETS, KubeError
 
 pytestmark = pytest.mark.slow
@@ -105,7 +106,7 @@ async def _experiment_samples(h: Harness, **labels: str) -> list[Any]:
 
     assert h.operator is not None
     async with httpx.AsyncClient(timeout=30) as c:
-        text = (await c.get(f"{h.operator.metrics_url}/metrics")).text
+        text = (await c.get(h.operator.metrics_url)).text
     return [
         s
         for family in text_string_to_metric_families(text)
@@ -286,13 +287,13 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
     uid = (await h.get(NS, "drain") or {})["metadata"]["uid"]  # the run: the object's uid
     assert s["checkpoint"]["path"].endswith(f"/drain/{uid}/step-{resumed:08d}")
     await _event(h, "drain", "Bound", f"resumed from step {resumed}, requested step {requested}")
-    if isinstance(engine, RealEngine):
+    if isinstance(engine, PodEngine):
         # The engine logs the line just after renaming the checkpoint into place, so the
         # operator can see the checkpoint before the line is written: wait for it.
         line = f"shutdown checkpoint team-a.drain at step {resumed}:"
 
         async def logged() -> bool:
-            return line in engine.server.log_text()
+            return line in engine.log_text()
 
         await h.wait_for("the engine's shutdown checkpoint log line", logged, timeout=30)
 
@@ -349,7 +350,7 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
     await h.wait_phase(NS, other, "Succeeded", timeout=120)
     if h.operator is not None:
         async with httpx.AsyncClient() as c:
-            metrics = (await c.get(f"{h.operator.metrics_url}/metrics")).text
+            metrics = (await c.get(h.operator.metrics_url)).text
         assert 'loraplex_preemptions_total{pool="pool-p"} 1.0' in metrics
 
 
@@ -529,7 +530,8 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
         await h.wait_for("del's series gone from the operator's /metrics", series_gone, 60)
     if not h.real_cluster:
         # kept in the run's own directory, which a new "del" (another uid) never touches
-        assert list((h.checkpoint_root / NS / "del" / uid).glob("step-*/adapter_config.json"))
+        ckpt = h.checkpoint_dir(pod["metadata"]["name"])
+        assert list((ckpt / NS / "del" / uid).glob("step-*/adapter_config.json"))
 
     # suspend: checkpoint + unload, slot freed; unsuspend: resume from the checkpoint
     await h.wait_for("sus checkpointed", lambda: checkpointed("sus"), timeout=120)
