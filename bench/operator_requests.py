@@ -38,7 +38,7 @@ import kmock
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests" / "operator"), str(REPO / "tests")]
 import harness  # noqa: E402
 from deployed import OperatorProcess, chart_values, rendered_operator  # noqa: E402
 from harness import (  # noqa: E402
