@@ -111,8 +111,15 @@ async def create_all(http: httpx.AsyncClient, objs: list[tuple[str, dict[str, An
 
     async def one(path: str, obj: dict[str, Any]) -> None:
         async with gate:
-            r = await http.post(path, json=obj)
-            r.raise_for_status()
+            for _ in range(5):  # a busy server may drop a connection: create again
+                try:
+                    r = await http.post(path, json=obj)
+                except httpx.TransportError:
+                    continue
+                if r.status_code != 409:  # 409: the dropped attempt had created it
+                    r.raise_for_status()
+                return
+            raise RuntimeError(f"could not create {obj['metadata']['name']}")
 
     await asyncio.gather(*(one(p, o) for p, o in objs))
 
