@@ -9,7 +9,8 @@ kopf peering instead, so a second instance started by mistake pauses rather than
 fighting. Metrics and `/healthz` on `--metrics-port` (8080); kopf's own liveness probe
 listens on loopback `--liveness-port` and is forwarded by `/healthz`.
 
-Tuning through the environment: LORAPLEX_RECONCILE_INTERVAL (5 s),
+Tuning through the environment: LORAPLEX_RECONCILE_INTERVAL (5 s, a pool whose engines
+are polled), LORAPLEX_RESYNC_INTERVAL (60 s, a pool with nothing to poll),
 LORAPLEX_STATUS_INTERVAL (10 s), LORAPLEX_SCALE_DOWN_DELAY (60 s),
 LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s).
 """

@@ -10,7 +10,10 @@ DEFAULT_MAX_RESTARTS = 3
 
 @dataclass(frozen=True)
 class Config:
-    interval: float = 5.0  # seconds between rounds of one pool
+    interval: float = 5.0  # seconds between rounds of a pool whose engines run work
+    # Seconds between rounds of a pool with nothing to poll: its rounds follow watch
+    # events (experiments, engine Pods), this is only the safety net.
+    resync: float = 60.0
     status_interval: float = 10.0  # min seconds between progress-only status writes
     scale_down_delay: float = 60.0  # an engine idle this long (above min) is removed
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -25,6 +28,7 @@ class Config:
 
         return cls(
             interval=num("RECONCILE_INTERVAL", cls.interval),
+            resync=num("RESYNC_INTERVAL", cls.resync),
             status_interval=num("STATUS_INTERVAL", cls.status_interval),
             scale_down_delay=num("SCALE_DOWN_DELAY", cls.scale_down_delay),
             max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),

@@ -1,7 +1,13 @@
 """kopf registrations: thin and idempotent; the work lives in `reconcile.py`.
 
-- one daemon per EnginePool runs reconcile rounds (every `LORAPLEX_RECONCILE_INTERVAL`
-  seconds, or at once when woken by an experiment change);
+- indexes (`@kopf.index`, kept by kopf's watches): pools by name, experiments by
+  `spec.enginePool`, engine Pods by their pool label; rounds read these, not the API;
+- one daemon per EnginePool runs reconcile rounds: at once when woken (an experiment or
+  an engine Pod of the pool changed), every `LORAPLEX_RECONCILE_INTERVAL` seconds while
+  its engines run or wait for work (they are polled), else every
+  `LORAPLEX_RESYNC_INTERVAL` seconds as a safety net;
+- login: credentials through `kube.Kube.connection_info` (kubernetes_asyncio: token
+  files, exec plugins, in-cluster token refresh), asked again by kopf after a 401;
 - LoRAExperiment create/resume/spec-update: admit against a missing pool (the pool's
   reconciler handles the rest) and wake the pool's daemon;
 - LoRAExperiment delete (finalizer `loraplex.dev/finalizer`): unload from every engine
@@ -22,9 +28,11 @@ import kopf
 from loraplex_operator import metrics as m
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube
+from loraplex_operator.kube import EXPERIMENTS, PODS, POOLS, Kube
+from loraplex_operator.manifests import POOL_LABEL
 from loraplex_operator.reconcile import PoolReconciler
 from loraplex_operator.resources import API_VERSION, FINALIZER
+from loraplex_operator.sources import IndexedCluster, ListedCluster
 
 log = logging.getLogger("loraplex_operator")
 
@@ -40,13 +48,35 @@ def _wake(memo: Any, pool: str | None) -> None:
         memo.wake.setdefault(pool, asyncio.Event()).set()
 
 
+def _kube(memo: Any) -> Kube:
+    if getattr(memo, "kube", None) is None:
+        memo.kube = Kube()
+    return memo.kube
+
+
+def _source(memo: Any, indexes: dict[str, Any]) -> IndexedCluster:
+    return IndexedCluster(
+        pools=indexes["pools_by_name"],
+        experiments=indexes["experiments_by_pool"],
+        pods=indexes.get("engine_pods_by_pool", {}),
+        fallback=ListedCluster(memo.reconciler.kube, memo.config),
+    )
+
+
+@kopf.on.login()
+async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    return await _kube(memo).connection_info()
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.watching.reconnect_backoff = 1.0
+    # Engine Pods only: the API server filters the watch behind the Pod index.
+    settings.watching.label_selectors[PODS.plural] = POOL_LABEL
     config = Config.from_env(os.environ)
-    kube = Kube.from_environment(settings)
+    kube = _kube(memo)
     engines = EngineClient(timeout=config.engine_timeout)
     heartbeats = m.Heartbeats()
     memo.config = config
@@ -79,32 +109,59 @@ def probe(memo: Any, **_: Any) -> dict[str, Any]:
     return {"stale": hb.stale(max(60.0, 10 * memo.config.interval))}
 
 
+@kopf.index(*POOLS.kopf_resource)
+def pools_by_name(name: str, body: Any, **_: Any) -> dict[str, Any]:
+    return {name: _raw(body)}
+
+
+@kopf.index(*EXPERIMENTS.kopf_resource)
+def experiments_by_pool(body: Any, spec: Any, **_: Any) -> dict[str, Any]:
+    return {spec.get("enginePool"): _raw(body)}
+
+
+# kopf watches every kind in the namespaces it serves. With namespaced RBAC those are the
+# tenants' namespaces, where the operator may not read Pods: no Pod index then (a round
+# lists its pool's Pods in the engine namespace, `sources.IndexedCluster`).
+if not Config.from_env(os.environ).namespaces:
+
+    @kopf.index(*PODS.kopf_resource, labels={POOL_LABEL: kopf.PRESENT})
+    def engine_pods_by_pool(body: Any, labels: Any, **_: Any) -> dict[str, Any]:
+        return {labels[POOL_LABEL]: copy.deepcopy(dict(body))}
+
+    @kopf.on.event(*PODS.kopf_resource, labels={POOL_LABEL: kopf.PRESENT})
+    def engine_pod_event(labels: Any, memo: Any, **_: Any) -> None:
+        """An engine Pod was created, became ready, is being deleted, died: act now."""
+        _wake(memo, labels.get(POOL_LABEL))
+
+
 @kopf.daemon(
     *POOLS.kopf_resource, cancellation_backoff=15.0, cancellation_timeout=30.0, initial_delay=0
 )
-async def pool_reconciler(name: str, stopped: Any, memo: Any, logger: Any, **_: Any) -> None:
+async def pool_reconciler(name: str, stopped: Any, memo: Any, logger: Any, **indexes: Any) -> None:
     """One reconciler per pool: rounds until the pool is deleted or the operator stops."""
     wake = memo.wake.setdefault(name, asyncio.Event())
-    interval = memo.config.interval
+    source = _source(memo, indexes)
     while not stopped:
         wake.clear()
         try:
-            await memo.reconciler.reconcile(name)
+            await memo.reconciler.reconcile(name, source)
         except Exception:
             m.RECONCILE_ERRORS.labels(kind="pool").inc()
             logger.exception("reconcile round of pool %s failed", name)
+        busy = source.polls_engines(name)
+        timeout = memo.config.interval if busy else memo.config.resync
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), timeout=interval)
+            await asyncio.wait_for(wake.wait(), timeout=timeout)
     memo.wake.pop(name, None)
     reason = getattr(stopped, "reason", None)
     if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
         logger.info("pool %s deleted: its experiments go back to Pending", name)
-        await memo.reconciler.pool_deleted(name)
+        await memo.reconciler.pool_deleted(name, source)
 
 
-async def _experiment_changed(body: Any, spec: Any, memo: Any) -> None:
+async def _experiment_changed(body: Any, spec: Any, memo: Any, indexes: Any) -> None:
     try:
-        exists = await memo.reconciler.admit_orphan(_raw(body))
+        exists = await memo.reconciler.admit_orphan(_raw(body), _source(memo, indexes))
     except Exception:
         m.RECONCILE_ERRORS.labels(kind="experiment").inc()
         raise
@@ -113,26 +170,26 @@ async def _experiment_changed(body: Any, spec: Any, memo: Any) -> None:
 
 
 @kopf.on.create(*EXPERIMENTS.kopf_resource, id="admit")
-async def experiment_created(body: Any, spec: Any, memo: Any, **_: Any) -> None:
-    await _experiment_changed(body, spec, memo)
+async def experiment_created(body: Any, spec: Any, memo: Any, **indexes: Any) -> None:
+    await _experiment_changed(body, spec, memo, indexes)
 
 
 @kopf.on.resume(*EXPERIMENTS.kopf_resource, id="admit")
-async def experiment_resumed(body: Any, spec: Any, memo: Any, **_: Any) -> None:
-    await _experiment_changed(body, spec, memo)
+async def experiment_resumed(body: Any, spec: Any, memo: Any, **indexes: Any) -> None:
+    await _experiment_changed(body, spec, memo, indexes)
 
 
 @kopf.on.update(*EXPERIMENTS.kopf_resource, id="admit-update", field="spec")
-async def experiment_updated(body: Any, spec: Any, memo: Any, **_: Any) -> None:
-    await _experiment_changed(body, spec, memo)
+async def experiment_updated(body: Any, spec: Any, memo: Any, **indexes: Any) -> None:
+    await _experiment_changed(body, spec, memo, indexes)
 
 
 @kopf.on.delete(*EXPERIMENTS.kopf_resource, id="release")
-async def experiment_deleted(body: Any, spec: Any, memo: Any, logger: Any, **_: Any) -> None:
+async def experiment_deleted(body: Any, spec: Any, memo: Any, logger: Any, **indexes: Any) -> None:
     """Checkpoint and unload from the engine; the checkpoint stays on shared storage."""
     obj = _raw(body)
     try:
-        finals = await memo.reconciler.release(obj)
+        finals = await memo.reconciler.release(obj, _source(memo, indexes))
     except (EngineUnreachable, EngineError) as e:
         m.RECONCILE_ERRORS.labels(kind="delete").inc()
         raise kopf.TemporaryError(f"unload failed: {e}", delay=2.0) from e

@@ -1,28 +1,41 @@
-"""A thin async Kubernetes client (httpx) for the reconciler.
+"""The reconciler's Kubernetes reads and writes, on `kubernetes_asyncio` (the official
+client's async port).
 
-kopf watches and patches through its own client; the reconciler needs a few plain
-reads and writes (list experiments, list and create engine Pods, read the token Secret,
-patch status). This client uses the same credentials kopf would: the in-cluster service
-account first, else the current context of `KUBECONFIG` (or `~/.kube/config`), through
-kopf's own `login_with_service_account` / `login_with_kubeconfig`.
+kopf watches and patches through its own client; the reconciler needs a few plain reads
+and writes (the engine token Secret, engine Pods, status patches). The client library
+owns the credentials: the in-cluster service account (it re-reads the projected token
+file, which the kubelet rotates), else the current context of `KUBECONFIG` (or
+`~/.kube/config`) with everything a kubeconfig can say: tokens and token files, client
+certificates (written to a temporary directory removed on `close`), and `exec` plugins
+(EKS, GKE, AKS). This adapter adds what a controller needs on top:
 
-Label selectors are sent to the API server *and* applied again here, so the code also
-works against API mocks that ignore them (kmock).
+- on 401, credentials are loaded again once and the request retried (a rotated token,
+  an exec credential that expired);
+- 429 and 5xx are retried with exponential backoff, honouring `Retry-After`;
+- lists are paginated (`limit` / `continue`);
+- label selectors are left to the API server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
+import logging
 import os
-import ssl
+import random
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplex_operator.resources import EXPERIMENT_PLURAL, GROUP, POOL_PLURAL, VERSION
+
+log = logging.getLogger("loraplex_operator.kube")
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,19 @@ NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "loraplex-operator/0.1.0"
+PAGE_SIZE = 500
+RETRIED = frozenset({429, 500, 502, 503, 504})
+
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 class KubeError(Exception):
@@ -66,97 +92,176 @@ class KubeError(Exception):
         self.message = message
 
 
-def labels_match(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    have = obj.get("metadata", {}).get("labels") or {}
-    return all(have.get(k) == v for k, v in labels.items())
+def _message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)
+    except (ValueError, AttributeError):
+        return str(e.body or e.reason)
 
 
-def _write_temp(data: str | bytes, suffix: str) -> str:
-    raw = base64.b64decode(data) if isinstance(data, str) else data
-    fd, path = tempfile.mkstemp(suffix=suffix)
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
-    return path
+def backoff(attempt: int, base: float = 0.5, cap: float = 30.0) -> float:
+    """Exponential backoff with jitter before retry `attempt` (0-based)."""
+    return min(cap, base * 2**attempt) * (0.5 + random.random() / 2)
 
 
-def _ssl_context(info: Any) -> ssl.SSLContext | bool:
-    server = str(info.server or "")
-    if not server.startswith("https"):
-        return True
-    if info.insecure:
-        return False
-    ctx = ssl.create_default_context()
-    if info.ca_path:
-        ctx.load_verify_locations(cafile=os.fspath(info.ca_path))
-    elif info.ca_data:
-        pem = base64.b64decode(info.ca_data).decode()
-        ctx.load_verify_locations(cadata=pem)
-    cert = info.certificate_path or (
-        _write_temp(info.certificate_data, ".crt") if info.certificate_data else None
-    )
-    key = info.private_key_path or (
-        _write_temp(info.private_key_data, ".key") if info.private_key_data else None
-    )
-    if cert:
-        ctx.load_cert_chain(os.fspath(cert), os.fspath(key) if key else None)
-    return ctx
+def retry_after(e: ApiException, attempt: int, cap: float = 30.0) -> float:
+    """Seconds to wait before retry `attempt`: the server's `Retry-After` when it sends
+    one (in seconds; 429 and 503 do), else `backoff`."""
+    header = (e.headers or {}).get("Retry-After")
+    if header is not None:
+        try:
+            return min(max(float(header), 0.0), cap)
+        except ValueError:
+            pass
+    return backoff(attempt, cap=cap)
 
 
 class Kube:
-    """A handful of typed calls against the API server (JSON in, JSON out)."""
+    """A handful of typed calls against the API server (JSON in, JSON out).
+
+    `Kube()` loads credentials from the environment (in-cluster, else the kubeconfig);
+    `Kube(server, token=...)` talks to one server (the tests' API server).
+    """
 
     def __init__(
         self,
-        server: str,
+        server: str | None = None,
         *,
         token: str | None = None,
-        verify: ssl.SSLContext | bool = True,
-        auth: tuple[str, str] | None = None,
-        timeout: float = 30.0,
-        transport: httpx.AsyncBaseTransport | None = None,
         user_agent: str = USER_AGENT,
+        timeout: float = 30.0,
+        max_retries: int = 6,
     ) -> None:
-        headers = {"Accept": "application/json", "User-Agent": user_agent}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.AsyncClient(
-            base_url=server.rstrip("/"),
-            headers=headers,
-            verify=verify,
-            auth=auth,
-            timeout=timeout,
-            transport=transport,
-        )
+        self._server = server
+        self._token = token
+        self._user_agent = user_agent
+        self._timeout = timeout
+        self._max_retries = max_retries
+        self._api: client.ApiClient | None = None
+        self._lock = asyncio.Lock()
+        self._files = tempfile.TemporaryDirectory(prefix="loraplex-kube-")
 
     @classmethod
-    def from_connection_info(cls, info: Any, **kw: Any) -> Kube:
-        """Build from a `kopf.ConnectionInfo`."""
-        auth = (info.username, info.password) if info.username and info.password else None
-        return cls(info.server, token=info.token, verify=_ssl_context(info), auth=auth, **kw)
-
-    @classmethod
-    def from_environment(cls, settings: Any, **kw: Any) -> Kube:
-        import kopf
-
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
-        )
-        if info is None:
-            raise RuntimeError("no Kubernetes credentials: neither in-cluster nor KUBECONFIG")
-        return cls.from_connection_info(info, **kw)
+    def from_environment(cls, settings: Any = None, **kw: Any) -> Kube:
+        """Credentials as kopf finds them: in-cluster first, else `KUBECONFIG`. (`settings`,
+        kopf's, is accepted for callers that have one; the client library needs none.)"""
+        return cls(**kw)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
+        self._files.cleanup()
 
-    async def _request(self, method: str, path: str, **kw: Any) -> Any:
-        r = await self._http.request(method, path, **kw)
-        if r.status_code >= 400:
+    # -- credentials --
+
+    async def _client(self, stale: client.ApiClient | None = None) -> client.ApiClient:
+        """The API client; a new one (credentials read again) when `stale` is current."""
+        async with self._lock:
+            if self._api is not None and self._api is not stale:
+                return self._api
+            if self._api is not None:
+                await self._api.close()
+            cfg = await self._configuration()
+            self._api = client.ApiClient(cfg)
+            self._api.user_agent = self._user_agent
+            return self._api
+
+    async def connection_info(self) -> Any:
+        """Credentials read afresh, as a `kopf.ConnectionInfo`, so that kopf's watches and
+        patches authenticate as this client does (kopf's own kubeconfig login knows neither
+        `tokenFile` nor `exec`). kopf asks again after a 401."""
+        import kopf
+
+        cfg, namespace = await self._configuration_and_namespace()
+        header = await cfg.get_api_key_with_prefix("BearerToken") or ""
+        scheme, _, token = header.partition(" ")
+        return kopf.ConnectionInfo(
+            server=cfg.host,
+            ca_path=cfg.ssl_ca_cert or None,
+            insecure=True if not cfg.verify_ssl else None,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=cfg.cert_file or None,
+            private_key_path=cfg.key_file or None,
+            default_namespace=namespace,
+        )
+
+    async def _configuration(self) -> client.Configuration:
+        return (await self._configuration_and_namespace())[0]
+
+    async def _configuration_and_namespace(self) -> tuple[client.Configuration, str | None]:
+        """The client configuration and the default namespace of the credentials."""
+        cfg = client.Configuration()
+        if self._server is not None:
+            cfg.host = self._server.rstrip("/")
+            if self._token:
+                cfg.api_key["BearerToken"] = f"Bearer {self._token}"
+            return cfg, None
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
             try:
-                message = r.json().get("message", r.text)
-            except ValueError:
-                message = r.text
-            raise KubeError(r.status_code, f"{method} {path}: {message}")
-        return r.json() if r.content else None
+                config.load_incluster_config(client_configuration=cfg)
+                return cfg, _read(SERVICE_ACCOUNT_NAMESPACE)
+            except config.ConfigException as e:
+                log.info("not in a cluster (%s); trying the kubeconfig", e)
+        try:
+            loader = await config.load_kube_config(
+                client_configuration=cfg, persist_config=False, temp_file_path=self._files.name
+            )
+        except (config.ConfigException, OSError) as e:
+            raise RuntimeError(
+                f"no Kubernetes credentials: neither in-cluster nor KUBECONFIG ({e})"
+            ) from e
+        if "BearerToken" in cfg.api_key:  # a token file may end in a newline (kubectl strips it)
+            cfg.api_key["BearerToken"] = cfg.api_key["BearerToken"].strip()
+        context = (loader.current_context or {}).get("context") or {}
+        return cfg, context.get("namespace")
+
+    # -- requests --
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        api = await self._client()
+        reloaded = False
+        attempt = 0
+        while True:
+            try:
+                return await api.call_api(
+                    path,
+                    method,
+                    query_params=list((query or {}).items()),
+                    header_params={"Accept": "application/json", "Content-Type": content_type},
+                    body=body,
+                    response_types_map={200: "object", 201: "object", 202: "object"},
+                    auth_settings=["BearerToken"],
+                    _return_http_data_only=True,
+                    _request_timeout=self._timeout,
+                )
+            except ApiException as e:
+                if e.status == 401 and not reloaded:
+                    log.info("%s %s: 401, loading credentials again", method, path)
+                    api = await self._client(stale=api)
+                    reloaded = True
+                    continue
+                if e.status in RETRIED and attempt < self._max_retries:
+                    delay = retry_after(e, attempt)
+                    log.info("%s %s: %s, retrying in %.1fs", method, path, e.status, delay)
+                    await asyncio.sleep(delay)
+                    attempt += 1
+                    continue
+                raise KubeError(e.status or 0, f"{method} {path}: {_message(e)}") from e
+            except (aiohttp.ClientError, TimeoutError) as e:
+                if attempt >= self._max_retries:
+                    raise KubeError(0, f"{method} {path}: {e!r}") from e
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
 
     async def list(
         self,
@@ -164,14 +269,18 @@ class Kube:
         namespace: str | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        params = {}
+        """Every object, page by page (`limit`/`continue`); `labels` is a selector."""
+        query: dict[str, str] = {"limit": str(PAGE_SIZE)}
         if labels:
-            params["labelSelector"] = ",".join(f"{k}={v}" for k, v in labels.items())
-        body = await self._request("GET", res.path(namespace), params=params)
-        items = [i for i in (body or {}).get("items", []) if i]
-        if namespace and res.namespaced:  # a mock may answer cluster-wide
-            items = [i for i in items if i.get("metadata", {}).get("namespace") == namespace]
-        return [i for i in items if labels_match(i, labels or {})]
+            query["labelSelector"] = ",".join(f"{k}={v}" for k, v in labels.items())
+        items: list[dict[str, Any]] = []
+        while True:
+            body = await self._request("GET", res.path(namespace), query=query) or {}
+            items.extend(i for i in body.get("items") or [] if i)
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            query["continue"] = token
 
     async def get(
         self, res: Resource, name: str, namespace: str | None = None
@@ -186,7 +295,7 @@ class Kube:
     async def create(
         self, res: Resource, body: Mapping[str, Any], namespace: str | None = None
     ) -> dict[str, Any]:
-        return await self._request("POST", res.path(namespace), json=dict(body))
+        return await self._request("POST", res.path(namespace), body=dict(body))
 
     async def patch(
         self,
@@ -201,8 +310,8 @@ class Kube:
             return await self._request(
                 "PATCH",
                 res.path(namespace, name, subresource),
-                json=dict(patch),
-                headers={"Content-Type": MERGE_PATCH},
+                body=dict(patch),
+                content_type=MERGE_PATCH,
             )
         except KubeError as e:
             if e.status == 404:
@@ -220,9 +329,9 @@ class Kube:
 
         `grace_seconds` overrides the object's grace period (0 = at once; a Pod's
         containers are then killed without waiting for them to stop)."""
-        params = {} if grace_seconds is None else {"gracePeriodSeconds": str(grace_seconds)}
+        query = {} if grace_seconds is None else {"gracePeriodSeconds": str(grace_seconds)}
         try:
-            await self._request("DELETE", res.path(namespace, name), params=params)
+            await self._request("DELETE", res.path(namespace, name), query=query)
             return True
         except KubeError as e:
             if e.status == 404:

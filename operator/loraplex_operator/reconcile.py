@@ -3,8 +3,9 @@
 Every round for one EnginePool:
 
 1. **observe** (`PoolReconciler.observe`): the pool, every LoRAExperiment naming it, the
-   pool's engine Pods, and — from every ready engine — what it actually runs
-   (`GET /v1/capacity`, `GET /v1/experiments`), as an `observation.Snapshot`;
+   pool's engine Pods (from a `sources.ClusterSource`: kopf's indexes in the operator),
+   and — from every ready engine — what it actually runs (`GET /v1/capacity`,
+   `GET /v1/experiments`), as an `observation.Snapshot`;
 2. **plan** (`planning.plan_round`, pure): adopt, recover, unload, admit, place, scale;
 3. **act** (`PoolReconciler.act`): unloads and preemptions (`DELETE` = checkpoint +
    unload), binds (`PUT`, idempotent), Pod creates/deletes, then each experiment's
@@ -32,8 +33,13 @@ from loraplex_operator import metrics as m
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, Kube, KubeError
-from loraplex_operator.observation import EngineView, Snapshot, deleting_until, pool_observation
+from loraplex_operator.kube import NAMESPACES, PODS, Kube, KubeError
+from loraplex_operator.observation import (
+    EngineView,
+    Snapshot,
+    deleting_until,
+    pool_observation,
+)
 from loraplex_operator.planning import (
     DUPLICATE,
     NORMAL,
@@ -47,16 +53,14 @@ from loraplex_operator.planning import (
     plan_round,
 )
 from loraplex_operator.publish import EventSink, StatusPublisher, experiment_state, kopf_event
-from loraplex_operator.resources import (
-    API_VERSION,
-    EXPERIMENT_KIND,
-    POOL_KIND,
-    Experiment,
-    Pool,
-    parse_time,
-)
+from loraplex_operator.resources import API_VERSION, POOL_KIND, Experiment, Pool, parse_time
+from loraplex_operator.sources import ClusterSource, ListedCluster
 
 log = logging.getLogger("loraplex_operator.reconcile")
+
+# How long a read of the token Secret or of a namespace's labels is reused: neither is
+# watched (the operator may only `get` them), and a round must not read them each time.
+READ_TTL = 60.0
 
 
 class PoolReconciler:
@@ -75,6 +79,7 @@ class PoolReconciler:
         self.heartbeats = heartbeats or m.Heartbeats()
         self.publisher = StatusPublisher(kube, emit, config)
         self._idle_since: dict[str, dict[str, float]] = {}
+        self._reads: dict[tuple[str, ...], tuple[float, Any]] = {}  # key -> (expiry, value)
 
     @property
     def kube(self) -> Kube:
@@ -90,13 +95,39 @@ class PoolReconciler:
 
     # -- observe --
 
+    def source(self) -> ClusterSource:
+        """Reads through the API (rounds run outside kopf, as in the tests)."""
+        return ListedCluster(self.kube, self.config)
+
+    async def _cached(self, key: tuple[str, ...], read: Any) -> Any:
+        now = time.monotonic()
+        hit = self._reads.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        value = await read()
+        self._reads[key] = (now + READ_TTL, value)
+        return value
+
     async def token(self, pool: Pool) -> str | None:
         secret = pool.spec.token_secret
-        return await self.kube.secret_value(pool.spec.engine_namespace, secret.name, secret.key)
+        ns = pool.spec.engine_namespace
+        return await self._cached(
+            ("secret", ns, secret.name, secret.key),
+            lambda: self.kube.secret_value(ns, secret.name, secret.key),
+        )
 
-    async def engine_views(self, pool: Pool, token: str | None) -> list[EngineView]:
+    async def namespace_labels(self, namespace: str) -> dict[str, str]:
+        async def read() -> dict[str, str]:
+            obj = await self.kube.get(NAMESPACES, namespace)
+            return (obj or {}).get("metadata", {}).get("labels") or {}
+
+        return await self._cached(("namespace", namespace), read)
+
+    async def engine_views(
+        self, pool: Pool, token: str | None, source: ClusterSource
+    ) -> list[EngineView]:
         namespace = pool.spec.engine_namespace
-        pods = await self.kube.list(PODS, namespace, labels={manifests.POOL_LABEL: pool.name})
+        pods = await source.engine_pods(pool.name, namespace)
         views = [EngineView.from_pod(p) for p in pods]
         await asyncio.gather(*(self._probe(v, token, namespace) for v in views))
         return views
@@ -127,19 +158,22 @@ class PoolReconciler:
         if pod is not None:
             view.deleting_until = deleting_until(pod)
 
-    async def observe(self, pool_name: str) -> tuple[Snapshot, str | None] | None:
-        raw = await self.kube.get(POOLS, pool_name)
+    async def observe(
+        self, pool_name: str, source: ClusterSource
+    ) -> tuple[Snapshot, str | None] | None:
+        raw = await source.pool(pool_name)
         if raw is None:
             return None
         pool = Pool.from_obj(raw)
         token = await self.token(pool)
-        exps, views = await asyncio.gather(self._experiments(), self.engine_views(pool, token))
-        exps = [x for x in exps if x.spec.engine_pool == pool_name]
+        items, views = await asyncio.gather(
+            source.experiments(pool_name), self.engine_views(pool, token, source)
+        )
+        exps = [Experiment.from_obj(x) for x in items]
         ns_labels: dict[str, dict[str, str]] = {}
         if pool.spec.namespace_selector is not None:
             for ns in {x.meta.namespace for x in exps}:
-                obj = await self.kube.get(NAMESPACES, ns)
-                ns_labels[ns] = (obj or {}).get("metadata", {}).get("labels") or {}
+                ns_labels[ns] = await self.namespace_labels(ns)
         snap = Snapshot(
             pool=pool,
             experiments=exps,
@@ -151,23 +185,12 @@ class PoolReconciler:
         )
         return snap, token
 
-    async def _experiments(self) -> list[Experiment]:
-        if not self.config.namespaces:  # cluster-wide RBAC: one list
-            items = await self.kube.list(EXPERIMENTS)
-        else:  # namespaced RBAC: one list per watched namespace
-            lists = await asyncio.gather(
-                *(self.kube.list(EXPERIMENTS, ns) for ns in self.config.namespaces)
-            )
-            items = [x for xs in lists for x in xs]
-        for x in items:  # list items may lack kind/apiVersion; Events need them
-            x.setdefault("apiVersion", API_VERSION)
-            x.setdefault("kind", EXPERIMENT_KIND)
-        return [Experiment.from_obj(x) for x in items]
-
     # -- the round --
 
-    async def reconcile(self, pool_name: str) -> RoundPlan | None:
-        observed = await self.observe(pool_name)
+    async def reconcile(
+        self, pool_name: str, source: ClusterSource | None = None
+    ) -> RoundPlan | None:
+        observed = await self.observe(pool_name, source or self.source())
         if observed is None:
             m.forget_pool(pool_name)
             self.heartbeats.forget(pool_name)
@@ -302,23 +325,26 @@ class PoolReconciler:
 
     # -- deletion and pools that do not exist --
 
-    async def release(self, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    async def release(
+        self, obj: Mapping[str, Any], source: ClusterSource | None = None
+    ) -> list[dict[str, Any]]:
         """Unload a deleted experiment from every engine of its pool (checkpoints stay)."""
+        source = source or self.source()
         exp = Experiment.from_obj(obj)
-        raw = await self.kube.get(POOLS, exp.spec.engine_pool)
+        raw = await source.pool(exp.spec.engine_pool)
         if raw is None:
             return []
         pool = Pool.from_obj(raw)
         token = await self.token(pool) or ""
         finals = []
-        for view in await self.engine_views(pool, token):
+        for view in await self.engine_views(pool, token, source):
             if exp.id in view.experiments and view.url:
                 final = await self.engines.delete(view.url, token, exp.id)
                 if final:
                     finals.append({"engine": view.name, **final})
         return finals
 
-    async def pool_deleted(self, pool_name: str) -> None:
+    async def pool_deleted(self, pool_name: str, source: ClusterSource | None = None) -> None:
         """The pool is going away (its engines with it): its experiments go Pending with
         `Admitted=False` naming spec.enginePool; a pool of that name created later admits
         them again, and they resume from their recorded checkpoints."""
@@ -326,20 +352,23 @@ class PoolReconciler:
         self.heartbeats.forget(pool_name)
         self._idle_since.pop(pool_name, None)
         now = datetime.now(UTC)
-        for exp in await self._experiments():
-            if exp.spec.engine_pool != pool_name or not _placeable(exp):
+        for item in await (source or self.source()).experiments(pool_name):
+            exp = Experiment.from_obj(item)
+            if not _placeable(exp):
                 continue
             w = Work.start(exp)
             w.problems = [f"spec.enginePool: EnginePool {pool_name!r} was deleted"]
             await self.publisher.publish(w, now)
 
-    async def admit_orphan(self, obj: Mapping[str, Any]) -> bool:
+    async def admit_orphan(
+        self, obj: Mapping[str, Any], source: ClusterSource | None = None
+    ) -> bool:
         """An experiment whose pool does not exist: Pending, Admitted=False, an Event.
 
         Returns True when the pool exists (the pool's reconciler takes over).
         """
         exp = Experiment.from_obj(dict(obj))
-        if await self.kube.get(POOLS, exp.spec.engine_pool) is not None:
+        if await (source or self.source()).pool(exp.spec.engine_pool) is not None:
             return True
         if not _placeable(exp):
             return False

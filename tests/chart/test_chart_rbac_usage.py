@@ -46,7 +46,9 @@ def covers(scope: str, namespace: str | None) -> bool:
         return True
     if scope == "watched":  # cluster mode lists and watches across namespaces
         return namespace in (WATCHED, None)
-    if scope in ("engines", "engineSecret"):
+    if scope == "engines":  # cluster mode: kopf watches engine pods across namespaces
+        return namespace in (ENGINE_NS, None)
+    if scope == "engineSecret":
         return namespace == ENGINE_NS
     if scope == "operatorNamespace":
         return namespace == KOPF_DEFAULT_NS

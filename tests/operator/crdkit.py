@@ -13,6 +13,7 @@ what a transition rule such as `self == oldSelf` sees when a user reorders a set
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +33,14 @@ CRD_FILES = {
 
 
 def load_crd(kind: str) -> dict[str, Any]:
-    return yaml.safe_load(CRD_FILES[kind].read_text())
+    return copy.deepcopy(_parse_yaml(CRD_FILES[kind].read_text()))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_yaml(text: str) -> dict[str, Any]:
+    """Parsed once per file content: the API server stand-in checks every create against
+    the CRD, and parsing it takes longer than the check."""
+    return yaml.safe_load(text)
 
 
 def schema_of(kind: str) -> dict[str, Any]:

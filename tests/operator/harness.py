@@ -44,6 +44,7 @@ import base64
 import contextlib
 import copy
 import os
+import re
 import secrets
 import time
 import uuid
@@ -75,10 +76,45 @@ KUEUE_GATE = {"name": "kueue.x-k8s.io/admission"}
 CRD_KINDS = {"loraexperiments": "LoRAExperiment", "enginepools": "EnginePool"}
 
 
+# The harness's own client (tests, kubelet) authenticates with this token.
+HARNESS_TOKEN = "harness-" + secrets.token_hex(8)
+
+
 class ApiServer(kmock.KubernetesEmulator):
     """kmock plus the few API-server behaviours the operator relies on."""
 
+    # Bearer tokens let in besides HARNESS_TOKEN; None = no authentication at all.
+    tokens: set[str] | None = None
+
+    def refuses(self, request: Any) -> bool:
+        if self.tokens is None:
+            return False
+        auth = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+        return auth not in {f"Bearer {t}" for t in {*self.tokens, HARNESS_TOKEN}}
+
+    async def _serve_list(self, request: Any) -> Any:
+        """Label selectors, and pages of `limit` items (`continue`: the next offset)."""
+        body = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        items = [i for i in body["items"] if selects(selector, i)]
+        start = int(request.params.get("continue") or 0)
+        limit = int(request.params.get("limit") or 0) or len(items)
+        body["items"] = items[start : start + limit]
+        if start + limit < len(items):
+            body["metadata"] = {**body["metadata"], "continue": str(start + limit)}
+        return body
+
+    async def _serve_watch(self, request: Any) -> Any:
+        selector = request.params.get("labelSelector")
+        async for event in super()._serve_watch(request):
+            if not isinstance(event, dict) or selects(selector, event.get("object")):
+                yield event
+
     async def _handle(self, request: Any) -> Any:
+        if self.refuses(request):
+            return await self._render_error(
+                kmock.KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
+            )
         if request.resource is not None and isinstance(request.data, dict):
             errors: list[str] = []
             if request.action == kmock.action.CREATE:
@@ -182,6 +218,33 @@ def _kueue_gate(pod: dict[str, Any]) -> None:
             {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"},
         ],
     }
+
+
+def selects(selector: str | None, obj: Any) -> bool:
+    """Whether `obj`'s labels match a label selector (`k=v`, `k==v`, `k!=v`, `k`, `!k`,
+    `k in (a,b)`, `k notin (a,b)`), as the API server filters lists and watches."""
+    if not selector:
+        return True
+    labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+    for term in (t.strip() for t in re.split(r",(?![^()]*\))", selector) if t.strip()):
+        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\((.*)\)", term):
+            values = {v.strip() for v in m[3].split(",")}
+            if (labels.get(m[1]) in values) != (m[2] == "in"):
+                return False
+        elif "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
@@ -309,6 +372,10 @@ class Harness:
         self.kubelet: Kubelet | None = None
         self.operator: OperatorProcess | None = None
         self._stack = contextlib.AsyncExitStack()
+        # kmock: the kubeconfig `user` the operator gets, and the bearer tokens the API
+        # server accepts from it (None: no authentication).
+        self.kubeconfig_user: dict[str, Any] = {}
+        self.api_tokens: set[str] | None = None
         self.operator_env: dict[str, str] = {
             "LORAPLEX_RECONCILE_INTERVAL": "1",
             "LORAPLEX_STATUS_INTERVAL": "0",
@@ -329,13 +396,14 @@ class Harness:
             self.kube = Kube.from_environment(kopf.OperatorSettings())
         else:
             self.api = ApiServer()
+            self.api.tokens = self.api_tokens
             declare_resources(self.api)
             await self._stack.enter_async_context(self.api)
             server = await self._stack.enter_async_context(kmock.Server(self.api))
             url = str(server.url).rstrip("/")
             kubeconfig = self.workdir / "kubeconfig"
-            kubeconfig.write_text(yaml.safe_dump(_kubeconfig(url)))
-            self.kube = Kube(url, user_agent="loraplex-tests")
+            kubeconfig.write_text(yaml.safe_dump(_kubeconfig(url, self.kubeconfig_user)))
+            self.kube = Kube(url, token=HARNESS_TOKEN, user_agent="loraplex-tests")
             # The engine image holds the model at the pool's baseModel path.
             node = Node(self.workdir / "node", image_paths={ENGINE_MODEL: self.model_dir})
             self.kubelet = Kubelet(self.api, self.kube, node)
@@ -549,12 +617,12 @@ class Harness:
         return await self.wait_for(f"{namespace}/{name} in {phases}", check, timeout)
 
 
-def _kubeconfig(server: str) -> dict[str, Any]:
+def _kubeconfig(server: str, user: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Config",
         "current-context": "kmock",
         "clusters": [{"name": "kmock", "cluster": {"server": server}}],
-        "users": [{"name": "kmock", "user": {}}],
+        "users": [{"name": "kmock", "user": user or {}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
     }
