@@ -146,8 +146,15 @@ class _LogprobFormat:
         return {
             "tokens": [self.detokenize([c.ids[i]]) for i in tokens],
             "token_logprobs": [c.logprobs[i] for i in tokens],
-            "top_logprobs": [
-                {self.detokenize([t]): lp for t, lp in c.tops[i].items()} for i in tokens
-            ],
+            "top_logprobs": [self._by_text(c.tops[i]) for i in tokens],
             "text_offset": [c.offsets[i] for i in tokens],
         }
+
+    def _by_text(self, top: dict[int, float]) -> dict[str, float]:
+        """Alternatives keyed by text, as OpenAI's are: ids that decode alike (byte pieces
+        of one character all read "\ufffd") keep the most likely one's log-prob."""
+        out: dict[str, float] = {}
+        for token, logprob in top.items():
+            text = self.detokenize([token])
+            out[text] = max(logprob, out.get(text, -float("inf")))
+        return out
