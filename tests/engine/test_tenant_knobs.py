@@ -266,3 +266,35 @@ def test_checkpoint_settings_from_before_the_knobs_still_load() -> None:
     old = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     s = AdamWSettings(**old)
     assert (s.lr_schedule, s.max_grad_norm, s.lr_at(10)) == ("constant", None, 1e-3)
+
+
+# ---- through the engine ----------------------------------------------------------------
+
+
+def test_engine_takes_the_knobs_from_the_spec_and_resumes_mid_schedule(
+    tiny_model_dir, tmp_path: Path
+) -> None:
+    """The engine's optimiser gets the spec's schedule and clipping at placement, and a
+    resume from the checkpoint on a fresh engine continues at the saved step count."""
+    from engine_builders import engine, spec
+
+    body = spec(steps=6, group=2, prompts=1).to_json()
+    body["algorithm"] |= {"lrSchedule": "cosine", "warmupSteps": 1, "maxGradNorm": 0.5}
+    knobs = parse_spec(body)
+    first = engine(tiny_model_dir, tmp_path / "a")
+    first.put_experiment("default.x", knobs)
+    first.tick()
+    first.tick()
+    ref = first.checkpoint_experiment("default.x")
+    assert ref.step == 2 and first.optimizer.step_count("default.x") == 2
+    first.close()
+
+    second = engine(tiny_model_dir, tmp_path / "b")
+    second.put_experiment("default.x", knobs, resume_from=ref.path)
+    slot = second.model.slot_of("default.x")
+    assert second.optimizer.step_count("default.x") == 2
+    assert second.optimizer.settings[slot] == adamw_settings(knobs.algorithm)
+    assert second.optimizer.settings[slot].lr_at(3) == pytest.approx(
+        0.02 * lr_factor(3, "cosine", 1, 6)
+    )
+    second.close()
