@@ -298,3 +298,22 @@ def test_engine_takes_the_knobs_from_the_spec_and_resumes_mid_schedule(
         0.02 * lr_factor(3, "cosine", 1, 6)
     )
     second.close()
+
+
+def test_clipping_leaves_other_slots_gradients_exactly_alone(tiny_model_dir) -> None:
+    """Only the clipped slots are scaled: another slot's gradient, even a non-finite one
+    (which the engine's guard refuses on its own), is untouched bit for bit."""
+    model = multi_model(tiny_model_dir)
+    opt = PerAdapterAdamW(model)
+    opt.add_adapter("a", AdamWSettings(lr=1e-2, max_grad_norm=1e-3))
+    opt.add_adapter("b", AdamWSettings(lr=1e-2))
+    _random_grads(model, ["a", "b"], torch.Generator().manual_seed(3))
+    next(iter(model.adapter_views("b", lambda p: p.grad).values()))[0, 0] = math.inf
+    before = _adapter_grads(model, "b")
+    opt.step([model.slot_of("a")])
+    after = _adapter_grads(model, "b")
+    assert all(torch.equal(after[k], t) for k, t in before.items())
+    clipped = torch.linalg.vector_norm(
+        torch.stack([g.norm() for g in _adapter_grads(model, "a").values()])
+    )
+    assert clipped == pytest.approx(1e-3, rel=1e-4)

@@ -11,7 +11,6 @@ arithmetic op for op.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -176,15 +175,15 @@ class PerAdapterAdamW:
     def _clip_grads(self, slots: list[int]) -> None:
         """Scale each clipped slot's gradient to at most its max_grad_norm, by its own norm
         alone; slots without clipping (and those not stepped) keep a factor of 1."""
-        limits = {s: self.settings[s].max_grad_norm for s in slots}
-        limits = {s: m for s, m in limits.items() if m is not None}
+        limits = {s: limit for s in slots if (limit := self.settings[s].max_grad_norm) is not None}
         if not limits:
             return
         norms = self.grad_norms()
-        max_norm = torch.full_like(norms, math.inf)
-        for slot, limit in limits.items():
-            max_norm[slot] = limit
-        coef = (max_norm / (norms + _CLIP_EPS)).clamp(max=1.0)
+        # Exactly 1 for every other slot, whatever its norm (even a non-finite one).
+        coef = torch.ones_like(norms)
+        index = torch.tensor(list(limits), device=norms.device)
+        max_norm = torch.tensor(list(limits.values()), device=norms.device, dtype=norms.dtype)
+        coef[index] = (max_norm / (norms[index] + _CLIP_EPS)).clamp(max=1.0)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(coef.view(-1, *([1] * (p.grad.dim() - 1))).to(p.grad.dtype))
