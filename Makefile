@@ -18,6 +18,8 @@ $(STAMP): requirements/*.txt trainer-image/pyproject.toml operator/pyproject.tom
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
 		-r requirements/dev.txt -e ./trainer-image -e ./operator
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -c requirements/constraints.txt \
+		-r requirements/dev-nodeps.txt
 	@touch $@
 
 # vLLM for CPU in its own venv (.venv-vllm): see scripts/install-vllm.sh. Idempotent; ~4 min
@@ -27,7 +29,8 @@ vllm-venv:
 
 tiny-model: $(TINY_MODEL)/config.json
 
-$(TINY_MODEL)/config.json: $(STAMP)
+# Rebuilt when the builder changes (a new preset shape changes the model under every test).
+$(TINY_MODEL)/config.json: $(STAMP) trainer-image/loraplex_engine/tiny_model.py
 	$(VENV)/bin/loraplex-engine tiny-model --out $(TINY_MODEL)
 
 lint: $(STAMP)

@@ -11,15 +11,15 @@
    same workload at every N, in parallel processes, while the device works.
 4. For N = 1, 8, 32 adapters at rank 32 on every linear (LoRA weights and Adam moments
    fp32): one GRPO training step of every tenant's rows through the engine's own
-   strategies (training_strategy.FusedTraining, timesliced.TimeSlicedTraining) over
-   ``training.fused_backward`` with chunked log-probs (HiddenStatesForward) and
-   gradient checkpointing. Reports the step's seconds (median of ``--repeats`` after
-   a warm-up), training tokens/s, the FLOP floor ``(4P + 6P_L)·T + 3F_a·T``
-   (planner.floor_flops) as a share of the measured bf16 rate, and the peak
-   ``torch.cuda.max_memory_allocated`` of the fused step against the planner's
-   predicted training peak. ``one_at_a_time`` is N × the N=1 fused step: what a system
-   that holds one adapter per device spends per round, without any swap (time-sliced
-   is the resident-slots baseline, with its real host copies).
+   strategies (training_strategy.FusedTraining, timesliced.TimeSlicedTraining), whose
+   backward computes log-probs chunk by chunk and, here, checkpoints every layer.
+   Reports the step's seconds (median of ``--repeats`` after a warm-up), training
+   tokens/s, the FLOP floor ``(4P + 6P_L)·T + 3F_a·T`` (planner.floor_flops) as a share
+   of the measured bf16 rate, and the peak ``torch.cuda.max_memory_allocated`` of the
+   fused step against the planner's predicted training peak. ``one_at_a_time`` is
+   N × the N=1 fused step: what a system that holds one adapter per device spends per
+   round, without any swap (time-sliced is the resident-slots baseline, with its real
+   host copies).
 
 Writes one JSON (``--out``, default bench/results/gpu-<device>-<date>.json) after every
 cell, so a run cut short by its time slot still leaves what it measured.
@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,13 +47,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bf16_matmul_flops
 from loraplex_engine.algorithms import GRPO
-from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.planner import Workload, floor_flops, linear_weights, plan, tenant_rows
 from loraplex_engine.timesliced import TimeSlicedTraining
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import FusedTraining
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -71,35 +70,6 @@ DRY_RUN_SHAPE = {
     "max_window_layers": 2,
 }
 ARMS = ("fused", "timesliced")
-
-
-@dataclass
-class CheckpointedFused(FusedTraining):
-    """The engine's fused strategy with chunked log-probs and checkpointed layers."""
-
-    checkpointing: bool = True
-
-    def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
-        self.computed_tokens += _backward(self, rows, updates, self.checkpointing)
-
-
-@dataclass
-class CheckpointedTimeSliced(TimeSlicedTraining):
-    """The time-sliced baseline, with the same backward as CheckpointedFused."""
-
-    checkpointing: bool = True
-
-    def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
-        self.computed_tokens += _backward(self, rows, updates, self.checkpointing)
-
-
-def _backward(trainer: Any, rows: list[TrainRow], updates: dict, checkpointing: bool) -> int:
-    forward = HiddenStatesForward(trainer.model, trainer.device)
-    stats = fused_backward(
-        forward, rows, updates, trainer.pad_id, trainer.micro_batch_tokens,
-        gradient_checkpointing=checkpointing,
-    )  # fmt: skip
-    return stats.computed_tokens
 
 
 def model_config(path: Path, layers: int | None, dry_run: bool) -> PretrainedConfig:
@@ -160,12 +130,14 @@ def run_cell(
     p_base, p_lora = linear_weights(model, w.rank)
     common = {"model": model, "optimizer": optimizer, "device": device, "pad_id": 0,
               "micro_batch_tokens": w.micro_batch_tokens, "shared_forward": None,
-              "checkpointing": w.checkpointing}  # fmt: skip
+              "gradient_checkpointing": w.checkpointing}  # fmt: skip
     cell: dict[str, Any] = {"n": w.adapters, "arms": {}}
-    for arm, strategy in zip(ARMS, (CheckpointedFused, CheckpointedTimeSliced), strict=True):
+    for arm, strategy in zip(ARMS, (FusedTraining, TimeSlicedTraining), strict=True):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        got = time_arm(strategy(**common), rows, updates, repeats)
+        trainer = strategy(**common)
+        got = time_arm(trainer, rows, updates, repeats)
+        got["checkpointing"] = trainer.gradient_checkpointing  # as the strategy ran it
         floor = floor_flops(config, p_base, p_lora, got["tokens"], w.row_tokens)
         got |= {
             "tokens_per_s": got["tokens"] / got["step_s"],
@@ -177,7 +149,7 @@ def run_cell(
         }
         cell["arms"][arm] = got
     cell |= {"frozen_linear_params": p_base, "lora_params_per_adapter": p_lora}
-    del model, optimizer, common
+    del model, optimizer, common, trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return cell

@@ -14,6 +14,7 @@ import time
 
 import torch
 from loraplex_engine.algorithms import group_advantages, grpo_loss, token_logprobs
+from loraplex_engine.base_model import default_lora_targets, lora_targets_of
 from loraplex_engine.manifests import load_manifests
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import build_task
@@ -59,7 +60,10 @@ def args_from_manifest(args: argparse.Namespace, spec: ExperimentSpec) -> argpar
             "lr": a.learning_rate,
             "rank": lora.rank,
             "alpha": lora.alpha,
-            "targets": ",".join(lora.target_modules),
+            # Unset: the family default the engine would give (base_model.py).
+            "targets": ",".join(
+                lora.target_modules or default_lora_targets(lora_targets_of(args.model)) or ()
+            ),
             "group": a.group_size,
             "prompts": a.prompts_per_step,
             "new_tokens": spec.rollout.max_new_tokens,

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex_operator.placement import adapter_memory_bytes
-from loraplex_operator.resources import Experiment, ExperimentSpec, Pool, PoolSpec
+from loraplex_operator.resources import (
+    DEFAULT_TARGET_CANDIDATES,
+    Experiment,
+    ExperimentSpec,
+    Pool,
+    PoolSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,10 @@ def namespace_allowed(
 
 def experiment_memory_bytes(exp: ExperimentSpec, pool: PoolSpec) -> int:
     """Adapter memory estimate of an experiment on this pool (0 without a model shape)."""
-    return adapter_memory_bytes(exp.lora.rank, exp.lora.target_modules, pool.model_shape)
+    # Unset targets are sized as q_proj + v_proj: the family default, and an upper bound
+    # for Phi-3's qkv_proj (rank × (2h + 2kv) ≤ rank × (3h + kv) since kv ≤ h).
+    targets = exp.lora.target_modules or DEFAULT_TARGET_CANDIDATES[0]
+    return adapter_memory_bytes(exp.lora.rank, targets, pool.model_shape)
 
 
 def check_experiment(
@@ -97,6 +106,9 @@ def _lora_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[
             )
         )
     allowed = pool.allowed_target_modules
+    if exp.lora.target_modules is None:
+        problems += _default_targets_problems(allowed, pool_name)
+        return problems
     extra = _unlisted(exp.lora.target_modules, allowed)
     if extra:
         problems.append(
@@ -107,6 +119,21 @@ def _lora_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[
             )
         )
     return problems
+
+
+def _default_targets_problems(allowed: Sequence[str], pool_name: str) -> list[Problem]:
+    """No targetModules: the engine picks one of the family defaults; the pool must allow
+    one of them whole (which one depends on the base model, unknown here)."""
+    if any(set(c) <= set(allowed) for c in DEFAULT_TARGET_CANDIDATES):
+        return []
+    defaults = " or ".join("+".join(c) for c in DEFAULT_TARGET_CANDIDATES)
+    return [
+        Problem(
+            "spec.lora.targetModules",
+            f"unset, so the family default ({defaults}) applies, which EnginePool "
+            f"{pool_name!r} does not allow (allowed: {', '.join(allowed)}); name the targets",
+        )
+    ]
 
 
 def _unlisted(wanted: Sequence[str], allowed: Sequence[str]) -> list[str]:

@@ -25,16 +25,23 @@ TOKEN_FILE = f"{TOKEN_DIR}/token"
 TOKEN_VOLUME = "loraplex-token"
 CHECKPOINT_VOLUME = "loraplex-checkpoints"
 CONTAINER = "engine"
+# Kueue's pod integration admits a Pod carrying this label through the named LocalQueue
+# (its webhook adds a scheduling gate, lifted once the quota admits the Pod).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-def engine_labels(pool_name: str) -> dict[str, str]:
-    """Labels on every engine pod of a pool (select a pool's engines with POOL_LABEL)."""
-    return {
+def engine_labels(pool_name: str, queue_name: str | None = None) -> dict[str, str]:
+    """Labels on every engine pod of a pool (select a pool's engines with POOL_LABEL),
+    and the Kueue queue label when the pool names a queue."""
+    labels = {
         POOL_LABEL: pool_name,
         "app.kubernetes.io/name": "loraplex-engine",
         COMPONENT_LABEL: "engine",
         "app.kubernetes.io/managed-by": "loraplex-operator",
     }
+    if queue_name:
+        labels[KUEUE_QUEUE_LABEL] = queue_name
+    return labels
 
 
 def engine_pod_name(pool_name: str, suffix: str) -> str:
@@ -70,8 +77,27 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-adapters", str(view.capacity.max_adapters),
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
+        *_precision_args(view),
+        *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
+
+
+def _precision_args(view: PoolSpec) -> list[str]:
+    """Only what the pool sets: otherwise the engine picks by its device."""
+    args = [] if view.dtype is None else ["--dtype", view.dtype]
+    if view.gradient_checkpointing is not None:
+        on = view.gradient_checkpointing
+        args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
+    return args
+
+
+def trust_args(view: PoolSpec) -> list[str]:
+    """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
+    is never read as another flag)."""
+    return [f"--data-root={d}" for d in view.data_roots] + [
+        f"--allow-reward-host={h}" for h in view.reward_hosts
+    ]
 
 
 def _env(pool_name: str, template: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -166,7 +192,7 @@ def engine_pod(pool: Mapping[str, Any], suffix: str) -> dict[str, Any]:
         "metadata": {
             "name": engine_pod_name(pool_name, suffix),
             "namespace": engine_namespace(pool),
-            "labels": engine_labels(pool_name),
+            "labels": engine_labels(pool_name, PoolSpec.from_obj(spec).queue_name),
             "ownerReferences": [owner_reference(pool)],
         },
         "spec": pod_spec,

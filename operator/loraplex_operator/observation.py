@@ -7,11 +7,18 @@ is only the operator's memory of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from loraplex_operator import manifests
+from loraplex_operator import status as st
+from loraplex_operator.placement import ModelShape
 from loraplex_operator.resources import Experiment, Pool, parse_time
+
+# Why an experiment waits for an engine pod that has no node yet (its Wait reason).
+WAIT_ADMISSION = st.WAITING_FOR_ADMISSION  # gated: Kueue has not admitted the pod
+WAIT_ENGINE_UNSCHEDULABLE = "EngineUnschedulable"  # the scheduler found no node for it
 
 
 @dataclass
@@ -29,6 +36,37 @@ class EngineView:
     # Pod being deleted: epoch of its deletionTimestamp, by when the kubelet kills the
     # engine. Until then the engine may still be writing its SIGTERM checkpoints.
     deleting_until: float | None = None
+    # No node yet: held by a scheduling gate (Kueue's admission gate), or the scheduler
+    # found none (PodScheduled=False, Unschedulable). Capacity asked for, not there yet.
+    gated: bool = False
+    unschedulable: bool = False
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> EngineView:
+        """The pod's part of the view; the engine's answers are filled in by the probe."""
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        return cls(
+            name=pod["metadata"]["name"],
+            url=manifests.engine_url(pod),
+            node=spec.get("nodeName"),
+            pod_ready=manifests.is_pod_ready(pod),
+            pod_phase=status.get("phase"),
+            deleting_until=deleting_until(pod),
+            gated=bool(spec.get("schedulingGates")),
+            unschedulable=_unschedulable(status),
+        )
+
+    @property
+    def capacity_pending(self) -> str | None:
+        """Why this engine's room is not there yet (a Wait reason), None if it is or soon
+        will be (a pod on a node, starting)."""
+        if self.terminating or self.dead:
+            return None
+        if self.gated:
+            return WAIT_ADMISSION
+        if self.unschedulable:
+            return WAIT_ENGINE_UNSCHEDULABLE
+        return None
 
     @property
     def usable(self) -> bool:
@@ -63,6 +101,15 @@ class EngineView:
         return f"engine {self.name} no longer runs it (engine restarted)"
 
 
+def _unschedulable(pod_status: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "PodScheduled"
+        and c.get("status") == "False"
+        and c.get("reason") == "Unschedulable"
+        for c in pod_status.get("conditions") or ()
+    )
+
+
 def live(engines: list[EngineView]) -> list[EngineView]:
     """Engines that count: neither dead nor being deleted."""
     return [e for e in engines if not e.dead and not e.terminating]
@@ -85,3 +132,52 @@ class Snapshot:
     namespace_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     now: float = 0.0  # epoch seconds
     idle_since: dict[str, float] = field(default_factory=dict)  # engine -> epoch
+    token_found: bool = True  # the pool's engine token Secret exists
+
+
+def reported_shape(engines: Iterable[EngineView]) -> ModelShape | None:
+    """The base model's shape as the first engine that answered reports it (`modelShape`
+    on /v1/capacity); every engine of a pool loads the same model."""
+    for e in engines:
+        shape = (e.capacity or {}).get("modelShape") if e.reachable else None
+        if shape:
+            return ModelShape(
+                num_layers=int(shape["numLayers"]),
+                hidden_size=int(shape["hiddenSize"]),
+                intermediate_size=shape.get("intermediateSize"),
+                kv_dim=shape.get("kvDim"),
+            )
+    return None
+
+
+def with_reported_shape(snap: Snapshot) -> Snapshot:
+    """The snapshot with the pool's `modelShape`, or else the one its engines report: a
+    pool need not declare its model's dimensions. Until an engine reports, nothing is
+    estimated (memory checks wait; nothing binds before an engine answers anyway)."""
+    if snap.pool.spec.model_shape is not None:
+        return snap
+    shape = reported_shape(snap.engines)
+    if shape is None:
+        return snap
+    pool = replace(snap.pool, spec=replace(snap.pool.spec, model_shape=shape))
+    return replace(snap, pool=pool)
+
+
+def pool_observation(snap: Snapshot) -> st.PoolObservation:
+    """The pool's status inputs: its live engines counted, those without a node named."""
+    engines = live(snap.engines)
+    ready = [e for e in engines if e.usable]
+    used = sum(e.used_slots for e in ready)
+    total = sum(int((e.capacity or {}).get("maxAdapters", 0)) for e in ready)
+    return st.PoolObservation(
+        engines=len(engines),
+        ready=len(ready),
+        slots_used=used,
+        slots_free=max(total - used, 0),
+        min_replicas=snap.pool.spec.replicas.min,
+        gated=sorted(e.name for e in engines if e.capacity_pending == WAIT_ADMISSION),
+        unschedulable=sorted(
+            e.name for e in engines if e.capacity_pending == WAIT_ENGINE_UNSCHEDULABLE
+        ),
+        token_found=snap.token_found,
+    )

@@ -42,7 +42,8 @@ class ModelShape:
     kv_dim: int | None = None  # k/v projection width (GQA); defaults to hidden
 
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a Llama-style target module; unknown → square."""
+        """(in_features, out_features) of a Llama- or Phi-3-style target module; unknown →
+        square."""
         h = self.hidden_size
         inter = self.intermediate_size or 4 * h
         kv = self.kv_dim or h
@@ -54,6 +55,8 @@ class ModelShape:
             "gate_proj": (h, inter),
             "up_proj": (h, inter),
             "down_proj": (inter, h),
+            "qkv_proj": (h, h + 2 * kv),  # Phi-3's fused projections
+            "gate_up_proj": (h, 2 * inter),
         }
         return dims.get(module, (h, h))
 
@@ -149,6 +152,7 @@ class ScaleUp:
 class Wait:
     experiment: str
     reason: str
+    engine: str | None = None  # the not-ready engine whose room it holds (WAIT_STARTING)
 
 
 Decision = Bind | Preempt | ScaleUp | Wait
@@ -305,7 +309,8 @@ def plan(
         future = _best_fit(starting + planned, exp, order)
         if future is not None:
             future.take(exp)
-            decisions.append(Wait(exp.key, WAIT_STARTING))
+            held = future.name if any(future is s for s in starting) else None
+            decisions.append(Wait(exp.key, WAIT_STARTING, held))
             continue
         fresh = _new_engine(limits, len(planned))
         if len(planned) < room_to_grow and fresh.fits(exp):

@@ -28,7 +28,7 @@ from typing import Any
 from loraplex_operator import admission, placement
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
-from loraplex_operator.observation import EngineView, Snapshot, live
+from loraplex_operator.observation import EngineView, Snapshot, live, with_reported_shape
 from loraplex_operator.resources import Capacity, Experiment, PoolSpec, parse_time
 
 log = logging.getLogger("loraplex_operator.planning")
@@ -113,13 +113,14 @@ class RoundPlan:
 
 def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
     """Everything one round should do, from one observation (pure)."""
+    snap = with_reported_shape(snap)
     engines = live(snap.engines)
     sorted_out = classify(snap, engines, config)
     inputs, limits = placement_inputs(snap.pool.spec, engines, sorted_out.running_on)
     decisions = placement.plan(sorted_out.pending, inputs, limits)
     acts = act_on(decisions, sorted_out.work, {e.name: e for e in engines})
     unloads = sorted_out.unloads + acts.unloads
-    busy = {u.engine for u in unloads} | acts.bound_to
+    busy = {u.engine for u in unloads} | acts.bound_to | acts.held
     scaling = scale(snap, engines, config, acts.create_pods, busy, acts.waiting)
     return RoundPlan(
         work=sorted_out.work,
@@ -333,6 +334,7 @@ class Acts:
     unloads: list[Unload] = field(default_factory=list)  # preemptions
     create_pods: int = 0
     bound_to: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)  # not-ready engines holding someone's room
     waiting: bool = False  # some experiment waits for room that can come
 
 
@@ -357,9 +359,18 @@ def act_on(
         elif isinstance(d, placement.ScaleUp):
             acts.create_pods += d.count
         elif isinstance(d, placement.Wait):
-            work[d.experiment].waiting_reason = d.reason
+            work[d.experiment].waiting_reason = _waiting_reason(d, engines)
             acts.waiting |= d.reason != placement.WAIT_UNSCHEDULABLE
+            if d.engine in engines:
+                acts.held.add(d.engine)
     return acts
+
+
+def _waiting_reason(d: placement.Wait, engines: Mapping[str, EngineView]) -> str:
+    """The Wait's reason, or why the engine it waits for has no node yet (Kueue has not
+    admitted it, or no node fits): the user sees what it actually waits for."""
+    engine = engines.get(d.engine or "")
+    return (engine.capacity_pending if engine else None) or d.reason
 
 
 def _bind(w: Work) -> dict[str, Any]:
@@ -399,10 +410,17 @@ def scale(
     waiting: bool,
 ) -> Scaling:
     """Keep at least `replicas.min` engines; remove engines idle for `scale_down_delay`
-    above the minimum, newest name first, when nothing waits and nothing is created."""
+    above the minimum, newest name first, when nothing waits and nothing is created.
+    An engine pod without a node (gated, unschedulable) that holds nobody's room is idle
+    too: asked for by a burst that has passed, it would otherwise hold its Kueue quota
+    or scheduler slot for ever."""
     lo = snap.pool.spec.replicas.min
     create_pods += max(lo - len(engines) - create_pods, 0)
-    idle = [e for e in engines if e.usable and not e.experiments and e.name not in busy]
+    idle = [
+        e
+        for e in engines
+        if (e.usable or e.capacity_pending) and not e.experiments and e.name not in busy
+    ]
     idle_since = {e.name: snap.idle_since.get(e.name, snap.now) for e in idle}
     delete: list[str] = []
     if not waiting and create_pods == 0:

@@ -33,7 +33,7 @@ from loraplex_operator import status as st
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, Kube, KubeError
-from loraplex_operator.observation import EngineView, Snapshot, deleting_until, live
+from loraplex_operator.observation import EngineView, Snapshot, deleting_until, pool_observation
 from loraplex_operator.planning import (
     DUPLICATE,
     NORMAL,
@@ -97,17 +97,7 @@ class PoolReconciler:
     async def engine_views(self, pool: Pool, token: str | None) -> list[EngineView]:
         namespace = pool.spec.engine_namespace
         pods = await self.kube.list(PODS, namespace, labels={manifests.POOL_LABEL: pool.name})
-        views = [
-            EngineView(
-                name=p["metadata"]["name"],
-                url=manifests.engine_url(p),
-                node=p.get("spec", {}).get("nodeName"),
-                pod_ready=manifests.is_pod_ready(p),
-                pod_phase=p.get("status", {}).get("phase"),
-                deleting_until=deleting_until(p),
-            )
-            for p in pods
-        ]
+        views = [EngineView.from_pod(p) for p in pods]
         await asyncio.gather(*(self._probe(v, token, namespace) for v in views))
         return views
 
@@ -157,6 +147,7 @@ class PoolReconciler:
             namespace_labels=ns_labels,
             now=time.time(),
             idle_since=self._idle_since.get(pool_name, {}),
+            token_found=token is not None,
         )
         return snap, token
 
@@ -302,19 +293,10 @@ class PoolReconciler:
                 log.warning("delete engine pod %s: %s", name, e)
 
     async def _pool_status(self, snap: Snapshot, phases: dict[str, int], now: datetime) -> None:
-        engines = live(snap.engines)
-        ready = [e for e in engines if e.usable]
-        used = sum(e.used_slots for e in ready)
-        total = sum(int((e.capacity or {}).get("maxAdapters", 0)) for e in ready)
-        m.set_pool(snap.pool.name, phases, len(engines), used, max(total - used, 0))
+        counts = pool_observation(snap)
+        m.set_pool(snap.pool.name, phases, counts.engines, counts.slots_used, counts.slots_free)
         new = st.pool_status(
-            engines=len(engines),
-            ready=len(ready),
-            slots_used=used,
-            slots_free=max(total - used, 0),
-            generation=snap.pool.meta.generation,
-            old_conditions=snap.pool.raw_status.get("conditions"),
-            now=now,
+            counts, snap.pool.meta.generation, snap.pool.raw_status.get("conditions"), now
         )
         await self.publisher.publish_pool(snap.pool, new)
 

@@ -29,7 +29,21 @@ FINALIZER = f"{GROUP}/finalizer"
 
 # A hand-built object may lack metadata.namespace; the API server always sets it.
 DEFAULT_NAMESPACE = "default"
-LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of every supported family: Llama's seven, and Phi-3's fused ones.
+FAMILY_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
+# An experiment without targetModules gets the base model family's default, resolved by
+# the engine (loraplex_engine.base_model.default_lora_targets): one of these sets.
+DEFAULT_TARGET_CANDIDATES = (("q_proj", "v_proj"), ("qkv_proj",))
 
 
 def parse_time(value: str | None) -> float | None:
@@ -87,7 +101,7 @@ class Meta:
 @dataclass(frozen=True)
 class Lora:
     rank: int = 8
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    target_modules: tuple[str, ...] | None = None  # None: the family default (engine's)
 
 
 @dataclass(frozen=True)
@@ -112,7 +126,7 @@ class ExperimentSpec:
             suspend=bool(spec.get("suspend", cls.suspend)),
             lora=Lora(
                 rank=int(lora.get("rank", Lora.rank)),
-                target_modules=_strings_or(lora.get("targetModules"), Lora.target_modules),
+                target_modules=_strings(lora.get("targetModules")),
             ),
             algorithm=Algorithm(max_steps=int(algorithm.get("maxSteps", Algorithm.max_steps))),
         )
@@ -216,10 +230,16 @@ class PoolSpec:
     checkpoint_root: str = "/ckpt"
     token_secret: SecretRef = field(default_factory=SecretRef)
     model_shape: ModelShape | None = None
-    allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
+    allowed_target_modules: tuple[str, ...] = FAMILY_TARGET_MODULES
     # None = not set; a pool with neither list nor selector admits every namespace.
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: Mapping[str, Any] | None = None
+    # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
+    dtype: str | None = None
+    gradient_checkpointing: bool | None = None
+    queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
+    data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
+    reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -249,6 +269,15 @@ class PoolSpec:
             ),
             allowed_namespaces=_strings(spec.get("allowedNamespaces")),
             namespace_selector=spec.get("namespaceSelector"),
+            dtype=None if spec.get("dtype") is None else str(spec["dtype"]),
+            gradient_checkpointing=(
+                None
+                if spec.get("gradientCheckpointing") is None
+                else bool(spec["gradientCheckpointing"])
+            ),
+            queue_name=spec.get("queueName") or None,
+            data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
+            reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
         )
 
 

@@ -8,6 +8,14 @@ the condition's `status` does not change.
 
 Phases: Pending (not placed), Scheduled (bound, engine not yet reporting), Running,
 Suspended, Succeeded, Failed. Succeeded and Failed are terminal and sticky.
+
+Besides one condition per phase, both kinds carry the three conditions generic tools
+read (kstatus, `kubectl wait --for=condition=Ready`, Argo CD, Flux): `Reconciling`
+(True while the operator is still getting it where it should be), `Stalled` (True when
+it cannot get there without a human) and `Ready`. An experiment is a job-like
+resource, so `Ready` is True while it trains normally and once it has succeeded (as
+kstatus counts a running or complete Job as current); a suspended experiment is at
+rest, neither reconciling nor stalled, and not Ready.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
+from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
 
 PENDING, SCHEDULED, RUNNING = "Pending", "Scheduled", "Running"
@@ -29,7 +38,12 @@ TERMINAL = frozenset({SUCCEEDED, FAILED})
 # Condition types, in the order they are written.
 ADMITTED, COND_SCHEDULED, COND_RUNNING = "Admitted", "Scheduled", "Running"
 COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED = "Suspended", "Succeeded", "Failed"
+# The generic (kstatus) conditions, written on both kinds.
+READY, RECONCILING, STALLED = "Ready", "Reconciling", "Stalled"
 CONDITION_TYPES = (
+    READY,
+    RECONCILING,
+    STALLED,
     ADMITTED,
     COND_SCHEDULED,
     COND_RUNNING,
@@ -152,10 +166,31 @@ def _verdict(suspend: bool, old_phase: str | None, obs: Observation) -> _Verdict
     return _Verdict(SCHEDULED, "Bound", f"bound to {obs.binding.engine}")
 
 
+# Pending for one of these reasons needs a human (fix the spec or the pool): Stalled.
+NEEDS_A_HUMAN = frozenset({"AdmissionFailed", WAIT_UNSCHEDULABLE})
+
+
+def generic_conditions(phase: str, reason: str, message: str) -> list[dict[str, Any]]:
+    """Ready, Reconciling and Stalled of an experiment in `phase` for `reason` (kstatus)."""
+    stalled = phase == FAILED or (phase == PENDING and reason in NEEDS_A_HUMAN)
+    reconciling = phase in (PENDING, SCHEDULED) and not stalled
+    return [
+        condition(READY, phase in (RUNNING, SUCCEEDED), reason, message),
+        _flag(RECONCILING, reconciling, reason, message),
+        _flag(STALLED, stalled, reason, message),
+    ]
+
+
+def _flag(type_: str, on: bool, reason: str, message: str) -> dict[str, Any]:
+    """An abnormal-true condition: the reason and message when True, `Not<Type>` when False."""
+    return condition(type_, on, reason if on else f"Not{type_}", message if on else "")
+
+
 def _conditions_for(v: _Verdict, obs: Observation) -> list[dict[str, Any]]:
     admitted = not obs.problems
     placed = v.phase in (SCHEDULED, RUNNING) or (v.phase in TERMINAL and obs.binding is not None)
     return [
+        *generic_conditions(v.phase, v.reason, v.message),
         condition(
             ADMITTED,
             admitted,
@@ -213,7 +248,7 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> dict[str,
     generation = exp.meta.generation
     verdict = _verdict(exp.spec.suspend, old.get("phase"), obs)
     if old.get("phase") in TERMINAL:
-        return {**old, "observedGeneration": generation}
+        return _terminal(old, generation, now)
 
     status: dict[str, Any] = {
         k: old[k] for k in ("step", "reward", "checkpoint", "adapterPath", "startedAt") if k in old
@@ -242,6 +277,16 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> dict[str,
     return status
 
 
+def _terminal(old: Mapping[str, Any], generation: int, now: datetime) -> dict[str, Any]:
+    """A finished experiment's status stays as it was; one written before the generic
+    conditions existed gets them (from its phase and that phase's reason)."""
+    status = {**old, "observedGeneration": generation}
+    if get_condition(old.get("conditions"), READY) is None:
+        new = generic_conditions(old["phase"], phase_reason(old), str(old.get("message") or ""))
+        status["conditions"] = merge_conditions(old.get("conditions"), new, generation, now)
+    return status
+
+
 def phase_reason(status: Mapping[str, Any]) -> str:
     """Why the experiment is in its phase, as one CamelCase word: the reason of the
     condition that explains the phase (see `_PHASE_CONDITION`). The reasons come from a
@@ -252,27 +297,77 @@ def phase_reason(status: Mapping[str, Any]) -> str:
     return reason if _REASON.fullmatch(reason) else "Unknown"
 
 
+# --- EnginePool ------------------------------------------------------------------------
+
+CAPACITY_PENDING = "CapacityPending"
+WAITING_FOR_ADMISSION = "WaitingForAdmission"  # engine pod gated (Kueue has not admitted it)
+POD_UNSCHEDULABLE = "Unschedulable"  # engine pod fits no node (yet)
+_POOL_RECONCILING = frozenset({"EnginesStarting", WAITING_FOR_ADMISSION, POD_UNSCHEDULABLE})
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """What a pool's status is derived from: its engine pods, counted."""
+
+    engines: int  # pods that count: neither failed nor being deleted
+    ready: int  # of those, ready and answering
+    slots_used: int
+    slots_free: int
+    min_replicas: int = 0
+    gated: Sequence[str] = ()  # pods held by a scheduling gate (Kueue: not admitted yet)
+    unschedulable: Sequence[str] = ()  # pods the scheduler found no node for
+    token_found: bool = True  # the engine token Secret exists (engines cannot start without)
+
+
+def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
+    """Engine pods asked for but not placed on a node: why, naming them."""
+    if obs.gated:
+        message = f"engine pods waiting for admission (scheduling gate): {', '.join(obs.gated)}"
+        return condition(CAPACITY_PENDING, True, WAITING_FOR_ADMISSION, message)
+    if obs.unschedulable:
+        message = f"engine pods no node can take yet: {', '.join(obs.unschedulable)}"
+        return condition(CAPACITY_PENDING, True, POD_UNSCHEDULABLE, message)
+    return condition(CAPACITY_PENDING, False, "CapacityAvailable")
+
+
+def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
+    """Ready, Reconciling, Stalled and CapacityPending of a pool.
+
+    Reconciling while engine pods are asked for but not ready (starting, gated,
+    unschedulable) or fewer than `replicas.min` are ready; Stalled when the token Secret
+    is missing (no engine starts until someone creates it); Ready when neither holds
+    (some engine ready, or none wanted: a pool scaled to zero is at rest)."""
+    pending = _capacity_pending(obs)
+    counts = f"{obs.ready}/{obs.engines} engines ready"
+    if not obs.token_found:
+        why, message = "TokenSecretMissing", "engine token Secret (spec.tokenSecretRef) not found"
+    elif obs.engines > obs.ready or obs.ready < obs.min_replicas:
+        on_hold = pending["status"] == "True"
+        why = pending["reason"] if on_hold else "EnginesStarting"
+        message = f"{counts}; {pending['message']}" if on_hold else counts
+    else:
+        why, message = ("EnginesReady" if obs.ready else "ScaledToZero"), counts
+    stalled, reconciling = why == "TokenSecretMissing", why in _POOL_RECONCILING
+    return [
+        condition(READY, not (stalled or reconciling), why, message),
+        _flag(RECONCILING, reconciling, why, message),
+        _flag(STALLED, stalled, why, message),
+        pending,
+    ]
+
+
 def pool_status(
-    engines: int,
-    ready: int,
-    slots_used: int,
-    slots_free: int,
+    obs: PoolObservation,
     generation: int,
     old_conditions: Sequence[Mapping[str, Any]] | None,
     now: datetime,
 ) -> dict[str, Any]:
-    """EnginePool status: counts and a Ready condition (some engine ready)."""
-    cond = condition(
-        "Ready",
-        ready > 0,
-        "EnginesReady" if ready else "NoReadyEngine",
-        f"{ready}/{engines} engines ready",
-    )
+    """EnginePool status: the counts and the conditions of `pool_conditions`."""
     return {
         "observedGeneration": generation,
-        "engines": engines,
-        "ready": ready,
-        "slotsUsed": slots_used,
-        "slotsFree": slots_free,
-        "conditions": merge_conditions(old_conditions, [cond], generation, now),
+        "engines": obs.engines,
+        "ready": obs.ready,
+        "slotsUsed": obs.slots_used,
+        "slotsFree": obs.slots_free,
+        "conditions": merge_conditions(old_conditions, pool_conditions(obs), generation, now),
     }

@@ -38,6 +38,7 @@ def test_every_cell_ran_both_arms_on_the_same_tokens(result: dict) -> None:
     for cell in result["cells"]:
         fused, sliced = cell["arms"]["fused"], cell["arms"]["timesliced"]
         assert fused["failures"] == sliced["failures"] == []
+        assert fused["checkpointing"] and sliced["checkpointing"]  # as the strategies ran
         rows = cell["n"] * result["workload"]["completions_per_prompt"]
         row_tokens = result["workload"]["prompt_tokens"] + result["workload"]["completion_tokens"]
         assert fused["tokens"] == sliced["tokens"] == rows * row_tokens

@@ -215,6 +215,15 @@ def test_default_pool() -> None:
     assert spec["baseModel"].startswith("/") and spec["template"]["image"]
 
 
+def test_default_pool_engine_image_follows_the_app_version() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    image = one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]["template"]["image"]
+    assert image == f"loraplex/engine:{app_version}"
+    for pinned in ("registry.example:5000/loraplex/engine:9.9.9", "loraplex/engine@sha256:ab12"):
+        values = {"defaultPool": {"enabled": True, "spec": {"template": {"image": pinned}}}}
+        assert one(render(values), "EnginePool")["spec"]["template"]["image"] == pinned
+
+
 def test_engines_in_another_namespace() -> None:
     docs = render(SCENARIOS["engines-elsewhere"])
     ns = "gpu-engines"
@@ -326,6 +335,30 @@ def test_network_policy() -> None:
     extra = {"ipBlock": {"cidr": "10.0.0.0/8"}}
     docs = render({"networkPolicy": {"enabled": True, "extraIngress": [extra]}})
     assert one(docs, "NetworkPolicy")["spec"]["ingress"][0]["from"][-1] == extra
+
+
+def test_network_policy_egress_is_dns_and_the_reward_peers_when_enabled() -> None:
+    assert "egress" not in one(render(SCENARIOS["netpol-only"]), "NetworkPolicy")["spec"]
+    reward = {
+        "to": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}],
+        "ports": [{"port": 8080}],
+    }
+    values = {
+        "networkPolicy": {"enabled": True, "egress": {"enabled": True, "rewardPeers": [reward]}}
+    }
+    spec = one(render(values), "NetworkPolicy")["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    dns, rewards = spec["egress"]
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert sorted(p["protocol"] for p in dns["ports"]) == ["TCP", "UDP"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert rewards == reward
+    assert len(spec["ingress"]) == 1  # ingress unchanged: operator and Prometheus only
 
 
 def test_notes() -> None:

@@ -41,7 +41,7 @@ def _id(doc: dict[str, Any]) -> str:
 
 
 def test_samples_are_split_as_the_readme_says() -> None:
-    assert {p.name for p in CLUSTER_FILES} == {"experiments.yaml", "pool-cpu.yaml"}
+    assert {p.name for p in CLUSTER_FILES} == {"experiments.yaml", "pool-cpu.yaml", "pool-gpu.yaml"}
     assert {p.name for p in LOCAL_FILES} == {"demo.yaml", "demo-smollm2.yaml"}
 
 
@@ -104,6 +104,22 @@ def test_cluster_pools_use_the_charts_token_secret() -> None:
     for pool in _defaulted("EnginePool"):
         assert pool["spec"]["tokenSecretRef"] == ref, _id(pool)
         assert pool["spec"]["engineNamespace"] == namespace, _id(pool)
+
+
+def test_the_gpu_pool_asks_for_a_gpu_per_engine_on_gpu_nodes() -> None:
+    """What a GPU cluster needs of it: one nvidia.com/gpu per engine, a toleration of the
+    GPU nodes' taint, a GPU node selector, vLLM rollouts; no modelShape (the engines report
+    theirs), and nothing started until an experiment names it."""
+    (gpu,) = [p for p in _defaulted("EnginePool") if p["spec"]["rolloutBackend"] == "vllm"]
+    spec, template = gpu["spec"], gpu["spec"]["template"]
+    assert template["resources"]["limits"]["nvidia.com/gpu"] == 1
+    tolerations = {(t["key"], t.get("effect")) for t in template["tolerations"]}
+    assert ("nvidia.com/gpu", "NoSchedule") in tolerations
+    assert any(k.startswith("nvidia.com/gpu") for k in template["nodeSelector"])
+    assert "modelShape" not in spec and "Qwen3-4B" in spec["baseModel"]
+    assert spec["replicas"]["min"] == 0 and spec["replicas"]["max"] > 1
+    mounts = {m["mountPath"] for m in template["volumeMounts"]}
+    assert any(spec["baseModel"].startswith(m) for m in mounts), "the model is on a volume"
 
 
 def test_local_samples_use_the_local_pool_only() -> None:

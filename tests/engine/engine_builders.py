@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from loraplex_engine.engine import Engine
 from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_engine.trust import TrustPolicy
+
+# Engine tests keep their datasets in pytest's temporary directories and score with
+# loopback reward servers: the local runner's policy over the temporary directory. The
+# engine service's own limits are tested in test_tenant_boundaries.py and test_trust.py.
+TEST_TRUST = TrustPolicy.local([Path(tempfile.gettempdir()).resolve()])
 
 # LoRA on lm_head: the tiny random model learns its tasks through the head (see
 # docs/architecture.md, "RL: tasks, rewards, GRPO").
@@ -47,6 +54,7 @@ def spec(
 def engine(model_dir: Path, root: Path, **kwargs: Any) -> Engine:
     kwargs.setdefault("max_adapters", 4)
     kwargs.setdefault("max_rank", 16)
+    kwargs.setdefault("trust", TEST_TRUST)
     return Engine(model_dir, checkpoint_root=root, **kwargs)
 
 

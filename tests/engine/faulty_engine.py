@@ -1,32 +1,41 @@
-"""An engine whose shared device can be made to fail, for ``serve --engine-factory``.
+"""`loraplex-engine` whose shared device can be made to fail: `python faulty_engine.py serve`.
 
 A fault of the base model or the device (CUDA error, lost GPU) is the one failure that
-may fail a whole tick; on CPU no real component produces one on demand, so this factory
-builds the real :class:`~loraplex_engine.engine.Engine` and makes its next N ticks raise
-inside the tick, after the tick has taken the queued completions: N is read from the
-file ``$LORAPLEX_TEST_FAULTS`` (decremented per fault). Everything else is the real engine.
+may fail a whole tick; on CPU no real component produces one on demand. This wrapper runs
+the real command line (``loraplex_engine.cli.main``) with the real
+:class:`~loraplex_engine.engine.Engine`, except that its next N ticks raise inside the
+tick, after the tick has taken the queued completions: N is read from the file
+``$LORAPLEX_TEST_FAULTS`` (decremented per fault). No test hook lives in the product: the
+wrapper swaps the class ``serve`` imports when it loads the model.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.engine import Engine
+import loraplex_engine.engine
+from loraplex_engine import cli
 
 
-def faulty_engine(model_dir: str, **kwargs: Any) -> Engine:
-    engine = Engine(model_dir, **kwargs)
-    faults = Path(os.environ["LORAPLEX_TEST_FAULTS"])
-    run = engine._tick.run
+class FaultyEngine(loraplex_engine.engine.Engine):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        faults = Path(os.environ["LORAPLEX_TEST_FAULTS"])
+        run = self._tick.run
 
-    def run_or_fail(*args: Any, **kw: Any) -> Any:
-        left = int(faults.read_text() or 0) if faults.exists() else 0
-        if left > 0:
-            faults.write_text(str(left - 1))
-            raise RuntimeError("injected device fault")
-        return run(*args, **kw)
+        def run_or_fail(*a: Any, **kw: Any) -> Any:
+            left = int(faults.read_text() or 0) if faults.exists() else 0
+            if left > 0:
+                faults.write_text(str(left - 1))
+                raise RuntimeError("injected device fault")
+            return run(*a, **kw)
 
-    engine._tick.run = run_or_fail  # type: ignore[method-assign]
-    return engine
+        self._tick.run = run_or_fail  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    loraplex_engine.engine.Engine = FaultyEngine  # type: ignore[misc]
+    sys.exit(cli.main(sys.argv[1:]))

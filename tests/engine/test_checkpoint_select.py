@@ -108,9 +108,19 @@ def _assert_holds(eng, exp_id: str, ckpt: Path) -> None:
         assert torch.equal(got[key], value), key
 
 
+def _own(name: str, checkpoint: Path) -> Path:
+    """``checkpoint``'s place in experiment ``name``'s own directory (same run, same step)."""
+    run_dir = checkpoint.parent
+    return run_dir.parents[1] / name / run_dir.name / checkpoint.name
+
+
 def _resume(eng, name: str, path: Path):
+    """Resume ``name`` from ``path``'s run, copied into its own directory first (a
+    resumeFrom must lie there: trust.py)."""
+    own = _own(name, path)
+    shutil.copytree(path.parent, own.parent, dirs_exist_ok=True)
     small = spec(steps=20, every=2, keep=10, group=2, prompts=2)
-    status, created = eng.put_experiment(f"default.{name}", small, "default", name, str(path))
+    status, created = eng.put_experiment(f"default.{name}", small, "default", name, str(own))
     assert created
     return status
 
@@ -147,7 +157,7 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
 
     second = engine(tiny_model_dir, tmp_path)
     newest = _resume(second, "newest", step[2])
-    assert (newest.step, newest.checkpoint.path) == (6, str(step[6]))
+    assert (newest.step, newest.checkpoint.path) == (6, str(_own("newest", step[6])))
     _assert_holds(second, "default.newest", step[6])
     carried = second.checkpoint_experiment("default.newest")
     assert read_metadata(carried.path)[RUN_ID] == run  # the run id travels with the run
@@ -156,13 +166,13 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
     (step[6] / "optimizer.safetensors").write_bytes(b"truncated")
     with caplog.at_level(logging.WARNING, logger="loraplex_engine.run_store"):
         fallback = _resume(second, "fallback", step[2])
-    assert (fallback.step, fallback.checkpoint.path) == (4, str(step[4]))
+    assert (fallback.step, fallback.checkpoint.path) == (4, str(_own("fallback", step[4])))
     _assert_holds(second, "default.fallback", step[4])
-    assert any(str(step[6]) in r.getMessage() for r in caplog.records)
-    assert (step[6] / "adapter_model.safetensors").exists()
+    assert any(str(_own("fallback", step[6])) in r.getMessage() for r in caplog.records)
+    assert (_own("fallback", step[6]) / "adapter_model.safetensors").exists()
 
     # A trainer state that names no run is no checkpoint of this engine's: refused.
-    nameless = tmp_path / "elsewhere" / step[2].name
+    nameless = run_dir.parent / "elsewhere" / step[2].name
     _without_run_id(step[2], nameless)
     with pytest.raises(BadCheckpointError, match="names no valid runId") as err:
         _resume(second, "nameless", nameless)
@@ -307,10 +317,14 @@ def test_a_resume_restores_the_global_rng_only_onto_an_empty_engine(
     torch.manual_seed(1234)
     eng.put_experiment("default.b", spec(steps=9, group=2, prompts=1), "default", "b")
     before = torch.get_rng_state()
-    eng.put_experiment("default.c", spec(steps=9, group=2, prompts=1), "default", "c", saved.path)
+    eng.put_experiment("default.a", spec(steps=9, group=2, prompts=1), "default", "a", saved.path)
     assert torch.equal(torch.get_rng_state(), before)  # b's masks are not reshuffled
 
     alone = engine(tiny_model_dir, tmp_path / "alone")
+    copied = tmp_path / "alone" / Path(saved.path).relative_to(tmp_path)  # its own root
+    shutil.copytree(saved.path, copied)
     torch.manual_seed(1234)
-    alone.put_experiment("default.c", spec(steps=9, group=2, prompts=1), "default", "c", saved.path)
+    alone.put_experiment(
+        "default.a", spec(steps=9, group=2, prompts=1), "default", "a", str(copied)
+    )
     assert torch.equal(torch.get_rng_state(), saved_rng)

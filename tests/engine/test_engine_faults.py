@@ -160,8 +160,8 @@ def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
             "odd",
         )
     assert err.value.field == "spec.lora.targetModules"
-    bogus = tmp_path / "bogus"
-    bogus.mkdir()
+    bogus = tmp_path / "default" / "r" / "bogus"  # in its own directory: trust.py
+    bogus.mkdir(parents=True)
     with pytest.raises(BadCheckpointError, match=r"adapter_config\.json"):
         eng.put_experiment("default.r", spec(), "default", "r", resume_from=str(bogus))
     assert eng.list_experiments() == [] and eng.model.free_slots() == [1]

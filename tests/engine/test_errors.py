@@ -109,9 +109,14 @@ def test_the_server_answers_each_api_error_with_its_status_and_body(
     cls: type[ApiError], raising: tuple[_Raising, TestClient]
 ) -> None:
     r = _client_get(raising, cls("what went wrong", field="spec.x"))
-    assert r.status_code == HTTP_STATUS[cls]
+    status = HTTP_STATUS[cls]
+    assert r.status_code == status
+    openai_type = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
     assert r.content == (
-        b'{"error":{"code":"%s","message":"what went wrong","field":"spec.x"}}' % cls.code.encode()
+        b'{"error":{"code":"%s","message":"what went wrong","field":"spec.x",'
+        b'"type":"%s","param":"spec.x"}}' % (cls.code.encode(), openai_type.encode())
     )
 
 
@@ -124,6 +129,8 @@ def test_a_core_error_reaching_the_server_is_an_engine_bug(
         "code": "internal",
         "message": "internal error (CheckpointError)",
         "field": None,
+        "type": "server_error",
+        "param": None,
     }
 
 

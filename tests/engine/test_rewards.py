@@ -20,6 +20,7 @@ from loraplex_engine.rewards import (
     prefix_overlap,
     word_fraction,
 )
+from loraplex_engine.trust import Resolver, RewardEgress
 
 ITEMS = [
     RewardItem(prompt="2 + 2 =", completion=" 4", answer="4"),
@@ -45,7 +46,12 @@ class _Handler(BaseHTTPRequestHandler):
             "/short": {"scores": [1.0]},
             "/noscores": {"result": 1},
         }
-        if self.path == "/boom":
+        if self.path == "/redirect":
+            self.send_response(307)
+            self.send_header("Location", "/score")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path == "/boom":
             self._send(500, b'{"detail": "reward code raised KeyError"}')
         elif self.path == "/notjson":
             self._send(200, b"<html>oops</html>")
@@ -94,10 +100,11 @@ def test_http_reward_scores_a_batch_in_one_request(server: str) -> None:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("/boom", "answered HTTP 500.*KeyError"),
+        ("/boom", r"answered HTTP 500$"),  # the body is not copied
+        ("/redirect", r"answered HTTP 307$"),  # not followed
         ("/nan", "score 0 is not finite"),
-        ("/text", "score 0 is not a number: 'high'"),
-        ("/bool", "score 0 is not a number: True"),
+        ("/text", r"score 0 is not a number \(a str\)$"),  # the value is not copied
+        ("/bool", r"score 0 is not a number \(a bool\)$"),
         ("/short", "1 scores for 2 items"),
         ("/noscores", "no 'scores' list"),
         ("/notjson", "invalid JSON"),
@@ -106,6 +113,46 @@ def test_http_reward_scores_a_batch_in_one_request(server: str) -> None:
 def test_http_reward_failures_raise_reward_error(server: str, path: str, message: str) -> None:
     with pytest.raises(RewardError, match=message):
         HttpReward(f"{server}{path}", timeout=5).score(ITEMS)
+
+
+def test_http_reward_error_texts_carry_nothing_of_the_answer(server: str) -> None:
+    _Handler.received.clear()
+    for path in ("/boom", "/text", "/redirect"):
+        with pytest.raises(RewardError) as info:
+            HttpReward(f"{server}{path}", timeout=5).score(ITEMS)
+        assert not {"KeyError", "high", "Location", "/score"} & set(str(info.value).split())
+    assert len(_Handler.received) == 3  # the redirect's target was never asked
+
+
+def _table(answers: dict[str, list[str]]) -> Resolver:
+    """A resolver from a fixed table (a DNS server that changes its answer is what the
+    test needs; no real one can be told to)."""
+    return lambda host, port: list(answers[host])
+
+
+def test_http_reward_connects_to_the_address_it_checked(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    answers = {"rewards.test": ["127.0.0.1"]}
+    egress = RewardEgress.build(["rewards.test"], resolver=_table(answers))
+    _Handler.received.clear()
+    reward = HttpReward(f"http://rewards.test:{port}/score", timeout=5, egress=egress)
+    assert reward.score(ITEMS) == [1.0, 0.0]  # reached by address: no real DNS asked
+    assert len(_Handler.received) == 1
+
+
+def test_http_reward_rechecks_the_address_on_every_request(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    answers = {"rewards.test": ["8.8.8.8"]}
+    egress = RewardEgress.build(resolver=_table(answers))
+    reward = HttpReward(f"http://rewards.test:{port}/score", timeout=5, egress=egress)
+    answers["rewards.test"] = ["169.254.169.254"]  # DNS rebinding after admission
+    _Handler.received.clear()
+    with pytest.raises(RewardError, match="link-local or metadata address"):
+        reward.score(ITEMS)
+    answers["rewards.test"] = ["127.0.0.1"]
+    with pytest.raises(RewardError, match="loopback"):
+        reward.score(ITEMS)
+    assert _Handler.received == []
 
 
 def test_http_reward_timeout_and_unreachable(server: str) -> None:

@@ -78,9 +78,12 @@ def eng_complete(eng, model: str) -> list[str]:
     import threading
 
     out: list[str] = []
-    worker = threading.Thread(
-        target=lambda: out.extend(eng.complete(model, "say", 8, 0.7, 4)), daemon=True
-    )
+
+    def ask() -> None:
+        completions = eng.complete(model, eng.tokenize("say"), 8, 0.7, 4)
+        out.extend(eng.detokenize(c.token_ids) for c in completions)
+
+    worker = threading.Thread(target=ask, daemon=True)
     worker.start()
     while worker.is_alive():
         eng.tick()

@@ -170,3 +170,28 @@ def assert_progress(text: str, names: list[str]) -> None:
         assert match, (name, text)
         reward, rate = (float(x) for x in match[-1])
         assert 0.0 <= reward <= 1.0 and rate > 0
+
+
+def test_jsonl_datasets_are_read_beside_the_manifest_or_under_data_root(
+    tiny_model_dir, tmp_path, capsys
+) -> None:
+    """The runner's data root is the manifest file's directory (or `--data-root`): a
+    relative dataset is taken from there, one outside it is refused in one line."""
+    row = json.dumps({"prompt": "say yes", "answer": "yes"}) + "\n"
+    (tmp_path / "rows.jsonl").write_text(row)
+    task = "{name: jsonl, dataset: rows.jsonl, reward: contains}"
+    code, summary = run_cli([manifest("rows", task, 0)], tmp_path, tiny_model_dir)
+    assert code == 0 and summary["experiments"][0]["phase"] == "Succeeded"
+
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-data"
+    elsewhere.mkdir()
+    (elsewhere / "rows.jsonl").write_text(row)
+    path = tmp_path / "outside.yaml"
+    task = f"{{name: jsonl, dataset: '{elsewhere / 'rows.jsonl'}', reward: contains}}"
+    path.write_text(manifest("outside", task, 0))
+    args = ["run", str(path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "o2")]
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "spec.task.dataset" in err and "not allowed" in err and len(err.splitlines()) == 1
+    assert cli.main([*args, "--data-root", str(elsewhere)]) == 0

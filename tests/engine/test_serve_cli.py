@@ -57,6 +57,29 @@ def test_integer_variables_are_parsed_and_flags_win(monkeypatch: pytest.MonkeyPa
     assert (args.port, args.threads) == (8000, 0)  # unset: the plain defaults
 
 
+def test_precision_flags_from_the_environment_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.dtype, args.gradient_checkpointing) == (None, None)  # the engine decides
+    monkeypatch.setenv("LORAPLEX_DTYPE", "bfloat16")
+    monkeypatch.setenv("LORAPLEX_GRADIENT_CHECKPOINTING", "false")
+    args = build_parser().parse_args(["serve"])
+    assert (args.dtype, args.gradient_checkpointing) == ("bfloat16", False)
+    assert type(args.dtype) is str
+    args = build_parser().parse_args(["serve", "--dtype", "float32", "--gradient-checkpointing"])
+    assert (args.dtype, args.gradient_checkpointing) == ("float32", True)
+    for var, value, message in (
+        ("LORAPLEX_DTYPE", "fp8", "argument --dtype: invalid dtype: 'fp8' (from LORAPLEX_DTYPE)"),
+        ("LORAPLEX_GRADIENT_CHECKPOINTING", "maybe", "invalid boolean: 'maybe'"),
+    ):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        monkeypatch.delenv(var)
+
+
 def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
@@ -71,6 +94,8 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
         "LORAPLEX_MAX_ADAPTERS",
         "LORAPLEX_MAX_RANK",
         "LORAPLEX_ROLLOUT_BACKEND",
+        "LORAPLEX_DTYPE",
+        "LORAPLEX_GRADIENT_CHECKPOINTING",
         "LORAPLEX_VLLM_OPTIONS",
         "LORAPLEX_TOKEN ",  # the token itself, not only its file
     ):
@@ -80,3 +105,23 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
         row.split() == ["LORAPLEX_MAX_STEP_TOKENS", "--max-step-tokens"]
         for row in epilog.splitlines()
     )
+
+
+def test_data_roots_and_reward_hosts_from_flags_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_model_dir
+) -> None:
+    from loraplex_engine.serve_flags import data_roots, reward_hosts
+
+    monkeypatch.setenv("LORAPLEX_DATA_ROOT", "/data:/more")
+    monkeypatch.setenv("LORAPLEX_ALLOW_REWARD_HOST", "127.0.0.1, rewards.test")
+    args = build_parser().parse_args(["serve"])
+    assert [str(p) for p in data_roots(args)] == ["/data", "/more"]
+    assert reward_hosts(args) == ["127.0.0.1", "rewards.test"]
+    args = build_parser().parse_args(["serve", "--data-root", "/x", "--allow-reward-host", "h"])
+    assert ([str(p) for p in data_roots(args)], reward_hosts(args)) == (["/x"], ["h"])
+    monkeypatch.delenv("LORAPLEX_DATA_ROOT")
+    assert data_roots(build_parser().parse_args(["serve"])) == ()  # jsonl refused
+    model = str(tiny_model_dir)
+    code = main(["serve", "--model", model, "--insecure-no-auth", "--data-root", "rel"])
+    assert code == 2  # before the port is bound or the model loaded
+    assert "--data-root must be an absolute path, not 'rel'" in capsys.readouterr().err

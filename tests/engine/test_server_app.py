@@ -29,6 +29,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
 from loraplex_engine.metrics import EngineMetrics
+from loraplex_engine.rollout.base import Completion
 from loraplex_engine.serve import EngineHolder, EngineLoop
 from loraplex_engine.server import create_app
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,15 +117,27 @@ class FakeEngine:
         with self.lock:
             return Capacity(
                 model=self.model_name, rollout_backend="torch", max_adapters=self.max_adapters,
-                max_rank=self.max_rank, used_slots=len(self.exps), experiments=sorted(self.exps),
+                max_rank=self.max_rank, dtype="float32", gradient_checkpointing=False,
+                used_slots=len(self.exps), experiments=sorted(self.exps),
                 memory=MemoryUse(rss_bytes=1000, device_bytes=0),
             )  # fmt: skip
 
-    def complete(self, model, prompt, max_tokens, temperature, n):
+    # One character per token: the HTTP layer's usage and text come from these ids.
+    def tokenize(self, prompt):
+        return [ord(ch) for ch in prompt] if isinstance(prompt, str) else list(prompt)
+
+    def detokenize(self, token_ids):
+        return "".join(map(chr, token_ids))
+
+    def chat_prompt(self, messages):
+        return self.tokenize("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+
+    def complete(self, model, prompt_ids, max_tokens, temperature, n, sampling=None):
         self.calls.append(f"complete {model}")
         if model != self.model_name and model not in self.exps:
             raise NotFoundError(f"no model {model}", "model")
-        return [f"{model}:{prompt}:{i}" for i in range(n)]
+        texts = [f"{model}:{self.detokenize(prompt_ids)}:{i}" for i in range(n)]
+        return [Completion(self.tokenize(t), [0.0] * len(t), finish_reason="stop") for t in texts]
 
     def tick(self):
         if self.fail_ticks:
@@ -215,6 +228,8 @@ def test_errors_are_json_and_name_the_problem(client) -> None:
         "code": "invalid_request",
         "field": "bogus",
         "message": "bogus: unknown field",
+        "type": "invalid_request_error",  # OpenAI's keys beside the engine's
+        "param": "bogus",
     }
     r = client.put("/v1/experiments/Not_An_Id", json={}, headers=AUTH)
     assert r.status_code == 422 and r.json()["error"]["field"] == "id"
@@ -225,19 +240,19 @@ def test_errors_are_json_and_name_the_problem(client) -> None:
     r = client.patch("/v1/capacity", headers=AUTH)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     r = client.post("/v1/completions", json={"model": "x", "prompt": "hi", "n": 0}, headers=AUTH)
-    assert r.status_code == 422 and r.json()["error"]["field"] == "n"
+    assert r.status_code == 400 and r.json()["error"]["field"] == "n"
     r = client.post(
         "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 10**6}, headers=AUTH
     )
-    assert r.status_code == 422 and r.json()["error"]["field"] == "max_tokens"
+    assert r.status_code == 400 and r.json()["error"]["field"] == "max_tokens"
     r = client.post("/v1/completions", json={"model": "x", "prompt": ["a", 3]}, headers=AUTH)
-    assert r.status_code == 422 and "prompt[1]: Input should be a valid string" in r.text
+    assert r.status_code == 400 and "prompt[1]: Input should be a valid string" in r.text
     r = client.post(
         "/v1/completions", json={"model": "x", "prompt": ["a"] * 5, "n": 16}, headers=AUTH
     )
-    assert r.status_code == 422 and r.json()["error"]["field"] == "n"
+    assert r.status_code == 400 and r.json()["error"]["field"] == "n"
     r = client.post("/v1/completions", json={"model": "x", "prompt": "a", "n": True}, headers=AUTH)
-    assert r.status_code == 422 and r.json()["error"]["field"] == "n"  # no coercion
+    assert r.status_code == 400 and r.json()["error"]["field"] == "n"  # no coercion
     r = client.put(
         "/v1/experiments/default.a",
         content=b"",
@@ -309,8 +324,10 @@ def test_completions_are_openai_shaped(client) -> None:
     assert body["object"] == "text_completion" and body["model"] == "default.a"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["choices"][2]["text"] == "default.a:z:0"
-    assert body["usage"]["prompt_tokens"] == 3
-    assert body["usage"]["total_tokens"] == 3 + body["usage"]["completion_tokens"]
+    assert body["choices"][2]["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] == 4  # "x y" and "z": the fake's ids
+    assert body["usage"]["completion_tokens"] == sum(len(c["text"]) for c in body["choices"])
+    assert body["usage"]["total_tokens"] == 4 + body["usage"]["completion_tokens"]
     r = client.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers=AUTH)
     assert r.status_code == 404
 

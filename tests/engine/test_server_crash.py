@@ -93,8 +93,10 @@ def test_kill_9_restart_and_resume_from_the_last_checkpoint(
             for f in CKPT_FILES:
                 assert (path / f).is_file(), path / f
             assert json.loads((path / "trainer_state.json").read_text())  # complete, parses
-        # The resumed runs will prune old checkpoints (keep: 2); keep one aside to compare.
-        source = tmp_path / "kept" / newest["default.crash-a"].name
+        # The resumed runs will prune old checkpoints (keep: 2); keep one aside to compare,
+        # in the directory of the experiment that loads it below (a resumeFrom must lie in
+        # the experiment's own directory).
+        source = root / "default" / "crash-a-copy" / "kept" / newest["default.crash-a"].name
         shutil.copytree(newest["default.crash-a"], source)
 
         srv.start()

@@ -240,7 +240,13 @@ def test_bad_requests_get_4xx_json_naming_the_problem(api: httpx.Client) -> None
     assert e["code"] == "invalid_json" and "JSON" in e["message"]
 
     e = error(api.put(url, json={**put_body("default.extra", small_spec()), "color": "red"}), 422)
-    assert e == {"code": "invalid_request", "field": "color", "message": "color: unknown field"}
+    assert e == {
+        "code": "invalid_request",
+        "field": "color",
+        "message": "color: unknown field",
+        "type": "invalid_request_error",
+        "param": "color",
+    }
 
     spec = small_spec()
     spec["lora"]["ranq"] = 4
@@ -286,17 +292,19 @@ def test_bad_requests_get_4xx_json_naming_the_problem(api: httpx.Client) -> None
 
     e = error(api.post("/v1/completions", json={"model": "default.nope", "prompt": "x"}), 404)
     assert e["code"] == "not_found"
+    # The OpenAI routes answer a bad request 400, as OpenAI does.
     e = error(
-        api.post("/v1/completions", json={"model": "default.say-yes", "prompt": "x", "n": 99}), 422
+        api.post("/v1/completions", json={"model": "default.say-yes", "prompt": "x", "n": 99}), 400
     )
-    assert e["field"] == "n"
+    assert e["field"] == e["param"] == "n"
     e = error(
         api.post(
-            "/v1/completions", json={"model": "default.say-yes", "prompt": "x", "stream": True}
+            "/v1/completions",
+            json={"model": "default.say-yes", "prompt": "x", "presence_penalty": 1.0},
         ),
-        422,
+        400,
     )
-    assert e["field"] == "stream"
+    assert e["field"] == "presence_penalty"
 
     # Free a slot, then a resumeFrom that is no checkpoint.
     assert api.delete("/v1/experiments/default.fourth").status_code == 200

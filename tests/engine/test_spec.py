@@ -23,6 +23,7 @@ DOC_EXAMPLE: dict[str, Any] = {
         "dataset": "/data/train.jsonl",
         "reward": "http",
         "rewardUrl": "http://rewards:8080/score",
+        "chatTemplate": False,
     },
     "algorithm": {
         "name": "grpo",

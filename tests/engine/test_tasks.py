@@ -173,3 +173,19 @@ def test_jsonl_missing_or_empty(tmp_path: Path) -> None:
         task.sample_prompts(1, random.Random(0))
     empty.write_text(_row("x", "y") + "\n")
     assert task.sample_prompts(1, random.Random(0))[0].answer == "y"
+
+
+def test_jsonl_with_a_root_refuses_a_file_swapped_for_a_symlink_out(tmp_path: Path) -> None:
+    own, other = tmp_path / "team-a", tmp_path / "team-b"
+    own.mkdir()
+    other.mkdir()
+    (other / "private.jsonl").write_text(_row("secret", "x") + "\n")
+    path = own / "d.jsonl"
+    path.write_text(_row("mine", "y") + "\n")
+    task = JsonlTask(path, root=own)
+    assert [p.text for p in task.sample_prompts(1, random.Random(0))] == ["mine"]
+    path.unlink()
+    path.symlink_to(other / "private.jsonl")  # after admission: re-checked on every read
+    with pytest.raises(TaskError, match="not allowed") as info:
+        task.sample_prompts(1, random.Random(0))
+    assert info.value.field == "spec.task.dataset"

@@ -3,13 +3,17 @@
 Each test attacks a real ``loraplex-engine serve`` process with nothing but the fields of
 its own experiment, and measures a co-tenant that trains throughout: its step count keeps
 rising while the attack runs. The engine runs with small limits so the attacks are cheap:
-``--max-prompt-tokens 64 --max-step-tokens 10000 --reward-deadline 0.3``.
+``--max-prompt-tokens 64 --max-step-tokens 10000 --reward-deadline 0.3``; datasets lie
+under its data root (``<root>/team-a/``) and the loopback reward server is an allowed
+reward host, as a pool admin would configure them (the trust checks themselves are
+tests/engine/test_tenant_boundaries.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +34,7 @@ SLOW_REWARD_S = 3.0
 STALL_S = 25.0
 REWARD_DEADLINE_S = 0.3
 LIMITS = ["--max-prompt-tokens", "64", "--max-step-tokens", "10000"]
+ALLOW_LOOPBACK_REWARDS = ["--allow-reward-host", "127.0.0.1"]
 TARGETS = ["q_proj", "v_proj", "lm_head"]
 
 
@@ -142,7 +147,15 @@ def reward_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("isolation")
-    args = [*LIMITS, "--reward-deadline", str(REWARD_DEADLINE_S)]
+    (work / "data" / "team-a").mkdir(parents=True)
+    args = [
+        *LIMITS,
+        *ALLOW_LOOPBACK_REWARDS,
+        "--reward-deadline",
+        str(REWARD_DEADLINE_S),
+        "--data-root",
+        str(work / "data"),
+    ]
     srv = EngineServer(tiny_model_dir, work / "ckpt", max_adapters=8, workdir=work, extra_args=args)
     srv.start()
     with srv.client() as api:
@@ -150,6 +163,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         wait_until(lambda: status(api, COTENANT)["step"] >= 1)
     yield srv
     srv.kill()
+
+
+@pytest.fixture()
+def team_a_data(server: EngineServer) -> Path:
+    """Tenant team-a's directory under the engine's data root."""
+    return server.workdir / "data" / "team-a"
 
 
 @pytest.fixture()
@@ -165,10 +184,10 @@ def jsonl_task(path: Path) -> dict[str, Any]:
 # ---- attack 1: one tenant stops the engine for all ---------------------------------------
 
 
-def test_empty_or_deleted_dataset_fails_only_its_experiment(server, api, tmp_path) -> None:
-    empty = tmp_path / "empty.jsonl"
+def test_empty_or_deleted_dataset_fails_only_its_experiment(server, api, team_a_data) -> None:
+    empty = team_a_data / "empty.jsonl"
     empty.write_text("")
-    deleted = tmp_path / "deleted.jsonl"
+    deleted = team_a_data / "deleted.jsonl"
     deleted.write_text('{"prompt": "say yes:", "answer": "yes"}\n')
     with cotenant_keeps_training(server):
         assert put(api, "team-a.empty", spec(jsonl_task(empty))).status_code == 201
@@ -227,7 +246,7 @@ def test_maximal_spec_is_refused_at_admission_and_an_allowed_big_one_is_paced(se
     assert "limit of 10000" in err["message"] and "prompt limit 64" in err["message"]
     # A completion request is bounded by the same limits.
     r = api.post("/v1/completions", json={"model": COTENANT, "prompt": "x " * 200})
-    assert r.status_code == 422 and r.json()["error"]["field"] == "prompt", r.text
+    assert r.status_code == 400 and r.json()["error"]["field"] == "prompt", r.text  # OpenAI route
     # A spec near the limits (64 rows x (64 + 64) tokens) steps less often.
     with cotenant_keeps_training(server, window_s=5.0):
         assert put(api, "team-a.big", spec(group=16, prompts=4, new_tokens=64)).status_code == 201
@@ -238,8 +257,8 @@ def test_maximal_spec_is_refused_at_admission_and_an_allowed_big_one_is_paced(se
     assert api.delete("/v1/experiments/team-a.big").status_code == 200
 
 
-def test_long_prompt_fails_its_experiment_naming_the_line(server, api, tmp_path) -> None:
-    data = tmp_path / "long.jsonl"
+def test_long_prompt_fails_its_experiment_naming_the_line(server, api, team_a_data) -> None:
+    data = team_a_data / "long.jsonl"
     data.write_text(json.dumps({"prompt": "word " * 2400, "answer": "yes"}) + "\n")
     with cotenant_keeps_training(server):
         assert put(api, "team-a.long", spec(jsonl_task(data))).status_code == 201
@@ -302,7 +321,8 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
         ckpt,
         max_adapters=4,
         workdir=tmp_path,
-        extra_args=[*LIMITS, "--engine-factory", "tests.engine.faulty_engine:faulty_engine"],
+        command=[sys.executable, str(REPO / "tests" / "engine" / "faulty_engine.py")],
+        extra_args=[*LIMITS, *ALLOW_LOOPBACK_REWARDS],
         env={
             "LORAPLEX_TEST_FAULTS": str(faults),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

@@ -289,7 +289,7 @@ def test_engine_takes_the_knobs_from_the_spec_and_resumes_mid_schedule(
     assert ref.step == 2 and first.optimizer.step_count("default.x") == 2
     first.close()
 
-    second = engine(tiny_model_dir, tmp_path / "b")
+    second = engine(tiny_model_dir, tmp_path / "a")  # resumeFrom must lie under its root
     second.put_experiment("default.x", knobs, resume_from=ref.path)
     slot = second.model.slot_of("default.x")
     assert second.optimizer.step_count("default.x") == 2

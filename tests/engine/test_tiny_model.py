@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from loraplex_engine.tiny_model import build_model
+from loraplex_engine.tiny_model import PRESETS, build_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -24,3 +24,27 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
 def test_unknown_preset_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         build_model(tmp_path, preset="huge")
+
+
+def test_the_tiny_model_ships_a_chat_template(tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(build_model(tmp_path / "chat"))
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == "<s>system: be brief\nuser: hi\nassistant:"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_has_a_head_size_vllm_cpu_serves(name: str) -> None:
+    # The adapters `make demo` writes must load into vLLM on this CPU (README).
+    from loraplex_engine.rollout.vllm_worker import CPU_HEAD_SIZES
+
+    preset = PRESETS[name]
+    assert preset.hidden_size // preset.num_attention_heads in CPU_HEAD_SIZES
+
+
+def test_unknown_arch_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'"):
+        build_model(tmp_path, arch="gpt2")

@@ -64,11 +64,11 @@ def test_group_rows_decode_as_if_prefilled_alone(trained) -> None:
     rows = [_request(s, p) for s, p in [(yes, long)] * 3 + [(no, long)] * 2]
     rows += [_request(yes, short), _request(0, long), _request(no, short)]
     calls: list[int] = []
-    batched = generate(eng.model.route, _forward(eng, calls), rows, eng.codec.pad_id, None)
+    batched = generate(eng.model.route, _forward(eng, calls), rows, eng.codec.pad_id)
     assert calls[0] == 5  # the prefill ran once per distinct (slot, prompt), not 8 times
 
     for row, got in zip(rows, batched, strict=True):
-        alone = generate(eng.model.route, _forward(eng, []), [row], eng.codec.pad_id, None)[0]
+        alone = generate(eng.model.route, _forward(eng, []), [row], eng.codec.pad_id)[0]
         assert got.token_ids == alone.token_ids
         torch.testing.assert_close(got.logprobs, alone.logprobs, rtol=1e-4, atol=1e-5)
     # The adapters matter: the same prompt decodes differently under each slot.

@@ -212,13 +212,18 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
     assert len(_greedy(rollout, [(None, PROMPTS[0]), ("a", PROMPTS[1])])) == 2
 
 
-def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path) -> None:
-    """The plain tiny preset has head_dim 16, which vLLM's CPU attention lacks."""
+def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path, tmp_path) -> None:
+    """head_dim 16 (4 heads of a 64-wide model), which vLLM's CPU attention lacks."""
     from loraplex_engine.errors import VLLMWorkerError
     from loraplex_engine.rollout.vllm_backend import VLLMRollout
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 16
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
     with pytest.raises(VLLMWorkerError, match="head_dim=16"):
-        VLLMRollout(tiny_model_dir, python=str(VLLM_PYTHON), max_adapters=1, max_rank=8)
+        VLLMRollout(tmp_path, python=str(VLLM_PYTHON), max_adapters=1, max_rank=8)
 
 
 def test_worker_knows_vllms_cpu_head_sizes(rollout) -> None:

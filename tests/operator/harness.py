@@ -66,6 +66,9 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_NS = "loraplex-system"
 TOKEN_SECRET = "engine-token"
 ENGINE_MODEL = "/models/tiny-llama"  # where the engine image holds the model
+# Kueue's pod integration: the queue label, and the gate its webhook puts on such Pods.
+KUEUE_QUEUE_LABEL = manifests.KUEUE_QUEUE_LABEL
+KUEUE_GATE = {"name": "kueue.x-k8s.io/admission"}
 
 # --- the API server --------------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class ApiServer(kmock.KubernetesEmulator):
         # kopf's JSON patches "test" metadata.resourceVersion; kmock keeps no versions, so
         # one constant version makes every such test pass (no optimistic concurrency here).
         meta["resourceVersion"] = "1"
+        if request.resource.plural == "pods" and KUEUE_QUEUE_LABEL in (meta.get("labels") or {}):
+            _kueue_gate(obj)
         kind = CRD_KINDS.get(request.resource.plural)
         if kind is None or request.resource.group != "loraplex.dev":
             return []
@@ -162,6 +167,21 @@ class ApiServer(kmock.KubernetesEmulator):
             return []  # kmock answers 404
         old = copy.deepcopy(self.objects[key].raw)
         return admit(kind, _merge_patch(old, request.data), old)
+
+
+def _kueue_gate(pod: dict[str, Any]) -> None:
+    """What Kueue's pod webhook does to a Pod labelled with a queue: hold it behind the
+    admission scheduling gate until the queue's quota admits it (`Harness.release_gate`
+    plays Kueue admitting it; Kueue preempts by deleting the Pod)."""
+    gates = pod.setdefault("spec", {}).setdefault("schedulingGates", [])
+    if KUEUE_GATE not in gates:
+        gates.append(dict(KUEUE_GATE))
+    pod["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"},
+        ],
+    }
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
@@ -489,6 +509,11 @@ class Harness:
         checkpoints what it runs and exits; the Pod is gone after that."""
         assert self.kube is not None
         await self.kube.delete(PODS, pod, ENGINE_NS)
+
+    async def release_gate(self, pod: str) -> None:
+        """Kueue admits the engine Pod: its scheduling gates are lifted, the kubelet starts it."""
+        assert self.kube is not None
+        await self.kube.patch(PODS, pod, {"spec": {"schedulingGates": []}}, namespace=ENGINE_NS)
 
     async def restart_operator(self, kill: bool = True) -> None:
         assert self.operator is not None

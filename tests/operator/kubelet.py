@@ -150,6 +150,8 @@ class Kubelet:
                 if name not in self._starting and name not in self._stopping:
                     self._stopping[name] = self.processes.pop(name, None)
                     self._spawn(self._terminate(pod))
+            elif pod.get("spec", {}).get("schedulingGates"):
+                continue  # not schedulable until its gates are lifted: no node, no engine
             elif name not in self.processes and name not in self._starting | self.failed:
                 self._starting.add(name)
                 self._spawn(self._run_pod(pod))

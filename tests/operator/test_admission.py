@@ -108,6 +108,17 @@ def test_default_pool_allowlist_covers_llama_projections() -> None:
     assert _fields(exp, pool().obj()) == []
 
 
+def test_unset_targets_need_a_family_default_in_the_pool_allowlist() -> None:
+    exp = experiment("a").obj()  # no targetModules: q_proj+v_proj or qkv_proj, by family
+    assert _fields(exp, pool().obj()) == []
+    assert _fields(exp, pool().target_modules("qkv_proj", "o_proj").obj()) == []
+    problems = check_experiment(
+        _full("LoRAExperiment", exp), _full("EnginePool", pool().target_modules("q_proj").obj())
+    )
+    assert [p.field for p in problems] == ["spec.lora.targetModules"]
+    assert "q_proj+v_proj or qkv_proj" in problems[0].message
+
+
 def test_memory_estimate_over_engine_budget() -> None:
     p = pool().model_shape(numLayers=2, hiddenSize=64, kvDim=32).memory(57344)
     assert _fields(experiment("a").rank(8).obj(), p.obj()) == []  # exactly the budget

@@ -24,6 +24,7 @@ from crdkit import (
 )
 from loraplex_engine.errors import SpecError
 from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_operator.status import CONDITION_TYPES
 
 EXP = "LoRAExperiment"
 POOL = "EnginePool"
@@ -174,6 +175,14 @@ POOL_BOUNDS = [
     ("spec.tokenSecretRef", DELETE, False),
     ("spec.rolloutBackend", "tgi", False),
     ("spec.rolloutBackend", "vllm", True),
+    ("spec.dtype", "fp8", False),
+    ("spec.dtype", "bfloat16", True),
+    ("spec.gradientCheckpointing", "yes", False),
+    ("spec.gradientCheckpointing", False, True),
+    ("spec.queueName", "", False),
+    ("spec.queueName", _long(64), False),
+    ("spec.queueName", "Team_Queue", False),
+    ("spec.queueName", "team-a.gpu-queue", True),
     ("spec.engineNamespace", "Team_A", False),
     ("spec.engineNamespace", "", False),
     ("spec.engineNamespace", _long(63), False),
@@ -232,6 +241,18 @@ POOL_BOUNDS = [
     ("spec.checkpoint.root", "ckpt", False),
     ("spec.checkpoint.root", "/", False),
     ("spec.checkpoint.root", _long(4096, "/"), False),
+    ("spec.dataRoots", ["/data", "/more"], True),
+    ("spec.dataRoots", ["data"], False),  # absolute only
+    ("spec.dataRoots", ["/"], False),
+    ("spec.dataRoots", ["/data", "/data"], False),  # list-type set
+    ("spec.dataRoots", _many(16, lambda i: f"/d{i}"), False),
+    ("spec.dataRoots", [_long(4096, "/")], False),
+    ("spec.rewardHosts", ["127.0.0.1", "rewards.team-a.svc", "::1"], True),
+    ("spec.rewardHosts", ["rewards --insecure-no-auth"], False),  # no spaces: one value
+    ("spec.rewardHosts", ["h", "h"], False),
+    ("spec.rewardHosts", _many(64), False),
+    ("spec.rewardHosts", [""], False),
+    ("spec.rewardHosts", [_long(253)], False),
     ("spec.allowedNamespaces", ["Team_A"], False),
     ("spec.allowedNamespaces", ["team-a"], True),
     ("spec.allowedNamespaces", ["team-a", "team-a"], False),  # list-type set
@@ -374,12 +395,8 @@ def test_experiment_requires_pool_and_task() -> None:
 
 def test_experiment_defaults() -> None:
     spec = apply_defaults(schema_of(EXP), experiment("a").obj())["spec"]
-    assert spec["lora"] == {
-        "rank": 8,
-        "alpha": 16,
-        "dropout": 0.0,
-        "targetModules": ["q_proj", "v_proj"],
-    }
+    # No targetModules default: absent = the base model family's, which the engine resolves.
+    assert spec["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.0}
     assert spec["algorithm"] == {
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
         "lrSchedule": "constant", "warmupSteps": 0,
@@ -545,7 +562,16 @@ def test_printer_columns_point_at_schema_fields(kind: str) -> None:
     schema = version["schema"]["openAPIV3Schema"]
     for column in version["additionalPrinterColumns"]:
         node = schema
-        for step in column["jsonPath"].lstrip(".").split("."):
+        # A condition's field: `.status.conditions[?(@.type=="Ready")].status` reads the
+        # item of a type the operator writes.
+        path, types = re.subn(r'\[\?\(@\.type=="(\w+)"\)\]', "[]", column["jsonPath"])
+        if types:
+            written = re.findall(r'@\.type=="(\w+)"', column["jsonPath"])
+            assert set(written) <= set(CONDITION_TYPES), column
+        for step in path.lstrip(".").split("."):
+            if step.endswith("[]"):
+                node = node["properties"][step[:-2]]["items"]
+                continue
             node = node["properties"][step] if step != "creationTimestamp" else {"type": "string"}
         assert node["type"] in (
             column["type"],

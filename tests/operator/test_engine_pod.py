@@ -10,6 +10,7 @@ import yaml
 from builders import pool
 from crdkit import REPO, apply_defaults, schema_of
 from loraplex_operator.manifests import (
+    KUEUE_QUEUE_LABEL,
     POOL_LABEL,
     TOKEN_FILE,
     engine_args,
@@ -46,8 +47,8 @@ def _gpu_pool() -> dict[str, Any]:
     return apply_defaults(schema_of("EnginePool"), obj)
 
 
-def _sample_pool() -> dict[str, Any]:
-    doc = yaml.safe_load((REPO / "samples" / "pool-cpu.yaml").read_text())
+def _sample_pool(name: str = "pool-cpu.yaml") -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "samples" / name).read_text())
     doc["metadata"]["uid"] = "5f0c-uid"
     return apply_defaults(schema_of("EnginePool"), doc)
 
@@ -56,7 +57,12 @@ def _minimal_pool() -> dict[str, Any]:
     return apply_defaults(schema_of("EnginePool"), pool("tiny").obj())
 
 
-POOLS = {"gpu": _gpu_pool, "sample": _sample_pool, "minimal": _minimal_pool}
+POOLS = {
+    "gpu": _gpu_pool,
+    "sample": _sample_pool,
+    "gpu-sample": lambda: _sample_pool("pool-gpu.yaml"),
+    "minimal": _minimal_pool,
+}
 
 
 @pytest.mark.parametrize("which", sorted(POOLS))
@@ -84,6 +90,15 @@ def test_identity_labels_and_owner() -> None:
     }
 
 
+def test_queue_name_labels_the_pod_for_kueue() -> None:
+    obj = _gpu_pool()
+    assert KUEUE_QUEUE_LABEL not in engine_pod(obj, "x")["metadata"]["labels"]
+    obj["spec"]["queueName"] = "gpu-team"
+    labels = engine_pod(obj, "x")["metadata"]["labels"]
+    assert labels[KUEUE_QUEUE_LABEL] == "gpu-team" and labels[POOL_LABEL] == "gpu-qwen"
+    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+
+
 def test_engine_command_line() -> None:
     (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
     assert container["command"] == ["loraplex-engine"]
@@ -105,6 +120,17 @@ def test_args_use_pool_defaults() -> None:
     flags = dict(zip(args[1::2], args[2::2], strict=True))
     assert flags["--max-adapters"] == "8" and flags["--max-rank"] == "64"
     assert flags["--rollout-backend"] == "torch" and flags["--checkpoint-root"] == "/ckpt"
+
+
+def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
+    bare = engine_args(_minimal_pool()["spec"])
+    assert "--dtype" not in bare and not any("checkpointing" in a for a in bare)
+    for on, flag in ((True, "--gradient-checkpointing"), (False, "--no-gradient-checkpointing")):
+        obj = pool("bf16").set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", on)
+        full = apply_defaults(schema_of("EnginePool"), obj.obj())
+        args = engine_args(full["spec"])
+        assert args[args.index("--dtype") + 1] == "bfloat16" and flag in args
+        kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
 
 
 def test_probes_hit_engine_routes() -> None:
@@ -170,3 +196,17 @@ def test_pod_helpers() -> None:
     pod = {"status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert engine_url(pod) == "http://10.0.0.7:8000" and is_pod_ready(pod)
     assert engine_url({}) is None and not is_pod_ready({"status": {"conditions": []}})
+
+
+def test_data_roots_and_reward_hosts_become_serve_flags() -> None:
+    obj = pool("tenants").obj()
+    obj["spec"] |= {"dataRoots": ["/data", "/more"], "rewardHosts": ["rewards.test", "::1"]}
+    args = engine_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    trust = [a for a in args if a.startswith(("--data-root", "--allow-reward-host"))]
+    assert trust == [
+        "--data-root=/data",
+        "--data-root=/more",
+        "--allow-reward-host=rewards.test",
+        "--allow-reward-host=::1",
+    ]
+    assert not any(a.startswith("--data-root") for a in engine_args(_minimal_pool()["spec"]))

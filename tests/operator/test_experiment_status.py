@@ -55,20 +55,20 @@ def _true_conditions(status: dict[str, Any]) -> set[str]:
 @pytest.mark.parametrize(
     ("name", "obj", "obs", "phase", "true_conditions"),
     [
-        ("pending", experiment("a").obj(), Observation(), "Pending", {"Admitted"}),
+        ("pending", experiment("a").obj(), Observation(), "Pending", {"Admitted", "Reconciling"}),
         (
             "bound, engine not reporting yet",
             experiment("a").obj(),
             Observation(binding=BOUND),
             "Scheduled",
-            {"Admitted", "Scheduled"},
+            {"Admitted", "Scheduled", "Reconciling"},
         ),
         (
             "running",
             experiment("a").obj(),
             Observation(binding=BOUND, engine_status=RUNNING_ENGINE),
             "Running",
-            {"Admitted", "Scheduled", "Running"},
+            {"Admitted", "Scheduled", "Running", "Ready"},
         ),
         (
             "suspended",
@@ -84,7 +84,7 @@ def _true_conditions(status: dict[str, Any]) -> set[str]:
                 binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Succeeded", "step": 50}
             ),
             "Succeeded",
-            {"Admitted", "Scheduled", "Succeeded"},
+            {"Admitted", "Scheduled", "Succeeded", "Ready"},
         ),
         (
             "engine failure",
@@ -94,14 +94,14 @@ def _true_conditions(status: dict[str, Any]) -> set[str]:
                 engine_status={**RUNNING_ENGINE, "phase": "Failed", "error": "NaN loss"},
             ),
             "Failed",
-            {"Admitted", "Scheduled", "Failed"},
+            {"Admitted", "Scheduled", "Failed", "Stalled"},
         ),
         (
             "restart budget",
             experiment("a").obj(),
             Observation(restarts=4, max_restarts=3),
             "Failed",
-            {"Admitted", "Failed"},
+            {"Admitted", "Failed", "Stalled"},
         ),
         (
             "admission problem",
@@ -110,7 +110,21 @@ def _true_conditions(status: dict[str, Any]) -> set[str]:
                 problems=["spec.lora.rank: rank 128 exceeds EnginePool 'pool-a' max rank 64"]
             ),
             "Pending",
-            set(),
+            {"Stalled"},
+        ),
+        (
+            "no engine of the pool could ever host it",
+            experiment("a").obj(),
+            Observation(waiting_reason="Unschedulable"),
+            "Pending",
+            {"Admitted", "Stalled"},
+        ),
+        (
+            "waiting for Kueue to admit its engine",
+            experiment("a").obj(),
+            Observation(waiting_reason="WaitingForAdmission"),
+            "Pending",
+            {"Admitted", "Reconciling"},
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
@@ -268,6 +282,66 @@ def test_terminal_phases_are_sticky(terminal: str) -> None:
     assert status["phase"] == terminal and status["step"] == 50
 
 
+def test_a_terminal_status_written_before_the_generic_conditions_gets_them() -> None:
+    obj = experiment("a").status(phase="Failed", step=3).obj()
+    obj["status"]["conditions"] = [
+        {"type": "Failed", "status": "True", "reason": "RestartBudgetExhausted",
+         "message": "", "lastTransitionTime": "2026-12-01T00:00:00Z"},
+    ]  # fmt: skip
+    status = derive_status(obj, Observation(), T1)
+    stalled = get_condition(status["conditions"], "Stalled")
+    assert stalled is not None and (stalled["status"], stalled["reason"]) == (
+        "True",
+        "RestartBudgetExhausted",
+    )
+    assert get_condition(status["conditions"], "Failed") == obj["status"]["conditions"][0]
+    again = derive_status({**obj, "status": status}, Observation(), T1 + timedelta(hours=1))
+    assert again["conditions"] == status["conditions"]  # nothing moves once they are there
+
+
+GENERIC = ("Ready", "Reconciling", "Stalled")
+
+
+@pytest.mark.parametrize(
+    ("phase", "reason", "want"),
+    [
+        ("Pending", "WaitingForEngine", ("False", "True", "False")),
+        ("Pending", "WaitingForAdmission", ("False", "True", "False")),
+        ("Pending", "EngineUnschedulable", ("False", "True", "False")),
+        ("Pending", "NoCapacity", ("False", "True", "False")),
+        ("Pending", "Preempted", ("False", "True", "False")),
+        ("Pending", "AdmissionFailed", ("False", "False", "True")),
+        ("Pending", "Unschedulable", ("False", "False", "True")),
+        ("Scheduled", "Bound", ("False", "True", "False")),
+        ("Running", "Training", ("True", "False", "False")),
+        ("Suspended", "SuspendRequested", ("False", "False", "False")),
+        ("Succeeded", "MaxStepsReached", ("True", "False", "False")),
+        ("Failed", "EngineReportedFailure", ("False", "False", "True")),
+        ("Failed", "RestartBudgetExhausted", ("False", "False", "True")),
+    ],
+)
+def test_generic_conditions_of_every_phase(
+    phase: str, reason: str, want: tuple[str, str, str]
+) -> None:
+    conditions = {c["type"]: c for c in st.generic_conditions(phase, reason, "why")}
+    assert tuple(conditions[t]["status"] for t in GENERIC) == want
+    assert conditions["Ready"]["reason"] == reason  # Ready always says why
+    for type_ in ("Reconciling", "Stalled"):  # the reason when True, Not<Type> when False
+        on = conditions[type_]["status"] == "True"
+        assert conditions[type_]["reason"] == (reason if on else f"Not{type_}")
+        assert conditions[type_]["message"] == ("why" if on else "")
+
+
+def test_kubectl_wait_for_ready_sees_running_and_succeeded() -> None:
+    """`kubectl wait --for=condition=Ready` returns once it trains or has finished."""
+    pending = derive_status(experiment("a").obj(), Observation(), T0)
+    running = derive_status(
+        experiment("a").obj(), Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0
+    )
+    assert not is_true(pending["conditions"], "Ready")
+    assert is_true(running["conditions"], "Ready")
+
+
 def test_restarts_recorded() -> None:
     status = derive_status(experiment("a").obj(), Observation(restarts=2), T0)
     assert status["restarts"] == 2 and status["phase"] == "Pending"
@@ -298,15 +372,97 @@ def test_merge_conditions_keeps_foreign_types() -> None:
     assert is_true(merged, "Custom") and is_true(merged, "Ready")
 
 
-def test_pool_status() -> None:
-    status = pool_status(3, 2, 5, 7, generation=4, old_conditions=None, now=T0)
-    assert (status["engines"], status["ready"], status["slotsUsed"], status["slotsFree"]) == (
-        3,
-        2,
-        5,
-        7,
-    )
-    assert is_true(status["conditions"], "Ready")
+def _pool(**kw: Any) -> dict[str, Any]:
+    counts = {"engines": 0, "ready": 0, "slots_used": 0, "slots_free": 0, **kw}
+    return pool_status(st.PoolObservation(**counts), generation=4, old_conditions=None, now=T0)
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_pool_status_counts_and_schema() -> None:
+    status = _pool(engines=3, ready=2, slots_used=5, slots_free=7)
+    counts = (status["engines"], status["ready"], status["slotsUsed"], status["slotsFree"])
+    assert counts == (3, 2, 5, 7)
+    assert all(c["observedGeneration"] == 4 for c in status["conditions"])
     status_schema = schema_of("EnginePool")["properties"]["status"]
     assert schema_errors(status_schema, status) == []
-    assert not is_true(pool_status(1, 0, 0, 0, 4, status["conditions"], T1)["conditions"], "Ready")
+    gated = _pool(engines=2, ready=1, gated=["p-engine-b"], min_replicas=1)
+    assert schema_errors(status_schema, gated) == []
+
+
+@pytest.mark.parametrize(
+    ("counts", "want"),
+    [
+        (  # every engine ready
+            {"engines": 2, "ready": 2},
+            {"Ready": ("True", "EnginesReady"), "Reconciling": ("False", "NotReconciling")},
+        ),
+        (  # scaled to zero with nothing to do: at rest, not waiting for anything
+            {"engines": 0, "ready": 0},
+            {"Ready": ("True", "ScaledToZero"), "Stalled": ("False", "NotStalled")},
+        ),
+        (  # one engine still loading its model
+            {"engines": 2, "ready": 1},
+            {"Ready": ("False", "EnginesStarting"), "Reconciling": ("True", "EnginesStarting")},
+        ),
+        (  # fewer ready than replicas.min (the missing pod not even created yet)
+            {"engines": 0, "ready": 0, "min_replicas": 1},
+            {"Ready": ("False", "EnginesStarting"), "Reconciling": ("True", "EnginesStarting")},
+        ),
+        (  # Kueue holds an engine pod behind its admission gate
+            {"engines": 2, "ready": 1, "gated": ["p-engine-b"]},
+            {
+                "Ready": ("False", "WaitingForAdmission"),
+                "Reconciling": ("True", "WaitingForAdmission"),
+                "CapacityPending": ("True", "WaitingForAdmission"),
+            },
+        ),
+        (  # no node fits an engine pod
+            {"engines": 1, "ready": 0, "unschedulable": ["p-engine-a"]},
+            {
+                "Ready": ("False", "Unschedulable"),
+                "CapacityPending": ("True", "Unschedulable"),
+                "Stalled": ("False", "NotStalled"),
+            },
+        ),
+        (  # no token Secret: no engine starts until someone creates it
+            {"engines": 1, "ready": 0, "token_found": False},
+            {
+                "Ready": ("False", "TokenSecretMissing"),
+                "Stalled": ("True", "TokenSecretMissing"),
+                "Reconciling": ("False", "NotReconciling"),
+                "CapacityPending": ("False", "CapacityAvailable"),
+            },
+        ),
+    ],
+    ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) if "engines" in v else "",
+)
+def test_pool_conditions(counts: dict[str, Any], want: dict[str, tuple[str, str]]) -> None:
+    got = _conditions(_pool(**counts))
+    assert {k: got[k] for k in want} == want
+
+
+def test_pool_capacity_pending_names_the_pods() -> None:
+    status = _pool(engines=3, ready=1, gated=["p-engine-b", "p-engine-c"])
+    pending = get_condition(status["conditions"], "CapacityPending")
+    assert pending is not None
+    assert "p-engine-b, p-engine-c" in pending["message"]
+    reconciling = get_condition(status["conditions"], "Reconciling")
+    assert reconciling is not None and "1/3 engines ready" in reconciling["message"]
+
+
+def test_pool_ready_keeps_its_transition_time_while_unchanged() -> None:
+    first = _pool(engines=1, ready=1)
+    again = pool_status(
+        st.PoolObservation(engines=1, ready=1, slots_used=1, slots_free=0),
+        5,
+        first["conditions"],
+        T1,
+    )
+    ready = get_condition(again["conditions"], "Ready")
+    assert ready is not None and ready["lastTransitionTime"] == st.rfc3339(T0)
+    assert ready["observedGeneration"] == 5
+    lost = pool_status(st.PoolObservation(1, 0, 0, 0), 5, again["conditions"], T1)
+    assert get_condition(lost["conditions"], "Ready")["lastTransitionTime"] == st.rfc3339(T1)

@@ -115,7 +115,7 @@ CASES = [
         pending=_exps(2),
         engines=[engine("a").not_ready().slots(1).build(), engine("b").slots(1).build()],
         limits=limits(3, 2),
-        want=[Bind("ns/e0", "b"), Wait("ns/e1", WAIT_STARTING)],
+        want=[Bind("ns/e0", "b"), Wait("ns/e1", WAIT_STARTING, "a")],
     ),
     Case(
         "scale up for what does not fit, once per engine needed",

@@ -23,7 +23,6 @@ from loraplex_operator.resources import (
 # (CRD kind, path under .spec, the view's default for it)
 VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
     ("LoRAExperiment", "lora.rank", Lora.rank),
-    ("LoRAExperiment", "lora.targetModules", list(Lora.target_modules)),
     ("LoRAExperiment", "algorithm.maxSteps", Algorithm.max_steps),
     ("LoRAExperiment", "priority", ExperimentSpec.priority),
     ("LoRAExperiment", "suspend", ExperimentSpec.suspend),
@@ -53,6 +52,14 @@ def test_view_default_is_the_crds(kind: str, path: str, default: Any) -> None:
     assert _crd_default(kind, path) == default
 
 
+def test_unset_target_modules_stay_unset_for_the_engines_family_default() -> None:
+    # No CRD default: the API server must not write Llama names into a Phi-3 experiment.
+    lora = schema_of("LoRAExperiment")["properties"]["spec"]["properties"]["lora"]
+    assert "default" not in lora["properties"]["targetModules"]
+    assert Lora.target_modules is None
+    assert Experiment.from_obj(experiment("a").obj()).spec.lora.target_modules is None
+
+
 def test_views_of_bare_objects_equal_views_of_the_objects_the_api_server_defaults() -> None:
     # Covers every field the views read, including any missing from VIEW_DEFAULTS.
     bare_exp, bare_pool = experiment("a").obj(), pool().obj()
@@ -78,6 +85,15 @@ def test_views_read_what_the_object_says() -> None:
     assert (p.spec.replicas.min, p.spec.replicas.max) == (1, 3)
     assert p.spec.allowed_target_modules == ()  # an empty list allows nothing
     assert p.spec.allowed_namespaces is None and p.spec.model_shape is None
+    assert p.spec.dtype is None and p.spec.gradient_checkpointing is None  # engine decides
+    bf16 = pool().set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", False).obj()
+    assert (Pool.from_obj(bf16).spec.dtype, Pool.from_obj(bf16).spec.gradient_checkpointing) == (
+        "bfloat16",
+        False,
+    )
+    assert p.spec.queue_name is None  # no Kueue queue unless named
+    queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
+    assert queued.spec.queue_name == "gpu-team"
 
 
 def test_a_null_sub_object_reads_as_defaults() -> None:

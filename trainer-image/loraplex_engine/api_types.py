@@ -13,6 +13,9 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
+# The dtypes a frozen base may be loaded in (precision.py maps them to torch's).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
 # Tokens one experiment's step may cost: groupSize x promptsPerStep x (the prompt limit +
 # maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the
 # longest wait a co-tenant can see (fair_share.py paces big steps on average).
@@ -79,14 +82,27 @@ class MemoryUse(WireModel):
     device_bytes: int
 
 
+class ModelShape(WireModel):
+    """The base model's dimensions, as the operator's adapter memory estimate reads them
+    (the EnginePool's `modelShape`): a pool that does not declare one learns it here."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    kv_dim: int  # output width of k_proj/v_proj (heads x head dim with grouped-query attention)
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
     max_adapters: int
     max_rank: int
+    dtype: str  # the frozen base's (adapters and optimiser state are float32)
+    gradient_checkpointing: bool
     used_slots: int
     experiments: list[str]
     memory: MemoryUse
+    model_shape: ModelShape | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -149,10 +165,26 @@ class EngineService(Protocol):
     def capacity(self) -> Capacity: ...
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        """Completions from an experiment's current adapter (or the base), served in
-        the next tick's rollout batch. Blocks until done."""
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: Any = None,
+    ) -> list[Any]:
+        """``n`` completions (``rollout.base.Completion``: sampled token ids, log-probs,
+        finish reason) from an experiment's current adapter (or the base), served in the
+        next tick's rollout batch. Blocks until done. ``sampling``: a ``tick.JobSampling``
+        (top_p, alternatives, seed, per-token callback, cancellation)."""
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (ids outside the vocabulary: InvalidRequestError)."""
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages through the chat template (none: InvalidRequestError)."""
 
     def tick(self) -> TickReport | None:
         """Advance every running experiment one step; None when nothing ran."""

@@ -1,4 +1,5 @@
-"""A base model directory, read before its weights load: is it one, what can LoRA target.
+"""A base model directory, read before its weights load: is it one, what can LoRA target,
+and what an adapter that names no targets gets (the family default).
 
 The command line checks a model directory and every manifest's target modules before it
 loads anything, so a typo is a one-line error in a second or two, not a traceback after
@@ -8,11 +9,21 @@ device: the real module tree from ``config.json``, with no weights read or alloc
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+from loraplex_engine.api_types import ModelShape
 from loraplex_engine.errors import UsageError
 
 CONFIG_FILE = "config.json"
+
+# An adapter that names no target modules gets the attention's query and value projections
+# (the LoRA paper's choice), under the names its family gives them: separate q_proj and
+# v_proj (Llama 3, Qwen2.5, Qwen3, Mistral, Gemma 2/3) or the fused qkv_proj (Phi-3).
+# Resolved against the module names the base model has, so any family that names its
+# projections either way gets a working default; the first set fully present wins.
+DEFAULT_TARGET_CANDIDATES: tuple[tuple[str, ...], ...] = (("q_proj", "v_proj"), ("qkv_proj",))
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -44,3 +55,28 @@ def lora_targets_of(model_dir: str | Path) -> list[str]:
     from loraplex_engine.multi_lora import adaptable_module_names
 
     return adaptable_module_names(base)
+
+
+def model_shape_of(config: Any) -> ModelShape | None:
+    """The dimensions of a transformers decoder config (Llama, Qwen, Mistral, ...), for the
+    operator's adapter memory estimate; None when the config lacks them."""
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        return None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
+        kv_dim=min(kv_heads * head_dim, hidden),  # the pool's schema: kvDim <= hiddenSize
+    )
+
+
+def default_lora_targets(module_names: Iterable[str]) -> tuple[str, ...] | None:
+    """The target modules an adapter without ``targetModules`` gets on a base model whose
+    adaptable modules are ``module_names``; None if it has none of the candidates."""
+    names = set(module_names)
+    return next((c for c in DEFAULT_TARGET_CANDIDATES if names.issuperset(c)), None)

@@ -12,7 +12,9 @@ its chunk:
   (``(onehot - softmax) W / T``; the head's weight needs none), so the backward is one
   ``[tokens, hidden]`` multiply: no logits are kept or recomputed;
 - any other head (one with trainable weights, e.g. ``lm_head`` targeted by an adapter):
-  each chunk is checkpointed, so its logits are recomputed in the backward.
+  each chunk is checkpointed, so its logits are recomputed in the backward. A multi-LoRA
+  head is routed per token (each scored token carries its row's slot), inside the
+  checkpointed function, so the recompute runs under the same routing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .lora import MultiLoRALinear, Router
 from .multi_lora import MultiLoRAModel
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -68,9 +71,27 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
         return (grad * upstream[:, None].to(grad.dtype), None, None, None, None, None)
 
 
-def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, inv_temp: Tensor) -> Tensor:
-    z = head(hidden).float() * inv_temp[:, None]
+def _chunk_logprobs(
+    head: nn.Module, hidden: Tensor, targets: Tensor, inv_temp: Tensor, slots: Tensor | None
+) -> Tensor:
+    z = _routed_head(head, hidden, slots).float() * inv_temp[:, None]
     return z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+
+
+def _routed_head(head: nn.Module, hidden: Tensor, slots: Tensor | None) -> Tensor:
+    """``head(hidden)``; a multi-LoRA head with one slot id per token of ``hidden``."""
+    if slots is None or not isinstance(head, MultiLoRALinear):
+        return head(hidden)
+    previous, head.router = head.router, Router(slots)
+    try:
+        return head(hidden)
+    finally:
+        head.router = previous
+
+
+def _adapts(head: MultiLoRALinear, slots: Tensor | None) -> bool:
+    """Some row's adapter targets the multi-LoRA ``head`` (one host sync of ``B`` ids)."""
+    return slots is not None and any(head.rank_of(s) for s in set(slots.tolist()))
 
 
 def _is_frozen_linear(head: nn.Module) -> bool:
@@ -84,17 +105,23 @@ def chunked_token_logprobs(
     inv_temp: Tensor,
     scored: Tensor,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    slots: Tensor | None = None,
 ) -> Tensor:
     """fp32 ``log softmax(head(hidden) / T)[target]`` at the ``scored`` positions, 0 elsewhere.
 
     ``hidden [B, T, H]``, ``targets [B, T]``, ``inv_temp [B]`` (1 / temperature per row),
     ``scored [N]``: flat indices into ``B * T`` (built on the host, so no data-dependent
-    ``nonzero``). Returns ``[B, T]``.
+    ``nonzero``), ``slots [B]``: each row's adapter slot, for a multi-LoRA head. Returns
+    ``[B, T]``.
     """
     rows, width = targets.shape
     flat = hidden.reshape(rows * width, hidden.shape[-1])[scored]
     picked = targets.reshape(-1)[scored]
-    temps = inv_temp.to(torch.float32)[torch.div(scored, width, rounding_mode="floor")]
+    row_of = torch.div(scored, width, rounding_mode="floor")
+    temps = inv_temp.to(torch.float32)[row_of]
+    token_slots = None if slots is None else slots[row_of]
+    if isinstance(head, MultiLoRALinear) and not _adapts(head, slots):
+        head, token_slots = head.base_layer, None  # no adapter here: the frozen path
     if _is_frozen_linear(head):
         lp = _FrozenHeadLogprobs.apply(
             flat, head.weight, head.bias, picked, temps, max(1, chunk_tokens)
@@ -107,6 +134,7 @@ def chunked_token_logprobs(
                 flat[s : s + chunk_tokens],
                 picked[s : s + chunk_tokens],
                 temps[s : s + chunk_tokens],
+                None if token_slots is None else token_slots[s : s + chunk_tokens],
                 use_reentrant=False,
             )
             for s in range(0, flat.shape[0], max(1, chunk_tokens))

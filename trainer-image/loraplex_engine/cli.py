@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from loraplex_engine.api_types import DTYPE_NAMES
 from loraplex_engine.errors import FieldError, ManifestError, UsageError
 
 # What a user can get wrong: files, flags, model directories, manifests and specs.
@@ -15,10 +16,12 @@ USER_ERRORS = (UsageError, ManifestError, FieldError)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from loraplex_engine.tiny_model import PRESETS, build_model
+    from loraplex_engine.tiny_model import ARCHES, PRESETS, build_model
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    if args.arch not in ARCHES:
+        raise UsageError(f"--arch {args.arch!r}: choose one of {', '.join(ARCHES)}")
     try:
         out = build_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
     except OSError as e:
@@ -60,6 +63,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_adapters=args.max_adapters,
         max_rank=args.max_rank,
         train_mode=args.train_mode,
+        dtype=args.dtype,
+        data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
@@ -85,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="build a small random-weight model directory")
     tiny.add_argument("--out", required=True, help="output model directory")
     tiny.add_argument("--preset", default="tiny", help="tiny (tests, demo) or bench (~20M)")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    tiny.add_argument(
+        "--arch",
+        default="llama",
+        help="model family: llama (default), llama3, qwen2, qwen3, mistral, gemma2, gemma3 or phi3",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny_model)
 
@@ -113,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fused", "timesliced"],
         default="fused",
         help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
+    )
+    run.add_argument(
+        "--data-root",
+        action="append",
+        metavar="DIR",
+        help="directory JSONL datasets must lie under (a relative dataset is taken from "
+        "the first); repeatable. Default: the manifest file's directory",
     )
     run.set_defaults(func=_cmd_run)
 

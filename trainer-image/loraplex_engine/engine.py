@@ -30,6 +30,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
+from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -50,10 +51,12 @@ from loraplex_engine.experiment import (
 from loraplex_engine.fair_share import RewardScorer
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
+from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
+from loraplex_engine.rollout.base import Completion
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.tick import CompletionJob, Tick
+from loraplex_engine.tick import CompletionJob, JobSampling, Tick
 from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.training import (
@@ -62,6 +65,7 @@ from loraplex_engine.training import (
     shared_prefix_forward,
 )
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
+from loraplex_engine.trust import TrustPolicy
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -74,7 +78,9 @@ class Engine:
     """Implements :class:`loraplex_engine.api_types.EngineService`.
 
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
-    arm, timesliced.py)."""
+    arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
+    CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
+    elsewhere) recomputes each decoder layer in the backward (checkpointing.py)."""
 
     def __init__(
         self,
@@ -94,6 +100,9 @@ class Engine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         reward_deadline_s: float = DEFAULT_REWARD_DEADLINE_S,
         share_prompt_prefix: bool = True,
+        dtype: str | None = None,
+        gradient_checkpointing: bool | None = None,
+        trust: TrustPolicy | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -103,30 +112,47 @@ class Engine:
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
         self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        enable_tf32(self.device)
         self.train_mode = train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        # What tenants' datasets and reward URLs may reach (trust.py); the default allows
+        # no dataset file and no local reward address.
+        self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.codec = TokenCodec(self.tokenizer)
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        # generation_config.json's eos_token_id: an int, a list (Llama 3) or none.
+        eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+        self.codec = TokenCodec(self.tokenizer, eos)
         base.to(self.device).eval()
         self.model = MultiLoRAModel(
             base,
             max_adapters=max_adapters,
             max_rank=max_rank,
             target_modules=adaptable_module_names(base),
+            dtype=MASTER_DTYPE,
         )
+        self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
             Path(checkpoint_root), self.model, self.optimizer, str(self.model_dir)
         )
         shared = self._shared_forward(base, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
+        if gradient_checkpointing is None:
+            gradient_checkpointing = self.device.type == "cuda"
         trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
         self.strategy: TrainingStrategy = trainer(
-            self.model, self.optimizer, self.device, self.codec.pad_id, micro_batch_tokens, shared
+            self.model,
+            self.optimizer,
+            self.device,
+            self.codec.pad_id,
+            micro_batch_tokens,
+            shared,
+            gradient_checkpointing=gradient_checkpointing,
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         self._experiments: dict[str, Experiment] = {}
@@ -168,7 +194,7 @@ class Engine:
                 self.model.route,
                 self._decode_forward,
                 self.codec.pad_id,
-                None if self.ignore_eos else self.codec.eos_id,
+                () if self.ignore_eos else self.codec.eos_ids,
             )
         return VLLMRolloutBackend(
             self.model_dir,
@@ -176,6 +202,7 @@ class Engine:
             max_adapters=self.model.max_adapters,
             max_rank=self.model.max_rank,
             ignore_eos=self.ignore_eos,
+            eos_ids=self.codec.eos_ids,
             **options,
         )
 
@@ -189,6 +216,7 @@ class Engine:
             position_ids=positions.to(self.device),
             past_key_values=past,
             use_cache=True,
+            logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
         )
         return out.logits[:, -1].float().cpu(), out.past_key_values
 
@@ -241,11 +269,14 @@ class Engine:
             rollout_backend=self.rollout_backend,
             max_adapters=self.model.max_adapters,
             max_rank=self.model.max_rank,
+            dtype=dtype_name(self.dtype),
+            gradient_checkpointing=self.strategy.gradient_checkpointing,
             used_slots=len(ids),
             experiments=ids,
             memory=MemoryUse(
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
+            model_shape=model_shape_of(self.model.base_model.config),
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
@@ -319,16 +350,22 @@ class Engine:
             return exp.status()
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        """Served by the next tick, inside its rollout batch."""
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: JobSampling | None = None,
+    ) -> list[Completion]:
+        """Served by the next tick, inside its rollout batch; ``sampling.on_token`` sees
+        each token as the decode makes it (torch backend; vLLM answers whole rows)."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
-        prompt_ids = self.codec.encode(prompt)
         self._check_completion_work(len(prompt_ids), max_tokens, n)
-        job = CompletionJob(
-            None if model == self.model_name else model, prompt_ids, max_tokens, temperature, n
-        )
+        sampling = sampling or JobSampling()
+        slot_name = None if model == self.model_name else model
+        job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -341,7 +378,16 @@ class Engine:
             raise UnavailableError(f"no tick served this completion in {COMPLETION_TIMEOUT_S:.0f}s")
         if job.error is not None:
             raise job.error
-        return [self.codec.decode(c.token_ids) for c in job.result]
+        return job.result
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.codec.prompt_ids(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.codec.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.codec.chat_prompt_ids(messages)
 
     # ---- the tick ---------------------------------------------------------------------
 
@@ -376,7 +422,12 @@ class Engine:
     ) -> Experiment:
         """Check and build everything first, then touch the model: a failure changes
         nothing."""
-        config = lora_config(spec)
+        config = lora_config(spec, self.default_targets)
+        if spec.task.chat_template and not self.codec.has_chat_template:
+            raise InvalidSpecError(
+                f"the tokenizer of {self.model_name} has no chat template",
+                field="spec.task.chatTemplate",
+            )
         try:
             self.model.check_config(config)
         except AdapterError as e:
@@ -384,7 +435,7 @@ class Engine:
         self._check_step_work(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        exp = new_experiment(exp_id, spec, namespace, name, run_id)
+        exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
         alone = not self._experiments
         try:
             if resume_from:

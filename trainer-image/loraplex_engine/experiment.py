@@ -28,6 +28,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
+from loraplex_engine.trust import TrustPolicy
 
 
 def now() -> str:
@@ -97,27 +98,48 @@ class Experiment:
         )
 
 
-def lora_config(spec: ExperimentSpec) -> LoRAConfig:
+def lora_config(spec: ExperimentSpec, default_targets: tuple[str, ...] | None) -> LoRAConfig:
+    """The adapter ``spec`` asks for; no targetModules = ``default_targets``, the base
+    model family's (base_model.default_lora_targets), an InvalidSpecError if it has none."""
+    targets = spec.lora.target_modules or default_targets
+    if not targets:
+        raise InvalidSpecError(
+            "the base model has neither q_proj+v_proj nor qkv_proj to target by default;"
+            " name the target modules",
+            field="spec.lora.targetModules",
+        )
     return LoRAConfig(
         rank=spec.lora.rank,
         alpha=spec.lora.alpha,
         dropout=spec.lora.dropout,
-        target_modules=tuple(spec.lora.target_modules),
+        target_modules=tuple(targets),
     )
 
 
 def new_experiment(
-    exp_id: str, spec: ExperimentSpec, namespace: str, name: str, run_id: str | None
+    exp_id: str,
+    spec: ExperimentSpec,
+    namespace: str,
+    name: str,
+    run_id: str | None,
+    trust: TrustPolicy,
 ) -> Experiment:
     """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
-    unknown task, reward or algorithm is an InvalidSpecError naming the field."""
+    unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
+    allow, is an InvalidSpecError naming the field."""
     try:
+        dataset, dataset_root = None, None
+        if spec.task.name == "jsonl" and spec.task.dataset:
+            file, dataset_root = trust.data.resolve(spec.task.dataset, namespace)
+            dataset = str(file)
         task = build_task(
             spec.task.name,
             spec.task.params,
-            spec.task.dataset,
+            dataset,
             spec.task.reward or "default",
             spec.task.reward_url,
+            dataset_root=dataset_root,
+            reward_egress=trust.egress,
         )
         algorithm = get_algorithm(spec.algorithm.name)
     except TaskError as e:

@@ -126,6 +126,7 @@ class MultiLoRALinear(nn.Module):
         self.base_layer = base_layer
         self.base_layer.requires_grad_(False)
         out_f, in_f = base_layer.weight.shape
+        # Masters in ``dtype`` (the engine passes fp32 whatever the base's dtype).
         kw = {"device": base_layer.weight.device, "dtype": dtype or base_layer.weight.dtype}
         self.lora_A = nn.Parameter(torch.zeros(slots, max_rank, in_f, **kw))
         self.lora_B = nn.Parameter(torch.zeros(slots, out_f, max_rank, **kw))
@@ -185,9 +186,11 @@ class MultiLoRALinear(nn.Module):
 
     def _delta(self, x: Tensor, plan: Routing) -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
-        xs = (x if plan.in_order else x[plan.rows]).to(self.lora_A.dtype)
+        # Compute in the activations' dtype (the base's: bf16 on a GPU): A and B are cast,
+        # not x, and the cast's backward carries the gradient to the fp32 masters.
+        xs = x if plan.in_order else x[plan.rows]
         if self.training and self._dropout_slots:
-            xs = self._dropout(xs, self.dropout[plan.slots][plan.group])
+            xs = self._dropout(xs, self.dropout[plan.slots][plan.group].to(xs.dtype))
         groups = plan.slots.numel()
         if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
             padded = xs.reshape(groups, -1, xs.shape[-1])
@@ -196,9 +199,10 @@ class MultiLoRALinear(nn.Module):
             padded = padded.index_put((plan.group, plan.pos), xs).flatten(1, -2)
         # Only the largest rank in the batch: columns past it are zero padding.
         r = max(self._ranks.get(s, 0) for s in plan.slot_set)
-        a, b = self.lora_A[plan.slots, :r], self.lora_B[plan.slots, :, :r]
+        a = self.lora_A[plan.slots, :r].to(xs.dtype)
+        b = self.lora_B[plan.slots, :, :r].to(xs.dtype)
         # Scale the rank-sized intermediate, not the output: r/out times fewer multiplies.
-        h = torch.bmm(padded, a.mT) * self.scale[plan.slots].view(-1, 1, 1)
+        h = torch.bmm(padded, a.mT) * self.scale[plan.slots].to(xs.dtype).view(-1, 1, 1)
         d = torch.bmm(h, b.mT)
         d = d.view(groups, plan.width, *xs.shape[1:-1], -1)
         return d.flatten(0, 1) if plan.dense else d[plan.group, plan.pos]

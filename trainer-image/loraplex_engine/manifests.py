@@ -61,7 +61,7 @@ def _check_doc(doc: Any, max_rank: int | None, known_modules: Iterable[str] | No
     if max_rank is not None or known_modules is not None:
         spec.validate_for_engine(
             max_rank if max_rank is not None else 256,
-            known_modules if known_modules is not None else spec.lora.target_modules,
+            known_modules if known_modules is not None else spec.lora.target_modules or (),
         )
     return Manifest(name, namespace, spec)
 

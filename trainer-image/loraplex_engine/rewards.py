@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from loraplex_engine.errors import RewardError
+from loraplex_engine.errors import RewardError, TaskError
+from loraplex_engine.trust import RewardEgress
 
 
 @dataclass(frozen=True)
@@ -96,26 +97,41 @@ class BuiltinReward:
 
 def _check_score(value: Any, index: int, source: str) -> float:
     # bool is an int subclass; a True/False "score" is almost surely a bug upstream.
+    # The value's type, never the value: an answer's content does not reach status.
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RewardError(f"reward {source}: score {index} is not a number: {value!r}")
+        raise RewardError(
+            f"reward {source}: score {index} is not a number (a {type(value).__name__})"
+        )
     try:
         score = float(value)  # an int too large for a float raises OverflowError
     except OverflowError:
         score = math.inf
     if not math.isfinite(score):
-        raise RewardError(f"reward {source}: score {index} is not finite: {str(value)[:40]}")
+        raise RewardError(f"reward {source}: score {index} is not finite")
     return score
 
 
 class HttpReward:
-    """POST ``{"items": [{prompt, completion, answer}]}`` → ``{"scores": [float]}``."""
+    """POST ``{"items": [{prompt, completion, answer}]}`` → ``{"scores": [float]}``.
+
+    With ``egress`` every request resolves the host, checks the addresses (trust.py) and
+    connects to the checked one, so a DNS answer that changes after admission cannot
+    point the request elsewhere. Redirects are never followed, and an error names the
+    status or failure only: no byte of the answer reaches the experiment's status."""
 
     name = "http"
 
-    def __init__(self, url: str, timeout: float = 30.0, client: httpx.Client | None = None):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 30.0,
+        client: httpx.Client | None = None,
+        egress: RewardEgress | None = None,
+    ):
         self.url = url
         self.timeout = timeout
-        self._client = client or httpx.Client(timeout=timeout)
+        self.egress = egress
+        self._client = client or httpx.Client(timeout=timeout, follow_redirects=False)
 
     def close(self) -> None:
         self._client.close()
@@ -140,26 +156,48 @@ class HttpReward:
         return [_check_score(s, i, f"service {self.url}") for i, s in enumerate(scores)]
 
     def _post(self, body: dict[str, Any]) -> Any:
+        url, headers, extensions = self.url, {}, {}
+        if self.egress is not None:
+            try:
+                target = self.egress.check(self.url)
+            except TaskError as exc:
+                raise RewardError(f"reward service {self.url}: {exc.message}") from None
+            assert target is not None  # check() resolves or raises
+            url, headers = target.pinned_url, {"Host": target.host_header}
+            extensions = {"sni_hostname": target.sni_hostname}
         try:
-            resp = self._client.post(self.url, json=body, timeout=self.timeout)
-        except httpx.HTTPError as exc:
-            raise RewardError(f"reward service {self.url} unreachable: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise RewardError(
-                f"reward service {self.url} answered HTTP {resp.status_code}: {resp.text[:200]}"
+            resp = self._client.post(
+                url,
+                json=body,
+                headers=headers,
+                extensions=extensions,
+                timeout=self.timeout,
+                follow_redirects=False,
             )
+        except httpx.HTTPError as exc:
+            raise RewardError(
+                f"reward service {self.url} unreachable ({type(exc).__name__})"
+            ) from exc
+        if resp.status_code != 200:
+            raise RewardError(f"reward service {self.url} answered HTTP {resp.status_code}")
         try:
             return resp.json()
         except ValueError as exc:
             raise RewardError(f"reward service {self.url} answered invalid JSON") from exc
 
 
-def make_reward(name: str, url: str | None = None, timeout: float = 30.0) -> Reward:
-    """A reward by spec name (a built-in, or ``http`` with ``url``)."""
+def make_reward(
+    name: str,
+    url: str | None = None,
+    timeout: float = 30.0,
+    egress: RewardEgress | None = None,
+) -> Reward:
+    """A reward by spec name (a built-in, or ``http`` with ``url``, sent as ``egress``
+    allows: None = anywhere)."""
     if name == "http":
         if not url:
             raise ValueError("reward http needs a rewardUrl")
-        return HttpReward(url, timeout)
+        return HttpReward(url, timeout, egress=egress)
     if name not in BUILTIN_REWARDS:
         raise ValueError(f"unknown reward {name!r}; known: {sorted(BUILTIN_REWARDS)} or http")
     return BuiltinReward(name, BUILTIN_REWARDS[name])

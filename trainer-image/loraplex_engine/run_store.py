@@ -35,6 +35,7 @@ from loraplex_engine.experiment import Experiment
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
+from loraplex_engine.trust import checkpoint_inside
 
 # Metadata key of the run id: made when an experiment starts fresh, carried over on resume.
 RUN_ID = "runId"
@@ -101,7 +102,16 @@ class RunStore:
         """Resume from the newest intact checkpoint of the requested one's run at or after
         its step; the requested one's own error is the one reported. With ``run_id`` the
         requested checkpoint must belong to that run. ``alone``: no other experiment is
-        loaded (see :meth:`_load`)."""
+        loaded (see :meth:`_load`). It must lie in the experiment's own directory,
+        ``<root>/<namespace>/<name>/`` (resolved): no tenant loads another's adapter."""
+        inside = checkpoint_inside(requested, self.root / exp.namespace / exp.name)
+        if inside is None:
+            raise BadCheckpointError(
+                f"resumeFrom {str(requested)!r} is not allowed: it must lie in this "
+                f"experiment's checkpoint directory <root>/{exp.namespace}/{exp.name}/",
+                field="resumeFrom",
+            )
+        requested = inside
         try:
             own = Candidate(requested, ckpt.read_metadata(requested))
         except CheckpointError:

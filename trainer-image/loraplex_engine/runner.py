@@ -18,8 +18,9 @@ from typing import Any, TextIO
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.trust import TrustPolicy
 
 FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
 
@@ -197,6 +198,16 @@ def load_checked(
     return manifests
 
 
+def check_datasets(manifests: list[Manifest], trust: TrustPolicy, source: str | Path) -> None:
+    """Every jsonl dataset lies under the runner's data roots (before the model loads)."""
+    for m in manifests:
+        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
+            try:
+                trust.data.resolve(m.spec.task.dataset, m.namespace)
+            except FieldError as e:
+                raise UsageError(f"{source}: {m.name}: {e}") from None
+
+
 def make_out_dir(out_dir: str | Path) -> Path:
     path = Path(out_dir)
     try:
@@ -214,12 +225,20 @@ def run_file(
     max_rank: int = 64,
     train_mode: str = "fused",
     out: TextIO | None = None,
+    dtype: str | None = None,
+    data_roots: list[Path] | None = None,
 ) -> dict[str, Any]:
-    """Validate every manifest up front, then train them all on one hot engine."""
+    """Validate every manifest up front, then train them all on one hot engine.
+
+    JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
+    a relative one is taken from the first. One user runs the runner: reward URLs go
+    anywhere (the engine service's limits are in trust.py)."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
     manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
+    trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
+    check_datasets(manifests, trust, manifest_path)
     out_dir = make_out_dir(out_dir)
     t0 = time.monotonic()
     engine = Engine(
@@ -228,13 +247,19 @@ def run_file(
         max_rank=max_rank,
         checkpoint_root=out_dir / "checkpoints",
         train_mode=train_mode,
+        dtype=dtype,
+        trust=trust,
     )
     out.write(
-        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name}, "
+        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+        f"{engine.capacity().dtype}, "
         f"{len(manifests)} experiments, {train_mode} training\n"
     )
     for m in manifests:
-        engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+        try:
+            engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+        except ApiError as e:
+            raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
     ids = [m.id for m in manifests]
     progress = Progress()
     wall = run_until_done(engine, ids, out, progress)

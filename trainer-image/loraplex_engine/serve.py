@@ -20,6 +20,7 @@ Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -27,6 +28,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import psutil
 
 from loraplex_engine.api_types import (
     Capacity,
@@ -38,8 +41,9 @@ from loraplex_engine.api_types import (
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.serve_flags import read_token, vllm_options
+from loraplex_engine.serve_flags import data_roots, read_token, reward_hosts, vllm_options
 from loraplex_engine.server import create_app
+from loraplex_engine.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -102,9 +106,24 @@ class EngineHolder:
         return self._get().capacity()
 
     def complete(
-        self, model: str, prompt: str, max_tokens: int, temperature: float, n: int
-    ) -> list[str]:
-        return self._get().complete(model, prompt, max_tokens, temperature, n)
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: Any = None,
+    ) -> list[Any]:
+        return self._get().complete(model, prompt_ids, max_tokens, temperature, n, sampling)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._get().tokenize(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._get().detokenize(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._get().chat_prompt(messages)
 
     def tick(self) -> TickReport | None:
         return self._get().tick()
@@ -242,6 +261,26 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def own_addresses() -> set[str]:
+    """This pod's addresses (every interface's, and the host name's): a reward URL must
+    not lead back into the pod."""
+    found = {
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family in (socket.AF_INET, socket.AF_INET6)
+    }
+    with contextlib.suppress(OSError):
+        found.update(system_resolver(socket.gethostname(), 0))
+    return found
+
+
+def trust_policy(args: argparse.Namespace, port: int) -> TrustPolicy:
+    """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
+    egress = RewardEgress.build(reward_hosts(args), own_addresses(), own_port=port)
+    return TrustPolicy(data=DataRoots(data_roots(args)), egress=egress)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -255,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-adapters and --max-rank must be at least 1")
     token = read_token(args)
     vllm_options(args)  # fail fast on a malformed option, before loading anything
+    data_roots(args)
     if token is None:
         log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
     if args.threads > 0:
@@ -325,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
                 "max_step_tokens": args.max_step_tokens,
                 "max_prompt_tokens": args.max_prompt_tokens,
                 "reward_deadline_s": args.reward_deadline,
+                "dtype": args.dtype,
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "trust": trust_policy(args, port),
             }
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":
@@ -339,12 +382,13 @@ def run(args: argparse.Namespace) -> int:
             startup = now - t0
             log.info(
                 "engine ready in %.2fs (to app %.2fs, engine imports %.2fs, model load %.2fs; "
-                "model %s, %d slots, max rank %d, backend %s, pool %s)",
+                "model %s in %s, %d slots, max rank %d, backend %s, pool %s)",
                 startup,
                 t_import - t0,
                 t_build - t_import,
                 now - t_build,
                 args.model,
+                engine.capacity().dtype,
                 args.max_adapters,
                 args.max_rank,
                 args.rollout_backend,

@@ -12,15 +12,17 @@ import argparse
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DTYPE_NAMES,
 )
 from loraplex_engine.errors import UsageError
-from loraplex_engine.server_completions import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -78,6 +80,19 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _dtype(value: str) -> str:
+    if value not in DTYPE_NAMES:
+        raise _invalid("dtype", value, f"; choose one of {', '.join(DTYPE_NAMES)}")
+    return str(value)
+
+
+def _bool(value: str) -> bool:
+    text = str(value).strip().lower()
+    if text not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise _invalid("boolean", value, "; use true or false")
+    return text in ("1", "true", "yes", "on")
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -90,6 +105,8 @@ def _log_level(value: str) -> str:
 # Variables that are not simply LORAPLEX_<FLAG>, or that belong to no flag.
 _ENV_NOTES = {
     "vllm_option": ("LORAPLEX_VLLM_OPTIONS", "a JSON object of --vllm-option settings"),
+    "data_root": ("LORAPLEX_DATA_ROOT", "--data-root directories, separated by ':'"),
+    "allow_reward_host": ("LORAPLEX_ALLOW_REWARD_HOST", "--allow-reward-host hosts, by ','"),
 }
 _ENV_EXTRA = (
     ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
@@ -168,6 +185,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
     )
     p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=_env_parsed("DTYPE", None),
+        help=f"the frozen base's dtype, one of {', '.join(DTYPE_NAMES)} (default: bfloat16 "
+        "on cuda, float32 on cpu); adapters and optimiser state are float32 whatever it is",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        type=_bool,
+        default=_env_parsed("GRADIENT_CHECKPOINTING", None),
+        help="recompute each decoder layer in the backward instead of keeping its "
+        "activations (default: on for cuda, off for cpu)",
+    )
+    p.add_argument(
         "--vllm-option",
         action="append",
         default=[],
@@ -200,8 +232,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_parsed("LOG_LEVEL", "info"),
         help=f"one of {', '.join(LOG_LEVELS)}",
     )
+    add_trust_arguments(p)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+# --- tenancy and trust: what tenants' datasets and reward URLs may reach (trust.py) ---
+
+
+def add_trust_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="directory of tenants' JSONL datasets, one subdirectory per namespace: "
+        "task.dataset x.jsonl of namespace team-a is <DIR>/team-a/x.jsonl; repeatable. "
+        "None given: jsonl datasets are refused",
+    )
+    p.add_argument(
+        "--allow-reward-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="rewardUrl host allowed even on a loopback, link-local or this pod's own "
+        "address (exact name or address); repeatable. Others must resolve elsewhere",
+    )
+
+
+def data_roots(args: argparse.Namespace) -> tuple[Path, ...]:
+    """--data-root (or LORAPLEX_DATA_ROOT, ':'-separated); each must be absolute."""
+    raw = args.data_root
+    if raw is None:
+        raw = [d for d in str(_env("DATA_ROOT", "")).split(":") if d.strip()]
+    roots = tuple(Path(d) for d in raw)
+    for root in roots:
+        if not root.is_absolute():
+            raise UsageError(f"--data-root must be an absolute path, not {str(root)!r}")
+    return roots
+
+
+def reward_hosts(args: argparse.Namespace) -> list[str]:
+    """--allow-reward-host (or LORAPLEX_ALLOW_REWARD_HOST, ','-separated)."""
+    if args.allow_reward_host is not None:
+        return list(args.allow_reward_host)
+    return [h.strip() for h in str(_env("ALLOW_REWARD_HOST", "")).split(",") if h.strip()]
 
 
 def read_token(args: argparse.Namespace) -> str | None:

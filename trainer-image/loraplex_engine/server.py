@@ -2,9 +2,10 @@
 
 Everything here translates: JSON in, validated by pydantic; one call on the engine
 (in a worker thread, since engine calls may wait for the running tick); JSON out.
-Errors leave as ``{"error": {"code", "message", "field"}}`` (server_errors.py); every
-path except the open ones needs the bearer token (server_middleware.py); completions
-are served from the engine's rollout queue (server_completions.py).
+Errors leave as ``{"error": {"code", "message", "field", "type", "param"}}``
+(server_errors.py); every path except the open ones needs the bearer token
+(server_middleware.py); the OpenAI routes (server_completions.py, server_chat.py,
+server_models.py) are served from the engine's rollout queue.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from loraplex_engine.api_types import (
     EngineService,
     ExperimentStatus,
 )
-from loraplex_engine.errors import ApiError, UnavailableError
+from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
-from loraplex_engine.server_completions import (
-    DEFAULT_MAX_COMPLETION_TOKENS,
-    add_completions_route,
-    default_counter,
-)
+from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.server_chat import add_chat_route
+from loraplex_engine.server_completions import add_completions_route
 from loraplex_engine.server_errors import add_error_handlers, documented_errors
 from loraplex_engine.server_middleware import BearerAuth, BodyLimit
+from loraplex_engine.server_models import add_models_routes
 from loraplex_engine.spec import ExperimentSpec
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
@@ -91,7 +91,6 @@ def create_app(
     on_work: Callable[[], None] | None = None,
     ready: Callable[[], bool] | None = None,
     alive: Callable[[], bool] | None = None,
-    count_tokens: Callable[[str], int] | None = None,
     max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
@@ -102,8 +101,6 @@ def create_app(
     metrics: shared with the engine loop, which feeds it tick reports.
     on_work: called when a request gave the engine work (wakes an idle loop).
     ready / alive: readiness and liveness beyond ``engine.is_ready()``.
-    count_tokens: token counter for ``usage`` in completions (default: the engine's
-        ``tokenizer`` if it has one, else whitespace words).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -192,7 +189,15 @@ def create_app(
     def put_experiment(id: ExpId, body: PutExperimentRequest) -> JSONResponse:
         """Start an experiment, or resume it from `resumeFrom` (or, given only `runId`, from
         that run's newest checkpoint). Idempotent: the same spec again answers 200; a
-        different spec or run for a loaded id answers 409."""
+        different spec or run for a loaded id answers 409. The id must be the body's
+        `<namespace>.<name>`: a request about one experiment never reaches another's
+        checkpoints."""
+        expected = f"{body.namespace}.{body.name}"
+        if id != expected:
+            raise InvalidRequestError(
+                f"experiment id {id!r} must equal <namespace>.<name> of the body, {expected!r}",
+                field="name",
+            )
         status, created = _ready_engine().put_experiment(
             id, body.spec, body.namespace, body.name, body.resumeFrom, body.runId
         )
@@ -247,13 +252,9 @@ def create_app(
         metrics.forget(id)
         return status.to_json()
 
-    add_completions_route(
-        app,
-        _ready_engine,
-        wake=wake,
-        count_tokens=count_tokens or default_counter(engine),
-        max_completion_tokens=max_completion_tokens,
-        route_options=v1,
-    )
+    openai = {"wake": wake, "max_completion_tokens": max_completion_tokens, "route_options": v1}
+    add_completions_route(app, _ready_engine, **openai)
+    add_chat_route(app, _ready_engine, **openai)
+    add_models_routes(app, _ready_engine, v1)
 
     return app

@@ -1,4 +1,6 @@
-"""How the HTTP API reports errors: ``{"error": {"code", "message", "field"}}``, 4xx.
+"""How the HTTP API reports errors: ``{"error": {"code", "message", "field", "type",
+"param"}}``: the engine's own keys and OpenAI's (``type``, ``param`` = ``field``), so
+both the operator's client and OpenAI clients read them.
 
 The one place an HTTP status is chosen for an :class:`ApiError` (errors.py knows nothing
 of HTTP), the translation of pydantic's request validation errors into a field path,
@@ -57,20 +59,52 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 _MAX_LISTED = 5  # validation problems spelled out in one message
 
 
+# The OpenAI-compatible routes answer a bad request 400, as OpenAI does, not 422.
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 def http_status(exc: ApiError) -> int:
     return next(HTTP_STATUS[c] for c in type(exc).__mro__ if c in HTTP_STATUS)
 
 
-def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """``{"error": {code, message, field}}`` with the error's status."""
-    body = {"error": {"code": exc.code, "message": exc.message, "field": exc.field}}
-    return JSONResponse(body, status_code=http_status(exc), headers=headers)
+def _openai_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(code: str, message: str, field: str | None, status: int) -> dict[str, Any]:
+    detail = {"code": code, "message": message, "field": field}
+    return {"error": {**detail, "type": _openai_type(status), "param": field}}
+
+
+def error_json(
+    code: str, message: str, field: str | None, status: int, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(code, message, field, status), status, headers=headers)
+
+
+def _route_status(path: str, status: int) -> int:
+    return 400 if status == 422 and path in OPENAI_PATHS else status
+
+
+def error_response(
+    exc: ApiError, headers: dict[str, str] | None = None, path: str = ""
+) -> JSONResponse:
+    """The error body with the error's status (400 for a 422 on an OpenAI route)."""
+    return error_json(
+        exc.code, exc.message, exc.field, _route_status(path, http_status(exc)), headers
+    )
 
 
 class ErrorDetail(BaseModel):
     code: str
     message: str
     field: str | None
+    type: str  # OpenAI's error type: invalid_request_error, authentication_error, ...
+    param: str | None  # OpenAI's name for `field`
 
 
 class ErrorBody(BaseModel):
@@ -80,14 +114,23 @@ class ErrorBody(BaseModel):
 def documented_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI ``responses`` entry for a route that can answer these error statuses."""
     described = {
-        400: "malformed JSON",
         401: "missing or wrong bearer token",
         404: "unknown experiment or model",
         409: "conflicting spec, or no free adapter slot",
+        400: "malformed JSON; on the OpenAI routes also an invalid or unsupported field",
         422: "invalid request or spec; `field` names the offending field",
         503: "engine still loading",
     }
     return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
+
+
+def streamed_or_json(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``documented_errors`` for an OpenAI route, whose 200 is JSON or, with ``stream:
+    true``, server-sent events."""
+    events = {"text/event-stream": {"schema": {"type": "string"}}}
+    return {200: {"content": events, "description": "JSON, or events when streaming"}} | (
+        documented_errors(*codes)
+    )
 
 
 def _is_union_tag(part: str) -> bool:
@@ -126,46 +169,43 @@ def _problem(error: dict[str, Any]) -> str:
     return f"{where}: {msg}"
 
 
-def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """400 for a body that is not JSON; else 422 naming the first offending field."""
+def validation_response(exc: RequestValidationError, path: str = "") -> JSONResponse:
+    """400 for a body that is not JSON; else 422 (400 on an OpenAI route) naming the
+    first offending field."""
     errors = list(exc.errors())
     bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if bad_json is not None:
         detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
-        body = {"code": "invalid_json", "message": f"malformed JSON body: {detail}", "field": None}
-        return JSONResponse({"error": body}, status_code=400)
+        return error_json("invalid_json", f"malformed JSON body: {detail}", None, 400)
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     field = _error_field(first)
     messages = [_problem(e) for e in errors[:_MAX_LISTED]]
     if len(errors) > _MAX_LISTED:
         messages.append(f"... and {len(errors) - _MAX_LISTED} more")
     code = "invalid_spec" if field and field.split(".")[0].split("[")[0] == "spec" else None
-    body = {"code": code or "invalid_request", "message": "; ".join(messages), "field": field}
-    return JSONResponse({"error": body}, status_code=422)
+    return error_json(
+        code or "invalid_request", "; ".join(messages), field, _route_status(path, 422)
+    )
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """Every error the app can raise leaves in the one error body."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_response(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return JSONResponse(
-            {"error": {"code": code, "message": str(exc.detail), "field": None}},
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        headers = getattr(exc, "headers", None)
+        return error_json(code, str(exc.detail), None, exc.status_code, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        body = {"code": "internal", "message": f"internal error ({type(exc).__name__})"}
-        return JSONResponse({"error": {**body, "field": None}}, status_code=500)
+        return error_json("internal", f"internal error ({type(exc).__name__})", None, 500)

@@ -75,14 +75,16 @@ class LoraSpec(SpecModel):
         lt=1,
         description="Dropout probability on the adapter's input while training; 0 = none.",
     )
-    target_modules: Annotated[list[ModuleName], Field(min_length=1, max_length=32), ListSet()] = (
-        Field(
-            default=["q_proj", "v_proj"],
-            alias="targetModules",
-            description="Linear layers of the base model that get the adapter, by the last "
-            "component of their module name (q_proj matches model.layers.0.self_attn.q_proj). "
-            "Each must be in the pool's allowedTargetModules and exist in the base model.",
-        )
+    target_modules: (
+        Annotated[list[ModuleName], Field(min_length=1, max_length=32), ListSet()] | None
+    ) = Field(
+        None,
+        alias="targetModules",
+        description="Linear layers of the base model that get the adapter, by the last "
+        "component of their module name (q_proj matches model.layers.0.self_attn.q_proj). "
+        "Each must be in the pool's allowedTargetModules and exist in the base model. "
+        "Absent = the base model family's attention projections: q_proj and v_proj, or the "
+        "fused qkv_proj where the family has one (Phi-3).",
     )
 
 
@@ -139,6 +141,13 @@ class TaskSpec(SpecModel):
         "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
         "against the answer), or http (scored by the service at rewardUrl). "
         "Absent = the task's own verifier.",
+    )
+    chat_template: bool = Field(
+        False,
+        alias="chatTemplate",
+        description="Render each prompt as a user message through the base model's chat "
+        "template (with the assistant turn opened) before encoding it, as instruct models "
+        "expect. The engine refuses the spec when its tokenizer has no chat template.",
     )
     reward_url: str | None = Field(
         None,
@@ -391,7 +400,16 @@ class ExperimentSpec(SpecModel):
                 "spec.lora.rank", f"rank {self.lora.rank} exceeds the engine's max rank {max_rank}"
             )
         known = set(known_modules)
-        unknown = [m for m in self.lora.target_modules if m not in known]
+        if self.lora.target_modules is None:
+            from loraplex_engine.base_model import default_lora_targets
+
+            if default_lora_targets(known) is None:
+                raise SpecError(
+                    "spec.lora.targetModules",
+                    "unset, and this engine's modules have neither q_proj+v_proj nor "
+                    f"qkv_proj for a default; name them (supported: {sorted(known)})",
+                )
+        unknown = [m for m in self.lora.target_modules or () if m not in known]
         if unknown:
             raise SpecError(
                 "spec.lora.targetModules",

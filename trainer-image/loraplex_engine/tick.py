@@ -41,6 +41,7 @@ from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import TrainingStrategy
 
 _T = TypeVar("_T")
+log = logging.getLogger("loraplex_engine.tick")
 
 log = logging.getLogger("loraplex_engine.tick")
 
@@ -57,6 +58,66 @@ class CompletionJob:
     done: threading.Event = field(default_factory=threading.Event)
     result: list[Completion] = field(default_factory=list)
     error: Exception | None = None
+    sampling: JobSampling = field(default_factory=lambda: JobSampling())
+
+    def requests(self, slot: int) -> list[RolloutRequest]:
+        """Its ``n`` rows; they share the job's seeded generator, if it has one."""
+        s = self.sampling
+        return [
+            RolloutRequest(
+                slot,
+                self.prompt_ids,
+                self.max_tokens,
+                self.temperature,
+                generator=s.generator,
+                group="~job",
+                adapter=self.slot_name,
+                top_p=s.top_p,
+                top_logprobs=s.top_logprobs,
+                seeded=s.generator is not None,
+                sink=None if s.on_token is None else _JobRowSink(s, row),
+            )
+            for row in range(self.n)
+        ]
+
+    def abandoned(self) -> bool:
+        """Every row cancelled before the batch: the job is answered without decoding."""
+        cancelled = self.sampling.cancelled
+        return cancelled is not None and all(cancelled(row) for row in range(self.n))
+
+
+# (row, token id, log-prob, top alternatives or None), called from the tick's thread
+TokenCallback = Callable[[int, int, float, "dict[int, float] | None"], None]
+
+
+@dataclass
+class JobSampling:
+    """A served completion's sampling beyond temperature, and its streaming hooks."""
+
+    top_p: float = 1.0
+    top_logprobs: int = 0
+    generator: torch.Generator | None = None  # from the request's seed
+    on_token: TokenCallback | None = None  # each sampled token as the decode makes it
+    cancelled: Callable[[int], bool] | None = None  # row -> its client no longer wants it
+
+
+@dataclass
+class _JobRowSink:
+    sampling: JobSampling
+    row: int
+
+    def push(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+        if self.sampling.on_token is None:
+            return
+        try:
+            self.sampling.on_token(self.row, token_id, logprob, top)
+        except Exception:  # a listener gone (its event loop closed) never fails the tick
+            log.exception("dropping a served row's token report")
+            self.sampling.on_token = None
+
+    def cancelled(self) -> bool:
+        check = self.sampling.cancelled
+        return check is not None and check(self.row)
 
 
 @dataclass(frozen=True)
@@ -184,7 +245,10 @@ class Tick:
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
-        encoded = [self._encode_prompt(p, roll.max_new_tokens) for p in prompts]
+        encoded = [
+            self._encode_prompt(p, roll.max_new_tokens, exp.spec.task.chat_template)
+            for p in prompts
+        ]
         requests = [
             RolloutRequest(
                 slot=slot,
@@ -202,11 +266,11 @@ class Tick:
         exp.rolled_out_at = self.count
         return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
 
-    def _encode_prompt(self, prompt: Prompt, new_tokens: int) -> list[int]:
+    def _encode_prompt(self, prompt: Prompt, new_tokens: int, chat_template: bool) -> list[int]:
         """A prompt's tokens; one over the engine's prompt limit (or the model's context)
         fails its experiment: truncating it would train on a prompt the data does not hold,
         and a row past the context would fail the shared rollout batch."""
-        ids = self.codec.encode(prompt.text)
+        ids = self.codec.encode_prompt(prompt.text, chat_template)
         line = prompt.meta.get("line")
         where = f"dataset line {line}" if line else "a prompt"
         if len(ids) > self.max_prompt_tokens:
@@ -234,18 +298,11 @@ class Tick:
                 job.error = NotFoundError(str(e))
                 job.done.set()
                 continue
+            if job.abandoned():
+                job.done.set()
+                continue
             job_rows.append((job, len(requests)))
-            requests += [
-                RolloutRequest(
-                    slot,
-                    job.prompt_ids,
-                    job.max_tokens,
-                    job.temperature,
-                    group="~job",
-                    adapter=job.slot_name,
-                )
-                for _ in range(job.n)
-            ]
+            requests += job.requests(slot)
         outputs = self.backend.generate(requests)
         rolled, offset = [], 0
         for r in planned:

@@ -7,17 +7,25 @@ saved as an ordinary Hugging Face model directory.
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GenerationConfig,
     LlamaConfig,
-    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
-    Qwen2ForCausalLM,
+    Qwen3Config,
 )
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -32,15 +40,16 @@ class ModelPreset:
     num_key_value_heads: int
     vocab_size: int
     # A wider output head (std, default init 0.02) lets LoRA on the attention/MLP
-    # projections alone move the logits: vLLM serves no LoRA on lm_head.
+    # projections alone move the logits (for tests whose adapters leave lm_head out).
     head_std: float | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
-    # ~0.2M parameters: unit tests and the demo.
-    "tiny": ModelPreset(64, 128, 2, 4, 2, 512),
-    # The tiny model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention kernels
-    # support head sizes 32, 64, 80, ... only, so the vllm rollout backend's tests use this.
+    # ~0.2M parameters: unit tests and the demo. head_dim 32 (2 heads, 1 KV head): vLLM's
+    # CPU attention kernels support head sizes 32, 64, 80, ... only, so vLLM serves the
+    # demo's adapters on this base.
+    "tiny": ModelPreset(64, 128, 2, 2, 1, 512),
+    # The tiny model with a wider output head: the vllm rollout backend's tests.
     "tiny-vllm": ModelPreset(64, 128, 2, 2, 1, 512, head_std=0.2),
     # ~13M parameters (12.95M): big enough that matrix work dominates a CPU step (benchmark).
     "bench": ModelPreset(384, 1024, 8, 6, 2, 2048),
@@ -76,6 +85,15 @@ def _training_corpus() -> list[str]:
     return lines
 
 
+# A minimal chat format, so /v1/chat/completions works on the tiny model (a real model
+# ships its own template in tokenizer_config.json / chat_template.jinja).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE: any text encodes, so tasks never hit unknown characters."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -94,7 +112,56 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
     )
+
+
+# The model families the engine trains (tests/engine/test_model_families.py), each built
+# from its own transformers config class. "llama3" is Llama with a Llama 3-style tokenizer.
+ARCHES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+EOT_TOKEN = "<|eot_id|>"
+# Llama 3's shape of template: each turn ends in <|eot_id|>, which also stops generation.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _family_config(arch: str, common: dict[str, Any], head_dim: int) -> PretrainedConfig:
+    """``arch``'s own config class at the preset's size."""
+    # Gemma's head_dim is free (default 256) and scores scale by query_pre_attn_scalar;
+    # its output head is the embedding (vLLM's Gemma always ties them).
+    gemma = dict(common, head_dim=head_dim, query_pre_attn_scalar=head_dim)
+    gemma["tie_word_embeddings"] = True
+    configs: dict[str, Callable[[], PretrainedConfig]] = {
+        "llama": lambda: LlamaConfig(**common),
+        "llama3": lambda: LlamaConfig(**common),
+        "qwen2": lambda: Qwen2Config(**common),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=head_dim),
+        # Mistral 7B v0.2 on: no sliding window (v0.1's 4096 is the config class default).
+        "mistral": lambda: MistralConfig(**common, head_dim=head_dim, sliding_window=None),
+        "gemma2": lambda: Gemma2Config(**gemma),
+        "gemma3": lambda: Gemma3TextConfig(**gemma),
+        "phi3": lambda: Phi3Config(**common),
+    }
+    if arch not in configs:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
+    return configs[arch]()
+
+
+def _llama3_style(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """The same vocabulary the way Llama 3 ships it: no pad token, an end-of-turn token
+    that also ends generation, and a chat template."""
+    styled = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    styled.add_tokens([EOT_TOKEN], special_tokens=True)
+    styled.chat_template = LLAMA3_CHAT_TEMPLATE
+    return styled
 
 
 def build_model(
@@ -105,6 +172,8 @@ def build_model(
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     tokenizer = train_tokenizer(p.vocab_size)
+    if arch == "llama3":
+        tokenizer = _llama3_style(tokenizer)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=p.hidden_size,
@@ -118,13 +187,14 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
+    config = _family_config(arch, common, p.hidden_size // p.num_attention_heads)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    model = AutoModelForCausalLM.from_config(config)
+    if arch == "llama3":  # generation stops at either EOS, as Llama 3 instruct's does
+        eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN)]
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos
+        )
     if p.head_std is not None:
         torch.nn.init.normal_(model.lm_head.weight, std=p.head_std)
     out = Path(out_dir)

@@ -50,8 +50,9 @@ SharedForward = Callable[
 ]
 
 # Model families whose cached training forward has been checked exact against the
-# unshared one (tests/engine/test_prefix_share.py). Others train unshared.
-PREFIX_SHARING_MODEL_TYPES = frozenset({"llama", "qwen2"})
+# unshared one (tests/engine/test_prefix_share.py, test_model_families.py). Others train
+# unshared. Gemma 2 and 3 are not here for the reasons prefix_sharing_unsupported gives.
+PREFIX_SHARING_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
 
 
 @dataclass
@@ -290,6 +291,7 @@ def _logprobs(
             1.0 / batch["temp"].to(dev),
             batch["scored"].to(dev),
             forward.chunk_tokens,
+            batch["slots"].to(dev),
         )
     logits = forward(batch["ids"], batch["attn"], batch["slots"])[:, :-1]
     dev = logits.device  # the model's device: no host round trip of [B, T, V] logits
@@ -428,21 +430,23 @@ def _fused_backward(
 def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
     """Why ``shared_prefix_forward`` may not be exact for this model; None when it is.
 
-    Checked: the model family (its cached forward is tested against the unshared one),
-    full attention in every layer (a sliding-window cache drops old keys), an attention
+    Checked: no attention logit soft-capping (Gemma 2: eager attention only, and the
+    shared forward's mask path is not checked with it), full attention in every layer
+    (a sliding-window cache drops old keys: Gemma 2/3's interleaved layers, Mistral
+    v0.1's and Phi-3-4k's window on every layer), the model family (its cached forward
+    is tested against the unshared one), an attention
     implementation whose mask follows the 2-D padding mask over cache + new tokens
     (sdpa, eager), and no gradient checkpointing (which turns the cache off in training).
     """
     config = getattr(base_model, "config", None)
+    obstacle = _attention_obstacle(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in PREFIX_SHARING_MODEL_TYPES:
-        return (
-            f"model type {model_type!r} is not among the checked ones"
-            f" ({', '.join(sorted(PREFIX_SHARING_MODEL_TYPES))})"
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"layer types {sorted(layer_types)}: only full attention is supported"
+        checked = ", ".join(sorted(PREFIX_SHARING_MODEL_TYPES))
+        why = f"model type {model_type!r} is not among the checked ones ({checked})"
+        return f"{why}; {obstacle}" if obstacle else why
+    if obstacle:
+        return obstacle
     attn = getattr(config, "_attn_implementation", None)
     if attn not in ("sdpa", "eager"):
         return f"attention implementation {attn!r} (sdpa and eager are supported)"
@@ -451,6 +455,20 @@ def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
         checkpointing = getattr(base_model, "is_gradient_checkpointing", False)
     if checkpointing:
         return "gradient checkpointing disables the KV cache in training"
+    return None
+
+
+def _attention_obstacle(config: object) -> str | None:
+    """An attention feature the shared forward does not reproduce, if the config has one."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"attention logits are soft-capped ({softcap})"
+    layer_types = getattr(config, "layer_types", None)
+    if set(layer_types or ["full_attention"]) != {"full_attention"}:
+        return f"layer types {sorted(set(layer_types))}: only full attention is supported"
+    window = getattr(config, "sliding_window", None)
+    if not layer_types and window is not None:
+        return f"a sliding window of {window} tokens on every layer"
     return None
 
 

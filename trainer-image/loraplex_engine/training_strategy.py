@@ -10,17 +10,21 @@ compares scheduling alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import PerAdapterAdamW
 from loraplex_engine.training import ExperimentUpdate, SharedForward, TrainRow, fused_backward
 
 TRAIN_MODES = ("fused", "timesliced")
+
+log = logging.getLogger("loraplex_engine.training")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,13 @@ class TrainingStrategy(Protocol):
 
 @dataclass
 class AdapterTrainer:
-    """Backward over rows and a guarded optimiser step, shared by both strategies."""
+    """Backward over rows and a guarded optimiser step, shared by both strategies.
+
+    The policy forward stops at the final hidden states and the log-probs are computed
+    chunk by chunk (chunked_logprobs.py: no ``[rows, tokens, vocab]`` fp32 logits); a
+    model whose head transforms its logits (soft-capping, scaling) keeps the logits
+    forward, and then cannot be checkpointed.
+    """
 
     model: MultiLoRAModel
     optimizer: PerAdapterAdamW
@@ -51,16 +61,28 @@ class AdapterTrainer:
     pad_id: int
     micro_batch_tokens: int
     shared_forward: SharedForward | None
+    gradient_checkpointing: bool = False
     computed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._forward: HiddenStatesForward | None = None
+        try:
+            self._forward = HiddenStatesForward(self.model, self.device)
+        except ValueError as e:
+            log.warning("log-probs from full logits (%s)", e)
+            if self.gradient_checkpointing:
+                log.warning("gradient checkpointing off: it needs the hidden-states forward")
+                self.gradient_checkpointing = False
 
     def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
         stats = fused_backward(
-            self._routed_forward,
+            self._forward or self._routed_forward,
             rows,
             updates,
             self.pad_id,
             self.micro_batch_tokens,
             self.shared_forward,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
         self.computed_tokens += stats.computed_tokens
 

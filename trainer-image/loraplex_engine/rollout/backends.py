@@ -38,8 +38,8 @@ class TorchRollout:
 
     name = "torch"
 
-    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos: int | None):
-        self._route, self._forward, self._pad, self._eos = route, forward, pad, eos
+    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos_ids: Sequence[int]):
+        self._route, self._forward, self._pad, self._eos = route, forward, pad, tuple(eos_ids)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         return generate(self._route, self._forward, requests, self._pad, self._eos)
@@ -60,10 +60,12 @@ class TorchRollout:
 class VLLMRolloutBackend:
     """vLLM with one LoRA per experiment; adapters cross as PEFT directories.
 
-    Rows that share temperature and token limit go in one ``generate`` call (vLLM takes
-    one sampling setting per call); tenants with the same rollout settings — the usual
-    case — share a batch. Log-probs come back for the sampling distribution
-    (``processed_logprobs``), which is what the trainer recomputes for the PPO ratio.
+    Rows that share temperature, ``top_p`` and token limit go in one ``generate`` call
+    (vLLM takes one sampling setting per call); tenants with the same rollout settings —
+    the usual case — share a batch; a served completion with its own seed goes alone. The
+    worker answers whole rows: no per-token reports to a row's sink, no cancelling.
+    Log-probs come back for the sampling distribution (``processed_logprobs``), which is
+    what the trainer recomputes for the PPO ratio.
     """
 
     name = "vllm"
@@ -76,12 +78,16 @@ class VLLMRolloutBackend:
         max_adapters: int,
         max_rank: int,
         ignore_eos: bool = False,
+        eos_ids: Sequence[int] = (),
         **kwargs: Any,
     ) -> None:
         from loraplex_engine.rollout.vllm_backend import VLLMRollout
 
         self._save = save_adapter
         self._ignore_eos = ignore_eos
+        # Every EOS of the generation config stops a row, as in the torch rollout (vLLM
+        # alone stops at the tokenizer's one EOS unless its generation config is read).
+        self._stop_ids = [] if ignore_eos else list(eos_ids)
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
         self._vllm = VLLMRollout(
             model_dir,
@@ -94,7 +100,7 @@ class VLLMRolloutBackend:
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         out: list[Completion | None] = [None] * len(requests)
-        for (temperature, limit), rows in _by_settings(requests).items():
+        for rows in _by_settings(requests).values():
             first = requests[rows[0]]
             seed = None
             if first.generator is not None:  # reproducible: drawn from the tenant's RNG
@@ -102,15 +108,23 @@ class VLLMRolloutBackend:
             results = self._vllm.generate(
                 [(requests[i].adapter, requests[i].prompt_ids) for i in rows],
                 n=1,
-                max_new_tokens=limit,
-                temperature=temperature,
+                max_new_tokens=first.max_new_tokens,
+                temperature=first.temperature,
+                top_p=first.top_p,
                 seed=seed,
+                stop_token_ids=self._stop_ids,
                 ignore_eos=self._ignore_eos,
+                top_logprobs=first.top_logprobs,
             )
             for i, [comp] in zip(rows, results, strict=True):
+                tops = None
+                if comp.top_logprobs is not None:
+                    tops = [{int(t): lp for t, lp in step} for step in comp.top_logprobs]
                 out[i] = Completion(
                     token_ids=list(comp.token_ids),
                     logprobs=list(comp.logprobs or []),
+                    finish_reason="stop" if comp.finish_reason == "stop" else "length",
+                    top_logprobs=tops,
                 )
         return [c for c in out if c is not None]
 
@@ -135,8 +149,11 @@ class VLLMRolloutBackend:
         return path
 
 
-def _by_settings(requests: Sequence[RolloutRequest]) -> dict[tuple[float, int], list[int]]:
-    groups: dict[tuple[float, int], list[int]] = {}
+def _by_settings(requests: Sequence[RolloutRequest]) -> dict[tuple[Any, ...], list[int]]:
+    """Rows that can share one vLLM call: one sampling setting; a seeded request alone."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, req in enumerate(requests):
-        groups.setdefault((req.temperature, req.max_new_tokens), []).append(i)
+        own = id(req.generator) if req.seeded else 0
+        key = (req.temperature, req.max_new_tokens, req.top_p, req.top_logprobs, own)
+        groups.setdefault(key, []).append(i)
     return groups

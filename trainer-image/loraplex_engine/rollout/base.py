@@ -4,8 +4,20 @@ with this folder on sys.path, where that name would shadow the standard library.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class RowSink(Protocol):
+    """Where a backend that decodes step by step reports a row's tokens as they come.
+
+    Called from the decoding thread: ``push`` must not block (the whole batch waits).
+    A row whose ``cancelled()`` turns true stops decoding at once (its client left)."""
+
+    def push(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None: ...
+
+    def cancelled(self) -> bool: ...
 
 
 @dataclass
@@ -23,6 +35,10 @@ class RolloutRequest:
     generator: torch.Generator | None = None
     group: str = ""  # experiment id; rows of one group sample together
     adapter: str | None = None  # adapter name for backends that address adapters by name
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this mass
+    top_logprobs: int = 0  # alternatives to report per sampled token (0: none)
+    seeded: bool = False  # the generator is this request's own seed: sample it alone
+    sink: RowSink | None = None  # per-token reports (serving); None for training rows
 
 
 @dataclass
@@ -30,3 +46,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token under the sampling distribution
     nonfinite: bool = False  # the adapter produced NaN/inf logits: the row is garbage
+    # per sampled token, the request's top_logprobs most likely tokens -> log-prob
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str = "length"  # "stop": end of sequence; "cancelled": its client left

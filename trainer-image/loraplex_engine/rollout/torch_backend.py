@@ -35,45 +35,62 @@ def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches ``top_p`` (the most
+    likely token always stays); the multinomial draw renormalises."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+
+
 def _sample_rows(
     logits: torch.Tensor,
     requests: Sequence[RolloutRequest],
     groups: dict[str, list[int]],
     broken: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, dict[int, float]]]:
     """Pick one token per row; each group draws from its own generator, in row order.
 
+    Returns the tokens, their log-probs under the temperature-scaled distribution (before
+    ``top_p``), and for rows that asked for alternatives their top tokens' log-probs.
     A group whose logits are not finite (a diverged adapter) gets pad tokens and is
     flagged in ``broken`` instead of failing the whole batch.
     """
     tokens = torch.empty(len(requests), dtype=torch.long)
     logprobs = torch.empty(len(requests), dtype=logits.dtype)
+    tops: dict[int, dict[int, float]] = {}
     for rows in groups.values():
         index = torch.tensor(rows)
-        temperature = requests[rows[0]].temperature
+        first = requests[rows[0]]
         if not bool(torch.isfinite(logits[index]).all()):
             broken[index] = True
             tokens[index] = 0
             logprobs[index] = float("nan")
             continue
-        if temperature <= 0:
+        if first.temperature <= 0:
             scaled = logits[index].log_softmax(-1)
             chosen = scaled.argmax(-1)
         else:
-            scaled = (logits[index] / temperature).log_softmax(-1)
-            chosen = torch.multinomial(
-                scaled.exp(), 1, generator=requests[rows[0]].generator
-            ).squeeze(-1)
+            scaled = (logits[index] / first.temperature).log_softmax(-1)
+            probs = _nucleus(scaled.exp(), first.top_p)
+            chosen = torch.multinomial(probs, 1, generator=first.generator).squeeze(-1)
         tokens[index] = chosen
         logprobs[index] = scaled.gather(-1, chosen[:, None]).squeeze(-1)
-    return tokens, logprobs
+        if first.top_logprobs > 0:
+            values, ids = scaled.topk(first.top_logprobs, dim=-1)
+            for i, row in enumerate(rows):
+                tops[row] = dict(zip(ids[i].tolist(), values[i].tolist(), strict=True))
+    return tokens, logprobs, tops
 
 
 def _groups(requests: Sequence[RolloutRequest]) -> dict[str, list[int]]:
-    """Rows sampled together: same experiment (generator) and same temperature."""
+    """Rows sampled together: same experiment (generator) and sampling settings."""
     groups: dict[str, list[int]] = defaultdict(list)
     for row, req in enumerate(requests):
-        groups[f"{req.group}\0{req.temperature}\0{id(req.generator)}"].append(row)
+        key = (req.group, req.temperature, req.top_p, req.top_logprobs, id(req.generator))
+        groups["\0".join(map(str, key))].append(row)
     return dict(groups)
 
 
@@ -114,17 +131,18 @@ def generate(
     forward: ForwardFn,
     requests: Sequence[RolloutRequest],
     pad_id: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int] = (),
 ) -> list[Completion]:
     """Generate all requests in one batch; finished rows keep decoding pad (ignored).
 
-    ``eos_id`` None: no row stops early; each generates exactly its ``max_new_tokens``.
+    A row stops at any of ``eos_ids`` (kept in its completion); none: no row stops early,
+    each generates exactly its ``max_new_tokens``.
     """
     if not requests:
         return []
     logits, past, mask, positions = _shared_prefill(route, forward, requests, pad_id)
     with route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
-        return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_id)
+        return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_ids)
 
 
 def _decode(
@@ -135,25 +153,24 @@ def _decode(
     mask: torch.Tensor,
     positions: torch.Tensor,
     pad_id: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int],
 ) -> list[Completion]:
+    stops = torch.tensor(list(eos_ids), dtype=torch.long)
     limits = torch.tensor([r.max_new_tokens for r in requests])
     done = torch.zeros(len(requests), dtype=torch.bool)
     hit_eos = torch.zeros(len(requests), dtype=torch.bool)
-    out_tokens: list[list[int]] = [[] for _ in requests]
-    out_logprobs: list[list[float]] = [[] for _ in requests]
+    out = [_RowOutput(r) for r in requests]
     groups = _groups(requests)
     broken = torch.zeros(len(requests), dtype=torch.bool)
     next_pos = positions[:, -1]
     for step in range(int(limits.max())):
-        tokens, logprobs = _sample_rows(logits.float(), requests, groups, broken)
+        tokens, logprobs, tops = _sample_rows(logits.float(), requests, groups, broken)
         for row in torch.nonzero(~done).flatten().tolist():
-            out_tokens[row].append(int(tokens[row]))
-            out_logprobs[row].append(float(logprobs[row]))
-        if eos_id is not None:
-            hit_eos |= ~done & (tokens == eos_id)
+            out[row].add(int(tokens[row]), float(logprobs[row]), tops.get(row))
+        if len(stops):
+            hit_eos |= ~done & torch.isin(tokens, stops)
         done |= broken
-        done |= hit_eos | (limits <= step + 1)
+        done |= hit_eos | (limits <= step + 1) | _cancelled(out, done)
         if bool(done.all()):
             break
         tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
@@ -161,6 +178,47 @@ def _decode(
         mask = torch.cat([mask, torch.ones((len(requests), 1), dtype=mask.dtype)], dim=1)
         logits, past = forward(tokens[:, None], mask, next_pos[:, None], past)
     return [
-        Completion(token_ids=t, logprobs=lp, nonfinite=bool(b))
-        for t, lp, b in zip(out_tokens, out_logprobs, broken.tolist(), strict=True)
+        o.completion(bool(b), bool(e))
+        for o, b, e in zip(out, broken.tolist(), hit_eos.tolist(), strict=True)
     ]
+
+
+def _cancelled(out: list[_RowOutput], done: torch.Tensor) -> torch.Tensor:
+    """Rows whose client left: they stop here, freeing the batch of their steps."""
+    return torch.tensor(
+        [not d and o.is_cancelled() for o, d in zip(out, done.tolist(), strict=True)]
+    )
+
+
+class _RowOutput:
+    """One row's sampled tokens, reported to its sink (if any) as they come."""
+
+    def __init__(self, request: RolloutRequest) -> None:
+        self.sink = request.sink
+        self.wants_top = request.top_logprobs > 0
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[dict[int, float]] = []
+        self.cancelled = False
+
+    def add(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.wants_top:
+            self.top.append(top or {})
+        if self.sink is not None:
+            self.sink.push(token, logprob, top)
+
+    def is_cancelled(self) -> bool:
+        self.cancelled = self.cancelled or (self.sink is not None and self.sink.cancelled())
+        return self.cancelled
+
+    def completion(self, broken: bool, hit_eos: bool) -> Completion:
+        reason = "cancelled" if self.cancelled else "stop" if hit_eos else "length"
+        return Completion(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            nonfinite=broken,
+            top_logprobs=self.top if self.wants_top else None,
+            finish_reason=reason,
+        )

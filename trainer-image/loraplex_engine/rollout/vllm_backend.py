@@ -46,6 +46,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
+    top_logprobs: list[list[list[float]]] | None = None  # per token: [token, log-prob] pairs
 
 
 def default_vllm_python() -> str:
@@ -198,11 +199,13 @@ class VLLMRollout:
         logprobs: bool = True,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> list[list[Completion]]:
         """One mixed-adapter batch. ``requests`` holds ``(adapter name or None for the
         base model, prompt token ids)``; returns, per request, its ``n`` completions.
-        ``temperature=0`` is greedy. With ``seed`` set, sampling is reproducible: request
-        ``i``'s ``j``-th sample uses seed ``seed + i*n + j``."""
+        ``temperature=0`` is greedy; ``top_logprobs``: that many alternatives per token
+        (of the distribution ``logprobs_mode`` names). With ``seed`` set, sampling is
+        reproducible: request ``i``'s ``j``-th sample uses seed ``seed + i*n + j``."""
         reqs = [[name, [int(t) for t in ids]] for name, ids in requests]
         out = self._call(
             "generate",
@@ -216,6 +219,7 @@ class VLLMRollout:
             logprobs=logprobs,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
         )
         return [[Completion(**c) for c in comps] for comps in out]
 

@@ -71,9 +71,17 @@ def _check_cpu_head_dim(model_dir: str) -> None:
     if head_dim not in sizes:
         raise ValueError(
             f"vLLM's CPU attention has no kernel for head_dim={head_dim} "
-            f"(supported: {', '.join(map(str, sizes))}); for tests use the tiny-vllm "
-            "model preset (head_dim 32)"
+            f"(supported: {', '.join(map(str, sizes))}); the tiny model presets have "
+            "head_dim 32"
         )
+
+
+def _alternatives(step: dict[int, Any], k: int) -> list[list[float]]:
+    """A step's ``k`` most likely tokens as ``[token, log-prob]`` pairs (JSON has no int
+    keys); vLLM adds the sampled token beyond them, and tokens outside ``top_p`` are
+    -inf: both left out."""
+    best = sorted((lp.rank, tok, lp.logprob) for tok, lp in step.items() if lp.rank <= k)
+    return [[tok, logprob] for _, tok, logprob in best if logprob > float("-inf")]
 
 
 class Worker:
@@ -224,6 +232,7 @@ class Worker:
         logprobs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> list[list[dict[str, Any]]]:
         from vllm import SamplingParams
 
@@ -247,7 +256,7 @@ class Worker:
                     # vLLM gives the n children of a request seeds seed+0..n-1: space the
                     # requests' seeds n apart so that every sample has its own stream.
                     seed=None if seed is None else seed + i * n,
-                    logprobs=0 if logprobs else None,
+                    logprobs=top_logprobs if logprobs else None,
                     stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos,
                     detokenize=False,
@@ -258,16 +267,19 @@ class Worker:
         for out in outputs:
             comps = []
             for c in sorted(out.outputs, key=lambda c: c.index):
-                lps = None
+                lps, tops = None, None
                 if logprobs and c.logprobs is not None:
                     lps = [
                         step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)
                     ]
+                    if top_logprobs:
+                        tops = [_alternatives(step, top_logprobs) for step in c.logprobs]
                 comps.append(
                     {
                         "token_ids": list(c.token_ids),
                         "logprobs": lps,
                         "finish_reason": c.finish_reason,
+                        "top_logprobs": tops,
                     }
                 )
             result.append(comps)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import BUILTIN_REWARDS, make_reward
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.builtin import ArithmeticTask, CopyTask, TargetTokenTask
 from loraplex_engine.tasks.jsonl import JsonlTask
+from loraplex_engine.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls for cls in (TargetTokenTask, CopyTask, ArithmeticTask, JsonlTask)
@@ -32,19 +34,32 @@ def build_task(
     reward: str = "default",
     reward_url: str | None = None,
     reward_timeout: float = 30.0,
+    *,
+    dataset_root: Path | None = None,
+    reward_egress: RewardEgress | None = None,
 ) -> Task:
-    """A ready task; raises ``TaskError`` naming the offending spec field."""
+    """A ready task; raises ``TaskError`` naming the offending spec field.
+
+    ``dataset`` is read as given: the engine resolves and checks it first (trust.py) and
+    passes the directory it must stay in as ``dataset_root``; ``reward_egress`` bounds
+    where an http reward may be sent (None: anywhere)."""
     params = dict(params or {})
     check_task(name, params)
     if reward not in REWARD_NAMES:
         raise TaskError("spec.task.reward", f"unknown reward {reward!r}; known: {REWARD_NAMES}")
     if reward == "http" and not reward_url:
         raise TaskError("spec.task.rewardUrl", "required when reward is http")
-    reward_obj = None if reward == "default" else make_reward(reward, reward_url, reward_timeout)
+    if reward == "http" and reward_egress is not None:
+        reward_egress.check(str(reward_url), resolve_required=False)
+    reward_obj = (
+        None
+        if reward == "default"
+        else make_reward(reward, reward_url, reward_timeout, egress=reward_egress)
+    )
     if name == "jsonl":
         if not dataset:
             raise TaskError("spec.task.dataset", "required for task jsonl")
-        return JsonlTask(dataset, params, reward_obj)
+        return JsonlTask(dataset, params, reward_obj, root=dataset_root)
     return TASKS[name](params, reward_obj)
 
 

@@ -3,6 +3,10 @@
 The file may grow while an experiment trains: each ``sample_prompts`` call
 reads only the bytes appended since the last one. A last line still being
 written (no newline yet, not valid JSON) is left for the next read.
+
+Given ``root`` (the directory the engine allowed, trust.py), every read first checks that
+the path still resolves inside it: a file swapped for a symlink after admission does not
+lead out.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import Reward, exact_match
 from loraplex_engine.tasks.base import Prompt, Task
+from loraplex_engine.trust import DataRoots
 
 FIELD = "spec.task.dataset"
 
@@ -28,9 +33,12 @@ class JsonlTask(Task):
         dataset: str | Path,
         params: Mapping[str, str] | None = None,
         reward: Reward | None = None,
+        root: Path | None = None,
     ):
         super().__init__(params, reward)
         self.path = Path(dataset)
+        self.root = root
+        self._check_inside()
         if not self.path.is_file():
             raise TaskError(FIELD, f"dataset file {str(self.path)!r} does not exist")
         self.rows: list[Prompt] = []
@@ -41,6 +49,7 @@ class JsonlTask(Task):
 
     def refresh(self) -> int:
         """Load rows appended since the last call; returns how many were added."""
+        self._check_inside()
         st = self.path.stat()
         size = st.st_size
         if size < self._offset or st.st_ino != self._inode:  # truncated or replaced
@@ -63,6 +72,10 @@ class JsonlTask(Task):
             # follows later reads as an empty line.
             self._offset += len(tail)
         return len(self.rows) - before
+
+    def _check_inside(self) -> None:
+        if self.root is not None and not DataRoots.inside(self.path, self.root):
+            raise TaskError(FIELD, f"dataset {str(self.path)!r} is not allowed")
 
     def _add(self, raw: bytes, line_no: int, partial: bool) -> bool:
         text = raw.decode("utf-8", errors="replace").strip()

@@ -1,0 +1,237 @@
+"""What one tenant's fields may reach on a shared engine: files, addresses, checkpoints.
+
+Tenants share an engine pod, so every path or URL a spec names is checked here before the
+engine opens it (docs/architecture.md, "Tenancy and trust"):
+
+- **data**: ``task.dataset`` resolves (symlinks followed) inside ``<data root>/<namespace>/``
+  of one of the pool's data roots; anything else is "not allowed", worded the same whether
+  the path exists or not, so the answer is no oracle for the pod's files;
+- **egress**: ``rewardUrl``'s host resolves to no loopback, link-local (cloud metadata
+  included), unspecified or multicast address and none of the pod's own, unless the pool
+  lists the host; the engine's own port on a local address is never a reward target;
+- **checkpoints**: ``resumeFrom`` lies inside ``<checkpoint root>/<namespace>/<name>/``.
+
+Everything here is pure but for name resolution, which is injected (tests pass a table).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from loraplex_engine.errors import TaskError
+
+DATASET_FIELD = "spec.task.dataset"
+REWARD_URL_FIELD = "spec.task.rewardUrl"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Resolver = Callable[[str, int], list[str]]  # (host, port) -> addresses
+
+# Metadata services outside the link-local ranges (Alibaba Cloud, AWS over IPv6).
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a) for a in ("100.100.100.200", "fd00:ec2::254")
+)
+# 0.0.0.0/8: on Linux a connect to 0.x.x.x reaches the host itself.
+THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+
+
+def _resolve_quietly(path: Path) -> Path | None:
+    try:
+        return path.resolve(strict=False)
+    except (OSError, RuntimeError):  # a symlink loop, say: treated as outside every root
+        return None
+
+
+@dataclass(frozen=True)
+class DataRoots:
+    """The directories ``task.dataset`` may name files in.
+
+    ``per_namespace`` (the engine service): a namespace's files live in
+    ``<root>/<namespace>/``; a relative dataset is taken from there. Off (the local runner,
+    one user): files anywhere under a root, a relative dataset is taken from the first."""
+
+    roots: tuple[Path, ...] = ()
+    per_namespace: bool = True
+    flag_hint: str = "serve --data-root DIR"
+
+    def resolve(self, dataset: str, namespace: str) -> tuple[Path, Path]:
+        """``(file, its allowed directory)`` for ``dataset`` of ``namespace``; otherwise a
+        TaskError naming spec.task.dataset that says nothing about the file itself."""
+        if not self.roots:
+            raise TaskError(
+                DATASET_FIELD,
+                "jsonl datasets are not allowed on this engine: it has no data root "
+                f"(the pool admin sets one: {self.flag_hint})",
+            )
+        wanted = Path(dataset)
+        for base in self._bases(namespace):
+            candidate = _resolve_quietly(wanted if wanted.is_absolute() else base / wanted)
+            if candidate is not None and candidate.is_relative_to(base) and candidate != base:
+                return candidate, base
+        where = "<data root>/<namespace>/" if self.per_namespace else "a data root"
+        raise TaskError(
+            DATASET_FIELD, f"dataset {dataset!r} is not allowed: it must lie under {where}"
+        )
+
+    def _bases(self, namespace: str) -> list[Path]:
+        bases = []
+        for root in self.roots:
+            base = _resolve_quietly(root / namespace if self.per_namespace else root)
+            if base is not None:
+                bases.append(base)
+        return bases
+
+    @staticmethod
+    def inside(path: Path, base: Path) -> bool:
+        """Whether ``path`` still resolves inside ``base`` (re-checked on every read: a
+        file replaced by a symlink after admission must not lead out)."""
+        resolved = _resolve_quietly(path)
+        return resolved is not None and resolved.is_relative_to(base) and resolved != base
+
+
+def forbidden_reason(address: IPAddress, own: Iterable[IPAddress] = ()) -> str | None:
+    """Why a reward may not be sent to ``address`` (None: it may)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    if address.is_loopback:
+        return "a loopback address"
+    if address.is_link_local or address in METADATA_ADDRESSES:
+        return "a link-local or metadata address"
+    if address.is_unspecified or (
+        isinstance(address, ipaddress.IPv4Address) and address in THIS_NETWORK
+    ):
+        return "an unspecified address"
+    if address.is_multicast:
+        return "a multicast address"
+    if address in set(own):
+        return "one of this engine's own addresses"
+    return None
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+@dataclass(frozen=True)
+class RewardTarget:
+    """A checked reward URL: where to connect (``pinned_url``, by address, so a second DNS
+    answer cannot differ from the checked one) and the names the server expects."""
+
+    url: str
+    pinned_url: str
+    host_header: str
+    sni_hostname: str
+
+
+def _normal_host(host: str) -> str:
+    host = host.strip().lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return host
+
+
+@dataclass(frozen=True)
+class RewardEgress:
+    """Where an HTTP reward may be sent from this engine.
+
+    ``allowed_hosts``: names or addresses the pool admin allows whatever they resolve to
+    (a loopback test server, say). ``own_addresses`` and ``own_port``: the engine's own;
+    its port on a local address is refused even for an allowed host."""
+
+    allowed_hosts: frozenset[str] = frozenset()
+    own_addresses: frozenset[IPAddress] = frozenset()
+    own_port: int | None = None
+    resolver: Resolver = field(default=system_resolver, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        allowed_hosts: Iterable[str] = (),
+        own_addresses: Iterable[str] = (),
+        own_port: int | None = None,
+        resolver: Resolver = system_resolver,
+    ) -> RewardEgress:
+        return cls(
+            frozenset(_normal_host(h) for h in allowed_hosts if h.strip()),
+            frozenset(ipaddress.ip_address(a.split("%")[0]) for a in own_addresses),
+            own_port,
+            resolver,
+        )
+
+    def check(self, url: str, *, resolve_required: bool = True) -> RewardTarget | None:
+        """The target ``url`` may be sent to; TaskError (spec.task.rewardUrl) if not.
+
+        ``resolve_required=False`` (admission): a host that does not resolve yet is let
+        through (None), as there is nothing to reach; every request checks again."""
+        parts = urlsplit(url)
+        host = parts.hostname
+        if parts.scheme not in ("http", "https") or not host:
+            raise TaskError(REWARD_URL_FIELD, "must be an http:// or https:// URL with a host")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise TaskError(REWARD_URL_FIELD, "has an invalid port") from None
+        try:
+            addresses = [ipaddress.ip_address(a.split("%")[0]) for a in self.resolver(host, port)]
+        except (OSError, UnicodeError, ValueError):
+            addresses = []
+        if not addresses:
+            if resolve_required:
+                raise TaskError(REWARD_URL_FIELD, f"reward host {host!r} does not resolve")
+            return None
+        listed = _normal_host(host) in self.allowed_hosts
+        for address in addresses:
+            self._check_address(host, port, address, listed)
+        return self._target(url, parts.netloc, host, port, addresses[0])
+
+    def _check_address(self, host: str, port: int, address: IPAddress, listed: bool) -> None:
+        local = forbidden_reason(address) is not None or address in self.own_addresses
+        if local and port == self.own_port:
+            raise TaskError(REWARD_URL_FIELD, f"reward host {host!r}: the engine's own port")
+        reason = None if listed else forbidden_reason(address, self.own_addresses)
+        if reason is not None:
+            raise TaskError(
+                REWARD_URL_FIELD,
+                f"reward host {host!r} is not allowed: it resolves to {reason} "
+                "(the pool admin may allow it: serve --allow-reward-host HOST)",
+            )
+
+    @staticmethod
+    def _target(url: str, netloc: str, host: str, port: int, address: IPAddress) -> RewardTarget:
+        parts = urlsplit(url)
+        literal = f"[{address}]" if address.version == 6 else str(address)
+        pinned = parts._replace(netloc=f"{literal}:{port}").geturl()
+        host_header = netloc.rpartition("@")[2]  # userinfo never goes into Host
+        return RewardTarget(url, pinned, host_header, host)
+
+
+def checkpoint_inside(requested: str | Path, own_dir: Path) -> Path | None:
+    """``requested`` resolved, if it lies inside ``own_dir`` (an experiment's checkpoint
+    directory, ``<root>/<namespace>/<name>``), else None."""
+    base = _resolve_quietly(own_dir)
+    path = _resolve_quietly(Path(requested))
+    if base is None or path is None or not path.is_relative_to(base) or path == base:
+        return None
+    return path
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """What the pool admin allows tenants' specs to reach. The default allows no dataset
+    file and sends rewards only to non-local addresses."""
+
+    data: DataRoots = DataRoots()
+    egress: RewardEgress | None = RewardEgress()  # None: unrestricted (local runner)
+
+    @classmethod
+    def local(cls, data_roots: Iterable[Path]) -> TrustPolicy:
+        """The local runner's: one user, datasets under the given directories, any
+        reward URL."""
+        roots = DataRoots(tuple(data_roots), per_namespace=False, flag_hint="run --data-root DIR")
+        return cls(data=roots, egress=None)
