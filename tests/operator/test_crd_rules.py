@@ -48,6 +48,18 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: experiment("a").algorithm(groupSize=256, promptsPerStep=32).obj(),
         invalid=lambda: experiment("a").algorithm(groupSize=256, promptsPerStep=33).obj(),
     ),
+    "algorithm.lrSchedule cosine decays over algorithm.maxSteps": RuleCase(
+        valid=lambda: experiment("a").algorithm(lrSchedule="cosine", maxSteps=1).obj(),
+        invalid=lambda: experiment("a").algorithm(lrSchedule="cosine", maxSteps=0).obj(),
+    ),
+    "algorithm.warmupSteps must be less than algorithm.maxSteps": RuleCase(
+        valid=lambda: (
+            experiment("a").algorithm(lrSchedule="cosine", maxSteps=10, warmupSteps=9).obj()
+        ),
+        invalid=lambda: (
+            experiment("a").algorithm(lrSchedule="cosine", maxSteps=10, warmupSteps=10).obj()
+        ),
+    ),
     "spec.enginePool is immutable": RuleCase(
         valid=lambda: experiment("a").pool("pool-a").priority(3).obj(),
         invalid=lambda: experiment("a").pool("pool-b").obj(),
@@ -178,7 +190,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 7  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 9  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -229,6 +241,9 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.algorithm.groupSize", 4, _ALG, _plain),
     ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),
     ("spec.algorithm.learningRate", 0.001, _ALG, _plain),
+    ("spec.algorithm.lrSchedule", "cosine", _ALG, _plain),
+    ("spec.algorithm.warmupSteps", 5, _ALG, _plain),
+    ("spec.algorithm.maxGradNorm", 1.0, _ALG, _plain),
     ("spec.algorithm.klCoef", 0.05, _ALG, _plain),
     ("spec.algorithm.clip", 0.3, _ALG, _plain),
     ("spec.algorithm.maxSteps", 100, _ALG, _plain),  # raised

@@ -125,6 +125,13 @@ EXPERIMENT_BOUNDS = [
     ("spec.algorithm.learningRate", 1, True),
     ("spec.algorithm.learningRate", 1.5, False),
     ("spec.algorithm.learningRate", "1e-4", False),
+    ("spec.algorithm.lrSchedule", "cosine", True),
+    ("spec.algorithm.lrSchedule", "linear", False),
+    ("spec.algorithm.warmupSteps", -1, False),
+    ("spec.algorithm.warmupSteps", 0, True),
+    ("spec.algorithm.maxGradNorm", 0, False),
+    ("spec.algorithm.maxGradNorm", 1e-3, True),
+    ("spec.algorithm.maxGradNorm", "1.0", False),
     ("spec.algorithm.klCoef", -0.01, False),
     ("spec.algorithm.klCoef", 0, True),
     ("spec.algorithm.clip", 0, False),
@@ -392,8 +399,10 @@ def test_experiment_defaults() -> None:
     assert spec["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.0}
     assert spec["algorithm"] == {
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
+        "lrSchedule": "constant", "warmupSteps": 0,
         "klCoef": 0.0, "clip": 0.2, "maxSteps": 50, "seed": 0,
     }  # fmt: skip
+    assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
     assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0}
     assert spec["checkpoint"] == {"everySteps": 10, "keep": 3}
     assert (spec["priority"], spec["suspend"]) == (0, False)

@@ -50,7 +50,7 @@ from loraplex_engine.experiment import (
 )
 from loraplex_engine.fair_share import RewardScorer
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion
@@ -442,8 +442,7 @@ class Engine:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
             elif run_id is None or not self.store.resume_run(exp, config, alone):
                 self.model.add_adapter(exp_id, config, seed=spec.algorithm.seed)
-                settings = AdamWSettings(lr=spec.algorithm.learning_rate, weight_decay=0.0)
-                self.optimizer.add_adapter(exp_id, settings)
+                self.optimizer.add_adapter(exp_id, adamw_settings(spec.algorithm))
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
         return exp

@@ -1,9 +1,12 @@
 """Per-adapter AdamW over stacked LoRA parameters.
 
 Equals one ``torch.optim.AdamW`` per adapter: every slot has its own lr, betas, eps,
-weight decay, step count and moments. Slots that share settings and step count are updated
-together with ``torch._foreach_*`` ops on views of the stacked tensors (contiguous runs of
-slots become one view), mirroring torch's own AdamW arithmetic op for op.
+weight decay, step count and moments, and its own learning-rate schedule
+(lr_schedule.lr_factor of its own step count) and gradient clipping (on that adapter's
+own gradient norm, so one tenant's spike never scales another's update). Slots that share
+settings and step count are updated together with ``torch._foreach_*`` ops on views of the
+stacked tensors (contiguous runs of slots become one view), mirroring torch's own AdamW
+arithmetic op for op.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from .errors import AdapterError, UnknownAdapterError
+from .lr_schedule import LR_SCHEDULES, lr_factor
 from .multi_lora import MultiLoRAModel, check_state_dict
+from .spec import AlgorithmSpec
+
+# torch.nn.utils.clip_grad_norm_'s guard against a zero norm; kept equal so clipping
+# matches it to the last bit of arithmetic it shares.
+_CLIP_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,10 @@ class AdamWSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01  # torch.optim.AdamW's default
+    max_grad_norm: float | None = None  # clip this adapter's gradient norm; None = never
+    lr_schedule: str = "constant"  # lr_schedule.LR_SCHEDULES
+    warmup_steps: int = 0
+    total_steps: int = 0  # the run's length (cosine decays over it); 0 = continual
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -32,6 +45,30 @@ class AdamWSettings:
             raise AdapterError(f"lr, eps and weight_decay must be >= 0: {self}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise AdapterError(f"betas must be in [0, 1): {self.betas}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise AdapterError(f"max_grad_norm must be > 0 (or None): {self.max_grad_norm}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise AdapterError(f"lr_schedule must be one of {LR_SCHEDULES}: {self.lr_schedule!r}")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise AdapterError(f"warmup_steps and total_steps must be >= 0: {self}")
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise AdapterError(f"cosine needs total_steps > warmup_steps: {self}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of this adapter's ``step``-th update (1-based)."""
+        return self.lr * lr_factor(step, self.lr_schedule, self.warmup_steps, self.total_steps)
+
+
+def adamw_settings(algorithm: AlgorithmSpec) -> AdamWSettings:
+    """An experiment's optimiser settings, from its spec's algorithm block."""
+    return AdamWSettings(
+        lr=algorithm.learning_rate,
+        weight_decay=0.0,
+        max_grad_norm=algorithm.max_grad_norm,
+        lr_schedule=algorithm.lr_schedule,
+        warmup_steps=algorithm.warmup_steps,
+        total_steps=algorithm.max_steps,
+    )
 
 
 class PerAdapterAdamW:
@@ -64,9 +101,10 @@ class PerAdapterAdamW:
     def has_adapter(self, name: str) -> bool:
         return name in self._slots
 
-    def set_lr(self, name: str, lr: float) -> None:
-        slot = self._slot(name)
-        self.settings[slot] = AdamWSettings(**{**asdict(self.settings[slot]), "lr": lr})
+    def configure(self, name: str, settings: AdamWSettings) -> None:
+        """Replace an adapter's settings, keeping its step count and moments (a resumed
+        run takes its settings from its spec and its schedule position from its state)."""
+        self.settings[self._slot(name)] = settings
 
     def step_count(self, name: str) -> int:
         return self.steps[self._slot(name)]
@@ -104,6 +142,7 @@ class PerAdapterAdamW:
         """
         active = sorted(set(self.slots_with_grad() if slots is None else slots) - {0})
         self._check_slots(active)
+        self._clip_grads(active)
         groups: dict[tuple[AdamWSettings, int], list[int]] = {}
         for slot in active:
             self.steps[slot] += 1
@@ -124,6 +163,31 @@ class PerAdapterAdamW:
                     " call add_adapter"
                 )
 
+    def grad_norms(self) -> Tensor:
+        """Per slot, the 2-norm of its gradient over every stacked parameter: the norm
+        torch.nn.utils.clip_grad_norm_ sees over that adapter's own parameters (the rank
+        padding and untargeted layers of a slot hold zero gradient and add nothing)."""
+        squares = [
+            p.grad.flatten(1).float().pow(2).sum(1) for p in self.params if p.grad is not None
+        ]
+        return torch.stack(squares).sum(0).sqrt()
+
+    def _clip_grads(self, slots: list[int]) -> None:
+        """Scale each clipped slot's gradient to at most its max_grad_norm, by its own norm
+        alone; slots without clipping (and those not stepped) keep a factor of 1."""
+        limits = {s: limit for s in slots if (limit := self.settings[s].max_grad_norm) is not None}
+        if not limits:
+            return
+        norms = self.grad_norms()
+        # Exactly 1 for every other slot, whatever its norm (even a non-finite one).
+        coef = torch.ones_like(norms)
+        index = torch.tensor(list(limits), device=norms.device)
+        max_norm = torch.tensor(list(limits.values()), device=norms.device, dtype=norms.dtype)
+        coef[index] = (max_norm / (norms[index] + _CLIP_EPS)).clamp(max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.view(-1, *([1] * (p.grad.dim() - 1))).to(p.grad.dtype))
+
     def _update(self, slots: list[int], s: AdamWSettings, step: int) -> None:
         params, grads, m, v = [], [], [], []
         for p in self.params:
@@ -137,13 +201,14 @@ class PerAdapterAdamW:
         if not params:
             return
         beta1, beta2 = s.betas
+        lr = s.lr_at(step)
         # Same arithmetic as torch.optim.adam._single_tensor_adam (decoupled weight decay).
         if s.weight_decay:
-            torch._foreach_mul_(params, 1 - s.lr * s.weight_decay)
+            torch._foreach_mul_(params, 1 - lr * s.weight_decay)
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-        step_size = s.lr / (1 - beta1**step)
+        step_size = lr / (1 - beta1**step)
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
         torch._foreach_add_(denom, s.eps)

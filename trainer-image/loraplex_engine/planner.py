@@ -161,7 +161,7 @@ def plan(
         with tracker.in_phase("adapters"):
             model, optimizer = _adapters(base, workload)
         sizes = _static_sizes(base, model, optimizer)
-        p_base, p_lora = _linear_weights(model, workload.rank)
+        p_base, p_lora = linear_weights(model, workload.rank)
         train = _train_step(model, workload, config, tracker)
         with tracker.in_phase("optimizer"):
             optimizer.step(sorted(model.adapters().values()))
@@ -216,7 +216,7 @@ def _static_sizes(
     }
 
 
-def _tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int) -> list[TrainRow]:
+def tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int) -> list[TrainRow]:
     """GRPO rows as ``Engine._train_rows`` builds them: one group per prompt."""
     rows = []
     for t in range(tenants):
@@ -244,7 +244,7 @@ def _train_step(
     rows_per_batch = max(1, w.micro_batch_tokens // w.row_tokens)
     total_rows = w.adapters * w.rows_per_tenant
     run_rows = min(total_rows, rows_per_batch * w.micro_batches)
-    rows = _tenant_rows(model, w, math.ceil(run_rows / w.rows_per_tenant))[:run_rows]
+    rows = tenant_rows(model, w, math.ceil(run_rows / w.rows_per_tenant))[:run_rows]
     updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
     forward = HiddenStatesForward(model, CPU, w.chunk_tokens)
     pad = config.pad_token_id or 0
@@ -288,7 +288,7 @@ def _cache_bytes(past: Any) -> int:
 @torch.no_grad()
 def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
     """Every tenant's rows in one batch, as the torch rollout runs them today."""
-    rows = _tenant_rows(model, w, w.adapters)
+    rows = tenant_rows(model, w, w.adapters)
     requests = [
         RolloutRequest(r.slot, r.prompt_ids, w.completion_tokens, 1.0, group=r.experiment)
         for r in rows
@@ -320,7 +320,7 @@ def floor_flops(
     return float((4 * base_linear + 6 * lora) * tokens + 3 * attention * tokens)
 
 
-def _linear_weights(model: MultiLoRAModel, rank: int) -> tuple[int, int]:
+def linear_weights(model: MultiLoRAModel, rank: int) -> tuple[int, int]:
     """(P, P_L): base linear weights (head included), one adapter's LoRA weights."""
     base = sum(m.weight.numel() for m in model.base_model.modules() if type(m) is nn.Linear)
     lora = sum(rank * (m.in_features + m.out_features) for m in model.lora_layers.values())

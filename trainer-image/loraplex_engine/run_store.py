@@ -34,7 +34,7 @@ from loraplex_engine.errors import BadCheckpointError, CheckpointError
 from loraplex_engine.experiment import Experiment
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.optim import PerAdapterAdamW
+from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.trust import checkpoint_inside
 
 # Metadata key of the run id: made when an experiment starts fresh, carried over on resume.
@@ -204,7 +204,9 @@ class RunStore:
             # saved one only when this experiment will be alone on the engine, so a
             # resume never reshuffles the masks of experiments already training.
             ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen, global_rng=alone)
-            self.optimizer.set_lr(exp.id, exp.spec.algorithm.learning_rate)
+            # Settings (lr, schedule, clipping) from the spec; the step count, and with it
+            # the schedule's position, from the checkpoint.
+            self.optimizer.configure(exp.id, adamw_settings(exp.spec.algorithm))
         except BaseException:
             self._unload(exp.id)  # all or nothing: no half-loaded adapter keeps its slot
             raise

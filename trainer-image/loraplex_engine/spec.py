@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationError
 
 from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.lr_schedule import LRScheduleName
 from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
 
 TaskName = Literal["target-token", "copy", "arithmetic", "jsonl"]
@@ -170,6 +171,26 @@ class AlgorithmSpec(SpecModel):
             "promptsPerStep",
             lambda alg: alg.group_size * alg.prompts_per_step <= MAX_COMPLETIONS_PER_STEP,
         ),
+        CelRule(
+            "!has(self.lrSchedule) || self.lrSchedule != 'cosine' || !has(self.maxSteps) || "
+            "self.maxSteps > 0",
+            "algorithm.lrSchedule cosine decays over algorithm.maxSteps, so it needs "
+            "maxSteps > 0 (a continual run, maxSteps 0, has no end to decay to): use constant",
+            "lrSchedule",
+            lambda alg: alg.lr_schedule != "cosine" or alg.max_steps > 0,
+        ),
+        CelRule(
+            "!has(self.lrSchedule) || self.lrSchedule != 'cosine' || !has(self.maxSteps) || "
+            "self.maxSteps == 0 || !has(self.warmupSteps) || self.warmupSteps < self.maxSteps",
+            "algorithm.warmupSteps must be less than algorithm.maxSteps when lrSchedule is "
+            "cosine (the decay needs at least one step after the warmup)",
+            "warmupSteps",
+            lambda alg: (
+                alg.lr_schedule != "cosine"
+                or alg.max_steps == 0
+                or alg.warmup_steps < alg.max_steps
+            ),
+        ),
     )
 
     name: AlgorithmName = Field(
@@ -192,7 +213,38 @@ class AlgorithmSpec(SpecModel):
         f"completions (at most {MAX_COMPLETIONS_PER_STEP}).",
     )
     learning_rate: float = Field(
-        5e-4, gt=0, le=1, alias="learningRate", description="Adam learning rate of the adapter."
+        5e-4,
+        gt=0,
+        le=1,
+        alias="learningRate",
+        description="Adam learning rate of the adapter: the rate after the warmup, where "
+        "lrSchedule starts from.",
+    )
+    lr_schedule: LRScheduleName = Field(
+        "constant",
+        alias="lrSchedule",
+        description="How the learning rate moves over the run, driven by this experiment's "
+        "own optimiser steps (restored from its checkpoint on resume, whatever the other "
+        "tenants do): constant = learningRate after the warmup; cosine = after the warmup, a "
+        "half cosine from learningRate towards 0 over the remaining maxSteps - warmupSteps "
+        "steps. cosine needs maxSteps > 0 (not continual).",
+    )
+    warmup_steps: Int64 = Field(
+        0,
+        ge=0,
+        alias="warmupSteps",
+        description="Optimiser steps over which the learning rate ramps linearly up to "
+        "learningRate (step k of the warmup uses k/warmupSteps of it); 0 = no warmup. "
+        "Applies to both schedules; with cosine it must be less than maxSteps.",
+    )
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        alias="maxGradNorm",
+        description="Clip the adapter's gradient to this 2-norm before each step, on this "
+        "adapter's own gradient alone (as torch.nn.utils.clip_grad_norm_ over its "
+        "parameters), so another tenant's gradient never scales this update. "
+        "Absent = no clipping.",
     )
     kl_coef: float = Field(
         0.0,
