@@ -98,7 +98,8 @@ def test_plan_of_the_tiny_model_follows_from_its_shapes(tiny_model_dir, checkpoi
     assert detail["plan_seconds"] < 60  # a few seconds on a quiet CPU
 
     # bf16 weights of the base; fp32 LoRA slots (adapters + slot 0), grads, 2 Adam moments.
-    hidden, layers, kv_heads = config.hidden_size, config.num_hidden_layers, 2
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
     head_dim = hidden // config.num_attention_heads
     real = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # real tensors
     tensors = [*real.parameters(), *real.buffers()]

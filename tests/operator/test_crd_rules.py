@@ -238,6 +238,7 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.task.dataset", "/data/b.jsonl", _TASK, _jsonl),
     ("spec.task.reward", "exact-match", _TASK, _plain),
     ("spec.task.rewardUrl", "http://rewards:8080/b", _TASK, _http),
+    ("spec.task.chatTemplate", True, _TASK, _plain),
     ("spec.algorithm.groupSize", 4, _ALG, _plain),
     ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),
     ("spec.algorithm.learningRate", 0.001, _ALG, _plain),
@@ -327,9 +328,16 @@ def test_edit_of_mutable_field_is_allowed(field: str, value: Any) -> None:
         ),
         pytest.param(
             experiment("a").obj(),
-            experiment("a").rank(8).alpha(16).dropout(0.0).modules("q_proj", "v_proj").obj(),
+            experiment("a").rank(8).alpha(16).dropout(0.0).obj(),
             None,
             id="add lora block spelling out the defaults",
+        ),
+        pytest.param(
+            experiment("a").obj(),
+            experiment("a").modules("q_proj", "v_proj").obj(),
+            _LORA,
+            # No default to compare with: unset means the base model family's own targets.
+            id="add targetModules (unset is the family default, not a value)",
         ),
         pytest.param(
             experiment("a").obj(),
