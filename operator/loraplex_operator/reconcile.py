@@ -281,16 +281,7 @@ class PoolReconciler:
 
     async def _engine_put(self, p: Put, token: str) -> tuple[int, dict[str, Any]]:
         args = (p.url, token, p.exp_id, p.body["spec"], p.body["namespace"], p.body["name"])
-        run_id = p.body.get("runId")
-        try:
-            return await self.engines.put(*args, p.body["resumeFrom"], run_id)
-        except EngineError as e:
-            if run_id is None or e.field != "runId":
-                raise
-            # An engine that does not know run ids refuses the field (422 "unknown field"):
-            # bind without it rather than fail the experiment while engines are upgraded.
-            log.warning("bind %s to %s: %s; binding without runId", p.key, p.engine, e)
-            return await self.engines.put(*args, p.body["resumeFrom"], None)
+        return await self.engines.put(*args, p.body["resumeFrom"], p.body.get("runId"))
 
     async def _pods(self, pool: Pool, plan: RoundPlan) -> None:
         ns = pool.spec.engine_namespace

@@ -156,30 +156,6 @@ async def test_the_put_carries_the_uid_as_run_id_and_records_the_runs_newest_che
     )
 
 
-async def test_an_engine_from_before_run_ids_is_bound_without_one() -> None:
-    # During an upgrade an older engine refuses the unknown field: the operator binds
-    # without it instead of failing the experiment.
-    obj = experiment("a").obj()
-    sent: list[dict[str, Any]] = []
-
-    def engine(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        sent.append(body)
-        if "runId" in body:
-            err = {"code": "invalid_request", "message": "runId: unknown field", "field": "runId"}
-            return httpx.Response(422, json={"error": err})
-        return httpx.Response(201, json={"id": "team-a.a", "phase": "Running", "step": 0})
-
-    client = EngineClient(transport=httpx.MockTransport(engine))
-    r, kube, events = _reconciler(client)  # type: ignore[arg-type]
-    snap, plan = _round(obj, puts=[_put(obj)])
-    await r.act(snap, plan, "token")
-    await client.close()
-    assert [b.get("runId") for b in sent] == ["uid-team-a-a", None]
-    assert _status(kube)["phase"] == "Running"
-    assert [e[2] for e in events] == ["Bound"]
-
-
 async def test_engine_rejecting_the_spec_fails_it_naming_the_field() -> None:
     obj = experiment("a").obj()
     err = EngineError(422, "invalid_spec", "unknown task parameter", "spec.task.params")
