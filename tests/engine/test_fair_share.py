@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from loraplex_engine.experiment import Experiment, new_experiment
 from loraplex_engine.fair_share import EXPENSIVE_YIELD, due_to_roll_out, rollout_interval
+from loraplex_engine.trust import TrustPolicy
 
 from tests.engine.engine_builders import spec
 
 
 def experiment(exp_id: str, cost: int) -> Experiment:
-    exp = new_experiment(exp_id, spec(), "default", exp_id, None)
+    exp = new_experiment(exp_id, spec(), "default", exp_id, None, TrustPolicy())
     exp.step_cost = cost
     return exp
 
