@@ -89,3 +89,33 @@ def eng_complete(eng, model: str) -> list[str]:
         eng.tick()
         worker.join(timeout=0.05)
     return out
+
+
+def test_vllm_backend_runs_in_the_engines_bfloat16(tiny_vllm_dir, tmp_path) -> None:
+    """``--dtype bfloat16``: vLLM is started in the engine's dtype (no duplicate dtype
+    keyword), with its limits derived from the engine's, and trains in it."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    eng = engine(
+        tiny_vllm_dir,
+        tmp_path,
+        rollout_backend="vllm",
+        dtype="bfloat16",
+        vllm_options={"python": str(VLLM_PYTHON)},
+    )
+    try:
+        info = eng.backend.worker_info
+        assert info["dtype"] == "bfloat16"
+        # tiny-vllm's context (512) is under the longest admitted row (prompt limit + 4096)
+        assert info["max_model_len"] == 512
+        assert info["max_lora_rank"] == 16  # the engine's max_rank 16
+        lora = {"rank": 8, "alpha": 16, "targetModules": ALL_LINEAR}
+        task = {"name": "target-token", "params": {"target": "yes"}}
+        eng.put_experiment("default.bf16", spec(task, steps=2, lora=lora), "default", "bf16")
+        curves = run_to_end(eng, ["default.bf16"])
+        status = eng.get_experiment("default.bf16")
+        assert status.phase == "Succeeded", status.error
+        assert len(curves["default.bf16"]) == 2
+        assert 0 < status.rollout_tokens <= 2 * 32 * 8
+    finally:
+        eng.close()

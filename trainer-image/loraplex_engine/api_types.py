@@ -21,6 +21,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # longest wait a co-tenant can see (fair_share.py paces big steps on average).
 DEFAULT_MAX_STEP_TOKENS = 1 << 18
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
+MAX_NEW_TOKENS = 4096  # largest spec.rollout.maxNewTokens
 # How long a tick waits for an experiment's reward before stepping without it (it trains in
 # the tick after the reward arrives, fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).

@@ -24,6 +24,7 @@ from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    MAX_NEW_TOKENS,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
@@ -54,6 +55,7 @@ from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion
+from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tick import CompletionJob, JobSampling, Tick
@@ -196,14 +198,25 @@ class Engine:
                 self.codec.pad_id,
                 () if self.ignore_eos else self.codec.eos_ids,
             )
+        config = self.model.base_model.config
+        args = vllm_engine_args(
+            device_type=self.device.type,
+            dtype=dtype_name(self.dtype),
+            max_adapters=self.model.max_adapters,
+            max_rank=self.model.max_rank,
+            context_tokens=getattr(config, "max_position_embeddings", None),
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_new_tokens=MAX_NEW_TOKENS,
+            max_step_tokens=self.max_step_tokens,
+            kv_bytes_per_token=kv_bytes_per_token(config, self.dtype.itemsize),
+            user_options=options,
+        )
         return VLLMRolloutBackend(
             self.model_dir,
             lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
-            max_adapters=self.model.max_adapters,
-            max_rank=self.model.max_rank,
+            args,
             ignore_eos=self.ignore_eos,
             eos_ids=self.codec.eos_ids,
-            **options,
         )
 
     def _decode_forward(

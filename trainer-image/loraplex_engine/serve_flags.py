@@ -23,6 +23,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.rollout.vllm_config import check_vllm_option_names
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -319,4 +320,8 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
+    try:
+        check_vllm_option_names(options)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     return options

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
+from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.lr_schedule import LRScheduleName
 from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
@@ -280,7 +281,7 @@ class RolloutSpec(SpecModel):
     max_new_tokens: Int32 = Field(
         64,
         ge=1,
-        le=4096,
+        le=MAX_NEW_TOKENS,
         alias="maxNewTokens",
         description="Most tokens generated per completion (fewer when the model ends it).",
     )

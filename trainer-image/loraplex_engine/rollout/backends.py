@@ -74,12 +74,10 @@ class VLLMRolloutBackend:
         self,
         model_dir: str | Path,
         save_adapter: Callable[[str, Path], None],
+        options: dict[str, Any],
         *,
-        max_adapters: int,
-        max_rank: int,
         ignore_eos: bool = False,
         eos_ids: Sequence[int] = (),
-        **kwargs: Any,
     ) -> None:
         from loraplex_engine.rollout.vllm_backend import VLLMRollout
 
@@ -89,14 +87,14 @@ class VLLMRolloutBackend:
         # alone stops at the tokenizer's one EOS unless its generation config is read).
         self._stop_ids = [] if ignore_eos else list(eos_ids)
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
-        self._vllm = VLLMRollout(
-            model_dir,
-            max_adapters=max_adapters,
-            max_rank=max_rank,
-            dtype="float32",
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
+        # ``options``: the worker's settings, engine defaults merged with the user's
+        # (vllm_config.py), each keyword once.
+        self._vllm = VLLMRollout(model_dir, **{"logprobs_mode": "processed_logprobs", **options})
+
+    @property
+    def worker_info(self) -> dict[str, Any]:
+        """What the worker reported at start: vLLM version, dtype, limits."""
+        return self._vllm.info
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         out: list[Completion | None] = [None] * len(requests)

@@ -63,6 +63,9 @@ class VLLMRollout:
     64 MiB on CPU (vLLM's own CPU default would reserve ``gpu_memory_utilization`` of
     the host's RAM, ~20 GB on a 24 GB box) and ``gpu_memory_utilization`` decides on GPU.
     ``threads`` is the worker's OpenMP thread count (threads are not pinned to cores).
+    ``disable_torch_compile`` sets ``TORCHDYNAMO_DISABLE`` in the worker: on for eager CPU
+    runs (no inductor compile of the sampler helpers), off where CUDA graphs run.
+    The engine derives these from its limits and device (vllm_config.py).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class VLLMRollout:
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         enforce_eager: bool = True,
+        disable_torch_compile: bool = True,
         logprobs_mode: str = "raw_logprobs",
         zero_base_adapter: bool | None = None,
         python: str | None = None,
@@ -109,6 +113,7 @@ class VLLMRollout:
             kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            disable_torch_compile=disable_torch_compile,
             logprobs_mode=logprobs_mode,
             env=env or {},
             llm_kwargs=llm_kwargs or {},

@@ -26,6 +26,17 @@ from typing import Any
 # vLLM accepts these as max_lora_rank (vllm.config.lora.MaxLoRARanks); adapters may have any
 # rank up to it.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's CPU default would reserve gpu_memory_utilization (0.92) of host RAM for KV.
+CPU_KV_CACHE_BYTES = 64 << 20
+
+
+def vllm_lora_rank(max_rank: int) -> int:
+    """vLLM's smallest ``max_lora_rank`` that holds adapters of rank ``max_rank``."""
+    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= max_rank), None)
+    if rank is None:
+        raise ValueError(f"max_rank {max_rank} > vLLM's largest max_lora_rank 512")
+    return rank
+
 
 BASE_ADAPTER = "__base__"
 
@@ -97,10 +108,7 @@ class Worker:
         # open). Workaround: base requests go through an all-zero adapter ("__base__"),
         # which costs one slot. The Triton kernels on GPU honour -1, so only on CPU.
         self.zero_base = bool(cfg.get("zero_base_adapter", self.is_cpu))
-        max_rank = int(cfg.get("max_rank", 16))
-        vllm_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= max_rank), None)
-        if vllm_rank is None:
-            raise ValueError(f"max_rank {max_rank} > vLLM's largest max_lora_rank 512")
+        vllm_rank = vllm_lora_rank(int(cfg.get("max_rank", 16)))
         slots = self.max_adapters + (1 if self.zero_base else 0)
         kwargs: dict[str, Any] = dict(
             model=cfg["model"],
@@ -118,8 +126,7 @@ class Worker:
         )
         kv_bytes = cfg.get("kv_cache_bytes")
         if kv_bytes is None and self.is_cpu:
-            # vLLM's CPU default reserves gpu_memory_utilization (0.92) of host RAM.
-            kv_bytes = 64 << 20
+            kv_bytes = CPU_KV_CACHE_BYTES
         if kv_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
@@ -292,6 +299,8 @@ class Worker:
             "vllm_version": vllm.__version__,
             "startup_s": self.startup_s,
             "max_lora_rank": self.vllm_rank,
+            "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "max_model_len": self.llm.llm_engine.model_config.max_model_len,
             "zero_base_adapter": self.zero_base,
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),

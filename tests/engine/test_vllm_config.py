@@ -1,0 +1,121 @@
+"""The vLLM worker's settings derived from the engine's limits (rollout/vllm_config.py):
+pure arithmetic, no vLLM process."""
+
+from __future__ import annotations
+
+import pytest
+from loraplex_engine.rollout.vllm_config import (
+    KV_BLOCK_MARGIN_TOKENS,
+    MAX_NUM_SEQS_CAP,
+    VLLM_OPTION_NAMES,
+    kv_bytes_per_token,
+    vllm_engine_args,
+)
+from loraplex_engine.rollout.vllm_worker import CPU_KV_CACHE_BYTES
+from transformers import LlamaConfig
+
+
+def _args(**overrides):
+    kwargs = dict(
+        device_type="cpu",
+        dtype="float32",
+        max_adapters=4,
+        max_rank=16,
+        context_tokens=2048,
+        max_prompt_tokens=256,
+        max_new_tokens=512,
+        max_step_tokens=16_384,
+    )
+    kwargs.update(overrides)
+    return vllm_engine_args(**kwargs)
+
+
+def test_cpu_defaults_are_eager_and_sized_from_the_limits() -> None:
+    args = _args()
+    assert args["enforce_eager"] is True and args["disable_torch_compile"] is True
+    assert args["dtype"] == "float32"
+    assert args["max_adapters"] == 4
+    assert args["max_model_len"] == 256 + 512  # the longest admitted row, inside 2048
+    # 16384 tokens per step / (256 + 1) per row = 63 rows per experiment, 4 experiments
+    assert args["max_num_seqs"] == 4 * 63
+    assert "kv_cache_bytes" not in args  # no KV size per token: the worker's default
+
+
+def test_cuda_defaults_use_cuda_graphs() -> None:
+    args = _args(device_type="cuda", dtype="bfloat16", kv_bytes_per_token=4096)
+    assert args["enforce_eager"] is False and args["disable_torch_compile"] is False
+    assert args["dtype"] == "bfloat16"
+    assert "kv_cache_bytes" not in args  # gpu_memory_utilization sizes it on CUDA
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_dtype_passes_through(dtype: str) -> None:
+    assert _args(dtype=dtype)["dtype"] == dtype
+
+
+@pytest.mark.parametrize(
+    ("max_rank", "vllm_rank"), [(1, 1), (2, 8), (8, 8), (9, 16), (64, 64), (65, 128), (300, 320)]
+)
+def test_rank_rounds_up_to_a_rank_vllm_accepts(max_rank: int, vllm_rank: int) -> None:
+    assert _args(max_rank=max_rank)["max_rank"] == vllm_rank
+
+
+def test_rank_beyond_vllm_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_rank 1024"):
+        _args(max_rank=1024)
+
+
+def test_model_context_bounds_the_model_length() -> None:
+    assert _args(context_tokens=512)["max_model_len"] == 512
+    assert _args(context_tokens=None)["max_model_len"] == 256 + 512
+
+
+def test_rows_are_capped_and_at_least_one() -> None:
+    assert _args(max_step_tokens=1 << 30)["max_num_seqs"] == MAX_NUM_SEQS_CAP
+    assert _args(max_step_tokens=100, max_adapters=1)["max_num_seqs"] == 1
+
+
+def test_cpu_kv_cache_holds_one_longest_row() -> None:
+    small = _args(kv_bytes_per_token=64)
+    assert small["kv_cache_bytes"] == CPU_KV_CACHE_BYTES  # the default already fits
+    big = _args(kv_bytes_per_token=1 << 20)
+    assert big["kv_cache_bytes"] == (1 << 20) * (256 + 512 + KV_BLOCK_MARGIN_TOKENS)
+
+
+def test_user_option_wins_without_a_second_keyword() -> None:
+    user = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "threads": 2}
+    args = _args(device_type="cuda", dtype="bfloat16", user_options=user)
+    assert {k: args[k] for k in user} == user
+    assert args["max_adapters"] == 4  # the rest stays derived
+    assert set(args) <= VLLM_OPTION_NAMES  # one dict of VLLMRollout keywords
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown --vllm-option max_lora"):
+        _args(user_options={"max_lora": 2})
+
+
+def test_option_names_are_the_rollouts_keywords() -> None:
+    assert "model_dir" not in VLLM_OPTION_NAMES
+    assert {"dtype", "max_model_len", "python", "llm_kwargs"} <= VLLM_OPTION_NAMES
+
+
+def test_kv_bytes_per_token_from_a_config() -> None:
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3
+    )
+    assert kv_bytes_per_token(config, 2) == 2 * 3 * 1 * 32 * 2
+    assert kv_bytes_per_token(object(), 4) is None
+
+
+def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
+    import argparse
+
+    from loraplex_engine.errors import UsageError
+    from loraplex_engine.serve_flags import vllm_options
+
+    monkeypatch.delenv("LORAPLEX_VLLM_OPTIONS", raising=False)
+    ok = vllm_options(argparse.Namespace(vllm_option=["dtype=bfloat16", "max_num_seqs=8"]))
+    assert ok == {"dtype": "bfloat16", "max_num_seqs": 8}
+    with pytest.raises(UsageError, match="unknown --vllm-option max_lora"):
+        vllm_options(argparse.Namespace(vllm_option=["max_lora=2"]))
