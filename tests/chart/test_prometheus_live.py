@@ -366,7 +366,10 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
         try:
             scrapes.set_operator(h.operator.metrics_port)
             # One engine from the start (min 1), so it loads while the operator settles.
-            await h.apply(h.pool_obj(POOL, slots=4, max_rank=8, replicas=(1, 1)))
+            pool = h.pool_obj(POOL, slots=4, max_rank=8, replicas=(1, 1))
+            # The failing experiment's reward server listens on loopback: the pool allows it.
+            pool["spec"]["rewardHosts"] = ["127.0.0.1"]
+            await h.apply(pool)
             await _poll(h, "operator target up", lambda: prom.up_targets("loraplex-operator"), 60)
             # The pool's counters exist at 0 before the first placement, so rate() and
             # the latency histogram see that placement.
