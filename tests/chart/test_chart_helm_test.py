@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from chart_helpers import ALL_ON, NAMESPACE, SCENARIOS, by_kind, merge, one, render
@@ -50,9 +52,32 @@ def test_hook_checks_the_rendered_operator_service_and_engines(scenario: str) ->
     assert pod["spec"]["securityContext"] == deployment["securityContext"]
 
 
-def test_hook_script_is_valid_python() -> None:
-    script = _hook(render())["spec"]["containers"][0]["args"][0]
-    compile(script, "helm-test", "exec")
+def test_hook_passes_against_a_healthy_operator_with_no_engines_expected() -> None:
+    """The script itself, with the operator answering 200 and the default pool keeping
+    no engines: it succeeds (the failing case is the test below)."""
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pod = _hook(render())
+        health = f"http://127.0.0.1:{server.server_port}/healthz"
+        env = {**_env(pod), "OPERATOR_HEALTH_URL": health, "ENGINES_HOST": ""}
+        script = pod["spec"]["containers"][0]["args"][0]
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_hook_fails_without_engines_only_when_the_default_pool_keeps_some() -> None:
