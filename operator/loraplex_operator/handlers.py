@@ -105,8 +105,15 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 @kopf.on.probe(id="reconcilers")
 def probe(memo: Any, **_: Any) -> dict[str, Any]:
-    hb: m.Heartbeats = memo.reconciler.heartbeats
-    return {"stale": hb.stale(max(60.0, 10 * memo.config.interval))}
+    """Fails while a pool's reconciler has not finished a round for 10 intervals: kopf
+    answers its liveness endpoint (the chart's livenessProbe) with 500 when a probe
+    handler fails. Permanent, because kopf would retry a temporary error inside the
+    probe request until the kubelet gives up on it."""
+    max_age = max(60.0, 10 * memo.config.interval)
+    stale = memo.reconciler.heartbeats.stale(max_age)
+    if stale:
+        raise kopf.PermanentError(f"no reconcile round finished in {max_age:.0f} s: {stale}")
+    return {"stale": []}
 
 
 @kopf.index(*POOLS.kopf_resource)
