@@ -5,6 +5,7 @@ experiment training meanwhile) as an OpenAI-compatible base URL. No fakes.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from loraplex_engine.server_chat import room_left
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 
@@ -274,6 +276,17 @@ def test_chat_through_the_template(client, chat_model_dir) -> None:
         assert c.finish_reason in ("stop", "length")
         assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+
+
+def test_chat_without_max_tokens_uses_the_room_its_prompt_leaves(
+    client, base, chat_model_dir
+) -> None:
+    context = json.loads((chat_model_dir / "config.json").read_text())["max_position_embeddings"]
+    r = client.chat.completions.create(model=base, messages=MESSAGES, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= context
+    assert room_left(64, 60, 512) == 4 and room_left(None, 60, 512) == 512
+    assert room_left(64, 64, 512) == 1  # the engine's context check then names max_tokens
 
 
 def test_chat_streams(client, base) -> None:

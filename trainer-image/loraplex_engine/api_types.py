@@ -137,6 +137,7 @@ class EngineService(Protocol):
 
     model_name: str
     rollout_backend: str
+    context_tokens: int | None  # the base model's context window, when it states one
 
     def is_ready(self) -> bool: ...
 

@@ -70,6 +70,10 @@ class EngineHolder:
     def tokenizer(self) -> Any:
         return getattr(self.engine, "tokenizer", None)
 
+    @property
+    def context_tokens(self) -> int | None:
+        return self._get().context_tokens
+
     def _get(self) -> EngineService:
         engine = self.engine
         if engine is None:

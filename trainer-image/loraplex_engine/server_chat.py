@@ -54,7 +54,6 @@ def add_chat_route(
 ) -> None:
     limiter = anyio.CapacityLimiter(COMPLETION_THREADS)
     body_type = with_token_limit(ChatRequestBase, max_completion_tokens, None)
-    default_tokens = max_completion_tokens
 
     async def chat_completions(body: ChatRequestBase, request: Request) -> Any:
         """OpenAI chat completions through the tokenizer's chat template; `model` is an
@@ -67,7 +66,7 @@ def add_chat_route(
         job = ChoiceRequest(
             body.model,
             [prompt],
-            body.token_limit(default_tokens),
+            body.token_limit(room_left(engine.context_tokens, len(prompt), max_completion_tokens)),
             body.temperature,
             body.n,
             body.top_p,
@@ -97,6 +96,15 @@ def add_chat_route(
         responses=streamed_or_json(400, 401, 404, 503),
         **route_options,
     )(chat_completions)
+
+
+def room_left(context_tokens: int | None, prompt_tokens: int, max_completion_tokens: int) -> int:
+    """A chat without ``max_tokens`` may use the context its prompt leaves (as OpenAI's
+    does), up to the engine's limit; at least one token, so a full prompt is refused by
+    the engine's context check naming ``max_tokens``."""
+    if context_tokens is None:
+        return max_completion_tokens
+    return max(1, min(max_completion_tokens, context_tokens - prompt_tokens))
 
 
 def _choice(index: int, c: ChoiceText, fmt: _ChatLogprobs | None) -> dict[str, Any]:
