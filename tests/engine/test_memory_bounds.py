@@ -80,8 +80,10 @@ def test_chunked_logprobs_equal_full_and_their_gradients(tiny_model_dir, chunk) 
     assert got.flatten()[mask == 0].abs().sum() == 0
     got.sum().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
+    # float32 sums in another order: equal to ~1e-6 of gradients of order 1 (1.05e-6
+    # measured at chunk 1), hence the relative term.
     assert all(
-        torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(grads, ref_grads, strict=True)
+        torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(grads, ref_grads, strict=True)
     )
 
 
