@@ -102,6 +102,87 @@ def test_seeds_follow_each_experiments_own_generator_not_the_batch() -> None:
     assert plan[0].seed == plan[1].seed is not None
 
 
+# ---- the restart policy, against a stand-in worker ----------------------------------------
+
+
+class _StandInWorker:
+    """Answers like VLLMRollout; dies on any batch holding a request for ``poison``."""
+
+    def __init__(self, poison: set[str], log: list[str]) -> None:
+        self.poison, self.log, self.alive = poison, log, True
+        self.info = {"device": "cuda"}
+
+    def generate_each(self, requests, **_: object):
+        from loraplex_engine.errors import VLLMWorkerError
+        from loraplex_engine.rollout.vllm_backend import Completion as WorkerCompletion
+
+        if not self.alive:
+            raise VLLMWorkerError("vLLM worker is not running (exit -9)")
+        self.log.append("generate " + ",".join(sorted({r["adapter"] for r in requests})))
+        if any(r["adapter"] in self.poison for r in requests):
+            self.alive = False
+            raise VLLMWorkerError("vLLM worker exited with -11 during 'generate'")
+        return [[WorkerCompletion([7], [-0.1], "length")] * r["n"] for r in requests]
+
+    def load_adapter(self, name: str, path: Path) -> float:
+        self.log.append(f"load {name}")
+        return 0.0
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.alive = False
+
+
+def _stand_in_backend(poison: set[str], log: list[str]):
+    from loraplex_engine.rollout.backends import VLLMRolloutBackend
+
+    def start():
+        log.append("start")
+        return _StandInWorker(poison, log)
+
+    return VLLMRolloutBackend("unused", lambda exp_id, path: None, {}, start=start)
+
+
+def test_requests_that_kill_the_worker_fail_their_experiment_alone() -> None:
+    log: list[str] = []
+    backend = _stand_in_backend({"bad"}, log)
+    for name in ("bad", "good"):
+        backend.add_adapter(name)
+    rows = _rows("bad", [1], 2) + _rows("good", [1], 3)
+    out = backend.generate(rows)
+    assert [c.error is None for c in out] == [False, False, True, True, True]
+    assert "worker failed on this experiment's requests" in out[0].error
+    assert "exited with -11" in out[0].error
+    assert [c.token_ids for c in out[2:]] == [[7]] * 3
+    # start; batch dies -> restart, adapters re-loaded -> "bad" alone dies -> restart -> "good"
+    assert log[3:] == [
+        "generate bad,good",
+        *["start", "load bad", "load good", "generate bad"],
+        *["start", "load bad", "load good", "generate good"],
+    ]
+    assert backend.restarts == 2
+
+
+def test_a_worker_that_keeps_dying_fails_the_call_after_bounded_restarts() -> None:
+    from loraplex_engine.errors import VLLMWorkerError
+    from loraplex_engine.rollout.backends import MAX_RESTARTS
+
+    log: list[str] = []
+    poison = {"a", "b", "c"}
+    backend = _stand_in_backend(poison, log)
+    for name in "abc":
+        backend.add_adapter(name)
+    with pytest.raises(VLLMWorkerError, match=f"after {MAX_RESTARTS} restarts"):
+        backend.generate(_rows("a", [1], 1) + _rows("b", [1], 1) + _rows("c", [1], 1))
+    assert backend.restarts == MAX_RESTARTS
+    assert log.count("start") == 1 + MAX_RESTARTS
+    # The next call starts a fresh worker, without the adapter removed meanwhile.
+    backend.remove_adapter("a")
+    poison.clear()
+    log.clear()
+    [row] = backend.generate(_rows("b", [1], 1))
+    assert row.error is None and log == ["start", "load b", "load c", "generate b"]
+
+
 # ---- real vLLM, one engine for the module ----------------------------------------------
 
 
@@ -152,7 +233,8 @@ def test_a_prompt_group_is_one_vllm_request_and_seeded_runs_reproduce(eng) -> No
     assert len({tuple(c.token_ids) for c in first[:4]}) > 1  # n samples, not n copies
     again = backend.generate(_backend_rows(eng, "default.grp-a", prompts, 4, seed=3))
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
-    assert [c.logprobs for c in again] == pytest.approx([c.logprobs for c in first], abs=1e-5)
+    flat = [lp for c in first for lp in c.logprobs]
+    assert [lp for c in again for lp in c.logprobs] == pytest.approx(flat, abs=1e-5)
     # ... whoever shares the batch: a co-tenant's rows before them change nothing.
     mixed = _backend_rows(eng, "default.grp-b", [[1, 9]], 3, seed=4) + _backend_rows(
         eng, "default.grp-a", prompts, 4, seed=3

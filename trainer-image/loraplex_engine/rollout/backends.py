@@ -101,6 +101,7 @@ class VLLMRolloutBackend:
         *,
         ignore_eos: bool = False,
         eos_ids: Sequence[int] = (),
+        start: Callable[[], VLLMRollout] | None = None,
     ) -> None:
         self._save = save_adapter
         self._ignore_eos = ignore_eos
@@ -110,16 +111,15 @@ class VLLMRolloutBackend:
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
         # ``options``: the worker's settings, engine defaults merged with the user's
         # (vllm_config.py), each keyword once.
-        self._model_dir = model_dir
         self._options = {"logprobs_mode": "processed_logprobs", **options}
         self._adapters: list[str] = []  # loaded, in order: what a restart re-loads
+        # How a worker starts (tests give a stand-in to drive the restart policy).
+        self._start = start or (lambda: VLLMRollout(model_dir, **self._options))
         self.restarts = 0  # worker restarts since start
         self._vllm = self._start()
-        # On the CPU vLLM samples row by row anyway: seeding every request costs nothing.
+        # vLLM's CPU sampler draws a seed per row and step anyway (forward_cpu): a seeded
+        # request costs one more small draw there, so every experiment row is seeded.
         self._seed_all = self._vllm.info.get("device") == "cpu"
-
-    def _start(self) -> VLLMRollout:
-        return VLLMRollout(self._model_dir, **self._options)
 
     @property
     def worker_info(self) -> dict[str, Any]:

@@ -7,14 +7,15 @@ experiment that share a prompt and sampling settings into such a request, rememb
 which rows its ``k`` completions answer, in order; :func:`rows_from` maps the results
 back. Pure (no vLLM, no process): unit-tested on its own.
 
-Seeds. vLLM samples a request that has a ``seed`` with its own ``torch.Generator``; on
-GPU those rows leave the batched sampler for a per-request path, which is slower, so a
-request is seeded only where that is wanted:
+Seeds. vLLM samples a request that has a ``seed`` with its own ``torch.Generator``. On
+GPU that is a per-request path (vLLM 0.32, ``TopKTopPSampler.forward_cuda``): a batch
+holding any seeded row skips FlashInfer's sampler, and each seeded row draws its noise
+in its own kernel launch, so a request is seeded only where that is wanted:
 
 - a served completion that names a ``seed`` (the client asked for it);
 - an experiment with ``spec.rollout.reproducible: true`` (it asked for it);
-- every experiment row when vLLM runs on the CPU (``seed_all``): there the sampler is
-  per-row anyway and the cost is nil.
+- every experiment row when vLLM runs on the CPU (``seed_all``): its sampler draws a
+  seed per row and step anyway (``forward_cpu``), a seeded row costs one draw more.
 
 A seeded request's seed is drawn from its experiment's (or job's) own generator, in the
 order of that experiment's requests, so it follows from ``algorithm.seed`` and the
