@@ -261,7 +261,8 @@ def test_an_experiment_vllm_refuses_fails_alone_while_its_cotenant_trains(eng, t
     assert by_id["default.mate"].failed_reason is None and by_id["default.mate"].step == 1
     status = eng.get_experiment("default.long")
     assert status.phase == "Failed" and status.failure_reason == "rollout_error"
-    assert "maximum model length" in status.error and str(VLLM_MAX_MODEL_LEN) in status.error
+    assert status.error.startswith("rollout failed: VLLMValidationError: ")
+    assert f"maximum context length is {VLLM_MAX_MODEL_LEN} tokens" in status.error
     assert not status.deterministic_failure  # another pool's vLLM may take it
     for _ in range(5):
         eng.tick()
