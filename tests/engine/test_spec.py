@@ -38,7 +38,7 @@ DOC_EXAMPLE: dict[str, Any] = {
         "maxSteps": 50,
         "seed": 0,
     },
-    "rollout": {"maxNewTokens": 8, "temperature": 1.0},
+    "rollout": {"maxNewTokens": 8, "temperature": 1.0, "reproducible": False},
     "checkpoint": {"everySteps": 10, "keep": 3},
     "priority": 0,
     "suspend": False,

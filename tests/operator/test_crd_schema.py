@@ -403,7 +403,7 @@ def test_experiment_defaults() -> None:
         "klCoef": 0.0, "clip": 0.2, "maxSteps": 50, "seed": 0,
     }  # fmt: skip
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
-    assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0}
+    assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0, "reproducible": False}
     assert spec["checkpoint"] == {"everySteps": 10, "keep": 3}
     assert (spec["priority"], spec["suspend"]) == (0, False)
     assert "reward" not in spec["task"]  # absent = the task's default reward, chosen by the engine

@@ -36,8 +36,9 @@ ExperimentPhase = Literal["Running", "Succeeded", "Failed"]
 TICK_PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
 # Why an experiment failed (status.failureReason, the metrics label): task_error (its task
 # data or prompts), reward_error (its reward: an error, an invalid score or no answer),
-# non_finite (it diverged), checkpoint_error (its checkpoint could not be written).
-FAILURE_REASONS = ("non_finite", "reward_error", "task_error", "checkpoint_error")
+# non_finite (it diverged), checkpoint_error (its checkpoint could not be written),
+# rollout_error (the rollout backend refused or failed its requests or its adapter).
+FAILURE_REASONS = ("non_finite", "reward_error", "task_error", "checkpoint_error", "rollout_error")
 # Failures that follow from the spec and its data alone: placing the same spec again fails
 # the same way, so a driver should not retry it elsewhere (status.deterministicFailure).
 DETERMINISTIC_FAILURES = frozenset({"non_finite", "task_error"})

@@ -292,6 +292,15 @@ class RolloutSpec(SpecModel):
         description="Sampling temperature; 0 = greedy, which GRPO refuses (a group of "
         "identical completions has every advantage zero).",
     )
+    reproducible: bool = Field(
+        False,
+        description="Seed every rollout request from algorithm.seed, so that the samples "
+        "themselves repeat run after run on any device. vLLM then samples this "
+        "experiment's requests each with its own generator, slower on GPU. Off, the vLLM "
+        "backend on GPU samples unseeded: the prompt order and the adapter's initial "
+        "weights still follow algorithm.seed, the sampled tokens do not. The torch backend "
+        "and vLLM on CPU seed every request either way.",
+    )
 
 
 class CheckpointSpec(SpecModel):

@@ -10,8 +10,10 @@ checkpoints). Each phase takes the experiments still in play and returns who car
 Containment: every per-experiment step (prompts and task data, reward, training rows,
 checkpoint) runs under a guard that fails that experiment alone, with its error and a
 ``failureReason`` in its status; whatever its tenant's data or reward service does, the
-tick goes on. Only the shared steps (the batched rollout, the fused update, the backend
-sync) can fail a tick: those are faults of the base model or the device.
+tick goes on. The rollout backend reports a row it refused or failed (``Completion.error``)
+and an adapter it could not sync per experiment: ``rollout_error``, that experiment alone.
+Only the shared steps (a rollout batch the backend gives up on, the fused update) can fail
+a tick: those are faults of the base model or the device.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from typing import TypeVar
 import torch
 
 from loraplex_engine.api_types import TICK_PHASES, ExperimentTick, TickReport
-from loraplex_engine.errors import AdapterError, NotFoundError, RewardError, TaskError
+from loraplex_engine.errors import (
+    AdapterError,
+    InvalidRequestError,
+    NotFoundError,
+    RewardError,
+    TaskError,
+)
 from loraplex_engine.experiment import Experiment, now
 from loraplex_engine.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.multi_lora import MultiLoRAModel
@@ -41,8 +49,6 @@ from loraplex_engine.training import ExperimentUpdate, TrainRow
 from loraplex_engine.training_strategy import TrainingStrategy
 
 _T = TypeVar("_T")
-log = logging.getLogger("loraplex_engine.tick")
-
 log = logging.getLogger("loraplex_engine.tick")
 
 
@@ -224,13 +230,13 @@ class Tick:
         plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
         planned = _keep(plans, failures)
         with timed("rollout"):
-            rolled = self._rollout(planned, jobs)
+            rolled = _keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
             scored = _keep(arrived + self._score(rolled), failures)
         with timed("train"):
             trained = _keep(self._train(scored), failures)
         with timed("sync"):
-            self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
+            trained = _keep(self._sync(trained), failures)
         with timed("checkpoint"):
             stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
         return TickReport(
@@ -258,6 +264,7 @@ class Tick:
                 generator=exp.sample_gen,
                 group=exp.id,
                 adapter=exp.id,
+                reproducible=roll.reproducible,
             )
             for ids in encoded
             for _ in range(alg.group_size)
@@ -287,8 +294,11 @@ class Tick:
             )
         return ids
 
-    def _rollout(self, planned: list[Rollout], jobs: list[CompletionJob]) -> list[Rollout]:
-        """One generate call for every experiment's requests and the queued jobs."""
+    def _rollout(
+        self, planned: list[Rollout], jobs: list[CompletionJob]
+    ) -> list[Rollout | Failure]:
+        """One generate call for every experiment's requests and the queued jobs; an
+        experiment (or job) with a row the backend refused fails alone."""
         requests = [req for r in planned for req in r.requests]
         job_rows: list[tuple[CompletionJob, int]] = []
         for job in jobs:
@@ -304,14 +314,23 @@ class Tick:
             job_rows.append((job, len(requests)))
             requests += job.requests(slot)
         outputs = self.backend.generate(requests)
-        rolled, offset = [], 0
+        rolled: list[Rollout | Failure] = []
+        offset = 0
         for r in planned:
-            rolled.append(
-                Rollout(r.exp, r.prompts, r.requests, outputs[offset : offset + len(r.requests)])
-            )
+            mine = outputs[offset : offset + len(r.requests)]
             offset += len(r.requests)
+            error = _first_error(mine)
+            if error is None:
+                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine))
+            else:
+                rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
-            job.result = outputs[first : first + job.n]
+            result = outputs[first : first + job.n]
+            error = _first_error(result)
+            if error is None:
+                job.result = result
+            else:
+                job.error = InvalidRequestError(f"the rollout backend refused this: {error}")
             job.done.set()
         return rolled
 
@@ -394,6 +413,22 @@ class Tick:
                 )
         return rows
 
+    # ---- sync ---------------------------------------------------------------------------
+
+    def _sync(self, trained: list[Trained]) -> list[Trained | Failure]:
+        """The backend takes the new weights; an adapter it refuses fails its experiment
+        (its rollouts would come from stale weights)."""
+        refused = self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
+        out: list[Trained | Failure] = []
+        for t in trained:
+            exp = t.scored.rollout.exp
+            why = refused.get(exp.id)
+            if why is None:
+                out.append(t)
+            else:
+                out.append(Failure(exp, f"adapter sync failed: {why}", "rollout_error"))
+        return out
+
     # ---- bookkeeping and checkpoints ----------------------------------------------------
 
     def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
@@ -432,6 +467,10 @@ def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
         return Scored(r, rewards)
 
     return _guarded(r.exp, "reward_error", "reward", score)
+
+
+def _first_error(completions: list[Completion]) -> str | None:
+    return next((c.error for c in completions if c.error is not None), None)
 
 
 def _exp_of(item: Scored | Failure) -> Experiment:

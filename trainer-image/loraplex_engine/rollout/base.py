@@ -38,6 +38,8 @@ class RolloutRequest:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this mass
     top_logprobs: int = 0  # alternatives to report per sampled token (0: none)
     seeded: bool = False  # the generator is this request's own seed: sample it alone
+    # Seed this row even where seeding costs speed (vLLM on GPU): spec.rollout.reproducible
+    reproducible: bool = False
     sink: RowSink | None = None  # per-token reports (serving); None for training rows
 
 
@@ -49,3 +51,5 @@ class Completion:
     # per sampled token, the request's top_logprobs most likely tokens -> log-prob
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str = "length"  # "stop": end of sequence; "cancelled": its client left
+    # The backend refused or failed this row (vLLM: its request); fails its experiment alone
+    error: str | None = None

@@ -49,6 +49,17 @@ class Completion:
     top_logprobs: list[list[list[float]]] | None = None  # per token: [token, log-prob] pairs
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why vLLM refused one request: the exception's class and message (in the worker)."""
+
+    type: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}"
+
+
 def default_vllm_python() -> str:
     """``$LORAPLEX_VLLM_PYTHON``, else this interpreter (images that install vLLM
     next to the engine)."""
@@ -92,6 +103,7 @@ class VLLMRollout:
         request_timeout: float = 600.0,
     ) -> None:
         self.request_timeout = request_timeout
+        self.last_vllm_requests = 0  # vLLM requests the last generate call added
         self._lock = threading.Lock()
         self._closed = False
         self._proc = subprocess.Popen(
@@ -206,27 +218,79 @@ class VLLMRollout:
         ignore_eos: bool = False,
         top_logprobs: int = 0,
     ) -> list[list[Completion]]:
-        """One mixed-adapter batch. ``requests`` holds ``(adapter name or None for the
-        base model, prompt token ids)``; returns, per request, its ``n`` completions.
-        ``temperature=0`` is greedy; ``top_logprobs``: that many alternatives per token
-        (of the distribution ``logprobs_mode`` names). With ``seed`` set, sampling is
-        reproducible: request ``i``'s ``j``-th sample uses seed ``seed + i*n + j``."""
-        reqs = [[name, [int(t) for t in ids]] for name, ids in requests]
-        out = self._call(
+        """One mixed-adapter batch with one sampling setting; any refused request fails
+        the call (:meth:`generate_each` answers each request on its own). ``requests``
+        holds ``(adapter name or None for the base model, prompt token ids)``; returns,
+        per request, its ``n`` completions. ``temperature=0`` is greedy;
+        ``top_logprobs``: that many alternatives per token (of the distribution
+        ``logprobs_mode`` names). With ``seed`` set, sampling is reproducible: request
+        ``i``'s ``j``-th sample uses seed ``seed + i*n + j``."""
+        each = [
+            {
+                "adapter": name,
+                "prompt": list(ids),
+                "n": n,
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                # vLLM gives a request's n samples seed+0..n-1: space requests n apart.
+                "seed": None if seed is None else seed + i * n,
+                "top_logprobs": top_logprobs,
+            }
+            for i, (name, ids) in enumerate(requests)
+        ]
+        out = []
+        for result in self.generate_each(
+            each, logprobs=logprobs, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+        ):
+            if isinstance(result, RequestError):
+                raise VLLMWorkerError(f"generate failed: {result}")
+            out.append(result)
+        return out
+
+    def generate_each(
+        self,
+        requests: Sequence[dict[str, Any]],
+        *,
+        logprobs: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[Completion] | RequestError]:
+        """One batch of requests, each with its own sampling (the worker's ``generate``
+        fields: ``adapter``, ``prompt``, ``n``, ``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``seed``, ``top_logprobs``). Per request, its ``n``
+        completions or the :class:`RequestError` vLLM refused it with; the others run.
+        Raises :class:`VLLMWorkerError` only when the batch as a whole fails (the worker
+        died, hung or vLLM's engine failed)."""
+        reply = self._call(
             "generate",
-            requests=reqs,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
+            requests=[dict(r, prompt=[int(t) for t in r["prompt"]]) for r in requests],
             logprobs=logprobs,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
             ignore_eos=ignore_eos,
-            top_logprobs=top_logprobs,
         )
-        return [[Completion(**c) for c in comps] for comps in out]
+        self.last_vllm_requests = int(reply["vllm_requests"])
+        return [
+            [Completion(**c) for c in r["completions"]]
+            if r["ok"]
+            else RequestError(r["type"], r["error"])
+            for r in reply["results"]
+        ]
+
+    def counters(self) -> dict[str, int]:
+        """vLLM requests added since start, and the samples they asked for."""
+        info = self._call("info")
+        return {"requests": info["requests_total"], "sequences": info["sequences_total"]}
+
+    @property
+    def alive(self) -> bool:
+        """The worker process runs and answers (False once it died or was closed)."""
+        return not self._closed and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     # -- lifetime --------------------------------------------------------------------
 

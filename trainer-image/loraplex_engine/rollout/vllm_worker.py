@@ -87,6 +87,21 @@ def _check_cpu_head_dim(model_dir: str) -> None:
         )
 
 
+def _completion(c: Any, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
+    """One vLLM ``CompletionOutput`` as JSON: its tokens and, per token, its log-prob."""
+    lps, tops = None, None
+    if logprobs and c.logprobs is not None:
+        lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)]
+        if top_logprobs:
+            tops = [_alternatives(step, top_logprobs) for step in c.logprobs]
+    return {
+        "token_ids": list(c.token_ids),
+        "logprobs": lps,
+        "finish_reason": c.finish_reason,
+        "top_logprobs": tops,
+    }
+
+
 def _alternatives(step: dict[int, Any], k: int) -> list[list[float]]:
     """A step's ``k`` most likely tokens as ``[token, log-prob]`` pairs (JSON has no int
     keys); vLLM adds the sampled token beyond them, and tokens outside ``top_p`` are
@@ -145,6 +160,8 @@ class Worker:
         self.adapters: dict[str, list[Any]] = {}
         self._next_id = 1
         self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-vllm-")
+        self.requests_total = 0  # vLLM requests added (one per prompt, n samples each)
+        self.sequences_total = 0  # samples they asked for
 
     # -- adapters --------------------------------------------------------------------
 
@@ -229,68 +246,77 @@ class Worker:
 
     def generate(
         self,
-        requests: list[list[Any]],
-        n: int = 1,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
+        requests: list[dict[str, Any]],
         logprobs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
-        top_logprobs: int = 0,
-    ) -> list[list[dict[str, Any]]]:
+    ) -> dict[str, Any]:
+        """Each request: ``adapter`` (None: the base model), ``prompt`` (token ids),
+        ``n``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+        ``top_logprobs``. One batch for all of them; a request vLLM refuses (an unknown
+        adapter, bad sampling values, a prompt over ``max_model_len``) is answered with
+        its error and the others still run. Reply: per request ``{"ok": true,
+        "completions": [...]}`` or ``{"ok": false, "type", "error"}``."""
+        results: list[dict[str, Any] | None] = [None] * len(requests)
+        added: list[int] = []
+        for i, req in enumerate(requests):
+            try:
+                self._enqueue(req, logprobs, stop_token_ids, ignore_eos)
+            except Exception as exc:  # this request alone; the engine holds nothing of it
+                results[i] = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
+                continue
+            added.append(i)
+        # LLM.enqueue numbers requests in order and wait_for_completion returns them
+        # sorted by that number: the k-th output answers the k-th request added.
+        outputs = self.llm.wait_for_completion(use_tqdm=False) if added else []
+        if len(outputs) != len(added):
+            raise RuntimeError(f"vLLM answered {len(outputs)} of {len(added)} requests")
+        for i, out in zip(added, outputs, strict=True):
+            if list(out.prompt_token_ids or []) != [int(t) for t in requests[i]["prompt"]]:
+                raise RuntimeError(f"vLLM's output {out.request_id} is not request {i}'s")
+            comps = [
+                _completion(c, logprobs, int(requests[i].get("top_logprobs") or 0))
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            results[i] = {"ok": True, "completions": comps}
+        self.requests_total += len(added)
+        self.sequences_total += sum(int(requests[i].get("n", 1)) for i in added)
+        return {"results": results, "vllm_requests": len(added)}
+
+    def _enqueue(
+        self,
+        req: dict[str, Any],
+        logprobs: bool,
+        stop_token_ids: list[int] | None,
+        ignore_eos: bool,
+    ) -> None:
+        """Add one request to vLLM's queue (one ``enqueue`` each: a refusal aborts only
+        what that call added)."""
         from vllm import SamplingParams
 
-        prompts, params, loras = [], [], []
-        for i, (name, token_ids) in enumerate(requests):
-            if name is None:
-                lora = self._request(BASE_ADAPTER) if BASE_ADAPTER in self.adapters else None
-            elif name in self.adapters and name != BASE_ADAPTER:
-                lora = self._request(name)
-            else:
-                raise KeyError(f"adapter {name!r} is not loaded")
-            prompts.append({"prompt_token_ids": [int(t) for t in token_ids]})
-            loras.append(lora)
-            params.append(
-                SamplingParams(
-                    n=n,
-                    max_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    # vLLM gives the n children of a request seeds seed+0..n-1: space the
-                    # requests' seeds n apart so that every sample has its own stream.
-                    seed=None if seed is None else seed + i * n,
-                    logprobs=top_logprobs if logprobs else None,
-                    stop_token_ids=stop_token_ids,
-                    ignore_eos=ignore_eos,
-                    detokenize=False,
-                )
-            )
-        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        result = []
-        for out in outputs:
-            comps = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                lps, tops = None, None
-                if logprobs and c.logprobs is not None:
-                    lps = [
-                        step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)
-                    ]
-                    if top_logprobs:
-                        tops = [_alternatives(step, top_logprobs) for step in c.logprobs]
-                comps.append(
-                    {
-                        "token_ids": list(c.token_ids),
-                        "logprobs": lps,
-                        "finish_reason": c.finish_reason,
-                        "top_logprobs": tops,
-                    }
-                )
-            result.append(comps)
-        return result
+        name = req.get("adapter")
+        if name is None:
+            lora = self._request(BASE_ADAPTER) if BASE_ADAPTER in self.adapters else None
+        elif name in self.adapters and name != BASE_ADAPTER:
+            lora = self._request(name)
+        else:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        top_logprobs = int(req.get("top_logprobs") or 0)
+        params = SamplingParams(
+            n=int(req.get("n", 1)),
+            max_tokens=int(req.get("max_new_tokens", 16)),
+            temperature=float(req.get("temperature", 1.0)),
+            top_p=float(req.get("top_p", 1.0)),
+            top_k=int(req.get("top_k") or 0),
+            # vLLM gives the n children of a seeded request seeds seed+0..n-1.
+            seed=req.get("seed"),
+            logprobs=top_logprobs if logprobs else None,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            detokenize=False,
+        )
+        prompt = {"prompt_token_ids": [int(t) for t in req["prompt"]]}
+        self.llm.enqueue(prompt, params, lora_request=lora, use_tqdm=False)
 
     def info(self) -> dict[str, Any]:
         import vllm
@@ -302,11 +328,20 @@ class Worker:
             "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
             "max_model_len": self.llm.llm_engine.model_config.max_model_len,
             "zero_base_adapter": self.zero_base,
+            "device": current_platform_type(),
+            "requests_total": self.requests_total,
+            "sequences_total": self.sequences_total,
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
             "maxrss_mb": _maxrss_mb(),
             "cpu_head_sizes": _cpu_head_sizes(),
         }
+
+
+def current_platform_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
 
 
 def _cpu_head_sizes() -> list[int] | None:
