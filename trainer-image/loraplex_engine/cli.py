@@ -65,6 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         train_mode=args.train_mode,
         dtype=args.dtype,
         data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
+        rollout_backend=args.rollout_backend,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPE_NAMES,
         default=None,
         help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
+    )
+    run.add_argument(
+        "--rollout-backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="who samples the rollouts: torch (the trainer's own model, default) or vllm "
+        "(a vLLM worker; the trainer recomputes the old log-probs)",
     )
     run.add_argument(
         "--data-root",

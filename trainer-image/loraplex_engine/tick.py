@@ -43,8 +43,6 @@ from loraplex_engine.training_strategy import TrainingStrategy
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
 
-log = logging.getLogger("loraplex_engine.tick")
-
 
 @dataclass
 class CompletionJob:
@@ -145,6 +143,7 @@ class Scored:
 class Trained:
     scored: Scored
     train_tokens: int
+    logprob_gap: float | None = None  # sampler vs trainer (training_strategy.TrainOutcome)
 
 
 @dataclass(frozen=True)
@@ -346,9 +345,9 @@ class Tick:
                 results.append(prepared)
                 continue
             rows += prepared
-            updates[exp.id] = ExperimentUpdate(
-                exp.algorithm, exp.spec.algorithm.clip, exp.spec.algorithm.kl_coef
-            )
+            alg = exp.spec.algorithm
+            tis = alg.tis_cap if alg.off_policy_correction == "tis" else None
+            updates[exp.id] = ExperimentUpdate(exp.algorithm, alg.clip, alg.kl_coef, tis)
             kept.append(s)
         if not kept:
             return results
@@ -359,12 +358,12 @@ class Tick:
             self.model.eval()
         for s in kept:
             exp = s.rollout.exp
-            failure = outcomes[exp.id].failure
-            if failure is not None:
-                results.append(Failure(exp, failure, "non_finite"))
+            outcome = outcomes[exp.id]
+            if outcome.failure is not None:
+                results.append(Failure(exp, outcome.failure, "non_finite"))
             else:
                 tokens = sum(x.length for x in rows if x.experiment == exp.id)
-                results.append(Trained(s, tokens))
+                results.append(Trained(s, tokens, outcome.logprob_gap))
         return results
 
     def _rows(self, s: Scored) -> list[TrainRow]:
@@ -407,11 +406,18 @@ class Tick:
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
         exp.train_tokens += t.train_tokens
+        exp.logprob_gap = t.logprob_gap
         exp.updated_at = now()
         finished = exp.max_steps > 0 and exp.step >= exp.max_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
         tick = ExperimentTick(
-            exp.id, exp.namespace, exp.step, exp.reward, r.rollout_tokens, t.train_tokens
+            exp.id,
+            exp.namespace,
+            exp.step,
+            exp.reward,
+            r.rollout_tokens,
+            t.train_tokens,
+            logprob_gap=t.logprob_gap,
         )
         if finished or due:
             self.store.save(exp)
