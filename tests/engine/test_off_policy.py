@@ -77,10 +77,11 @@ def test_recomputed_old_logprobs_are_the_torch_rollouts_own(
         eng.close()
 
 
-def test_a_tick_reports_the_gap_it_measured(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Forced on for the torch rollout, the recompute runs inside the tick, with TIS on,
-    and the tick, the status and /metrics carry the (here ~0) gap."""
-    eng = engine(tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("mode", ["fused", "timesliced"])
+def test_a_tick_reports_the_gap_it_measured(tiny_model_dir: Path, tmp_path: Path, mode) -> None:
+    """Forced on for the torch rollout, the recompute runs inside the tick (either
+    strategy), with TIS on, and the tick, the status and /metrics carry the (~0) gap."""
+    eng = engine(tiny_model_dir, tmp_path, train_mode=mode)
     metrics = EngineMetrics()
     try:
         eng.strategy.recompute_old_logprobs = True
