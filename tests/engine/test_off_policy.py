@@ -42,11 +42,17 @@ def _rows(eng, exp_id: str, prompts: list[list[int]], group: int) -> list[TrainR
     ]
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "unshared"])
+@pytest.mark.parametrize(
+    ("share", "checkpointing"),
+    [(True, False), (False, False), (True, True)],
+    ids=["shared-prefix", "unshared", "checkpointed"],  # checkpointed: trains unshared
+)
 def test_recomputed_old_logprobs_are_the_torch_rollouts_own(
-    tiny_model_dir: Path, tmp_path: Path, share: bool
+    tiny_model_dir: Path, tmp_path: Path, share: bool, checkpointing: bool
 ) -> None:
-    eng = engine(tiny_model_dir, tmp_path, share_prompt_prefix=share)
+    eng = engine(
+        tiny_model_dir, tmp_path, share_prompt_prefix=share, gradient_checkpointing=checkpointing
+    )
     assert eng.strategy.recompute_old_logprobs is False  # torch: nothing to recompute
     try:
         eng.put_experiment("default.head", spec(steps=2), "default", "head")  # lm_head LoRA

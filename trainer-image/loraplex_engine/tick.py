@@ -363,7 +363,10 @@ class Tick:
                 results.append(Failure(exp, outcome.failure, "non_finite"))
             else:
                 tokens = sum(x.length for x in rows if x.experiment == exp.id)
-                results.append(Trained(s, tokens, outcome.logprob_gap))
+                gap = outcome.logprob_gap
+                # A sampled token the trainer finds impossible makes the gap infinite (and
+                # normally the loss too); a status or summary.json carries no inf.
+                results.append(Trained(s, tokens, gap if _finite(gap) else None))
         return results
 
     def _rows(self, s: Scored) -> list[TrainRow]:
@@ -438,6 +441,10 @@ def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
         return Scored(r, rewards)
 
     return _guarded(r.exp, "reward_error", "reward", score)
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def _exp_of(item: Scored | Failure) -> Experiment:

@@ -101,13 +101,16 @@ class AdapterTrainer:
             return rows, {}
         was_training = self.model.training
         self.model.eval()  # as the rollout ran: no adapter dropout
+        # The micro-batches the update will run: a checkpointed update trains unshared
+        # (training.fused_backward), so the ratio starts at exactly 1 there too.
+        shared = None if self.gradient_checkpointing else self.shared_forward
         try:
             old = score_rows(
                 self._forward or self._routed_forward,
                 rows,
                 self.pad_id,
                 self.micro_batch_tokens,
-                self.shared_forward,
+                shared,
             )
         finally:
             self.model.train(was_training)
