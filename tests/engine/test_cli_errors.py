@@ -131,6 +131,20 @@ def test_more_experiments_than_slots_names_the_flag(tiny_model_dir: Path, tmp_pa
     assert_usage_error(r, "2 experiments", "--max-adapters")
 
 
+def test_a_vllm_rollout_without_a_vllm_python_is_named(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "experiments.yaml"
+    path.write_text(manifest())
+    out = tmp_path / "out"
+    r = engine_cli(
+        "run", str(path), "--model", str(tiny_model_dir), "--out", str(out),
+        "--rollout-backend", "vllm", cwd=tmp_path, env={"LORAPLEX_VLLM_PYTHON": ""},
+    )  # fmt: skip
+    assert_usage_error(r, "--rollout-backend vllm", "LORAPLEX_VLLM_PYTHON")
+    assert r.stdout == "" and not out.exists()
+
+
 def test_an_output_path_that_is_a_file_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "experiments.yaml").write_text(manifest())
     taken = tmp_path / "taken"

@@ -28,6 +28,7 @@ EXP_KEYS = {
     "adapter_path": str,
     "phase": str,
     "rewards": list,
+    "logprob_gaps": list,
     "error": type(None),
 }
 
@@ -88,6 +89,7 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
         assert exp["phase"] == "Succeeded" and exp["steps"] == STEPS == len(exp["rewards"])
         assert exp["reward_first"] == pytest.approx(sum(exp["rewards"][:5]) / 5)
         assert exp["reward_last"] == pytest.approx(sum(exp["rewards"][-5:]) / 5)
+        assert exp["logprob_gaps"] == []  # the torch rollout: the trainer samples itself
         adapter = Path(exp["adapter_path"])
         # a PEFT adapter directory, not the whole checkpoint (no optimiser state)
         assert sorted(p.name for p in adapter.iterdir()) == [

@@ -7,6 +7,7 @@ completions. Skipped when that environment is missing. Model: the tiny-vllm pres
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -71,8 +72,17 @@ def test_serve_with_the_vllm_backend(tiny_vllm_dir: Path, tmp_path: Path) -> Non
             for s in api.get("/v1/experiments").json()["experiments"]:
                 assert s["phase"] == "Running" and s["error"] is None, s
                 assert s["rolloutTokens"] > 0
+                # vLLM samples, the trainer recomputes: the gap is measured (finite, >= 0)
+                assert 0.0 <= s["logprobGap"] < 1.0, s
             metrics = httpx.get(f"{srv.url}/metrics").text
             assert 'loraplex_engine_steps_total{experiment="default.v-one"' in metrics
+            gap = re.search(
+                r'^loraplex_engine_logprob_gap\{experiment="default.v-one",namespace="default"\}'
+                r" (\S+)$",
+                metrics,
+                re.M,
+            )
+            assert gap is not None and 0.0 <= float(gap.group(1)) < 1.0, metrics
         assert srv.stop(timeout=120) == 0, srv.log_tail()
         assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     finally:

@@ -247,6 +247,8 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.algorithm.maxGradNorm", 1.0, _ALG, _plain),
     ("spec.algorithm.klCoef", 0.05, _ALG, _plain),
     ("spec.algorithm.clip", 0.3, _ALG, _plain),
+    ("spec.algorithm.offPolicyCorrection", "tis", _ALG, _plain),
+    ("spec.algorithm.tisCap", 4.0, _ALG, _plain),
     ("spec.algorithm.maxSteps", 100, _ALG, _plain),  # raised
     ("spec.algorithm.maxSteps", 10, _ALG, _plain),  # lowered
     ("spec.algorithm.maxSteps", 0, _ALG, _plain),  # made continual

@@ -137,6 +137,13 @@ EXPERIMENT_BOUNDS = [
     ("spec.algorithm.clip", 0, False),
     ("spec.algorithm.clip", 1, True),
     ("spec.algorithm.clip", 1.01, False),
+    ("spec.algorithm.offPolicyCorrection", "tis", True),
+    ("spec.algorithm.offPolicyCorrection", "none", True),
+    ("spec.algorithm.offPolicyCorrection", "is", False),
+    ("spec.algorithm.tisCap", 0.99, False),
+    ("spec.algorithm.tisCap", 1, True),
+    ("spec.algorithm.tisCap", 100, True),
+    ("spec.algorithm.tisCap", 100.5, False),
     ("spec.algorithm.maxSteps", -1, False),
     ("spec.algorithm.maxSteps", 0, True),
     ("spec.algorithm.seed", -1, False),
@@ -400,7 +407,8 @@ def test_experiment_defaults() -> None:
     assert spec["algorithm"] == {
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
         "lrSchedule": "constant", "warmupSteps": 0,
-        "klCoef": 0.0, "clip": 0.2, "maxSteps": 50, "seed": 0,
+        "klCoef": 0.0, "clip": 0.2, "offPolicyCorrection": "none", "tisCap": 2.0,
+        "maxSteps": 50, "seed": 0,
     }  # fmt: skip
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
     assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0, "reproducible": False}

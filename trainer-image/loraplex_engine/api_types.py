@@ -77,6 +77,9 @@ class ExperimentStatus(WireModel):
     run_id: str | None = None  # the run whose checkpoints this experiment writes
     failure_reason: str | None = None  # a FAILURE_REASONS entry when phase is Failed
     deterministic_failure: bool = False  # retrying the same spec would fail the same way
+    # Mean |log p_sampler - log p_trainer| over the latest step's sampled tokens: how far
+    # off-policy the rollout backend is (vLLM); None where the trainer samples itself.
+    logprob_gap: float | None = None
 
 
 class MemoryUse(WireModel):
@@ -124,6 +127,7 @@ class ExperimentTick:
     train_tokens: int
     checkpointed: bool = False
     failed_reason: str | None = None  # set when this tick failed the experiment
+    logprob_gap: float | None = None  # sampler vs trainer log-probs (ExperimentStatus)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.runner import run_file
 
+    if args.rollout_backend == "vllm":
+        _check_vllm_python()
+
     summary = run_file(
         args.manifests,
         args.model,
@@ -65,12 +69,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         train_mode=args.train_mode,
         dtype=args.dtype,
         data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
+        rollout_backend=args.rollout_backend,
     )
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_vllm_python() -> None:
+    """The vLLM worker runs with ``$LORAPLEX_VLLM_PYTHON``, else this python: say so
+    before the model loads rather than fail in the worker's import."""
+    if os.environ.get("LORAPLEX_VLLM_PYTHON") or importlib.util.find_spec("vllm"):
+        return
+    raise UsageError(
+        "--rollout-backend vllm: this python has no vllm; set LORAPLEX_VLLM_PYTHON to the "
+        "python of an environment that has it (make vllm-venv: .venv-vllm/bin/python)"
+    )
 
 
 def one_line(error: Exception) -> str:
@@ -128,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPE_NAMES,
         default=None,
         help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
+    )
+    run.add_argument(
+        "--rollout-backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="who samples the rollouts: torch (the trainer's own model, default) or vllm "
+        "(a vLLM worker run with $LORAPLEX_VLLM_PYTHON; the trainer recomputes the old "
+        "log-probs)",
     )
     run.add_argument(
         "--data-root",

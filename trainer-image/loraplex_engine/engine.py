@@ -155,6 +155,9 @@ class Engine:
             micro_batch_tokens,
             shared,
             gradient_checkpointing=gradient_checkpointing,
+            # vLLM samples with its own kernels: the trainer scores the rows itself
+            # (training_strategy.AdapterTrainer).
+            recompute_old_logprobs=rollout_backend == "vllm",
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         self._experiments: dict[str, Experiment] = {}

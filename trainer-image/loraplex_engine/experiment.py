@@ -62,6 +62,7 @@ class Experiment:
     # fresh start and carried over on resume.
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
+    logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
     # Fair share (fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
@@ -95,6 +96,7 @@ class Experiment:
             run_id=self.run_id,
             failure_reason=self.failure_reason,
             deterministic_failure=self.failure_reason in DETERMINISTIC_FAILURES,
+            logprob_gap=self.logprob_gap,
         )
 
 

@@ -72,6 +72,14 @@ class EngineMetrics:
         self.checkpoints = Counter(
             "loraplex_engine_checkpoints", "Checkpoints written.", per_exp, registry=r
         )
+        # Only where the trainer recomputes the old log-probs (a vLLM rollout): the torch
+        # rollout samples with the trainer's own model, so it has no gap to measure.
+        self.logprob_gap = Gauge(
+            "loraplex_engine_logprob_gap",
+            "Mean |log p_sampler - log p_trainer| over the latest step's sampled tokens.",
+            per_exp,
+            registry=r,
+        )
         self.failures = Counter(
             "loraplex_engine_experiment_failures",
             "Experiments failed (NaN, reward error, ...).",
@@ -111,6 +119,7 @@ class EngineMetrics:
             self.train_tokens,
             self.reward,
             self.checkpoints,
+            self.logprob_gap,
         )
         self._lock = threading.Lock()
         self._known: dict[str, str] = {}  # experiment id -> namespace
@@ -165,6 +174,9 @@ class EngineMetrics:
                 self._track_locked(s.id, s.namespace)
                 if s.reward is not None and s.step > 0:
                     self.reward.labels(namespace=s.namespace, experiment=s.id).set(s.reward)
+                if s.logprob_gap is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.logprob_gap.labels(**labels).set(s.logprob_gap)
 
     def count_checkpoint(self, exp_id: str, namespace: str) -> None:
         with self._lock:
@@ -191,6 +203,8 @@ class EngineMetrics:
                 self.rollout_tokens.labels(**labels).inc(max(t.rollout_tokens, 0))
                 self.train_tokens.labels(**labels).inc(max(t.train_tokens, 0))
                 self.reward.labels(**labels).set(t.reward)
+                if t.logprob_gap is not None:
+                    self.logprob_gap.labels(**labels).set(t.logprob_gap)
                 if t.checkpointed:
                     self.checkpoints.labels(**labels).inc()
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
@@ -21,6 +21,9 @@ from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.trust import TrustPolicy
+
+if TYPE_CHECKING:
+    from loraplex_engine.engine import Engine
 
 FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
 
@@ -32,11 +35,15 @@ class Progress:
     rewards: dict[str, list[float]] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Per step, the off-policy gap (api_types.ExperimentTick.logprob_gap); vLLM only.
+    logprob_gaps: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, report: TickReport) -> None:
         for exp in report.experiments:
             if exp.failed_reason is None:
                 self.rewards.setdefault(exp.id, []).append(exp.reward)
+            if exp.failed_reason is None and exp.logprob_gap is not None:
+                self.logprob_gaps.setdefault(exp.id, []).append(exp.logprob_gap)
             self.tokens[exp.id] = self.tokens.get(exp.id, 0) + exp.rollout_tokens
         for phase, seconds in report.phase_seconds.items():
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
@@ -52,7 +59,10 @@ def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
     reward = "   -  " if status.reward is None else f"{status.reward:6.3f}"
     limit = status.max_steps or "∞"
     line = f"  {status.name:<24} {status.phase:<9} step {status.step:>4}/{limit:<4} "
-    return line + f"reward {reward}  {tokens_per_s:7.1f} tok/s"
+    line += f"reward {reward}  {tokens_per_s:7.1f} tok/s"
+    if status.logprob_gap is not None:
+        line += f"  gap {status.logprob_gap:.4f}"
+    return line
 
 
 def run_until_done(
@@ -124,9 +134,11 @@ def write_summary(
 ) -> dict[str, Any]:
     """summary.json + one PEFT adapter directory per experiment under ``out_dir``.
 
-    Beside the issue's keys, each experiment carries its ``phase``, ``rewards`` curve and
-    ``error``. A failed experiment has ``adapter_path`` null unless it checkpointed
-    before failing, and null ``reward_first``/``reward_last`` if it never finished a step.
+    Beside the issue's keys, each experiment carries its ``phase``, ``rewards`` curve,
+    ``logprob_gaps`` curve (per step, the mean |sampler − trainer| log-prob gap; empty
+    where the trainer samples itself) and ``error``. A failed experiment has
+    ``adapter_path`` null unless it checkpointed before failing, and null
+    ``reward_first``/``reward_last`` if it never finished a step.
     """
     experiments = []
     for exp_id in ids:
@@ -142,6 +154,7 @@ def write_summary(
                 "reward_first": _mean(curve[:FIRST_LAST_K]),
                 "reward_last": _mean(curve[-FIRST_LAST_K:]),
                 "rewards": curve,
+                "logprob_gaps": progress.logprob_gaps.get(exp_id, []),
                 "adapter_path": adapter,
                 "error": status.error,
             }
@@ -227,6 +240,7 @@ def run_file(
     out: TextIO | None = None,
     dtype: str | None = None,
     data_roots: list[Path] | None = None,
+    rollout_backend: str = "torch",
 ) -> dict[str, Any]:
     """Validate every manifest up front, then train them all on one hot engine.
 
@@ -249,10 +263,26 @@ def run_file(
         train_mode=train_mode,
         dtype=dtype,
         trust=trust,
+        rollout_backend=rollout_backend,
     )
+    try:
+        return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode)
+    finally:
+        engine.close()  # the vLLM worker, the reward pool
+
+
+def _run(
+    engine: Engine,
+    manifests: list[Manifest],
+    manifest_path: str | Path,
+    out: TextIO,
+    out_dir: Path,
+    t0: float,
+    train_mode: str,
+) -> dict[str, Any]:
     out.write(
         f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
-        f"{engine.capacity().dtype}, "
+        f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "
         f"{len(manifests)} experiments, {train_mode} training\n"
     )
     for m in manifests:

@@ -24,6 +24,7 @@ RewardName = Literal[
     "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
 ]
 AlgorithmName = Literal["grpo"]
+OffPolicyCorrection = Literal["none", "tis"]
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 ]
@@ -259,6 +260,24 @@ class AlgorithmSpec(SpecModel):
         gt=0,
         le=1,
         description="PPO-style clip ε: the policy ratio is clipped to [1 - ε, 1 + ε].",
+    )
+    off_policy_correction: OffPolicyCorrection = Field(
+        "none",
+        alias="offPolicyCorrection",
+        description="Correction for the gap between the sampler's and the trainer's "
+        "log-probs (a vLLM rollout samples with other kernels and precision than the "
+        "trainer; the trainer recomputes the old log-probs itself either way): none, or "
+        "tis = truncated importance sampling, each token's policy-gradient term weighted by "
+        "min(exp(logp_trainer_old - logp_sampler), tisCap). The torch rollout samples with "
+        "the trainer's own model, so there the weight is 1.",
+    )
+    tis_cap: float = Field(
+        2.0,
+        ge=1,
+        le=100,
+        alias="tisCap",
+        description="Upper bound C of the TIS weight min(ratio, C) when offPolicyCorrection "
+        "is tis: a larger C corrects larger gaps at the cost of variance. Ignored otherwise.",
     )
     max_steps: Int64 = Field(
         50,

@@ -151,6 +151,7 @@ class Scored:
 class Trained:
     scored: Scored
     train_tokens: int
+    logprob_gap: float | None = None  # sampler vs trainer (training_strategy.TrainOutcome)
 
 
 @dataclass(frozen=True)
@@ -365,9 +366,9 @@ class Tick:
                 results.append(prepared)
                 continue
             rows += prepared
-            updates[exp.id] = ExperimentUpdate(
-                exp.algorithm, exp.spec.algorithm.clip, exp.spec.algorithm.kl_coef
-            )
+            alg = exp.spec.algorithm
+            tis = alg.tis_cap if alg.off_policy_correction == "tis" else None
+            updates[exp.id] = ExperimentUpdate(exp.algorithm, alg.clip, alg.kl_coef, tis)
             kept.append(s)
         if not kept:
             return results
@@ -378,12 +379,15 @@ class Tick:
             self.model.eval()
         for s in kept:
             exp = s.rollout.exp
-            failure = outcomes[exp.id].failure
-            if failure is not None:
-                results.append(Failure(exp, failure, "non_finite"))
+            outcome = outcomes[exp.id]
+            if outcome.failure is not None:
+                results.append(Failure(exp, outcome.failure, "non_finite"))
             else:
                 tokens = sum(x.length for x in rows if x.experiment == exp.id)
-                results.append(Trained(s, tokens))
+                gap = outcome.logprob_gap
+                # A sampled token the trainer finds impossible makes the gap infinite (and
+                # normally the loss too); a status or summary.json carries no inf.
+                results.append(Trained(s, tokens, gap if _finite(gap) else None))
         return results
 
     def _rows(self, s: Scored) -> list[TrainRow]:
@@ -442,11 +446,18 @@ class Tick:
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
         exp.train_tokens += t.train_tokens
+        exp.logprob_gap = t.logprob_gap
         exp.updated_at = now()
         finished = exp.max_steps > 0 and exp.step >= exp.max_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
         tick = ExperimentTick(
-            exp.id, exp.namespace, exp.step, exp.reward, r.rollout_tokens, t.train_tokens
+            exp.id,
+            exp.namespace,
+            exp.step,
+            exp.reward,
+            r.rollout_tokens,
+            t.train_tokens,
+            logprob_gap=t.logprob_gap,
         )
         if finished or due:
             self.store.save(exp)
@@ -471,6 +482,10 @@ def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
 
 def _first_error(completions: list[Completion]) -> str | None:
     return next((c.error for c in completions if c.error is not None), None)
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def _exp_of(item: Scored | Failure) -> Experiment:

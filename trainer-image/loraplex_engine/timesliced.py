@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex_engine.training import ExperimentUpdate, TrainRow
-from loraplex_engine.training_strategy import AdapterTrainer, TrainOutcome
+from loraplex_engine.training_strategy import AdapterTrainer, TrainOutcome, with_gaps
 
 
 @dataclass
@@ -27,9 +27,10 @@ class TimeSlicedTraining(AdapterTrainer):
         for exp_id in updates:
             slot = self.model.slot_of(exp_id)
             self._swap(slot, to_device=True)
+            mine, gaps = self.with_trainer_old_logprobs([r for r in rows if r.experiment == exp_id])
             self.optimizer.zero_grad()
-            self.backward([r for r in rows if r.experiment == exp_id], updates)
-            outcomes |= self.step_finite([exp_id])
+            self.backward(mine, updates)
+            outcomes |= with_gaps(self.step_finite([exp_id]), gaps)
             self._swap(slot, to_device=False)
         return outcomes
 

@@ -13,12 +13,17 @@ last token) once, with gradient, expands the resulting KV cache to the group's r
 runs the completions on top of it (``SharedForward``). Backward sums the rows' gradients
 into the shared prefix, so every adapter's gradient is the unshared one up to float
 rounding (tested against the unshared path on Llama and Qwen2).
+
+Old log-probs: when the sampler is not this model (vLLM), ``score_rows`` recomputes each
+row's old log-probs with the same micro-batches and forward the update then runs, without
+gradient, and the sampler's stay on the row as ``behaviour_logprobs`` (for TIS and the
+off-policy gap, algorithms/grpo.py).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +75,9 @@ class TrainRow:
     # group have identical ``prompt_ids`` (and the experiment's slot), so they may share
     # one prefix computation. None: the row shares with no other.
     group: int | None = None
+    # The sampler's log-probs when ``old_logprobs`` were recomputed by the trainer
+    # (score_rows); None: ``old_logprobs`` are the sampler's own (the torch rollout).
+    behaviour_logprobs: list[float] | None = None
 
     @property
     def length(self) -> int:
@@ -94,6 +102,7 @@ class ExperimentUpdate:
     algorithm: Algorithm
     clip: float
     kl_coef: float
+    tis_cap: float | None = None  # truncated importance sampling on, with this cap
 
 
 @dataclass
@@ -194,6 +203,7 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width - 1))
     old = torch.zeros((len(rows), width - 1))
+    behaviour = torch.zeros((len(rows), width - 1))
     scored: list[int] = []  # flat positions in [rows, width - 1] whose log-prob is used
     for i, row in enumerate(rows):
         seq = row.prompt_ids + row.completion_ids
@@ -203,12 +213,14 @@ def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
         end = start + len(row.completion_ids)
         completion_mask[i, start:end] = 1
         old[i, start:end] = torch.tensor(row.old_logprobs)
+        behaviour[i, start:end] = torch.tensor(_behaviour(row))
         scored += range(i * (width - 1) + start, i * (width - 1) + end)
     return {
         "ids": ids,
         "attn": attn,
         "mask": completion_mask,
         "old": old,
+        "behaviour": behaviour,
         "slots": torch.tensor([r.slot for r in rows]),
         "adv": torch.tensor([r.advantage for r in rows]),
         "temp": torch.tensor([max(r.temperature, 1e-6) for r in rows]),
@@ -232,6 +244,7 @@ def _collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[s
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width))
     old = torch.zeros((len(rows), width))
+    behaviour = torch.zeros((len(rows), width))
     for g, members in enumerate(groups):
         prefix = members[0].prompt_ids[:-1]
         prefix_ids[g, : len(prefix)] = torch.tensor(prefix)
@@ -242,6 +255,7 @@ def _collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[s
             ids[i, :n] = torch.tensor([row.prompt_ids[-1], *row.completion_ids[:-1]])
             targets[i, :n] = torch.tensor(row.completion_ids)
             old[i, :n] = torch.tensor(row.old_logprobs)
+            behaviour[i, :n] = torch.tensor(_behaviour(row))
         attn[i, :n] = 1
         mask[i, :n] = 1
         positions[i] = torch.arange(len(row.prompt_ids) - 1, len(row.prompt_ids) - 1 + width)
@@ -256,10 +270,15 @@ def _collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[s
         "targets": targets,
         "mask": mask,
         "old": old,
+        "behaviour": behaviour,
         "slots": torch.tensor([r.slot for r in rows]),
         "adv": torch.tensor([r.advantage for r in rows]),
         "temp": torch.tensor([max(r.temperature, 1e-6) for r in rows]),
     }
+
+
+def _behaviour(row: TrainRow) -> list[float]:
+    return row.old_logprobs if row.behaviour_logprobs is None else row.behaviour_logprobs
 
 
 def _shared_logprobs(forward: SharedForward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -329,6 +348,8 @@ def _micro_batch_loss(
             batch["mask"][index],
             clip=upd.clip,
             kl_coef=upd.kl_coef,
+            behaviour_logprobs=batch["behaviour"][index],
+            tis_cap=upd.tis_cap,
         )
         total = total + out.seq_loss.sum() * weights[exp]
         stats.loss[exp] = (
@@ -406,25 +427,72 @@ def _fused_backward(
         counts[row.experiment] = counts.get(row.experiment, 0) + 1
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     stats = TrainStats()
+    for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
+        chunk = [rows[i] for i in mb.index]
+        if mb.shared:
+            stats.shared_micro_batches += 1
+            stats.computed_tokens += int(mb.batch["prefix_attn"].sum())
+            stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
+        else:
+            stats.computed_tokens += sum(r.length for r in chunk)
+        loss = _micro_batch_loss(mb.run, chunk, mb.batch, updates, weights, stats)
+        loss.backward()
+        stats.micro_batches += 1
+    return stats
+
+
+@dataclass
+class _MicroBatch:
+    index: list[int]  # rows, in the batch's order
+    batch: dict[str, torch.Tensor]
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # batch -> log-probs
+    shared: bool  # ran with shared prompt prefixes: log-prob t is completion token t
+
+
+def _micro_batches(
+    forward: RoutedForward | HiddenStatesForward,
+    rows: Sequence[TrainRow],
+    pad_id: int,
+    token_budget: int,
+    shared_forward: SharedForward | None,
+) -> Iterator[_MicroBatch]:
+    """The update's micro-batches (``plan_micro_batches``), collated, with their forward."""
     for groups, shared in plan_micro_batches(rows, token_budget, shared_forward is not None):
         # Tenants contiguous inside the micro-batch: the LoRA layers then add the delta
         # in place instead of gathering rows and scattering them back (lora.Routing).
         groups = sorted(groups, key=lambda g: rows[g[0]].slot)
-        chunk = [rows[i] for g in groups for i in g]
+        index = [i for g in groups for i in g]
         if shared and shared_forward is not None:
             batch = _collate_shared([[rows[i] for i in g] for g in groups], pad_id)
-            stats.shared_micro_batches += 1
-            stats.computed_tokens += sum(len(rows[g[0]].prompt_ids) - 1 for g in groups)
-            stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
             run = functools.partial(_shared_logprobs, shared_forward)
+            yield _MicroBatch(index, batch, run, True)
         else:
-            batch = _collate(chunk, pad_id)
-            stats.computed_tokens += sum(r.length for r in chunk)
-            run = functools.partial(_logprobs, forward)
-        loss = _micro_batch_loss(run, chunk, batch, updates, weights, stats)
-        loss.backward()
-        stats.micro_batches += 1
-    return stats
+            batch = _collate([rows[i] for i in index], pad_id)
+            yield _MicroBatch(index, batch, functools.partial(_logprobs, forward), False)
+
+
+@torch.no_grad()
+def score_rows(
+    forward: RoutedForward | HiddenStatesForward,
+    rows: Sequence[TrainRow],
+    pad_id: int,
+    token_budget: int,
+    shared_forward: SharedForward | None = None,
+) -> list[torch.Tensor]:
+    """Each row's log-probs of its completion tokens under the adapters as they are now,
+    at the row's temperature: the trainer's own old log-probs (fp32, on the host).
+
+    The same micro-batches and forward as ``fused_backward``, so on the update's pass the
+    PPO ratio starts at exactly 1; no gradient and no graph are kept. The caller puts the
+    model in eval mode (no dropout, as the rollout sampled).
+    """
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(rows)
+    for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
+        logprobs = mb.run(mb.batch).float().cpu()
+        for j, i in enumerate(mb.index):
+            start = 0 if mb.shared else len(rows[i].prompt_ids) - 1  # see the collates
+            out[i] = logprobs[j, start : start + len(rows[i].completion_ids)].clone()
+    return out
 
 
 def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:

@@ -10,6 +10,7 @@ compares scheduling alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,13 @@ import torch
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import PerAdapterAdamW
-from loraplex_engine.training import ExperimentUpdate, SharedForward, TrainRow, fused_backward
+from loraplex_engine.training import (
+    ExperimentUpdate,
+    SharedForward,
+    TrainRow,
+    fused_backward,
+    score_rows,
+)
 
 TRAIN_MODES = ("fused", "timesliced")
 
@@ -32,6 +39,9 @@ class TrainOutcome:
     """One experiment's update: applied, or refused (its adapter is left as it was)."""
 
     failure: str | None = None  # why the update was refused
+    # Mean |log p_sampler - log p_trainer| over the step's sampled tokens, when the
+    # trainer recomputed the old log-probs (a vLLM rollout); None when it did not.
+    logprob_gap: float | None = None
 
 
 class TrainingStrategy(Protocol):
@@ -53,6 +63,13 @@ class AdapterTrainer:
     chunk by chunk (chunked_logprobs.py: no ``[rows, tokens, vocab]`` fp32 logits); a
     model whose head transforms its logits (soft-capping, scaling) keeps the logits
     forward, and then cannot be checkpointed.
+
+    ``recompute_old_logprobs`` (set by the engine for a vLLM rollout): the sampler is
+    another program with its own kernels and precision, so its log-probs are not this
+    model's. Before the update the trainer scores the sampled tokens itself (eval mode,
+    no gradient) and trains with those as the old policy, keeping the sampler's as the
+    behaviour policy (TIS, the off-policy gap). The torch rollout samples with this very
+    model, so its log-probs already are the old policy's and nothing is recomputed.
     """
 
     model: MultiLoRAModel
@@ -63,6 +80,7 @@ class AdapterTrainer:
     shared_forward: SharedForward | None
     gradient_checkpointing: bool = False
     computed_tokens: int = 0
+    recompute_old_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self._forward: HiddenStatesForward | None = None
@@ -73,6 +91,34 @@ class AdapterTrainer:
             if self.gradient_checkpointing:
                 log.warning("gradient checkpointing off: it needs the hidden-states forward")
                 self.gradient_checkpointing = False
+
+    def with_trainer_old_logprobs(
+        self, rows: list[TrainRow]
+    ) -> tuple[list[TrainRow], dict[str, float]]:
+        """``rows`` with the trainer's own old log-probs (the sampler's kept as behaviour)
+        and each experiment's off-policy gap; as given, and no gaps, when not recomputing."""
+        if not self.recompute_old_logprobs or not rows:
+            return rows, {}
+        was_training = self.model.training
+        self.model.eval()  # as the rollout ran: no adapter dropout
+        # The micro-batches the update will run: a checkpointed update trains unshared
+        # (training.fused_backward), so the ratio starts at exactly 1 there too.
+        shared = None if self.gradient_checkpointing else self.shared_forward
+        try:
+            old = score_rows(
+                self._forward or self._routed_forward,
+                rows,
+                self.pad_id,
+                self.micro_batch_tokens,
+                shared,
+            )
+        finally:
+            self.model.train(was_training)
+        rescored = [
+            dataclasses.replace(r, old_logprobs=o.tolist(), behaviour_logprobs=r.old_logprobs)
+            for r, o in zip(rows, old, strict=True)
+        ]
+        return rescored, logprob_gaps(rows, old)
 
     def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
         stats = fused_backward(
@@ -144,6 +190,26 @@ class FusedTraining(AdapterTrainer):
     def train(
         self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
     ) -> dict[str, TrainOutcome]:
+        rows, gaps = self.with_trainer_old_logprobs(rows)
         self.optimizer.zero_grad()
         self.backward(rows, updates)
-        return self.step_finite(list(updates))
+        return with_gaps(self.step_finite(list(updates)), gaps)
+
+
+def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str, float]:
+    """Per experiment, mean |sampler's - trainer's log-prob| over its sampled tokens.
+
+    ``rows`` carry the sampler's log-probs (``old_logprobs`` as the rollout gave them),
+    ``trainer`` the recomputed ones, row for row."""
+    diffs: dict[str, list[torch.Tensor]] = {}
+    for row, mine in zip(rows, trainer, strict=True):
+        sampler = torch.tensor(row.old_logprobs, dtype=torch.float32)
+        diffs.setdefault(row.experiment, []).append((sampler - mine).abs())
+    return {e: float(torch.cat(d).mean()) if d else 0.0 for e, d in diffs.items()}
+
+
+def with_gaps(outcomes: dict[str, TrainOutcome], gaps: dict[str, float]) -> dict[str, TrainOutcome]:
+    return {
+        e: dataclasses.replace(o, logprob_gap=gaps.get(e)) if e in gaps else o
+        for e, o in outcomes.items()
+    }

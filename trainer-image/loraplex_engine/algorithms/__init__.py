@@ -16,6 +16,7 @@ from loraplex_engine.algorithms.grpo import (
     group_advantages,
     grpo_loss,
     masked_seq_mean,
+    tis_weights,
     token_logprobs,
 )
 
@@ -35,6 +36,8 @@ class Algorithm(Protocol):
         *,
         clip: float,
         kl_coef: float,
+        behaviour_logprobs: Tensor | None = None,
+        tis_cap: float | None = None,
     ) -> LossOutput: ...
 
 
@@ -56,8 +59,20 @@ class GRPO:
         *,
         clip: float,
         kl_coef: float,
+        behaviour_logprobs: Tensor | None = None,
+        tis_cap: float | None = None,
     ) -> LossOutput:
-        return grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip, kl_coef)
+        return grpo_loss(
+            logprobs,
+            old_logprobs,
+            ref_logprobs,
+            advantages,
+            mask,
+            clip,
+            kl_coef,
+            behaviour_logprobs=behaviour_logprobs,
+            tis_cap=tis_cap,
+        )
 
 
 ALGORITHMS: dict[str, Algorithm] = {"grpo": GRPO()}
@@ -79,5 +94,6 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "masked_seq_mean",
+    "tis_weights",
     "token_logprobs",
 ]

@@ -7,6 +7,13 @@ Normalisation choice: each sequence's loss is the masked *mean* over its own
 completion tokens, and an experiment's loss is the mean over its sequences
 ("sequence-mean" as in the GRPO paper). A long completion therefore weighs the
 same as a short one, and the loss scale does not depend on ``maxNewTokens``.
+
+Off-policy correction: when the sampler is not the trainer (vLLM, another kernel and
+precision), the trainer recomputes the old log-probs itself (so the PPO ratio starts at 1
+under the trainer's own numerics) and ``tis_weights`` reweights each token by the truncated
+ratio of trainer to sampler, ``min(exp(old - behaviour), cap)`` (truncated importance
+sampling, TIS), as verl's ``compute_policy_loss_vanilla`` (``tis_imp_ratio_cap``) and
+SkyRL's ``off_policy_correction`` (token level, ``token_tis_ratio_clip_high``) do.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class LossOutput:
     clip_fraction: Tensor  # scalar: share of tokens where the clip was active
     kl: Tensor  # scalar: mean k3 KL(policy || ref) over tokens (0 without ref)
     ratio_mean: Tensor  # scalar: mean importance ratio over tokens
+    tis_mean: Tensor | None = None  # scalar: mean TIS weight over tokens (None: TIS off)
 
 
 def masked_seq_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -65,6 +73,19 @@ def _masked_scalar_mean(values: Tensor, mask: Tensor) -> Tensor:
     return ((values * mask).sum() / mask.sum().clamp(min=1.0)).detach()
 
 
+def tis_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated importance weight of each token, ``min(exp(old - behaviour), cap)``.
+
+    ``old``: the trainer's log-prob of the sampled token before the update; ``behaviour``:
+    the sampler's. No gradient flows through it (both are constants of the step). Only the
+    upper side is truncated (verl, SkyRL): a token the sampler over-weighted gets a weight
+    below 1, one it under-weighted up to ``cap``, which bounds the variance.
+    """
+    if cap < 1.0:
+        raise ValueError(f"the TIS cap must be at least 1, got {cap}")
+    return torch.exp(old_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -73,11 +94,16 @@ def grpo_loss(
     mask: Tensor,
     clip: float = 0.2,
     kl_coef: float = 0.0,
+    behaviour_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> LossOutput:
     """PPO-style clipped surrogate with an optional k3 KL penalty to the reference.
 
     Shapes: log-probs and mask ``[B, T]`` (mask 1 on completion tokens),
-    advantages ``[B]``. Returns the loss to *minimise*.
+    advantages ``[B]``. Returns the loss to *minimise*. With ``tis_cap`` and the
+    sampler's ``behaviour_logprobs``, each token's policy-gradient term is multiplied by
+    its TIS weight (``tis_weights``); the KL penalty is not (it is a regulariser of the
+    current policy, not an estimate over the sampler's tokens: verl leaves it unweighted).
     """
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     ratio = torch.exp(logprobs - old_logprobs.detach())
@@ -86,6 +112,12 @@ def grpo_loss(
     # min() picks the pessimistic bound: outside the trust region the clipped
     # branch is constant, so the token contributes no gradient.
     token_loss = -torch.minimum(unclipped, clipped)
+    tis = None
+    if tis_cap is not None:
+        if behaviour_logprobs is None:
+            raise ValueError("TIS needs the sampler's (behaviour) log-probs")
+        tis = tis_weights(old_logprobs, behaviour_logprobs, tis_cap)
+        token_loss = token_loss * tis
     if ref_logprobs is not None:
         delta = ref_logprobs.detach() - logprobs
         kl_tok = torch.exp(delta) - delta - 1.0  # k3: unbiased, always >= 0
@@ -100,4 +132,5 @@ def grpo_loss(
         clip_fraction=_masked_scalar_mean(clipped_active, mask),
         kl=_masked_scalar_mean(kl_tok.detach(), mask),
         ratio_mean=_masked_scalar_mean(ratio.detach(), mask),
+        tis_mean=None if tis is None else _masked_scalar_mean(tis, mask),
     )
