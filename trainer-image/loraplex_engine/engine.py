@@ -11,6 +11,7 @@ leave between ticks (``_model_lock``); reads (status, capacity) never wait for a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,9 @@ class Engine:
             max_step_tokens=self.max_step_tokens,
             kv_bytes_per_token=kv_bytes_per_token(config, self.dtype.itemsize),
             user_options=options,
+            trainer_device=str(self.device),
+            device_memory=_device_memory(self.device),
+            parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
         return VLLMRolloutBackend(
             self.model_dir,
@@ -515,3 +519,11 @@ def _resolve(jobs: list[CompletionJob], error: Exception) -> None:
         if not job.done.is_set():
             job.error = error
             job.done.set()
+
+
+def _device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device now (the base model loaded); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)

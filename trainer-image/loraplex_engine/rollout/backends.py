@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +30,10 @@ class RolloutBackend(Protocol):
     def sync_adapters(self, exp_ids: Sequence[str]) -> None: ...
 
     def remove_adapter(self, exp_id: str) -> None: ...
+
+    def training_phase(self) -> AbstractContextManager[None]:
+        """Held while the trainer trains: a sampler sharing its device steps aside."""
+        ...
 
     def close(self) -> None: ...
 
@@ -52,6 +57,9 @@ class TorchRollout:
 
     def remove_adapter(self, exp_id: str) -> None:
         pass
+
+    def training_phase(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the rollout model is the trained model
 
     def close(self) -> None:
         pass
@@ -90,6 +98,7 @@ class VLLMRolloutBackend:
         # ``options``: the worker's settings, engine defaults merged with the user's
         # (vllm_config.py), each keyword once.
         self._vllm = VLLMRollout(model_dir, **{"logprobs_mode": "processed_logprobs", **options})
+        self._sleeps = bool(options.get("sleep_mode"))
 
     @property
     def worker_info(self) -> dict[str, Any]:
@@ -132,6 +141,19 @@ class VLLMRolloutBackend:
     def sync_adapters(self, exp_ids: Sequence[str]) -> None:
         for exp_id in exp_ids:  # adapter-only: the base model stays loaded in vLLM
             self._vllm.update_adapter(exp_id, self._write(exp_id))
+
+    @contextmanager
+    def training_phase(self) -> Iterator[None]:
+        """Co-located with sleep mode: vLLM's weights go to host memory and its KV cache
+        is dropped while the trainer trains, and come back before adapters sync."""
+        if not self._sleeps:
+            yield
+            return
+        self._vllm.sleep()
+        try:
+            yield
+        finally:
+            self._vllm.wake_up()
 
     def remove_adapter(self, exp_id: str) -> None:
         self._vllm.remove_adapter(exp_id)
