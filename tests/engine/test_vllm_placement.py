@@ -41,12 +41,8 @@ def test_colocated_takes_a_share_of_what_the_trainer_left_and_sleeps() -> None:
 
 
 def test_colocated_explicit_share_must_fit_the_free_memory() -> None:
-    ok = resolve_placement(
-        trainer_device="cuda",
-        gpu_memory_utilization=0.3,
-        free_bytes=50 * GIB,
-        total_bytes=140 * GIB,
-    )
+    memory = {"free_bytes": 50 * GIB, "total_bytes": 140 * GIB}
+    ok = resolve_placement(trainer_device="cuda", gpu_memory_utilization=0.3, **memory)
     assert ok.gpu_memory_utilization == 0.3
     with pytest.raises(ValueError, match=r"asks for 70.0 GiB but only 50.0 GiB is free"):
         resolve_placement(trainer_device="cuda", gpu_memory_utilization=0.5, **memory)
