@@ -3,7 +3,10 @@ keywords they give the worker, and the tick stepping vLLM aside while training."
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
+from engine_builders import engine, run_to_end, spec
 from loraplex_engine.rollout.vllm_config import vllm_engine_args
 from loraplex_engine.rollout.vllm_placement import (
     COLOCATED_FREE_SHARE,
@@ -51,8 +54,8 @@ def test_colocated_explicit_share_must_fit_the_free_memory() -> None:
 def test_colocated_with_almost_nothing_free_says_to_use_another_gpu() -> None:
     with pytest.raises(ValueError, match="device=cuda:N"):
         resolve_placement(trainer_device="cuda:0", free_bytes=2 * GIB, total_bytes=140 * GIB)
-    with pytest.raises(ValueError, match="device memory unknown"):
-        resolve_placement(trainer_device="cuda:0")
+    unsized = resolve_placement(trainer_device="cuda:0")  # checked before loading
+    assert unsized.colocated and unsized.gpu_memory_utilization is None
 
 
 def test_colocated_sleep_mode_can_be_turned_off() -> None:
@@ -117,3 +120,46 @@ def test_engine_args_place_the_worker_and_keep_the_users_env() -> None:
 def test_engine_args_on_cpu_have_no_placement_keywords() -> None:
     args = _args(device_type="cpu", dtype="float32")
     assert not {"env", "sleep_mode", "gpu_memory_utilization"} & set(args)
+
+
+# --- the tick steps a co-located sampler aside while it trains ---------------------------
+
+
+class _Recording:
+    """A real TorchRollout whose calls are recorded. A stand-in for vLLM's sleep mode,
+    which needs CUDA (vLLM's CPU backend has none): the order of the calls is the point."""
+
+    def __init__(self, inner, events: list[str]) -> None:
+        self._inner, self.events, self.name = inner, events, inner.name
+
+    def generate(self, requests):
+        self.events.append("rollout")
+        return self._inner.generate(requests)
+
+    def sync_adapters(self, exp_ids):
+        self.events.append("sync")
+
+    @contextmanager
+    def training_phase(self):
+        self.events.append("sleep")
+        yield
+        self.events.append("wake")
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_each_tick_trains_between_the_samplers_sleep_and_wake_up(tiny_model_dir, tmp_path):
+    eng = engine(tiny_model_dir, tmp_path / "ckpt")
+    events: list[str] = []
+    eng.backend = eng._tick.backend = _Recording(eng.backend, events)
+    eng.put_experiment("ns.a", spec(steps=2), "ns", "a", None)
+    train = eng._tick.strategy.train
+
+    def recorded_train(*args, **kwargs):
+        events.append("train")
+        return train(*args, **kwargs)
+
+    eng._tick.strategy.train = recorded_train  # type: ignore[method-assign]
+    run_to_end(eng, ["ns.a"])
+    assert events == ["rollout", "sleep", "train", "wake", "sync"] * 2

@@ -42,6 +42,7 @@ from loraplex_engine.errors import (
     NoFreeSlotError,
     NotFoundError,
     UnavailableError,
+    UsageError,
 )
 from loraplex_engine.experiment import (
     Experiment,
@@ -200,7 +201,20 @@ class Engine:
                 () if self.ignore_eos else self.codec.eos_ids,
             )
         config = self.model.base_model.config
-        args = vllm_engine_args(
+        try:
+            args = self._vllm_args(config, options)
+        except ValueError as e:  # a placement that does not fit this device
+            raise UsageError(f"vLLM: {e}") from e
+        return VLLMRolloutBackend(
+            self.model_dir,
+            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
+            args,
+            ignore_eos=self.ignore_eos,
+            eos_ids=self.codec.eos_ids,
+        )
+
+    def _vllm_args(self, config: Any, options: dict[str, Any]) -> dict[str, Any]:
+        return vllm_engine_args(
             device_type=self.device.type,
             dtype=dtype_name(self.dtype),
             max_adapters=self.model.max_adapters,
@@ -214,13 +228,6 @@ class Engine:
             trainer_device=str(self.device),
             device_memory=_device_memory(self.device),
             parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-        )
-        return VLLMRolloutBackend(
-            self.model_dir,
-            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
-            args,
-            ignore_eos=self.ignore_eos,
-            eos_ids=self.codec.eos_ids,
         )
 
     def _decode_forward(

@@ -39,6 +39,13 @@ def check_vllm_option_names(names: Any) -> None:
         )
 
 
+def check_placement(options: Mapping[str, Any], device: str, parent_visible: str | None) -> None:
+    """The placement settings among ``options`` against the trainer's ``device``, before
+    any memory is known (ValueError naming what is wrong)."""
+    settings = {k: options[k] for k in PLACEMENT_OPTIONS if k in options}
+    resolve_placement(trainer_device=device, parent_visible=parent_visible, **settings)
+
+
 def vllm_engine_args(
     *,
     device_type: str,

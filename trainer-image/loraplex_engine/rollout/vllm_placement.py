@@ -65,7 +65,8 @@ def resolve_placement(
 ) -> Placement:
     """The placement for these settings; a ``ValueError`` naming the setting otherwise.
 
-    ``free_bytes``/``total_bytes``: the trainer's GPU after its base loaded (co-located)."""
+    ``free_bytes``/``total_bytes``: the trainer's GPU after its base loaded (co-located);
+    without them (a check of the settings before loading) the share stays unset."""
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if not trainer_device.startswith("cuda"):
@@ -85,9 +86,9 @@ def resolve_placement(
     return Placement(True, visible, share, True if sleep_mode is None else sleep_mode)
 
 
-def _colocated_share(free_bytes: int | None, total_bytes: int | None) -> float:
+def _colocated_share(free_bytes: int | None, total_bytes: int | None) -> float | None:
     if not free_bytes or not total_bytes:
-        raise ValueError("co-located vLLM needs gpu_memory_utilization (device memory unknown)")
+        return None  # checked before the trainer loads: the engine resolves it again
     share = round(COLOCATED_FREE_SHARE * free_bytes / total_bytes, 3)
     if share < MIN_UTILIZATION:
         gib = free_bytes / 2**30
