@@ -10,6 +10,7 @@ through the pool's typed view (its CRD defaults in one place); the pod template'
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +79,7 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
         *_precision_args(view),
+        *_vllm_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
@@ -90,6 +92,23 @@ def _precision_args(view: PoolSpec) -> list[str]:
         on = view.gradient_checkpointing
         args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
     return args
+
+
+def _vllm_args(view: PoolSpec) -> list[str]:
+    """spec.vllm as `--vllm-option` settings (JSON values), for vLLM pools only."""
+    if view.rollout_backend != "vllm":
+        return []
+    placement = view.vllm
+    settings = {
+        "device": placement.device,
+        "gpu_memory_utilization": placement.gpu_memory_utilization,
+        "sleep_mode": placement.sleep_mode,
+    }
+    return [
+        f"--vllm-option={key}={json.dumps(value)}"
+        for key, value in settings.items()
+        if value is not None
+    ]
 
 
 def trust_args(view: PoolSpec) -> list[str]:

@@ -221,6 +221,24 @@ class SecretRef:
 
 
 @dataclass(frozen=True)
+class VLLMPlacement:
+    """spec.vllm; None fields: the engine decides by its device (co-located, sleeping)."""
+
+    device: str | None = None
+    gpu_memory_utilization: float | None = None
+    sleep_mode: bool | None = None
+
+    @classmethod
+    def from_obj(cls, obj: Mapping[str, Any]) -> VLLMPlacement:
+        share, sleep = obj.get("gpuMemoryUtilization"), obj.get("sleepMode")
+        return cls(
+            device=obj.get("device") or None,
+            gpu_memory_utilization=None if share is None else float(share),
+            sleep_mode=None if sleep is None else bool(sleep),
+        )
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     base_model: str = ""
     rollout_backend: str = "torch"
@@ -237,6 +255,7 @@ class PoolSpec:
     # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
     dtype: str | None = None
     gradient_checkpointing: bool | None = None
+    vllm: VLLMPlacement = field(default_factory=VLLMPlacement)
     queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
     data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
     reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
@@ -275,6 +294,7 @@ class PoolSpec:
                 if spec.get("gradientCheckpointing") is None
                 else bool(spec["gradientCheckpointing"])
             ),
+            vllm=VLLMPlacement.from_obj(_dict(spec, "vllm")),
             queue_name=spec.get("queueName") or None,
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),

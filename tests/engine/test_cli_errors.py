@@ -164,6 +164,19 @@ def test_serve_refuses_a_missing_model_before_listening(tmp_path: Path) -> None:
     assert_usage_error(r, f"model directory {tmp_path / 'nowhere'} does not exist")
 
 
+@pytest.mark.parametrize(
+    ("option", "named"), [("sleep_mode=true", "sleep_mode"), ("device=cuda:1", "'cuda:1'")]
+)
+def test_serve_refuses_a_gpu_only_vllm_placement_on_the_cpu(
+    tiny_model_dir: Path, tmp_path: Path, option: str, named: str
+) -> None:
+    r = engine_cli(
+        "serve", "--model", str(tiny_model_dir), "--insecure-no-auth", "--device", "cpu",
+        "--rollout-backend", "vllm", "--vllm-option", option, cwd=tmp_path,
+    )  # fmt: skip
+    assert_usage_error(r, named)
+
+
 def test_serve_names_a_port_it_cannot_listen_on(tiny_model_dir: Path, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -3,7 +3,10 @@ pure arithmetic, no vLLM process."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+from loraplex_engine.rollout.vllm_backend import VLLMRollout
 from loraplex_engine.rollout.vllm_config import (
     KV_BLOCK_MARGIN_TOKENS,
     MAX_NUM_SEQS_CAP,
@@ -13,6 +16,8 @@ from loraplex_engine.rollout.vllm_config import (
 )
 from loraplex_engine.rollout.vllm_worker import CPU_KV_CACHE_BYTES
 from transformers import LlamaConfig
+
+MEMORY = (60 << 30, 80 << 30)  # (free, total) bytes of a GPU after the trainer loaded
 
 
 def _args(**overrides):
@@ -42,7 +47,9 @@ def test_cpu_defaults_are_eager_and_sized_from_the_limits() -> None:
 
 
 def test_cuda_defaults_use_cuda_graphs() -> None:
-    args = _args(device_type="cuda", dtype="bfloat16", kv_bytes_per_token=4096)
+    args = _args(
+        device_type="cuda", dtype="bfloat16", kv_bytes_per_token=4096, device_memory=MEMORY
+    )
     assert args["enforce_eager"] is False and args["disable_torch_compile"] is False
     assert args["dtype"] == "bfloat16"
     assert "kv_cache_bytes" not in args  # gpu_memory_utilization sizes it on CUDA
@@ -84,10 +91,11 @@ def test_cpu_kv_cache_holds_one_longest_row() -> None:
 
 def test_user_option_wins_without_a_second_keyword() -> None:
     user = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "threads": 2}
-    args = _args(device_type="cuda", dtype="bfloat16", user_options=user)
+    args = _args(device_type="cuda", dtype="bfloat16", user_options=user, device_memory=MEMORY)
     assert {k: args[k] for k in user} == user
     assert args["max_adapters"] == 4  # the rest stays derived
-    assert set(args) <= VLLM_OPTION_NAMES  # one dict of VLLMRollout keywords
+    keywords = set(inspect.signature(VLLMRollout).parameters)
+    assert set(args) <= keywords & VLLM_OPTION_NAMES  # one dict of VLLMRollout keywords
 
 
 def test_unknown_option_is_named() -> None:

@@ -133,6 +133,31 @@ def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
         kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
 
 
+def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
+    import argparse
+
+    from loraplex_engine.serve_flags import add_arguments, vllm_options
+
+    placed = {"device": "cuda:1", "gpuMemoryUtilization": 0.8, "sleepMode": False}
+    obj = pool("v").set("spec.rolloutBackend", "vllm").set("spec.vllm", placed)
+    full = apply_defaults(schema_of("EnginePool"), obj.obj())
+    args = engine_args(full["spec"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    served = parser.parse_args(args[1:])  # `serve`'s own parser reads them back
+    assert vllm_options(served) == {
+        "device": "cuda:1",
+        "gpu_memory_utilization": 0.8,
+        "sleep_mode": False,
+    }
+    torch_pool = apply_defaults(schema_of("EnginePool"), pool("t").set("spec.vllm", placed).obj())
+    assert not any(a.startswith("--vllm-option") for a in engine_args(torch_pool["spec"]))
+    bare = apply_defaults(
+        schema_of("EnginePool"), pool("b").set("spec.rolloutBackend", "vllm").obj()
+    )
+    assert not any(a.startswith("--vllm-option") for a in engine_args(bare["spec"]))
+
+
 def test_probes_hit_engine_routes() -> None:
     (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

@@ -11,6 +11,7 @@ leave between ticks (``_model_lock``); reads (status, capacity) never wait for a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from loraplex_engine.errors import (
     NoFreeSlotError,
     NotFoundError,
     UnavailableError,
+    UsageError,
 )
 from loraplex_engine.experiment import (
     Experiment,
@@ -202,7 +204,20 @@ class Engine:
                 () if self.ignore_eos else self.codec.eos_ids,
             )
         config = self.model.base_model.config
-        args = vllm_engine_args(
+        try:
+            args = self._vllm_args(config, options)
+        except ValueError as e:  # a placement that does not fit this device
+            raise UsageError(f"vLLM: {e}") from e
+        return VLLMRolloutBackend(
+            self.model_dir,
+            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
+            args,
+            ignore_eos=self.ignore_eos,
+            eos_ids=self.codec.eos_ids,
+        )
+
+    def _vllm_args(self, config: Any, options: dict[str, Any]) -> dict[str, Any]:
+        return vllm_engine_args(
             device_type=self.device.type,
             dtype=dtype_name(self.dtype),
             max_adapters=self.model.max_adapters,
@@ -213,13 +228,9 @@ class Engine:
             max_step_tokens=self.max_step_tokens,
             kv_bytes_per_token=kv_bytes_per_token(config, self.dtype.itemsize),
             user_options=options,
-        )
-        return VLLMRolloutBackend(
-            self.model_dir,
-            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
-            args,
-            ignore_eos=self.ignore_eos,
-            eos_ids=self.codec.eos_ids,
+            trainer_device=str(self.device),
+            device_memory=_device_memory(self.device),
+            parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
     def _decode_forward(
@@ -518,3 +529,11 @@ def _resolve(jobs: list[CompletionJob], error: Exception) -> None:
         if not job.done.is_set():
             job.error = error
             job.done.set()
+
+
+def _device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device now (the base model loaded); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)

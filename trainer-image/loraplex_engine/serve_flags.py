@@ -23,7 +23,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
-from loraplex_engine.rollout.vllm_config import check_vllm_option_names
+from loraplex_engine.rollout.vllm_config import check_placement, check_vllm_option_names
 
 log = logging.getLogger("loraplex_engine.serve")
 
@@ -322,6 +322,9 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = value
     try:
         check_vllm_option_names(options)
+        device = getattr(args, "device", None)
+        if device:  # what can be checked before the model loads
+            check_placement(options, device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as e:
         raise UsageError(str(e)) from e
     return options

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -234,7 +234,9 @@ class Tick:
             rolled = _keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
             scored = _keep(arrived + self._score(rolled), failures)
-        with timed("train"):
+        # A co-located sampler gives the device back while the trainer uses it (the
+        # train phase's seconds include vLLM's sleep and wake-up).
+        with timed("train"), self.backend.training_phase() if scored else nullcontext():
             trained = _keep(self._train(scored), failures)
         with timed("sync"):
             trained = _keep(self._sync(trained), failures)

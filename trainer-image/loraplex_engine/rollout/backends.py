@@ -11,7 +11,8 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +47,10 @@ class RolloutBackend(Protocol):
 
     def remove_adapter(self, exp_id: str) -> None: ...
 
+    def training_phase(self) -> AbstractContextManager[None]:
+        """Held while the trainer trains: a sampler sharing its device steps aside."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -68,6 +73,9 @@ class TorchRollout:
 
     def remove_adapter(self, exp_id: str) -> None:
         pass
+
+    def training_phase(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the rollout model is the trained model
 
     def close(self) -> None:
         pass
@@ -120,6 +128,7 @@ class VLLMRolloutBackend:
         # vLLM's CPU sampler draws a seed per row and step anyway (forward_cpu): a seeded
         # request costs one more small draw there, so every experiment row is seeded.
         self._seed_all = self._vllm.info.get("device") == "cpu"
+        self._sleeps = bool(options.get("sleep_mode"))
 
     @property
     def worker_info(self) -> dict[str, Any]:
@@ -198,6 +207,19 @@ class VLLMRolloutBackend:
                 self._restart(_one_line(e))
                 break
         return refused
+
+    @contextmanager
+    def training_phase(self) -> Iterator[None]:
+        """Co-located with sleep mode: vLLM's weights go to host memory and its KV cache
+        is dropped while the trainer trains, and come back before adapters sync."""
+        if not self._sleeps:
+            yield
+            return
+        self._vllm.sleep()
+        try:
+            yield
+        finally:
+            self._vllm.wake_up()
 
     def remove_adapter(self, exp_id: str) -> None:
         if exp_id in self._adapters:

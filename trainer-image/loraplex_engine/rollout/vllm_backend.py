@@ -73,6 +73,7 @@ class VLLMRollout:
     Memory: ``kv_cache_bytes`` sizes vLLM's KV cache exactly. Left ``None``, it is
     64 MiB on CPU (vLLM's own CPU default would reserve ``gpu_memory_utilization`` of
     the host's RAM, ~20 GB on a 24 GB box) and ``gpu_memory_utilization`` decides on GPU.
+    ``sleep_mode`` (CUDA only) lets :meth:`sleep` hand the GPU back during training.
     ``threads`` is the worker's OpenMP thread count (threads are not pinned to cores).
     ``disable_torch_compile`` sets ``TORCHDYNAMO_DISABLE`` in the worker: on for eager CPU
     runs (no inductor compile of the sampler helpers), off where CUDA graphs run.
@@ -92,6 +93,7 @@ class VLLMRollout:
         threads: int = 1,
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
+        sleep_mode: bool = False,
         enforce_eager: bool = True,
         disable_torch_compile: bool = True,
         logprobs_mode: str = "raw_logprobs",
@@ -124,6 +126,7 @@ class VLLMRollout:
             threads=threads,
             kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
+            sleep_mode=sleep_mode,
             enforce_eager=enforce_eager,
             disable_torch_compile=disable_torch_compile,
             logprobs_mode=logprobs_mode,
@@ -192,6 +195,15 @@ class VLLMRollout:
         never reuse KV cache computed with the old ones. Returns seconds taken."""
         reply = self._call("update_adapter", name=name, path=str(Path(peft_dir).resolve()))
         return reply["seconds"]
+
+    def sleep(self) -> float:
+        """Give the GPU back (sleep level 1: weights to host memory, KV cache dropped);
+        seconds it took. Only for a worker started with ``sleep_mode``."""
+        return float(self._call("sleep")["seconds"])
+
+    def wake_up(self) -> float:
+        """Take the GPU again after :meth:`sleep`; seconds it took."""
+        return float(self._call("wake_up")["seconds"])
 
     def remove_adapter(self, name: str) -> None:
         self._call("remove_adapter", name=name)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from loraplex_engine.rollout.vllm_backend import VLLMRollout
+from loraplex_engine.rollout.vllm_placement import resolve_placement, worker_settings
 from loraplex_engine.rollout.vllm_worker import CPU_KV_CACHE_BYTES, vllm_lora_rank
 
 # vLLM's own default batch (LLM's max_num_seqs on GPU): more rows than this just queue.
@@ -19,8 +20,13 @@ MAX_NUM_SEQS_CAP = 256
 # vLLM allocates KV in blocks: room for a partial block beyond max_model_len.
 KV_BLOCK_MARGIN_TOKENS = 256
 
-# What ``--vllm-option`` may set: VLLMRollout's keywords other than the model directory.
-VLLM_OPTION_NAMES = frozenset(inspect.signature(VLLMRollout).parameters) - {"model_dir"}
+# Placement settings (vllm_placement.py): resolved here into VLLMRollout's keywords.
+PLACEMENT_OPTIONS = ("device", "gpu_memory_utilization", "sleep_mode")
+# What ``--vllm-option`` may set: VLLMRollout's keywords other than the model directory,
+# and where the worker runs.
+VLLM_OPTION_NAMES = (
+    frozenset(inspect.signature(VLLMRollout).parameters) - {"model_dir"}
+) | frozenset(PLACEMENT_OPTIONS)
 
 
 def check_vllm_option_names(names: Any) -> None:
@@ -31,6 +37,13 @@ def check_vllm_option_names(names: Any) -> None:
             f"unknown --vllm-option {', '.join(unknown)} "
             f"(known: {', '.join(sorted(VLLM_OPTION_NAMES))})"
         )
+
+
+def check_placement(options: Mapping[str, Any], device: str, parent_visible: str | None) -> None:
+    """The placement settings among ``options`` against the trainer's ``device``, before
+    any memory is known (ValueError naming what is wrong)."""
+    settings = {k: options[k] for k in PLACEMENT_OPTIONS if k in options}
+    resolve_placement(trainer_device=device, parent_visible=parent_visible, **settings)
 
 
 def vllm_engine_args(
@@ -45,6 +58,9 @@ def vllm_engine_args(
     max_step_tokens: int,
     kv_bytes_per_token: int | None = None,
     user_options: Mapping[str, Any] | None = None,
+    trainer_device: str | None = None,
+    device_memory: tuple[int, int] | None = None,
+    parent_visible: str | None = None,
 ) -> dict[str, Any]:
     """Keywords for :class:`VLLMRollout` (the model directory aside).
 
@@ -58,9 +74,19 @@ def vllm_engine_args(
       default batch.
     - CUDA graphs and torch.compile on CUDA; eager on the CPU, where vLLM's CPU backend
       runs LoRA eagerly, with a KV cache that holds at least one ``max_model_len`` row.
+    - placement (``device``, ``gpu_memory_utilization``, ``sleep_mode``): co-located on
+      ``trainer_device`` or on its own GPU, sized from ``device_memory`` (free, total
+      bytes after the trainer loaded); see vllm_placement.py.
     """
     user = dict(user_options or {})
     check_vllm_option_names(user)
+    placement = resolve_placement(
+        trainer_device=trainer_device or device_type,
+        free_bytes=device_memory[0] if device_memory else None,
+        total_bytes=device_memory[1] if device_memory else None,
+        parent_visible=parent_visible,
+        **{k: user.pop(k) for k in PLACEMENT_OPTIONS if k in user},
+    )
     longest_row = max_prompt_tokens + max_new_tokens
     max_model_len = longest_row if context_tokens is None else min(context_tokens, longest_row)
     rows_per_step = max(1, max_step_tokens // (max_prompt_tokens + 1))
@@ -77,7 +103,9 @@ def vllm_engine_args(
     if not on_cuda and kv_bytes_per_token:
         row_bytes = kv_bytes_per_token * (max_model_len + KV_BLOCK_MARGIN_TOKENS)
         defaults["kv_cache_bytes"] = max(CPU_KV_CACHE_BYTES, row_bytes)
-    return {**defaults, **user}
+    placed = worker_settings(placement)
+    env = {**placed.pop("env", {}), **user.pop("env", {})}  # type: ignore[dict-item]
+    return {**defaults, **placed, **user, **({"env": env} if env else {})}
 
 
 def kv_bytes_per_token(config: Any, itemsize: int) -> int | None:

@@ -147,6 +147,9 @@ class Worker:
         kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
         if cfg.get("gpu_memory_utilization"):
             kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
+        self.sleep_mode = bool(cfg.get("sleep_mode", False))
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(cfg.get("llm_kwargs") or {})
         if self.is_cpu:
             _check_cpu_head_dim(cfg["model"])
@@ -318,6 +321,22 @@ class Worker:
         prompt = {"prompt_token_ids": [int(t) for t in req["prompt"]]}
         self.llm.enqueue(prompt, params, lora_request=lora, use_tqdm=False)
 
+    def sleep(self) -> dict[str, Any]:
+        """Level 1: weights to host memory, KV cache dropped (the next rollout recomputes
+        its prefixes anyway: every adapter changed in the training phase)."""
+        if not self.sleep_mode:
+            raise RuntimeError("the worker was started without sleep_mode")
+        t0 = time.perf_counter()
+        self.llm.sleep(level=1)
+        return {"seconds": time.perf_counter() - t0}
+
+    def wake_up(self) -> dict[str, Any]:
+        if not self.sleep_mode:
+            raise RuntimeError("the worker was started without sleep_mode")
+        t0 = time.perf_counter()
+        self.llm.wake_up()
+        return {"seconds": time.perf_counter() - t0}
+
     def info(self) -> dict[str, Any]:
         import vllm
 
@@ -331,6 +350,7 @@ class Worker:
             "device": current_platform_type(),
             "requests_total": self.requests_total,
             "sequences_total": self.sequences_total,
+            "sleep_mode": self.sleep_mode,
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
             "maxrss_mb": _maxrss_mb(),
@@ -357,6 +377,17 @@ def _maxrss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+WORKER_OPS = (
+    "load_adapter",
+    "update_adapter",
+    "remove_adapter",
+    "generate",
+    "info",
+    "sleep",
+    "wake_up",
+)
 
 
 def main() -> int:
@@ -391,7 +422,7 @@ def main() -> int:
                 os._exit(0)
             elif worker is None:
                 raise RuntimeError("worker not initialised: send 'init' first")
-            elif op in ("load_adapter", "update_adapter", "remove_adapter", "generate", "info"):
+            elif op in WORKER_OPS:
                 result = getattr(worker, op)(**msg)
             else:
                 raise ValueError(f"unknown op {op!r}")
