@@ -17,9 +17,9 @@ where the loaded engine knows the answer:
   the gradients already resident (the steady state of every micro-batch but a step's
   first), on the model cut to 2 and 3 decoder layers and extended linearly to its depth
   (Qwen3-4B's shapes: the same bytes as the full 36 layers, in 11-16 s instead of
-  50-70 s on 2 shared cores): ``fixed + per_token x tokens + per_slot x adapters in the micro-batch`` (the
-  per-slot part: each adapter's A and B cast to the compute dtype, kept for the
-  backward by lora.py; a layer at a time under checkpointing).
+  50-70 s on 2 shared cores): ``fixed + per_token x tokens + per_slot x adapters in the
+  micro-batch`` (the per-slot part: each adapter's A and B cast to the compute dtype,
+  kept for the backward by lora.py; a layer at a time under checkpointing).
 
 ``derive_budgets`` (pure) then picks what the user did not set: the micro-batch token
 budget and the rollout's KV-token budget, both out of the memory the static bytes leave
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from .algorithms import GRPO
@@ -79,15 +80,20 @@ class StaticBytes:
 def static_bytes(model: MultiLoRAModel) -> StaticBytes:
     """The frozen base's and one slot's bytes, from the tensors ``model`` holds."""
     layers = list(model.lora_layers.values())
-    lora_ids = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    lora_ids = {id(t) for layer in layers for t in _slot_tensors(layer)}
     base = model.base_model
     tensors = [t for t in (*base.parameters(), *base.buffers()) if id(t) not in lora_ids]
     slot = 0
     for layer in layers:
         weights = layer.lora_A[0].numel() + layer.lora_B[0].numel()
         slot += SLOT_COPIES * weights * layer.lora_A.element_size()
-        slot += sum(b[0].numel() * b.element_size() for b in layer.buffers())
+        slot += sum(b[0].numel() * b.element_size() for b in layer.buffers(recurse=False))
     return StaticBytes(storage_bytes(tensors), slot, model.max_adapters + 1)
+
+
+def _slot_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """A multi-LoRA layer's own stacked tensors (not its frozen ``base_layer``'s)."""
+    return [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
 
 
 @dataclass(frozen=True)
