@@ -85,7 +85,7 @@ def test_the_plan_agrees_with_the_planner(tiny_model_dir, checkpointing) -> None
                               work.prompt_tokens, checkpointing)  # fmt: skip
     # A micro-batch holds two rows of one tenant (4 rows per tenant, budget 32 tokens).
     predicted = s.total - buffers + act.bytes(2 * work.row_tokens, 1)
-    assert abs(predicted - detail["train_peak"]) <= 0.02 * detail["train_peak"]
+    assert abs(predicted - detail["train_peak"]) <= 0.005 * detail["train_peak"]  # seen 0.04%
     assert act.per_token > 0 and act.per_slot > 0
 
 
