@@ -78,6 +78,7 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
         *_precision_args(view),
+        *_memory_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
@@ -89,6 +90,16 @@ def _precision_args(view: PoolSpec) -> list[str]:
     if view.gradient_checkpointing is not None:
         on = view.gradient_checkpointing
         args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
+    return args
+
+
+def _memory_args(view: PoolSpec) -> list[str]:
+    """Only what the pool sets: otherwise the engine's memory plan derives them."""
+    capacity, args = view.capacity, []
+    if capacity.micro_batch_tokens is not None:
+        args += ["--micro-batch-tokens", str(capacity.micro_batch_tokens)]
+    if capacity.device_memory_bytes is not None:
+        args += ["--device-memory", str(capacity.device_memory_bytes)]
     return args
 
 
