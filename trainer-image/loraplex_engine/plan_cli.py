@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument(
         "--targets",
-        help="comma-separated module names (default: what the engine wraps: every linear, the head when untied)",
+        help="comma-separated module names (default: what the engine wraps: every linear, "
+        "the head too when untied)",
     )
     p.add_argument("--prompts-per-tenant", type=int, default=4)
     p.add_argument("--completions-per-prompt", type=int, default=8)
