@@ -64,8 +64,14 @@ def namespace_allowed(
     return selector is not None and selector_matches(selector, namespace_labels or {})
 
 
-def experiment_memory_bytes(exp: ExperimentSpec, pool: PoolSpec) -> int:
-    """Adapter memory estimate of an experiment on this pool (0 without a model shape)."""
+def experiment_memory_bytes(
+    exp: ExperimentSpec, pool: PoolSpec, slot_bytes: int | None = None
+) -> int:
+    """The memory an experiment costs an engine of this pool: ``slot_bytes`` where the
+    engines report it (observation.slot_bytes: 0 while none has answered), else the
+    adapter estimate from the pool's model shape (0 without one)."""
+    if slot_bytes is not None:
+        return slot_bytes
     # Unset targets are sized as q_proj + v_proj: the family default, and an upper bound
     # for Phi-3's qkv_proj (rank × (2h + 2kv) ≤ rank × (3h + kv) since kv ≤ h).
     targets = exp.lora.target_modules or DEFAULT_TARGET_CANDIDATES[0]
@@ -76,8 +82,10 @@ def check_experiment(
     experiment: Experiment,
     pool: Pool | None,
     namespace_labels: Mapping[str, str] | None = None,
+    slot_bytes: int | None = None,
 ) -> list[Problem]:
-    """Problems that keep `experiment` off `pool` (None = the named pool does not exist)."""
+    """Problems that keep `experiment` off `pool` (None = the named pool does not exist);
+    ``slot_bytes``: as for ``experiment_memory_bytes``."""
     pool_name = experiment.spec.engine_pool
     if pool is None:
         return [Problem("spec.enginePool", f"EnginePool {pool_name!r} not found")]
@@ -91,7 +99,7 @@ def check_experiment(
             )
         )
     problems.extend(_lora_problems(experiment.spec, pool.spec, pool_name))
-    problems.extend(_memory_problems(experiment.spec, pool.spec, pool_name))
+    problems.extend(_memory_problems(experiment.spec, pool.spec, pool_name, slot_bytes))
     return problems
 
 
@@ -140,15 +148,26 @@ def _unlisted(wanted: Sequence[str], allowed: Sequence[str]) -> list[str]:
     return sorted(set(wanted) - set(allowed))
 
 
-def _memory_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[Problem]:
+def _memory_problems(
+    exp: ExperimentSpec, pool: PoolSpec, pool_name: str, slot_bytes: int | None
+) -> list[Problem]:
     budget = pool.capacity.memory_bytes
-    need = experiment_memory_bytes(exp, pool)
-    if budget and need > budget:
+    need = experiment_memory_bytes(exp, pool, slot_bytes)
+    if not budget or need <= budget:
+        return []
+    if slot_bytes:  # the engines' own figure: no rank of this experiment changes it
         return [
             Problem(
-                "spec.lora.rank",
-                f"adapter needs about {need} bytes, more than EnginePool {pool_name!r} "
+                "spec.enginePool",
+                f"an adapter slot of EnginePool {pool_name!r} takes {need} bytes (the engines "
+                f"allocate every slot at max rank {pool.capacity.max_rank}), more than its "
                 f"memory budget per engine ({budget})",
             )
         ]
-    return []
+    return [
+        Problem(
+            "spec.lora.rank",
+            f"adapter needs about {need} bytes, more than EnginePool {pool_name!r} "
+            f"memory budget per engine ({budget})",
+        )
+    ]

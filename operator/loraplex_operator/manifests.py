@@ -80,6 +80,7 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--rollout-backend", view.rollout_backend,
         *_precision_args(view),
         *_vllm_args(view),
+        *_memory_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
@@ -109,6 +110,16 @@ def _vllm_args(view: PoolSpec) -> list[str]:
         for key, value in settings.items()
         if value is not None
     ]
+
+
+def _memory_args(view: PoolSpec) -> list[str]:
+    """Only what the pool sets: otherwise the engine's memory plan derives them."""
+    capacity, args = view.capacity, []
+    if capacity.micro_batch_tokens is not None:
+        args += ["--micro-batch-tokens", str(capacity.micro_batch_tokens)]
+    if capacity.device_memory_bytes is not None:
+        args += ["--device-memory", str(capacity.device_memory_bytes)]
+    return args
 
 
 def trust_args(view: PoolSpec) -> list[str]:

@@ -21,6 +21,37 @@ WAIT_ADMISSION = st.WAITING_FOR_ADMISSION  # gated: Kueue has not admitted the p
 WAIT_ENGINE_UNSCHEDULABLE = "EngineUnschedulable"  # the scheduler found no node for it
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """The memory plan an engine reports on /v1/capacity (`plan`, the engine's
+    `api_types.MemoryPlan`): how it sized itself. Every adapter slot is allocated at the
+    engine's max rank on every linear it wraps, so each experiment costs `slot_bytes`,
+    whatever its own rank and targets."""
+
+    slot_bytes: int  # fp32 weights, gradient and two Adam moments of one slot
+    slots: int  # allocated: maxAdapters + 1 (slot 0 is the base model's)
+    base_bytes: int
+    device_bytes: int | None  # what the engine planned against (None: not known)
+    micro_batch_tokens: int
+    rollout_kv_tokens: int | None
+
+    @classmethod
+    def from_capacity(cls, capacity: Mapping[str, Any] | None) -> EngineMemory | None:
+        """The `plan` block of a /v1/capacity answer; None for an engine without one."""
+        plan = (capacity or {}).get("plan")
+        if not isinstance(plan, Mapping):
+            return None
+        device, kv = plan.get("deviceBytes"), plan.get("rolloutKvTokens")
+        return cls(
+            slot_bytes=int(plan["slotBytes"]),
+            slots=int(plan["slots"]),
+            base_bytes=int(plan["baseBytes"]),
+            device_bytes=None if device is None else int(device),
+            micro_batch_tokens=int(plan["microBatchTokens"]),
+            rollout_kv_tokens=None if kv is None else int(kv),
+        )
+
+
 @dataclass
 class EngineView:
     """One engine Pod and what its engine said this round."""
@@ -86,6 +117,11 @@ class EngineView:
         return self.pod_phase in ("Failed", "Succeeded")
 
     @property
+    def memory(self) -> EngineMemory | None:
+        """Its memory plan, once it has answered with one."""
+        return EngineMemory.from_capacity(self.capacity) if self.reachable else None
+
+    @property
     def used_slots(self) -> int:
         return int((self.capacity or {}).get("usedSlots", len(self.experiments)))
 
@@ -148,6 +184,25 @@ def reported_shape(engines: Iterable[EngineView]) -> ModelShape | None:
                 kv_dim=shape.get("kvDim"),
             )
     return None
+
+
+def slot_bytes(engines: Iterable[EngineView]) -> int | None:
+    """What one experiment costs an engine of this pool this round, in bytes:
+
+    - the slot bytes of the first engine that answered with a memory plan (every engine
+      of a pool loads the same model at the same max rank);
+    - None when the engines that answered report no plan (an older engine image): the
+      adapter estimate from `modelShape` applies (`admission.experiment_memory_bytes`);
+    - 0 while no engine has answered: memory is not known yet, so nothing is checked
+      against it rather than guessed (nothing binds before an engine answers, and the
+      round asks for one).
+    """
+    answered = [e for e in engines if e.reachable and e.capacity is not None]
+    for e in answered:
+        memory = e.memory
+        if memory is not None:
+            return memory.slot_bytes
+    return None if answered else 0
 
 
 def with_reported_shape(snap: Snapshot) -> Snapshot:

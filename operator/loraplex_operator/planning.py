@@ -28,7 +28,13 @@ from typing import Any
 from loraplex_operator import admission, placement
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
-from loraplex_operator.observation import EngineView, Snapshot, live, with_reported_shape
+from loraplex_operator.observation import (
+    EngineView,
+    Snapshot,
+    live,
+    slot_bytes,
+    with_reported_shape,
+)
 from loraplex_operator.resources import Capacity, Experiment, PoolSpec, parse_time
 
 log = logging.getLogger("loraplex_operator.planning")
@@ -115,7 +121,7 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
     """Everything one round should do, from one observation (pure)."""
     snap = with_reported_shape(snap)
     engines = live(snap.engines)
-    sorted_out = classify(snap, engines, config)
+    sorted_out = classify(snap, engines, config, slot_bytes(engines))
     inputs, limits = placement_inputs(snap.pool.spec, engines, sorted_out.running_on)
     decisions = placement.plan(sorted_out.pending, inputs, limits)
     acts = act_on(decisions, sorted_out.work, {e.name: e for e in engines})
@@ -161,7 +167,13 @@ class Classified:
     running_on: dict[str, list[placement.RunningExperiment]] = field(default_factory=dict)
 
 
-def classify(snap: Snapshot, engines: Sequence[EngineView], config: Config) -> Classified:
+def classify(
+    snap: Snapshot,
+    engines: Sequence[EngineView],
+    config: Config,
+    slot_bytes: int | None = None,
+) -> Classified:
+    """``slot_bytes``: what each experiment costs an engine (observation.slot_bytes)."""
     held = holders(engines)
     every_engine = {e.name: e for e in snap.engines}
     out = Classified()
@@ -174,12 +186,13 @@ def classify(snap: Snapshot, engines: Sequence[EngineView], config: Config) -> C
         if exp.status.phase in st.TERMINAL:
             out.unloads.extend(_unloads(on, w, FINISHED))
         elif on:
-            unloads, running = _adopt(w, on, snap.pool.spec)
+            unloads, running = _adopt(w, on, snap.pool.spec, slot_bytes)
             out.unloads.extend(unloads)
             if running is not None:
                 out.running_on.setdefault(on[0].name, []).append(running)
         else:
-            pending = _not_running(w, snap, every_engine.get(recorded or ""), config)
+            recorded_view = every_engine.get(recorded or "")
+            pending = _not_running(w, snap, recorded_view, config, slot_bytes)
             if pending is not None:
                 out.pending.append(pending)
     known = {x.id for x in snap.experiments}
@@ -202,7 +215,7 @@ def orphan_unloads(held: Mapping[str, list[EngineView]], known: set[str]) -> lis
 
 
 def _adopt(
-    w: Work, on: Sequence[EngineView], pool: PoolSpec
+    w: Work, on: Sequence[EngineView], pool: PoolSpec, slot_bytes: int | None
 ) -> tuple[list[Unload], placement.RunningExperiment | None]:
     """It runs on `on[0]` (the recorded engine first): take that as the truth."""
     primary = on[0]
@@ -219,14 +232,18 @@ def _adopt(
         key=w.key,
         priority=w.exp.spec.priority,
         rank=w.exp.spec.lora.rank,
-        memory_bytes=admission.experiment_memory_bytes(w.exp.spec, pool),
+        memory_bytes=admission.experiment_memory_bytes(w.exp.spec, pool, slot_bytes),
         started=parse_time(w.engine_status.get("startedAt")) or 0.0,
     )
     return unloads, running
 
 
 def _not_running(
-    w: Work, snap: Snapshot, recorded: EngineView | None, config: Config
+    w: Work,
+    snap: Snapshot,
+    recorded: EngineView | None,
+    config: Config,
+    slot_bytes: int | None,
 ) -> placement.PendingExperiment | None:
     """Not running anywhere: the experiment to place, or None (why is in `w`)."""
     exp = w.exp
@@ -239,7 +256,8 @@ def _not_running(
         if not _recover(w, recorded, config):
             return None
     namespace_labels = snap.namespace_labels.get(exp.meta.namespace)
-    w.problems = [str(p) for p in admission.check_experiment(exp, snap.pool, namespace_labels)]
+    problems = admission.check_experiment(exp, snap.pool, namespace_labels, slot_bytes)
+    w.problems = [str(p) for p in problems]
     if w.problems:
         return None
     w.resume_from = exp.status.checkpoint.path
@@ -248,7 +266,7 @@ def _not_running(
         priority=exp.spec.priority,
         created=exp.meta.created or 0.0,
         rank=exp.spec.lora.rank,
-        memory_bytes=admission.experiment_memory_bytes(exp.spec, snap.pool.spec),
+        memory_bytes=admission.experiment_memory_bytes(exp.spec, snap.pool.spec, slot_bytes),
     )
 
 

@@ -206,6 +206,8 @@ class Capacity:
     max_adapters: int = 8
     max_rank: int = 64
     memory_bytes: int = 0  # per engine; 0 = not enforced
+    micro_batch_tokens: int | None = None  # None: each engine derives it (its memory plan)
+    device_memory_bytes: int | None = None  # None: the engine measures its device (CUDA)
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,8 @@ class PoolSpec:
                 max_adapters=int(capacity.get("maxAdapters", Capacity.max_adapters)),
                 max_rank=int(capacity.get("maxRank", Capacity.max_rank)),
                 memory_bytes=int(capacity.get("memoryBytes", Capacity.memory_bytes)),
+                micro_batch_tokens=_int_or_none(capacity.get("microBatchTokens")),
+                device_memory_bytes=_int_or_none(capacity.get("deviceMemoryBytes")),
             ),
             replicas=Replicas(
                 min=int(replicas.get("min", Replicas.min)),
@@ -299,6 +303,10 @@ class PoolSpec:
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
         )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _model_shape(shape: Mapping[str, Any]) -> ModelShape | None:

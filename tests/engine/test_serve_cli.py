@@ -125,3 +125,30 @@ def test_data_roots_and_reward_hosts_from_flags_or_the_environment(
     code = main(["serve", "--model", model, "--insecure-no-auth", "--data-root", "rel"])
     assert code == 2  # before the port is bound or the model loaded
     assert "--data-root must be an absolute path, not 'rel'" in capsys.readouterr().err
+
+
+def test_memory_flags_from_the_environment_auto_and_bad_values(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.micro_batch_tokens, args.device_memory, args.memory_headroom) == (
+        None, None, 0.15
+    )  # fmt: skip
+    monkeypatch.setenv("LORAPLEX_DEVICE_MEMORY", "80GiB")
+    monkeypatch.setenv("LORAPLEX_MICRO_BATCH_TOKENS", "auto")
+    args = build_parser().parse_args(["serve", "--memory-headroom", "0.2"])
+    assert (args.micro_batch_tokens, args.device_memory, args.memory_headroom) == (
+        None, 80 * 2**30, 0.2
+    )  # fmt: skip
+    assert (
+        build_parser().parse_args(["serve", "--micro-batch-tokens", "8192"]).micro_batch_tokens
+        == 8192
+    )
+    monkeypatch.setenv("LORAPLEX_MICRO_BATCH_TOKENS", "0")
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+    err = capsys.readouterr().err
+    assert (
+        "argument --micro-batch-tokens: invalid token count: '0' (from LORAPLEX_MICRO_BATCH_TOKENS)"
+        in err
+    )

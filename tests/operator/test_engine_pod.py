@@ -158,6 +158,18 @@ def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
     assert not any(a.startswith("--vllm-option") for a in engine_args(bare["spec"]))
 
 
+def test_args_leave_the_memory_budgets_to_the_engine_unless_the_pool_sets_them() -> None:
+    bare = engine_args(_minimal_pool()["spec"])
+    assert "--micro-batch-tokens" not in bare and "--device-memory" not in bare
+    obj = pool("sized").set("spec.capacity.microBatchTokens", 8192)
+    obj = obj.set("spec.capacity.deviceMemoryBytes", 80 * 2**30)
+    full = apply_defaults(schema_of("EnginePool"), obj.obj())
+    args = engine_args(full["spec"])
+    assert args[args.index("--micro-batch-tokens") + 1] == "8192"
+    assert args[args.index("--device-memory") + 1] == str(80 * 2**30)
+    kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
+
+
 def test_probes_hit_engine_routes() -> None:
     (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

@@ -92,6 +92,10 @@ def test_views_read_what_the_object_says() -> None:
         False,
     )
     assert p.spec.queue_name is None  # no Kueue queue unless named
+    # Absent memory budgets: each engine's memory plan derives them.
+    assert (p.spec.capacity.micro_batch_tokens, p.spec.capacity.device_memory_bytes) == (None, None)
+    sized = pool().set("spec.capacity.microBatchTokens", 8192).obj()
+    assert Pool.from_obj(sized).spec.capacity.micro_batch_tokens == 8192
     queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
     assert queued.spec.queue_name == "gpu-team"
 

@@ -31,6 +31,12 @@ DEFAULT_REWARD_DEADLINE_S = 1.0
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_MAX_LENGTH = 64
 
+# The memory plan (capacity_plan.py): the share of the device's memory left unplanned
+# (allocator rounding and fragmentation, kernel workspaces, the rollout's transient
+# activations), and the micro-batch budget where no device memory is known.
+DEFAULT_MEMORY_HEADROOM = 0.15
+DEFAULT_MICRO_BATCH_TOKENS = 4096
+
 ExperimentPhase = Literal["Running", "Succeeded", "Failed"]
 # The phases of a tick, in order (tick.py): the keys of TickReport.phase_seconds.
 TICK_PHASES = ("rollout", "reward", "train", "sync", "checkpoint")
@@ -97,6 +103,31 @@ class ModelShape(WireModel):
     kv_dim: int  # output width of k_proj/v_proj (heads x head dim with grouped-query attention)
 
 
+class MemoryPlan(WireModel):
+    """How the engine sized itself (capacity_plan.py): what placement counts per slot,
+    and the budgets its training and rollout run under."""
+
+    device_total_bytes: int | None  # the device's memory (CUDA), the host's RAM (CPU)
+    device_bytes: int | None  # planned against: --device-memory, or CUDA's free + own
+    headroom: float  # share of device_bytes left unplanned
+    base_bytes: int  # the frozen base's parameters and buffers
+    slot_bytes: int  # one adapter slot at max rank on every wrapped linear: fp32 weights,
+    # their gradient and two Adam moments (every slot costs this, whatever its rank)
+    slots: int  # slots allocated: maxAdapters + 1 (slot 0 is the base's)
+    activation_fixed_bytes: int | None  # of a training micro-batch (None: not measured)
+    activation_bytes_per_token: int | None
+    activation_bytes_per_adapter: int | None  # per adapter with rows in the micro-batch
+    kv_bytes_per_token: int | None  # K and V of one rollout token across the layers
+    micro_batch_tokens: int  # the training micro-batch's padded-token budget
+    rollout_kv_tokens: int | None  # the rollout's KV-cache token budget (None: unbounded)
+    derived: list[str]  # which budgets the plan chose ("microBatchTokens", ...)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def static_bytes(self) -> int:
+        return self.base_bytes + self.slot_bytes * self.slots
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -108,6 +139,7 @@ class Capacity(WireModel):
     experiments: list[str]
     memory: MemoryUse
     model_shape: ModelShape | None = None
+    plan: MemoryPlan | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

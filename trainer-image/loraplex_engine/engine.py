@@ -29,10 +29,16 @@ from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
     ExperimentStatus,
+    MemoryPlan,
     MemoryUse,
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.capacity_plan import (
+    DEFAULT_HEADROOM,
+    DEFAULT_MICRO_BATCH_TOKENS,
+    engine_plan,
+)
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -84,7 +90,9 @@ class Engine:
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
     arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
     CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
-    elsewhere) recomputes each decoder layer in the backward (checkpointing.py)."""
+    elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
+    ``micro_batch_tokens`` (None: derived by the memory plan from ``device_memory``,
+    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py."""
 
     def __init__(
         self,
@@ -96,7 +104,9 @@ class Engine:
         rollout_backend: str = "torch",
         device: str = "cpu",
         train_mode: str = "fused",
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int | None = None,
+        device_memory: int | None = None,
+        memory_headroom: float = DEFAULT_HEADROOM,
         model_name: str | None = None,
         vllm_options: dict[str, Any] | None = None,
         ignore_eos: bool = False,
@@ -154,7 +164,7 @@ class Engine:
             self.optimizer,
             self.device,
             self.codec.pad_id,
-            micro_batch_tokens,
+            micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
             shared,
             gradient_checkpointing=gradient_checkpointing,
             # vLLM samples with its own kernels: the trainer scores the rows itself
@@ -162,6 +172,9 @@ class Engine:
             recompute_old_logprobs=rollout_backend == "vllm",
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
+        # Sized once the weights, slots and rollout worker hold their memory.
+        self.memory_plan = self._plan_memory(micro_batch_tokens, device_memory, memory_headroom)
+        self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
         self._state_lock = threading.Lock()  # guards the dict for quick reads
@@ -194,6 +207,34 @@ class Engine:
             log.warning("prompt-prefix sharing off (%s): training recomputes prompts", why_not)
             return None
         return shared_prefix_forward(self.model, self.device)
+
+    def _plan_memory(
+        self, micro_batch_tokens: int | None, device_memory: int | None, headroom: float
+    ) -> MemoryPlan:
+        """The engine's memory plan (capacity_plan.py): what /v1/capacity reports and the
+        operator's placement counts; derives the budgets the caller left unset."""
+        context = getattr(self.model.base_model.config, "max_position_embeddings", None)
+        longest = self.max_prompt_tokens + MAX_NEW_TOKENS
+        longest = longest if context is None else min(context, longest)
+        plan = engine_plan(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            checkpointing=self.strategy.gradient_checkpointing,
+            longest_row=longest,
+            prompt_tokens=min(self.max_prompt_tokens, longest // 2),
+            device_bytes=device_memory,
+            headroom=headroom,
+            micro_batch_tokens=micro_batch_tokens,
+            plan_rollout=self.rollout_backend == "torch",  # vLLM sizes its own cache
+        )
+        log.info(
+            "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
+            "rollout KV %s tokens (derived: %s)",
+            plan.device_bytes, plan.base_bytes, plan.slots, plan.slot_bytes,
+            plan.micro_batch_tokens, plan.rollout_kv_tokens, ", ".join(plan.derived) or "none",
+        )  # fmt: skip
+        return plan
 
     def _make_backend(self, name: str, options: dict[str, Any]) -> RolloutBackend:
         if name == "torch":
@@ -304,6 +345,7 @@ class Engine:
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
             model_shape=model_shape_of(self.model.base_model.config),
+            plan=self.memory_plan,
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------

@@ -33,7 +33,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--name", help="model name in the output (default: its model_type)")
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--targets", help="comma-separated module names (default: every linear)")
+    p.add_argument(
+        "--targets",
+        help="comma-separated module names (default: what the engine wraps: every linear, "
+        "the head too when untied)",
+    )
     p.add_argument("--prompts-per-tenant", type=int, default=4)
     p.add_argument("--completions-per-prompt", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)

@@ -57,7 +57,7 @@ from .algorithms import GRPO
 from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
 from .lora import LoRAConfig
 from .memtrack import LiveBytes, Peak, storage_bytes
-from .multi_lora import MultiLoRAModel
+from .multi_lora import MultiLoRAModel, adaptable_module_names
 from .optim import AdamWSettings, PerAdapterAdamW
 from .rollout.base import RolloutRequest
 from .rollout.torch_backend import _shared_prefill
@@ -94,7 +94,8 @@ class Workload:
 
     adapters: int
     rank: int
-    targets: tuple[str, ...] | None = None  # None: every linear but the head
+    targets: tuple[str, ...] | None = None  # None: what the engine wraps (every linear,
+    # the head too when untied: multi_lora.adaptable_module_names)
     prompts_per_tenant: int = 4
     completions_per_prompt: int = 8
     prompt_tokens: int = 256
@@ -192,7 +193,8 @@ def keep_index_values() -> Iterator[None]:
 
 def _adapters(base: nn.Module, w: Workload) -> tuple[MultiLoRAModel, PerAdapterAdamW]:
     """The engine's slots (``adapters`` of them, at ``rank``) and optimiser, all full."""
-    model = MultiLoRAModel(base, w.adapters, w.rank, w.targets, dtype=DTYPES[w.lora_dtype])
+    targets = w.targets or adaptable_module_names(base)
+    model = MultiLoRAModel(base, w.adapters, w.rank, targets, dtype=DTYPES[w.lora_dtype])
     optimizer = PerAdapterAdamW(model)
     config = LoRAConfig(rank=w.rank, alpha=2.0 * w.rank, target_modules=tuple(model.target_modules))
     for i in range(w.adapters):
@@ -273,7 +275,7 @@ def _decode_forward(model: MultiLoRAModel) -> Callable[..., tuple[torch.Tensor, 
     def forward(ids, mask, positions, past):  # type: ignore[no-untyped-def]
         out = model.base_model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=past, use_cache=True,
+            past_key_values=past, use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         return out.logits[:, -1].float().cpu(), out.past_key_values
 
@@ -349,7 +351,7 @@ def _report(
         "dtype": w.dtype,
         "adapters": w.adapters,
         "rank": w.rank,
-        "targets": sorted(w.targets) if w.targets else "all-linear",
+        "targets": sorted(w.targets) if w.targets else "engine-default",
         "rows_per_tenant": w.rows_per_tenant,
         "prompt_tokens": w.prompt_tokens,
         "completion_tokens": w.completion_tokens,

@@ -371,6 +371,9 @@ def run(args: argparse.Namespace) -> int:
                 "reward_deadline_s": args.reward_deadline,
                 "dtype": args.dtype,
                 "gradient_checkpointing": args.gradient_checkpointing,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "device_memory": args.device_memory,
+                "memory_headroom": args.memory_headroom,
                 "trust": trust_policy(args, port),
             }
             kwargs["device"] = args.device or _default_device()
@@ -399,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
                 os.environ.get("LORAPLEX_POOL", "-"),
             )
             print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
+        except UsageError as e:  # e.g. the memory plan: this device cannot hold it
+            log.error("engine failed to load: %s", e)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            outcome["rc"] = 2
+            server.should_exit = True
         except BaseException:
             log.exception("engine failed to load")
             outcome["rc"] = 1

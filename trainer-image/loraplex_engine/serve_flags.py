@@ -18,11 +18,13 @@ from typing import Any
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MEMORY_HEADROOM,
     DEFAULT_REWARD_DEADLINE_S,
     DTYPE_NAMES,
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.plan_cli import parse_bytes
 from loraplex_engine.rollout.vllm_config import check_placement, check_vllm_option_names
 
 log = logging.getLogger("loraplex_engine.serve")
@@ -79,6 +81,42 @@ def _seconds(value: str) -> float:
     if not seconds >= 0:  # also refuses nan
         raise _invalid("seconds value", value)
     return seconds
+
+
+def _positive_int_or_none(value: str) -> int | None:
+    """A positive int; ``auto`` (or empty) for None: the memory plan derives it."""
+    if str(value).strip().lower() in ("", "auto"):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise _invalid("token count", value, "; a positive integer, or auto")
+    return number
+
+
+def _bytes_or_none(value: str) -> int | None:
+    """A byte count (``80GiB``, ``141GB``); ``auto`` (or empty) for None."""
+    if str(value).strip().lower() in ("", "auto"):
+        return None
+    try:
+        number = parse_bytes(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise _invalid("byte count", value, "; e.g. 80GiB, 141GB, or auto")
+    return number
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0.0 <= number < 1.0:
+        raise _invalid("fraction", value, "; a number in [0, 1)")
+    return number
 
 
 def _dtype(value: str) -> str:
@@ -200,6 +238,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="recompute each decoder layer in the backward instead of keeping its "
         "activations (default: on for cuda, off for cpu)",
     )
+    add_memory_arguments(p)
     p.add_argument(
         "--vllm-option",
         action="append",
@@ -236,6 +275,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trust_arguments(p)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+# --- memory: the budgets the engine's memory plan derives (capacity_plan.py) ----------
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=_positive_int_or_none,
+        default=_env_parsed("MICRO_BATCH_TOKENS", None),
+        help="padded tokens per training micro-batch (default auto: derived from the "
+        "device's memory by the memory plan; 4096 on a cpu without --device-memory)",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=_bytes_or_none,
+        default=_env_parsed("DEVICE_MEMORY", None),
+        help="memory the engine plans against, e.g. 80GiB (default auto: on cuda what is "
+        "free plus what the engine holds; on cpu none, so nothing is derived)",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=_fraction,
+        default=_env_parsed("MEMORY_HEADROOM", DEFAULT_MEMORY_HEADROOM),
+        help="share of --device-memory the plan leaves unused (fragmentation, workspaces)",
+    )
 
 
 # --- tenancy and trust: what tenants' datasets and reward URLs may reach (trust.py) ---
