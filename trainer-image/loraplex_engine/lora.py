@@ -6,18 +6,29 @@ adapter: its rows skip the delta, so they equal the frozen base exactly.
 
 Rows are grouped by slot and padded to the largest group, so the delta is two batched matmuls
 over ``[groups, rows*tokens, in]`` with each slot's A/B read once (not copied per row, which
-would cost ``rows * rank * in`` memory per layer, ruinous in KV-cache decoding).
+would cost ``rows * rank * in`` memory per layer, ruinous in KV-cache decoding). On CUDA in
+bf16 the delta is instead grouped matmuls at each slot's own rank (grouped_lora.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from .errors import AdapterError, RoutingError
+from .grouped_lora import (
+    Path,
+    check_mode,
+    choose_path,
+    fused_grouped_mm,
+    grouped_delta,
+    grouped_mm_blocker,
+    kernel_env,
+    reference_grouped_mm,
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +69,31 @@ class Routing:
     width: int  # rows in the largest group
     in_order: bool  # rows == all rows, in order (tenants already contiguous): no gather needed
     slot_set: frozenset[int] = frozenset()  # host-side copy of ``slots``: no sync per layer
+    # For the grouped path (grouped_lora.py); host-side, so no sync per layer:
+    counts: tuple[int, ...] = ()  # rows of each group
+    starts: tuple[int, ...] = ()  # first row of each group, then the row count
+    slot_list: tuple[int, ...] = ()  # ``slots`` in group order
+    row_slots: Tensor | None = None  # [n] slot of each row
+    row_ends: Tensor | None = None  # [g] int32 end row of each group (``offs`` in rows)
+    _offs: dict[tuple[int, int, int], Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def dense(self) -> bool:
         """Every group has ``width`` rows, so the grouped rows need no padding."""
         return self.rows.numel() == self.slots.numel() * self.width
+
+    def token_offs(self, first: int, end: int, tokens: int) -> Tensor:
+        """``offs`` for groups ``first:end`` as one grouped matmul: each group's end token,
+        counted from the first group's start. Built once per routing, shared by the layers
+        (and by a checkpointed layer's recompute)."""
+        key = (first, end, tokens)
+        if key not in self._offs:
+            assert self.row_ends is not None
+            start = self.starts[first]
+            self._offs[key] = (self.row_ends[first:end] - start) * tokens
+        return self._offs[key]
 
     @classmethod
     def build(cls, slot_ids: Tensor) -> Routing | None:
@@ -75,18 +106,24 @@ class Routing:
         slots, group, counts = torch.unique_consecutive(
             slot_ids[rows], return_inverse=True, return_counts=True
         )
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(rows.numel(), device=rows.device) - starts[group]
+        ends = torch.cumsum(counts, 0)
+        pos = torch.arange(rows.numel(), device=rows.device) - (ends - counts)[group]
         in_order = rows.numel() == len(slot_ids) and bool((order[1:] > order[:-1]).all())
+        host_counts, slot_list = counts.tolist(), slots.tolist()
         return cls(
             len(slot_ids),
             rows,
             group,
             pos,
             slots,
-            int(counts.max()),
+            max(host_counts),
             in_order,
-            frozenset(slots.tolist()),
+            frozenset(slot_list),
+            tuple(host_counts),
+            (0, *ends.tolist()),
+            tuple(slot_list),
+            slots[group],
+            ends.to(torch.int32),
         )
 
 
@@ -120,9 +157,16 @@ class MultiLoRALinear(nn.Module):
     """
 
     def __init__(
-        self, base_layer: nn.Linear, slots: int, max_rank: int, dtype: torch.dtype | None = None
+        self,
+        base_layer: nn.Linear,
+        slots: int,
+        max_rank: int,
+        dtype: torch.dtype | None = None,
+        grouped_mm: str = "auto",
     ) -> None:
         super().__init__()
+        # "auto" | "always" | "never": when the delta runs as grouped matmuls (grouped_lora.py).
+        self.grouped_mm = check_mode(grouped_mm)
         self.base_layer = base_layer
         self.base_layer.requires_grad_(False)
         out_f, in_f = base_layer.weight.shape
@@ -184,6 +228,12 @@ class MultiLoRALinear(nn.Module):
         delta = self._delta(x, plan).to(y.dtype)
         return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
 
+    def path(self, dtype: torch.dtype) -> Path:
+        """Which delta computation a forward with activations of ``dtype`` runs."""
+        shapes = (self.in_features, self.out_features, self.lora_A.shape[1])
+        blocker = grouped_mm_blocker(kernel_env(self.lora_A.device), dtype, shapes)
+        return choose_path(self.grouped_mm, blocker)
+
     def _delta(self, x: Tensor, plan: Routing) -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
         # Compute in the activations' dtype (the base's: bf16 on a GPU): A and B are cast,
@@ -191,6 +241,15 @@ class MultiLoRALinear(nn.Module):
         xs = x if plan.in_order else x[plan.rows]
         if self.training and self._dropout_slots:
             xs = self._dropout(xs, self.dropout[plan.slots][plan.group].to(xs.dtype))
+        path = self.path(xs.dtype)
+        if path != "bmm":
+            ranks = [self._ranks.get(s, 0) for s in plan.slot_list]
+            mm = fused_grouped_mm if path == "grouped" else reference_grouped_mm
+            return grouped_delta(xs, self.lora_A, self.lora_B, self.scale, plan, ranks, mm)
+        return self._bmm_delta(xs, plan)
+
+    def _bmm_delta(self, xs: Tensor, plan: Routing) -> Tensor:
+        """Groups padded to the largest group and slots to the batch's largest rank."""
         groups = plan.slots.numel()
         if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
             padded = xs.reshape(groups, -1, xs.shape[-1])
