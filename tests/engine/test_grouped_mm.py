@@ -299,3 +299,26 @@ def test_the_fused_kernel_equals_bmm_on_the_gpu(routing) -> None:
     ref = _run(layer, ROUTINGS[routing], "never", x)
     got = _run(layer, ROUTINGS[routing], "auto", x)
     _assert_close(got, ref, 2e-2)
+
+
+# ---- the engine's setting ------------------------------------------------------------
+
+
+def test_the_engine_trains_on_the_grouped_path_when_told(tiny_model_dir, tmp_path) -> None:
+    """``--lora-kernel grouped`` on a CPU: every layer (the lm_head's per-token routing in
+    the chunked log-probs included) runs the grouped algorithm through a real tick."""
+    from engine_builders import engine, spec
+
+    with pytest.raises(ValueError, match="lora_kernel must be one of"):
+        engine(tiny_model_dir, tmp_path, lora_kernel="cutlass")
+    eng = engine(tiny_model_dir, tmp_path, lora_kernel="grouped")
+    assert {layer.grouped_mm for layer in eng.model.lora_layers.values()} == {"always"}
+    calls: list[int] = []
+    real = grouped_lora.grouped_delta
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lora, "grouped_delta", lambda *a: calls.append(1) or real(*a))
+        eng.put_experiment("default.a", spec(steps=2), "default", "a")
+        assert eng.tick() is not None
+    assert calls  # the grouped path really ran
+    status = eng.get_experiment("default.a")
+    assert status.error is None and status.step == 1 and status.train_tokens > 0

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from .lora import Routing
 
 MODES = ("auto", "always", "never")
+# The engine's ``--lora-kernel`` names (api_types.LORA_KERNELS) -> a layer's mode.
+KERNEL_MODES = {"auto": "auto", "bmm": "never", "grouped": "always"}
 Path = Literal["bmm", "grouped", "reference"]
 # torch._grouped_mm needs every stride but the unit one to be a multiple of 16 bytes:
 # 8 bf16 elements (the only dtype its fused kernel takes).

@@ -367,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
                 "reward_deadline_s": args.reward_deadline,
                 "dtype": args.dtype,
                 "gradient_checkpointing": args.gradient_checkpointing,
+                "lora_kernel": args.lora_kernel,
                 "trust": trust_policy(args, port),
             }
             kwargs["device"] = args.device or _default_device()
