@@ -12,6 +12,7 @@ bf16 the delta is instead grouped matmuls at each slot's own rank (grouped_lora.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -120,7 +121,7 @@ class Routing:
             in_order,
             frozenset(slot_list),
             tuple(host_counts),
-            (0, *ends.tolist()),
+            (0, *itertools.accumulate(host_counts)),  # host arithmetic: no extra sync
             tuple(slot_list),
             slots[group],
             ends.to(torch.int32),
