@@ -63,7 +63,7 @@ def mixed_layer(
 def _step(layer: MultiLoRALinear, x: torch.Tensor, plan: Routing, mode: str) -> None:
     """Forward and backward of the delta alone (the base matmul is the same on both)."""
     layer.grouped_mm = mode
-    layer._delta(x, plan).float().square().mean().backward()
+    layer.routed_delta(x, plan)[1].float().square().mean().backward()
 
 
 def _sync(device: torch.device) -> None:
@@ -107,7 +107,7 @@ def measure(
     # The layer's input needs its gradient too (the layers below it train).
     x = torch.randn(len(slots), tokens, in_f, device=device, dtype=torch.bfloat16)
     x.requires_grad_()
-    plan = Routing.build(slots)
+    plan = Routing.build(slots, dict(enumerate(ranks, 1)))
     assert plan is not None
     got: dict[str, Any] = {
         "ranks": ranks, "rows": rows, "tokens_per_row": tokens, "shapes": list(shapes),
@@ -121,7 +121,7 @@ def measure(
         for label, mode in modes.items():
             layer.grouped_mm = mode
             with FlopCounterMode(display=False) as fwd:
-                layer._delta(x, plan)
+                layer.routed_delta(x, plan)
             with FlopCounterMode(display=False) as both:
                 _step(layer, x, plan, mode)
             got["counted_flops"][label] = {

@@ -112,6 +112,7 @@ def test_the_reference_loop_is_torchs_grouped_mm(dtype) -> None:
 # slot -> rank, max rank 64: slots 1 and 2 share one run (rank 4 is computed at 8, the
 # kernel's alignment); slot 5's adapter does not target the layer (rank 0 here).
 RANKS = {1: 8, 2: 4, 3: 64, 4: 16, 5: 0, 6: 16}
+ADAPTER_RANKS = RANKS | {5: 32}  # what the router knows: slot 5's adapter has a rank
 ROUTINGS = {
     "dense in order": [1, 1, 2, 2, 3, 3, 4, 4, 6, 6],
     "dense shuffled": [3, 1, 2, 6, 4, 2, 1, 4, 3, 6],
@@ -141,7 +142,7 @@ def _run(layer, slots, mode, x, loss="square"):
     layer.grouped_mm = mode
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
-    layer.router = Router(torch.tensor(slots, device=x.device))
+    layer.router = Router(torch.tensor(slots, device=x.device), ADAPTER_RANKS)
     y = layer(x)
     layer.router = None
     (y.float().square().sum() if loss == "square" else y.sum()).backward()
@@ -190,7 +191,7 @@ def test_torchs_grouped_mm_through_the_layer_equals_bmm(monkeypatch, dtype) -> N
 def test_per_slot_dropout_masks_are_the_same_on_both_paths() -> None:
     """Dropout is drawn on the gathered rows before grouping: same seed, same masks."""
     layer = _layer(torch.float32, dropout=0.3).train()
-    slots = ROUTINGS["sparse with base rows"]
+    slots = [4, 0, 1, 6, 1, 4, 6]  # slot order is rank order: the same rows in the same order
     x = torch.randn(len(slots), 4, 64)
     torch.manual_seed(7)
     ref = _run(layer, slots, "never", x)
@@ -208,6 +209,32 @@ def test_base_only_batches_skip_the_delta() -> None:
     layer.grouped_mm = "always"
     layer.router = Router(torch.zeros(3, dtype=torch.long))
     assert torch.equal(layer(x), layer.base_layer(x))
+
+
+def test_the_grouped_path_runs_one_pair_of_matmuls_per_rank(monkeypatch) -> None:
+    """Slot order 1, 3, 4, 5, 6 has ranks 8, 64, 16, (none here), 16: four runs; ordered by
+    rank (slot 5's adapter is rank 32) the two rank-16 slots are adjacent: three."""
+    calls: list[int] = []
+    real = grouped_lora.reference_grouped_mm
+    monkeypatch.setattr(lora, "reference_grouped_mm", lambda *a: calls.append(1) or real(*a))
+    layer = _layer(torch.float32)
+    slots = ROUTINGS["an untargeted slot"]
+    _run(layer, slots, "always", torch.randn(len(slots), 2, 64))
+    assert len(calls) == 2 * 3
+
+
+def test_ranked_routing_orders_groups_by_rank() -> None:
+    ids = torch.tensor([1, 3, 0, 2, 1, 3, 2])
+    plan = Routing.build(ids, {1: 64, 2: 8, 3: 8})
+    ranked = plan.ranked()
+    assert ranked is plan.ranked()  # once per routing
+    assert ranked.slot_list == (2, 3, 1) and ranked.slots.tolist() == [2, 3, 1]
+    assert ranked.rows.tolist() == [3, 6, 1, 5, 0, 4] and not ranked.in_order
+    assert ranked.row_slots.tolist() == [2, 2, 3, 3, 1, 1]
+    assert ranked.starts == (0, 2, 4, 6) and ranked.slot_set == plan.slot_set
+    assert Routing.build(ids, {1: 8, 2: 8, 3: 64}).ranked().slot_list == (1, 2, 3)
+    in_rank_order = Routing.build(ids, {1: 8, 2: 8, 3: 8})
+    assert in_rank_order.ranked() is in_rank_order
 
 
 def test_routing_precomputes_the_grouped_offsets() -> None:
@@ -234,7 +261,7 @@ def test_delta_flops_count_what_each_path_multiplies() -> None:
     for mode, path in (("never", "bmm"), ("always", "grouped")):
         layer.grouped_mm = mode
         with FlopCounterMode(display=False) as counter:
-            layer._delta(x, plan)
+            layer.routed_delta(x, plan)
         assert counter.get_total_flops() == want[path], path
     assert want["grouped"] < want["bmm"]
 

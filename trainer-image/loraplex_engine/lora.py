@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -76,9 +78,10 @@ class Routing:
     slot_list: tuple[int, ...] = ()  # ``slots`` in group order
     row_slots: Tensor | None = None  # [n] slot of each row
     row_ends: Tensor | None = None  # [g] int32 end row of each group (``offs`` in rows)
-    _offs: dict[tuple[int, int, int], Tensor] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    slot_ids: Tensor | None = field(default=None, compare=False, repr=False)  # what was routed
+    ranks: Mapping[int, int] = field(default_factory=dict, compare=False)  # slot -> rank
+    # ``offs`` and the rank-ordered routing, built on first use (see token_offs, ranked).
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def dense(self) -> bool:
@@ -90,15 +93,45 @@ class Routing:
         counted from the first group's start. Built once per routing, shared by the layers
         (and by a checkpointed layer's recompute)."""
         key = (first, end, tokens)
-        if key not in self._offs:
+        if key not in self._cache:
             assert self.row_ends is not None
-            start = self.starts[first]
-            self._offs[key] = (self.row_ends[first:end] - start) * tokens
-        return self._offs[key]
+            self._cache[key] = (self.row_ends[first:end] - self.starts[first]) * tokens
+        return self._cache[key]  # type: ignore[no-any-return]
+
+    def ranked(self) -> Routing:
+        """The same rows with the groups ordered by (rank, slot), so that the slots of one
+        rank are adjacent and the grouped path runs one pair of grouped matmuls per rank,
+        not per pair of differing neighbours. Built once (one host sync), then shared."""
+        if "ranked" not in self._cache:
+            order = sorted(self.slot_list, key=lambda s: (self.ranks.get(s, 0), s))
+            same = order == list(self.slot_list)
+            self._cache["ranked"] = self if same else self._reordered(order)
+        return self._cache["ranked"]  # type: ignore[no-any-return]
+
+    def _reordered(self, order: list[int]) -> Routing:
+        """Group by each slot's place in ``order`` (slot 0 stays 0), then name the slots."""
+        assert self.slot_ids is not None
+        device = self.slot_ids.device
+        label = torch.zeros(max(order) + 1, dtype=torch.long)
+        label[order] = torch.arange(1, len(order) + 1)
+        by_label = Routing.build(label.to(device)[self.slot_ids])
+        assert by_label is not None
+        slots = torch.tensor(order, device=device)
+        return replace(
+            by_label,
+            slots=slots,
+            slot_set=self.slot_set,
+            slot_list=tuple(order),
+            row_slots=slots[by_label.group],
+            slot_ids=self.slot_ids,
+            ranks=self.ranks,
+        )
 
     @classmethod
-    def build(cls, slot_ids: Tensor) -> Routing | None:
-        """None when no row has an adapter (the whole batch is the base model)."""
+    def build(cls, slot_ids: Tensor, ranks: Mapping[int, int] | None = None) -> Routing | None:
+        """None when no row has an adapter (the whole batch is the base model).
+
+        ``ranks`` (slot -> adapter rank) orders the groups of ``ranked()``."""
         rows = torch.nonzero(slot_ids, as_tuple=True)[0]
         if rows.numel() == 0:
             return None
@@ -125,6 +158,8 @@ class Routing:
             tuple(slot_list),
             slots[group],
             ends.to(torch.int32),
+            slot_ids,
+            dict(ranks or {}),
         )
 
 
@@ -133,10 +168,12 @@ class Router:
 
     ``generate`` may expand each prompt into ``k`` rows (``num_return_sequences``, beams)
     with ``repeat_interleave``; the plan for such a batch is derived from the same ids.
+    ``ranks`` (slot -> its adapter's rank) lets the grouped path put equal ranks together.
     """
 
-    def __init__(self, slot_ids: Tensor) -> None:
+    def __init__(self, slot_ids: Tensor, ranks: Mapping[int, int] | None = None) -> None:
         self.slot_ids = slot_ids
+        self.ranks = dict(ranks or {})
         self._plans: dict[int, Routing | None] = {}
 
     def plan(self, batch: int) -> Routing | None:
@@ -144,7 +181,8 @@ class Router:
             n = len(self.slot_ids)
             if batch % n:
                 raise RoutingError(f"batch of {batch} rows does not fit {n} slot ids")
-            self._plans[batch] = Routing.build(self.slot_ids.repeat_interleave(batch // n))
+            ids = self.slot_ids.repeat_interleave(batch // n)
+            self._plans[batch] = Routing.build(ids, self.ranks)
         return self._plans[batch]
 
 
@@ -194,6 +232,10 @@ class MultiLoRALinear(nn.Module):
         """The rank ``slot`` uses here; 0 when it does not target this layer."""
         return self._ranks.get(slot, 0)
 
+    def ranks(self) -> dict[int, int]:
+        """Slot -> rank of every slot that contributes here."""
+        return dict(self._ranks)
+
     @torch.no_grad()
     def set_slot(
         self,
@@ -226,8 +268,17 @@ class MultiLoRALinear(nn.Module):
         # (an engine wraps every linear; most adapters target a few) cost nothing.
         if plan is None or plan.slot_set.isdisjoint(self._ranks):
             return y
-        delta = self._delta(x, plan).to(y.dtype)
+        plan, delta = self.routed_delta(x, plan)
+        delta = delta.to(y.dtype)
         return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
+
+    def routed_delta(self, x: Tensor, plan: Routing) -> tuple[Routing, Tensor]:
+        """The delta on this layer's path, and the routing whose ``rows`` it is for (the
+        grouped path orders the groups by rank)."""
+        path = self.path(x.dtype)
+        if path != "bmm":
+            plan = plan.ranked()
+        return plan, self._delta(x, plan, path)
 
     def path(self, dtype: torch.dtype) -> Path:
         """Which delta computation a forward with activations of ``dtype`` runs."""
@@ -235,14 +286,13 @@ class MultiLoRALinear(nn.Module):
         blocker = grouped_mm_blocker(kernel_env(self.lora_A.device), dtype, shapes)
         return choose_path(self.grouped_mm, blocker)
 
-    def _delta(self, x: Tensor, plan: Routing) -> Tensor:
+    def _delta(self, x: Tensor, plan: Routing, path: Path = "bmm") -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
         # Compute in the activations' dtype (the base's: bf16 on a GPU): A and B are cast,
         # not x, and the cast's backward carries the gradient to the fp32 masters.
         xs = x if plan.in_order else x[plan.rows]
         if self.training and self._dropout_slots:
             xs = self._dropout(xs, self.dropout[plan.slots][plan.group].to(xs.dtype))
-        path = self.path(xs.dtype)
         if path != "bmm":
             ranks = [self._ranks.get(s, 0) for s in plan.slot_list]
             mm = fused_grouped_mm if path == "grouped" else reference_grouped_mm

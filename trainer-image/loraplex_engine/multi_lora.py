@@ -128,7 +128,8 @@ class MultiLoRAModel(nn.Module):
     @contextmanager
     def route(self, slot_ids: Tensor) -> Iterator[None]:
         """Within the block, row ``i`` of every batch uses slot ``slot_ids[i]``."""
-        router = Router(self._check_slot_ids(slot_ids))
+        ranks = {slot: self._configs[name].rank for name, slot in self._slots.items()}
+        router = Router(self._check_slot_ids(slot_ids), ranks)
         for layer in self.lora_layers.values():
             layer.router = router
         try:
