@@ -20,6 +20,9 @@
    N × the N=1 fused step: what a system that holds one adapter per device spends per
    round, without any swap (time-sliced is the resident-slots baseline, with its real
    host copies).
+5. Before the cells, one q_proj-shaped layer's LoRA delta on the bmm path vs the grouped
+   path (``torch._grouped_mm`` on sm90/sm100; bench/grouped_lora.py's three workloads):
+   the FLOPs each needs and each one's forward+backward time (``grouped_lora``).
 
 Writes one JSON (``--out``, default bench/results/gpu-<device>-<date>.json) after every
 cell, so a run cut short by its time slot still leaves what it measured.
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grouped_lora as grouped_bench
 from gpu_bench import bf16_matmul_flops
 from loraplex_engine.algorithms import GRPO
 from loraplex_engine.lora import LoRAConfig
@@ -155,6 +159,25 @@ def run_cell(
     return cell
 
 
+def grouped_lora_arm(
+    config: PretrainedConfig, device: torch.device, dry_run: bool
+) -> dict[str, Any]:
+    """One q_proj-shaped layer's LoRA delta, bmm vs grouped (bench/grouped_lora.py's
+    workloads: mixed ranks, uneven groups, uniform), bf16, forward + backward.
+
+    On CUDA ``auto`` takes the fused ``torch._grouped_mm`` where the device qualifies
+    (``paths`` says what ran); the dry run forces the grouped algorithm's reference loop.
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shapes = (config.hidden_size, config.num_attention_heads * head_dim, 64)
+    tokens = 16 if dry_run else 512
+    modes = {"bmm": "never", "grouped": "always" if dry_run else "auto"}
+    return {
+        name: grouped_bench.measure(ranks, rows, tokens, shapes, device, 5, modes, dry_run)
+        for name, (ranks, rows) in grouped_bench.WORKLOADS.items()
+    }
+
+
 def _plan_row(config: dict[str, Any], workload: dict[str, Any], device_bytes: int) -> dict:
     """One planner row in a worker process (fake tensors: host CPU only)."""
     torch.set_num_threads(1)
@@ -260,6 +283,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workload": asdict(workloads[0]) | {"adapters": ns}, "cells": [], "skipped": [],
     }  # fmt: skip
     print(f"{name}: bf16 matmul {rate / 1e12:.2f} TFLOP/s; {config.num_hidden_layers} layers")
+    try:  # seconds; a failure here is recorded, the scale cells still run
+        result["grouped_lora"] = grouped_lora_arm(config, device, args.dry_run)
+        _print_grouped(result["grouped_lora"])
+    except Exception as e:
+        result["grouped_lora"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"grouped LoRA arm failed: {result['grouped_lora']['error']}", flush=True)
+    _write(out, result)
     try:
         for w in workloads:
             if time.monotonic() - started > args.budget_s:
@@ -298,6 +328,14 @@ def _add_one_at_a_time(done: list[dict[str, Any]], cell: dict[str, Any]) -> None
 def _write(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def _print_grouped(workloads: dict[str, Any]) -> None:
+    for name, got in workloads.items():
+        wall = got["wall_s"]
+        print(f"LoRA delta {name:>13}: FLOPs bmm/grouped {got['bmm_over_grouped_flops']:.2f}x,"
+              f" fwd+bwd bmm {wall['bmm'] * 1e3:.2f} ms, {got['paths']['grouped']}"
+              f" {wall['grouped'] * 1e3:.2f} ms", flush=True)  # fmt: skip
 
 
 def _print_cell(cell: dict[str, Any]) -> None:

@@ -69,3 +69,17 @@ def test_planner_ran_the_same_workload(result: dict) -> None:
             / cell["arms"]["fused"]["step_s"]
             / result["bf16_matmul_flops_per_s"]
         )
+
+
+def test_the_grouped_lora_arm_ran_both_paths(result: dict) -> None:
+    """bmm vs the grouped algorithm (its reference loop on the CPU) on each workload, with
+    torch's FLOP counter agreeing with ``delta_flops`` on what each path multiplied."""
+    arm = result["grouped_lora"]
+    assert set(arm) == {"mixed ranks", "uneven groups", "uniform"}, arm.get("error")
+    for name, got in arm.items():
+        assert got["paths"] == {"bmm": "bmm", "grouped": "reference"}
+        counted = {k: v["forward"] for k, v in got["counted_flops"].items()}
+        assert counted == got["formula_forward_flops"], name
+        assert got["wall_s"]["bmm"] > 0 and got["wall_s"]["grouped"] > 0
+    assert arm["mixed ranks"]["bmm_over_grouped_flops"] > 1.5
+    assert arm["uniform"]["bmm_over_grouped_flops"] == 1.0

@@ -80,6 +80,25 @@ def test_precision_flags_from_the_environment_and_flags_win(
         monkeypatch.delenv(var)
 
 
+def test_lora_kernel_flag_from_the_environment_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loraplex_engine.api_types import LORA_KERNELS
+    from loraplex_engine.grouped_lora import KERNEL_MODES
+
+    assert tuple(KERNEL_MODES) == LORA_KERNELS  # every flag value has a layer mode
+    assert build_parser().parse_args(["serve"]).lora_kernel == "auto"
+    monkeypatch.setenv("LORAPLEX_LORA_KERNEL", "bmm")
+    assert build_parser().parse_args(["serve"]).lora_kernel == "bmm"
+    args = build_parser().parse_args(["serve", "--lora-kernel", "grouped"])
+    assert args.lora_kernel == "grouped"
+    monkeypatch.setenv("LORAPLEX_LORA_KERNEL", "cutlass")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+    message = "argument --lora-kernel: invalid LoRA kernel: 'cutlass' (from LORAPLEX_LORA_KERNEL)"
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
@@ -96,6 +115,7 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
         "LORAPLEX_ROLLOUT_BACKEND",
         "LORAPLEX_DTYPE",
         "LORAPLEX_GRADIENT_CHECKPOINTING",
+        "LORAPLEX_LORA_KERNEL",
         "LORAPLEX_VLLM_OPTIONS",
         "LORAPLEX_TOKEN ",  # the token itself, not only its file
     ):

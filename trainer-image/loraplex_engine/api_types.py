@@ -15,6 +15,9 @@ from pydantic.alias_generators import to_camel
 
 # The dtypes a frozen base may be loaded in (precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# How the multi-LoRA layers compute their delta (grouped_lora.py): grouped matmuls where
+# the fused kernel runs (auto), always the bmm path, or always the grouped algorithm.
+LORA_KERNELS = ("auto", "bmm", "grouped")
 
 # Tokens one experiment's step may cost: groupSize x promptsPerStep x (the prompt limit +
 # maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the

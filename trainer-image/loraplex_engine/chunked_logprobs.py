@@ -82,7 +82,7 @@ def _routed_head(head: nn.Module, hidden: Tensor, slots: Tensor | None) -> Tenso
     """``head(hidden)``; a multi-LoRA head with one slot id per token of ``hidden``."""
     if slots is None or not isinstance(head, MultiLoRALinear):
         return head(hidden)
-    previous, head.router = head.router, Router(slots)
+    previous, head.router = head.router, Router(slots, head.ranks())
     try:
         return head(hidden)
     finally:

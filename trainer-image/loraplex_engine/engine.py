@@ -58,6 +58,7 @@ from loraplex_engine.experiment import (
     new_experiment,
 )
 from loraplex_engine.fair_share import RewardScorer
+from loraplex_engine.grouped_lora import KERNEL_MODES
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
@@ -117,11 +118,16 @@ class Engine:
         dtype: str | None = None,
         gradient_checkpointing: bool | None = None,
         trust: TrustPolicy | None = None,
+        lora_kernel: str = "auto",
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
         if train_mode not in TRAIN_MODES:
             raise ValueError(f"train_mode must be fused or timesliced, got {train_mode!r}")
+        if lora_kernel not in KERNEL_MODES:
+            raise ValueError(
+                f"lora_kernel must be one of {list(KERNEL_MODES)}, got {lora_kernel!r}"
+            )
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
@@ -148,6 +154,7 @@ class Engine:
             max_rank=max_rank,
             target_modules=adaptable_module_names(base),
             dtype=MASTER_DTYPE,
+            grouped_mm=KERNEL_MODES[lora_kernel],
         )
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)

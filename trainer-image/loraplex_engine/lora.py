@@ -6,18 +6,32 @@ adapter: its rows skip the delta, so they equal the frozen base exactly.
 
 Rows are grouped by slot and padded to the largest group, so the delta is two batched matmuls
 over ``[groups, rows*tokens, in]`` with each slot's A/B read once (not copied per row, which
-would cost ``rows * rank * in`` memory per layer, ruinous in KV-cache decoding).
+would cost ``rows * rank * in`` memory per layer, ruinous in KV-cache decoding). On CUDA in
+bf16 the delta is instead grouped matmuls at each slot's own rank (grouped_lora.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .errors import AdapterError, RoutingError
+from .grouped_lora import (
+    Path,
+    check_mode,
+    choose_path,
+    fused_grouped_mm,
+    grouped_delta,
+    grouped_mm_blocker,
+    kernel_env,
+    reference_grouped_mm,
+)
 
 
 @dataclass(frozen=True)
@@ -58,15 +72,66 @@ class Routing:
     width: int  # rows in the largest group
     in_order: bool  # rows == all rows, in order (tenants already contiguous): no gather needed
     slot_set: frozenset[int] = frozenset()  # host-side copy of ``slots``: no sync per layer
+    # For the grouped path (grouped_lora.py); host-side, so no sync per layer:
+    counts: tuple[int, ...] = ()  # rows of each group
+    starts: tuple[int, ...] = ()  # first row of each group, then the row count
+    slot_list: tuple[int, ...] = ()  # ``slots`` in group order
+    row_slots: Tensor | None = None  # [n] slot of each row
+    row_ends: Tensor | None = None  # [g] int32 end row of each group (``offs`` in rows)
+    slot_ids: Tensor | None = field(default=None, compare=False, repr=False)  # what was routed
+    ranks: Mapping[int, int] = field(default_factory=dict, compare=False)  # slot -> rank
+    # ``offs`` and the rank-ordered routing, built on first use (see token_offs, ranked).
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def dense(self) -> bool:
         """Every group has ``width`` rows, so the grouped rows need no padding."""
         return self.rows.numel() == self.slots.numel() * self.width
 
+    def token_offs(self, first: int, end: int, tokens: int) -> Tensor:
+        """``offs`` for groups ``first:end`` as one grouped matmul: each group's end token,
+        counted from the first group's start. Built once per routing, shared by the layers
+        (and by a checkpointed layer's recompute)."""
+        key = (first, end, tokens)
+        if key not in self._cache:
+            assert self.row_ends is not None
+            self._cache[key] = (self.row_ends[first:end] - self.starts[first]) * tokens
+        return self._cache[key]  # type: ignore[no-any-return]
+
+    def ranked(self) -> Routing:
+        """The same rows with the groups ordered by (rank, slot), so that the slots of one
+        rank are adjacent and the grouped path runs one pair of grouped matmuls per rank,
+        not per pair of differing neighbours. Built once (one host sync), then shared."""
+        if "ranked" not in self._cache:
+            order = sorted(self.slot_list, key=lambda s: (self.ranks.get(s, 0), s))
+            same = order == list(self.slot_list)
+            self._cache["ranked"] = self if same else self._reordered(order)
+        return self._cache["ranked"]  # type: ignore[no-any-return]
+
+    def _reordered(self, order: list[int]) -> Routing:
+        """Group by each slot's place in ``order`` (slot 0 stays 0), then name the slots."""
+        assert self.slot_ids is not None
+        device = self.slot_ids.device
+        label = torch.zeros(max(order) + 1, dtype=torch.long)
+        label[order] = torch.arange(1, len(order) + 1)
+        by_label = Routing.build(label.to(device)[self.slot_ids])
+        assert by_label is not None
+        slots = torch.tensor(order, device=device)
+        return replace(
+            by_label,
+            slots=slots,
+            slot_set=self.slot_set,
+            slot_list=tuple(order),
+            row_slots=slots[by_label.group],
+            slot_ids=self.slot_ids,
+            ranks=self.ranks,
+        )
+
     @classmethod
-    def build(cls, slot_ids: Tensor) -> Routing | None:
-        """None when no row has an adapter (the whole batch is the base model)."""
+    def build(cls, slot_ids: Tensor, ranks: Mapping[int, int] | None = None) -> Routing | None:
+        """None when no row has an adapter (the whole batch is the base model).
+
+        ``ranks`` (slot -> adapter rank) orders the groups of ``ranked()``."""
         rows = torch.nonzero(slot_ids, as_tuple=True)[0]
         if rows.numel() == 0:
             return None
@@ -75,18 +140,26 @@ class Routing:
         slots, group, counts = torch.unique_consecutive(
             slot_ids[rows], return_inverse=True, return_counts=True
         )
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(rows.numel(), device=rows.device) - starts[group]
+        ends = torch.cumsum(counts, 0)
+        pos = torch.arange(rows.numel(), device=rows.device) - (ends - counts)[group]
         in_order = rows.numel() == len(slot_ids) and bool((order[1:] > order[:-1]).all())
+        host_counts, slot_list = counts.tolist(), slots.tolist()
         return cls(
             len(slot_ids),
             rows,
             group,
             pos,
             slots,
-            int(counts.max()),
+            max(host_counts),
             in_order,
-            frozenset(slots.tolist()),
+            frozenset(slot_list),
+            tuple(host_counts),
+            (0, *itertools.accumulate(host_counts)),  # host arithmetic: no extra sync
+            tuple(slot_list),
+            slots[group],
+            ends.to(torch.int32),
+            slot_ids,
+            dict(ranks or {}),
         )
 
 
@@ -95,10 +168,12 @@ class Router:
 
     ``generate`` may expand each prompt into ``k`` rows (``num_return_sequences``, beams)
     with ``repeat_interleave``; the plan for such a batch is derived from the same ids.
+    ``ranks`` (slot -> its adapter's rank) lets the grouped path put equal ranks together.
     """
 
-    def __init__(self, slot_ids: Tensor) -> None:
+    def __init__(self, slot_ids: Tensor, ranks: Mapping[int, int] | None = None) -> None:
         self.slot_ids = slot_ids
+        self.ranks = dict(ranks or {})
         self._plans: dict[int, Routing | None] = {}
 
     def plan(self, batch: int) -> Routing | None:
@@ -106,7 +181,8 @@ class Router:
             n = len(self.slot_ids)
             if batch % n:
                 raise RoutingError(f"batch of {batch} rows does not fit {n} slot ids")
-            self._plans[batch] = Routing.build(self.slot_ids.repeat_interleave(batch // n))
+            ids = self.slot_ids.repeat_interleave(batch // n)
+            self._plans[batch] = Routing.build(ids, self.ranks)
         return self._plans[batch]
 
 
@@ -120,9 +196,16 @@ class MultiLoRALinear(nn.Module):
     """
 
     def __init__(
-        self, base_layer: nn.Linear, slots: int, max_rank: int, dtype: torch.dtype | None = None
+        self,
+        base_layer: nn.Linear,
+        slots: int,
+        max_rank: int,
+        dtype: torch.dtype | None = None,
+        grouped_mm: str = "auto",
     ) -> None:
         super().__init__()
+        # "auto" | "always" | "never": when the delta runs as grouped matmuls (grouped_lora.py).
+        self.grouped_mm = check_mode(grouped_mm)
         self.base_layer = base_layer
         self.base_layer.requires_grad_(False)
         out_f, in_f = base_layer.weight.shape
@@ -148,6 +231,10 @@ class MultiLoRALinear(nn.Module):
     def rank_of(self, slot: int) -> int:
         """The rank ``slot`` uses here; 0 when it does not target this layer."""
         return self._ranks.get(slot, 0)
+
+    def ranks(self) -> dict[int, int]:
+        """Slot -> rank of every slot that contributes here."""
+        return dict(self._ranks)
 
     @torch.no_grad()
     def set_slot(
@@ -181,16 +268,39 @@ class MultiLoRALinear(nn.Module):
         # (an engine wraps every linear; most adapters target a few) cost nothing.
         if plan is None or plan.slot_set.isdisjoint(self._ranks):
             return y
-        delta = self._delta(x, plan).to(y.dtype)
+        plan, delta = self.routed_delta(x, plan)
+        delta = delta.to(y.dtype)
         return y + delta if plan.in_order else y.index_add(0, plan.rows, delta)
 
-    def _delta(self, x: Tensor, plan: Routing) -> Tensor:
+    def routed_delta(self, x: Tensor, plan: Routing) -> tuple[Routing, Tensor]:
+        """The delta on this layer's path, and the routing whose ``rows`` it is for (the
+        grouped path orders the groups by rank)."""
+        path = self.path(x.dtype)
+        if path != "bmm":
+            plan = plan.ranked()
+        return plan, self._delta(x, plan, path)
+
+    def path(self, dtype: torch.dtype) -> Path:
+        """Which delta computation a forward with activations of ``dtype`` runs."""
+        shapes = (self.in_features, self.out_features, self.lora_A.shape[1])
+        blocker = grouped_mm_blocker(kernel_env(self.lora_A.device), dtype, shapes)
+        return choose_path(self.grouped_mm, blocker)
+
+    def _delta(self, x: Tensor, plan: Routing, path: Path = "bmm") -> Tensor:
         """LoRA delta for ``plan.rows``, in that order: ``[n, *x.shape[1:-1], out]``."""
         # Compute in the activations' dtype (the base's: bf16 on a GPU): A and B are cast,
         # not x, and the cast's backward carries the gradient to the fp32 masters.
         xs = x if plan.in_order else x[plan.rows]
         if self.training and self._dropout_slots:
             xs = self._dropout(xs, self.dropout[plan.slots][plan.group].to(xs.dtype))
+        if path != "bmm":
+            ranks = [self._ranks.get(s, 0) for s in plan.slot_list]
+            mm = fused_grouped_mm if path == "grouped" else reference_grouped_mm
+            return grouped_delta(xs, self.lora_A, self.lora_B, self.scale, plan, ranks, mm)
+        return self._bmm_delta(xs, plan)
+
+    def _bmm_delta(self, xs: Tensor, plan: Routing) -> Tensor:
+        """Groups padded to the largest group and slots to the batch's largest rank."""
         groups = plan.slots.numel()
         if plan.dense:  # equal groups (the usual case): grouping is a reshape, no padding
             padded = xs.reshape(groups, -1, xs.shape[-1])

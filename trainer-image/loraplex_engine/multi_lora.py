@@ -18,6 +18,7 @@ from .errors import (
     UnknownAdapterError,
     UnknownTargetModuleError,
 )
+from .grouped_lora import check_mode
 from .lora import LoRAConfig, MultiLoRALinear, Router
 
 PEFT_PREFIX = "base_model.model."
@@ -38,22 +39,31 @@ class MultiLoRAModel(nn.Module):
         max_rank: int,
         target_modules: Sequence[str] | None = None,
         dtype: torch.dtype | None = None,
+        grouped_mm: str = "auto",
     ) -> None:
         super().__init__()
         if max_adapters < 1 or max_rank < 1:
             raise AdapterError("max_adapters and max_rank must be at least 1")
+        check_mode(grouped_mm)
         self.base_model = base_model.requires_grad_(False)
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.lora_layers: dict[str, MultiLoRALinear] = _wrap_linears(
             base_model, target_modules, max_adapters + 1, max_rank, dtype
         )
+        self.set_grouped_mm(grouped_mm)
         if not self.lora_layers:
             raise UnknownTargetModuleError("the base model has no linear module to wrap")
         self.target_modules = frozenset(p.rsplit(".", 1)[-1] for p in self.lora_layers)
         self._slots: dict[str, int] = {}
         self._configs: dict[str, LoRAConfig] = {}
         self.training = base_model.training  # keep the base's train/eval mode
+
+    def set_grouped_mm(self, mode: str) -> None:
+        """When every layer's delta runs as grouped matmuls: "auto" | "always" | "never"."""
+        check_mode(mode)
+        for layer in self.lora_layers.values():
+            layer.grouped_mm = mode
 
     # ---- slot management -------------------------------------------------------------
 
@@ -118,7 +128,8 @@ class MultiLoRAModel(nn.Module):
     @contextmanager
     def route(self, slot_ids: Tensor) -> Iterator[None]:
         """Within the block, row ``i`` of every batch uses slot ``slot_ids[i]``."""
-        router = Router(self._check_slot_ids(slot_ids))
+        ranks = {slot: self._configs[name].rank for name, slot in self._slots.items()}
+        router = Router(self._check_slot_ids(slot_ids), ranks)
         for layer in self.lora_layers.values():
             layer.router = router
         try:

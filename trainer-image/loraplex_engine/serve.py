@@ -374,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
                 "micro_batch_tokens": args.micro_batch_tokens,
                 "device_memory": args.device_memory,
                 "memory_headroom": args.memory_headroom,
+                "lora_kernel": args.lora_kernel,
                 "trust": trust_policy(args, port),
             }
             kwargs["device"] = args.device or _default_device()

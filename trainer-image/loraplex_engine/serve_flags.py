@@ -21,6 +21,7 @@ from loraplex_engine.api_types import (
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_REWARD_DEADLINE_S,
     DTYPE_NAMES,
+    LORA_KERNELS,
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.openai_api import DEFAULT_MAX_COMPLETION_TOKENS
@@ -122,6 +123,12 @@ def _fraction(value: str) -> float:
 def _dtype(value: str) -> str:
     if value not in DTYPE_NAMES:
         raise _invalid("dtype", value, f"; choose one of {', '.join(DTYPE_NAMES)}")
+    return str(value)
+
+
+def _lora_kernel(value: str) -> str:
+    if value not in LORA_KERNELS:
+        raise _invalid("LoRA kernel", value, f"; choose one of {', '.join(LORA_KERNELS)}")
     return str(value)
 
 
@@ -239,6 +246,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "activations (default: on for cuda, off for cpu)",
     )
     add_memory_arguments(p)
+    p.add_argument(
+        "--lora-kernel",
+        type=_lora_kernel,
+        default=_env_parsed("LORA_KERNEL", "auto"),
+        help="the multi-LoRA delta: auto (grouped matmuls at each adapter's own rank where "
+        "torch's fused kernel runs: CUDA, bf16, sm90/sm100; else bmm), bmm, or grouped "
+        "(also where only its slower reference loop runs)",
+    )
     p.add_argument(
         "--vllm-option",
         action="append",
