@@ -138,6 +138,7 @@ class _Recording:
 
     def sync_adapters(self, exp_ids):
         self.events.append("sync")
+        return self._inner.sync_adapters(exp_ids)
 
     @contextmanager
     def training_phase(self):

@@ -255,6 +255,7 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.algorithm.seed", 1, _ALG, _plain),
     ("spec.rollout.maxNewTokens", 32, _ROLL, _plain),
     ("spec.rollout.temperature", 0.7, _ROLL, _plain),
+    ("spec.rollout.reproducible", True, _ROLL, _plain),
 ]
 # The operator acts on these every round, or the engine reads them at the next placement.
 MUTABLE_EDITS: list[tuple[str, Any]] = [
