@@ -32,6 +32,8 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.data_parallel import data_parallel_trainer
+from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -82,7 +84,8 @@ class Engine:
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
     arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
     CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
-    elsewhere) recomputes each decoder layer in the backward (checkpointing.py)."""
+    elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
+    ``world``: this process's rank in a data-parallel group (data_parallel.py)."""
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class Engine:
         dtype: str | None = None,
         gradient_checkpointing: bool | None = None,
         trust: TrustPolicy | None = None,
+        world: World | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -147,6 +151,8 @@ class Engine:
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
         trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
+        if world is not None:  # data parallel over the process group (data_parallel.py)
+            trainer = data_parallel_trainer(world, train_mode)
         self.strategy: TrainingStrategy = trainer(
             self.model,
             self.optimizer,

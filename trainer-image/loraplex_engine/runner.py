@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplex_engine.data_parallel import DataParallelTraining
+from loraplex_engine.distributed import DEFAULT_TIMEOUT_S
+from loraplex_engine.dp_launch import data_parallel
 from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.trust import TrustPolicy
@@ -227,12 +232,19 @@ def run_file(
     out: TextIO | None = None,
     dtype: str | None = None,
     data_roots: list[Path] | None = None,
-) -> dict[str, Any]:
+    world_size: int = 1,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any] | None:
     """Validate every manifest up front, then train them all on one hot engine.
 
     JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
     a relative one is taken from the first. One user runs the runner: reward URLs go
-    anywhere (the engine service's limits are in trust.py)."""
+    anywhere (the engine service's limits are in trust.py).
+
+    ``world_size`` > 1: data parallel (data_parallel.py); this process is rank 0 and
+    starts the others as this command (dp_launch.py). A worker rank (``RANK`` set)
+    loads the same experiments, follows rank 0's train phases and returns None; only
+    rank 0 rolls out, checkpoints and writes the summary."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
@@ -240,29 +252,50 @@ def run_file(
     trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
     check_datasets(manifests, trust, manifest_path)
     out_dir = make_out_dir(out_dir)
-    t0 = time.monotonic()
-    engine = Engine(
-        model_dir,
-        max_adapters=max_adapters,
-        max_rank=max_rank,
-        checkpoint_root=out_dir / "checkpoints",
-        train_mode=train_mode,
-        dtype=dtype,
-        trust=trust,
-    )
-    out.write(
-        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
-        f"{engine.capacity().dtype}, "
-        f"{len(manifests)} experiments, {train_mode} training\n"
-    )
-    for m in manifests:
-        try:
-            engine.put_experiment(m.id, m.spec, m.namespace, m.name)
-        except ApiError as e:
-            raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
-    ids = [m.id for m in manifests]
-    progress = Progress()
-    wall = run_until_done(engine, ids, out, progress)
+    argv = [
+        *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
+        *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
+        *("--train-mode", train_mode, "--world-size", str(world_size)),
+        *("--dist-timeout", str(dist_timeout_s)),
+        *(("--dtype", dtype) if dtype else ()),
+        *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
+    ]
+    with data_parallel(world_size, argv, torch.device("cpu"), dist_timeout_s) as world:
+        t0 = time.monotonic()
+        engine = Engine(
+            model_dir,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            checkpoint_root=out_dir / "checkpoints",
+            train_mode=train_mode,
+            dtype=dtype,
+            trust=trust,
+            world=world,
+        )
+        ranks = f", data parallel over {world.size} ranks" if world else ""
+        if world is None or world.is_leader:
+            out.write(
+                f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+                f"{engine.capacity().dtype}, "
+                f"{len(manifests)} experiments, {train_mode} training{ranks}\n"
+            )
+        for m in manifests:
+            try:
+                engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+            except ApiError as e:
+                raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
+        if (
+            isinstance(engine.strategy, DataParallelTraining)
+            and not engine.strategy.world.is_leader
+        ):
+            engine.strategy.follow()
+            engine.close()
+            return None
+        ids = [m.id for m in manifests]
+        progress = Progress()
+        wall = run_until_done(engine, ids, out, progress)
+        if isinstance(engine.strategy, DataParallelTraining):
+            engine.strategy.stop()
     tasks = {m.id: m.spec.task.name for m in manifests}
     summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
     plot_rewards(summary, out_dir / "rewards.png")
