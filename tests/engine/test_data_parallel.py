@@ -4,10 +4,23 @@ real gloo processes, and `loraplex-engine run --world-size 2` against `--world-s
 from __future__ import annotations
 
 import random
+import socket
 
+import dp_worker
 import pytest
+import torch
+import torch.multiprocessing as mp
+from lora_helpers import CONFIGS, multi_model
+from loraplex_engine import distributed
+from loraplex_engine.algorithms import GRPO
 from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
-from loraplex_engine.training import TrainRow
+from loraplex_engine.training import (
+    ExperimentUpdate,
+    TrainRow,
+    count_rows,
+    fused_backward,
+    shared_prefix_forward,
+)
 
 
 def row(exp: str, group: int | None, prompt: int, completion: int) -> TrainRow:
@@ -66,3 +79,89 @@ def test_groups_of_different_experiments_are_different_units() -> None:
     rows = [row("a", 0, 3, 2), row("b", 0, 3, 2)]
     assert row_units(rows) == [[0], [1]]
     assert sorted(map(len, split_row_indices(rows, 2))) == [1, 1]
+
+
+# ---- the gradient maths: each rank's share, under the tick's loss weights -------------
+
+
+def test_shares_under_the_ticks_row_counts_sum_to_the_one_rank_gradient(tiny_model_dir) -> None:
+    """The loss normalisation DP relies on: with ``row_counts`` of the whole tick, the
+    gradients of each rank's share of the rows (as split_rows_by_rank gives them) add up
+    to the gradient of all rows in one backward; with each share's own counts (the naive
+    way) they would not."""
+    model = multi_model(tiny_model_dir)
+    model.train()
+    rows = _tick_rows(model)
+    updates = {n: ExperimentUpdate(GRPO(), 0.2, 0.1 if n == "b" else 0.0) for n in CONFIGS}
+
+    def forward(ids, attn, slots):
+        return model(input_ids=ids, attention_mask=attn, slot_ids=slots).logits.float()
+
+    share = shared_prefix_forward(model, torch.device("cpu"))
+
+    def grads(parts: list[list[TrainRow]], counts: dict[str, int] | None) -> list[torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        for part in parts:
+            fused_backward(forward, part, updates, 0, 4096, share, row_counts=counts)
+        return [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+
+    whole = grads([rows], None)
+    shares = split_rows_by_rank(rows, 2)
+    assert all(shares) and len({id(r) for s in shares for r in s}) == len(rows)
+    summed = grads(shares, count_rows(rows))
+    for a, b in zip(whole, summed, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    naive = grads(shares, None)
+    assert max(float((a - b).abs().max()) for a, b in zip(whole, naive, strict=True)) > 1e-4
+    with pytest.raises(ValueError, match="row_counts has no count"):
+        fused_backward(forward, rows, updates, 0, 4096, share, row_counts={"a": 3})
+
+
+def _tick_rows(model) -> list[TrainRow]:
+    """Three tenants, prompt groups of 1-4 rows with shared prompts, random completions."""
+    rng = random.Random(0)
+    rows = []
+    for name in CONFIGS:
+        for group, size in enumerate((4, 3, 1, 2)):
+            prompt = [rng.randrange(4, 200) for _ in range(rng.randint(2, 9))]
+            for _ in range(size):
+                done = [rng.randrange(4, 200) for _ in range(rng.randint(1, 6))]
+                old = [rng.uniform(-6.0, -4.0) for _ in done]
+                adv = rng.uniform(-1, 1)
+                rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
+    return rows
+
+
+# ---- the collectives, on two real gloo processes -------------------------------------
+
+
+def test_lora_grads_are_summed_over_two_gloo_ranks(tmp_path) -> None:
+    """all_reduce_lora_grads (64-byte buckets: many per call) over two processes joined by
+    torchrun's env:// rendezvous: inside the slots in play every rank holds the sum,
+    a rank without a gradient gets the sum (zeros elsewhere), a parameter without one on
+    any rank keeps None; slots outside stay as each rank had them. broadcast_tensors
+    writes rank 0's values into a strided view in place; broadcast_object sends rank 0's."""
+    with socket.socket() as s:  # torchrun's way: rank 0 serves env://'s store on it
+        s.bind((distributed.LOOPBACK, 0))
+        port = s.getsockname()[1]
+    mp.spawn(dp_worker.run_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    local = [dp_worker.rank_grads(r) for r in range(2)]
+    inside = dp_worker.SLOTS
+    for i in (0, 1, 3):
+        want = sum(g[i] if g[i] is not None else torch.zeros(dp_worker.SHAPES[i]) for g in local)
+        for r in range(2):
+            got = out[r]["grads"][i]
+            torch.testing.assert_close(got[inside], want[inside], rtol=0, atol=1e-6)
+            mine = local[r][i] if local[r][i] is not None else torch.zeros(dp_worker.SHAPES[i])
+            torch.testing.assert_close(got[:1], mine[:1], rtol=0, atol=0)
+            torch.testing.assert_close(got[3:], mine[3:], rtol=0, atol=0)
+        assert torch.equal(out[0]["grads"][i][inside], out[1]["grads"][i][inside])
+    assert out[0]["grads"][2] is None and out[1]["grads"][2] is None
+    assert torch.equal(out[0]["grads"][0][inside], torch.full((2, 3, 5), 3.0))
+    for r in range(2):
+        assert torch.equal(out[r]["whole"], torch.arange(5.0))
+        assert torch.equal(out[r]["stacked"][:, 1:3], torch.full((4, 2), 7.0))
+        assert torch.equal(out[r]["stacked"][:, [0, 3]], torch.zeros(4, 2))
+        assert out[r]["obj"] == {"from": 0}
