@@ -170,8 +170,13 @@ class DataParallelTraining(FusedTraining):
             self._synced[name] = n.slot
 
 
+def check_train_mode(world_size: int, train_mode: str) -> None:
+    """Data parallelism splits the fused update; the time-sliced baseline is one rank's."""
+    if world_size > 1 and train_mode != "fused":
+        raise UsageError(f"--world-size {world_size} needs --train-mode fused, not {train_mode}")
+
+
 def data_parallel_trainer(world: World, train_mode: str) -> functools.partial[FusedTraining]:
-    """The Engine's training strategy class for ``world``; fused training only."""
-    if train_mode != "fused":
-        raise UsageError(f"--world-size {world.size} needs --train-mode fused, not {train_mode}")
+    """The Engine's training strategy class for ``world``."""
+    check_train_mode(world.size, train_mode)
     return functools.partial(DataParallelTraining, world=world)

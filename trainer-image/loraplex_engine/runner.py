@@ -20,7 +20,7 @@ import torch
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from loraplex_engine.data_parallel import DataParallelTraining
+from loraplex_engine.data_parallel import DataParallelTraining, check_train_mode
 from loraplex_engine.distributed import DEFAULT_TIMEOUT_S
 from loraplex_engine.dp_launch import data_parallel
 from loraplex_engine.errors import ApiError, FieldError, UsageError
@@ -251,6 +251,7 @@ def run_file(
     manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
     trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
     check_datasets(manifests, trust, manifest_path)
+    check_train_mode(world_size, train_mode)  # before any worker starts
     out_dir = make_out_dir(out_dir)
     argv = [
         *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
@@ -284,18 +285,16 @@ def run_file(
                 engine.put_experiment(m.id, m.spec, m.namespace, m.name)
             except ApiError as e:
                 raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
-        if (
-            isinstance(engine.strategy, DataParallelTraining)
-            and not engine.strategy.world.is_leader
-        ):
-            engine.strategy.follow()
+        dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
+        if dp is not None and not dp.world.is_leader:
+            dp.follow()  # until rank 0's stop()
             engine.close()
             return None
         ids = [m.id for m in manifests]
         progress = Progress()
         wall = run_until_done(engine, ids, out, progress)
-        if isinstance(engine.strategy, DataParallelTraining):
-            engine.strategy.stop()
+        if dp is not None:
+            dp.stop()
     tasks = {m.id: m.spec.task.name for m in manifests}
     summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
     plot_rewards(summary, out_dir / "rewards.png")
