@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import child_processes
@@ -23,6 +24,9 @@ import yaml
 from lora_helpers import CONFIGS, multi_model
 from loraplex_engine import cli, distributed
 from loraplex_engine.algorithms import GRPO
+from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
+from loraplex_engine.distributed import World
+from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
 from loraplex_engine.training import (
     ExperimentUpdate,
@@ -144,6 +148,23 @@ def _tick_rows(model) -> list[TrainRow]:
                 adv = rng.uniform(-1, 1)
                 rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
     return rows
+
+
+def test_a_worker_without_rank_0s_slots_or_config_refuses_to_train(tiny_model_dir) -> None:
+    """A worker checks rank 0's slot map and new adapters' LoRA configs against its own
+    before any tensor is broadcast into them."""
+    model = multi_model(tiny_model_dir)
+    worker = SimpleNamespace(model=model, world=World(1, 2))
+    settings = AdamWSettings(lr=0.01)
+    ok = {n: NewAdapter(model.slot_of(n), CONFIGS[n], settings, 0) for n in CONFIGS}
+    slots = {n: model.slot_of(n) for n in CONFIGS}
+    DataParallelTraining._check_adapters(worker, TrainMessage([], {}, slots, ok))
+    moved = TrainMessage([], {}, {**slots, "a": slots["b"]}, {})
+    with pytest.raises(RuntimeError, match="rank 1: adapter 'a' is in slot 2 on rank 0 but 1"):
+        DataParallelTraining._check_adapters(worker, moved)
+    other = {"c": NewAdapter(slots["c"], CONFIGS["a"], settings, 0)}
+    with pytest.raises(RuntimeError, match="rank 1: adapter 'c' has LoRA config"):
+        DataParallelTraining._check_adapters(worker, TrainMessage([], {}, slots, other))
 
 
 # ---- the collectives, on two real gloo processes -------------------------------------

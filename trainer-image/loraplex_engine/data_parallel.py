@@ -147,6 +147,8 @@ class DataParallelTraining(FusedTraining):
         slots: dict[str, int],
         new: dict[str, NewAdapter],
     ) -> dict[str, TrainOutcome]:
+        if not slots:  # nothing to train (the tick does not call; kept in step anyway)
+            return {}
         self._sync_new(new)
         share = split_rows_by_rank(rows, self.world.size)[self.world.rank]
         self.optimizer.zero_grad()
