@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from loraplex_engine import distributed
 from loraplex_engine.distributed import JOINED_KEY, LOOPBACK, World
@@ -72,8 +73,10 @@ def data_parallel(
         try:
             with _joined(world, device, timeout_s, store):
                 yield world
-        except Exception as e:
-            # A dead worker shows on rank 0 as a collective's connection error: name it.
+        except RuntimeError as e:
+            # A dead worker shows on rank 0 as a collective's connection error (gloo's
+            # RuntimeError, DistError): name the rank. A user error (the same on every
+            # rank) stays itself.
             _check_alive(workers, e)
             raise
         _wait_for_exit(workers)
@@ -83,9 +86,9 @@ def data_parallel(
 
 @contextmanager
 def _joined(
-    world: World, device: torch.device, timeout_s: float, store: object | None = None
+    world: World, device: torch.device, timeout_s: float, store: dist.Store | None = None
 ) -> Iterator[None]:
-    distributed.join(world, device, timeout_s, store)  # type: ignore[arg-type]
+    distributed.join(world, device, timeout_s, store)
     try:
         yield
     finally:
@@ -114,12 +117,12 @@ def _spawn(world_size: int, port: int, argv: Sequence[str]) -> dict[int, subproc
     return workers
 
 
-def _wait_for_check_in(store: object, workers: dict[int, subprocess.Popen[bytes]]) -> None:
+def _wait_for_check_in(store: dist.Store, workers: dict[int, subprocess.Popen[bytes]]) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     waiting = set(workers)
     while waiting:
         _check_alive(workers)
-        waiting = {r for r in waiting if not store.check([JOINED_KEY.format(rank=r)])}  # type: ignore[attr-defined]
+        waiting = {r for r in waiting if not store.check([JOINED_KEY.format(rank=r)])}
         if waiting and time.monotonic() > deadline:
             raise RankFailed(
                 f"ranks {sorted(waiting)} did not start within {STARTUP_TIMEOUT_S:.0f}s"
