@@ -55,22 +55,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from loraplex_engine.dp_launch import RankFailed
     from loraplex_engine.runner import run_file
 
     if args.rollout_backend == "vllm":
         _check_vllm_python()
-
-    summary = run_file(
-        args.manifests,
-        args.model,
-        args.out,
-        max_adapters=args.max_adapters,
-        max_rank=args.max_rank,
-        train_mode=args.train_mode,
-        dtype=args.dtype,
-        data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
-        rollout_backend=args.rollout_backend,
-    )
+    try:
+        summary = run_file(
+            args.manifests,
+            args.model,
+            args.out,
+            max_adapters=args.max_adapters,
+            max_rank=args.max_rank,
+            train_mode=args.train_mode,
+            dtype=args.dtype,
+            data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
+            rollout_backend=args.rollout_backend,
+            world_size=args.world_size,
+            dist_timeout_s=args.dist_timeout,
+        )
+    except RankFailed as e:  # the rank's own error is above (its stderr is ours)
+        print(f"loraplex-engine run: error: {e}", file=sys.stderr)
+        return 1
+    if summary is None:  # a worker rank: rank 0 reports
+        return 0
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)
@@ -159,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="directory JSONL datasets must lie under (a relative dataset is taken from "
         "the first); repeatable. Default: the manifest file's directory",
+    )
+    run.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks on this machine (gloo on the CPU); this process is rank 0 "
+        "and starts the others (default: 1)",
+    )
+    run.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a rank waits for the others in a collective before the run fails "
+        "(default: 600)",
     )
     run.set_defaults(func=_cmd_run)
 

@@ -39,6 +39,8 @@ from loraplex_engine.capacity_plan import (
     DEFAULT_MICRO_BATCH_TOKENS,
     engine_plan,
 )
+from loraplex_engine.data_parallel import data_parallel_trainer
+from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -93,7 +95,8 @@ class Engine:
     CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
     elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
     ``micro_batch_tokens`` (None: derived by the memory plan from ``device_memory``,
-    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py."""
+    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py.
+    ``world``: this process's rank in a data-parallel group (data_parallel.py)."""
 
     def __init__(
         self,
@@ -119,6 +122,7 @@ class Engine:
         gradient_checkpointing: bool | None = None,
         trust: TrustPolicy | None = None,
         lora_kernel: str = "auto",
+        world: World | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -166,6 +170,8 @@ class Engine:
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
         trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
+        if world is not None:  # data parallel over the process group (data_parallel.py)
+            trainer = data_parallel_trainer(world, train_mode)
         self.strategy: TrainingStrategy = trainer(
             self.model,
             self.optimizer,

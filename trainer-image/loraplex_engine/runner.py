@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import torch
+
 from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplex_engine.data_parallel import DataParallelTraining, check_train_mode
+from loraplex_engine.distributed import DEFAULT_TIMEOUT_S, World
+from loraplex_engine.dp_launch import data_parallel
 from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.trust import TrustPolicy
@@ -241,34 +246,54 @@ def run_file(
     dtype: str | None = None,
     data_roots: list[Path] | None = None,
     rollout_backend: str = "torch",
-) -> dict[str, Any]:
+    world_size: int = 1,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any] | None:
     """Validate every manifest up front, then train them all on one hot engine.
 
     JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
     a relative one is taken from the first. One user runs the runner: reward URLs go
-    anywhere (the engine service's limits are in trust.py)."""
+    anywhere (the engine service's limits are in trust.py).
+
+    ``world_size`` > 1: data parallel (data_parallel.py); this process is rank 0 and
+    starts the others as this command (dp_launch.py). A worker rank (``RANK`` set)
+    loads the same experiments, follows rank 0's train phases and returns None; only
+    rank 0 rolls out, checkpoints and writes the summary."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
     manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
     trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
     check_datasets(manifests, trust, manifest_path)
+    check_train_mode(world_size, train_mode)  # before any worker starts
     out_dir = make_out_dir(out_dir)
-    t0 = time.monotonic()
-    engine = Engine(
-        model_dir,
-        max_adapters=max_adapters,
-        max_rank=max_rank,
-        checkpoint_root=out_dir / "checkpoints",
-        train_mode=train_mode,
-        dtype=dtype,
-        trust=trust,
-        rollout_backend=rollout_backend,
-    )
-    try:
-        return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode)
-    finally:
-        engine.close()  # the vLLM worker, the reward pool
+    if world_size > 1 and rollout_backend != "torch":
+        raise UsageError("--world-size above 1 runs the torch rollout only (rank 0 decodes)")
+    argv = [
+        *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
+        *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
+        *("--train-mode", train_mode, "--world-size", str(world_size)),
+        *("--dist-timeout", str(dist_timeout_s)),
+        *(("--dtype", dtype) if dtype else ()),
+        *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
+    ]
+    with data_parallel(world_size, argv, torch.device("cpu"), dist_timeout_s) as world:
+        t0 = time.monotonic()
+        engine = Engine(
+            model_dir,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            checkpoint_root=out_dir / "checkpoints",
+            train_mode=train_mode,
+            dtype=dtype,
+            trust=trust,
+            rollout_backend=rollout_backend,
+            world=world,
+        )
+        try:
+            return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
+        finally:
+            engine.close()  # the vLLM worker, the reward pool
 
 
 def _run(
@@ -279,20 +304,30 @@ def _run(
     out_dir: Path,
     t0: float,
     train_mode: str,
-) -> dict[str, Any]:
-    out.write(
-        f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
-        f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "
-        f"{len(manifests)} experiments, {train_mode} training\n"
-    )
+    world: World | None,
+) -> dict[str, Any] | None:
+    """Train on a loaded engine; a worker rank follows rank 0 and returns None."""
+    if world is None or world.is_leader:
+        ranks = f", data parallel over {world.size} ranks" if world else ""
+        out.write(
+            f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+            f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "
+            f"{len(manifests)} experiments, {train_mode} training{ranks}\n"
+        )
     for m in manifests:
         try:
             engine.put_experiment(m.id, m.spec, m.namespace, m.name)
         except ApiError as e:
             raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
+    dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
+    if dp is not None and not dp.world.is_leader:
+        dp.follow()  # until rank 0's stop()
+        return None
     ids = [m.id for m in manifests]
     progress = Progress()
     wall = run_until_done(engine, ids, out, progress)
+    if dp is not None:
+        dp.stop()
     tasks = {m.id: m.spec.task.name for m in manifests}
     summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
     plot_rewards(summary, out_dir / "rewards.png")

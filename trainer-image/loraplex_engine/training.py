@@ -23,7 +23,7 @@ off-policy gap, algorithms/grpo.py).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -396,6 +396,7 @@ def fused_backward(
     token_budget: int,
     shared_forward: SharedForward | None = None,
     gradient_checkpointing: bool = False,
+    row_counts: Mapping[str, int] | None = None,
 ) -> TrainStats:
     """Accumulate every adapter's gradient over all rows; the caller steps the optimiser.
 
@@ -405,13 +406,30 @@ def fused_backward(
     ``gradient_checkpointing`` recomputes each decoder layer in the backward under the
     same routing (checkpointing.py); it needs a ``HiddenStatesForward`` (for its model)
     and trains unshared, since a checkpointed layer keeps no KV cache to share.
+    ``row_counts`` (rows per experiment; default: counted in ``rows``) are the loss
+    weights' denominators: data parallelism (data_parallel.py) passes the whole tick's,
+    so each rank's share of the rows gives its share of the one-rank gradient.
     """
+    counts = dict(row_counts) if row_counts is not None else count_rows(rows)
+    missing = sorted({r.experiment for r in rows} - set(counts))
+    if missing:
+        raise ValueError(f"row_counts has no count for experiments {missing}")
+    weights = {exp: 1.0 / n for exp, n in counts.items()}
+    run = functools.partial(_fused_backward, forward, rows, updates, pad_id, token_budget)
     if not gradient_checkpointing:
-        return _fused_backward(forward, rows, updates, pad_id, token_budget, shared_forward)
+        return run(shared_forward, weights)
     if not isinstance(forward, HiddenStatesForward):
         raise ValueError("gradient_checkpointing needs a HiddenStatesForward (its model)")
     with checkpointed(forward.model):
-        return _fused_backward(forward, rows, updates, pad_id, token_budget, None)
+        return run(None, weights)
+
+
+def count_rows(rows: Sequence[TrainRow]) -> dict[str, int]:
+    """Rows per experiment: the denominators of the loss weights."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.experiment] = counts.get(row.experiment, 0) + 1
+    return counts
 
 
 def _fused_backward(
@@ -421,11 +439,8 @@ def _fused_backward(
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None,
+    weights: dict[str, float],
 ) -> TrainStats:
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.experiment] = counts.get(row.experiment, 0) + 1
-    weights = {exp: 1.0 / n for exp, n in counts.items()}
     stats = TrainStats()
     for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
         chunk = [rows[i] for i in mb.index]

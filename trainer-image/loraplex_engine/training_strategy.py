@@ -120,7 +120,13 @@ class AdapterTrainer:
         ]
         return rescored, logprob_gaps(rows, old)
 
-    def backward(self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]) -> None:
+    def backward(
+        self,
+        rows: list[TrainRow],
+        updates: dict[str, ExperimentUpdate],
+        row_counts: dict[str, int] | None = None,
+    ) -> None:
+        """Accumulate the rows' gradients; ``row_counts``: training.fused_backward's."""
         stats = fused_backward(
             self._forward or self._routed_forward,
             rows,
@@ -129,6 +135,7 @@ class AdapterTrainer:
             self.micro_batch_tokens,
             self.shared_forward,
             gradient_checkpointing=self.gradient_checkpointing,
+            row_counts=row_counts,
         )
         self.computed_tokens += stats.computed_tokens
 
