@@ -55,6 +55,7 @@ from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion
+from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
@@ -82,7 +83,10 @@ class Engine:
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
     arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
     CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
-    elsewhere) recomputes each decoder layer in the backward (checkpointing.py)."""
+    elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
+    ``micro_batch_tokens``: the padded tokens of one training micro-batch (training.py).
+    ``rollout_kv_tokens``: the KV-cache tokens of one torch rollout micro-batch
+    (rollout/packing.py; None: ``DEFAULT_ROLLOUT_KV_TOKENS``)."""
 
     def __init__(
         self,
@@ -105,11 +109,17 @@ class Engine:
         dtype: str | None = None,
         gradient_checkpointing: bool | None = None,
         trust: TrustPolicy | None = None,
+        rollout_kv_tokens: int | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
         if train_mode not in TRAIN_MODES:
             raise ValueError(f"train_mode must be fused or timesliced, got {train_mode!r}")
+        for name, value in (("micro_batch_tokens", micro_batch_tokens),
+                            ("rollout_kv_tokens", rollout_kv_tokens)):  # fmt: skip
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.rollout_kv_tokens = rollout_kv_tokens or DEFAULT_ROLLOUT_KV_TOKENS
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
@@ -197,6 +207,7 @@ class Engine:
                 self._decode_forward,
                 self.codec.pad_id,
                 () if self.ignore_eos else self.codec.eos_ids,
+                self.rollout_kv_tokens,
             )
         config = self.model.base_model.config
         args = vllm_engine_args(
@@ -231,7 +242,7 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
         )
-        return out.logits[:, -1].float().cpu(), out.past_key_values
+        return out.logits[:, -1], out.past_key_values  # stays on the device (sampling.py)
 
     @property
     def computed_train_tokens(self) -> int:
