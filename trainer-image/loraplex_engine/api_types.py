@@ -22,6 +22,12 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_MAX_STEP_TOKENS = 1 << 18
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
 MAX_NEW_TOKENS = 4096  # largest spec.rollout.maxNewTokens
+# Padded tokens of one training micro-batch (training.py; serve --micro-batch-tokens).
+DEFAULT_MICRO_BATCH_TOKENS = 4096
+# KV-cache tokens one micro-batch of the torch rollout may hold (rollout/packing.py; serve
+# --rollout-kv-tokens): a fixed, conservative value (a 4B model's cache at 65536 tokens is
+# ~9 GiB in bf16) that bounds the rollout's cache whatever the number of tenants.
+DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # How long a tick waits for an experiment's reward before stepping without it (it trains in
 # the tick after the reward arrives, fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).

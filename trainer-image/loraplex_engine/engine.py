@@ -23,7 +23,9 @@ from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DEFAULT_ROLLOUT_KV_TOKENS,
     MAX_NEW_TOKENS,
     Capacity,
     CheckpointRef,
@@ -55,7 +57,6 @@ from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
 from loraplex_engine.rollout.base import Completion
-from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
 from loraplex_engine.spec import ExperimentSpec
@@ -98,7 +99,7 @@ class Engine:
         rollout_backend: str = "torch",
         device: str = "cpu",
         train_mode: str = "fused",
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         model_name: str | None = None,
         vllm_options: dict[str, Any] | None = None,
         ignore_eos: bool = False,

@@ -227,6 +227,8 @@ def run_file(
     out: TextIO | None = None,
     dtype: str | None = None,
     data_roots: list[Path] | None = None,
+    micro_batch_tokens: int | None = None,
+    rollout_kv_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Validate every manifest up front, then train them all on one hot engine.
 
@@ -241,8 +243,12 @@ def run_file(
     check_datasets(manifests, trust, manifest_path)
     out_dir = make_out_dir(out_dir)
     t0 = time.monotonic()
+    batches: dict[str, Any] = {"rollout_kv_tokens": rollout_kv_tokens}
+    if micro_batch_tokens is not None:
+        batches["micro_batch_tokens"] = micro_batch_tokens
     engine = Engine(
         model_dir,
+        **batches,
         max_adapters=max_adapters,
         max_rank=max_rank,
         checkpoint_root=out_dir / "checkpoints",
@@ -253,7 +259,9 @@ def run_file(
     out.write(
         f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
         f"{engine.capacity().dtype}, "
-        f"{len(manifests)} experiments, {train_mode} training\n"
+        f"{len(manifests)} experiments, {train_mode} training (micro-batches of "
+        f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
+        f"{engine.rollout_kv_tokens} KV tokens)\n"
     )
     for m in manifests:
         try:

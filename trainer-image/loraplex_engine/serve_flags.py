@@ -18,7 +18,9 @@ from typing import Any
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DEFAULT_ROLLOUT_KV_TOKENS,
     DTYPE_NAMES,
 )
 from loraplex_engine.errors import UsageError
@@ -69,6 +71,13 @@ def _int(value: str) -> int:
         return int(value)
     except ValueError:
         raise _invalid("int value", value) from None
+
+
+def _positive_int(value: str) -> int:
+    number = _int(value)
+    if number < 1:
+        raise _invalid("value", value, "; must be at least 1")
+    return number
 
 
 def _seconds(value: str) -> float:
@@ -168,6 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_parsed("MAX_PROMPT_TOKENS", DEFAULT_MAX_PROMPT_TOKENS),
         help="longest prompt a rollout row may have; a longer one fails its experiment",
     )
+    add_batch_arguments(p, env=True)
     p.add_argument(
         "--reward-deadline",
         type=_seconds,
@@ -236,6 +246,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trust_arguments(p)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+def add_batch_arguments(p: argparse.ArgumentParser, env: bool = False) -> None:
+    """How much one training micro-batch and one rollout micro-batch may hold (shared by
+    `serve`, where LORAPLEX_<FLAG> sets them too, and `run`)."""
+
+    def default(name: str) -> Any:
+        return _env_parsed(name, None) if env else None
+
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=_positive_int,
+        default=default("MICRO_BATCH_TOKENS"),
+        metavar="N",
+        help="padded tokens of one training micro-batch (gradient accumulation over "
+        f"them; default {DEFAULT_MICRO_BATCH_TOKENS})",
+    )
+    p.add_argument(
+        "--rollout-kv-tokens",
+        type=_positive_int,
+        default=default("ROLLOUT_KV_TOKENS"),
+        metavar="N",
+        help="KV-cache tokens of one torch rollout micro-batch (rows x (longest prompt + "
+        "largest maxNewTokens)); the rollout decodes micro-batches one after another, so "
+        "its cache stays under N tokens whatever the tenants "
+        f"(default {DEFAULT_ROLLOUT_KV_TOKENS})",
+    )
+
+
+def batch_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    """The Engine keywords of the flags given (unset: the engine's defaults)."""
+    out = {}
+    for name in ("micro_batch_tokens", "rollout_kv_tokens"):
+        if getattr(args, name, None) is not None:
+            out[name] = int(getattr(args, name))
+    return out
 
 
 # --- tenancy and trust: what tenants' datasets and reward URLs may reach (trust.py) ---

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loraplex_engine.api_types import DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.rollout.base import RolloutRequest
 
-# KV tokens one micro-batch of the torch rollout may hold when no budget is set (serve
-# --rollout-kv-tokens): fits a 4B model's cache on a GPU next to its training state.
-DEFAULT_ROLLOUT_KV_TOKENS = 65536
+__all__ = ["DEFAULT_ROLLOUT_KV_TOKENS", "kv_tokens", "pack_rollout", "prompt_groups"]
 
 
 def kv_tokens(requests: Sequence[RolloutRequest], rows: Sequence[int]) -> int:
