@@ -78,6 +78,7 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-rank", str(view.capacity.max_rank),
         "--rollout-backend", view.rollout_backend,
         *_precision_args(view),
+        *_batch_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
@@ -89,6 +90,16 @@ def _precision_args(view: PoolSpec) -> list[str]:
     if view.gradient_checkpointing is not None:
         on = view.gradient_checkpointing
         args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
+    return args
+
+
+def _batch_args(view: PoolSpec) -> list[str]:
+    """The pool's micro-batch budgets, where it sets them (else the engine's defaults)."""
+    args = []
+    if view.micro_batch_tokens is not None:
+        args += ["--micro-batch-tokens", str(view.micro_batch_tokens)]
+    if view.rollout_kv_tokens is not None:
+        args += ["--rollout-kv-tokens", str(view.rollout_kv_tokens)]
     return args
 
 

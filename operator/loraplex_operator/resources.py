@@ -237,6 +237,9 @@ class PoolSpec:
     # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
     dtype: str | None = None
     gradient_checkpointing: bool | None = None
+    # None = not set: the engine's defaults (serve --micro-batch-tokens, --rollout-kv-tokens).
+    micro_batch_tokens: int | None = None
+    rollout_kv_tokens: int | None = None
     queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
     data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
     reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
@@ -275,10 +278,16 @@ class PoolSpec:
                 if spec.get("gradientCheckpointing") is None
                 else bool(spec["gradientCheckpointing"])
             ),
+            micro_batch_tokens=_int_or_none(spec.get("microBatchTokens")),
+            rollout_kv_tokens=_int_or_none(spec.get("rolloutKvTokens")),
             queue_name=spec.get("queueName") or None,
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
         )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _model_shape(shape: Mapping[str, Any]) -> ModelShape | None:

@@ -133,6 +133,17 @@ def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
         kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
 
 
+def test_args_pass_the_batch_budgets_only_where_the_pool_sets_them() -> None:
+    bare = engine_args(_minimal_pool()["spec"])
+    assert "--micro-batch-tokens" not in bare and "--rollout-kv-tokens" not in bare
+    obj = pool("sized").set("spec.microBatchTokens", 2048).set("spec.rolloutKvTokens", 8192)
+    full = apply_defaults(schema_of("EnginePool"), obj.obj())
+    args = engine_args(full["spec"])
+    assert args[args.index("--micro-batch-tokens") + 1] == "2048"
+    assert args[args.index("--rollout-kv-tokens") + 1] == "8192"
+    kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
+
+
 def test_probes_hit_engine_routes() -> None:
     (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

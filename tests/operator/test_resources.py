@@ -91,6 +91,10 @@ def test_views_read_what_the_object_says() -> None:
         "bfloat16",
         False,
     )
+    assert p.spec.micro_batch_tokens is None and p.spec.rollout_kv_tokens is None
+    sized = pool().set("spec.microBatchTokens", 2048).set("spec.rolloutKvTokens", 8192).obj()
+    sized_spec = Pool.from_obj(sized).spec
+    assert (sized_spec.micro_batch_tokens, sized_spec.rollout_kv_tokens) == (2048, 8192)
     assert p.spec.queue_name is None  # no Kueue queue unless named
     queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
     assert queued.spec.queue_name == "gpu-team"
