@@ -162,6 +162,8 @@ def _completions(
 ) -> list[Completion]:
     """Every row's tokens, copied to the host once: a row's tokens are the steps it was
     live for (a prefix: a finished row stays finished)."""
+    if not steps:  # every row asked for no tokens
+        return [Completion([], []) for _ in requests]
     draws = [d for d, _ in steps]
     tokens = torch.stack([d.tokens for d in draws], 1).cpu().tolist()
     logprobs = torch.stack([d.logprobs for d in draws], 1).cpu().tolist()
