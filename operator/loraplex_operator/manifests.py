@@ -117,6 +117,8 @@ def _memory_args(view: PoolSpec) -> list[str]:
     capacity, args = view.capacity, []
     if capacity.micro_batch_tokens is not None:
         args += ["--micro-batch-tokens", str(capacity.micro_batch_tokens)]
+    if capacity.rollout_kv_tokens is not None:
+        args += ["--rollout-kv-tokens", str(capacity.rollout_kv_tokens)]
     if capacity.device_memory_bytes is not None:
         args += ["--device-memory", str(capacity.device_memory_bytes)]
     return args

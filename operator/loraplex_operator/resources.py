@@ -207,6 +207,7 @@ class Capacity:
     max_rank: int = 64
     memory_bytes: int = 0  # per engine; 0 = not enforced
     micro_batch_tokens: int | None = None  # None: each engine derives it (its memory plan)
+    rollout_kv_tokens: int | None = None  # None: likewise (torch rollout's KV budget)
     device_memory_bytes: int | None = None  # None: the engine measures its device (CUDA)
 
 
@@ -275,6 +276,7 @@ class PoolSpec:
                 max_rank=int(capacity.get("maxRank", Capacity.max_rank)),
                 memory_bytes=int(capacity.get("memoryBytes", Capacity.memory_bytes)),
                 micro_batch_tokens=_int_or_none(capacity.get("microBatchTokens")),
+                rollout_kv_tokens=_int_or_none(capacity.get("rolloutKvTokens")),
                 device_memory_bytes=_int_or_none(capacity.get("deviceMemoryBytes")),
             ),
             replicas=Replicas(

@@ -114,14 +114,31 @@ def test_plan_of_the_tiny_model_follows_from_its_shapes(tiny_model_dir, checkpoi
     assert detail["adapter_parts"] == {"slots": slots, "grads": slots, "adam": 2 * slots}
     assert peak["adapters"] == 4 * slots
 
-    # Every tenant's rows in one KV cache: rows x (prompt + completion - 1) tokens.
+    # Every tenant's rows fit the default rollout budget: one micro-batch, one KV cache of
+    # rows x (prompt + completion - 1) tokens.
     rows = 3 * work.rows_per_tenant
+    assert (detail["rollout_micro_batches"], detail["rollout_micro_batch_rows"]) == (1, rows)
     per_token = layers * 2 * kv_heads * head_dim * 2
     assert peak["kv_cache"] == rows * (work.prompt_tokens + work.completion_tokens - 1) * per_token
     assert peak["activations"] > 0 and peak["logits"] >= 0
     assert peak["total"] >= detail["train_total"] >= peak["base"] + peak["adapters"]
     ratio = row["train_flops"] / row["floor_flops"]
     assert (1.2 < ratio < 2.0) if checkpointing else (0.8 < ratio < 1.15)
+
+
+def test_the_planned_kv_cache_is_bounded_by_the_rollout_budget(tiny_model_dir) -> None:
+    """One tenant's rows cost 4 x 16 = 64 KV tokens; a budget of 130 holds two tenants."""
+    config = load_config(tiny_model_dir)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    kv = {}
+    for adapters, budget in ((2, 130), (6, 130), (6, 10**9)):
+        work = Workload(adapters=adapters, rank=4, rollout_kv_tokens=budget, **SMALL)
+        row = plan(config, work, 2**30)
+        kv[adapters, budget] = row["peak_bytes"]["kv_cache"], row["detail"]
+    assert kv[2, 130][0] == kv[6, 130][0] <= 130 * per_token
+    assert kv[6, 130][1]["rollout_micro_batches"] == 3
+    assert kv[6, 10**9][0] == 3 * kv[6, 130][0]  # one batch of every tenant's rows
+    assert kv[6, 10**9][1]["rollout_micro_batches"] == 1
 
 
 def test_plan_cli_prints_json(tiny_model_dir) -> None:

@@ -47,13 +47,15 @@ def manifest(name: str, task: str, seed: int) -> str:
     )
 
 
-def run_cli(manifests: list[str], tmp_path: Path, model: Path) -> tuple[int, dict[str, Any]]:
+def run_cli(
+    manifests: list[str], tmp_path: Path, model: Path, *flags: str
+) -> tuple[int, dict[str, Any]]:
     """`loraplex-engine run` in-process; returns its exit code and summary.json, parsed
     strictly (a bare NaN or Infinity, which Python's json would accept, is an error)."""
     path = tmp_path / "experiments.yaml"
     path.write_text("---\n".join(manifests))
     out = tmp_path / "out"
-    code = cli.main(["run", str(path), "--model", str(model), "--out", str(out)])
+    code = cli.main(["run", str(path), "--model", str(model), "--out", str(out), *flags])
     text = (out / "summary.json").read_text()
     return code, json.loads(text, parse_constant=_reject_constant)
 
@@ -100,6 +102,26 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
     png = tmp_path / "out" / "rewards.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     assert_progress(capsys.readouterr().out, ["say-yes", "copy-ab"])
+
+
+def test_batch_budgets_from_the_flags(tiny_model_dir, tmp_path, capsys) -> None:
+    """--micro-batch-tokens and --rollout-kv-tokens reach the engine; a rollout budget
+    of one row per micro-batch still trains every experiment to its end."""
+    flags = ["--micro-batch-tokens", "64", "--rollout-kv-tokens", "8"]
+    code, summary = run_cli(
+        [manifest("a", "{name: target-token}", 0), manifest("b", "{name: target-token}", 1)],
+        tmp_path,
+        tiny_model_dir,
+        *flags,
+    )
+    assert code == 0 and [e["steps"] for e in summary["experiments"]] == [STEPS, STEPS]
+    assert "micro-batches of 64 tokens; rollout micro-batches of 8 KV tokens" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["run", "x.yaml", "--model", "m", "--rollout-kv-tokens", "0"])
+    assert bad.value.code == 2
+    assert "--rollout-kv-tokens: invalid value: '0'; must be at least 1" in capsys.readouterr().err
 
 
 def test_failed_experiment_gives_nulls_not_nan(tiny_model_dir, tmp_path, capsys) -> None:

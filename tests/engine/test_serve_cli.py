@@ -99,6 +99,23 @@ def test_lora_kernel_flag_from_the_environment_and_flags_win(
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_batch_budgets_from_the_environment_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.micro_batch_tokens, args.rollout_kv_tokens) == (None, None)  # engine's
+    monkeypatch.setenv("LORAPLEX_ROLLOUT_KV_TOKENS", "4096")
+    monkeypatch.setenv("LORAPLEX_MICRO_BATCH_TOKENS", "2048")
+    args = build_parser().parse_args(["serve", "--rollout-kv-tokens", "512"])
+    assert (args.micro_batch_tokens, args.rollout_kv_tokens) == (2048, 512)
+    monkeypatch.setenv("LORAPLEX_ROLLOUT_KV_TOKENS", "-5")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rollout-kv-tokens: invalid value: '-5' (from LORAPLEX_ROLLOUT_KV_TOKENS)" in err
+
+
 def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])

@@ -196,8 +196,11 @@ def test_metrics_parse_and_carry_every_experiment(api: httpx.Client) -> None:
 
 
 def test_completions_come_from_the_current_adapter(api: httpx.Client) -> None:
-    exp = "default.say-yes"
-    wait_until(lambda: status(api, exp)["step"] >= 8, timeout=120)
+    # The tiny model's adapter moves only once a rollout scores above zero, which is
+    # chance: say-no's seed scores from step 6 (say-yes's only from step 24). An
+    # experiment's samples depend on its own seed alone, so this does not vary by run.
+    exp = "default.say-no"
+    wait_until(lambda: status(api, exp)["step"] >= 10, timeout=120)
     base = api.get("/v1/capacity").json()["model"]
     prompts = ["the answer say yes:", "copy of say yes:", "sum token say", "repeat is"]
     body = {"prompt": prompts, "max_tokens": 6, "temperature": 0.0}

@@ -160,12 +160,14 @@ def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
 
 def test_args_leave_the_memory_budgets_to_the_engine_unless_the_pool_sets_them() -> None:
     bare = engine_args(_minimal_pool()["spec"])
-    assert "--micro-batch-tokens" not in bare and "--device-memory" not in bare
+    assert not {"--micro-batch-tokens", "--rollout-kv-tokens", "--device-memory"} & set(bare)
     obj = pool("sized").set("spec.capacity.microBatchTokens", 8192)
+    obj = obj.set("spec.capacity.rolloutKvTokens", 2048)
     obj = obj.set("spec.capacity.deviceMemoryBytes", 80 * 2**30)
     full = apply_defaults(schema_of("EnginePool"), obj.obj())
     args = engine_args(full["spec"])
     assert args[args.index("--micro-batch-tokens") + 1] == "8192"
+    assert args[args.index("--rollout-kv-tokens") + 1] == "2048"
     assert args[args.index("--device-memory") + 1] == str(80 * 2**30)
     kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
 

@@ -91,6 +91,10 @@ def test_views_read_what_the_object_says() -> None:
         "bfloat16",
         False,
     )
+    assert p.spec.capacity.rollout_kv_tokens is None
+    sized = pool().set("spec.capacity.microBatchTokens", 2048)
+    capacity = Pool.from_obj(sized.set("spec.capacity.rolloutKvTokens", 8192).obj()).spec.capacity
+    assert (capacity.micro_batch_tokens, capacity.rollout_kv_tokens) == (2048, 8192)
     assert p.spec.queue_name is None  # no Kueue queue unless named
     # Absent memory budgets: each engine's memory plan derives them.
     assert (p.spec.capacity.micro_batch_tokens, p.spec.capacity.device_memory_bytes) == (None, None)

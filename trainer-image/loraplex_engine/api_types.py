@@ -25,6 +25,12 @@ LORA_KERNELS = ("auto", "bmm", "grouped")
 DEFAULT_MAX_STEP_TOKENS = 1 << 18
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
 MAX_NEW_TOKENS = 4096  # largest spec.rollout.maxNewTokens
+# Padded tokens of one training micro-batch (training.py; serve --micro-batch-tokens).
+DEFAULT_MICRO_BATCH_TOKENS = 4096
+# KV-cache tokens one micro-batch of the torch rollout may hold (rollout/packing.py; serve
+# --rollout-kv-tokens): a fixed, conservative value (a 4B model's cache at 65536 tokens is
+# ~9 GiB in bf16) that bounds the rollout's cache whatever the number of tenants.
+DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # How long a tick waits for an experiment's reward before stepping without it (it trains in
 # the tick after the reward arrives, fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).
@@ -36,9 +42,8 @@ RUN_ID_MAX_LENGTH = 64
 
 # The memory plan (capacity_plan.py): the share of the device's memory left unplanned
 # (allocator rounding and fragmentation, kernel workspaces, the rollout's transient
-# activations), and the micro-batch budget where no device memory is known.
+# activations). Where no device memory is known the two budgets above apply.
 DEFAULT_MEMORY_HEADROOM = 0.15
-DEFAULT_MICRO_BATCH_TOKENS = 4096
 
 ExperimentPhase = Literal["Running", "Succeeded", "Failed"]
 # The phases of a tick, in order (tick.py): the keys of TickReport.phase_seconds.
@@ -122,7 +127,7 @@ class MemoryPlan(WireModel):
     activation_bytes_per_adapter: int | None  # per adapter with rows in the micro-batch
     kv_bytes_per_token: int | None  # K and V of one rollout token across the layers
     micro_batch_tokens: int  # the training micro-batch's padded-token budget
-    rollout_kv_tokens: int | None  # the rollout's KV-cache token budget (None: unbounded)
+    rollout_kv_tokens: int | None  # the torch rollout's KV-cache token budget (None: vLLM's own)
     derived: list[str]  # which budgets the plan chose ("microBatchTokens", ...)
 
     @computed_field  # type: ignore[prop-decorator]

@@ -57,6 +57,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.dp_launch import RankFailed
     from loraplex_engine.runner import run_file
+    from loraplex_engine.serve_flags import batch_kwargs
 
     if args.rollout_backend == "vllm":
         _check_vllm_python()
@@ -69,6 +70,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_rank=args.max_rank,
             train_mode=args.train_mode,
             dtype=args.dtype,
+            **batch_kwargs(args),
             data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
             rollout_backend=args.rollout_backend,
             world_size=args.world_size,
@@ -153,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
     )
+    from loraplex_engine.serve_flags import add_batch_arguments
+
+    add_batch_arguments(run)
     run.add_argument(
         "--rollout-backend",
         choices=["torch", "vllm"],

@@ -24,7 +24,9 @@ from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DEFAULT_ROLLOUT_KV_TOKENS,
     MAX_NEW_TOKENS,
     Capacity,
     CheckpointRef,
@@ -34,11 +36,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
-from loraplex_engine.capacity_plan import (
-    DEFAULT_HEADROOM,
-    DEFAULT_MICRO_BATCH_TOKENS,
-    engine_plan,
-)
+from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, engine_plan
 from loraplex_engine.data_parallel import data_parallel_trainer
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
@@ -96,6 +94,8 @@ class Engine:
     elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
     ``micro_batch_tokens`` (None: derived by the memory plan from ``device_memory``,
     bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py.
+    ``rollout_kv_tokens``: the KV-cache tokens of one torch rollout micro-batch
+    (rollout/packing.py; None: derived the same way, else ``DEFAULT_ROLLOUT_KV_TOKENS``).
     ``world``: this process's rank in a data-parallel group (data_parallel.py)."""
 
     def __init__(
@@ -123,6 +123,7 @@ class Engine:
         trust: TrustPolicy | None = None,
         lora_kernel: str = "auto",
         world: World | None = None,
+        rollout_kv_tokens: int | None = None,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -132,6 +133,10 @@ class Engine:
             raise ValueError(
                 f"lora_kernel must be one of {list(KERNEL_MODES)}, got {lora_kernel!r}"
             )
+        for name, value in (("micro_batch_tokens", micro_batch_tokens),
+                            ("rollout_kv_tokens", rollout_kv_tokens)):  # fmt: skip
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
@@ -186,8 +191,14 @@ class Engine:
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         # Sized once the weights, slots and rollout worker hold their memory.
-        self.memory_plan = self._plan_memory(micro_batch_tokens, device_memory, memory_headroom)
+        self.memory_plan = self._plan_memory(
+            micro_batch_tokens, rollout_kv_tokens, device_memory, memory_headroom
+        )
         self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
+        if isinstance(self.backend, TorchRollout):  # vLLM sizes its own cache
+            kv_tokens = self.memory_plan.rollout_kv_tokens or DEFAULT_ROLLOUT_KV_TOKENS
+            self.backend.kv_tokens = kv_tokens
+            self.memory_plan = self.memory_plan.model_copy(update={"rollout_kv_tokens": kv_tokens})
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
         self._state_lock = threading.Lock()  # guards the dict for quick reads
@@ -222,7 +233,11 @@ class Engine:
         return shared_prefix_forward(self.model, self.device)
 
     def _plan_memory(
-        self, micro_batch_tokens: int | None, device_memory: int | None, headroom: float
+        self,
+        micro_batch_tokens: int | None,
+        rollout_kv_tokens: int | None,
+        device_memory: int | None,
+        headroom: float,
     ) -> MemoryPlan:
         """The engine's memory plan (capacity_plan.py): what /v1/capacity reports and the
         operator's placement counts; derives the budgets the caller left unset."""
@@ -239,6 +254,7 @@ class Engine:
             device_bytes=device_memory,
             headroom=headroom,
             micro_batch_tokens=micro_batch_tokens,
+            rollout_kv_tokens=rollout_kv_tokens,
             plan_rollout=self.rollout_backend == "torch",  # vLLM sizes its own cache
         )
         log.info(
@@ -256,7 +272,7 @@ class Engine:
                 self._decode_forward,
                 self.codec.pad_id,
                 () if self.ignore_eos else self.codec.eos_ids,
-            )
+            )  # its KV budget is set once the memory plan is made
         config = self.model.base_model.config
         try:
             args = self._vllm_args(config, options)
@@ -299,7 +315,7 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
         )
-        return out.logits[:, -1].float().cpu(), out.past_key_values
+        return out.logits[:, -1], out.past_key_values  # stays on the device (sampling.py)
 
     @property
     def computed_train_tokens(self) -> int:

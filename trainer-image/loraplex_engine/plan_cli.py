@@ -8,6 +8,8 @@ import re
 import sys
 from typing import Any
 
+from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
+
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -44,7 +46,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--completion-tokens", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT_MICRO_BATCH_TOKENS)
+    p.add_argument(
+        "--rollout-kv-tokens",
+        type=int,
+        default=DEFAULT_ROLLOUT_KV_TOKENS,
+        help="KV-cache tokens of one rollout micro-batch (the engine's serve flag)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=main)
 
@@ -65,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             checkpointing=args.checkpointing,
             micro_batch_tokens=args.micro_batch_tokens,
+            rollout_kv_tokens=args.rollout_kv_tokens,
         )
         device = parse_bytes(args.device_memory)
         say = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

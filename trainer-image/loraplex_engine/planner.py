@@ -5,14 +5,16 @@ The model is built with ``AutoModelForCausalLM.from_config`` under ``FakeTensorM
 ``MultiLoRAModel`` and ``PerAdapterAdamW``, and the engine's own code runs on it: the
 training step (``training.fused_backward`` over ``TrainRow``s built as the engine builds
 them, then the optimiser step) and the torch rollout's prefill (``_shared_prefill``) and
-decode steps. ``memtrack.LiveBytes`` counts live storage bytes throughout;
-``FlopCounterMode`` counts the training step's FLOPs.
+decode steps (its sampler included). ``memtrack.LiveBytes`` counts live storage bytes
+throughout; ``FlopCounterMode`` counts the training step's FLOPs.
 
 Micro-batches: the training peak is per micro-batch (gradient accumulation), so only the
 first ``micro_batches`` of the step run (at least two, so the second runs with the
 gradients already resident, as every later one does); FLOPs are scaled to the whole
-step by tokens. The rollout runs ``decode_steps`` steps and extends the KV cache's
-measured growth per step to the full completion length.
+step by tokens. The rollout decodes one micro-batch at a time under its KV-token budget
+(``rollout_kv_tokens``, rollout/packing.py), so the plan runs the largest micro-batch the
+engine's packing makes of every tenant's rows: ``decode_steps`` steps, the KV cache's
+measured growth per step extended to the full completion length.
 
 The FLOP floor of a training step over ``T`` tokens::
 
@@ -54,12 +56,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .algorithms import GRPO
+from .api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
 from .lora import LoRAConfig
 from .memtrack import LiveBytes, Peak, storage_bytes
 from .multi_lora import MultiLoRAModel, adaptable_module_names
 from .optim import AdamWSettings, PerAdapterAdamW
 from .rollout.base import RolloutRequest
+from .rollout.packing import kv_tokens, pack_rollout
+from .rollout.sampling import Sampler
 from .rollout.torch_backend import _shared_prefill
 from .training import ExperimentUpdate, TrainRow, fused_backward
 
@@ -103,13 +108,16 @@ class Workload:
     dtype: str = "bfloat16"
     lora_dtype: str = "float32"  # LoRA master weights and Adam moments
     checkpointing: bool = False
-    micro_batch_tokens: int = 4096  # the engine's default
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    rollout_kv_tokens: int = DEFAULT_ROLLOUT_KV_TOKENS
     micro_batches: int = 2
     decode_steps: int = 2
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("adapters", "rank", "prompts_per_tenant", "completions_per_prompt"):
+        names = ("adapters", "rank", "prompts_per_tenant", "completions_per_prompt",
+                 "micro_batch_tokens", "rollout_kv_tokens")  # fmt: skip
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"workload.{name} must be at least 1")
         if self.prompt_tokens < 2 or self.completion_tokens < 2:
@@ -277,7 +285,7 @@ def _decode_forward(model: MultiLoRAModel) -> Callable[..., tuple[torch.Tensor, 
             input_ids=ids, attention_mask=mask, position_ids=positions,
             past_key_values=past, use_cache=True, logits_to_keep=1,
         )  # fmt: skip
-        return out.logits[:, -1].float().cpu(), out.past_key_values
+        return out.logits[:, -1], out.past_key_values
 
     return forward
 
@@ -287,29 +295,48 @@ def _cache_bytes(past: Any) -> int:
     return storage_bytes([t for layer in layers for t in (layer.keys, layer.values)])
 
 
+def largest_micro_batch(w: Workload, slots: list[int]) -> tuple[list[RolloutRequest], int]:
+    """The rollout's largest micro-batch (rows x padded tokens) under ``rollout_kv_tokens``,
+    as the engine packs every tenant's rows (tenant ``t`` in ``slots[t]``), and how many
+    micro-batches the rollout decodes."""
+
+    def prompt(group: int) -> list[int]:  # as tenant_rows: one prompt per GRPO group
+        return [(7 * group + i) % 97 + 3 for i in range(w.prompt_tokens)]
+
+    requests = [
+        RolloutRequest(slots[t], prompt(g), w.completion_tokens, 1.0, group=f"tenant-{t}")
+        for t in range(w.adapters)
+        for g in range(w.prompts_per_tenant)
+        for _ in range(w.completions_per_prompt)
+    ]
+    batches = pack_rollout(requests, w.rollout_kv_tokens)
+    biggest = max(batches, key=lambda b: kv_tokens(requests, b))
+    return [requests[i] for i in biggest], len(batches)
+
+
 @torch.no_grad()
 def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
-    """Every tenant's rows in one batch, as the torch rollout runs them today."""
-    rows = tenant_rows(model, w, w.adapters)
-    requests = [
-        RolloutRequest(r.slot, r.prompt_ids, w.completion_tokens, 1.0, group=r.experiment)
-        for r in rows
-    ]
+    """The largest micro-batch the torch rollout decodes: its prefill, then
+    ``decode_steps`` steps of the engine's sampler and forward."""
+    slots = [model.slot_of(f"tenant-{t}") for t in range(w.adapters)]
+    requests, batches = largest_micro_batch(w, slots)
     forward = _decode_forward(model)
     logits, past, mask, positions = _shared_prefill(model.route, forward, requests, 0)
-    del logits
+    sampler = Sampler(requests, logits.device)
     sizes = [_cache_bytes(past)]
     step_pos = positions[:, -1:]
     with model.route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
         for _ in range(w.decode_steps):
-            tokens = torch.zeros((len(requests), 1), dtype=torch.long)
+            tokens = sampler.step(logits).tokens[:, None]
             mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
             step_pos = step_pos + 1
-            _, past = forward(tokens, mask, step_pos, past)
+            logits, past = forward(tokens, mask, step_pos, past)
             sizes.append(_cache_bytes(past))
     per_step = sizes[-1] - sizes[-2]
     remaining = w.completion_tokens - 1 - w.decode_steps
-    return {"measured": sizes[-1], "per_token": per_step, "final": sizes[-1] + per_step * remaining}
+    final = sizes[-1] + per_step * remaining
+    return {"measured": sizes[-1], "per_token": per_step // len(requests), "final": final,
+            "rows": len(requests), "micro_batches": batches}  # fmt: skip
 
 
 def floor_flops(
@@ -376,6 +403,9 @@ def _report(
             "train_free_fraction": 1 - train_total / device_bytes,
             "adapter_parts": {k: sizes[k] for k in ("slots", "grads", "adam")},
             "kv_bytes_per_token": kv["per_token"],
+            "rollout_kv_tokens": w.rollout_kv_tokens,
+            "rollout_micro_batch_rows": kv["rows"],
+            "rollout_micro_batches": kv["micro_batches"],
             "flops_over_floor": train_flops / floor,
             "micro_batch_tokens": w.micro_batch_tokens,
             "micro_batches_run": train["micro_batches"],

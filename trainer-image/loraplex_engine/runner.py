@@ -248,6 +248,8 @@ def run_file(
     rollout_backend: str = "torch",
     world_size: int = 1,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    micro_batch_tokens: int | None = None,
+    rollout_kv_tokens: int | None = None,
 ) -> dict[str, Any] | None:
     """Validate every manifest up front, then train them all on one hot engine.
 
@@ -275,6 +277,8 @@ def run_file(
         *("--train-mode", train_mode, "--world-size", str(world_size)),
         *("--dist-timeout", str(dist_timeout_s)),
         *(("--dtype", dtype) if dtype else ()),
+        *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),
+        *(("--rollout-kv-tokens", str(rollout_kv_tokens)) if rollout_kv_tokens else ()),
         *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
     ]
     with data_parallel(world_size, argv, torch.device("cpu"), dist_timeout_s) as world:
@@ -289,6 +293,8 @@ def run_file(
             trust=trust,
             rollout_backend=rollout_backend,
             world=world,
+            micro_batch_tokens=micro_batch_tokens,
+            rollout_kv_tokens=rollout_kv_tokens,
         )
         try:
             return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
@@ -312,7 +318,9 @@ def _run(
         out.write(
             f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
             f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "
-            f"{len(manifests)} experiments, {train_mode} training{ranks}\n"
+            f"{len(manifests)} experiments, {train_mode} training{ranks} (micro-batches of "
+            f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
+            f"{engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"
         )
     for m in manifests:
         try:

@@ -41,7 +41,13 @@ from loraplex_engine.api_types import (
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.serve_flags import data_roots, read_token, reward_hosts, vllm_options
+from loraplex_engine.serve_flags import (
+    batch_kwargs,
+    data_roots,
+    read_token,
+    reward_hosts,
+    vllm_options,
+)
 from loraplex_engine.server import create_app
 from loraplex_engine.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 
@@ -371,12 +377,12 @@ def run(args: argparse.Namespace) -> int:
                 "reward_deadline_s": args.reward_deadline,
                 "dtype": args.dtype,
                 "gradient_checkpointing": args.gradient_checkpointing,
-                "micro_batch_tokens": args.micro_batch_tokens,
                 "device_memory": args.device_memory,
                 "memory_headroom": args.memory_headroom,
                 "lora_kernel": args.lora_kernel,
                 "trust": trust_policy(args, port),
             }
+            kwargs.update(batch_kwargs(args))
             kwargs["device"] = args.device or _default_device()
             if args.rollout_backend == "vllm":
                 kwargs["vllm_options"] = vllm_options(args)

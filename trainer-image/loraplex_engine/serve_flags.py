@@ -19,7 +19,9 @@ from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MEMORY_HEADROOM,
+    DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
+    DEFAULT_ROLLOUT_KV_TOKENS,
     DTYPE_NAMES,
     LORA_KERNELS,
 )
@@ -72,6 +74,13 @@ def _int(value: str) -> int:
         return int(value)
     except ValueError:
         raise _invalid("int value", value) from None
+
+
+def _positive_int(value: str) -> int:
+    number = _int(value)
+    if number < 1:
+        raise _invalid("value", value, "; must be at least 1")
+    return number
 
 
 def _seconds(value: str) -> float:
@@ -213,6 +222,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_parsed("MAX_PROMPT_TOKENS", DEFAULT_MAX_PROMPT_TOKENS),
         help="longest prompt a rollout row may have; a longer one fails its experiment",
     )
+    add_batch_arguments(p, env=True)
     p.add_argument(
         "--reward-deadline",
         type=_seconds,
@@ -296,13 +306,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--micro-batch-tokens",
-        type=_positive_int_or_none,
-        default=_env_parsed("MICRO_BATCH_TOKENS", None),
-        help="padded tokens per training micro-batch (default auto: derived from the "
-        "device's memory by the memory plan; 4096 on a cpu without --device-memory)",
-    )
+    """What `serve` plans its budgets against (the budgets themselves: add_batch_arguments)."""
     p.add_argument(
         "--device-memory",
         type=_bytes_or_none,
@@ -316,6 +320,44 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_parsed("MEMORY_HEADROOM", DEFAULT_MEMORY_HEADROOM),
         help="share of --device-memory the plan leaves unused (fragmentation, workspaces)",
     )
+
+
+def add_batch_arguments(p: argparse.ArgumentParser, env: bool = False) -> None:
+    """How much one training micro-batch and one rollout micro-batch may hold (shared by
+    `serve`, where LORAPLEX_<FLAG> sets them too, and `run`). Unset (or ``auto``): the
+    engine's memory plan derives them where it knows the device's memory, else the
+    defaults."""
+
+    def default(name: str) -> Any:
+        return _env_parsed(name, None) if env else None
+
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=_positive_int_or_none,
+        default=default("MICRO_BATCH_TOKENS"),
+        metavar="N",
+        help="padded tokens of one training micro-batch (gradient accumulation over "
+        f"them; default auto, else {DEFAULT_MICRO_BATCH_TOKENS})",
+    )
+    p.add_argument(
+        "--rollout-kv-tokens",
+        type=_positive_int_or_none,
+        default=default("ROLLOUT_KV_TOKENS"),
+        metavar="N",
+        help="KV-cache tokens of one torch rollout micro-batch (rows x (longest prompt + "
+        "largest maxNewTokens)); the rollout decodes micro-batches one after another, so "
+        "its cache stays under N tokens whatever the tenants "
+        f"(default auto, else {DEFAULT_ROLLOUT_KV_TOKENS})",
+    )
+
+
+def batch_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    """The Engine keywords of the flags given (unset: the engine's defaults)."""
+    out = {}
+    for name in ("micro_batch_tokens", "rollout_kv_tokens"):
+        if getattr(args, name, None) is not None:
+            out[name] = int(getattr(args, name))
+    return out
 
 
 # --- tenancy and trust: what tenants' datasets and reward URLs may reach (trust.py) ---

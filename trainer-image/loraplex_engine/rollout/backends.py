@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.rollout.torch_backend import ForwardFn, RouteFn, generate
 from loraplex_engine.rollout.vllm_backend import RequestError, VLLMRollout
 from loraplex_engine.rollout.vllm_requests import (
@@ -55,15 +56,24 @@ class RolloutBackend(Protocol):
 
 
 class TorchRollout:
-    """Decode through the multi-LoRA model with every row routed to its slot."""
+    """Decode through the multi-LoRA model with every row routed to its slot, in
+    micro-batches of at most ``kv_tokens`` KV-cache tokens (packing.py)."""
 
     name = "torch"
 
-    def __init__(self, route: RouteFn, forward: ForwardFn, pad: int, eos_ids: Sequence[int]):
+    def __init__(
+        self,
+        route: RouteFn,
+        forward: ForwardFn,
+        pad: int,
+        eos_ids: Sequence[int],
+        kv_tokens: int = DEFAULT_ROLLOUT_KV_TOKENS,
+    ):
         self._route, self._forward, self._pad, self._eos = route, forward, pad, tuple(eos_ids)
+        self.kv_tokens = kv_tokens
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
-        return generate(self._route, self._forward, requests, self._pad, self._eos)
+        return generate(self._route, self._forward, requests, self._pad, self._eos, self.kv_tokens)
 
     def add_adapter(self, exp_id: str) -> None:
         pass

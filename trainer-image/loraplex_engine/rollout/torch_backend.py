@@ -1,13 +1,16 @@
-"""Rollouts through the engine's own multi-LoRA model: one KV-cached batch for all rows.
+"""Rollouts through the engine's own multi-LoRA model, one micro-batch at a time.
 
-Sampling is our own loop rather than ``model.generate`` because each row carries its
-own adapter, temperature, token limit and random generator; ``generate`` takes one of
-each per call.
+The rows are packed into micro-batches whose KV cache fits a token budget (packing.py),
+decoded one after another: the cache holds one micro-batch, whatever the number of
+tenants. Sampling is our own loop rather than ``model.generate`` because each row
+carries its own adapter, temperature, token limit and random generator; ``generate``
+takes one of each per call. Each step samples every row at once on the model's device
+(sampling.py); tokens and log-probs stay there until the micro-batch ends, and only rows
+with a sink (served completions) are copied to the host as they come.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -15,8 +18,11 @@ from typing import Any
 import torch
 
 from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS, pack_rollout
+from loraplex_engine.rollout.sampling import Draw, Sampler, contiguous_groups
 
-# (input_ids, attention_mask, position_ids, past_key_values) -> (last logits, past)
+# (input_ids, attention_mask, position_ids, past_key_values) -> (last logits, past); the
+# logits ([rows, vocab], the last position only) stay on the model's device
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, object]
 ]
@@ -33,65 +39,6 @@ def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, t
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
     return ids, mask
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set whose mass reaches ``top_p`` (the most
-    likely token always stays); the multinomial draw renormalises."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-
-
-def _sample_rows(
-    logits: torch.Tensor,
-    requests: Sequence[RolloutRequest],
-    groups: dict[str, list[int]],
-    broken: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, dict[int, dict[int, float]]]:
-    """Pick one token per row; each group draws from its own generator, in row order.
-
-    Returns the tokens, their log-probs under the temperature-scaled distribution (before
-    ``top_p``), and for rows that asked for alternatives their top tokens' log-probs.
-    A group whose logits are not finite (a diverged adapter) gets pad tokens and is
-    flagged in ``broken`` instead of failing the whole batch.
-    """
-    tokens = torch.empty(len(requests), dtype=torch.long)
-    logprobs = torch.empty(len(requests), dtype=logits.dtype)
-    tops: dict[int, dict[int, float]] = {}
-    for rows in groups.values():
-        index = torch.tensor(rows)
-        first = requests[rows[0]]
-        if not bool(torch.isfinite(logits[index]).all()):
-            broken[index] = True
-            tokens[index] = 0
-            logprobs[index] = float("nan")
-            continue
-        if first.temperature <= 0:
-            scaled = logits[index].log_softmax(-1)
-            chosen = scaled.argmax(-1)
-        else:
-            scaled = (logits[index] / first.temperature).log_softmax(-1)
-            probs = _nucleus(scaled.exp(), first.top_p)
-            chosen = torch.multinomial(probs, 1, generator=first.generator).squeeze(-1)
-        tokens[index] = chosen
-        logprobs[index] = scaled.gather(-1, chosen[:, None]).squeeze(-1)
-        if first.top_logprobs > 0:
-            values, ids = scaled.topk(first.top_logprobs, dim=-1)
-            for i, row in enumerate(rows):
-                tops[row] = dict(zip(ids[i].tolist(), values[i].tolist(), strict=True))
-    return tokens, logprobs, tops
-
-
-def _groups(requests: Sequence[RolloutRequest]) -> dict[str, list[int]]:
-    """Rows sampled together: same experiment (generator) and sampling settings."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for row, req in enumerate(requests):
-        key = (req.group, req.temperature, req.top_p, req.top_logprobs, id(req.generator))
-        groups["\0".join(map(str, key))].append(row)
-    return dict(groups)
 
 
 def distinct_prompts(requests: Sequence[RolloutRequest]) -> tuple[list[int], torch.Tensor]:
@@ -132,15 +79,37 @@ def generate(
     requests: Sequence[RolloutRequest],
     pad_id: int,
     eos_ids: Sequence[int] = (),
+    kv_token_budget: int = DEFAULT_ROLLOUT_KV_TOKENS,
 ) -> list[Completion]:
-    """Generate all requests in one batch; finished rows keep decoding pad (ignored).
+    """Generate every request, in micro-batches of at most ``kv_token_budget`` KV tokens
+    (packing.py) decoded one after another; completions come back in request order.
 
     A row stops at any of ``eos_ids`` (kept in its completion); none: no row stops early,
-    each generates exactly its ``max_new_tokens``.
+    each generates exactly its ``max_new_tokens``. Finished rows of a micro-batch keep
+    decoding pad (ignored) until all of it is done.
     """
-    if not requests:
-        return []
+    out: list[Completion | None] = [None] * len(requests)
+    for packed in pack_rollout(requests, kv_token_budget):
+        rows = contiguous_groups(requests, packed)
+        batch = [requests[i] for i in rows]
+        for row, done in zip(
+            rows, _micro_batch(route, forward, batch, pad_id, eos_ids), strict=True
+        ):
+            out[row] = done
+    return [c for c in out if c is not None]
+
+
+def _micro_batch(
+    route: RouteFn,
+    forward: ForwardFn,
+    requests: Sequence[RolloutRequest],
+    pad_id: int,
+    eos_ids: Sequence[int],
+) -> list[Completion]:
+    """One micro-batch: a shared prefill, then decoding until every row is done. Its KV
+    cache lives only in this call."""
     logits, past, mask, positions = _shared_prefill(route, forward, requests, pad_id)
+    mask, positions = mask.to(logits.device), positions.to(logits.device)
     with route(torch.tensor([r.slot for r in requests], dtype=torch.long)):
         return _decode(forward, requests, logits, past, mask, positions, pad_id, eos_ids)
 
@@ -155,70 +124,130 @@ def _decode(
     pad_id: int,
     eos_ids: Sequence[int],
 ) -> list[Completion]:
-    stops = torch.tensor(list(eos_ids), dtype=torch.long)
-    limits = torch.tensor([r.max_new_tokens for r in requests])
-    done = torch.zeros(len(requests), dtype=torch.bool)
-    hit_eos = torch.zeros(len(requests), dtype=torch.bool)
-    out = [_RowOutput(r) for r in requests]
-    groups = _groups(requests)
-    broken = torch.zeros(len(requests), dtype=torch.bool)
+    """Decode on the logits' device; the only per-step host read is whether every row is
+    done (and the rows with sinks)."""
+    device, rows = logits.device, len(requests)
+    sampler = Sampler(requests, device)
+    stops = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    limits = torch.tensor([r.max_new_tokens for r in requests], device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    hit_eos, broken = torch.zeros_like(done), torch.zeros_like(done)
+    streams = _Streams(requests, device)
+    steps: list[tuple[Draw, torch.Tensor]] = []  # each step's draw and its live rows
     next_pos = positions[:, -1]
-    for step in range(int(limits.max())):
-        tokens, logprobs, tops = _sample_rows(logits.float(), requests, groups, broken)
-        for row in torch.nonzero(~done).flatten().tolist():
-            out[row].add(int(tokens[row]), float(logprobs[row]), tops.get(row))
+    for step in range(max(r.max_new_tokens for r in requests)):
+        draw = sampler.step(logits)
+        live = ~done
+        steps.append((draw, live))
+        streams.push(draw, live)
+        broken |= draw.broken & live
         if len(stops):
-            hit_eos |= ~done & torch.isin(tokens, stops)
-        done |= broken
-        done |= hit_eos | (limits <= step + 1) | _cancelled(out, done)
-        if bool(done.all()):
+            hit_eos |= live & torch.isin(draw.tokens, stops)
+        done |= broken | hit_eos | (limits <= step + 1) | streams.cancelled(live)
+        if bool(done.all()):  # the step's one sync
             break
-        tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
+        tokens = draw.tokens.masked_fill(done, pad_id)
         next_pos = next_pos + 1
-        mask = torch.cat([mask, torch.ones((len(requests), 1), dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
         logits, past = forward(tokens[:, None], mask, next_pos[:, None], past)
-    return [
-        o.completion(bool(b), bool(e))
-        for o, b, e in zip(out, broken.tolist(), hit_eos.tolist(), strict=True)
-    ]
+    return _completions(requests, steps, broken, hit_eos, streams.was_cancelled)
 
 
-def _cancelled(out: list[_RowOutput], done: torch.Tensor) -> torch.Tensor:
-    """Rows whose client left: they stop here, freeing the batch of their steps."""
-    return torch.tensor(
-        [not d and o.is_cancelled() for o, d in zip(out, done.tolist(), strict=True)]
-    )
-
-
-class _RowOutput:
-    """One row's sampled tokens, reported to its sink (if any) as they come."""
-
-    def __init__(self, request: RolloutRequest) -> None:
-        self.sink = request.sink
-        self.wants_top = request.top_logprobs > 0
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[dict[int, float]] = []
-        self.cancelled = False
-
-    def add(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
-        self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        if self.wants_top:
-            self.top.append(top or {})
-        if self.sink is not None:
-            self.sink.push(token, logprob, top)
-
-    def is_cancelled(self) -> bool:
-        self.cancelled = self.cancelled or (self.sink is not None and self.sink.cancelled())
-        return self.cancelled
-
-    def completion(self, broken: bool, hit_eos: bool) -> Completion:
-        reason = "cancelled" if self.cancelled else "stop" if hit_eos else "length"
-        return Completion(
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            nonfinite=broken,
-            top_logprobs=self.top if self.wants_top else None,
-            finish_reason=reason,
+def _completions(
+    requests: Sequence[RolloutRequest],
+    steps: list[tuple[Draw, torch.Tensor]],
+    broken: torch.Tensor,
+    hit_eos: torch.Tensor,
+    cancelled: list[bool],
+) -> list[Completion]:
+    """Every row's tokens, copied to the host once: a row's tokens are the steps it was
+    live for (a prefix: a finished row stays finished)."""
+    if not steps:  # every row asked for no tokens
+        return [Completion([], []) for _ in requests]
+    draws = [d for d, _ in steps]
+    tokens = torch.stack([d.tokens for d in draws], 1).cpu().tolist()
+    logprobs = torch.stack([d.logprobs for d in draws], 1).cpu().tolist()
+    lengths = torch.stack([live for _, live in steps], 1).sum(1).cpu().tolist()
+    tops = _top_lists(requests, draws, lengths)
+    flags = zip(broken.cpu().tolist(), hit_eos.cpu().tolist(), cancelled, strict=True)
+    out = []
+    for row, (is_broken, is_eos, is_cancelled) in enumerate(flags):
+        n = lengths[row]
+        reason = "cancelled" if is_cancelled else "stop" if is_eos else "length"
+        out.append(
+            Completion(
+                token_ids=tokens[row][:n],
+                logprobs=logprobs[row][:n],
+                nonfinite=bool(is_broken),
+                top_logprobs=tops[row],
+                finish_reason=reason,
+            )
         )
+    return out
+
+
+def _top_lists(
+    requests: Sequence[RolloutRequest], draws: list[Draw], lengths: list[int]
+) -> list[list[dict[int, float]] | None]:
+    """Per row that asked for alternatives, per token, its top tokens' log-probs."""
+    out: list[list[dict[int, float]] | None] = [None] * len(requests)
+    if not any(r.top_logprobs for r in requests):
+        return out
+    ids = torch.stack([d.top_ids for d in draws], 1).cpu()  # type: ignore[misc]
+    values = torch.stack([d.top_values for d in draws], 1).cpu()  # type: ignore[misc]
+    for row, req in enumerate(requests):
+        k = req.top_logprobs
+        if k:
+            row_ids = ids[row, : lengths[row], :k].tolist()
+            row_values = values[row, : lengths[row], :k].tolist()
+            out[row] = [
+                dict(zip(i, v, strict=True)) for i, v in zip(row_ids, row_values, strict=True)
+            ]
+    return out
+
+
+class _Streams:
+    """The rows with a sink (served completions): each step's token goes to the host
+    for them alone, and their clients may cancel them."""
+
+    def __init__(self, requests: Sequence[RolloutRequest], device: torch.device) -> None:
+        self.rows = [i for i, r in enumerate(requests) if r.sink is not None]
+        self.sinks = [requests[i].sink for i in self.rows]
+        self.wants_top = [requests[i].top_logprobs for i in self.rows]
+        self.index = torch.tensor(self.rows, dtype=torch.long, device=device)
+        self.was_cancelled = [False] * len(requests)
+        self.device = device
+        self._live: list[bool] = []
+
+    def push(self, draw: Draw, live: torch.Tensor) -> None:
+        if not self.rows:
+            return
+        tokens = draw.tokens[self.index].tolist()
+        logprobs = draw.logprobs[self.index].tolist()
+        self._live = live[self.index].tolist()
+        top_ids = top_values = None
+        if draw.top_ids is not None and draw.top_values is not None and any(self.wants_top):
+            top_ids = draw.top_ids[self.index].tolist()
+            top_values = draw.top_values[self.index].tolist()
+        for i, sink in enumerate(self.sinks):
+            if not self._live[i]:
+                continue
+            top = None
+            k = self.wants_top[i]
+            if k and top_ids is not None and top_values is not None:
+                top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+            sink.push(tokens[i], logprobs[i], top)  # type: ignore[union-attr]
+
+    def cancelled(self, live: torch.Tensor) -> torch.Tensor | bool:
+        """Rows whose client left while they were live: they stop here."""
+        if not self.rows:
+            return False
+        newly = []
+        for i, sink in enumerate(self.sinks):
+            row = self.rows[i]
+            if self._live[i] and not self.was_cancelled[row] and sink.cancelled():  # type: ignore[union-attr]
+                self.was_cancelled[row] = True
+                newly.append(row)
+        out = torch.zeros(live.shape, dtype=torch.bool)
+        out[newly] = True
+        return out.to(self.device)
