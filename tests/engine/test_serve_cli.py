@@ -113,7 +113,7 @@ def test_batch_budgets_from_the_environment_and_flags_win(
         main(["serve", "--model", "/nowhere", "--insecure-no-auth"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--rollout-kv-tokens: invalid value: '-5' (from LORAPLEX_ROLLOUT_KV_TOKENS)" in err
+    assert "--rollout-kv-tokens: invalid token count: '-5' (from LORAPLEX_ROLLOUT_KV_TOKENS)" in err
 
 
 def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
