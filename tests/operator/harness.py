@@ -106,6 +106,15 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             yield from super().__iter__()
 
+    def _KubernetesEmulator__get_objs(self, request: Any, strict: bool) -> list[Any]:
+        """kmock's object lookup, by key when the request names one object (a get, patch,
+        delete or create): kmock scans every stored object, a fifth of the server's time
+        with 1,000 experiments and their Events. Lists and watches still scan."""
+        if not (strict and request.name is not None):
+            return super()._KubernetesEmulator__get_objs(request, strict)  # type: ignore[misc]
+        key = (request.resource, request.namespace, request.name)
+        return [self.objects[key]] if key in self.objects else []
+
     def _history_free(self) -> bool:
         return not any(True for p in self._payloads for _ in p._walk(kmock_dsl.Slicer))
 
