@@ -44,6 +44,7 @@ import base64
 import contextlib
 import contextvars
 import copy
+import itertools
 import os
 import re
 import secrets
@@ -170,6 +171,8 @@ class ApiServer(kmock.KubernetesEmulator):
             and request.params.get("gracePeriodSeconds") != "0"
         ):
             self._begin_graceful_delete(request)
+        if request.resource is not None and request.action == kmock.action.UPDATE:
+            _version(request.data)
         token = _MATCHING.set(request) if self._history_free() else None
         try:
             return await super()._handle(request)
@@ -209,9 +212,7 @@ class ApiServer(kmock.KubernetesEmulator):
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", now())
         meta.setdefault("generation", 1)
-        # kopf's JSON patches "test" metadata.resourceVersion; kmock keeps no versions, so
-        # one constant version makes every such test pass (no optimistic concurrency here).
-        meta["resourceVersion"] = "1"
+        meta["resourceVersion"] = _next_version()
         if request.resource.plural == "pods" and KUEUE_QUEUE_LABEL in (meta.get("labels") or {}):
             _kueue_gate(obj)
         kind = CRD_KINDS.get(request.resource.plural)
@@ -240,6 +241,32 @@ class ApiServer(kmock.KubernetesEmulator):
             return []  # kmock answers 404
         old = copy.deepcopy(self.objects[key].raw)
         return admit(kind, _merge_patch(old, request.data), old)
+
+
+_VERSIONS = itertools.count(1)
+
+
+def _next_version() -> str:
+    return str(next(_VERSIONS))
+
+
+def _version(patch: Any) -> None:
+    """A write gets a new `metadata.resourceVersion`, as on a real API server. kopf waits
+    after its own patch for the event carrying the version the patch returned, and treats
+    earlier events as stale; with one constant version an event from before its patch
+    passed for the patched object, and kopf ran a creation handler again (up to 14 times
+    per experiment, ~1,800 patches a minute at rest for 1,000 experiments). JSON patches'
+    `test` of the version is dropped: kmock would answer a failed test with a 500, not a
+    409 (no optimistic concurrency here). Changes the patch in place (kmock's requests
+    are frozen, their bodies are not)."""
+    version = _next_version()
+    if isinstance(patch, dict):
+        if not isinstance(patch.get("metadata"), dict):
+            patch["metadata"] = {}
+        patch["metadata"]["resourceVersion"] = version
+    elif isinstance(patch, list):
+        ops = [op for op in patch if op.get("path") != "/metadata/resourceVersion"]
+        patch[:] = [*ops, {"op": "add", "path": "/metadata/resourceVersion", "value": version}]
 
 
 def _kueue_gate(pod: dict[str, Any]) -> None:
