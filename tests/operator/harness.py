@@ -10,7 +10,8 @@ kmock mode (default)::
 
 - `ApiServer` is kmock's `KubernetesEmulator` with what our tests need from a real API
   server: names from `generateName` (kopf's Events), `uid`, `creationTimestamp`,
-  `generation`, and for our two CRDs structural defaults plus the schema and CEL checks
+  `generation`, a new `resourceVersion` per write, and for our two CRDs structural
+  defaults plus the schema and CEL checks
   (`crdkit.admit`), answering 422 like the API server would: on create, and on a merge
   patch of the main resource that touches `spec` (CEL transition rules against the
   stored object). Other patches (kopf's metadata, status) are not validated.

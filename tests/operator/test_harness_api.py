@@ -171,3 +171,16 @@ async def test_a_sliced_reaction_still_sees_the_history() -> None:
         await http.aclose()
     assert first == {"gitVersion": "first"}
     assert second["gitVersion"] != "first"
+
+
+async def test_every_write_gets_a_new_resource_version(kube: Kube) -> None:
+    """kopf tells its own patch's event from stale ones by resourceVersion: each create and
+    patch (status too) answers with a version no earlier write had."""
+    created = await kube.create(EXPERIMENTS, experiment("v").obj(), "team-a")
+    patched = await kube.patch(EXPERIMENTS, "v", {"metadata": {"labels": {"a": "b"}}}, "team-a")
+    phase = {"status": {"phase": "Pending"}}
+    status = await kube.patch(EXPERIMENTS, "v", phase, "team-a", "status")
+    versions = [int(o["metadata"]["resourceVersion"]) for o in (created, patched, status)]
+    assert versions == sorted(set(versions)), versions
+    stored = await kube.get(EXPERIMENTS, "v", "team-a")
+    assert stored is not None and stored["metadata"]["resourceVersion"] == str(versions[-1])
