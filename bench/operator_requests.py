@@ -19,14 +19,28 @@ Phases: start the operator on `--pools` empty pools; **burst**: create
 counting the operator's requests in the `--window` seconds from the first create; wait
 until every experiment has a status; **rest**: count the operator's requests in the next
 `--window` seconds.
+
+`--before REF` runs the operator code of git ref REF (its `operator/` package, extracted
+to a temporary directory and put first on the operator's PYTHONPATH) with this bench and
+chart: `--before b5474a5^` is the operator that listed pools, experiments and Pods every
+round, before it read kopf's indexes.
+
+The operator runs in its own process group, killed when the bench ends, however it ends
+(SIGTERM and SIGHUP end the bench through its cleanup; `tests/child_processes.py` kills
+what is left at exit). Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
+import os
+import signal
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -106,8 +120,36 @@ async def count_window(api: kmock.KubernetesEmulator, seconds: float) -> dict[st
     }
 
 
-async def create_all(http: httpx.AsyncClient, objs: list[tuple[str, dict[str, Any]]]) -> None:
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def checkout_operator(ref: str, into: Path) -> Path:
+    """The `operator/` directory of git ref `ref`, extracted under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "operator"], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / "operator"
+
+
+def end_on_signals() -> None:
+    """SIGTERM/SIGHUP (a `timeout`, a closed terminal) end the bench as Ctrl-C does, so
+    the `finally` that stops the operator runs; Python's default would skip it."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
+async def create_all(
+    http: httpx.AsyncClient, objs: list[tuple[str, dict[str, Any]]], what: str = ""
+) -> None:
     gate = asyncio.Semaphore(16)
+    done = 0
 
     async def one(path: str, obj: dict[str, Any]) -> None:
         async with gate:
@@ -118,16 +160,21 @@ async def create_all(http: httpx.AsyncClient, objs: list[tuple[str, dict[str, An
                     continue
                 if r.status_code != 409:  # 409: the dropped attempt had created it
                     r.raise_for_status()
+                nonlocal done
+                done += 1
+                if what and (done % 100 == 0 or done == len(objs)):
+                    progress(f"created {done}/{len(objs)} {what}")
                 return
             raise RuntimeError(f"could not create {obj['metadata']['name']}")
 
     await asyncio.gather(*(one(p, o) for p, o in objs))
 
 
-async def all_have_status(http: httpx.AsyncClient, count: int) -> bool:
+async def with_status(http: httpx.AsyncClient) -> tuple[int, int]:
+    """(experiments, experiments with a status phase)."""
     r = await http.get(f"{GROUP_PATH}/loraexperiments")
     items = r.json().get("items", [])
-    return len(items) >= count and all((i.get("status") or {}).get("phase") for i in items)
+    return len(items), sum(1 for i in items if (i.get("status") or {}).get("phase"))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,10 +194,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         pools = [f"pool-{i:02d}" for i in range(args.pools)]
         objs = Harness(workdir, workdir)
         pool_objs = [objs.pool_obj(p, slots=4, replicas=(0, 1)) for p in pools]
-        await create_all(http, [(f"{GROUP_PATH}/enginepools", obj) for obj in pool_objs])
+        await create_all(http, [(f"{GROUP_PATH}/enginepools", obj) for obj in pool_objs], "pools")
         # The operator as the chart renders it, with the chart's default settings.
         operator = OperatorProcess(rendered_operator(chart_values(None, None)), kubeconfig, workdir)
+        if args.before:
+            code = checkout_operator(args.before, workdir / "before")
+            path = os.environ.get("PYTHONPATH", "")
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(code), path])
         operator.start()
+        progress(f"operator pid {operator.proc.pid if operator.proc else '?'}, log in {workdir}")
         try:
             await asyncio.sleep(args.settle)  # kopf up, one daemon per pool running
             idle = await count_window(api, args.window / 2)
@@ -160,7 +212,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 exps.append((f"{GROUP_PATH}/namespaces/team-a/loraexperiments", obj))
             burst_task = asyncio.create_task(count_window(api, args.window))
             t0 = time.monotonic()
-            await create_all(http, exps)
+            await create_all(http, exps, "experiments")
             created_s = time.monotonic() - t0
             burst = await burst_task
             settled_s: float | None = None
@@ -168,10 +220,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             while time.monotonic() < deadline:
                 if operator.proc is None or operator.proc.poll() is not None:
                     raise SystemExit(f"operator exited:\n{operator.log_text()[-3000:]}")
-                if await all_have_status(http, args.experiments):
+                total, settled = await with_status(http)
+                if total >= args.experiments and settled == total:
                     settled_s = time.monotonic() - t0
+                    progress(f"all {total} experiments have a status after {settled_s:.0f} s")
                     break
-                await asyncio.sleep(2.0)
+                progress(f"{settled}/{total} experiments have a status")
+                await asyncio.sleep(5.0)
+            progress("counting the rest window")
             await asyncio.sleep(args.settle)
             rest = await count_window(api, args.window)
         finally:
@@ -180,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "label": args.label,
         "command": args.command,
+        "operator_code": f"git {args.before}" if args.before else "this checkout",
         "pools": args.pools,
         "experiments": args.experiments,
         "engines": "none (replicas 0..1, Pods stay Pending: no kubelet)",
@@ -203,7 +260,9 @@ def main() -> int:
     p.add_argument("--label", default="current")
     p.add_argument("--command", default="", help="recorded with the result")
     p.add_argument("--out", type=Path, default=None, help="JSON file (runs keyed by --label)")
+    p.add_argument("--before", metavar="REF", default="", help="run the operator of git REF")
     args = p.parse_args()
+    end_on_signals()
     result = asyncio.run(run(args))
     print(json.dumps(result, indent=2))
     if args.out is not None:
