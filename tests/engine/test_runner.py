@@ -121,7 +121,7 @@ def test_batch_budgets_from_the_flags(tiny_model_dir, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as bad:
         cli.main(["run", "x.yaml", "--model", "m", "--rollout-kv-tokens", "0"])
     assert bad.value.code == 2
-    assert "--rollout-kv-tokens: invalid value: '0'; must be at least 1" in capsys.readouterr().err
+    assert "--rollout-kv-tokens: invalid token count: '0'" in capsys.readouterr().err
 
 
 def test_failed_experiment_gives_nulls_not_nan(tiny_model_dir, tmp_path, capsys) -> None:

@@ -39,15 +39,19 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .algorithms import GRPO
-from .api_types import DEFAULT_MEMORY_HEADROOM, DEFAULT_MICRO_BATCH_TOKENS, MemoryPlan
-from .chunked_logprobs import HiddenStatesForward
-from .errors import UsageError
-from .lora import LoRAConfig
-from .memtrack import LiveBytes, storage_bytes
-from .multi_lora import MultiLoRAModel
-from .rollout.vllm_config import kv_bytes_per_token
-from .training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.algorithms import GRPO
+from loraplex_engine.api_types import (
+    DEFAULT_MEMORY_HEADROOM,
+    DEFAULT_MICRO_BATCH_TOKENS,
+    MemoryPlan,
+)
+from loraplex_engine.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.errors import CapacityError
+from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.memtrack import LiveBytes, storage_bytes
+from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
+from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
 # Adapter slot copies the engine keeps: fp32 master, its gradient, Adam's two moments.
 SLOT_COPIES = 4
@@ -60,10 +64,6 @@ MAX_MICRO_BATCH_TOKENS = 65536
 # peaks in another place than a deep one does).
 CUT_LAYERS = (2, 3)
 CPU = torch.device("cpu")
-
-
-class CapacityError(UsageError):
-    """The engine's configuration does not fit its device's memory."""
 
 
 @dataclass(frozen=True)

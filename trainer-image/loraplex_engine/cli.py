@@ -55,7 +55,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from loraplex_engine.dp_launch import RankFailed
+    from loraplex_engine.errors import RankFailed
     from loraplex_engine.runner import run_file
     from loraplex_engine.serve_flags import batch_kwargs
 

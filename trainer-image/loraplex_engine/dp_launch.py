@@ -27,15 +27,11 @@ import torch.distributed as dist
 
 from loraplex_engine import distributed
 from loraplex_engine.distributed import JOINED_KEY, LOOPBACK, World
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import RankFailed, UsageError
 
 STARTUP_TIMEOUT_S = 300.0  # for a worker to load the model and check in
 EXIT_TIMEOUT_S = 60.0  # for a released worker to exit
 POLL_S = 0.1
-
-
-class RankFailed(RuntimeError):
-    """A worker rank exited, or would not start or stop, while rank 0 needed it."""
 
 
 @contextmanager

@@ -94,6 +94,15 @@ class UsageError(LoraplexError, ValueError):
     not there, a flag out of range. ``loraplex-engine`` prints it on one line, exit 2."""
 
 
+class CapacityError(UsageError):
+    """The engine's configuration does not fit its device's memory (capacity_plan.py)."""
+
+
+class RankFailed(LoraplexError, RuntimeError):
+    """A worker rank exited, or would not start or stop, while rank 0 needed it
+    (dp_launch.py)."""
+
+
 # --- API errors -----------------------------------------------------------------------
 
 
