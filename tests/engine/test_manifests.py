@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 from loraplex_engine.errors import ManifestError
 from loraplex_engine.manifests import load_manifests, parse_manifests
+from loraplex_engine.tasks import build_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,3 +88,16 @@ def test_demo_sample_is_valid() -> None:
     assert len({m.spec.algorithm.seed for m in out}) == 4
     assert {m.spec.engine_pool for m in out} == {"local"}
     assert sum(m.spec.task.name == "target-token" for m in out) >= 2
+
+
+def test_smollm2_demo_sample_is_valid_and_its_dataset_loads() -> None:
+    path = REPO / "samples" / "local" / "demo-smollm2.yaml"
+    out = load_manifests(path, max_rank=64)
+    assert [m.name for m in out] == ["short-reply", "say-yes"]
+    assert all(m.spec.task.chat_template for m in out)  # an instruct model: its own turns
+    assert len({m.spec.algorithm.seed for m in out}) == 2
+    yes = next(m for m in out if m.name == "say-yes").spec.task
+    task = build_task(yes.name, yes.params, str(path.parent / yes.dataset), yes.reward)
+    assert len(task.rows) == 12 and {r.answer for r in task.rows} == {"Yes"}
+    assert task.reward(task.rows[0], "Yes") == 1.0
+    assert task.reward(task.rows[0], "Yes, it is.") < 0.5

