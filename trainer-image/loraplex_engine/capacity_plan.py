@@ -308,6 +308,14 @@ def _check_fits(
 # --- the engine's plan ----------------------------------------------------------------
 
 
+def cuda_free_and_total(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device now; None on any other device."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
 def device_memory(device: torch.device, given: int | None) -> tuple[int | None, int | None]:
     """(the device's total memory, the memory this engine plans against).
 
@@ -315,8 +323,9 @@ def device_memory(device: torch.device, given: int | None) -> tuple[int | None, 
     plus what this process already holds (another process on the GPU, e.g. a vLLM
     worker, keeps its share). CPU: ``given`` only (``serve --device-memory``): a CPU
     engine shares its host, so without it nothing is derived (the defaults apply)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+    measured = cuda_free_and_total(device)
+    if measured is not None:
+        free, total = measured
         return total, given or free + torch.cuda.memory_reserved(device)
     import psutil
 

@@ -36,7 +36,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
-from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, engine_plan
+from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
 from loraplex_engine.data_parallel import data_parallel_trainer
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
@@ -299,7 +299,7 @@ class Engine:
             kv_bytes_per_token=kv_bytes_per_token(config, self.dtype.itemsize),
             user_options=options,
             trainer_device=str(self.device),
-            device_memory=_device_memory(self.device),
+            device_memory=cuda_free_and_total(self.device),  # after the base loaded
             parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
@@ -600,11 +600,3 @@ def _resolve(jobs: list[CompletionJob], error: Exception) -> None:
         if not job.done.is_set():
             job.error = error
             job.done.set()
-
-
-def _device_memory(device: torch.device) -> tuple[int, int] | None:
-    """(free, total) bytes of a CUDA device now (the base model loaded); None on CPU."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
