@@ -81,6 +81,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             rollout_backend=args.rollout_backend,
             world_size=args.world_size,
             dist_timeout_s=args.dist_timeout,
+            shard_base=args.shard_base,
         )
     except RankFailed as e:  # the rank's own error is above (its stderr is ours)
         print(f"loraplex-engine run: error: {e}", file=sys.stderr)
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a rank waits for the others in a collective before the run fails "
         "(default: 600)",
     )
+    from loraplex_engine.serve_flags import add_shard_base_argument
+
+    add_shard_base_argument(run)
     run.set_defaults(func=_cmd_run)
 
     from loraplex_engine import plan_cli

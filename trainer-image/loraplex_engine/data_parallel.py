@@ -8,6 +8,13 @@ AdamW step on the same summed gradient, so every rank's adapters stay equal to r
 Workers (ranks 1..N-1) do nothing else: they wait for rank 0's next train phase
 (:meth:`DataParallelTraining.follow`).
 
+Rollouts (torch backend): rank 0 sends the tick's rollout rows (rollout/ranks.py) with
+the split (row_split.split_rollout: whole sampling streams per rank, token-balanced);
+every rank decodes its share with the same adapters, and rank 0 gathers the
+completions (``gather_object``) and the generators' new states for the rewards. Under a
+sharded base (sharding.py) the ranks decode in lockstep, since every forward is a
+collective.
+
 Adapter slots: every rank loads the same experiments in the same order (the local
 runner does), so each holds every adapter in the same slot; the first time an adapter
 trains, rank 0's weights and optimiser state are broadcast to the others, so a seed,
@@ -18,9 +25,12 @@ ranks disagree.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from loraplex_engine import distributed
 from loraplex_engine.algorithms import get_algorithm
@@ -28,7 +38,10 @@ from loraplex_engine.distributed import World
 from loraplex_engine.errors import UsageError
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.optim import AdamWSettings
-from loraplex_engine.row_split import split_rows_by_rank
+from loraplex_engine.rollout import ranks
+from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.row_split import split_rollout, split_rows_by_rank
+from loraplex_engine.sharding import Lockstep
 from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows
 from loraplex_engine.training_strategy import FusedTraining, TrainOutcome
 
@@ -63,11 +76,25 @@ class TrainMessage:
     new: dict[str, NewAdapter]
 
 
+@dataclass(frozen=True)
+class RolloutMessage:
+    """Rank 0's rollout phase: the rows, who decodes which, adapters to sync first."""
+
+    batch: ranks.WireBatch
+    slots: dict[str, int]  # every loaded adapter: its slot on rank 0
+    new: dict[str, NewAdapter]
+
+
+# This rank's own torch rollout (TorchRollout.generate_local), set by the engine.
+LocalDecode = Callable[[Sequence[RolloutRequest]], list[Completion]]
+
+
 @dataclass
 class DataParallelTraining(FusedTraining):
     """FusedTraining over the ranks of ``world`` (the default process group)."""
 
     world: World = field(default_factory=lambda: World(0, 1))
+    decode: LocalDecode | None = None  # set when the ranks share the rollouts
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,19 +108,37 @@ class DataParallelTraining(FusedTraining):
         if not self.world.is_leader:
             raise RuntimeError("only rank 0 drives the tick; workers follow()")
         slots = {e: self.model.slot_of(e) for e in updates}
-        new = {
+        new = self._unsynced(slots)
+        specs = {e: UpdateSpec(u.algorithm.name, u.clip, u.kl_coef) for e, u in updates.items()}
+        distributed.broadcast_object(TrainMessage(rows, specs, slots, new), self.device)
+        return self._apply(rows, updates, slots, new)
+
+    def rollout(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        """Decode ``requests`` over the ranks; every rank's completions, in order."""
+        if not self.world.is_leader or self.decode is None:
+            raise RuntimeError("rank 0 drives the rollout, with the engine's decode set")
+        shares = split_rollout(requests, self.world.size)
+        slots = self.model.adapters()
+        new = self._unsynced(slots)
+        msg = RolloutMessage(ranks.to_wire(requests, shares), slots, new)
+        distributed.broadcast_object(msg, self.device)
+        self._sync_new(new)
+        streams, generators = ranks.stream_ids(requests)
+        mine = shares[0]
+        done = self.decode([requests[i] for i in mine])
+        results = self._gather(ranks.share_result(mine, done, streams, generators))
+        assert results is not None
+        return ranks.merge(results, len(requests), generators)
+
+    def _unsynced(self, slots: dict[str, int]) -> dict[str, NewAdapter]:
+        """The adapters of ``slots`` the workers have not had from rank 0 in that slot."""
+        return {
             e: NewAdapter(
-                s,
-                self.model.config_of(e),
-                self.optimizer.settings[s],
-                self.optimizer.steps[s],
+                s, self.model.config_of(e), self.optimizer.settings[s], self.optimizer.steps[s]
             )
             for e, s in slots.items()
             if self._synced.get(e) != s
         }
-        specs = {e: UpdateSpec(u.algorithm.name, u.clip, u.kl_coef) for e, u in updates.items()}
-        distributed.broadcast_object(TrainMessage(rows, specs, slots, new), self.device)
-        return self._apply(rows, updates, slots, new)
 
     def stop(self) -> None:
         """Release the workers: they leave follow() and exit."""
@@ -108,6 +153,9 @@ class DataParallelTraining(FusedTraining):
             raise RuntimeError("rank 0 drives the tick; only workers follow()")
         phases = 0
         while (msg := distributed.broadcast_object(None, self.device)) is not None:
+            if isinstance(msg, RolloutMessage):
+                self._follow_rollout(msg)
+                continue
             updates = {
                 e: ExperimentUpdate(get_algorithm(u.algorithm), u.clip, u.kl_coef)
                 for e, u in msg.updates.items()
@@ -121,7 +169,24 @@ class DataParallelTraining(FusedTraining):
             phases += 1
         return phases
 
-    def _check_adapters(self, msg: TrainMessage) -> None:
+    def _follow_rollout(self, msg: RolloutMessage) -> None:
+        """Decode this rank's share of rank 0's rollout and send it back."""
+        if self.decode is None:
+            raise RuntimeError(f"rank {self.world.rank}: a rollout came, but no decode is set")
+        self._check_adapters(msg)
+        self._sync_new(msg.new)
+        requests, generators = ranks.from_wire(msg.batch)
+        mine = msg.batch.shares[self.world.rank]
+        done = self.decode([requests[i] for i in mine])
+        self._gather(ranks.share_result(mine, done, msg.batch.streams, generators))
+
+    def _gather(self, result: ranks.ShareResult) -> list[ranks.ShareResult] | None:
+        """Every rank's result on rank 0 (None elsewhere)."""
+        box: list[Any] | None = [None] * self.world.size if self.world.is_leader else None
+        dist.gather_object(result, box, dst=0)
+        return box
+
+    def _check_adapters(self, msg: TrainMessage | RolloutMessage) -> None:
         """This worker holds every adapter in rank 0's slot, and new ones as rank 0 built
         them (same rank and targets: the tensors about to be broadcast fit)."""
         mine = self.model.adapters()
@@ -178,7 +243,9 @@ def check_train_mode(world_size: int, train_mode: str) -> None:
         raise UsageError(f"--world-size {world_size} needs --train-mode fused, not {train_mode}")
 
 
-def data_parallel_trainer(world: World, train_mode: str) -> functools.partial[FusedTraining]:
-    """The Engine's training strategy class for ``world``."""
+def data_parallel_trainer(
+    world: World, train_mode: str, lockstep: Lockstep | None = None
+) -> functools.partial[FusedTraining]:
+    """The Engine's training strategy class for ``world`` (``lockstep``: a sharded base)."""
     check_train_mode(world.size, train_mode)
-    return functools.partial(DataParallelTraining, world=world)
+    return functools.partial(DataParallelTraining, world=world, lockstep=lockstep)

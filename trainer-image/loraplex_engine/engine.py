@@ -37,7 +37,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
-from loraplex_engine.data_parallel import data_parallel_trainer
+from loraplex_engine.data_parallel import DataParallelTraining, data_parallel_trainer
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
@@ -66,6 +66,7 @@ from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMR
 from loraplex_engine.rollout.base import Completion
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
+from loraplex_engine.sharding import Lockstep, shard_base
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tick import CompletionJob, JobSampling, Tick
 from loraplex_engine.timesliced import TimeSlicedTraining
@@ -96,7 +97,8 @@ class Engine:
     bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py.
     ``rollout_kv_tokens``: the KV-cache tokens of one torch rollout micro-batch
     (rollout/packing.py; None: derived the same way, else ``DEFAULT_ROLLOUT_KV_TOKENS``).
-    ``world``: this process's rank in a data-parallel group (data_parallel.py)."""
+    ``world``: this process's rank in a data-parallel group (data_parallel.py);
+    ``shard_base``: the frozen base sharded over its ranks with FSDP2 (sharding.py)."""
 
     def __init__(
         self,
@@ -124,6 +126,7 @@ class Engine:
         lora_kernel: str = "auto",
         world: World | None = None,
         rollout_kv_tokens: int | None = None,
+        shard_base: bool = False,
     ) -> None:
         if rollout_backend not in ("torch", "vllm"):
             raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
@@ -165,6 +168,8 @@ class Engine:
             dtype=MASTER_DTYPE,
             grouped_mm=KERNEL_MODES[lora_kernel],
         )
+        self.lockstep = self._shard(world) if shard_base else None
+        share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
@@ -176,7 +181,7 @@ class Engine:
             gradient_checkpointing = self.device.type == "cuda"
         trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
         if world is not None:  # data parallel over the process group (data_parallel.py)
-            trainer = data_parallel_trainer(world, train_mode)
+            trainer = data_parallel_trainer(world, train_mode, self.lockstep)
         self.strategy: TrainingStrategy = trainer(
             self.model,
             self.optimizer,
@@ -190,6 +195,11 @@ class Engine:
             recompute_old_logprobs=rollout_backend == "vllm",
         )
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
+        if isinstance(self.backend, TorchRollout) and isinstance(
+            self.strategy, DataParallelTraining
+        ):  # every rank decodes a share of each rollout
+            self.backend.distribute = self.strategy.rollout
+            self.strategy.decode = self.backend.generate_local
         # Sized once the weights, slots and rollout worker hold their memory.
         self.memory_plan = self._plan_memory(
             micro_batch_tokens, rollout_kv_tokens, device_memory, memory_headroom
@@ -219,6 +229,16 @@ class Engine:
             max_prompt_tokens,
             self.context_tokens,
         )
+
+    def _shard(self, world: World | None) -> Lockstep:
+        """The base sharded over ``world`` (sharding.py); its collectives' lockstep."""
+        if world is None or world.size < 2:
+            raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
+        if self.rollout_backend != "torch":
+            raise UsageError("--shard-base runs the torch rollout only")
+        shard_base(self.model, world, self.device)
+        log.info("base sharded over %d ranks (FSDP2); prompt-prefix sharing off", world.size)
+        return Lockstep(self.device)
 
     def _shared_forward(self, base: torch.nn.Module, wanted: bool) -> SharedForward | None:
         """Training computes each prompt group's prompt once per micro-batch (training.py);
@@ -272,6 +292,7 @@ class Engine:
                 self._decode_forward,
                 self.codec.pad_id,
                 () if self.ignore_eos else self.codec.eos_ids,
+                lockstep=self.lockstep,
             )  # its KV budget is set once the memory plan is made
         config = self.model.base_model.config
         try:

@@ -250,6 +250,7 @@ def run_file(
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
     micro_batch_tokens: int | None = None,
     rollout_kv_tokens: int | None = None,
+    shard_base: bool = False,
 ) -> dict[str, Any] | None:
     """Validate every manifest up front, then train them all on one hot engine.
 
@@ -259,8 +260,9 @@ def run_file(
 
     ``world_size`` > 1: data parallel (data_parallel.py); this process is rank 0 and
     starts the others as this command (dp_launch.py). A worker rank (``RANK`` set)
-    loads the same experiments, follows rank 0's train phases and returns None; only
-    rank 0 rolls out, checkpoints and writes the summary."""
+    loads the same experiments, follows rank 0's rollout and train phases (decoding and
+    training its share) and returns None; only rank 0 scores, checkpoints and writes
+    the summary. ``shard_base``: the base sharded over the ranks (sharding.py)."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
@@ -270,7 +272,9 @@ def run_file(
     check_train_mode(world_size, train_mode)  # before any worker starts
     out_dir = make_out_dir(out_dir)
     if world_size > 1 and rollout_backend != "torch":
-        raise UsageError("--world-size above 1 runs the torch rollout only (rank 0 decodes)")
+        raise UsageError("--world-size above 1 runs the torch rollout only (every rank decodes)")
+    if shard_base and world_size < 2:
+        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
     argv = [
         *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
         *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
@@ -279,6 +283,7 @@ def run_file(
         *(("--dtype", dtype) if dtype else ()),
         *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),
         *(("--rollout-kv-tokens", str(rollout_kv_tokens)) if rollout_kv_tokens else ()),
+        *(("--shard-base",) if shard_base else ()),
         *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
     ]
     with data_parallel(world_size, argv, torch.device("cpu"), dist_timeout_s) as world:
@@ -295,6 +300,7 @@ def run_file(
             world=world,
             micro_batch_tokens=micro_batch_tokens,
             rollout_kv_tokens=rollout_kv_tokens,
+            shard_base=shard_base,
         )
         try:
             return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
@@ -315,6 +321,7 @@ def _run(
     """Train on a loaded engine; a worker rank follows rank 0 and returns None."""
     if world is None or world.is_leader:
         ranks = f", data parallel over {world.size} ranks" if world else ""
+        ranks += ", base sharded (FSDP2)" if engine.lockstep is not None else ""
         out.write(
             f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
             f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "

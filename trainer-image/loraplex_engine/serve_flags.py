@@ -450,3 +450,14 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from e
     return options
+
+
+def add_shard_base_argument(p: argparse.ArgumentParser) -> None:
+    """``--shard-base`` (`run`; `serve` once it runs N ranks): the frozen base sharded
+    over the data-parallel ranks with FSDP2 (sharding.py)."""
+    p.add_argument(
+        "--shard-base",
+        action="store_true",
+        help="shard the frozen base model over the --world-size ranks (FSDP2; the LoRA "
+        "adapters stay replicated) for a base that does not fit one device",
+    )

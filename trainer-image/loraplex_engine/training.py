@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from loraplex_engine.algorithms import Algorithm, token_logprobs
 from loraplex_engine.checkpointing import gradient_checkpointing as checkpointed
 from loraplex_engine.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
 from loraplex_engine.multi_lora import MultiLoRAModel
+
+if TYPE_CHECKING:
+    from loraplex_engine.sharding import Lockstep
 
 # (input_ids [B,T], attention_mask [B,T], slot_ids [B]) -> logits [B,T,V]
 RoutedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -326,11 +330,15 @@ def _micro_batch_loss(
     updates: dict[str, ExperimentUpdate],
     weights: dict[str, float],
     stats: TrainStats,
+    with_ref: bool | None = None,
 ) -> torch.Tensor:
+    """``with_ref``: run the KL reference forward (None: when some row has a KL term)."""
     logprobs = logprobs_of(batch)
     batch = {k: v.to(logprobs.device) for k, v in batch.items()}
     ref = None
-    if any(updates[r.experiment].kl_coef > 0 for r in rows):
+    if with_ref is None:
+        with_ref = _needs_ref(rows, updates)
+    if with_ref:
         with torch.no_grad():  # slot 0 = the frozen base: the KL reference for free
             base = {k: torch.zeros_like(batch[k]) for k in ("slots", "prefix_slots") if k in batch}
             ref = logprobs_of({**batch, **base})
@@ -397,6 +405,7 @@ def fused_backward(
     shared_forward: SharedForward | None = None,
     gradient_checkpointing: bool = False,
     row_counts: Mapping[str, int] | None = None,
+    lockstep: Lockstep | None = None,
 ) -> TrainStats:
     """Accumulate every adapter's gradient over all rows; the caller steps the optimiser.
 
@@ -409,13 +418,21 @@ def fused_backward(
     ``row_counts`` (rows per experiment; default: counted in ``rows``) are the loss
     weights' denominators: data parallelism (data_parallel.py) passes the whole tick's,
     so each rank's share of the rows gives its share of the one-rank gradient.
+    ``lockstep`` (a sharded base, sharding.py): every rank runs as many micro-batches as
+    the busiest one (dummy ones, weighing nothing, when out of rows), each with the KL
+    reference forward if any rank's needs it, so their collectives pair up; it needs
+    unshared micro-batches (one forward each).
     """
+    if lockstep is not None and shared_forward is not None and not gradient_checkpointing:
+        raise ValueError("lockstep training needs unshared micro-batches (shared_forward None)")
     counts = dict(row_counts) if row_counts is not None else count_rows(rows)
     missing = sorted({r.experiment for r in rows} - set(counts))
     if missing:
         raise ValueError(f"row_counts has no count for experiments {missing}")
     weights = {exp: 1.0 / n for exp, n in counts.items()}
-    run = functools.partial(_fused_backward, forward, rows, updates, pad_id, token_budget)
+    run = functools.partial(
+        _fused_backward, forward, rows, updates, pad_id, token_budget, lockstep=lockstep
+    )
     if not gradient_checkpointing:
         return run(shared_forward, weights)
     if not isinstance(forward, HiddenStatesForward):
@@ -440,20 +457,50 @@ def _fused_backward(
     token_budget: int,
     shared_forward: SharedForward | None,
     weights: dict[str, float],
+    lockstep: Lockstep | None = None,
 ) -> TrainStats:
     stats = TrainStats()
     for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
         chunk = [rows[i] for i in mb.index]
+        with_ref = _needs_ref(chunk, updates)
+        if lockstep is not None:
+            with_ref = lockstep.agree(True, with_ref)[1]
         if mb.shared:
             stats.shared_micro_batches += 1
             stats.computed_tokens += int(mb.batch["prefix_attn"].sum())
             stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
         else:
             stats.computed_tokens += sum(r.length for r in chunk)
-        loss = _micro_batch_loss(mb.run, chunk, mb.batch, updates, weights, stats)
+        loss = _micro_batch_loss(mb.run, chunk, mb.batch, updates, weights, stats, with_ref)
         loss.backward()
         stats.micro_batches += 1
+    if lockstep is not None:
+        while True:  # out of rows: a dummy micro-batch per round another rank still runs
+            more, with_ref = lockstep.agree(False, False)
+            if not more:
+                break
+            _dummy_backward(forward, pad_id, with_ref)
     return stats
+
+
+def _needs_ref(rows: Sequence[TrainRow], updates: dict[str, ExperimentUpdate]) -> bool:
+    """Some row's experiment has a KL term: the micro-batch runs the reference forward."""
+    return any(updates[r.experiment].kl_coef > 0 for r in rows)
+
+
+def _dummy_backward(
+    forward: RoutedForward | HiddenStatesForward, pad_id: int, with_ref: bool
+) -> None:
+    """A micro-batch's collectives with no effect: one base-only (slot 0) row of two pad
+    tokens, its forward (and reference forward), and a backward of zero (the embeddings'
+    output requires grad under a sharded base, so the backward runs every layer)."""
+    row = TrainRow("", 0, [pad_id], [pad_id], [0.0], 0.0, 1.0)
+    batch = _collate([row], pad_id)
+    logprobs = _logprobs(forward, batch)
+    if with_ref:
+        with torch.no_grad():
+            _logprobs(forward, batch)
+    (logprobs.sum() * 0.0).backward()
 
 
 @dataclass

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ from loraplex_engine.training import (
     fused_backward,
     score_rows,
 )
+
+if TYPE_CHECKING:
+    from loraplex_engine.sharding import Lockstep
 
 TRAIN_MODES = ("fused", "timesliced")
 
@@ -81,6 +84,8 @@ class AdapterTrainer:
     gradient_checkpointing: bool = False
     computed_tokens: int = 0
     recompute_old_logprobs: bool = False
+    # A sharded base (sharding.py): the ranks' micro-batches run in step.
+    lockstep: Lockstep | None = None
 
     def __post_init__(self) -> None:
         self._forward: HiddenStatesForward | None = None
@@ -136,6 +141,7 @@ class AdapterTrainer:
             self.shared_forward,
             gradient_checkpointing=self.gradient_checkpointing,
             row_counts=row_counts,
+            lockstep=self.lockstep,
         )
         self.computed_tokens += stats.computed_tokens
 

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
@@ -29,6 +29,9 @@ from loraplex_engine.rollout.vllm_requests import (
     plan_requests,
     rows_from,
 )
+
+if TYPE_CHECKING:
+    from loraplex_engine.sharding import Lockstep
 
 log = logging.getLogger("loraplex_engine.rollout")
 # Worker restarts one generate call may spend before it fails (and with it the tick).
@@ -55,9 +58,17 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
+# rows -> every row's completion, decoded over the data-parallel ranks
+Distribute = Callable[[Sequence[RolloutRequest]], list[Completion]]
+
+
 class TorchRollout:
     """Decode through the multi-LoRA model with every row routed to its slot, in
-    micro-batches of at most ``kv_tokens`` KV-cache tokens (packing.py)."""
+    micro-batches of at most ``kv_tokens`` KV-cache tokens (packing.py).
+
+    Data parallel (data_parallel.py): ``distribute`` spreads a batch over the ranks,
+    each decoding its share with ``generate_local``; ``lockstep`` (a sharded base) keeps
+    their forwards in step."""
 
     name = "torch"
 
@@ -68,12 +79,29 @@ class TorchRollout:
         pad: int,
         eos_ids: Sequence[int],
         kv_tokens: int = DEFAULT_ROLLOUT_KV_TOKENS,
+        lockstep: Lockstep | None = None,
     ):
         self._route, self._forward, self._pad, self._eos = route, forward, pad, tuple(eos_ids)
         self.kv_tokens = kv_tokens
+        self.lockstep = lockstep
+        self.distribute: Distribute | None = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
-        return generate(self._route, self._forward, requests, self._pad, self._eos, self.kv_tokens)
+        if self.distribute is not None:
+            return self.distribute(requests)
+        return self.generate_local(requests)
+
+    def generate_local(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        """This process's rows alone (this rank's share, under data parallelism)."""
+        return generate(
+            self._route,
+            self._forward,
+            requests,
+            self._pad,
+            self._eos,
+            self.kv_tokens,
+            self.lockstep,
+        )
 
     def add_adapter(self, exp_id: str) -> None:
         pass

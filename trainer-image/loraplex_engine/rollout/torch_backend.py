@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS, pack_rollout
 from loraplex_engine.rollout.sampling import Draw, Sampler, contiguous_groups
+
+if TYPE_CHECKING:
+    from loraplex_engine.sharding import Lockstep
 
 # (input_ids, attention_mask, position_ids, past_key_values) -> (last logits, past); the
 # logits ([rows, vocab], the last position only) stay on the model's device
@@ -80,6 +83,7 @@ def generate(
     pad_id: int,
     eos_ids: Sequence[int] = (),
     kv_token_budget: int = DEFAULT_ROLLOUT_KV_TOKENS,
+    lockstep: Lockstep | None = None,
 ) -> list[Completion]:
     """Generate every request, in micro-batches of at most ``kv_token_budget`` KV tokens
     (packing.py) decoded one after another; completions come back in request order.
@@ -87,16 +91,40 @@ def generate(
     A row stops at any of ``eos_ids`` (kept in its completion); none: no row stops early,
     each generates exactly its ``max_new_tokens``. Finished rows of a micro-batch keep
     decoding pad (ignored) until all of it is done.
+
+    ``lockstep`` (a sharded base: every forward is a collective, sharding.py): each
+    forward is a lockstep round, and once this rank's rows are done it runs dummy
+    one-token forwards for as long as another rank still decodes.
     """
+    stepped = forward if lockstep is None else _in_step(forward, lockstep)
     out: list[Completion | None] = [None] * len(requests)
     for packed in pack_rollout(requests, kv_token_budget):
         rows = contiguous_groups(requests, packed)
         batch = [requests[i] for i in rows]
         for row, done in zip(
-            rows, _micro_batch(route, forward, batch, pad_id, eos_ids), strict=True
+            rows, _micro_batch(route, stepped, batch, pad_id, eos_ids), strict=True
         ):
             out[row] = done
+    if lockstep is not None:
+        lockstep.drain(lambda: _dummy_forward(route, forward, pad_id))
     return [c for c in out if c is not None]
+
+
+def _in_step(forward: ForwardFn, lockstep: Lockstep) -> ForwardFn:
+    """``forward`` preceded by a lockstep round in which this rank says it works."""
+
+    def stepped(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past: object):
+        lockstep.step()
+        return forward(ids, mask, pos, past)
+
+    return stepped
+
+
+def _dummy_forward(route: RouteFn, forward: ForwardFn, pad_id: int) -> None:
+    """One pad token through the base (slot 0), no cache: the collectives of a forward."""
+    one = torch.ones((1, 1), dtype=torch.long)
+    with route(torch.zeros(1, dtype=torch.long)):
+        forward(one * pad_id, one, one * 0, None)
 
 
 def _micro_batch(
