@@ -131,13 +131,14 @@ class DataParallelTraining(FusedTraining):
         return ranks.merge(results, len(requests), generators)
 
     def _unsynced(self, slots: dict[str, int]) -> dict[str, NewAdapter]:
-        """The adapters of ``slots`` the workers have not had from rank 0 in that slot."""
+        """The adapters of ``slots`` the workers have not had from rank 0 in that slot
+        (those with optimiser state: what ``_sync_new`` sends)."""
         return {
             e: NewAdapter(
                 s, self.model.config_of(e), self.optimizer.settings[s], self.optimizer.steps[s]
             )
             for e, s in slots.items()
-            if self._synced.get(e) != s
+            if self._synced.get(e) != s and self.optimizer.has_adapter(e)
         }
 
     def stop(self) -> None:

@@ -1,0 +1,185 @@
+"""One rank of the two-process sharded-base tests in test_sharding.py (torch.multiprocessing
+spawns it): the tiny model's base sharded with FSDP2 over two gloo ranks, trained and
+decoded with unequal work per rank; it saves what came out for the parent to compare
+with one unsharded process."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from lora_helpers import CONFIGS, load_base, randomise_b
+from loraplex_engine import distributed, sharding
+from loraplex_engine.algorithms import GRPO
+from loraplex_engine.capacity_plan import static_bytes
+from loraplex_engine.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.data_parallel import DataParallelTraining
+from loraplex_engine.distributed import World
+from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.rollout.backends import TorchRollout
+from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows, fused_backward
+
+CPU = torch.device("cpu")
+HEAD_ONLY = LoRAConfig(rank=4, alpha=8.0, target_modules=("lm_head",))
+BUDGET = 48  # training tokens per micro-batch: several micro-batches per share
+KV_TOKENS = 40  # rollout KV tokens per micro-batch: an experiment spans several
+
+
+def build(model_dir: Path) -> MultiLoRAModel:
+    """Adapters a, b, c (decoder projections) and d (lm_head alone), random A and B."""
+    base = load_base(model_dir)
+    model = MultiLoRAModel(base, 4, 8, target_modules=adaptable_module_names(base))
+    for i, (name, cfg) in enumerate({**CONFIGS, "d": HEAD_ONLY}.items()):
+        model.add_adapter(name, cfg, seed=i)
+        randomise_b(model, name, seed=100 + i)
+    return model
+
+
+def tick_rows(model: MultiLoRAModel) -> list[TrainRow]:
+    """Prompt groups of 1-3 rows for each adapter, random tokens."""
+    rng = random.Random(0)
+    rows = []
+    for name in (*CONFIGS, "d"):
+        for group, size in enumerate((3, 1, 2)):
+            prompt = [rng.randrange(4, 200) for _ in range(rng.randint(2, 7))]
+            for _ in range(size):
+                done = [rng.randrange(4, 200) for _ in range(rng.randint(1, 5))]
+                old = [rng.uniform(-6.0, -4.0) for _ in done]
+                adv = rng.uniform(-1, 1)
+                rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
+    return rows
+
+
+UPDATES = {n: ExperimentUpdate(GRPO(), 0.2, 0.1 if n == "b" else 0.0) for n in (*CONFIGS, "d")}
+
+
+def shares(rows: list[TrainRow], case: str) -> list[list[TrainRow]]:
+    """Per rank, its rows: 'all-on-0' (rank 1 has none), 'head-vs-layers' (rank 0 only
+    the lm_head adapter's rows, fewer micro-batches; rank 1 the others, with KL)."""
+    if case == "all-on-0":
+        return [rows, []]
+    return [[r for r in rows if r.experiment == "d"], [r for r in rows if r.experiment != "d"]]
+
+
+def lora_grads(model: MultiLoRAModel) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def train_grads(
+    model: MultiLoRAModel, rows: list[TrainRow], counts: dict[str, int], ckpt: bool, lockstep=None
+) -> None:
+    fused_backward(
+        HiddenStatesForward(model, CPU),
+        rows,
+        UPDATES,
+        0,
+        BUDGET,
+        None,
+        gradient_checkpointing=ckpt,
+        row_counts=counts,
+        lockstep=lockstep,
+    )
+
+
+def requests(case: str) -> list[RolloutRequest]:
+    """'two': experiments a (sampled) and c (greedy), split over the ranks;
+    'one': experiment b alone (rank 1 decodes nothing) over several micro-batches."""
+    out = []
+    names = ["a", "c"] if case == "two" else ["b"]
+    for i, name in enumerate(names):
+        gen = torch.Generator().manual_seed(40 + i)
+        for p in range(3):
+            prompt = [5 + p, 17 + 3 * p, 9, 33 + i]
+            for _ in range(2):
+                temp = 0.0 if name == "c" else 1.0
+                out.append(RolloutRequest(1 + "abc".index(name), prompt, 6, temp, gen, name))
+    return out
+
+
+def decode_forward(model: MultiLoRAModel):
+    """The engine's decoding step (engine.Engine._decode_forward)."""
+
+    def forward(ids, mask, positions, past) -> tuple[torch.Tensor, Any]:
+        out = model.base_model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], out.past_key_values
+
+    return forward
+
+
+def torch_rollout(model: MultiLoRAModel, lockstep=None) -> TorchRollout:
+    return TorchRollout(model.route, decode_forward(model), 0, (), KV_TOKENS, lockstep)
+
+
+def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR=distributed.LOOPBACK, MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    world = World(rank, 2)
+    distributed.join(world, CPU, timeout_s=120)
+    try:
+        _run(world, Path(model_dir), Path(out))
+    finally:
+        distributed.leave()
+
+
+def _run(world: World, model_dir: Path, out: Path) -> None:
+    model = build(model_dir)
+    unsharded_bytes = static_bytes(model).base
+    sharding.shard_base(model, world, CPU)
+    lockstep = sharding.Lockstep(CPU)
+    saved: dict[str, Any] = {
+        "bytes": (unsharded_bytes, static_bytes(model).base),
+        "plain_adapter": all(
+            type(t) is torch.Tensor for t in model.adapter_state_dict("a").values()
+        ),
+    }
+    rows = tick_rows(model)
+    for case in ("all-on-0", "head-vs-layers"):
+        for ckpt in (False, True):
+            model.zero_grad(set_to_none=True)
+            mine = shares(rows, case)[world.rank]
+            train_grads(model, mine, count_rows(rows), ckpt, lockstep)
+            optimizer_params = [
+                p for layer in model.lora_layers.values() for p in layer.parameters(recurse=False)
+            ]
+            distributed.all_reduce_lora_grads(optimizer_params)
+            saved[f"grads/{case}/{ckpt}"] = lora_grads(model)
+    saved["train_rounds"] = lockstep.rounds
+
+    optimizer = PerAdapterAdamW(model)
+    for name in model.adapters():
+        optimizer.add_adapter(name, AdamWSettings(lr=0.01))
+    dp = DataParallelTraining(
+        model, optimizer, CPU, 0, BUDGET, None, world=world, lockstep=lockstep
+    )
+    dp.decode = torch_rollout(model, lockstep).generate_local
+    if world.is_leader:
+        for case in ("two", "one"):
+            reqs = requests(case)
+            saved[f"rollout/{case}"] = dp.rollout(reqs)
+            saved[f"states/{case}"] = [r.generator.get_state() for r in reqs]
+        dp.stop()
+    else:
+        dp.follow()
+    saved["rounds"] = lockstep.rounds
+    torch.save(saved, out / f"rank{world.rank}.pt")
+
+
+def reference_rollout(
+    model: MultiLoRAModel, case: str
+) -> tuple[list[Completion], list[torch.Tensor]]:
+    reqs = requests(case)
+    done = torch_rollout(model).generate(reqs)
+    return done, [r.generator.get_state() for r in reqs]
