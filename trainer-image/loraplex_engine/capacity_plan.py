@@ -51,7 +51,6 @@ from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
-from loraplex_engine.sharding import local_tensor
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
 # Adapter slot copies the engine keeps: fp32 master, its gradient, Adam's two moments.
@@ -83,10 +82,7 @@ def static_bytes(model: MultiLoRAModel) -> StaticBytes:
     layers = list(model.lora_layers.values())
     lora_ids = {id(t) for layer in layers for t in _slot_tensors(layer)}
     base = model.base_model
-    # A sharded base (sharding.py): this rank's shards, what it holds between forwards.
-    tensors = [
-        local_tensor(t) for t in (*base.parameters(), *base.buffers()) if id(t) not in lora_ids
-    ]
+    tensors = [t for t in (*base.parameters(), *base.buffers()) if id(t) not in lora_ids]
     slot = 0
     for layer in layers:
         weights = layer.lora_A[0].numel() + layer.lora_B[0].numel()
