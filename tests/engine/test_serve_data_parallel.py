@@ -86,12 +86,18 @@ def test_two_ranks_train_bound_and_unbound_experiments_to_the_one_rank_adapters(
     """Same binds and unbind on `serve --world-size 2` and `serve` (one rank): A (which
     trained on while B left) and C (added after, into B's slot) end within ADAPTER_ATOL of
     the one-rank adapters, so rank 1 held them in rank 0's slots with rank 0's weights
-    and added its gradient share every step. SIGTERM then releases rank 1: exit 0."""
+    and added its gradient share every step; greedy completions from A (served by rank
+    0) match. SIGTERM then checkpoints and releases rank 1: exit 0."""
     two = server(tiny_model_dir, tmp_path / "two", "--world-size", "2")
     one = server(tiny_model_dir, tmp_path / "one")
     with two, one, two.client() as api2, one.client() as api1:
         (worker,) = psutil.Process(two.proc.pid).children()
         got = {"two": bind_unbind_rebind(api2), "one": bind_unbind_rebind(api1)}
+        # Served completions run on rank 0 (in its rollout): the same as one rank's.
+        ask = {"model": A, "prompt": "Name a fruit.", "max_tokens": 6, "temperature": 0.0}
+        texts = [api.post("/v1/completions", json=ask) for api in (api2, api1)]
+        assert [r.status_code for r in texts] == [200, 200], texts[0].text
+        assert texts[0].json()["choices"][0]["text"] == texts[1].json()["choices"][0]["text"]
         assert two.stop() == 0, two.log_tail()
         assert not worker.is_running(), "rank 1 outlived a clean shutdown"
     log = two.log_text()
