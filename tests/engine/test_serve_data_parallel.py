@@ -11,6 +11,8 @@ starts rank 1 itself (gloo on the CPU).
 
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -161,6 +163,32 @@ def test_a_killed_rank_ends_the_engine_and_the_restart_resumes_the_checkpoint(
             f"\nrank 1 killed -> engine exit {took:.2f}s; rank 0 killed -> rank 1 exit {gone:.2f}s"
         )
     assert gone < 10, gone
+
+
+def test_torchrun_starts_every_rank_and_a_killed_one_ends_the_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every rank started by torchrun (RANK set): rank 0 alone serves, rank 1 follows its
+    adds and trains; SIGKILL rank 1 and rank 0 (no watcher here: its next collective
+    fails, or torchrun stops it) exits non-zero, so torchrun does, naming rank 1."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    with socket.socket() as s:  # the agent's store; a port race here only fails the start
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    command = [*torchrun, "-m", "loraplex_engine.cli"]
+    srv = server(tiny_model_dir, tmp_path, "--world-size", "2", command=command)
+    with srv, srv.client() as api:
+        put(api, A, spec(1, seed=1))
+        wait_until(lambda: status(api, A)["step"] >= 2, timeout=120)
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(srv.proc.pid).children()}
+        assert sorted(ranks) == [0, 1]
+        ranks[1].kill()
+        code = srv.proc.wait(60)
+    log = srv.log_text()
+    assert f"rank 1: added adapter {A} in slot 1" in log
+    assert code != 0 and "rank      : 1" in log, log[-3000:]
+    assert not child_processes.survivors()
 
 
 def test_world_size_flags_and_variable(

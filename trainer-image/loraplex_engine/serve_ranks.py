@@ -94,6 +94,8 @@ class RankGroup:
 
     def start(self) -> World | None:
         """Start ranks 1..N-1 and form the group; None for one rank."""
+        if distributed.world_from_env() is not None:  # torchrun's: go when it goes
+            _exit_with_parent()
         world = self._stack.enter_context(
             data_parallel(self.size, self.argv, self.device, self.timeout_s, fatal)
         )
@@ -137,9 +139,15 @@ class RankGroup:
         try:
             if self.engine is not None and self.engine.ranks is not None:
                 self.engine.ranks.stop()
-            self._stack.close()
-        except Exception as e:
+        except Exception as e:  # a worker is gone: the launcher kills the others
             log.error("releasing the worker ranks failed: %s", _one_line(e))
+            with contextlib.suppress(Exception):
+                self._stack.__exit__(type(e), e, e.__traceback__)
+            return False
+        try:
+            self._stack.close()  # the workers exit 0, the group is destroyed
+        except Exception as e:
+            log.error("the worker ranks did not stop cleanly: %s", _one_line(e))
             return False
         return True
 
@@ -168,14 +176,18 @@ def run_worker(
 
 
 def _exit_with_parent() -> None:
-    """A worker whose launcher (rank 0, or torchrun's agent) is gone exits, whatever it
-    is waiting in."""
+    """A rank whose launcher (rank 0 for a worker it started, or torchrun's agent) is
+    gone exits, whatever it is waiting in."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        print(f"{PROG}: error: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: error: its launcher (pid {parent}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
