@@ -13,6 +13,10 @@ Order of events:
    its current tick and every running experiment is checkpointed (the pod's
    termination grace period covers this), and the process exits 0.
 
+``--world-size N`` (serve_ranks.py): this process is rank 0 of N data-parallel ranks; it
+starts the others (or torchrun started every rank) before step 2's engine, and the
+engine is ready once every rank has loaded. A worker rank binds nothing and follows.
+
 Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-rank`` ->
 ``LORAPLEX_MAX_RANK``; serve_flags.py); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
 """

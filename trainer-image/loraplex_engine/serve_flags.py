@@ -311,6 +311,7 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
         "--world-size",
         type=_positive_int,
         default=_env_parsed("WORLD_SIZE", 1),
+        metavar="N",
         help="data-parallel ranks of this engine (one per GPU; gloo on the CPU). This "
         "process is rank 0 (the API, the tick) and starts ranks 1..N-1 itself, unless "
         "RANK is set (torchrun): then each process joins by env:// (default: 1)",
