@@ -167,10 +167,10 @@ def run_worker(
             assert engine.ranks is not None
             phases = engine.ranks.follow()
         except RuntimeError as e:  # rank 0 is gone (closed connection) or timed out
+            # Out at once: leaving the group in order could wait on the dead rank.
             print(f"{PROG}: rank {world.rank}: error: {_one_line(e)}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            engine.close()
+            os._exit(1)
+        engine.close()
     log.info("rank %d released by rank 0 after %d train phases", world.rank, phases)
     return 0
 
