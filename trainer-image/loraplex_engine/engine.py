@@ -194,6 +194,8 @@ class Engine:
             # (training_strategy.AdapterTrainer).
             recompute_old_logprobs=rollout_backend == "vllm",
         )
+        # Data parallel: rank 0's adapter adds and removes reach the workers (same slots).
+        self.ranks = self.strategy if isinstance(self.strategy, DataParallelTraining) else None
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         if isinstance(self.backend, TorchRollout) and isinstance(
             self.strategy, DataParallelTraining
@@ -427,6 +429,8 @@ class Engine:
                 self.optimizer.remove_adapter(exp_id)
                 self.model.remove_adapter(exp_id)
                 raise
+            if self.ranks is not None:
+                self.ranks.adapter_added(exp_id)
             with self._state_lock:
                 self._experiments[exp_id] = exp
             self.work_available.set()
@@ -462,8 +466,11 @@ class Engine:
                 self.store.save(exp)
             self.scorer.forget(exp_id)
             self.backend.remove_adapter(exp_id)
+            slot = self.model.slot_of(exp_id)
             self.optimizer.remove_adapter(exp_id)
             self.model.remove_adapter(exp_id)
+            if self.ranks is not None:
+                self.ranks.adapter_removed(exp_id, slot)
             with self._state_lock:
                 del self._experiments[exp_id]
             return exp.status()
