@@ -17,8 +17,8 @@ What is replicated, and why:
   chunk (chunked_logprobs.py) and, for a LoRA-targeted head, in data-dependent numbers
   of calls: sharded, each call would be a collective whose count differs per rank.
   Replicated, the head costs ``vocab x hidden`` per rank (2.1 GB for Llama-3.1-70B in
-  bf16). A tied head is the embedding's weight: the root unit shards the embedding's
-  parameter while the head keeps its full tensor (as memory: replicated).
+  bf16). A tied head is the embedding's weight, so a tied model's embedding stays
+  replicated too (its parameter is ignored with the head's).
 
 Every sharded forward and backward is a collective, so the ranks must run the same
 sequence of them: ``Lockstep`` (the rollout's decode steps, the update's micro-batches;
