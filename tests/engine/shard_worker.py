@@ -183,3 +183,47 @@ def reference_rollout(
     reqs = requests(case)
     done = torch_rollout(model).generate(reqs)
     return done, [r.generator.get_state() for r in reqs]
+
+
+def tied_model(model_dir: Path) -> MultiLoRAModel:
+    """A tied-head model (the tiny Gemma 3) with one adapter on q and v, random B."""
+    base = load_base(model_dir)
+    model = MultiLoRAModel(base, 1, 4, target_modules=adaptable_module_names(base))
+    model.add_adapter("a", LoRAConfig(rank=4, alpha=8.0), seed=0)
+    randomise_b(model, "a", seed=1)
+    return model
+
+
+def tied_grads(model: MultiLoRAModel, rows: list[TrainRow]) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    train_grads(model, rows, count_rows(rows), ckpt=True)
+    return lora_grads(model)
+
+
+def tied_rows(model: MultiLoRAModel) -> list[TrainRow]:
+    rng = random.Random(1)
+    return [
+        TrainRow("a", 1, [rng.randrange(4, 200) for _ in range(5)], [7, 9], [-5.0, -5.0], adv, 1.0)
+        for adv in (0.5, -1.0, 0.25)
+    ]
+
+
+def run_tied_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    """Shard a tied model (its embedding is its head: kept replicated) and train all the
+    rows on each rank, checkpointed: the gradient is the unsharded one."""
+    os.environ.update(MASTER_ADDR=distributed.LOOPBACK, MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    world = World(rank, 2)
+    distributed.join(world, CPU, timeout_s=120)
+    try:
+        model = tied_model(Path(model_dir))
+        sharding.shard_base(model, world, CPU)
+        head = model.base_model.get_output_embeddings().weight
+        saved = {
+            "grads": tied_grads(model, tied_rows(model)),
+            "head_plain": type(head) is not torch.distributed.tensor.DTensor,
+            "sharded_layers": sharding.is_sharded(model),
+        }
+        torch.save(saved, Path(out) / f"tied{rank}.pt")
+    finally:
+        distributed.leave()

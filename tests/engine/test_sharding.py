@@ -195,3 +195,28 @@ def test_shard_base_needs_ranks(tiny_model_dir, tmp_path, capsys) -> None:
     argv = ["run", str(manifest), "--model", str(tiny_model_dir), "--out", str(tmp_path / "o")]
     assert cli.main([*argv, "--shard-base"]) == 2
     assert "--shard-base needs --world-size above 1" in capsys.readouterr().err
+
+
+def test_a_tied_head_stays_replicated_with_its_embedding(tmp_path) -> None:
+    """The tiny Gemma 3 ties its head to its embedding: sharded over two ranks the shared
+    weight stays a plain tensor (ignored with the head), the layers are sharded, and the
+    checkpointed gradient equals the unsharded one."""
+    from loraplex_engine.tiny_model import build_model
+
+    model_dir = tmp_path / "gemma3"
+    build_model(model_dir, arch="gemma3")
+    with socket.socket() as s:
+        s.bind((distributed.LOOPBACK, 0))
+        port = s.getsockname()[1]
+    mp.spawn(
+        shard_worker.run_tied_rank, args=(port, str(model_dir), str(tmp_path)), nprocs=2, join=True
+    )
+    model = shard_worker.tied_model(model_dir)
+    want = shard_worker.tied_grads(model, shard_worker.tied_rows(model))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"tied{rank}.pt", weights_only=False)
+        assert got["head_plain"] and got["sharded_layers"]
+        assert got["grads"].keys() == want.keys() and want
+        for name, w in want.items():
+            err = float((got["grads"][name] - w).norm() / w.norm().clamp_min(1e-30))
+            assert err <= GRAD_RTOL, (name, err)
