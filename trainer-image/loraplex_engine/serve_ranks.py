@@ -37,6 +37,7 @@ from loraplex_engine.dp_launch import data_parallel
 from loraplex_engine.errors import RankFailed, UsageError
 
 if TYPE_CHECKING:
+    from loraplex_engine.data_parallel import DataParallelTraining
     from loraplex_engine.engine import Engine
 
 log = logging.getLogger("loraplex_engine.serve")
@@ -143,8 +144,10 @@ class RankGroup:
             return True
         if self.engine is None:  # rank 0 never loaded: the workers are not released
             return self._abort(RankFailed("rank 0 did not load its engine"))
+        agree = True
         try:
             if self.engine.ranks is not None:
+                agree = self._compare(self.engine.ranks)
                 self.engine.ranks.stop()
         except Exception as e:  # a worker is gone
             log.error("releasing the worker ranks failed: %s", _one_line(e))
@@ -154,7 +157,20 @@ class RankGroup:
         except Exception as e:
             log.error("the worker ranks did not stop cleanly: %s", _one_line(e))
             return False
-        return True
+        return agree
+
+    def _compare(self, ranks: DataParallelTraining) -> bool:
+        """Before releasing them: every rank ends with rank 0's adapters, bit for bit."""
+        disagree = ranks.compare_ranks()
+        for line in disagree:
+            log.error("ranks disagree: %s", line)
+        if not disagree:
+            log.info(
+                "all %d ranks hold the same %d trained adapters (weights, Adam moments, steps)",
+                ranks.world.size,
+                len(ranks.fingerprints()),
+            )
+        return not disagree
 
     def _abort(self, error: Exception) -> bool:
         """Leave the launcher on ``error``: it kills the workers at once."""
