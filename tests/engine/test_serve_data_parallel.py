@@ -89,7 +89,8 @@ def test_two_ranks_train_bound_and_unbound_experiments_to_the_one_rank_adapters(
     trained on while B left) and C (added after, into B's slot) end within ADAPTER_ATOL of
     the one-rank adapters, so rank 1 held them in rank 0's slots with rank 0's weights
     and added its gradient share every step; greedy completions from A (served by rank
-    0) match. SIGTERM then checkpoints and releases rank 1: exit 0."""
+    0) match. SIGTERM then checkpoints, finds both ranks' adapters (weights, Adam moments,
+    steps) identical bit for bit, and releases rank 1: exit 0."""
     two = server(tiny_model_dir, tmp_path / "two", "--world-size", "2")
     one = server(tiny_model_dir, tmp_path / "one")
     with two, one, two.client() as api2, one.client() as api1:
@@ -107,6 +108,8 @@ def test_two_ranks_train_bound_and_unbound_experiments_to_the_one_rank_adapters(
     for line in (f"added adapter {A} in slot 1", f"added adapter {B} in slot 2",
                  f"removed adapter {B} from slot 2", f"added adapter {C} in slot 2"):  # fmt: skip
         assert f"rank 1: {line}" in log, log[-3000:]
+    # Before releasing rank 1, rank 0 compared them: A and C, bit for bit.
+    assert "all 2 ranks hold the same 2 trained adapters" in log, log[-3000:]
     assert "rank 1 released by rank 0" in log
     diffs = {}
     for exp, steps in ((A, 4), (C, 3)):

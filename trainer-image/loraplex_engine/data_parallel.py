@@ -33,6 +33,7 @@ never hits the group's timeout while the server has nothing to train.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -129,6 +130,11 @@ class RolloutMessage:
 LocalDecode = Callable[[Sequence[RolloutRequest]], list[Completion]]
 
 
+@dataclass(frozen=True)
+class CompareAdapters:
+    """Every rank fingerprints its trained adapters for rank 0 (:meth:`compare_ranks`)."""
+
+
 @dataclass
 class DataParallelTraining(FusedTraining):
     """FusedTraining over the ranks of ``world`` (the default process group)."""
@@ -212,6 +218,34 @@ class DataParallelTraining(FusedTraining):
             self._send(Heartbeat())
             return True
 
+    def compare_ranks(self) -> list[str]:
+        """Whether every rank holds rank 0's trained adapters bit for bit (slot, step,
+        weights, Adam moments): the disagreements, one line each; [] when they agree."""
+        self._require_leader("compare the ranks")
+        with self._lock:
+            self._send(CompareAdapters())
+            ours, *others = distributed.gather_objects(self.fingerprints())
+        return [
+            f"rank {rank}: {name}: {theirs.get(name)} (rank 0: {ours.get(name)})"
+            for rank, theirs in enumerate(others, start=1)
+            for name in sorted(set(ours) | set(theirs))
+            if theirs.get(name) != ours.get(name)
+        ]
+
+    def fingerprints(self) -> dict[str, tuple[int, int, str]]:
+        """Each adapter trained since its add: (slot, step, sha256 of its tensors)."""
+        out = {}
+        for name in sorted(self._synced):
+            slot = self.model.slot_of(name)
+            digest = hashlib.sha256()
+            tensors = list(self.model.adapter_views(name).values())
+            for moments in (self.optimizer.exp_avg, self.optimizer.exp_avg_sq):
+                tensors += self.model.adapter_views(name, moments.__getitem__).values()
+            for t in tensors:
+                digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            out[name] = (slot, self.optimizer.steps[slot], digest.hexdigest()[:16])
+        return out
+
     def stop(self) -> None:
         """Release the workers: they leave follow() and exit."""
         if self.world.is_leader:
@@ -253,6 +287,7 @@ class DataParallelTraining(FusedTraining):
             AddAdapter: self._on_add,
             RemoveAdapter: self._on_remove,
             Heartbeat: lambda _msg: None,
+            CompareAdapters: lambda _msg: distributed.gather_objects(self.fingerprints()),
         }
 
     def _on_train(self, msg: TrainMessage) -> None:

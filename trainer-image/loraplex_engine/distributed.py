@@ -128,6 +128,13 @@ def broadcast_object(obj: Any, device: torch.device | None = None) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (pickled)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_tensors(tensors: Sequence[torch.Tensor]) -> None:
     """Overwrite every rank's tensors with rank 0's, in place (one bucket at a time)."""
     for bucket in _buckets(list(tensors), BUCKET_BYTES):

@@ -218,10 +218,10 @@ class EngineLoop:
             try:
                 report = self.engine.tick()
             except Exception as e:
-                if self.on_error is not None:
-                    self.on_error(e)
                 errors += 1
                 log.exception("engine tick failed (%d in a row)", errors)
+                if self.on_error is not None:  # several ranks: no retry (serve_ranks.py)
+                    self.on_error(e)
                 if errors >= self.max_errors:
                     log.error("engine loop stopping after %d failed ticks", errors)
                     self.failed = True

@@ -34,9 +34,10 @@ import torch
 from loraplex_engine import distributed
 from loraplex_engine.distributed import World
 from loraplex_engine.dp_launch import data_parallel
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import RankFailed, UsageError
 
 if TYPE_CHECKING:
+    from loraplex_engine.data_parallel import DataParallelTraining
     from loraplex_engine.engine import Engine
 
 log = logging.getLogger("loraplex_engine.serve")
@@ -90,6 +91,7 @@ class RankGroup:
         self.device = torch.device(device)
         self._stack = contextlib.ExitStack()
         self.engine: Engine | None = None
+        self.world: World | None = None  # once the group has formed (N > 1)
         self._failed = threading.Lock()
 
     def start(self) -> World | None:
@@ -99,6 +101,7 @@ class RankGroup:
         world = self._stack.enter_context(
             data_parallel(self.size, self.argv, self.device, self.timeout_s, fatal)
         )
+        self.world = world
         if world is not None:
             log.info(
                 "data parallel over %d ranks (%s)", world.size, distributed.backend_for(self.device)
@@ -136,20 +139,44 @@ class RankGroup:
 
     def close(self) -> bool:
         """Release the workers after the shutdown checkpoints; False if one failed."""
+        if self.world is None:  # one rank, or the group never formed
+            self._stack.close()
+            return True
+        if self.engine is None:  # rank 0 never loaded: the workers are not released
+            return self._abort(RankFailed("rank 0 did not load its engine"))
+        agree = True
         try:
-            if self.engine is not None and self.engine.ranks is not None:
+            if self.engine.ranks is not None:
+                agree = self._compare(self.engine.ranks)
                 self.engine.ranks.stop()
-        except Exception as e:  # a worker is gone: the launcher kills the others
+        except Exception as e:  # a worker is gone
             log.error("releasing the worker ranks failed: %s", _one_line(e))
-            with contextlib.suppress(Exception):
-                self._stack.__exit__(type(e), e, e.__traceback__)
-            return False
+            return self._abort(e)
         try:
             self._stack.close()  # the workers exit 0, the group is destroyed
         except Exception as e:
             log.error("the worker ranks did not stop cleanly: %s", _one_line(e))
             return False
-        return True
+        return agree
+
+    def _compare(self, ranks: DataParallelTraining) -> bool:
+        """Before releasing them: every rank ends with rank 0's adapters, bit for bit."""
+        disagree = ranks.compare_ranks()
+        for line in disagree:
+            log.error("ranks disagree: %s", line)
+        if not disagree:
+            log.info(
+                "all %d ranks hold the same %d trained adapters (weights, Adam moments, steps)",
+                ranks.world.size,
+                len(ranks.fingerprints()),
+            )
+        return not disagree
+
+    def _abort(self, error: Exception) -> bool:
+        """Leave the launcher on ``error``: it kills the workers at once."""
+        with contextlib.suppress(Exception):
+            self._stack.__exit__(type(error), error, error.__traceback__)
+        return False
 
 
 def run_worker(
