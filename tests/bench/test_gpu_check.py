@@ -1,0 +1,97 @@
+"""bench/gpu_check.py's time budget: arms and cells past it are skipped and recorded, an
+arm past its share is killed with everything it started, and the run ends within it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_check  # noqa: E402
+from gpu_common import parse_memory_used, run_in_group  # noqa: E402
+
+
+def test_an_arm_past_its_share_is_killed_with_its_children(tmp_path: Path) -> None:
+    """A process that starts a child and hangs: None (ran past) within the timeout, and
+    neither it nor its child is left."""
+    pids = tmp_path / "pids"
+    script = (
+        "import os, subprocess, sys, time;"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}');"
+        "time.sleep(600)"
+    )
+    polls = []
+    started = time.monotonic()
+    code = run_in_group(
+        [sys.executable, "-c", script], 3.0, every_s=0.5, on_wait=lambda: polls.append(1)
+    )
+    took = time.monotonic() - started
+    assert code is None and 3.0 <= took < 10, took
+    assert polls, "on_wait never ran while the process ran"
+    for pid in map(int, pids.read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_arm_that_ends_gives_its_exit_code() -> None:
+    assert run_in_group([sys.executable, "-c", "raise SystemExit(3)"], 60) == 3
+
+
+def test_shares_split_what_is_left_by_weight() -> None:
+    scale, vllm, dp = gpu_check.ARMS
+    left = 570.0
+    first = gpu_check.shares(left, [scale, vllm, dp])
+    assert first == pytest.approx((left - gpu_check.RESERVE_S) * scale.weight)
+    # an arm skipped up front leaves its weight to the others
+    assert gpu_check.shares(left, [scale, vllm]) > first
+    assert gpu_check.shares(left, [dp]) == pytest.approx(left - gpu_check.RESERVE_S)
+    assert gpu_check.shares(5.0, [dp]) == 0.0
+    for share in (20.0, 100.0, 300.0):
+        assert 0 < share - gpu_check.soft_budget(share) <= max(15.0, 0.2 * share)
+
+
+def test_nvidia_smi_memory_is_read_per_gpu() -> None:
+    assert parse_memory_used("0, 1024\n1, 3\nbad line\n") == {0: 1 << 30, 1: 3 << 20}
+    assert parse_memory_used("") == {}
+
+
+def test_a_budget_too_short_skips_and_records_instead_of_running(tmp_path: Path) -> None:
+    """30 s for the vLLM and dp arms: vLLM's share (under the 30 s it needs) skips it,
+    dp runs with too little to start a run, so each of its runs is recorded as skipped;
+    the JSON says all of it and the whole call ends within the 30 s."""
+    out = tmp_path / "gpu.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'trainer-image'}:{os.environ.get('PYTHONPATH', '')}",
+    }
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--budget-s", "30",
+         "--arms", "vllm,dp", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert took < 30 + 5, took  # the interpreter's start and exit aside
+    assert set(result["arms"]) == {"vllm", "dp"}
+    skipped = {s["arm"]: s["why"] for s in result["skipped"]}
+    assert skipped.keys() == {"vllm"} and (
+        "time budget" in skipped["vllm"] or "no vLLM" in skipped["vllm"]
+    )
+    dp = result["arms"]["dp"]
+    assert dp["exit_code"] == 0 and dp["cells"] == []
+    assert [s["cell"] for s in dp["skipped"]] == [
+        "world_size_1",
+        "world_size_2",
+        "world_size_2_sharded",
+    ]
+    assert all("time budget" in s["why"] or "--shard-base" in s["why"] for s in dp["skipped"])
