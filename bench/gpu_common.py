@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -152,6 +153,9 @@ def build_family_model(out: Path, dry_run: bool, device: str, config: Path = QWE
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    del model
+    if torch.cuda.is_available():  # the engine that loads it next counts free memory
+        torch.cuda.empty_cache()
     try:
         tmp.replace(out)
     except OSError:  # another process built it meanwhile: use theirs
@@ -208,6 +212,7 @@ class DeviceMemoryPoller:
         self.interval_s = interval_s
         self.available = shutil.which("nvidia-smi") is not None
         self._peaks: dict[int, int] = {}
+        self._lock = threading.Lock()  # peaks() reads while the thread adds GPUs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -221,8 +226,10 @@ class DeviceMemoryPoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for gpu, used in self.sample().items():
-                self._peaks[gpu] = max(self._peaks.get(gpu, 0), used)
+            sample = self.sample()
+            with self._lock:
+                for gpu, used in sample.items():
+                    self._peaks[gpu] = max(self._peaks.get(gpu, 0), used)
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> DeviceMemoryPoller:
@@ -239,7 +246,8 @@ class DeviceMemoryPoller:
         """``{"cuda:<index>": peak bytes}`` so far (None without nvidia-smi)."""
         if not self.available:
             return None
-        return {f"cuda:{gpu}": used for gpu, used in sorted(self._peaks.items())}
+        with self._lock:
+            return {f"cuda:{gpu}": used for gpu, used in sorted(self._peaks.items())}
 
 
 def parse_memory_used(text: str) -> dict[int, int]:
@@ -250,6 +258,12 @@ def parse_memory_used(text: str) -> dict[int, int]:
         if index.strip().isdigit() and used.strip().isdigit():
             out[int(index)] = int(used) << 20
     return out
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    """Whether argparse's ``--help`` output lists ``flag`` as an option of its own (not
+    a longer flag it begins, nor a mention in another flag's help)."""
+    return re.search(rf"^\s+{re.escape(flag)}(?![-\w])", help_text, re.MULTILINE) is not None
 
 
 def gpu_count() -> int:

@@ -52,6 +52,7 @@ from gpu_common import (
     demo_specs,
     error_text,
     gpu_count,
+    has_flag,
     run_in_group,
     write_json,
 )
@@ -81,14 +82,14 @@ def why_skip(dry_run: bool, help_text: str | None = None) -> str | None:
     gpus = gpu_count()
     if gpus < 2:
         return f"world size 2 needs two GPUs (torch sees {gpus})"
-    if "--device" not in (help_text if help_text is not None else run_flags()):
+    if not has_flag(help_text if help_text is not None else run_flags(), "--device"):
         return "`loraplex-engine run` has no --device: its ranks would train on the CPU"
     return None
 
 
 def cells(help_text: str) -> list[tuple[str, list[str], str | None]]:
     """``(cell, extra flags, why skipped or None)``."""
-    shard = None if "--shard-base" in help_text else "`run --help` lists no --shard-base"
+    shard = None if has_flag(help_text, "--shard-base") else "`run --help` lists no --shard-base"
     return [
         ("world_size_1", ["--world-size", "1"], None),
         ("world_size_2", ["--world-size", "2"], None),
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = "cpu" if args.dry_run else "cuda"
     model_dir = args.model_dir or FAMILY_MODEL_DIRS[args.dry_run]  # built at the first run
     common = ["--dtype", dtype, "--max-adapters", str(w.experiments), "--max-rank", str(w.rank)]
-    if "--device" in help_text:
+    if has_flag(help_text, "--device"):
         common += ["--device", device]
     need = DRY_RUN_RUN_MIN_S if args.dry_run else RUN_MIN_S
     with tempfile.TemporaryDirectory(prefix="gpu-dp-") as tmp:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import statistics
@@ -57,7 +58,7 @@ from gpu_common import (
     write_json,
 )
 
-CELL_MIN_S = 150.0  # a vLLM start (CUDA graphs, compile) and a few ticks on a GPU
+CELL_MIN_S = 100.0  # a vLLM start (CUDA graphs, compile; cached for the 2nd) + 4 ticks
 DRY_RUN_CELL_MIN_S = 30.0
 
 
@@ -195,9 +196,10 @@ def run_cell(
     import torch
     from loraplex_engine.engine import Engine
 
-    cell: dict[str, Any] = {"cell": name, "options": options, "ticks": []}
+    cell: dict[str, Any] = {"cell": name, "options": options, "ticks": [], "state": "starting"}
     cuda = device.startswith("cuda")
     started = time.monotonic()
+    on_tick(cell)  # a cell killed while vLLM starts still shows which one it was
     with (
         tempfile.TemporaryDirectory(prefix="gpu-vllm-") as ckpt,
         sleep_wake_recorder() as slept,
@@ -213,7 +215,12 @@ def run_cell(
             train(engine, cell, w, budget, lambda: on_tick(cell), slept, poller)
         finally:
             engine.close()
+            del engine  # the next placement's trainer peak must not hold this one's
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
         cell["device_peak_bytes"] = poller.peaks()
+        cell["state"] = "done"
     cell["trainer_peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
     cell["trainer_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cell["summary"] = summarize(cell)
@@ -262,7 +269,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     budget = Budget.of(args.budget_s)
     w = DRY_RUN_WORKLOAD if args.dry_run else GPU_WORKLOAD
-    device = "cpu" if args.dry_run else "cuda"
     result: dict[str, Any] = {"arm": "vllm", "dry_run": args.dry_run, "workload": vars(w),
                               "cells": [], "skipped": []}  # fmt: skip
     why = why_skip(args.dry_run)
@@ -286,24 +292,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"vLLM {name}: skipped ({skip})", flush=True)
             continue
         print(f"vLLM {name}: starting the engine with {options or 'the defaults'}", flush=True)
-
-        def on_tick(cell: dict[str, Any]) -> None:
-            write_json(args.out, result | {"cells": [*result["cells"], cell]})
-            if cell["ticks"]:
-                _print_tick(cell)
-
-        try:
-            if "model_build_s" not in result:
-                t = time.monotonic()
-                build_family_model(model_dir, args.dry_run, device)
-                result["model_build_s"] = time.monotonic() - t
-            cell = run_cell(name, options, model_dir, w, device, budget, on_tick)
-        except Exception as e:  # recorded; the next placement still runs
-            cell = {"cell": name, "options": options, "error": error_text(e)}
-            print(f"vLLM {name}: failed: {cell['error']}", flush=True)
-        result["cells"].append(cell)
+        result["cells"].append(run_placement(name, options, model_dir, w, args, budget, result))
         write_json(args.out, result)
     return result
+
+
+def run_placement(
+    name: str, options: dict[str, Any], model_dir: Path, w: Workload,
+    args: argparse.Namespace, budget: Budget, result: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One cell, its failure recorded with what it measured before it (the next
+    placement still runs)."""
+    device = "cpu" if args.dry_run else "cuda"
+    latest: dict[str, Any] = {"cell": name, "options": options}
+
+    def on_tick(cell: dict[str, Any]) -> None:
+        latest.update(cell)
+        write_json(args.out, result | {"cells": [*result["cells"], cell]})
+        if cell["ticks"]:
+            _print_tick(cell)
+
+    try:
+        if "model_build_s" not in result:
+            t = time.monotonic()
+            build_family_model(model_dir, args.dry_run, device)
+            result["model_build_s"] = time.monotonic() - t
+        return run_cell(name, options, model_dir, w, device, budget, on_tick)
+    except Exception as e:
+        print(f"vLLM {name}: failed: {error_text(e)}", flush=True)
+        return latest | {"state": "failed", "error": error_text(e)}
 
 
 def _print_tick(cell: dict[str, Any]) -> None:
