@@ -79,6 +79,32 @@ def write_json(out: Path, result: dict[str, Any]) -> None:
     tmp.replace(out)
 
 
+def arm_skipped(result: dict[str, Any], out: Path, label: str, why: str | None) -> bool:
+    """Record, write and print that the whole arm cannot run here (``why``: None, it can)."""
+    if why is None:
+        return False
+    result["skipped_arm"] = why
+    write_json(out, result)
+    print(f"{label} arm skipped: {why}", flush=True)
+    return True
+
+
+def cell_skipped(
+    result: dict[str, Any], out: Path, label: str, cell: str, why: str | None,
+    budget: Budget, need_s: float,
+) -> bool:  # fmt: skip
+    """Record, write and print a cell that will not run: for ``why``, else (None) when
+    fewer than ``need_s`` seconds of the budget are left."""
+    if why is None and not budget.allows(need_s):
+        why = f"time budget: {max(0.0, budget.left()):.0f}s left, a cell needs ~{need_s:.0f}s"
+    if why is None:
+        return False
+    result["skipped"].append({"cell": cell, "why": why})
+    write_json(out, result)
+    print(f"{label} {cell}: skipped ({why})", flush=True)
+    return True
+
+
 def error_text(e: BaseException, limit: int = 2000) -> str:
     """An exception as one recordable string (its class, message, bounded)."""
     return f"{type(e).__name__}: {e}"[:limit]

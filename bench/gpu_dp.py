@@ -48,7 +48,9 @@ from gpu_common import (
     Budget,
     DeviceMemoryPoller,
     Workload,
+    arm_skipped,
     build_family_model,
+    cell_skipped,
     demo_specs,
     error_text,
     gpu_count,
@@ -208,11 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"arm": "dp", "dry_run": args.dry_run, "workload": vars(w),
                               "dtype": dtype, "cells": [], "skipped": []}  # fmt: skip
     help_text = run_flags()
-    why = why_skip(args.dry_run, help_text)
-    if why:
-        result["skipped_arm"] = why
-        print(f"data-parallel arm skipped: {why}", flush=True)
-        write_json(args.out, result)
+    if arm_skipped(result, args.out, "data-parallel", why_skip(args.dry_run, help_text)):
         return result
     device = "cpu" if args.dry_run else "cuda"
     model_dir = args.model_dir or FAMILY_MODEL_DIRS[args.dry_run]  # built at the first run
@@ -225,12 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         manifest_path.write_text(manifest(w))
         base: dict[str, Any] | None = None
         for name, flags, skip in cells(help_text):
-            if skip is None and not budget.allows(need):
-                skip = f"time budget: {max(0.0, budget.left()):.0f}s left, a run needs ~{need:.0f}s"
-            if skip:
-                result["skipped"].append({"cell": name, "why": skip})
-                write_json(args.out, result)
-                print(f"data parallel {name}: skipped ({skip})", flush=True)
+            if cell_skipped(result, args.out, "data parallel", name, skip, budget, need):
                 continue
             print(f"data parallel {name}: loraplex-engine run {' '.join(flags)}", flush=True)
             try:

@@ -51,7 +51,9 @@ from gpu_common import (
     Budget,
     DeviceMemoryPoller,
     Workload,
+    arm_skipped,
     build_family_model,
+    cell_skipped,
     demo_specs,
     error_text,
     gpu_count,
@@ -271,11 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     w = DRY_RUN_WORKLOAD if args.dry_run else GPU_WORKLOAD
     result: dict[str, Any] = {"arm": "vllm", "dry_run": args.dry_run, "workload": vars(w),
                               "cells": [], "skipped": []}  # fmt: skip
-    why = why_skip(args.dry_run)
-    if why:
-        result["skipped_arm"] = why
-        print(f"vLLM arm skipped: {why}", flush=True)
-        write_json(args.out, result)
+    if arm_skipped(result, args.out, "vLLM", why_skip(args.dry_run)):
         return result
     result["vllm_python"] = vllm_python()
     result["vllm_version"] = vllm_version(vllm_python())[0]
@@ -284,12 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_json(args.out, result)
     need = DRY_RUN_CELL_MIN_S if args.dry_run else CELL_MIN_S
     for name, options, skip in placements(args.dry_run, gpu_count()):
-        if skip is None and not budget.allows(need):
-            skip = f"time budget: {max(0.0, budget.left()):.0f}s left, a cell needs ~{need:.0f}s"
-        if skip:
-            result["skipped"].append({"cell": name, "why": skip})
-            write_json(args.out, result)
-            print(f"vLLM {name}: skipped ({skip})", flush=True)
+        if cell_skipped(result, args.out, "vLLM", name, skip, budget, need):
             continue
         print(f"vLLM {name}: starting the engine with {options or 'the defaults'}", flush=True)
         result["cells"].append(run_placement(name, options, model_dir, w, args, budget, result))
