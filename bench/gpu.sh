@@ -31,8 +31,9 @@
 # Needs only a CUDA build of torch with transformers, peft and safetensors (and vLLM for
 # its arm): the engine package is used from this checkout (PYTHONPATH=trainer-image,
 # inherited by the bench's worker processes), and the few other modules it imports
-# (pydantic for experiment specs, httpx for reward functions, pyyaml) are pip-installed
-# at the pins of requirements/constraints.txt when missing. The device machine has no
+# (pydantic for experiment specs, httpx for reward functions, pyyaml, psutil; matplotlib
+# for the world-size arm) are pip-installed at the pins of requirements/constraints.txt
+# when missing. The device machine has no
 # network: carry a wheel directory and set PIP_FIND_LINKS=DIR PIP_NO_INDEX=1 if they may
 # be missing there. Not run on a GPU yet: none was lent to issues 7, 12, 13 and 17.
 set -euo pipefail
@@ -54,16 +55,23 @@ PY="${PYTHON:-.venv/bin/python}"
 export PYTHONPATH="$PWD/trainer-image${PYTHONPATH:+:$PYTHONPATH}"
 
 # Modules the engine imports beyond torch/transformers/peft/safetensors, with the
-# distribution that provides each (pinned by requirements/constraints.txt).
+# distribution that provides each (pinned by requirements/constraints.txt). Required:
+# every arm imports the engine. Optional: matplotlib, which only `loraplex-engine run`
+# needs (its rewards.png); without it the world-size arm is skipped, saying so.
 missing_dists() {
-    "$PY" - <<'PYEOF'
-import importlib.util
-for module, dist in (("pydantic", "pydantic"), ("httpx", "httpx"), ("yaml", "pyyaml")):
+    "$PY" - "$1" <<'PYEOF'
+import importlib.util, sys
+wanted = {
+    "required": (("pydantic", "pydantic"), ("httpx", "httpx"), ("yaml", "pyyaml"),
+                 ("psutil", "psutil")),
+    "optional": (("matplotlib", "matplotlib"),),
+}[sys.argv[1]]
+for module, dist in wanted:
     if importlib.util.find_spec(module) is None:
         print(dist)
 PYEOF
 }
-missing="$(missing_dists | tr '\n' ' ')"
+missing="$(missing_dists required | tr '\n' ' ')"
 if [[ -n "${missing// /}" ]]; then
     echo "bench/gpu.sh: installing missing $missing(pinned by requirements/constraints.txt)"
     # shellcheck disable=SC2086
@@ -71,6 +79,12 @@ if [[ -n "${missing// /}" ]]; then
         echo "bench/gpu.sh: could not install $missing; install them (see the header)" >&2
         exit 1
     }
+fi
+optional="$(missing_dists optional | tr '\n' ' ')"
+if [[ -n "${optional// /}" ]]; then
+    # shellcheck disable=SC2086
+    timeout 60 "$PY" -m pip install -q -c requirements/constraints.txt $optional ||
+        echo "bench/gpu.sh: could not install $optional; the arms that need it are skipped"
 fi
 
 DRY_RUN="$DRY_RUN" "$PY" - <<'PYEOF'

@@ -119,9 +119,10 @@ def run_in_group(
     on_wait: Callable[[], None] | None = None,
 ) -> int | None:
     """Run ``cmd`` in a process group of its own; its exit code, or None if it ran past
-    ``timeout_s``. The whole group is SIGKILLed at the end either way, so nothing it
-    started (vLLM's worker, data-parallel ranks) outlives it. ``on_wait`` runs every
-    ``every_s`` while it runs (the orchestrator merges partial results then)."""
+    ``timeout_s``. Everything it started is SIGKILLed at the end either way (its group,
+    and the groups of its descendants: a data-parallel run it started in a session of
+    its own), so nothing (vLLM's worker, ranks) outlives it holding a GPU. ``on_wait``
+    runs every ``every_s`` while it runs (the orchestrator merges partial results)."""
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     try:
@@ -134,10 +135,44 @@ def run_in_group(
                 if on_wait is not None:
                     on_wait()
     finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
+        kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL ``proc``'s group and, while it still runs, every descendant and its group
+    (found before the kill: once ``proc`` dies, its children are re-parented away)."""
+    tree = descendants(proc.pid) if proc.poll() is None else set()
+    groups = {proc.pid}
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgrp())  # never this process's own
+    for group in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # pid (comm) state ppid ...; comm may hold spaces: split after the ")"
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 # ---- the model and the workload -------------------------------------------------------

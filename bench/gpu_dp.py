@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -79,6 +80,8 @@ def run_flags() -> str:
 
 def why_skip(dry_run: bool, help_text: str | None = None) -> str | None:
     """Why this arm cannot run here (None: it can)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "no matplotlib: `loraplex-engine run` plots its rewards.png with it"
     if dry_run:
         return None
     gpus = gpu_count()

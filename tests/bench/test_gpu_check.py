@@ -20,13 +20,15 @@ from gpu_common import parse_memory_used, run_in_group  # noqa: E402
 
 
 def test_an_arm_past_its_share_is_killed_with_its_children(tmp_path: Path) -> None:
-    """A process that starts a child and hangs: None (ran past) within the timeout, and
-    neither it nor its child is left."""
+    """A process that starts two children and hangs: None (ran past) within the timeout,
+    and none of the three is left, the one in a session of its own included."""
     pids = tmp_path / "pids"
-    script = (
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    script = (  # one child in its group, one in a session of its own (as `run` is)
         "import os, subprocess, sys, time;"
-        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
-        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}');"
+        f"a = subprocess.Popen({sleeper!r});"
+        f"b = subprocess.Popen({sleeper!r}, start_new_session=True);"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{a.pid}} {{b.pid}}');"
         "time.sleep(600)"
     )
     polls = []
@@ -37,15 +39,23 @@ def test_an_arm_past_its_share_is_killed_with_its_children(tmp_path: Path) -> No
     took = time.monotonic() - started
     assert code is None and 8.0 <= took < 20, took
     assert polls, "on_wait never ran while the process ran"
-    for pid in map(int, pids.read_text().split()):
+    pid_list = [int(p) for p in pids.read_text().split()]
+    assert len(pid_list) == 3
+    for pid in pid_list:
         assert not running(pid), pid
 
 
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def running(pid: int, within_s: float = 5.0) -> bool:
+    """Still running ``within_s`` after the kill (SIGKILL lands asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def test_an_arm_that_ends_gives_its_exit_code() -> None:
@@ -71,9 +81,9 @@ def test_nvidia_smi_memory_is_read_per_gpu() -> None:
 
 
 def test_a_budget_too_short_skips_and_records_instead_of_running(tmp_path: Path) -> None:
-    """30 s for the vLLM and dp arms: vLLM's share (under the 30 s it needs) skips it,
+    """40 s for the vLLM and dp arms: vLLM's share (under the 30 s it needs) skips it,
     dp runs with too little to start a run, so each of its runs is recorded as skipped;
-    the JSON says all of it and the whole call ends within the 30 s."""
+    the JSON says all of it and the whole call ends within the 40 s."""
     out = tmp_path / "gpu.json"
     env = {
         **os.environ,
@@ -81,14 +91,14 @@ def test_a_budget_too_short_skips_and_records_instead_of_running(tmp_path: Path)
     }
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--budget-s", "30",
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--budget-s", "40",
          "--arms", "vllm,dp", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert took < 30 + 5, took  # the interpreter's start and exit aside
+    assert took < 40 + 5, took  # the interpreter's start and exit aside
     assert set(result["arms"]) == {"vllm", "dp"}
     skipped = {s["arm"]: s["why"] for s in result["skipped"]}
     assert skipped.keys() == {"vllm"} and (
