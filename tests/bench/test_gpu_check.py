@@ -131,3 +131,47 @@ def test_a_cell_that_fails_is_recorded_and_the_arm_goes_on(tmp_path: Path) -> No
     assert cell["cell"] == "cpu-sleeping" and cell["state"] == "failed"
     assert "sleep_mode needs CUDA" in cell["error"]
     assert json.loads(args.out.read_text())["cells"][0]["state"] == "starting"
+
+
+# ---- the GPU-only branches, as pure logic (no GPU here) -------------------------------
+
+
+def test_vllm_placements_on_one_and_two_gpus() -> None:
+    import gpu_vllm
+
+    one = gpu_vllm.placements(False, 1)
+    assert [(c, o) for c, o, _ in one] == [
+        ("colocated", {"sleep_mode": True}),
+        ("separate", {"device": "cuda:1"}),
+    ]
+    assert one[0][2] is None and "second GPU" in one[1][2]
+    assert all(why is None for _, _, why in gpu_vllm.placements(False, 2))
+
+
+def test_vllm_summary_takes_medians_after_the_warm_up_tick() -> None:
+    import gpu_vllm
+
+    def tick(rate: float, sleep: list[float], gap: float) -> dict:
+        wake = [s / 2 for s in sleep]
+        return {"rollout_tokens_per_s": rate, "phase_s": {"train": 2.0}, "sync_s": 0.1,
+                "sleep_s": sleep, "wake_s": wake, "logprob_gap": {"a": gap}}  # fmt: skip
+
+    cell = {"ticks": [tick(1.0, [9.0], 0.9), tick(100.0, [1.0], 0.01), tick(300.0, [3.0], 0.03)]}
+    got = gpu_vllm.summarize(cell)
+    assert got["rollout_tokens_per_s"] == 200.0 and got["ticks_summarized"] == 2
+    assert got["sleep_s"] == 2.0 and got["wake_s"] == 1.0
+    assert got["logprob_gap_mean"] == pytest.approx(0.02)
+
+
+def test_dp_cells_follow_the_flags_run_has() -> None:
+    import gpu_dp
+    from gpu_common import has_flag
+
+    plain = "options:\n  --world-size WORLD_SIZE\n  --device-memory BYTES  the --device flag\n"
+    assert not has_flag(plain, "--device") and has_flag(plain, "--world-size")
+    assert gpu_dp.why_skip(False, plain) is not None  # no GPUs here, or no --device
+    cells = {name: (flags, why) for name, flags, why in gpu_dp.cells(plain)}
+    assert "--shard-base" in cells["world_size_2_sharded"][1]
+    sharded = plain + "  --shard-base           shard the base over the ranks\n"
+    cells = {name: (flags, why) for name, flags, why in gpu_dp.cells(sharded)}
+    assert cells["world_size_2_sharded"] == (["--world-size", "2", "--shard-base"], None)
