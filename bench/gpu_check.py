@@ -24,6 +24,7 @@ ended) is rewritten every few seconds while an arm runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import shutil
@@ -84,10 +85,11 @@ def device_name(dry_run: bool) -> str:
     if dry_run:
         return "cpu (dry run)"
     name = ""
-    if shutil.which("nvidia-smi"):  # not torch: this process holds no CUDA context
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        proc = subprocess.run(query, capture_output=True, text=True, timeout=30)
-        name = (proc.stdout.strip().splitlines() or [""])[0].strip()
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    if shutil.which(query[0]):  # not torch: this process holds no CUDA context
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            proc = subprocess.run(query, capture_output=True, text=True, timeout=30)
+            name = (proc.stdout.strip().splitlines() or [""])[0].strip()
     return name or "cuda"
 
 
@@ -172,7 +174,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["arms"][arm.name] = section
                 write_json(out, result)
 
-            progress(run_arm(arm, share, args, extra, Path(tmp), progress))
+            try:
+                progress(run_arm(arm, share, args, extra, Path(tmp), progress))
+            except Exception as e:  # e.g. its process could not start: the next arm runs
+                progress({"error": error_text(e)})
+                print(f"arm {arm.name}: failed: {error_text(e)}", flush=True)
     result["elapsed_s"] = args.budget_s - budget.left()
     write_json(out, result)
     print(f"wrote {out} in {result['elapsed_s']:.0f}s", flush=True)
