@@ -2,7 +2,7 @@
 # The GPU check (issues 12, 13, 17), one prepared script for a 10-minute device slot.
 #
 #   bash bench/gpu.sh [OUT.json]                  (default bench/results/gpu-<device>-<date>.json)
-#   bash bench/gpu.sh --dry-run OUT.json          (the same code on the CPU, tiny, ~2 min)
+#   bash bench/gpu.sh --dry-run OUT.json          (the same code on the CPU, tiny, 1-3 min)
 #   bash bench/gpu.sh --throughput [OUT_DIR]      (issue 7's three-arm throughput run instead)
 #
 # Default (bench/gpu_check.py): three arms, each its own process, one after another

@@ -319,12 +319,12 @@ def run_placement(
 
 def _print_tick(cell: dict[str, Any]) -> None:
     t = cell["ticks"][-1]
-    gap = t["logprob_gap"]
+    gap = statistics.fmean(t["logprob_gap"].values()) if t["logprob_gap"] else float("nan")
+    slept = (f" (sleep {sum(t['sleep_s']):.2f}s, wake {sum(t['wake_s']):.2f}s)"
+             if t["sleep_s"] or t["wake_s"] else "")  # fmt: skip
     print(f"vLLM {cell['cell']} tick {len(cell['ticks'])}: rollout "
-          f"{t['rollout_tokens_per_s'] or 0:.0f} tok/s, train {t['phase_s']['train']:.2f}s "
-          f"(sleep {sum(t['sleep_s']):.2f}s, wake {sum(t['wake_s']):.2f}s), sync "
-          f"{t['sync_s']:.3f}s, gap {statistics.fmean(gap.values()) if gap else float('nan'):.4f}",
-          flush=True)  # fmt: skip
+          f"{t['rollout_tokens_per_s'] or 0:.0f} tok/s, train {t['phase_s']['train']:.2f}s"
+          f"{slept}, sync {t['sync_s']:.3f}s, off-policy gap {gap:.4f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
