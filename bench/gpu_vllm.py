@@ -11,7 +11,9 @@ tokens, rank 32 on all seven projections, rollouts of exactly ``maxNewTokens``):
 
 - ``colocated``: vLLM on the trainer's GPU with the engine's derived share of the free
   memory and sleep mode (level 1) around each train phase (rollout/vllm_placement.py);
-- ``separate``: vLLM on ``cuda:1``, where the machine has a second GPU.
+- ``separate``: vLLM on ``cuda:1``, where the machine has a second GPU;
+- ``colocated_awake``: only if ``colocated`` failed (a build without sleep mode): the
+  same with vLLM awake through training, so the rest is measured all the same.
 
 Per cell: engine start seconds (model + vLLM worker), then per tick the rollout tokens/s
 (rollout tokens / rollout-phase seconds), train seconds, vLLM's sleep and wake-up seconds
@@ -282,13 +284,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["model_dir"] = str(model_dir)
     write_json(args.out, result)
     need = DRY_RUN_CELL_MIN_S if args.dry_run else CELL_MIN_S
-    for name, options, skip in placements(args.dry_run, gpu_count()):
+    todo = placements(args.dry_run, gpu_count())
+    while todo:
+        name, options, skip = todo.pop(0)
         if cell_skipped(result, args.out, "vLLM", name, skip, budget, need):
             continue
         print(f"vLLM {name}: starting the engine with {options or 'the defaults'}", flush=True)
-        result["cells"].append(run_placement(name, options, model_dir, w, args, budget, result))
+        cell = run_placement(name, options, model_dir, w, args, budget, result)
+        result["cells"].append(cell)
         write_json(args.out, result)
+        todo[:0] = fallback(cell)
     return result
+
+
+def fallback(cell: dict[str, Any]) -> list[tuple[str, dict[str, Any], str | None]]:
+    """A sleeping cell that failed (a vLLM build or device without sleep mode) is tried
+    once more awake, so its rollout, sync and gap are measured all the same."""
+    if cell.get("state") != "failed" or not cell["options"].get("sleep_mode"):
+        return []
+    return [(f"{cell['cell']}_awake", {**cell["options"], "sleep_mode": False}, None)]
 
 
 def run_placement(

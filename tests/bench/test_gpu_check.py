@@ -148,6 +148,16 @@ def test_vllm_placements_on_one_and_two_gpus() -> None:
     assert all(why is None for _, _, why in gpu_vllm.placements(False, 2))
 
 
+def test_a_failed_sleeping_cell_is_tried_once_more_awake() -> None:
+    import gpu_vllm
+
+    failed = {"cell": "colocated", "options": {"sleep_mode": True}, "state": "failed"}
+    (again,) = gpu_vllm.fallback(failed)
+    assert again == ("colocated_awake", {"sleep_mode": False}, None)
+    assert gpu_vllm.fallback({"cell": again[0], "options": again[1], "state": "failed"}) == []
+    assert gpu_vllm.fallback(failed | {"state": "done"}) == []
+
+
 def test_vllm_summary_takes_medians_after_the_warm_up_tick() -> None:
     import gpu_vllm
 
