@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grouped_lora as grouped_bench
 from gpu_bench import bf16_matmul_flops
+from gpu_common import write_json
 from loraplex_engine.algorithms import GRPO
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except Exception as e:
         result["grouped_lora"] = {"error": f"{type(e).__name__}: {e}"}
         print(f"grouped LoRA arm failed: {result['grouped_lora']['error']}", flush=True)
-    _write(out, result)
+    write_json(out, result)
     try:
         for w in workloads:
             if time.monotonic() - started > args.budget_s:
@@ -300,12 +301,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cell |= plan_comparison(pending[w.adapters], cell, left)
             _add_one_at_a_time(result["cells"], cell)
             result["cells"].append(cell)
-            _write(out, result)
+            write_json(out, result)
             _print_cell(cell)
     finally:
         pool.terminate()
     result["elapsed_s"] = time.monotonic() - started
-    _write(out, result)
+    write_json(out, result)
     print(f"wrote {out} in {result['elapsed_s']:.0f}s")
     return result
 
@@ -323,11 +324,6 @@ def _add_one_at_a_time(done: list[dict[str, Any]], cell: dict[str, Any]) -> None
     fused = cell["arms"]["fused"]["step_s"]
     cell["ratios"] = {f"{arm}_over_fused": cell["arms"][arm]["step_s"] / fused
                       for arm in ("timesliced", "one_at_a_time")}  # fmt: skip
-
-
-def _write(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 def _print_grouped(workloads: dict[str, Any]) -> None:
