@@ -147,10 +147,11 @@ class LiveBytes(TorchDispatchMode):
 
 
 def storage_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+    """Bytes of the distinct storages behind ``tensors``; a ``DTensor`` (a parameter
+    sharded by FSDP) counts this rank's shard, not the whole tensor."""
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
         seen[id(storage)] = storage.nbytes()
     return sum(seen.values())
 

@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -114,11 +113,6 @@ def tag_all_gathers(tracker: LiveBytes) -> Iterator[None]:
 def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:
     """Rank 0's share of the step's rows, as the engine splits them (row_split.py)."""
     return split_rows_by_rank(rows, world_size)[0]
-
-
-def local_bytes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The rank-local tensors behind ``tensors`` (a sharded parameter's shard)."""
-    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 def sharded_rank_bytes(

@@ -66,7 +66,6 @@ from .optim import AdamWSettings, PerAdapterAdamW
 from .plan_sharding import (
     ALL_GATHER,
     fake_world,
-    local_bytes,
     rank_rows,
     shard_base,
     tag_all_gathers,
@@ -290,7 +289,7 @@ def _static_sizes(
         id(b) for m in model.lora_layers.values() for b in m.buffers()
     }
     return {
-        "base": storage_bytes(local_bytes([t for t in base_tensors if id(t) not in lora_ids])),
+        "base": storage_bytes([t for t in base_tensors if id(t) not in lora_ids]),
         "slots": storage_bytes(lora),
         "adam": storage_bytes([*optimizer.exp_avg.values(), *optimizer.exp_avg_sq.values()]),
     }
