@@ -62,22 +62,27 @@ def test_a_sharded_rank_holds_its_shard_every_slot_and_its_share_of_rows(tiny_mo
     # FSDP's unsharded copies at the training peak: the embedding and the head (the two
     # roots, kept unsharded through forward and backward) and at most two decoder layers.
     gathered = ranks["peak_bytes"]["all_gather"]
-    layer = (base - 2 * config.vocab_size * config.hidden_size * 2) // 4
-    embed_and_head = 2 * config.vocab_size * config.hidden_size * 2
-    assert embed_and_head <= gathered <= embed_and_head + 2 * layer
+    embedding = config.vocab_size * config.hidden_size * 2  # bf16; the head is as big
+    roots = [embedding + config.hidden_size * 2, embedding]  # + the final norm
+    layer = (base - sum(roots) - 128) // 4  # 128: the rotary buffers, on every rank
+    arithmetic = sharded_rank_bytes(base, [layer] * 4, roots, 4)
+    assert abs(shard - arithmetic["shard"]) <= 4096  # FSDP pads per parameter, not group
+    assert sum(roots) <= gathered <= arithmetic["all_gather"]
     assert one["peak_bytes"]["all_gather"] == 0
     assert ranks["peak_bytes"]["total"] < one["peak_bytes"]["total"]
 
 
 def test_sharded_rank_bytes_arithmetic() -> None:
-    # Groups of 10, 7 and 4 bytes over 4 ranks: 3 + 2 + 1 bytes (rounded up), plus 5
-    # bytes no group holds; the two largest groups unsharded in flight.
-    assert sharded_rank_bytes(26, [10, 7, 4], 4) == {"shard": 11, "all_gather": 17}
-    assert sharded_rank_bytes(26, [10, 7, 4], 1) == {"shard": 26, "all_gather": 0}
+    # Layers of 10, 7 and 4 bytes, roots of 6 and 2, over 4 ranks: 3 + 2 + 1 + 2 + 1
+    # bytes (rounded up), plus 5 bytes no group holds; the roots and the two largest
+    # layers unsharded at once.
+    assert sharded_rank_bytes(34, [10, 7, 4], [6, 2], 4) == {"shard": 14, "all_gather": 25}
+    assert sharded_rank_bytes(34, [10, 7, 4], [6, 2], 4, in_flight=1)["all_gather"] == 18
+    assert sharded_rank_bytes(34, [10, 7, 4], [6, 2], 1) == {"shard": 34, "all_gather": 0}
     with pytest.raises(ValueError, match="more than the base"):
-        sharded_rank_bytes(20, [10, 7, 4], 4)
+        sharded_rank_bytes(20, [10, 7, 4], [], 4)
     with pytest.raises(ValueError, match="world_size"):
-        sharded_rank_bytes(26, [10], 0)
+        sharded_rank_bytes(26, [10], [], 0)
 
 
 def test_extrapolate_extends_what_grows_and_keeps_what_does_not() -> None:

@@ -16,9 +16,11 @@ the tracker sees the rank's real shards and FSDP's real all-gather buffers:
   them (row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
   (the largest, ties to the lowest rank).
 
-``sharded_rank_bytes`` is the arithmetic the measurement is checked against (and the
-fallback where the fake process group is not available): the rank's shard of the base
-plus FSDP's in-flight unsharded groups.
+``sharded_rank_bytes`` is the arithmetic beside the measurement: the rank's shard of
+the base plus FSDP's unsharded groups (the roots, and two layers in flight). The
+measurement is what the planner reports: on Llama-3.1-70B's shapes it finds fewer than
+two layers unsharded at the training peak and three at once during the rollout's
+no-grad decode, which the arithmetic would not know.
 """
 
 from __future__ import annotations
@@ -116,20 +118,29 @@ def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:
 
 
 def sharded_rank_bytes(
-    base_bytes: int, group_bytes: Sequence[int], world_size: int, in_flight: int = GROUPS_IN_FLIGHT
+    base_bytes: int,
+    layer_bytes: Sequence[int],
+    root_bytes: Sequence[int],
+    world_size: int,
+    in_flight: int = GROUPS_IN_FLIGHT,
 ) -> dict[str, int]:
-    """Arithmetic of one rank's base under FSDP: its shard (every group's bytes over
-    ``world_size``, rounded up per group as FSDP pads each parameter's dim 0; here per
-    group) and the unsharded copies of the ``in_flight`` largest groups.
+    """Arithmetic of one rank's base under FSDP, beside the measurement: its shard (each
+    group's bytes over ``world_size``, rounded up) and the unsharded copies FSDP holds at
+    once: the root groups (``root_bytes``: the decoder's embeddings and norm, the head;
+    a root is not resharded between forward and backward) and the ``in_flight``
+    largest of the other groups (``layer_bytes``: the decoder layers).
 
-    ``group_bytes``: the unsharded bytes of each FSDP group (decoder layers, head, rest);
-    ``base_bytes`` the whole base, so what no group holds (buffers) stays on every rank.
+    ``base_bytes`` is the whole base: what no group holds (buffers) is on every rank.
+    The measured plan can differ (``plan_sharding`` module doc): FSDP's schedule, not
+    this count, decides how many layers are unsharded at a given moment.
     """
     if world_size < 1 or in_flight < 0:
         raise ValueError("world_size must be at least 1 and in_flight at least 0")
-    grouped = sum(group_bytes)
-    if grouped > base_bytes:
-        raise ValueError(f"groups hold {grouped} bytes, more than the base's {base_bytes}")
-    shard = sum(-(-g // world_size) for g in group_bytes) + (base_bytes - grouped)
-    gathered = sum(sorted(group_bytes, reverse=True)[:in_flight]) if world_size > 1 else 0
-    return {"shard": shard, "all_gather": gathered}
+    groups = [*layer_bytes, *root_bytes]
+    if sum(groups) > base_bytes:
+        raise ValueError(f"groups hold {sum(groups)} bytes, more than the base's {base_bytes}")
+    shard = sum(-(-g // world_size) for g in groups) + (base_bytes - sum(groups))
+    if world_size == 1:
+        return {"shard": shard, "all_gather": 0}
+    layers = sorted(layer_bytes, reverse=True)[:in_flight]
+    return {"shard": shard, "all_gather": sum(root_bytes) + sum(layers)}

@@ -16,6 +16,16 @@ step by tokens. The rollout decodes one micro-batch at a time under its KV-token
 engine's packing makes of every tenant's rows: ``decode_steps`` steps, the KV cache's
 measured growth per step extended to the full completion length.
 
+Depth: ``plan(cut_layers=(3, 4))`` measures the model cut to 3 and 4 decoder layers and
+extends every number linearly to its depth (``extrapolate``): seconds instead of minutes,
+and on Qwen3-4B's shapes the same bytes and FLOPs as all 36 layers.
+
+Ranks (``Workload.world_size``): the plan is rank 0's, with its share of the rows as the
+engine splits them (row_split.py), for training and for the rollout (issue 17: each
+rank decodes its own rows); with ``shard_base`` the frozen base is sharded by FSDP2's
+own ``fully_shard`` on a fake process group (plan_sharding.py), so the tracker sees the
+rank's shards and FSDP's all-gather buffers (tagged ``all_gather``).
+
 The FLOP floor of a training step over ``T`` tokens::
 
     floor = (4 P + 6 P_L) T + 3 F_a T
