@@ -149,11 +149,16 @@ def test_plan_cli_prints_json(tiny_model_dir) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     row = json.loads(out.stdout)
     assert row["adapters"] == 2 and row["detail"]["device_bytes"] == 2**30
+    assert row["world_size"] == 1 and row["shard_base"] is False
     assert set(row["peak_bytes"]) == {"total", "base", "adapters", "activations", "logits",
-                                      "kv_cache"}  # fmt: skip
+                                      "kv_cache", "all_gather"}  # fmt: skip
     bad = subprocess.run([*cmd[:-3], "--device-memory", "80XB"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "--device-memory" in bad.stderr
+    bad = subprocess.run([*cmd, "--cut-layers", "3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--cut-layers" in bad.stderr
+    bad = subprocess.run([*cmd, "--shard-base"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "shard_base needs world_size" in bad.stderr
 
 
 def test_parse_bytes() -> None:

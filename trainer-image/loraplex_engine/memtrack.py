@@ -9,6 +9,11 @@ rounding and fragmentation, and workspace memory kernels take internally. Tensor
 outside the dispatcher (e.g. loaded from safetensors) count once ``track`` is called on
 them or an op returns them.
 
+Storage resized in place (``UntypedStorage.resize_``, which the dispatcher does not see:
+FSDP2 frees and re-allocates its all-gather buffers that way) is counted with
+``track_resize=True``, which wraps ``resize_`` while the mode is on, as torch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` does.
+
 Each allocation is also tagged (``tag_of``: e.g. "logits" for vocabulary-sized tensors),
 and ``phase`` names the part of the run under way; a phase's peak keeps the bytes of
 each tag live at that moment.
@@ -47,10 +52,15 @@ class LiveBytes(TorchDispatchMode):
     tensor's value cannot run under fake tensors at all.
     """
 
-    def __init__(self, tag_of: Tagger | None = None, fake_scalars: bool = False) -> None:
+    def __init__(
+        self, tag_of: Tagger | None = None, fake_scalars: bool = False, track_resize: bool = False
+    ) -> None:
         super().__init__()
         self.tag_of = tag_of or (lambda t: "other")
         self.fake_scalars = fake_scalars
+        self.track_resize = track_resize
+        self._resize: Callable[..., None] | None = None
+        self.tag_override: str | None = None  # set by ``tagging``
         self.live = 0
         self.by_tag: dict[str, int] = {}
         self.phase = "default"
@@ -68,16 +78,44 @@ class LiveBytes(TorchDispatchMode):
                 self.track(t)
         return out
 
+    def __enter__(self) -> LiveBytes:
+        if self.track_resize:
+            self._resize = original = torch.UntypedStorage.resize_
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> None:
+                original(storage, size)
+                self._resized(storage)
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._resize is not None:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+            self._resize = None
+        super().__exit__(*exc)
+
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage if new (also for tensors made before the mode)."""
+        """Count ``t``'s storage if new (also for tensors made before the mode). A
+        ``DTensor`` (a sharded parameter) counts its local shard."""
+        t = getattr(t, "_local_tensor", t)
         storage = t.untyped_storage()
         if storage in self._seen:
             return
-        nbytes = storage.nbytes()
-        tag = self.tag_of(t)
-        self._seen[storage] = nbytes
-        self._add(tag, nbytes)
-        weakref.finalize(storage, self._add, tag, -nbytes)
+        # [tag, bytes counted]: a resize updates the bytes, the finalizer drops them.
+        record = [self.tag_override or self.tag_of(t), storage.nbytes()]
+        self._seen[storage] = record
+        self._add(record[0], record[1])
+        weakref.finalize(storage, self._release, record)
+
+    def _release(self, record: list) -> None:
+        self._add(record[0], -record[1])
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        record = self._seen.get(storage)
+        if record is not None and record[1] != storage.nbytes():
+            delta, record[1] = storage.nbytes() - record[1], storage.nbytes()
+            self._add(record[0], delta)
 
     def _add(self, tag: str, nbytes: int) -> None:
         self.live += nbytes
@@ -85,6 +123,16 @@ class LiveBytes(TorchDispatchMode):
         peak = self.peaks.setdefault(self.phase, Peak())
         if self.live > peak.bytes:
             peak.bytes, peak.by_tag = self.live, dict(self.by_tag)
+
+    @contextmanager
+    def tagging(self, tag: str) -> Iterator[None]:
+        """Tag every storage first seen inside the block ``tag`` (e.g. the buffers a
+        library allocates in one of its methods)."""
+        before, self.tag_override = self.tag_override, tag
+        try:
+            yield
+        finally:
+            self.tag_override = before
 
     @contextmanager
     def in_phase(self, name: str) -> Iterator[Peak]:

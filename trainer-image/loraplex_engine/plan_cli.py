@@ -53,6 +53,22 @@ def add_parser(subparsers: Any) -> None:
         default=DEFAULT_ROLLOUT_KV_TOKENS,
         help="KV-cache tokens of one rollout micro-batch (the engine's serve flag)",
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks of one engine; the plan is one rank's, with its share of the rows",
+    )
+    p.add_argument(
+        "--shard-base",
+        action="store_true",
+        help="shard the frozen base over the ranks with FSDP2 (LoRA slots replicated)",
+    )
+    p.add_argument(
+        "--cut-layers",
+        help="measure on the model cut to these two depths (e.g. 2,3) and extend linearly "
+        "to its depth: seconds instead of minutes (default: every layer)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=main)
 
@@ -74,12 +90,28 @@ def main(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing,
             micro_batch_tokens=args.micro_batch_tokens,
             rollout_kv_tokens=args.rollout_kv_tokens,
+            world_size=args.world_size,
+            shard_base=args.shard_base,
         )
+        cut = _cut_layers(args.cut_layers)
         device = parse_bytes(args.device_memory)
         say = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        result = plan(config, workload, device, name=args.name, progress=say)
+        result = plan(config, workload, device, name=args.name, progress=say, cut_layers=cut)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _cut_layers(text: str | None) -> tuple[int, int] | None:
+    """``--cut-layers 2,3``: two depths, the first smaller (ValueError naming the flag)."""
+    if text is None:
+        return None
+    try:
+        low, high = (int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cut-layers: want two depths like 2,3, got {text!r}") from None
+    if not 1 <= low < high:
+        raise ValueError(f"--cut-layers: want two depths a < b, at least 1, got {text!r}")
+    return low, high

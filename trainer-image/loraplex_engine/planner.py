@@ -16,6 +16,16 @@ step by tokens. The rollout decodes one micro-batch at a time under its KV-token
 engine's packing makes of every tenant's rows: ``decode_steps`` steps, the KV cache's
 measured growth per step extended to the full completion length.
 
+Depth: ``plan(cut_layers=(3, 4))`` measures the model cut to 3 and 4 decoder layers and
+extends every number linearly to its depth (``extrapolate``): seconds instead of minutes,
+and on Qwen3-4B's shapes the same bytes and FLOPs as all 36 layers.
+
+Ranks (``Workload.world_size``): the plan is rank 0's, with its share of the rows as the
+engine splits them (row_split.py), for training and for the rollout (issue 17: each
+rank decodes its own rows); with ``shard_base`` the frozen base is sharded by FSDP2's
+own ``fully_shard`` on a fake process group (plan_sharding.py), so the tracker sees the
+rank's shards and FSDP's all-gather buffers (tagged ``all_gather``).
+
 The FLOP floor of a training step over ``T`` tokens::
 
     floor = (4 P + 6 P_L) T + 3 F_a T
@@ -57,11 +67,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .algorithms import GRPO
 from .api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
+from .capacity_plan import _with_layers
 from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
 from .lora import LoRAConfig
 from .memtrack import LiveBytes, Peak, storage_bytes
 from .multi_lora import MultiLoRAModel, adaptable_module_names
 from .optim import AdamWSettings, PerAdapterAdamW
+from .plan_sharding import (
+    ALL_GATHER,
+    fake_world,
+    rank_rows,
+    shard_base,
+    tag_all_gathers,
+)
 from .rollout.base import RolloutRequest
 from .rollout.packing import kv_tokens, pack_rollout
 from .rollout.sampling import Sampler
@@ -113,10 +131,12 @@ class Workload:
     micro_batches: int = 2
     decode_steps: int = 2
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    world_size: int = 1  # ranks of one engine; each trains and decodes its share of rows
+    shard_base: bool = False  # FSDP2 over the ranks (plan_sharding.py); else replicated
 
     def __post_init__(self) -> None:
         names = ("adapters", "rank", "prompts_per_tenant", "completions_per_prompt",
-                 "micro_batch_tokens", "rollout_kv_tokens")  # fmt: skip
+                 "micro_batch_tokens", "rollout_kv_tokens", "world_size")  # fmt: skip
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"workload.{name} must be at least 1")
@@ -127,6 +147,8 @@ class Workload:
                 raise ValueError(f"workload.{name} must be one of {sorted(DTYPES)}")
         if self.micro_batches < 2 or self.decode_steps < 2:
             raise ValueError("workload.micro_batches and decode_steps must be at least 2")
+        if self.shard_base and self.world_size < 2:
+            raise ValueError("workload.shard_base needs world_size of at least 2")
 
     @property
     def rows_per_tenant(self) -> int:
@@ -155,36 +177,93 @@ def plan(
     device_bytes: int,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    cut_layers: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Peak bytes per phase and training FLOPs of ``workload`` (see the module doc)."""
+    """Peak bytes per phase and training FLOPs of ``workload`` (see the module doc).
+
+    ``cut_layers=(a, b)``: measure the model cut to ``a`` and to ``b`` decoder layers
+    and extend every measured quantity linearly to the model's depth (see
+    ``extrapolate``), minutes faster on deep models; ``None`` runs every layer."""
     say = progress or (lambda _msg: None)
+    started = time.monotonic()
+    layers = int(config.get_text_config().num_hidden_layers)
+    depths: int | list[int] = layers
+    if cut_layers is None or cut_layers[1] >= layers:
+        measured = _measure(config, workload, say)
+    else:
+        depths = list(cut_layers)
+        low, high = cut_layers
+        if not 1 <= low < high:
+            raise ValueError(f"cut_layers must be two depths a < b, got {cut_layers}")
+        cuts = [_measure(_with_layers(config, n), workload, say) for n in (low, high)]
+        measured = extrapolate(cuts[0], cuts[1], low, high, layers)
+    train, kv = measured["train"], measured["kv"]
+    tokens = train["tokens"] * train["scale"]
+    floor = floor_flops(config, measured["p_base"], measured["p_lora"], tokens,
+                        workload.row_tokens)  # fmt: skip
+    label = name or str(getattr(config, "model_type", "model"))
+    peaks = {k: Peak(v["bytes"], v["by_tag"]) for k, v in measured["peaks"].items()}
+    row = _report(label, workload, device_bytes, measured["sizes"], peaks, train, kv, floor)
+    row["detail"]["measured_layers"] = depths  # a list: cut and extrapolated
+    row["detail"]["plan_seconds"] = round(time.monotonic() - started, 1)
+    return row
+
+
+def _measure(
+    config: PretrainedConfig, workload: Workload, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Everything the report needs, measured on ``config`` as it is (every number is
+    a count of bytes, FLOPs, weights or rows: ``extrapolate`` extends them by depth)."""
     started = time.monotonic()
     vocab = config.get_text_config().vocab_size
     tracker = LiveBytes(
-        tag_of=lambda t: "logits" if t.dim() and t.shape[-1] == vocab else "", fake_scalars=True
+        tag_of=lambda t: "logits" if t.dim() and t.shape[-1] == vocab else "",
+        fake_scalars=True,
+        track_resize=True,
     )
-    with keep_index_values(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    world = workload.world_size if workload.shard_base else 1
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world) as mesh, keep_index_values(), tag_all_gathers(tracker), fake, tracker:
         with tracker.in_phase("base"):
-            base = AutoModelForCausalLM.from_config(config, dtype=DTYPES[workload.dtype]).eval()
-        say(f"base built ({time.monotonic() - started:.1f}s)")
+            base = AutoModelForCausalLM.from_config(config, dtype=DTYPES[workload.dtype])
+            base = base.eval()
         with tracker.in_phase("adapters"):
             model, optimizer = _adapters(base, workload)
-        sizes = _static_sizes(base, model, optimizer)
         p_base, p_lora = linear_weights(model, workload.rank)
+        if mesh is not None:
+            shard_base(model, mesh)
+        sizes = _static_sizes(base, model, optimizer)
+        say(f"base built ({time.monotonic() - started:.1f}s)")
         train = _train_step(model, workload, config, tracker)
         with tracker.in_phase("optimizer"):
             optimizer.step(sorted(model.adapters().values()))
-        sizes["grads"] = storage_bytes([p.grad for p in optimizer.params if p.grad is not None])
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        sizes["grads"] = storage_bytes(grads)
         say(f"training step ({time.monotonic() - started:.1f}s)")
-        with tracker.in_phase("rollout"):  # the next step's rollout: gradients still held
+        with tracker.in_phase("rollout"):  # the next step's rollout: gradients held
             kv = _rollout(model, workload)
         say(f"rollout ({time.monotonic() - started:.1f}s)")
-    tokens = train["tokens"] * train["scale"]
-    floor = floor_flops(config, p_base, p_lora, tokens, workload.row_tokens)
-    label = name or str(getattr(config, "model_type", "model"))
-    row = _report(label, workload, device_bytes, sizes, tracker.peaks, train, kv, floor)
-    row["detail"]["plan_seconds"] = round(time.monotonic() - started, 1)
-    return row
+    peaks = {k: {"bytes": v.bytes, "by_tag": dict(v.by_tag)} for k, v in tracker.peaks.items()}
+    return {"sizes": sizes, "peaks": peaks, "train": train, "kv": kv,
+            "p_base": p_base, "p_lora": p_lora}  # fmt: skip
+
+
+def extrapolate(low: Any, high: Any, at_low: int, at_high: int, layers: int) -> Any:
+    """``low`` and ``high`` (nested dicts of numbers, measured on ``at_low`` and
+    ``at_high`` decoder layers) extended linearly to ``layers``. Exact for whatever is
+    affine in the depth: the base, slots, gradients, Adam, KV cache and FLOPs are sums
+    over identical layers plus the embeddings and head, and a peak is too while the
+    same moment stays the peak (saved activations or checkpointed inputs per layer, one
+    layer's recompute, FSDP's unsharded groups in flight). Integers stay integers;
+    what is equal at both depths (row and micro-batch counts) is kept."""
+    if isinstance(low, dict):
+        keys = [*low, *(k for k in high if k not in low)]
+        return {k: extrapolate(low.get(k, 0), high.get(k, 0), at_low, at_high, layers)
+                for k in keys}  # fmt: skip
+    if low == high or isinstance(low, bool):
+        return low
+    value = low + (high - low) * (layers - at_low) / (at_high - at_low)
+    return round(value) if isinstance(low, int) and isinstance(high, int) else value
 
 
 @contextmanager
@@ -241,6 +320,13 @@ def tenant_rows(model: MultiLoRAModel, w: Workload, tenants: int) -> list[TrainR
     return rows
 
 
+def my_rows(model: MultiLoRAModel, w: Workload) -> list[TrainRow]:
+    """The rows one rank trains and decodes: every tenant's, or rank 0's share of them
+    under data parallelism (plan_sharding.rank_rows: the engine's split)."""
+    rows = tenant_rows(model, w, w.adapters)
+    return rank_rows(rows, w.world_size) if w.world_size > 1 else rows
+
+
 def _train_step(
     model: MultiLoRAModel, w: Workload, config: PretrainedConfig, tracker: LiveBytes
 ) -> dict[str, Any]:
@@ -252,9 +338,9 @@ def _train_step(
     checkpointed step comes out near the unchecked one's under the counter).
     """
     rows_per_batch = max(1, w.micro_batch_tokens // w.row_tokens)
-    total_rows = w.adapters * w.rows_per_tenant
-    run_rows = min(total_rows, rows_per_batch * w.micro_batches)
-    rows = tenant_rows(model, w, math.ceil(run_rows / w.rows_per_tenant))[:run_rows]
+    mine = my_rows(model, w)
+    run_rows = min(len(mine), rows_per_batch * w.micro_batches)
+    rows = mine[:run_rows]
     updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
     forward = HiddenStatesForward(model, CPU, w.chunk_tokens)
     pad = config.pad_token_id or 0
@@ -271,9 +357,10 @@ def _train_step(
     return {
         "flops": flops.get_total_flops(),
         "tokens": once.computed_tokens,
-        "scale": total_rows / len(counted),
+        "scale": len(mine) / len(counted),
+        "rank_rows": len(mine),
         "micro_batches": stats.micro_batches,
-        "total_micro_batches": math.ceil(total_rows / rows_per_batch),
+        "total_micro_batches": math.ceil(len(mine) / rows_per_batch),
     }
 
 
@@ -295,9 +382,12 @@ def _cache_bytes(past: Any) -> int:
     return storage_bytes([t for layer in layers for t in (layer.keys, layer.values)])
 
 
-def largest_micro_batch(w: Workload, slots: list[int]) -> tuple[list[RolloutRequest], int]:
+def largest_micro_batch(
+    w: Workload, slots: list[int], units: set[tuple[str, int]] | None = None
+) -> tuple[list[RolloutRequest], int]:
     """The rollout's largest micro-batch (rows x padded tokens) under ``rollout_kv_tokens``,
-    as the engine packs every tenant's rows (tenant ``t`` in ``slots[t]``), and how many
+    as the engine packs every tenant's rows (tenant ``t`` in ``slots[t]``), or only the
+    prompt groups in ``units`` (``(tenant name, group)``: a rank's share), and how many
     micro-batches the rollout decodes."""
 
     def prompt(group: int) -> list[int]:  # as tenant_rows: one prompt per GRPO group
@@ -308,6 +398,7 @@ def largest_micro_batch(w: Workload, slots: list[int]) -> tuple[list[RolloutRequ
         for t in range(w.adapters)
         for g in range(w.prompts_per_tenant)
         for _ in range(w.completions_per_prompt)
+        if units is None or (f"tenant-{t}", g) in units
     ]
     batches = pack_rollout(requests, w.rollout_kv_tokens)
     biggest = max(batches, key=lambda b: kv_tokens(requests, b))
@@ -319,7 +410,8 @@ def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
     """The largest micro-batch the torch rollout decodes: its prefill, then
     ``decode_steps`` steps of the engine's sampler and forward."""
     slots = [model.slot_of(f"tenant-{t}") for t in range(w.adapters)]
-    requests, batches = largest_micro_batch(w, slots)
+    units = {(r.experiment, r.group) for r in my_rows(model, w)} if w.world_size > 1 else None
+    requests, batches = largest_micro_batch(w, slots, units)
     forward = _decode_forward(model)
     logits, past, mask, positions = _shared_prefill(model.route, forward, requests, 0)
     sampler = Sampler(requests, logits.device)
@@ -369,12 +461,15 @@ def _report(
     adapters = sizes["slots"] + sizes["grads"] + sizes["adam"]
     step = peaks["train"]
     logits = step.by_tag.get("logits", 0)
+    gathered = step.by_tag.get(ALL_GATHER, 0)
     rollout_total = peaks["rollout"].bytes + kv["final"] - kv["measured"]
     train_total = max(step.bytes, peaks["optimizer"].bytes)
     total = max(train_total, rollout_total)
     train_flops = train["flops"] * train["scale"]
     return {
         "model": name,
+        "world_size": w.world_size,
+        "shard_base": w.shard_base,
         "dtype": w.dtype,
         "adapters": w.adapters,
         "rank": w.rank,
@@ -387,9 +482,10 @@ def _report(
             "total": total,
             "base": sizes["base"],
             "adapters": adapters,
-            "activations": step.bytes - sizes["base"] - adapters - logits,
+            "activations": step.bytes - sizes["base"] - adapters - logits - gathered,
             "logits": logits,
             "kv_cache": kv["final"],
+            "all_gather": gathered,  # FSDP's unsharded groups at the training peak
         },
         "train_flops": train_flops,
         "floor_flops": floor,
@@ -404,6 +500,7 @@ def _report(
             "adapter_parts": {k: sizes[k] for k in ("slots", "grads", "adam")},
             "kv_bytes_per_token": kv["per_token"],
             "rollout_kv_tokens": w.rollout_kv_tokens,
+            "rank_rows": train["rank_rows"],
             "rollout_micro_batch_rows": kv["rows"],
             "rollout_micro_batches": kv["micro_batches"],
             "flops_over_floor": train_flops / floor,

@@ -1,0 +1,146 @@
+"""The planner's sharded base (issue 17): FSDP2 on a fake process group, per-rank rows.
+
+One rank of an ``N``-rank engine is planned by running torch's own ``fully_shard`` under
+``FakeTensorMode`` on a fake process group (``torch.testing._internal.distributed.
+fake_pg``: collectives that move no data, as torchtitan's memory estimator uses), so
+the tracker sees the rank's real shards and FSDP's real all-gather buffers:
+
+- **layout** (``shard_base``): every decoder layer is one FSDP group, the output head
+  one, and the rest of the base (embeddings, final norm) the decoder's own group. The
+  LoRA slots are left out of every group (``ignored_params``): they stay replicated, so
+  each rank holds every slot, its gradient and its Adam moments in full (small next to
+  the base; the per-adapter optimiser step and the checkpoint need whole tensors;
+  data_parallel.py all-reduces their gradients). This is the layout the engine's
+  sharded base (the ``fsdp`` work of issue 17) uses; the planner applies it itself.
+- **rows** (``rank_rows``): the rank's share of the step's rows, as the engine splits
+  them (row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
+  (the largest, ties to the lowest rank).
+
+``sharded_rank_bytes`` is the arithmetic beside the measurement: the rank's shard of
+the base plus FSDP's unsharded groups (the roots, and two layers in flight). The
+measurement is what the planner reports: on Llama-3.1-70B's shapes it finds fewer than
+two layers unsharded at the training peak and three at once during the rollout's
+no-grad decode, which the arithmetic would not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .memtrack import LiveBytes
+from .multi_lora import MultiLoRAModel
+from .row_split import split_rows_by_rank
+from .training import TrainRow
+
+ALL_GATHER = "all_gather"
+# FSDP2's default schedule keeps at most two groups unsharded at once: the one computing
+# and the one prefetched (the next in the forward, the previous in the backward).
+GROUPS_IN_FLIGHT = 2
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its
+    1-D device mesh; ``None`` for one rank. Refuses to run where a process group is
+    already initialised (an engine's real one must not be replaced)."""
+    if world_size == 1:
+        yield None
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the sharded plan needs its own fake process group; "
+                           "torch.distributed is already initialised in this process")  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: it reads values
+    finally:
+        dist.destroy_process_group()
+
+
+def decoder_layers(base: nn.Module) -> nn.ModuleList:
+    """The base's decoder layers: the ``ModuleList`` of ``num_hidden_layers`` entries."""
+    layers = base.config.get_text_config().num_hidden_layers
+    for module in base.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == layers:
+            return module
+    raise ValueError(f"{type(base).__name__}: no list of {layers} decoder layers to shard")
+
+
+def shard_base(model: MultiLoRAModel, mesh: Any) -> None:
+    """FSDP2 ``fully_shard`` of the frozen base over ``mesh``: each decoder layer, the
+    output head, then the decoder (embeddings, norm); the LoRA slots stay replicated."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.base_model
+    lora = {p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)}
+    for layer in decoder_layers(base):
+        fully_shard(layer, mesh=mesh, ignored_params=lora)
+    head = base.get_output_embeddings()
+    if head is not None and not base.config.get_text_config().tie_word_embeddings:
+        fully_shard(head, mesh=mesh, ignored_params=lora)
+    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=lora)
+
+
+@contextmanager
+def tag_all_gathers(tracker: LiveBytes) -> Iterator[None]:
+    """Tag the buffers FSDP2 allocates to unshard a group (its all-gather output and the
+    unsharded parameters copied out of it) as ``ALL_GATHER``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    originals = {name: getattr(FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard")}
+
+    def tagged(method: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with tracker.tagging(ALL_GATHER):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    for name, method in originals.items():
+        setattr(FSDPParamGroup, name, tagged(method))
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(FSDPParamGroup, name, method)
+
+
+def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:
+    """Rank 0's share of the step's rows, as the engine splits them (row_split.py)."""
+    return split_rows_by_rank(rows, world_size)[0]
+
+
+def sharded_rank_bytes(
+    base_bytes: int,
+    layer_bytes: Sequence[int],
+    root_bytes: Sequence[int],
+    world_size: int,
+    in_flight: int = GROUPS_IN_FLIGHT,
+) -> dict[str, int]:
+    """Arithmetic of one rank's base under FSDP, beside the measurement: its shard (each
+    group's bytes over ``world_size``, rounded up) and the unsharded copies FSDP holds at
+    once: the root groups (``root_bytes``: the decoder's embeddings and norm, the head;
+    a root is not resharded between forward and backward) and the ``in_flight``
+    largest of the other groups (``layer_bytes``: the decoder layers).
+
+    ``base_bytes`` is the whole base: what no group holds (buffers) is on every rank.
+    The measured plan can differ (``plan_sharding`` module doc): FSDP's schedule, not
+    this count, decides how many layers are unsharded at a given moment.
+    """
+    if world_size < 1 or in_flight < 0:
+        raise ValueError("world_size must be at least 1 and in_flight at least 0")
+    groups = [*layer_bytes, *root_bytes]
+    if sum(groups) > base_bytes:
+        raise ValueError(f"groups hold {sum(groups)} bytes, more than the base's {base_bytes}")
+    shard = sum(-(-g // world_size) for g in groups) + (base_bytes - sum(groups))
+    if world_size == 1:
+        return {"shard": shard, "all_gather": 0}
+    layers = sorted(layer_bytes, reverse=True)[:in_flight]
+    return {"shard": shard, "all_gather": sum(root_bytes) + sum(layers)}
