@@ -205,7 +205,7 @@ class Experiment:
 class Capacity:
     max_adapters: int = 8
     max_rank: int = 64
-    memory_bytes: int = 0  # per engine; 0 = not enforced
+    memory_bytes: int = 0  # per engine, per rank of a multi-rank one; 0 = not enforced
     micro_batch_tokens: int | None = None  # None: each engine derives it (its memory plan)
     rollout_kv_tokens: int | None = None  # None: likewise (torch rollout's KV budget)
     device_memory_bytes: int | None = None  # None: the engine measures its device (CUDA)
