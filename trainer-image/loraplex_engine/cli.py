@@ -218,6 +218,8 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What a data-parallel rank 0 starts its workers with (serve_ranks.py).
+    args.cli_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -5,20 +5,33 @@ train phase, broadcasts the tick's rows; every rank trains its share of them
 (row_split.py: whole prompt groups, token-balanced), the LoRA gradients are summed over
 the ranks (distributed.all_reduce_lora_grads) and every rank takes the same per-adapter
 AdamW step on the same summed gradient, so every rank's adapters stay equal to rank 0's.
-Workers (ranks 1..N-1) do nothing else: they wait for rank 0's next train phase
-(:meth:`DataParallelTraining.follow`).
+Workers (ranks 1..N-1) do nothing else: they run rank 0's messages, one kind at a time
+(:meth:`DataParallelTraining.follow` dispatches on the message's type), until rank 0
+stops them.
 
-Adapter slots: every rank loads the same experiments in the same order (the local
-runner does), so each holds every adapter in the same slot; the first time an adapter
-trains, rank 0's weights and optimiser state are broadcast to the others, so a seed,
-a resumed checkpoint or any other difference in how a rank built it cannot make the
-ranks disagree.
+Adapter slots: rank 0 alone decides which experiments are loaded (the runner's manifest,
+the server's API). Each add and remove is a message to the workers (:class:`AddAdapter`,
+:class:`RemoveAdapter`, sent under the engine's model lock, so between ticks and in
+rank 0's order): every rank then holds the same adapters in the same slots. The first
+time an adapter trains after its add, rank 0's weights and optimiser state are broadcast
+to the others, so a seed, a resumed checkpoint or any other difference in how a rank
+built it cannot make the ranks disagree (the workers never read a checkpoint).
+
+Rank 0's collectives are serialised by one lock (a train phase, an add from an API
+thread and an idle heartbeat never interleave); an idle rank 0 sends a
+:class:`Heartbeat` every ``heartbeat_s``, so a worker waiting for the next message
+never hits the group's timeout while the server has nothing to train.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +44,11 @@ from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.row_split import split_rows_by_rank
 from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows
 from loraplex_engine.training_strategy import FusedTraining, TrainOutcome
+
+log = logging.getLogger("loraplex_engine.data_parallel")
+
+# An idle rank 0 tells its workers it is alive this often (at most; see heartbeat_s).
+HEARTBEAT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,23 +81,49 @@ class TrainMessage:
     new: dict[str, NewAdapter]
 
 
+@dataclass(frozen=True)
+class AddAdapter:
+    """Rank 0 loaded adapter ``name`` into ``slot``: every worker adds it there too (its
+    tensors follow with the adapter's first train phase, as a :class:`NewAdapter`)."""
+
+    name: str
+    slot: int
+    config: LoRAConfig
+    settings: AdamWSettings
+
+
+@dataclass(frozen=True)
+class RemoveAdapter:
+    """Rank 0 unloaded adapter ``name`` from ``slot``: every worker frees the slot."""
+
+    name: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Rank 0 is alive and idle (keeps a waiting worker inside the group's timeout)."""
+
+
 @dataclass
 class DataParallelTraining(FusedTraining):
     """FusedTraining over the ranks of ``world`` (the default process group)."""
 
     world: World = field(default_factory=lambda: World(0, 1))
+    heartbeat_s: float = HEARTBEAT_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._synced: dict[str, int] = {}  # adapter -> slot, as last broadcast from rank 0
+        self._lock = threading.RLock()  # one sequence of collectives at a time (rank 0)
+        self._last_sent = time.monotonic()
 
     # ---- rank 0 ----------------------------------------------------------------------
 
     def train(
         self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
     ) -> dict[str, TrainOutcome]:
-        if not self.world.is_leader:
-            raise RuntimeError("only rank 0 drives the tick; workers follow()")
+        self._require_leader("train")
         slots = {e: self.model.slot_of(e) for e in updates}
         new = {
             e: NewAdapter(
@@ -92,34 +136,115 @@ class DataParallelTraining(FusedTraining):
             if self._synced.get(e) != s
         }
         specs = {e: UpdateSpec(u.algorithm.name, u.clip, u.kl_coef) for e, u in updates.items()}
-        distributed.broadcast_object(TrainMessage(rows, specs, slots, new), self.device)
-        return self._apply(rows, updates, slots, new)
+        with self._lock:  # the message and the phase's collectives, uninterrupted
+            self._send(TrainMessage(rows, specs, slots, new))
+            return self._apply(rows, updates, slots, new)
+
+    def adapter_added(self, name: str) -> None:
+        """Rank 0 just loaded ``name`` (the caller holds the engine's model lock): the
+        workers add it to the same slot; its tensors go with its first train phase."""
+        self._require_leader("add adapters")
+        slot = self.model.slot_of(name)
+        with self._lock:
+            self._synced.pop(name, None)  # a re-added name is new: broadcast it again
+            self._send(
+                AddAdapter(name, slot, self.model.config_of(name), self.optimizer.settings[slot])
+            )
+
+    def adapter_removed(self, name: str, slot: int) -> None:
+        """Rank 0 just unloaded ``name`` from ``slot``: the workers free it too."""
+        self._require_leader("remove adapters")
+        with self._lock:
+            self._synced.pop(name, None)
+            self._send(RemoveAdapter(name, slot))
+
+    def heartbeat(self) -> bool:
+        """Called by an idle rank 0: a :class:`Heartbeat` if nothing was sent for
+        ``heartbeat_s``; True if one was. A dead worker fails it (a closed connection)."""
+        self._require_leader("send heartbeats")
+        with self._lock:
+            if time.monotonic() - self._last_sent < self.heartbeat_s:
+                return False
+            self._send(Heartbeat())
+            return True
 
     def stop(self) -> None:
         """Release the workers: they leave follow() and exit."""
         if self.world.is_leader:
-            distributed.broadcast_object(None, self.device)
+            with self._lock:
+                self._send(None)
+
+    def _send(self, msg: Any) -> None:
+        distributed.broadcast_object(msg, self.device)
+        self._last_sent = time.monotonic()
+
+    def _require_leader(self, what: str) -> None:
+        if not self.world.is_leader:
+            raise RuntimeError(f"only rank 0 may {what}; workers follow()")
 
     # ---- workers ---------------------------------------------------------------------
 
     def follow(self) -> int:
-        """Run rank 0's train phases until it stops; returns how many there were."""
+        """Run rank 0's messages until it stops; returns how many train phases ran."""
         if self.world.is_leader:
             raise RuntimeError("rank 0 drives the tick; only workers follow()")
+        handlers = self.message_handlers()
         phases = 0
         while (msg := distributed.broadcast_object(None, self.device)) is not None:
-            updates = {
-                e: ExperimentUpdate(get_algorithm(u.algorithm), u.clip, u.kl_coef)
-                for e, u in msg.updates.items()
-            }
-            self._check_adapters(msg)
-            self.model.train()
-            try:
-                self._apply(msg.rows, updates, msg.slots, msg.new)
-            finally:
-                self.model.eval()
-            phases += 1
+            handler = handlers.get(type(msg))
+            if handler is None:
+                raise RuntimeError(
+                    f"rank {self.world.rank}: rank 0 sent a {type(msg).__name__}, which this "
+                    "rank cannot run (every rank must run the same loraplex-engine)"
+                )
+            handler(msg)
+            phases += isinstance(msg, TrainMessage)
         return phases
+
+    def message_handlers(self) -> dict[type, Callable[[Any], None]]:
+        """What a worker does with each kind of message from rank 0 (one entry a kind)."""
+        return {
+            TrainMessage: self._on_train,
+            AddAdapter: self._on_add,
+            RemoveAdapter: self._on_remove,
+            Heartbeat: lambda _msg: None,
+        }
+
+    def _on_train(self, msg: TrainMessage) -> None:
+        updates = {
+            e: ExperimentUpdate(get_algorithm(u.algorithm), u.clip, u.kl_coef)
+            for e, u in msg.updates.items()
+        }
+        self._check_adapters(msg)
+        self.model.train()
+        try:
+            self._apply(msg.rows, updates, msg.slots, msg.new)
+        finally:
+            self.model.eval()
+
+    def _on_add(self, msg: AddAdapter) -> None:
+        slot = self.model.add_adapter(msg.name, msg.config)
+        if slot != msg.slot:  # adds and removes replayed in rank 0's order: cannot differ
+            self.model.remove_adapter(msg.name)
+            raise RuntimeError(
+                f"rank {self.world.rank}: adapter {msg.name!r} went to slot {slot} here but "
+                f"slot {msg.slot} on rank 0"
+            )
+        self.optimizer.add_adapter(msg.name, msg.settings)
+        self._synced.pop(msg.name, None)
+        log.info("rank %d: added adapter %s in slot %d", self.world.rank, msg.name, slot)
+
+    def _on_remove(self, msg: RemoveAdapter) -> None:
+        slot = self.model.adapters().get(msg.name)
+        if slot != msg.slot:
+            raise RuntimeError(
+                f"rank {self.world.rank}: rank 0 removed adapter {msg.name!r} from slot "
+                f"{msg.slot} but here it is in {slot}"
+            )
+        self.optimizer.remove_adapter(msg.name)
+        self.model.remove_adapter(msg.name)
+        self._synced.pop(msg.name, None)
+        log.info("rank %d: removed adapter %s from slot %d", self.world.rank, msg.name, slot)
 
     def _check_adapters(self, msg: TrainMessage) -> None:
         """This worker holds every adapter in rank 0's slot, and new ones as rank 0 built
@@ -129,7 +254,7 @@ class DataParallelTraining(FusedTraining):
             if mine.get(name) != slot:
                 raise RuntimeError(
                     f"rank {self.world.rank}: adapter {name!r} is in slot {slot} on rank 0 "
-                    f"but {mine.get(name)} here: every rank must load the same experiments"
+                    f"but {mine.get(name)} here: rank 0's adds must reach every rank"
                 )
         for name, new in msg.new.items():
             if self.model.config_of(name) != new.config:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -40,10 +41,15 @@ def data_parallel(
     worker_argv: Sequence[str],
     device: torch.device,
     timeout_s: float = distributed.DEFAULT_TIMEOUT_S,
+    on_worker_exit: Callable[[str], None] | None = None,
 ) -> Iterator[World | None]:
     """This process's World in a formed group; None for one rank started without RANK.
 
     ``worker_argv``: the CLI arguments (after ``loraplex-engine``) a worker runs with.
+    ``on_worker_exit`` (rank 0, the server): a watcher thread calls it with the reason
+    (``rank 1 was killed by signal 9``) as soon as a started worker exits non-zero, after
+    killing the others, instead of waiting for a collective to notice; it is not
+    expected to return (the server exits).
     """
     from_env = distributed.world_from_env()
     if from_env is not None:
@@ -64,8 +70,11 @@ def data_parallel(
     world = World(0, world_size)
     store = distributed.serve_store(world_size, timeout_s)
     workers = _spawn(world_size, store.port, worker_argv)
+    done = threading.Event()
     try:
         _wait_for_check_in(store, workers)
+        if on_worker_exit is not None:
+            _watch(workers, done, on_worker_exit)
         try:
             with _joined(world, device, timeout_s, store):
                 yield world
@@ -75,9 +84,30 @@ def data_parallel(
             # rank) stays itself.
             _check_alive(workers, e)
             raise
+        done.set()  # a released worker exits 0; one that fails to is reported below
         _wait_for_exit(workers)
     finally:
+        done.set()
         _kill(workers)
+
+
+def _watch(
+    workers: dict[int, subprocess.Popen[bytes]],
+    done: threading.Event,
+    on_exit: Callable[[str], None],
+) -> None:
+    """Poll the workers until ``done``; the first one to exit non-zero is reported."""
+
+    def run() -> None:
+        while not done.wait(POLL_S):
+            for rank, proc in workers.items():
+                code = proc.poll()
+                if code is not None and code != 0 and not done.is_set():
+                    _kill(workers)
+                    on_exit(f"rank {rank} {_exited(code)}")
+                    return
+
+    threading.Thread(target=run, name="rank-watch", daemon=True).start()
 
 
 @contextmanager

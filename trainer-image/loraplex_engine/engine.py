@@ -37,7 +37,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
-from loraplex_engine.data_parallel import data_parallel_trainer
+from loraplex_engine.data_parallel import DataParallelTraining, data_parallel_trainer
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
@@ -189,6 +189,8 @@ class Engine:
             # (training_strategy.AdapterTrainer).
             recompute_old_logprobs=rollout_backend == "vllm",
         )
+        # Data parallel: rank 0's adapter adds and removes reach the workers (same slots).
+        self.ranks = self.strategy if isinstance(self.strategy, DataParallelTraining) else None
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
         # Sized once the weights, slots and rollout worker hold their memory.
         self.memory_plan = self._plan_memory(
@@ -406,6 +408,8 @@ class Engine:
                 self.optimizer.remove_adapter(exp_id)
                 self.model.remove_adapter(exp_id)
                 raise
+            if self.ranks is not None:
+                self.ranks.adapter_added(exp_id)
             with self._state_lock:
                 self._experiments[exp_id] = exp
             self.work_available.set()
@@ -441,8 +445,11 @@ class Engine:
                 self.store.save(exp)
             self.scorer.forget(exp_id)
             self.backend.remove_adapter(exp_id)
+            slot = self.model.slot_of(exp_id)
             self.optimizer.remove_adapter(exp_id)
             self.model.remove_adapter(exp_id)
+            if self.ranks is not None:
+                self.ranks.adapter_removed(exp_id, slot)
             with self._state_lock:
                 del self._experiments[exp_id]
             return exp.status()

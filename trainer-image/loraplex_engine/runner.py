@@ -259,8 +259,8 @@ def run_file(
 
     ``world_size`` > 1: data parallel (data_parallel.py); this process is rank 0 and
     starts the others as this command (dp_launch.py). A worker rank (``RANK`` set)
-    loads the same experiments, follows rank 0's train phases and returns None; only
-    rank 0 rolls out, checkpoints and writes the summary."""
+    follows rank 0 (its adds of the experiments, then its train phases) and returns
+    None; only rank 0 rolls out, checkpoints and writes the summary."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
@@ -322,15 +322,15 @@ def _run(
             f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
             f"{engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"
         )
+    dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
+    if dp is not None and not dp.world.is_leader:
+        dp.follow()  # rank 0's adds, then its train phases, until its stop()
+        return None
     for m in manifests:
         try:
             engine.put_experiment(m.id, m.spec, m.namespace, m.name)
         except ApiError as e:
             raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
-    dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
-    if dp is not None and not dp.world.is_leader:
-        dp.follow()  # until rank 0's stop()
-        return None
     ids = [m.id for m in manifests]
     progress = Progress()
     wall = run_until_done(engine, ids, out, progress)

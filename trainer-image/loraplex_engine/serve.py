@@ -13,6 +13,10 @@ Order of events:
    its current tick and every running experiment is checkpointed (the pod's
    termination grace period covers this), and the process exits 0.
 
+``--world-size N`` (serve_ranks.py): this process is rank 0 of N data-parallel ranks; it
+starts the others (or torchrun started every rank) before step 2's engine, and the
+engine is ready once every rank has loaded. A worker rank binds nothing and follows.
+
 Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-rank`` ->
 ``LORAPLEX_MAX_RANK``; serve_flags.py); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
 """
@@ -27,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -39,7 +44,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import check_model_dir
-from loraplex_engine.errors import UnavailableError, UsageError
+from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.serve_flags import (
     batch_kwargs,
@@ -47,6 +52,13 @@ from loraplex_engine.serve_flags import (
     read_token,
     reward_hosts,
     vllm_options,
+)
+from loraplex_engine.serve_ranks import (
+    RankGroup,
+    check_rank_flags,
+    is_worker,
+    rank_device,
+    run_worker,
 )
 from loraplex_engine.server import create_app
 from loraplex_engine.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
@@ -159,11 +171,17 @@ class EngineLoop:
         *,
         idle_wait_s: float = IDLE_WAIT_S,
         max_errors: int = MAX_TICK_ERRORS,
+        on_idle: Callable[[], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
         self.max_errors = max_errors
+        # Data parallel (serve_ranks.py): the idle loop's heartbeat to the workers, and
+        # the fatal exit a failed tick means when the ranks may be mid-collective.
+        self.on_idle = on_idle
+        self.on_error = on_error
         # The engine's own "work available" event, where it has one: it sets it when a
         # request queues work and clears it, under its lock, when a tick finds none, so
         # no wake-up is lost between the two. Otherwise our own event, set by wake().
@@ -199,7 +217,9 @@ class EngineLoop:
                 self._wake.clear()  # a wake() during the tick makes the next wait return
             try:
                 report = self.engine.tick()
-            except Exception:
+            except Exception as e:
+                if self.on_error is not None:
+                    self.on_error(e)
                 errors += 1
                 log.exception("engine tick failed (%d in a row)", errors)
                 if errors >= self.max_errors:
@@ -214,12 +234,23 @@ class EngineLoop:
             errors = 0
             if report is None:
                 self._wake.wait(self.idle_wait_s)
+                self._idle()
                 continue
             self.ticks += 1
             try:
                 self.metrics.observe_tick(report)
             except Exception:  # metrics must never stop training
                 log.exception("could not record tick metrics")
+
+    def _idle(self) -> None:
+        if self.on_idle is None:
+            return
+        try:
+            self.on_idle()
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            self.on_error(e)
 
 
 # --- main -----------------------------------------------------------------------------
@@ -302,15 +333,19 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
     if args.max_adapters < 1 or args.max_rank < 1:
         raise UsageError("--max-adapters and --max-rank must be at least 1")
-    token = read_token(args)
+    check_rank_flags(args)
     vllm_options(args)  # fail fast on a malformed option, before loading anything
     data_roots(args)
-    if token is None:
-        log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
+    device = rank_device(args.device or _default_device(), args.world_size)
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
+    if is_worker():  # rank 1..N-1: no port, no API; rank 0's messages only
+        return run_worker(args, device, lambda world: _build_engine(args, device, world))
+    token = read_token(args)
+    if token is None:
+        log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
 
     import uvicorn
 
@@ -361,35 +396,20 @@ def run(args: argparse.Namespace) -> int:
     server = _uvicorn_server_class()(config)
     outcome = {"rc": 0}
 
+    ranks = RankGroup(args, getattr(args, "cli_argv", None) or sys.argv[1:], device)
+
     def load() -> None:
         try:
             t_import = time.monotonic()
-            from loraplex_engine.engine import Engine  # torch and transformers: seconds
+            from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
 
             t_build = time.monotonic()
-            kwargs: dict[str, Any] = {
-                "max_adapters": args.max_adapters,
-                "max_rank": args.max_rank,
-                "checkpoint_root": args.checkpoint_root,
-                "rollout_backend": args.rollout_backend,
-                "max_step_tokens": args.max_step_tokens,
-                "max_prompt_tokens": args.max_prompt_tokens,
-                "reward_deadline_s": args.reward_deadline,
-                "dtype": args.dtype,
-                "gradient_checkpointing": args.gradient_checkpointing,
-                "device_memory": args.device_memory,
-                "memory_headroom": args.memory_headroom,
-                "lora_kernel": args.lora_kernel,
-                "trust": trust_policy(args, port),
-            }
-            kwargs.update(batch_kwargs(args))
-            kwargs["device"] = args.device or _default_device()
-            if args.rollout_backend == "vllm":
-                kwargs["vllm_options"] = vllm_options(args)
-            engine = Engine(args.model, **kwargs)
+            world = ranks.start()  # ranks 1..N-1 started and joined (N > 1)
+            engine = _build_engine(args, device, world, trust_policy(args, port))
+            ranks.loaded(engine)  # every rank has loaded
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
-            loop = EngineLoop(engine, metrics)
+            loop = EngineLoop(engine, metrics, on_idle=ranks.idle, on_error=ranks.on_error)
             loop_box["loop"] = loop
             loop.start()
             now = time.monotonic()
@@ -409,6 +429,10 @@ def run(args: argparse.Namespace) -> int:
                 os.environ.get("LORAPLEX_POOL", "-"),
             )
             print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
+        except RankFailed as e:  # a worker rank did not start (its own error is above)
+            print(f"loraplex-engine serve: error: {e}", file=sys.stderr, flush=True)
+            outcome["rc"] = 1
+            server.should_exit = True
         except UsageError as e:  # e.g. the memory plan: this device cannot hold it
             log.error("engine failed to load: %s", e)
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -425,7 +449,39 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         shutdown(holder, loop_box.get("loop"), checkpoint=not args.no_checkpoint_on_shutdown)
+        if not ranks.close() and outcome["rc"] == 0:  # after the checkpoints: release them
+            outcome["rc"] = 1
     return outcome["rc"]
+
+
+def _build_engine(
+    args: argparse.Namespace, device: str, world: Any, trust: TrustPolicy | None = None
+) -> Any:
+    """The Engine of ``serve``'s flags (every rank builds the same one); ``trust``: rank
+    0's (a worker neither reads datasets nor calls reward URLs)."""
+    from loraplex_engine.engine import Engine
+
+    kwargs: dict[str, Any] = {
+        "max_adapters": args.max_adapters,
+        "max_rank": args.max_rank,
+        "checkpoint_root": args.checkpoint_root,
+        "rollout_backend": args.rollout_backend,
+        "max_step_tokens": args.max_step_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "reward_deadline_s": args.reward_deadline,
+        "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "device_memory": args.device_memory,
+        "memory_headroom": args.memory_headroom,
+        "lora_kernel": args.lora_kernel,
+        "trust": trust,
+        "device": device,
+        "world": world,
+    }
+    kwargs.update(batch_kwargs(args))
+    if args.rollout_backend == "vllm":
+        kwargs["vllm_options"] = vllm_options(args)
+    return Engine(args.model, **kwargs)
 
 
 def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:

@@ -298,8 +298,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"one of {', '.join(LOG_LEVELS)}",
     )
     add_trust_arguments(p)
+    add_rank_arguments(p)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
+
+
+# --- ranks: one engine over N processes (serve_ranks.py, data_parallel.py) ------------
+
+
+def add_rank_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=_env_parsed("WORLD_SIZE", 1),
+        metavar="N",
+        help="data-parallel ranks of this engine (one per GPU; gloo on the CPU). This "
+        "process is rank 0 (the API, the tick) and starts ranks 1..N-1 itself, unless "
+        "RANK is set (torchrun): then each process joins by env:// (default: 1)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=_seconds,
+        default=_env_parsed("DIST_TIMEOUT", 600.0),
+        metavar="SECONDS",
+        help="how long a rank waits for the others in a collective (a worker waits a whole "
+        "tick for the next train phase) before the engine fails (default: 600)",
+    )
 
 
 # --- memory: the budgets the engine's memory plan derives (capacity_plan.py) ----------
