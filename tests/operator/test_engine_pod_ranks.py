@@ -116,3 +116,15 @@ def test_a_cpu_pool_runs_gloo_ranks_and_asks_for_no_gpu(resources: dict[str, Any
 def test_world_size_comes_before_the_templates_extra_args() -> None:
     args = engine_args(_pool(2, extraArgs=["--log-level", "debug"])["spec"])
     assert args[-2:] == ["--log-level", "debug"] and "--world-size" in args[:-2]
+
+
+def test_serve_reads_the_world_size_back() -> None:
+    import argparse
+
+    from loraplex_engine.serve_flags import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for gpus in (1, 2, 8):
+        args = engine_args(_pool(gpus, _gpu_limits(1))["spec"])
+        assert parser.parse_args(args[1:]).world_size == gpus  # `serve`'s own parser
