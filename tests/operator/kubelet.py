@@ -178,17 +178,18 @@ class Kubelet:
     async def _exited(self, pod: dict[str, Any], proc: PodEngine) -> None:
         """The container's process exited: restart it in its Pod, or fail the Pod."""
         name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
-        await asyncio.to_thread(proc.kill)  # the rest of the container goes with it
         code = proc.proc.returncode if proc.proc is not None else None
         if name in self._lost or not restarts_after(pod, code):
             self.failed.add(name)
             await self._patch(ns, name, _pod_status(False, "Failed", self.restarts.get(name, 0)))
+            await asyncio.to_thread(proc.kill)  # the rest of the container goes with it
             return
         del self.processes[name]
         count = self.restarts[name] = self.restarts.get(name, 0) + 1
         print(f"kubelet: pod {name}: container exited ({code}); restart {count}", file=sys.stderr)
         self._starting.add(name)
         await self._patch(ns, name, _pod_status(False, "Running", count))
+        await asyncio.to_thread(proc.kill)
         self._spawn(self._run_pod(pod, proc, delay=crash_backoff(count)))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
