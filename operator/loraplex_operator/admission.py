@@ -69,7 +69,9 @@ def experiment_memory_bytes(
 ) -> int:
     """The memory an experiment costs an engine of this pool: ``slot_bytes`` where the
     engines report it (observation.slot_bytes: 0 while none has answered), else the
-    adapter estimate from the pool's model shape (0 without one)."""
+    adapter estimate from the pool's model shape (0 without one). Either is one rank's
+    cost: a multi-rank engine holds a replica of every slot on each rank, and memoryBytes
+    is a per-rank budget, so the world size changes neither side."""
     if slot_bytes is not None:
         return slot_bytes
     # Unset targets are sized as q_proj + v_proj: the family default, and an upper bound

@@ -4,7 +4,9 @@ The operator owns engine Pods directly (no Deployment) so that it chooses which 
 to remove. Every pod is labelled with its pool, owned by the pool (controller owner
 reference, so deleting the pool garbage-collects its engines). Scalar settings are read
 through the pool's typed view (its CRD defaults in one place); the pod template's parts
-(env, volumes, resources, scheduling) are copied from the raw spec as written.
+(env, volumes, resources, scheduling) are copied from the raw spec as written, except
+what `gpusPerEngine` adds to a multi-rank engine: one GPU per rank on a GPU pool,
+`--world-size` and a memory-backed /dev/shm.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ TOKEN_FILE = f"{TOKEN_DIR}/token"
 TOKEN_VOLUME = "loraplex-token"
 CHECKPOINT_VOLUME = "loraplex-checkpoints"
 CONTAINER = "engine"
+# A multi-rank engine's /dev/shm: NCCL's shared-memory transport between its ranks needs
+# more than the container runtime's 64 MiB default (template.shmSize sizes it).
+SHM_VOLUME = "loraplex-shm"
+SHM_PATH = "/dev/shm"
+# The device plugin's resource: asking for it is what makes a pool a GPU pool.
+GPU_RESOURCE = "nvidia.com/gpu"
 # Kueue's pod integration admits a Pod carrying this label through the named LocalQueue
 # (its webhook adds a scheduling gate, lifted once the quota admits the Pod).
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -81,6 +89,7 @@ def engine_args(spec: Mapping[str, Any]) -> list[str]:
         *_precision_args(view),
         *_vllm_args(view),
         *_memory_args(view),
+        *_world_args(view),
         *trust_args(view),
         *spec.get("template", {}).get("extraArgs", []),
     ]  # fmt: skip
@@ -124,6 +133,13 @@ def _memory_args(view: PoolSpec) -> list[str]:
     return args
 
 
+def _world_args(view: PoolSpec) -> list[str]:
+    """`--world-size N` for a multi-rank engine only: a one-rank engine's command line stays
+    what it was (and runs on images without the flag)."""
+    n = view.gpus_per_engine
+    return ["--world-size", str(n)] if n > 1 else []
+
+
 def trust_args(view: PoolSpec) -> list[str]:
     """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
     is never read as another flag)."""
@@ -153,15 +169,53 @@ def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     }
     source = spec.get("checkpoint", {}).get("volume") or {"emptyDir": {}}
     checkpoints = {"name": CHECKPOINT_VOLUME, **copy.deepcopy(source)}
-    return [token, checkpoints, *copy.deepcopy(spec.get("template", {}).get("volumes", []))]
+    view = PoolSpec.from_obj(spec)
+    shm = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": view.shm_size}}]
+    extra = copy.deepcopy(spec.get("template", {}).get("volumes", []))
+    return [token, checkpoints, *(shm if view.gpus_per_engine > 1 else []), *extra]
 
 
 def _volume_mounts(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    view = PoolSpec.from_obj(spec)
+    shm = [{"name": SHM_VOLUME, "mountPath": SHM_PATH}] if view.gpus_per_engine > 1 else []
     return [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
-        {"name": CHECKPOINT_VOLUME, "mountPath": PoolSpec.from_obj(spec).checkpoint_root},
+        {"name": CHECKPOINT_VOLUME, "mountPath": view.checkpoint_root},
+        *shm,
         *copy.deepcopy(spec.get("template", {}).get("volumeMounts", [])),
     ]
+
+
+def engine_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The template's resources, with one GPU per rank on a GPU pool.
+
+    A pool asking for nvidia.com/gpu (limits or requests) is a GPU pool: its count is
+    raised to at least gpusPerEngine, in limits and in requests where the template sets
+    it (the two must be equal for an extended resource). Never lowered: a template may
+    ask for more (vllm.device on a GPU of its own). A CPU pool asks for no GPU: its
+    gloo ranks share the container's CPUs, as the template sizes them.
+    """
+    resources = copy.deepcopy(dict(spec.get("template", {}).get("resources") or {}))
+    asked = {
+        part: _whole(resources[part][GPU_RESOURCE])
+        for part in ("limits", "requests")
+        if GPU_RESOURCE in (resources.get(part) or {})
+    }
+    if not any(asked.values()):
+        return resources
+    count = max(PoolSpec.from_obj(spec).gpus_per_engine, *asked.values())
+    for part in {"limits", *asked}:
+        resources.setdefault(part, {})[GPU_RESOURCE] = count
+    return resources
+
+
+def _whole(quantity: Any) -> int:
+    """A GPU count as written (1 or "1"); 0 for what is not a whole number, which the
+    count above then replaces (the API server accepts only whole GPUs anyway)."""
+    try:
+        return max(int(str(quantity)), 0)
+    except ValueError:
+        return 0
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -194,8 +248,9 @@ def _container(pool_name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     }
     if "imagePullPolicy" in template:
         container["imagePullPolicy"] = template["imagePullPolicy"]
-    if template.get("resources"):
-        container["resources"] = copy.deepcopy(template["resources"])
+    resources = engine_resources(spec)
+    if resources:
+        container["resources"] = resources
     return container
 
 

@@ -26,7 +26,9 @@ class EngineMemory:
     """The memory plan an engine reports on /v1/capacity (`plan`, the engine's
     `api_types.MemoryPlan`): how it sized itself. Every adapter slot is allocated at the
     engine's max rank on every linear it wraps, so each experiment costs `slot_bytes`,
-    whatever its own rank and targets."""
+    whatever its own rank and targets. A multi-rank engine (gpusPerEngine) reports one
+    rank's plan: every rank holds every slot, so that is what a slot costs each GPU, and
+    the pool's memoryBytes is a per-rank budget (nothing is multiplied by the ranks)."""
 
     slot_bytes: int  # fp32 weights, gradient and two Adam moments of one slot
     slots: int  # allocated: maxAdapters + 1 (slot 0 is the base model's)

@@ -296,7 +296,8 @@ def _recover(w: Work, engine: EngineView | None, config: Config) -> bool:
         if step is not None
         else "its run's newest checkpoint, if it has one"
     )
-    w.event(WARNING, "EngineLost", f"{why}; will resume from {where} on another engine")
+    # "an engine": the one that lost it may take it back (its container restarted in place).
+    w.event(WARNING, "EngineLost", f"{why}; will resume from {where} on an engine with room")
     return True
 
 

@@ -102,16 +102,24 @@ def experiment_state(exp: Experiment, status: Mapping[str, Any]) -> m.Experiment
 
 
 class StatusPublisher:
-    """Writes statuses and emits Events; remembers only when it last wrote each one."""
+    """Writes statuses and emits Events; remembers when it last wrote each one, and the
+    restarts it wrote (see `publish`)."""
 
     def __init__(self, kube: Kube, emit: EventSink, config: Config) -> None:
         self.kube = kube
         self.emit = emit
         self.config = config
         self.last_write: dict[str, float] = {}  # experiment key -> monotonic seconds
+        self.restarts: dict[tuple[str, str | None], int] = {}  # (key, uid) -> last written
 
     async def publish(self, w: Work, now: datetime) -> dict[str, Any]:
-        """Derive `w`'s status, emit its Events, write what changed; the derived status."""
+        """Derive `w`'s status, emit its Events, write what changed; the derived status.
+
+        `restarts` never goes back below what this operator wrote for the same object: a
+        round woken right after a recovery's write (by its engine Pod turning Failed) may
+        read the experiment from a cache that has not seen that write yet, and would
+        otherwise write the old count back with its new engine."""
+        w.restarts = max(w.restarts, self.restarts.get((w.key, w.exp.meta.uid), 0))
         admission_events(w)
         new = derive(w, self.config, now)
         old = w.exp.raw_status
@@ -128,8 +136,11 @@ class StatusPublisher:
     def forget_others(self, keys: Iterable[str]) -> None:
         """Keep write times only for `keys`: deleted experiments leave the rounds, and the
         map would otherwise grow with every experiment the pool ever ran."""
-        for key in self.last_write.keys() - set(keys):
+        keep = set(keys)
+        for key in self.last_write.keys() - keep:
             del self.last_write[key]
+        for key_uid in [k for k in self.restarts if k[0] not in keep]:
+            del self.restarts[key_uid]
 
     def _due(self, key: str, changed: set[str]) -> bool:
         if changed - PROGRESS_FIELDS:
@@ -147,6 +158,7 @@ class StatusPublisher:
                 subresource="status",
             )
             self.last_write[w.key] = time.monotonic()
+            self.restarts[(w.key, w.exp.meta.uid)] = int(status.get("restarts") or 0)
         except KubeError as e:
             m.RECONCILE_ERRORS.labels(kind="status").inc()
             log.warning("status of %s: %s", w.key, e)

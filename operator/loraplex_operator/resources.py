@@ -205,7 +205,7 @@ class Experiment:
 class Capacity:
     max_adapters: int = 8
     max_rank: int = 64
-    memory_bytes: int = 0  # per engine; 0 = not enforced
+    memory_bytes: int = 0  # per engine, per rank of a multi-rank one; 0 = not enforced
     micro_batch_tokens: int | None = None  # None: each engine derives it (its memory plan)
     rollout_kv_tokens: int | None = None  # None: likewise (torch rollout's KV budget)
     device_memory_bytes: int | None = None  # None: the engine measures its device (CUDA)
@@ -262,6 +262,10 @@ class PoolSpec:
     queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
     data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
     reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
+    # Ranks per engine (`serve --world-size`), one GPU each on a GPU pool; every rank holds
+    # every slot, so capacity and memory stay per rank.
+    gpus_per_engine: int = 1
+    shm_size: str = "1Gi"  # template.shmSize: the /dev/shm of a multi-rank engine (NCCL)
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -304,6 +308,8 @@ class PoolSpec:
             queue_name=spec.get("queueName") or None,
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
+            gpus_per_engine=int(spec.get("gpusPerEngine", cls.gpus_per_engine)),
+            shm_size=str(_dict(spec, "template").get("shmSize", cls.shm_size)),
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -13,6 +14,7 @@ from chart_helpers import (
     CHART,
     DASHBOARDS,
     NAMESPACE,
+    REPO,
     RULES_FILE,
     SCENARIOS,
     by_kind,
@@ -21,6 +23,10 @@ from chart_helpers import (
     render_notes,
     tool,
 )
+from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
+
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+from crdkit import admit
 
 FULL = "loraplex"  # release "loraplex" + chart "loraplex" → full name "loraplex"
 
@@ -222,6 +228,19 @@ def test_default_pool_engine_image_follows_the_app_version() -> None:
     for pinned in ("registry.example:5000/loraplex/engine:9.9.9", "loraplex/engine@sha256:ab12"):
         values = {"defaultPool": {"enabled": True, "spec": {"template": {"image": pinned}}}}
         assert one(render(values), "EnginePool")["spec"]["template"]["image"] == pinned
+
+
+def test_default_pool_with_two_ranks_per_engine() -> None:
+    """gpusPerEngine passes through to a pool the CRD admits; its engine pods run two ranks
+    (the chart's default pool is a CPU pool: gloo ranks, no GPU asked for)."""
+    values = {"defaultPool": {"enabled": True, "spec": {"gpusPerEngine": 2}}}
+    pool = one(render(values), "EnginePool")
+    assert pool["spec"]["gpusPerEngine"] == 2 and admit("EnginePool", pool) == []
+    pool["metadata"]["uid"] = "uid-default"
+    (container,) = engine_pod(pool, "a1b2c")["spec"]["containers"]
+    assert container["args"][container["args"].index("--world-size") + 1] == "2"
+    assert GPU_RESOURCE not in json.dumps(container["resources"])
+    assert "gpusPerEngine" in one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]
 
 
 def test_engines_in_another_namespace() -> None:

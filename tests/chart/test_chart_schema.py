@@ -69,6 +69,10 @@ BAD_VALUES = {
         {"defaultPool": {"enabled": True, "spec": {"baseModel": "models/qwen"}}},
         "defaultPool.spec.baseModel: Does not match pattern '^/'",
     ),
+    "pool with more ranks than a node has GPUs": (
+        {"defaultPool": {"enabled": True, "spec": {"gpusPerEngine": 9}}},
+        "defaultPool.spec.gpusPerEngine: Must be less than or equal to 8",
+    ),
     "pool with empty image": (
         {"defaultPool": {"enabled": True, "spec": {"template": {"image": ""}}}},
         "defaultPool.spec.template.image: String length must be greater than or equal to 1",

@@ -154,6 +154,11 @@ class PoolWrapper:
         self._spec["replicas"] = {"min": lo, "max": hi}
         return self
 
+    def gpus(self, n: int) -> Self:
+        """spec.gpusPerEngine: ranks per engine (GPUs on a GPU pool)."""
+        self._spec["gpusPerEngine"] = n
+        return self
+
     def checkpoint(self, root: str | None = None, volume: dict[str, Any] | None = None) -> Self:
         ckpt = self._spec.setdefault("checkpoint", {})
         if root is not None:

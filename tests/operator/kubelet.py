@@ -6,8 +6,17 @@ args and env; its volumes as local directories, the Secret volume as a file; the
 path of the image as the local model). The engine binds a free port, which the kubelet
 publishes as the Pod's `loraplex.dev/engine-url` annotation with `podIP` 127.0.0.1.
 Deleting a Pod that runs is graceful (see `harness.ApiServer`): SIGTERM, wait for the
-exit (the engine checkpoints first), then let the API server remove the Pod. A process
-that dies turns its Pod `Failed` (as after a node loss).
+exit (the engine checkpoints first), then let the API server remove the Pod.
+
+A container whose process exits is restarted in its Pod as the Pod's `restartPolicy`
+says (the engine Pod's is Always; OnFailure restarts a non-zero exit; Never does not),
+the way a kubelet does: whatever the container still ran is killed with it, the Pod stays
+`Running` but not Ready while the new container starts (its `restartCount` counted in
+`containerStatuses`), after the kubelet's back-off (none before the first restart, then
+10 s doubling to 300 s), with the same volumes (an emptyDir outlives its container). Its
+engine binds a new port, so `loraplex.dev/engine-url` changes where a real Pod's IP would
+not. A container that is not restarted, or that fails to start, turns its Pod `Failed`;
+so does `Kubelet.kill` (a node loss: nothing on the node restarts it).
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_process import EngineServer
 
 NODE = "kmock-node"
+# The kubelet's crash back-off: the first restart at once, then 10 s doubling to 300 s.
+BACKOFF_S, MAX_BACKOFF_S = 10.0, 300.0
 # Holds a deleted Pod while its engine shuts down (a real API server does this natively).
 KUBELET_HOLD = "kmock.loraplex.dev/kubelet"
 
@@ -82,6 +93,8 @@ class Kubelet:
     processes: dict[str, PodEngine] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     start_seconds: dict[str, float] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # pod -> its container's restarts
+    _lost: set[str] = field(default_factory=set)  # killed as in a node loss: not restarted
     _starting: set[str] = field(default_factory=set)
     _stopping: dict[str, PodEngine | None] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
@@ -160,9 +173,24 @@ class Kubelet:
                 del self.processes[name]
                 await asyncio.to_thread(proc.stop, 30.0)
             elif not proc.alive() and name not in self.failed:
-                self.failed.add(name)
-                ns = pods[name]["metadata"]["namespace"]
-                await self._patch(ns, name, _pod_status(False, phase="Failed"))
+                await self._exited(pods[name], proc)
+
+    async def _exited(self, pod: dict[str, Any], proc: PodEngine) -> None:
+        """The container's process exited: restart it in its Pod, or fail the Pod."""
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        code = proc.proc.returncode if proc.proc is not None else None
+        if name in self._lost or not restarts_after(pod, code):
+            self.failed.add(name)
+            await self._patch(ns, name, _pod_status(False, "Failed", self.restarts.get(name, 0)))
+            await asyncio.to_thread(proc.kill)  # the rest of the container goes with it
+            return
+        del self.processes[name]
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        print(f"kubelet: pod {name}: container exited ({code}); restart {count}", file=sys.stderr)
+        self._starting.add(name)
+        await self._patch(ns, name, _pod_status(False, "Running", count))
+        await asyncio.to_thread(proc.kill)
+        self._spawn(self._run_pod(pod, proc, delay=crash_backoff(count)))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -186,9 +214,12 @@ class Kubelet:
         finally:
             del self._stopping[name]
 
-    def _start_engine(self, pod: dict[str, Any]) -> PodEngine:
-        engine = PodEngine(pod, self.node, self._secret_data)
-        self._started.append(engine)
+    def _start_engine(self, pod: dict[str, Any], engine: PodEngine | None) -> PodEngine:
+        """A new container for `pod`; `engine`: the Pod's exited one, started again (same
+        volumes; its log goes on in the next server-<n>.log)."""
+        if engine is None:
+            engine = PodEngine(pod, self.node, self._secret_data)
+            self._started.append(engine)
         try:
             engine.start()
         finally:
@@ -196,25 +227,28 @@ class Kubelet:
                 engine.kill()
         return engine
 
-    async def _run_pod(self, pod: dict[str, Any]) -> None:
+    async def _run_pod(
+        self, pod: dict[str, Any], restarted: PodEngine | None = None, delay: float = 0.0
+    ) -> None:
         name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        await asyncio.sleep(delay)
         try:
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
-            proc = await loop.run_in_executor(self._starter, self._start_engine, pod)
+            proc = await loop.run_in_executor(self._starter, self._start_engine, pod, restarted)
             self.start_seconds[name] = time.monotonic() - t0
         except Exception as e:
             print(f"kubelet: engine for pod {name} failed to start: {e!r}", file=sys.stderr)
             self.failed.add(name)
             self._starting.discard(name)
-            await self._patch(ns, name, _pod_status(False, phase="Failed"))
+            await self._patch(ns, name, _pod_status(False, "Failed", self.restarts.get(name, 0)))
             return
         self._starting.discard(name)
         if name not in self._pods():  # deleted while starting
             await asyncio.to_thread(proc.stop, 30.0)
             return
         self.processes[name] = proc
-        patch = _pod_status(True, phase="Running")
+        patch = _pod_status(True, "Running", self.restarts.get(name, 0))
         patch["metadata"] = {"annotations": {manifests.ENGINE_URL_ANNOTATION: proc.url}}
         patch["spec"] = {"nodeName": NODE}
         await self._patch(ns, name, patch)
@@ -223,21 +257,37 @@ class Kubelet:
         await self.client.patch(PODS, name, patch, namespace=ns)
 
     def kill(self, pod: str) -> None:
-        """SIGKILL the engine of `pod` (no checkpoint on the way out)."""
+        """SIGKILL the engine of `pod` (no checkpoint on the way out) as in a node loss:
+        the Pod turns `Failed`, its container is not restarted."""
+        self._lost.add(pod)
         self.processes[pod].kill()
+
+
+def restarts_after(pod: dict[str, Any], exit_code: int | None) -> bool:
+    """Whether the kubelet restarts a container that exited with `exit_code`."""
+    policy = pod.get("spec", {}).get("restartPolicy") or "Always"  # the API's default
+    return policy == "Always" or (policy == "OnFailure" and exit_code != 0)
+
+
+def crash_backoff(restart: int) -> float:
+    """Seconds the kubelet waits before the `restart`-th restart (1-based)."""
+    return 0.0 if restart <= 1 else min(BACKOFF_S * 2 ** (restart - 2), MAX_BACKOFF_S)
 
 
 def _terminating(pod: dict[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
 
 
-def _pod_status(ready: bool, phase: str) -> dict[str, Any]:
+def _pod_status(ready: bool, phase: str, restarts: int = 0) -> dict[str, Any]:
     flag = "True" if ready else "False"
     status: dict[str, Any] = {
         "phase": phase,
         "conditions": [
             {"type": "Ready", "status": flag, "lastTransitionTime": now()},
             {"type": "ContainersReady", "status": flag, "lastTransitionTime": now()},
+        ],
+        "containerStatuses": [
+            {"name": manifests.CONTAINER, "ready": ready, "restartCount": restarts}
         ],
     }
     if ready:

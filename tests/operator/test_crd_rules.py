@@ -37,6 +37,8 @@ def _pool_name(n: int) -> Callable[[], Obj]:
 
 _PVC = {"persistentVolumeClaim": {"claimName": "ckpt"}}
 _MODEL_VOL = {"name": "models", "persistentVolumeClaim": {"claimName": "models"}}
+_SHM_VOL = {"name": "shm", "emptyDir": {"medium": "Memory"}}
+_SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
 
 EXPERIMENT_RULES: dict[str, RuleCase] = {
     "metadata.name must be at most 189": RuleCase(valid=_exp_name(189), invalid=_exp_name(190)),
@@ -123,9 +125,7 @@ POOL_RULES: dict[str, RuleCase] = {
     ),
     "template.volumes must not use the reserved names": RuleCase(
         valid=lambda: pool().template(volumes=[_MODEL_VOL]).obj(),
-        invalid=lambda: (
-            pool().template(volumes=[{"name": "loraplex-checkpoints", "emptyDir": {}}]).obj()
-        ),
+        invalid=lambda: pool().template(volumes=[{"name": "loraplex-shm", "emptyDir": {}}]).obj(),
     ),
     "every template.volumeMounts entry must name a volume": RuleCase(
         valid=lambda: (
@@ -134,6 +134,16 @@ POOL_RULES: dict[str, RuleCase] = {
             .obj()
         ),
         invalid=lambda: pool().template(volumeMounts=[{"name": "models", "mountPath": "/m"}]).obj(),
+    ),
+    "gpusPerEngine above 1 needs rolloutBackend torch": RuleCase(
+        valid=lambda: pool().gpus(2).backend("torch").obj(),
+        invalid=lambda: pool().gpus(2).backend("vllm").obj(),
+    ),
+    "template.volumeMounts must not mount /dev/shm when gpusPerEngine is above 1": RuleCase(
+        valid=lambda: pool().gpus(1).template(volumes=[_SHM_VOL], volumeMounts=[_SHM_MOUNT]).obj(),
+        invalid=lambda: (
+            pool().gpus(2).template(volumes=[_SHM_VOL], volumeMounts=[_SHM_MOUNT]).obj()
+        ),
     ),
     "engineNamespace is immutable": RuleCase(
         valid=lambda: pool().set("spec.engineNamespace", "gpu").slots(4).obj(),

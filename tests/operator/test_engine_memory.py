@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from builders import experiment, pool
 from loraplex_engine.api_types import MemoryPlan
+from loraplex_operator.admission import experiment_memory_bytes
 from loraplex_operator.observation import EngineMemory, EngineView, slot_bytes
+from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.planning import plan_round
+from loraplex_operator.resources import ExperimentSpec, Lora, Pool
 from test_reconcile import CFG, engine, snap
 
 SLOT = 1_000_000  # bytes one slot takes, as an engine reports it
@@ -83,3 +86,53 @@ def test_memory_waits_for_an_engine_rather_than_guessing() -> None:
     (problem,) = after.work["team-a/big"].problems
     assert problem.startswith("spec.enginePool: an adapter slot of EnginePool")
     assert f"takes {SLOT} bytes" in problem and after.puts == []
+
+
+# --- multi-rank engines (spec.gpusPerEngine) -------------------------------------------
+# Every rank of an engine holds every adapter slot (data parallel: the same slots, the
+# same optimiser step on each). So an engine's capacity is one rank's: it reports one
+# rank's plan (slotBytes per rank) and one rank's slot count (maxAdapters), the pool's
+# memoryBytes is a per-rank (per-GPU) budget, and the modelShape estimate is one replica.
+# More ranks make an engine faster, never roomier: placement must not multiply anything.
+
+
+def _round(gpus: int, engines: list[EngineView], memory: int, shape: bool = False) -> tuple:
+    p = pool().gpus(gpus).slots(4).replicas(0, 2).memory(memory)
+    if shape:
+        p = p.model_shape(numLayers=2, hiddenSize=64)
+    exps = [experiment(f"x{i}").rank(8).obj() for i in range(7)]
+    plan = plan_round(snap(exps, engines, p.obj()), CFG)
+    waiting = {k: w.waiting_reason for k, w in plan.work.items() if w.waiting_reason}
+    return sorted((put.key, put.engine) for put in plan.puts), plan.create_pods, waiting
+
+
+def test_a_multi_rank_engine_holds_what_one_rank_holds() -> None:
+    # One engine reporting its plan (a budget of two slots per rank) and one starting.
+    def engines() -> list[EngineView]:
+        return [_planned("e1"), engine("e2", ready=False)]
+
+    one_rank = _round(1, engines(), 2 * SLOT + SLOT // 2)
+    assert [key for key, _ in one_rank[0]] == ["team-a/x0", "team-a/x1"]
+    for gpus in (2, 8):
+        assert _round(gpus, engines(), 2 * SLOT + SLOT // 2) == one_rank
+
+
+def test_slots_are_one_ranks_not_the_sum_over_ranks() -> None:
+    # No memory budget: an engine with four slots takes four experiments, whatever its
+    # ranks (each rank holds all four), and the rest wait for the engine starting.
+    for gpus in (1, 4):
+        puts, create, waiting = _round(gpus, [_planned("e1"), engine("e2", ready=False)], 0)
+        assert len(puts) == 4 and create == 0
+        assert set(waiting.values()) == {WAIT_STARTING}, waiting
+
+
+def test_the_model_shape_fallback_is_one_replica_against_a_per_rank_budget() -> None:
+    # An engine that reports no plan: each experiment costs the declared shape's estimate
+    # of one adapter (2 layers x rank 8 x (64+64) x 2 modules x 16 bytes = 65,536), the
+    # same on every rank; a per-rank budget of three of them fits three, at any rank count.
+    cost = 2 * 8 * (64 + 64) * 2 * 16
+    spec = Pool.from_obj(pool().gpus(8).model_shape(numLayers=2, hiddenSize=64).obj()).spec
+    assert experiment_memory_bytes(ExperimentSpec(lora=Lora(rank=8)), spec) == cost
+    one_rank = _round(1, [engine("e1")], 3 * cost, shape=True)
+    assert len(one_rank[0]) == 3
+    assert _round(8, [engine("e1")], 3 * cost, shape=True) == one_rank

@@ -184,3 +184,27 @@ async def test_every_write_gets_a_new_resource_version(kube: Kube) -> None:
     assert versions == sorted(set(versions)), versions
     stored = await kube.get(EXPERIMENTS, "v", "team-a")
     assert stored is not None and stored["metadata"]["resourceVersion"] == str(versions[-1])
+
+
+def test_the_kubelet_restarts_containers_as_the_restart_policy_says() -> None:
+    from kubelet import crash_backoff, restarts_after
+
+    def pod(policy: str | None) -> dict[str, Any]:
+        return {"spec": {"restartPolicy": policy} if policy else {}}
+
+    assert restarts_after(pod(None), 0) and restarts_after(pod("Always"), 0)  # the default
+    assert restarts_after(pod("OnFailure"), 1) and restarts_after(pod("OnFailure"), -9)
+    assert not restarts_after(pod("OnFailure"), 0) and not restarts_after(pod("Never"), 1)
+    assert manifests.engine_pod(_POOL, "x")["spec"]["restartPolicy"] == "Always"
+    # The kubelet's back-off: the first restart at once, then 10 s doubling to 300 s.
+    assert [crash_backoff(n) for n in (1, 2, 3, 4, 7, 8)] == [0, 10, 20, 40, 300, 300]
+
+
+_POOL = {
+    "metadata": {"name": "p", "uid": "u"},
+    "spec": {
+        "baseModel": "/m",
+        "template": {"image": "engine"},
+        "tokenSecretRef": {"name": "engine-token"},
+    },
+}

@@ -5,6 +5,7 @@ client: what reaches the status and the Events when engines answer, refuse or va
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -13,9 +14,12 @@ from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
 from loraplex_operator.observation import EngineView, Snapshot
 from loraplex_operator.planning import PREEMPT, SUSPEND, Put, RoundPlan, Unload, Work
+from loraplex_operator.publish import StatusPublisher
 from loraplex_operator.reconcile import PoolReconciler
 from loraplex_operator.resources import Experiment, Pool, parse_time
 from loraplex_operator.status import Binding
+
+NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
 
 class FakeKube:
@@ -328,3 +332,24 @@ async def test_round_exports_the_derived_status_and_drops_deleted_experiments() 
         assert "team-a/a" not in r.publisher.last_write
     finally:
         m.forget_pool("pool-a")
+
+
+async def test_a_round_reading_a_stale_experiment_does_not_undo_a_recoverys_restart() -> None:
+    # Round 1 recovers `a` (restarts 0 -> 1) and binds it to e2. Round 2, woken at once by
+    # the lost engine's Pod turning Failed, still reads the object from before that write
+    # (restarts 0, engine e1) and adopts `a` on e2: its write must keep restarts at 1.
+    stale = experiment("a").status(phase="Running", engine="e1", restarts=0).obj()
+    kube, events = FakeKube(), []
+    config = Config(status_interval=0)
+    pub = StatusPublisher(kube, lambda *e: events.append(e), config)  # type: ignore[arg-type]
+    recovered = Work(Experiment.from_obj(stale), restarts=1, binding=Binding("e2", "node-1"))
+    recovered.engine_status = {"id": "team-a.a", "phase": "Running", "step": 3}
+    await pub.publish(recovered, NOW)
+    adopted = Work.start(Experiment.from_obj(stale))  # the stale read: restarts 0
+    adopted.binding, adopted.engine_status = Binding("e2", "node-1"), {"phase": "Running"}
+    status = await pub.publish(adopted, NOW)
+    assert [p["status"]["restarts"] for _, p in kube.patches] == [1, 1]
+    assert status["restarts"] == 1 and status["engine"] == "e2"
+    # Another object of the same name (a new uid) starts from its own count.
+    fresh = experiment("a").set("metadata.uid", "uid-new").obj()
+    assert (await pub.publish(Work.start(Experiment.from_obj(fresh)), NOW))["restarts"] == 0

@@ -36,6 +36,8 @@ VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
     ("EnginePool", "checkpoint.root", PoolSpec.checkpoint_root),
     ("EnginePool", "tokenSecretRef.key", SecretRef.key),
     ("EnginePool", "allowedTargetModules", list(PoolSpec.allowed_target_modules)),
+    ("EnginePool", "gpusPerEngine", PoolSpec.gpus_per_engine),
+    ("EnginePool", "template.shmSize", PoolSpec.shm_size),
 ]
 
 
@@ -102,6 +104,12 @@ def test_views_read_what_the_object_says() -> None:
     assert Pool.from_obj(sized).spec.capacity.micro_batch_tokens == 8192
     queued = Pool.from_obj(pool().set("spec.queueName", "gpu-team").obj())
     assert queued.spec.queue_name == "gpu-team"
+    assert (p.spec.gpus_per_engine, p.spec.shm_size) == (1, "1Gi")  # one rank, as before
+    ranks = pool().set("spec.gpusPerEngine", 4).set("spec.template.shmSize", "8Gi").obj()
+    assert (Pool.from_obj(ranks).spec.gpus_per_engine, Pool.from_obj(ranks).spec.shm_size) == (
+        4,
+        "8Gi",
+    )
 
 
 def test_a_null_sub_object_reads_as_defaults() -> None:

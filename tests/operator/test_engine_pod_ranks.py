@@ -1,0 +1,130 @@
+"""The engine Pod of a multi-rank pool (`spec.gpusPerEngine`): `--world-size`, one GPU per
+rank on a GPU pool (none on a CPU pool), and a memory-backed /dev/shm for NCCL; a
+one-rank pool's Pod is what it was before the field existed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from builders import pool
+from crdkit import apply_defaults, schema_of
+from loraplex_operator.manifests import (
+    GPU_RESOURCE,
+    SHM_PATH,
+    SHM_VOLUME,
+    engine_args,
+    engine_pod,
+    engine_resources,
+)
+
+K8S_VERSION = "1.33"
+
+
+def _pool(gpus: int | None, resources: dict[str, Any] | None = None, **template: Any) -> Any:
+    p = pool("ranks")
+    if gpus is not None:
+        p = p.gpus(gpus)
+    if resources is not None:
+        template["resources"] = resources
+    return apply_defaults(schema_of("EnginePool"), p.template(**template).obj())
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    (container,) = engine_pod(obj, "a1b2c")["spec"]["containers"]
+    return container
+
+
+def _gpu_limits(n: int) -> dict[str, Any]:
+    return {"limits": {GPU_RESOURCE: n, "memory": "64Gi"}}
+
+
+def test_one_rank_pods_are_unchanged() -> None:
+    for obj in (_pool(None, _gpu_limits(1)), _pool(1, _gpu_limits(1))):
+        pod = engine_pod(obj, "a1b2c")
+        container = pod["spec"]["containers"][0]
+        assert "--world-size" not in container["args"]
+        assert SHM_VOLUME not in {v["name"] for v in pod["spec"]["volumes"]}
+        assert SHM_PATH not in {m["mountPath"] for m in container["volumeMounts"]}
+        assert container["resources"] == _gpu_limits(1)
+
+
+def test_a_gpu_pool_gets_one_gpu_per_rank_the_world_size_and_a_shared_memory_volume() -> None:
+    obj = _pool(4, _gpu_limits(1))
+    pod = engine_pod(obj, "a1b2c")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    container = pod["spec"]["containers"][0]
+    assert container["resources"] == {"limits": {GPU_RESOURCE: 4, "memory": "64Gi"}}
+    args = container["args"]
+    assert args[args.index("--world-size") + 1] == "4"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[SHM_VOLUME] == {
+        "name": SHM_VOLUME,
+        "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"},
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[SHM_PATH] == SHM_VOLUME
+    assert obj["spec"]["template"]["resources"] == _gpu_limits(1)  # the pool is not edited
+
+
+def test_shm_size_sizes_the_volume() -> None:
+    pod = engine_pod(_pool(2, _gpu_limits(2), shmSize="8Gi"), "x")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == SHM_VOLUME]
+    assert shm["emptyDir"]["sizeLimit"] == "8Gi"
+
+
+@pytest.mark.parametrize(
+    ("resources", "want"),
+    [
+        # limits and requests of an extended resource must be equal: both are raised
+        (
+            {"limits": {GPU_RESOURCE: 1}, "requests": {GPU_RESOURCE: 1, "cpu": "8"}},
+            {"limits": {GPU_RESOURCE: 2}, "requests": {GPU_RESOURCE: 2, "cpu": "8"}},
+        ),
+        # requests alone: the limit a GPU needs is added
+        (
+            {"requests": {GPU_RESOURCE: "1"}},
+            {"limits": {GPU_RESOURCE: 2}, "requests": {GPU_RESOURCE: 2}},
+        ),
+        # never lowered: the template may want a GPU more than it has ranks
+        ({"limits": {GPU_RESOURCE: 8}}, {"limits": {GPU_RESOURCE: 8}}),
+    ],
+)  # fmt: skip
+def test_the_gpu_count_is_raised_to_the_rank_count_where_the_template_asks_for_gpus(
+    resources: dict[str, Any], want: dict[str, Any]
+) -> None:
+    obj = _pool(2, resources)
+    assert engine_resources(obj["spec"]) == want
+    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [None, {"limits": {"cpu": "4", "memory": "8Gi"}}, {"limits": {GPU_RESOURCE: 0, "cpu": "4"}}],
+)
+def test_a_cpu_pool_runs_gloo_ranks_and_asks_for_no_gpu(resources: dict[str, Any] | None) -> None:
+    obj = _pool(2, resources)
+    container = _container(obj)
+    assert container.get("resources") == resources  # as written: no GPU appears
+    assert container["args"][container["args"].index("--world-size") + 1] == "2"
+    assert SHM_PATH in {m["mountPath"] for m in container["volumeMounts"]}
+    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+
+
+def test_world_size_comes_before_the_templates_extra_args() -> None:
+    args = engine_args(_pool(2, extraArgs=["--log-level", "debug"])["spec"])
+    assert args[-2:] == ["--log-level", "debug"] and "--world-size" in args[:-2]
+
+
+def test_serve_reads_the_world_size_back() -> None:
+    import argparse
+
+    from loraplex_engine.serve_flags import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for gpus in (1, 2, 8):
+        args = engine_args(_pool(gpus, _gpu_limits(1))["spec"])
+        assert parser.parse_args(args[1:]).world_size == gpus  # `serve`'s own parser
