@@ -139,7 +139,7 @@ def _stand_in_backend(poison: set[str], log: list[str]):
         log.append("start")
         return _StandInWorker(poison, log)
 
-    return VLLMRolloutBackend("unused", lambda exp_id, path: None, {}, start=start)
+    return VLLMRolloutBackend("unused", lambda exp_id, dtype: ({}, {}), {}, start=start)
 
 
 def test_requests_that_kill_the_worker_fail_their_experiment_alone() -> None:
