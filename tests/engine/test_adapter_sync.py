@@ -28,8 +28,10 @@ class _Worker:
     """Answers the adapter calls like VLLMRollout; ``tensors``: whether its vLLM takes
     tensors (``refuse``: adapters whose every update vLLM refuses)."""
 
-    def __init__(self, log: list[str], tensors: bool, refuse: set[str]) -> None:
-        self.log, self.refuse, self.alive = log, refuse, True
+    def __init__(
+        self, log: list[str], tensors: bool, refuse: set[str], die: set[str] = frozenset()
+    ) -> None:
+        self.log, self.refuse, self.die, self.alive = log, refuse, die, True
         self.info = {"device": "cuda", "lora_dtype": "bfloat16", "tensor_sync": True}
         self._tensors = tensors
 
@@ -51,6 +53,9 @@ class _Worker:
             )
         if name in self.refuse:
             raise VLLMWorkerError("update_adapter_tensors failed: ValueError: bad adapter")
+        if name in self.die:
+            self.alive = False
+            raise VLLMWorkerError("vLLM worker exited with -9 during 'update_adapter_tensors'")
         assert config == CONFIG
         self.log.append(f"tensors {name} {tensors['w'].dtype}")
         return {"seconds": 0.0, "bytes": 8.0}
@@ -59,16 +64,24 @@ class _Worker:
         self.alive = False
 
 
-def _backend(log: list[str], *, tensors: bool = True, refuse: frozenset[str] = frozenset()):
+def _backend(
+    log: list[str],
+    *,
+    tensors: bool = True,
+    refuse: frozenset[str] = frozenset(),
+    die: frozenset[str] = frozenset(),
+):
     asked: list[torch.dtype] = []
 
     def export(exp_id: str, dtype: torch.dtype):
         asked.append(dtype)
         return dict(CONFIG), {"w": torch.ones(2, 2).to(dtype)}
 
-    worker = _Worker(log, tensors, set(refuse))
-    backend = VLLMRolloutBackend("unused", export, {}, start=lambda: worker)
-    return backend, asked
+    def start() -> _Worker:  # only the first worker dies
+        log.append("start")
+        return _Worker(log, tensors, set(refuse), set(die) if log.count("start") == 1 else set())
+
+    return VLLMRolloutBackend("unused", export, {}, start=start), asked
 
 
 def test_trained_adapters_go_in_memory_in_vllms_lora_dtype() -> None:
@@ -78,8 +91,8 @@ def test_trained_adapters_go_in_memory_in_vllms_lora_dtype() -> None:
         backend.add_adapter(name)
     assert backend.transport == "tensors"
     result = backend.sync_adapters(["a", "c"])  # b was not trained: not sent
-    assert log[3:] == ["tensors a torch.bfloat16", "tensors c torch.bfloat16"]
-    assert log[:3] == [f"load {n} torch.bfloat16" for n in "abc"]  # first loads: files
+    assert log[4:] == ["tensors a torch.bfloat16", "tensors c torch.bfloat16"]
+    assert log[1:4] == [f"load {n} torch.bfloat16" for n in "abc"]  # first loads: files
     assert set(asked) == {torch.bfloat16}
     assert result.refused == {}
     sync = result.sync
@@ -97,7 +110,7 @@ def test_a_vllm_that_takes_no_tensors_gets_files_from_then_on() -> None:
     assert first.refused == {} and first.sync is not None and first.sync.transport == "files"
     assert backend.transport == "files"
     assert backend.sync_adapters(["a"]).sync.transport == "files"  # type: ignore[union-attr]
-    assert log[1:] == ["files a", "files a"]
+    assert log[2:] == ["files a", "files a"]
 
 
 def test_an_adapter_vllm_refuses_fails_alone_and_keeps_the_transport() -> None:
@@ -109,7 +122,20 @@ def test_an_adapter_vllm_refuses_fails_alone_and_keeps_the_transport() -> None:
     assert result.refused == {"bad": "update_adapter_tensors failed: ValueError: bad adapter"}
     assert backend.transport == "tensors"  # a bad adapter is no reason to leave memory
     assert result.sync is not None and result.sync.adapters == 1
-    assert log[2:] == ["tensors good torch.bfloat16"]
+    assert log[3:] == ["tensors good torch.bfloat16"]
+
+
+def test_a_worker_that_dies_in_the_sync_is_restarted_with_every_adapter() -> None:
+    log: list[str] = []
+    backend, _ = _backend(log, die=frozenset({"a"}))
+    backend.add_adapter("a")
+    backend.add_adapter("b")
+    result = backend.sync_adapters(["a", "b"])
+    assert result.refused == {} and backend.restarts == 1
+    # the restart's loads are the sync: both adapters at their current weights, as files
+    assert log[3:] == ["start", "load a torch.bfloat16", "load b torch.bfloat16"]
+    assert result.sync is not None
+    assert (result.sync.adapters, result.sync.transport, result.sync.bytes) == (2, "files", 16)
 
 
 # ---- where a tick's sync is reported ---------------------------------------------------

@@ -262,8 +262,8 @@ class VLLMRolloutBackend:
                     refused[exp_id] = _one_line(e)
                     continue
                 # A restart loads every adapter at its current weights: that is the sync.
-                self._restart(_one_line(e))
-                sent, files = len(self._adapters), len(self._adapters)
+                nbytes = self._restart(_one_line(e))
+                sent = files = len(self._adapters)
                 break
             sent, nbytes, files = sent + 1, nbytes + size, files + (via == "files")
         seconds = time.perf_counter() - start
