@@ -15,10 +15,11 @@ Adapters are loaded from PEFT directories (``adapter_config.json`` +
 ``adapter_model.safetensors``), the engine's checkpoint format. After each optimiser step
 one adapter's new weights replace the old in its vLLM slot (``LoRARequest`` with
 ``load_inplace=True``); the base model is never reloaded. Two ways: from memory
-(``update_adapter_tensors``: the tensors cross the pipe as one safetensors frame after
-the JSON header and the worker builds the adapter from them, vllm_tensor_sync.py; nothing
-is written), or from a directory (``update_adapter``; vLLM reads the files during the
-call, so the caller may overwrite or delete it once it returns). ``weight_sync="auto"``
+(``update_adapter_tensors``: the tensors go as one safetensors blob in shared memory, or
+as a frame on the pipe after the JSON header, and the worker builds the adapter from
+them, vllm_tensor_sync.py; no PEFT directory, no disk), or from a directory
+(``update_adapter``; vLLM reads the files during the call, so the caller may overwrite or
+delete it once it returns). ``weight_sync="auto"``
 (default) allows the first where the worker supports it; ``"files"`` never uses it.
 """
 
@@ -29,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
 
 WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
 WEIGHT_SYNC_MODES = ("auto", "files")
+# Shared memory for the in-memory sync (a tmpfs: RAM, never a disk).
+SHM_DIR = Path("/dev/shm")
 # Forces the weight sync where no option reaches the backend (``loraplex-engine run``).
 WEIGHT_SYNC_ENV = "LORAPLEX_VLLM_WEIGHT_SYNC"
 
@@ -68,6 +72,24 @@ class RequestError:
 
     def __str__(self) -> str:
         return f"{self.type}: {self.message}"
+
+
+def _shm_segment(tensors: Mapping[str, torch.Tensor]) -> Path | None:
+    """``tensors`` as a safetensors file in shared memory (``/dev/shm``), or None where
+    there is none or no room for them."""
+    if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return None
+    from safetensors.torch import save_file
+
+    fd, name = tempfile.mkstemp(prefix="loraplex-sync-", suffix=".safetensors", dir=SHM_DIR)
+    os.close(fd)
+    path = Path(name)
+    try:
+        save_file(dict(tensors), path)
+    except (OSError, RuntimeError):  # ENOSPC (safetensors raises it as an I/O error)
+        path.unlink(missing_ok=True)
+        return None
+    return path
 
 
 def default_vllm_python() -> str:
@@ -229,19 +251,34 @@ class VLLMRollout:
 
     def update_adapter_tensors(
         self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
-    ) -> dict[str, float]:
+    ) -> dict[str, Any]:
         """The same sync as :meth:`update_adapter` from memory: ``config`` is the PEFT
         ``adapter_config.json`` as a dict, ``tensors`` the weights under PEFT's key names
-        (CPU, in the dtype to send: vLLM casts them to its LoRA dtype). They cross the
-        pipe as one safetensors frame; nothing touches a disk. Raises
-        :class:`VLLMWorkerError` naming ``TensorSyncUnavailable`` where the worker cannot
-        take tensors (then send a directory). Returns the worker's ``seconds`` and the
-        ``bytes`` sent."""
-        from safetensors.torch import save
+        (CPU, in the dtype to send: vLLM casts them to its LoRA dtype). They go as one
+        safetensors blob in a shared-memory segment (a file under ``/dev/shm``, which the
+        worker unlinks as soon as it has read it), or, where there is no room there (a
+        pod's /dev/shm is 64 MiB unless mounted bigger), as a frame on the worker's pipe;
+        no disk either way. Raises :class:`VLLMWorkerError` naming
+        ``TensorSyncUnavailable`` where the worker cannot take tensors (then send a
+        directory). Returns the worker's ``seconds``, the ``bytes`` sent and ``via``
+        ("shm" or "pipe")."""
+        kwargs = {"name": name, "config": dict(config)}
+        segment = _shm_segment(tensors)
+        try:
+            if segment is not None:
+                size = segment.stat().st_size
+                reply = self._call("update_adapter_tensors", shm=str(segment), **kwargs)
+            else:
+                from safetensors.torch import save
 
-        payload = save(dict(tensors))
-        reply = self._call("update_adapter_tensors", frame=payload, name=name, config=dict(config))
-        return {"seconds": float(reply["seconds"]), "bytes": float(len(payload))}
+                payload = save(dict(tensors))
+                size = len(payload)
+                reply = self._call("update_adapter_tensors", frame=payload, **kwargs)
+        finally:
+            if segment is not None:  # the worker unlinked it, unless it died first
+                segment.unlink(missing_ok=True)
+        via = "shm" if segment is not None else "pipe"
+        return {"seconds": float(reply["seconds"]), "bytes": size, "via": via}
 
     def sleep(self) -> float:
         """Give the GPU back (sleep level 1: weights to host memory, KV cache dropped);

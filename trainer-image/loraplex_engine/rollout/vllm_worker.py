@@ -256,23 +256,27 @@ class Worker:
         return {"seconds": time.perf_counter() - t0, "version": entry[1]}
 
     def update_adapter_tensors(
-        self, name: str, config: dict[str, Any], payload: bytes
+        self,
+        name: str,
+        config: dict[str, Any],
+        payload: bytes | None = None,
+        shm: str | None = None,
     ) -> dict[str, Any]:
-        """Adapter-only weight sync from memory: ``payload`` holds the adapter's tensors
-        (safetensors bytes), ``config`` its ``adapter_config.json``; nothing is written.
+        """Adapter-only weight sync from memory: the adapter's tensors as safetensors, in
+        the shared-memory file ``shm`` (unlinked here as soon as it is read) or as the
+        frame ``payload``; ``config`` is its ``adapter_config.json``; nothing is written.
         The new version replaces the old in its slot exactly as a directory update does
         (``load_inplace``); only the loader differs (vllm_tensor_sync.py). Raises
         ``TensorSyncUnavailable`` where the tensors cannot reach vLLM's loader: the
         caller then sends a directory."""
+        t0 = time.perf_counter()
+        tensors = _read_tensors(payload, shm)  # first: the segment goes whatever happens
         if not self.tensor_sync:
             raise TensorSyncUnavailable(f"tensor sync is off: {self.tensor_sync_why}")
         if name not in self.adapters or name == BASE_ADAPTER:
             raise KeyError(f"adapter {name!r} is not loaded")
         import vllm_tensor_sync as sync
-        from safetensors.torch import load
 
-        t0 = time.perf_counter()
-        tensors = load(payload)
         entry = self.adapters[name]
         old = list(entry)
         entry[1] += 1
@@ -434,6 +438,20 @@ class Worker:
             "maxrss_mb": _maxrss_mb(),
             "cpu_head_sizes": _cpu_head_sizes(),
         }
+
+
+def _read_tensors(payload: bytes | None, shm: str | None) -> dict[str, Any]:
+    """Tensors sent as safetensors: a shared-memory file (unlinked once read) or bytes."""
+    from safetensors.torch import load, load_file
+
+    if shm is None:
+        if payload is None:
+            raise ValueError("update_adapter_tensors needs a frame or a shm segment")
+        return load(payload)
+    try:
+        return load_file(shm)
+    finally:
+        Path(shm).unlink(missing_ok=True)
 
 
 class TensorSyncUnavailable(RuntimeError):
