@@ -191,3 +191,23 @@ def test_the_sync_histogram_observes_ticks_that_sent_adapters() -> None:
     assert 'loraplex_engine_adapter_sync_seconds_count{transport="tensors"} 2.0' in text
     assert 'loraplex_engine_adapter_sync_seconds_sum{transport="tensors"} 0.006' in text
     assert 'loraplex_engine_adapter_sync_seconds_count{transport="files"} 0.0' in text
+
+
+def test_the_shared_memory_segment_holds_the_tensors_or_is_not_made(monkeypatch) -> None:
+    from loraplex_engine.rollout import vllm_backend
+
+    if not vllm_backend.SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm here: the pipe frame is the only in-memory way")
+    tensors = {"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(4)}
+    path = vllm_backend._shm_segment(tensors)
+    assert path is not None and path.parent == vllm_backend.SHM_DIR
+    try:
+        back = load_file(path)
+        assert back.keys() == tensors.keys()
+        assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    finally:
+        path.unlink()
+    free = set(vllm_backend.SHM_DIR.glob("loraplex-sync-*"))
+    monkeypatch.setattr(vllm_backend, "SHM_MARGIN_BYTES", 1 << 60)  # a full /dev/shm
+    assert vllm_backend._shm_segment(tensors) is None  # then the pipe frame
+    assert set(vllm_backend.SHM_DIR.glob("loraplex-sync-*")) == free  # nothing left

@@ -46,6 +46,7 @@ WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
 WEIGHT_SYNC_MODES = ("auto", "files")
 # Shared memory for the in-memory sync (a tmpfs: RAM, never a disk).
 SHM_DIR = Path("/dev/shm")
+SHM_MARGIN_BYTES = 8 << 20  # left free there: others share it (NCCL, torch workers)
 # Forces the weight sync where no option reaches the backend (``loraplex-engine run``).
 WEIGHT_SYNC_ENV = "LORAPLEX_VLLM_WEIGHT_SYNC"
 
@@ -77,7 +78,11 @@ class RequestError:
 def _shm_segment(tensors: Mapping[str, torch.Tensor]) -> Path | None:
     """``tensors`` as a safetensors file in shared memory (``/dev/shm``), or None where
     there is none or no room for them."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
     if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return None
+    room = os.statvfs(SHM_DIR)
+    if room.f_bavail * room.f_frsize < data + SHM_MARGIN_BYTES:
         return None
     from safetensors.torch import save_file
 
@@ -86,7 +91,11 @@ def _shm_segment(tensors: Mapping[str, torch.Tensor]) -> Path | None:
     path = Path(name)
     try:
         save_file(dict(tensors), path)
-    except (OSError, RuntimeError):  # ENOSPC (safetensors raises it as an I/O error)
+        # safetensors does not always report a short write (a full tmpfs): check.
+        written = path.stat().st_size >= data + 8
+    except Exception:  # OSError, or safetensors' own error for the same
+        written = False
+    if not written:
         path.unlink(missing_ok=True)
         return None
     return path
