@@ -8,6 +8,7 @@ reported log-probability must equal peft's log-softmax.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -171,6 +172,58 @@ def test_update_adapter_is_adapter_only_and_not_stale(
     assert rollout.adapters["a"] == 2
     # Back to the original weights for the other tests.
     rollout.update_adapter("a", adapters["a"])
+
+
+def _peft_weights(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    return config, load_file(adapter_dir / "adapter_model.safetensors")
+
+
+def test_update_from_tensors_equals_the_directory_update_and_peft(
+    rollout, tiny_vllm_dir, adapters, monkeypatch, tmp_path
+) -> None:
+    """The in-memory sync (tensors through shared memory or the pipe, no directory)
+    gives vLLM exactly the weights a directory update does: same tokens, same log-probs,
+    peft's."""
+    from loraplex_engine.rollout import vllm_backend
+
+    assert rollout.info["tensor_sync"], rollout.info["tensor_sync_why"]
+    requests = [("a", p) for p in PROMPTS] + [(None, PROMPTS[0]), ("b", PROMPTS[0])]
+    original = _greedy(rollout, requests)
+    rollout.update_adapter("a", adapters["d"])
+    by_files = _greedy(rollout, requests)
+    rollout.update_adapter("a", adapters["a"])
+    updates = rollout.counters()["tensor_updates"]
+    reply = rollout.update_adapter_tensors("a", *_peft_weights(adapters["d"]))
+    assert rollout.counters()["tensor_updates"] == updates + 1  # the tensor loader built it
+    assert reply["bytes"] > 0 and reply["seconds"] < 5
+    assert reply["via"] == ("shm" if vllm_backend.SHM_DIR.is_dir() else "pipe")
+    assert not list(vllm_backend.SHM_DIR.glob("loraplex-sync-*"))  # unlinked once read
+    by_tensors = _greedy(rollout, requests)
+    assert [c.token_ids for c in by_tensors] == [c.token_ids for c in by_files]
+    assert [c.logprobs for c in by_tensors] == [c.logprobs for c in by_files]
+    assert [c.token_ids for c in by_tensors[:3]] != [c.token_ids for c in original[:3]]
+    for (_, prompt), comp in zip(requests[:3], by_tensors[:3], strict=True):
+        _assert_matches_hf(tiny_vllm_dir, adapters["d"], prompt, comp)
+    assert by_tensors[3:] == original[3:]  # base and the other adapter untouched
+    # Tensors again, as a frame on the pipe (a third version; the second's are released),
+    # then a directory: each replaces the one before.
+    monkeypatch.setattr(vllm_backend, "SHM_DIR", tmp_path / "no-shm")  # the pipe, then
+    assert rollout.update_adapter_tensors("a", *_peft_weights(adapters["c"]))["via"] == "pipe"
+    monkeypatch.undo()
+    _assert_matches_hf(tiny_vllm_dir, adapters["c"], PROMPTS[1], _greedy(rollout, requests)[1])
+    rollout.update_adapter("a", adapters["a"])
+    assert _greedy(rollout, requests) == original
+    from loraplex_engine.errors import VLLMWorkerError
+
+    with pytest.raises(VLLMWorkerError, match="not loaded"):
+        rollout.update_adapter_tensors("nope", *_peft_weights(adapters["d"]))
+    config, tensors = _peft_weights(adapters["d"])
+    with pytest.raises(VLLMWorkerError, match="max_lora_rank"):
+        rollout.update_adapter_tensors("a", {**config, "r": 64}, tensors)
+    assert _greedy(rollout, requests) == original  # a refused version changes nothing
 
 
 def test_sampling_is_seeded_and_reports_logprobs(rollout) -> None:

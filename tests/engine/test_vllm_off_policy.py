@@ -1,6 +1,7 @@
 """`loraplex-engine run --rollout-backend vllm --dtype bfloat16` on the demo's tasks with
 TIS on: vLLM samples, the trainer recomputes the old log-probs, the loss reweights by
-the truncated ratio, rewards rise, and the sampler-trainer gap is reported every step.
+the truncated ratio, rewards rise, the sampler-trainer gap is reported every step, and
+each tick's trained adapters reach vLLM in memory with the sync's seconds reported.
 
 One real run (the installed console command, real vLLM from .venv-vllm): the worker's
 start alone is 80-190 s on 2 shared cores, so this is the only such test. Skipped when
@@ -75,6 +76,17 @@ def test_demo_trains_with_tis_on_vllm_rollouts(tiny_model_dir: Path, tmp_path: P
         )
         # progress lines carry the gap too
         assert re.search(rf"{name}\s+Succeeded\s+step\s+{STEPS}/{STEPS}.*gap \d", r.stdout)
+    # Every trained step's adapter, and no other, reached vLLM in memory, measured per tick.
+    sync = summary["adapter_sync"]
+    assert sync["transports"] == ["tensors"], sync
+    assert sum(sync["adapters_per_tick"]) == len(summary["experiments"]) * STEPS
+    assert all(0.0 < s < 5.0 for s in sync["seconds_per_tick"])
+    assert re.search(r"adapter sync [\d.]+ ms/tick: \d+ adapters, [\d.]+ MB as tensors", r.stdout)
+    record_measurement(
+        "vllm_adapter_sync_ms",
+        1000 * sync["seconds_mean"],
+        f"mean over {sync['ticks']} ticks, in memory, 4 adapters of the demo",
+    )
     # Measured here: say-yes and say-sum at 1.0 by step 16, say-no 0.56 and copy-abc 0.33
     # at step 20, all from ~0.01.
     assert sum(rises) / len(rises) > 0.3, summary["experiments"]

@@ -139,7 +139,7 @@ def _stand_in_backend(poison: set[str], log: list[str]):
         log.append("start")
         return _StandInWorker(poison, log)
 
-    return VLLMRolloutBackend("unused", lambda exp_id, path: None, {}, start=start)
+    return VLLMRolloutBackend("unused", lambda exp_id, dtype: ({}, {}), {}, start=start)
 
 
 def test_requests_that_kill_the_worker_fail_their_experiment_alone() -> None:
@@ -287,3 +287,72 @@ def test_a_dead_worker_is_restarted_with_its_adapters_and_training_goes_on(eng) 
     assert "default.phoenix" in backend.worker.adapters  # re-loaded into the new worker
     assert eng.get_experiment("default.phoenix").phase == "Succeeded"
     eng.remove_experiment("default.phoenix")
+
+
+def _peft_logprobs(base_dir: Path, adapter_dir: Path | None, prompt, tokens) -> torch.Tensor:
+    """transformers (+ peft), teacher-forced on ``tokens``: each one's log-prob."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return logits.float().log_softmax(-1)[torch.arange(len(tokens)), tokens]
+
+
+def test_only_trained_adapters_sync_in_memory_and_vllm_samples_the_new_weights(
+    eng, tiny_vllm_dir, tmp_path
+) -> None:
+    """Each tick sends the adapters it trained, and only those, in memory; vLLM then
+    samples with exactly the trainer's new weights (peft on them gives its log-probs),
+    not the old ones. Each sync is measured in the tick report, the status and /metrics."""
+    from loraplex_engine import checkpoint as ckpt
+    from loraplex_engine.metrics import EngineMetrics
+
+    backend = eng.backend
+    assert backend.transport == "tensors", backend.worker_info["tensor_sync_why"]
+    ids = ["default.sync-short", "default.sync-long"]
+    eng.put_experiment(ids[0], spec(steps=1, lora=LORA), "default", "sync-short")
+    eng.put_experiment(ids[1], spec(steps=3, seed=1, lora=LORA), "default", "sync-long")
+    prompt = [1, 5, 6, 7]
+
+    def sample(exp_id: str):
+        [[c]] = backend.worker.generate(
+            [(exp_id, prompt)], max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True
+        )
+        return c
+
+    initial = sample(ids[1])
+    built = backend.worker.counters()["tensor_updates"]
+    updates = backend.worker.adapters
+    metrics, syncs = EngineMetrics(), []
+    for _ in range(3):
+        report = eng.tick()
+        assert report is not None and all(t.failed_reason is None for t in report.experiments)
+        metrics.observe_tick(report)
+        syncs.append(report.adapter_sync)
+    # tick 1 trains both, ticks 2-3 only the longer one: the finished adapter is not sent
+    assert [s.adapters for s in syncs] == [2, 1, 1]
+    assert {s.transport for s in syncs} == {"tensors"}
+    assert syncs[0].bytes == 2 * syncs[1].bytes > 0  # same rank and targets
+    assert all(0 < s.seconds < 5 for s in syncs)
+    assert backend.worker.counters()["tensor_updates"] - built == 4
+    after = backend.worker.adapters
+    assert [after[i] - updates[i] for i in ids] == [1, 3]  # versions vLLM received
+    status = eng.capacity().adapter_sync
+    assert status is not None and status.syncs >= 3 and status.last == syncs[-1]
+    scrape = metrics.render().decode()
+    assert 'loraplex_engine_adapter_sync_seconds_count{transport="tensors"} 3.0' in scrape
+    # vLLM samples with the trained weights: peft on them, teacher-forced on vLLM's
+    # tokens, gives vLLM's log-probs; the untrained weights (B = 0: the base) do not.
+    ckpt.save_adapter(eng.model, ids[1], tmp_path / "trained")
+    now = sample(ids[1])
+    trained = _peft_logprobs(tiny_vllm_dir, tmp_path / "trained", prompt, now.token_ids)
+    torch.testing.assert_close(torch.tensor(now.logprobs), trained, atol=2e-4, rtol=0)
+    base = _peft_logprobs(tiny_vllm_dir, None, prompt, now.token_ids)
+    assert (trained - base).abs().max() > 1e-2
+    assert (now.token_ids, now.logprobs) != (initial.token_ids, initial.logprobs)
+    for exp_id in ids:
+        eng.remove_experiment(exp_id)

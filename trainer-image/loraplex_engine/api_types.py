@@ -136,6 +136,38 @@ class MemoryPlan(WireModel):
         return self.base_bytes + self.slot_bytes * self.slots
 
 
+# How adapter weights reached the rollout backend in a tick (rollout/backends.py): in memory
+# ("tensors"), or as PEFT directories ("files": where the vLLM worker takes no tensors, and
+# for the adapters a restarted worker re-loads).
+SYNC_TRANSPORTS = ("tensors", "files")
+
+
+class AdapterSync(WireModel):
+    """One tick's weight sync: the adapters trained in it, pushed to the sampler (vLLM)."""
+
+    seconds: float  # wall time: export, transfer and vLLM's load of every adapter sent
+    adapters: int  # adapters sent: those trained this tick (the others did not change)
+    bytes: int  # tensor bytes sent
+    transport: str  # SYNC_TRANSPORTS entry; "files" if any adapter went as a directory
+
+
+class AdapterSyncStats(WireModel):
+    """The engine's weight syncs since start (``Capacity.adapter_sync``)."""
+
+    syncs: int = 0
+    seconds_total: float = 0.0
+    adapters_total: int = 0
+    bytes_total: int = 0
+    last: AdapterSync | None = None
+
+    def record(self, sync: AdapterSync) -> None:
+        self.syncs += 1
+        self.seconds_total += sync.seconds
+        self.adapters_total += sync.adapters
+        self.bytes_total += sync.bytes
+        self.last = sync
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -148,6 +180,8 @@ class Capacity(WireModel):
     memory: MemoryUse
     model_shape: ModelShape | None = None
     plan: MemoryPlan | None = None
+    # Weight syncs to the rollout backend so far; None where it has no copy to sync (torch).
+    adapter_sync: AdapterSyncStats | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -175,6 +209,7 @@ class TickReport:
     seconds: float
     phase_seconds: dict[str, float]  # per TICK_PHASES entry
     experiments: list[ExperimentTick] = field(default_factory=list)
+    adapter_sync: AdapterSync | None = None  # None: no adapter weights crossed this tick
 
 
 class EngineService(Protocol):

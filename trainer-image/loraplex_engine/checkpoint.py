@@ -111,12 +111,23 @@ def save_adapter(
     base_model_name_or_path: str | None = None,
 ) -> Path:
     """Write adapter ``name`` as a standard PEFT LoRA directory."""
-    cfg = model.config_of(name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    config = peft_config(model, name, base_model_name_or_path)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.contiguous().cpu() for k, v in model.adapter_state_dict(name).items()}
+    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return out
+
+
+def peft_config(
+    model: MultiLoRAModel, name: str, base_model_name_or_path: str | None = None
+) -> dict[str, Any]:
+    """Adapter ``name``'s ``adapter_config.json``, as a dict."""
+    cfg = model.config_of(name)
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model.base_model.config, "_name_or_path", None)
-    config = {
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -128,10 +139,20 @@ def save_adapter(
         "inference_mode": True,
         **_UNSUPPORTED,
     }
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tensors = {k: v.contiguous().cpu() for k, v in model.adapter_state_dict(name).items()}
-    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    return out
+
+
+def peft_tensors(
+    model: MultiLoRAModel, name: str, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Adapter ``name``'s weights under PEFT's key names, on the CPU, in ``dtype``
+    (default: as trained). Cast on the device first, so a GPU copies out only the bytes
+    of ``dtype``. Where no copy is needed (CPU, same dtype) these are views of the live
+    weights: serialise them before the next optimiser step."""
+    with torch.no_grad():
+        return {
+            k: v.to(dtype or v.dtype).contiguous().cpu()
+            for k, v in model.adapter_views(name).items()
+        }
 
 
 def read_adapter_config(path: str | Path) -> LoRAConfig:

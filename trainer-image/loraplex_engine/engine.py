@@ -28,6 +28,7 @@ from loraplex_engine.api_types import (
     DEFAULT_REWARD_DEADLINE_S,
     DEFAULT_ROLLOUT_KV_TOKENS,
     MAX_NEW_TOKENS,
+    AdapterSyncStats,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
@@ -202,6 +203,8 @@ class Engine:
         ):  # every rank decodes a share of each rollout
             self.backend.distribute = self.strategy.rollout
             self.strategy.decode = self.backend.generate_local
+        # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
+        self.adapter_sync = None if rollout_backend == "torch" else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
         self.memory_plan = self._plan_memory(
             micro_batch_tokens, rollout_kv_tokens, device_memory, memory_headroom
@@ -303,7 +306,10 @@ class Engine:
             raise UsageError(f"vLLM: {e}") from e
         return VLLMRolloutBackend(
             self.model_dir,
-            lambda exp_id, path: ckpt.save_adapter(self.model, exp_id, path, str(self.model_dir)),
+            lambda exp_id, dtype: (
+                ckpt.peft_config(self.model, exp_id, str(self.model_dir)),
+                ckpt.peft_tensors(self.model, exp_id, dtype),
+            ),
             args,
             ignore_eos=self.ignore_eos,
             eos_ids=self.codec.eos_ids,
@@ -383,6 +389,7 @@ class Engine:
     def capacity(self) -> Capacity:
         with self._state_lock:
             ids = sorted(self._experiments)
+            sync = None if self.adapter_sync is None else self.adapter_sync.model_copy()
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         return Capacity(
             model=self.model_name,
@@ -398,6 +405,7 @@ class Engine:
             ),
             model_shape=model_shape_of(self.model.base_model.config),
             plan=self.memory_plan,
+            adapter_sync=sync,
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
@@ -526,7 +534,7 @@ class Engine:
                     self.work_available.clear()
                     return None
             try:
-                return self._tick.run(running, jobs)
+                report = self._tick.run(running, jobs)
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
@@ -534,6 +542,10 @@ class Engine:
                     jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}")
                 )
                 raise
+            if report.adapter_sync is not None and self.adapter_sync is not None:
+                with self._state_lock:  # capacity() reads it from request threads
+                    self.adapter_sync.record(report.adapter_sync)
+            return report
 
     # ---- loading ----------------------------------------------------------------------
 

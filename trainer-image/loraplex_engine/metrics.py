@@ -26,6 +26,7 @@ from prometheus_client import (
 
 from loraplex_engine.api_types import (
     FAILURE_REASONS,
+    SYNC_TRANSPORTS,
     TICK_PHASES,
     Capacity,
     ExperimentStatus,
@@ -34,6 +35,9 @@ from loraplex_engine.api_types import (
 
 # A tiny model on CPU ticks in milliseconds; a real model on a GPU in seconds to minutes.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# An in-memory sync of a tiny adapter takes a millisecond; a 7B model's adapters at rank 64
+# on every linear (~160 MB each in bf16) seconds.
+SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
 # The failure kinds a tick reports (tick.py `Failure.kind`); exported at 0 from the start so
@@ -96,6 +100,15 @@ class EngineMetrics:
             buckets=TICK_BUCKETS,
             registry=r,
         )
+        # Only where the sampler holds its own copy of the adapters (vLLM): one observation
+        # per tick that sent any; the torch rollout's series stay at 0.
+        self.adapter_sync_seconds = Histogram(
+            "loraplex_engine_adapter_sync_seconds",
+            "Sending one tick's trained adapters to the sampler, by how they went.",
+            ["transport"],
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
         self.busy_ratio = Gauge(
             "loraplex_engine_busy_ratio",
             "Share of wall time spent in ticks (last minute).",
@@ -110,6 +123,8 @@ class EngineMetrics:
             self.phase_seconds.labels(phase=phase)
         for kind in ("rss", "device"):
             self.memory.labels(kind=kind)
+        for transport in SYNC_TRANSPORTS:
+            self.adapter_sync_seconds.labels(transport=transport)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
 
@@ -191,6 +206,11 @@ class EngineMetrics:
             self.tick_seconds.observe(max(report.seconds, 0.0))
             for phase, seconds in report.phase_seconds.items():
                 self.phase_seconds.labels(phase=phase).observe(max(seconds, 0.0))
+            sync = report.adapter_sync
+            if sync is not None:
+                self.adapter_sync_seconds.labels(transport=sync.transport).observe(
+                    max(sync.seconds, 0.0)
+                )
             self._ticks.append((now, max(report.seconds, 0.0)))
             self._trim_locked(now)
             for t in report.experiments:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from loraplex_engine.api_types import EngineService, ExperimentStatus, TickReport
+from loraplex_engine.api_types import AdapterSync, EngineService, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from loraplex_engine.data_parallel import DataParallelTraining, check_train_mode
@@ -42,6 +42,8 @@ class Progress:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # Per step, the off-policy gap (api_types.ExperimentTick.logprob_gap); vLLM only.
     logprob_gaps: dict[str, list[float]] = field(default_factory=dict)
+    # Per tick that sent adapters to the sampler (vLLM), its weight sync.
+    syncs: list[AdapterSync] = field(default_factory=list)
 
     def record(self, report: TickReport) -> None:
         for exp in report.experiments:
@@ -52,6 +54,32 @@ class Progress:
             self.tokens[exp.id] = self.tokens.get(exp.id, 0) + exp.rollout_tokens
         for phase, seconds in report.phase_seconds.items():
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+        if report.adapter_sync is not None:
+            self.syncs.append(report.adapter_sync)
+
+    def sync_summary(self) -> dict[str, Any] | None:
+        """summary.json's ``adapter_sync``: per tick that sent adapters, its seconds,
+        adapters, bytes and transport, and their totals; None where nothing was synced."""
+        if not self.syncs:
+            return None
+        seconds = [s.seconds for s in self.syncs]
+        return {
+            "transports": sorted({s.transport for s in self.syncs}),
+            "ticks": len(seconds),
+            "seconds_total": sum(seconds),
+            "seconds_mean": sum(seconds) / len(seconds),
+            "seconds_per_tick": seconds,
+            "adapters_per_tick": [s.adapters for s in self.syncs],
+            "bytes_total": sum(s.bytes for s in self.syncs),
+        }
+
+
+def sync_line(sync: AdapterSync) -> str:
+    """The latest tick's weight sync, for the progress output."""
+    return (
+        f"  adapter sync {sync.seconds * 1000:.1f} ms/tick: {sync.adapters} adapters, "
+        f"{sync.bytes / 1e6:.2f} MB as {sync.transport}"
+    )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -92,7 +120,8 @@ def run_until_done(
         if done or now - last_print >= print_every_s:
             last_print = now
             elapsed = max(now - start, 1e-9)
-            out.write(f"[{elapsed:7.1f}s]\n")
+            sync = progress.syncs[-1] if progress.syncs else None
+            out.write(f"[{elapsed:7.1f}s]{sync_line(sync) if sync else ''}\n")
             for s in statuses:
                 out.write(progress_line(s, progress.tokens.get(s.id, 0) / elapsed) + "\n")
             out.flush()
@@ -143,7 +172,8 @@ def write_summary(
     ``logprob_gaps`` curve (per step, the mean |sampler − trainer| log-prob gap; empty
     where the trainer samples itself) and ``error``. A failed experiment has
     ``adapter_path`` null unless it checkpointed before failing, and null
-    ``reward_first``/``reward_last`` if it never finished a step.
+    ``reward_first``/``reward_last`` if it never finished a step. With the vLLM rollout,
+    ``adapter_sync`` measures each tick's weight sync (``Progress.sync_summary``).
     """
     experiments = []
     for exp_id in ids:
@@ -169,6 +199,9 @@ def write_summary(
         "phase_seconds": progress.phase_seconds,
         "experiments": experiments,
     }
+    sync = progress.sync_summary()
+    if sync is not None:  # vLLM: how the trained adapters reached it, tick by tick
+        summary["adapter_sync"] = sync
     # allow_nan=False: fail here rather than write a file JSON parsers reject.
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary

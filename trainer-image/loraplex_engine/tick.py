@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import torch
 
-from loraplex_engine.api_types import TICK_PHASES, ExperimentTick, TickReport
+from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
@@ -239,13 +239,15 @@ class Tick:
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
             trained = _keep(self._train(scored), failures)
         with timed("sync"):
-            trained = _keep(self._sync(trained), failures)
+            synced, sync = self._sync(trained)
+            trained = _keep(synced, failures)
         with timed("checkpoint"):
             stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
             experiments=[_failed(f) for f in failures] + stepped,
+            adapter_sync=sync,
         )
 
     # ---- rollout ------------------------------------------------------------------------
@@ -421,19 +423,20 @@ class Tick:
 
     # ---- sync ---------------------------------------------------------------------------
 
-    def _sync(self, trained: list[Trained]) -> list[Trained | Failure]:
-        """The backend takes the new weights; an adapter it refuses fails its experiment
-        (its rollouts would come from stale weights)."""
-        refused = self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
+    def _sync(self, trained: list[Trained]) -> tuple[list[Trained | Failure], AdapterSync | None]:
+        """The backend takes the new weights of the adapters trained now (no other
+        changed); an adapter it refuses fails its experiment (its rollouts would come
+        from stale weights). Also returns the sync's measure (None: nothing crossed)."""
+        result = self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
         out: list[Trained | Failure] = []
         for t in trained:
             exp = t.scored.rollout.exp
-            why = refused.get(exp.id)
+            why = result.refused.get(exp.id)
             if why is None:
                 out.append(t)
             else:
                 out.append(Failure(exp, f"adapter sync failed: {why}", "rollout_error"))
-        return out
+        return out, result.sync
 
     # ---- bookkeeping and checkpoints ----------------------------------------------------
 

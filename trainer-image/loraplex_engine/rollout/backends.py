@@ -2,20 +2,28 @@
 
 ``TorchRollout`` decodes through the engine's own multi-LoRA model (nothing to sync: the
 rollout model is the trained model). ``VLLMRolloutBackend`` drives vLLM in its worker
-process and pushes each adapter's new weights after every optimiser step.
+process and pushes the new weights of each adapter trained in a tick after its optimiser
+step: in memory where the worker takes tensors, else as one PEFT directory per adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+from safetensors.torch import save_file
+
+from loraplex_engine.api_types import AdapterSync
 from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS
@@ -36,6 +44,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraplex_engine.rollout")
 # Worker restarts one generate call may spend before it fails (and with it the tick).
 MAX_RESTARTS = 2
+# An adapter as the sampler takes it: its PEFT adapter_config.json (a dict) and its weights
+# under PEFT's key names, on the CPU in the dtype asked for (checkpoint.peft_tensors).
+PeftWeights = tuple[dict[str, Any], dict[str, torch.Tensor]]
+ExportFn = Callable[[str, torch.dtype], PeftWeights]
+
+
+@dataclass
+class SyncResult:
+    """What ``sync_adapters`` did: the experiments whose update the sampler refused (with
+    why), and the sync's measure (None where no weights crossed: the torch rollout, or
+    nothing trained)."""
+
+    refused: dict[str, str] = field(default_factory=dict)
+    sync: AdapterSync | None = None
 
 
 class RolloutBackend(Protocol):
@@ -45,8 +67,9 @@ class RolloutBackend(Protocol):
 
     def add_adapter(self, exp_id: str) -> None: ...
 
-    def sync_adapters(self, exp_ids: Sequence[str]) -> dict[str, str]:
-        """Push new weights; returns the experiments whose update failed, with why."""
+    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
+        """Push the new weights of ``exp_ids`` (the adapters that changed: trained this
+        tick); the result names those whose update failed, and measures the sync."""
         ...
 
     def remove_adapter(self, exp_id: str) -> None: ...
@@ -106,8 +129,8 @@ class TorchRollout:
     def add_adapter(self, exp_id: str) -> None:
         pass
 
-    def sync_adapters(self, exp_ids: Sequence[str]) -> dict[str, str]:
-        return {}
+    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
+        return SyncResult()
 
     def remove_adapter(self, exp_id: str) -> None:
         pass
@@ -120,7 +143,17 @@ class TorchRollout:
 
 
 class VLLMRolloutBackend:
-    """vLLM with one LoRA per experiment; adapters cross as PEFT directories.
+    """vLLM with one LoRA per experiment.
+
+    Weights: an adapter is first loaded from a PEFT directory (the worker's zero "base"
+    adapter is made from the first one's files). After each optimiser step, each adapter
+    trained in the tick is sent again, the others not (they did not change): its tensors
+    cross the worker's pipe in memory where the worker takes them (``tensor_sync`` in its
+    info; vllm_tensor_sync.py), else as one directory written to a temporary directory.
+    Either way the tensors are in vLLM's LoRA dtype (bf16 where the engine's dtype is
+    bf16), cast on the engine's device: vLLM would cast to it anyway, so both transports
+    give vLLM the same weights. A worker that turns out not to take tensors switches the
+    backend to files for good. ``sync_adapters`` measures each sync (``AdapterSync``).
 
     Requests (vllm_requests.py): one vLLM request per prompt of an experiment, with
     ``n`` = its rows of that prompt (``groupSize``), so vLLM computes the prompt once;
@@ -142,14 +175,14 @@ class VLLMRolloutBackend:
     def __init__(
         self,
         model_dir: str | Path,
-        save_adapter: Callable[[str, Path], None],
+        export: ExportFn,
         options: dict[str, Any],
         *,
         ignore_eos: bool = False,
         eos_ids: Sequence[int] = (),
         start: Callable[[], VLLMRollout] | None = None,
     ) -> None:
-        self._save = save_adapter
+        self._export = export
         self._ignore_eos = ignore_eos
         # Every EOS of the generation config stops a row, as in the torch rollout (vLLM
         # alone stops at the tokenizer's one EOS unless its generation config is read).
@@ -167,6 +200,16 @@ class VLLMRolloutBackend:
         # request costs one more small draw there, so every experiment row is seeded.
         self._seed_all = self._vllm.info.get("device") == "cpu"
         self._sleeps = bool(options.get("sleep_mode"))
+        self._tensor_sync = bool(self._vllm.info.get("tensor_sync"))
+        if not self._tensor_sync:
+            log.info("vLLM adapters sync as files: %s", self._vllm.info.get("tensor_sync_why"))
+        # vLLM's LoRA dtype (its model dtype unless set): what the adapters are sent in.
+        self._wire_dtype = _torch_dtype(self._vllm.info.get("lora_dtype"))
+
+    @property
+    def transport(self) -> str:
+        """How the next sync sends adapters: "tensors" (in memory) or "files"."""
+        return "tensors" if self._tensor_sync else "files"
 
     @property
     def worker_info(self) -> dict[str, Any]:
@@ -226,25 +269,54 @@ class VLLMRolloutBackend:
 
     def add_adapter(self, exp_id: str) -> None:
         self._ensure_worker()
-        self._vllm.load_adapter(exp_id, self._write(exp_id))
+        self._vllm.load_adapter(exp_id, self._write(exp_id)[0])
         self._adapters.append(exp_id)
 
-    def sync_adapters(self, exp_ids: Sequence[str]) -> dict[str, str]:
-        """Push each adapter's new weights (the base model stays loaded in vLLM);
-        returns the experiments whose update vLLM refused, with why."""
+    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
+        """Push each adapter's new weights (the base model stays loaded in vLLM); the
+        result names the experiments whose update vLLM refused, and measures the sync
+        (None when ``exp_ids`` is empty: nothing crossed)."""
+        if not exp_ids:
+            return SyncResult()
+        start = time.perf_counter()
         self._ensure_worker()
         refused: dict[str, str] = {}
+        sent, nbytes, files = 0, 0, 0
         for exp_id in exp_ids:
             try:
-                self._vllm.update_adapter(exp_id, self._write(exp_id))
+                via, size = self._push(exp_id)
             except VLLMWorkerError as e:
                 if self._vllm.alive:
                     refused[exp_id] = _one_line(e)
                     continue
                 # A restart loads every adapter at its current weights: that is the sync.
-                self._restart(_one_line(e))
+                nbytes = self._restart(_one_line(e))
+                sent = files = len(self._adapters)
                 break
-        return refused
+            sent, nbytes, files = sent + 1, nbytes + size, files + (via == "files")
+        seconds = time.perf_counter() - start
+        transport = "files" if files else "tensors"
+        return SyncResult(
+            refused, AdapterSync(seconds=seconds, adapters=sent, bytes=nbytes, transport=transport)
+        )
+
+    def _push(self, exp_id: str) -> tuple[str, int]:
+        """One adapter's new weights into its slot; (transport, tensor bytes)."""
+        config, tensors = self._export(exp_id, self._wire_dtype)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._tensor_sync:
+            try:
+                self._vllm.update_adapter_tensors(exp_id, config, tensors)
+                return "tensors", size
+            except VLLMWorkerError as e:
+                if not (self._vllm.alive and "TensorSyncUnavailable" in str(e)):
+                    raise
+                self._tensor_sync = False
+                log.warning("vLLM takes no adapter tensors here (%s): files from now", _one_line(e))
+        path = self._dir / exp_id
+        _write_peft(path, config, tensors)
+        self._vllm.update_adapter(exp_id, path)
+        return "files", size
 
     @contextmanager
     def training_phase(self) -> Iterator[None]:
@@ -274,25 +346,46 @@ class VLLMRolloutBackend:
         if not self._vllm.alive:
             self._restart("the worker is not running")
 
-    def _restart(self, cause: str) -> None:
+    def _restart(self, cause: str) -> int:
         """A fresh worker with every adapter re-loaded from the engine's weights (the
         trained ones: the engine's model is the source of truth). One that fails to
-        load is left out: its experiment's requests then fail alone."""
+        load is left out: its experiment's requests then fail alone. Returns the tensor
+        bytes loaded."""
         log.warning("restarting the vLLM worker (%s) with %d adapters", cause, len(self._adapters))
         self._vllm.close(timeout=5)
         self.restarts += 1
         self._vllm = self._start()
+        self._tensor_sync = bool(self._vllm.info.get("tensor_sync"))
+        loaded = 0
         for exp_id in list(self._adapters):
             try:
-                self._vllm.load_adapter(exp_id, self._write(exp_id))
+                path, size = self._write(exp_id)
+                self._vllm.load_adapter(exp_id, path)
+                loaded += size
             except VLLMWorkerError:
                 log.warning("the restarted vLLM worker refused adapter %s", exp_id, exc_info=True)
                 self._adapters.remove(exp_id)
+        return loaded
 
-    def _write(self, exp_id: str) -> Path:
+    def _write(self, exp_id: str) -> tuple[Path, int]:
+        """The adapter's current weights as a PEFT directory; (its path, tensor bytes)."""
+        config, tensors = self._export(exp_id, self._wire_dtype)
         path = self._dir / exp_id
-        self._save(exp_id, path)
-        return path
+        _write_peft(path, config, tensors)
+        return path, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _write_peft(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """A PEFT directory vLLM reads (no fsync: it is read once, right away)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config, sort_keys=True))
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _torch_dtype(name: str | None) -> torch.dtype:
+    """A dtype the worker names ("bfloat16"); float32 where it names none."""
+    dtype = getattr(torch, name or "float32", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _row(comp: Any) -> Completion:

@@ -11,11 +11,16 @@ engine). The engine process never imports vLLM. Why a process and not an import:
 - a crash or hang in vLLM fails the rollout call with a clear error instead of taking the
   engine down, and ``close()`` gives every byte of its memory back.
 
-Adapters travel as PEFT directories (``adapter_config.json`` +
-``adapter_model.safetensors``), the engine's checkpoint format: ``update_adapter`` after
-each optimiser step reloads one adapter's tensors into its vLLM slot (``LoRARequest`` with
-``load_inplace=True``); the base model is never reloaded. vLLM reads the files during the
-call, so the caller may overwrite or delete the directory once it returns.
+Adapters are loaded from PEFT directories (``adapter_config.json`` +
+``adapter_model.safetensors``), the engine's checkpoint format. After each optimiser step
+one adapter's new weights replace the old in its vLLM slot (``LoRARequest`` with
+``load_inplace=True``); the base model is never reloaded. Two ways: from memory
+(``update_adapter_tensors``: the tensors go as one safetensors blob in shared memory, or
+as a frame on the pipe after the JSON header, and the worker builds the adapter from
+them, vllm_tensor_sync.py; no PEFT directory, no disk), or from a directory
+(``update_adapter``; vLLM reads the files during the call, so the caller may overwrite or
+delete it once it returns). ``weight_sync="auto"``
+(default) allows the first where the worker supports it; ``"files"`` never uses it.
 """
 
 from __future__ import annotations
@@ -25,15 +30,25 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex_engine.errors import VLLMWorkerError
 
+if TYPE_CHECKING:
+    import torch
+
 WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
+WEIGHT_SYNC_MODES = ("auto", "files")
+# Shared memory for the in-memory sync (a tmpfs: RAM, never a disk).
+SHM_DIR = Path("/dev/shm")
+SHM_MARGIN_BYTES = 8 << 20  # left free there: others share it (NCCL, torch workers)
+# Forces the weight sync where no option reaches the backend (``loraplex-engine run``).
+WEIGHT_SYNC_ENV = "LORAPLEX_VLLM_WEIGHT_SYNC"
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,32 @@ class RequestError:
         return f"{self.type}: {self.message}"
 
 
+def _shm_segment(tensors: Mapping[str, torch.Tensor]) -> Path | None:
+    """``tensors`` as a safetensors file in shared memory (``/dev/shm``), or None where
+    there is none or no room for them."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return None
+    room = os.statvfs(SHM_DIR)
+    if room.f_bavail * room.f_frsize < data + SHM_MARGIN_BYTES:
+        return None
+    from safetensors.torch import save_file
+
+    fd, name = tempfile.mkstemp(prefix="loraplex-sync-", suffix=".safetensors", dir=SHM_DIR)
+    os.close(fd)
+    path = Path(name)
+    try:
+        save_file(dict(tensors), path)
+        # safetensors does not always report a short write (a full tmpfs): check.
+        written = path.stat().st_size >= data + 8
+    except Exception:  # OSError, or safetensors' own error for the same
+        written = False
+    if not written:
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
 def default_vllm_python() -> str:
     """``$LORAPLEX_VLLM_PYTHON``, else this interpreter (images that install vLLM
     next to the engine)."""
@@ -77,6 +118,9 @@ class VLLMRollout:
     ``threads`` is the worker's OpenMP thread count (threads are not pinned to cores).
     ``disable_torch_compile`` sets ``TORCHDYNAMO_DISABLE`` in the worker: on for eager CPU
     runs (no inductor compile of the sampler helpers), off where CUDA graphs run.
+    ``weight_sync``: ``"auto"`` updates adapters from memory where the worker can
+    (``tensor_sync`` in :attr:`info`), ``"files"`` always from directories; default
+    ``$LORAPLEX_VLLM_WEIGHT_SYNC``, else ``"auto"``.
     The engine derives these from its limits and device (vllm_config.py).
     """
 
@@ -98,12 +142,19 @@ class VLLMRollout:
         disable_torch_compile: bool = True,
         logprobs_mode: str = "raw_logprobs",
         zero_base_adapter: bool | None = None,
+        weight_sync: str | None = None,
         python: str | None = None,
         env: dict[str, str] | None = None,
         llm_kwargs: dict[str, Any] | None = None,
         startup_timeout: float = 600.0,
         request_timeout: float = 600.0,
     ) -> None:
+        self.weight_sync = weight_sync or os.environ.get(WEIGHT_SYNC_ENV) or "auto"
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(
+                f"weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, "
+                f"got {self.weight_sync!r}"
+            )
         self.request_timeout = request_timeout
         self.last_vllm_requests = 0  # vLLM requests the last generate call added
         self._lock = threading.Lock()
@@ -130,6 +181,7 @@ class VLLMRollout:
             enforce_eager=enforce_eager,
             disable_torch_compile=disable_torch_compile,
             logprobs_mode=logprobs_mode,
+            tensor_sync=self.weight_sync == "auto",
             env=env or {},
             llm_kwargs=llm_kwargs or {},
         )
@@ -143,14 +195,24 @@ class VLLMRollout:
 
     # -- transport -------------------------------------------------------------------
 
-    def _call(self, op: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _call(
+        self, op: str, *, timeout: float | None = None, frame: bytes | None = None, **kwargs: Any
+    ) -> Any:
+        """One request and its reply; ``frame``: raw bytes sent right after the header
+        line (the header says how many), which the worker hands the op as ``payload``."""
         with self._lock:
             if self._closed or self._proc.poll() is not None:
                 raise VLLMWorkerError(f"vLLM worker is not running (exit {self._proc.poll()})")
             assert self._proc.stdin is not None and self._proc.stdout is not None
+            header = {"op": op, **kwargs}
+            if frame is not None:
+                header["frame"] = len(frame)
             try:
-                self._proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+                self._proc.stdin.write(json.dumps(header) + "\n")
                 self._proc.stdin.flush()
+                if frame is not None:  # after the text layer's flush: bytes follow the line
+                    self._proc.stdin.buffer.write(frame)
+                    self._proc.stdin.buffer.flush()
             except BrokenPipeError as exc:
                 raise VLLMWorkerError(f"vLLM worker died (exit {self._proc.poll()})") from exc
             line = self._readline(timeout or self.request_timeout)
@@ -195,6 +257,37 @@ class VLLMRollout:
         never reuse KV cache computed with the old ones. Returns seconds taken."""
         reply = self._call("update_adapter", name=name, path=str(Path(peft_dir).resolve()))
         return reply["seconds"]
+
+    def update_adapter_tensors(
+        self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The same sync as :meth:`update_adapter` from memory: ``config`` is the PEFT
+        ``adapter_config.json`` as a dict, ``tensors`` the weights under PEFT's key names
+        (CPU, in the dtype to send: vLLM casts them to its LoRA dtype). They go as one
+        safetensors blob in a shared-memory segment (a file under ``/dev/shm``, which the
+        worker unlinks as soon as it has read it), or, where there is no room there (a
+        pod's /dev/shm is 64 MiB unless mounted bigger), as a frame on the worker's pipe;
+        no disk either way. Raises :class:`VLLMWorkerError` naming
+        ``TensorSyncUnavailable`` where the worker cannot take tensors (then send a
+        directory). Returns the worker's ``seconds``, the ``bytes`` sent and ``via``
+        ("shm" or "pipe")."""
+        kwargs = {"name": name, "config": dict(config)}
+        segment = _shm_segment(tensors)
+        try:
+            if segment is not None:
+                size = segment.stat().st_size
+                reply = self._call("update_adapter_tensors", shm=str(segment), **kwargs)
+            else:
+                from safetensors.torch import save
+
+                payload = save(dict(tensors))
+                size = len(payload)
+                reply = self._call("update_adapter_tensors", frame=payload, **kwargs)
+        finally:
+            if segment is not None:  # the worker unlinked it, unless it died first
+                segment.unlink(missing_ok=True)
+        via = "shm" if segment is not None else "pipe"
+        return {"seconds": float(reply["seconds"]), "bytes": size, "via": via}
 
     def sleep(self) -> float:
         """Give the GPU back (sleep level 1: weights to host memory, KV cache dropped);
@@ -291,9 +384,14 @@ class VLLMRollout:
         ]
 
     def counters(self) -> dict[str, int]:
-        """vLLM requests added since start, and the samples they asked for."""
+        """vLLM requests added since start, the samples they asked for, and the adapter
+        versions built from tensors (``update_adapter_tensors`` that went through)."""
         info = self._call("info")
-        return {"requests": info["requests_total"], "sequences": info["sequences_total"]}
+        return {
+            "requests": info["requests_total"],
+            "sequences": info["sequences_total"],
+            "tensor_updates": info["tensor_updates"],
+        }
 
     @property
     def alive(self) -> bool:

@@ -9,7 +9,9 @@ Protocol: one JSON object per line. Requests come on stdin; replies go to the pr
 original stdout, which is moved to a private file descriptor at start-up, and fd 1 is
 pointed at stderr so that anything vLLM or a C library prints cannot corrupt the protocol.
 Every request gets exactly one reply: ``{"ok": true, "result": ...}`` or
-``{"ok": false, "error": "...", "type": "ExceptionName"}``.
+``{"ok": false, "error": "...", "type": "ExceptionName"}``. A request whose header has
+``"frame": n`` is followed by ``n`` raw bytes (an adapter's tensors as safetensors: stdin
+is read as bytes), which the op receives as ``payload``.
 """
 
 from __future__ import annotations
@@ -165,6 +167,20 @@ class Worker:
         self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-vllm-")
         self.requests_total = 0  # vLLM requests added (one per prompt, n samples each)
         self.sequences_total = 0  # samples they asked for
+        self.tensor_sync, self.tensor_sync_why = self._install_tensor_sync(cfg)
+
+    @staticmethod
+    def _install_tensor_sync(cfg: dict[str, Any]) -> tuple[bool, str | None]:
+        """Whether adapters may be updated from tensors (vllm_tensor_sync.py), and if
+        not, why."""
+        if not cfg.get("tensor_sync", True):
+            return False, "weight_sync is 'files'"
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            return False, "vLLM's engine core runs in another process"
+        import vllm_tensor_sync  # next to this script (sys.path[0])
+
+        why = vllm_tensor_sync.install()
+        return why is None, why
 
     # -- adapters --------------------------------------------------------------------
 
@@ -236,13 +252,73 @@ class Worker:
         except BaseException:
             entry[:] = old
             raise
+        self._forget_tensors(old[2])
         return {"seconds": time.perf_counter() - t0, "version": entry[1]}
+
+    def update_adapter_tensors(
+        self,
+        name: str,
+        config: dict[str, Any],
+        payload: bytes | None = None,
+        shm: str | None = None,
+    ) -> dict[str, Any]:
+        """Adapter-only weight sync from memory: the adapter's tensors as safetensors, in
+        the shared-memory file ``shm`` (unlinked here as soon as it is read) or as the
+        frame ``payload``; ``config`` is its ``adapter_config.json``; nothing is written.
+        The new version replaces the old in its slot exactly as a directory update does
+        (``load_inplace``); only the loader differs (vllm_tensor_sync.py). Raises
+        ``TensorSyncUnavailable`` where the tensors cannot reach vLLM's loader: the
+        caller then sends a directory."""
+        t0 = time.perf_counter()
+        tensors = _read_tensors(payload, shm)  # first: the segment goes whatever happens
+        if not self.tensor_sync:
+            raise TensorSyncUnavailable(f"tensor sync is off: {self.tensor_sync_why}")
+        if name not in self.adapters or name == BASE_ADAPTER:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        import vllm_tensor_sync as sync
+
+        entry = self.adapters[name]
+        old = list(entry)
+        entry[1] += 1
+        entry[2] = sync.tensor_path(name, entry[1])
+        sync.STORE.put(entry[2], config, tensors)
+        calls = sync.STORE.calls
+        try:
+            try:
+                ok = self.llm.llm_engine.add_lora(self._request(name, load_inplace=True))
+            finally:
+                reached = sync.STORE.calls != calls
+            if not reached:  # vLLM's loader runs in another process: it never saw them
+                self.tensor_sync = False
+                self.tensor_sync_why = "vLLM's LoRA loader runs outside the worker process"
+                raise TensorSyncUnavailable(self.tensor_sync_why)
+            if not ok:
+                raise RuntimeError(f"vLLM refused the update of adapter {name!r}")
+        except BaseException as exc:
+            sync.STORE.drop(entry[2])
+            entry[:] = old
+            if not reached and not isinstance(exc, TensorSyncUnavailable):
+                self.tensor_sync = False
+                self.tensor_sync_why = f"vLLM's LoRA loader never saw the tensors ({exc})"
+                raise TensorSyncUnavailable(self.tensor_sync_why) from exc
+            raise
+        self._forget_tensors(old[2])
+        return {"seconds": time.perf_counter() - t0, "version": entry[1]}
+
+    @staticmethod
+    def _forget_tensors(path: str) -> None:
+        """Drop a superseded version's tensors (a no-op for a directory path)."""
+        if path.startswith("loraplex-tensors://"):
+            import vllm_tensor_sync
+
+            vllm_tensor_sync.STORE.drop(path)
 
     def remove_adapter(self, name: str) -> dict[str, Any]:
         if name not in self.adapters or name == BASE_ADAPTER:
             raise KeyError(f"adapter {name!r} is not loaded")
-        lora_id = self.adapters.pop(name)[0]
+        lora_id, _, path = self.adapters.pop(name)
         self.llm.llm_engine.remove_lora(lora_id)
+        self._forget_tensors(path)
         return {}
 
     # -- generation ------------------------------------------------------------------
@@ -351,11 +427,41 @@ class Worker:
             "requests_total": self.requests_total,
             "sequences_total": self.sequences_total,
             "sleep_mode": self.sleep_mode,
+            "lora_dtype": str(self.llm.llm_engine.vllm_config.lora_config.lora_dtype).removeprefix(
+                "torch."
+            ),
+            "tensor_sync": self.tensor_sync,
+            "tensor_sync_why": self.tensor_sync_why,
+            "tensor_updates": _tensor_loads(),
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
             "maxrss_mb": _maxrss_mb(),
             "cpu_head_sizes": _cpu_head_sizes(),
         }
+
+
+def _read_tensors(payload: bytes | None, shm: str | None) -> dict[str, Any]:
+    """Tensors sent as safetensors: a shared-memory file (unlinked once read) or bytes."""
+    from safetensors.torch import load, load_file
+
+    if shm is None:
+        if payload is None:
+            raise ValueError("update_adapter_tensors needs a frame or a shm segment")
+        return load(payload)
+    try:
+        return load_file(shm)
+    finally:
+        Path(shm).unlink(missing_ok=True)
+
+
+class TensorSyncUnavailable(RuntimeError):
+    """The tensor path cannot reach vLLM's loader here; send a directory instead."""
+
+
+def _tensor_loads() -> int:
+    """Adapters built from tensors so far (vllm_tensor_sync.STORE.loads)."""
+    mod = sys.modules.get("vllm_tensor_sync")
+    return int(mod.STORE.loads) if mod is not None else 0
 
 
 def current_platform_type() -> str:
@@ -382,12 +488,20 @@ def _maxrss_mb() -> float:
 WORKER_OPS = (
     "load_adapter",
     "update_adapter",
+    "update_adapter_tensors",
     "remove_adapter",
     "generate",
     "info",
     "sleep",
     "wake_up",
 )
+
+
+def _read_frame(stream: Any, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError(f"stdin closed inside a {size}-byte frame (got {len(data)})")
+    return data
 
 
 def main() -> int:
@@ -402,11 +516,15 @@ def main() -> int:
         replies.flush()
 
     worker: Worker | None = None
-    for line in sys.stdin:
+    stdin = sys.stdin.buffer  # bytes: a header line may be followed by a binary frame
+    for line in stdin:
         if not line.strip():
             continue
         try:
             msg = json.loads(line)
+            frame = msg.pop("frame", None)
+            if frame is not None:  # read it whatever happens next: the stream stays in step
+                msg["payload"] = _read_frame(stdin, int(frame))
             op = msg.pop("op")
             if op == "init":
                 _setup_env(msg)
