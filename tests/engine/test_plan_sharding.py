@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_engine.capacity_plan import _with_layers
+from loraplex_engine.capacity_plan import _with_layers, static_bytes
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
-from loraplex_engine.plan_sharding import fake_world, sharded_rank_bytes
+from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.plan_sharding import fake_world, fsdp_groups, shard_base, sharded_rank_bytes
 from loraplex_engine.planner import Workload, extrapolate, load_config, plan
+from transformers import AutoModelForCausalLM
 
 SMALL = dict(prompts_per_tenant=2, completions_per_prompt=2, prompt_tokens=6,
              completion_tokens=10, micro_batch_tokens=40)  # fmt: skip
@@ -133,3 +135,27 @@ def test_storage_bytes_of_a_sharded_parameter_is_the_ranks_shard() -> None:
             pass
     with fake_world(1) as none:
         assert none is None
+
+
+def test_the_engines_static_bytes_of_a_sharded_base(tiny_model_dir) -> None:
+    """capacity_plan.static_bytes on a base FSDP has sharded (real tensors, fake process
+    group): the rank's shards plus the roots and three decoder layers unsharded."""
+    config = _deeper(tiny_model_dir, 4)
+    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    kv = config.num_key_value_heads * config.head_dim
+    layer = 4 * (hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter + 2 * hidden)  # fp32
+    roots = [4 * (vocab * hidden + hidden), 4 * vocab * hidden]  # embeddings + norm, head
+    with fake_world(4) as mesh:
+        model = MultiLoRAModel(AutoModelForCausalLM.from_config(config), 2, 4)
+        unsharded = static_bytes(model)
+        shard_base(model, mesh)
+        assert fsdp_groups(model.base_model) == ([layer] * 4, roots)
+        sharded = static_bytes(model)
+        base = model.base_model
+        lora = {id(p) for m in model.lora_layers.values() for p in (m.lora_A, m.lora_B)}
+        shards = storage_bytes([p for p in base.parameters() if id(p) not in lora])
+        rotary = storage_bytes([b for n, b in base.named_buffers() if "rotary" in n])
+    assert fsdp_groups(MultiLoRAModel(AutoModelForCausalLM.from_config(config), 2, 4)) == ([], [])
+    assert shards < unsharded.base / 3
+    assert sharded.base == shards + rotary + sum(roots) + 3 * layer
+    assert sharded.slot == unsharded.slot  # LoRA slots replicated

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -38,9 +39,14 @@ from .row_split import split_rows_by_rank
 from .training import TrainRow
 
 ALL_GATHER = "all_gather"
-# FSDP2's default schedule keeps at most two groups unsharded at once: the one computing
-# and the one prefetched (the next in the forward, the previous in the backward).
+# FSDP2's default schedule keeps two groups unsharded at once in a training step: the
+# one computing and the one prefetched (the next in the forward, the previous in the
+# backward).
 GROUPS_IN_FLIGHT = 2
+# Measured (Llama-3.1-70B's shapes): the rollout's no-grad decode holds three decoder
+# layers unsharded at once, one more than a training step; the engine's own capacity
+# plan (``fsdp_groups``, capacity_plan.py) reserves this many.
+DECODE_GROUPS_IN_FLIGHT = 3
 
 
 @contextmanager
@@ -110,6 +116,38 @@ def tag_all_gathers(tracker: LiveBytes) -> Iterator[None]:
     finally:
         for name, method in originals.items():
             setattr(FSDPParamGroup, name, method)
+
+
+def fsdp_groups(module: nn.Module) -> tuple[list[int], list[int]]:
+    """Unsharded bytes of every FSDP2 group under ``module``: (non-root groups, roots).
+
+    A group is a ``fully_shard``-ed module's own parameters (those of its subtree not in
+    a nested group); a root has no group above it. Parameters left out of every group
+    (``ignored_params``: the LoRA slots) are plain tensors, not ``DTensor``s, and count
+    in none. Both lists are empty for a base that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def own(m: nn.Module) -> int:
+        total = sum(_full_bytes(p) for p in m.parameters(recurse=False))
+        return total + sum(own(c) for c in m.children() if not isinstance(c, FSDPModule))
+
+    layers: list[int] = []
+    roots: list[int] = []
+
+    def walk(m: nn.Module, inside: bool) -> None:
+        if isinstance(m, FSDPModule):
+            (layers if inside else roots).append(own(m))
+            inside = True
+        for child in m.children():
+            walk(child, inside)
+
+    walk(module, False)
+    return layers, roots
+
+
+def _full_bytes(p: torch.Tensor) -> int:
+    """A sharded parameter's unsharded bytes; 0 for one no FSDP group holds."""
+    return p.numel() * p.element_size() if hasattr(p, "_local_tensor") else 0
 
 
 def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:
