@@ -5,13 +5,15 @@ One rank of an ``N``-rank engine is planned by running torch's own ``fully_shard
 fake_pg``: collectives that move no data, as torchtitan's memory estimator uses), so
 the tracker sees the rank's real shards and FSDP's real all-gather buffers:
 
-- **layout** (``shard_base``): every decoder layer is one FSDP group, the output head
-  one, and the rest of the base (embeddings, final norm) the decoder's own group. The
-  LoRA slots are left out of every group (``ignored_params``): they stay replicated, so
-  each rank holds every slot, its gradient and its Adam moments in full (small next to
-  the base; the per-adapter optimiser step and the checkpoint need whole tensors;
-  data_parallel.py all-reduces their gradients). This is the layout the engine's
-  sharded base (the ``fsdp`` work of issue 17) uses; the planner applies it itself.
+- **layout** (``shard_base``), the engine's own (``sharding.py`` on the ``fsdp`` branch of
+  issue 17, mirrored here while that is unmerged): every decoder layer is one FSDP
+  group and the decoder body (embeddings, final norm) the root group, which FSDP keeps
+  unsharded from its forward through its backward. Left out of every group
+  (``ignored_params``), so whole on every rank: the LoRA slots with their gradients and
+  Adam moments (the bucketed all-reduce, the per-adapter step and the checkpoints see
+  plain tensors) and the output head (the chunked log-probs call it a data-dependent
+  number of times, which would be a different number of collectives per rank); a tied
+  head is the embedding, so a tied model's embedding stays whole too.
 - **rows** (``rank_rows``): the rank's share of the step's rows, as the engine splits
   them (row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
   (the largest, ties to the lowest rank).
@@ -80,18 +82,18 @@ def decoder_layers(base: nn.Module) -> nn.ModuleList:
 
 
 def shard_base(model: MultiLoRAModel, mesh: Any) -> None:
-    """FSDP2 ``fully_shard`` of the frozen base over ``mesh``: each decoder layer, the
-    output head, then the decoder (embeddings, norm); the LoRA slots stay replicated."""
+    """FSDP2 ``fully_shard`` of the frozen base over ``mesh`` as the engine does it: each
+    decoder layer, then the decoder body; the LoRA slots and the head stay whole."""
     from torch.distributed.fsdp import fully_shard
 
     base = model.base_model
-    lora = {p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)}
-    for layer in decoder_layers(base):
-        fully_shard(layer, mesh=mesh, ignored_params=lora)
+    ignored = {p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)}
     head = base.get_output_embeddings()
-    if head is not None and not base.config.get_text_config().tie_word_embeddings:
-        fully_shard(head, mesh=mesh, ignored_params=lora)
-    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=lora)
+    if head is not None:
+        ignored |= set(head.parameters())  # with a tied head: the embedding too
+    for layer in decoder_layers(base):
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=ignored)
 
 
 @contextmanager
