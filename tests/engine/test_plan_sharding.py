@@ -9,7 +9,13 @@ import torch
 from loraplex_engine.capacity_plan import _with_layers, static_bytes
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.plan_sharding import fake_world, fsdp_groups, shard_base, sharded_rank_bytes
+from loraplex_engine.plan_sharding import (
+    fake_world,
+    fsdp_groups,
+    shard_base,
+    sharded_rank_bytes,
+    unsharded_reserve,
+)
 from loraplex_engine.planner import Workload, extrapolate, load_config, plan
 from transformers import AutoModelForCausalLM
 
@@ -85,6 +91,10 @@ def test_sharded_rank_bytes_arithmetic() -> None:
     assert sharded_rank_bytes(34, [10, 7, 4], [6, 2], 1) == {"shard": 34, "all_gather": 0}
     with pytest.raises(ValueError, match="more than the base"):
         sharded_rank_bytes(20, [10, 7, 4], [], 4)
+    # What the engine reserves: the roots and the largest layer, twice (all-gather output
+    # and the parameters copied out of it); nothing for a base that is not sharded.
+    assert unsharded_reserve([10, 7, 4], [6, 2]) == 36
+    assert unsharded_reserve([], []) == 0
     with pytest.raises(ValueError, match="world_size"):
         sharded_rank_bytes(26, [10], [], 0)
 
@@ -141,8 +151,8 @@ def test_storage_bytes_of_a_sharded_parameter_is_the_ranks_shard() -> None:
 
 def test_the_engines_static_bytes_of_a_sharded_base(tiny_model_dir) -> None:
     """capacity_plan.static_bytes on a base FSDP has sharded (real tensors, fake process
-    group): the rank's shards and the whole head, plus the root and three decoder layers
-    unsharded."""
+    group): the rank's shards and the whole head, plus the root and one decoder layer
+    held twice (all-gather output and parameters: plan_sharding.unsharded_reserve)."""
     config = _deeper(tiny_model_dir, 4)
     hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
     kv = config.num_key_value_heads * config.head_dim
@@ -160,5 +170,5 @@ def test_the_engines_static_bytes_of_a_sharded_base(tiny_model_dir) -> None:
         rotary = storage_bytes([b for n, b in base.named_buffers() if "rotary" in n])
     assert fsdp_groups(MultiLoRAModel(AutoModelForCausalLM.from_config(config), 2, 4)) == ([], [])
     assert shards < unsharded.base / 2
-    assert sharded.base == shards + rotary + sum(roots) + 3 * layer
+    assert sharded.base == shards + rotary + 2 * (sum(roots) + layer)
     assert sharded.slot == unsharded.slot  # LoRA slots replicated

@@ -50,7 +50,7 @@ from loraplex_engine.errors import CapacityError
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.plan_sharding import DECODE_GROUPS_IN_FLIGHT, fsdp_groups
+from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
@@ -81,17 +81,13 @@ class StaticBytes:
 
 def static_bytes(model: MultiLoRAModel) -> StaticBytes:
     """The frozen base's and one slot's bytes, from the tensors ``model`` holds. A base
-    sharded by FSDP2 counts this rank's shards plus what FSDP unshards at once (its
-    roots and DECODE_GROUPS_IN_FLIGHT decoder layers: the rollout's decode, measured
-    by the planner, holds the most; plan_sharding.sharded_rank_bytes)."""
+    sharded by FSDP2 counts this rank's shards plus what FSDP holds unsharded at once
+    (plan_sharding.unsharded_reserve: as the planner measured it)."""
     layers = list(model.lora_layers.values())
     lora_ids = {id(t) for layer in layers for t in _slot_tensors(layer)}
     base = model.base_model
     tensors = [t for t in (*base.parameters(), *base.buffers()) if id(t) not in lora_ids]
-    groups, roots = fsdp_groups(base)
-    gathered = 0
-    if groups or roots:
-        gathered = sum(roots) + sum(sorted(groups, reverse=True)[:DECODE_GROUPS_IN_FLIGHT])
+    gathered = unsharded_reserve(*fsdp_groups(base))
     slot = 0
     for layer in layers:
         weights = layer.lora_A[0].numel() + layer.lora_B[0].numel()

@@ -20,9 +20,10 @@ the tracker sees the rank's real shards and FSDP's real all-gather buffers:
 
 ``sharded_rank_bytes`` is the arithmetic beside the measurement: the rank's shard of
 the base plus FSDP's unsharded groups (the roots, and two layers in flight). The
-measurement is what the planner reports: on Llama-3.1-70B's shapes it finds fewer than
-two layers unsharded at the training peak and three at once during the rollout's
-no-grad decode, which the arithmetic would not know.
+measurement is what the planner reports: on Llama-3.1-70B's shapes the training peak
+holds the root and two layers as the arithmetic says, but the rollout's decode holds
+the root and a layer twice over (a group's flat all-gather output outlives its
+copy-out until the next group's), 2 GiB more; ``unsharded_reserve`` covers that.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ ALL_GATHER = "all_gather"
 # one computing and the one prefetched (the next in the forward, the previous in the
 # backward).
 GROUPS_IN_FLIGHT = 2
-# Measured (Llama-3.1-70B's shapes): the rollout's no-grad decode holds three decoder
-# layers unsharded at once, one more than a training step; the engine's own capacity
-# plan (``fsdp_groups``, capacity_plan.py) reserves this many.
-DECODE_GROUPS_IN_FLIGHT = 3
+
+
+def unsharded_reserve(layer_bytes: Sequence[int], root_bytes: Sequence[int]) -> int:
+    """Bytes the engine reserves for FSDP's unsharded copies (capacity_plan.py): twice the
+    roots and the largest layer. Measured on Llama-3.1-70B's shapes (the planner's
+    tracker, event by event): a group's flat all-gather output is freed only once the
+    next group's all-gather is copied out, so at the first decode step's first layer
+    the root and that layer are both held twice (7.10 GiB = 2 x (1.96 + 1.59)); the
+    training step's peak holds less (5.14 GiB: the root and two layers)."""
+    return 2 * (sum(root_bytes) + max(layer_bytes, default=0))
 
 
 @contextmanager
