@@ -135,7 +135,7 @@ bench-quick: tiny-model
 
 # The planner's memory and FLOP table (issues 12 and 17): the engine's own step on fake
 # tensors for Qwen3-4B and Llama-3.1-8B shapes on one GPU and Llama-3.1-70B sharded over
-# 8, on 3- and 4-layer cuts; ~5 minutes on 2 cores. Rewrites the committed
+# 8, on cut models (bench/memory_plan.py CUTS); ~8 minutes on 2 cores. Rewrites the committed
 # bench/results/memory-plan.json.
 memory-plan: venv
 	$(PY) bench/memory_plan.py --out bench/results/memory-plan.json

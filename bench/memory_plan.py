@@ -11,8 +11,7 @@ checkpointing on, world size 8 with the base sharded by FSDP2 (plan_sharding.py)
 rank's peak against 80 GiB and 141 GB devices.
 
 Each plan runs the engine's own step on fake tensors (loraplex_engine/planner.py) on
-the model cut to 3 and 4 decoder layers, extended linearly to its depth (2 is too few
-under FSDP: every layer would be in flight at once)
+the model cut to two depths (``CUTS``), extended linearly to its full depth
 (``--cut-layers none`` runs every layer: minutes per row on 2 cores instead of
 seconds). The file is rewritten after every row. The targets are checked against the
 rows and written with them, met or not.
@@ -32,6 +31,13 @@ ROOT = Path(__file__).resolve().parent
 MODELS = {"Qwen3-4B": "qwen3-4b.json", "Llama-3.1-8B": "llama-3.1-8b.json",
           "Llama-3.1-70B": "llama-3.1-70b.json"}  # fmt: skip
 SHARDED = {"Llama-3.1-70B": 8}  # model: world size, base sharded over it
+# Depths the plans are measured on and extended from (planner.extrapolate). One GPU: 3
+# and 4 layers give the full depth's bytes and FLOPs exactly (Qwen3-4B's 36 layers,
+# checked). Sharded: the rollout's peak moves with depth under FSDP (from the first
+# decode layer, where FSDP holds the root and a layer twice, to a later moment that
+# grows with the KV cache), so 3 and 4 layers miss 2.1 GiB of Llama-3.1-70B's 80;
+# 20 and 40 give its 80 layers exactly.
+CUTS = {"one": (3, 4), "sharded": (20, 40)}
 H100 = 80 * 2**30  # 80 GiB
 H200 = 141 * 10**9  # 141 GB
 
@@ -92,14 +98,15 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "results" / "memory-plan.json"))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--adapters", default="8,32")
-    p.add_argument("--cut-layers", default="3,4", help="two depths, or 'none' for every layer")
+    p.add_argument("--cut-layers", default="auto",
+                   help="two depths, 'none' for every layer, or 'auto' (CUTS)")  # fmt: skip
     p.add_argument("--merge", nargs="+", help="join these result files into --out (no plans run)")
     args = p.parse_args()
     if args.merge:  # e.g. one process per model, run side by side
         rows = [r for f in args.merge for r in json.loads(Path(f).read_text())["rows"]]
         _write(args.out, rows)
         return
-    cut = None if args.cut_layers == "none" else tuple(int(n) for n in args.cut_layers.split(","))
+    given = None if args.cut_layers in ("none", "auto") else args.cut_layers.split(",")
     rows: list[dict] = []
     adapters = [int(n) for n in args.adapters.split(",")]
     for name, work, devices in workloads(args.models.split(","), adapters):
@@ -107,6 +114,8 @@ def main() -> None:
         started = time.monotonic()
         print(f"{name} x{work.adapters} checkpointing={work.checkpointing} "
               f"world={work.world_size} ...", flush=True)  # fmt: skip
+        cut = CUTS["sharded" if work.shard_base else "one"] if args.cut_layers == "auto" else None
+        cut = tuple(int(n) for n in given) if given else cut
         row = plan(config, work, devices[0], name=name, progress=_progress(started),
                    cut_layers=cut)  # fmt: skip
         rows += [on_device(row, device) for device in devices]

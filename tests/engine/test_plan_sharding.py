@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_engine.capacity_plan import _with_layers
+from loraplex_engine.capacity_plan import _with_layers, static_bytes
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
-from loraplex_engine.plan_sharding import fake_world, sharded_rank_bytes
+from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.plan_sharding import (
+    fake_world,
+    fsdp_groups,
+    shard_base,
+    sharded_rank_bytes,
+    unsharded_reserve,
+)
 from loraplex_engine.planner import Workload, extrapolate, load_config, plan
+from transformers import AutoModelForCausalLM
 
 SMALL = dict(prompts_per_tenant=2, completions_per_prompt=2, prompt_tokens=6,
              completion_tokens=10, micro_batch_tokens=40)  # fmt: skip
@@ -49,9 +57,16 @@ def test_a_sharded_rank_holds_its_shard_every_slot_and_its_share_of_rows(tiny_mo
     ranks = plan(config, Workload(**work, world_size=4, shard_base=True), 2**30)
     assert ranks["world_size"] == 4 and one["world_size"] == 1
     base, shard = one["peak_bytes"]["base"], ranks["peak_bytes"]["base"]
-    # Every parameter split over 4 ranks (FSDP pads dim 0 to a multiple of 4), the rotary
-    # buffer on every rank.
-    assert base / 4 <= shard <= base / 4 + 4096
+    # Sharded over 4 ranks (FSDP pads dim 0 to a multiple of 4): the decoder layers and
+    # the body (embeddings, norm). Whole on every rank: the head (the engine keeps it
+    # replicated) and the rotary buffers.
+    head = config.vocab_size * config.hidden_size * 2  # bf16
+    body = head + config.hidden_size * 2  # the embeddings are as big, + the final norm
+    rotary = 128
+    layer = (base - head - body - rotary) // 4
+    arithmetic = sharded_rank_bytes(base, [layer] * 4, [body], 4)
+    assert arithmetic["shard"] == (base - head - rotary) // 4 + head + rotary
+    assert abs(shard - arithmetic["shard"]) <= 4096  # FSDP pads per parameter, not group
     # LoRA slots, their gradients and Adam moments are replicated, not sharded.
     assert ranks["peak_bytes"]["adapters"] == one["peak_bytes"]["adapters"]
     # 4 tenants x 2 prompt groups over 4 ranks: two groups (4 rows) each.
@@ -59,15 +74,10 @@ def test_a_sharded_rank_holds_its_shard_every_slot_and_its_share_of_rows(tiny_mo
     assert ranks["peak_bytes"]["kv_cache"] * 4 == one["peak_bytes"]["kv_cache"]
     assert ranks["train_flops"] == pytest.approx(one["train_flops"] / 4, rel=1e-6)
     assert ranks["floor_flops"] == pytest.approx(one["floor_flops"] / 4, rel=1e-6)
-    # FSDP's unsharded copies at the training peak: the embedding and the head (the two
-    # roots, kept unsharded through forward and backward) and at most two decoder layers.
+    # FSDP's unsharded copies at the training peak: the body (the root, kept unsharded
+    # through forward and backward) and at most two decoder layers.
     gathered = ranks["peak_bytes"]["all_gather"]
-    embedding = config.vocab_size * config.hidden_size * 2  # bf16; the head is as big
-    roots = [embedding + config.hidden_size * 2, embedding]  # + the final norm
-    layer = (base - sum(roots) - 128) // 4  # 128: the rotary buffers, on every rank
-    arithmetic = sharded_rank_bytes(base, [layer] * 4, roots, 4)
-    assert abs(shard - arithmetic["shard"]) <= 4096  # FSDP pads per parameter, not group
-    assert sum(roots) <= gathered <= arithmetic["all_gather"]
+    assert body <= gathered <= arithmetic["all_gather"] + 4096  # + FSDP's padding
     assert one["peak_bytes"]["all_gather"] == 0
     assert ranks["peak_bytes"]["total"] < one["peak_bytes"]["total"]
 
@@ -81,6 +91,10 @@ def test_sharded_rank_bytes_arithmetic() -> None:
     assert sharded_rank_bytes(34, [10, 7, 4], [6, 2], 1) == {"shard": 34, "all_gather": 0}
     with pytest.raises(ValueError, match="more than the base"):
         sharded_rank_bytes(20, [10, 7, 4], [], 4)
+    # What the engine reserves: the roots and the largest layer, twice (all-gather output
+    # and the parameters copied out of it); nothing for a base that is not sharded.
+    assert unsharded_reserve([10, 7, 4], [6, 2]) == 36
+    assert unsharded_reserve([], []) == 0
     with pytest.raises(ValueError, match="world_size"):
         sharded_rank_bytes(26, [10], [], 0)
 
@@ -133,3 +147,28 @@ def test_storage_bytes_of_a_sharded_parameter_is_the_ranks_shard() -> None:
             pass
     with fake_world(1) as none:
         assert none is None
+
+
+def test_the_engines_static_bytes_of_a_sharded_base(tiny_model_dir) -> None:
+    """capacity_plan.static_bytes on a base FSDP has sharded (real tensors, fake process
+    group): the rank's shards and the whole head, plus the root and one decoder layer
+    held twice (all-gather output and parameters: plan_sharding.unsharded_reserve)."""
+    config = _deeper(tiny_model_dir, 4)
+    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    kv = config.num_key_value_heads * config.head_dim
+    layer = 4 * (hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter + 2 * hidden)  # fp32
+    roots = [4 * (vocab * hidden + hidden)]  # the body: embeddings + norm (the head: whole)
+    with fake_world(4) as mesh:
+        model = MultiLoRAModel(AutoModelForCausalLM.from_config(config), 2, 4)
+        unsharded = static_bytes(model)
+        shard_base(model, mesh)
+        assert fsdp_groups(model.base_model) == ([layer] * 4, roots)
+        sharded = static_bytes(model)
+        base = model.base_model
+        lora = {id(p) for m in model.lora_layers.values() for p in (m.lora_A, m.lora_B)}
+        shards = storage_bytes([p for p in base.parameters() if id(p) not in lora])
+        rotary = storage_bytes([b for n, b in base.named_buffers() if "rotary" in n])
+    assert fsdp_groups(MultiLoRAModel(AutoModelForCausalLM.from_config(config), 2, 4)) == ([], [])
+    assert shards < unsharded.base / 2
+    assert sharded.base == shards + rotary + 2 * (sum(roots) + layer)
+    assert sharded.slot == unsharded.slot  # LoRA slots replicated

@@ -50,6 +50,7 @@ from loraplex_engine.errors import CapacityError
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
 from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
 
@@ -68,7 +69,8 @@ CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class StaticBytes:
-    base: int  # the frozen base's parameters and buffers
+    base: int  # the frozen base's parameters and buffers (sharded: this rank's, plus
+    # the unsharded copies FSDP holds at once: plan_sharding.fsdp_groups)
     slot: int  # one adapter slot at max rank, every copy (SLOT_COPIES) and buffer
     slots: int  # slots allocated: max_adapters + 1 (slot 0 is the base's)
 
@@ -78,17 +80,20 @@ class StaticBytes:
 
 
 def static_bytes(model: MultiLoRAModel) -> StaticBytes:
-    """The frozen base's and one slot's bytes, from the tensors ``model`` holds."""
+    """The frozen base's and one slot's bytes, from the tensors ``model`` holds. A base
+    sharded by FSDP2 counts this rank's shards plus what FSDP holds unsharded at once
+    (plan_sharding.unsharded_reserve: as the planner measured it)."""
     layers = list(model.lora_layers.values())
     lora_ids = {id(t) for layer in layers for t in _slot_tensors(layer)}
     base = model.base_model
     tensors = [t for t in (*base.parameters(), *base.buffers()) if id(t) not in lora_ids]
+    gathered = unsharded_reserve(*fsdp_groups(base))
     slot = 0
     for layer in layers:
         weights = layer.lora_A[0].numel() + layer.lora_B[0].numel()
         slot += SLOT_COPIES * weights * layer.lora_A.element_size()
         slot += sum(b[0].numel() * b.element_size() for b in layer.buffers(recurse=False))
-    return StaticBytes(storage_bytes(tensors), slot, model.max_adapters + 1)
+    return StaticBytes(storage_bytes(tensors) + gathered, slot, model.max_adapters + 1)
 
 
 def _slot_tensors(layer: nn.Module) -> list[torch.Tensor]:

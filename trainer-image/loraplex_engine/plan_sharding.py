@@ -5,22 +5,25 @@ One rank of an ``N``-rank engine is planned by running torch's own ``fully_shard
 fake_pg``: collectives that move no data, as torchtitan's memory estimator uses), so
 the tracker sees the rank's real shards and FSDP's real all-gather buffers:
 
-- **layout** (``shard_base``): every decoder layer is one FSDP group, the output head
-  one, and the rest of the base (embeddings, final norm) the decoder's own group. The
-  LoRA slots are left out of every group (``ignored_params``): they stay replicated, so
-  each rank holds every slot, its gradient and its Adam moments in full (small next to
-  the base; the per-adapter optimiser step and the checkpoint need whole tensors;
-  data_parallel.py all-reduces their gradients). This is the layout the engine's
-  sharded base (the ``fsdp`` work of issue 17) uses; the planner applies it itself.
+- **layout** (``shard_base``), the engine's own (``sharding.py`` on the ``fsdp`` branch of
+  issue 17, mirrored here while that is unmerged): every decoder layer is one FSDP
+  group and the decoder body (embeddings, final norm) the root group, which FSDP keeps
+  unsharded from its forward through its backward. Left out of every group
+  (``ignored_params``), so whole on every rank: the LoRA slots with their gradients and
+  Adam moments (the bucketed all-reduce, the per-adapter step and the checkpoints see
+  plain tensors) and the output head (the chunked log-probs call it a data-dependent
+  number of times, which would be a different number of collectives per rank); a tied
+  head is the embedding, so a tied model's embedding stays whole too.
 - **rows** (``rank_rows``): the rank's share of the step's rows, as the engine splits
   them (row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
   (the largest, ties to the lowest rank).
 
 ``sharded_rank_bytes`` is the arithmetic beside the measurement: the rank's shard of
 the base plus FSDP's unsharded groups (the roots, and two layers in flight). The
-measurement is what the planner reports: on Llama-3.1-70B's shapes it finds fewer than
-two layers unsharded at the training peak and three at once during the rollout's
-no-grad decode, which the arithmetic would not know.
+measurement is what the planner reports: on Llama-3.1-70B's shapes the training peak
+holds the root and two layers as the arithmetic says, but the rollout's decode holds
+the root and a layer twice over (a group's flat all-gather output outlives its
+copy-out until the next group's), 2 GiB more; ``unsharded_reserve`` covers that.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -38,9 +42,20 @@ from .row_split import split_rows_by_rank
 from .training import TrainRow
 
 ALL_GATHER = "all_gather"
-# FSDP2's default schedule keeps at most two groups unsharded at once: the one computing
-# and the one prefetched (the next in the forward, the previous in the backward).
+# FSDP2's default schedule keeps two groups unsharded at once in a training step: the
+# one computing and the one prefetched (the next in the forward, the previous in the
+# backward).
 GROUPS_IN_FLIGHT = 2
+
+
+def unsharded_reserve(layer_bytes: Sequence[int], root_bytes: Sequence[int]) -> int:
+    """Bytes the engine reserves for FSDP's unsharded copies (capacity_plan.py): twice the
+    roots and the largest layer. Measured on Llama-3.1-70B's shapes (the planner's
+    tracker, event by event): a group's flat all-gather output is freed only once the
+    next group's all-gather is copied out, so at the first decode step's first layer
+    the root and that layer are both held twice (7.10 GiB = 2 x (1.96 + 1.59)); the
+    training step's peak holds less (5.14 GiB: the root and two layers)."""
+    return 2 * (sum(root_bytes) + max(layer_bytes, default=0))
 
 
 @contextmanager
@@ -74,18 +89,18 @@ def decoder_layers(base: nn.Module) -> nn.ModuleList:
 
 
 def shard_base(model: MultiLoRAModel, mesh: Any) -> None:
-    """FSDP2 ``fully_shard`` of the frozen base over ``mesh``: each decoder layer, the
-    output head, then the decoder (embeddings, norm); the LoRA slots stay replicated."""
+    """FSDP2 ``fully_shard`` of the frozen base over ``mesh`` as the engine does it: each
+    decoder layer, then the decoder body; the LoRA slots and the head stay whole."""
     from torch.distributed.fsdp import fully_shard
 
     base = model.base_model
-    lora = {p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)}
-    for layer in decoder_layers(base):
-        fully_shard(layer, mesh=mesh, ignored_params=lora)
+    ignored = {p for layer in model.lora_layers.values() for p in (layer.lora_A, layer.lora_B)}
     head = base.get_output_embeddings()
-    if head is not None and not base.config.get_text_config().tie_word_embeddings:
-        fully_shard(head, mesh=mesh, ignored_params=lora)
-    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=lora)
+    if head is not None:
+        ignored |= set(head.parameters())  # with a tied head: the embedding too
+    for layer in decoder_layers(base):
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=ignored)
 
 
 @contextmanager
@@ -110,6 +125,38 @@ def tag_all_gathers(tracker: LiveBytes) -> Iterator[None]:
     finally:
         for name, method in originals.items():
             setattr(FSDPParamGroup, name, method)
+
+
+def fsdp_groups(module: nn.Module) -> tuple[list[int], list[int]]:
+    """Unsharded bytes of every FSDP2 group under ``module``: (non-root groups, roots).
+
+    A group is a ``fully_shard``-ed module's own parameters (those of its subtree not in
+    a nested group); a root has no group above it. Parameters left out of every group
+    (``ignored_params``: the LoRA slots) are plain tensors, not ``DTensor``s, and count
+    in none. Both lists are empty for a base that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def own(m: nn.Module) -> int:
+        total = sum(_full_bytes(p) for p in m.parameters(recurse=False))
+        return total + sum(own(c) for c in m.children() if not isinstance(c, FSDPModule))
+
+    layers: list[int] = []
+    roots: list[int] = []
+
+    def walk(m: nn.Module, inside: bool) -> None:
+        if isinstance(m, FSDPModule):
+            (layers if inside else roots).append(own(m))
+            inside = True
+        for child in m.children():
+            walk(child, inside)
+
+    walk(module, False)
+    return layers, roots
+
+
+def _full_bytes(p: torch.Tensor) -> int:
+    """A sharded parameter's unsharded bytes; 0 for one no FSDP group holds."""
+    return p.numel() * p.element_size() if hasattr(p, "_local_tensor") else 0
 
 
 def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:

@@ -18,7 +18,10 @@ measured growth per step extended to the full completion length.
 
 Depth: ``plan(cut_layers=(3, 4))`` measures the model cut to 3 and 4 decoder layers and
 extends every number linearly to its depth (``extrapolate``): seconds instead of minutes,
-and on Qwen3-4B's shapes the same bytes and FLOPs as all 36 layers.
+and on Qwen3-4B's shapes the same bytes and FLOPs as all 36 layers. The cuts must be deep
+enough that the moment which peaks at full depth already peaks in them: sharded, the
+rollout's peak moves with depth (Llama-3.1-70B: exact from 20 and 40 layers, 2.1 GiB low
+from 3 and 4; bench/memory_plan.py's ``CUTS``).
 
 Ranks (``Workload.world_size``): the plan is rank 0's, with its share of the rows as the
 engine splits them (row_split.py), for training and for the rollout (issue 17: each
