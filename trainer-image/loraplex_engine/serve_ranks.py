@@ -56,21 +56,14 @@ def check_rank_flags(args: argparse.Namespace) -> None:
             f"--world-size {args.world_size} serves the torch rollout only (rank 0 decodes), "
             f"not --rollout-backend {args.rollout_backend}"
         )
+    if getattr(args, "shard_base", False) and args.world_size < 2:
+        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
 
 
 def is_worker() -> bool:
     """This process is rank 1..N-1 (``RANK`` set by rank 0's launcher or torchrun)."""
     world = distributed.world_from_env()
     return world is not None and world.rank > 0
-
-
-def rank_device(device: str, world_size: int) -> str:
-    """Each rank its own GPU: bare ``cuda`` is ``cuda:<LOCAL_RANK>`` when N > 1."""
-    if world_size > 1 and device == "cuda":
-        env = distributed.world_from_env()
-        local = os.environ.get("LOCAL_RANK", str(env.rank if env else 0))
-        return f"cuda:{int(local)}"
-    return device
 
 
 def fatal(reason: str) -> NoReturn:
