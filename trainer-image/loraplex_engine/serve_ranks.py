@@ -1,7 +1,11 @@
 """``loraplex-engine serve --world-size N``: one engine over N ranks in one pod.
 
 Rank 0 is the server: it binds the port, answers the API, drives the tick and writes
-the checkpoints; OpenAI completions run on it alone (they ride in its rollout). Ranks
+the checkpoints. OpenAI completions ride in the tick's rollout, which rank 0 sends to
+every rank (data_parallel.RolloutMessage): a completion row stays on rank 0 (it streams
+to rank 0's client), and under ``--shard-base``, where every forward is a collective,
+the other ranks join its forwards in lockstep (dummy ones once out of rows), so a
+completion is served whatever the base's sharding, in a tick of its own too. Ranks
 1..N-1 are started by rank 0 as the same command line (dp_launch.py, torchrun's
 variables), or by torchrun itself (``RANK`` set: every process joins by env://). A
 worker binds nothing: it loads the same model with the same flags, then runs rank 0's
