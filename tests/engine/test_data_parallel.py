@@ -28,12 +28,12 @@ from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, Trai
 from loraplex_engine.distributed import World
 from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
+from loraplex_engine.shared_prefix import shared_prefix_forward
 from loraplex_engine.training import (
     ExperimentUpdate,
     TrainRow,
     count_rows,
     fused_backward,
-    shared_prefix_forward,
 )
 from safetensors.torch import load_file
 
