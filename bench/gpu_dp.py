@@ -21,8 +21,9 @@ of the train phase, whether the reward curves are equal, the largest |adapter we
 difference|, and the relative difference of the trained ``lora_B`` weights against a
 stated tolerance (``TOLERANCE``).
 
-On a GPU it needs two GPUs and a ``loraplex-engine run`` that takes ``--device`` (today
-``run`` trains on the CPU whatever the machine has); without either the arm is skipped
+On a GPU it needs two GPUs and a ``loraplex-engine run`` that takes ``--device`` (it
+passes ``--device cuda``: rank r on ``cuda:<LOCAL_RANK>``, NCCL; an older ``run`` without
+the flag trained on the CPU whatever the machine had); without either the arm is skipped
 with the reason. The JSON is written after every run; a run that would start past
 ``--budget-s`` is recorded as skipped, one still running at it is killed and recorded.
 """

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from server_process import engine_command
 
 TIMEOUT_S = 120
@@ -129,6 +130,26 @@ def test_more_experiments_than_slots_names_the_flag(tiny_model_dir: Path, tmp_pa
     text = manifest() + "---\n" + manifest(name="b")
     r = run_manifests(tmp_path, text, tiny_model_dir, "--max-adapters", "1")
     assert_usage_error(r, "2 experiments", "--max-adapters")
+
+
+def test_a_device_that_is_not_one_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A value --device does not take: argparse's usage error (its usage, then one line
+    naming the flag, the value and the choices), nothing loaded."""
+    r = run_manifests(tmp_path, manifest(), tiny_model_dir, "--device", "gpu")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.splitlines()[-1]
+    assert "argument --device: invalid device: 'gpu'; choose auto, cpu, cuda or cuda:N" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the GPU asked for")
+@pytest.mark.parametrize(
+    "flags", [["--device", "cuda"], ["--device", "cuda:1", "--world-size", "2"]]
+)
+def test_a_cuda_device_this_machine_lacks_is_named(
+    tiny_model_dir: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    r = run_manifests(tmp_path, manifest(), tiny_model_dir, *flags)
+    assert_usage_error(r, f"--device {flags[1]}", "torch sees no CUDA device")
 
 
 def test_a_vllm_rollout_without_a_vllm_python_is_named(

@@ -28,12 +28,12 @@ from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, Trai
 from loraplex_engine.distributed import World
 from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
+from loraplex_engine.shared_prefix import shared_prefix_forward
 from loraplex_engine.training import (
     ExperimentUpdate,
     TrainRow,
     count_rows,
     fused_backward,
-    shared_prefix_forward,
 )
 from safetensors.torch import load_file
 
@@ -238,10 +238,11 @@ def test_world_size_2_trains_the_demo_to_the_adapters_of_world_size_1(
 ) -> None:
     """The demo's four experiments, same seeds: `--world-size 2` (rank 0 + one worker
     process, gloo) writes the adapters `--world-size 1` writes, within ADAPTER_ATOL, after
-    the same reward curves; every adapter trained (lora_B, zero at init, moved)."""
+    the same reward curves; every adapter trained (lora_B, zero at init, moved). Both on
+    ``--device cpu`` given explicitly (rank 0 passes it to its worker)."""
     manifest = short_demo(tmp_path, DEMO_STEPS)
     two = spawn_run(
-        run_cmd(manifest, tiny_model_dir, tmp_path / "dp2", "--world-size", "2"),
+        run_cmd(manifest, tiny_model_dir, tmp_path / "dp2", "--world-size", "2", "--device", "cpu"),
         tmp_path / "dp2.err",
         stdout=subprocess.PIPE,
     )
@@ -255,6 +256,8 @@ def test_world_size_2_trains_the_demo_to_the_adapters_of_world_size_1(
                     str(tiny_model_dir),
                     "--out",
                     str(tmp_path / "dp1"),
+                    "--device",
+                    "cpu",
                 ]
             )
             == 0
@@ -263,7 +266,7 @@ def test_world_size_2_trains_the_demo_to_the_adapters_of_world_size_1(
     finally:
         child_processes.kill_group(two)
     assert two.returncode == 0, (tmp_path / "dp2.err").read_text()[-3000:]
-    assert "data parallel over 2 ranks" in stdout
+    assert "data parallel over 2 ranks" in stdout and " on cpu, torch rollout" in stdout
     one = json.loads((tmp_path / "dp1" / "summary.json").read_text())
     dp2 = json.loads((tmp_path / "dp2" / "summary.json").read_text())
     assert [e["rewards"] for e in dp2["experiments"]] == [e["rewards"] for e in one["experiments"]]

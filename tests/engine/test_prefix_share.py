@@ -11,6 +11,7 @@ import pytest
 import torch
 from lora_helpers import CONFIGS, multi_model, rel_err
 from loraplex_engine.algorithms import GRPO
+from loraplex_engine.shared_prefix import prefix_sharing_unsupported, shared_prefix_forward
 from loraplex_engine.training import (
     ExperimentUpdate,
     TrainRow,
@@ -18,8 +19,6 @@ from loraplex_engine.training import (
     pack_micro_batches_shared,
     plan_micro_batches,
     prefix_groups,
-    prefix_sharing_unsupported,
-    shared_prefix_forward,
 )
 
 from tests.engine.engine_builders import engine, spec

@@ -4,6 +4,8 @@ starts rank 1 itself (gloo on the CPU).
 
 - experiments bound and unbound through the API train on both ranks to the adapters a
   one-rank server trains (an unbind mid-run, and a new adapter into the freed slot);
+- a base sharded over the ranks (--shard-base) trains to the one-rank adapters and
+  serves completions through both ranks;
 - a killed rank ends the engine at once, naming the rank, and the engine started again
   on the same checkpoints resumes the experiment from its last one;
 - flags and LORAPLEX_WORLD_SIZE.
@@ -124,6 +126,38 @@ def test_two_ranks_train_bound_and_unbound_experiments_to_the_one_rank_adapters(
     assert max(diffs.values()) <= ADAPTER_ATOL, diffs
 
 
+def test_a_sharded_base_trains_and_serves_completions_through_both_ranks(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`serve --world-size 2 --shard-base`: the base is sharded on both ranks (every
+    forward a collective), A trains 2 steps to within ADAPTER_ATOL of the unsharded
+    one-rank adapters, and a served completion, in a tick of its own once A is done,
+    runs on both ranks in lockstep (rank 1 joins its rollout with dummy forwards; rank 0
+    alone would hang in the first layer's all-gather) and equals the one-rank text."""
+    two = server(tiny_model_dir, tmp_path / "two", "--world-size", "2", "--shard-base")
+    one = server(tiny_model_dir, tmp_path / "one")
+    with two, one, two.client() as api2, one.client() as api1:
+        got = {}
+        for key, api in (("two", api2), ("one", api1)):
+            put(api, A, spec(1, seed=1, max_steps=2))
+            got[key] = wait_until(lambda api=api: finished(api, A), timeout=120)
+        ask = {"model": A, "prompt": "Name a fruit.", "max_tokens": 6, "temperature": 0.0}
+        texts = [api.post("/v1/completions", json=ask, timeout=60) for api in (api2, api1)]
+        assert [r.status_code for r in texts] == [200, 200], texts[0].text
+        assert texts[0].json()["choices"][0]["text"] == texts[1].json()["choices"][0]["text"]
+        assert two.stop() == 0, two.log_tail()
+    log = two.log_text()
+    assert log.count("base sharded over 2 ranks (FSDP2)") == 2, log[-3000:]  # both ranks
+    assert "all 2 ranks hold the same 1 trained adapters" in log, log[-3000:]
+    a, b = adapter(got["one"]), adapter(got["two"])
+    assert a.keys() == b.keys() and a
+    assert max(float(a[k].abs().max()) for k in a if "lora_B" in k) > 10 * ADAPTER_ATOL
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    with capsys.disabled():
+        print(f"\nmax |serve sharded DP=2 - DP=1| after 2 steps: {diff:.2e}")
+    assert diff <= ADAPTER_ATOL, diff
+
+
 def test_a_killed_rank_ends_the_engine_and_the_restart_resumes_the_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -211,3 +245,5 @@ def test_world_size_flags_and_variable(
     assert main([*base, "--world-size", "2", "--rollout-backend", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "--world-size 2 serves the torch rollout only" in err
+    assert main([*base, "--shard-base"]) == 2  # one rank: nothing to shard over
+    assert "--shard-base needs --world-size above 1" in capsys.readouterr().err

@@ -82,6 +82,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             dist_timeout_s=args.dist_timeout,
             shard_base=args.shard_base,
+            device=args.device,
         )
     except RankFailed as e:  # the rank's own error is above (its stderr is ours)
         print(f"loraplex-engine run: error: {e}", file=sys.stderr)
@@ -164,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_NAMES,
         default=None,
-        help="the frozen base's dtype (default: float32; adapters and Adam stay float32)",
+        help="the frozen base's dtype (default: bfloat16 on cuda, float32 on cpu; adapters "
+        "and Adam stay float32)",
     )
-    from loraplex_engine.serve_flags import add_batch_arguments
+    from loraplex_engine.serve_flags import add_batch_arguments, add_device_argument
 
+    add_device_argument(run)
     add_batch_arguments(run)
     run.add_argument(
         "--rollout-backend",

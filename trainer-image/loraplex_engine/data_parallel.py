@@ -51,6 +51,7 @@ from loraplex_engine.errors import UsageError
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.rollout import ranks
+from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.sharding import Lockstep
@@ -406,3 +407,15 @@ def data_parallel_trainer(
     """The Engine's training strategy class for ``world`` (``lockstep``: a sharded base)."""
     check_train_mode(world.size, train_mode)
     return functools.partial(DataParallelTraining, world=world, lockstep=lockstep)
+
+
+def share_rollouts(strategy: object, backend: RolloutBackend) -> DataParallelTraining | None:
+    """An engine's ranks: its training strategy when data parallel (None otherwise),
+    wired so that rank 0's torch rollouts are decoded over every rank (``rollout``, each
+    rank's share by its own ``generate_local``)."""
+    if not isinstance(strategy, DataParallelTraining):
+        return None
+    if isinstance(backend, TorchRollout):
+        backend.distribute = strategy.rollout
+        strategy.decode = backend.generate_local
+    return strategy

@@ -48,6 +48,45 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def device_for_rank(requested: str, world_size: int, local_rank: int, cuda_count: int) -> str:
+    """This rank's torch device for ``--device`` (auto, cpu, cuda or cuda:N; parsed by
+    serve_flags): ``auto`` is cuda where torch sees a GPU, else cpu; over N > 1 ranks,
+    ``cuda`` is ``cuda:<LOCAL_RANK>``, one GPU per rank (NCCL refuses two ranks on one
+    GPU, so ``cuda:N`` with several ranks is refused). ``UsageError`` names a device this
+    machine does not have."""
+    device = ("cuda" if cuda_count > 0 else "cpu") if requested == "auto" else requested
+    if device == "cpu":
+        return device
+    if cuda_count < 1:
+        raise UsageError(f"--device {requested}: torch sees no CUDA device here")
+    if device != "cuda":  # cuda:N
+        if world_size > 1:
+            raise UsageError(
+                f"--device {device} puts every rank on one GPU: --world-size {world_size} "
+                "needs --device cuda (rank r on cuda:<LOCAL_RANK>)"
+            )
+        if int(device.split(":", 1)[1]) >= cuda_count:
+            raise UsageError(f"--device {device}: torch sees {cuda_count} CUDA device(s)")
+        return device
+    if world_size == 1:
+        return device
+    if world_size > cuda_count:
+        raise UsageError(
+            f"--world-size {world_size} on cuda needs a GPU per rank; torch sees {cuda_count}"
+        )
+    return f"cuda:{local_rank}"
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    """``LOCAL_RANK`` (torchrun's, or dp_launch's), else ``RANK``, else 0 (rank 0 of a
+    group it starts itself)."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_RANK", "RANK"):
+        if env.get(name, "").strip():
+            return int(env[name])
+    return 0
+
+
 def world_from_env(env: Mapping[str, str] | None = None) -> World | None:
     """``RANK`` and ``WORLD_SIZE`` as torchrun sets them; None when ``RANK`` is unset."""
     env = os.environ if env is None else env

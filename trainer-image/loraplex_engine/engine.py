@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex_engine import checkpoint as ckpt
+from loraplex_engine.admission import WorkLimits
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
@@ -38,7 +39,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
-from loraplex_engine.data_parallel import DataParallelTraining, data_parallel_trainer
+from loraplex_engine.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
@@ -67,16 +68,12 @@ from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMR
 from loraplex_engine.rollout.base import Completion
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
-from loraplex_engine.sharding import Lockstep, shard_base
+from loraplex_engine.sharding import shard_engine_base
+from loraplex_engine.shared_prefix import shared_forward_of
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tick import CompletionJob, JobSampling, Tick
 from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.training import (
-    SharedForward,
-    prefix_sharing_unsupported,
-    shared_prefix_forward,
-)
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
 from loraplex_engine.trust import TrustPolicy
 
@@ -169,14 +166,18 @@ class Engine:
             dtype=MASTER_DTYPE,
             grouped_mm=KERNEL_MODES[lora_kernel],
         )
-        self.lockstep = self._shard(world) if shard_base else None
+        self.lockstep = (
+            shard_engine_base(self.model, world, self.device, rollout_backend)
+            if shard_base
+            else None
+        )
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
             Path(checkpoint_root), self.model, self.optimizer, str(self.model_dir)
         )
-        shared = self._shared_forward(base, share_prompt_prefix)
+        shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
@@ -195,14 +196,10 @@ class Engine:
             # (training_strategy.AdapterTrainer).
             recompute_old_logprobs=rollout_backend == "vllm",
         )
-        # Data parallel: rank 0's adapter adds and removes reach the workers (same slots).
-        self.ranks = self.strategy if isinstance(self.strategy, DataParallelTraining) else None
         self.backend = self._make_backend(rollout_backend, vllm_options or {})
-        if isinstance(self.backend, TorchRollout) and isinstance(
-            self.strategy, DataParallelTraining
-        ):  # every rank decodes a share of each rollout
-            self.backend.distribute = self.strategy.rollout
-            self.strategy.decode = self.backend.generate_local
+        # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
+        # and every rank decodes a share of each torch rollout.
+        self.ranks = share_rollouts(self.strategy, self.backend)
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if rollout_backend == "torch" else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
@@ -224,6 +221,7 @@ class Engine:
         self.scorer = RewardScorer(reward_deadline_s, self._wake)
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
+        self.limits = WorkLimits(max_prompt_tokens, max_step_tokens, self.context_tokens)
         self._tick = Tick(
             self.model,
             self.codec,
@@ -234,28 +232,6 @@ class Engine:
             max_prompt_tokens,
             self.context_tokens,
         )
-
-    def _shard(self, world: World | None) -> Lockstep:
-        """The base sharded over ``world`` (sharding.py); its collectives' lockstep."""
-        if world is None or world.size < 2:
-            raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
-        if self.rollout_backend != "torch":
-            raise UsageError("--shard-base runs the torch rollout only")
-        shard_base(self.model, world, self.device)
-        log.info("base sharded over %d ranks (FSDP2); prompt-prefix sharing off", world.size)
-        return Lockstep(self.device)
-
-    def _shared_forward(self, base: torch.nn.Module, wanted: bool) -> SharedForward | None:
-        """Training computes each prompt group's prompt once per micro-batch (training.py);
-        off on request or for a model whose cached forward is not known to be exact."""
-        if not wanted:
-            log.info("prompt-prefix sharing off (share_prompt_prefix=False)")
-            return None
-        why_not = prefix_sharing_unsupported(base)
-        if why_not is not None:
-            log.warning("prompt-prefix sharing off (%s): training recomputes prompts", why_not)
-            return None
-        return shared_prefix_forward(self.model, self.device)
 
     def _plan_memory(
         self,
@@ -496,7 +472,7 @@ class Engine:
         each token as the decode makes it (torch backend; vLLM answers whole rows)."""
         if model not in (self.model_name, *self._experiments):
             raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
-        self._check_completion_work(len(prompt_ids), max_tokens, n)
+        self.limits.check_completion(len(prompt_ids), max_tokens, n)
         sampling = sampling or JobSampling()
         slot_name = None if model == self.model_name else model
         job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
@@ -570,7 +546,7 @@ class Engine:
             self.model.check_config(config)
         except AdapterError as e:
             raise InvalidSpecError(str(e), field=adapter_field(e)) from e
-        self._check_step_work(spec)
+        self.limits.check_step(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
         exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
@@ -584,48 +560,6 @@ class Engine:
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
         return exp
-
-    def _check_step_work(self, spec: ExperimentSpec) -> None:
-        """A step's cost, prompts included, is bounded before it is admitted: every row's
-        prompt is at most max_prompt_tokens (the tick refuses longer ones)."""
-        alg, new_tokens = spec.algorithm, spec.rollout.max_new_tokens
-        if self.context_tokens is not None and new_tokens >= self.context_tokens:
-            raise InvalidSpecError(
-                f"maxNewTokens {new_tokens} leaves no room for a prompt in the base model's "
-                f"context of {self.context_tokens} tokens",
-                field="spec.rollout.maxNewTokens",
-            )
-        rows = alg.group_size * alg.prompts_per_step
-        work = rows * (self.max_prompt_tokens + new_tokens)
-        if work > self.max_step_tokens:
-            raise InvalidSpecError(
-                f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
-                f"maxNewTokens) = {work} tokens per step exceeds this engine's limit of "
-                f"{self.max_step_tokens} (serve --max-step-tokens); lower one of them",
-                field="spec.algorithm.promptsPerStep",
-            )
-
-    def _check_completion_work(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
-        """A completion rides in a tick's rollout batch: the same limits as a step."""
-        if prompt_tokens > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"prompt has {prompt_tokens} tokens, over this engine's limit of "
-                f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
-                field="prompt",
-            )
-        if self.context_tokens is not None and prompt_tokens + max_tokens > self.context_tokens:
-            raise InvalidRequestError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the base "
-                f"model's context of {self.context_tokens} tokens",
-                field="max_tokens",
-            )
-        work = n * (prompt_tokens + max_tokens)
-        if work > self.max_step_tokens:
-            raise InvalidRequestError(
-                f"n x (prompt + max_tokens) = {work} tokens exceeds this engine's limit of "
-                f"{self.max_step_tokens} (serve --max-step-tokens)",
-                field="n",
-            )
 
     def _require(self, exp_id: str) -> Experiment:
         exp = self._experiments.get(exp_id)

@@ -25,6 +25,7 @@ from loraplex_engine.distributed import DEFAULT_TIMEOUT_S, World
 from loraplex_engine.dp_launch import data_parallel
 from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.serve_flags import resolve_device
 from loraplex_engine.trust import TrustPolicy
 
 if TYPE_CHECKING:
@@ -284,6 +285,7 @@ def run_file(
     micro_batch_tokens: int | None = None,
     rollout_kv_tokens: int | None = None,
     shard_base: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any] | None:
     """Validate every manifest up front, then train them all on one hot engine.
 
@@ -296,7 +298,9 @@ def run_file(
     follows rank 0 (its adds of the experiments, then its rollout and train phases,
     decoding and training its share) and returns None; only rank 0 scores, checkpoints
     and writes the summary. ``shard_base``: the base sharded over the ranks
-    (sharding.py)."""
+    (sharding.py). ``device``: as `run --device` takes it (auto, cpu, cuda, cuda:N;
+    serve_flags.resolve_device): each rank on ``cuda:<LOCAL_RANK>`` with NCCL on CUDA,
+    gloo on the CPU."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
@@ -304,6 +308,7 @@ def run_file(
     trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
     check_datasets(manifests, trust, manifest_path)
     check_train_mode(world_size, train_mode)  # before any worker starts
+    rank_device = resolve_device(device, world_size)
     out_dir = make_out_dir(out_dir)
     if world_size > 1 and rollout_backend != "torch":
         raise UsageError("--world-size above 1 runs the torch rollout only (every rank decodes)")
@@ -313,14 +318,14 @@ def run_file(
         *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
         *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
         *("--train-mode", train_mode, "--world-size", str(world_size)),
-        *("--dist-timeout", str(dist_timeout_s)),
+        *("--dist-timeout", str(dist_timeout_s), "--device", device),
         *(("--dtype", dtype) if dtype else ()),
         *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),
         *(("--rollout-kv-tokens", str(rollout_kv_tokens)) if rollout_kv_tokens else ()),
         *(("--shard-base",) if shard_base else ()),
         *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
     ]
-    with data_parallel(world_size, argv, torch.device("cpu"), dist_timeout_s) as world:
+    with data_parallel(world_size, argv, torch.device(rank_device), dist_timeout_s) as world:
         t0 = time.monotonic()
         engine = Engine(
             model_dir,
@@ -335,6 +340,7 @@ def run_file(
             micro_batch_tokens=micro_batch_tokens,
             rollout_kv_tokens=rollout_kv_tokens,
             shard_base=shard_base,
+            device=rank_device,
         )
         try:
             return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
@@ -358,7 +364,7 @@ def _run(
         ranks += ", base sharded (FSDP2)" if engine.lockstep is not None else ""
         out.write(
             f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
-            f"{engine.capacity().dtype}, {engine.rollout_backend} rollout, "
+            f"{engine.capacity().dtype} on {engine.device}, {engine.rollout_backend} rollout, "
             f"{len(manifests)} experiments, {train_mode} training{ranks} (micro-batches of "
             f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
             f"{engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"

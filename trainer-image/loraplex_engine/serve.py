@@ -50,6 +50,7 @@ from loraplex_engine.serve_flags import (
     batch_kwargs,
     data_roots,
     read_token,
+    resolve_device,
     reward_hosts,
     vllm_options,
 )
@@ -57,7 +58,6 @@ from loraplex_engine.serve_ranks import (
     RankGroup,
     check_rank_flags,
     is_worker,
-    rank_device,
     run_worker,
 )
 from loraplex_engine.server import create_app
@@ -256,12 +256,6 @@ class EngineLoop:
 # --- main -----------------------------------------------------------------------------
 
 
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), so start-up time includes the
     interpreter and imports, not just model loading."""
@@ -336,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     check_rank_flags(args)
     vllm_options(args)  # fail fast on a malformed option, before loading anything
     data_roots(args)
-    device = rank_device(args.device or _default_device(), args.world_size)
+    device = resolve_device(args.device, args.world_size)
     if args.threads > 0:
         import torch
 
@@ -477,6 +471,7 @@ def _build_engine(
         "trust": trust,
         "device": device,
         "world": world,
+        "shard_base": bool(getattr(args, "shard_base", False)),
     }
     kwargs.update(batch_kwargs(args))
     if args.rollout_backend == "vllm":

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,42 @@ def _fraction(value: str) -> float:
     return number
 
 
+DEVICES = "auto, cpu, cuda or cuda:N"
+
+
+def _device(value: str) -> str:
+    """``--device``: auto (or empty), cpu, cuda or cuda:N (distributed.device_for_rank
+    resolves it per rank)."""
+    text = str(value).strip().lower() or "auto"
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise _invalid("device", value, f"; choose {DEVICES}")
+
+
+def add_device_argument(p: argparse.ArgumentParser, env: bool = False) -> None:
+    """``--device`` of `serve` (``LORAPLEX_DEVICE`` too) and `run`: one parser, one
+    resolution (``resolve_device``)."""
+    p.add_argument(
+        "--device",
+        type=_device,
+        default=_env_parsed("DEVICE", "auto") if env else "auto",
+        metavar="DEVICE",
+        help=f"torch device: {DEVICES} (default auto: cuda where torch sees a GPU, else "
+        "cpu). With --world-size N, cuda puts rank r on cuda:<LOCAL_RANK> and the ranks "
+        "talk over NCCL; on cpu over gloo",
+    )
+
+
+def resolve_device(requested: str, world_size: int) -> str:
+    """This process's device for a parsed ``--device`` (its rank from ``LOCAL_RANK``)."""
+    import torch
+
+    from loraplex_engine import distributed
+
+    count = torch.cuda.device_count() if requested != "cpu" else 0
+    return distributed.device_for_rank(requested, world_size, distributed.local_rank(), count)
+
+
 def _dtype(value: str) -> str:
     if value not in DTYPE_NAMES:
         raise _invalid("dtype", value, f"; choose one of {', '.join(DTYPE_NAMES)}")
@@ -237,9 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env("ROLLOUT_BACKEND", "torch"),
         help="generation backend",
     )
-    p.add_argument(
-        "--device", default=_env("DEVICE"), help="torch device (default: cuda if present)"
-    )
+    add_device_argument(p, env=True)
     p.add_argument(
         "--dtype",
         type=_dtype,
@@ -299,6 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_trust_arguments(p)
     add_rank_arguments(p)
+    add_shard_base_argument(p, env=True)
     p.epilog = _env_epilog(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's rows
 
@@ -469,19 +505,20 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     try:
         check_vllm_option_names(options)
         device = getattr(args, "device", None)
-        if device:  # what can be checked before the model loads
+        if device and device != "auto":  # what can be checked before the model loads
             check_placement(options, device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as e:
         raise UsageError(str(e)) from e
     return options
 
 
-def add_shard_base_argument(p: argparse.ArgumentParser) -> None:
-    """``--shard-base`` (`run`; `serve` once it runs N ranks): the frozen base sharded
-    over the data-parallel ranks with FSDP2 (sharding.py)."""
+def add_shard_base_argument(p: argparse.ArgumentParser, env: bool = False) -> None:
+    """``--shard-base`` (`run`; `serve`, where ``LORAPLEX_SHARD_BASE`` sets it too): the
+    frozen base sharded over the data-parallel ranks with FSDP2 (sharding.py)."""
     p.add_argument(
         "--shard-base",
         action="store_true",
+        default=_env_flag("SHARD_BASE") if env else False,
         help="shard the frozen base model over the --world-size ranks (FSDP2; the LoRA "
         "adapters stay replicated) for a base that does not fit one device",
     )

@@ -1,7 +1,11 @@
 """``loraplex-engine serve --world-size N``: one engine over N ranks in one pod.
 
 Rank 0 is the server: it binds the port, answers the API, drives the tick and writes
-the checkpoints; OpenAI completions run on it alone (they ride in its rollout). Ranks
+the checkpoints. OpenAI completions ride in the tick's rollout, which rank 0 sends to
+every rank (data_parallel.RolloutMessage): a completion row stays on rank 0 (it streams
+to rank 0's client), and under ``--shard-base``, where every forward is a collective,
+the other ranks join its forwards in lockstep (dummy ones once out of rows), so a
+completion is served whatever the base's sharding, in a tick of its own too. Ranks
 1..N-1 are started by rank 0 as the same command line (dp_launch.py, torchrun's
 variables), or by torchrun itself (``RANK`` set: every process joins by env://). A
 worker binds nothing: it loads the same model with the same flags, then runs rank 0's
@@ -56,21 +60,14 @@ def check_rank_flags(args: argparse.Namespace) -> None:
             f"--world-size {args.world_size} serves the torch rollout only (rank 0 decodes), "
             f"not --rollout-backend {args.rollout_backend}"
         )
+    if getattr(args, "shard_base", False) and args.world_size < 2:
+        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
 
 
 def is_worker() -> bool:
     """This process is rank 1..N-1 (``RANK`` set by rank 0's launcher or torchrun)."""
     world = distributed.world_from_env()
     return world is not None and world.rank > 0
-
-
-def rank_device(device: str, world_size: int) -> str:
-    """Each rank its own GPU: bare ``cuda`` is ``cuda:<LOCAL_RANK>`` when N > 1."""
-    if world_size > 1 and device == "cuda":
-        env = distributed.world_from_env()
-        local = os.environ.get("LOCAL_RANK", str(env.rank if env else 0))
-        return f"cuda:{int(local)}"
-    return device
 
 
 def fatal(reason: str) -> NoReturn:

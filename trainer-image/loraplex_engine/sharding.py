@@ -30,6 +30,7 @@ not on another).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,9 +42,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import UsageError
 from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.training import RoutedForward, TrainRow, collate_rows, row_logprobs
+
+log = logging.getLogger("loraplex_engine.sharding")
 
 
 def lora_params(model: MultiLoRAModel) -> set[nn.Parameter]:
@@ -74,6 +79,20 @@ def shard_base(model: MultiLoRAModel, world: World, device: torch.device) -> Non
     fully_shard(body, mesh=mesh, ignored_params=ignored)
     embed = base.get_input_embeddings()
     embed.register_forward_hook(_require_grad)
+
+
+def shard_engine_base(
+    model: MultiLoRAModel, world: World | None, device: torch.device, rollout_backend: str
+) -> Lockstep:
+    """An engine's ``--shard-base``: its base sharded over ``world``; the lockstep its
+    collectives then need (its rollouts' and its updates')."""
+    if world is None or world.size < 2:
+        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
+    if rollout_backend != "torch":
+        raise UsageError("--shard-base runs the torch rollout only")
+    shard_base(model, world, device)
+    log.info("base sharded over %d ranks (FSDP2); prompt-prefix sharing off", world.size)
+    return Lockstep(device)
 
 
 def _require_grad(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -129,3 +148,36 @@ class Lockstep:
             dummy()
             n += 1
         return n
+
+    # ---- the update's micro-batches (training.fused_backward) ------------------------
+
+    def micro_batch(self, with_ref: bool) -> bool:
+        """Before a real micro-batch: this rank trains; whether any rank's micro-batch of
+        the round runs the KL reference forward (then every rank's does: one more)."""
+        return self.agree(True, with_ref)[1]
+
+    def drain_micro_batches(self, forward: RoutedForward | HiddenStatesForward, pad_id: int) -> int:
+        """Out of rows: a ``dummy_backward`` per round another rank still trains (with
+        the reference forward when that rank's has one); how many."""
+        n = 0
+        while True:
+            more, with_ref = self.agree(False, False)
+            if not more:
+                return n
+            dummy_backward(forward, pad_id, with_ref)
+            n += 1
+
+
+def dummy_backward(
+    forward: RoutedForward | HiddenStatesForward, pad_id: int, with_ref: bool
+) -> None:
+    """A micro-batch's collectives with no effect: one base-only (slot 0) row of two pad
+    tokens, its forward (and reference forward), and a backward of zero (the embeddings'
+    output requires grad under a sharded base, so the backward runs every layer)."""
+    row = TrainRow("", 0, [pad_id], [pad_id], [0.0], 0.0, 1.0)
+    batch = collate_rows([row], pad_id)
+    logprobs = row_logprobs(forward, batch)
+    if with_ref:
+        with torch.no_grad():
+            row_logprobs(forward, batch)
+    (logprobs.sum() * 0.0).backward()

@@ -10,7 +10,8 @@ adapter, hence each adapter's gradient equals what it would get trained alone.
 Shared prompt prefixes: GRPO trains ``groupSize`` completions of one prompt. Rather than
 run every row as prompt + completion, a micro-batch runs each group's prompt (all but its
 last token) once, with gradient, expands the resulting KV cache to the group's rows and
-runs the completions on top of it (``SharedForward``). Backward sums the rows' gradients
+runs the completions on top of it (``SharedForward``, shared_prefix.py, which also says
+which models it is exact for). Backward sums the rows' gradients
 into the shared prefix, so every adapter's gradient is the unshared one up to float
 rounding (tested against the unshared path on Llama and Qwen2).
 
@@ -32,36 +33,13 @@ import torch
 from loraplex_engine.algorithms import Algorithm, token_logprobs
 from loraplex_engine.checkpointing import gradient_checkpointing as checkpointed
 from loraplex_engine.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
-from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.shared_prefix import SharedForward
 
 if TYPE_CHECKING:
     from loraplex_engine.sharding import Lockstep
 
 # (input_ids [B,T], attention_mask [B,T], slot_ids [B]) -> logits [B,T,V]
 RoutedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-# (prefix ids [G,P], prefix mask [G,P], prefix slot_ids [G], group of each row [R],
-#  input_ids [R,T], attention_mask [R,P+T], slot_ids [R], position_ids [R,T]) -> logits [R,T,V]
-# Runs the G prefixes (right-padded, positions 0..), expands their KV cache to the R rows
-# and runs the rows on top of it; see ``shared_prefix_forward``.
-SharedForward = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-    ],
-    torch.Tensor,
-]
-
-# Model families whose cached training forward has been checked exact against the
-# unshared one (tests/engine/test_prefix_share.py, test_model_families.py). Others train
-# unshared. Gemma 2 and 3 are not here for the reasons prefix_sharing_unsupported gives.
-PREFIX_SHARING_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
 
 
 @dataclass
@@ -200,7 +178,7 @@ def pack_micro_batches_shared(rows: Sequence[TrainRow], token_budget: int) -> li
     return batches
 
 
-def _collate(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_rows(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad rows; ``targets[t]`` is the token predicted at position ``t``."""
     width = max(r.length for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -301,7 +279,7 @@ def _shared_logprobs(forward: SharedForward, batch: dict[str, torch.Tensor]) -> 
     return token_logprobs(logits, batch["targets"].to(dev))
 
 
-def _logprobs(
+def row_logprobs(
     forward: RoutedForward | HiddenStatesForward, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     if isinstance(forward, HiddenStatesForward):
@@ -463,8 +441,8 @@ def _fused_backward(
     for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
         chunk = [rows[i] for i in mb.index]
         with_ref = _needs_ref(chunk, updates)
-        if lockstep is not None:
-            with_ref = lockstep.agree(True, with_ref)[1]
+        if lockstep is not None:  # the same micro-batches and forwards on every rank
+            with_ref = lockstep.micro_batch(with_ref)
         if mb.shared:
             stats.shared_micro_batches += 1
             stats.computed_tokens += int(mb.batch["prefix_attn"].sum())
@@ -474,33 +452,14 @@ def _fused_backward(
         loss = _micro_batch_loss(mb.run, chunk, mb.batch, updates, weights, stats, with_ref)
         loss.backward()
         stats.micro_batches += 1
-    if lockstep is not None:
-        while True:  # out of rows: a dummy micro-batch per round another rank still runs
-            more, with_ref = lockstep.agree(False, False)
-            if not more:
-                break
-            _dummy_backward(forward, pad_id, with_ref)
+    if lockstep is not None:  # out of rows: dummies while another rank still trains
+        lockstep.drain_micro_batches(forward, pad_id)
     return stats
 
 
 def _needs_ref(rows: Sequence[TrainRow], updates: dict[str, ExperimentUpdate]) -> bool:
     """Some row's experiment has a KL term: the micro-batch runs the reference forward."""
     return any(updates[r.experiment].kl_coef > 0 for r in rows)
-
-
-def _dummy_backward(
-    forward: RoutedForward | HiddenStatesForward, pad_id: int, with_ref: bool
-) -> None:
-    """A micro-batch's collectives with no effect: one base-only (slot 0) row of two pad
-    tokens, its forward (and reference forward), and a backward of zero (the embeddings'
-    output requires grad under a sharded base, so the backward runs every layer)."""
-    row = TrainRow("", 0, [pad_id], [pad_id], [0.0], 0.0, 1.0)
-    batch = _collate([row], pad_id)
-    logprobs = _logprobs(forward, batch)
-    if with_ref:
-        with torch.no_grad():
-            _logprobs(forward, batch)
-    (logprobs.sum() * 0.0).backward()
 
 
 @dataclass
@@ -529,8 +488,8 @@ def _micro_batches(
             run = functools.partial(_shared_logprobs, shared_forward)
             yield _MicroBatch(index, batch, run, True)
         else:
-            batch = _collate([rows[i] for i in index], pad_id)
-            yield _MicroBatch(index, batch, functools.partial(_logprobs, forward), False)
+            batch = collate_rows([rows[i] for i in index], pad_id)
+            yield _MicroBatch(index, batch, functools.partial(row_logprobs, forward), False)
 
 
 @torch.no_grad()
@@ -555,95 +514,3 @@ def score_rows(
             start = 0 if mb.shared else len(rows[i].prompt_ids) - 1  # see the collates
             out[i] = logprobs[j, start : start + len(rows[i].completion_ids)].clone()
     return out
-
-
-def prefix_sharing_unsupported(base_model: torch.nn.Module) -> str | None:
-    """Why ``shared_prefix_forward`` may not be exact for this model; None when it is.
-
-    Checked: no attention logit soft-capping (Gemma 2: eager attention only, and the
-    shared forward's mask path is not checked with it), full attention in every layer
-    (a sliding-window cache drops old keys: Gemma 2/3's interleaved layers, Mistral
-    v0.1's and Phi-3-4k's window on every layer), the model family (its cached forward
-    is tested against the unshared one), an attention
-    implementation whose mask follows the 2-D padding mask over cache + new tokens
-    (sdpa, eager), and no gradient checkpointing (which turns the cache off in training).
-    """
-    config = getattr(base_model, "config", None)
-    obstacle = _attention_obstacle(config)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in PREFIX_SHARING_MODEL_TYPES:
-        checked = ", ".join(sorted(PREFIX_SHARING_MODEL_TYPES))
-        why = f"model type {model_type!r} is not among the checked ones ({checked})"
-        return f"{why}; {obstacle}" if obstacle else why
-    if obstacle:
-        return obstacle
-    attn = getattr(config, "_attn_implementation", None)
-    if attn not in ("sdpa", "eager"):
-        return f"attention implementation {attn!r} (sdpa and eager are supported)"
-    checkpointing = getattr(base_model, "is_activation_checkpointing", None)  # transformers 5
-    if checkpointing is None:
-        checkpointing = getattr(base_model, "is_gradient_checkpointing", False)
-    if checkpointing:
-        return "gradient checkpointing disables the KV cache in training"
-    return None
-
-
-def _attention_obstacle(config: object) -> str | None:
-    """An attention feature the shared forward does not reproduce, if the config has one."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        return f"attention logits are soft-capped ({softcap})"
-    layer_types = getattr(config, "layer_types", None)
-    if set(layer_types or ["full_attention"]) != {"full_attention"}:
-        return f"layer types {sorted(set(layer_types))}: only full attention is supported"
-    window = getattr(config, "sliding_window", None)
-    if not layer_types and window is not None:
-        return f"a sliding window of {window} tokens on every layer"
-    return None
-
-
-def shared_prefix_forward(model: MultiLoRAModel, device: torch.device) -> SharedForward:
-    """The ``SharedForward`` of a Hugging Face causal LM wrapped as a ``MultiLoRAModel``.
-
-    1. The prefixes, right-padded, with their slots: positions default to 0.. (right
-       padding keeps real tokens in place), ``use_cache`` keeps every layer's keys and
-       values with their autograd graph; only the last position's logits are computed
-       (``logits_to_keep=1``, unused).
-    2. ``DynamicCache.batch_select_indices(row_group)`` expands the cache to the rows
-       (an index: its backward sums the rows' gradients into each prefix).
-    3. The rows with explicit ``position_ids`` (their prompt's length - 1 onward) and a
-       2-D mask over cache + new tokens: transformers builds the causal mask from the
-       cache length (queries sit after every cached key) and the padding mask, so a
-       short prefix's padding is masked out and its rows see their own prompt only.
-    """
-
-    def forward(
-        prefix_ids: torch.Tensor,
-        prefix_attn: torch.Tensor,
-        prefix_slots: torch.Tensor,
-        row_group: torch.Tensor,
-        ids: torch.Tensor,
-        attn: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        prefix = model(
-            input_ids=prefix_ids.to(device),
-            attention_mask=prefix_attn.to(device),
-            slot_ids=prefix_slots.to(device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = prefix.past_key_values
-        cache.batch_select_indices(row_group.to(device))
-        out = model(
-            input_ids=ids.to(device),
-            attention_mask=attn.to(device),
-            slot_ids=slots.to(device),
-            position_ids=positions.to(device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out.logits.float()
-
-    return forward

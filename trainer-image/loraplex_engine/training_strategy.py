@@ -21,13 +21,8 @@ import torch
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import PerAdapterAdamW
-from loraplex_engine.training import (
-    ExperimentUpdate,
-    SharedForward,
-    TrainRow,
-    fused_backward,
-    score_rows,
-)
+from loraplex_engine.shared_prefix import SharedForward
+from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward, score_rows
 
 if TYPE_CHECKING:
     from loraplex_engine.sharding import Lockstep
