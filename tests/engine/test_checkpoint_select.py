@@ -328,3 +328,25 @@ def test_a_resume_restores_the_global_rng_only_onto_an_empty_engine(
         "default.a", spec(steps=9, group=2, prompts=1), "default", "a", str(copied)
     )
     assert torch.equal(torch.get_rng_state(), saved_rng)
+
+
+def test_a_starting_engine_leaves_other_runs_writes_in_progress_alone(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Engines of a pool share one checkpoint root: a write in progress on one engine looks
+    # like a crash's leftover to another. Only the run's own engine clears its leftovers.
+    busy = tmp_path / "default" / "busy" / "run-busy"
+    in_progress = busy / ".step-00000143.tmp-abc123"
+    in_progress.mkdir(parents=True)
+    (in_progress / "adapter_model.safetensors").write_bytes(b"half")
+    eng = engine(tiny_model_dir, tmp_path)  # a replacement engine starting beside it
+    assert in_progress.exists()
+
+    mine = tmp_path / "default" / "z" / "run-z"
+    crashed = mine / ".step-00000001.tmp-dead00"
+    crashed.mkdir(parents=True)
+    eng.put_experiment("default.z", _tiny(), "default", "z", run_id="run-z")
+    eng.tick()
+    assert not crashed.exists()  # its own run: a crash's leftover, removed on save
+    assert [p.name for p in mine.iterdir()] == ["step-00000001"]
+    assert in_progress.exists()

@@ -58,18 +58,17 @@ class RunStore:
         self.model = model
         self.optimizer = optimizer
         self.base_model = base_model  # written into adapter_config.json
-        self.remove_leftovers()
 
-    def remove_leftovers(self) -> int:
-        """Remove the half-written checkpoint directories a crash left in run directories
-        (``<root>/<ns>/<name>/<run>/.step-N.tmp-*``); returns how many."""
-        found = [p for p in self.root.glob("*/*/*/.step-*") if LEFTOVER_DIR.fullmatch(p.name)]
+    def remove_leftovers(self, run_dir: Path) -> int:
+        """Remove what a crashed writer left in one run directory
+        (``.step-N.tmp-*``, ``.step-N.old-*``); returns how many. Only ever a run this
+        engine holds: the checkpoint root may be shared by every engine of a pool, and
+        another engine's write in progress looks exactly like a crash's leftover."""
+        found = [p for p in run_dir.glob(".step-*") if LEFTOVER_DIR.fullmatch(p.name)]
         for path in found:
             shutil.rmtree(path, ignore_errors=True)
         if found:
-            log.info(
-                "removed %d half-written checkpoint directories under %s", len(found), self.root
-            )
+            log.info("removed %d half-written checkpoint directories in %s", len(found), run_dir)
         return len(found)
 
     def run_dir(self, namespace: str, name: str, run_id: str) -> Path:
@@ -79,6 +78,7 @@ class RunStore:
         """Adapter (PEFT) + trainer state, written atomically into the run's own directory;
         keep its newest K. Other runs' directories are never touched."""
         run_dir = self.run_dir(exp.namespace, exp.name, exp.run_id)
+        self.remove_leftovers(run_dir)  # the experiment is bound here: the run is ours
         target = run_dir / f"step-{exp.step:08d}"
         with ckpt.atomic_dir(target, overwrite=True) as tmp:
             ckpt.save_adapter(self.model, exp.id, tmp, base_model_name_or_path=self.base_model)
