@@ -6,7 +6,7 @@ reference, so deleting the pool garbage-collects its engines). Scalar settings a
 through the pool's typed view (its CRD defaults in one place); the pod template's parts
 (env, volumes, resources, scheduling) are copied from the raw spec as written, except
 what `gpusPerEngine` adds to a multi-rank engine: one GPU per rank on a GPU pool,
-`--world-size` and a memory-backed /dev/shm.
+`--world-size` (and `--shard-base` with `shardBase`) and a memory-backed /dev/shm.
 """
 
 from __future__ import annotations
@@ -134,10 +134,14 @@ def _memory_args(view: PoolSpec) -> list[str]:
 
 
 def _world_args(view: PoolSpec) -> list[str]:
-    """`--world-size N` for a multi-rank engine only: a one-rank engine's command line stays
-    what it was (and runs on images without the flag)."""
+    """`--world-size N` for a multi-rank engine only, and `--shard-base` where the pool
+    shards its base: a one-rank engine's command line stays what it was (and runs on
+    images without the flags). shardBase with one rank, which the CRD refuses, is passed
+    as written, so that `serve` names the mistake rather than the engine running the base
+    whole on one GPU it may not fit."""
     n = view.gpus_per_engine
-    return ["--world-size", str(n)] if n > 1 else []
+    world = ["--world-size", str(n)] if n > 1 else []
+    return world + (["--shard-base"] if view.shard_base else [])
 
 
 def trust_args(view: PoolSpec) -> list[str]:

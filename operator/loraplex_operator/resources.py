@@ -265,6 +265,9 @@ class PoolSpec:
     # Ranks per engine (`serve --world-size`), one GPU each on a GPU pool; every rank holds
     # every slot, so capacity and memory stay per rank.
     gpus_per_engine: int = 1
+    # The frozen base sharded over those ranks (`serve --shard-base`, FSDP2); the adapter
+    # slots stay whole on every rank, so capacity stays per rank as above.
+    shard_base: bool = False
     shm_size: str = "1Gi"  # template.shmSize: the /dev/shm of a multi-rank engine (NCCL)
 
     @classmethod
@@ -309,6 +312,7 @@ class PoolSpec:
             data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
             reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
             gpus_per_engine=int(spec.get("gpusPerEngine", cls.gpus_per_engine)),
+            shard_base=bool(spec.get("shardBase", cls.shard_base)),
             shm_size=str(_dict(spec, "template").get("shmSize", cls.shm_size)),
         )
 

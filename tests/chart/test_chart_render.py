@@ -243,6 +243,20 @@ def test_default_pool_with_two_ranks_per_engine() -> None:
     assert "gpusPerEngine" in one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]
 
 
+def test_default_pool_sharding_its_base_over_two_ranks() -> None:
+    """shardBase passes through to a pool the CRD admits; its engine pods run two ranks
+    sharding the base (`--world-size 2 --shard-base`); off by default."""
+    spec = {"gpusPerEngine": 2, "shardBase": True}
+    pool = one(render({"defaultPool": {"enabled": True, "spec": spec}}), "EnginePool")
+    assert pool["spec"]["shardBase"] is True and admit("EnginePool", pool) == []
+    pool["metadata"]["uid"] = "uid-default"
+    (container,) = engine_pod(pool, "a1b2c")["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--world-size") :][:3] == ["--world-size", "2", "--shard-base"]
+    plain = one(render(SCENARIOS["pool-only"]), "EnginePool")
+    assert plain["spec"]["shardBase"] is False and admit("EnginePool", plain) == []
+
+
 def test_engines_in_another_namespace() -> None:
     docs = render(SCENARIOS["engines-elsewhere"])
     ns = "gpu-engines"

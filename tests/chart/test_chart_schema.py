@@ -73,6 +73,14 @@ BAD_VALUES = {
         {"defaultPool": {"enabled": True, "spec": {"gpusPerEngine": 9}}},
         "defaultPool.spec.gpusPerEngine: Must be less than or equal to 8",
     ),
+    "pool sharding its base over one rank": (
+        {"defaultPool": {"enabled": True, "spec": {"shardBase": True}}},
+        "defaultPool.spec.gpusPerEngine: Must be greater than or equal to 2",
+    ),
+    "pool shardBase not a boolean": (
+        {"defaultPool": {"enabled": True, "spec": {"gpusPerEngine": 2, "shardBase": "yes"}}},
+        "defaultPool.spec.shardBase: Invalid type. Expected: boolean, given: string",
+    ),
     "pool with empty image": (
         {"defaultPool": {"enabled": True, "spec": {"template": {"image": ""}}}},
         "defaultPool.spec.template.image: String length must be greater than or equal to 1",

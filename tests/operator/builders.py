@@ -159,6 +159,11 @@ class PoolWrapper:
         self._spec["gpusPerEngine"] = n
         return self
 
+    def shard_base(self, on: bool = True) -> Self:
+        """spec.shardBase: the frozen base sharded over the engine's ranks."""
+        self._spec["shardBase"] = on
+        return self
+
     def checkpoint(self, root: str | None = None, volume: dict[str, Any] | None = None) -> Self:
         ckpt = self._spec.setdefault("checkpoint", {})
         if root is not None:

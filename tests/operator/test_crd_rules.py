@@ -145,6 +145,10 @@ POOL_RULES: dict[str, RuleCase] = {
             pool().gpus(2).template(volumes=[_SHM_VOL], volumeMounts=[_SHM_MOUNT]).obj()
         ),
     ),
+    "shardBase needs gpusPerEngine of 2 or more": RuleCase(
+        valid=lambda: pool().gpus(2).shard_base().obj(),
+        invalid=lambda: pool().gpus(1).shard_base().obj(),
+    ),
     "engineNamespace is immutable": RuleCase(
         valid=lambda: pool().set("spec.engineNamespace", "gpu").slots(4).obj(),
         invalid=lambda: pool().set("spec.engineNamespace", "other").obj(),
@@ -419,6 +423,9 @@ def test_transition_rules_sit_on_fields_every_object_has(kind: str) -> None:
             pool().replicas(0, 2).template(volumeMounts=[]).obj(),
             ["a pool of more than one engine needs checkpoint.volume"],
         ),
+        # Before defaulting: shardBase set, gpusPerEngine absent (the default, one rank).
+        ("EnginePool", pool().shard_base().obj(), ["shardBase needs gpusPerEngine"]),
+        ("EnginePool", pool().shard_base(False).obj(), []),
     ],
 )
 def test_rules_guard_optional_fields(kind: str, obj: Obj, broken: list[str]) -> None:

@@ -190,6 +190,8 @@ POOL_BOUNDS = [
     ("spec.gpusPerEngine", 8, True),
     ("spec.gpusPerEngine", 9, False),
     ("spec.gpusPerEngine", "2", False),
+    ("spec.shardBase", "true", False),
+    ("spec.shardBase", False, True),
     ("spec.template.shmSize", "1Gi", True),
     ("spec.template.shmSize", "1.5G", True),
     ("spec.template.shmSize", "1 GiB", False),
@@ -455,6 +457,7 @@ def test_pool_defaults() -> None:
     assert spec["rolloutBackend"] == "torch" and spec["engineNamespace"] == "loraplex-system"
     assert spec["checkpoint"] == {"root": "/ckpt"}
     assert spec["tokenSecretRef"] == {"name": "engine-token", "key": "token"}
+    assert (spec["gpusPerEngine"], spec["shardBase"]) == (1, False)  # one rank, base whole
 
 
 def test_pool_requires_image_and_token() -> None:

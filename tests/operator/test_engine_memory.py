@@ -96,8 +96,10 @@ def test_memory_waits_for_an_engine_rather_than_guessing() -> None:
 # More ranks make an engine faster, never roomier: placement must not multiply anything.
 
 
-def _round(gpus: int, engines: list[EngineView], memory: int, shape: bool = False) -> tuple:
-    p = pool().gpus(gpus).slots(4).replicas(0, 2).memory(memory)
+def _round(
+    gpus: int, engines: list[EngineView], memory: int, shape: bool = False, shard: bool = False
+) -> tuple:
+    p = pool().gpus(gpus).slots(4).replicas(0, 2).memory(memory).shard_base(shard)
     if shape:
         p = p.model_shape(numLayers=2, hiddenSize=64)
     exps = [experiment(f"x{i}").rank(8).obj() for i in range(7)]
@@ -136,3 +138,32 @@ def test_the_model_shape_fallback_is_one_replica_against_a_per_rank_budget() -> 
     one_rank = _round(1, [engine("e1")], 3 * cost, shape=True)
     assert len(one_rank[0]) == 3
     assert _round(8, [engine("e1")], 3 * cost, shape=True) == one_rank
+
+
+# --- a sharded base (spec.shardBase) ---------------------------------------------------
+# FSDP2 shards the frozen base over the ranks and leaves the adapter slots whole on each
+# (ignored_params: docs/architecture.md, "Beyond one GPU"). What placement counts,
+# capacity.memoryBytes against a slot's bytes, is adapter memory only: the base is in
+# neither the engine's slotBytes nor the modelShape estimate, so sharding it divides
+# nothing there. The base's shard (and FSDP's unsharded reserve) is the engine's own
+# business: its plan spends what the rank's shard leaves on micro-batches and KV cache.
+
+
+def test_a_sharded_base_changes_no_slots_cost() -> None:
+    cost = 2 * 8 * (64 + 64) * 2 * 16  # as in the test above: one replica of the adapter
+    for gpus in (2, 8):
+        sharded = pool().gpus(gpus).shard_base().model_shape(numLayers=2, hiddenSize=64)
+        spec = Pool.from_obj(sharded.obj()).spec
+        assert spec.shard_base is True
+        assert experiment_memory_bytes(ExperimentSpec(lora=Lora(rank=8)), spec) == cost
+
+
+def test_a_sharded_pool_places_as_a_replicated_one() -> None:
+    def engines() -> list[EngineView]:
+        return [_planned("e1"), engine("e2", ready=False)]
+
+    budget = 2 * SLOT + SLOT // 2
+    for gpus in (2, 8):
+        assert _round(gpus, engines(), budget, shard=True) == _round(gpus, engines(), budget)
+        shaped = _round(gpus, [engine("e1")], 3 * 65_536, shape=True, shard=True)
+        assert len(shaped[0]) == 3  # the modelShape fallback: three replicas' worth fit

@@ -1,15 +1,22 @@
 """The engine Pod of a multi-rank pool (`spec.gpusPerEngine`): `--world-size`, one GPU per
 rank on a GPU pool (none on a CPU pool), and a memory-backed /dev/shm for NCCL; a
-one-rank pool's Pod is what it was before the field existed."""
+one-rank pool's Pod is what it was before the field existed. `spec.shardBase` adds
+`--shard-base`, and `serve` reads back what the operator wrote."""
 
 from __future__ import annotations
 
+import argparse
+import os
 from typing import Any
+from unittest import mock
 
 import kubernetes_validate
 import pytest
 from builders import pool
-from crdkit import apply_defaults, schema_of
+from crdkit import admit, apply_defaults, schema_of
+from loraplex_engine.errors import UsageError
+from loraplex_engine.serve_flags import add_arguments
+from loraplex_engine.serve_ranks import check_rank_flags
 from loraplex_operator.manifests import (
     GPU_RESOURCE,
     SHM_PATH,
@@ -22,10 +29,17 @@ from loraplex_operator.manifests import (
 K8S_VERSION = "1.33"
 
 
-def _pool(gpus: int | None, resources: dict[str, Any] | None = None, **template: Any) -> Any:
+def _pool(
+    gpus: int | None,
+    resources: dict[str, Any] | None = None,
+    shard: bool | None = None,
+    **template: Any,
+) -> Any:
     p = pool("ranks")
     if gpus is not None:
         p = p.gpus(gpus)
+    if shard is not None:
+        p = p.shard_base(shard)
     if resources is not None:
         template["resources"] = resources
     return apply_defaults(schema_of("EnginePool"), p.template(**template).obj())
@@ -118,13 +132,53 @@ def test_world_size_comes_before_the_templates_extra_args() -> None:
     assert args[-2:] == ["--log-level", "debug"] and "--world-size" in args[:-2]
 
 
-def test_serve_reads_the_world_size_back() -> None:
-    import argparse
-
-    from loraplex_engine.serve_flags import add_arguments
-
+def _serve_parser() -> argparse.ArgumentParser:
+    """`serve`'s own parser, with LORAPLEX_SHARD_BASE unset: only the args count here."""
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    with mock.patch.dict(os.environ, {"LORAPLEX_SHARD_BASE": ""}):
+        add_arguments(parser)
+    return parser
+
+
+def test_serve_reads_the_world_size_back() -> None:
+    parser = _serve_parser()
     for gpus in (1, 2, 8):
         args = engine_args(_pool(gpus, _gpu_limits(1))["spec"])
-        assert parser.parse_args(args[1:]).world_size == gpus  # `serve`'s own parser
+        assert parser.parse_args(args[1:]).world_size == gpus
+
+
+def test_shard_base_puts_the_flag_in_a_multi_rank_engines_args() -> None:
+    obj = _pool(4, _gpu_limits(1), shard=True)
+    assert admit("EnginePool", obj) == []
+    pod = engine_pod(obj, "a1b2c")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    args = pod["spec"]["containers"][0]["args"]
+    assert args.count("--shard-base") == 1
+    assert args[args.index("--world-size") : args.index("--world-size") + 3] == [
+        "--world-size",
+        "4",
+        "--shard-base",
+    ]
+    served = _serve_parser().parse_args(args[1:])
+    assert (served.world_size, served.shard_base) == (4, True)
+    check_rank_flags(served)  # what `serve` checks before it starts a rank
+
+
+@pytest.mark.parametrize("shard", [None, False])
+def test_a_pool_that_does_not_shard_passes_no_flag(shard: bool | None) -> None:
+    for gpus in (1, 2):
+        args = engine_args(_pool(gpus, _gpu_limits(1), shard=shard)["spec"])
+        assert "--shard-base" not in args
+        assert _serve_parser().parse_args(args[1:]).shard_base is False
+
+
+def test_shard_base_with_one_rank_is_refused_by_the_crd_and_by_serve_alike() -> None:
+    """The CRD's rule and `serve`'s check refuse the same pool: were the rule bypassed (an
+    older CRD), the engine would name the mistake at start, not run the base unsharded."""
+    obj = _pool(1, _gpu_limits(1), shard=True)
+    (error,) = admit("EnginePool", obj)
+    assert error.startswith("shardBase needs gpusPerEngine of 2 or more")
+    args = engine_args(obj["spec"])
+    assert "--world-size" not in args and "--shard-base" in args
+    with pytest.raises(UsageError, match="--shard-base needs --world-size above 1"):
+        check_rank_flags(_serve_parser().parse_args(args[1:]))

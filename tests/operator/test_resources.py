@@ -37,6 +37,7 @@ VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
     ("EnginePool", "tokenSecretRef.key", SecretRef.key),
     ("EnginePool", "allowedTargetModules", list(PoolSpec.allowed_target_modules)),
     ("EnginePool", "gpusPerEngine", PoolSpec.gpus_per_engine),
+    ("EnginePool", "shardBase", PoolSpec.shard_base),
     ("EnginePool", "template.shmSize", PoolSpec.shm_size),
 ]
 
@@ -110,6 +111,8 @@ def test_views_read_what_the_object_says() -> None:
         4,
         "8Gi",
     )
+    assert p.spec.shard_base is False  # the base whole on every rank, as before
+    assert Pool.from_obj(pool().gpus(2).shard_base().obj()).spec.shard_base is True
 
 
 def test_a_null_sub_object_reads_as_defaults() -> None:
