@@ -21,7 +21,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex_engine import checkpoint as ckpt
-from loraplex_engine.admission import WorkLimits
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
@@ -76,6 +75,7 @@ from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
 from loraplex_engine.trust import TrustPolicy
+from loraplex_engine.work_limits import WorkLimits
 
 log = logging.getLogger("loraplex_engine.engine")
 
