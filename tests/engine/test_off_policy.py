@@ -17,6 +17,7 @@ from loraplex_engine.api_types import ExperimentTick, TickReport
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.training import TrainRow
+from loraplex_engine.training_strategy import gap_totals, logprob_gaps, mean_gaps
 
 from tests.engine.engine_builders import engine, spec
 
@@ -122,3 +123,19 @@ def test_gap_gauge_only_where_measured_and_dropped_with_the_experiment() -> None
     assert 'loraplex_engine_logprob_gap{experiment="x.t"' not in text
     m.forget("x.v")
     assert "x.v" not in m.render().decode()
+
+
+def test_gaps_split_over_ranks_average_to_the_one_rank_gap() -> None:
+    """Data parallel (issue 17): each rank totals its own rows' gaps and rank 0 averages
+    the totals: the token-weighted mean of one rank, not a mean of the ranks' means."""
+    rows = [
+        TrainRow("a", 0, [1, 2], [3, 4, 5], [-1.0, -2.0, -3.0], 0.0, 1.0),
+        TrainRow("a", 0, [1, 2], [3], [-0.5], 0.0, 1.0),
+        TrainRow("b", 0, [1], [3, 4], [-1.0, -1.0], 0.0, 1.0),
+    ]
+    trainer = [torch.tensor([-1.5, -2.0, -2.0]), torch.tensor([-0.75]), torch.tensor([-1.25, -1.0])]
+    one = logprob_gaps(rows, trainer)
+    assert one == pytest.approx({"a": (0.5 + 0.0 + 1.0 + 0.25) / 4, "b": 0.25 / 2})
+    ranks = [gap_totals(rows[:1], trainer[:1]), gap_totals(rows[1:], trainer[1:])]
+    assert mean_gaps(ranks) == pytest.approx(one)
+    assert mean_gaps([{}, {"a": (0.0, 0)}]) == {"a": 0.0}  # a rank with no tokens of it

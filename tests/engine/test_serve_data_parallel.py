@@ -242,8 +242,5 @@ def test_world_size_flags_and_variable(
     assert "--world-size: invalid value: '0' (from LORAPLEX_WORLD_SIZE)" in capsys.readouterr().err
     monkeypatch.delenv("LORAPLEX_WORLD_SIZE")
     base = ["serve", "--model", str(tiny_model_dir), "--insecure-no-auth"]
-    assert main([*base, "--world-size", "2", "--rollout-backend", "vllm"]) == 2
-    err = capsys.readouterr().err
-    assert "--world-size 2 serves the torch rollout only" in err
     assert main([*base, "--shard-base"]) == 2  # one rank: nothing to shard over
     assert "--shard-base needs --world-size above 1" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from loraplex_engine.rollout.vllm_config import (
     KV_BLOCK_MARGIN_TOKENS,
     MAX_NUM_SEQS_CAP,
     VLLM_OPTION_NAMES,
+    default_tensor_parallel,
     kv_bytes_per_token,
     vllm_engine_args,
 )
@@ -127,3 +128,60 @@ def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
     assert ok == {"dtype": "bfloat16", "max_num_seqs": 8}
     with pytest.raises(UsageError, match="unknown --vllm-option max_lora"):
         vllm_options(argparse.Namespace(vllm_option=["max_lora=2"]))
+
+
+# --- tensor_parallel_size: one vLLM per pod under data parallelism (issue 17) -------------
+
+
+@pytest.mark.parametrize(
+    ("device_type", "sharded_over", "tp"),
+    [("cuda", 4, 4), ("cuda", 1, 1), ("cpu", 4, 1), ("cpu", 1, 1)],
+)
+def test_tensor_parallel_spans_the_pod_only_for_a_sharded_base_on_cuda(
+    device_type: str, sharded_over: int, tp: int
+) -> None:
+    memory = MEMORY if device_type == "cuda" else None
+    args = _args(device_type=device_type, device_memory=memory, sharded_over=sharded_over)
+    assert default_tensor_parallel(device_type, sharded_over) == tp
+    assert args["tensor_parallel_size"] == tp
+
+
+def test_a_users_tensor_parallel_wins_and_spans_the_pods_first_gpus() -> None:
+    args = _args(
+        device_type="cuda",
+        trainer_device="cuda:0",
+        device_memory=MEMORY,
+        sharded_over=4,
+        user_options={"tensor_parallel_size": 2},
+        parent_visible="4,5,6,7",
+    )
+    assert args["tensor_parallel_size"] == 2
+    assert args["env"] == {"CUDA_VISIBLE_DEVICES": "4,5"}  # rank 0's GPU and rank 1's
+    sharded = _args(
+        device_type="cuda", trainer_device="cuda:0", device_memory=MEMORY, sharded_over=4
+    )
+    assert sharded["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and sharded["sleep_mode"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(user_options={"tensor_parallel_size": 2}), "needs CUDA"),
+        (dict(sharded_over=0), "sharded_over must be at least 1"),
+        (
+            dict(
+                device_type="cuda",
+                trainer_device="cuda:0",
+                user_options={"tensor_parallel_size": 2, "device": "cuda:1"},
+            ),
+            "takes no device",
+        ),
+        (
+            dict(device_type="cuda", trainer_device="cuda:0", sharded_over=4, parent_visible="0,1"),
+            "cuda:2 is not one of this pod's GPUs",
+        ),
+    ],
+)
+def test_tensor_parallel_it_cannot_place_is_refused(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _args(**overrides)

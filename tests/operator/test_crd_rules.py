@@ -135,10 +135,6 @@ POOL_RULES: dict[str, RuleCase] = {
         ),
         invalid=lambda: pool().template(volumeMounts=[{"name": "models", "mountPath": "/m"}]).obj(),
     ),
-    "gpusPerEngine above 1 needs rolloutBackend torch": RuleCase(
-        valid=lambda: pool().gpus(2).backend("torch").obj(),
-        invalid=lambda: pool().gpus(2).backend("vllm").obj(),
-    ),
     "template.volumeMounts must not mount /dev/shm when gpusPerEngine is above 1": RuleCase(
         valid=lambda: pool().gpus(1).template(volumes=[_SHM_VOL], volumeMounts=[_SHM_MOUNT]).obj(),
         invalid=lambda: (

@@ -16,6 +16,13 @@ gathers the completions (``gather_object``) and the generators' new states for t
 rewards. Under a sharded base (sharding.py) the ranks decode in lockstep, since every
 forward is a collective.
 
+Rollouts (vLLM backend): rank 0 alone runs the vLLM worker and decodes every row (one
+vLLM per pod, with ``tensor_parallel_size`` over the pod's GPUs under a sharded base;
+vllm_config.py); the workers start none and get no rollout message. Since vLLM is
+another program, each rank rescores its own share of the rows in its train phase (the
+trainer's old log-probs, AdapterTrainer.rescore: the adapters are equal on every rank,
+so a row scores as on one rank) and rank 0 averages the ranks' sampler-trainer gaps.
+
 Adapter slots: rank 0 alone decides which experiments are loaded (the runner's manifest,
 the server's API). Each add and remove is a message to the workers (:class:`AddAdapter`,
 :class:`RemoveAdapter`, sent under the engine's model lock, so between ticks and in
@@ -56,7 +63,7 @@ from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.sharding import Lockstep
 from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows
-from loraplex_engine.training_strategy import FusedTraining, TrainOutcome
+from loraplex_engine.training_strategy import FusedTraining, TrainOutcome, mean_gaps, with_gaps
 
 log = logging.getLogger("loraplex_engine.data_parallel")
 
@@ -92,6 +99,8 @@ class TrainMessage:
     updates: dict[str, UpdateSpec]
     slots: dict[str, int]  # every experiment in ``updates``: its slot on rank 0
     new: dict[str, NewAdapter]
+    # Rank 0 rescores the sampled rows (a vLLM rollout): so must every rank, its share.
+    rescore: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +169,7 @@ class DataParallelTraining(FusedTraining):
         new = self._unsynced(slots)
         specs = {e: UpdateSpec(u.algorithm.name, u.clip, u.kl_coef) for e, u in updates.items()}
         with self._lock:  # the message and the phase's collectives, uninterrupted
-            self._send(TrainMessage(rows, specs, slots, new))
+            self._send(TrainMessage(rows, specs, slots, new, self.recompute_old_logprobs))
             return self._apply(rows, updates, slots, new)
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
@@ -297,6 +306,12 @@ class DataParallelTraining(FusedTraining):
             for e, u in msg.updates.items()
         }
         self._check_adapters(msg)
+        if msg.rescore != self.recompute_old_logprobs:  # else the gap's gather would hang
+            raise RuntimeError(
+                f"rank {self.world.rank}: rank 0 {'re' if msg.rescore else 'does not re'}scores "
+                "the sampled rows and this rank does not agree: every rank must run the same "
+                "--rollout-backend"
+            )
         self.model.train()
         try:
             self._apply(msg.rows, updates, msg.slots, msg.new)
@@ -374,11 +389,15 @@ class DataParallelTraining(FusedTraining):
             return {}
         self._sync_new(new)
         share = split_rows_by_rank(rows, self.world.size)[self.world.rank]
+        # A vLLM rollout: each rank scores its own share with the adapters as they are
+        # (equal on every rank), exactly what one rank would compute for those rows.
+        share, totals = self.rescore(share)
+        gaps = mean_gaps(distributed.gather_objects(totals)) if self.recompute_old_logprobs else {}
         self.optimizer.zero_grad()
         self.backward(share, updates, count_rows(rows))
         in_play = slice(min(slots.values()), max(slots.values()) + 1)
         distributed.all_reduce_lora_grads(self.optimizer.params, in_play)
-        return self.step_finite(list(updates))
+        return with_gaps(self.step_finite(list(updates)), gaps)
 
     @torch.no_grad()
     def _sync_new(self, new: dict[str, NewAdapter]) -> None:

@@ -63,7 +63,12 @@ from loraplex_engine.grouped_lora import KERNEL_MODES
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout, VLLMRolloutBackend
+from loraplex_engine.rollout.backends import (
+    FollowerRollout,
+    RolloutBackend,
+    TorchRollout,
+    VLLMRolloutBackend,
+)
 from loraplex_engine.rollout.base import Completion
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.run_store import RunStore, valid_run_id
@@ -166,11 +171,7 @@ class Engine:
             dtype=MASTER_DTYPE,
             grouped_mm=KERNEL_MODES[lora_kernel],
         )
-        self.lockstep = (
-            shard_engine_base(self.model, world, self.device, rollout_backend)
-            if shard_base
-            else None
-        )
+        self.lockstep = shard_engine_base(self.model, world, self.device) if shard_base else None
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
@@ -196,7 +197,7 @@ class Engine:
             # (training_strategy.AdapterTrainer).
             recompute_old_logprobs=rollout_backend == "vllm",
         )
-        self.backend = self._make_backend(rollout_backend, vllm_options or {})
+        self.backend = self._make_backend(rollout_backend, vllm_options or {}, world)
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
@@ -266,7 +267,9 @@ class Engine:
         )  # fmt: skip
         return plan
 
-    def _make_backend(self, name: str, options: dict[str, Any]) -> RolloutBackend:
+    def _make_backend(
+        self, name: str, options: dict[str, Any], world: World | None
+    ) -> RolloutBackend:
         if name == "torch":
             return TorchRollout(
                 self.model.route,
@@ -275,9 +278,11 @@ class Engine:
                 () if self.ignore_eos else self.codec.eos_ids,
                 lockstep=self.lockstep,
             )  # its KV budget is set once the memory plan is made
+        if world is not None and not world.is_leader:
+            return FollowerRollout()  # one vLLM per pod: rank 0's (data_parallel.py)
         config = self.model.base_model.config
         try:
-            args = self._vllm_args(config, options)
+            args = self._vllm_args(config, options, world)
         except ValueError as e:  # a placement that does not fit this device
             raise UsageError(f"vLLM: {e}") from e
         return VLLMRolloutBackend(
@@ -291,7 +296,9 @@ class Engine:
             eos_ids=self.codec.eos_ids,
         )
 
-    def _vllm_args(self, config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    def _vllm_args(
+        self, config: Any, options: dict[str, Any], world: World | None
+    ) -> dict[str, Any]:
         return vllm_engine_args(
             device_type=self.device.type,
             dtype=dtype_name(self.dtype),
@@ -306,6 +313,7 @@ class Engine:
             trainer_device=str(self.device),
             device_memory=cuda_free_and_total(self.device),  # after the base loaded
             parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            sharded_over=world.size if world is not None and self.lockstep else 1,
         )
 
     def _decode_forward(

@@ -297,8 +297,9 @@ def run_file(
     starts the others as this command (dp_launch.py). A worker rank (``RANK`` set)
     follows rank 0 (its adds of the experiments, then its rollout and train phases,
     decoding and training its share) and returns None; only rank 0 scores, checkpoints
-    and writes the summary. ``shard_base``: the base sharded over the ranks
-    (sharding.py). ``device``: as `run --device` takes it (auto, cpu, cuda, cuda:N;
+    and writes the summary. With ``rollout_backend`` vllm, rank 0's vLLM decodes every
+    row and the workers only train (data_parallel.py). ``shard_base``: the base sharded
+    over the ranks (sharding.py). ``device``: as `run --device` takes it (auto, cpu, cuda, cuda:N;
     serve_flags.resolve_device): each rank on ``cuda:<LOCAL_RANK>`` with NCCL on CUDA,
     gloo on the CPU."""
     from loraplex_engine.engine import Engine
@@ -310,14 +311,13 @@ def run_file(
     check_train_mode(world_size, train_mode)  # before any worker starts
     rank_device = resolve_device(device, world_size)
     out_dir = make_out_dir(out_dir)
-    if world_size > 1 and rollout_backend != "torch":
-        raise UsageError("--world-size above 1 runs the torch rollout only (every rank decodes)")
     if shard_base and world_size < 2:
         raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
     argv = [
         *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
         *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
         *("--train-mode", train_mode, "--world-size", str(world_size)),
+        *("--rollout-backend", rollout_backend),  # a worker starts no vLLM, but rescores
         *("--dist-timeout", str(dist_timeout_s), "--device", device),
         *(("--dtype", dtype) if dtype else ()),
         *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),

@@ -5,7 +5,9 @@ the checkpoints. OpenAI completions ride in the tick's rollout, which rank 0 sen
 every rank (data_parallel.RolloutMessage): a completion row stays on rank 0 (it streams
 to rank 0's client), and under ``--shard-base``, where every forward is a collective,
 the other ranks join its forwards in lockstep (dummy ones once out of rows), so a
-completion is served whatever the base's sharding, in a tick of its own too. Ranks
+completion is served whatever the base's sharding, in a tick of its own too. With
+``--rollout-backend vllm`` rank 0 alone runs vLLM and decodes every row; the workers
+start none and only train. Ranks
 1..N-1 are started by rank 0 as the same command line (dp_launch.py, torchrun's
 variables), or by torchrun itself (``RANK`` set: every process joins by env://). A
 worker binds nothing: it loads the same model with the same flags, then runs rank 0's
@@ -55,11 +57,6 @@ NAME_THE_RANK_S = 1.0
 
 def check_rank_flags(args: argparse.Namespace) -> None:
     """What --world-size above 1 cannot serve, refused before anything starts."""
-    if args.world_size > 1 and args.rollout_backend != "torch":
-        raise UsageError(
-            f"--world-size {args.world_size} serves the torch rollout only (rank 0 decodes), "
-            f"not --rollout-backend {args.rollout_backend}"
-        )
     if getattr(args, "shard_base", False) and args.world_size < 2:
         raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
 

@@ -81,15 +81,11 @@ def shard_base(model: MultiLoRAModel, world: World, device: torch.device) -> Non
     embed.register_forward_hook(_require_grad)
 
 
-def shard_engine_base(
-    model: MultiLoRAModel, world: World | None, device: torch.device, rollout_backend: str
-) -> Lockstep:
+def shard_engine_base(model: MultiLoRAModel, world: World | None, device: torch.device) -> Lockstep:
     """An engine's ``--shard-base``: its base sharded over ``world``; the lockstep its
     collectives then need (its rollouts' and its updates')."""
     if world is None or world.size < 2:
         raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
-    if rollout_backend != "torch":
-        raise UsageError("--shard-base runs the torch rollout only")
     shard_base(model, world, device)
     log.info("base sharded over %d ranks (FSDP2); prompt-prefix sharing off", world.size)
     return Lockstep(device)
@@ -149,7 +145,12 @@ class Lockstep:
             n += 1
         return n
 
-    # ---- the update's micro-batches (training.fused_backward) ------------------------
+    # ---- the update's micro-batches (training.fused_backward, score_rows) -------------
+
+    @staticmethod
+    def dummy_forward(forward: RoutedForward | HiddenStatesForward, pad_id: int) -> None:
+        """A scoring round's collectives with no effect (training.score_rows)."""
+        dummy_forward(forward, pad_id)
 
     def micro_batch(self, with_ref: bool) -> bool:
         """Before a real micro-batch: this rank trains; whether any rank's micro-batch of
@@ -166,6 +167,14 @@ class Lockstep:
                 return n
             dummy_backward(forward, pad_id, with_ref)
             n += 1
+
+
+@torch.no_grad()
+def dummy_forward(forward: RoutedForward | HiddenStatesForward, pad_id: int) -> None:
+    """A scoring micro-batch's collectives with no effect (training.score_rows under a
+    sharded base): :func:`dummy_backward`'s row, forward only."""
+    row = TrainRow("", 0, [pad_id], [pad_id], [0.0], 0.0, 1.0)
+    row_logprobs(forward, collate_rows([row], pad_id))
 
 
 def dummy_backward(

@@ -499,18 +499,25 @@ def score_rows(
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None = None,
+    lockstep: Lockstep | None = None,
 ) -> list[torch.Tensor]:
     """Each row's log-probs of its completion tokens under the adapters as they are now,
     at the row's temperature: the trainer's own old log-probs (fp32, on the host).
 
     The same micro-batches and forward as ``fused_backward``, so on the update's pass the
     PPO ratio starts at exactly 1; no gradient and no graph are kept. The caller puts the
-    model in eval mode (no dropout, as the rollout sampled).
+    model in eval mode (no dropout, as the rollout sampled). ``lockstep`` (a sharded
+    base): every rank scores as many micro-batches as the busiest (dummy forwards once
+    out of rows), since each forward is a collective.
     """
     out: list[torch.Tensor] = [torch.zeros(0)] * len(rows)
     for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
+        if lockstep is not None:
+            lockstep.step()
         logprobs = mb.run(mb.batch).float().cpu()
         for j, i in enumerate(mb.index):
             start = 0 if mb.shared else len(rows[i].prompt_ids) - 1  # see the collates
             out[i] = logprobs[j, start : start + len(rows[i].completion_ids)].clone()
+    if lockstep is not None:  # out of rows: dummies while another rank still scores
+        lockstep.drain(functools.partial(lockstep.dummy_forward, forward, pad_id))
     return out

@@ -97,7 +97,15 @@ class AdapterTrainer:
     ) -> tuple[list[TrainRow], dict[str, float]]:
         """``rows`` with the trainer's own old log-probs (the sampler's kept as behaviour)
         and each experiment's off-policy gap; as given, and no gaps, when not recomputing."""
-        if not self.recompute_old_logprobs or not rows:
+        rescored, totals = self.rescore(rows)
+        return rescored, mean_gaps([totals])
+
+    def rescore(self, rows: list[TrainRow]) -> tuple[list[TrainRow], GapTotals]:
+        """:meth:`with_trainer_old_logprobs` with the gaps as sums and counts (a
+        data-parallel rank rescores its own rows; rank 0 averages every rank's)."""
+        if not self.recompute_old_logprobs:
+            return rows, {}
+        if not rows and self.lockstep is None:
             return rows, {}
         was_training = self.model.training
         self.model.eval()  # as the rollout ran: no adapter dropout
@@ -111,6 +119,7 @@ class AdapterTrainer:
                 self.pad_id,
                 self.micro_batch_tokens,
                 shared,
+                self.lockstep,
             )
         finally:
             self.model.train(was_training)
@@ -118,7 +127,7 @@ class AdapterTrainer:
             dataclasses.replace(r, old_logprobs=o.tolist(), behaviour_logprobs=r.old_logprobs)
             for r, o in zip(rows, old, strict=True)
         ]
-        return rescored, logprob_gaps(rows, old)
+        return rescored, gap_totals(rows, old)
 
     def backward(
         self,
@@ -209,11 +218,33 @@ def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str,
 
     ``rows`` carry the sampler's log-probs (``old_logprobs`` as the rollout gave them),
     ``trainer`` the recomputed ones, row for row."""
-    diffs: dict[str, list[torch.Tensor]] = {}
+    return mean_gaps([gap_totals(rows, trainer)])
+
+
+# Per experiment: (sum of |sampler - trainer| over its sampled tokens, how many tokens).
+GapTotals = dict[str, tuple[float, int]]
+
+
+def gap_totals(rows: list[TrainRow], trainer: list[torch.Tensor]) -> GapTotals:
+    """What :func:`logprob_gaps` averages, as sums and counts: the ranks of a data-parallel
+    update each total their own rows, and rank 0 averages over all (:func:`mean_gaps`)."""
+    out: GapTotals = {}
     for row, mine in zip(rows, trainer, strict=True):
         sampler = torch.tensor(row.old_logprobs, dtype=torch.float32)
-        diffs.setdefault(row.experiment, []).append((sampler - mine).abs())
-    return {e: float(torch.cat(d).mean()) if d else 0.0 for e, d in diffs.items()}
+        total, n = out.get(row.experiment, (0.0, 0))
+        out[row.experiment] = (total + float((sampler - mine).abs().sum()), n + len(mine))
+    return out
+
+
+def mean_gaps(parts: Iterable[GapTotals]) -> dict[str, float]:
+    """Per experiment, the mean gap over every part's tokens (0.0 where it has none)."""
+    sums: dict[str, list[float]] = {}
+    for part in parts:
+        for exp, (total, n) in part.items():
+            acc = sums.setdefault(exp, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += n
+    return {e: total / n if n else 0.0 for e, (total, n) in sums.items()}
 
 
 def with_gaps(outcomes: dict[str, TrainOutcome], gaps: dict[str, float]) -> dict[str, TrainOutcome]:

