@@ -23,7 +23,13 @@ from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows, fused_backward
+from loraplex_engine.training import (
+    ExperimentUpdate,
+    TrainRow,
+    count_rows,
+    fused_backward,
+    score_rows,
+)
 
 CPU = torch.device("cpu")
 HEAD_ONLY = LoRAConfig(rank=4, alpha=8.0, target_modules=("lm_head",))
@@ -85,6 +91,13 @@ def train_grads(
         row_counts=counts,
         lockstep=lockstep,
     )
+
+
+@torch.no_grad()
+def score(model: MultiLoRAModel, rows: list[TrainRow], lockstep=None) -> list[torch.Tensor]:
+    """The trainer's old log-probs of ``rows`` (AdapterTrainer.rescore's score_rows)."""
+    model.eval()
+    return score_rows(HiddenStatesForward(model, CPU), rows, 0, BUDGET, None, lockstep)
 
 
 def requests(case: str) -> list[RolloutRequest]:
@@ -156,6 +169,8 @@ def _run(world: World, model_dir: Path, out: Path) -> None:
             ]
             distributed.all_reduce_lora_grads(optimizer_params)
             saved[f"grads/{case}/{ckpt}"] = lora_grads(model)
+    for case in ("all-on-0", "head-vs-layers"):  # the trainer's rescoring (a vLLM rollout)
+        saved[f"scores/{case}"] = score(model, shares(rows, case)[world.rank], lockstep)
     saved["train_rounds"] = lockstep.rounds
 
     optimizer = PerAdapterAdamW(model)

@@ -120,6 +120,22 @@ def test_a_sharded_base_gives_the_unsharded_gradients(
         assert torch.equal(got[0][name], got[1][name])
 
 
+@pytest.mark.parametrize("case", ["all-on-0", "head-vs-layers"])
+def test_sharded_ranks_rescore_their_shares_as_one_process(tiny_model_dir, two_ranks, case):
+    """A vLLM rollout under a sharded base (issue 17): each rank scores its own share of
+    the rows (score_rows in lockstep: rank 1 with none, or the ranks with different
+    micro-batch counts) and gets the log-probs one unsharded process gives those rows."""
+    model = shard_worker.build(tiny_model_dir)
+    rows = shard_worker.tick_rows(model)
+    want = dict(zip(map(id, rows), shard_worker.score(model, rows), strict=True))
+    for rank, mine in enumerate(shard_worker.shares(rows, case)):  # the same row objects
+        got = two_ranks[rank][f"scores/{case}"]
+        assert len(got) == len(mine) and (mine or rank == 1)
+        for row, g in zip(mine, got, strict=True):
+            w = want[id(row)]
+            assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5), (case, rank)
+
+
 def test_the_ranks_hold_a_share_of_the_base_and_plain_adapters(two_ranks) -> None:
     """static_bytes (the memory plan's) counts this rank's shards: about half the base
     (the head and the LoRA slots are not sharded); adapters leave as plain tensors."""
