@@ -167,6 +167,19 @@ def test_a_worker_without_rank_0s_slots_or_config_refuses_to_train(tiny_model_di
         DataParallelTraining._check_adapters(worker, TrainMessage([], {}, slots, other))
 
 
+def test_a_worker_that_would_not_rescore_as_rank_0_does_refuses_to_train(tiny_model_dir) -> None:
+    """A vLLM rollout (issue 17): rank 0 says whether the ranks rescore the sampled rows
+    (then each rank's gaps are gathered); a worker that disagrees fails naming it, before
+    the gather that would otherwise wait for it forever."""
+    model = multi_model(tiny_model_dir)
+    slots = {n: model.slot_of(n) for n in CONFIGS}
+    worker = SimpleNamespace(model=model, world=World(1, 2), recompute_old_logprobs=False)
+    worker._check_adapters = lambda msg: DataParallelTraining._check_adapters(worker, msg)
+    msg = TrainMessage([], {}, slots, {}, rescore=True)
+    with pytest.raises(RuntimeError, match="rank 1: rank 0 rescores the sampled rows"):
+        DataParallelTraining._on_train(worker, msg)
+
+
 # ---- the collectives, on two real gloo processes -------------------------------------
 
 

@@ -31,7 +31,8 @@ MIN_UTILIZATION = 0.05  # below this vLLM holds barely its weights: refuse inste
 @dataclass(frozen=True)
 class Placement:
     """What vLLM's worker is told: ``visible_device`` becomes its CUDA_VISIBLE_DEVICES
-    (vLLM uses the first visible GPU); None leaves the environment as it is."""
+    (vLLM uses the first visible GPU, or the first N with ``tensor_parallel_size`` N: then
+    it lists N ids); None leaves the environment as it is."""
 
     colocated: bool
     visible_device: str | None = None
