@@ -21,6 +21,7 @@ from loraplex_engine.distributed import World
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.training import (
@@ -153,7 +154,12 @@ def _run(world: World, model_dir: Path, out: Path) -> None:
     sharding.shard_base(model, world, CPU)
     lockstep = sharding.Lockstep(CPU)
     saved: dict[str, Any] = {
-        "bytes": (unsharded_bytes, static_bytes(model).base),
+        # (whole base, this rank's static bytes, FSDP's unsharded reserve within them)
+        "bytes": (
+            unsharded_bytes,
+            static_bytes(model).base,
+            unsharded_reserve(*fsdp_groups(model.base_model)),
+        ),
         "plain_adapter": all(
             type(t) is torch.Tensor for t in model.adapter_state_dict("a").values()
         ),

@@ -137,11 +137,14 @@ def test_sharded_ranks_rescore_their_shares_as_one_process(tiny_model_dir, two_r
 
 
 def test_the_ranks_hold_a_share_of_the_base_and_plain_adapters(two_ranks) -> None:
-    """static_bytes (the memory plan's) counts this rank's shards: about half the base
-    (the head and the LoRA slots are not sharded); adapters leave as plain tensors."""
+    """static_bytes (the memory plan's) counts this rank's shards, about half the base
+    (the head and the LoRA slots are not sharded), plus the reserve for FSDP's unsharded
+    copies in flight (on a 2-layer model that reserve outweighs the saving; on a real
+    depth it is a few layers of many); adapters leave as plain tensors."""
     for r in two_ranks:
-        whole, local = r["bytes"]
-        assert local < 0.75 * whole, (local, whole)
+        whole, local, reserve = r["bytes"]
+        assert reserve > 0, "no FSDP group found on the sharded base"
+        assert local - reserve < 0.75 * whole, (local, reserve, whole)
         assert r["plain_adapter"]
     assert two_ranks[0]["rounds"] == two_ranks[1]["rounds"] > two_ranks[0]["train_rounds"]
 
