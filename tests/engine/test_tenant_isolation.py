@@ -316,6 +316,10 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
     ckpt = tmp_path / "ckpt"
     leftover = ckpt / "default" / "old" / "run1" / ".step-00000004.tmp-abc123"
     leftover.mkdir(parents=True)
+    two_hours_ago = time.time() - 7200
+    os.utime(leftover, (two_hours_ago, two_hours_ago))  # a crash's, long ago
+    in_progress = ckpt / "default" / "busy" / "run2" / ".step-00000007.tmp-def456"
+    in_progress.mkdir(parents=True)  # another engine's write, now (the root is shared)
     srv = EngineServer(
         tiny_model_dir,
         ckpt,
@@ -330,6 +334,7 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
     )
     with srv:
         assert not leftover.exists()  # a crash's half-written checkpoint is gone at start-up
+        assert in_progress.exists()  # but not another engine's write in progress
         api = srv.client()
         assert put(api, COTENANT, spec()).status_code == 201
         wait_until(lambda: status(api, COTENANT)["step"] >= 1)

@@ -57,7 +57,7 @@ def test_demo_trains_with_tis_on_vllm_rollouts(tiny_model_dir: Path, tmp_path: P
         env={**os.environ, "LORAPLEX_VLLM_PYTHON": str(VLLM_PYTHON)},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "bfloat16, vllm rollout, 4 experiments" in r.stdout
+    assert "bfloat16 on cpu, vllm rollout, 4 experiments" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     rises = []
     for exp in summary["experiments"]:

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ RUN_ID = "runId"
 STEP_DIR = re.compile(r"step-\d{8}")
 # What checkpoint.atomic_dir leaves behind when the process dies mid-write.
 LEFTOVER_DIR = re.compile(r"\.step-\d{8}\.(tmp|old)-.+")
+# A leftover untouched this long is no engine's write in progress (those take seconds).
+STALE_LEFTOVER_S = 3600.0
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 
 log = logging.getLogger("loraplex_engine.run_store")
@@ -58,6 +61,22 @@ class RunStore:
         self.model = model
         self.optimizer = optimizer
         self.base_model = base_model  # written into adapter_config.json
+        self.remove_stale_leftovers()
+
+    def remove_stale_leftovers(self, older_than_s: float = STALE_LEFTOVER_S) -> int:
+        """At start-up, the leftovers of runs nobody may hold any more: untouched for
+        ``older_than_s`` (a write in progress on another engine is seconds old)."""
+        cutoff = time.time() - older_than_s
+        found = [
+            p
+            for p in self.root.glob("*/*/*/.step-*")
+            if LEFTOVER_DIR.fullmatch(p.name) and _mtime(p) < cutoff
+        ]
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        if found:
+            log.info("removed %d stale half-written checkpoints under %s", len(found), self.root)
+        return len(found)
 
     def remove_leftovers(self, run_dir: Path) -> int:
         """Remove what a crashed writer left in one run directory
@@ -371,3 +390,10 @@ def _run_and_step(metadata: Mapping[str, Any] | None) -> tuple[str | None, int |
     run, step = metadata.get(RUN_ID), metadata.get("step")
     valid_step = isinstance(step, int) and not isinstance(step, bool)
     return (run if valid_run_id(run) else None), (step if valid_step else None)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile (its writer finished)
+        return time.time()
