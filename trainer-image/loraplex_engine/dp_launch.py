@@ -114,11 +114,16 @@ def _watch(
 def _joined(
     world: World, device: torch.device, timeout_s: float, store: dist.Store | None = None
 ) -> Iterator[None]:
+    """In the group for the block; leaves it in order when the block ends: with a barrier
+    when it finished, at once when it raised (distributed.leave). The block must not
+    hold the engine when it ends (the group would outlive its leave)."""
     distributed.join(world, device, timeout_s, store)
     try:
         yield
-    finally:
-        distributed.leave()
+    except BaseException:
+        distributed.leave(clean=False)
+        raise
+    distributed.leave()
 
 
 def _spawn(world_size: int, port: int, argv: Sequence[str]) -> dict[int, subprocess.Popen[bytes]]:

@@ -346,6 +346,8 @@ def run_file(
             return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
         finally:
             engine.close()  # the vLLM worker, the reward pool
+            # Before the group is left: a sharded base's DTensors hold it (distributed.leave).
+            del engine
 
 
 def _run(

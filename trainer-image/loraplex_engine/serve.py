@@ -443,6 +443,10 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         shutdown(holder, loop_box.get("loop"), checkpoint=not args.no_checkpoint_on_shutdown)
+        # The group is left below: nothing may hold the engine then (a sharded base's
+        # DTensors hold the group; distributed.leave).
+        holder.engine = None
+        loop_box.clear()
         if not ranks.close() and outcome["rc"] == 0:  # after the checkpoints: release them
             outcome["rc"] = 1
     return outcome["rc"]

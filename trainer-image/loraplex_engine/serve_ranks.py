@@ -139,13 +139,15 @@ class RankGroup:
         if self.engine is None:  # rank 0 never loaded: the workers are not released
             return self._abort(RankFailed("rank 0 did not load its engine"))
         agree = True
+        engine, self.engine = self.engine, None  # not held when the group is left
         try:
-            if self.engine.ranks is not None:
-                agree = self._compare(self.engine.ranks)
-                self.engine.ranks.stop()
+            if engine.ranks is not None:
+                agree = self._compare(engine.ranks)
+                engine.ranks.stop()
         except Exception as e:  # a worker is gone
             log.error("releasing the worker ranks failed: %s", _one_line(e))
             return self._abort(e)
+        del engine
         try:
             self._stack.close()  # the workers exit 0, the group is destroyed
         except Exception as e:
@@ -192,6 +194,8 @@ def run_worker(
             print(f"{PROG}: rank {world.rank}: error: {_one_line(e)}", file=sys.stderr, flush=True)
             os._exit(1)
         engine.close()
+        # Before the group is left: a sharded base's DTensors hold it (distributed.leave).
+        del engine
     log.info("rank %d released by rank 0 after %d train phases", world.rank, phases)
     return 0
 
