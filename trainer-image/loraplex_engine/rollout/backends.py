@@ -85,7 +85,27 @@ class RolloutBackend(Protocol):
 Distribute = Callable[[Sequence[RolloutRequest]], list[Completion]]
 
 
-class TorchRollout:
+class _TrainedWeights:
+    """A rollout that decodes with the trained model's own weights (or, on a worker
+    rank, not at all): no adapter of its own to load, sync, remove or put to sleep."""
+
+    def add_adapter(self, exp_id: str) -> None:
+        pass
+
+    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
+        return SyncResult()
+
+    def remove_adapter(self, exp_id: str) -> None:
+        pass
+
+    def training_phase(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the rollout model is the trained model
+
+    def close(self) -> None:
+        pass
+
+
+class TorchRollout(_TrainedWeights):
     """Decode through the multi-LoRA model with every row routed to its slot, in
     micro-batches of at most ``kv_tokens`` KV-cache tokens (packing.py).
 
@@ -126,23 +146,8 @@ class TorchRollout:
             self.lockstep,
         )
 
-    def add_adapter(self, exp_id: str) -> None:
-        pass
 
-    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
-        return SyncResult()
-
-    def remove_adapter(self, exp_id: str) -> None:
-        pass
-
-    def training_phase(self) -> AbstractContextManager[None]:
-        return nullcontext()  # the rollout model is the trained model
-
-    def close(self) -> None:
-        pass
-
-
-class FollowerRollout:
+class FollowerRollout(_TrainedWeights):
     """A worker rank's rollout under a vLLM backend: rank 0's vLLM decodes every row
     (data_parallel.py), so a worker starts no vLLM and never decodes; its adapters change
     only through rank 0's messages, and it takes no training-phase turn of its own."""
@@ -151,21 +156,6 @@ class FollowerRollout:
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         raise RuntimeError("a worker rank decodes no vLLM rollout: rank 0's vLLM does")
-
-    def add_adapter(self, exp_id: str) -> None:
-        pass
-
-    def sync_adapters(self, exp_ids: Sequence[str]) -> SyncResult:
-        return SyncResult()
-
-    def remove_adapter(self, exp_id: str) -> None:
-        pass
-
-    def training_phase(self) -> AbstractContextManager[None]:
-        return nullcontext()
-
-    def close(self) -> None:
-        pass
 
 
 class VLLMRolloutBackend:
