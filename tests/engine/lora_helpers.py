@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.training import TrainRow
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -68,3 +71,26 @@ def batch(rows: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def random_tick_rows(
+    model: MultiLoRAModel,
+    names: Iterable[str],
+    group_sizes: tuple[int, ...],
+    max_prompt: int,
+    max_done: int,
+) -> list[TrainRow]:
+    """A tick's rows, seeded: for each adapter, prompt groups of ``group_sizes`` rows
+    sharing a random prompt (2..max_prompt tokens), each with its own completion
+    (1..max_done tokens), old log-probs and advantage."""
+    rng = random.Random(0)
+    rows = []
+    for name in names:
+        for group, size in enumerate(group_sizes):
+            prompt = [rng.randrange(4, 200) for _ in range(rng.randint(2, max_prompt))]
+            for _ in range(size):
+                done = [rng.randrange(4, 200) for _ in range(rng.randint(1, max_done))]
+                old = [rng.uniform(-6.0, -4.0) for _ in done]
+                adv = rng.uniform(-1, 1)
+                rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
+    return rows

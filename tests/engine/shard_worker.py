@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lora_helpers import CONFIGS, load_base, randomise_b
+from lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
 from loraplex_engine import distributed, sharding
 from loraplex_engine.algorithms import GRPO
 from loraplex_engine.capacity_plan import static_bytes
@@ -50,17 +50,7 @@ def build(model_dir: Path) -> MultiLoRAModel:
 
 def tick_rows(model: MultiLoRAModel) -> list[TrainRow]:
     """Prompt groups of 1-3 rows for each adapter, random tokens."""
-    rng = random.Random(0)
-    rows = []
-    for name in (*CONFIGS, "d"):
-        for group, size in enumerate((3, 1, 2)):
-            prompt = [rng.randrange(4, 200) for _ in range(rng.randint(2, 7))]
-            for _ in range(size):
-                done = [rng.randrange(4, 200) for _ in range(rng.randint(1, 5))]
-                old = [rng.uniform(-6.0, -4.0) for _ in done]
-                adv = rng.uniform(-1, 1)
-                rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
-    return rows
+    return random_tick_rows(model, (*CONFIGS, "d"), (3, 1, 2), max_prompt=7, max_done=5)
 
 
 UPDATES = {n: ExperimentUpdate(GRPO(), 0.2, 0.1 if n == "b" else 0.0) for n in (*CONFIGS, "d")}

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from lora_helpers import CONFIGS, multi_model
+from lora_helpers import CONFIGS, multi_model, random_tick_rows
 from loraplex_engine import cli, distributed
 from loraplex_engine.algorithms import GRPO
 from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
@@ -137,17 +137,7 @@ def test_shares_under_the_ticks_row_counts_sum_to_the_one_rank_gradient(tiny_mod
 
 def _tick_rows(model) -> list[TrainRow]:
     """Three tenants, prompt groups of 1-4 rows with shared prompts, random completions."""
-    rng = random.Random(0)
-    rows = []
-    for name in CONFIGS:
-        for group, size in enumerate((4, 3, 1, 2)):
-            prompt = [rng.randrange(4, 200) for _ in range(rng.randint(2, 9))]
-            for _ in range(size):
-                done = [rng.randrange(4, 200) for _ in range(rng.randint(1, 6))]
-                old = [rng.uniform(-6.0, -4.0) for _ in done]
-                adv = rng.uniform(-1, 1)
-                rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
-    return rows
+    return random_tick_rows(model, CONFIGS, (4, 3, 1, 2), max_prompt=9, max_done=6)
 
 
 def test_a_worker_without_rank_0s_slots_or_config_refuses_to_train(tiny_model_dir) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,16 +20,15 @@ from pathlib import Path
 import child_processes
 import psutil
 import pytest
-import yaml
 from safetensors.torch import load_file
 from server_process import EngineServer, wait_until
+from test_data_parallel import run_cmd, short_demo
 from test_server_live import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-DEMO = REPO / "samples" / "local" / "demo.yaml"
 STEPS = 8  # as the torch DP test: every experiment has had a nonzero reward by then
 # Max |DP=2 - DP=1| over every adapter weight (fp32, |weights| ~0.1): the ranks' micro-
 # batches pack the rows differently (float rounding, carried by Adam's normalised step);
@@ -44,22 +42,6 @@ ADAPTER_ATOL = 1e-4
 # digit (6e-4), but later steps drift: bf16 rounds the ranks' differently packed
 # micro-batches differently, and a sampled token then flips; hence fp32 here.
 GAP_ATOL = 1e-5
-
-
-def short_demo(tmp_path: Path) -> Path:
-    docs = list(yaml.safe_load_all(DEMO.read_text()))
-    for doc in docs:
-        doc["spec"]["algorithm"]["maxSteps"] = STEPS
-    path = tmp_path / "demo.yaml"
-    path.write_text(yaml.safe_dump_all(docs))
-    return path
-
-
-def run_cmd(manifest: Path, model: Path, out: Path, *flags: str) -> list[str]:
-    return [
-        *(sys.executable, "-m", "loraplex_engine.cli", "run", str(manifest)),
-        *("--model", str(model), "--out", str(out), "--rollout-backend", "vllm", *flags),
-    ]
 
 
 def watch_vllm_workers(root: int, seen: dict[int, int], stop: threading.Event) -> None:
@@ -90,7 +72,7 @@ def spawn_runs(manifest: Path, model: Path, tmp_path: Path) -> dict[str, subproc
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LORAPLEX_VLLM_PYTHON": str(VLLM_PYTHON)}
     return {
         name: child_processes.spawn(
-            run_cmd(manifest, model, tmp_path / name, *flags),
+            run_cmd(manifest, model, tmp_path / name, "--rollout-backend", "vllm", *flags),
             "loraplex-engine run",
             env=env,
             stdout=subprocess.PIPE,
@@ -128,7 +110,7 @@ def test_world_size_2_with_vllm_matches_world_size_1(tiny_model_dir: Path, tmp_p
     with one vLLM worker per run, rank 0's."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
-    procs = spawn_runs(short_demo(tmp_path), tiny_model_dir, tmp_path)
+    procs = spawn_runs(short_demo(tmp_path, STEPS), tiny_model_dir, tmp_path)
     seen = {name: {} for name in procs}
     stop = threading.Event()
     watchers = [
