@@ -10,6 +10,7 @@ few steps. Skipped when the vLLM environment is missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -44,16 +45,23 @@ ADAPTER_ATOL = 1e-4
 GAP_ATOL = 1e-5
 
 
+def vllm_workers(root: int) -> dict[int, int]:
+    """The vLLM worker processes under ``root``: pid -> parent pid. A worker's own
+    children are left out: a subprocess it starts runs with the worker's command line
+    between fork and exec, so a poll that lands there would count a second worker."""
+    found = {}
+    for proc in psutil.Process(root).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("vllm_worker.py" in part for part in proc.cmdline()):
+                found[proc.pid] = proc.ppid()
+    return {pid: parent for pid, parent in found.items() if parent not in found}
+
+
 def watch_vllm_workers(root: int, seen: dict[int, int], stop: threading.Event) -> None:
     """Every vLLM worker process under ``root`` while it runs: its pid -> its parent's."""
     while not stop.is_set():
         try:
-            for proc in psutil.Process(root).children(recursive=True):
-                try:
-                    if any("vllm_worker.py" in part for part in proc.cmdline()):
-                        seen[proc.pid] = proc.ppid()
-                except psutil.Error:
-                    pass
+            seen.update(vllm_workers(root))
         except psutil.Error:
             return
         time.sleep(0.5)
@@ -168,8 +176,7 @@ def test_serve_world_size_2_with_vllm(tiny_model_dir: Path, tmp_path: Path) -> N
     exp = "default.dp-v"
     with srv, srv.client() as api:
         assert srv.proc is not None
-        procs = psutil.Process(srv.proc.pid).children(recursive=True)
-        vllm = [p.ppid() for p in procs if any("vllm_worker.py" in a for a in p.cmdline())]
+        vllm = list(vllm_workers(srv.proc.pid).values())
         assert vllm == [srv.proc.pid], vllm  # one vLLM, rank 0's; rank 1 started none
         r = api.put(f"/v1/experiments/{exp}", json=put_body(exp, small_spec(seed=1, max_steps=3)))
         assert r.status_code == 201, r.text
