@@ -11,6 +11,7 @@ the same recovery for an engine that crashes on its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -42,9 +43,10 @@ def _rank_process(main: psutil.Process, rank: int) -> psutil.Process:
     others its children (the engine's launcher sets RANK in their environment)."""
     if rank == 0:
         return main
-    for child in main.children(recursive=True):
-        if child.environ().get("RANK") == str(rank):
-            return child
+    for child in main.children(recursive=True):  # a rank before its own children
+        with contextlib.suppress(psutil.Error):  # a short-lived child may be gone already
+            if child.environ().get("RANK") == str(rank):
+                return child
     raise AssertionError(f"no rank {rank} under engine process {main.pid}")
 
 
