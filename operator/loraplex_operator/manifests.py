@@ -6,7 +6,8 @@ reference, so deleting the pool garbage-collects its engines). Scalar settings a
 through the pool's typed view (its CRD defaults in one place); the pod template's parts
 (env, volumes, resources, scheduling) are copied from the raw spec as written, except
 what `gpusPerEngine` adds to a multi-rank engine: one GPU per rank on a GPU pool,
-`--world-size` (and `--shard-base` with `shardBase`) and a memory-backed /dev/shm.
+`--world-size` (and `--shard-base` with `shardBase`) and a memory-backed /dev/shm, which
+a one-rank vLLM engine gets too (`mounts_shm`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ TOKEN_FILE = f"{TOKEN_DIR}/token"
 TOKEN_VOLUME = "loraplex-token"
 CHECKPOINT_VOLUME = "loraplex-checkpoints"
 CONTAINER = "engine"
-# A multi-rank engine's /dev/shm: NCCL's shared-memory transport between its ranks needs
-# more than the container runtime's 64 MiB default (template.shmSize sizes it).
+# The engine's memory-backed /dev/shm, sized by template.shmSize (see `mounts_shm`).
 SHM_VOLUME = "loraplex-shm"
 SHM_PATH = "/dev/shm"
 # The device plugin's resource: asking for it is what makes a pool a GPU pool.
@@ -176,12 +176,29 @@ def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     view = PoolSpec.from_obj(spec)
     shm = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": view.shm_size}}]
     extra = copy.deepcopy(spec.get("template", {}).get("volumes", []))
-    return [token, checkpoints, *(shm if view.gpus_per_engine > 1 else []), *extra]
+    return [token, checkpoints, *(shm if mounts_shm(spec) else []), *extra]
+
+
+def mounts_shm(spec: Mapping[str, Any]) -> bool:
+    """Whether the operator mounts its memory-backed /dev/shm in the engine pods.
+
+    Always on a multi-rank engine: NCCL's shared-memory transport needs more than the
+    runtime's 64 MiB (the CRD refuses a template mounting /dev/shm there). On a one-rank
+    vLLM engine unless the template mounts its own: each adapter update crosses to the
+    vLLM worker through a /dev/shm segment, and a rank-32 adapter of a 4B model (~130 MB
+    in bf16) would not fit 64 MiB and fall back to the slower pipe.
+    """
+    view = PoolSpec.from_obj(spec)
+    if view.gpus_per_engine > 1:
+        return True
+    mounts = spec.get("template", {}).get("volumeMounts", [])
+    own = any(m.get("mountPath", "").rstrip("/") == SHM_PATH for m in mounts)
+    return view.rollout_backend == "vllm" and not own
 
 
 def _volume_mounts(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     view = PoolSpec.from_obj(spec)
-    shm = [{"name": SHM_VOLUME, "mountPath": SHM_PATH}] if view.gpus_per_engine > 1 else []
+    shm = [{"name": SHM_VOLUME, "mountPath": SHM_PATH}] if mounts_shm(spec) else []
     return [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         {"name": CHECKPOINT_VOLUME, "mountPath": view.checkpoint_root},

@@ -198,6 +198,7 @@ def test_checkpoint_volume_mounted_at_root() -> None:
     assert mounts == {
         "loraplex-token": "/var/run/loraplex",
         "loraplex-checkpoints": "/shared/ckpt",
+        "loraplex-shm": "/dev/shm",  # a vLLM pool: adapter updates cross through /dev/shm
         "models": "/models",
     }
 

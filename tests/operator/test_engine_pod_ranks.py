@@ -89,6 +89,35 @@ def test_shm_size_sizes_the_volume() -> None:
     assert shm["emptyDir"]["sizeLimit"] == "8Gi"
 
 
+def _vllm_pool(**template: Any) -> Any:
+    p = pool("one-vllm").backend("vllm").template(**template)
+    return apply_defaults(schema_of("EnginePool"), p.obj())
+
+
+def test_a_one_rank_vllm_pool_gets_the_shared_memory_volume() -> None:
+    """Adapter updates cross to the vLLM worker through /dev/shm segments, which the
+    runtime's 64 MiB would not hold for a rank-32 adapter of a 4B model."""
+    pod = engine_pod(_vllm_pool(shmSize="2Gi"), "x")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == SHM_VOLUME]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    mounts = {m["mountPath"]: m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[SHM_PATH] == SHM_VOLUME
+    assert "--world-size" not in pod["spec"]["containers"][0]["args"]
+
+
+def test_a_one_rank_vllm_pool_that_mounts_its_own_shm_keeps_it() -> None:
+    own = {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    obj = _vllm_pool(volumes=[own], volumeMounts=[{"name": "big-shm", "mountPath": "/dev/shm/"}])
+    assert admit("EnginePool", obj) == []  # allowed with one rank
+    pod = engine_pod(obj, "x")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    assert SHM_VOLUME not in {v["name"] for v in pod["spec"]["volumes"]}
+    mounts = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "big-shm"]
+    assert mounts == [{"name": "big-shm", "mountPath": "/dev/shm/"}]
+    assert {v["name"] for v in pod["spec"]["volumes"]} >= {"big-shm"}
+
+
 @pytest.mark.parametrize(
     ("resources", "want"),
     [
