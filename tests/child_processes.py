@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,19 @@ def _group_alive(pgid: int) -> bool:
 
 
 def kill_group(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
-    """SIGKILL the leader and everything in its group; reap the leader."""
+    """SIGKILL the leader and everything in its group; reap the leader, and wait (up to
+    `timeout`) until the rest is gone too: a killed process stays runnable until the
+    kernel schedules its exit, which on a loaded machine is not at once."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
-    if not _group_alive(proc.pid):
-        _groups.pop(proc.pid, None)
+    while _group_alive(proc.pid):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    _groups.pop(proc.pid, None)
 
 
 def survivors() -> list[str]:

@@ -19,8 +19,10 @@ from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidReq
 from loraplex_engine.run_store import (
     RUN_ID,
     Candidate,
+    gone_as,
     resume_order,
     run_order,
+    step_dirs,
     valid_run_id,
 )
 from safetensors.torch import load_file
@@ -281,6 +283,54 @@ def test_put_with_a_run_id_alone_resumes_that_runs_newest_checkpoint(
     with pytest.raises(InvalidRequestError) as bad:
         second.put_experiment("default.z", _tiny(), "default", "z", run_id="../y")
     assert bad.value.field == "runId"
+
+
+@pytest.mark.parametrize(
+    ("path", "run_id", "want"),
+    [
+        ("/c/ns/x/uid-a/step-00000052", "uid-a", {RUN_ID: "uid-a", "step": 52}),
+        ("/c/ns/x/uid-a/step-00000052", None, {RUN_ID: "uid-a", "step": 52}),
+        ("/c/ns/x/uid-a/step-00000052", "uid-b", None),  # the path names another run
+        ("/c/ns/x/uid-a/step-52", "uid-a", None),  # not a step directory's name
+        ("/c/ns/x/uid-a/latest", "uid-a", None),
+        ("/c/ns/x/../step-00000052", None, None),  # ".." is no run id
+    ],
+)
+def test_a_gone_checkpoint_names_its_run_and_step_by_its_path(
+    path: str, run_id: str | None, want: dict | None
+) -> None:
+    assert gone_as(Path(path), run_id) == want
+
+
+def test_a_pruned_checkpoint_resumes_from_its_runs_newer_ones(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The operator records the checkpoint it last saw; before the engine dies the run may
+    write `keep` newer ones and prune that one. The resume finds the newest of the run."""
+    first = engine(tiny_model_dir, tmp_path)
+    first.put_experiment("default.p", _tiny(every=1, keep=2), "default", "p", run_id="uid-p")
+    first.tick()
+    seen = Path(first.checkpoint_experiment("default.p").path)  # what the operator saw
+    for _ in range(3):
+        first.tick()
+    run_dir = tmp_path / "default" / "p" / "uid-p"
+    assert [p.name for p in step_dirs(run_dir)] == ["step-00000003", "step-00000004"]
+    assert not seen.exists()
+
+    second = engine(tiny_model_dir, tmp_path)
+    status, created = second.put_experiment(
+        "default.p", _tiny(every=1, keep=2), "default", "p", str(seen), run_id="uid-p"
+    )
+    assert created and status.step == 4 and status.run_id == "uid-p"
+    _assert_holds(second, "default.p", run_dir / "step-00000004")
+
+    # Gone, and nothing newer of its run: the requested one's own error, as before.
+    third = engine(tiny_model_dir, tmp_path)
+    missing = tmp_path / "default" / "q" / "uid-q" / "step-00000001"
+    with pytest.raises(BadCheckpointError, match=r"adapter_config\.json is missing") as err:
+        third.put_experiment("default.q", _tiny(), "default", "q", str(missing), run_id="uid-q")
+    assert err.value.field == "resumeFrom"
+    assert "default.q" not in third.model.adapters()
 
 
 def test_resume_from_must_belong_to_the_run_id(tiny_model_dir: Path, tmp_path: Path) -> None:

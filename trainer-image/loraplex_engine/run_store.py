@@ -6,7 +6,8 @@ old run's checkpoints. Each run keeps its newest ``keep`` checkpoints.
 
 Resume policy: the newest intact checkpoint of the run. Given a checkpoint to resume from,
 that is the newest one of its run at or after its step (one written after the caller last
-looked, e.g. on SIGTERM, is not redone); given only a run id, the newest one in the run's
+looked, e.g. on SIGTERM, is not redone; the requested one may be pruned by then); given
+only a run id, the newest one in the run's
 directory. Broken newer checkpoints are skipped (and kept). The choice itself is pure
 (:func:`resume_order`, :func:`run_order`); :class:`RunStore` tries the candidates in order.
 
@@ -134,7 +135,9 @@ class RunStore:
         try:
             own = Candidate(requested, ckpt.read_metadata(requested))
         except CheckpointError:
-            own = Candidate(requested, None)  # loading it reports what is wrong with it
+            # Loading it reports what is wrong with it; one that is gone may have been
+            # pruned after a newer one of its run was written, which the resume then finds.
+            own = Candidate(requested, None if requested.exists() else gone_as(requested, run_id))
         own_run = run_of(own.metadata)
         if own.metadata is not None and own_run is None:
             raise BadCheckpointError(
@@ -349,6 +352,20 @@ class Candidate:
 
     path: Path
     metadata: Mapping[str, Any] | None
+
+
+def gone_as(requested: Path, run_id: str | None) -> dict[str, Any] | None:
+    """What a requested checkpoint that no longer exists was, from its path alone:
+    ``<run id>/step-NNNNNNNN`` gives its run and step. A run keeps only its newest
+    ``keep`` checkpoints, so the one the operator last saw may be pruned by the time an
+    engine dies and the experiment resumes; its run's newer checkpoints continue it.
+    None when the path does not say, or names another run than ``run_id``."""
+    run = requested.parent.name
+    if not (STEP_DIR.fullmatch(requested.name) and valid_run_id(run)):
+        return None
+    if run_id is not None and run != run_id:
+        return None
+    return {RUN_ID: run, "step": dir_step(requested)}
 
 
 def resume_order(requested: Candidate, siblings: Iterable[Candidate]) -> list[Path]:
