@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+from loraplex_engine.run_store import step_dirs
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 
@@ -239,7 +240,8 @@ def test_a_reward_servers_answer_reaches_status_only_as_its_status_code(
 
 
 def _b_checkpoints(server: EngineServer) -> set[str]:
-    return {p.name for p in (server.checkpoint_root / "team-b" / "good" / CO_RUN).iterdir()}
+    """The co-tenant's finished checkpoints (not one it is writing: that one is renamed)."""
+    return {p.name for p in step_dirs(server.checkpoint_root / "team-b" / "good" / CO_RUN)}
 
 
 def test_an_id_that_is_not_the_bodys_namespace_and_name_is_refused(
