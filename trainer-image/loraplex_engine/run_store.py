@@ -7,8 +7,8 @@ old run's checkpoints. Each run keeps its newest ``keep`` checkpoints.
 Resume policy: the newest intact checkpoint of the run. Given a checkpoint to resume from,
 that is the newest one of its run at or after its step (one written after the caller last
 looked, e.g. on SIGTERM, is not redone; the requested one may be pruned by then); given
-only a run id, the newest one in the run's
-directory. Broken newer checkpoints are skipped (and kept). The choice itself is pure
+only a run id, the newest one in the run's directory. Broken newer checkpoints are
+skipped (and kept). The choice itself is pure
 (:func:`resume_order`, :func:`run_order`); :class:`RunStore` tries the candidates in order.
 
 The file format of one checkpoint (PEFT adapter, optimiser and RNG state, atomic writes)
