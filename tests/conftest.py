@@ -16,6 +16,38 @@ TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 torch.set_num_threads(int(os.environ.get("LORAPLEX_TEST_THREADS", "1")))
 
 
+# Modules whose every test compares float results across summation orders (fused vs alone,
+# sharded vs not, chunked vs whole, resumed vs uninterrupted); single tests elsewhere carry
+# @pytest.mark.numeric. `make test-kernel-paths` reruns them on every CPU kernel path.
+NUMERIC_MODULES = frozenset(
+    {
+        "test_checkpoint_resume.py",
+        "test_grpo.py",
+        "test_grpo_reference.py",
+        "test_grpo_tis.py",
+        "test_lora_grad.py",
+        "test_lora_layers.py",
+        "test_memory_bounds.py",
+        "test_off_policy.py",
+        "test_optim.py",
+        "test_precision.py",
+        "test_prefix_share.py",
+        "test_sharding.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in NUMERIC_MODULES:
+            item.add_marker(pytest.mark.numeric)
+
+
+def pytest_report_header() -> str:
+    """The kernel path torch dispatches to (ATEN_CPU_CAPABILITY picks one below native)."""
+    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny Llama model (built by `make tiny-model`; built here if missing)."""
