@@ -51,13 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grouped_lora as grouped_bench
 from gpu_bench import bf16_matmul_flops
 from gpu_common import write_json
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.planner import Workload, floor_flops, linear_weights, plan, tenant_rows
 from loraplex_engine.timesliced import TimeSlicedTraining
-from loraplex_engine.training import ExperimentUpdate, TrainRow
+from loraplex_engine.training import TrainRow
 from loraplex_engine.training_strategy import FusedTraining
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -131,7 +131,7 @@ def run_cell(
     """Both arms for one N on one model: seconds, tokens/s, floor share, peak memory."""
     model, optimizer = build(config, w, device)
     rows = tenant_rows(model, w, w.adapters)
-    updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
+    updates = {r.experiment: ClippedRatioLoss() for r in rows}
     p_base, p_lora = linear_weights(model, w.rank)
     common = {"model": model, "optimizer": optimizer, "device": device, "pad_id": 0,
               "micro_batch_tokens": w.micro_batch_tokens, "shared_forward": None,

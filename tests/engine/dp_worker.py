@@ -49,3 +49,72 @@ def run_rank(rank: int, port: int, out: str) -> None:
         )
     finally:
         distributed.leave()
+
+
+# ---- a data-parallel update with off-policy correction --------------------------------
+
+TIS_LR = 0.01
+
+
+def tis_trainer(model_dir: str, world: World | None):
+    """The tiny model with adapters a, b, c; their trainer, recomputing the old log-probs
+    as under a vLLM rollout (the rows' log-probs are then the sampler's)."""
+    from lora_helpers import CONFIGS, multi_model
+    from loraplex_engine.data_parallel import DataParallelTraining
+    from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+    from loraplex_engine.training_strategy import FusedTraining
+
+    model = multi_model(Path(model_dir))
+    optimizer = PerAdapterAdamW(model)
+    for name in CONFIGS:
+        optimizer.add_adapter(name, AdamWSettings(lr=TIS_LR))
+    kw = {"recompute_old_logprobs": True}
+    if world is None:
+        return FusedTraining(model, optimizer, torch.device("cpu"), 0, 64, None, **kw)
+    return DataParallelTraining(
+        model, optimizer, torch.device("cpu"), 0, 64, None, world=world, **kw
+    )
+
+
+def tis_rows(model):
+    """Every adapter's rows, sampler log-probs in [-6, -4] (the trainer's are ~-5.5): TIS
+    weights spread over (0.2, cap], a different one per token."""
+    from lora_helpers import CONFIGS, random_tick_rows
+
+    return random_tick_rows(model, CONFIGS, (4, 3, 2, 3), max_prompt=9, max_done=6)
+
+
+def tis_losses(tis_cap: float | None):
+    from lora_helpers import CONFIGS
+    from loraplex_engine.algorithms import ClippedRatioLoss
+
+    return {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0, tis_cap=tis_cap) for n in CONFIGS}
+
+
+def train_with_tis(trainer, tis_cap: float | None) -> dict[str, dict[str, torch.Tensor]]:
+    """One update of every adapter; their weights after it."""
+    from lora_helpers import CONFIGS
+
+    outcomes = trainer.train(tis_rows(trainer.model), tis_losses(tis_cap))
+    assert all(o.failure is None for o in outcomes.values()), outcomes
+    return {n: trainer.model.adapter_state_dict(n) for n in CONFIGS}
+
+
+def run_tis_rank(rank: int, port: int, model_dir: str, out: str, tis_cap: float) -> None:
+    """Rank 0 drives one update with TIS over two ranks (rank 1 follows its messages);
+    each saves its adapters after it."""
+    os.environ.update(MASTER_ADDR=distributed.LOOPBACK, MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    world = World(rank, 2)
+    distributed.join(world, torch.device("cpu"), timeout_s=120)
+    try:
+        trainer = tis_trainer(model_dir, world)
+        if world.is_leader:
+            adapters = train_with_tis(trainer, tis_cap)
+            trainer.stop()
+        else:
+            assert trainer.follow() == 1
+            adapters = {n: trainer.model.adapter_state_dict(n) for n in tis_losses(None)}
+        torch.save(adapters, Path(out) / f"tis-rank{rank}.pt")
+    finally:
+        distributed.leave()

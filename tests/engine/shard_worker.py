@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
 from loraplex_engine import distributed, sharding
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.capacity_plan import static_bytes
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.data_parallel import DataParallelTraining
@@ -25,7 +25,6 @@ from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.training import (
-    ExperimentUpdate,
     TrainRow,
     count_rows,
     fused_backward,
@@ -53,7 +52,7 @@ def tick_rows(model: MultiLoRAModel) -> list[TrainRow]:
     return random_tick_rows(model, (*CONFIGS, "d"), (3, 1, 2), max_prompt=7, max_done=5)
 
 
-UPDATES = {n: ExperimentUpdate(GRPO(), 0.2, 0.1 if n == "b" else 0.0) for n in (*CONFIGS, "d")}
+UPDATES = {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0) for n in (*CONFIGS, "d")}
 
 
 def shares(rows: list[TrainRow], case: str) -> list[list[TrainRow]]:

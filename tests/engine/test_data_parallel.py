@@ -21,17 +21,22 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from adapter_parity import AdapterGap, adapter_gap_of_files, assert_same_training
+from adapter_parity import (
+    STEP_RMS_TOL,
+    AdapterGap,
+    adapter_gap,
+    adapter_gap_of_files,
+    assert_same_training,
+)
 from lora_helpers import CONFIGS, multi_model, random_tick_rows
 from loraplex_engine import cli, distributed
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
 from loraplex_engine.distributed import World
 from loraplex_engine.optim import AdamWSettings
 from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
 from loraplex_engine.shared_prefix import shared_prefix_forward
 from loraplex_engine.training import (
-    ExperimentUpdate,
     TrainRow,
     count_rows,
     fused_backward,
@@ -110,7 +115,7 @@ def test_shares_under_the_ticks_row_counts_sum_to_the_one_rank_gradient(tiny_mod
     model = multi_model(tiny_model_dir)
     model.train()
     rows = _tick_rows(model)
-    updates = {n: ExperimentUpdate(GRPO(), 0.2, 0.1 if n == "b" else 0.0) for n in CONFIGS}
+    updates = {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0) for n in CONFIGS}
 
     def forward(ids, attn, slots):
         return model(input_ids=ids, attention_mask=attn, slot_ids=slots).logits.float()
@@ -204,6 +209,27 @@ def test_lora_grads_are_summed_over_two_gloo_ranks(tmp_path) -> None:
         assert torch.equal(out[r]["stacked"][:, 1:3], torch.full((4, 2), 7.0))
         assert torch.equal(out[r]["stacked"][:, [0, 3]], torch.zeros(4, 2))
         assert out[r]["obj"] == {"from": 0}
+
+
+@pytest.mark.numeric
+def test_worker_ranks_apply_rank_0s_off_policy_correction(tiny_model_dir, tmp_path) -> None:
+    """Under a vLLM rollout with offPolicyCorrection tis, two ranks train every adapter
+    to where one rank does: the worker weights its share of the tokens by TIS as rank 0
+    does (its losses arrive whole in rank 0's message). The same update without TIS
+    ends elsewhere, so a worker that dropped the correction would fail here."""
+    with socket.socket() as s:
+        s.bind((distributed.LOOPBACK, 0))
+        port = s.getsockname()[1]
+    mp.spawn(dp_worker.run_tis_rank, args=(port, str(tiny_model_dir), str(tmp_path), 2.0), nprocs=2)
+    ranks = [torch.load(tmp_path / f"tis-rank{r}.pt") for r in range(2)]
+    one = dp_worker.train_with_tis(dp_worker.tis_trainer(str(tiny_model_dir), None), 2.0)
+    plain = dp_worker.train_with_tis(dp_worker.tis_trainer(str(tiny_model_dir), None), None)
+    lr = dp_worker.TIS_LR
+    for name, want in one.items():
+        assert all(torch.equal(ranks[1][name][k], v) for k, v in ranks[0][name].items())
+        assert_same_training({name: adapter_gap(want, ranks[0][name], lr, 1)})
+        without = adapter_gap(want, plain[name], lr, 1)
+        assert without.rms > 100 * STEP_RMS_TOL, (name, without)
 
 
 # ---- `loraplex-engine run --world-size N`, real processes -----------------------------

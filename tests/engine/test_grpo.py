@@ -5,11 +5,14 @@ import pytest
 import torch
 from loraplex_engine.algorithms import (
     ALGORITHMS,
-    get_algorithm,
+    ClippedRatioLoss,
+    LossInputs,
+    build_algorithm,
     group_advantages,
     grpo_loss,
     token_logprobs,
 )
+from loraplex_engine.spec import AlgorithmSpec
 
 
 def test_group_advantages_hand_computed() -> None:
@@ -102,16 +105,24 @@ def test_token_logprobs_matches_log_softmax() -> None:
     assert torch.allclose(got[1, 2], torch.log_softmax(logits[1, 2], -1)[3])
 
 
-def test_registry() -> None:
-    algo = get_algorithm("grpo")
-    assert ALGORITHMS["grpo"] is algo and algo.name == "grpo"
-    adv = algo.advantages(torch.tensor([1.0, 0.0]), 2)
-    out = algo.loss(
-        torch.zeros(2, 1), torch.zeros(2, 1), None, adv, torch.ones(2, 1), clip=0.2, kl_coef=0.0
+def test_the_registry_builds_the_specs_settings_into_the_loss() -> None:
+    """The spec's settings reach the loss whole, as typed fields (what a data-parallel
+    worker receives): TIS only when the correction is on."""
+    spec = AlgorithmSpec.model_validate(
+        {"name": "grpo", "clip": 0.3, "klCoef": 0.1, "offPolicyCorrection": "tis", "tisCap": 3.0}
     )
-    assert out.seq_loss.shape == (2,)
+    algo = build_algorithm(spec)
+    assert algo.name == "grpo" and ALGORITHMS["grpo"](spec) == algo
+    assert algo.loss == ClippedRatioLoss(clip=0.3, kl_coef=0.1, tis_cap=3.0)
+    assert algo.loss.needs_reference and not ClippedRatioLoss().needs_reference
+    plain = build_algorithm(AlgorithmSpec.model_validate({"tisCap": 3.0}))
+    assert plain.loss.tis_cap is None
+    adv = algo.advantages(torch.tensor([1.0, 0.0]), 2)
+    zeros = torch.zeros(2, 1)
+    out = plain.loss(LossInputs(zeros, zeros, adv, torch.ones(2, 1)))
+    assert out.seq_loss.shape == (2,) and out.tis_mean is None
     with pytest.raises(KeyError, match="unknown algorithm 'ppo'"):
-        get_algorithm("ppo")
+        build_algorithm(AlgorithmSpec.model_construct(name="ppo"))
 
 
 def test_grpo_raises_reward_on_the_tiny_model(tiny_model_dir: Path) -> None:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from loraplex_engine.algorithms import get_algorithm, grpo_loss, tis_weights
+from loraplex_engine.algorithms import ClippedRatioLoss, LossInputs, grpo_loss, tis_weights
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]])
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -86,10 +86,10 @@ def test_tis_needs_behaviour_logprobs_and_a_cap_of_at_least_one() -> None:
         tis_weights(LOGP, LOGP, cap=0.5)
 
 
-def test_the_registered_grpo_passes_tis_through() -> None:
+def test_the_grpo_loss_passes_tis_through() -> None:
     old = torch.tensor([[-1.0]])
-    out = get_algorithm("grpo").loss(
-        old, old, None, torch.tensor([1.0]), torch.ones(1, 1), clip=0.2, kl_coef=0.0,
-        behaviour_logprobs=old - math.log(1.8), tis_cap=2.0,
-    )  # fmt: skip
+    loss = ClippedRatioLoss(tis_cap=2.0)
+    out = loss(
+        LossInputs(old, old, torch.tensor([1.0]), torch.ones(1, 1), None, old - math.log(1.8))
+    )
     assert out.seq_loss.item() == pytest.approx(-1.8)

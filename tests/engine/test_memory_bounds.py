@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 from lora_helpers import CONFIGS, multi_model
-from loraplex_engine.algorithms import GRPO, token_logprobs
+from loraplex_engine.algorithms import ClippedRatioLoss, token_logprobs
 from loraplex_engine.checkpointing import gradient_checkpointing
 from loraplex_engine.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import TrainRow, fused_backward
 
 CPU = torch.device("cpu")
 KL = {"a": 0.0, "b": 0.1, "c": 0.0}  # one tenant with a KL term (slot 0 reference)
@@ -36,7 +36,7 @@ def _rows(model, seed: int = 0) -> list[TrainRow]:
 
 def _grads(model_dir, make_forward, budget: int = 64, checkpointing: bool = False):
     model = multi_model(model_dir)
-    updates = {n: ExperimentUpdate(GRPO(), 0.2, KL[n]) for n in CONFIGS}
+    updates = {n: ClippedRatioLoss(kl_coef=KL[n]) for n in CONFIGS}
     fused_backward(make_forward(model), _rows(model), updates, 0, budget,
                    gradient_checkpointing=checkpointing)  # fmt: skip
     return {n: model.adapter_views(n, lambda p: p.grad) for n in CONFIGS}

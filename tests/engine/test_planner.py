@@ -11,13 +11,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 from lora_helpers import CONFIGS
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.plan_cli import parse_bytes
 from loraplex_engine.planner import Workload, keep_index_values, load_config, plan
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import TrainRow, fused_backward
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
 
@@ -72,7 +72,7 @@ def _step_peak(config, fake: bool) -> tuple[int, int]:
         model = MultiLoRAModel(AutoModelForCausalLM.from_config(config).eval(), 4, 8)
         for i, (name, cfg) in enumerate(CONFIGS.items()):
             model.add_adapter(name, cfg, seed=i)
-        updates = {n: ExperimentUpdate(GRPO(), 0.2, 0.0) for n in CONFIGS}
+        updates = {n: ClippedRatioLoss() for n in CONFIGS}
         with tracker.in_phase("step") as peak:
             fused_backward(HiddenStatesForward(model, CPU), _rows(model), updates, 0, 4096)
         grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -12,12 +12,12 @@ import pytest
 import torch
 from lora_helpers import CONFIGS, randomise_b
 from loraplex_engine import cli
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.precision import resolve_dtype
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import TrainRow, fused_backward
 from transformers import AutoModelForCausalLM
 
 from tests.engine.engine_builders import engine, mean, spec
@@ -67,7 +67,7 @@ def _rows(model: MultiLoRAModel, names: list[str], seed: int = 0) -> list[TrainR
 
 def _grads(model: MultiLoRAModel, rows: list[TrainRow], forward) -> dict[str, dict]:
     names = sorted({r.experiment for r in rows})
-    updates = {n: ExperimentUpdate(GRPO(), 0.2, 0.0) for n in names}
+    updates = {n: ClippedRatioLoss() for n in names}
     model.zero_grad()
     fused_backward(forward, rows, updates, 0, 64)
     return {n: model.adapter_views(n, lambda p: p.grad.clone()) for n in names}
@@ -114,7 +114,7 @@ def test_bf16_base_fp32_masters_and_adam_state(tiny_model_dir, tmp_path) -> None
     assert eng.tick() is not None  # a real step (its rewards may all be 0: no gradient)
     # ... and one with a gradient for sure: random advantages on the engine's own strategy.
     rows = _rows(eng.model, ["default.a"])
-    update = ExperimentUpdate(GRPO(), 0.2, 0.0)
+    update = ClippedRatioLoss()
     assert eng.strategy.train(rows, {"default.a": update})["default.a"].failure is None
     assert eng.capacity().dtype == "bfloat16" and not eng.capacity().gradient_checkpointing
     layers = eng.model.lora_layers.values()

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from lora_helpers import CONFIGS, multi_model, rel_err
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.shared_prefix import prefix_sharing_unsupported, shared_prefix_forward
 from loraplex_engine.training import (
-    ExperimentUpdate,
     TrainRow,
     fused_backward,
     pack_micro_batches_shared,
@@ -52,7 +51,7 @@ def _rows(model, seed: int = 0) -> list[TrainRow]:
 def _grads(model_dir: Path, budget: int, shared: bool):
     model = multi_model(model_dir)
     model.train()
-    updates = {n: ExperimentUpdate(GRPO(), 0.2, KL[n]) for n in CONFIGS}
+    updates = {n: ClippedRatioLoss(kl_coef=KL[n]) for n in CONFIGS}
 
     def forward(ids, attn, slots):
         return model(input_ids=ids, attention_mask=attn, slot_ids=slots).logits.float()

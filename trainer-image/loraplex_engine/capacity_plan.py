@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from loraplex_engine.algorithms import GRPO
+from loraplex_engine.algorithms import ClippedRatioLoss
 from loraplex_engine.api_types import (
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_MICRO_BATCH_TOKENS,
@@ -52,7 +52,7 @@ from loraplex_engine.memtrack import LiveBytes, storage_bytes
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward
+from loraplex_engine.training import TrainRow, fused_backward
 
 # Adapter slot copies the engine keeps: fp32 master, its gradient, Adam's two moments.
 SLOT_COPIES = 4
@@ -202,14 +202,14 @@ def _peak_over_static(
         TrainRow(name, model.slot_of(name), prompt, done, [-1.0] * len(done), 0.5 - k % 2, 1.0, k)
         for k, name in enumerate(tenants)
     ]
-    updates = {name: ExperimentUpdate(GRPO(), 0.2, 0.0) for name in tenants}
+    losses = {name: ClippedRatioLoss() for name in tenants}
     try:
         forward = HiddenStatesForward(model, CPU)
     except ValueError:  # a head that transforms its logits: the engine's full-logits path
         forward, checkpointing = _routed_forward(model), False
     with tracker.in_phase(f"micro-batch-{len(tenants)}") as peak:
         before = tracker.live
-        fused_backward(forward, batch, updates, 0, len(batch) * row_tokens,
+        fused_backward(forward, batch, losses, 0, len(batch) * row_tokens,
                        gradient_checkpointing=checkpointing)  # fmt: skip
     return peak.bytes - before
 

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from loraplex_engine import distributed
-from loraplex_engine.algorithms import get_algorithm
+from loraplex_engine.algorithms import PolicyLoss
 from loraplex_engine.distributed import World
 from loraplex_engine.errors import UsageError
 from loraplex_engine.lora import LoRAConfig
@@ -62,22 +62,13 @@ from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.sharding import Lockstep
-from loraplex_engine.training import ExperimentUpdate, TrainRow, count_rows
+from loraplex_engine.training import TrainRow, count_rows
 from loraplex_engine.training_strategy import FusedTraining, TrainOutcome, mean_gaps, with_gaps
 
 log = logging.getLogger("loraplex_engine.data_parallel")
 
 # An idle rank 0 tells its workers it is alive this often (at most; see heartbeat_s).
 HEARTBEAT_S = 30.0
-
-
-@dataclass(frozen=True)
-class UpdateSpec:
-    """An ExperimentUpdate by value: the algorithm by name, looked up on each rank."""
-
-    algorithm: str
-    clip: float
-    kl_coef: float
 
 
 @dataclass(frozen=True)
@@ -96,8 +87,10 @@ class TrainMessage:
     """Rank 0's train phase, as every rank needs it."""
 
     rows: list[TrainRow]
-    updates: dict[str, UpdateSpec]
-    slots: dict[str, int]  # every experiment in ``updates``: its slot on rank 0
+    # Each experiment's loss, whole (its settings are its fields): every rank applies
+    # exactly rank 0's.
+    losses: dict[str, PolicyLoss]
+    slots: dict[str, int]  # every experiment in ``losses``: its slot on rank 0
     new: dict[str, NewAdapter]
     # Rank 0 rescores the sampled rows (a vLLM rollout): so must every rank, its share.
     rescore: bool = False
@@ -161,16 +154,13 @@ class DataParallelTraining(FusedTraining):
 
     # ---- rank 0 ----------------------------------------------------------------------
 
-    def train(
-        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
-    ) -> dict[str, TrainOutcome]:
+    def train(self, rows: list[TrainRow], losses: dict[str, PolicyLoss]) -> dict[str, TrainOutcome]:
         self._require_leader("train")
-        slots = {e: self.model.slot_of(e) for e in updates}
+        slots = {e: self.model.slot_of(e) for e in losses}
         new = self._unsynced(slots)
-        specs = {e: UpdateSpec(u.algorithm.name, u.clip, u.kl_coef) for e, u in updates.items()}
         with self._lock:  # the message and the phase's collectives, uninterrupted
-            self._send(TrainMessage(rows, specs, slots, new, self.recompute_old_logprobs))
-            return self._apply(rows, updates, slots, new)
+            self._send(TrainMessage(rows, losses, slots, new, self.recompute_old_logprobs))
+            return self._apply(rows, losses, slots, new)
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         """Decode ``requests`` over the ranks; every rank's completions, in order."""
@@ -301,10 +291,6 @@ class DataParallelTraining(FusedTraining):
         }
 
     def _on_train(self, msg: TrainMessage) -> None:
-        updates = {
-            e: ExperimentUpdate(get_algorithm(u.algorithm), u.clip, u.kl_coef)
-            for e, u in msg.updates.items()
-        }
         self._check_adapters(msg)
         if msg.rescore != self.recompute_old_logprobs:  # else the gap's gather would hang
             raise RuntimeError(
@@ -314,7 +300,7 @@ class DataParallelTraining(FusedTraining):
             )
         self.model.train()
         try:
-            self._apply(msg.rows, updates, msg.slots, msg.new)
+            self._apply(msg.rows, msg.losses, msg.slots, msg.new)
         finally:
             self.model.eval()
 
@@ -381,7 +367,7 @@ class DataParallelTraining(FusedTraining):
     def _apply(
         self,
         rows: list[TrainRow],
-        updates: dict[str, ExperimentUpdate],
+        losses: dict[str, PolicyLoss],
         slots: dict[str, int],
         new: dict[str, NewAdapter],
     ) -> dict[str, TrainOutcome]:
@@ -394,10 +380,10 @@ class DataParallelTraining(FusedTraining):
         share, totals = self.rescore(share)
         gaps = mean_gaps(distributed.gather_objects(totals)) if self.recompute_old_logprobs else {}
         self.optimizer.zero_grad()
-        self.backward(share, updates, count_rows(rows))
+        self.backward(share, losses, count_rows(rows))
         in_play = slice(min(slots.values()), max(slots.values()) + 1)
         distributed.all_reduce_lora_grads(self.optimizer.params, in_play)
-        return with_gaps(self.step_finite(list(updates)), gaps)
+        return with_gaps(self.step_finite(list(losses)), gaps)
 
     @torch.no_grad()
     def _sync_new(self, new: dict[str, NewAdapter]) -> None:

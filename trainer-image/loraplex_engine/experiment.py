@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from loraplex_engine.algorithms import Algorithm, get_algorithm
+from loraplex_engine.algorithms import Algorithm, build_algorithm
 from loraplex_engine.api_types import (
     DETERMINISTIC_FAILURES,
     CheckpointRef,
@@ -143,7 +143,7 @@ def new_experiment(
             dataset_root=dataset_root,
             reward_egress=trust.egress,
         )
-        algorithm = get_algorithm(spec.algorithm.name)
+        algorithm = build_algorithm(spec.algorithm)
     except TaskError as e:
         raise InvalidSpecError(e.message, field=e.field) from e
     except KeyError as e:

@@ -68,7 +68,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .algorithms import GRPO
+from .algorithms import ClippedRatioLoss
 from .api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from .capacity_plan import _with_layers
 from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
@@ -87,7 +87,7 @@ from .rollout.base import RolloutRequest
 from .rollout.packing import kv_tokens, pack_rollout
 from .rollout.sampling import Sampler
 from .rollout.torch_backend import _shared_prefill
-from .training import ExperimentUpdate, TrainRow, fused_backward
+from .training import TrainRow, fused_backward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU = torch.device("cpu")
@@ -344,18 +344,18 @@ def _train_step(
     mine = my_rows(model, w)
     run_rows = min(len(mine), rows_per_batch * w.micro_batches)
     rows = mine[:run_rows]
-    updates = {r.experiment: ExperimentUpdate(GRPO(), 0.2, 0.0) for r in rows}
+    losses = {r.experiment: ClippedRatioLoss() for r in rows}
     forward = HiddenStatesForward(model, CPU, w.chunk_tokens)
     pad = config.pad_token_id or 0
     for layer in model.lora_layers.values():
         layer.lora_A.grad = layer.lora_B.grad = None
     with tracker.in_phase("train"):
-        stats = fused_backward(forward, rows, updates, pad, w.micro_batch_tokens,
+        stats = fused_backward(forward, rows, losses, pad, w.micro_batch_tokens,
                                gradient_checkpointing=w.checkpointing)  # fmt: skip
     counted = rows[:rows_per_batch]
     flop_mode = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     with tracker.in_phase("flops"), flop_mode as flops:
-        once = fused_backward(forward, counted, updates, pad, w.micro_batch_tokens,
+        once = fused_backward(forward, counted, losses, pad, w.micro_batch_tokens,
                               gradient_checkpointing=w.checkpointing)  # fmt: skip
     return {
         "flops": flops.get_total_flops(),

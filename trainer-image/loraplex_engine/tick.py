@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import torch
 
+from loraplex_engine.algorithms import PolicyLoss
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
 from loraplex_engine.errors import (
     AdapterError,
@@ -45,7 +46,7 @@ from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.run_store import RunStore
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.training import ExperimentUpdate, TrainRow
+from loraplex_engine.training import TrainRow
 from loraplex_engine.training_strategy import TrainingStrategy
 
 _T = TypeVar("_T")
@@ -362,7 +363,7 @@ class Tick:
         results: list[Trained | Failure] = []
         kept: list[Scored] = []
         rows: list[TrainRow] = []
-        updates: dict[str, ExperimentUpdate] = {}
+        losses: dict[str, PolicyLoss] = {}
         for s in scored:
             exp = s.rollout.exp
             prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
@@ -370,15 +371,13 @@ class Tick:
                 results.append(prepared)
                 continue
             rows += prepared
-            alg = exp.spec.algorithm
-            tis = alg.tis_cap if alg.off_policy_correction == "tis" else None
-            updates[exp.id] = ExperimentUpdate(exp.algorithm, alg.clip, alg.kl_coef, tis)
+            losses[exp.id] = exp.algorithm.loss
             kept.append(s)
         if not kept:
             return results
         self.model.train()
         try:
-            outcomes = self.strategy.train(rows, updates)
+            outcomes = self.strategy.train(rows, losses)
         finally:
             self.model.eval()
         for s in kept:
@@ -398,8 +397,8 @@ class Tick:
         """One experiment's training rows, with their group-relative advantages."""
         rows: list[TrainRow] = []
         r, exp = s.rollout, s.rollout.exp
-        alg = exp.spec.algorithm
-        adv = exp.algorithm.advantages(torch.tensor(s.rewards), alg.group_size)
+        group_size = exp.spec.algorithm.group_size
+        adv = exp.algorithm.advantages(torch.tensor(s.rewards), group_size)
         slot = self.model.slot_of(exp.id)
         # Prompt group = identical prompt tokens within this experiment's step (its
         # groupSize samples, and any prompt drawn twice): they share one prefix.

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex_engine.training import ExperimentUpdate, TrainRow
+from loraplex_engine.algorithms import PolicyLoss
+from loraplex_engine.training import TrainRow
 from loraplex_engine.training_strategy import AdapterTrainer, TrainOutcome, with_gaps
 
 
@@ -20,16 +21,14 @@ class TimeSlicedTraining(AdapterTrainer):
 
     _host_buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
-    def train(
-        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
-    ) -> dict[str, TrainOutcome]:
+    def train(self, rows: list[TrainRow], losses: dict[str, PolicyLoss]) -> dict[str, TrainOutcome]:
         outcomes: dict[str, TrainOutcome] = {}
-        for exp_id in updates:
+        for exp_id in losses:
             slot = self.model.slot_of(exp_id)
             self._swap(slot, to_device=True)
             mine, gaps = self.with_trainer_old_logprobs([r for r in rows if r.experiment == exp_id])
             self.optimizer.zero_grad()
-            self.backward(mine, updates)
+            self.backward(mine, losses)
             outcomes |= with_gaps(self.step_finite([exp_id]), gaps)
             self._swap(slot, to_device=False)
         return outcomes

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex_engine.algorithms import Algorithm, token_logprobs
+from loraplex_engine.algorithms import LossInputs, PolicyLoss, token_logprobs
 from loraplex_engine.checkpointing import gradient_checkpointing as checkpointed
 from loraplex_engine.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
 from loraplex_engine.shared_prefix import SharedForward
@@ -75,16 +75,6 @@ class TrainRow:
         if self.group is None or len(self.prompt_ids) < 2:
             return None
         return (self.experiment, self.group)
-
-
-@dataclass
-class ExperimentUpdate:
-    """Per-experiment settings the loss needs."""
-
-    algorithm: Algorithm
-    clip: float
-    kl_coef: float
-    tis_cap: float | None = None  # truncated importance sampling on, with this cap
 
 
 @dataclass
@@ -305,7 +295,7 @@ def _micro_batch_loss(
     logprobs_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     rows: Sequence[TrainRow],
     batch: dict[str, torch.Tensor],
-    updates: dict[str, ExperimentUpdate],
+    losses: dict[str, PolicyLoss],
     weights: dict[str, float],
     stats: TrainStats,
     with_ref: bool | None = None,
@@ -315,7 +305,7 @@ def _micro_batch_loss(
     batch = {k: v.to(logprobs.device) for k, v in batch.items()}
     ref = None
     if with_ref is None:
-        with_ref = _needs_ref(rows, updates)
+        with_ref = _needs_ref(rows, losses)
     if with_ref:
         with torch.no_grad():  # slot 0 = the frozen base: the KL reference for free
             base = {k: torch.zeros_like(batch[k]) for k in ("slots", "prefix_slots") if k in batch}
@@ -325,17 +315,15 @@ def _micro_batch_loss(
         index = torch.tensor(
             [i for i, r in enumerate(rows) if r.experiment == exp], device=logprobs.device
         )
-        upd = updates[exp]
-        out = upd.algorithm.loss(
-            logprobs[index],
-            batch["old"][index],
-            None if ref is None else ref[index],
-            batch["adv"][index],
-            batch["mask"][index],
-            clip=upd.clip,
-            kl_coef=upd.kl_coef,
-            behaviour_logprobs=batch["behaviour"][index],
-            tis_cap=upd.tis_cap,
+        out = losses[exp](
+            LossInputs(
+                logprobs[index],
+                batch["old"][index],
+                batch["adv"][index],
+                batch["mask"][index],
+                None if ref is None else ref[index],
+                batch["behaviour"][index],
+            )
         )
         total = total + out.seq_loss.sum() * weights[exp]
         stats.loss[exp] = (
@@ -377,7 +365,7 @@ def plan_micro_batches(
 def fused_backward(
     forward: RoutedForward | HiddenStatesForward,
     rows: Sequence[TrainRow],
-    updates: dict[str, ExperimentUpdate],
+    losses: dict[str, PolicyLoss],
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None = None,
@@ -409,7 +397,7 @@ def fused_backward(
         raise ValueError(f"row_counts has no count for experiments {missing}")
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     run = functools.partial(
-        _fused_backward, forward, rows, updates, pad_id, token_budget, lockstep=lockstep
+        _fused_backward, forward, rows, losses, pad_id, token_budget, lockstep=lockstep
     )
     if not gradient_checkpointing:
         return run(shared_forward, weights)
@@ -430,7 +418,7 @@ def count_rows(rows: Sequence[TrainRow]) -> dict[str, int]:
 def _fused_backward(
     forward: RoutedForward | HiddenStatesForward,
     rows: Sequence[TrainRow],
-    updates: dict[str, ExperimentUpdate],
+    losses: dict[str, PolicyLoss],
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None,
@@ -440,7 +428,7 @@ def _fused_backward(
     stats = TrainStats()
     for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
         chunk = [rows[i] for i in mb.index]
-        with_ref = _needs_ref(chunk, updates)
+        with_ref = _needs_ref(chunk, losses)
         if lockstep is not None:  # the same micro-batches and forwards on every rank
             with_ref = lockstep.micro_batch(with_ref)
         if mb.shared:
@@ -449,7 +437,7 @@ def _fused_backward(
             stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
         else:
             stats.computed_tokens += sum(r.length for r in chunk)
-        loss = _micro_batch_loss(mb.run, chunk, mb.batch, updates, weights, stats, with_ref)
+        loss = _micro_batch_loss(mb.run, chunk, mb.batch, losses, weights, stats, with_ref)
         loss.backward()
         stats.micro_batches += 1
     if lockstep is not None:  # out of rows: dummies while another rank still trains
@@ -457,9 +445,9 @@ def _fused_backward(
     return stats
 
 
-def _needs_ref(rows: Sequence[TrainRow], updates: dict[str, ExperimentUpdate]) -> bool:
+def _needs_ref(rows: Sequence[TrainRow], losses: dict[str, PolicyLoss]) -> bool:
     """Some row's experiment has a KL term: the micro-batch runs the reference forward."""
-    return any(updates[r.experiment].kl_coef > 0 for r in rows)
+    return any(losses[r.experiment].needs_reference for r in rows)
 
 
 @dataclass

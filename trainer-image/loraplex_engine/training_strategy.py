@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from loraplex_engine.algorithms import PolicyLoss
 from loraplex_engine.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import PerAdapterAdamW
 from loraplex_engine.shared_prefix import SharedForward
-from loraplex_engine.training import ExperimentUpdate, TrainRow, fused_backward, score_rows
+from loraplex_engine.training import TrainRow, fused_backward, score_rows
 
 if TYPE_CHECKING:
     from loraplex_engine.sharding import Lockstep
@@ -45,10 +46,8 @@ class TrainOutcome:
 class TrainingStrategy(Protocol):
     computed_tokens: int  # tokens through the policy forward so far (benchmarks)
 
-    def train(
-        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
-    ) -> dict[str, TrainOutcome]:
-        """One policy-gradient step for every experiment in ``updates`` (its rows are
+    def train(self, rows: list[TrainRow], losses: dict[str, PolicyLoss]) -> dict[str, TrainOutcome]:
+        """One policy-gradient step for every experiment in ``losses`` (its rows are
         those with its id); the model is in train mode throughout."""
         ...
 
@@ -132,14 +131,14 @@ class AdapterTrainer:
     def backward(
         self,
         rows: list[TrainRow],
-        updates: dict[str, ExperimentUpdate],
+        losses: dict[str, PolicyLoss],
         row_counts: dict[str, int] | None = None,
     ) -> None:
         """Accumulate the rows' gradients; ``row_counts``: training.fused_backward's."""
         stats = fused_backward(
             self._forward or self._routed_forward,
             rows,
-            updates,
+            losses,
             self.pad_id,
             self.micro_batch_tokens,
             self.shared_forward,
@@ -204,13 +203,11 @@ class AdapterTrainer:
 class FusedTraining(AdapterTrainer):
     """Every adapter's rows in one forward/backward, then one step over all slots."""
 
-    def train(
-        self, rows: list[TrainRow], updates: dict[str, ExperimentUpdate]
-    ) -> dict[str, TrainOutcome]:
+    def train(self, rows: list[TrainRow], losses: dict[str, PolicyLoss]) -> dict[str, TrainOutcome]:
         rows, gaps = self.with_trainer_old_logprobs(rows)
         self.optimizer.zero_grad()
-        self.backward(rows, updates)
-        return with_gaps(self.step_finite(list(updates)), gaps)
+        self.backward(rows, losses)
+        return with_gaps(self.step_finite(list(losses)), gaps)
 
 
 def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str, float]:

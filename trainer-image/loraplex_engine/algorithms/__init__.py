@@ -1,18 +1,26 @@
-"""RL algorithm registry: the loop looks an algorithm up by ``spec.algorithm.name``.
+"""RL algorithm registry: an experiment's ``spec.algorithm`` names one; the registry
+builds it, with its typed settings, from the spec.
 
-An algorithm turns rewards into advantages and (log-probs, advantages) into a
-per-sequence loss; everything model-side (rollouts, the fused forward) stays in
-the loop, so adding one means adding a small class here.
+An algorithm is an advantage estimator and a policy loss (``base``); everything
+model-side (rollouts, the fused forward) stays in the loop, so adding one means adding a
+builder here and, where new, an estimator or a loss beside ``grpo``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch import Tensor
-
-from loraplex_engine.algorithms.grpo import (
+from loraplex_engine.algorithms.base import (
+    AdvantageEstimator,
+    Algorithm,
+    LossInputs,
     LossOutput,
+    PolicyLoss,
+)
+from loraplex_engine.algorithms.grpo import (
+    ClippedRatioLoss,
+    GroupNormalisedAdvantages,
     group_advantages,
     grpo_loss,
     masked_seq_mean,
@@ -20,77 +28,38 @@ from loraplex_engine.algorithms.grpo import (
     token_logprobs,
 )
 
-
-class Algorithm(Protocol):
-    name: str
-
-    def advantages(self, rewards: Tensor, group_size: int) -> Tensor: ...
-
-    def loss(
-        self,
-        logprobs: Tensor,
-        old_logprobs: Tensor,
-        ref_logprobs: Tensor | None,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        clip: float,
-        kl_coef: float,
-        behaviour_logprobs: Tensor | None = None,
-        tis_cap: float | None = None,
-    ) -> LossOutput: ...
+if TYPE_CHECKING:  # the training core runs without pydantic (the GPU bench): types only
+    from loraplex_engine.spec import AlgorithmSpec
 
 
-class GRPO:
-    """Group-relative advantages (std-normalised) + clipped ratio + optional k3 KL."""
-
-    name = "grpo"
-
-    def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
-        return group_advantages(rewards, group_size)
-
-    def loss(
-        self,
-        logprobs: Tensor,
-        old_logprobs: Tensor,
-        ref_logprobs: Tensor | None,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        clip: float,
-        kl_coef: float,
-        behaviour_logprobs: Tensor | None = None,
-        tis_cap: float | None = None,
-    ) -> LossOutput:
-        return grpo_loss(
-            logprobs,
-            old_logprobs,
-            ref_logprobs,
-            advantages,
-            mask,
-            clip,
-            kl_coef,
-            behaviour_logprobs=behaviour_logprobs,
-            tis_cap=tis_cap,
-        )
+def grpo(spec: AlgorithmSpec) -> Algorithm:
+    tis = spec.tis_cap if spec.off_policy_correction == "tis" else None
+    loss = ClippedRatioLoss(clip=spec.clip, kl_coef=spec.kl_coef, tis_cap=tis)
+    return Algorithm("grpo", GroupNormalisedAdvantages(), loss)
 
 
-ALGORITHMS: dict[str, Algorithm] = {"grpo": GRPO()}
+ALGORITHMS: dict[str, Callable[[AlgorithmSpec], Algorithm]] = {"grpo": grpo}
 
 
-def get_algorithm(name: str) -> Algorithm:
+def build_algorithm(spec: AlgorithmSpec) -> Algorithm:
+    """The algorithm ``spec.name`` names, with ``spec``'s settings."""
     try:
-        return ALGORITHMS[name]
+        builder = ALGORITHMS[spec.name]
     except KeyError:
-        raise KeyError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
+        raise KeyError(f"unknown algorithm {spec.name!r}; known: {sorted(ALGORITHMS)}") from None
+    return builder(spec)
 
 
 __all__ = [
     "ALGORITHMS",
-    "GRPO",
+    "AdvantageEstimator",
     "Algorithm",
+    "ClippedRatioLoss",
+    "GroupNormalisedAdvantages",
+    "LossInputs",
     "LossOutput",
-    "get_algorithm",
+    "PolicyLoss",
+    "build_algorithm",
     "group_advantages",
     "grpo_loss",
     "masked_seq_mean",

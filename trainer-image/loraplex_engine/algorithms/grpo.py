@@ -19,9 +19,12 @@ SkyRL's ``off_policy_correction`` (token level, ``token_tis_ratio_clip_high``) d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from loraplex_engine.algorithms.base import LossInputs, LossOutput
 
 
 def group_advantages(
@@ -49,17 +52,6 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log p(target) per position: logits ``[B, T, V]``, targets ``[B, T]`` → ``[B, T]``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-@dataclass
-class LossOutput:
-    """``seq_loss`` carries the graph; the rest are detached statistics over the batch."""
-
-    seq_loss: Tensor  # [B], masked token mean per sequence
-    clip_fraction: Tensor  # scalar: share of tokens where the clip was active
-    kl: Tensor  # scalar: mean k3 KL(policy || ref) over tokens (0 without ref)
-    ratio_mean: Tensor  # scalar: mean importance ratio over tokens
-    tis_mean: Tensor | None = None  # scalar: mean TIS weight over tokens (None: TIS off)
 
 
 def masked_seq_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -134,3 +126,42 @@ def grpo_loss(
         ratio_mean=_masked_scalar_mean(ratio.detach(), mask),
         tis_mean=None if tis is None else _masked_scalar_mean(tis, mask),
     )
+
+
+@dataclass(frozen=True)
+class GroupNormalisedAdvantages:
+    """GRPO's estimator: each reward against its group's mean, over the group's std."""
+
+    name: ClassVar[str] = "group-normalised"
+    normalize_std: bool = True
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        return group_advantages(rewards, group_size, normalize_std=self.normalize_std)
+
+
+@dataclass(frozen=True)
+class ClippedRatioLoss:
+    """GRPO's loss (:func:`grpo_loss`): the clipped ratio, an optional k3 KL to the base,
+    and truncated importance sampling when ``tis_cap`` is set."""
+
+    name: ClassVar[str] = "clipped-ratio"
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    tis_cap: float | None = None
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        return grpo_loss(
+            inputs.logprobs,
+            inputs.old_logprobs,
+            inputs.ref_logprobs,
+            inputs.advantages,
+            inputs.mask,
+            self.clip,
+            self.kl_coef,
+            behaviour_logprobs=inputs.behaviour_logprobs,
+            tis_cap=self.tis_cap,
+        )
