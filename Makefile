@@ -41,7 +41,8 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The LoRAExperiment CRD's spec schema is generated from trainer-image/loraplex_engine/spec.py
+# The CRDs' schemas are generated from typed models (LoRAExperiment spec: trainer-image/
+# loraplex_engine/spec.py; EnginePool spec and status: operator/loraplex_operator/api/)
 # (scripts/gen_crds.py), then both CRDs are copied into the chart. Run after editing either.
 crds: $(STAMP)
 	$(PY) scripts/gen_crds.py

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector, LabelSelectorRequirement
 from loraplex_operator.placement import adapter_memory_bytes
 from loraplex_operator.resources import (
     DEFAULT_TARGET_CANDIDATES,
     Experiment,
     ExperimentSpec,
     Pool,
-    PoolSpec,
 )
 
 
@@ -31,16 +30,16 @@ class Problem:
         return f"{self.field}: {self.message}"
 
 
-def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
     """metav1.LabelSelector semantics (an empty selector matches everything)."""
-    for key, value in (selector.get("matchLabels") or {}).items():
+    for key, value in (selector.match_labels or {}).items():
         if labels.get(key) != value:
             return False
-    return all(_expression_matches(e, labels) for e in selector.get("matchExpressions") or ())
+    return all(_expression_matches(e, labels) for e in selector.match_expressions or ())
 
 
-def _expression_matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    key, op, values = expr["key"], expr["operator"], expr.get("values") or ()
+def _expression_matches(expr: LabelSelectorRequirement, labels: Mapping[str, str]) -> bool:
+    key, op, values = expr.key, expr.operator, expr.values or ()
     if op == "In":
         return key in labels and labels[key] in values
     if op == "NotIn":
@@ -53,7 +52,7 @@ def _expression_matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> b
 
 
 def namespace_allowed(
-    pool: PoolSpec, namespace: str, namespace_labels: Mapping[str, str] | None
+    pool: EnginePoolSpec, namespace: str, namespace_labels: Mapping[str, str] | None
 ) -> bool:
     """Listed or selected; a pool with neither list nor selector admits every namespace."""
     listed, selector = pool.allowed_namespaces, pool.namespace_selector
@@ -65,7 +64,7 @@ def namespace_allowed(
 
 
 def experiment_memory_bytes(
-    exp: ExperimentSpec, pool: PoolSpec, slot_bytes: int | None = None
+    exp: ExperimentSpec, pool: EnginePoolSpec, slot_bytes: int | None = None
 ) -> int:
     """The memory an experiment costs an engine of this pool: ``slot_bytes`` where the
     engines report it (observation.slot_bytes: 0 while none has answered), else the
@@ -105,7 +104,7 @@ def check_experiment(
     return problems
 
 
-def _lora_problems(exp: ExperimentSpec, pool: PoolSpec, pool_name: str) -> list[Problem]:
+def _lora_problems(exp: ExperimentSpec, pool: EnginePoolSpec, pool_name: str) -> list[Problem]:
     problems: list[Problem] = []
     rank, max_rank = exp.lora.rank, pool.capacity.max_rank
     if rank > max_rank:
@@ -151,7 +150,7 @@ def _unlisted(wanted: Sequence[str], allowed: Sequence[str]) -> list[str]:
 
 
 def _memory_problems(
-    exp: ExperimentSpec, pool: PoolSpec, pool_name: str, slot_bytes: int | None
+    exp: ExperimentSpec, pool: EnginePoolSpec, pool_name: str, slot_bytes: int | None
 ) -> list[Problem]:
     budget = pool.capacity.memory_bytes
     need = experiment_memory_bytes(exp, pool, slot_bytes)

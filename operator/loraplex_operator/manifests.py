@@ -2,12 +2,13 @@
 
 The operator owns engine Pods directly (no Deployment) so that it chooses which engine
 to remove. Every pod is labelled with its pool, owned by the pool (controller owner
-reference, so deleting the pool garbage-collects its engines). Scalar settings are read
-through the pool's typed view (its CRD defaults in one place); the pod template's parts
-(env, volumes, resources, scheduling) are copied from the raw spec as written, except
-what `gpusPerEngine` adds to a multi-rank engine: one GPU per rank on a GPU pool,
-`--world-size` (and `--shard-base` with `shardBase`) and a memory-backed /dev/shm, which
-a one-rank vLLM engine gets too (`mounts_shm`).
+reference, so deleting the pool garbage-collects its engines). Everything is read from
+the pool's typed spec (`api.pool.EnginePoolSpec`, parsed once by `Pool.from_obj`, its
+CRD defaults in one place); the pod template's core/v1 parts (env, volumes, resources,
+scheduling) are copied as written, except what `gpusPerEngine` adds to a multi-rank
+engine: one GPU per rank on a GPU pool, `--world-size` (and `--shard-base` with
+`shardBase`) and a memory-backed /dev/shm, which a one-rank vLLM engine gets too
+(`mounts_shm`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, PoolSpec
+from loraplex_operator.api.pool import EnginePoolSpec
+from loraplex_operator.api.pool_template import CHECKPOINT_VOLUME, SHM_VOLUME, TOKEN_VOLUME
+from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, Pool
 
 POOL_LABEL = f"{GROUP}/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
@@ -26,11 +29,9 @@ ENGINE_URL_ANNOTATION = f"{GROUP}/engine-url"
 ENGINE_PORT = 8000
 TOKEN_DIR = "/var/run/loraplex"
 TOKEN_FILE = f"{TOKEN_DIR}/token"
-TOKEN_VOLUME = "loraplex-token"
-CHECKPOINT_VOLUME = "loraplex-checkpoints"
 CONTAINER = "engine"
-# The engine's memory-backed /dev/shm, sized by template.shmSize (see `mounts_shm`).
-SHM_VOLUME = "loraplex-shm"
+# The engine's memory-backed /dev/shm (SHM_VOLUME), sized by template.shmSize (see
+# `mounts_shm`); the volume names are reserved in the API (api/pool_template.py).
 SHM_PATH = "/dev/shm"
 # The device plugin's resource: asking for it is what makes a pool a GPU pool.
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -58,57 +59,51 @@ def engine_pod_name(pool_name: str, suffix: str) -> str:
     return f"{pool_name}-engine-{suffix}"
 
 
-def engine_namespace(pool: Mapping[str, Any]) -> str:
-    return PoolSpec.from_obj(pool.get("spec") or {}).engine_namespace
-
-
-def owner_reference(pool: Mapping[str, Any]) -> dict[str, Any]:
-    meta = pool["metadata"]
+def owner_reference(pool: Pool) -> dict[str, Any]:
     return {
         "apiVersion": API_VERSION,
         "kind": POOL_KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
+        "name": pool.meta.name,
+        "uid": pool.meta.uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
 
 
-def engine_args(spec: Mapping[str, Any]) -> list[str]:
+def engine_args(spec: EnginePoolSpec) -> list[str]:
     """`loraplex-engine serve ...` arguments for a pool spec."""
-    view = PoolSpec.from_obj(spec)
     return [
         "serve",
-        "--model", spec["baseModel"],
+        "--model", spec.base_model,
         "--port", str(ENGINE_PORT),
         "--token-file", TOKEN_FILE,
-        "--checkpoint-root", view.checkpoint_root,
-        "--max-adapters", str(view.capacity.max_adapters),
-        "--max-rank", str(view.capacity.max_rank),
-        "--rollout-backend", view.rollout_backend,
-        *_precision_args(view),
-        *_vllm_args(view),
-        *_memory_args(view),
-        *_world_args(view),
-        *trust_args(view),
-        *spec.get("template", {}).get("extraArgs", []),
+        "--checkpoint-root", spec.checkpoint.root,
+        "--max-adapters", str(spec.capacity.max_adapters),
+        "--max-rank", str(spec.capacity.max_rank),
+        "--rollout-backend", spec.rollout_backend,
+        *_precision_args(spec),
+        *_vllm_args(spec),
+        *_memory_args(spec),
+        *_world_args(spec),
+        *trust_args(spec),
+        *(spec.template.extra_args or ()),
     ]  # fmt: skip
 
 
-def _precision_args(view: PoolSpec) -> list[str]:
+def _precision_args(spec: EnginePoolSpec) -> list[str]:
     """Only what the pool sets: otherwise the engine picks by its device."""
-    args = [] if view.dtype is None else ["--dtype", view.dtype]
-    if view.gradient_checkpointing is not None:
-        on = view.gradient_checkpointing
+    args = [] if spec.dtype is None else ["--dtype", spec.dtype]
+    if spec.gradient_checkpointing is not None:
+        on = spec.gradient_checkpointing
         args.append("--gradient-checkpointing" if on else "--no-gradient-checkpointing")
     return args
 
 
-def _vllm_args(view: PoolSpec) -> list[str]:
+def _vllm_args(spec: EnginePoolSpec) -> list[str]:
     """spec.vllm as `--vllm-option` settings (JSON values), for vLLM pools only."""
-    if view.rollout_backend != "vllm":
+    if spec.rollout_backend != "vllm":
         return []
-    placement = view.vllm
+    placement = spec.vllm
     settings = {
         "device": placement.device,
         "gpu_memory_utilization": placement.gpu_memory_utilization,
@@ -121,9 +116,9 @@ def _vllm_args(view: PoolSpec) -> list[str]:
     ]
 
 
-def _memory_args(view: PoolSpec) -> list[str]:
+def _memory_args(spec: EnginePoolSpec) -> list[str]:
     """Only what the pool sets: otherwise the engine's memory plan derives them."""
-    capacity, args = view.capacity, []
+    capacity, args = spec.capacity, []
     if capacity.micro_batch_tokens is not None:
         args += ["--micro-batch-tokens", str(capacity.micro_batch_tokens)]
     if capacity.rollout_kv_tokens is not None:
@@ -133,53 +128,54 @@ def _memory_args(view: PoolSpec) -> list[str]:
     return args
 
 
-def _world_args(view: PoolSpec) -> list[str]:
+def _world_args(spec: EnginePoolSpec) -> list[str]:
     """`--world-size N` for a multi-rank engine only, and `--shard-base` where the pool
     shards its base: a one-rank engine's command line stays what it was (and runs on
     images without the flags). shardBase with one rank, which the CRD refuses, is passed
     as written, so that `serve` names the mistake rather than the engine running the base
     whole on one GPU it may not fit."""
-    n = view.gpus_per_engine
+    n = spec.gpus_per_engine
     world = ["--world-size", str(n)] if n > 1 else []
-    return world + (["--shard-base"] if view.shard_base else [])
+    return world + (["--shard-base"] if spec.shard_base else [])
 
 
-def trust_args(view: PoolSpec) -> list[str]:
+def trust_args(spec: EnginePoolSpec) -> list[str]:
     """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
     is never read as another flag)."""
-    return [f"--data-root={d}" for d in view.data_roots] + [
-        f"--allow-reward-host={h}" for h in view.reward_hosts
+    return [f"--data-root={d}" for d in spec.data_roots or ()] + [
+        f"--allow-reward-host={h}" for h in spec.reward_hosts or ()
     ]
 
 
-def _env(pool_name: str, template: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _env(pool_name: str, spec: EnginePoolSpec) -> list[dict[str, Any]]:
     ours = [
         {"name": "LORAPLEX_POOL", "value": pool_name},
         {"name": "LORAPLEX_ENGINE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     taken = {e["name"] for e in ours}
-    return ours + [copy.deepcopy(e) for e in template.get("env", []) if e["name"] not in taken]
+    theirs = [e.to_json() for e in spec.template.env or () if e.name not in taken]
+    return ours + theirs
 
 
-def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    secret = PoolSpec.from_obj(spec).token_secret
+def _volumes(spec: EnginePoolSpec) -> list[dict[str, Any]]:
+    secret = spec.token_secret_ref
     token = {
         "name": TOKEN_VOLUME,
         "secret": {
-            "secretName": spec["tokenSecretRef"]["name"],  # required: a KeyError names it
+            "secretName": secret.name,
             "items": [{"key": secret.key, "path": "token"}],
             "defaultMode": 0o400,
         },
     }
-    source = spec.get("checkpoint", {}).get("volume") or {"emptyDir": {}}
+    source = spec.checkpoint.volume or {"emptyDir": {}}
     checkpoints = {"name": CHECKPOINT_VOLUME, **copy.deepcopy(source)}
-    view = PoolSpec.from_obj(spec)
-    shm = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": view.shm_size}}]
-    extra = copy.deepcopy(spec.get("template", {}).get("volumes", []))
+    size = spec.template.shm_size
+    shm = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": size}}]
+    extra = [v.to_json() for v in spec.template.volumes or ()]
     return [token, checkpoints, *(shm if mounts_shm(spec) else []), *extra]
 
 
-def mounts_shm(spec: Mapping[str, Any]) -> bool:
+def mounts_shm(spec: EnginePoolSpec) -> bool:
     """Whether the operator mounts its memory-backed /dev/shm in the engine pods.
 
     Always on a multi-rank engine: NCCL's shared-memory transport needs more than the
@@ -188,26 +184,24 @@ def mounts_shm(spec: Mapping[str, Any]) -> bool:
     vLLM worker through a /dev/shm segment, and a rank-32 adapter of a 4B model (~130 MB
     in bf16) would not fit 64 MiB and fall back to the slower pipe.
     """
-    view = PoolSpec.from_obj(spec)
-    if view.gpus_per_engine > 1:
+    if spec.gpus_per_engine > 1:
         return True
-    mounts = spec.get("template", {}).get("volumeMounts", [])
-    own = any(m.get("mountPath", "").rstrip("/") == SHM_PATH for m in mounts)
-    return view.rollout_backend == "vllm" and not own
+    mounts = spec.template.volume_mounts or ()
+    own = any(m.mount_path.rstrip("/") == SHM_PATH for m in mounts)
+    return spec.rollout_backend == "vllm" and not own
 
 
-def _volume_mounts(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    view = PoolSpec.from_obj(spec)
+def _volume_mounts(spec: EnginePoolSpec) -> list[dict[str, Any]]:
     shm = [{"name": SHM_VOLUME, "mountPath": SHM_PATH}] if mounts_shm(spec) else []
     return [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
-        {"name": CHECKPOINT_VOLUME, "mountPath": view.checkpoint_root},
+        {"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.root},
         *shm,
-        *copy.deepcopy(spec.get("template", {}).get("volumeMounts", [])),
+        *(m.to_json() for m in spec.template.volume_mounts or ()),
     ]
 
 
-def engine_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+def engine_resources(spec: EnginePoolSpec) -> dict[str, Any]:
     """The template's resources, with one GPU per rank on a GPU pool.
 
     A pool asking for nvidia.com/gpu (limits or requests) is a GPU pool: its count is
@@ -216,7 +210,7 @@ def engine_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     ask for more (vllm.device on a GPU of its own). A CPU pool asks for no GPU: its
     gloo ranks share the container's CPUs, as the template sizes them.
     """
-    resources = copy.deepcopy(dict(spec.get("template", {}).get("resources") or {}))
+    resources = copy.deepcopy(dict(spec.template.resources or {}))
     asked = {
         part: _whole(resources[part][GPU_RESOURCE])
         for part in ("limits", "requests")
@@ -224,7 +218,7 @@ def engine_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
     if not any(asked.values()):
         return resources
-    count = max(PoolSpec.from_obj(spec).gpus_per_engine, *asked.values())
+    count = max(spec.gpus_per_engine, *asked.values())
     for part in {"limits", *asked}:
         resources.setdefault(part, {})[GPU_RESOURCE] = count
     return resources
@@ -248,15 +242,15 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _container(pool_name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    template = spec["template"]
+def _container(pool_name: str, spec: EnginePoolSpec) -> dict[str, Any]:
+    template = spec.template
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": template["image"],
+        "image": template.image,
         "command": ["loraplex-engine"],
         "args": engine_args(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _env(pool_name, template),
+        "env": _env(pool_name, spec),
         "volumeMounts": _volume_mounts(spec),
         "readinessProbe": _probe("/readyz", 5, 3),
         # Model loading can take minutes: the startup probe guards liveness until /healthz.
@@ -267,40 +261,47 @@ def _container(pool_name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    if "imagePullPolicy" in template:
-        container["imagePullPolicy"] = template["imagePullPolicy"]
+    if template.image_pull_policy is not None:
+        container["imagePullPolicy"] = template.image_pull_policy
     resources = engine_resources(spec)
     if resources:
         container["resources"] = resources
     return container
 
 
-def engine_pod(pool: Mapping[str, Any], suffix: str) -> dict[str, Any]:
-    """The engine Pod for `pool` (an EnginePool object with metadata.name and uid)."""
-    pool_name = pool["metadata"]["name"]
-    spec = pool["spec"]
-    template = spec["template"]
+def _scheduling(spec: EnginePoolSpec) -> dict[str, Any]:
+    """The template's pod-level settings, those it sets (an empty one is left out)."""
+    t = spec.template
+    parts: dict[str, Any] = {
+        "nodeSelector": dict(t.node_selector or {}),
+        "tolerations": [copy.deepcopy(x) for x in t.tolerations or ()],
+        "affinity": copy.deepcopy(t.affinity),
+        "imagePullSecrets": [s.to_json() for s in t.image_pull_secrets or ()],
+        "serviceAccountName": t.service_account_name,
+        "priorityClassName": t.priority_class_name,
+    }
+    return {key: value for key, value in parts.items() if value}
+
+
+def engine_pod(pool: Pool, suffix: str) -> dict[str, Any]:
+    """The engine Pod for `pool` (an EnginePool with metadata.name and uid)."""
+    spec = pool.spec
     pod_spec: dict[str, Any] = {
-        "containers": [_container(pool_name, spec)],
+        "containers": [_container(pool.name, spec)],
         "volumes": _volumes(spec),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 60,  # time to checkpoint on shutdown
         "automountServiceAccountToken": False,  # the engine knows nothing of Kubernetes
         "enableServiceLinks": False,
+        **_scheduling(spec),
     }
-    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
-        if template.get(key):
-            pod_spec[key] = copy.deepcopy(template[key])
-    for key in ("serviceAccountName", "priorityClassName"):
-        if template.get(key):
-            pod_spec[key] = template[key]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": engine_pod_name(pool_name, suffix),
-            "namespace": engine_namespace(pool),
-            "labels": engine_labels(pool_name, PoolSpec.from_obj(spec).queue_name),
+            "name": engine_pod_name(pool.name, suffix),
+            "namespace": spec.engine_namespace,
+            "labels": engine_labels(pool.name, spec.queue_name),
             "ownerReferences": [owner_reference(pool)],
         },
         "spec": pod_spec,

@@ -179,12 +179,7 @@ def reported_shape(engines: Iterable[EngineView]) -> ModelShape | None:
     for e in engines:
         shape = (e.capacity or {}).get("modelShape") if e.reachable else None
         if shape:
-            return ModelShape(
-                num_layers=int(shape["numLayers"]),
-                hidden_size=int(shape["hiddenSize"]),
-                intermediate_size=shape.get("intermediateSize"),
-                kv_dim=shape.get("kvDim"),
-            )
+            return ModelShape.model_validate(shape)
     return None
 
 
@@ -216,7 +211,7 @@ def with_reported_shape(snap: Snapshot) -> Snapshot:
     shape = reported_shape(snap.engines)
     if shape is None:
         return snap
-    pool = replace(snap.pool, spec=replace(snap.pool.spec, model_shape=shape))
+    pool = replace(snap.pool, spec=snap.pool.spec.model_copy(update={"model_shape": shape}))
     return replace(snap, pool=pool)
 
 

@@ -26,39 +26,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+# The pool's spec.modelShape (or its engines' report), with the dimensions of each module.
+from loraplex_operator.api.pool import ModelShape
+
 # --- memory estimate -------------------------------------------------------------------
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, one value per parameter each
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Base model dimensions that size a LoRA adapter (EnginePool `spec.modelShape`)."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int | None = None  # MLP width; defaults to 4 × hidden
-    kv_dim: int | None = None  # k/v projection width (GQA); defaults to hidden
-
-    def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a Llama- or Phi-3-style target module; unknown →
-        square."""
-        h = self.hidden_size
-        inter = self.intermediate_size or 4 * h
-        kv = self.kv_dim or h
-        dims = {
-            "q_proj": (h, h),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (h, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-            "qkv_proj": (h, h + 2 * kv),  # Phi-3's fused projections
-            "gate_up_proj": (h, 2 * inter),
-        }
-        return dims.get(module, (h, h))
 
 
 def lora_params(rank: int, target_modules: Iterable[str], shape: ModelShape) -> int:

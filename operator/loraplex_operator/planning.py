@@ -27,6 +27,7 @@ from typing import Any
 
 from loraplex_operator import admission, placement
 from loraplex_operator import status as st
+from loraplex_operator.api.pool import Capacity, EnginePoolSpec
 from loraplex_operator.config import Config
 from loraplex_operator.observation import (
     EngineView,
@@ -35,7 +36,7 @@ from loraplex_operator.observation import (
     slot_bytes,
     with_reported_shape,
 )
-from loraplex_operator.resources import Capacity, Experiment, PoolSpec, parse_time
+from loraplex_operator.resources import Experiment, parse_time
 
 log = logging.getLogger("loraplex_operator.planning")
 
@@ -215,7 +216,7 @@ def orphan_unloads(held: Mapping[str, list[EngineView]], known: set[str]) -> lis
 
 
 def _adopt(
-    w: Work, on: Sequence[EngineView], pool: PoolSpec, slot_bytes: int | None
+    w: Work, on: Sequence[EngineView], pool: EnginePoolSpec, slot_bytes: int | None
 ) -> tuple[list[Unload], placement.RunningExperiment | None]:
     """It runs on `on[0]` (the recorded engine first): take that as the truth."""
     primary = on[0]
@@ -305,7 +306,7 @@ def _recover(w: Work, engine: EngineView | None, config: Config) -> bool:
 
 
 def placement_inputs(
-    pool: PoolSpec,
+    pool: EnginePoolSpec,
     engines: Sequence[EngineView],
     running_on: Mapping[str, Sequence[placement.RunningExperiment]],
 ) -> tuple[list[placement.Engine], placement.PoolLimits]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
+from loraplex_operator.api.status import EnginePoolStatus
 from loraplex_operator.config import Config
 from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
 from loraplex_operator.planning import NORMAL, WARNING, Work
@@ -163,11 +164,12 @@ class StatusPublisher:
             m.RECONCILE_ERRORS.labels(kind="status").inc()
             log.warning("status of %s: %s", w.key, e)
 
-    async def publish_pool(self, pool: Pool, new: Mapping[str, Any]) -> None:
+    async def publish_pool(self, pool: Pool, status: EnginePoolStatus) -> None:
+        new = status.to_json()
         if not status_changes(pool.raw_status, new):
             return
         try:
-            await self.kube.patch(POOLS, pool.name, {"status": dict(new)}, subresource="status")
+            await self.kube.patch(POOLS, pool.name, {"status": new}, subresource="status")
         except KubeError as e:
             m.RECONCILE_ERRORS.labels(kind="status").inc()
             log.warning("pool status %s: %s", pool.name, e)

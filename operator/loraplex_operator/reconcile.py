@@ -109,7 +109,7 @@ class PoolReconciler:
         return value
 
     async def token(self, pool: Pool) -> str | None:
-        secret = pool.spec.token_secret
+        secret = pool.spec.token_secret_ref
         ns = pool.spec.engine_namespace
         return await self._cached(
             ("secret", ns, secret.name, secret.key),
@@ -287,7 +287,7 @@ class PoolReconciler:
         ns = pool.spec.engine_namespace
         pool_obj = {"apiVersion": API_VERSION, "kind": POOL_KIND, **pool.raw}
         for _ in range(plan.create_pods):
-            pod = manifests.engine_pod(pool.raw, _suffix())
+            pod = manifests.engine_pod(pool, _suffix())
             try:
                 await self.kube.create(PODS, pod, ns)
                 log.info("created engine pod %s/%s", ns, pod["metadata"]["name"])

@@ -2,11 +2,12 @@
 
 `Experiment.from_obj` and `Pool.from_obj` read a raw object (from kopf or the API
 server) once; the rest of the operator reads fields, not `.get("…", default)` chains.
-The defaults here are the CRDs' (tests/operator/test_resources.py checks each one
-against crds/*.yaml): the API server applies them, so they matter only for objects
-built by hand, but then they must agree. The operator has no pydantic dependency, so
-these are plain frozen dataclasses; a view keeps its raw object (`raw`) for what is
-passed on untouched: the spec the engine is given and the object Events refer to.
+A pool's spec is the API model the EnginePool CRD is generated from
+(`api.pool.EnginePoolSpec`), so its defaults are stated once. An experiment's spec is
+the engine's (`loraplex_engine/spec.py`, not in the operator image): the few fields the
+operator reads are plain dataclasses here, whose defaults tests/operator/test_resources.py
+checks against crds/loraexperiments.yaml. A view keeps its raw object (`raw`) for what
+is passed on untouched: the spec the engine is given and the object Events refer to.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from loraplex_operator.placement import ModelShape
+from loraplex_operator.api.pool import EnginePoolSpec
 
 GROUP = "loraplex.dev"
 VERSION = "v1alpha1"
@@ -29,18 +30,6 @@ FINALIZER = f"{GROUP}/finalizer"
 
 # A hand-built object may lack metadata.namespace; the API server always sets it.
 DEFAULT_NAMESPACE = "default"
-# The projections of every supported family: Llama's seven, and Phi-3's fused ones.
-FAMILY_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "qkv_proj",
-    "gate_up_proj",
-)
 # An experiment without targetModules gets the base model family's default, resolved by
 # the engine (loraplex_engine.base_model.default_lora_targets): one of these sets.
 DEFAULT_TARGET_CANDIDATES = (("q_proj", "v_proj"), ("qkv_proj",))
@@ -65,11 +54,6 @@ def _dict(obj: Mapping[str, Any] | None, key: str) -> Mapping[str, Any]:
 def _strings(value: Any) -> tuple[str, ...] | None:
     """A list of names; None when absent (an empty list is a value: it allows nothing)."""
     return None if value is None else tuple(str(v) for v in value)
-
-
-def _strings_or(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
-    names = _strings(value)
-    return default if names is None else names
 
 
 @dataclass(frozen=True)
@@ -202,153 +186,20 @@ class Experiment:
 
 
 @dataclass(frozen=True)
-class Capacity:
-    max_adapters: int = 8
-    max_rank: int = 64
-    memory_bytes: int = 0  # per engine, per rank of a multi-rank one; 0 = not enforced
-    micro_batch_tokens: int | None = None  # None: each engine derives it (its memory plan)
-    rollout_kv_tokens: int | None = None  # None: likewise (torch rollout's KV budget)
-    device_memory_bytes: int | None = None  # None: the engine measures its device (CUDA)
-
-
-@dataclass(frozen=True)
-class Replicas:
-    min: int = 0
-    max: int = 1
-
-
-@dataclass(frozen=True)
-class SecretRef:
-    name: str = ""
-    key: str = "token"
-
-
-@dataclass(frozen=True)
-class VLLMPlacement:
-    """spec.vllm; None fields: the engine decides by its device (co-located, sleeping)."""
-
-    device: str | None = None
-    gpu_memory_utilization: float | None = None
-    sleep_mode: bool | None = None
-
-    @classmethod
-    def from_obj(cls, obj: Mapping[str, Any]) -> VLLMPlacement:
-        share, sleep = obj.get("gpuMemoryUtilization"), obj.get("sleepMode")
-        return cls(
-            device=obj.get("device") or None,
-            gpu_memory_utilization=None if share is None else float(share),
-            sleep_mode=None if sleep is None else bool(sleep),
-        )
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    base_model: str = ""
-    rollout_backend: str = "torch"
-    engine_namespace: str = "loraplex-system"
-    capacity: Capacity = field(default_factory=Capacity)
-    replicas: Replicas = field(default_factory=Replicas)
-    checkpoint_root: str = "/ckpt"
-    token_secret: SecretRef = field(default_factory=SecretRef)
-    model_shape: ModelShape | None = None
-    allowed_target_modules: tuple[str, ...] = FAMILY_TARGET_MODULES
-    # None = not set; a pool with neither list nor selector admits every namespace.
-    allowed_namespaces: tuple[str, ...] | None = None
-    namespace_selector: Mapping[str, Any] | None = None
-    # None = not set: each engine picks by its device (bf16 + checkpointing on CUDA).
-    dtype: str | None = None
-    gradient_checkpointing: bool | None = None
-    vllm: VLLMPlacement = field(default_factory=VLLMPlacement)
-    queue_name: str | None = None  # Kueue LocalQueue (in engine_namespace) of the engine pods
-    data_roots: tuple[str, ...] = ()  # where tenants' jsonl datasets may live (serve --data-root)
-    reward_hosts: tuple[str, ...] = ()  # reward hosts allowed past the egress check
-    # Ranks per engine (`serve --world-size`), one GPU each on a GPU pool; every rank holds
-    # every slot, so capacity and memory stay per rank.
-    gpus_per_engine: int = 1
-    # The frozen base sharded over those ranks (`serve --shard-base`, FSDP2); the adapter
-    # slots stay whole on every rank, so capacity stays per rank as above.
-    shard_base: bool = False
-    shm_size: str = "1Gi"  # template.shmSize: the /dev/shm of a multi-rank engine (NCCL)
-
-    @classmethod
-    def from_obj(cls, spec: Mapping[str, Any]) -> PoolSpec:
-        capacity, replicas = _dict(spec, "capacity"), _dict(spec, "replicas")
-        secret = _dict(spec, "tokenSecretRef")
-        return cls(
-            base_model=str(spec.get("baseModel", cls.base_model)),
-            rollout_backend=str(spec.get("rolloutBackend", cls.rollout_backend)),
-            engine_namespace=str(spec.get("engineNamespace", cls.engine_namespace)),
-            capacity=Capacity(
-                max_adapters=int(capacity.get("maxAdapters", Capacity.max_adapters)),
-                max_rank=int(capacity.get("maxRank", Capacity.max_rank)),
-                memory_bytes=int(capacity.get("memoryBytes", Capacity.memory_bytes)),
-                micro_batch_tokens=_int_or_none(capacity.get("microBatchTokens")),
-                rollout_kv_tokens=_int_or_none(capacity.get("rolloutKvTokens")),
-                device_memory_bytes=_int_or_none(capacity.get("deviceMemoryBytes")),
-            ),
-            replicas=Replicas(
-                min=int(replicas.get("min", Replicas.min)),
-                max=int(replicas.get("max", Replicas.max)),
-            ),
-            checkpoint_root=str(_dict(spec, "checkpoint").get("root", cls.checkpoint_root)),
-            token_secret=SecretRef(
-                name=str(secret.get("name", SecretRef.name)),
-                key=str(secret.get("key", SecretRef.key)),
-            ),
-            model_shape=_model_shape(_dict(spec, "modelShape")),
-            allowed_target_modules=_strings_or(
-                spec.get("allowedTargetModules"), cls.allowed_target_modules
-            ),
-            allowed_namespaces=_strings(spec.get("allowedNamespaces")),
-            namespace_selector=spec.get("namespaceSelector"),
-            dtype=None if spec.get("dtype") is None else str(spec["dtype"]),
-            gradient_checkpointing=(
-                None
-                if spec.get("gradientCheckpointing") is None
-                else bool(spec["gradientCheckpointing"])
-            ),
-            vllm=VLLMPlacement.from_obj(_dict(spec, "vllm")),
-            queue_name=spec.get("queueName") or None,
-            data_roots=_strings_or(spec.get("dataRoots"), cls.data_roots),
-            reward_hosts=_strings_or(spec.get("rewardHosts"), cls.reward_hosts),
-            gpus_per_engine=int(spec.get("gpusPerEngine", cls.gpus_per_engine)),
-            shard_base=bool(spec.get("shardBase", cls.shard_base)),
-            shm_size=str(_dict(spec, "template").get("shmSize", cls.shm_size)),
-        )
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _model_shape(shape: Mapping[str, Any]) -> ModelShape | None:
-    if not shape:
-        return None  # the pool declares none: memory is not estimated or enforced
-    return ModelShape(
-        num_layers=int(shape["numLayers"]),
-        hidden_size=int(shape["hiddenSize"]),
-        intermediate_size=shape.get("intermediateSize"),
-        kv_dim=shape.get("kvDim"),
-    )
-
-
-@dataclass(frozen=True)
 class Pool:
     meta: Meta
-    spec: PoolSpec
+    spec: EnginePoolSpec
     raw: Mapping[str, Any] = field(compare=False, repr=False)
 
     @classmethod
     def from_obj(cls, obj: Mapping[str, Any]) -> Pool:
-        return cls(meta=Meta.from_obj(obj), spec=PoolSpec.from_obj(_dict(obj, "spec")), raw=obj)
+        return cls(
+            meta=Meta.from_obj(obj), spec=EnginePoolSpec.from_obj(_dict(obj, "spec")), raw=obj
+        )
 
     @property
     def name(self) -> str:
         return self.meta.name
-
-    @property
-    def raw_spec(self) -> Mapping[str, Any]:
-        return _dict(self.raw, "spec")
 
     @property
     def raw_status(self) -> Mapping[str, Any]:

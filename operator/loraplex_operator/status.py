@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from loraplex_operator.api.status import EnginePoolStatus, PoolCondition
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
 from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
@@ -361,13 +362,14 @@ def pool_status(
     generation: int,
     old_conditions: Sequence[Mapping[str, Any]] | None,
     now: datetime,
-) -> dict[str, Any]:
+) -> EnginePoolStatus:
     """EnginePool status: the counts and the conditions of `pool_conditions`."""
-    return {
-        "observedGeneration": generation,
-        "engines": obs.engines,
-        "ready": obs.ready,
-        "slotsUsed": obs.slots_used,
-        "slotsFree": obs.slots_free,
-        "conditions": merge_conditions(old_conditions, pool_conditions(obs), generation, now),
-    }
+    merged = merge_conditions(old_conditions, pool_conditions(obs), generation, now)
+    return EnginePoolStatus(
+        observed_generation=generation,
+        engines=obs.engines,
+        ready=obs.ready,
+        slots_used=obs.slots_used,
+        slots_free=obs.slots_free,
+        conditions=tuple(PoolCondition.model_validate(c) for c in merged),
+    )

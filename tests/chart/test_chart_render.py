@@ -24,6 +24,7 @@ from chart_helpers import (
     tool,
 )
 from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
+from loraplex_operator.resources import Pool
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 from crdkit import admit
@@ -237,7 +238,7 @@ def test_default_pool_with_two_ranks_per_engine() -> None:
     pool = one(render(values), "EnginePool")
     assert pool["spec"]["gpusPerEngine"] == 2 and admit("EnginePool", pool) == []
     pool["metadata"]["uid"] = "uid-default"
-    (container,) = engine_pod(pool, "a1b2c")["spec"]["containers"]
+    (container,) = engine_pod(Pool.from_obj(pool), "a1b2c")["spec"]["containers"]
     assert container["args"][container["args"].index("--world-size") + 1] == "2"
     assert GPU_RESOURCE not in json.dumps(container["resources"])
     assert "gpusPerEngine" in one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]
@@ -250,7 +251,7 @@ def test_default_pool_sharding_its_base_over_two_ranks() -> None:
     pool = one(render({"defaultPool": {"enabled": True, "spec": spec}}), "EnginePool")
     assert pool["spec"]["shardBase"] is True and admit("EnginePool", pool) == []
     pool["metadata"]["uid"] = "uid-default"
-    (container,) = engine_pod(pool, "a1b2c")["spec"]["containers"]
+    (container,) = engine_pod(Pool.from_obj(pool), "a1b2c")["spec"]["containers"]
     args = container["args"]
     assert args[args.index("--world-size") :][:3] == ["--world-size", "2", "--shard-base"]
     plain = one(render(SCENARIOS["pool-only"]), "EnginePool")

@@ -108,6 +108,7 @@ def test_cuda_image_vllm_is_the_tested_release() -> None:
 def test_operator_runs_what_the_image_serves() -> None:
     """The arguments the operator gives an engine pod parse as `serve` flags."""
     from loraplex_engine.cli import build_parser
+    from loraplex_operator.api.pool import EnginePoolSpec
     from loraplex_operator.manifests import ENGINE_PORT, TOKEN_FILE, engine_args
 
     pool_spec = {
@@ -116,8 +117,9 @@ def test_operator_runs_what_the_image_serves() -> None:
         "capacity": {"maxAdapters": 6, "maxRank": 32},
         "checkpoint": {"root": "/ckpt"},
         "template": {"image": "x", "extraArgs": ["--max-completion-tokens", "256"]},
+        "tokenSecretRef": {"name": "engine-token"},
     }
-    args = build_parser().parse_args(engine_args(pool_spec))
+    args = build_parser().parse_args(engine_args(EnginePoolSpec.from_obj(pool_spec)))
     assert args.command == "serve" and args.port == ENGINE_PORT == 8000
     assert (args.model, args.token_file, args.checkpoint_root) == (
         "/models/qwen",

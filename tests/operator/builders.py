@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Self
 
+from loraplex_operator import manifests
+from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.placement import Engine, PendingExperiment, PoolLimits, RunningExperiment
+from loraplex_operator.resources import Pool
 
 
 class ExperimentWrapper:
@@ -298,3 +301,16 @@ def limits(
         max_replicas=max_replicas, current_replicas=current, slots_per_engine=slots,
         max_rank=max_rank, memory_budget=memory,
     )  # fmt: skip
+
+
+# The engine pod manifests of raw pool objects (the operator reads each pool once, typed).
+def pod_of(pool_obj: dict[str, Any], suffix: str = "x") -> dict[str, Any]:
+    return manifests.engine_pod(Pool.from_obj(pool_obj), suffix)
+
+
+def serve_args(spec: dict[str, Any]) -> list[str]:
+    return manifests.engine_args(EnginePoolSpec.from_obj(spec))
+
+
+def pod_resources(spec: dict[str, Any]) -> dict[str, Any]:
+    return manifests.engine_resources(EnginePoolSpec.from_obj(spec))

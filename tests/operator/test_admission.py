@@ -9,7 +9,8 @@ from builders import experiment, pool
 from crdkit import apply_defaults, schema_of
 from loraplex_operator import admission
 from loraplex_operator.admission import Problem, experiment_memory_bytes, selector_matches
-from loraplex_operator.resources import Experiment, ExperimentSpec, Pool, PoolSpec
+from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector
+from loraplex_operator.resources import Experiment, ExperimentSpec, Pool
 
 
 def _full(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +92,8 @@ def test_namespace_allowed(
     ],
 )
 def test_selector_expressions(expr: dict, labels: dict, ok: bool) -> None:
-    assert selector_matches({"matchExpressions": [expr]}, labels) is ok
+    selector = LabelSelector.model_validate({"matchExpressions": [expr]})
+    assert selector_matches(selector, labels) is ok
 
 
 def test_target_modules_outside_pool_allowlist() -> None:
@@ -133,7 +135,7 @@ def test_memory_estimate_uses_pool_shape() -> None:
     p = _full("EnginePool", pool().model_shape(numLayers=2, hiddenSize=64, kvDim=32).obj())
     spec = _full("LoRAExperiment", experiment("a").obj())["spec"]
     assert (
-        experiment_memory_bytes(ExperimentSpec.from_obj(spec), PoolSpec.from_obj(p["spec"]))
+        experiment_memory_bytes(ExperimentSpec.from_obj(spec), EnginePoolSpec.from_obj(p["spec"]))
         == 57344
     )
 

@@ -164,10 +164,9 @@ def test_pool_observation_names_the_pods_without_a_node() -> None:
     assert (counts.engines, counts.ready) == (4, 1)
     assert list(counts.gated) == ["e0", "e2"] and list(counts.unschedulable) == ["e3"]
     assert counts.token_found is False
-    status = st.pool_status(counts, 1, None, NOW_DT)
-    by_type = {c["type"]: c for c in status["conditions"]}
-    assert by_type["Stalled"]["status"] == "True"  # the missing Secret needs a human first
+    by_type = {c.type: c for c in st.pool_status(counts, 1, None, NOW_DT).conditions or ()}
+    assert by_type["Stalled"].status == "True"  # the missing Secret needs a human first
     counts = pool_observation(snap([], engines))
-    by_type = {c["type"]: c for c in st.pool_status(counts, 1, None, NOW_DT)["conditions"]}
-    assert by_type["CapacityPending"]["reason"] == "WaitingForAdmission"
-    assert by_type["Reconciling"]["status"] == "True"
+    by_type = {c.type: c for c in st.pool_status(counts, 1, None, NOW_DT).conditions or ()}
+    assert by_type["CapacityPending"].reason == "WaitingForAdmission"
+    assert by_type["Reconciling"].status == "True"

@@ -7,14 +7,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from builders import pool
+from builders import pod_of, pool, serve_args
 from crdkit import REPO, apply_defaults, schema_of
 from loraplex_operator.manifests import (
     KUEUE_QUEUE_LABEL,
     POOL_LABEL,
     TOKEN_FILE,
-    engine_args,
-    engine_pod,
     engine_url,
     is_pod_ready,
 )
@@ -69,13 +67,13 @@ POOLS = {
 def test_pod_validates_strictly(which: str) -> None:
     # validate() raises on any schema error and returns the version it checked against
     checked = kubernetes_validate.validate(
-        engine_pod(POOLS[which](), "a1b2c"), K8S_VERSION, strict=True
+        pod_of(POOLS[which](), "a1b2c"), K8S_VERSION, strict=True
     )
     assert checked == K8S_VERSION
 
 
 def test_identity_labels_and_owner() -> None:
-    pod = engine_pod(_gpu_pool(), "a1b2c")
+    pod = pod_of(_gpu_pool(), "a1b2c")
     meta = pod["metadata"]
     assert meta["name"] == "gpu-qwen-engine-a1b2c" and meta["namespace"] == "loraplex-system"
     assert meta["labels"][POOL_LABEL] == "gpu-qwen"
@@ -92,15 +90,15 @@ def test_identity_labels_and_owner() -> None:
 
 def test_queue_name_labels_the_pod_for_kueue() -> None:
     obj = _gpu_pool()
-    assert KUEUE_QUEUE_LABEL not in engine_pod(obj, "x")["metadata"]["labels"]
+    assert KUEUE_QUEUE_LABEL not in pod_of(obj, "x")["metadata"]["labels"]
     obj["spec"]["queueName"] = "gpu-team"
-    labels = engine_pod(obj, "x")["metadata"]["labels"]
+    labels = pod_of(obj, "x")["metadata"]["labels"]
     assert labels[KUEUE_QUEUE_LABEL] == "gpu-team" and labels[POOL_LABEL] == "gpu-qwen"
-    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+    kubernetes_validate.validate(pod_of(obj, "x"), K8S_VERSION, strict=True)
 
 
 def test_engine_command_line() -> None:
-    (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
+    (container,) = pod_of(_gpu_pool(), "x")["spec"]["containers"]
     assert container["command"] == ["loraplex-engine"]
     assert container["args"] == [
         "serve",
@@ -116,21 +114,21 @@ def test_engine_command_line() -> None:
 
 
 def test_args_use_pool_defaults() -> None:
-    args = engine_args(_minimal_pool()["spec"])
+    args = serve_args(_minimal_pool()["spec"])
     flags = dict(zip(args[1::2], args[2::2], strict=True))
     assert flags["--max-adapters"] == "8" and flags["--max-rank"] == "64"
     assert flags["--rollout-backend"] == "torch" and flags["--checkpoint-root"] == "/ckpt"
 
 
 def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
-    bare = engine_args(_minimal_pool()["spec"])
+    bare = serve_args(_minimal_pool()["spec"])
     assert "--dtype" not in bare and not any("checkpointing" in a for a in bare)
     for on, flag in ((True, "--gradient-checkpointing"), (False, "--no-gradient-checkpointing")):
         obj = pool("bf16").set("spec.dtype", "bfloat16").set("spec.gradientCheckpointing", on)
         full = apply_defaults(schema_of("EnginePool"), obj.obj())
-        args = engine_args(full["spec"])
+        args = serve_args(full["spec"])
         assert args[args.index("--dtype") + 1] == "bfloat16" and flag in args
-        kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
+        kubernetes_validate.validate(pod_of(full, "a1b2c"), K8S_VERSION, strict=True)
 
 
 def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
@@ -141,7 +139,7 @@ def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
     placed = {"device": "cuda:1", "gpuMemoryUtilization": 0.8, "sleepMode": False}
     obj = pool("v").set("spec.rolloutBackend", "vllm").set("spec.vllm", placed)
     full = apply_defaults(schema_of("EnginePool"), obj.obj())
-    args = engine_args(full["spec"])
+    args = serve_args(full["spec"])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     served = parser.parse_args(args[1:])  # `serve`'s own parser reads them back
@@ -151,36 +149,36 @@ def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
         "sleep_mode": False,
     }
     torch_pool = apply_defaults(schema_of("EnginePool"), pool("t").set("spec.vllm", placed).obj())
-    assert not any(a.startswith("--vllm-option") for a in engine_args(torch_pool["spec"]))
+    assert not any(a.startswith("--vllm-option") for a in serve_args(torch_pool["spec"]))
     bare = apply_defaults(
         schema_of("EnginePool"), pool("b").set("spec.rolloutBackend", "vllm").obj()
     )
-    assert not any(a.startswith("--vllm-option") for a in engine_args(bare["spec"]))
+    assert not any(a.startswith("--vllm-option") for a in serve_args(bare["spec"]))
 
 
 def test_args_leave_the_memory_budgets_to_the_engine_unless_the_pool_sets_them() -> None:
-    bare = engine_args(_minimal_pool()["spec"])
+    bare = serve_args(_minimal_pool()["spec"])
     assert not {"--micro-batch-tokens", "--rollout-kv-tokens", "--device-memory"} & set(bare)
     obj = pool("sized").set("spec.capacity.microBatchTokens", 8192)
     obj = obj.set("spec.capacity.rolloutKvTokens", 2048)
     obj = obj.set("spec.capacity.deviceMemoryBytes", 80 * 2**30)
     full = apply_defaults(schema_of("EnginePool"), obj.obj())
-    args = engine_args(full["spec"])
+    args = serve_args(full["spec"])
     assert args[args.index("--micro-batch-tokens") + 1] == "8192"
     assert args[args.index("--rollout-kv-tokens") + 1] == "2048"
     assert args[args.index("--device-memory") + 1] == str(80 * 2**30)
-    kubernetes_validate.validate(engine_pod(full, "a1b2c"), K8S_VERSION, strict=True)
+    kubernetes_validate.validate(pod_of(full, "a1b2c"), K8S_VERSION, strict=True)
 
 
 def test_probes_hit_engine_routes() -> None:
-    (container,) = engine_pod(_gpu_pool(), "x")["spec"]["containers"]
+    (container,) = pod_of(_gpu_pool(), "x")["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
 
 
 def test_token_secret_mounted_read_only_at_token_file() -> None:
-    pod = engine_pod(_gpu_pool(), "x")
+    pod = pod_of(_gpu_pool(), "x")
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     secret = volumes["loraplex-token"]["secret"]
     assert secret["secretName"] == "engine-token"
@@ -191,7 +189,7 @@ def test_token_secret_mounted_read_only_at_token_file() -> None:
 
 
 def test_checkpoint_volume_mounted_at_root() -> None:
-    pod = engine_pod(_gpu_pool(), "x")
+    pod = pod_of(_gpu_pool(), "x")
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["loraplex-checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
@@ -204,12 +202,12 @@ def test_checkpoint_volume_mounted_at_root() -> None:
 
 
 def test_checkpoint_falls_back_to_empty_dir() -> None:
-    volumes = {v["name"]: v for v in engine_pod(_minimal_pool(), "x")["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in pod_of(_minimal_pool(), "x")["spec"]["volumes"]}
     assert volumes["loraplex-checkpoints"] == {"name": "loraplex-checkpoints", "emptyDir": {}}
 
 
 def test_template_pod_bits_pass_through() -> None:
-    spec = engine_pod(_gpu_pool(), "x")["spec"]
+    spec = pod_of(_gpu_pool(), "x")["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -221,13 +219,13 @@ def test_template_pod_bits_pass_through() -> None:
 def test_user_env_cannot_override_operator_env() -> None:
     obj = _minimal_pool()
     obj["spec"]["template"]["env"] = [{"name": "LORAPLEX_POOL", "value": "spoofed"}]
-    env = engine_pod(obj, "x")["spec"]["containers"][0]["env"]
+    env = pod_of(obj, "x")["spec"]["containers"][0]["env"]
     assert [e.get("value") for e in env if e["name"] == "LORAPLEX_POOL"] == ["tiny"]
 
 
 def test_builder_does_not_alias_the_pool() -> None:
     obj = _gpu_pool()
-    pod = engine_pod(obj, "x")
+    pod = pod_of(obj, "x")
     pod["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] = "changed"
     assert obj["spec"]["template"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
 
@@ -241,7 +239,7 @@ def test_pod_helpers() -> None:
 def test_data_roots_and_reward_hosts_become_serve_flags() -> None:
     obj = pool("tenants").obj()
     obj["spec"] |= {"dataRoots": ["/data", "/more"], "rewardHosts": ["rewards.test", "::1"]}
-    args = engine_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
     trust = [a for a in args if a.startswith(("--data-root", "--allow-reward-host"))]
     assert trust == [
         "--data-root=/data",
@@ -249,4 +247,4 @@ def test_data_roots_and_reward_hosts_become_serve_flags() -> None:
         "--allow-reward-host=rewards.test",
         "--allow-reward-host=::1",
     ]
-    assert not any(a.startswith("--data-root") for a in engine_args(_minimal_pool()["spec"]))
+    assert not any(a.startswith("--data-root") for a in serve_args(_minimal_pool()["spec"]))

@@ -12,7 +12,7 @@ from unittest import mock
 
 import kubernetes_validate
 import pytest
-from builders import pool
+from builders import pod_of, pod_resources, pool, serve_args
 from crdkit import admit, apply_defaults, schema_of
 from loraplex_engine.errors import UsageError
 from loraplex_engine.serve_flags import add_arguments
@@ -21,9 +21,6 @@ from loraplex_operator.manifests import (
     GPU_RESOURCE,
     SHM_PATH,
     SHM_VOLUME,
-    engine_args,
-    engine_pod,
-    engine_resources,
 )
 
 K8S_VERSION = "1.33"
@@ -46,7 +43,7 @@ def _pool(
 
 
 def _container(obj: dict[str, Any]) -> dict[str, Any]:
-    (container,) = engine_pod(obj, "a1b2c")["spec"]["containers"]
+    (container,) = pod_of(obj, "a1b2c")["spec"]["containers"]
     return container
 
 
@@ -56,7 +53,7 @@ def _gpu_limits(n: int) -> dict[str, Any]:
 
 def test_one_rank_pods_are_unchanged() -> None:
     for obj in (_pool(None, _gpu_limits(1)), _pool(1, _gpu_limits(1))):
-        pod = engine_pod(obj, "a1b2c")
+        pod = pod_of(obj, "a1b2c")
         container = pod["spec"]["containers"][0]
         assert "--world-size" not in container["args"]
         assert SHM_VOLUME not in {v["name"] for v in pod["spec"]["volumes"]}
@@ -66,7 +63,7 @@ def test_one_rank_pods_are_unchanged() -> None:
 
 def test_a_gpu_pool_gets_one_gpu_per_rank_the_world_size_and_a_shared_memory_volume() -> None:
     obj = _pool(4, _gpu_limits(1))
-    pod = engine_pod(obj, "a1b2c")
+    pod = pod_of(obj, "a1b2c")
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"limits": {GPU_RESOURCE: 4, "memory": "64Gi"}}
@@ -83,7 +80,7 @@ def test_a_gpu_pool_gets_one_gpu_per_rank_the_world_size_and_a_shared_memory_vol
 
 
 def test_shm_size_sizes_the_volume() -> None:
-    pod = engine_pod(_pool(2, _gpu_limits(2), shmSize="8Gi"), "x")
+    pod = pod_of(_pool(2, _gpu_limits(2), shmSize="8Gi"), "x")
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == SHM_VOLUME]
     assert shm["emptyDir"]["sizeLimit"] == "8Gi"
@@ -97,7 +94,7 @@ def _vllm_pool(**template: Any) -> Any:
 def test_a_one_rank_vllm_pool_gets_the_shared_memory_volume() -> None:
     """Adapter updates cross to the vLLM worker through /dev/shm segments, which the
     runtime's 64 MiB would not hold for a rank-32 adapter of a 4B model."""
-    pod = engine_pod(_vllm_pool(shmSize="2Gi"), "x")
+    pod = pod_of(_vllm_pool(shmSize="2Gi"), "x")
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == SHM_VOLUME]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
@@ -110,7 +107,7 @@ def test_a_one_rank_vllm_pool_that_mounts_its_own_shm_keeps_it() -> None:
     own = {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
     obj = _vllm_pool(volumes=[own], volumeMounts=[{"name": "big-shm", "mountPath": "/dev/shm/"}])
     assert admit("EnginePool", obj) == []  # allowed with one rank
-    pod = engine_pod(obj, "x")
+    pod = pod_of(obj, "x")
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     assert SHM_VOLUME not in {v["name"] for v in pod["spec"]["volumes"]}
     mounts = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "big-shm"]
@@ -139,8 +136,8 @@ def test_the_gpu_count_is_raised_to_the_rank_count_where_the_template_asks_for_g
     resources: dict[str, Any], want: dict[str, Any]
 ) -> None:
     obj = _pool(2, resources)
-    assert engine_resources(obj["spec"]) == want
-    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+    assert pod_resources(obj["spec"]) == want
+    kubernetes_validate.validate(pod_of(obj, "x"), K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -153,11 +150,11 @@ def test_a_cpu_pool_runs_gloo_ranks_and_asks_for_no_gpu(resources: dict[str, Any
     assert container.get("resources") == resources  # as written: no GPU appears
     assert container["args"][container["args"].index("--world-size") + 1] == "2"
     assert SHM_PATH in {m["mountPath"] for m in container["volumeMounts"]}
-    kubernetes_validate.validate(engine_pod(obj, "x"), K8S_VERSION, strict=True)
+    kubernetes_validate.validate(pod_of(obj, "x"), K8S_VERSION, strict=True)
 
 
 def test_world_size_comes_before_the_templates_extra_args() -> None:
-    args = engine_args(_pool(2, extraArgs=["--log-level", "debug"])["spec"])
+    args = serve_args(_pool(2, extraArgs=["--log-level", "debug"])["spec"])
     assert args[-2:] == ["--log-level", "debug"] and "--world-size" in args[:-2]
 
 
@@ -172,14 +169,14 @@ def _serve_parser() -> argparse.ArgumentParser:
 def test_serve_reads_the_world_size_back() -> None:
     parser = _serve_parser()
     for gpus in (1, 2, 8):
-        args = engine_args(_pool(gpus, _gpu_limits(1))["spec"])
+        args = serve_args(_pool(gpus, _gpu_limits(1))["spec"])
         assert parser.parse_args(args[1:]).world_size == gpus
 
 
 def test_shard_base_puts_the_flag_in_a_multi_rank_engines_args() -> None:
     obj = _pool(4, _gpu_limits(1), shard=True)
     assert admit("EnginePool", obj) == []
-    pod = engine_pod(obj, "a1b2c")
+    pod = pod_of(obj, "a1b2c")
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     args = pod["spec"]["containers"][0]["args"]
     assert args.count("--shard-base") == 1
@@ -196,7 +193,7 @@ def test_shard_base_puts_the_flag_in_a_multi_rank_engines_args() -> None:
 @pytest.mark.parametrize("shard", [None, False])
 def test_a_pool_that_does_not_shard_passes_no_flag(shard: bool | None) -> None:
     for gpus in (1, 2):
-        args = engine_args(_pool(gpus, _gpu_limits(1), shard=shard)["spec"])
+        args = serve_args(_pool(gpus, _gpu_limits(1), shard=shard)["spec"])
         assert "--shard-base" not in args
         assert _serve_parser().parse_args(args[1:]).shard_base is False
 
@@ -207,7 +204,7 @@ def test_shard_base_with_one_rank_is_refused_by_the_crd_and_by_serve_alike() -> 
     obj = _pool(1, _gpu_limits(1), shard=True)
     (error,) = admit("EnginePool", obj)
     assert error.startswith("shardBase needs gpusPerEngine of 2 or more")
-    args = engine_args(obj["spec"])
+    args = serve_args(obj["spec"])
     assert "--world-size" not in args and "--shard-base" in args
     with pytest.raises(UsageError, match="--shard-base needs --world-size above 1"):
         check_rank_flags(_serve_parser().parse_args(args[1:]))

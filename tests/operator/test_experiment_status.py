@@ -374,7 +374,8 @@ def test_merge_conditions_keeps_foreign_types() -> None:
 
 def _pool(**kw: Any) -> dict[str, Any]:
     counts = {"engines": 0, "ready": 0, "slots_used": 0, "slots_free": 0, **kw}
-    return pool_status(st.PoolObservation(**counts), generation=4, old_conditions=None, now=T0)
+    status = pool_status(st.PoolObservation(**counts), generation=4, old_conditions=None, now=T0)
+    return status.to_json()  # as the operator patches it
 
 
 def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -460,9 +461,9 @@ def test_pool_ready_keeps_its_transition_time_while_unchanged() -> None:
         5,
         first["conditions"],
         T1,
-    )
+    ).to_json()
     ready = get_condition(again["conditions"], "Ready")
     assert ready is not None and ready["lastTransitionTime"] == st.rfc3339(T0)
     assert ready["observedGeneration"] == 5
-    lost = pool_status(st.PoolObservation(1, 0, 0, 0), 5, again["conditions"], T1)
+    lost = pool_status(st.PoolObservation(1, 0, 0, 0), 5, again["conditions"], T1).to_json()
     assert get_condition(lost["conditions"], "Ready")["lastTransitionTime"] == st.rfc3339(T1)

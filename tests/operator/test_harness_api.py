@@ -19,6 +19,7 @@ from builders import experiment
 from harness import ENGINE_NS, ApiServer, Harness, declare_resources
 from loraplex_operator import manifests
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, Kube, KubeError
+from loraplex_operator.resources import Pool
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_pod_runtime_maps_the_image_volumes_and_ports_only(
             "tokenSecretRef": {"name": "tok", "key": "k"},
         },
     }
-    pod = manifests.engine_pod(pool, "abc")
+    pod = manifests.engine_pod(Pool.from_obj(pool), "abc")
     node = pod_runtime.Node(tmp_path, image_paths={"/models/m": tmp_path / "model"})
     secret = {"k": base64.b64encode(b"s3cret").decode()}
     volumes = node.volume_dirs(pod, lambda ns, name: secret if name == "tok" else None)
@@ -195,7 +196,7 @@ def test_the_kubelet_restarts_containers_as_the_restart_policy_says() -> None:
     assert restarts_after(pod(None), 0) and restarts_after(pod("Always"), 0)  # the default
     assert restarts_after(pod("OnFailure"), 1) and restarts_after(pod("OnFailure"), -9)
     assert not restarts_after(pod("OnFailure"), 0) and not restarts_after(pod("Never"), 1)
-    assert manifests.engine_pod(_POOL, "x")["spec"]["restartPolicy"] == "Always"
+    assert manifests.engine_pod(Pool.from_obj(_POOL), "x")["spec"]["restartPolicy"] == "Always"
     # The kubelet's back-off: the first restart at once, then 10 s doubling to 300 s.
     assert [crash_backoff(n) for n in (1, 2, 3, 4, 7, 8)] == [0, 10, 20, 40, 300, 300]
 

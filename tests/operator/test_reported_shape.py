@@ -4,19 +4,18 @@ memory checks wait (nothing binds before an engine answers anyway)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from builders import experiment, pool
 from loraplex_operator import admission
+from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.observation import EngineView, reported_shape, with_reported_shape
 from loraplex_operator.placement import ModelShape
 from loraplex_operator.planning import plan_round
-from loraplex_operator.resources import ExperimentSpec, PoolSpec
+from loraplex_operator.resources import ExperimentSpec
 from test_reconcile import CFG, engine, snap
 
 # What an engine serving Qwen3-4B reports (docs/engine-api.md, Capacity).
 QWEN3_4B = {"numLayers": 36, "hiddenSize": 2560, "intermediateSize": 9728, "kvDim": 1024}
-QWEN3_4B_SHAPE = ModelShape(36, 2560, 9728, 1024)
+QWEN3_4B_SHAPE = ModelShape(num_layers=36, hidden_size=2560, intermediate_size=9728, kv_dim=1024)
 
 
 def _reporting(name: str) -> EngineView:
@@ -27,7 +26,8 @@ def _reporting(name: str) -> EngineView:
 
 def _needs(rank: int) -> int:
     spec = ExperimentSpec.from_obj(experiment("x").rank(rank).obj()["spec"])
-    shaped = replace(PoolSpec.from_obj(pool().obj()["spec"]), model_shape=QWEN3_4B_SHAPE)
+    bare = EnginePoolSpec.from_obj(pool().obj()["spec"])
+    shaped = bare.model_copy(update={"model_shape": QWEN3_4B_SHAPE})
     return admission.experiment_memory_bytes(spec, shaped)
 
 
@@ -41,7 +41,7 @@ def test_the_first_answering_engine_names_the_shape() -> None:
 def test_a_declared_shape_wins_over_the_reported_one() -> None:
     declared = pool().model_shape(numLayers=2, hiddenSize=64).obj()
     s = with_reported_shape(snap([], [_reporting("e1")], declared))
-    assert s.pool.spec.model_shape == ModelShape(2, 64)
+    assert s.pool.spec.model_shape == ModelShape(num_layers=2, hidden_size=64)
 
 
 def test_memory_budget_applies_once_an_engine_reports() -> None:
