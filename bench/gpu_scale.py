@@ -78,6 +78,7 @@ DRY_RUN_SHAPE = {
     "max_window_layers": 2,
 }
 ARMS = ("fused", "timesliced")
+PLAN_WAIT_S = 10.0  # per cell, for its planner row, before the next cell starts
 
 
 def model_config(path: Path, layers: int | None, dry_run: bool) -> PretrainedConfig:
@@ -371,11 +372,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             opts = CellOptions(args.lora_kernel, lambda: write_json(out, result), past_budget,
                                fail_at)  # fmt: skip
             run_one(config, w, device, (args.repeats, rate), cell, opts)
-            left = args.budget_s - (time.monotonic() - started)
-            cell |= plan_comparison(pending[w.adapters], cell, left)
+            # A short wait: the next cells' plans run meanwhile, and a slow one must not
+            # hold up the cells; those still running are waited for after the last.
+            cell |= plan_comparison(pending[w.adapters], cell, PLAN_WAIT_S)
             _add_one_at_a_time(result["cells"], cell)
             write_json(out, result)
             _print_cell(cell)
+        for cell in result["cells"]:
+            if cell["plan"] is None and "not done" in cell["plan_error"]:
+                left = args.budget_s - (time.monotonic() - started)
+                cell |= plan_comparison(pending[cell["n"]], cell, left)
+                write_json(out, result)
     finally:
         pool.terminate()
     result["elapsed_s"] = time.monotonic() - started

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The wheels the lent GPU machines lack, for bench/gpu_device.sh (issue 27).
 #
-#   bash scripts/gpu-wheelhouse.sh                       .whl/, cp312 (the device's Python)
-#   bash scripts/gpu-wheelhouse.sh --python-version 3.11 --dest DIR   (the CPU rehearsal's)
+#   bash scripts/gpu-wheelhouse.sh                  .whl/, cp312 (the device's Python)
+#   bash scripts/gpu-wheelhouse.sh --rehearsal      .cache/gpu-wheelhouse/cpXY/, for $PYTHON
+#                                                   (default .venv's): the CPU rehearsal's
+#   bash scripts/gpu-wheelhouse.sh --python-version 3.11 --dest DIR
 #
 # The device image (/work/.library/device/KINDS.md) has torch, transformers, safetensors,
 # tokenizers, httpx, pyyaml, psutil, prometheus-client and matplotlib, but no pydantic,
@@ -19,17 +21,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PY="${PYTHON:-.venv/bin/python}"
+[[ -x "$PY" ]] || PY="$(command -v python3)"
 PY_VERSION=3.12
 DEST=.whl
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --python-version) PY_VERSION=$2; shift 2 ;;
     --dest) DEST=$2; shift 2 ;;
+    --rehearsal)  # tests/bench/test_gpu_device.py finds them there
+        PY_VERSION=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+        DEST=.cache/gpu-wheelhouse/cp${PY_VERSION/./}
+        shift ;;
     *) echo "gpu-wheelhouse.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
-PY="${PYTHON:-.venv/bin/python}"
-[[ -x "$PY" ]] || PY="$(command -v python3)"
 NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
 
 norm() { local s=${1,,}; echo "${s//[-_.]/-}"; }  # as pip compares names: - _ . alike
