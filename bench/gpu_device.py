@@ -324,13 +324,17 @@ def compare_paths(shape: tuple[int, int], args: argparse.Namespace, device: Any)
 
 def kernel(args: argparse.Namespace) -> int:
     import torch
-    from gpu_scale import DRY_RUN_SHAPE
     from loraplex_engine.grouped_lora import grouped_mm_blocker, kernel_env
 
     device = torch.device("cpu" if args.dry_run else "cuda")
-    config = json.loads(args.config.read_text()) | (DRY_RUN_SHAPE if args.dry_run else {})
+    config = json.loads(args.config.read_text())
+    if args.dry_run:  # gpu_scale's import (its model classes) only where needed
+        from gpu_scale import DRY_RUN_SHAPE
+
+        config |= DRY_RUN_SHAPE
     shapes = projection_shapes(config)
-    blocker = grouped_mm_blocker(kernel_env(device), torch.bfloat16, (*shapes["q_proj"], 32))
+    layer = (*shapes["q_proj"], args.rank)  # (in, out, max rank): what the blocker checks
+    blocker = grouped_mm_blocker(kernel_env(device), torch.bfloat16, layer)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
         "torch": torch.__version__, "blocker": blocker, "adapters": args.adapters,

@@ -25,7 +25,10 @@
    the FLOPs each needs and each one's forward+backward time (``grouped_lora``).
 
 Writes one JSON (``--out``, default bench/results/gpu-<device>-<date>.json) after every
-cell, so a run cut short by its time slot still leaves what it measured.
+arm of every cell, so a run cut short by its time slot still leaves what it measured. An
+arm or a cell that raises (out of memory, a kernel error) is recorded as its ``error``
+and the next one runs. ``--lora-kernel bmm`` keeps the cells off the grouped kernel
+(bench/gpu_device.sh passes it when its kernel check failed).
 ``--dry-run`` shrinks the model (2 layers, hidden 64), N to 1 and 2, and the rows, and runs
 on the CPU: the plumbing (strategies, checkpointing, planner, floor arithmetic, output)
 is what it checks; the CPU has no allocator peak, so ``measured_peak_bytes`` is null.
