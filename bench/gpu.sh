@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (issues 12, 13, 17), one prepared script for a 10-minute device slot.
 #
+# For a machine with network access (it pip-installs what is missing), vLLM and two GPUs.
+# The lent device machines have none of these: there, run bench/gpu_device.sh (issue 27).
+#
 #   bash bench/gpu.sh [OUT.json]                  (default bench/results/gpu-<device>-<date>.json)
 #   bash bench/gpu.sh --dry-run OUT.json          (the same code on the CPU, tiny, 1-3 min)
 #   bash bench/gpu.sh --throughput [OUT_DIR]      (issue 7's three-arm throughput run instead)

@@ -25,7 +25,10 @@
    the FLOPs each needs and each one's forward+backward time (``grouped_lora``).
 
 Writes one JSON (``--out``, default bench/results/gpu-<device>-<date>.json) after every
-cell, so a run cut short by its time slot still leaves what it measured.
+arm of every cell, so a run cut short by its time slot still leaves what it measured. An
+arm or a cell that raises (out of memory, a kernel error) is recorded as its ``error``
+and the next one runs. ``--lora-kernel bmm`` keeps the cells off the grouped kernel
+(bench/gpu_device.sh passes it when its kernel check failed).
 ``--dry-run`` shrinks the model (2 layers, hidden 64), N to 1 and 2, and the rows, and runs
 on the CPU: the plumbing (strategies, checkpointing, planner, floor arithmetic, output)
 is what it checks; the CPU has no allocator peak, so ``measured_peak_bytes`` is null.
@@ -34,13 +37,15 @@ is what it checks; the CPU has no allocator peak, so ``measured_peak_bytes`` is 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,8 +55,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grouped_lora as grouped_bench
 from gpu_bench import bf16_matmul_flops
-from gpu_common import write_json
+from gpu_common import error_text, write_json
 from loraplex_engine.algorithms import ClippedRatioLoss
+from loraplex_engine.grouped_lora import KERNEL_MODES
 from loraplex_engine.lora import LoRAConfig
 from loraplex_engine.multi_lora import MultiLoRAModel
 from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
@@ -75,6 +81,7 @@ DRY_RUN_SHAPE = {
     "max_window_layers": 2,
 }
 ARMS = ("fused", "timesliced")
+PLAN_WAIT_S = 10.0  # per cell, for its planner row, before the next cell starts
 
 
 def model_config(path: Path, layers: int | None, dry_run: bool) -> PretrainedConfig:
@@ -126,38 +133,82 @@ def time_arm(trainer: Any, rows: list[TrainRow], updates: dict, repeats: int) ->
 
 
 def run_cell(
-    config: PretrainedConfig, w: Workload, device: torch.device, repeats: int, rate: float
-) -> dict[str, Any]:
-    """Both arms for one N on one model: seconds, tokens/s, floor share, peak memory."""
+    config: PretrainedConfig, w: Workload, device: torch.device, repeats: int, rate: float,
+    cell: dict[str, Any], opts: CellOptions,
+) -> None:  # fmt: skip
+    """Both arms for one N on one model into ``cell``: seconds, tokens/s, floor share, peak
+    memory. An arm that raises (an out-of-memory, a kernel error) is recorded under its
+    name and the other arm still runs; ``opts.save`` runs after each arm, so a run killed
+    in the time-sliced arm keeps the fused numbers."""
     model, optimizer = build(config, w, device)
+    model.set_grouped_mm(KERNEL_MODES[opts.lora_kernel])
     rows = tenant_rows(model, w, w.adapters)
     updates = {r.experiment: ClippedRatioLoss() for r in rows}
     p_base, p_lora = linear_weights(model, w.rank)
+    cell |= {"frozen_linear_params": p_base, "lora_params_per_adapter": p_lora,
+             "lora_kernel": opts.lora_kernel}  # fmt: skip
     common = {"model": model, "optimizer": optimizer, "device": device, "pad_id": 0,
               "micro_batch_tokens": w.micro_batch_tokens, "shared_forward": None,
               "gradient_checkpointing": w.checkpointing}  # fmt: skip
-    cell: dict[str, Any] = {"n": w.adapters, "arms": {}}
-    for arm, strategy in zip(ARMS, (FusedTraining, TimeSlicedTraining), strict=True):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        trainer = strategy(**common)
-        got = time_arm(trainer, rows, updates, repeats)
-        got["checkpointing"] = trainer.gradient_checkpointing  # as the strategy ran it
-        floor = floor_flops(config, p_base, p_lora, got["tokens"], w.row_tokens)
-        got |= {
-            "tokens_per_s": got["tokens"] / got["step_s"],
-            "floor_flops": floor,
-            "floor_fraction_of_bf16_peak": floor / got["step_s"] / rate,
-            "measured_peak_bytes": (
-                torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-            ),
-        }
-        cell["arms"][arm] = got
-    cell |= {"frozen_linear_params": p_base, "lora_params_per_adapter": p_lora}
-    del model, optimizer, common, trainer
+    try:
+        for arm, strategy in zip(ARMS, (FusedTraining, TimeSlicedTraining), strict=True):
+            if opts.past_budget():
+                cell["arms"][arm] = {"skipped": "time budget"}
+                continue
+            try:
+                if (w.adapters, arm) == opts.fail_at:
+                    raise RuntimeError(f"injected failure (--fail-cell {w.adapters})")
+                got = run_arm(strategy(**common), rows, updates, repeats)
+                got |= arm_rates(config, got, (p_base, p_lora), w.row_tokens, rate, device)
+            except Exception as e:  # recorded; the next arm and the next cell still run
+                got = {"error": error_text(e)}
+                print(f"N={w.adapters} {arm}: failed: {got['error']}", flush=True)
+            cell["arms"][arm] = got
+            free(device)
+            opts.save()
+    finally:
+        del model, optimizer, common
+        free(device)
+
+
+def run_arm(trainer: Any, rows: list[TrainRow], updates: dict, repeats: int) -> dict[str, Any]:
+    """One strategy's timed steps, reset peak first (the arm's own peak is recorded)."""
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    got = time_arm(trainer, rows, updates, repeats)
+    got["checkpointing"] = trainer.gradient_checkpointing  # as the strategy ran it
+    return got
+
+
+def arm_rates(
+    config: PretrainedConfig, got: dict[str, Any], params: tuple[int, int], row_tokens: int,
+    rate: float, device: torch.device,
+) -> dict[str, Any]:  # fmt: skip
+    """Tokens/s, the FLOP floor and its share of the bf16 rate, the allocator's peak."""
+    floor = floor_flops(config, *params, got["tokens"], row_tokens)
+    return {
+        "tokens_per_s": got["tokens"] / got["step_s"],
+        "floor_flops": floor,
+        "floor_fraction_of_bf16_peak": floor / got["step_s"] / rate,
+        "measured_peak_bytes": (
+            torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+        ),
+    }
+
+
+def free(device: torch.device) -> None:
+    """Give back what a finished (or failed) arm held, so the next starts clean."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return cell
+
+
+@dataclass
+class CellOptions:
+    lora_kernel: str  # the engine's --lora-kernel name: auto, bmm or grouped
+    save: Callable[[], None]  # writes the result so far
+    past_budget: Callable[[], bool]  # no new arm starts once this is true
+    fail_at: tuple[int, str] | None = None  # rehearsal only: (N, arm) raises
 
 
 def grouped_lora_arm(
@@ -213,7 +264,7 @@ def plan_comparison(pending: Any, cell: dict[str, Any], wait_s: float) -> dict[s
     except Exception as e:  # a failed plan is a result to record, not a reason to stop
         return {"plan": None, "plan_error": f"{type(e).__name__}: {e}"}
     predicted = row["detail"]["train_total"]
-    measured = cell["arms"]["fused"]["measured_peak_bytes"]
+    measured = (_measured(cell, "fused") or {}).get("measured_peak_bytes")
     return {
         "plan": row,
         "predicted_train_peak_bytes": predicted,
@@ -228,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/gpu-*.json)")
     p.add_argument("--config", type=Path, default=QWEN3_4B)
     p.add_argument("--layers", type=int, help="decoder layers to keep (default: all)")
-    p.add_argument("--ns", default="1,8,32")
+    p.add_argument("--ns", help="adapter counts (default 1,8,32; dry run 1,2)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--prompts-per-tenant", type=int, default=1)
     p.add_argument("--completions-per-prompt", type=int, default=4)
@@ -239,9 +290,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=540, help="skip cells past this")
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
+    p.add_argument("--lora-kernel", choices=sorted(KERNEL_MODES), default="auto",
+                   help="the LoRA delta's path, as the engine's --lora-kernel (bench/"
+                   "gpu_device.sh: bmm when its grouped-kernel check failed)")  # fmt: skip
+    p.add_argument(
+        "--no-grouped-arm",
+        dest="grouped_arm",
+        action="store_false",
+        help="skip the bmm-vs-grouped layer timing (gpu_device.sh checks it apart)",
+    )
+    p.add_argument(
+        "--fail-cell",
+        type=int,
+        metavar="N",
+        help="rehearsal: N's fused arm raises, to show the run goes on",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
-        args.ns, args.rank, args.repeats = "1,2", 4, 1
+        args.ns, args.rank, args.repeats = args.ns or "1,2", 4, 1
         args.prompts_per_tenant, args.completions_per_prompt = 1, 2
         args.prompt_tokens, args.completion_tokens, args.micro_batch_tokens = 8, 8, 32
     return args
@@ -277,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     slug = name.split()[-1].lower() if device.type == "cuda" else "dry-run"
     out = args.out or REPO / f"bench/results/gpu-{slug}-{stamp}.json"
     config = model_config(args.config, args.layers, args.dry_run)
-    ns = [int(n) for n in args.ns.split(",")]
+    ns = [int(n) for n in (args.ns or "1,8,32").split(",")]
     workloads = [workload(args, n) for n in ns]
     pool, pending = start_plans(config, workloads, device_bytes)
     rate = bf16_matmul_flops(str(device), 256 if args.dry_run else 8192)
@@ -285,28 +351,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": name, "dry_run": args.dry_run, "device_bytes": device_bytes,
         "torch": torch.__version__, "config": str(args.config),
         "layers": config.num_hidden_layers, "bf16_matmul_flops_per_s": rate,
-        "workload": asdict(workloads[0]) | {"adapters": ns}, "cells": [], "skipped": [],
+        "workload": asdict(workloads[0]) | {"adapters": ns}, "lora_kernel": args.lora_kernel,
+        "cells": [], "skipped": [],
     }  # fmt: skip
     print(f"{name}: bf16 matmul {rate / 1e12:.2f} TFLOP/s; {config.num_hidden_layers} layers")
-    try:  # seconds; a failure here is recorded, the scale cells still run
-        result["grouped_lora"] = grouped_lora_arm(config, device, args.dry_run)
-        _print_grouped(result["grouped_lora"])
-    except Exception as e:
-        result["grouped_lora"] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"grouped LoRA arm failed: {result['grouped_lora']['error']}", flush=True)
+    if args.grouped_arm:  # seconds; a failure here is recorded, the scale cells still run
+        try:
+            result["grouped_lora"] = grouped_lora_arm(config, device, args.dry_run)
+            _print_grouped(result["grouped_lora"])
+        except Exception as e:
+            result["grouped_lora"] = {"error": error_text(e)}
+            print(f"grouped LoRA arm failed: {result['grouped_lora']['error']}", flush=True)
     write_json(out, result)
+    past_budget = lambda: time.monotonic() - started > args.budget_s  # noqa: E731
+    fail_at = (args.fail_cell, "fused") if args.fail_cell else None
     try:
         for w in workloads:
-            if time.monotonic() - started > args.budget_s:
+            if past_budget():
                 result["skipped"].append({"n": w.adapters, "why": "time budget"})
                 continue
-            cell = run_cell(config, w, device, args.repeats, rate)
-            left = args.budget_s - (time.monotonic() - started)
-            cell |= plan_comparison(pending[w.adapters], cell, left)
+            cell: dict[str, Any] = {"n": w.adapters, "arms": {}}
+            result["cells"].append(cell)  # in the file from its first arm on
+            opts = CellOptions(args.lora_kernel, lambda: write_json(out, result), past_budget,
+                               fail_at)  # fmt: skip
+            run_one(config, w, device, (args.repeats, rate), cell, opts)
+            # A short wait: the next cells' plans run meanwhile, and a slow one must not
+            # hold up the cells; those still running are waited for after the last.
+            cell |= plan_comparison(pending[w.adapters], cell, PLAN_WAIT_S)
             _add_one_at_a_time(result["cells"], cell)
-            result["cells"].append(cell)
             write_json(out, result)
             _print_cell(cell)
+        for cell in result["cells"]:
+            if cell["plan"] is None and "not done" in cell["plan_error"]:
+                left = args.budget_s - (time.monotonic() - started)
+                cell |= plan_comparison(pending[cell["n"]], cell, left)
+                write_json(out, result)
     finally:
         pool.terminate()
     result["elapsed_s"] = time.monotonic() - started
@@ -315,19 +394,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def run_one(
+    config: PretrainedConfig, w: Workload, device: torch.device, timing: tuple[int, float],
+    cell: dict[str, Any], opts: CellOptions,
+) -> None:  # fmt: skip
+    """One cell; a failure outside the arms (building the model: out of memory at N=32)
+    is the cell's ``error``, and the next cell still runs."""
+    try:
+        run_cell(config, w, device, *timing, cell, opts)
+    except Exception as e:
+        cell["error"] = error_text(e)
+        print(f"N={w.adapters}: cell failed: {cell['error']}", flush=True)
+        free(device)
+    opts.save()
+
+
 def _add_one_at_a_time(done: list[dict[str, Any]], cell: dict[str, Any]) -> None:
-    """N × the N=1 fused step, once N=1 has run (see the module doc)."""
+    """N × the N=1 fused step, once N=1's fused arm has run (see the module doc)."""
     single = next((c for c in done if c["n"] == 1), cell if cell["n"] == 1 else None)
-    if single is None:
+    one = _measured(single, "fused") if single else None
+    fused = _measured(cell, "fused")
+    if one is None or fused is None:
         return
-    one = single["arms"]["fused"]
     step_s = cell["n"] * one["step_s"]
-    tokens = cell["arms"]["fused"]["tokens"]
+    tokens = fused["tokens"]
     cell["arms"]["one_at_a_time"] = {"step_s": step_s, "tokens": tokens,
                                      "tokens_per_s": tokens / step_s, "derived": True}  # fmt: skip
-    fused = cell["arms"]["fused"]["step_s"]
-    cell["ratios"] = {f"{arm}_over_fused": cell["arms"][arm]["step_s"] / fused
-                      for arm in ("timesliced", "one_at_a_time")}  # fmt: skip
+    cell["ratios"] = {f"{arm}_over_fused": cell["arms"][arm]["step_s"] / fused["step_s"]
+                      for arm in ("timesliced", "one_at_a_time")
+                      if _measured(cell, arm)}  # fmt: skip
+
+
+def _measured(cell: dict[str, Any], arm: str) -> dict[str, Any] | None:
+    """The arm's numbers, or None where it failed or was skipped."""
+    got = cell["arms"].get(arm)
+    return got if got and "step_s" in got else None
 
 
 def _print_grouped(workloads: dict[str, Any]) -> None:
@@ -341,6 +442,9 @@ def _print_grouped(workloads: dict[str, Any]) -> None:
 def _print_cell(cell: dict[str, Any]) -> None:
     mib = 1 << 20
     for arm, got in cell["arms"].items():
+        if "step_s" not in got:
+            print(f"N={cell['n']:>3} {arm:<14} {got.get('error') or got.get('skipped')}")
+            continue
         peak = got.get("measured_peak_bytes")
         share = got.get("floor_fraction_of_bf16_peak")
         print(f"N={cell['n']:>3} {arm:<14} {got['step_s']:8.3f}s {got['tokens_per_s']:10.0f} tok/s"

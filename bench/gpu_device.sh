@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU check in one `device` call, on a bare, offline lent machine (issue 27).
+#
+#   here, once:   bash scripts/gpu-wheelhouse.sh        (.whl: pydantic and its needs, 2.7 MiB)
+#   the call:     device run  command "bash bench/gpu_device.sh"  carry [".whl"]  timeout_s 540
+#   rehearsal:    OUT=DIR bash bench/gpu_device.sh --dry-run   (CPU, tiny; tests/bench/test_gpu_device.py)
+#
+# Stages, one after another, each under its own limit (`timeout`: a stage past it is
+# killed with its children), each writing its file to $OUT as soon as it has one (only
+# $OUT comes back, at most 8 files):
+#
+#   preflight.json       versions and the one line naming what is missing (printed before
+#                        anything can fail), nvidia-smi, the carried wheels installed with
+#                        pip --target into $SITE (on PYTHONPATH), the engine imported    <= 60 s
+#   grouped-kernel.json  torch._grouped_mm's CUTLASS kernel vs bmm at Qwen3-4B's projections,
+#                        N=32 rank 32: if it fails or disagrees, the scale cells take bmm <= 60 s
+#   scale.json           bench/gpu_scale.py: Qwen3-4B's shapes, random weights from the config,
+#                        N = 1, 8, 32: fused vs time-sliced vs one-at-a-time, tokens/s, peak
+#                        memory vs the planner; a failing arm or cell is recorded, the next
+#                        runs; saved after every arm                       what is left - 120 s
+#   e2e.json             python -m loraplex_engine.cli run --device cuda of samples/local/demo.yaml,
+#                        fused then time-sliced, reward parity (+ e2e-rewards.png)    <= 120 s
+#   stages.json          each stage's exit code, seconds and limit; the vLLM and world-size
+#                        arms, skipped with the reason (this image has no vLLM; one GPU)
+#   gpu-device.log       everything printed
+#
+# All within GPU_DEVICE_BUDGET_S (510 s from the start; ~5 min expected): with the kill
+# grace, under the call's 540 s. Exit code: 0 when every stage exited 0.
+# Environment: OUT (default out/gpu-device), PYTHON (python3), WHEELS (.whl), SITE
+# (/tmp/site), GPU_DEVICE_DEMO (the manifest), GPU_DEVICE_WORK (/tmp/gpu-device-e2e: the
+# e2e's model and runs), GPU_SCALE_ARGS (more gpu_scale.py options).
+set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
+START=$SECONDS
+cd "$(dirname "$0")/.."
+DRY_RUN=""
+[[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+OUT="${OUT:-out/gpu-device}"
+PY="${PYTHON:-python3}"
+WHEELS="${WHEELS:-.whl}"
+SITE="${SITE:-/tmp/site}"
+BUDGET="${GPU_DEVICE_BUDGET_S:-510}"
+DEMO="${GPU_DEVICE_DEMO:-samples/local/demo.yaml}"
+WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many files, not $OUT
+E2E_S=120
+mkdir -p "$OUT" "$SITE"
+OUT="$(cd "$OUT" && pwd)"
+# The wheels first: they bring a newer typing_extensions than the image's.
+export PYTHONPATH="$SITE:$PWD/trainer-image${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+FAILED=0
+
+# stage NAME FILE CAP CMD...: run CMD under min(CAP, what is left of the budget), then
+# record its ending (and a file saying why, if it wrote none).
+stage() {
+    local name=$1 file=$2 cap=$3 left limit t0 rc
+    shift 3
+    left=$((BUDGET - (SECONDS - START)))
+    limit=$((cap < left ? cap : left))
+    t0=$SECONDS
+    if ((limit < 5)); then
+        echo "== $name: not started, ${left}s of the budget left"
+        rc=-1
+    else
+        echo "== $name (limit ${limit}s, $((SECONDS - START))s in)"
+        timeout -k 5 "$limit" "$@"
+        rc=$?
+    fi
+    ((rc == 0)) || FAILED=1
+    "$PY" bench/gpu_device.py record --out "$OUT" --stage "$name" --file "$file" \
+        --rc="$rc" --wall-s "$((SECONDS - t0))" --limit-s "$limit"
+    echo "== $name: exit $rc in $((SECONDS - t0))s"
+}
+
+# The lora kernel the scale cells take: the check's verdict, bmm without one.
+scale_kernel() {
+    "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("scale_lora_kernel", "bmm"))' \
+        "$OUT/grouped-kernel.json" 2>/dev/null || echo bmm
+}
+
+main() {
+    echo "bench/gpu_device.sh${DRY_RUN:+ (dry run)}: $(date -u +%FT%TZ), OUT=$OUT, budget ${BUDGET}s"
+    "$PY" bench/gpu_device.py begin --out "$OUT"
+    stage preflight preflight.json 60 \
+        "$PY" bench/gpu_device.py preflight --out "$OUT" --wheels "$WHEELS" --site "$SITE"
+    stage grouped-kernel grouped-kernel.json 60 \
+        "$PY" bench/gpu_device.py kernel --out "$OUT/grouped-kernel.json" ${DRY_RUN:+--dry-run}
+    local kernel left scale_s
+    kernel=$(scale_kernel)
+    echo "scale cells: --lora-kernel $kernel"
+    left=$((BUDGET - (SECONDS - START)))
+    scale_s=$((left - E2E_S))
+    # shellcheck disable=SC2086  # GPU_SCALE_ARGS: options, split on purpose
+    stage scale scale.json "$scale_s" \
+        "$PY" bench/gpu_scale.py --out "$OUT/scale.json" --budget-s "$((scale_s * 8 / 10))" \
+        --lora-kernel "$kernel" --no-grouped-arm ${DRY_RUN:+--dry-run} ${GPU_SCALE_ARGS:-}
+    left=$((BUDGET - (SECONDS - START)))
+    stage e2e e2e.json "$E2E_S" \
+        "$PY" bench/gpu_e2e.py --out "$OUT/e2e.json" --manifest "$DEMO" \
+        --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" --work "$WORK" \
+        --budget-s "$(((left < E2E_S ? left : E2E_S) - 5))" --png "$OUT/e2e-rewards.png"
+    echo "bench/gpu_device.sh: done in $((SECONDS - START))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    return "$FAILED"
+}
+
+main 2>&1 | tee -a "$OUT/gpu-device.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,231 @@
+"""`bench/gpu_device.sh --dry-run`: the one-call GPU check rehearsed on the CPU in a
+replica of the lent machine's environment (issue 27).
+
+What the replica copies, and how:
+
+- **No network**: the script runs under ``unshare -n`` (a network namespace with only a
+  down loopback; as root), else ``unshare -rn`` (the same in a user namespace). Where
+  neither is allowed, pip is pointed at no index and every proxy at a closed port, which
+  stops pip and httpx but not a raw socket: the test prints which cut it used.
+- **No pydantic**: the project's venv has it, so a ``sitecustomize`` (on PYTHONPATH,
+  inherited by every process the script starts) hides pydantic, pydantic_core,
+  annotated_types, typing_inspection (the wheels carried) and fastapi, starlette,
+  uvicorn, vllm (absent there too) from the venv's site-packages: an import of one is
+  looked for only outside it, that is in the wheelhouse the script installs with
+  ``pip --target``, and fails otherwise. Their dist-info stays visible to
+  importlib.metadata, so the preflight judges "missing" by import, not by metadata.
+- **No pip config**: ``PIP_CONFIG_FILE=/dev/null`` and no ``PIP_*`` variables (this
+  machine's point at local wheel folders).
+
+Not copied: the device's Python 3.12, torch 2.11 and transformers 5.17 (this venv's
+versions run), and its GPU (``--dry-run``: the kernel check runs the grouped algorithm's
+reference loop, the scale arm a 2-layer Qwen3-shaped model, the e2e a 3-step demo on
+``--device cpu``). The wheelhouse is this Python's (cp3XX), built by the same script as
+the device's (``make gpu-rehearsal-wheels``, or here when missing, from PyPI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_device  # noqa: E402
+
+CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection")
+ABSENT = ("fastapi", "starlette", "uvicorn", "vllm")
+STAGES = ["preflight", "grouped-kernel", "scale", "e2e"]
+FILES = {"preflight.json", "grouped-kernel.json", "scale.json", "e2e.json", "stages.json",
+         "gpu-device.log", "e2e-rewards.png"}  # fmt: skip
+HIDER = '''
+import importlib.machinery, os, sys
+HIDDEN = set(os.environ["REPLICA_HIDDEN"].split(","))
+HIDE_FROM = {os.path.realpath(p) for p in os.environ["REPLICA_HIDE_FROM"].split(os.pathsep)}
+
+class HideFromVenv:
+    """A hidden top-level module is looked for only outside the venv's site-packages."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name not in HIDDEN:
+            return None
+        paths = [p for p in sys.path if os.path.realpath(p or ".") not in HIDE_FROM]
+        spec = importlib.machinery.PathFinder.find_spec(name, paths)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} (replica)", name=name)
+        return spec
+
+sys.meta_path.insert(0, HideFromVenv)
+'''
+
+
+def wheelhouse() -> Path:
+    """This Python's copy of the device's five wheels (downloaded once if missing)."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    dest = REPO / ".cache/gpu-wheelhouse" / tag
+    if len(list(dest.glob("*.whl"))) != 5:
+        env = {**os.environ, "PYTHON": sys.executable}
+        proc = subprocess.run(["bash", "scripts/gpu-wheelhouse.sh", "--rehearsal"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dest
+
+
+def network_cut() -> tuple[list[str], str]:
+    """The command prefix that cuts the network, and its name."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        if shutil.which("unshare") and subprocess.run([*prefix, "true"]).returncode == 0:
+            return prefix, " ".join(prefix)
+    return [], "proxies (no unshare allowed here)"
+
+
+def replica_env(tmp: Path, wheels: Path) -> dict[str, str]:
+    (tmp / "hider").mkdir()
+    (tmp / "hider/sitecustomize.py").write_text(HIDER)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}  # fmt: skip
+    closed = "http://127.0.0.1:9"  # nothing listens there
+    manifest = tmp / "demo.yaml"
+    demo = (REPO / "samples/local/demo.yaml").read_text()
+    manifest.write_text(
+        demo.replace("maxSteps: 30", "maxSteps: 3").replace("everySteps: 10", "everySteps: 3")
+    )
+    paths = sysconfig.get_paths()  # the venv's site-packages: pydantic is hidden there
+    return env | {
+        "PYTHON": sys.executable, "OUT": str(tmp / "out"), "SITE": str(tmp / "site"),
+        "WHEELS": str(wheels), "GPU_DEVICE_WORK": str(tmp / "work"),
+        "GPU_DEVICE_DEMO": str(manifest), "GPU_SCALE_ARGS": "--ns 1,2,3 --fail-cell 2",
+        "PYTHONPATH": str(tmp / "hider"), "REPLICA_HIDDEN": ",".join(CARRIED + ABSENT),
+        "REPLICA_HIDE_FROM": os.pathsep.join({paths["purelib"], paths["platlib"]}),
+        "PIP_CONFIG_FILE": os.devnull,
+        "HTTP_PROXY": closed, "HTTPS_PROXY": closed, "http_proxy": closed, "https_proxy": closed,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("gpu-device")
+    env = replica_env(tmp, wheelhouse())
+    prefix, cut = network_cut()
+    print(f"network cut: {cut}")
+    if prefix:  # the cut holds: nothing outside answers
+        probe = "import socket; socket.create_connection(('pypi.org', 443), timeout=5)"
+        assert subprocess.run([*prefix, sys.executable, "-c", probe], env=env,
+                              capture_output=True).returncode != 0  # fmt: skip
+    proc = subprocess.run([*prefix, "bash", "bench/gpu_device.sh", "--dry-run"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = tmp / "out"
+    log = (out / "gpu-device.log").read_text() if (out / "gpu-device.log").exists() else ""
+    assert proc.returncode == 0, log[-4000:] + proc.stderr[-2000:]
+    read = {f.name: json.loads(f.read_text()) for f in out.glob("*.json")}
+    return {"out": out, "log": log, "site": tmp / "site", **read}
+
+
+def test_every_stage_wrote_its_file_and_ended_in_its_limit(run: dict) -> None:
+    names = {f.name for f in run["out"].iterdir()}
+    assert names == FILES  # at most 8 come back, named in [A-Za-z0-9._-]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
+    stages = run["stages.json"]
+    assert [s["stage"] for s in stages["stages"]] == STAGES
+    for s in stages["stages"]:
+        assert s["exit_code"] == 0 and not s["timed_out"], s
+        assert s["wall_s"] <= s["limit_s"] and "wrote_own_file" not in s, s
+    assert "no vllm" in stages["skipped_arms"]["vllm"]
+    assert "0 GPU(s)" in stages["skipped_arms"]["dp"]
+
+
+def test_preflight_named_what_was_missing_before_installing_it(run: dict) -> None:
+    pre = run["preflight.json"]
+    assert set(pre["missing_before"]) == {"pydantic", "pydantic-core", "annotated-types",
+                                          "typing-inspection"}  # fmt: skip
+    assert "missing and not carried: none" in pre["missing_line"]
+    assert pre["install"]["exit_code"] == 0 and pre["missing_after"] == []
+    assert pre["engine_imported"] and pre["nvidia_smi"] == "nvidia-smi: not found"
+    modules = pre["imports"]["modules"]
+    for name in (*CARRIED, "typing_extensions"):  # from the wheels, not the venv
+        assert modules[name]["file"].startswith(str(run["site"])), modules[name]
+    log = run["log"]
+    assert log.index("preflight: missing here:") < log.index("preflight: wheels into")
+
+
+def test_the_kernel_check_compared_both_paths_at_every_projection(run: dict) -> None:
+    kernel = run["grouped-kernel.json"]
+    assert kernel["ok"] and kernel["scale_lora_kernel"] == "auto"
+    assert set(kernel["projections"]) == {"q_proj", "k_proj/v_proj", "o_proj",
+                                          "gate_proj/up_proj", "down_proj"}  # fmt: skip
+    for got in kernel["projections"].values():
+        assert got["paths"] == {"bmm": "bmm", "grouped": "reference"} and got["finite"]
+        assert max(got["relative_diff"].values()) <= gpu_device.KERNEL_TOLERANCE
+    assert "scale cells: --lora-kernel auto" in run["log"]
+
+
+def test_a_failing_cell_is_recorded_and_the_next_still_runs(run: dict) -> None:
+    scale = run["scale.json"]
+    assert [c["n"] for c in scale["cells"]] == [1, 2, 3] and scale["skipped"] == []
+    failed = scale["cells"][1]["arms"]
+    assert "injected failure" in failed["fused"]["error"]
+    assert failed["timesliced"]["step_s"] > 0  # the other arm of that cell ran
+    assert "one_at_a_time" not in failed  # derived from a fused step it has not got
+    last = scale["cells"][2]
+    for arm in ("fused", "timesliced"):
+        assert last["arms"][arm]["step_s"] > 0 and last["arms"][arm]["failures"] == []
+    assert last["arms"]["one_at_a_time"]["derived"] and last["plan"] is not None
+    assert scale["lora_kernel"] == "auto"
+
+
+def test_the_engine_ran_the_demo_both_ways_end_to_end(run: dict) -> None:
+    e2e = run["e2e.json"]
+    assert e2e["device"] == "cpu" and e2e["skipped"] == []
+    for mode in ("fused", "timesliced"):
+        got = e2e["runs"][mode]
+        assert got["succeeded"] and got["exit_code"] == 0
+        assert [e["steps"] for e in got["experiments"]] == [3, 3, 3, 3]
+        assert all(len(e["rewards"]) == 3 for e in got["experiments"])
+    parity = e2e["reward_parity"]
+    assert [p["experiment"] for p in parity] == ["say-yes", "say-no", "copy-abc", "say-sum"]
+
+
+def test_a_stage_that_wrote_nothing_gets_a_file_saying_why(tmp_path: Path) -> None:
+    gpu_device.record(tmp_path, "scale", "scale.json", 124, 300.0, 300.0)
+    gpu_device.record(tmp_path, "e2e", "e2e.json", gpu_device.NOT_STARTED, 0.0, 3.0)
+    assert "killed at its 300s limit" in json.loads((tmp_path / "scale.json").read_text())["error"]
+    assert "not started" in json.loads((tmp_path / "e2e.json").read_text())["error"]
+    stages = json.loads((tmp_path / "stages.json").read_text())["stages"]
+    assert [(s["stage"], s["timed_out"], s["wrote_own_file"]) for s in stages] == [
+        ("scale", True, False),
+        ("e2e", False, False),
+    ]
+
+
+def test_the_wheelhouse_keeps_one_version_of_each_and_works_offline(tmp_path: Path) -> None:
+    """A second run with every pinned wheel there fetches nothing (here without network)
+    and drops a version no longer pinned; it prints the size a device call carries."""
+    dest = tmp_path / "wheels"
+    shutil.copytree(wheelhouse(), dest)
+    stale = dest / "pydantic-2.0.0-py3-none-any.whl"
+    stale.write_bytes(b"")
+    prefix, _ = network_cut()
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    proc = subprocess.run(
+        [*prefix, "bash", "scripts/gpu-wheelhouse.sh", "--python-version", version,
+         "--dest", str(dest)],
+        cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not stale.exists() and len(list(dest.glob("*.whl"))) == 5
+    pins = (REPO / "requirements/constraints.txt").read_text()
+    for wheel in dest.glob("*.whl"):
+        name, version = wheel.name.split("-")[:2]
+        assert re.search(rf"^{name.replace('_', '[-_]')}=={re.escape(version)}$", pins, re.M | re.I)
+    total = re.search(r"together ([\d.]+) MiB of a device call's 64 MiB", proc.stdout)
+    assert total and float(total.group(1)) < 64
