@@ -166,7 +166,7 @@ def _peaks(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from .planner import keep_index_values
+    from loraplex_engine.planner import keep_index_values
 
     tracker = LiveBytes(fake_scalars=True)
     with keep_index_values(), FakeTensorMode(allow_non_fake_inputs=True), tracker:

@@ -22,10 +22,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .errors import AdapterError, CheckpointError
-from .lora import LoRAConfig
-from .multi_lora import PEFT_PREFIX, MultiLoRAModel, check_state_dict
-from .optim import PerAdapterAdamW
+from loraplex_engine.errors import AdapterError, CheckpointError
+from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.multi_lora import PEFT_PREFIX, MultiLoRAModel, check_state_dict
+from loraplex_engine.optim import PerAdapterAdamW
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -19,8 +19,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .lora import Router
-from .multi_lora import MultiLoRAModel
+from loraplex_engine.lora import Router
+from loraplex_engine.multi_lora import MultiLoRAModel
 
 
 @contextmanager

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .lora import MultiLoRALinear, Router
-from .multi_lora import MultiLoRAModel
+from loraplex_engine.lora import MultiLoRALinear, Router
+from loraplex_engine.multi_lora import MultiLoRAModel
 
 DEFAULT_CHUNK_TOKENS = 1024
 

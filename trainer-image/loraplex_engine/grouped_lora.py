@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from .errors import AdapterError
+from loraplex_engine.errors import AdapterError
 
 if TYPE_CHECKING:
-    from .lora import Routing
+    from loraplex_engine.lora import Routing
 
 MODES = ("auto", "always", "never")
 # The engine's ``--lora-kernel`` names (api_types.LORA_KERNELS) -> a layer's mode.

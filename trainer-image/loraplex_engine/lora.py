@@ -21,17 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import AdapterError, RoutingError
-from .grouped_lora import (
-    Path,
-    check_mode,
-    choose_path,
-    fused_grouped_mm,
-    grouped_delta,
-    grouped_mm_blocker,
-    kernel_env,
-    reference_grouped_mm,
-)
+from loraplex_engine.errors import AdapterError, RoutingError
+from loraplex_engine.grouped_lora import Path, check_mode, choose_path, fused_grouped_mm, grouped_delta, grouped_mm_blocker, kernel_env, reference_grouped_mm
 
 
 @dataclass(frozen=True)

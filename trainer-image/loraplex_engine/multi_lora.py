@@ -9,17 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import (
-    AdapterError,
-    DuplicateAdapterError,
-    NoFreeSlotError,
-    RankTooLargeError,
-    RoutingError,
-    UnknownAdapterError,
-    UnknownTargetModuleError,
-)
-from .grouped_lora import check_mode
-from .lora import LoRAConfig, MultiLoRALinear, Router
+from loraplex_engine.errors import AdapterError, DuplicateAdapterError, NoFreeSlotError, RankTooLargeError, RoutingError, UnknownAdapterError, UnknownTargetModuleError
+from loraplex_engine.grouped_lora import check_mode
+from loraplex_engine.lora import LoRAConfig, MultiLoRALinear, Router
 
 PEFT_PREFIX = "base_model.model."
 

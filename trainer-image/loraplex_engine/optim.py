@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import AdapterError, UnknownAdapterError
-from .lr_schedule import LR_SCHEDULES, lr_factor
-from .multi_lora import MultiLoRAModel, check_state_dict
-from .spec import AlgorithmSpec
+from loraplex_engine.errors import AdapterError, UnknownAdapterError
+from loraplex_engine.lr_schedule import LR_SCHEDULES, lr_factor
+from loraplex_engine.multi_lora import MultiLoRAModel, check_state_dict
+from loraplex_engine.spec import AlgorithmSpec
 
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm; kept equal so clipping
 # matches it to the last bit of arithmetic it shares.

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .memtrack import LiveBytes
-from .multi_lora import MultiLoRAModel
-from .row_split import split_rows_by_rank
-from .training import TrainRow
+from loraplex_engine.memtrack import LiveBytes
+from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.row_split import split_rows_by_rank
+from loraplex_engine.training import TrainRow
 
 ALL_GATHER = "all_gather"
 # FSDP2's default schedule keeps two groups unsharded at once in a training step: the

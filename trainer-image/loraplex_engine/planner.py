@@ -68,26 +68,20 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .algorithms import ClippedRatioLoss
-from .api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
-from .capacity_plan import _with_layers
-from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
-from .lora import LoRAConfig
-from .memtrack import LiveBytes, Peak, storage_bytes
-from .multi_lora import MultiLoRAModel, adaptable_module_names
-from .optim import AdamWSettings, PerAdapterAdamW
-from .plan_sharding import (
-    ALL_GATHER,
-    fake_world,
-    rank_rows,
-    shard_base,
-    tag_all_gathers,
-)
-from .rollout.base import RolloutRequest
-from .rollout.packing import kv_tokens, pack_rollout
-from .rollout.sampling import Sampler
-from .rollout.torch_backend import _shared_prefill
-from .training import TrainRow, fused_backward
+from loraplex_engine.algorithms import ClippedRatioLoss
+from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
+from loraplex_engine.capacity_plan import _with_layers
+from loraplex_engine.chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
+from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.memtrack import LiveBytes, Peak, storage_bytes
+from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.plan_sharding import ALL_GATHER, fake_world, rank_rows, shard_base, tag_all_gathers
+from loraplex_engine.rollout.base import RolloutRequest
+from loraplex_engine.rollout.packing import kv_tokens, pack_rollout
+from loraplex_engine.rollout.sampling import Sampler
+from loraplex_engine.rollout.torch_backend import _shared_prefill
+from loraplex_engine.training import TrainRow, fused_backward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU = torch.device("cpu")
