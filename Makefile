@@ -30,7 +30,7 @@ vllm-venv:
 tiny-model: $(TINY_MODEL)/config.json
 
 # Rebuilt when the builder changes (a new preset shape changes the model under every test).
-$(TINY_MODEL)/config.json: $(STAMP) trainer-image/loraplex_engine/tiny_model.py
+$(TINY_MODEL)/config.json: $(STAMP) trainer-image/loraplex_engine/dev/tiny_model.py
 	$(VENV)/bin/loraplex-engine tiny-model --out $(TINY_MODEL)
 
 lint: $(STAMP)

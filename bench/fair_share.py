@@ -145,7 +145,7 @@ def main() -> None:
     args = p.parse_args()
     model = REPO / ".cache" / "models" / "tiny-llama"
     if not (model / "config.json").exists():
-        from loraplex_engine.tiny_model import build_model
+        from loraplex_engine.dev.tiny_model import build_model
 
         build_model(model)
     reward = ThreadingHTTPServer(("127.0.0.1", 0), _SlowReward)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from loraplex_engine.lora import LoRAConfig, MultiLoRALinear, Routing
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-from loraplex_engine.tiny_model import build_model
+from loraplex_engine.dev.tiny_model import build_model
+from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.lora.routing import Routing
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from transformers import AutoModelForCausalLM
 
 DEVICE = "cpu"

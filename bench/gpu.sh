@@ -98,7 +98,7 @@ if not os.environ["DRY_RUN"] and not torch.cuda.is_available():
     sys.exit(f"bench/gpu.sh: no CUDA device visible to torch {torch.__version__}")
 # Fail early, before building a model: what the bench and its workers import.
 import transformers, peft, safetensors  # noqa: F401,E401
-import loraplex_engine.engine, loraplex_engine.planner, loraplex_engine.tiny_model  # noqa: F401,E401
+import loraplex_engine.engine, loraplex_engine.memory.planner, loraplex_engine.dev.tiny_model  # noqa: F401,E401
 device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {device}, "
       f"transformers {transformers.__version__}, peft {peft.__version__}")

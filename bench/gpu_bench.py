@@ -58,7 +58,7 @@ DRY_RUN_SHAPE = {
 def build_model(out: Path, shape: dict[str, int], device: str) -> Path:
     if (out / "config.json").exists():
         return out
-    from loraplex_engine.tiny_model import train_tokenizer
+    from loraplex_engine.dev.tiny_model import train_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = train_tokenizer(2048)

@@ -193,7 +193,7 @@ def build_family_model(out: Path, dry_run: bool, device: str, config: Path = QWE
     if (out / "config.json").exists():
         return out
     import torch
-    from loraplex_engine.tiny_model import train_tokenizer
+    from loraplex_engine.dev.tiny_model import train_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = train_tokenizer(TOKENIZER_VOCAB)

@@ -55,10 +55,10 @@ NEEDED = (
 # What the scale arm and `loraplex-engine run` import (not the server's fastapi).
 ENGINE_MODULES = (
     "loraplex_engine.engine",
-    "loraplex_engine.planner",
-    "loraplex_engine.training_strategy",
-    "loraplex_engine.timesliced",
-    "loraplex_engine.runner",
+    "loraplex_engine.memory.planner",
+    "loraplex_engine.train.strategy",
+    "loraplex_engine.dev.timesliced",
+    "loraplex_engine.local.runner",
     "loraplex_engine.cli",
 )
 NOT_STARTED = -1  # bench/gpu_device.sh's code for a stage the budget left no time for
@@ -291,7 +291,7 @@ def compare_paths(shape: tuple[int, int], args: argparse.Namespace, device: Any)
     (input, A, B) on the grouped path against bmm, and each path's fwd+bwd seconds."""
     import grouped_lora as bench
     import torch
-    from loraplex_engine.lora import Routing
+    from loraplex_engine.lora.routing import Routing
 
     ranks, rows = [args.rank] * args.adapters, [args.rows] * args.adapters
     layer = bench.mixed_layer(*shape, ranks, args.rank, device)
@@ -324,7 +324,7 @@ def compare_paths(shape: tuple[int, int], args: argparse.Namespace, device: Any)
 
 def kernel(args: argparse.Namespace) -> int:
     import torch
-    from loraplex_engine.grouped_lora import grouped_mm_blocker, kernel_env
+    from loraplex_engine.lora.grouped import grouped_mm_blocker, kernel_env
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     config = json.loads(args.config.read_text())

@@ -3,7 +3,7 @@
     python bench/gpu_dp.py --out OUT.json [--budget-s S]   (bench/gpu_check.py runs it)
     python bench/gpu_dp.py --dry-run --out OUT.json        (gloo, 2 CPU ranks, tiny)
 
-The real command line, one process per rank (dp_launch.py starts them), on the same
+The real command line, one process per rank (parallel/launch.py starts them), on the same
 random-weight Qwen3-0.6B-shaped model as the vLLM arm and the same demo-like
 target-token experiments (bench/gpu_common.py), bf16 base, fused training:
 

@@ -56,15 +56,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grouped_lora as grouped_bench
 from gpu_bench import bf16_matmul_flops
 from gpu_common import error_text, write_json
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.grouped_lora import KERNEL_MODES
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-from loraplex_engine.planner import Workload, floor_flops, linear_weights, plan, tenant_rows
-from loraplex_engine.timesliced import TimeSlicedTraining
-from loraplex_engine.training import TrainRow
-from loraplex_engine.training_strategy import FusedTraining
+from loraplex_engine.dev.timesliced import TimeSlicedTraining
+from loraplex_engine.lora.grouped import KERNEL_MODES
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.memory.planner import Workload, floor_flops, linear_weights, plan, tenant_rows
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.strategy import FusedTraining
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -129,7 +129,7 @@ def placements(dry_run: bool, gpus: int) -> list[tuple[str, dict[str, Any], str 
 def sleep_wake_recorder() -> Iterator[dict[str, list[float]]]:
     """The seconds vLLM's worker reports for each ``sleep`` and ``wake_up`` (the engine
     calls them around every train phase of a co-located, sleeping vLLM)."""
-    from loraplex_engine.rollout.vllm_backend import VLLMRollout
+    from loraplex_engine.rollout.vllm.backend import VLLMRollout
 
     seen: dict[str, list[float]] = {"sleep_s": [], "wake_s": []}
     originals = {"sleep": VLLMRollout.sleep, "wake_up": VLLMRollout.wake_up}

@@ -1,4 +1,4 @@
-"""The LoRA delta of one layer on the bmm path vs the grouped path (grouped_lora.py).
+"""The LoRA delta of one layer on the bmm path vs the grouped path (lora/grouped.py).
 
     .venv/bin/python bench/grouped_lora.py [--out bench/results/grouped-lora.json]
 
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loraplex_engine.grouped_lora import delta_flops
-from loraplex_engine.lora import MultiLoRALinear, Routing
+from loraplex_engine.lora.grouped import delta_flops
+from loraplex_engine.lora.layers import MultiLoRALinear
+from loraplex_engine.lora.routing import Routing
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

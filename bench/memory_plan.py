@@ -7,10 +7,10 @@ every linear (the head too when untied), GRPO 4 prompts x 8 completions per tena
 prompt + 1,024 completion tokens, bf16 base (LoRA and Adam in fp32), gradient
 checkpointing off and on, the engine's default 4,096-token micro-batches and 65,536-token
 rollout KV budget. Sharded (issue 17): Llama-3.1-70B shapes, the same workload with
-checkpointing on, world size 8 with the base sharded by FSDP2 (plan_sharding.py), one
+checkpointing on, world size 8 with the base sharded by FSDP2 (memory/plan_sharding.py), one
 rank's peak against 80 GiB and 141 GB devices.
 
-Each plan runs the engine's own step on fake tensors (loraplex_engine/planner.py) on
+Each plan runs the engine's own step on fake tensors (loraplex_engine/memory/planner.py) on
 the model cut to two depths (``CUTS``), extended linearly to its full depth
 (``--cut-layers none`` runs every layer: minutes per row on 2 cores instead of
 seconds). The file is rewritten after every row. The targets are checked against the
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from loraplex_engine.planner import Workload, load_config, plan
+from loraplex_engine.memory.planner import Workload, load_config, plan
 
 ROOT = Path(__file__).resolve().parent
 MODELS = {"Qwen3-4B": "qwen3-4b.json", "Llama-3.1-8B": "llama-3.1-8b.json",

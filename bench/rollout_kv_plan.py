@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import torch
-from loraplex_engine import planner
+from loraplex_engine.memory import planner
+from loraplex_engine.memory.fake_model import keep_index_values
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent
 def rollout_row(config, adapters: int, budget: int) -> dict:
     work = planner.Workload(adapters=adapters, rank=32, rollout_kv_tokens=budget)
     tracker = planner.LiveBytes(fake_scalars=True)
-    with planner.keep_index_values(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    with keep_index_values(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         model, _ = planner._adapters(base, work)
         before = tracker.live

@@ -399,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not (args.model_dir / "config.json").exists():
-        from loraplex_engine.tiny_model import build_model
+        from loraplex_engine.dev.tiny_model import build_model
 
         build_model(args.model_dir, preset=args.preset)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 
 import torch
+from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.rollout.backends import VLLMRolloutBackend
-from loraplex_engine.tiny_model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".cache" / "models" / "bench"

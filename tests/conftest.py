@@ -52,7 +52,7 @@ def pytest_report_header() -> str:
 def tiny_model_dir() -> Path:
     """The tiny Llama model (built by `make tiny-model`; built here if missing)."""
     if not (TINY_MODEL_DIR / "config.json").exists():
-        from loraplex_engine.tiny_model import build_model
+        from loraplex_engine.dev.tiny_model import build_model
 
         build_model(TINY_MODEL_DIR)
     return TINY_MODEL_DIR
@@ -61,7 +61,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2-family model, to prove the layers are not Llama-only."""
-    from loraplex_engine.tiny_model import build_model
+    from loraplex_engine.dev.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
 

@@ -27,20 +27,30 @@ REQUIREMENTS = REPO_ROOT / "requirements"
 # The vLLM worker runs in vLLM's own environment (requirements/vllm/, the images' vLLM
 # install), never in the engine's: its imports are checked against that lock below.
 ROLLOUT = REPO_ROOT / "trainer-image" / "loraplex_engine" / "rollout"
-# vllm_tensor_sync.py is loaded by the worker only (it patches vLLM's LoRA loader).
-VLLM_WORKER_FILES = (ROLLOUT / "vllm_worker.py", ROLLOUT / "vllm_tensor_sync.py")
+# rollout/vllm/tensor_sync.py is loaded by the worker only (it patches vLLM's LoRA loader).
+VLLM_WORKER_FILES = (ROLLOUT / "vllm" / "worker.py", ROLLOUT / "vllm" / "tensor_sync.py")
 PACKAGES = {
     "loraplex_engine": (REPO_ROOT / "trainer-image", "engine.txt"),
     "loraplex_operator": (REPO_ROOT / "operator", "operator.txt"),
 }
 DEV_CODE = ("tests", "bench", "scripts")
-# Every module name this repository itself provides: packages, test helpers, bench modules.
-LOCAL = {
-    p.stem if p.suffix == ".py" else p.name
-    for top in ("trainer-image", "operator", *DEV_CODE)
-    for p in (REPO_ROOT / top).rglob("*")
-    if p.suffix == ".py" or (p / "__init__.py").exists()
-} | {"tests"}
+# Every top-level module name this repository itself provides: the packages (not their
+# subpackages: loraplex_engine.rollout.torch is no `torch`), test helpers, bench modules.
+LOCAL = (
+    {
+        p.stem if p.suffix == ".py" else p.name
+        for top in ("trainer-image", "operator")
+        for p in (REPO_ROOT / top).iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    | {
+        p.stem if p.suffix == ".py" else p.name
+        for top in DEV_CODE
+        for p in (REPO_ROOT / top).rglob("*")
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    | {"tests"}
+)
 
 
 def canonical(name: str) -> str:

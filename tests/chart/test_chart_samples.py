@@ -23,7 +23,7 @@ from crdkit import CRD_FILES, admit, apply_defaults, schema_of
 SAMPLES = REPO / "samples"
 CLUSTER_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix in {".yaml", ".yml", ".json"})
 LOCAL_FILES = sorted((SAMPLES / "local").glob("*.yaml"))
-LOCAL_POOL = "local"  # the engine `loraplex-engine run` starts (loraplex_engine.manifests)
+LOCAL_POOL = "local"  # the engine `loraplex-engine run` starts (loraplex_engine.local.manifests)
 # Files that name sample paths for users to run or read.
 DOCS = [REPO / "README.md", REPO / "Makefile", CHART / "templates" / "NOTES.txt"]
 DOCS += sorted((REPO / "docs").glob("*.md"))

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import torch
-from loraplex_engine import distributed
-from loraplex_engine.distributed import World
+from loraplex_engine.parallel import distributed
+from loraplex_engine.parallel.distributed import World
 
 SHAPES = [(4, 3, 5), (4, 2, 7), (4, 6), (4, 3, 5)]
 SLOTS = slice(1, 3)
@@ -60,9 +60,9 @@ def tis_trainer(model_dir: str, world: World | None):
     """The tiny model with adapters a, b, c; their trainer, recomputing the old log-probs
     as under a vLLM rollout (the rows' log-probs are then the sampler's)."""
     from lora_helpers import CONFIGS, multi_model
-    from loraplex_engine.data_parallel import DataParallelTraining
-    from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-    from loraplex_engine.training_strategy import FusedTraining
+    from loraplex_engine.parallel.data_parallel import DataParallelTraining
+    from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+    from loraplex_engine.train.strategy import FusedTraining
 
     model = multi_model(Path(model_dir))
     optimizer = PerAdapterAdamW(model)
@@ -86,7 +86,7 @@ def tis_rows(model):
 
 def tis_losses(tis_cap: float | None):
     from lora_helpers import CONFIGS
-    from loraplex_engine.algorithms import ClippedRatioLoss
+    from loraplex_engine.train.algorithms import ClippedRatioLoss
 
     return {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0, tis_cap=tis_cap) for n in CONFIGS}
 

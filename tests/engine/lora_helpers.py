@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.training import TrainRow
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.train.rows import TrainRow
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from lora_helpers import CONFIGS, load_base, multi_model, randomise_b
-from loraplex_engine.checkpoint import (
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.store.checkpoint import (
     atomic_dir,
     load_adapter,
     load_trainer_state,
     save_adapter,
     save_trainer_state,
 )
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from safetensors.torch import save_file
 
 SETTINGS = {

@@ -12,24 +12,21 @@ from typing import Any
 
 import torch
 from lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
-from loraplex_engine import distributed, sharding
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.capacity_plan import static_bytes
-from loraplex_engine.chunked_logprobs import HiddenStatesForward
-from loraplex_engine.data_parallel import DataParallelTraining
-from loraplex_engine.distributed import World
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-from loraplex_engine.plan_sharding import fsdp_groups, unsharded_reserve
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.memory.capacity_plan import static_bytes
+from loraplex_engine.memory.plan_sharding import fsdp_groups, unsharded_reserve
+from loraplex_engine.parallel import distributed, sharding
+from loraplex_engine.parallel.data_parallel import DataParallelTraining
+from loraplex_engine.parallel.distributed import World
+from loraplex_engine.parallel.lockstep import Lockstep
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.training import (
-    TrainRow,
-    count_rows,
-    fused_backward,
-    score_rows,
-)
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.rows import TrainRow, count_rows
+from loraplex_engine.train.step import fused_backward, score_rows
 
 CPU = torch.device("cpu")
 HEAD_ONLY = LoRAConfig(rank=4, alpha=8.0, target_modules=("lm_head",))
@@ -141,7 +138,7 @@ def _run(world: World, model_dir: Path, out: Path) -> None:
     model = build(model_dir)
     unsharded_bytes = static_bytes(model).base
     sharding.shard_base(model, world, CPU)
-    lockstep = sharding.Lockstep(CPU)
+    lockstep = Lockstep(CPU)
     saved: dict[str, Any] = {
         # (whole base, this rank's static bytes, FSDP's unsharded reserve within them)
         "bytes": (

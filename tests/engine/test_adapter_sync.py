@@ -16,9 +16,9 @@ import pytest
 import torch
 from loraplex_engine.api_types import AdapterSync, AdapterSyncStats, TickReport
 from loraplex_engine.errors import VLLMWorkerError
+from loraplex_engine.local.runner import Progress, sync_line
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.backends import VLLMRolloutBackend
-from loraplex_engine.runner import Progress, sync_line
 from safetensors.torch import load_file
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
@@ -194,7 +194,7 @@ def test_the_sync_histogram_observes_ticks_that_sent_adapters() -> None:
 
 
 def test_the_shared_memory_segment_holds_the_tensors_or_is_not_made(monkeypatch) -> None:
-    from loraplex_engine.rollout import vllm_backend
+    from loraplex_engine.rollout.vllm import backend as vllm_backend
 
     if not vllm_backend.SHM_DIR.is_dir():
         pytest.skip("no /dev/shm here: the pipe frame is the only in-memory way")

@@ -1,6 +1,6 @@
-"""The engine's memory plan (capacity_plan.py): static bytes exact against the tensors an
+"""The engine's memory plan (memory/capacity_plan.py): static bytes exact against the tensors an
 engine holds, the per-token costs against the planner (the engine's own step under fake
-tensors, planner.py), the budgets it derives, and what `serve` reports and refuses."""
+tensors, memory/planner.py), the budgets it derives, and what `serve` reports and refuses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import subprocess
 import httpx
 import pytest
 import torch
-from loraplex_engine.capacity_plan import (
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.memory.capacity_plan import (
     MAX_MICRO_BATCH_TOKENS,
     ActivationCost,
     CapacityError,
@@ -18,12 +20,10 @@ from loraplex_engine.capacity_plan import (
     measure_activations,
     static_bytes,
 )
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.memtrack import storage_bytes
-from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
-from loraplex_engine.planner import Workload, load_config, plan
-from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
+from loraplex_engine.memory.planner import Workload, load_config, plan
+from loraplex_engine.memory.tracker import storage_bytes
+from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from server_process import EngineServer, engine_command
 from transformers import AutoModelForCausalLM
 
@@ -93,7 +93,7 @@ def test_activations_extend_linearly_with_depth(tiny_model_dir) -> None:
     measured on every layer (here a 4-layer model: cut 2 and 3, extended to 4)."""
     config = load_config(tiny_model_dir)
     config.num_hidden_layers = 4
-    from loraplex_engine import capacity_plan
+    from loraplex_engine.memory import capacity_plan
 
     targets = ["q_proj", "v_proj", "lm_head"]
     cut = measure_activations(config, torch.float32, targets, 8, 64, 16, False)

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 from lora_helpers import CONFIGS, batch, load_base, multi_model, rel_err
-from loraplex_engine.checkpoint import (
+from loraplex_engine.errors import CheckpointError
+from loraplex_engine.store.checkpoint import (
     atomic_dir,
     load_adapter,
     load_trainer_state,
     save_adapter,
     save_trainer_state,
 )
-from loraplex_engine.errors import CheckpointError
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM

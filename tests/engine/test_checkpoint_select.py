@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.checkpoint import read_metadata
 from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidRequestError
-from loraplex_engine.run_store import (
+from loraplex_engine.store.checkpoint import read_metadata
+from loraplex_engine.store.run_store import (
     RUN_ID,
     Candidate,
     gone_as,
@@ -118,7 +118,7 @@ def _own(name: str, checkpoint: Path) -> Path:
 
 def _resume(eng, name: str, path: Path):
     """Resume ``name`` from ``path``'s run, copied into its own directory first (a
-    resumeFrom must lie there: trust.py)."""
+    resumeFrom must lie there: tenancy/trust.py)."""
     own = _own(name, path)
     shutil.copytree(path.parent, own.parent, dirs_exist_ok=True)
     small = spec(steps=20, every=2, keep=10, group=2, prompts=2)
@@ -166,7 +166,7 @@ def test_engine_resumes_from_the_newest_intact_checkpoint_of_the_run(
 
     # A broken newer checkpoint is skipped with a warning, and left where it is.
     (step[6] / "optimizer.safetensors").write_bytes(b"truncated")
-    with caplog.at_level(logging.WARNING, logger="loraplex_engine.run_store"):
+    with caplog.at_level(logging.WARNING, logger="loraplex_engine.store.run_store"):
         fallback = _resume(second, "fallback", step[2])
     assert (fallback.step, fallback.checkpoint.path) == (4, str(_own("fallback", step[4])))
     _assert_holds(second, "default.fallback", step[4])

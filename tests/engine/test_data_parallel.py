@@ -29,18 +29,16 @@ from adapter_parity import (
     assert_same_training,
 )
 from lora_helpers import CONFIGS, multi_model, random_tick_rows
-from loraplex_engine import cli, distributed
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
-from loraplex_engine.distributed import World
-from loraplex_engine.optim import AdamWSettings
-from loraplex_engine.row_split import row_units, split_row_indices, split_rows_by_rank
-from loraplex_engine.shared_prefix import shared_prefix_forward
-from loraplex_engine.training import (
-    TrainRow,
-    count_rows,
-    fused_backward,
-)
+from loraplex_engine import cli
+from loraplex_engine.parallel import distributed
+from loraplex_engine.parallel.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
+from loraplex_engine.parallel.distributed import World
+from loraplex_engine.parallel.row_split import row_units, split_row_indices, split_rows_by_rank
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.optim import AdamWSettings
+from loraplex_engine.train.rows import TrainRow, count_rows
+from loraplex_engine.train.shared_prefix import shared_prefix_forward
+from loraplex_engine.train.step import fused_backward
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

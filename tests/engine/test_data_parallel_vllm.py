@@ -51,7 +51,7 @@ def vllm_workers(root: int) -> dict[int, int]:
     found = {}
     for proc in psutil.Process(root).children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if any("vllm_worker.py" in part for part in proc.cmdline()):
+            if any("rollout/vllm/worker.py" in part for part in proc.cmdline()):
                 found[proc.pid] = proc.ppid()
     return {pid: parent for pid, parent in found.items() if parent not in found}
 

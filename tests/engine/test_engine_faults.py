@@ -160,7 +160,7 @@ def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
             "odd",
         )
     assert err.value.field == "spec.lora.targetModules"
-    bogus = tmp_path / "default" / "r" / "bogus"  # in its own directory: trust.py
+    bogus = tmp_path / "default" / "r" / "bogus"  # in its own directory: tenancy/trust.py
     bogus.mkdir(parents=True)
     with pytest.raises(BadCheckpointError, match=r"adapter_config\.json"):
         eng.put_experiment("default.r", spec(), "default", "r", resume_from=str(bogus))

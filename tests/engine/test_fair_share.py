@@ -1,10 +1,10 @@
-"""Who rolls out in a tick (fair_share.py): one size in lockstep, expensive steps yield."""
+"""Who rolls out in a tick (tenancy/fair_share.py): one size in lockstep, expensive steps yield."""
 
 from __future__ import annotations
 
 from loraplex_engine.experiment import Experiment, new_experiment
-from loraplex_engine.fair_share import EXPENSIVE_YIELD, due_to_roll_out, rollout_interval
-from loraplex_engine.trust import TrustPolicy
+from loraplex_engine.tenancy.fair_share import EXPENSIVE_YIELD, due_to_roll_out, rollout_interval
+from loraplex_engine.tenancy.trust import TrustPolicy
 
 from tests.engine.engine_builders import spec
 

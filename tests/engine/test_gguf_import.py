@@ -4,7 +4,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from loraplex_engine.gguf_import import extract_gguf, resolve_gguf
+from loraplex_engine.dev.gguf_import import extract_gguf, resolve_gguf
 
 from tests.engine.test_cli_errors import assert_usage_error, engine_cli
 

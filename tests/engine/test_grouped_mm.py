@@ -1,4 +1,4 @@
-"""The grouped-matmul LoRA path (grouped_lora.py) against the bmm path it replaces on CUDA.
+"""The grouped-matmul LoRA path (lora/grouped.py) against the bmm path it replaces on CUDA.
 
 The selection is pure and checked branch by branch. The grouped algorithm runs here
 through its reference loop (``always`` on a CPU) and through torch's own ``_grouped_mm``
@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_helpers import load_base, randomise_b
-from loraplex_engine import grouped_lora, lora
-from loraplex_engine.checkpointing import gradient_checkpointing
 from loraplex_engine.errors import AdapterError
-from loraplex_engine.grouped_lora import (
+from loraplex_engine.lora import grouped as grouped_lora
+from loraplex_engine.lora import layers as lora
+from loraplex_engine.lora.gradient_checkpointing import gradient_checkpointing
+from loraplex_engine.lora.grouped import (
     KernelEnv,
     can_use_grouped_mm,
     choose_path,
@@ -25,8 +26,9 @@ from loraplex_engine.grouped_lora import (
     rank_runs,
     reference_grouped_mm,
 )
-from loraplex_engine.lora import LoRAConfig, MultiLoRALinear, Router, Routing
-from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.lora.routing import Router, Routing
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

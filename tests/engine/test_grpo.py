@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.algorithms import (
+from loraplex_engine.spec import AlgorithmSpec
+from loraplex_engine.train.algorithms import (
     ALGORITHMS,
     ClippedRatioLoss,
     LossInputs,
@@ -12,7 +13,6 @@ from loraplex_engine.algorithms import (
     grpo_loss,
     token_logprobs,
 )
-from loraplex_engine.spec import AlgorithmSpec
 
 
 def test_group_advantages_hand_computed() -> None:

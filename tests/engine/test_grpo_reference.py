@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from loraplex_engine import training
-from loraplex_engine.algorithms import token_logprobs
-from loraplex_engine.training import TrainRow
+from loraplex_engine.train import step as training
+from loraplex_engine.train.algorithms import token_logprobs
+from loraplex_engine.train.rows import TrainRow
 
 from tests.engine.engine_builders import engine, spec
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from loraplex_engine.algorithms import ClippedRatioLoss, LossInputs, grpo_loss, tis_weights
+from loraplex_engine.train.algorithms import ClippedRatioLoss, LossInputs, grpo_loss, tis_weights
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]])
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])

@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from loraplex_engine import distributed
-from loraplex_engine.distributed import World
+from loraplex_engine.parallel import distributed
+from loraplex_engine.parallel.distributed import World
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 

@@ -20,8 +20,8 @@ from loraplex_engine.errors import (
     UnknownAdapterError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
 
 # Row -> adapter name (None = base). Two rows per adapter, interleaved, plus two base rows.
 ROWS = ["a", None, "b", "c", "a", "c", "b", None]

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.errors import ManifestError
-from loraplex_engine.manifests import load_manifests, parse_manifests
+from loraplex_engine.local.manifests import load_manifests, parse_manifests
 from loraplex_engine.tasks import build_task
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 from loraplex_engine import cli
+from loraplex_engine.dev.tiny_model import EOT_TOKEN, build_model
 from loraplex_engine.errors import InvalidSpecError
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.tiny_model import EOT_TOKEN, build_model
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
@@ -250,7 +250,7 @@ def _peft_argmax(model_dir: Path, adapter: Path, prompt: list[int], tokens: list
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON}")
 @pytest.mark.parametrize("arch", VLLM_FAMILIES)
 def test_vllm_serves_the_family_adapters_with_peft_greedy_tokens(arch, family_dirs, tmp_path):
-    from loraplex_engine.rollout.vllm_backend import VLLMRollout
+    from loraplex_engine.rollout.vllm.backend import VLLMRollout
 
     model_dir = family_dirs[arch]
     trained = Path(_run(model_dir, ["say-a"], tmp_path / "run")["say-a"]["adapter_path"])

@@ -16,8 +16,8 @@ import torch
 from loraplex_engine.api_types import ExperimentTick, TickReport
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.training import TrainRow
-from loraplex_engine.training_strategy import gap_totals, logprob_gaps, mean_gaps
+from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.strategy import gap_totals, logprob_gaps, mean_gaps
 
 from tests.engine.engine_builders import engine, spec
 

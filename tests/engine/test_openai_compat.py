@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from loraplex_engine.server_chat import room_left
+from loraplex_engine.server.openai.chat import room_left
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 
@@ -32,7 +32,7 @@ EXP = "default.say-yes"
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh tiny model: the builder writes its chat template (the shared one in
     .cache may predate that)."""
-    from loraplex_engine.tiny_model import build_model
+    from loraplex_engine.dev.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("models") / "tiny-chat")
 
@@ -366,7 +366,7 @@ def test_the_vllm_backend_serves_the_openai_routes(tmp_path: Path) -> None:
     come when the row is done)."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
-    from loraplex_engine.tiny_model import build_model
+    from loraplex_engine.dev.tiny_model import build_model
 
     model = build_model(tmp_path / "tiny-vllm-chat", preset="tiny-vllm")
     srv = EngineServer(

@@ -2,7 +2,7 @@ import pytest
 import torch
 from lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
 from loraplex_engine.errors import AdapterError
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 
 SETTINGS = {
     "a": AdamWSettings(lr=1e-2),

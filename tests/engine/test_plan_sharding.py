@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_engine.capacity_plan import _with_layers, static_bytes
-from loraplex_engine.memtrack import LiveBytes, storage_bytes
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.plan_sharding import (
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.memory.capacity_plan import static_bytes
+from loraplex_engine.memory.fake_model import with_layers
+from loraplex_engine.memory.plan_sharding import (
     fake_world,
     fsdp_groups,
     shard_base,
     sharded_rank_bytes,
     unsharded_reserve,
 )
-from loraplex_engine.planner import Workload, extrapolate, load_config, plan
+from loraplex_engine.memory.planner import Workload, extrapolate, load_config, plan
+from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
 from transformers import AutoModelForCausalLM
 
 SMALL = dict(prompts_per_tenant=2, completions_per_prompt=2, prompt_tokens=6,
@@ -24,7 +25,7 @@ SMALL = dict(prompts_per_tenant=2, completions_per_prompt=2, prompt_tokens=6,
 
 
 def _deeper(tiny_model_dir, layers: int = 4):
-    config = _with_layers(load_config(tiny_model_dir), 2)
+    config = with_layers(load_config(tiny_model_dir), 2)
     config.num_hidden_layers = layers  # the tiny model's layers are alike: more of them
     return config
 

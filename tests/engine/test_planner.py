@@ -11,13 +11,15 @@ from contextlib import nullcontext
 import pytest
 import torch
 from lora_helpers import CONFIGS
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.chunked_logprobs import HiddenStatesForward
-from loraplex_engine.memtrack import LiveBytes, storage_bytes
-from loraplex_engine.multi_lora import MultiLoRAModel
-from loraplex_engine.plan_cli import parse_bytes
-from loraplex_engine.planner import Workload, keep_index_values, load_config, plan
-from loraplex_engine.training import TrainRow, fused_backward
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.memory.fake_model import keep_index_values
+from loraplex_engine.memory.plan_cli import parse_bytes
+from loraplex_engine.memory.planner import Workload, load_config, plan
+from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step import fused_backward
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from lora_helpers import CONFIGS, randomise_b
 from loraplex_engine import cli
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.chunked_logprobs import HiddenStatesForward
-from loraplex_engine.lora import LoRAConfig
-from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
-from loraplex_engine.precision import resolve_dtype
-from loraplex_engine.training import TrainRow, fused_backward
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.lora.precision import resolve_dtype
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step import fused_backward
 from transformers import AutoModelForCausalLM
 
 from tests.engine.engine_builders import engine, mean, spec

@@ -10,15 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from lora_helpers import CONFIGS, multi_model, rel_err
-from loraplex_engine.algorithms import ClippedRatioLoss
-from loraplex_engine.shared_prefix import prefix_sharing_unsupported, shared_prefix_forward
-from loraplex_engine.training import (
-    TrainRow,
-    fused_backward,
-    pack_micro_batches_shared,
-    plan_micro_batches,
-    prefix_groups,
-)
+from loraplex_engine.train.algorithms import ClippedRatioLoss
+from loraplex_engine.train.rows import TrainRow, pack_micro_batches_shared, prefix_groups
+from loraplex_engine.train.shared_prefix import prefix_sharing_unsupported, shared_prefix_forward
+from loraplex_engine.train.step import fused_backward, plan_micro_batches
 
 from tests.engine.engine_builders import engine, spec
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 from loraplex_engine.errors import RewardError
-from loraplex_engine.rewards import (
+from loraplex_engine.tasks.rewards import (
     BUILTIN_REWARDS,
     BuiltinReward,
     HttpReward,
@@ -20,7 +20,7 @@ from loraplex_engine.rewards import (
     prefix_overlap,
     word_fraction,
 )
-from loraplex_engine.trust import Resolver, RewardEgress
+from loraplex_engine.tenancy.trust import Resolver, RewardEgress
 
 ITEMS = [
     RewardItem(prompt="2 + 2 =", completion=" 4", answer="4"),

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from loraplex_engine.tiny_model import build_model
+from loraplex_engine.dev.tiny_model import build_model
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, mean, run_to_end, spec

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from loraplex_engine.memtrack import LiveBytes, storage_bytes
+from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.rollout.packing import kv_tokens, pack_rollout
-from loraplex_engine.rollout.sampling import Sampler
-from loraplex_engine.rollout.torch_backend import generate
-from loraplex_engine.rollout.vllm_config import kv_bytes_per_token
+from loraplex_engine.rollout.torch.backend import generate
+from loraplex_engine.rollout.torch.packing import kv_tokens, pack_rollout
+from loraplex_engine.rollout.torch.sampling import Sampler
+from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
 
 from tests.engine.engine_builders import engine, spec
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from loraplex_engine import cli
 from loraplex_engine.api_types import CheckpointRef
-from loraplex_engine.runner import final_adapter
+from loraplex_engine.local.runner import final_adapter
 
 STEPS = 6
 # The summary.json schema, plus the extras README documents (per-phase seconds;

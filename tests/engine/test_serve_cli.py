@@ -84,7 +84,7 @@ def test_lora_kernel_flag_from_the_environment_and_flags_win(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from loraplex_engine.api_types import LORA_KERNELS
-    from loraplex_engine.grouped_lora import KERNEL_MODES
+    from loraplex_engine.lora.grouped import KERNEL_MODES
 
     assert tuple(KERNEL_MODES) == LORA_KERNELS  # every flag value has a layer mode
     assert build_parser().parse_args(["serve"]).lora_kernel == "auto"
@@ -147,7 +147,7 @@ def test_help_lists_every_variable(capsys: pytest.CaptureFixture[str]) -> None:
 def test_data_roots_and_reward_hosts_from_flags_or_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_model_dir
 ) -> None:
-    from loraplex_engine.serve_flags import data_roots, reward_hosts
+    from loraplex_engine.server.flags import data_roots, reward_hosts
 
     monkeypatch.setenv("LORAPLEX_DATA_ROOT", "/data:/more")
     monkeypatch.setenv("LORAPLEX_ALLOW_REWARD_HOST", "127.0.0.1, rewards.test")

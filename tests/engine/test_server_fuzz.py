@@ -24,8 +24,8 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from loraplex_engine.serve import EngineHolder
-from loraplex_engine.server import ID_PATTERN, create_app
+from loraplex_engine.server.app import ID_PATTERN, create_app
+from loraplex_engine.server.serve import EngineHolder
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (

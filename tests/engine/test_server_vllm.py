@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from loraplex_engine.tiny_model import build_model
+from loraplex_engine.dev.tiny_model import build_model
 from server_process import EngineServer, record_measurement, wait_until
 from test_server_live import put_body, small_spec
 

@@ -14,10 +14,10 @@ import shard_worker
 import torch
 import torch.multiprocessing as mp
 from adapter_parity import assert_same_training
-from loraplex_engine import cli, distributed
-from loraplex_engine.rollout import ranks
+from loraplex_engine import cli
+from loraplex_engine.parallel import distributed, rollout_shares
+from loraplex_engine.parallel.row_split import split_rollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.row_split import split_rollout
 from test_data_parallel import run_cmd, run_gaps, short_demo, spawn_run
 
 # ---- the rollout split and the wire (pure) ---------------------------------------------
@@ -59,24 +59,24 @@ def test_a_sampling_stream_is_decoded_whole_by_one_rank_and_served_rows_stay_on_
 def test_the_wire_keeps_which_rows_share_a_generator_and_merge_advances_rank_0s() -> None:
     g = [torch.Generator().manual_seed(i) for i in range(2)]
     reqs = [_req("a", g[0]), _req("a", g[0]), _req("x", None), _req("b", g[1], sink=_Sink())]
-    batch = ranks.to_wire(reqs, [[0, 1, 2, 3], []])
+    batch = rollout_shares.to_wire(reqs, [[0, 1, 2, 3], []])
     assert batch.streams == [0, 0, None, 1]
     assert all(r.generator is None and r.sink is None for r in batch.requests)
-    rebuilt, gens = ranks.from_wire(batch)
+    rebuilt, gens = rollout_shares.from_wire(batch)
     assert rebuilt[0].generator is rebuilt[1].generator is gens[0] and rebuilt[2].generator is None
     draw = torch.rand(3, generator=gens[0])  # the worker samples from its copy
     assert torch.equal(torch.rand(3, generator=torch.Generator().manual_seed(0)), draw)
     done = [Completion([i], [0.0]) for i in range(2)]
-    result = ranks.share_result([0, 1], done, batch.streams, gens)
+    result = rollout_shares.share_result([0, 1], done, batch.streams, gens)
     assert set(result.states) == {0}
-    mine = ranks.share_result(
-        [2, 3], [Completion([2], [0.0]), Completion([3], [0.0])], *ranks.stream_ids(reqs)
+    mine = rollout_shares.share_result(
+        [2, 3], [Completion([2], [0.0]), Completion([3], [0.0])], *rollout_shares.stream_ids(reqs)
     )
-    merged = ranks.merge([mine, result], 4, ranks.stream_ids(reqs)[1])
+    merged = rollout_shares.merge([mine, result], 4, rollout_shares.stream_ids(reqs)[1])
     assert [c.token_ids for c in merged] == [[0], [1], [2], [3]]
     assert torch.equal(torch.rand(3, generator=g[0]), torch.rand(3, generator=gens[0]))
     with pytest.raises(RuntimeError, match=r"rollout rows \[2, 3\] were decoded by no rank"):
-        ranks.merge([result], 4, ranks.stream_ids(reqs)[1])
+        rollout_shares.merge([result], 4, rollout_shares.stream_ids(reqs)[1])
 
 
 # ---- two gloo ranks, the base sharded, against one unsharded process -------------------
@@ -212,7 +212,7 @@ def test_a_tied_head_stays_replicated_with_its_embedding(tmp_path) -> None:
     """The tiny Gemma 3 ties its head to its embedding: sharded over two ranks the shared
     weight stays a plain tensor (ignored with the head), the layers are sharded, and the
     checkpointed gradient equals the unsharded one."""
-    from loraplex_engine.tiny_model import build_model
+    from loraplex_engine.dev.tiny_model import build_model
 
     model_dir = tmp_path / "gemma3"
     build_model(model_dir, arch="gemma3")

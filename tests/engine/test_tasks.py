@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.errors import TaskError
-from loraplex_engine.rewards import HttpReward
 from loraplex_engine.tasks import (
     ArithmeticTask,
     CopyTask,
@@ -15,6 +14,7 @@ from loraplex_engine.tasks import (
     build_task,
     check_task,
 )
+from loraplex_engine.tasks.rewards import HttpReward
 
 
 @pytest.mark.parametrize("name", ["target-token", "copy", "arithmetic", "short-reply"])

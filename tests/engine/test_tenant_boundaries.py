@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
-from loraplex_engine.run_store import step_dirs
+from loraplex_engine.store.run_store import step_dirs
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 

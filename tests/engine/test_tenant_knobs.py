@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lora_helpers import multi_model
-from loraplex_engine.checkpoint import load_trainer_state, save_trainer_state
 from loraplex_engine.errors import AdapterError
-from loraplex_engine.lr_schedule import lr_factor
-from loraplex_engine.optim import AdamWSettings, PerAdapterAdamW, adamw_settings
 from loraplex_engine.spec import parse_spec
+from loraplex_engine.store.checkpoint import load_trainer_state, save_trainer_state
+from loraplex_engine.train.lr_schedule import lr_factor
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW, adamw_settings
 
 COSINE = AdamWSettings(
     lr=1e-2, weight_decay=0.0, lr_schedule="cosine", warmup_steps=2, total_steps=6

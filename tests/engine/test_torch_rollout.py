@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.rollout.torch_backend import distinct_prompts, generate
+from loraplex_engine.rollout.torch.backend import distinct_prompts, generate
 
 from tests.engine.engine_builders import engine, spec
 

@@ -1,4 +1,4 @@
-"""trust.py: the pure checks of what a tenant's dataset, reward URL and resumeFrom may
+"""tenancy/trust.py: the pure checks of what a tenant's dataset, reward URL and resumeFrom may
 reach. The engine-level attacks on a real engine process are in test_tenant_boundaries.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.errors import TaskError
-from loraplex_engine.trust import (
+from loraplex_engine.tenancy.trust import (
     DataRoots,
     RewardEgress,
     TrustPolicy,

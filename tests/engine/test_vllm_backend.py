@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.tiny_model import build_model
+from loraplex_engine.dev.tiny_model import build_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(
@@ -71,7 +71,7 @@ def adapters(tiny_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 @pytest.fixture(scope="module")
 def rollout(tiny_vllm_dir: Path, adapters: dict[str, Path]):
-    from loraplex_engine.rollout.vllm_backend import VLLMRollout
+    from loraplex_engine.rollout.vllm.backend import VLLMRollout
 
     backend = VLLMRollout(
         tiny_vllm_dir,
@@ -187,7 +187,7 @@ def test_update_from_tensors_equals_the_directory_update_and_peft(
     """The in-memory sync (tensors through shared memory or the pipe, no directory)
     gives vLLM exactly the weights a directory update does: same tokens, same log-probs,
     peft's."""
-    from loraplex_engine.rollout import vllm_backend
+    from loraplex_engine.rollout.vllm import backend as vllm_backend
 
     assert rollout.info["tensor_sync"], rollout.info["tensor_sync_why"]
     requests = [("a", p) for p in PROMPTS] + [(None, PROMPTS[0]), ("b", PROMPTS[0])]
@@ -268,7 +268,7 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
 def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path, tmp_path) -> None:
     """head_dim 16 (4 heads of a 64-wide model), which vLLM's CPU attention lacks."""
     from loraplex_engine.errors import VLLMWorkerError
-    from loraplex_engine.rollout.vllm_backend import VLLMRollout
+    from loraplex_engine.rollout.vllm.backend import VLLMRollout
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
@@ -280,6 +280,6 @@ def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path, tmp_pat
 
 
 def test_worker_knows_vllms_cpu_head_sizes(rollout) -> None:
-    from loraplex_engine.rollout.vllm_worker import CPU_HEAD_SIZES
+    from loraplex_engine.rollout.vllm.worker import CPU_HEAD_SIZES
 
     assert rollout.info["cpu_head_sizes"] == list(CPU_HEAD_SIZES)

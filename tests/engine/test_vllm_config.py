@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from loraplex_engine.rollout.vllm_backend import VLLMRollout
-from loraplex_engine.rollout.vllm_config import (
+from loraplex_engine.rollout.vllm.backend import VLLMRollout
+from loraplex_engine.rollout.vllm.config import (
     KV_BLOCK_MARGIN_TOKENS,
     MAX_NUM_SEQS_CAP,
     VLLM_OPTION_NAMES,
@@ -15,7 +15,7 @@ from loraplex_engine.rollout.vllm_config import (
     kv_bytes_per_token,
     vllm_engine_args,
 )
-from loraplex_engine.rollout.vllm_worker import CPU_KV_CACHE_BYTES
+from loraplex_engine.rollout.vllm.worker import CPU_KV_CACHE_BYTES
 from transformers import LlamaConfig
 
 MEMORY = (60 << 30, 80 << 30)  # (free, total) bytes of a GPU after the trainer loaded
@@ -121,7 +121,7 @@ def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
     import argparse
 
     from loraplex_engine.errors import UsageError
-    from loraplex_engine.serve_flags import vllm_options
+    from loraplex_engine.server.flags import vllm_options
 
     monkeypatch.delenv("LORAPLEX_VLLM_OPTIONS", raising=False)
     ok = vllm_options(argparse.Namespace(vllm_option=["dtype=bfloat16", "max_num_seqs=8"]))

@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import pytest
 from engine_builders import engine, run_to_end, spec
-from loraplex_engine.rollout.vllm_config import vllm_engine_args
-from loraplex_engine.rollout.vllm_placement import (
+from loraplex_engine.rollout.vllm.config import vllm_engine_args
+from loraplex_engine.rollout.vllm.placement import (
     COLOCATED_FREE_SHARE,
     SEPARATE_UTILIZATION,
     Placement,

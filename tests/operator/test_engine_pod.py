@@ -134,7 +134,7 @@ def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
 def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
     import argparse
 
-    from loraplex_engine.serve_flags import add_arguments, vllm_options
+    from loraplex_engine.server.flags import add_arguments, vllm_options
 
     placed = {"device": "cuda:1", "gpuMemoryUtilization": 0.8, "sleepMode": False}
     obj = pool("v").set("spec.rolloutBackend", "vllm").set("spec.vllm", placed)

@@ -15,8 +15,8 @@ import pytest
 from builders import pod_of, pod_resources, pool, serve_args
 from crdkit import admit, apply_defaults, schema_of
 from loraplex_engine.errors import UsageError
-from loraplex_engine.serve_flags import add_arguments
-from loraplex_engine.serve_ranks import check_rank_flags
+from loraplex_engine.parallel.serve_ranks import check_rank_flags
+from loraplex_engine.server.flags import add_arguments
 from loraplex_operator.manifests import (
     GPU_RESOURCE,
     SHM_PATH,

@@ -13,26 +13,26 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
-# The dtypes a frozen base may be loaded in (precision.py maps them to torch's).
+# The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
-# How the multi-LoRA layers compute their delta (grouped_lora.py): grouped matmuls where
+# How the multi-LoRA layers compute their delta (lora/grouped.py): grouped matmuls where
 # the fused kernel runs (auto), always the bmm path, or always the grouped algorithm.
 LORA_KERNELS = ("auto", "bmm", "grouped")
 
 # Tokens one experiment's step may cost: groupSize x promptsPerStep x (the prompt limit +
 # maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the
-# longest wait a co-tenant can see (fair_share.py paces big steps on average).
+# longest wait a co-tenant can see (tenancy/fair_share.py paces big steps on average).
 DEFAULT_MAX_STEP_TOKENS = 1 << 18
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
 MAX_NEW_TOKENS = 4096  # largest spec.rollout.maxNewTokens
-# Padded tokens of one training micro-batch (training.py; serve --micro-batch-tokens).
+# Padded tokens of one training micro-batch (train/step.py; serve --micro-batch-tokens).
 DEFAULT_MICRO_BATCH_TOKENS = 4096
 # KV-cache tokens one micro-batch of the torch rollout may hold (rollout/packing.py; serve
 # --rollout-kv-tokens): a fixed, conservative value (a 4B model's cache at 65536 tokens is
 # ~9 GiB in bf16) that bounds the rollout's cache whatever the number of tenants.
 DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # How long a tick waits for an experiment's reward before stepping without it (it trains in
-# the tick after the reward arrives, fair_share.py): under a GPU tick (seconds), over a
+# the tick after the reward arrives, tenancy/fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).
 DEFAULT_REWARD_DEADLINE_S = 1.0
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
@@ -40,7 +40,7 @@ DEFAULT_REWARD_DEADLINE_S = 1.0
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_MAX_LENGTH = 64
 
-# The memory plan (capacity_plan.py): the share of the device's memory left unplanned
+# The memory plan (memory/capacity_plan.py): the share of the device's memory left unplanned
 # (allocator rounding and fragmentation, kernel workspaces, the rollout's transient
 # activations). Where no device memory is known the two budgets above apply.
 DEFAULT_MEMORY_HEADROOM = 0.15
@@ -112,7 +112,7 @@ class ModelShape(WireModel):
 
 
 class MemoryPlan(WireModel):
-    """How the engine sized itself (capacity_plan.py): what placement counts per slot,
+    """How the engine sized itself (memory/capacity_plan.py): what placement counts per slot,
     and the budgets its training and rollout run under."""
 
     device_total_bytes: int | None  # the device's memory (CUDA), the host's RAM (CPU)

@@ -52,7 +52,7 @@ def lora_targets_of(model_dir: str | Path) -> list[str]:
     except (OSError, ValueError) as exc:  # unreadable JSON, an unknown architecture
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"model directory {path}: {CONFIG_FILE}: {first_line}") from None
-    from loraplex_engine.multi_lora import adaptable_module_names
+    from loraplex_engine.lora.model import adaptable_module_names
 
     return adaptable_module_names(base)
 

@@ -17,7 +17,7 @@ USER_ERRORS = (UsageError, ManifestError, FieldError)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from loraplex_engine.tiny_model import ARCHES, PRESETS, build_model
+    from loraplex_engine.dev.tiny_model import ARCHES, PRESETS, build_model
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
@@ -35,7 +35,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     import zipfile
 
-    from loraplex_engine.gguf_import import import_gguf, resolve_gguf, smollm2_gguf_path
+    from loraplex_engine.dev.gguf_import import import_gguf, resolve_gguf, smollm2_gguf_path
 
     try:
         given = Path(args.gguf) if args.gguf else smollm2_gguf_path()
@@ -55,15 +55,15 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from loraplex_engine.serve import run
+    from loraplex_engine.server.serve import run
 
     return run(args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.errors import RankFailed
-    from loraplex_engine.runner import run_file
-    from loraplex_engine.serve_flags import batch_kwargs
+    from loraplex_engine.local.runner import run_file
+    from loraplex_engine.server.flags import batch_kwargs
 
     if args.rollout_backend == "vllm":
         _check_vllm_python()
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
 
-    from loraplex_engine.serve_flags import add_arguments as add_serve_arguments
+    from loraplex_engine.server.flags import add_arguments as add_serve_arguments
 
     serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
     add_serve_arguments(serve)
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the frozen base's dtype (default: bfloat16 on cuda, float32 on cpu; adapters "
         "and Adam stay float32)",
     )
-    from loraplex_engine.serve_flags import add_batch_arguments, add_device_argument
+    from loraplex_engine.server.flags import add_batch_arguments, add_device_argument
 
     add_device_argument(run)
     add_batch_arguments(run)
@@ -202,12 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a rank waits for the others in a collective before the run fails "
         "(default: 600)",
     )
-    from loraplex_engine.serve_flags import add_shard_base_argument
+    from loraplex_engine.server.flags import add_shard_base_argument
 
     add_shard_base_argument(run)
     run.set_defaults(func=_cmd_run)
 
-    from loraplex_engine import plan_cli
+    from loraplex_engine.memory import plan_cli
 
     plan_cli.add_parser(sub)
     return parser
@@ -225,7 +225,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # What a data-parallel rank 0 starts its workers with (serve_ranks.py).
+    # What a data-parallel rank 0 starts its workers with (parallel/serve_ranks.py).
     args.cli_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)

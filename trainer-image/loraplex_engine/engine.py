@@ -2,9 +2,9 @@
 that advances every running experiment by one RL step at once.
 
 The Engine is the API (:class:`~loraplex_engine.api_types.EngineService`) over its parts:
-the model with its adapter slots (multi_lora.py), the run store (run_store.py:
+the model with its adapter slots (lora/model.py), the run store (store/run_store.py:
 checkpoint layout, resume, keep-K), the tick's phase pipeline (tick.py), the training
-strategy (training_strategy.py) and the rollout backend (rollout/). Experiments join and
+strategy (train/strategy.py) and the rollout backend (rollout/). Experiments join and
 leave between ticks (``_model_lock``); reads (status, capacity) never wait for a tick.
 """
 
@@ -20,7 +20,6 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraplex_engine import checkpoint as ckpt
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
@@ -37,9 +36,6 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
-from loraplex_engine.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
-from loraplex_engine.data_parallel import data_parallel_trainer, share_rollouts
-from loraplex_engine.distributed import World
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -58,11 +54,13 @@ from loraplex_engine.experiment import (
     lora_config,
     new_experiment,
 )
-from loraplex_engine.fair_share import RewardScorer
-from loraplex_engine.grouped_lora import KERNEL_MODES
-from loraplex_engine.multi_lora import MultiLoRAModel, adaptable_module_names
-from loraplex_engine.optim import PerAdapterAdamW, adamw_settings
-from loraplex_engine.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
+from loraplex_engine.lora.grouped import KERNEL_MODES
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
+from loraplex_engine.memory.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
+from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
+from loraplex_engine.parallel.distributed import World
+from loraplex_engine.parallel.sharding import shard_engine_base
 from loraplex_engine.rollout.backends import (
     FollowerRollout,
     RolloutBackend,
@@ -70,17 +68,23 @@ from loraplex_engine.rollout.backends import (
     VLLMRolloutBackend,
 )
 from loraplex_engine.rollout.base import Completion
-from loraplex_engine.rollout.vllm_config import kv_bytes_per_token, vllm_engine_args
-from loraplex_engine.run_store import RunStore, valid_run_id
-from loraplex_engine.sharding import shard_engine_base
-from loraplex_engine.shared_prefix import shared_forward_of
+from loraplex_engine.rollout.vllm.config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.store.run_store import RunStore, valid_run_id
+from loraplex_engine.tenancy.fair_share import RewardScorer
+from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tick import CompletionJob, JobSampling, Tick
-from loraplex_engine.timesliced import TimeSlicedTraining
 from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.training_strategy import TRAIN_MODES, FusedTraining, TrainingStrategy
-from loraplex_engine.trust import TrustPolicy
-from loraplex_engine.work_limits import WorkLimits
+from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
+from loraplex_engine.train.shared_prefix import shared_forward_of
+from loraplex_engine.train.strategy import (
+    TRAIN_MODES,
+    AdapterTrainer,
+    FusedTraining,
+    TrainingStrategy,
+)
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -93,15 +97,15 @@ class Engine:
     """Implements :class:`loraplex_engine.api_types.EngineService`.
 
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
-    arm, timesliced.py). ``dtype``: the frozen base's (precision.py; None: bfloat16 on
+    arm, dev/timesliced.py). ``dtype``: the frozen base's (lora/precision.py; None: bfloat16 on
     CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
-    elsewhere) recomputes each decoder layer in the backward (checkpointing.py).
+    elsewhere) recomputes each decoder layer in the backward (lora/gradient_checkpointing.py).
     ``micro_batch_tokens`` (None: derived by the memory plan from ``device_memory``,
-    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): capacity_plan.py.
+    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): memory/capacity_plan.py.
     ``rollout_kv_tokens``: the KV-cache tokens of one torch rollout micro-batch
     (rollout/packing.py; None: derived the same way, else ``DEFAULT_ROLLOUT_KV_TOKENS``).
-    ``world``: this process's rank in a data-parallel group (data_parallel.py);
-    ``shard_base``: the frozen base sharded over its ranks with FSDP2 (sharding.py)."""
+    ``world``: this process's rank in a data-parallel group (parallel/data_parallel.py);
+    ``shard_base``: the frozen base sharded over its ranks with FSDP2 (parallel/sharding.py)."""
 
     def __init__(
         self,
@@ -154,7 +158,7 @@ class Engine:
         self.ignore_eos = ignore_eos
         self.max_step_tokens = max_step_tokens
         self.max_prompt_tokens = max_prompt_tokens
-        # What tenants' datasets and reward URLs may reach (trust.py); the default allows
+        # What tenants' datasets and reward URLs may reach (tenancy/trust.py); the default allows
         # no dataset file and no local reward address.
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -182,8 +186,12 @@ class Engine:
         self.share_prompt_prefix = shared is not None
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
-        trainer = FusedTraining if train_mode == "fused" else TimeSlicedTraining
-        if world is not None:  # data parallel over the process group (data_parallel.py)
+        trainer: type[AdapterTrainer] = FusedTraining
+        if train_mode == "timesliced":  # the benchmark's baseline arm: dev code, on request
+            from loraplex_engine.dev.timesliced import TimeSlicedTraining
+
+            trainer = TimeSlicedTraining
+        if world is not None:  # data parallel over the process group (parallel/data_parallel.py)
             trainer = data_parallel_trainer(world, train_mode, self.lockstep)
         self.strategy: TrainingStrategy = trainer(
             self.model,
@@ -241,7 +249,7 @@ class Engine:
         device_memory: int | None,
         headroom: float,
     ) -> MemoryPlan:
-        """The engine's memory plan (capacity_plan.py): what /v1/capacity reports and the
+        """The engine's memory plan (memory/capacity_plan.py): what /v1/capacity reports and the
         operator's placement counts; derives the budgets the caller left unset."""
         context = getattr(self.model.base_model.config, "max_position_embeddings", None)
         longest = self.max_prompt_tokens + MAX_NEW_TOKENS
@@ -279,7 +287,7 @@ class Engine:
                 lockstep=self.lockstep,
             )  # its KV budget is set once the memory plan is made
         if world is not None and not world.is_leader:
-            return FollowerRollout()  # one vLLM per pod: rank 0's (data_parallel.py)
+            return FollowerRollout()  # one vLLM per pod: rank 0's (parallel/data_parallel.py)
         config = self.model.base_model.config
         try:
             args = self._vllm_args(config, options, world)
@@ -328,7 +336,8 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
         )
-        return out.logits[:, -1], out.past_key_values  # stays on the device (sampling.py)
+        # stays on the device (rollout/torch/sampling.py)
+        return out.logits[:, -1], out.past_key_values
 
     @property
     def computed_train_tokens(self) -> int:

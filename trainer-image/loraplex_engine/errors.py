@@ -95,12 +95,12 @@ class UsageError(LoraplexError, ValueError):
 
 
 class CapacityError(UsageError):
-    """The engine's configuration does not fit its device's memory (capacity_plan.py)."""
+    """The engine's configuration does not fit its device's memory (memory/capacity_plan.py)."""
 
 
 class RankFailed(LoraplexError, RuntimeError):
     """A worker rank exited, or would not start or stop, while rank 0 needed it
-    (dp_launch.py)."""
+    (parallel/launch.py)."""
 
 
 # --- API errors -----------------------------------------------------------------------

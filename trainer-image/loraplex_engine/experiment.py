@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from loraplex_engine.algorithms import Algorithm, build_algorithm
 from loraplex_engine.api_types import (
     DETERMINISTIC_FAILURES,
     CheckpointRef,
@@ -25,10 +24,11 @@ from loraplex_engine.errors import (
     TaskError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.lora import LoRAConfig
+from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
-from loraplex_engine.trust import TrustPolicy
+from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.train.algorithms import Algorithm, build_algorithm
 
 
 def now() -> str:
@@ -58,12 +58,12 @@ class Experiment:
     started_at: str = field(default_factory=now)
     updated_at: str = field(default_factory=now)
     # Ties this run's checkpoints together across engines and names their directory
-    # (run_store.py): given by the caller (the operator: the object's uid), or made at a
+    # (store/run_store.py): given by the caller (the operator: the object's uid), or made at a
     # fresh start and carried over on resume.
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
-    # Fair share (fair_share.py): tokens of the last step planned, and that tick's number.
+    # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
 

@@ -15,8 +15,8 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
-from loraplex_engine.lr_schedule import LRScheduleName
 from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
+from loraplex_engine.train.lr_schedule import LRScheduleName
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).

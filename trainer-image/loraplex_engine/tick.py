@@ -1,7 +1,7 @@
 """One tick: every running experiment advances one RL step, together.
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
-plan rollouts (who is due, fair_share.py; their prompts) → ``rollout`` (one
+plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
 mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
 deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
@@ -29,7 +29,6 @@ from typing import TypeVar
 
 import torch
 
-from loraplex_engine.algorithms import PolicyLoss
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
 from loraplex_engine.errors import (
     AdapterError,
@@ -39,15 +38,16 @@ from loraplex_engine.errors import (
     TaskError,
 )
 from loraplex_engine.experiment import Experiment, now
-from loraplex_engine.fair_share import RewardScorer, due_to_roll_out
-from loraplex_engine.multi_lora import MultiLoRAModel
+from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.run_store import RunStore
+from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
+from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.training import TrainRow
-from loraplex_engine.training_strategy import TrainingStrategy
+from loraplex_engine.train.algorithms import PolicyLoss
+from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.strategy import TrainingStrategy
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")

@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 from loraplex_engine.api_types import AdapterSync
 from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.rollout.packing import DEFAULT_ROLLOUT_KV_TOKENS
-from loraplex_engine.rollout.torch_backend import ForwardFn, RouteFn, generate
-from loraplex_engine.rollout.vllm_backend import RequestError, VLLMRollout
-from loraplex_engine.rollout.vllm_requests import (
+from loraplex_engine.rollout.torch.backend import ForwardFn, RouteFn, generate
+from loraplex_engine.rollout.torch.packing import DEFAULT_ROLLOUT_KV_TOKENS
+from loraplex_engine.rollout.vllm.backend import RequestError, VLLMRollout
+from loraplex_engine.rollout.vllm.requests import (
     RequestResult,
     VLLMRequest,
     by_group,
@@ -39,7 +39,7 @@ from loraplex_engine.rollout.vllm_requests import (
 )
 
 if TYPE_CHECKING:
-    from loraplex_engine.sharding import Lockstep
+    from loraplex_engine.parallel.lockstep import Lockstep
 
 log = logging.getLogger("loraplex_engine.rollout")
 # Worker restarts one generate call may spend before it fails (and with it the tick).
@@ -107,9 +107,9 @@ class _TrainedWeights:
 
 class TorchRollout(_TrainedWeights):
     """Decode through the multi-LoRA model with every row routed to its slot, in
-    micro-batches of at most ``kv_tokens`` KV-cache tokens (packing.py).
+    micro-batches of at most ``kv_tokens`` KV-cache tokens (rollout/torch/packing.py).
 
-    Data parallel (data_parallel.py): ``distribute`` spreads a batch over the ranks,
+    Data parallel (parallel/data_parallel.py): ``distribute`` spreads a batch over the ranks,
     each decoding its share with ``generate_local``; ``lockstep`` (a sharded base) keeps
     their forwards in step."""
 
@@ -149,7 +149,7 @@ class TorchRollout(_TrainedWeights):
 
 class FollowerRollout(_TrainedWeights):
     """A worker rank's rollout under a vLLM backend: rank 0's vLLM decodes every row
-    (data_parallel.py), so a worker starts no vLLM and never decodes; its adapters change
+    (parallel/data_parallel.py), so a worker starts no vLLM and never decodes; its adapters change
     only through rank 0's messages, and it takes no training-phase turn of its own."""
 
     name = "vllm"
@@ -165,16 +165,16 @@ class VLLMRolloutBackend:
     adapter is made from the first one's files). After each optimiser step, each adapter
     trained in the tick is sent again, the others not (they did not change): its tensors
     cross the worker's pipe in memory where the worker takes them (``tensor_sync`` in its
-    info; vllm_tensor_sync.py), else as one directory written to a temporary directory.
+    info; rollout/vllm/tensor_sync.py), else as one directory written to a temporary directory.
     Either way the tensors are in vLLM's LoRA dtype (bf16 where the engine's dtype is
     bf16), cast on the engine's device: vLLM would cast to it anyway, so both transports
     give vLLM the same weights. A worker that turns out not to take tensors switches the
     backend to files for good. ``sync_adapters`` measures each sync (``AdapterSync``).
 
-    Requests (vllm_requests.py): one vLLM request per prompt of an experiment, with
+    Requests (rollout/vllm/requests.py): one vLLM request per prompt of an experiment, with
     ``n`` = its rows of that prompt (``groupSize``), so vLLM computes the prompt once;
     every experiment's and served completion's requests go in one batch, each with its
-    own sampling settings. Seeded where reproducibility is wanted (vllm_requests.py).
+    own sampling settings. Seeded where reproducibility is wanted (rollout/vllm/requests.py).
     The worker answers whole rows: no per-token reports to a row's sink, no cancelling.
     Log-probs come back for the sampling distribution (``processed_logprobs``), which is
     what the trainer recomputes for the PPO ratio.
@@ -205,7 +205,7 @@ class VLLMRolloutBackend:
         self._stop_ids = [] if ignore_eos else list(eos_ids)
         self._dir = Path(tempfile.mkdtemp(prefix="loraplex-vllm-sync-"))
         # ``options``: the worker's settings, engine defaults merged with the user's
-        # (vllm_config.py), each keyword once.
+        # (rollout/vllm/config.py), each keyword once.
         self._options = {"logprobs_mode": "processed_logprobs", **options}
         self._adapters: list[str] = []  # loaded, in order: what a restart re-loads
         # How a worker starts (tests give a stand-in to drive the restart policy).

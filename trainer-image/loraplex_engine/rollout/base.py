@@ -25,8 +25,9 @@ class RolloutRequest:
     """One sequence to generate: which adapter slot, which prompt, how to sample.
 
     Requests that share a ``generator`` (one per experiment) take their randomness from
-    it alone (the torch rollout draws one seed from it per micro-batch, sampling.py; vLLM
-    one per call), so an experiment's rollouts do not depend on who else is batched.
+    it alone (the torch rollout draws one seed from it per micro-batch,
+    rollout/torch/sampling.py; vLLM one per call), so an experiment's rollouts do not
+    depend on who else is batched.
     """
 
     slot: int

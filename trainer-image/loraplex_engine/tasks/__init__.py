@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loraplex_engine.errors import TaskError
-from loraplex_engine.rewards import BUILTIN_REWARDS, make_reward
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.builtin import (
     ArithmeticTask,
@@ -15,7 +14,8 @@ from loraplex_engine.tasks.builtin import (
     TargetTokenTask,
 )
 from loraplex_engine.tasks.jsonl import JsonlTask
-from loraplex_engine.trust import RewardEgress
+from loraplex_engine.tasks.rewards import BUILTIN_REWARDS, make_reward
+from loraplex_engine.tenancy.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls for cls in (TargetTokenTask, CopyTask, ArithmeticTask, ShortReplyTask, JsonlTask)
@@ -45,7 +45,7 @@ def build_task(
 ) -> Task:
     """A ready task; raises ``TaskError`` naming the offending spec field.
 
-    ``dataset`` is read as given: the engine resolves and checks it first (trust.py) and
+    ``dataset`` is read as given: the engine resolves and checks it first (tenancy/trust.py) and
     passes the directory it must stay in as ``dataset_root``; ``reward_egress`` bounds
     where an http reward may be sent (None: anywhere)."""
     params = dict(params or {})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from loraplex_engine.errors import TaskError
-from loraplex_engine.rewards import BuiltinReward, Reward, RewardItem
+from loraplex_engine.tasks.rewards import BuiltinReward, Reward, RewardItem
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import re
 from collections.abc import Mapping
 
 from loraplex_engine.errors import TaskError
-from loraplex_engine.rewards import coverage, prefix_overlap
 from loraplex_engine.tasks.base import Prompt, Task, bool_param, int_param
+from loraplex_engine.tasks.rewards import coverage, prefix_overlap
 
 FILLER_WORDS = ("the", "answer", "is", "token", "repeat", "of", "copy", "sum", "say")
 

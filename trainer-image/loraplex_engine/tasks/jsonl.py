@@ -4,7 +4,7 @@ The file may grow while an experiment trains: each ``sample_prompts`` call
 reads only the bytes appended since the last one. A last line still being
 written (no newline yet, not valid JSON) is left for the next read.
 
-Given ``root`` (the directory the engine allowed, trust.py), every read first checks that
+Given ``root`` (the directory the engine allowed, tenancy/trust.py), every read first checks that
 the path still resolves inside it: a file swapped for a symlink after admission does not
 lead out.
 """
@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loraplex_engine.errors import TaskError
-from loraplex_engine.rewards import Reward, exact_match
 from loraplex_engine.tasks.base import Prompt, Task
-from loraplex_engine.trust import DataRoots
+from loraplex_engine.tasks.rewards import Reward, exact_match
+from loraplex_engine.tenancy.trust import DataRoots
 
 FIELD = "spec.task.dataset"
 

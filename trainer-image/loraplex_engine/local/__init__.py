@@ -1,0 +1,1 @@
+"""`loraplex-engine run`: experiments from manifests on one local engine."""

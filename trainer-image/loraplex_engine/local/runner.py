@@ -1,0 +1,392 @@
+"""Local runner: train the experiments of a manifest file on one in-process hot engine.
+
+Drives the same engine object as the HTTP server (no HTTP in between), prints live
+progress, and writes ``summary.json``, ``rewards.png`` and the final adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from loraplex_engine.api_types import AdapterSync, EngineService, ExperimentStatus, TickReport
+from loraplex_engine.base_model import lora_targets_of
+from loraplex_engine.errors import ApiError, FieldError, UsageError
+from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.parallel.data_parallel import DataParallelTraining, check_train_mode
+from loraplex_engine.parallel.distributed import DEFAULT_TIMEOUT_S, World
+from loraplex_engine.parallel.launch import data_parallel
+from loraplex_engine.server.flags import resolve_device
+from loraplex_engine.store.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplex_engine.tenancy.trust import TrustPolicy
+
+if TYPE_CHECKING:
+    from loraplex_engine.engine import Engine
+
+FIRST_LAST_K = 5  # summary's reward_first / reward_last average this many steps
+
+
+@dataclass
+class Progress:
+    """Per-experiment reward curve and token counts, collected from tick reports."""
+
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Per step, the off-policy gap (api_types.ExperimentTick.logprob_gap); vLLM only.
+    logprob_gaps: dict[str, list[float]] = field(default_factory=dict)
+    # Per tick that sent adapters to the sampler (vLLM), its weight sync.
+    syncs: list[AdapterSync] = field(default_factory=list)
+
+    def record(self, report: TickReport) -> None:
+        for exp in report.experiments:
+            if exp.failed_reason is None:
+                self.rewards.setdefault(exp.id, []).append(exp.reward)
+            if exp.failed_reason is None and exp.logprob_gap is not None:
+                self.logprob_gaps.setdefault(exp.id, []).append(exp.logprob_gap)
+            self.tokens[exp.id] = self.tokens.get(exp.id, 0) + exp.rollout_tokens
+        for phase, seconds in report.phase_seconds.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+        if report.adapter_sync is not None:
+            self.syncs.append(report.adapter_sync)
+
+    def sync_summary(self) -> dict[str, Any] | None:
+        """summary.json's ``adapter_sync``: per tick that sent adapters, its seconds,
+        adapters, bytes and transport, and their totals; None where nothing was synced."""
+        if not self.syncs:
+            return None
+        seconds = [s.seconds for s in self.syncs]
+        return {
+            "transports": sorted({s.transport for s in self.syncs}),
+            "ticks": len(seconds),
+            "seconds_total": sum(seconds),
+            "seconds_mean": sum(seconds) / len(seconds),
+            "seconds_per_tick": seconds,
+            "adapters_per_tick": [s.adapters for s in self.syncs],
+            "bytes_total": sum(s.bytes for s in self.syncs),
+        }
+
+
+def sync_line(sync: AdapterSync) -> str:
+    """The latest tick's weight sync, for the progress output."""
+    return (
+        f"  adapter sync {sync.seconds * 1000:.1f} ms/tick: {sync.adapters} adapters, "
+        f"{sync.bytes / 1e6:.2f} MB as {sync.transport}"
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    # None (JSON null) for an experiment that failed before its first step: NaN would
+    # make json.dumps write a bare NaN, which is not JSON.
+    return sum(values) / len(values) if values else None
+
+
+def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
+    reward = "   -  " if status.reward is None else f"{status.reward:6.3f}"
+    limit = status.max_steps or "∞"
+    line = f"  {status.name:<24} {status.phase:<9} step {status.step:>4}/{limit:<4} "
+    line += f"reward {reward}  {tokens_per_s:7.1f} tok/s"
+    if status.logprob_gap is not None:
+        line += f"  gap {status.logprob_gap:.4f}"
+    return line
+
+
+def run_until_done(
+    engine: EngineService,
+    ids: list[str],
+    out: TextIO,
+    progress: Progress,
+    print_every_s: float = 2.0,
+    on_tick: Callable[[TickReport], None] | None = None,
+) -> float:
+    """Tick until every experiment has finished; returns wall seconds."""
+    start = last_print = time.monotonic()
+    while True:
+        report = engine.tick()
+        if report is not None:
+            progress.record(report)
+            if on_tick:
+                on_tick(report)
+        statuses = [engine.get_experiment(i) for i in ids]
+        now = time.monotonic()
+        done = all(s.phase != "Running" for s in statuses)
+        if done or now - last_print >= print_every_s:
+            last_print = now
+            elapsed = max(now - start, 1e-9)
+            sync = progress.syncs[-1] if progress.syncs else None
+            out.write(f"[{elapsed:7.1f}s]{sync_line(sync) if sync else ''}\n")
+            for s in statuses:
+                out.write(progress_line(s, progress.tokens.get(s.id, 0) / elapsed) + "\n")
+            out.flush()
+        if done:
+            return now - start
+
+
+def final_adapter(engine: EngineService, status: ExperimentStatus) -> str | None:
+    """The checkpoint directory holding the experiment's final adapter.
+
+    A finished experiment always has one: the engine checkpoints at its last step, and
+    if that is missing (a custom engine), one is written now. A failed experiment keeps
+    its last good checkpoint (written before the failure, so its weights are finite) or
+    None when it failed before its first checkpoint: its weights at the failure (NaN,
+    or the update that made them so) are not worth shipping.
+    """
+    if status.phase == "Failed" or status.adapter_path:
+        return status.adapter_path
+    return engine.checkpoint_experiment(status.id).path
+
+
+def export_adapter(source: str | None, out_dir: Path, name: str) -> str | None:
+    """Copy the PEFT adapter files of a checkpoint to ``out_dir/adapters/<name>``."""
+    target = out_dir / "adapters" / name
+    # Also when there is nothing to copy: a previous run's adapter left under this
+    # name would pass for this run's.
+    shutil.rmtree(target, ignore_errors=True)
+    if source is None:
+        return None
+    # Only what PEFT reads: the optimiser and trainer state stay in the checkpoint.
+    target.mkdir(parents=True)
+    for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(Path(source) / file, target / file)
+    return str(target)
+
+
+def write_summary(
+    engine: EngineService,
+    ids: list[str],
+    progress: Progress,
+    wall: float,
+    out_dir: Path,
+    task_names: dict[str, str],
+) -> dict[str, Any]:
+    """summary.json + one PEFT adapter directory per experiment under ``out_dir``.
+
+    Beside the issue's keys, each experiment carries its ``phase``, ``rewards`` curve,
+    ``logprob_gaps`` curve (per step, the mean |sampler − trainer| log-prob gap; empty
+    where the trainer samples itself) and ``error``. A failed experiment has
+    ``adapter_path`` null unless it checkpointed before failing, and null
+    ``reward_first``/``reward_last`` if it never finished a step. With the vLLM rollout,
+    ``adapter_sync`` measures each tick's weight sync (``Progress.sync_summary``).
+    """
+    experiments = []
+    for exp_id in ids:
+        status = engine.get_experiment(exp_id)
+        curve = progress.rewards.get(exp_id, [])
+        adapter = export_adapter(final_adapter(engine, status), out_dir, status.name)
+        experiments.append(
+            {
+                "name": status.name,
+                "task": task_names[exp_id],
+                "phase": status.phase,
+                "steps": status.step,
+                "reward_first": _mean(curve[:FIRST_LAST_K]),
+                "reward_last": _mean(curve[-FIRST_LAST_K:]),
+                "rewards": curve,
+                "logprob_gaps": progress.logprob_gaps.get(exp_id, []),
+                "adapter_path": adapter,
+                "error": status.error,
+            }
+        )
+    summary = {
+        "wall_seconds": wall,
+        "phase_seconds": progress.phase_seconds,
+        "experiments": experiments,
+    }
+    sync = progress.sync_summary()
+    if sync is not None:  # vLLM: how the trained adapters reached it, tick by tick
+        summary["adapter_sync"] = sync
+    # allow_nan=False: fail here rather than write a file JSON parsers reject.
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    return summary
+
+
+def plot_rewards(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for exp in summary["experiments"]:
+        ax.plot(range(1, len(exp["rewards"]) + 1), exp["rewards"], label=exp["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("loraplex: reward per experiment (one hot engine)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def check_flags(max_adapters: int, max_rank: int) -> None:
+    for flag, value in (("--max-adapters", max_adapters), ("--max-rank", max_rank)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+
+
+def load_checked(
+    manifest_path: str | Path, model_dir: str | Path, max_adapters: int, max_rank: int
+) -> list[Manifest]:
+    """Every manifest, checked against the engine's limits and the model's modules
+    before anything loads: ``UsageError`` or ``ManifestError`` naming the problem."""
+    check_flags(max_adapters, max_rank)
+    text = read_manifest_file(manifest_path)
+    known = lora_targets_of(model_dir)
+    manifests = parse_manifests(text, str(manifest_path), max_rank, known)
+    if len(manifests) > max_adapters:
+        raise UsageError(
+            f"{manifest_path}: {len(manifests)} experiments but the engine has "
+            f"{max_adapters} adapter slots (raise --max-adapters)"
+        )
+    return manifests
+
+
+def check_datasets(manifests: list[Manifest], trust: TrustPolicy, source: str | Path) -> None:
+    """Every jsonl dataset lies under the runner's data roots (before the model loads)."""
+    for m in manifests:
+        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
+            try:
+                trust.data.resolve(m.spec.task.dataset, m.namespace)
+            except FieldError as e:
+                raise UsageError(f"{source}: {m.name}: {e}") from None
+
+
+def make_out_dir(out_dir: str | Path) -> Path:
+    path = Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"output directory {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def run_file(
+    manifest_path: str | Path,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    max_adapters: int = 8,
+    max_rank: int = 64,
+    train_mode: str = "fused",
+    out: TextIO | None = None,
+    dtype: str | None = None,
+    data_roots: list[Path] | None = None,
+    rollout_backend: str = "torch",
+    world_size: int = 1,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    micro_batch_tokens: int | None = None,
+    rollout_kv_tokens: int | None = None,
+    shard_base: bool = False,
+    device: str = "cpu",
+) -> dict[str, Any] | None:
+    """Validate every manifest up front, then train them all on one hot engine.
+
+    JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
+    a relative one is taken from the first. One user runs the runner: reward URLs go
+    anywhere (the engine service's limits are in tenancy/trust.py).
+
+    ``world_size`` > 1: data parallel (parallel/data_parallel.py); this process is rank 0 and
+    starts the others as this command (parallel/launch.py). A worker rank (``RANK`` set)
+    follows rank 0 (its adds of the experiments, then its rollout and train phases,
+    decoding and training its share) and returns None; only rank 0 scores, checkpoints
+    and writes the summary. With ``rollout_backend`` vllm, rank 0's vLLM decodes every
+    row and the workers only train (parallel/data_parallel.py). ``shard_base``: the base
+    sharded over the ranks (parallel/sharding.py). ``device``: as `run --device` takes it
+    (auto, cpu, cuda, cuda:N; server/flags.resolve_device): each rank on
+    ``cuda:<LOCAL_RANK>`` with NCCL on CUDA, gloo on the CPU."""
+    from loraplex_engine.engine import Engine
+
+    out = out or sys.stdout
+    manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
+    trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
+    check_datasets(manifests, trust, manifest_path)
+    check_train_mode(world_size, train_mode)  # before any worker starts
+    rank_device = resolve_device(device, world_size)
+    out_dir = make_out_dir(out_dir)
+    if shard_base and world_size < 2:
+        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
+    argv = [
+        *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
+        *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
+        *("--train-mode", train_mode, "--world-size", str(world_size)),
+        *("--rollout-backend", rollout_backend),  # a worker starts no vLLM, but rescores
+        *("--dist-timeout", str(dist_timeout_s), "--device", device),
+        *(("--dtype", dtype) if dtype else ()),
+        *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),
+        *(("--rollout-kv-tokens", str(rollout_kv_tokens)) if rollout_kv_tokens else ()),
+        *(("--shard-base",) if shard_base else ()),
+        *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
+    ]
+    with data_parallel(world_size, argv, torch.device(rank_device), dist_timeout_s) as world:
+        t0 = time.monotonic()
+        engine = Engine(
+            model_dir,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            checkpoint_root=out_dir / "checkpoints",
+            train_mode=train_mode,
+            dtype=dtype,
+            trust=trust,
+            rollout_backend=rollout_backend,
+            world=world,
+            micro_batch_tokens=micro_batch_tokens,
+            rollout_kv_tokens=rollout_kv_tokens,
+            shard_base=shard_base,
+            device=rank_device,
+        )
+        try:
+            return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
+        finally:
+            engine.close()  # the vLLM worker, the reward pool
+            # Before the group is left: a sharded base's DTensors hold it (distributed.leave).
+            del engine
+
+
+def _run(
+    engine: Engine,
+    manifests: list[Manifest],
+    manifest_path: str | Path,
+    out: TextIO,
+    out_dir: Path,
+    t0: float,
+    train_mode: str,
+    world: World | None,
+) -> dict[str, Any] | None:
+    """Train on a loaded engine; a worker rank follows rank 0 and returns None."""
+    if world is None or world.is_leader:
+        ranks = f", data parallel over {world.size} ranks" if world else ""
+        ranks += ", base sharded (FSDP2)" if engine.lockstep is not None else ""
+        out.write(
+            f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+            f"{engine.capacity().dtype} on {engine.device}, {engine.rollout_backend} rollout, "
+            f"{len(manifests)} experiments, {train_mode} training{ranks} (micro-batches of "
+            f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
+            f"{engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"
+        )
+    dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
+    if dp is not None and not dp.world.is_leader:
+        dp.follow()  # rank 0's adds, then its train phases, until its stop()
+        return None
+    for m in manifests:
+        try:
+            engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+        except ApiError as e:
+            raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
+    ids = [m.id for m in manifests]
+    progress = Progress()
+    wall = run_until_done(engine, ids, out, progress)
+    if dp is not None:
+        dp.stop()
+    tasks = {m.id: m.spec.task.name for m in manifests}
+    summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
+    plot_rewards(summary, out_dir / "rewards.png")
+    out.write(f"done in {wall:.1f}s; wrote {out_dir / 'summary.json'} and rewards.png\n")
+    return summary

@@ -1,0 +1,1 @@
+"""How much fits: the planner, the capacity plan, the fake-tensor tracker."""

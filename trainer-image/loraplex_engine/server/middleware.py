@@ -1,0 +1,80 @@
+"""Pure ASGI middleware in front of the whole HTTP app: bearer auth and a body limit.
+
+Both run before routing, so a route added later cannot be left open by mistake, and a
+rejected request never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraplex_engine.errors import BodyTooLargeError, UnauthorizedError
+from loraplex_engine.server.errors import error_response
+
+# Probes, metrics and the schema stay open: kubelet and Prometheus hold no token.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+
+
+class BearerAuth:
+    """Rejects every non-open path without the right bearer token (constant-time)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = b""
+            for key, value in scope["headers"]:
+                if key == b"authorization":
+                    given = value
+                    break
+            # Scheme is case-insensitive (RFC 7235); the token itself is compared exactly.
+            if given[:7].lower() == b"bearer ":
+                given = b"Bearer " + given[7:].strip()
+            if not hmac.compare_digest(given, self.expected):
+                error = UnauthorizedError("missing or wrong bearer token")
+                response = error_response(error, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with 413 before they are read whole (by
+    Content-Length, or by counting a chunked body as it arrives)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = int(value) if value.isdigit() else None
+        if length is not None and length > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLargeError(f"request body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = BodyTooLargeError(f"request body over {self.max_bytes} bytes")
+        await error_response(error)(scope, receive, send)

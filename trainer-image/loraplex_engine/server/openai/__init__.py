@@ -1,0 +1,1 @@
+"""The OpenAI-compatible endpoints and their wire types."""

@@ -1,0 +1,512 @@
+"""``loraplex-engine serve``: the engine process of one pod.
+
+Order of events:
+
+1. bind the port (so ``--port 0`` works and probes connect at once) and start uvicorn;
+   ``/healthz`` answers 200 from here on, ``/readyz`` 503;
+2. load the base model in a background thread (the :class:`Engine` constructor);
+3. start the engine loop thread, which calls ``engine.tick()`` while there is work and
+   sleeps on an event when there is none; requests that give it work set the event;
+4. ``/readyz`` turns 200 and one line ``loraplex-engine ready: url=... startup_s=...``
+   goes to stderr (tests and humans wait on it);
+5. on SIGTERM/SIGINT uvicorn stops taking requests and drains; then the loop stops after
+   its current tick and every running experiment is checkpointed (the pod's
+   termination grace period covers this), and the process exits 0.
+
+``--world-size N`` (parallel/serve_ranks.py): this process is rank 0 of N data-parallel ranks; it
+starts the others (or torchrun started every rank) before step 2's engine, and the
+engine is ready once every rank has loaded. A worker rank binds nothing and follows.
+
+Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-rank`` ->
+``LORAPLEX_MAX_RANK``; server/flags.py); the token from ``--token-file`` or ``LORAPLEX_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from loraplex_engine.api_types import (
+    Capacity,
+    CheckpointRef,
+    EngineService,
+    ExperimentStatus,
+    TickReport,
+)
+from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
+from loraplex_engine.metrics import EngineMetrics
+from loraplex_engine.parallel.serve_ranks import (
+    RankGroup,
+    check_rank_flags,
+    is_worker,
+    run_worker,
+)
+from loraplex_engine.server.app import create_app
+from loraplex_engine.server.flags import (
+    batch_kwargs,
+    data_roots,
+    read_token,
+    resolve_device,
+    reward_hosts,
+    vllm_options,
+)
+from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
+
+log = logging.getLogger("loraplex_engine.server.serve")
+
+READY_LINE = "loraplex-engine ready:"
+LISTEN_LINE = "loraplex-engine listening:"
+IDLE_WAIT_S = 1.0  # an idle loop re-checks this often even without a wake-up
+MAX_TICK_ERRORS = 5  # consecutive unexpected tick errors before the loop gives up
+
+
+# --- the engine while it loads --------------------------------------------------------
+
+
+class EngineHolder:
+    """Stands in for the engine until it has loaded, so the HTTP app can start first.
+
+    Before loading finishes every call raises :class:`UnavailableError` (503)."""
+
+    def __init__(self, model_name: str, rollout_backend: str) -> None:
+        self.model_name = model_name
+        self.rollout_backend = rollout_backend
+        self.engine: EngineService | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.engine, "tokenizer", None)
+
+    @property
+    def context_tokens(self) -> int | None:
+        return self._get().context_tokens
+
+    def _get(self) -> EngineService:
+        engine = self.engine
+        if engine is None:
+            raise UnavailableError("the engine is still loading")
+        return engine
+
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.is_ready()
+
+    def put_experiment(
+        self,
+        exp_id: str,
+        spec: Any,
+        namespace: str,
+        name: str,
+        resume_from: str | None,
+        run_id: str | None = None,
+    ) -> tuple[ExperimentStatus, bool]:
+        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from, run_id)
+
+    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self._get().get_experiment(exp_id)
+
+    def list_experiments(self) -> list[ExperimentStatus]:
+        return self._get().list_experiments()
+
+    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+        return self._get().checkpoint_experiment(exp_id)
+
+    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self._get().remove_experiment(exp_id)
+
+    def capacity(self) -> Capacity:
+        return self._get().capacity()
+
+    def complete(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        n: int,
+        sampling: Any = None,
+    ) -> list[Any]:
+        return self._get().complete(model, prompt_ids, max_tokens, temperature, n, sampling)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._get().tokenize(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._get().detokenize(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._get().chat_prompt(messages)
+
+    def tick(self) -> TickReport | None:
+        return self._get().tick()
+
+
+# --- the loop -------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Calls ``engine.tick()`` on its own thread until stopped.
+
+    After a tick that ran nothing it waits on an event (the engine's ``work_available``
+    if it has one, else one set by :meth:`wake`, i.e. by a request that gave the engine
+    work) for at most ``idle_wait_s``. An unexpected
+    exception from ``tick`` is logged and retried with back-off; after
+    ``max_errors`` in a row the loop stops and reports itself dead (liveness fails,
+    so Kubernetes restarts the pod and the operator resumes its experiments)."""
+
+    def __init__(
+        self,
+        engine: EngineService,
+        metrics: EngineMetrics,
+        *,
+        idle_wait_s: float = IDLE_WAIT_S,
+        max_errors: int = MAX_TICK_ERRORS,
+        on_idle: Callable[[], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self.max_errors = max_errors
+        # Data parallel (parallel/serve_ranks.py): the idle loop's heartbeat to the workers, and
+        # the fatal exit a failed tick means when the ranks may be mid-collective.
+        self.on_idle = on_idle
+        self.on_error = on_error
+        # The engine's own "work available" event, where it has one: it sets it when a
+        # request queues work and clears it, under its lock, when a tick finds none, so
+        # no wake-up is lost between the two. Otherwise our own event, set by wake().
+        work = getattr(engine, "work_available", None)
+        self._own_event = not isinstance(work, threading.Event)
+        self._wake: threading.Event = threading.Event() if self._own_event else work
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed = False
+        self.ticks = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.failed
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        errors = 0
+        while not self._stop.is_set():
+            if self._own_event:
+                self._wake.clear()  # a wake() during the tick makes the next wait return
+            try:
+                report = self.engine.tick()
+            except Exception as e:
+                errors += 1
+                log.exception("engine tick failed (%d in a row)", errors)
+                if self.on_error is not None:  # several ranks: no retry (parallel/serve_ranks.py)
+                    self.on_error(e)
+                if errors >= self.max_errors:
+                    log.error("engine loop stopping after %d failed ticks", errors)
+                    self.failed = True
+                    refuse = getattr(self.engine, "refuse_completions", None)
+                    if callable(refuse):  # no tick will serve them: answer, don't hang
+                        refuse(f"the engine loop stopped after {errors} failed ticks")
+                    return
+                self._stop.wait(min(0.1 * 2**errors, 5.0))
+                continue
+            errors = 0
+            if report is None:
+                self._wake.wait(self.idle_wait_s)
+                self._idle()
+                continue
+            self.ticks += 1
+            try:
+                self.metrics.observe_tick(report)
+            except Exception:  # metrics must never stop training
+                log.exception("could not record tick metrics")
+
+    def _idle(self) -> None:
+        if self.on_idle is None:
+            return
+        try:
+            self.on_idle()
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            self.on_error(e)
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), so start-up time includes the
+    interpreter and imports, not just model loading."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5); [0] is field 3
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has drained, which would kill the
+        process before the loop is stopped and experiments are checkpointed. Forget the
+        signal instead: run() then returns, shutdown() runs, and the process exits 0."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            log.info("signal %d: draining requests, then checkpointing", sig)
+            self._captured_signals.clear()
+
+    return _Server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def own_addresses() -> set[str]:
+    """This pod's addresses (every interface's, and the host name's): a reward URL must
+    not lead back into the pod."""
+    found = {
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family in (socket.AF_INET, socket.AF_INET6)
+    }
+    with contextlib.suppress(OSError):
+        found.update(system_resolver(socket.gethostname(), 0))
+    return found
+
+
+def trust_policy(args: argparse.Namespace, port: int) -> TrustPolicy:
+    """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
+    egress = RewardEgress.build(reward_hosts(args), own_addresses(), own_port=port)
+    return TrustPolicy(data=DataRoots(data_roots(args)), egress=egress)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.model:
+        raise UsageError("--model (or LORAPLEX_MODEL) is required")
+    check_model_dir(args.model)
+    if args.max_adapters < 1 or args.max_rank < 1:
+        raise UsageError("--max-adapters and --max-rank must be at least 1")
+    check_rank_flags(args)
+    vllm_options(args)  # fail fast on a malformed option, before loading anything
+    data_roots(args)
+    device = resolve_device(args.device, args.world_size)
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if is_worker():  # rank 1..N-1: no port, no API; rank 0's messages only
+        return run_worker(args, device, lambda world: _build_engine(args, device, world))
+    token = read_token(args)
+    if token is None:
+        log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
+
+    import uvicorn
+
+    age = _process_age_s()
+    t0 = time.monotonic() - (age if age is not None else 0.0)
+    metrics = EngineMetrics()
+    model_name = os.path.basename(os.path.normpath(args.model))
+    holder = EngineHolder(model_name, args.rollout_backend)
+    loop_box: dict[str, EngineLoop] = {}
+
+    def wake() -> None:
+        if "loop" in loop_box:
+            loop_box["loop"].wake()
+
+    def alive() -> bool:
+        loop = loop_box.get("loop")
+        return loop is None or not loop.failed
+
+    def ready() -> bool:
+        loop = loop_box.get("loop")
+        return loop is not None and loop.running and holder.is_ready()
+
+    app = create_app(
+        holder,
+        token,
+        metrics=metrics,
+        on_work=wake,
+        ready=ready,
+        alive=alive,
+        max_completion_tokens=args.max_completion_tokens,
+    )
+
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:  # the port is taken, or the address is not this host's
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        lifespan="off",
+    )
+    server = _uvicorn_server_class()(config)
+    outcome = {"rc": 0}
+
+    ranks = RankGroup(args, getattr(args, "cli_argv", None) or sys.argv[1:], device)
+
+    def load() -> None:
+        try:
+            t_import = time.monotonic()
+            from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
+
+            t_build = time.monotonic()
+            world = ranks.start()  # ranks 1..N-1 started and joined (N > 1)
+            engine = _build_engine(args, device, world, trust_policy(args, port))
+            ranks.loaded(engine)  # every rank has loaded
+            holder.model_name = getattr(engine, "model_name", model_name)
+            holder.engine = engine
+            loop = EngineLoop(engine, metrics, on_idle=ranks.idle, on_error=ranks.on_error)
+            loop_box["loop"] = loop
+            loop.start()
+            now = time.monotonic()
+            startup = now - t0
+            log.info(
+                "engine ready in %.2fs (to app %.2fs, engine imports %.2fs, model load %.2fs; "
+                "model %s in %s, %d slots, max rank %d, backend %s, pool %s)",
+                startup,
+                t_import - t0,
+                t_build - t_import,
+                now - t_build,
+                args.model,
+                engine.capacity().dtype,
+                args.max_adapters,
+                args.max_rank,
+                args.rollout_backend,
+                os.environ.get("LORAPLEX_POOL", "-"),
+            )
+            print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
+        except RankFailed as e:  # a worker rank did not start (its own error is above)
+            print(f"loraplex-engine serve: error: {e}", file=sys.stderr, flush=True)
+            outcome["rc"] = 1
+            server.should_exit = True
+        except UsageError as e:  # e.g. the memory plan: this device cannot hold it
+            log.error("engine failed to load: %s", e)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            outcome["rc"] = 2
+            server.should_exit = True
+        except BaseException:
+            log.exception("engine failed to load")
+            outcome["rc"] = 1
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="engine-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        shutdown(holder, loop_box.get("loop"), checkpoint=not args.no_checkpoint_on_shutdown)
+        # The group is left below: nothing may hold the engine then (a sharded base's
+        # DTensors hold the group; distributed.leave).
+        holder.engine = None
+        loop_box.clear()
+        if not ranks.close() and outcome["rc"] == 0:  # after the checkpoints: release them
+            outcome["rc"] = 1
+    return outcome["rc"]
+
+
+def _build_engine(
+    args: argparse.Namespace, device: str, world: Any, trust: TrustPolicy | None = None
+) -> Any:
+    """The Engine of ``serve``'s flags (every rank builds the same one); ``trust``: rank
+    0's (a worker neither reads datasets nor calls reward URLs)."""
+    from loraplex_engine.engine import Engine
+
+    kwargs: dict[str, Any] = {
+        "max_adapters": args.max_adapters,
+        "max_rank": args.max_rank,
+        "checkpoint_root": args.checkpoint_root,
+        "rollout_backend": args.rollout_backend,
+        "max_step_tokens": args.max_step_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "reward_deadline_s": args.reward_deadline,
+        "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "device_memory": args.device_memory,
+        "memory_headroom": args.memory_headroom,
+        "lora_kernel": args.lora_kernel,
+        "trust": trust,
+        "device": device,
+        "world": world,
+        "shard_base": bool(getattr(args, "shard_base", False)),
+    }
+    kwargs.update(batch_kwargs(args))
+    if args.rollout_backend == "vllm":
+        kwargs["vllm_options"] = vllm_options(args)
+    return Engine(args.model, **kwargs)
+
+
+def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:
+    """Stop the loop after its current tick, checkpoint running experiments, close the
+    engine (its rollout backend's worker)."""
+    if loop is not None:
+        loop.stop(timeout=60)
+    engine = holder.engine
+    if engine is None:
+        return
+    try:
+        running = [s for s in engine.list_experiments() if s.phase == "Running"]
+    except Exception:
+        log.exception("could not list experiments at shutdown")
+        running = []
+    if not checkpoint:
+        running = []
+    for status in running:
+        try:
+            ref = engine.checkpoint_experiment(status.id)
+            log.info("shutdown checkpoint %s at step %d: %s", status.id, ref.step, ref.path)
+        except Exception:
+            log.exception("shutdown checkpoint of %s failed", status.id)
+    close = getattr(engine, "close", None)  # e.g. the vLLM worker process
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.exception("closing the engine failed")
