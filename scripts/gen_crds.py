@@ -7,7 +7,9 @@ enums, defaults, descriptions and CEL rules. Everything outside the markers (nam
 printer columns, the root schema) is kept by hand in the file.
 
 - ``crds/loraexperiments.yaml``: ``spec`` from the engine's
-  ``trainer-image/loraplex_engine/spec.py`` (the engine validates experiments itself);
+  ``trainer-image/loraplex_engine/spec.py`` (the engine validates experiments itself),
+  ``status`` from the operator's ``operator/loraplex_operator/api/status.py`` (the
+  operator writes it);
 - ``crds/enginepools.yaml``: ``spec`` and ``status`` from the operator's
   ``operator/loraplex_operator/api/`` (the operator reads pools and writes their status).
 
@@ -34,7 +36,7 @@ sys.path[:0] = [str(REPO / "trainer-image"), str(REPO / "operator")]
 
 from loraplex_engine.spec import ExperimentSpec  # noqa: E402
 from loraplex_operator.api.pool import EnginePoolSpec  # noqa: E402
-from loraplex_operator.api.status import EnginePoolStatus  # noqa: E402
+from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus  # noqa: E402
 
 CEL_KEY = "x-kubernetes-validations"
 PRESERVE_UNKNOWN = "x-kubernetes-preserve-unknown-fields"
@@ -153,7 +155,14 @@ class Crd(NamedTuple):
 CRDS = (
     Crd(
         REPO / "crds" / "loraexperiments.yaml",
-        (Block("spec", "loraplex_engine/spec.py", spec_schema),),
+        (
+            Block("spec", "loraplex_engine/spec.py", spec_schema),
+            Block(
+                "status",
+                "loraplex_operator/api/status.py",
+                lambda: model_schema(ExperimentStatus),
+            ),
+        ),
     ),
     Crd(
         REPO / "crds" / "enginepools.yaml",

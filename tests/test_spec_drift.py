@@ -1,8 +1,9 @@
 """Both CRDs are generated from typed models (scripts/gen_crds.py): the LoRAExperiment
-spec from the engine's pydantic models (loraplex_engine/spec.py), the EnginePool spec and
-status from the operator's (loraplex_operator/api/). The models are the source; these
-tests keep the committed CRDs equal to the generator's output (and `make crds` a no-op on
-a clean checkout), and the generator honest: it refuses a constraint it cannot translate.
+spec from the engine's pydantic models (loraplex_engine/spec.py), its status and the
+EnginePool spec and status from the operator's (loraplex_operator/api/). The models are
+the source; these tests keep the committed CRDs equal to the generator's output (and `make
+crds` a no-op on a clean checkout), and the generator honest: it refuses a constraint it
+cannot translate.
 
 That both sides then judge values alike is checked on real values in
 tests/operator/test_crd_schema.py (bounds) and test_crd_rules.py (CEL rules).
@@ -24,7 +25,7 @@ from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.spec_schema import CelRule, ListSet, SpecModel
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.schema import ApiModel
-from loraplex_operator.api.status import EnginePoolStatus
+from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from pydantic import Field
 
 from tests.conftest import REPO_ROOT
@@ -59,6 +60,7 @@ def test_both_crds_are_generated() -> None:
     assert {c.path for c in gen.CRDS} == {CRD, POOL_CRD}
     assert {(c.path.name, b.name) for c in gen.CRDS for b in c.blocks} == {
         ("loraexperiments.yaml", "spec"),
+        ("loraexperiments.yaml", "status"),
         ("enginepools.yaml", "spec"),
         ("enginepools.yaml", "status"),
     }
@@ -138,9 +140,10 @@ def _model_blocks(model: type, schema: dict[str, Any]) -> dict[type, dict[str, A
     [
         (ExperimentSpec, CRD, "spec"),
         (EnginePoolSpec, POOL_CRD, "spec"),
+        (ExperimentStatus, CRD, "status"),
         (EnginePoolStatus, POOL_CRD, "status"),
     ],
-    ids=["experiment-spec", "pool-spec", "pool-status"],
+    ids=["experiment-spec", "experiment-status", "pool-spec", "pool-status"],
 )
 def test_every_cel_rule_of_the_models_is_in_the_crd(model: type, path: Path, block: str) -> None:
     blocks = _model_blocks(model, _committed(path, block))

@@ -18,7 +18,7 @@ from typing import Any
 
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
-from loraplex_operator.api.status import EnginePoolStatus
+from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import Config
 from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
 from loraplex_operator.planning import NORMAL, WARNING, Work
@@ -41,7 +41,7 @@ def kopf_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) ->
 # --- pure ------------------------------------------------------------------------------
 
 
-def derive(w: Work, config: Config, now: datetime) -> dict[str, Any]:
+def derive(w: Work, config: Config, now: datetime) -> ExperimentStatus:
     obs = st.Observation(
         binding=w.binding,
         engine_status=w.engine_status,
@@ -54,7 +54,8 @@ def derive(w: Work, config: Config, now: datetime) -> dict[str, Any]:
 
 
 def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[str]:
-    """Top-level status fields that differ (None in `new` = removed)."""
+    """Top-level status fields that differ between the status as read and a merge patch
+    of it (None in `new` = removed)."""
     changed = set()
     for k, v in new.items():
         if v is None:
@@ -76,13 +77,13 @@ def admission_events(w: Work) -> None:
         w.event(NORMAL, "Admitted", "admission problems resolved")
 
 
-def terminal_event(w: Work, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
-    if new["phase"] != old.get("phase") and new["phase"] in st.TERMINAL:
-        type_ = NORMAL if new["phase"] == st.SUCCEEDED else WARNING
-        w.event(type_, new["phase"], new.get("message", ""))
+def terminal_event(w: Work, old_phase: str | None, new: ExperimentStatus) -> None:
+    if new.phase != old_phase and new.phase in st.TERMINAL:
+        type_ = NORMAL if new.phase == st.SUCCEEDED else WARNING
+        w.event(type_, new.phase, new.message or "")
 
 
-def experiment_state(exp: Experiment, status: Mapping[str, Any]) -> m.ExperimentState:
+def experiment_state(exp: Experiment, status: ExperimentStatus) -> m.ExperimentState:
     """The per-experiment metrics for `exp` whose derived status is `status` (pure).
 
     From the status this round derives, not the one last written: progress-only writes
@@ -91,10 +92,10 @@ def experiment_state(exp: Experiment, status: Mapping[str, Any]) -> m.Experiment
     return m.ExperimentState(
         namespace=exp.meta.namespace,
         experiment=exp.id,
-        phase=status["phase"],
+        phase=str(status.phase),
         reason=st.phase_reason(status),
-        restarts=int(status.get("restarts") or 0),
-        step=int(status.get("step") or 0),
+        restarts=status.restarts or 0,
+        step=status.step or 0,
         max_steps=exp.spec.algorithm.max_steps,
     )
 
@@ -113,7 +114,7 @@ class StatusPublisher:
         self.last_write: dict[str, float] = {}  # experiment key -> monotonic seconds
         self.restarts: dict[tuple[str, str | None], int] = {}  # (key, uid) -> last written
 
-    async def publish(self, w: Work, now: datetime) -> dict[str, Any]:
+    async def publish(self, w: Work, now: datetime) -> ExperimentStatus:
         """Derive `w`'s status, emit its Events, write what changed; the derived status.
 
         `restarts` never goes back below what this operator wrote for the same object: a
@@ -123,15 +124,15 @@ class StatusPublisher:
         w.restarts = max(w.restarts, self.restarts.get((w.key, w.exp.meta.uid), 0))
         admission_events(w)
         new = derive(w, self.config, now)
-        old = w.exp.raw_status
-        terminal_event(w, old, new)
+        terminal_event(w, w.exp.status.phase, new)
         for type_, reason, message in w.events:
             if type_ == WARNING:
                 log.warning("%s: %s: %s", w.key, reason, message)
             self.emit(w.obj, type_, reason, message)
-        changed = status_changes(old, new)
+        patch = new.to_patch()
+        changed = status_changes(w.exp.raw_status, patch)
         if changed and self._due(w.key, changed):
-            await self._write(w, new)
+            await self._write(w, patch)
         return new
 
     def forget_others(self, keys: Iterable[str]) -> None:
@@ -150,6 +151,7 @@ class StatusPublisher:
         return time.monotonic() - last >= self.config.status_interval
 
     async def _write(self, w: Work, status: dict[str, Any]) -> None:
+        """Patch `status` (a merge patch: `ExperimentStatus.to_patch`)."""
         try:
             await self.kube.patch(
                 EXPERIMENTS,

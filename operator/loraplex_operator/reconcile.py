@@ -213,7 +213,7 @@ class PoolReconciler:
         statuses = await asyncio.gather(*(self.publisher.publish(w, now) for w in works))
         phases: dict[str, int] = {}
         for status in statuses:
-            phases[status["phase"]] = phases.get(status["phase"], 0) + 1
+            phases[str(status.phase)] = phases.get(str(status.phase), 0) + 1
         if plan.recoveries:
             m.RECOVERIES.labels(pool=pool_name).inc(plan.recoveries)
         m.set_experiments(pool_name, map(experiment_state, (w.exp for w in works), statuses))
@@ -309,9 +309,7 @@ class PoolReconciler:
     async def _pool_status(self, snap: Snapshot, phases: dict[str, int], now: datetime) -> None:
         counts = pool_observation(snap)
         m.set_pool(snap.pool.name, phases, counts.engines, counts.slots_used, counts.slots_free)
-        new = st.pool_status(
-            counts, snap.pool.meta.generation, snap.pool.raw_status.get("conditions"), now
-        )
+        new = st.pool_status(counts, snap.pool.meta.generation, snap.pool.status.conditions, now)
         await self.publisher.publish_pool(snap.pool, new)
 
     # -- deletion and pools that do not exist --

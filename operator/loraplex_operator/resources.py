@@ -8,6 +8,8 @@ the engine's (`loraplex_engine/spec.py`, not in the operator image): the few fie
 operator reads are plain dataclasses here, whose defaults tests/operator/test_resources.py
 checks against crds/loraexperiments.yaml. A view keeps its raw object (`raw`) for what
 is passed on untouched: the spec the engine is given and the object Events refer to.
+The statuses the operator writes are API models (`api.status`); an experiment's
+`LastStatus` is the few fields planning reads of the one written last.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from loraplex_operator.api.pool import EnginePoolSpec
+from loraplex_operator.api.status import EnginePoolStatus
 
 GROUP = "loraplex.dev"
 VERSION = "v1alpha1"
@@ -123,8 +126,9 @@ class CheckpointRef:
 
 
 @dataclass(frozen=True)
-class ExperimentStatus:
-    """What the operator wrote last (its memory, not the truth: engines are)."""
+class LastStatus:
+    """What the operator wrote last (its memory, not the truth: engines are); read laxly,
+    for planning. `status.derive_status` reads the whole of it as `api.status.ExperimentStatus`."""
 
     phase: str | None = None
     engine: str | None = None
@@ -134,7 +138,7 @@ class ExperimentStatus:
     conditions: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
-    def from_obj(cls, status: Mapping[str, Any]) -> ExperimentStatus:
+    def from_obj(cls, status: Mapping[str, Any]) -> LastStatus:
         ckpt = _dict(status, "checkpoint")
         step = ckpt.get("step")
         return cls(
@@ -151,7 +155,7 @@ class ExperimentStatus:
 class Experiment:
     meta: Meta
     spec: ExperimentSpec
-    status: ExperimentStatus
+    status: LastStatus
     raw: Mapping[str, Any] = field(compare=False, repr=False)
 
     @classmethod
@@ -159,7 +163,7 @@ class Experiment:
         return cls(
             meta=Meta.from_obj(obj),
             spec=ExperimentSpec.from_obj(_dict(obj, "spec")),
-            status=ExperimentStatus.from_obj(_dict(obj, "status")),
+            status=LastStatus.from_obj(_dict(obj, "status")),
             raw=obj,
         )
 
@@ -204,3 +208,8 @@ class Pool:
     @property
     def raw_status(self) -> Mapping[str, Any]:
         return _dict(self.raw, "status")
+
+    @property
+    def status(self) -> EnginePoolStatus:
+        """The status written last, typed (the API server validated it against the CRD)."""
+        return EnginePoolStatus.model_validate(self.raw_status)

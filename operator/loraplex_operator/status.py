@@ -2,9 +2,9 @@
 
 `derive_status()` turns what the operator observed — the object, its binding, the
 engine's experiment status (docs/engine-api.md), admission problems, restarts — into
-the `status` dict to patch. Conditions follow metav1.Condition: one entry per type,
-`observedGeneration` set to the object's generation, `lastTransitionTime` kept while
-the condition's `status` does not change.
+the `status` to patch, a typed `api.status.ExperimentStatus`. Conditions follow
+metav1.Condition: one entry per type, `observedGeneration` set to the object's
+generation, `lastTransitionTime` kept while the condition's `status` does not change.
 
 Phases: Pending (not placed), Scheduled (bound, engine not yet reporting), Running,
 Suspended, Succeeded, Failed. Succeeded and Failed are terminal and sticky.
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from loraplex_operator.api.status import EnginePoolStatus, PoolCondition
+from loraplex_operator.api.condition import Condition
+from loraplex_operator.api.status import CheckpointStatus, EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
 from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
@@ -63,6 +64,8 @@ _PHASE_CONDITION = {
     FAILED: COND_FAILED,  # EngineReportedFailure, RestartBudgetExhausted
 }
 _REASON = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
+# metav1.Condition's limit: a longer message (an engine's traceback) is cut, not refused.
+MAX_MESSAGE = 32768
 
 
 @dataclass(frozen=True)
@@ -90,39 +93,38 @@ def rfc3339(t: datetime) -> str:
 
 
 def condition(type_: str, status: bool | None, reason: str, message: str = "") -> dict[str, Any]:
-    """A condition without generation or time (set by `merge_conditions`)."""
+    """A condition as wanted now, without generation or time (set by `merge_conditions`)."""
     value = "Unknown" if status is None else ("True" if status else "False")
-    return {"type": type_, "status": value, "reason": reason, "message": message}
+    return {"type": type_, "status": value, "reason": reason, "message": message[:MAX_MESSAGE]}
 
 
 def merge_conditions(
-    old: Sequence[Mapping[str, Any]] | None,
+    old: Sequence[Condition] | None,
     new: Sequence[Mapping[str, Any]],
     generation: int,
     now: datetime,
-) -> list[dict[str, Any]]:
+) -> tuple[Condition, ...]:
     """New conditions with lastTransitionTime kept from `old` where the status is unchanged.
 
     Types in `old` but not in `new` are kept as they were (another writer may own them).
     """
-    previous = {c["type"]: c for c in old or ()}
-    merged: list[dict[str, Any]] = []
+    previous = {c.type: c for c in old or ()}
+    merged: list[Condition] = []
     for cond in new:
         before = previous.pop(cond["type"], None)
-        same = before is not None and before.get("status") == cond["status"]
-        when = (
-            before["lastTransitionTime"]
-            if same and before.get("lastTransitionTime")
-            else rfc3339(now)
-        )
-        merged.append({**cond, "observedGeneration": generation, "lastTransitionTime": when})
-    merged.extend(dict(c) for c in previous.values())
-    return merged
+        when = rfc3339(now)
+        if before is not None and before.status == cond["status"] and before.last_transition_time:
+            when = before.last_transition_time
+        stamped = {**cond, "observedGeneration": generation, "lastTransitionTime": when}
+        merged.append(Condition.model_validate(stamped))
+    merged.extend(previous.values())
+    return tuple(merged)
 
 
 def get_condition(
     conditions: Sequence[Mapping[str, Any]] | None, type_: str
 ) -> Mapping[str, Any] | None:
+    """A condition of a status as read (`resources.Experiment.status`), by type."""
     return next((c for c in conditions or () if c.get("type") == type_), None)
 
 
@@ -226,8 +228,12 @@ def _conditions_for(v: _Verdict, obs: Observation) -> list[dict[str, Any]]:
 
 # --- the status patch ------------------------------------------------------------------
 
+# Progress carried over from the status written last (the engine may not report it now).
+_CARRIED = ("step", "reward", "checkpoint", "adapter_path", "started_at")
+
 
 def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The progress the engine reports (GET /v1/experiments/{id}), as status fields."""
     out: dict[str, Any] = {}
     if "step" in engine:
         out["step"] = int(engine["step"])
@@ -235,66 +241,62 @@ def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
         out["reward"] = float(engine["reward"])
     ckpt = engine.get("checkpoint")
     if ckpt:
-        out["checkpoint"] = {"path": ckpt["path"], "step": int(ckpt["step"])}
+        out["checkpoint"] = CheckpointStatus(path=ckpt["path"], step=int(ckpt["step"]))
     if engine.get("adapterPath"):
-        out["adapterPath"] = engine["adapterPath"]
+        out["adapter_path"] = engine["adapterPath"]
     if engine.get("startedAt"):
-        out["startedAt"] = engine["startedAt"]
+        out["started_at"] = engine["startedAt"]
     return out
 
 
-def derive_status(exp: Experiment, obs: Observation, now: datetime) -> dict[str, Any]:
-    """The full `status` for the experiment `exp` given `obs` (patch it as `status`)."""
-    old = exp.raw_status  # carried over field by field: the status has no view of its own
+def derive_status(exp: Experiment, obs: Observation, now: datetime) -> ExperimentStatus:
+    """The full `status` for the experiment `exp` given `obs` (patch its `to_patch()`)."""
+    old = ExperimentStatus.model_validate(exp.raw_status)
     generation = exp.meta.generation
-    verdict = _verdict(exp.spec.suspend, old.get("phase"), obs)
-    if old.get("phase") in TERMINAL:
+    if old.phase in TERMINAL:
         return _terminal(old, generation, now)
+    verdict = _verdict(exp.spec.suspend, old.phase, obs)
 
-    status: dict[str, Any] = {
-        k: old[k] for k in ("step", "reward", "checkpoint", "adapterPath", "startedAt") if k in old
-    }
-    status.update(_engine_fields(obs.engine_status or {}))
-    status.update(
+    # Only fields set: one never written stays out of the patch, as it was.
+    fields = {k: getattr(old, k) for k in _CARRIED if k in old.model_fields_set}
+    fields.update(_engine_fields(obs.engine_status or {}))
+    fields.update(
         phase=verdict.phase,
         message=verdict.message,
-        observedGeneration=generation,
+        observed_generation=generation,
         restarts=obs.restarts,
-        conditions=merge_conditions(
-            old.get("conditions"), _conditions_for(verdict, obs), generation, now
-        ),
+        conditions=merge_conditions(old.conditions, _conditions_for(verdict, obs), generation, now),
     )
     if obs.binding is not None and verdict.phase != SUSPENDED:
-        status["engine"] = obs.binding.engine
+        fields["engine"] = obs.binding.engine
         if obs.binding.node:
-            status["node"] = obs.binding.node
+            fields["node"] = obs.binding.node
     else:
-        status["engine"] = None  # merge-patch null removes a stale engine/node
-        status["node"] = None
-    if verdict.phase == RUNNING and "startedAt" not in status:
-        status["startedAt"] = rfc3339(now)
+        fields.update(engine=None, node=None)  # set to None: the merge patch removes them
+    if verdict.phase == RUNNING and "started_at" not in fields:
+        fields["started_at"] = rfc3339(now)
     if verdict.phase in TERMINAL:
-        status["completedAt"] = rfc3339(now)
-    return status
+        fields["completed_at"] = rfc3339(now)
+    return ExperimentStatus(**fields)
 
 
-def _terminal(old: Mapping[str, Any], generation: int, now: datetime) -> dict[str, Any]:
+def _terminal(old: ExperimentStatus, generation: int, now: datetime) -> ExperimentStatus:
     """A finished experiment's status stays as it was; one written before the generic
     conditions existed gets them (from its phase and that phase's reason)."""
-    status = {**old, "observedGeneration": generation}
-    if get_condition(old.get("conditions"), READY) is None:
-        new = generic_conditions(old["phase"], phase_reason(old), str(old.get("message") or ""))
-        status["conditions"] = merge_conditions(old.get("conditions"), new, generation, now)
-    return status
+    update: dict[str, Any] = {"observed_generation": generation}
+    if old.condition(READY) is None:
+        new = generic_conditions(str(old.phase), phase_reason(old), old.message or "")
+        update["conditions"] = merge_conditions(old.conditions, new, generation, now)
+    return old.model_copy(update=update)
 
 
-def phase_reason(status: Mapping[str, Any]) -> str:
+def phase_reason(status: ExperimentStatus) -> str:
     """Why the experiment is in its phase, as one CamelCase word: the reason of the
     condition that explains the phase (see `_PHASE_CONDITION`). The reasons come from a
     fixed set written by this module, which makes them fit for a metric label; anything
     else (no condition, a hand-written status) is "Unknown"."""
-    cond = get_condition(status.get("conditions"), _PHASE_CONDITION.get(status.get("phase"), ""))
-    reason = str((cond or {}).get("reason") or "")
+    cond = status.condition(_PHASE_CONDITION.get(status.phase or "", ""))
+    reason = cond.reason if cond is not None else ""
     return reason if _REASON.fullmatch(reason) else "Unknown"
 
 
@@ -360,16 +362,15 @@ def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
 def pool_status(
     obs: PoolObservation,
     generation: int,
-    old_conditions: Sequence[Mapping[str, Any]] | None,
+    old_conditions: Sequence[Condition] | None,
     now: datetime,
 ) -> EnginePoolStatus:
     """EnginePool status: the counts and the conditions of `pool_conditions`."""
-    merged = merge_conditions(old_conditions, pool_conditions(obs), generation, now)
     return EnginePoolStatus(
         observed_generation=generation,
         engines=obs.engines,
         ready=obs.ready,
         slots_used=obs.slots_used,
         slots_free=obs.slots_free,
-        conditions=tuple(PoolCondition.model_validate(c) for c in merged),
+        conditions=merge_conditions(old_conditions, pool_conditions(obs), generation, now),
     )

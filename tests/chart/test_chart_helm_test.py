@@ -44,7 +44,7 @@ def test_hook_checks_the_rendered_operator_service_and_engines(scenario: str) ->
     host, port = _service_url(docs, f"{FULL}-engines", "http", engines["metadata"]["namespace"])
     assert engines["spec"]["clusterIP"] == "None"  # one address per engine pod
     assert (env["ENGINES_HOST"], env["ENGINES_PORT"]) == (host, str(port))
-    # the engine pods' readiness probe path (local/manifests.py) is what the hook asks for
+    # the engine pods' readiness probe path (operator manifests.py) is what the hook asks for
     assert "/readyz" in pod["spec"]["containers"][0]["args"][0]
     assert pod["spec"]["restartPolicy"] == "Never"
     deployment = one(docs, "Deployment")["spec"]["template"]["spec"]

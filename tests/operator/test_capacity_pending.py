@@ -84,11 +84,12 @@ def test_experiments_wait_pending_for_admission_without_binding_or_scaling() -> 
     assert not plan.puts and plan.create_pods == 0 and not plan.delete_pods
     assert _reasons(plan) == {WAIT_ADMISSION}
     status = derive(plan.work["team-a/x0"], CFG, NOW_DT)
-    assert status["phase"] == "Pending"
-    scheduled = st.get_condition(status["conditions"], "Scheduled")
+    assert status.phase == "Pending"
+    conditions = status.to_json()["conditions"]  # as written: what kstatus reads
+    scheduled = st.get_condition(conditions, "Scheduled")
     assert scheduled is not None and scheduled["reason"] == WAIT_ADMISSION
-    assert st.is_true(status["conditions"], "Reconciling")
-    assert not st.is_true(status["conditions"], "Stalled")
+    assert st.is_true(conditions, "Reconciling")
+    assert not st.is_true(conditions, "Stalled")
 
 
 def test_no_scale_up_storm_round_after_round() -> None:

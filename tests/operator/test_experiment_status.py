@@ -1,14 +1,20 @@
-"""LoRAExperiment status derivation: phases, conditions, preserved transition times."""
+"""LoRAExperiment status derivation: phases, conditions, preserved transition times.
+
+`derive_status` returns the typed `ExperimentStatus`; tests read its fields, and its JSON
+(`to_json`, as the API server stores it; `to_patch`, as the operator sends it) where that
+is the point."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from builders import experiment
 from crdkit import schema_errors, schema_of
 from loraplex_operator import status as st
+from loraplex_operator.api.condition import Condition
+from loraplex_operator.api.status import EnginePoolStatus, ExperimentPhase, ExperimentStatus
 from loraplex_operator.resources import Experiment
 from loraplex_operator.status import (
     Binding,
@@ -21,9 +27,15 @@ from loraplex_operator.status import (
 )
 
 
-def derive_status(obj: dict[str, Any], obs: Observation, now: datetime) -> dict[str, Any]:
+def derive_status(obj: dict[str, Any], obs: Observation, now: datetime) -> ExperimentStatus:
     """The status derived for a raw object, through the view the operator builds of it."""
     return st.derive_status(Experiment.from_obj(obj), obs, now)
+
+
+def _reason(status: ExperimentStatus | EnginePoolStatus, type_: str) -> str:
+    cond = status.condition(type_)
+    assert cond is not None, type_
+    return cond.reason
 
 
 T0 = datetime(2026, 12, 2, 15, 0, 0, tzinfo=UTC)
@@ -48,8 +60,8 @@ RUNNING_ENGINE = {
 BOUND = Binding(engine="pool-a-engine-x1", node="node-1")
 
 
-def _true_conditions(status: dict[str, Any]) -> set[str]:
-    return {c["type"] for c in status["conditions"] if c["status"] == "True"}
+def _true_conditions(status: ExperimentStatus) -> set[str]:
+    return {c.type for c in status.conditions or () if c.status == "True"}
 
 
 @pytest.mark.parametrize(
@@ -133,7 +145,7 @@ def test_phase_and_conditions(
     name: str, obj: dict, obs: Observation, phase: str, true_conditions: set[str]
 ) -> None:
     status = derive_status(obj, obs, T0)
-    assert status["phase"] == phase
+    assert status.phase == phase
     assert _true_conditions(status) == true_conditions
 
 
@@ -170,24 +182,30 @@ def test_phase_reason_is_the_reason_of_the_phase(
     obj: dict, obs: Observation, phase: str, reason: str
 ) -> None:
     status = derive_status(obj, obs, T0)
-    assert (status["phase"], phase_reason(status)) == (phase, reason)
+    assert (status.phase, phase_reason(status)) == (phase, reason)
     # Terminal phases are sticky, and so is their reason.
-    obj["status"] = status
+    obj["status"] = status.to_json()
     again = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T1)
     if phase in ("Succeeded", "Failed"):
-        assert (again["phase"], phase_reason(again)) == (phase, reason)
+        assert (again.phase, phase_reason(again)) == (phase, reason)
+
+
+def _failed(reason: str) -> ExperimentStatus:
+    # Unvalidated: the CRD refuses a reason with spaces, a status built in code need not.
+    cond = Condition.model_construct(type="Failed", status="True", reason=reason)
+    return ExperimentStatus.model_construct(phase="Failed", conditions=(cond,))
 
 
 @pytest.mark.parametrize(
     "status",
     [
-        {},
-        {"phase": "Failed"},  # no conditions
-        {"phase": "Failed", "conditions": [{"type": "Failed", "reason": "not a label value"}]},
-        {"phase": "Failed", "conditions": [{"type": "Failed", "reason": "X" * 65}]},
+        ExperimentStatus(),
+        ExperimentStatus(phase="Failed"),  # no conditions
+        _failed("not a label value"),
+        _failed("X" * 65),  # the CRD allows 1024 characters; a metric label gets 64
     ],
 )
-def test_phase_reason_is_bounded(status: dict[str, Any]) -> None:
+def test_phase_reason_is_bounded(status: ExperimentStatus) -> None:
     assert phase_reason(status) == "Unknown"
 
 
@@ -195,10 +213,10 @@ def test_running_copies_engine_progress() -> None:
     status = derive_status(
         experiment("a").obj(), Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0
     )
-    assert (status["step"], status["reward"]) == (12, 0.62)
-    assert status["checkpoint"] == {"path": "/ckpt/team-a/a/step-00000010", "step": 10}
-    assert (status["engine"], status["node"]) == ("pool-a-engine-x1", "node-1")
-    assert status["startedAt"] == "2026-12-02T15:00:00Z"
+    assert (status.step, status.reward) == (12, 0.62)
+    assert status.to_json()["checkpoint"] == {"path": "/ckpt/team-a/a/step-00000010", "step": 10}
+    assert (status.engine, status.node) == ("pool-a-engine-x1", "node-1")
+    assert status.started_at == "2026-12-02T15:00:00Z"
 
 
 def test_failure_message_carries_engine_error() -> None:
@@ -206,25 +224,45 @@ def test_failure_message_carries_engine_error() -> None:
         binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Failed", "error": "NaN loss"}
     )
     status = derive_status(experiment("a").obj(), obs, T0)
-    assert status["message"] == "NaN loss"
-    assert get_condition(status["conditions"], "Failed")["reason"] == "EngineReportedFailure"
-    assert status["completedAt"] == "2026-12-02T15:00:00Z"
+    assert status.message == "NaN loss"
+    assert _reason(status, "Failed") == "EngineReportedFailure"
+    assert status.completed_at == "2026-12-02T15:00:00Z"
+
+
+def test_a_message_too_long_for_a_condition_is_cut() -> None:
+    obs = Observation(
+        binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Failed", "error": "x" * 40000}
+    )
+    status = derive_status(experiment("a").obj(), obs, T0)
+    failed = status.condition("Failed")
+    assert failed is not None and len(failed.message) == st.MAX_MESSAGE
+    assert status.message == "x" * 40000  # status.message has no limit
 
 
 def test_pending_reason_comes_from_placement() -> None:
     status = derive_status(experiment("a").obj(), Observation(waiting_reason="NoCapacity"), T0)
-    assert get_condition(status["conditions"], "Scheduled")["reason"] == "NoCapacity"
-    assert (status["engine"], status["node"]) == (
-        None,
-        None,
-    )  # merge-patch nulls clear a stale binding
+    assert _reason(status, "Scheduled") == "NoCapacity"
+    patch = status.to_patch()  # merge-patch nulls clear a stale binding
+    assert (patch["engine"], patch["node"]) == (None, None)
+    assert "engine" not in status.to_json()
+
+
+def test_the_patch_leaves_out_what_was_never_written() -> None:
+    """No null for a field the status never had: a merge patch null deletes, and the
+    fields the engine has not reported yet (step, checkpoint, ...) are not deleted."""
+    patch = derive_status(experiment("a").obj(), Observation(binding=Binding("e1")), T0).to_patch()
+    assert [k for k, v in patch.items() if v is None] == []
+    assert "node" not in patch and "step" not in patch  # a binding without a node
+    cond_nulls = [k for c in patch["conditions"] for k, v in c.items() if v is None]
+    assert cond_nulls == []
 
 
 def test_admission_problem_is_on_the_admitted_condition() -> None:
     problem = "spec.lora.rank: rank 128 exceeds EnginePool 'pool-a' max rank 64"
     status = derive_status(experiment("a").obj(), Observation(problems=[problem]), T0)
-    cond = get_condition(status["conditions"], "Admitted")
-    assert (cond["status"], cond["reason"], cond["message"]) == (
+    cond = status.condition("Admitted")
+    assert cond is not None
+    assert (cond.status, cond.reason, cond.message) == (
         "False",
         "AdmissionFailed",
         problem,
@@ -234,52 +272,52 @@ def test_admission_problem_is_on_the_admitted_condition() -> None:
 def test_transition_time_kept_while_status_unchanged() -> None:
     obj = experiment("a").obj()
     first = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
-    obj["status"] = first
+    obj["status"] = first.to_json()
     later = derive_status(
         obj, Observation(binding=BOUND, engine_status={**RUNNING_ENGINE, "step": 20}), T1
     )
-    assert (
-        get_condition(later["conditions"], "Running")["lastTransitionTime"]
-        == "2026-12-02T15:00:00Z"
-    )
-    assert later["step"] == 20
+    running = later.condition("Running")
+    assert running is not None and running.last_transition_time == "2026-12-02T15:00:00Z"
+    assert later.step == 20
 
 
 def test_transition_time_moves_when_status_flips() -> None:
     obj = experiment("a").obj()
-    obj["status"] = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
+    running = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
+    obj["status"] = running.to_json()
     obj["spec"]["suspend"] = True
-    suspended = derive_status(obj, Observation(), T1)
-    assert get_condition(suspended["conditions"], "Running")["status"] == "False"
-    assert (
-        get_condition(suspended["conditions"], "Running")["lastTransitionTime"]
-        == "2026-12-02T15:05:00Z"
-    )
-    assert (
-        get_condition(suspended["conditions"], "Admitted")["lastTransitionTime"]
-        == "2026-12-02T15:00:00Z"
-    )
+    suspended = derive_status(obj, Observation(), T1).to_json()
+    conditions = {c["type"]: c for c in suspended["conditions"]}
+    assert conditions["Running"]["status"] == "False"
+    assert conditions["Running"]["lastTransitionTime"] == "2026-12-02T15:05:00Z"
+    assert conditions["Admitted"]["lastTransitionTime"] == "2026-12-02T15:00:00Z"
 
 
 def test_observed_generation_on_status_and_conditions() -> None:
-    status = derive_status(experiment("a").generation(7).obj(), Observation(), T0)
+    status = derive_status(experiment("a").generation(7).obj(), Observation(), T0).to_json()
     assert status["observedGeneration"] == 7
     assert {c["observedGeneration"] for c in status["conditions"]} == {7}
 
 
 def test_suspend_keeps_last_checkpoint_for_resume() -> None:
     obj = experiment("a").obj()
-    obj["status"] = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
+    running = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
+    obj["status"] = running.to_json()
     obj["spec"]["suspend"] = True
     status = derive_status(obj, Observation(), T1)
-    assert status["checkpoint"]["step"] == 10 and status["engine"] is None
+    assert status.checkpoint is not None and status.checkpoint.step == 10
+    assert status.engine is None
 
 
 @pytest.mark.parametrize("terminal", ["Succeeded", "Failed"])
 def test_terminal_phases_are_sticky(terminal: str) -> None:
     obj = experiment("a").status(phase=terminal, step=50).obj()
     status = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T1)
-    assert status["phase"] == terminal and status["step"] == 50
+    assert status.phase == terminal and status.step == 50
+    # Sent back as it was (plus the generic conditions it lacked), with this generation:
+    # nothing deleted, nothing of the engine's.
+    patch = status.to_patch()
+    assert patch.pop("conditions") and patch == {**obj["status"], "observedGeneration": 1}
 
 
 def test_a_terminal_status_written_before_the_generic_conditions_gets_them() -> None:
@@ -289,14 +327,13 @@ def test_a_terminal_status_written_before_the_generic_conditions_gets_them() -> 
          "message": "", "lastTransitionTime": "2026-12-01T00:00:00Z"},
     ]  # fmt: skip
     status = derive_status(obj, Observation(), T1)
-    stalled = get_condition(status["conditions"], "Stalled")
-    assert stalled is not None and (stalled["status"], stalled["reason"]) == (
-        "True",
-        "RestartBudgetExhausted",
-    )
-    assert get_condition(status["conditions"], "Failed") == obj["status"]["conditions"][0]
-    again = derive_status({**obj, "status": status}, Observation(), T1 + timedelta(hours=1))
-    assert again["conditions"] == status["conditions"]  # nothing moves once they are there
+    stalled = status.condition("Stalled")
+    assert stalled is not None
+    assert (stalled.status, stalled.reason) == ("True", "RestartBudgetExhausted")
+    assert get_condition(status.to_json()["conditions"], "Failed") == obj["status"]["conditions"][0]
+    written = {**obj, "status": status.to_json()}
+    again = derive_status(written, Observation(), T1 + timedelta(hours=1))
+    assert again.conditions == status.conditions  # nothing moves once they are there
 
 
 GENERIC = ("Ready", "Reconciling", "Stalled")
@@ -338,38 +375,34 @@ def test_kubectl_wait_for_ready_sees_running_and_succeeded() -> None:
     running = derive_status(
         experiment("a").obj(), Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0
     )
-    assert not is_true(pending["conditions"], "Ready")
-    assert is_true(running["conditions"], "Ready")
+    assert not is_true(pending.to_json()["conditions"], "Ready")
+    assert is_true(running.to_json()["conditions"], "Ready")
 
 
 def test_restarts_recorded() -> None:
     status = derive_status(experiment("a").obj(), Observation(restarts=2), T0)
-    assert status["restarts"] == 2 and status["phase"] == "Pending"
+    assert status.restarts == 2 and status.phase == "Pending"
 
 
 def test_status_validates_against_the_crd() -> None:
     obj = experiment("a").obj()
     status = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
-    obj["status"] = {k: v for k, v in status.items() if v is not None}
+    obj["status"] = status.to_json()
     status_schema = schema_of("LoRAExperiment")["properties"]["status"]
     assert schema_errors(status_schema, obj["status"]) == []
 
 
 def test_merge_conditions_keeps_foreign_types() -> None:
-    old = [
-        {
-            "type": "Custom",
-            "status": "True",
-            "reason": "X",
-            "message": "",
-            "lastTransitionTime": "t",
-        }
-    ]
+    custom = Condition(type="Custom", status="True", reason="X", message="", lastTransitionTime="t")
     merged = merge_conditions(
-        old, [{"type": "Ready", "status": "True", "reason": "R", "message": ""}], 1, T0
+        [custom], [{"type": "Ready", "status": "True", "reason": "R", "message": ""}], 1, T0
     )
-    assert [c["type"] for c in merged] == ["Ready", "Custom"]
-    assert is_true(merged, "Custom") and is_true(merged, "Ready")
+    assert [c.type for c in merged] == ["Ready", "Custom"]
+    assert merged[1] == custom  # as another writer left it
+
+
+def test_the_status_model_knows_every_phase() -> None:
+    assert set(st.EXPERIMENT_PHASES) == set(get_args(ExperimentPhase))
 
 
 def _pool(**kw: Any) -> dict[str, Any]:
@@ -455,15 +488,11 @@ def test_pool_capacity_pending_names_the_pods() -> None:
 
 
 def test_pool_ready_keeps_its_transition_time_while_unchanged() -> None:
-    first = _pool(engines=1, ready=1)
-    again = pool_status(
-        st.PoolObservation(engines=1, ready=1, slots_used=1, slots_free=0),
-        5,
-        first["conditions"],
-        T1,
-    ).to_json()
-    ready = get_condition(again["conditions"], "Ready")
-    assert ready is not None and ready["lastTransitionTime"] == st.rfc3339(T0)
-    assert ready["observedGeneration"] == 5
-    lost = pool_status(st.PoolObservation(1, 0, 0, 0), 5, again["conditions"], T1).to_json()
-    assert get_condition(lost["conditions"], "Ready")["lastTransitionTime"] == st.rfc3339(T1)
+    first = pool_status(st.PoolObservation(1, 1, 0, 1), 4, None, T0)
+    again = pool_status(st.PoolObservation(1, 1, 1, 0), 5, first.conditions, T1)
+    ready = again.condition("Ready")
+    assert ready is not None and ready.last_transition_time == st.rfc3339(T0)
+    assert ready.observed_generation == 5
+    lost = pool_status(st.PoolObservation(1, 0, 0, 0), 5, again.conditions, T1)
+    ready = lost.condition("Ready")
+    assert ready is not None and ready.last_transition_time == st.rfc3339(T1)

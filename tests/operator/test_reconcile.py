@@ -126,7 +126,7 @@ def test_running_on_engine_is_adopted_without_a_put_even_if_status_forgot() -> N
     assert w.binding == st.Binding("e1", "node-1")
     assert [e[1] for e in w.events] == ["Adopted"]
     status = derive(w, CFG, datetime.now(UTC))
-    assert status["phase"] == "Running" and status["engine"] == "e1" and status["step"] == 3
+    assert (status.phase, status.engine, status.step) == ("Running", "e1", 3)
 
 
 def test_never_bound_twice_when_running_anywhere() -> None:
@@ -182,8 +182,8 @@ def test_deleted_engine_is_awaited_while_it_checkpoints_then_recovered() -> None
     assert plan.create_pods == 1  # a replacement: the deleted one no longer counts
     assert "e1" not in plan.delete_pods
     status = derive(w, CFG, datetime.now(UTC))
-    assert (status["phase"], status["engine"], status["node"]) == ("Running", "e1", "node-1")
-    assert (status["step"], status["checkpoint"], status["restarts"]) == (5, ckpt, 0)
+    assert (status.phase, status.engine, status.node) == ("Running", "e1", "node-1")
+    assert (status.step, status.to_json()["checkpoint"], status.restarts) == (5, ckpt, 0)
 
     # Past its grace period the kubelet has killed it (or its node is gone): recover.
     overdue = _deleted(engine("e1"), seconds_left=-1)
@@ -206,8 +206,8 @@ def test_restart_budget_turns_into_failed() -> None:
     w = plan.work["team-a/a"]
     assert not plan.puts
     status = derive(w, CFG, datetime.now(UTC))
-    assert status["phase"] == "Failed" and status["restarts"] == 3
-    assert "budget" in status["message"]
+    assert status.phase == "Failed" and status.restarts == 3
+    assert "budget" in str(status.message)
     assert w.events[0][1] == "RestartBudgetExhausted"
 
 
@@ -217,9 +217,9 @@ def test_finished_experiment_is_recorded_then_unloaded_next_round() -> None:
     first = plan_round(snap([exp("a", phase="Running", engine="e1")], [e1]), CFG)
     assert not first.unloads
     status = derive(first.work["team-a/a"], CFG, datetime.now(UTC))
-    assert status["phase"] == "Succeeded" and status["adapterPath"] == "/ckpt/a/step-8"
-    assert status["engine"] == "e1"
-    second = plan_round(snap([exp("a", **status)], [e1]), CFG)
+    assert status.phase == "Succeeded" and status.adapter_path == "/ckpt/a/step-8"
+    assert status.engine == "e1"
+    second = plan_round(snap([exp("a", **status.to_json())], [e1]), CFG)
     assert [(u.engine, u.reason) for u in second.unloads] == [("e1", FINISHED)]
 
 
@@ -284,8 +284,9 @@ def test_admission_problem_names_the_field_and_blocks_binding() -> None:
     w = plan.work["team-a/big"]
     assert any(pr.startswith("spec.lora.rank") for pr in w.problems)
     status = derive(w, CFG, datetime.now(UTC))
-    admitted = st.get_condition(status["conditions"], st.ADMITTED)
-    assert admitted["status"] == "False" and "spec.lora.rank" in admitted["message"]
+    admitted = status.condition(st.ADMITTED)
+    assert admitted is not None
+    assert admitted.status == "False" and "spec.lora.rank" in admitted.message
 
 
 def test_scale_down_idle_engines_above_min_after_delay() -> None:

@@ -349,7 +349,7 @@ async def test_a_round_reading_a_stale_experiment_does_not_undo_a_recoverys_rest
     adopted.binding, adopted.engine_status = Binding("e2", "node-1"), {"phase": "Running"}
     status = await pub.publish(adopted, NOW)
     assert [p["status"]["restarts"] for _, p in kube.patches] == [1, 1]
-    assert status["restarts"] == 1 and status["engine"] == "e2"
+    assert status.restarts == 1 and status.engine == "e2"
     # Another object of the same name (a new uid) starts from its own count.
     fresh = experiment("a").set("metadata.uid", "uid-new").obj()
-    assert (await pub.publish(Work.start(Experiment.from_obj(fresh)), NOW))["restarts"] == 0
+    assert (await pub.publish(Work.start(Experiment.from_obj(fresh)), NOW)).restarts == 0

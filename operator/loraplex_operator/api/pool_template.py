@@ -14,7 +14,7 @@ from pydantic import Field
 
 from loraplex_operator.api.schema import PRESERVE_UNKNOWN, ApiModel, Cel, OpenModel, list_map
 
-# Volumes the operator adds to every engine pod (local/manifests.py); a template may not reuse them.
+# Volumes the operator adds to every engine pod (manifests.py); a template may not reuse them.
 TOKEN_VOLUME = "loraplex-token"
 CHECKPOINT_VOLUME = "loraplex-checkpoints"
 SHM_VOLUME = "loraplex-shm"

@@ -1,49 +1,19 @@
-"""``EnginePool.status``: what the operator observed, as a typed object (KubeRay's typed
-status). ``status.pool_status`` builds it, the publisher patches its ``to_json()``, and
-``scripts/gen_crds.py`` generates the CRD's status schema from it.
+"""The statuses the operator writes, as typed objects (KubeRay's typed status):
+``EnginePool.status`` (built by ``status.pool_status``) and ``LoRAExperiment.status``
+(built by ``status.derive_status``). The publisher patches their JSON, and
+``scripts/gen_crds.py`` generates each CRD's status schema from them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
-from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64, list_map
+from loraplex_operator.api.condition import Condition, conditions_field, find
+from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 
-ConditionStatus = Literal["True", "False", "Unknown"]
-# metav1.Condition's reason: one CamelCase word (commas and colons allowed, as upstream).
-REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
-
-
-class PoolCondition(ApiModel):
-    # No docstring: it would become the items' description, which the list's says.
-
-    type: str = Field(
-        max_length=316,
-        description="The condition's type (Ready, Reconciling, Stalled, CapacityPending).",
-    )
-    status: ConditionStatus = Field(description="Whether the condition holds.")
-    observed_generation: Int64 | None = Field(
-        None,
-        alias="observedGeneration",
-        ge=0,
-        description="The metadata.generation the condition was computed from.",
-    )
-    last_transition_time: DateTime = Field(
-        alias="lastTransitionTime",
-        description="When status last changed (kept while it stays the same).",
-    )
-    reason: str = Field(
-        min_length=1,
-        max_length=1024,
-        pattern=REASON_PATTERN,
-        description="Why, as one CamelCase word (EnginesReady, ScaledToZero, EnginesStarting, "
-        "WaitingForAdmission, Unschedulable, TokenSecretMissing).",
-    )
-    message: str = Field(
-        max_length=32768, description='Why, for people (e.g. "1/2 engines ready").'
-    )
+# --- EnginePool ------------------------------------------------------------------------
 
 
 class EnginePoolStatus(ApiModel):
@@ -76,18 +46,116 @@ class EnginePoolStatus(ApiModel):
         ge=0,
         description="Adapter slots free over the ready engines.",
     )
-    conditions: tuple[PoolCondition, ...] | None = Field(
-        None,
-        max_length=16,
-        description="metav1.Condition list, one per type. Ready: True when the pool is "
-        "neither Reconciling nor Stalled (some engine ready, or none wanted). Reconciling: "
-        "True while engine pods are asked for but not ready (starting, gated, unschedulable) "
-        "or fewer than replicas.min are ready. Stalled: True when the token Secret is "
-        "missing. CapacityPending: True while engine pods have no node yet, reason "
-        "WaitingForAdmission (a scheduling gate, e.g. Kueue) or Unschedulable, the message "
-        "naming the pods.",
-        json_schema_extra=list_map("type"),
+    conditions: tuple[Condition, ...] | None = conditions_field(
+        "metav1.Condition list, one per type. Ready: True when the pool is neither "
+        "Reconciling nor Stalled (some engine ready, or none wanted). Reconciling: True while "
+        "engine pods are asked for but not ready (starting, gated, unschedulable) or fewer "
+        "than replicas.min are ready. Stalled: True when the token Secret is missing. "
+        "CapacityPending: True while engine pods have no node yet, reason WaitingForAdmission "
+        "(a scheduling gate, e.g. Kueue) or Unschedulable, the message naming the pods."
     )
 
+    def condition(self, type_: str) -> Condition | None:
+        return find(self.conditions, type_)
 
-__all__ = ["REASON_PATTERN", "ConditionStatus", "EnginePoolStatus", "PoolCondition"]
+
+# --- LoRAExperiment --------------------------------------------------------------------
+
+ExperimentPhase = Literal["Pending", "Scheduled", "Running", "Suspended", "Succeeded", "Failed"]
+
+
+class CheckpointStatus(ApiModel):
+    """The newest checkpoint the operator has seen; a recovery or resume starts from it
+    (or from a newer one of the same run)."""
+
+    path: str | None = Field(
+        None,
+        description="Checkpoint directory in the pool's checkpoint volume "
+        "(<root>/<namespace>/<name>/<uid>/step-NNNNNNNN).",
+    )
+    step: Int64 | None = Field(None, description="Optimiser step the checkpoint was written at.")
+
+
+class ExperimentStatus(ApiModel):
+    """Observed state, written by the operator only (status subresource): where the
+    experiment runs and how far it got, copied from its engine every round."""
+
+    # Written as a JSON merge patch (`to_patch`): a field never set is left as the API
+    # server has it, a field set to None is deleted (a stale engine and node).
+
+    phase: ExperimentPhase | None = Field(
+        None,
+        description="Pending (not placed: waiting for admission or room), Scheduled (bound to "
+        "an engine that does not report it yet), Running, Suspended (spec.suspend, "
+        "checkpointed and unloaded), Succeeded (reached maxSteps) or Failed (the engine "
+        "failed it, or it ran out of restarts). Succeeded and Failed are final.",
+    )
+    conditions: tuple[Condition, ...] | None = conditions_field(
+        "metav1.Condition list, one per type. For generic tools (kstatus, `kubectl wait "
+        "--for=condition=Ready`, Argo CD, Flux): Ready (True while it trains, phase Running, "
+        "and once Succeeded), Reconciling (True while Pending or Scheduled for a reason that "
+        "passes, e.g. WaitingForEngine, WaitingForAdmission), Stalled (True when Failed, or "
+        "Pending for a reason that needs a human: AdmissionFailed, Unschedulable). Per phase: "
+        "Admitted (the pool accepts the spec; False names the field), Scheduled, Running, "
+        "Suspended, Succeeded, Failed. The reason of the condition matching the phase says "
+        "why."
+    )
+    observed_generation: Int64 | None = Field(
+        None,
+        alias="observedGeneration",
+        description="The metadata.generation this status was computed from.",
+    )
+    engine: str | None = Field(
+        None,
+        description="Engine pod running the experiment (absent while pending or suspended).",
+    )
+    node: str | None = Field(None, description="Node of that engine pod.")
+    step: Int64 | None = Field(
+        None, description="Optimiser steps done so far (of spec.algorithm.maxSteps)."
+    )
+    reward: float | None = Field(None, description="Mean reward of the last step's completions.")
+    checkpoint: CheckpointStatus | None = Field(
+        None,
+        description="The newest checkpoint the operator has seen; a recovery or resume "
+        "starts from it (or from a newer one of the same run).",
+    )
+    adapter_path: str | None = Field(
+        None,
+        alias="adapterPath",
+        description="Directory of the newest adapter: its newest checkpoint, a PEFT directory "
+        "that PeftModel.from_pretrained and vLLM load.",
+    )
+    restarts: Int32 | None = Field(
+        None,
+        ge=0,
+        description="Times the experiment was recovered on another engine after losing its "
+        "own; above the operator's budget (LORAPLEX_MAX_RESTARTS, 3) it fails.",
+    )
+    started_at: DateTime | None = Field(
+        None, alias="startedAt", description="When the experiment first ran."
+    )
+    completed_at: DateTime | None = Field(
+        None, alias="completedAt", description="When it reached Succeeded or Failed."
+    )
+    message: str | None = Field(
+        None,
+        description='What the phase means right now, for people (e.g. "bound to '
+        'pool-a-engine-x2k9q").',
+    )
+
+    def condition(self, type_: str) -> Condition | None:
+        return find(self.conditions, type_)
+
+    def to_patch(self) -> dict[str, Any]:
+        """The JSON merge patch that writes this status: its values, and a null for each
+        field set to None, which the API server deletes. Only top-level nulls: one inside
+        a condition would replace the list with an invalid entry, not delete a key."""
+        cleared = {
+            type(self).model_fields[name].alias or name: None
+            for name in sorted(self.model_fields_set)
+            if getattr(self, name) is None
+        }
+        return {**self.to_json(), **cleared}
+
+
+__all__ = ["CheckpointStatus", "EnginePoolStatus", "ExperimentPhase", "ExperimentStatus"]
