@@ -27,15 +27,19 @@ REQUIREMENTS = REPO_ROOT / "requirements"
 # The vLLM worker runs in vLLM's own environment (requirements/vllm/, the images' vLLM
 # install), never in the engine's: its imports are checked against that lock below.
 ROLLOUT = REPO_ROOT / "trainer-image" / "loraplex_engine" / "rollout"
-# rollout/vllm/tensor_sync.py is loaded by the worker only (it patches vLLM's LoRA loader).
-VLLM_WORKER_FILES = (ROLLOUT / "vllm" / "worker.py", ROLLOUT / "vllm" / "tensor_sync.py")
+# The worker and the siblings it imports as top-level modules (tensor_sync patches vLLM's
+# LoRA loader; worker_env is shared with the engine's vLLM config).
+VLLM_WORKER_FILES = tuple(
+    ROLLOUT / "vllm" / f"{name}.py" for name in ("worker", "worker_env", "tensor_sync")
+)
 PACKAGES = {
     "loraplex_engine": (REPO_ROOT / "trainer-image", "engine.txt"),
     "loraplex_operator": (REPO_ROOT / "operator", "operator.txt"),
 }
 DEV_CODE = ("tests", "bench", "scripts")
 # Every top-level module name this repository itself provides: the packages (not their
-# subpackages: loraplex_engine.rollout.torch is no `torch`), test helpers, bench modules.
+# subpackages: loraplex_engine.rollout.torch is no `torch`), test helpers, bench modules,
+# and the vLLM worker's siblings, which it imports as top-level modules.
 LOCAL = (
     {
         p.stem if p.suffix == ".py" else p.name
@@ -49,7 +53,7 @@ LOCAL = (
         for p in (REPO_ROOT / top).rglob("*")
         if p.suffix == ".py" or (p / "__init__.py").exists()
     }
-    | {"tests"}
+    | {"tests", *(p.stem for p in VLLM_WORKER_FILES)}
 )
 
 

@@ -136,7 +136,7 @@ def test_a_core_error_reaching_the_server_is_an_engine_bug(
 
 # Run by the vLLM worker in vLLM's environment, where loraplex_engine.errors is not
 # importable; their errors reach the engine as the protocol's error replies.
-VLLM_WORKER_SIDE = {"rollout/vllm/worker.py", "rollout/vllm/tensor_sync.py"}
+VLLM_WORKER_SIDE = {f"rollout/vllm/{f}.py" for f in ("worker", "worker_env", "tensor_sync")}
 
 
 def test_every_engine_error_class_lives_in_errors_py() -> None:

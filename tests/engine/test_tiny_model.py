@@ -39,7 +39,7 @@ def test_the_tiny_model_ships_a_chat_template(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_has_a_head_size_vllm_cpu_serves(name: str) -> None:
     # The adapters `make demo` writes must load into vLLM on this CPU (README).
-    from loraplex_engine.rollout.vllm.worker import CPU_HEAD_SIZES
+    from loraplex_engine.rollout.vllm.worker_env import CPU_HEAD_SIZES
 
     preset = PRESETS[name]
     assert preset.hidden_size // preset.num_attention_heads in CPU_HEAD_SIZES

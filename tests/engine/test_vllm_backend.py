@@ -280,6 +280,6 @@ def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path, tmp_pat
 
 
 def test_worker_knows_vllms_cpu_head_sizes(rollout) -> None:
-    from loraplex_engine.rollout.vllm.worker import CPU_HEAD_SIZES
+    from loraplex_engine.rollout.vllm.worker_env import CPU_HEAD_SIZES
 
     assert rollout.info["cpu_head_sizes"] == list(CPU_HEAD_SIZES)

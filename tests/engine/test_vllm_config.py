@@ -15,7 +15,7 @@ from loraplex_engine.rollout.vllm.config import (
     kv_bytes_per_token,
     vllm_engine_args,
 )
-from loraplex_engine.rollout.vllm.worker import CPU_KV_CACHE_BYTES
+from loraplex_engine.rollout.vllm.worker_env import CPU_KV_CACHE_BYTES
 from transformers import LlamaConfig
 
 MEMORY = (60 << 30, 80 << 30)  # (free, total) bytes of a GPU after the trainer loaded

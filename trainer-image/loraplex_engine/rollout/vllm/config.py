@@ -13,7 +13,7 @@ from typing import Any
 
 from loraplex_engine.rollout.vllm.backend import VLLMRollout
 from loraplex_engine.rollout.vllm.placement import resolve_placement, worker_settings
-from loraplex_engine.rollout.vllm.worker import CPU_KV_CACHE_BYTES, vllm_lora_rank
+from loraplex_engine.rollout.vllm.worker_env import CPU_KV_CACHE_BYTES, vllm_lora_rank
 
 # vLLM's own default batch (LLM's max_num_seqs on GPU): more rows than this just queue.
 MAX_NUM_SEQS_CAP = 256

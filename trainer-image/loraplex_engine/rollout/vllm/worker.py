@@ -23,92 +23,17 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-# Run as a script, this file's folder is sys.path[0]; its siblings (requests.py,
-# config.py) would then shadow the libraries vLLM imports by those names. The one sibling
-# the worker needs, tensor_sync.py, it loads by path (tensor_sync()).
+# Run as a script, this file's folder is sys.path[0], where its siblings (requests.py,
+# config.py) would shadow the libraries vLLM imports by those names: it goes last, so
+# only the worker's own siblings (worker_env, tensor_sync) are found there.
 HERE = Path(__file__).resolve().parent
 if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
-    del sys.path[0]
-TENSOR_SYNC = "loraplex_vllm_tensor_sync"  # its name in sys.modules
+    sys.path.append(str(sys.path.pop(0)))
 
-# vLLM accepts these as max_lora_rank (vllm.config.lora.MaxLoRARanks); adapters may have any
-# rank up to it.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# vLLM's CPU default would reserve gpu_memory_utilization (0.92) of host RAM for KV.
-CPU_KV_CACHE_BYTES = 64 << 20
-
-
-def vllm_lora_rank(max_rank: int) -> int:
-    """vLLM's smallest ``max_lora_rank`` that holds adapters of rank ``max_rank``."""
-    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= max_rank), None)
-    if rank is None:
-        raise ValueError(f"max_rank {max_rank} > vLLM's largest max_lora_rank 512")
-    return rank
-
-
-BASE_ADAPTER = "__base__"
-
-
-def tensor_sync() -> ModuleType:
-    """tensor_sync.py beside this script (vLLM's in-memory LoRA loader), loaded once."""
-    if TENSOR_SYNC not in sys.modules:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(TENSOR_SYNC, HERE / "tensor_sync.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[TENSOR_SYNC] = module
-        spec.loader.exec_module(module)
-    return sys.modules[TENSOR_SYNC]
-
-
-def _setup_env(cfg: dict[str, Any]) -> None:
-    """Environment vLLM reads at import: must run before ``import vllm``."""
-    threads = str(cfg.get("threads", 1))
-    defaults = {
-        # Engine core in this process: no extra process, no ZMQ, no spawn-guard issues.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # Don't pin OpenMP threads to cores: the box is shared (CI: 2 cores, 5 jobs).
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if cfg.get("disable_torch_compile", True):
-        # vLLM torch.compiles a few sampler helpers even with enforce_eager (the logprobs
-        # gather): ~5 s of inductor C++ compilation on the first call with logprobs, and
-        # it needs a C++ compiler. Plain eager is exact and fast enough at rollout sizes.
-        defaults["TORCHDYNAMO_DISABLE"] = "1"
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    for key, value in (cfg.get("env") or {}).items():
-        os.environ[key] = str(value)
-
-
-# vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
-# vLLM 0.32 (a test pins the two together).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def _check_cpu_head_dim(model_dir: str) -> None:
-    """vLLM only fails at the first forward pass on an unsupported head size: fail now."""
-    sizes = CPU_HEAD_SIZES  # checked before importing vLLM's engine (seconds)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim not in sizes:
-        raise ValueError(
-            f"vLLM's CPU attention has no kernel for head_dim={head_dim} "
-            f"(supported: {', '.join(map(str, sizes))}); the tiny model presets have "
-            "head_dim 32"
-        )
+import worker_env  # noqa: E402  (after the path fix above)
+from worker_env import BASE_ADAPTER, setup_env  # noqa: E402
 
 
 def _completion(c: Any, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
@@ -147,7 +72,7 @@ class Worker:
         # open). Workaround: base requests go through an all-zero adapter ("__base__"),
         # which costs one slot. The Triton kernels on GPU honour -1, so only on CPU.
         self.zero_base = bool(cfg.get("zero_base_adapter", self.is_cpu))
-        vllm_rank = vllm_lora_rank(int(cfg.get("max_rank", 16)))
+        vllm_rank = worker_env.vllm_lora_rank(int(cfg.get("max_rank", 16)))
         slots = self.max_adapters + (1 if self.zero_base else 0)
         kwargs: dict[str, Any] = dict(
             model=cfg["model"],
@@ -165,7 +90,7 @@ class Worker:
         )
         kv_bytes = cfg.get("kv_cache_bytes")
         if kv_bytes is None and self.is_cpu:
-            kv_bytes = CPU_KV_CACHE_BYTES
+            kv_bytes = worker_env.CPU_KV_CACHE_BYTES
         if kv_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         kwargs["logprobs_mode"] = cfg.get("logprobs_mode", "raw_logprobs")
@@ -178,7 +103,7 @@ class Worker:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(cfg.get("llm_kwargs") or {})
         if self.is_cpu:
-            _check_cpu_head_dim(cfg["model"])
+            worker_env.check_cpu_head_dim(cfg["model"])
         from vllm import LLM
 
         t0 = time.perf_counter()
@@ -203,7 +128,9 @@ class Worker:
             return False, "vLLM's engine core runs in another process"
         if int(cfg.get("tensor_parallel_size", 1)) > 1:
             return False, "tensor_parallel_size above 1: the LoRA weights live in vLLM's workers"
-        why = tensor_sync().install()
+        import tensor_sync  # beside this script; it patches vLLM's LoRA loader
+
+        why = tensor_sync.install()
         return why is None, why
 
     # -- adapters --------------------------------------------------------------------
@@ -299,7 +226,7 @@ class Worker:
             raise TensorSyncUnavailable(f"tensor sync is off: {self.tensor_sync_why}")
         if name not in self.adapters or name == BASE_ADAPTER:
             raise KeyError(f"adapter {name!r} is not loaded")
-        sync = tensor_sync()
+        import tensor_sync as sync
 
         entry = self.adapters[name]
         old = list(entry)
@@ -333,7 +260,9 @@ class Worker:
     def _forget_tensors(path: str) -> None:
         """Drop a superseded version's tensors (a no-op for a directory path)."""
         if path.startswith("loraplex-tensors://"):
-            tensor_sync().STORE.drop(path)
+            import tensor_sync
+
+            tensor_sync.STORE.drop(path)
 
     def remove_adapter(self, name: str) -> dict[str, Any]:
         if name not in self.adapters or name == BASE_ADAPTER:
@@ -445,7 +374,7 @@ class Worker:
             "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
             "max_model_len": self.llm.llm_engine.model_config.max_model_len,
             "zero_base_adapter": self.zero_base,
-            "device": current_platform_type(),
+            "device": worker_env.current_platform_type(),
             "requests_total": self.requests_total,
             "sequences_total": self.sequences_total,
             "sleep_mode": self.sleep_mode,
@@ -457,8 +386,8 @@ class Worker:
             "tensor_updates": _tensor_loads(),
             "adapters": {k: v[1] for k, v in self.adapters.items() if k != BASE_ADAPTER},
             "loaded_lora_ids": sorted(self.llm.llm_engine.list_loras()),
-            "maxrss_mb": _maxrss_mb(),
-            "cpu_head_sizes": _cpu_head_sizes(),
+            "maxrss_mb": worker_env.maxrss_mb(),
+            "cpu_head_sizes": worker_env.cpu_head_sizes(),
         }
 
 
@@ -482,29 +411,8 @@ class TensorSyncUnavailable(RuntimeError):
 
 def _tensor_loads() -> int:
     """Adapters built from tensors so far (tensor_sync.STORE.loads)."""
-    mod = sys.modules.get(TENSOR_SYNC)
+    mod = sys.modules.get("tensor_sync")
     return int(mod.STORE.loads) if mod is not None else 0
-
-
-def current_platform_type() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-def _cpu_head_sizes() -> list[int] | None:
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        return list(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:
-        return None
-
-
-def _maxrss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 WORKER_OPS = (
@@ -549,7 +457,7 @@ def main() -> int:
                 msg["payload"] = _read_frame(stdin, int(frame))
             op = msg.pop("op")
             if op == "init":
-                _setup_env(msg)
+                setup_env(msg)
                 worker = Worker(msg)
                 result: Any = worker.info()
             elif op == "close":
