@@ -14,7 +14,7 @@ that can host an experiment, the one left with the least rank headroom, then the
 free slots, then the least free memory, then by name (`order=SLOTS_FIRST` swaps the
 first two; in a pool whose engines share one max rank the two orders agree, and with
 mixed max ranks rank-first keeps high-rank engines for high-rank experiments: see
-bench/placement_bench.py and docs/architecture.md). Capacity of not-ready engines
+bench/placement_bench.py and docs/design/operator-placement.md). Capacity of not-ready engines
 and of engines asked for in this round is reserved (so one burst does not scale up
 twice) but never bound to. Preemption happens only when an experiment fits nowhere and
 the pool cannot grow; engines are never over-committed.

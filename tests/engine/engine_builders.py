@@ -16,7 +16,7 @@ from loraplex_engine.tenancy.trust import TrustPolicy
 TEST_TRUST = TrustPolicy.local([Path(tempfile.gettempdir()).resolve()])
 
 # LoRA on lm_head: the tiny random model learns its tasks through the head (see
-# docs/architecture.md, "RL: tasks, rewards, GRPO").
+# docs/design/rl.md, "RL: tasks, rewards, GRPO").
 TINY_LORA = {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "lm_head"]}
 
 

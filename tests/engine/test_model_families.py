@@ -212,7 +212,7 @@ def test_chat_template_without_a_template_is_refused_at_put(family_dirs, tmp_pat
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 # One worker start costs 20-170 s on 2 shared cores, so two families: Llama 3 (separate
-# q/v projections) and Phi-3 (fused qkv_proj). The others' status: docs/architecture.md,
+# q/v projections) and Phi-3 (fused qkv_proj). The others' status: docs/design/model-families.md,
 # "Model families".
 VLLM_FAMILIES = ["llama3", "phi3"]
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43, 44]]

@@ -142,7 +142,7 @@ def test_the_model_shape_fallback_is_one_replica_against_a_per_rank_budget() -> 
 
 # --- a sharded base (spec.shardBase) ---------------------------------------------------
 # FSDP2 shards the frozen base over the ranks and leaves the adapter slots whole on each
-# (ignored_params: docs/architecture.md, "Beyond one GPU"). What placement counts,
+# (ignored_params: docs/design/parallel.md). What placement counts,
 # capacity.memoryBytes against a slot's bytes, is adapter memory only: the base is in
 # neither the engine's slotBytes nor the modelShape estimate, so sharding it divides
 # nothing there. The base's shard (and FSDP's unsharded reserve) is the engine's own

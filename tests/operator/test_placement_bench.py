@@ -1,5 +1,6 @@
-"""bench/placement_bench.py still runs and reports what docs/architecture.md quotes from
-it: a small run (50 experiments onto 10 engines) and the shape of its output, not speed.
+"""bench/placement_bench.py still runs and reports what
+docs/design/operator-placement.md quotes from it: a small run (50 experiments onto 10
+engines) and the shape of its output, not speed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fair share between tenants of one tick: who rolls out now, and rewards that wait.
 
-Two rules keep one experiment from holding the others back (docs/architecture.md,
+Two rules keep one experiment from holding the others back (docs/design/tenancy.md,
 "Tenancy and trust"):
 
 - **Rewards run concurrently, with a deadline.** Every experiment's reward is scored on

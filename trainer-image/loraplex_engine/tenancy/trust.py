@@ -1,7 +1,7 @@
 """What one tenant's fields may reach on a shared engine: files, addresses, checkpoints.
 
 Tenants share an engine pod, so every path or URL a spec names is checked here before the
-engine opens it (docs/architecture.md, "Tenancy and trust"):
+engine opens it (docs/design/tenancy.md, "Tenancy and trust"):
 
 - **data**: ``task.dataset`` resolves (symlinks followed) inside ``<data root>/<namespace>/``
   of one of the pool's data roots; anything else is "not allowed", worded the same whether
