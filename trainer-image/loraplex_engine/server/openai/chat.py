@@ -20,7 +20,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from loraplex_engine.api_types import EngineService
 from loraplex_engine.server.errors import streamed_or_json
 from loraplex_engine.server.openai.api import ChatRequestBase, with_token_limit
 from loraplex_engine.server.openai.choices import (
@@ -33,6 +32,7 @@ from loraplex_engine.server.openai.choices import (
     usage,
 )
 from loraplex_engine.server.openai.completions import check_model
+from loraplex_engine.service import EngineService
 
 
 class ChatCompletionResponse(BaseModel):
