@@ -2,7 +2,7 @@
 
 The messages go through the base model's tokenizer chat template (``engine.chat_prompt``;
 a model without one is a 400 saying so), then are served exactly like a completion of
-that prompt (``openai_choices``). With ``stream: true`` the answer is server-sent events
+that prompt (``choices.py``). With ``stream: true`` the answer is server-sent events
 of ``chat.completion.chunk`` objects (first the assistant role, then content deltas, then
 the finish reason), ending with ``data: [DONE]``.
 """

@@ -1,7 +1,7 @@
 """``POST /v1/completions``: OpenAI's completions, served from the rollout queue.
 
-The request body is ``openai_api.CompletionRequestBase``; the choices come from
-``openai_choices`` (one engine job per prompt, tokens as the decode makes them). With
+The request body is ``api.CompletionRequestBase``; the choices come from
+``choices.py`` (one engine job per prompt, tokens as the decode makes them). With
 ``stream: true`` the answer is server-sent events in OpenAI's ``text_completion`` chunk
 format, ending with ``data: [DONE]``.
 """
