@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
+from loraplex_engine.service import PromptJob
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, mean, run_to_end, spec
@@ -83,8 +84,8 @@ def eng_complete(eng, model: str) -> list[str]:
     out: list[str] = []
 
     def ask() -> None:
-        completions = eng.complete(model, eng.tokenize("say"), 8, 0.7, 4)
-        out.extend(eng.detokenize(c.token_ids) for c in completions)
+        rows = eng.complete(PromptJob(model, eng.tokenize("say"), 8, 0.7, 4))
+        out.extend(eng.detokenize(r.token_ids) for r in rows)
 
     worker = threading.Thread(target=ask, daemon=True)
     worker.start()

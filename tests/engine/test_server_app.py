@@ -29,9 +29,9 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.rollout.base import Completion
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.serve import EngineHolder, EngineLoop
+from loraplex_engine.service import PromptJob, ServedRow
 from prometheus_client.parser import text_string_to_metric_families
 
 TOKEN = "s3cret-token"
@@ -47,6 +47,7 @@ class FakeEngine:
 
     model_name = "fake-base"
     rollout_backend = "torch"
+    context_tokens = None
 
     def __init__(self, max_adapters: int = 2, max_rank: int = 16) -> None:
         self.max_adapters = max_adapters
@@ -55,6 +56,7 @@ class FakeEngine:
         self.exps: dict[str, tuple[Any, ExperimentStatus]] = {}
         self.ready = True
         self.calls: list[str] = []
+        self.capacity_calls = 0  # the whole capacity answer: psutil, CUDA, the memory plan
         self.fail_ticks = 0
 
     def _spec_dict(self, spec: Any) -> dict[str, Any]:
@@ -114,6 +116,7 @@ class FakeEngine:
         return status
 
     def capacity(self):
+        self.capacity_calls += 1
         with self.lock:
             return Capacity(
                 model=self.model_name, rollout_backend="torch", max_adapters=self.max_adapters,
@@ -132,12 +135,12 @@ class FakeEngine:
     def chat_prompt(self, messages):
         return self.tokenize("".join(f"{m['role']}: {m['content']}\n" for m in messages))
 
-    def complete(self, model, prompt_ids, max_tokens, temperature, n, sampling=None):
-        self.calls.append(f"complete {model}")
-        if model != self.model_name and model not in self.exps:
-            raise NotFoundError(f"no model {model}", "model")
-        texts = [f"{model}:{self.detokenize(prompt_ids)}:{i}" for i in range(n)]
-        return [Completion(self.tokenize(t), [0.0] * len(t), finish_reason="stop") for t in texts]
+    def complete(self, job: PromptJob) -> list[ServedRow]:
+        self.calls.append(f"complete {job.model}")
+        if job.model != self.model_name and job.model not in self.exps:
+            raise NotFoundError(f"no model {job.model}", "model")
+        texts = [f"{job.model}:{self.detokenize(job.prompt_ids)}:{i}" for i in range(job.n)]
+        return [ServedRow(self.tokenize(t), [0.0] * len(t), finish_reason="stop") for t in texts]
 
     def tick(self):
         if self.fail_ticks:

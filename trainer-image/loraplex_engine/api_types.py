@@ -1,14 +1,15 @@
 """Types the engine exposes to its drivers (HTTP server, local runner, benchmark).
 
-The engine loop, the server and the runner agree on these and nothing else, so the
-server stays a thin translation layer between HTTP and :class:`EngineService`. The errors
-its methods raise live in :mod:`loraplex_engine.errors` (``ApiError`` and subclasses).
+The engine loop, the server and the runner agree on these, the protocol of service.py
+and nothing else, so the server stays a thin translation layer between HTTP and the
+engine. The errors the engine raises live in :mod:`loraplex_engine.errors` (``ApiError``
+and subclasses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
@@ -210,63 +211,3 @@ class TickReport:
     phase_seconds: dict[str, float]  # per TICK_PHASES entry
     experiments: list[ExperimentTick] = field(default_factory=list)
     adapter_sync: AdapterSync | None = None  # None: no adapter weights crossed this tick
-
-
-class EngineService(Protocol):
-    """What the HTTP server and the local runner call. All methods are thread-safe."""
-
-    model_name: str
-    rollout_backend: str
-    context_tokens: int | None  # the base model's context window, when it states one
-
-    def is_ready(self) -> bool: ...
-
-    def put_experiment(
-        self,
-        exp_id: str,
-        spec: Any,
-        namespace: str,
-        name: str,
-        resume_from: str | None,
-        run_id: str | None = None,
-    ) -> tuple[ExperimentStatus, bool]:
-        """Start or resume; returns (status, created). Same spec again is a no-op.
-
-        ``run_id`` names the run (its checkpoint directory): with it and no
-        ``resume_from``, the run's newest intact checkpoint is resumed if it has one."""
-
-    def get_experiment(self, exp_id: str) -> ExperimentStatus: ...
-
-    def list_experiments(self) -> list[ExperimentStatus]: ...
-
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef: ...
-
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
-        """Checkpoint, then unload and free the slot."""
-
-    def capacity(self) -> Capacity: ...
-
-    def complete(
-        self,
-        model: str,
-        prompt_ids: list[int],
-        max_tokens: int,
-        temperature: float,
-        n: int,
-        sampling: Any = None,
-    ) -> list[Any]:
-        """``n`` completions (``rollout.base.Completion``: sampled token ids, log-probs,
-        finish reason) from an experiment's current adapter (or the base), served in the
-        next tick's rollout batch. Blocks until done. ``sampling``: a ``tick.JobSampling``
-        (top_p, alternatives, seed, per-token callback, cancellation)."""
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids (ids outside the vocabulary: InvalidRequestError)."""
-
-    def detokenize(self, token_ids: list[int]) -> str: ...
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """The messages through the chat template (none: InvalidRequestError)."""
-
-    def tick(self) -> TickReport | None:
-        """Advance every running experiment one step; None when nothing ran."""

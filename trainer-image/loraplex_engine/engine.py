@@ -1,7 +1,7 @@
 """The hot engine: one frozen base model, one adapter slot per experiment, and a tick
 that advances every running experiment by one RL step at once.
 
-The Engine is the API (:class:`~loraplex_engine.api_types.EngineService`) over its parts:
+The Engine is the API (:class:`~loraplex_engine.service.EngineService`) over its parts:
 the model with its adapter slots (lora/model.py), the run store (store/run_store.py:
 checkpoint layout, resume, keep-K), the tick's phase pipeline (tick.py), the training
 strategy (train/strategy.py) and the rollout backend (rollout/). Experiments join and
@@ -36,6 +36,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -67,15 +68,15 @@ from loraplex_engine.rollout.backends import (
     TorchRollout,
     VLLMRolloutBackend,
 )
-from loraplex_engine.rollout.base import Completion
 from loraplex_engine.rollout.vllm.config import kv_bytes_per_token, vllm_engine_args
+from loraplex_engine.service import PromptJob, ServedRow
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
-from loraplex_engine.tick import CompletionJob, JobSampling, Tick
+from loraplex_engine.tick import Tick
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
@@ -94,7 +95,7 @@ COMPLETION_TIMEOUT_S = 300.0
 
 
 class Engine:
-    """Implements :class:`loraplex_engine.api_types.EngineService`.
+    """Implements :class:`loraplex_engine.service.TickingEngine`.
 
     ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
     arm, dev/timesliced.py). ``dtype``: the frozen base's (lora/precision.py; None: bfloat16 on
@@ -357,7 +358,7 @@ class Engine:
         with self._jobs_lock:
             self._refusing = reason
             jobs, self._jobs = self._jobs, []
-        _resolve(jobs, UnavailableError(reason))
+        resolve(jobs, UnavailableError(reason))
 
     def close(self) -> None:
         """Answer the completions still queued, stop the reward pool and the rollout
@@ -476,36 +477,26 @@ class Engine:
                 del self._experiments[exp_id]
             return exp.status()
 
-    def complete(
-        self,
-        model: str,
-        prompt_ids: list[int],
-        max_tokens: int,
-        temperature: float,
-        n: int,
-        sampling: JobSampling | None = None,
-    ) -> list[Completion]:
-        """Served by the next tick, inside its rollout batch; ``sampling.on_token`` sees
-        each token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        if model not in (self.model_name, *self._experiments):
-            raise NotFoundError(f"no model {model!r}: use an experiment id or {self.model_name!r}")
-        self.limits.check_completion(len(prompt_ids), max_tokens, n)
-        sampling = sampling or JobSampling()
-        slot_name = None if model == self.model_name else model
-        job = CompletionJob(slot_name, prompt_ids, max_tokens, temperature, n, sampling=sampling)
+    def complete(self, job: PromptJob) -> list[ServedRow]:
+        """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
+        token as the decode makes it (torch backend; vLLM answers whole rows)."""
+        if job.model not in (self.model_name, *self._experiments):
+            raise NotFoundError(
+                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
+            )
+        self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
+        queued = CompletionJob.of(job, self.model_name)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
-            self._jobs.append(job)
+            self._jobs.append(queued)
             self.work_available.set()
-        if not job.done.wait(COMPLETION_TIMEOUT_S):
+        if not queued.done.wait(COMPLETION_TIMEOUT_S):
             with self._jobs_lock:
-                if job in self._jobs:
-                    self._jobs.remove(job)
+                if queued in self._jobs:
+                    self._jobs.remove(queued)
             raise UnavailableError(f"no tick served this completion in {COMPLETION_TIMEOUT_S:.0f}s")
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return queued.answer()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.codec.prompt_ids(prompt)
@@ -531,9 +522,7 @@ class Engine:
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
-                _resolve(
-                    jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}")
-                )
+                resolve(jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}"))
                 raise
             if report.adapter_sync is not None and self.adapter_sync is not None:
                 with self._state_lock:  # capacity() reads it from request threads
@@ -583,11 +572,3 @@ class Engine:
         if exp is None:
             raise NotFoundError(f"no experiment {exp_id!r} on this engine")
         return exp
-
-
-def _resolve(jobs: list[CompletionJob], error: Exception) -> None:
-    """Answer every job not answered yet with ``error``."""
-    for job in jobs:
-        if not job.done.is_set():
-            job.error = error
-            job.done.set()

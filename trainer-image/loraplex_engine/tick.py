@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -30,6 +29,7 @@ from typing import TypeVar
 import torch
 
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
+from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
@@ -51,80 +51,6 @@ from loraplex_engine.train.strategy import TrainingStrategy
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
-
-
-@dataclass
-class CompletionJob:
-    """A queued completion request, served inside the next tick's rollout batch."""
-
-    slot_name: str | None  # experiment id, or None for the base model
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    n: int
-    done: threading.Event = field(default_factory=threading.Event)
-    result: list[Completion] = field(default_factory=list)
-    error: Exception | None = None
-    sampling: JobSampling = field(default_factory=lambda: JobSampling())
-
-    def requests(self, slot: int) -> list[RolloutRequest]:
-        """Its ``n`` rows; they share the job's seeded generator, if it has one."""
-        s = self.sampling
-        return [
-            RolloutRequest(
-                slot,
-                self.prompt_ids,
-                self.max_tokens,
-                self.temperature,
-                generator=s.generator,
-                group="~job",
-                adapter=self.slot_name,
-                top_p=s.top_p,
-                top_logprobs=s.top_logprobs,
-                seeded=s.generator is not None,
-                sink=None if s.on_token is None else _JobRowSink(s, row),
-            )
-            for row in range(self.n)
-        ]
-
-    def abandoned(self) -> bool:
-        """Every row cancelled before the batch: the job is answered without decoding."""
-        cancelled = self.sampling.cancelled
-        return cancelled is not None and all(cancelled(row) for row in range(self.n))
-
-
-# (row, token id, log-prob, top alternatives or None), called from the tick's thread
-TokenCallback = Callable[[int, int, float, "dict[int, float] | None"], None]
-
-
-@dataclass
-class JobSampling:
-    """A served completion's sampling beyond temperature, and its streaming hooks."""
-
-    top_p: float = 1.0
-    top_logprobs: int = 0
-    generator: torch.Generator | None = None  # from the request's seed
-    on_token: TokenCallback | None = None  # each sampled token as the decode makes it
-    cancelled: Callable[[int], bool] | None = None  # row -> its client no longer wants it
-
-
-@dataclass
-class _JobRowSink:
-    sampling: JobSampling
-    row: int
-
-    def push(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
-        if self.sampling.on_token is None:
-            return
-        try:
-            self.sampling.on_token(self.row, token_id, logprob, top)
-        except Exception:  # a listener gone (its event loop closed) never fails the tick
-            log.exception("dropping a served row's token report")
-            self.sampling.on_token = None
-
-    def cancelled(self) -> bool:
-        check = self.sampling.cancelled
-        return check is not None and check(self.row)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from loraplex_engine.api_types import AdapterSync, EngineService, ExperimentStatus, TickReport
+from loraplex_engine.api_types import AdapterSync, ExperimentStatus, TickReport
 from loraplex_engine.base_model import lora_targets_of
 from loraplex_engine.errors import ApiError, FieldError, UsageError
 from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
@@ -25,6 +25,7 @@ from loraplex_engine.parallel.data_parallel import DataParallelTraining, check_t
 from loraplex_engine.parallel.distributed import DEFAULT_TIMEOUT_S, World
 from loraplex_engine.parallel.launch import data_parallel
 from loraplex_engine.server.flags import resolve_device
+from loraplex_engine.service import TickingEngine
 from loraplex_engine.store.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from loraplex_engine.tenancy.trust import TrustPolicy
 
@@ -100,7 +101,7 @@ def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
 
 
 def run_until_done(
-    engine: EngineService,
+    engine: TickingEngine,
     ids: list[str],
     out: TextIO,
     progress: Progress,
@@ -130,7 +131,7 @@ def run_until_done(
             return now - start
 
 
-def final_adapter(engine: EngineService, status: ExperimentStatus) -> str | None:
+def final_adapter(engine: TickingEngine, status: ExperimentStatus) -> str | None:
     """The checkpoint directory holding the experiment's final adapter.
 
     A finished experiment always has one: the engine checkpoints at its last step, and
@@ -160,7 +161,7 @@ def export_adapter(source: str | None, out_dir: Path, name: str) -> str | None:
 
 
 def write_summary(
-    engine: EngineService,
+    engine: TickingEngine,
     ids: list[str],
     progress: Progress,
     wall: float,

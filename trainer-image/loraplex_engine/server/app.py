@@ -1,4 +1,5 @@
-"""The engine's HTTP API (docs/engine-api.md): a thin FastAPI layer over EngineService.
+"""The engine's HTTP API (docs/engine-api.md): a thin FastAPI layer over EngineService
+(service.py).
 
 Everything here translates: JSON in, validated by pydantic; one call on the engine
 (in a worker thread, since engine calls may wait for the running tick); JSON out.
@@ -23,7 +24,6 @@ from loraplex_engine.api_types import (
     RUN_ID_PATTERN,
     Capacity,
     CheckpointRef,
-    EngineService,
     ExperimentStatus,
 )
 from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
@@ -34,6 +34,7 @@ from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.server.openai.chat import add_chat_route
 from loraplex_engine.server.openai.completions import add_completions_route
 from loraplex_engine.server.openai.models import add_models_routes
+from loraplex_engine.service import EngineService
 from loraplex_engine.spec import ExperimentSpec
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"

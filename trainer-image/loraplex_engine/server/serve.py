@@ -36,13 +36,7 @@ from typing import Any
 
 import psutil
 
-from loraplex_engine.api_types import (
-    Capacity,
-    CheckpointRef,
-    EngineService,
-    ExperimentStatus,
-    TickReport,
-)
+from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
@@ -61,6 +55,7 @@ from loraplex_engine.server.flags import (
     reward_hosts,
     vllm_options,
 )
+from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 
 log = logging.getLogger("loraplex_engine.server.serve")
@@ -82,7 +77,7 @@ class EngineHolder:
     def __init__(self, model_name: str, rollout_backend: str) -> None:
         self.model_name = model_name
         self.rollout_backend = rollout_backend
-        self.engine: EngineService | None = None
+        self.engine: TickingEngine | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -92,7 +87,7 @@ class EngineHolder:
     def context_tokens(self) -> int | None:
         return self._get().context_tokens
 
-    def _get(self) -> EngineService:
+    def _get(self) -> TickingEngine:
         engine = self.engine
         if engine is None:
             raise UnavailableError("the engine is still loading")
@@ -127,16 +122,8 @@ class EngineHolder:
     def capacity(self) -> Capacity:
         return self._get().capacity()
 
-    def complete(
-        self,
-        model: str,
-        prompt_ids: list[int],
-        max_tokens: int,
-        temperature: float,
-        n: int,
-        sampling: Any = None,
-    ) -> list[Any]:
-        return self._get().complete(model, prompt_ids, max_tokens, temperature, n, sampling)
+    def complete(self, job: PromptJob) -> list[ServedRow]:
+        return self._get().complete(job)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self._get().tokenize(prompt)
@@ -166,7 +153,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: EngineService,
+        engine: TickingEngine,
         metrics: EngineMetrics,
         *,
         idle_wait_s: float = IDLE_WAIT_S,

@@ -2,7 +2,7 @@
 
 The messages go through the base model's tokenizer chat template (``engine.chat_prompt``;
 a model without one is a 400 saying so), then are served exactly like a completion of
-that prompt (``openai_choices``). With ``stream: true`` the answer is server-sent events
+that prompt (``choices.py``). With ``stream: true`` the answer is server-sent events
 of ``chat.completion.chunk`` objects (first the assistant role, then content deltas, then
 the finish reason), ending with ``data: [DONE]``.
 """
@@ -20,7 +20,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from loraplex_engine.api_types import EngineService
 from loraplex_engine.server.errors import streamed_or_json
 from loraplex_engine.server.openai.api import ChatRequestBase, with_token_limit
 from loraplex_engine.server.openai.choices import (
@@ -33,6 +32,7 @@ from loraplex_engine.server.openai.choices import (
     usage,
 )
 from loraplex_engine.server.openai.completions import check_model
+from loraplex_engine.service import EngineService
 
 
 class ChatCompletionResponse(BaseModel):

@@ -1,10 +1,11 @@
 """Serving OpenAI choices from the engine: sampled tokens → text, stop strings, log-probs.
 
-A request's prompts each become one ``engine.complete`` job (``n`` rows) in a worker
-thread; the engine serves it in its next rollout batch. The torch backend reports every
-token as its decode step makes it (``JobSampling.on_token``, from the tick's thread,
-handed to the event loop without blocking), so a stream's chunks leave while the row is
-still decoding; the vLLM backend answers whole rows, which are fed in at the end.
+A request's prompts each become one ``engine.complete`` call with a ``PromptJob`` (``n``
+rows; service.py) in a worker thread; the engine serves it in its next rollout batch. The
+torch backend reports every token as its decode step makes it (``PromptJob.on_token``,
+from the tick's thread, handed to the event loop without blocking), so a stream's chunks
+leave while the row is still decoding; the vLLM backend answers whole rows, which are fed
+in at the end.
 
 Stop strings apply to the decoded text, as OpenAI does: the text ends before the first
 stop string, ``finish_reason`` is ``"stop"``, and the row is cancelled at once (it frees
@@ -21,11 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import torch
 
-from loraplex_engine.api_types import EngineService
-from loraplex_engine.rollout.base import Completion
-from loraplex_engine.tick import JobSampling
+from loraplex_engine.service import EngineService, PromptJob, ServedRow
 
 COMPLETION_THREADS = 32
 DISCONNECT_POLL_S = 1.0
@@ -81,7 +79,7 @@ class ChoiceText:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
-    def finish(self, completion: Completion | None) -> None:
+    def finish(self, completion: ServedRow | None) -> None:
         """The row's final answer (None: the job was dropped before decoding)."""
         if completion is not None:
             for i in range(len(self.ids), len(completion.token_ids)):  # not streamed
@@ -196,26 +194,21 @@ class ChoiceRun:
         def on_token(row: int, token: int, logprob: float, top: dict[int, float] | None) -> None:
             loop.call_soon_threadsafe(self._token, first + row, token, logprob, top)
 
-        generator = None
-        if req.seed is not None:
-            generator = torch.Generator().manual_seed(req.seed)
-        sampling = JobSampling(
+        job = PromptJob(
+            req.model,
+            ids,
+            req.max_tokens,
+            req.temperature,
+            req.n,
             top_p=req.top_p,
             top_logprobs=req.alternatives,
-            generator=generator,
+            seed=req.seed,
             on_token=on_token,
             cancelled=lambda row: self.cancelled[first + row],
         )
         try:
             results = await anyio.to_thread.run_sync(
-                self.engine.complete,
-                req.model,
-                ids,
-                req.max_tokens,
-                req.temperature,
-                req.n,
-                sampling,
-                limiter=self.limiter,
+                self.engine.complete, job, limiter=self.limiter
             )
         except Exception as e:  # answered through the event stream
             self._queue.put_nowait(("error", e))

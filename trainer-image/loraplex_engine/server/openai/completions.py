@@ -1,7 +1,7 @@
 """``POST /v1/completions``: OpenAI's completions, served from the rollout queue.
 
-The request body is ``openai_api.CompletionRequestBase``; the choices come from
-``openai_choices`` (one engine job per prompt, tokens as the decode makes them). With
+The request body is ``api.CompletionRequestBase``; the choices come from
+``choices.py`` (one engine job per prompt, tokens as the decode makes them). With
 ``stream: true`` the answer is server-sent events in OpenAI's ``text_completion`` chunk
 format, ending with ``data: [DONE]``.
 """
@@ -19,7 +19,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from loraplex_engine.api_types import EngineService
 from loraplex_engine.server.errors import streamed_or_json
 from loraplex_engine.server.openai.api import CompletionRequestBase, with_token_limit
 from loraplex_engine.server.openai.choices import (
@@ -31,6 +30,7 @@ from loraplex_engine.server.openai.choices import (
     stream_error,
     usage,
 )
+from loraplex_engine.service import EngineService
 
 
 class CompletionResponse(BaseModel):
@@ -108,7 +108,7 @@ def add_completions_route(
 
 def check_model(engine: EngineService, model: str) -> None:
     """A 404 before anything is queued (or, streaming, before the stream starts)."""
-    if model != engine.capacity().model:
+    if model != engine.model_name:
         engine.get_experiment(model)
 
 

@@ -16,8 +16,9 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from loraplex_engine.api_types import EngineService, ExperimentStatus
+from loraplex_engine.api_types import ExperimentStatus
 from loraplex_engine.server.errors import documented_errors
+from loraplex_engine.service import EngineService
 
 OWNER = "loraplex"
 
@@ -69,7 +70,7 @@ def add_models_routes(
     def list_models() -> dict[str, Any]:
         """The base model and every loaded experiment, as OpenAI lists models."""
         engine = ready_engine()
-        base = engine.capacity().model
+        base = engine.model_name
         cards = [_base_card(base)]
         cards += [_experiment_card(base, s) for s in engine.list_experiments()]
         return {"object": "list", "data": cards}
@@ -83,7 +84,7 @@ def add_models_routes(
     async def get_model(id: str) -> dict[str, Any]:
         """One model: the base or an experiment id."""
         engine = await run_in_threadpool(ready_engine)
-        base = (await run_in_threadpool(engine.capacity)).model
+        base = engine.model_name
         if id == base:
             return _base_card(base)
         return _experiment_card(base, await run_in_threadpool(engine.get_experiment, id))

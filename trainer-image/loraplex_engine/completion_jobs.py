@@ -1,0 +1,104 @@
+"""Served completions on the engine's side of the service (service.py): a ``PromptJob``
+becomes a queued :class:`CompletionJob`, whose rows ride in the next tick's rollout batch
+(tick.py), and its rollout ``Completion``\\ s go back as ``ServedRow``\\ s.
+
+Here, not in the HTTP layer, because this is where torch (the seed's generator) and the
+rollout's types live: the server only ever sees the service's values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.service import PromptJob, ServedRow, TokenCallback
+
+log = logging.getLogger("loraplex_engine.completion_jobs")
+
+
+@dataclass
+class CompletionJob:
+    """A queued completion request, served inside the next tick's rollout batch."""
+
+    job: PromptJob
+    slot_name: str | None  # experiment id, or None for the base model
+    generator: torch.Generator | None = None  # from the job's seed; its rows share it
+    # Dropped (None) once its listener fails: one gone client never fails a tick.
+    on_token: TokenCallback | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[Completion] = field(default_factory=list)
+    error: Exception | None = None
+
+    @classmethod
+    def of(cls, job: PromptJob, base_model: str) -> CompletionJob:
+        generator = None if job.seed is None else torch.Generator().manual_seed(job.seed)
+        slot_name = None if job.model == base_model else job.model
+        return cls(job, slot_name, generator, job.on_token)
+
+    @property
+    def n(self) -> int:
+        return self.job.n
+
+    def requests(self, slot: int) -> list[RolloutRequest]:
+        """Its ``n`` rows; they share the job's seeded generator, if it has one."""
+        job = self.job
+        return [
+            RolloutRequest(
+                slot,
+                job.prompt_ids,
+                job.max_tokens,
+                job.temperature,
+                generator=self.generator,
+                group="~job",
+                adapter=self.slot_name,
+                top_p=job.top_p,
+                top_logprobs=job.top_logprobs,
+                seeded=self.generator is not None,
+                sink=None if self.on_token is None else _JobRowSink(self, row),
+            )
+            for row in range(job.n)
+        ]
+
+    def abandoned(self) -> bool:
+        """Every row cancelled before the batch: the job is answered without decoding."""
+        cancelled = self.job.cancelled
+        return cancelled is not None and all(cancelled(row) for row in range(self.n))
+
+    def answer(self) -> list[ServedRow]:
+        """The rows as the service returns them; the job's error, raised, if it failed."""
+        if self.error is not None:
+            raise self.error
+        return [
+            ServedRow(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in self.result
+        ]
+
+
+def resolve(jobs: list[CompletionJob], error: Exception) -> None:
+    """Answer every job not answered yet with ``error``."""
+    for job in jobs:
+        if not job.done.is_set():
+            job.error = error
+            job.done.set()
+
+
+@dataclass
+class _JobRowSink:
+    job: CompletionJob
+    row: int
+
+    def push(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+        if self.job.on_token is None:
+            return
+        try:
+            self.job.on_token(self.row, token_id, logprob, top)
+        except Exception:  # a listener gone (its event loop closed) never fails the tick
+            log.exception("dropping a served row's token report")
+            self.job.on_token = None
+
+    def cancelled(self) -> bool:
+        check = self.job.job.cancelled
+        return check is not None and check(self.row)
