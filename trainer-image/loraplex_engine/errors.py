@@ -170,3 +170,13 @@ class UnavailableError(ApiError):
     """The engine is still loading (or its loop has stopped)."""
 
     code = "unavailable"
+
+
+class CheckpointQuotaError(CheckpointError):
+    """A checkpoint would take a namespace past its share of the checkpoint volume: the
+    experiment writing it fails, its neighbours do not."""
+
+
+class StorageFullError(CheckpointError):
+    """The checkpoint volume itself is full (ENOSPC) for a namespace within its quota:
+    the engine's condition, not the tenant's fault; the write is retried."""

@@ -63,6 +63,9 @@ class Experiment:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
+    # A due checkpoint met a full volume (StorageFullError): retried every tick; a
+    # finished experiment is Succeeded only once its last checkpoint is written.
+    checkpoint_pending: bool = False
     # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)

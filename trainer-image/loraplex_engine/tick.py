@@ -35,6 +35,7 @@ from loraplex_engine.errors import (
     InvalidRequestError,
     NotFoundError,
     RewardError,
+    StorageFullError,
     TaskError,
 )
 from loraplex_engine.experiment import Experiment, now
@@ -132,6 +133,8 @@ class Tick:
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
+        # Why the last checkpoint write found the volume full; None once one succeeds.
+        self.storage_full: str | None = None
 
     def has_work(self, running: list[Experiment]) -> bool:
         """A tick would do something: an experiment can roll out or a reward is back."""
@@ -144,7 +147,11 @@ class Tick:
         failures: list[Failure] = []
         arrived = self.scorer.arrived(running)  # late rewards: these train now
         back = {id(_exp_of(a)) for a in arrived}
-        eligible = [e for e in running if not self.scorer.is_pending(e) and id(e) not in back]
+        eligible = [
+            e
+            for e in running
+            if not self.scorer.is_pending(e) and id(e) not in back and not _finished(e)
+        ]
         due = due_to_roll_out(eligible, self.count)
 
         @contextmanager
@@ -170,6 +177,8 @@ class Tick:
             trained = _keep(synced, failures)
         with timed("checkpoint"):
             stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
+            stepped_ids = {id(t.scored.rollout.exp) for t in trained}
+            _keep(self._retry_checkpoints(running, stepped_ids), failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
@@ -389,12 +398,41 @@ class Tick:
             t.train_tokens,
             logprob_gap=t.logprob_gap,
         )
-        if finished or due:
-            self.store.save(exp)
-            tick.checkpointed = True
-        if finished:
+        if finished or due or exp.checkpoint_pending:
+            tick.checkpointed = self._save(exp)
+        if finished and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick
+
+    def _save(self, exp: Experiment) -> bool:
+        """Checkpoint ``exp``; a full volume (not this tenant's doing: its quota is checked
+        first) leaves it training and the write pending, retried every tick."""
+        try:
+            self.store.save(exp)
+        except StorageFullError as e:
+            log.warning("experiment %s: checkpoint deferred: %s", exp.id, e)
+            exp.checkpoint_pending, self.storage_full = True, str(e)
+            return False
+        exp.checkpoint_pending, self.storage_full = False, None
+        return True
+
+    def _retry_checkpoints(self, running: list[Experiment], stepped: set[int]) -> list[Failure]:
+        """Pending checkpoints of experiments that did not step this tick (a finished one
+        waits here for room to write its last); the experiments whose retry failed."""
+        failed: list[Failure] = []
+        for exp in running:
+            if not exp.checkpoint_pending or id(exp) in stepped:
+                continue
+            saved = _guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
+            if isinstance(saved, Failure):
+                failed.append(saved)
+            elif saved and _finished(exp):
+                exp.phase = "Succeeded"
+        return failed
+
+
+def _finished(exp: Experiment) -> bool:
+    return exp.max_steps > 0 and exp.step >= exp.max_steps
 
 
 def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:

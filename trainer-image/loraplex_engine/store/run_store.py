@@ -17,6 +17,7 @@ is :mod:`loraplex_engine.store.checkpoint`'s.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -29,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from safetensors import SafetensorError
 
 from loraplex_engine.api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN, CheckpointRef
-from loraplex_engine.errors import BadCheckpointError, CheckpointError
+from loraplex_engine.errors import BadCheckpointError, CheckpointError, StorageFullError
 from loraplex_engine.experiment import Experiment
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 from loraplex_engine.tenancy.trust import checkpoint_inside
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 
@@ -56,12 +59,18 @@ class RunStore:
     """Writes, prunes and resumes the checkpoints of the experiments on one engine."""
 
     def __init__(
-        self, root: Path, model: MultiLoRAModel, optimizer: PerAdapterAdamW, base_model: str
+        self,
+        root: Path,
+        model: MultiLoRAModel,
+        optimizer: PerAdapterAdamW,
+        base_model: str,
+        quota: CheckpointQuota | None = None,
     ) -> None:
         self.root = root
         self.model = model
         self.optimizer = optimizer
         self.base_model = base_model  # written into adapter_config.json
+        self.quota = quota  # None: a namespace's checkpoints are not bounded
         self.remove_stale_leftovers()
 
     def remove_stale_leftovers(self, older_than_s: float = STALE_LEFTOVER_S) -> int:
@@ -100,16 +109,31 @@ class RunStore:
         run_dir = self.run_dir(exp.namespace, exp.name, exp.run_id)
         self.remove_leftovers(run_dir)  # the experiment is bound here: the run is ours
         target = run_dir / f"step-{exp.step:08d}"
-        with ckpt.atomic_dir(target, overwrite=True) as tmp:
-            ckpt.save_adapter(self.model, exp.id, tmp, base_model_name_or_path=self.base_model)
-            ckpt.save_trainer_state(
-                tmp, self.optimizer, exp.id, exp.sample_gen, metadata=_metadata(exp)
-            )
+        kept = [d for d in step_dirs(run_dir) if d != target]
+        pruned = kept[: max(0, len(kept) - (exp.spec.checkpoint.keep - 1))]
+        if self.quota is not None:
+            writing = tree_bytes(kept[-1]) if kept else self._estimated_bytes(exp.id)
+            self.quota.check(self.root, exp.namespace, writing, pruned)
+        try:
+            with ckpt.atomic_dir(target, overwrite=True) as tmp:
+                ckpt.save_adapter(self.model, exp.id, tmp, base_model_name_or_path=self.base_model)
+                ckpt.save_trainer_state(
+                    tmp, self.optimizer, exp.id, exp.sample_gen, metadata=_metadata(exp)
+                )
+        except (OSError, SafetensorError) as e:
+            if _out_of_space(e):
+                raise StorageFullError(f"the checkpoint volume is full: {e}") from e
+            raise
         exp.checkpoint = CheckpointRef(path=str(target), step=exp.step)
         exp.adapter_path = str(target)
         for old in step_dirs(run_dir)[: -exp.spec.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return exp.checkpoint
+
+    def _estimated_bytes(self, exp_id: str) -> int:
+        """A first checkpoint's size: the adapter and its two Adam moments, fp32."""
+        tensors = self.model.adapter_state_dict(exp_id).values()
+        return 3 * 4 * sum(t.numel() for t in tensors)
 
     def resume_from(
         self,
@@ -239,6 +263,15 @@ class RunStore:
         if self.optimizer.has_adapter(exp_id):
             self.optimizer.remove_adapter(exp_id)
         self.model.remove_adapter(exp_id)
+
+
+def _out_of_space(e: Exception) -> bool:
+    """ENOSPC or EDQUOT, from Python's own writes or from safetensors' (which wraps the
+    OS error in its own, numbered the OS's way)."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, OSError):
+        return e.errno in codes
+    return any(f"(os error {code})" in str(e) for code in codes)
 
 
 def _metadata(exp: Experiment) -> dict[str, Any]:
