@@ -209,7 +209,7 @@ class Tick:
 
     def has_work(self, running: list[Experiment]) -> bool:
         """A tick would do something: an experiment can roll out or a reward is back."""
-        return self.scorer.has_arrived() or any(not self.scorer.is_pending(e) for e in running)
+        return self.scorer.has_arrived() or any(not self.scorer.waits(e) for e in running)
 
     def run(self, running: list[Experiment], jobs: list[CompletionJob]) -> TickReport:
         start = time.perf_counter()
@@ -218,7 +218,7 @@ class Tick:
         failures: list[Failure] = []
         arrived = self.scorer.arrived(running)  # late rewards: these train now
         back = {id(_exp_of(a)) for a in arrived}
-        eligible = [e for e in running if not self.scorer.is_pending(e) and id(e) not in back]
+        eligible = [e for e in running if not self.scorer.waits(e) and id(e) not in back]
         due = due_to_roll_out(eligible, self.count)
 
         @contextmanager
