@@ -1,16 +1,25 @@
-"""Who rolls out in a tick (tenancy/fair_share.py): one size in lockstep, expensive steps yield."""
+"""Who rolls out in a tick (tenancy/fair_share.py): one size in lockstep, expensive steps
+yield, and a namespace's late reward calls are capped."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 from loraplex_engine.experiment import Experiment, new_experiment
-from loraplex_engine.tenancy.fair_share import EXPENSIVE_YIELD, due_to_roll_out, rollout_interval
+from loraplex_engine.tenancy.fair_share import (
+    EXPENSIVE_YIELD,
+    RewardScorer,
+    due_to_roll_out,
+    rollout_interval,
+)
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 from tests.engine.engine_builders import spec
 
 
-def experiment(exp_id: str, cost: int) -> Experiment:
-    exp = new_experiment(exp_id, spec(), "default", exp_id, None, TrustPolicy())
+def experiment(exp_id: str, cost: int = 0, namespace: str = "default") -> Experiment:
+    exp = new_experiment(exp_id, spec(), namespace, exp_id, None, TrustPolicy())
     exp.step_cost = cost
     return exp
 
@@ -46,3 +55,27 @@ def test_no_tick_is_left_empty_while_work_waits() -> None:
     big.rolled_out_at = 5
     assert [e.id for e in due_to_roll_out([big], 6)] == ["big"]
     assert rollout_interval(1000, 100) == 30 and rollout_interval(149, 100) == 1
+
+
+def test_a_namespace_at_its_cap_of_calls_in_flight_waits_and_others_do_not() -> None:
+    release = threading.Event()
+    scorer: RewardScorer[bool] = RewardScorer(0.01, lambda: None, max_per_namespace=2)
+    a1, a2, a3 = (experiment(f"a{i}", namespace="team-a") for i in (1, 2, 3))
+    b1 = experiment("b1", namespace="team-b")
+    closed: list[str] = []
+    a1.task.close = lambda: closed.append("a1")  # type: ignore[method-assign]
+    try:
+        assert scorer.score([(a1, release.wait), (a2, release.wait)]) == []  # both late
+        assert scorer.in_flight("team-a") == 2
+        assert scorer.waits(a1) and scorer.waits(a3)  # a3: not pending, its namespace full
+        assert not scorer.waits(b1)
+        # Removed: its reward is closed, and its call counts until it has ended.
+        scorer.forget(a1)
+        assert closed == ["a1"] and not scorer.is_pending(a1) and scorer.waits(a3)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while scorer.in_flight("team-a") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.in_flight("team-a") == 0 and not scorer.waits(a3)
+    assert scorer.arrived([a2]) == [True]  # a1 was removed: its result is dropped

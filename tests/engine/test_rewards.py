@@ -2,6 +2,7 @@ import json
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
@@ -28,8 +29,13 @@ ITEMS = [
 ]
 
 
+GIB = 1 << 30
+CAP = 64 * 1024  # the answer cap the size tests set
+
+
 class _Handler(BaseHTTPRequestHandler):
     received: ClassVar[list[dict]] = []
+    sent: ClassVar[Counter[str]] = Counter()  # body bytes a path got out before it was cut
 
     def log_message(self, *args: object) -> None:  # keep test output quiet
         pass
@@ -58,8 +64,49 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/slow":
             time.sleep(1.0)
             self._send(200, json.dumps({"scores": [0.0] * len(items)}).encode())
+        elif self.path in ("/trickle", "/trickle-head", "/hang"):
+            self._trickle()
+        elif self.path in ("/gib-length", "/gib-chunked"):
+            self._flood(chunked=self.path == "/gib-chunked")
+        elif self.path == "/deep":
+            self._send(200, b"[" * 200_000)
         else:
             self._send(200, json.dumps(answers[self.path]).encode())
+
+    def _trickle(self) -> None:
+        """One byte every 50 ms for 5 s at most: of the head too (/trickle-head), of the
+        body only (/trickle), or nothing at all after the head (/hang)."""
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
+        out = head if self.path == "/trickle-head" else b" " * 100
+        if self.path != "/trickle-head":
+            self.wfile.write(head)
+        if self.path == "/hang":
+            out = b""
+            time.sleep(5)
+        try:
+            for i in range(len(out)):
+                self.wfile.write(out[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:  # the client gave up: what the test wants
+            pass
+
+    def _flood(self, chunked: bool) -> None:
+        """Announce (or stream chunked) a GiB; count what gets out before the client cuts."""
+        self.send_response(200)
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(GIB))
+        self.end_headers()
+        block = b"1" * 65536
+        frame = b"%x\r\n%b\r\n" % (len(block), block) if chunked else block
+        try:
+            while _Handler.sent[self.path] < GIB:
+                self.wfile.write(frame)
+                _Handler.sent[self.path] += len(block)
+        except OSError:
+            pass
 
     def _send(self, status: int, payload: bytes) -> None:
         try:
@@ -156,10 +203,64 @@ def test_http_reward_rechecks_the_address_on_every_request(server: str) -> None:
 
 
 def test_http_reward_timeout_and_unreachable(server: str) -> None:
-    with pytest.raises(RewardError, match="unreachable"):
+    with pytest.raises(RewardError, match=r"within its deadline of 0\.2s"):
         HttpReward(f"{server}/slow", timeout=0.2).score(ITEMS)
     with pytest.raises(RewardError, match="unreachable"):
         HttpReward("http://127.0.0.1:9/score", timeout=1).score(ITEMS)
+
+
+@pytest.mark.parametrize("path", ["/trickle", "/trickle-head"])
+def test_a_trickling_answer_fails_at_the_deadline_of_the_whole_exchange(
+    server: str, path: str
+) -> None:
+    # A byte every 50 ms never trips a 0.5 s per-read timeout; the answer takes 5 s.
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"did not answer in full within its deadline of 0\.5s"):
+        HttpReward(f"{server}{path}", timeout=0.5).score(ITEMS)
+    assert 0.45 < time.monotonic() - t0 < 1.5
+
+
+@pytest.mark.parametrize("path", ["/gib-length", "/gib-chunked"])
+def test_an_answer_over_the_cap_is_refused_before_it_is_read(server: str, path: str) -> None:
+    _Handler.sent[path] = 0
+    with pytest.raises(RewardError, match=f"answered more than the limit of {CAP} bytes"):
+        HttpReward(f"{server}{path}", timeout=20, max_bytes=CAP).score(ITEMS)
+    # The server stops once the connection is dropped: what it got out is the cap plus
+    # what loopback's socket buffers hold (a few MiB), not the GiB it announced.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        before = _Handler.sent[path]
+        time.sleep(0.2)
+        if _Handler.sent[path] == before:
+            break
+    assert _Handler.sent[path] < 64 * 1024 * 1024, _Handler.sent[path]
+
+
+def test_an_answer_nested_too_deep_is_invalid_json_not_a_crash(server: str) -> None:
+    with pytest.raises(RewardError, match="invalid JSON"):
+        HttpReward(f"{server}/deep", timeout=5).score(ITEMS)
+
+
+def test_close_ends_a_call_blocked_on_the_service(server: str) -> None:
+    reward = HttpReward(f"{server}/hang", timeout=30)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            reward.score(ITEMS)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)  # the request is out; the service sends its head, then nothing
+    t0 = time.monotonic()
+    reward.close()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - t0 < 1.0
+    assert len(errors) == 1 and "was closed" in str(errors[0]), errors
+    with pytest.raises(RewardError, match="was closed"):
+        reward.score(ITEMS)  # and nothing is sent once closed
 
 
 def test_builtin_scores() -> None:

@@ -7,13 +7,14 @@ import ipaddress
 from pathlib import Path
 
 import pytest
-from loraplex_engine.errors import TaskError
+from loraplex_engine.errors import TaskError, UsageError
 from loraplex_engine.tenancy.trust import (
     DataRoots,
     RewardEgress,
     TrustPolicy,
     checkpoint_inside,
     forbidden_reason,
+    parse_allowed_host,
 )
 
 
@@ -101,7 +102,43 @@ def test_local_and_metadata_addresses_are_forbidden(address: str, reason: str) -
     assert reason in str(forbidden_reason(ipaddress.ip_address(address), own))
 
 
-@pytest.mark.parametrize("address", ["10.96.0.12", "8.8.8.8", "192.168.1.5", "2001:db8::1"])
+# IPv6 spellings of an IPv4 address (issue 26, item 7): IPv4-compatible ::/96, mapped
+# ::ffff:0:0/96, NAT64 64:ff9b::/96, 6to4 2002::/16 and Teredo (client XOR-ed).
+@pytest.mark.parametrize(
+    ("address", "reason"),
+    [
+        ("::127.0.0.1", "loopback"),
+        ("::7f00:1", "loopback"),
+        ("::169.254.169.254", "metadata"),
+        ("::ffff:169.254.169.254", "metadata"),
+        ("64:ff9b::a9fe:a9fe", "metadata"),
+        ("64:ff9b::127.0.0.1", "loopback"),
+        ("64:ff9b::0.0.0.0", "unspecified"),
+        ("64:ff9b::100.100.100.200", "metadata"),
+        ("2002:a9fe:a9fe::", "metadata"),
+        ("2002:7f00:1::1", "loopback"),
+        ("2002:a01:203::", "own"),
+        ("::10.1.2.3", "own"),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback"),
+    ],
+)
+def test_ipv6_forms_are_judged_by_the_ipv4_address_inside(address: str, reason: str) -> None:
+    own = [ipaddress.ip_address("10.1.2.3")]
+    assert reason in str(forbidden_reason(ipaddress.ip_address(address), own))
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "10.96.0.12",
+        "8.8.8.8",
+        "192.168.1.5",
+        "2001:db8::1",
+        "64:ff9b::8.8.8.8",
+        "2002:808:808::1",
+        "::ffff:10.96.0.12",
+    ],
+)
 def test_other_addresses_are_allowed(address: str) -> None:
     assert (
         forbidden_reason(ipaddress.ip_address(address), [ipaddress.ip_address("10.1.2.3")]) is None
@@ -132,6 +169,53 @@ def test_reward_urls_to_local_addresses_are_refused_unless_the_host_is_listed() 
     target = listed.check("http://127.0.0.1:9000/score?x=1")
     assert target is not None and target.pinned_url == "http://127.0.0.1:9000/score?x=1"
     assert "loopback" in _egress_refusal(listed, "http://localhost:9000/score")  # not listed
+
+
+def test_reward_urls_with_ipv4_inside_ipv6_literals_are_refused() -> None:
+    egress = RewardEgress.build(["127.0.0.1:9000"], ["10.1.2.3"], own_port=8000)  # real DNS
+    for url, why in {
+        "http://[::127.0.0.1]:9000/": "loopback",
+        "http://[::ffff:127.0.0.1]:9000/": "loopback",
+        "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/": "metadata",
+        "http://[2002:a9fe:a9fe::]/latest/meta-data/": "metadata",
+        "http://[::10.1.2.3]:8000/v1/experiments": "own port",
+    }.items():
+        assert why in _egress_refusal(egress, url), url
+
+
+@pytest.mark.parametrize(
+    ("entry", "parsed"),
+    [
+        ("127.0.0.1:9000", ("127.0.0.1", 9000)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("Rewards.Test.:443", ("rewards.test", 443)),
+        ("rewards.test", ("rewards.test", None)),  # the older form: every port
+        ("::1", ("::1", None)),
+        ("[::1]", ("::1", None)),
+    ],
+)
+def test_allowed_reward_hosts_take_a_port(entry: str, parsed: tuple[str, int | None]) -> None:
+    assert parse_allowed_host(entry) == parsed
+
+
+@pytest.mark.parametrize("entry", ["h:abc", "h:0", "h:65536", "h:", ":80", "[::1", "[::1]x"])
+def test_a_bad_allowed_reward_host_is_a_usage_error(entry: str) -> None:
+    with pytest.raises(UsageError, match="--allow-reward-host"):
+        RewardEgress.build([entry])
+
+
+def test_a_listed_host_and_port_opens_that_port_alone() -> None:
+    table = {"127.0.0.1": ["127.0.0.1"], "::1": ["::1"], "rewards.test": ["127.0.0.1"]}
+    egress = _egress(table, hosts=("127.0.0.1:9000", "[::1]:9000", "rewards.test:80"))
+    assert egress.check("http://127.0.0.1:9000/score") is not None
+    assert egress.check("http://[::1]:9000/score") is not None
+    assert egress.check("http://rewards.test/score") is not None  # the scheme's port
+    for url in ("http://127.0.0.1:9001/", "http://[::1]:22/", "https://rewards.test/"):
+        assert "loopback" in _egress_refusal(egress, url), url
+    # The older bare form still opens every port of that host (existing pools use it).
+    bare = _egress(table, hosts=("127.0.0.1",))
+    assert bare.check("http://127.0.0.1:9001/") is not None
+    assert "own port" in _egress_refusal(bare, "http://127.0.0.1:8000/")
 
 
 def test_the_engines_own_port_is_refused_even_for_a_listed_host() -> None:

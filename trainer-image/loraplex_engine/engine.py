@@ -466,7 +466,7 @@ class Engine:
                 exp.checkpoint is None or exp.checkpoint.step != exp.step
             ):
                 self.store.save(exp)
-            self.scorer.forget(exp_id)
+            self.scorer.forget(exp)
             self.backend.remove_adapter(exp_id)
             slot = self.model.slot_of(exp_id)
             self.optimizer.remove_adapter(exp_id)

@@ -180,3 +180,8 @@ class CheckpointQuotaError(CheckpointError):
 class StorageFullError(CheckpointError):
     """The checkpoint volume itself is full (ENOSPC) for a namespace within its quota:
     the engine's condition, not the tenant's fault; the write is retried."""
+
+
+class ExchangeError(LoraplexError):
+    """Why a reward exchange failed (tenancy/reward_exchange.py), in words that carry
+    nothing of the answer; tasks/rewards.py reports it as the experiment's RewardError."""

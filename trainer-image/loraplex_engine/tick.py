@@ -138,7 +138,7 @@ class Tick:
 
     def has_work(self, running: list[Experiment]) -> bool:
         """A tick would do something: an experiment can roll out or a reward is back."""
-        return self.scorer.has_arrived() or any(not self.scorer.is_pending(e) for e in running)
+        return self.scorer.has_arrived() or any(not self.scorer.waits(e) for e in running)
 
     def run(self, running: list[Experiment], jobs: list[CompletionJob]) -> TickReport:
         start = time.perf_counter()
@@ -150,7 +150,7 @@ class Tick:
         eligible = [
             e
             for e in running
-            if not self.scorer.is_pending(e) and id(e) not in back and not _finished(e)
+            if not self.scorer.waits(e) and id(e) not in back and not _finished(e)
         ]
         due = due_to_roll_out(eligible, self.count)
 

@@ -437,9 +437,9 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
         "--allow-reward-host",
         action="append",
         default=None,
-        metavar="HOST",
-        help="rewardUrl host allowed even on a loopback, link-local or this pod's own "
-        "address (exact name or address); repeatable. Others must resolve elsewhere",
+        metavar="HOST:PORT",
+        help="rewardUrl host and port allowed even on a loopback, link-local or this pod's "
+        "own address (exact name or address; a bare HOST: every port); repeatable",
     )
 
 

@@ -15,6 +15,7 @@ from loraplex_engine.tasks.builtin import (
 )
 from loraplex_engine.tasks.jsonl import JsonlTask
 from loraplex_engine.tasks.rewards import BUILTIN_REWARDS, make_reward
+from loraplex_engine.tenancy.reward_exchange import REWARD_TIMEOUT_S
 from loraplex_engine.tenancy.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
@@ -38,7 +39,7 @@ def build_task(
     dataset: str | None = None,
     reward: str = "default",
     reward_url: str | None = None,
-    reward_timeout: float = 30.0,
+    reward_timeout: float = REWARD_TIMEOUT_S,
     *,
     dataset_root: Path | None = None,
     reward_egress: RewardEgress | None = None,

@@ -7,14 +7,19 @@ that owns the reward.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-import httpx
-
-from loraplex_engine.errors import RewardError, TaskError
+from loraplex_engine.errors import ExchangeError, RewardError, TaskError
+from loraplex_engine.tenancy.reward_exchange import (
+    MAX_REWARD_ANSWER_BYTES,
+    REWARD_TIMEOUT_S,
+    RewardClient,
+)
 from loraplex_engine.tenancy.trust import RewardEgress
 
 
@@ -117,21 +122,23 @@ class HttpReward:
     With ``egress`` every request resolves the host, checks the addresses (tenancy/trust.py) and
     connects to the checked one, so a DNS answer that changes after admission cannot
     point the request elsewhere. Redirects are never followed, and an error names the
-    status or failure only: no byte of the answer reaches the experiment's status."""
+    status or failure only: no byte of the answer reaches the experiment's status. Each
+    exchange has a deadline of ``timeout`` seconds in all and an answer of at most
+    ``max_bytes`` (tenancy/reward_exchange.py); ``close()`` ends one in flight."""
 
     name = "http"
 
     def __init__(
         self,
         url: str,
-        timeout: float = 30.0,
-        client: httpx.Client | None = None,
+        timeout: float = REWARD_TIMEOUT_S,
         egress: RewardEgress | None = None,
+        max_bytes: int = MAX_REWARD_ANSWER_BYTES,
     ):
         self.url = url
         self.timeout = timeout
         self.egress = egress
-        self._client = client or httpx.Client(timeout=timeout, follow_redirects=False)
+        self._client = RewardClient(timeout, max_bytes)
 
     def close(self) -> None:
         self._client.close()
@@ -156,40 +163,32 @@ class HttpReward:
         return [_check_score(s, i, f"service {self.url}") for i, s in enumerate(scores)]
 
     def _post(self, body: dict[str, Any]) -> Any:
-        url, headers, extensions = self.url, {}, {}
+        url, sni = self.url, None
+        host_header = urlsplit(self.url).netloc.rpartition("@")[2]  # userinfo never in Host
         if self.egress is not None:
             try:
                 target = self.egress.check(self.url)
             except TaskError as exc:
                 raise RewardError(f"reward service {self.url}: {exc.message}") from None
             assert target is not None  # check() resolves or raises
-            url, headers = target.pinned_url, {"Host": target.host_header}
-            extensions = {"sni_hostname": target.sni_hostname}
+            url, host_header, sni = target.pinned_url, target.host_header, target.sni_hostname
+        headers = [("Host", host_header), ("Content-Type", "application/json")]
         try:
-            resp = self._client.post(
-                url,
-                json=body,
-                headers=headers,
-                extensions=extensions,
-                timeout=self.timeout,
-                follow_redirects=False,
-            )
-        except httpx.HTTPError as exc:
-            raise RewardError(
-                f"reward service {self.url} unreachable ({type(exc).__name__})"
-            ) from exc
-        if resp.status_code != 200:
-            raise RewardError(f"reward service {self.url} answered HTTP {resp.status_code}")
+            status, answer = self._client.post(url, json.dumps(body).encode(), headers, sni)
+        except ExchangeError as exc:
+            raise RewardError(f"reward service {self.url} {exc}") from None
+        if status != 200:
+            raise RewardError(f"reward service {self.url} answered HTTP {status}")
         try:
-            return resp.json()
-        except ValueError as exc:
+            return json.loads(answer)
+        except (ValueError, RecursionError) as exc:  # RecursionError: [[[[...]]]] a mebibyte deep
             raise RewardError(f"reward service {self.url} answered invalid JSON") from exc
 
 
 def make_reward(
     name: str,
     url: str | None = None,
-    timeout: float = 30.0,
+    timeout: float = REWARD_TIMEOUT_S,
     egress: RewardEgress | None = None,
 ) -> Reward:
     """A reward by spec name (a built-in, or ``http`` with ``url``, sent as ``egress``

@@ -7,7 +7,12 @@ Two rules keep one experiment from holding the others back (docs/design/tenancy.
   a thread pool; the tick waits at most ``deadline_s`` for them. A reward not back by
   then stays pending: its experiment skips ticks (its rollout waits, its adapter is not
   touched, so the step stays on-policy) and trains in the first tick after the reward
-  arrives. The reward's own timeout (rewards.HttpReward) still fails it in the end.
+  arrives. The reward's own deadline (tenancy/reward_exchange.py) still fails it in the end.
+- **A namespace has at most MAX_REWARD_CALLS_PER_NAMESPACE calls outliving their tick.**
+  Its experiments do not roll out while that many are in flight (pending, or left
+  running by a removed experiment), so one tenant's hanging service cannot pile up
+  threads and sockets. A removed experiment's reward is closed (``forget``), which ends
+  its call at once.
 - **Expensive steps yield.** An experiment whose step costs k >= 1.5 times the cheapest
   running one's (prompt + completion tokens over its rows) rolls out every
   round(EXPENSIVE_YIELD x k)-th tick, so beside it the cheap one keeps about three
@@ -20,6 +25,7 @@ Two rules keep one experiment from holding the others back (docs/design/tenancy.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -33,6 +39,10 @@ _R = TypeVar("_R")
 # An expensive experiment takes about 1 / (1 + EXPENSIVE_YIELD) of a cheap co-tenant's
 # ticks' time: 3 keeps the co-tenant near 75% of its pace alone (the issue's target: 70%).
 EXPENSIVE_YIELD = 3
+# Calls in flight past their tick, per namespace. Its experiments have one each at most,
+# so a tenant with fewer experiments never meets it; a tick adds at most one per running
+# experiment on top.
+MAX_REWARD_CALLS_PER_NAMESPACE = 8
 
 
 @dataclass
@@ -48,25 +58,45 @@ class RewardScorer(Generic[_R]):
     service that hangs would hold SIGTERM past the pod's grace period. ``notify`` is
     called when a pending reward arrives, so the engine loop wakes up for it."""
 
-    def __init__(self, deadline_s: float, notify: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        deadline_s: float,
+        notify: Callable[[], None],
+        max_per_namespace: int = MAX_REWARD_CALLS_PER_NAMESPACE,
+    ) -> None:
         self.deadline_s = deadline_s
+        self.max_per_namespace = max_per_namespace
         self._notify = notify
         self._pending: dict[str, _Pending[_R]] = {}
+        self._in_flight: Counter[str] = Counter()  # namespace -> calls still running
         self._lock = threading.Lock()
 
     def is_pending(self, exp: Experiment) -> bool:
         with self._lock:
             return exp.id in self._pending
 
+    def waits(self, exp: Experiment) -> bool:
+        """``exp`` may not roll out now: its reward is pending, or its namespace has
+        ``max_per_namespace`` calls in flight."""
+        with self._lock:
+            full = self._in_flight[exp.namespace] >= self.max_per_namespace
+            return exp.id in self._pending or full
+
+    def in_flight(self, namespace: str) -> int:
+        with self._lock:
+            return self._in_flight[namespace]
+
     def has_arrived(self) -> bool:
         """A pending reward is back (the next tick has work)."""
         with self._lock:
             return any(p.future.done() for p in self._pending.values())
 
-    def forget(self, exp_id: str) -> None:
-        """Drop the pending reward of an experiment that was removed."""
+    def forget(self, exp: Experiment) -> None:
+        """Drop the pending reward of an experiment that was removed, and close its
+        reward: a call blocked on the service returns now, its thread and socket end."""
         with self._lock:
-            self._pending.pop(exp_id, None)
+            self._pending.pop(exp.id, None)
+        exp.task.close()
 
     def arrived(self, running: Sequence[Experiment]) -> list[_R]:
         """Results of pending rewards that are back, for experiments still running."""
@@ -82,7 +112,7 @@ class RewardScorer(Generic[_R]):
     def score(self, jobs: Sequence[tuple[Experiment, Callable[[], _R]]]) -> list[_R]:
         """Run every job on the pool; return the results back within the deadline. The
         others stay pending (collected by :meth:`arrived` in a later tick)."""
-        submitted = [(exp, _start(fn)) for exp, fn in jobs]
+        submitted = [(exp, self._start(exp.namespace, fn)) for exp, fn in jobs]
         if submitted:
             wait_futures([f for _, f in submitted], timeout=self.deadline_s)
         done: list[_R] = []
@@ -96,22 +126,35 @@ class RewardScorer(Generic[_R]):
         return done
 
     def close(self) -> None:
-        """Drop every pending reward (their threads end with their calls)."""
+        """Drop every pending reward and close it (its thread ends with its call)."""
         with self._lock:
-            self._pending.clear()
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.exp.task.close()
 
+    def _start(self, namespace: str, fn: Callable[[], _R]) -> Future[_R]:
+        future: Future[_R] = Future()
 
-def _start(fn: Callable[[], _R]) -> Future[_R]:
-    future: Future[_R] = Future()
+        def run() -> None:
+            try:
+                result: _R = fn()
+            except BaseException as e:  # handed to whoever reads the future
+                self._ended(namespace)
+                future.set_exception(e)
+            else:
+                self._ended(namespace)  # before the future wakes the loop: room is back
+                future.set_result(result)
 
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # handed to whoever reads the future
-            future.set_exception(e)
+        with self._lock:
+            self._in_flight[namespace] += 1
+        threading.Thread(target=run, name="reward", daemon=True).start()
+        return future
 
-    threading.Thread(target=run, name="reward", daemon=True).start()
-    return future
+    def _ended(self, namespace: str) -> None:
+        with self._lock:
+            self._in_flight[namespace] -= 1
+            if self._in_flight[namespace] <= 0:
+                del self._in_flight[namespace]
 
 
 def due_to_roll_out(eligible: Sequence[Experiment], tick_no: int) -> list[Experiment]:

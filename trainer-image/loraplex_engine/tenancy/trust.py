@@ -7,8 +7,10 @@ engine opens it (docs/design/tenancy.md, "Tenancy and trust"):
   of one of the pool's data roots; anything else is "not allowed", worded the same whether
   the path exists or not, so the answer is no oracle for the pod's files;
 - **egress**: ``rewardUrl``'s host resolves to no loopback, link-local (cloud metadata
-  included), unspecified or multicast address and none of the pod's own, unless the pool
-  lists the host; the engine's own port on a local address is never a reward target;
+  included), unspecified or multicast address and none of the pod's own, however spelled
+  (an IPv6 form with an IPv4 address inside is judged by that address too), unless the
+  pool lists the host and port; the engine's own port on a local address is never a
+  reward target;
 - **checkpoints**: ``resumeFrom`` lies inside ``<checkpoint root>/<namespace>/<name>/``.
 
 Everything here is pure but for name resolution, which is injected (tests pass a table).
@@ -17,13 +19,14 @@ Everything here is pure but for name resolution, which is injected (tests pass a
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loraplex_engine.errors import TaskError
+from loraplex_engine.errors import TaskError, UsageError
 
 DATASET_FIELD = "spec.task.dataset"
 REWARD_URL_FIELD = "spec.task.rewardUrl"
@@ -37,6 +40,13 @@ METADATA_ADDRESSES = frozenset(
 )
 # 0.0.0.0/8: on Linux a connect to 0.x.x.x reaches the host itself.
 THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+# IPv6 forms that carry an IPv4 address in their last 32 bits: IPv4-compatible (::/96,
+# deprecated but still routed by some stacks) and NAT64's well-known prefix (RFC 6052),
+# which a NAT64 gateway turns back into that IPv4 address. ::ffff:0:0/96 (mapped), 6to4
+# (2002::/16) and Teredo (2001::/32) have their own ipaddress properties.
+LOW_32_EMBEDDING = (ipaddress.ip_network("::/96"), ipaddress.ip_network("64:ff9b::/96"))
+
+log = logging.getLogger(__name__)
 
 
 def _resolve_quietly(path: Path) -> Path | None:
@@ -93,10 +103,29 @@ class DataRoots:
         return resolved is not None and resolved.is_relative_to(base) and resolved != base
 
 
+def embedded_ipv4(address: IPAddress) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 ``address`` stands for (mapped, compatible, NAT64, 6to4,
+    Teredo): a packet to it can end up at them, so each is judged as well."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return []
+    found = [address.ipv4_mapped, address.sixtofour, *(address.teredo or ())]
+    if any(address in net for net in LOW_32_EMBEDDING):
+        found.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    return [a for a in found if a is not None]
+
+
 def forbidden_reason(address: IPAddress, own: Iterable[IPAddress] = ()) -> str | None:
-    """Why a reward may not be sent to ``address`` (None: it may)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    """Why a reward may not be sent to ``address`` (None: it may): the address itself
+    first (::1 is loopback, not IPv4-compatible 0.0.0.1), then any IPv4 inside it."""
+    own = set(own)
+    for spelling in (address, *embedded_ipv4(address)):
+        reason = _own_reason(spelling, own)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _own_reason(address: IPAddress, own: set[IPAddress]) -> str | None:
     if address.is_loopback:
         return "a loopback address"
     if address.is_link_local or address in METADATA_ADDRESSES:
@@ -107,7 +136,7 @@ def forbidden_reason(address: IPAddress, own: Iterable[IPAddress] = ()) -> str |
         return "an unspecified address"
     if address.is_multicast:
         return "a multicast address"
-    if address in set(own):
+    if address in own:
         return "one of this engine's own addresses"
     return None
 
@@ -136,15 +165,43 @@ def _normal_host(host: str) -> str:
         return host
 
 
+AllowedHost = tuple[str, int | None]  # (normal host, port; None: every port)
+
+
+def parse_allowed_host(entry: str) -> AllowedHost:
+    """``--allow-reward-host`` entry: ``HOST:PORT``, ``[IPV6]:PORT``, or the older bare
+    ``HOST`` / ``IPV6`` (every port of it; kept for existing pools). UsageError if bad."""
+    text = entry.strip()
+    port_text: str | None = None
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or rest[:1] not in ("", ":"):
+            raise UsageError(f"--allow-reward-host {entry!r}: use HOST:PORT or [IPV6]:PORT")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:  # two or more: a bare IPv6 address
+        host, port_text = text.split(":")
+    else:
+        host = text
+    port = None
+    if port_text is not None:
+        if not (port_text.isascii() and port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise UsageError(f"--allow-reward-host {entry!r}: the port must be 1-65535")
+        port = int(port_text)
+    if not host.strip():
+        raise UsageError(f"--allow-reward-host {entry!r}: no host")
+    return _normal_host(host), port
+
+
 @dataclass(frozen=True)
 class RewardEgress:
     """Where an HTTP reward may be sent from this engine.
 
-    ``allowed_hosts``: names or addresses the pool admin allows whatever they resolve to
-    (a loopback test server, say). ``own_addresses`` and ``own_port``: the engine's own;
-    its port on a local address is refused even for an allowed host."""
+    ``allowed_hosts``: names or addresses, each with the one port allowed (None: every
+    port), the pool admin allows whatever they resolve to (a loopback test server, say).
+    ``own_addresses`` and ``own_port``: the engine's own; its port on a local address is
+    refused even for an allowed host."""
 
-    allowed_hosts: frozenset[str] = frozenset()
+    allowed_hosts: frozenset[AllowedHost] = frozenset()
     own_addresses: frozenset[IPAddress] = frozenset()
     own_port: int | None = None
     resolver: Resolver = field(default=system_resolver, compare=False)
@@ -157,8 +214,12 @@ class RewardEgress:
         own_port: int | None = None,
         resolver: Resolver = system_resolver,
     ) -> RewardEgress:
+        allowed = frozenset(parse_allowed_host(h) for h in allowed_hosts if h.strip())
+        for host, port in sorted(allowed, key=str):
+            if port is None:  # the old form: an allowed loopback host opened every local port
+                log.warning("--allow-reward-host %s allows every port; give %s:PORT", host, host)
         return cls(
-            frozenset(_normal_host(h) for h in allowed_hosts if h.strip()),
+            allowed,
             frozenset(ipaddress.ip_address(a.split("%")[0]) for a in own_addresses),
             own_port,
             resolver,
@@ -185,13 +246,14 @@ class RewardEgress:
             if resolve_required:
                 raise TaskError(REWARD_URL_FIELD, f"reward host {host!r} does not resolve")
             return None
-        listed = _normal_host(host) in self.allowed_hosts
+        normal = _normal_host(host)
+        listed = (normal, port) in self.allowed_hosts or (normal, None) in self.allowed_hosts
         for address in addresses:
             self._check_address(host, port, address, listed)
         return self._target(url, parts.netloc, host, port, addresses[0])
 
     def _check_address(self, host: str, port: int, address: IPAddress, listed: bool) -> None:
-        local = forbidden_reason(address) is not None or address in self.own_addresses
+        local = forbidden_reason(address, self.own_addresses) is not None
         if local and port == self.own_port:
             raise TaskError(REWARD_URL_FIELD, f"reward host {host!r}: the engine's own port")
         reason = None if listed else forbidden_reason(address, self.own_addresses)
@@ -199,7 +261,7 @@ class RewardEgress:
             raise TaskError(
                 REWARD_URL_FIELD,
                 f"reward host {host!r} is not allowed: it resolves to {reason} "
-                "(the pool admin may allow it: serve --allow-reward-host HOST)",
+                "(the pool admin may allow it: serve --allow-reward-host HOST:PORT)",
             )
 
     @staticmethod
