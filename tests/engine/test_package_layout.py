@@ -20,10 +20,8 @@ MAX_LINES = 500
 # Modules still over MAX_LINES, at most this long, until they are split (issue 25): the
 # list only shrinks, and a listed module may not grow.
 OVER_LIMIT = {
-    "loraplex_engine.engine": 593,
+    "loraplex_engine.engine": 572,
     "loraplex_engine.rollout.vllm.worker": 583,
-    "loraplex_engine.server.flags": 524,
-    "loraplex_engine.server.serve": 512,
     "loraplex_engine.spec": 511,
     "loraplex_engine.tick": 515,
 }
