@@ -153,7 +153,7 @@ def test_every_setting_has_a_flag_and_a_help_showing_its_default(
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at "-"
     for name, info, flag in flags_of(cls):
         assert flag.help, name
-        shown = flag.positional and name or flag.option(name)
+        shown = name if flag.positional else flag.option(name)
         assert shown in text, name
         if not info.is_required():
             assert "".join(f"{flag.help} (default: ".split()) in text, name
