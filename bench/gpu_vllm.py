@@ -200,6 +200,7 @@ def run_cell(
     """One placement: start the engine, train the workload to its end (or the budget)."""
     import torch
     from loraplex_engine.engine import Engine
+    from loraplex_engine.settings.engine import EngineSettings
 
     cell: dict[str, Any] = {"cell": name, "options": options, "ticks": [], "state": "starting"}
     cuda = device.startswith("cuda")
@@ -210,11 +211,12 @@ def run_cell(
         sleep_wake_recorder() as slept,
         DeviceMemoryPoller() as poller,
     ):
-        engine = Engine(
-            model_dir, max_adapters=w.experiments, max_rank=w.rank, checkpoint_root=ckpt,
-            rollout_backend="vllm", device=device, dtype="bfloat16", ignore_eos=True,
+        settings = EngineSettings(
+            max_adapters=w.experiments, max_rank=w.rank, checkpoint_root=ckpt,
+            rollout_backend="vllm", dtype="bfloat16",
             vllm_options={"python": vllm_python(not cuda), **options},
         )  # fmt: skip
+        engine = Engine(model_dir, settings, device=device, ignore_eos=True)
         cell["engine_start_s"] = time.monotonic() - started
         try:
             train(engine, cell, w, budget, lambda: on_tick(cell), slept, poller)

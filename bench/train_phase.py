@@ -40,6 +40,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from loraplex_engine.engine import Engine
+    from loraplex_engine.settings.engine import EngineSettings
     from loraplex_engine.spec import parse_spec
 
     rows_list = [int(x) for x in args.rows.split(",")]
@@ -53,13 +54,16 @@ def main() -> None:
         engines = {}
         for arm in arms:
             mode, _, unshared = arm.partition("-")
-            eng = Engine(
-                targs.model_dir,
+            settings = EngineSettings(
                 max_adapters=args.n,
                 max_rank=targs.rank,
                 checkpoint_root=tempfile.mkdtemp(prefix="train-phase-"),
                 train_mode=mode,
                 micro_batch_tokens=args.micro_batch_tokens,
+            )
+            eng = Engine(
+                targs.model_dir,
+                settings,
                 ignore_eos=True,
                 share_prompt_prefix=unshared != "unshared",
             )

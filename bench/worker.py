@@ -33,20 +33,19 @@ def main(job_path: str, result_path: str) -> None:
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
     from loraplex_engine.engine import Engine
+    from loraplex_engine.settings.engine import EngineSettings
     from loraplex_engine.spec import parse_spec
 
     experiments = job["experiments"]
     device = job.get("device", "cpu")
-    engine = Engine(
-        job["model_dir"],
+    settings = EngineSettings(
         max_adapters=len(experiments),
         max_rank=int(job["max_rank"]),
         checkpoint_root=job["checkpoint_root"],
         train_mode=job["mode"],
         micro_batch_tokens=int(job["micro_batch_tokens"]),
-        ignore_eos=True,
-        device=device,
     )
+    engine = Engine(job["model_dir"], settings, ignore_eos=True, device=device)
     amp = job.get("autocast")  # "bfloat16": frozen base in bf16, LoRA + Adam stay fp32
     if amp:
         dtype = getattr(torch, amp)

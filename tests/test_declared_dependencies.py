@@ -4,9 +4,11 @@ A package that arrives only as someone else's dependency (psutil through peft, o
 disappears the day that dependency drops it; one declared but never imported is weight in
 every image. So: every top-level third-party module the runtime code imports (read with
 ``ast``, mapped to its distribution by ``importlib.metadata``) is declared in the
-package's ``pyproject.toml`` and its requirements file, at the same pin, and every declared
-one is imported. What only tests, benchmarks and scripts import lives in dev.txt (or
-dev-nodeps.txt, installed without its requirements), and every pin is the one
+package's ``pyproject.toml`` and its requirements file, as the same version range, and
+every declared one is imported. A package declares ranges (what it works with); the exact
+versions live in constraints.txt alone, the lock every install uses (``-c``), and each
+falls in its range. What only tests, benchmarks and scripts import lives in dev.txt (or
+dev-nodeps.txt, installed without its requirements), and every pin there is the one
 constraints.txt fixes.
 """
 
@@ -92,28 +94,51 @@ def distributions(modules: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-def pins(path: Path) -> dict[str, str]:
-    """canonical name -> version of each ``name==version`` line (``-r`` files followed)."""
+REQUIREMENT = re.compile(r"^([A-Za-z0-9_.-]+)\s*(.*)$")
+RANGE = re.compile(r"^>=([0-9][0-9.]*),<([0-9][0-9.]*)$")
+
+
+def specifiers(path: Path) -> dict[str, str]:
+    """canonical name -> version specifier of each line (``-r`` files followed)."""
     out: dict[str, str] = {}
     for raw in path.read_text().splitlines():
         line = raw.split("#")[0].strip()
         if line.startswith("-r "):
-            out.update(pins(path.parent / line[3:].strip()))
+            out.update(specifiers(path.parent / line[3:].strip()))
         elif line:
-            name, sep, version = line.partition("==")
-            assert sep, f"{path.name}: {line!r} is not pinned with =="
-            out[canonical(name)] = version.strip()
+            match = REQUIREMENT.match(line)
+            assert match, f"{path.name}: {line!r}"
+            out[canonical(match.group(1))] = match.group(2).replace(" ", "")
     return out
+
+
+def pins(path: Path) -> dict[str, str]:
+    """canonical name -> version of each ``name==version`` line (``-r`` files followed);
+    a range (a package's own requirements file) is left out."""
+    return {n: s[2:] for n, s in specifiers(path).items() if s.startswith("==")}
 
 
 def declared(project_dir: Path) -> dict[str, str]:
+    """canonical name -> the version range of each dependency of ``pyproject.toml``."""
     meta = tomllib.loads((project_dir / "pyproject.toml").read_text())
     out = {}
     for dep in meta["project"]["dependencies"]:
-        name, sep, version = dep.partition("==")
-        assert sep, f"{project_dir.name}/pyproject.toml: {dep!r} is not pinned with =="
-        out[canonical(name)] = version
+        name, spec = REQUIREMENT.match(dep).groups()  # type: ignore[union-attr]
+        assert RANGE.match(spec.replace(" ", "")), (
+            f"{project_dir.name}/pyproject.toml: {dep!r} is not a range >=tested,<breaking"
+        )
+        out[canonical(name)] = spec.replace(" ", "")
     return out
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``2.13.0+cpu`` -> (2, 13, 0): the release part, compared as numbers."""
+    return tuple(int(p) for p in re.findall(r"\d+", version.partition("+")[0]))
+
+
+def in_range(version: str, spec: str) -> bool:
+    low, high = RANGE.match(spec).groups()  # type: ignore[union-attr]
+    return release(low) <= release(version) < release(high)
 
 
 def runtime_files(package: str) -> list[Path]:
@@ -130,12 +155,26 @@ def test_a_package_declares_exactly_what_it_imports(package: str) -> None:
     assert not missing, f"imported but not in {project_dir.name}/pyproject.toml: {missing}"
     unused = sorted(set(deps) - set(imported))
     assert not unused, f"declared in {project_dir.name}/pyproject.toml, imported nowhere: {unused}"
-    assert pins(REQUIREMENTS / requirements) == deps, f"{requirements} != pyproject.toml"
+    assert specifiers(REQUIREMENTS / requirements) == deps, f"{requirements} != pyproject.toml"
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_the_locked_version_of_each_dependency_is_in_its_declared_range(package: str) -> None:
+    project_dir, _ = PACKAGES[package]
+    lock = pins(REQUIREMENTS / "constraints.txt")
+    for name, spec in declared(project_dir).items():
+        assert name in lock, f"{name} ({project_dir.name}/pyproject.toml) is not locked"
+        assert in_range(lock[name], spec), (name, lock[name], spec)
+
+
+def test_a_range_holds_what_it_should() -> None:
+    assert in_range("2.13.0+cpu", ">=2.13.0,<2.14") and in_range("0.163.9", ">=0.163.2,<0.164")
+    assert not in_range("2.14.0", ">=2.13.0,<2.14") and not in_range("0.163.1", ">=0.163.2,<1")
 
 
 def test_what_tests_bench_and_scripts_import_is_in_the_dev_requirements() -> None:
     files = [p for top in DEV_CODE for p in (REPO_ROOT / top).rglob("*.py")]
-    dev = pins(REQUIREMENTS / "dev.txt") | pins(REQUIREMENTS / "dev-nodeps.txt")
+    dev = specifiers(REQUIREMENTS / "dev.txt") | specifiers(REQUIREMENTS / "dev-nodeps.txt")
     missing = {d: sorted(f)[:3] for d, f in distributions(imported_modules(files)).items()}
     missing = {d: f for d, f in missing.items() if d not in dev}
     assert not missing, f"imported by tests/bench/scripts but not in dev.txt: {missing}"

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex_engine.engine import Engine
+from loraplex_engine.settings.engine import EngineSettings
 from loraplex_engine.spec import ExperimentSpec, parse_spec
 from loraplex_engine.tenancy.trust import TrustPolicy
 
@@ -55,7 +56,13 @@ def engine(model_dir: Path, root: Path, **kwargs: Any) -> Engine:
     kwargs.setdefault("max_adapters", 4)
     kwargs.setdefault("max_rank", 16)
     kwargs.setdefault("trust", TEST_TRUST)
-    return Engine(model_dir, checkpoint_root=root, **kwargs)
+    return Engine(model_dir, **engine_kwargs(checkpoint_root=str(root), **kwargs))
+
+
+def engine_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """``Engine``'s keywords for ``kwargs``: the EngineSettings among them as ``settings``."""
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineSettings.model_fields}
+    return {"settings": EngineSettings(**fields), **kwargs}
 
 
 def run_to_end(eng: Engine, ids: list[str], max_ticks: int = 500) -> dict[str, list[float]]:

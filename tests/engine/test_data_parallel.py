@@ -343,10 +343,19 @@ def test_a_rank_that_dies_fails_the_run_loudly(tiny_model_dir, tmp_path) -> None
     assert not child_processes.survivors()
 
 
+def test_a_world_size_below_one_is_a_usage_error(tiny_model_dir, tmp_path, capsys) -> None:
+    manifest = short_demo(tmp_path, 1)
+    args = ["run", str(manifest), "--model", str(tiny_model_dir), "--world-size", "0"]
+    with pytest.raises(SystemExit) as e:  # argparse's: the value is the flag's to refuse
+        cli.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "argument --world-size: invalid value: '0'; must be at least 1" in err
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--world-size", "0"], "--world-size must be at least 1"),
         (["--world-size", "2", "--train-mode", "timesliced"], "needs --train-mode fused"),
         (["--world-size", "2", "--dist-timeout", "0"], "--dist-timeout must be > 0"),
     ],

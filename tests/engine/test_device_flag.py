@@ -1,4 +1,4 @@
-"""`--device` of `run` and `serve` (one parser, serve_flags): what each value means per
+"""`--device` of `run` and `serve` (one setting, settings/engine.py): what each value means per
 rank, and the process group's backend (pure functions, tested directly; the CUDA
 branches included, which this CPU machine cannot run)."""
 

@@ -118,16 +118,21 @@ def test_kv_bytes_per_token_from_a_config() -> None:
 
 
 def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
-    import argparse
-
+    from loraplex_engine.cli import build_parser
     from loraplex_engine.errors import UsageError
-    from loraplex_engine.server.flags import vllm_options
+    from loraplex_engine.server.flags import check_vllm_options, serve_settings
+    from loraplex_engine.settings.commands import ServeSettings
+
+    def settings(*options: str) -> ServeSettings:
+        flags = [f"--vllm-option={o}" for o in options]
+        return serve_settings(build_parser().parse_args(["serve", *flags]))
 
     monkeypatch.delenv("LORAPLEX_VLLM_OPTIONS", raising=False)
-    ok = vllm_options(argparse.Namespace(vllm_option=["dtype=bfloat16", "max_num_seqs=8"]))
-    assert ok == {"dtype": "bfloat16", "max_num_seqs": 8}
+    ok = settings("dtype=bfloat16", "max_num_seqs=8")
+    check_vllm_options(ok)
+    assert ok.vllm_options == {"dtype": "bfloat16", "max_num_seqs": 8}
     with pytest.raises(UsageError, match="unknown --vllm-option max_lora"):
-        vllm_options(argparse.Namespace(vllm_option=["max_lora=2"]))
+        check_vllm_options(settings("max_lora=2"))
 
 
 # --- tensor_parallel_size: one vLLM per pod under data parallelism (issue 17) -------------

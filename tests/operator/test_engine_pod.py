@@ -134,7 +134,7 @@ def test_args_leave_precision_to_the_engine_unless_the_pool_sets_it() -> None:
 def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
     import argparse
 
-    from loraplex_engine.server.flags import add_arguments, vllm_options
+    from loraplex_engine.server.flags import add_arguments, serve_settings
 
     placed = {"device": "cuda:1", "gpuMemoryUtilization": 0.8, "sleepMode": False}
     obj = pool("v").set("spec.rolloutBackend", "vllm").set("spec.vllm", placed)
@@ -143,7 +143,7 @@ def test_a_vllm_pools_placement_reaches_the_engine_as_vllm_options() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     served = parser.parse_args(args[1:])  # `serve`'s own parser reads them back
-    assert vllm_options(served) == {
+    assert serve_settings(served).vllm_options == {
         "device": "cuda:1",
         "gpu_memory_utilization": 0.8,
         "sleep_mode": False,

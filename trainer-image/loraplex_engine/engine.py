@@ -21,10 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex_engine.api_types import (
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MICRO_BATCH_TOKENS,
-    DEFAULT_REWARD_DEADLINE_S,
     DEFAULT_ROLLOUT_KV_TOKENS,
     MAX_NEW_TOKENS,
     AdapterSyncStats,
@@ -58,7 +55,7 @@ from loraplex_engine.experiment import (
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.memory.capacity_plan import DEFAULT_HEADROOM, cuda_free_and_total, engine_plan
+from loraplex_engine.memory.capacity_plan import cuda_free_and_total, engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
@@ -70,6 +67,7 @@ from loraplex_engine.rollout.backends import (
 )
 from loraplex_engine.rollout.vllm.config import kv_bytes_per_token, vllm_engine_args
 from loraplex_engine.service import PromptJob, ServedRow
+from loraplex_engine.settings.engine import EngineSettings
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.run_store import RunStore, valid_run_id
@@ -81,7 +79,6 @@ from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
 from loraplex_engine.train.strategy import (
-    TRAIN_MODES,
     AdapterTrainer,
     FusedTraining,
     TrainingStrategy,
@@ -97,49 +94,31 @@ COMPLETION_TIMEOUT_S = 300.0
 class Engine:
     """Implements :class:`loraplex_engine.service.TickingEngine`.
 
-    ``train_mode``: ``fused`` (the engine's) or ``timesliced`` (the benchmark's baseline
-    arm, dev/timesliced.py). ``dtype``: the frozen base's (lora/precision.py; None: bfloat16 on
-    CUDA, float32 elsewhere). ``gradient_checkpointing`` (None: on for CUDA, off
-    elsewhere) recomputes each decoder layer in the backward (lora/gradient_checkpointing.py).
-    ``micro_batch_tokens`` (None: derived by the memory plan from ``device_memory``,
-    bytes; None: CUDA's free memory, or on the CPU the 4,096 default): memory/capacity_plan.py.
-    ``rollout_kv_tokens``: the KV-cache tokens of one torch rollout micro-batch
-    (rollout/packing.py; None: derived the same way, else ``DEFAULT_ROLLOUT_KV_TOKENS``).
-    ``world``: this process's rank in a data-parallel group (parallel/data_parallel.py);
-    ``shard_base``: the frozen base sharded over its ranks with FSDP2 (parallel/sharding.py)."""
+    ``settings`` (settings/engine.py, each field's help says what it does) configure it;
+    the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not
+    ``auto``), ``world`` (this process's rank in a data-parallel group,
+    parallel/data_parallel.py) and ``trust`` (what tenants' datasets and reward URLs may
+    reach); ``model_name``, ``ignore_eos`` and ``share_prompt_prefix`` are the
+    benchmarks' knobs."""
 
     def __init__(
         self,
         model_dir: str | Path,
+        settings: EngineSettings,
         *,
-        max_adapters: int,
-        max_rank: int,
-        checkpoint_root: str | Path,
-        rollout_backend: str = "torch",
         device: str = "cpu",
-        train_mode: str = "fused",
-        micro_batch_tokens: int | None = None,
-        device_memory: int | None = None,
-        memory_headroom: float = DEFAULT_HEADROOM,
-        model_name: str | None = None,
-        vllm_options: dict[str, Any] | None = None,
-        ignore_eos: bool = False,
-        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
-        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-        reward_deadline_s: float = DEFAULT_REWARD_DEADLINE_S,
-        share_prompt_prefix: bool = True,
-        dtype: str | None = None,
-        gradient_checkpointing: bool | None = None,
-        trust: TrustPolicy | None = None,
-        lora_kernel: str = "auto",
         world: World | None = None,
-        rollout_kv_tokens: int | None = None,
-        shard_base: bool = False,
+        trust: TrustPolicy | None = None,
+        model_name: str | None = None,
+        ignore_eos: bool = False,
+        share_prompt_prefix: bool = True,
     ) -> None:
-        if rollout_backend not in ("torch", "vllm"):
-            raise ValueError(f"rollout backend must be torch or vllm, got {rollout_backend!r}")
-        if train_mode not in TRAIN_MODES:
-            raise ValueError(f"train_mode must be fused or timesliced, got {train_mode!r}")
+        s = self.settings = settings
+        max_adapters, max_rank, rollout_backend = s.max_adapters, s.max_rank, s.rollout_backend
+        train_mode, micro_batch_tokens, rollout_kv_tokens = (
+            s.train_mode, s.micro_batch_tokens, s.rollout_kv_tokens
+        )  # fmt: skip
+        lora_kernel, gradient_checkpointing = s.lora_kernel, s.gradient_checkpointing
         if lora_kernel not in KERNEL_MODES:
             raise ValueError(
                 f"lora_kernel must be one of {list(KERNEL_MODES)}, got {lora_kernel!r}"
@@ -152,13 +131,13 @@ class Engine:
         self.model_name = model_name or self.model_dir.name
         self.rollout_backend = rollout_backend
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(s.dtype, self.device)
         enable_tf32(self.device)
         self.train_mode = train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
-        self.max_step_tokens = max_step_tokens
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_step_tokens = s.max_step_tokens
+        self.max_prompt_tokens = s.max_prompt_tokens
         # What tenants' datasets and reward URLs may reach (tenancy/trust.py); the default allows
         # no dataset file and no local reward address.
         self.trust = trust or TrustPolicy()
@@ -176,12 +155,12 @@ class Engine:
             dtype=MASTER_DTYPE,
             grouped_mm=KERNEL_MODES[lora_kernel],
         )
-        self.lockstep = shard_engine_base(self.model, world, self.device) if shard_base else None
+        self.lockstep = shard_engine_base(self.model, world, self.device) if s.shard_base else None
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         self.store = RunStore(
-            Path(checkpoint_root), self.model, self.optimizer, str(self.model_dir)
+            Path(s.checkpoint_root), self.model, self.optimizer, str(self.model_dir)
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
@@ -206,7 +185,7 @@ class Engine:
             # (training_strategy.AdapterTrainer).
             recompute_old_logprobs=rollout_backend == "vllm",
         )
-        self.backend = self._make_backend(rollout_backend, vllm_options or {}, world)
+        self.backend = self._make_backend(rollout_backend, dict(s.vllm_options), world)
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
@@ -214,7 +193,7 @@ class Engine:
         self.adapter_sync = None if rollout_backend == "torch" else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
         self.memory_plan = self._plan_memory(
-            micro_batch_tokens, rollout_kv_tokens, device_memory, memory_headroom
+            micro_batch_tokens, rollout_kv_tokens, s.device_memory, s.memory_headroom
         )
         self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
         if isinstance(self.backend, TorchRollout):  # vLLM sizes its own cache
@@ -228,10 +207,10 @@ class Engine:
         self._jobs_lock = threading.Lock()
         self.work_available = threading.Event()  # set when a tick would have work
         self._refusing: str | None = None  # why completions are no longer served
-        self.scorer = RewardScorer(reward_deadline_s, self._wake)
+        self.scorer = RewardScorer(s.reward_deadline, self._wake)
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
-        self.limits = WorkLimits(max_prompt_tokens, max_step_tokens, self.context_tokens)
+        self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
         self._tick = Tick(
             self.model,
             self.codec,
@@ -239,7 +218,7 @@ class Engine:
             self.strategy,
             self.store,
             self.scorer,
-            max_prompt_tokens,
+            s.max_prompt_tokens,
             self.context_tokens,
         )
 

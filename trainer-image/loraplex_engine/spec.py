@@ -466,17 +466,17 @@ def _field_path(err: Mapping[str, Any], prefix: str) -> str:
     return ".".join([prefix, *loc]) if loc else prefix
 
 
+def _message(err: Mapping[str, Any]) -> str:
+    return "unknown field" if err["type"] == "extra_forbidden" else str(err["msg"])
+
+
 def spec_error_from(exc: ValidationError, prefix: str = "spec") -> SpecError:
     """The first pydantic error as a ``SpecError`` whose message names the field path."""
-    err = exc.errors()[0]
-    path = _field_path(err, prefix)
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    more = len(exc.errors()) - 1
+    err, more = exc.errors()[0], len(exc.errors()) - 1
+    msg = _message(err)
     if more:
         msg += f" (and {more} more error{'s' if more > 1 else ''})"
-    return SpecError(path, msg)
+    return SpecError(_field_path(err, prefix), msg)
 
 
 def parse_spec(data: Any, prefix: str = "spec") -> ExperimentSpec:
@@ -494,7 +494,7 @@ def all_spec_errors(data: Any, prefix: str = "spec") -> list[SpecError]:
     try:
         ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        return [SpecError(_field_path(e, prefix), e["msg"]) for e in exc.errors()]
+        return [SpecError(_field_path(e, prefix), _message(e)) for e in exc.errors()]
     return []
 
 

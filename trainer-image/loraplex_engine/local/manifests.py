@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from loraplex_engine.errors import ManifestError, SpecError, UsageError
-from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_engine.spec import ExperimentSpec, all_spec_errors, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
@@ -39,31 +39,51 @@ def _label(index: int, doc: Any) -> str:
     return f"document {index}" + (f" ({name!r})" if name else "")
 
 
-def _check_doc(doc: Any, max_rank: int | None, known_modules: Iterable[str] | None) -> Manifest:
-    """One document → Manifest; raises SpecError naming the field."""
+def _check_doc(
+    doc: Any, max_rank: int | None, known_modules: Iterable[str] | None
+) -> Manifest | list[SpecError]:
+    """One document -> Manifest, or every problem found in it (each naming its field)."""
     if not isinstance(doc, dict):
-        raise SpecError("(document)", "must be a mapping")
+        return [SpecError("(document)", "must be a mapping")]
+    problems = []
     if doc.get("apiVersion") != API_VERSION:
-        raise SpecError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        problems.append(
+            SpecError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        )
     if doc.get("kind") != KIND:
-        raise SpecError("kind", f"must be {KIND}, got {doc.get('kind')!r}")
+        problems.append(SpecError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
     meta = doc.get("metadata")
     if not isinstance(meta, dict):
-        raise SpecError("metadata", "required (with metadata.name)")
+        problems.append(SpecError("metadata", "required (with metadata.name)"))
+        meta = {}
     name, namespace = meta.get("name"), meta.get("namespace", "default")
     for field, value in (("metadata.name", name), ("metadata.namespace", namespace)):
         if not isinstance(value, str) or not NAME_RE.match(value) or len(value) > 63:
-            raise SpecError(field, f"must be a DNS-1123 label, got {value!r}")
+            problems.append(SpecError(field, f"must be a DNS-1123 label, got {value!r}"))
     if "spec" not in doc:
-        raise SpecError("spec", "required")
+        return [*problems, SpecError("spec", "required")]
+    spec_problems = all_spec_errors(doc["spec"])  # every field at once, not the first
+    if spec_problems:
+        return problems + spec_problems
     spec = parse_spec(doc["spec"])
-    spec.check_task()
-    if max_rank is not None or known_modules is not None:
-        spec.validate_for_engine(
-            max_rank if max_rank is not None else 256,
-            known_modules if known_modules is not None else spec.lora.target_modules or (),
+    for check in (spec.check_task, lambda: _check_for_engine(spec, max_rank, known_modules)):
+        try:
+            check()
+        except SpecError as exc:
+            problems.append(exc)
+    return problems or Manifest(name, namespace, spec)
+
+
+def _check_for_engine(
+    spec: ExperimentSpec, max_rank: int | None, known_modules: Iterable[str] | None
+) -> None:
+    """The engine's limits; the target modules only where the model's are known."""
+    if known_modules is not None:
+        spec.validate_for_engine(max_rank if max_rank is not None else 256, known_modules)
+    elif max_rank is not None and spec.lora.rank > max_rank:
+        raise SpecError(
+            "spec.lora.rank", f"rank {spec.lora.rank} exceeds the engine's max rank {max_rank}"
         )
-    return Manifest(name, namespace, spec)
 
 
 def parse_manifests(
@@ -72,7 +92,8 @@ def parse_manifests(
     max_rank: int | None = None,
     known_modules: Iterable[str] | None = None,
 ) -> list[Manifest]:
-    """All experiments in a multi-document YAML string, or ``ManifestError``."""
+    """All experiments in a multi-document YAML string, or ``ManifestError`` listing every
+    problem of every document. ``known_modules`` None: target modules are not checked."""
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
@@ -84,16 +105,15 @@ def parse_manifests(
     problems: list[str] = []
     seen: set[str] = set()
     for index, doc in enumerate(docs):
-        try:
-            manifest = _check_doc(doc, max_rank, known)
-        except SpecError as exc:
-            problems.append(f"{_label(index, doc)}: {exc.field}: {exc.message}")
+        checked = _check_doc(doc, max_rank, known)
+        if isinstance(checked, list):
+            problems += [f"{_label(index, doc)}: {e.field}: {e.message}" for e in checked]
             continue
-        if manifest.id in seen:
-            problems.append(f"{_label(index, doc)}: metadata.name: duplicate {manifest.id!r}")
+        if checked.id in seen:
+            problems.append(f"{_label(index, doc)}: metadata.name: duplicate {checked.id!r}")
             continue
-        seen.add(manifest.id)
-        out.append(manifest)
+        seen.add(checked.id)
+        out.append(checked)
     if problems:
         raise ManifestError(source, problems)
     return out

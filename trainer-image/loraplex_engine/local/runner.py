@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from loraplex_engine.api_types import AdapterSync, ExperimentStatus, TickReport
-from loraplex_engine.base_model import lora_targets_of
-from loraplex_engine.errors import ApiError, FieldError, UsageError
-from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
-from loraplex_engine.parallel.data_parallel import DataParallelTraining, check_train_mode
-from loraplex_engine.parallel.distributed import DEFAULT_TIMEOUT_S, World
+from loraplex_engine.errors import ApiError, UsageError
+from loraplex_engine.local.checks import check_run, trust_of, with_targets
+from loraplex_engine.local.manifests import Manifest
+from loraplex_engine.parallel.data_parallel import DataParallelTraining
+from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.launch import data_parallel
 from loraplex_engine.server.flags import resolve_device
 from loraplex_engine.service import TickingEngine
+from loraplex_engine.settings.commands import RunSettings
+from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.store.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from loraplex_engine.tenancy.trust import TrustPolicy
 
 if TYPE_CHECKING:
     from loraplex_engine.engine import Engine
@@ -228,39 +229,6 @@ def plot_rewards(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def check_flags(max_adapters: int, max_rank: int) -> None:
-    for flag, value in (("--max-adapters", max_adapters), ("--max-rank", max_rank)):
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-
-
-def load_checked(
-    manifest_path: str | Path, model_dir: str | Path, max_adapters: int, max_rank: int
-) -> list[Manifest]:
-    """Every manifest, checked against the engine's limits and the model's modules
-    before anything loads: ``UsageError`` or ``ManifestError`` naming the problem."""
-    check_flags(max_adapters, max_rank)
-    text = read_manifest_file(manifest_path)
-    known = lora_targets_of(model_dir)
-    manifests = parse_manifests(text, str(manifest_path), max_rank, known)
-    if len(manifests) > max_adapters:
-        raise UsageError(
-            f"{manifest_path}: {len(manifests)} experiments but the engine has "
-            f"{max_adapters} adapter slots (raise --max-adapters)"
-        )
-    return manifests
-
-
-def check_datasets(manifests: list[Manifest], trust: TrustPolicy, source: str | Path) -> None:
-    """Every jsonl dataset lies under the runner's data roots (before the model loads)."""
-    for m in manifests:
-        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
-            try:
-                trust.data.resolve(m.spec.task.dataset, m.namespace)
-            except FieldError as e:
-                raise UsageError(f"{source}: {m.name}: {e}") from None
-
-
 def make_out_dir(out_dir: str | Path) -> Path:
     path = Path(out_dir)
     try:
@@ -270,81 +238,47 @@ def make_out_dir(out_dir: str | Path) -> Path:
     return path
 
 
-def run_file(
-    manifest_path: str | Path,
-    model_dir: str | Path,
-    out_dir: str | Path,
-    max_adapters: int = 8,
-    max_rank: int = 64,
-    train_mode: str = "fused",
-    out: TextIO | None = None,
-    dtype: str | None = None,
-    data_roots: list[Path] | None = None,
-    rollout_backend: str = "torch",
-    world_size: int = 1,
-    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
-    micro_batch_tokens: int | None = None,
-    rollout_kv_tokens: int | None = None,
-    shard_base: bool = False,
-    device: str = "cpu",
-) -> dict[str, Any] | None:
-    """Validate every manifest up front, then train them all on one hot engine.
+def run_file(settings: RunSettings, out: TextIO | None = None) -> dict[str, Any] | None:
+    """Validate every manifest up front (local/checks.py), then train them all on one hot
+    engine.
 
-    JSONL datasets must lie under ``data_roots`` (default: the manifest file's directory);
-    a relative one is taken from the first. One user runs the runner: reward URLs go
-    anywhere (the engine service's limits are in tenancy/trust.py).
+    JSONL datasets must lie under ``settings.data_root`` (default: the manifest file's
+    directory); a relative one is taken from the first. One user runs the runner: reward
+    URLs go anywhere (the engine service's limits are in tenancy/trust.py).
 
     ``world_size`` > 1: data parallel (parallel/data_parallel.py); this process is rank 0 and
-    starts the others as this command (parallel/launch.py). A worker rank (``RANK`` set)
-    follows rank 0 (its adds of the experiments, then its rollout and train phases,
-    decoding and training its share) and returns None; only rank 0 scores, checkpoints
-    and writes the summary. With ``rollout_backend`` vllm, rank 0's vLLM decodes every
-    row and the workers only train (parallel/data_parallel.py). ``shard_base``: the base
-    sharded over the ranks (parallel/sharding.py). ``device``: as `run --device` takes it
-    (auto, cpu, cuda, cuda:N; server/flags.resolve_device): each rank on
-    ``cuda:<LOCAL_RANK>`` with NCCL on CUDA, gloo on the CPU."""
+    starts the others as the command ``settings`` spell (settings/generate.to_argv,
+    parallel/launch.py). A worker rank (``RANK`` set) follows rank 0 (its adds of the
+    experiments, then its rollout and train phases, decoding and training its share) and
+    returns None; only rank 0 scores, checkpoints and writes the summary. With the vllm
+    rollout, rank 0's vLLM decodes every row and the workers only train. ``shard_base``:
+    the base sharded over the ranks (parallel/sharding.py). ``device``: auto, cpu, cuda,
+    cuda:N (server/flags.resolve_device): each rank on ``cuda:<LOCAL_RANK>`` with NCCL on
+    CUDA, gloo on the CPU."""
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
-    manifests = load_checked(manifest_path, model_dir, max_adapters, max_rank)
-    trust = TrustPolicy.local(data_roots or [Path(manifest_path).resolve().parent])
-    check_datasets(manifests, trust, manifest_path)
-    check_train_mode(world_size, train_mode)  # before any worker starts
-    rank_device = resolve_device(device, world_size)
-    out_dir = make_out_dir(out_dir)
-    if shard_base and world_size < 2:
-        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
-    argv = [
-        *("run", str(manifest_path), "--model", str(model_dir), "--out", str(out_dir)),
-        *("--max-adapters", str(max_adapters), "--max-rank", str(max_rank)),
-        *("--train-mode", train_mode, "--world-size", str(world_size)),
-        *("--rollout-backend", rollout_backend),  # a worker starts no vLLM, but rescores
-        *("--dist-timeout", str(dist_timeout_s), "--device", device),
-        *(("--dtype", dtype) if dtype else ()),
-        *(("--micro-batch-tokens", str(micro_batch_tokens)) if micro_batch_tokens else ()),
-        *(("--rollout-kv-tokens", str(rollout_kv_tokens)) if rollout_kv_tokens else ()),
-        *(("--shard-base",) if shard_base else ()),
-        *(arg for d in data_roots or [] for arg in ("--data-root", str(d))),
-    ]
-    with data_parallel(world_size, argv, torch.device(rank_device), dist_timeout_s) as world:
+    check_run(settings)
+    manifests = with_targets(settings)
+    rank_device = resolve_device(settings.device, settings.world_size)
+    out_dir = make_out_dir(settings.out)
+    engine_settings = settings.engine().model_copy(
+        update={"checkpoint_root": str(out_dir / "checkpoints")}
+    )
+    argv = to_argv(settings)  # a worker rank: this very command
+    device = torch.device(rank_device)
+    with data_parallel(settings.world_size, argv, device, settings.dist_timeout) as world:
         t0 = time.monotonic()
         engine = Engine(
-            model_dir,
-            max_adapters=max_adapters,
-            max_rank=max_rank,
-            checkpoint_root=out_dir / "checkpoints",
-            train_mode=train_mode,
-            dtype=dtype,
-            trust=trust,
-            rollout_backend=rollout_backend,
-            world=world,
-            micro_batch_tokens=micro_batch_tokens,
-            rollout_kv_tokens=rollout_kv_tokens,
-            shard_base=shard_base,
+            settings.model,
+            engine_settings,
             device=rank_device,
+            world=world,
+            trust=trust_of(settings),
         )
         try:
-            return _run(engine, manifests, manifest_path, out, out_dir, t0, train_mode, world)
+            mode = settings.train_mode
+            return _run(engine, manifests, settings.manifests, out, out_dir, t0, mode, world)
         finally:
             engine.close()  # the vLLM worker, the reward pool
             # Before the group is left: a sharded base's DTensors hold it (distributed.leave).

@@ -51,7 +51,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loraplex_engine.errors import UsageError
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.parallel import distributed, rollout_shares
 from loraplex_engine.parallel.distributed import World
@@ -60,6 +59,7 @@ from loraplex_engine.parallel.rollout_shares import ShareResult
 from loraplex_engine.parallel.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.settings.engine import check_train_mode
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.train.rows import TrainRow, count_rows
@@ -399,12 +399,6 @@ class DataParallelTraining(FusedTraining):
                 tensors += self.model.adapter_views(name, moments.__getitem__).values()
             distributed.broadcast_tensors(tensors)
             self._synced[name] = n.slot
-
-
-def check_train_mode(world_size: int, train_mode: str) -> None:
-    """Data parallelism splits the fused update; the time-sliced baseline is one rank's."""
-    if world_size > 1 and train_mode != "fused":
-        raise UsageError(f"--world-size {world_size} needs --train-mode fused, not {train_mode}")
 
 
 def data_parallel_trainer(

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from loraplex_engine.errors import UsageError
+from loraplex_engine.settings.engine import DEFAULT_DIST_TIMEOUT_S
 
 log = logging.getLogger("loraplex_engine.parallel.distributed")
 
 LOOPBACK = "127.0.0.1"
 # How long a collective waits for every rank: a worker waits for rank 0's next tick
 # through a whole rollout and reward phase, so this bounds a tick, not a message.
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = DEFAULT_DIST_TIMEOUT_S  # --dist-timeout's default
 # Gradient bucket size: DDP's default (25 MiB); one all-reduce per bucket.
 BUCKET_BYTES = 25 * 2**20
 JOINED_KEY = "loraplex/joined/{rank}"  # a worker's check-in, before the group forms
@@ -58,7 +59,7 @@ def backend_for(device: torch.device) -> str:
 
 def device_for_rank(requested: str, world_size: int, local_rank: int, cuda_count: int) -> str:
     """This rank's torch device for ``--device`` (auto, cpu, cuda or cuda:N; parsed by
-    serve_flags): ``auto`` is cuda where torch sees a GPU, else cpu; over N > 1 ranks,
+    settings/engine.py): ``auto`` is cuda where torch sees a GPU, else cpu; over N > 1 ranks,
     ``cuda`` is ``cuda:<LOCAL_RANK>``, one GPU per rank (NCCL refuses two ranks on one
     GPU, so ``cuda:N`` with several ranks is refused). ``UsageError`` names a device this
     machine does not have."""

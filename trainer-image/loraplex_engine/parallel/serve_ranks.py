@@ -24,7 +24,6 @@ SIGTERM, checkpoints, and then releases them.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -37,10 +36,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from loraplex_engine.errors import RankFailed, UsageError
+from loraplex_engine.errors import RankFailed
 from loraplex_engine.parallel import distributed
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.launch import data_parallel
+from loraplex_engine.settings.engine import ProcessSettings
 
 if TYPE_CHECKING:
     from loraplex_engine.engine import Engine
@@ -53,12 +53,6 @@ PARENT_POLL_S = 0.5  # how often a worker checks that its launcher is still ther
 # How long rank 0, after a failed collective, lets the launcher's watcher name the dead
 # rank before it exits with the collective's own error instead.
 NAME_THE_RANK_S = 1.0
-
-
-def check_rank_flags(args: argparse.Namespace) -> None:
-    """What --world-size above 1 cannot serve, refused before anything starts."""
-    if getattr(args, "shard_base", False) and args.world_size < 2:
-        raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
 
 
 def is_worker() -> bool:
@@ -78,9 +72,9 @@ class RankGroup:
     """Rank 0's side of the group, for the server: start and join the workers (in the
     loading thread), serve heartbeats and fail fast (the loop), release them (shutdown)."""
 
-    def __init__(self, args: argparse.Namespace, argv: list[str], device: str) -> None:
-        self.size = int(args.world_size)
-        self.timeout_s = float(args.dist_timeout)
+    def __init__(self, settings: ProcessSettings, argv: list[str], device: str) -> None:
+        self.size = settings.world_size
+        self.timeout_s = settings.dist_timeout
         self.argv = argv
         self.device = torch.device(device)
         self._stack = contextlib.ExitStack()
@@ -176,13 +170,14 @@ class RankGroup:
 
 
 def run_worker(
-    args: argparse.Namespace, device: str, build: Callable[[World | None], Engine]
+    settings: ProcessSettings, device: str, build: Callable[[World | None], Engine]
 ) -> int:
     """Rank 1..N-1: join, load the same engine, follow rank 0 until it releases us."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _exit_with_parent()
-    with data_parallel(int(args.world_size), [], torch.device(device), args.dist_timeout) as world:
+    size, timeout_s = settings.world_size, settings.dist_timeout
+    with data_parallel(size, [], torch.device(device), timeout_s) as world:
         assert world is not None  # RANK is set
         engine = build(world)
         try:

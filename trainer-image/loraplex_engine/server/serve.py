@@ -23,7 +23,6 @@ Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-ra
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -40,22 +39,19 @@ from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus,
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.parallel.serve_ranks import (
-    RankGroup,
-    check_rank_flags,
-    is_worker,
-    run_worker,
-)
+from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.flags import (
-    batch_kwargs,
+    check,
+    check_vllm_options,
     data_roots,
     read_token,
     resolve_device,
     reward_hosts,
-    vllm_options,
 )
 from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
+from loraplex_engine.settings.commands import ServeSettings
+from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 
 log = logging.getLogger("loraplex_engine.server.serve")
@@ -297,34 +293,29 @@ def own_addresses() -> set[str]:
     return found
 
 
-def trust_policy(args: argparse.Namespace, port: int) -> TrustPolicy:
+def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
     """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
-    egress = RewardEgress.build(reward_hosts(args), own_addresses(), own_port=port)
-    return TrustPolicy(data=DataRoots(data_roots(args)), egress=egress)
+    egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
+    return TrustPolicy(data=DataRoots(data_roots(settings)), egress=egress)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(settings: ServeSettings) -> int:
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if not args.model:
-        raise UsageError("--model (or LORAPLEX_MODEL) is required")
-    check_model_dir(args.model)
-    if args.max_adapters < 1 or args.max_rank < 1:
-        raise UsageError("--max-adapters and --max-rank must be at least 1")
-    check_rank_flags(args)
-    vllm_options(args)  # fail fast on a malformed option, before loading anything
-    data_roots(args)
-    device = resolve_device(args.device, args.world_size)
-    if args.threads > 0:
+    check(settings)  # also done by the CLI before this module's imports; cheap
+    check_model_dir(str(settings.model))
+    check_vllm_options(settings)  # fail fast on a malformed option, before loading anything
+    device = resolve_device(settings.device, settings.world_size)
+    if settings.threads > 0:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(settings.threads)
     if is_worker():  # rank 1..N-1: no port, no API; rank 0's messages only
-        return run_worker(args, device, lambda world: _build_engine(args, device, world))
-    token = read_token(args)
+        return run_worker(settings, device, lambda world: _build_engine(settings, device, world))
+    token = read_token(settings)
     if token is None:
         log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
 
@@ -333,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
     age = _process_age_s()
     t0 = time.monotonic() - (age if age is not None else 0.0)
     metrics = EngineMetrics()
-    model_name = os.path.basename(os.path.normpath(args.model))
-    holder = EngineHolder(model_name, args.rollout_backend)
+    model_name = os.path.basename(os.path.normpath(str(settings.model)))
+    holder = EngineHolder(model_name, settings.rollout_backend)
     loop_box: dict[str, EngineLoop] = {}
 
     def wake() -> None:
@@ -356,20 +347,21 @@ def run(args: argparse.Namespace) -> int:
         on_work=wake,
         ready=ready,
         alive=alive,
-        max_completion_tokens=args.max_completion_tokens,
+        max_completion_tokens=settings.max_completion_tokens,
     )
 
     try:
-        sock = _bind(args.host, args.port)
+        sock = _bind(settings.host, settings.port)
     except OSError as e:  # the port is taken, or the address is not this host's
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        where = f"{settings.host}:{settings.port}"
+        raise UsageError(f"cannot listen on {where}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
 
     config = uvicorn.Config(
         app,
-        log_level=args.log_level.lower(),
+        log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=30,
         lifespan="off",
@@ -377,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
     server = _uvicorn_server_class()(config)
     outcome = {"rc": 0}
 
-    ranks = RankGroup(args, getattr(args, "cli_argv", None) or sys.argv[1:], device)
+    # Workers run this command as the settings spell it (settings/generate.to_argv).
+    ranks = RankGroup(settings, to_argv(settings), device)
 
     def load() -> None:
         try:
@@ -386,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
             t_build = time.monotonic()
             world = ranks.start()  # ranks 1..N-1 started and joined (N > 1)
-            engine = _build_engine(args, device, world, trust_policy(args, port))
+            engine = _build_engine(settings, device, world, trust_policy(settings, port))
             ranks.loaded(engine)  # every rank has loaded
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
@@ -402,11 +395,11 @@ def run(args: argparse.Namespace) -> int:
                 t_import - t0,
                 t_build - t_import,
                 now - t_build,
-                args.model,
+                settings.model,
                 engine.capacity().dtype,
-                args.max_adapters,
-                args.max_rank,
-                args.rollout_backend,
+                settings.max_adapters,
+                settings.max_rank,
+                settings.rollout_backend,
                 os.environ.get("LORAPLEX_POOL", "-"),
             )
             print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
@@ -429,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        shutdown(holder, loop_box.get("loop"), checkpoint=not args.no_checkpoint_on_shutdown)
+        shutdown(holder, loop_box.get("loop"), checkpoint=not settings.no_checkpoint_on_shutdown)
         # The group is left below: nothing may hold the engine then (a sharded base's
         # DTensors hold the group; distributed.leave).
         holder.engine = None
@@ -440,34 +433,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_engine(
-    args: argparse.Namespace, device: str, world: Any, trust: TrustPolicy | None = None
+    settings: ServeSettings, device: str, world: Any, trust: TrustPolicy | None = None
 ) -> Any:
-    """The Engine of ``serve``'s flags (every rank builds the same one); ``trust``: rank
-    0's (a worker neither reads datasets nor calls reward URLs)."""
+    """The Engine of ``serve``'s settings (every rank builds the same one); ``trust``:
+    rank 0's (a worker neither reads datasets nor calls reward URLs)."""
     from loraplex_engine.engine import Engine
 
-    kwargs: dict[str, Any] = {
-        "max_adapters": args.max_adapters,
-        "max_rank": args.max_rank,
-        "checkpoint_root": args.checkpoint_root,
-        "rollout_backend": args.rollout_backend,
-        "max_step_tokens": args.max_step_tokens,
-        "max_prompt_tokens": args.max_prompt_tokens,
-        "reward_deadline_s": args.reward_deadline,
-        "dtype": args.dtype,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "device_memory": args.device_memory,
-        "memory_headroom": args.memory_headroom,
-        "lora_kernel": args.lora_kernel,
-        "trust": trust,
-        "device": device,
-        "world": world,
-        "shard_base": bool(getattr(args, "shard_base", False)),
-    }
-    kwargs.update(batch_kwargs(args))
-    if args.rollout_backend == "vllm":
-        kwargs["vllm_options"] = vllm_options(args)
-    return Engine(args.model, **kwargs)
+    engine_settings = settings.engine()
+    return Engine(str(settings.model), engine_settings, device=device, world=world, trust=trust)
 
 
 def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:

@@ -1,0 +1,53 @@
+"""What `loraplex-engine run` checks before it imports torch: its flags, the manifest
+file (every problem of every document at once), the slots, the model directory and the
+datasets. A mistake there is one line in a fraction of a second, not after seconds of
+imports; only the target modules need the model's module tree (:func:`with_targets`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.errors import FieldError, UsageError
+from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.settings.commands import RunSettings
+from loraplex_engine.tenancy.trust import TrustPolicy
+
+
+def trust_of(settings: RunSettings) -> TrustPolicy:
+    """The runner's: datasets under --data-root (default: the manifest file's directory)."""
+    roots = [Path(d) for d in settings.data_root]
+    return TrustPolicy.local(roots or [Path(settings.manifests).resolve().parent])
+
+
+def check_run(settings: RunSettings) -> list[Manifest]:
+    """Every manifest, checked against the flags and the data roots; ``UsageError`` or
+    ``ManifestError`` naming the problems. Imports nothing heavy."""
+    settings.check()
+    source = settings.manifests
+    manifests = parse_manifests(read_manifest_file(source), source, settings.max_rank)
+    if len(manifests) > settings.max_adapters:
+        raise UsageError(
+            f"{source}: {len(manifests)} experiments but the engine has "
+            f"{settings.max_adapters} adapter slots (raise --max-adapters)"
+        )
+    check_model_dir(settings.model)
+    trust = trust_of(settings)
+    for m in manifests:
+        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
+            try:
+                trust.data.resolve(m.spec.task.dataset, m.namespace)
+            except FieldError as e:
+                raise UsageError(f"{source}: {m.name}: {e}") from None
+    return manifests
+
+
+def with_targets(settings: RunSettings) -> list[Manifest]:
+    """The manifests checked against the model's LoRA targets too (torch, transformers:
+    the module tree is built on the meta device)."""
+    from loraplex_engine.base_model import lora_targets_of
+
+    known = lora_targets_of(settings.model)
+    text = read_manifest_file(settings.manifests)
+    return parse_manifests(text, settings.manifests, settings.max_rank, known)

@@ -1,0 +1,113 @@
+"""The settings of the commands that run an engine: ``serve`` (one per pod, every flag
+also read from ``LORAPLEX_<FLAG>``) and ``run`` (a manifest file on a local engine).
+
+``COMMAND`` names the subcommand their argv starts with (settings/cli.to_argv);
+``ENV`` whether a flag's variable is read; ``NOT_FLAGS`` the engine settings the
+command does not offer (they keep their defaults, or the command sets them).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.settings import values as v
+from loraplex_engine.settings.engine import ProcessSettings
+from loraplex_engine.settings.values import Flag
+
+
+class ServeSettings(ProcessSettings):
+    """The HTTP server: where it listens, its token, its tenants' trust."""
+
+    COMMAND: ClassVar[str] = "serve"
+    ENV: ClassVar[bool] = True
+    GROUP: ClassVar[str] = "server"
+    NOT_FLAGS: ClassVar[frozenset[str]] = frozenset({"train_mode"})  # timesliced: bench only
+    # Variables `serve` reads that set no flag.
+    ENV_EXTRA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
+        ("LORAPLEX_VLLM_PYTHON", "python of the environment that holds vLLM (vllm backend)"),
+    )
+
+    host: Annotated[str, Flag("listen address")] = "0.0.0.0"
+    port: Annotated[int, Flag("listen port (0: any free)", v.to_int)] = 8000
+    token_file: Annotated[
+        str | None, Flag("file holding the bearer token", default_text="none")
+    ] = None
+    insecure_no_auth: Annotated[
+        bool, Flag("serve /v1 without a token (local experiments only)", action="switch")
+    ] = False
+    threads: Annotated[int, Flag("torch CPU threads (0: torch's default)", v.to_int)] = 0
+    max_completion_tokens: Annotated[
+        int, Flag("largest max_tokens accepted by /v1/completions", v.to_int)
+    ] = DEFAULT_MAX_COMPLETION_TOKENS
+    no_checkpoint_on_shutdown: Annotated[
+        bool,
+        Flag("skip the final checkpoint of running experiments on SIGTERM", action="switch"),
+    ] = False
+    log_level: Annotated[str, Flag(f"one of {', '.join(v.LOG_LEVELS)}", v.log_level)] = "info"
+    data_root: Annotated[
+        tuple[str, ...],
+        Flag(
+            "directory of tenants' JSONL datasets, one subdirectory per namespace: "
+            "task.dataset x.jsonl of namespace team-a is <DIR>/team-a/x.jsonl; repeatable. "
+            "None given: jsonl datasets are refused",
+            action="append",
+            metavar="DIR",
+            env_parse=v.split_on(":"),
+            env_help="--data-root directories, separated by ':'",
+            default_text="none",
+        ),
+    ] = ()
+    allow_reward_host: Annotated[
+        tuple[str, ...],
+        Flag(
+            "rewardUrl host and port allowed even on a loopback, link-local or this pod's "
+            "own address (exact name or address; a bare HOST: every port); repeatable. "
+            "Others must resolve elsewhere",
+            action="append",
+            metavar="HOST:PORT",
+            env_parse=v.split_on(","),
+            env_help="--allow-reward-host hosts, by ','",
+            default_text="none",
+        ),
+    ] = ()
+
+
+class RunSettings(ProcessSettings):
+    """A manifest file's experiments, trained on one engine in this process."""
+
+    COMMAND: ClassVar[str] = "run"
+    ENV: ClassVar[bool] = False
+    GROUP: ClassVar[str] = "run"
+    # The server's budgets and trust; `run` checkpoints under --out.
+    NOT_FLAGS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "checkpoint_root",
+            "gradient_checkpointing",
+            "lora_kernel",
+            "device_memory",
+            "memory_headroom",
+            "max_step_tokens",
+            "max_prompt_tokens",
+            "reward_deadline",
+            "vllm_options",
+        }
+    )
+
+    manifests: Annotated[str, Flag("YAML file of LoRAExperiment manifests", positional=True)]
+    model: Annotated[str, Flag("base model directory")]  # type: ignore[assignment]
+    out: Annotated[str, Flag("output directory")] = "out/demo"
+    data_root: Annotated[
+        tuple[str, ...],
+        Flag(
+            "directory JSONL datasets must lie under (a relative dataset is taken from the "
+            "first); repeatable",
+            action="append",
+            metavar="DIR",
+            default_text="the manifest file's directory",
+        ),
+    ] = ()
+
+
+COMMANDS: tuple[type[ProcessSettings], ...] = (ServeSettings, RunSettings)

@@ -1,0 +1,228 @@
+"""What an :class:`~loraplex_engine.engine.Engine` is configured with, as one typed object.
+
+``EngineSettings`` is the engine's own (``Engine(model_dir, settings, ...)`` takes it
+whole); ``ProcessSettings`` adds what a process running one needs around it (the model,
+the device asked for, the data-parallel ranks). The commands' settings
+(settings/commands.py) extend these; each field's ``Flag`` is its command-line face.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex_engine.api_types import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MEMORY_HEADROOM,
+    DEFAULT_MICRO_BATCH_TOKENS,
+    DEFAULT_REWARD_DEADLINE_S,
+    DEFAULT_ROLLOUT_KV_TOKENS,
+    DTYPE_NAMES,
+)
+from loraplex_engine.errors import UsageError
+from loraplex_engine.settings import values as v
+from loraplex_engine.settings.values import Flag
+
+ROLLOUT_BACKENDS = ("torch", "vllm")
+TRAIN_MODES = ("fused", "timesliced")
+# How long a collective waits for every rank (parallel/distributed.py, which imports torch):
+# a worker waits for rank 0's next tick through a whole rollout and reward phase.
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+
+def check_train_mode(world_size: int, train_mode: str) -> None:
+    """Data parallelism splits the fused update; the time-sliced baseline is one rank's."""
+    if world_size > 1 and train_mode != "fused":
+        raise UsageError(f"--world-size {world_size} needs --train-mode fused, not {train_mode}")
+
+
+class EngineSettings(BaseModel):
+    """The engine's configuration: its slots, budgets, precision and rollout."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    GROUP: ClassVar[str] = "engine"
+
+    max_adapters: Annotated[int, Flag("adapter slots", v.to_int)] = 8
+    max_rank: Annotated[int, Flag("largest LoRA rank", v.to_int)] = 64
+    checkpoint_root: Annotated[
+        str, Flag("checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/")
+    ] = "/ckpt"
+    rollout_backend: Annotated[
+        Literal["torch", "vllm"],
+        Flag(
+            "who samples the rollouts: torch (the trainer's own model) or vllm (a vLLM "
+            "worker run with $LORAPLEX_VLLM_PYTHON; the trainer recomputes the old log-probs)",
+            v.one_of("rollout backend", ROLLOUT_BACKENDS),
+            metavar="{torch,vllm}",
+        ),
+    ] = "torch"
+    train_mode: Annotated[
+        Literal["fused", "timesliced"],
+        Flag(
+            "fused: one forward/backward for all adapters; timesliced: one at a time "
+            "(the benchmark's baseline)",
+            v.one_of("train mode", TRAIN_MODES),
+            metavar="{fused,timesliced}",
+        ),
+    ] = "fused"
+    dtype: Annotated[
+        str | None,
+        Flag(
+            f"the frozen base's dtype, one of {', '.join(DTYPE_NAMES)}; adapters and "
+            "optimiser state are float32 whatever it is",
+            v.dtype,
+            default_text="bfloat16 on cuda, float32 on cpu",
+        ),
+    ] = None
+    gradient_checkpointing: Annotated[
+        bool | None,
+        Flag(
+            "recompute each decoder layer in the backward instead of keeping its activations",
+            v.boolean,
+            action="toggle",
+            default_text="on for cuda, off for cpu",
+        ),
+    ] = None
+    lora_kernel: Annotated[
+        str,
+        Flag(
+            "the multi-LoRA delta: auto (grouped matmuls at each adapter's own rank where "
+            "torch's fused kernel runs: CUDA, bf16, sm90/sm100; else bmm), bmm, or grouped "
+            "(also where only its slower reference loop runs)",
+            v.lora_kernel,
+        ),
+    ] = "auto"
+    micro_batch_tokens: Annotated[
+        int | None,
+        Flag(
+            "padded tokens of one training micro-batch (gradient accumulation over them)",
+            v.tokens_or_auto,
+            metavar="N",
+            default_text=f"auto: the memory plan's, else {DEFAULT_MICRO_BATCH_TOKENS}",
+        ),
+    ] = None
+    rollout_kv_tokens: Annotated[
+        int | None,
+        Flag(
+            "KV-cache tokens of one torch rollout micro-batch (rows x (longest prompt + "
+            "largest maxNewTokens)); the rollout decodes micro-batches one after another, "
+            "so its cache stays under N tokens whatever the tenants",
+            v.tokens_or_auto,
+            metavar="N",
+            default_text=f"auto: the memory plan's, else {DEFAULT_ROLLOUT_KV_TOKENS}",
+        ),
+    ] = None
+    device_memory: Annotated[
+        int | None,
+        Flag(
+            "memory the engine plans against, e.g. 80GiB",
+            v.bytes_or_auto,
+            default_text="auto: on cuda what is free plus what the engine holds; on cpu "
+            "none, so nothing is derived",
+        ),
+    ] = None
+    memory_headroom: Annotated[
+        float,
+        Flag(
+            "share of --device-memory the plan leaves unused (fragmentation, workspaces)",
+            v.fraction,
+        ),
+    ] = DEFAULT_MEMORY_HEADROOM
+    max_step_tokens: Annotated[
+        int,
+        Flag(
+            "largest groupSize x promptsPerStep x (--max-prompt-tokens + maxNewTokens) one "
+            "experiment's step may cost, checked at PUT (one tenant must not stall the others)",
+            v.to_int,
+        ),
+    ] = DEFAULT_MAX_STEP_TOKENS
+    max_prompt_tokens: Annotated[
+        int,
+        Flag("longest prompt a rollout row may have; a longer one fails its experiment", v.to_int),
+    ] = DEFAULT_MAX_PROMPT_TOKENS
+    reward_deadline: Annotated[
+        float,
+        Flag(
+            "how long a tick waits for an experiment's reward; a later one trains that "
+            "experiment in the tick after it arrives, without holding the others",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = DEFAULT_REWARD_DEADLINE_S
+    vllm_options: Annotated[
+        dict[str, Any],
+        Flag(
+            "option for the vllm rollout backend (value parsed as JSON if it parses), e.g. "
+            "max_model_len=4096 gpu_memory_utilization=0.5; repeatable, over "
+            "LORAPLEX_VLLM_OPTIONS (a JSON object of them)",
+            v.key_value,
+            action="merge",
+            metavar="KEY=VALUE",
+            flag="--vllm-option",
+            env="LORAPLEX_VLLM_OPTIONS",
+            env_help="a JSON object of --vllm-option settings",
+            default_text="none",
+        ),
+    ] = Field(default_factory=dict)
+    shard_base: Annotated[
+        bool,
+        Flag(
+            "shard the frozen base model over the --world-size ranks (FSDP2; the LoRA "
+            "adapters stay replicated) for a base that does not fit one device",
+            action="switch",
+        ),
+    ] = False
+
+
+class ProcessSettings(EngineSettings):
+    """A process that runs an engine: the model, the device asked for, its ranks."""
+
+    GROUP: ClassVar[str] = "process"
+
+    model: Annotated[
+        str | None, Flag("base model directory (local)", default_text="none; required")
+    ] = None
+    device: Annotated[
+        str,
+        Flag(
+            f"torch device: {v.DEVICES} (auto: cuda where torch sees a GPU, else cpu). "
+            "With --world-size N, cuda puts rank r on cuda:<LOCAL_RANK> and the ranks talk "
+            "over NCCL; on cpu over gloo",
+            v.device,
+            metavar="DEVICE",
+        ),
+    ] = "auto"
+    world_size: Annotated[
+        int,
+        Flag(
+            "data-parallel ranks of this engine (one per GPU; gloo on the CPU). This "
+            "process is rank 0 and starts ranks 1..N-1 itself as this command, unless "
+            "RANK is set (torchrun): then each process joins by env://",
+            v.positive_int,
+            metavar="N",
+        ),
+    ] = 1
+    dist_timeout: Annotated[
+        float,
+        Flag(
+            "how long a rank waits for the others in a collective (a worker waits a whole "
+            "tick for the next train phase) before the engine fails",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = DEFAULT_DIST_TIMEOUT_S
+
+    def check(self) -> None:
+        """What these settings cannot run, refused before anything starts."""
+        for flag, value in (("--max-adapters", self.max_adapters), ("--max-rank", self.max_rank)):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1, got {value}")
+        if self.shard_base and self.world_size < 2:
+            raise UsageError("--shard-base needs --world-size above 1 (the ranks to shard over)")
+        check_train_mode(self.world_size, self.train_mode)
+
+    def engine(self) -> EngineSettings:
+        """The engine's own settings, without the process's."""
+        return EngineSettings(**{k: getattr(self, k) for k in EngineSettings.model_fields})
