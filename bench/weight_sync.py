@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from loraplex_engine.dev.tiny_model import build_model
-from loraplex_engine.rollout.backends import VLLMRolloutBackend
+from loraplex_engine.rollout.vllm.engine_backend import VLLMRolloutBackend
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".cache" / "models" / "bench"

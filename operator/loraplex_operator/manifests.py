@@ -140,11 +140,14 @@ def _world_args(spec: EnginePoolSpec) -> list[str]:
 
 
 def trust_args(spec: EnginePoolSpec) -> list[str]:
-    """The pool's data roots and reward hosts as `serve` flags (`--flag=value`: a value
-    is never read as another flag)."""
-    return [f"--data-root={d}" for d in spec.data_roots or ()] + [
-        f"--allow-reward-host={h}" for h in spec.reward_hosts or ()
-    ]
+    """The pool's data roots, reward hosts and checkpoint quota as `serve` flags
+    (`--flag=value`: a value is never read as another flag)."""
+    quota = spec.checkpoint.quota_bytes_per_namespace
+    return (
+        [f"--data-root={d}" for d in spec.data_roots or ()]
+        + [f"--allow-reward-host={h}" for h in spec.reward_hosts or ()]
+        + ([f"--checkpoint-quota-bytes={quota}"] if quota is not None else [])
+    )
 
 
 def _env(pool_name: str, spec: EnginePoolSpec) -> list[dict[str, Any]]:

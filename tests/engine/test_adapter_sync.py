@@ -18,7 +18,7 @@ from loraplex_engine.api_types import AdapterSync, AdapterSyncStats, TickReport
 from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.local.runner import Progress, sync_line
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.rollout.backends import VLLMRolloutBackend
+from loraplex_engine.rollout.vllm.engine_backend import VLLMRolloutBackend
 from safetensors.torch import load_file
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}

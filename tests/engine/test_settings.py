@@ -40,6 +40,7 @@ CHANGED: dict[str, Any] = {
     "micro_batch_tokens": 2048,
     "rollout_kv_tokens": 512,
     "device_memory": 80 * 2**30,
+    "checkpoint_quota_bytes": 50 * 2**30,
     "memory_headroom": 0.2,
     "max_step_tokens": 4096,
     "max_prompt_tokens": 256,

@@ -133,7 +133,7 @@ class _StandInWorker:
 
 
 def _stand_in_backend(poison: set[str], log: list[str]):
-    from loraplex_engine.rollout.backends import VLLMRolloutBackend
+    from loraplex_engine.rollout.vllm.engine_backend import VLLMRolloutBackend
 
     def start():
         log.append("start")
@@ -164,7 +164,7 @@ def test_requests_that_kill_the_worker_fail_their_experiment_alone() -> None:
 
 def test_a_worker_that_keeps_dying_fails_the_call_after_bounded_restarts() -> None:
     from loraplex_engine.errors import VLLMWorkerError
-    from loraplex_engine.rollout.backends import MAX_RESTARTS
+    from loraplex_engine.rollout.vllm.engine_backend import MAX_RESTARTS
 
     log: list[str] = []
     poison = {"a", "b", "c"}

@@ -11,7 +11,6 @@ leave between ticks (``_model_lock``); reads (status, capacity) never wait for a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,6 @@ from loraplex_engine.errors import (
     NoFreeSlotError,
     NotFoundError,
     UnavailableError,
-    UsageError,
 )
 from loraplex_engine.experiment import (
     Experiment,
@@ -55,21 +53,17 @@ from loraplex_engine.experiment import (
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.memory.capacity_plan import cuda_free_and_total, engine_plan
+from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
-from loraplex_engine.rollout.backends import (
-    FollowerRollout,
-    RolloutBackend,
-    TorchRollout,
-    VLLMRolloutBackend,
-)
-from loraplex_engine.rollout.vllm.config import kv_bytes_per_token, vllm_engine_args
+from loraplex_engine.rollout.backends import PeftWeights, TorchRollout
+from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.service import PromptJob, ServedRow
 from loraplex_engine.settings.engine import EngineSettings
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -159,13 +153,39 @@ class Engine:
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
+        quota = s.checkpoint_quota_bytes
         self.store = RunStore(
-            Path(s.checkpoint_root), self.model, self.optimizer, str(self.model_dir)
+            Path(s.checkpoint_root),
+            self.model,
+            self.optimizer,
+            str(self.model_dir),
+            quota=CheckpointQuota(quota) if quota is not None else None,
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
+        # Chosen once; from here on the engine asks the backend what it is (rollout/select.py).
+        self.backend = build_rollout(
+            rollout_backend,
+            RolloutParts(
+                self.model,
+                self.model_dir,
+                self.device,
+                self.dtype,
+                self.model.route,
+                self._decode_forward,
+                self._export_adapter,
+                self.codec.pad_id,
+                self.codec.eos_ids,
+                self.ignore_eos,
+                self.max_prompt_tokens,
+                self.max_step_tokens,
+                dict(s.vllm_options),
+                world,
+                self.lockstep,
+            ),
+        )
         trainer: type[AdapterTrainer] = FusedTraining
         if train_mode == "timesliced":  # the benchmark's baseline arm: dev code, on request
             from loraplex_engine.dev.timesliced import TimeSlicedTraining
@@ -181,16 +201,15 @@ class Engine:
             micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
             shared,
             gradient_checkpointing=gradient_checkpointing,
-            # vLLM samples with its own kernels: the trainer scores the rows itself
-            # (training_strategy.AdapterTrainer).
-            recompute_old_logprobs=rollout_backend == "vllm",
+            # A sampler with its own kernels (vLLM): the trainer scores the rows itself
+            # (train/strategy.AdapterTrainer).
+            recompute_old_logprobs=not self.backend.shares_trainer_weights,
         )
-        self.backend = self._make_backend(rollout_backend, dict(s.vllm_options), world)
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
-        self.adapter_sync = None if rollout_backend == "torch" else AdapterSyncStats()
+        self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
         self.memory_plan = self._plan_memory(
             micro_batch_tokens, rollout_kv_tokens, s.device_memory, s.memory_headroom
@@ -245,7 +264,7 @@ class Engine:
             headroom=headroom,
             micro_batch_tokens=micro_batch_tokens,
             rollout_kv_tokens=rollout_kv_tokens,
-            plan_rollout=self.rollout_backend == "torch",  # vLLM sizes its own cache
+            plan_rollout=self.backend.shares_trainer_weights,  # vLLM sizes its own cache
         )
         log.info(
             "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
@@ -255,53 +274,11 @@ class Engine:
         )  # fmt: skip
         return plan
 
-    def _make_backend(
-        self, name: str, options: dict[str, Any], world: World | None
-    ) -> RolloutBackend:
-        if name == "torch":
-            return TorchRollout(
-                self.model.route,
-                self._decode_forward,
-                self.codec.pad_id,
-                () if self.ignore_eos else self.codec.eos_ids,
-                lockstep=self.lockstep,
-            )  # its KV budget is set once the memory plan is made
-        if world is not None and not world.is_leader:
-            return FollowerRollout()  # one vLLM per pod: rank 0's (parallel/data_parallel.py)
-        config = self.model.base_model.config
-        try:
-            args = self._vllm_args(config, options, world)
-        except ValueError as e:  # a placement that does not fit this device
-            raise UsageError(f"vLLM: {e}") from e
-        return VLLMRolloutBackend(
-            self.model_dir,
-            lambda exp_id, dtype: (
-                ckpt.peft_config(self.model, exp_id, str(self.model_dir)),
-                ckpt.peft_tensors(self.model, exp_id, dtype),
-            ),
-            args,
-            ignore_eos=self.ignore_eos,
-            eos_ids=self.codec.eos_ids,
-        )
-
-    def _vllm_args(
-        self, config: Any, options: dict[str, Any], world: World | None
-    ) -> dict[str, Any]:
-        return vllm_engine_args(
-            device_type=self.device.type,
-            dtype=dtype_name(self.dtype),
-            max_adapters=self.model.max_adapters,
-            max_rank=self.model.max_rank,
-            context_tokens=getattr(config, "max_position_embeddings", None),
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_new_tokens=MAX_NEW_TOKENS,
-            max_step_tokens=self.max_step_tokens,
-            kv_bytes_per_token=kv_bytes_per_token(config, self.dtype.itemsize),
-            user_options=options,
-            trainer_device=str(self.device),
-            device_memory=cuda_free_and_total(self.device),  # after the base loaded
-            parent_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            sharded_over=world.size if world is not None and self.lockstep else 1,
+    def _export_adapter(self, exp_id: str, dtype: torch.dtype) -> PeftWeights:
+        """An adapter as a sampler of its own takes it: PEFT config and tensors."""
+        return (
+            ckpt.peft_config(self.model, exp_id, str(self.model_dir)),
+            ckpt.peft_tensors(self.model, exp_id, dtype),
         )
 
     def _decode_forward(

@@ -208,6 +208,15 @@ class CheckpointStorage(ApiModel):
         "ReadWriteMany PVC). Absent = emptyDir.",
         json_schema_extra=PRESERVE_UNKNOWN,
     )
+    quota_bytes_per_namespace: Int64 | None = Field(
+        None,
+        alias="quotaBytesPerNamespace",
+        ge=1,
+        description="Bytes each namespace's checkpoints may take on the volume (all its "
+        "experiments and runs); a checkpoint that would pass it is refused before it is "
+        "written, and that experiment fails alone. Passed as `serve "
+        "--checkpoint-quota-bytes`. Absent = unbounded (one tenant may fill the volume).",
+    )
 
 
 class LabelSelectorRequirement(ApiModel):

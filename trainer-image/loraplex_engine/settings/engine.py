@@ -49,6 +49,16 @@ class EngineSettings(BaseModel):
     checkpoint_root: Annotated[
         str, Flag("checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/")
     ] = "/ckpt"
+    checkpoint_quota_bytes: Annotated[
+        int | None,
+        Flag(
+            "what each namespace's checkpoints may take under the checkpoint root (all its "
+            "experiments and runs), e.g. 50GiB; a checkpoint past it fails its experiment "
+            "alone, before it is written",
+            v.bytes_or_none,
+            default_text="none: unbounded",
+        ),
+    ] = None
     rollout_backend: Annotated[
         Literal["torch", "vllm"],
         Flag(

@@ -110,6 +110,19 @@ def tokens_or_auto(value: str) -> int | None:
     return number
 
 
+def bytes_or_none(value: str) -> int | None:
+    """A byte count (``50GiB``); ``none`` (or empty) for None: no bound."""
+    if str(value).strip().lower() in ("", "none"):
+        return None
+    try:
+        number = parse_bytes(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise invalid("byte count", value, "; e.g. 50GiB, or none")
+    return number
+
+
 def bytes_or_auto(value: str) -> int | None:
     """A byte count (``80GiB``, ``141GB``); ``auto`` (or empty) for None."""
     if str(value).strip().lower() in ("", "auto"):
