@@ -217,6 +217,8 @@ POOL_BOUNDS = [
     ("spec.engineNamespace", "Team_A", False),
     ("spec.engineNamespace", "", False),
     ("spec.engineNamespace", _long(63), False),
+    ("spec.checkpoint.quotaBytesPerNamespace", 0, False),
+    ("spec.checkpoint.quotaBytesPerNamespace", 1, True),
     ("spec.capacity.maxAdapters", 0, False),
     ("spec.capacity.maxAdapters", 256, True),
     ("spec.capacity.maxAdapters", 257, False),

@@ -248,3 +248,15 @@ def test_data_roots_and_reward_hosts_become_serve_flags() -> None:
         "--allow-reward-host=::1",
     ]
     assert not any(a.startswith("--data-root") for a in serve_args(_minimal_pool()["spec"]))
+
+
+def test_the_checkpoint_quota_becomes_the_serve_flag_the_engine_parses() -> None:
+    from loraplex_engine.settings.values import bytes_or_none
+
+    obj = pool("tenants").obj()
+    obj["spec"]["checkpoint"] = {"quotaBytesPerNamespace": 50 * 2**30}
+    args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    (quota,) = [a for a in args if a.startswith("--checkpoint-quota-bytes")]
+    assert bytes_or_none(quota.split("=", 1)[1]) == 50 * 2**30
+    plain = serve_args(_minimal_pool()["spec"])
+    assert not any(a.startswith("--checkpoint-quota-bytes") for a in plain)  # unbounded
