@@ -141,6 +141,7 @@ def new_experiment(
             spec.task.reward or "default",
             spec.task.reward_url,
             dataset_root=dataset_root,
+            allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
         )
         algorithm = build_algorithm(spec.algorithm)
