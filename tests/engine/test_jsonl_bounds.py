@@ -67,7 +67,7 @@ def test_hard_links_are_refused_unless_allowed(dirs) -> None:
     own, other = dirs
     os.link(other / "private.jsonl", own / "linked.jsonl")
     message = _refusal(own / "linked.jsonl", root=own)
-    assert "2 hard links" in message and "--allow-hard-linked-data" in message
+    assert "2 hard links" in message and "unless the pool allows it" in message
     task = JsonlTask(own / "linked.jsonl", root=own, allow_hard_links=True)
     assert len(task) == 1
     task.close()

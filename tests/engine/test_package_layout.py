@@ -24,7 +24,6 @@ OVER_LIMIT = {
     "loraplex_engine.server.flags": 524,
     "loraplex_engine.server.serve": 512,
     "loraplex_engine.spec": 511,
-    "loraplex_engine.tick": 515,
 }
 
 

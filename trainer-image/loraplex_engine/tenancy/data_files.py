@@ -77,8 +77,7 @@ class DataFile:
             raise TaskError(
                 FIELD,
                 f"dataset {self.shown!r} has {st.st_nlink} hard links: refused, as a hard "
-                "link can give another tenant's file a name here (the pool admin may allow "
-                "it: serve --allow-hard-linked-data)",
+                "link can give another tenant's file a name here (unless the pool allows it)",
             )
 
     def _error(self, e: OSError) -> TaskError:
