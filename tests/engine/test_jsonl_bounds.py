@@ -168,3 +168,15 @@ def test_close_releases_the_descriptors(tmp_path: Path) -> None:
     for t in tasks:
         t.close()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_blank_lines_are_skipped_and_indented_rows_kept(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("x\n".replace("x", _row("first").strip()))
+    task = JsonlTask(path)
+    with path.open("a") as f:
+        f.write("\n   \n\t\r\n  " + _row("indented") + " \n" + _row("last"))
+    task.refresh()
+    assert [task.row(i).text for i in range(len(task))] == ["first", "indented", "last"]
+    assert [task.row(i).meta["line"] for i in range(len(task))] == ["1", "5", "7"]
+    task.close()

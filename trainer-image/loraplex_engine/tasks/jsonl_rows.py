@@ -1,8 +1,9 @@
 """One JSONL row checked and parsed, and a whole file checked in a child process.
 
 Standard library only: a file of a million rows is checked at admission by this module
-run as a script (``python -I jsonl_rows.py FD END MAX_LINE``, the descriptor inherited),
-so that the parse neither holds the engine's GIL against its tick nor grows its memory.
+run as a script (``python -I jsonl_rows.py FD END MAX_LINE``, the descriptor inherited,
+at the lowest CPU priority), so that the parse neither holds the engine's GIL against its
+tick, nor takes the cores the tick needs, nor grows the engine's memory.
 A row's problem is one line naming the line number; the script prints it and exits 1.
 """
 
@@ -67,7 +68,16 @@ def check_file(fd: int, end: int, max_line: int) -> str | None:
     return None
 
 
+def lowest_priority() -> None:
+    """The check takes only the CPU the engine leaves: its tick runs beside it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 if __name__ == "__main__":
+    lowest_priority()
     problem = check_file(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
     if problem is not None:
         print(problem)
