@@ -24,7 +24,7 @@ import logging
 import random
 import string
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -62,6 +62,43 @@ log = logging.getLogger("loraplex_operator.reconcile")
 # watched (the operator may only `get` them), and a round must not read them each time.
 READ_TTL = 60.0
 
+# An engine's 5xx to a PUT is its fault, not a lack of room (issue 26: a dataset that made
+# every PUT answer 500 was retried as "no capacity" every round, for ever): the bind is
+# retried after 5, 10, 20, 40 s, and after PUT_ATTEMPTS answers the experiment fails with
+# the engine's error. A 503 (loading, or its loop stopped) waits for the engine instead.
+PUT_ATTEMPTS = 5
+PUT_BACKOFF_S = 5.0
+PUT_BACKOFF_MAX_S = 300.0
+WAIT_ENGINE_ERROR = "EngineError"
+
+
+class PutBackoff:
+    """Per experiment: how many binds an engine answered with a 5xx, and when the next
+    may be tried (soft state: a restarted operator starts counting again)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._failed: dict[str, tuple[int, float]] = {}  # key -> (answers, next try)
+
+    def waiting(self, key: str) -> bool:
+        hit = self._failed.get(key)
+        return hit is not None and self.clock() < hit[1]
+
+    def failed(self, key: str) -> int:
+        """Count one more 5xx; returns how many so far."""
+        count = self._failed.get(key, (0, 0.0))[0] + 1
+        delay = min(PUT_BACKOFF_S * 2 ** (count - 1), PUT_BACKOFF_MAX_S)
+        self._failed[key] = (count, self.clock() + delay)
+        return count
+
+    def forget(self, key: str) -> None:
+        self._failed.pop(key, None)
+
+    def keep_only(self, keys: Collection[str]) -> None:
+        """Drop the entries of experiments not in ``keys`` (deleted, or no longer bound)."""
+        for key in [k for k in self._failed if k not in keys]:
+            del self._failed[key]
+
 
 class PoolReconciler:
     """Runs rounds for pools; holds only soft state (timers), never the truth."""
@@ -80,6 +117,7 @@ class PoolReconciler:
         self.publisher = StatusPublisher(kube, emit, config)
         self._idle_since: dict[str, dict[str, float]] = {}
         self._reads: dict[tuple[str, ...], tuple[float, Any]] = {}  # key -> (expiry, value)
+        self.put_backoff: dict[str, PutBackoff] = {}  # per pool
 
     @property
     def kube(self) -> Kube:
@@ -206,6 +244,7 @@ class PoolReconciler:
         pool_name = snap.pool.name
         await asyncio.gather(*(self._unload(plan, u, token, pool_name) for u in plan.unloads))
         await asyncio.gather(*(self._put(plan, p, token, pool_name) for p in plan.puts))
+        self._backoff(pool_name).keep_only(plan.work)
         await self._pods(snap.pool, plan)
 
         now = datetime.now(UTC)
@@ -254,6 +293,9 @@ class PoolReconciler:
 
     async def _put(self, plan: RoundPlan, p: Put, token: str, pool_name: str) -> None:
         w = plan.work[p.key]
+        if self._backoff(pool_name).waiting(p.key):
+            w.waiting_reason = WAIT_ENGINE_ERROR
+            return
         try:
             code, body = await self._engine_put(p, token)
         except EngineUnreachable as e:
@@ -261,15 +303,22 @@ class PoolReconciler:
             w.waiting_reason = placement.WAIT_STARTING
             return
         except EngineError as e:
-            if e.code in ("no_capacity", "conflict") or e.status >= 500:
+            log.warning("bind %s to %s: %s", p.key, p.engine, e)
+            if e.status == 503:
+                w.waiting_reason = placement.WAIT_STARTING
+                return
+            if e.status >= 500:
+                self._put_failed(w, p, e, self._backoff(pool_name))
+                return
+            if e.code in ("no_capacity", "conflict"):
                 w.waiting_reason = placement.WAIT_NO_CAPACITY
-                log.warning("bind %s to %s: %s", p.key, p.engine, e)
                 return
             field_ = e.field or "spec"
             w.engine_status = {"phase": st.FAILED, "error": f"{field_}: {e.message}"}
             w.event(WARNING, "EngineRejected", f"engine {p.engine} rejected it: {field_}: {e}")
             return
         log.info("bound %s to %s (%s, resumeFrom=%s)", p.key, p.engine, code, p.body["resumeFrom"])
+        self._backoff(pool_name).forget(p.key)
         w.binding = st.Binding(p.engine, p.node)
         w.engine_status = body
         m.PLACEMENTS.labels(pool=pool_name).inc()
@@ -278,6 +327,22 @@ class PoolReconciler:
             m.SCHEDULING_LATENCY.labels(pool=pool_name).observe(max(time.time() - since, 0.0))
         how = _resumed(p.body["resumeFrom"], w.exp.status.checkpoint.step, body)
         w.event(NORMAL, "Bound", f"bound to engine {p.engine} ({how})")
+
+    def _backoff(self, pool_name: str) -> PutBackoff:
+        return self.put_backoff.setdefault(pool_name, PutBackoff())
+
+    @staticmethod
+    def _put_failed(w: Work, p: Put, e: EngineError, backoff: PutBackoff) -> None:
+        """An engine's 5xx: retried with back-off, PUT_ATTEMPTS at most, then Failed."""
+        count = backoff.failed(p.key)
+        what = f"engine {p.engine} answered {e.status} to bind {count}/{PUT_ATTEMPTS}: {e.message}"
+        if count < PUT_ATTEMPTS:
+            w.waiting_reason = WAIT_ENGINE_ERROR
+            w.event(WARNING, "EngineError", f"{what}; retrying with back-off")
+            return
+        backoff.forget(p.key)
+        w.engine_status = {"phase": st.FAILED, "error": what}
+        w.event(WARNING, "EngineError", f"{what}; giving up")
 
     async def _engine_put(self, p: Put, token: str) -> tuple[int, dict[str, Any]]:
         args = (p.url, token, p.exp_id, p.body["spec"], p.body["namespace"], p.body["name"])
@@ -340,6 +405,7 @@ class PoolReconciler:
         m.forget_pool(pool_name)
         self.heartbeats.forget(pool_name)
         self._idle_since.pop(pool_name, None)
+        self.put_backoff.pop(pool_name, None)
         now = datetime.now(UTC)
         for item in await (source or self.source()).experiments(pool_name):
             exp = Experiment.from_obj(item)

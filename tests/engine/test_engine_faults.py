@@ -213,7 +213,7 @@ def test_continual_experiment_reads_appended_rows_and_publishes_versions(tiny_mo
         versions.add(eng.get_experiment("default.live").adapter_path)
     status = eng.get_experiment("default.live")
     assert status.phase == "Running" and status.step == 8 and status.max_steps == 0
-    assert len(eng._experiments["default.live"].task.rows) == 4  # the appended rows are in
+    assert len(eng._experiments["default.live"].task) == 4  # the appended rows are in
     # ... and reach the rollouts: 16 draws from 4 rows (seeded) include the new ones.
     assert {t for t in rolled_out if t.startswith("new row")}, rolled_out
     # the adapter published at steps 4, 6 and 8 (every 2) as the policy went on learning

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from loraplex_engine.errors import ManifestError
 from loraplex_engine.local.manifests import load_manifests, parse_manifests
-from loraplex_engine.tasks import build_task
+from loraplex_engine.tasks import JsonlTask, build_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,6 +98,8 @@ def test_smollm2_demo_sample_is_valid_and_its_dataset_loads() -> None:
     assert len({m.spec.algorithm.seed for m in out}) == 2
     yes = next(m for m in out if m.name == "say-yes").spec.task
     task = build_task(yes.name, yes.params, str(path.parent / yes.dataset), yes.reward)
-    assert len(task.rows) == 12 and {r.answer for r in task.rows} == {"Yes"}
-    assert task.reward(task.rows[0], "Yes") == 1.0
-    assert task.reward(task.rows[0], "Yes, it is.") < 0.5
+    assert isinstance(task, JsonlTask)
+    rows = [task.row(i) for i in range(len(task))]
+    assert len(rows) == 12 and {r.answer for r in rows} == {"Yes"}
+    assert task.reward(rows[0], "Yes") == 1.0
+    assert task.reward(rows[0], "Yes, it is.") < 0.5

@@ -105,11 +105,15 @@ def _row(prompt: str, answer: str) -> str:
     return json.dumps({"prompt": prompt, "answer": answer})
 
 
+def _answers(task: JsonlTask) -> list[str]:
+    return [task.row(i).answer for i in range(len(task))]
+
+
 def test_jsonl_reads_rows_and_scores_exact_match(tmp_path: Path) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text(_row("2 + 2 =", "4") + "\n\n" + _row("capital of France?", "Paris") + "\n")
     task = build_task("jsonl", dataset=str(path))
-    assert isinstance(task, JsonlTask) and len(task.rows) == 2
+    assert isinstance(task, JsonlTask) and len(task) == 2
     prompts = task.sample_prompts(10, random.Random(0))
     assert prompts == task.sample_prompts(10, random.Random(0))
     assert {p.answer for p in prompts} == {"4", "Paris"}
@@ -125,15 +129,15 @@ def test_jsonl_picks_up_appended_rows_and_waits_for_half_lines(tmp_path: Path) -
     with path.open("a") as f:
         f.write(half[:7])  # a writer mid-line
     task.sample_prompts(1, random.Random(0))
-    assert [r.answer for r in task.rows] == ["1"]
+    assert _answers(task) == ["1"]
     with path.open("a") as f:
         f.write(half[7:])  # complete, but no newline yet: taken
     task.sample_prompts(1, random.Random(0))
-    assert [r.answer for r in task.rows] == ["1", "2"]
+    assert _answers(task) == ["1", "2"]
     with path.open("a") as f:
         f.write("\n" + _row("c", "3") + "\n")
     task.sample_prompts(1, random.Random(0))
-    assert [r.answer for r in task.rows] == ["1", "2", "3"]
+    assert _answers(task) == ["1", "2", "3"]
     assert task.refresh() == 0
 
 
@@ -143,7 +147,7 @@ def test_jsonl_reloads_a_replaced_file(tmp_path: Path) -> None:
     task = JsonlTask(path)
     path.write_text(_row("z", "9") + "\n")
     task.refresh()
-    assert [r.answer for r in task.rows] == ["9"]
+    assert _answers(task) == ["9"]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnr
 from loraplex_operator.observation import EngineView, Snapshot
 from loraplex_operator.planning import PREEMPT, SUSPEND, Put, RoundPlan, Unload, Work
 from loraplex_operator.publish import StatusPublisher
-from loraplex_operator.reconcile import PoolReconciler
+from loraplex_operator.reconcile import PUT_ATTEMPTS, PoolReconciler, PutBackoff
 from loraplex_operator.resources import Experiment, Pool, parse_time
 from loraplex_operator.status import Binding
 
@@ -106,6 +106,10 @@ def _status(kube: FakeKube) -> dict[str, Any]:
     return next(p["status"] for n, p in kube.patches if n == "a")
 
 
+def _latest_status(kube: FakeKube) -> dict[str, Any]:
+    return [p["status"] for n, p in kube.patches if n == "a"][-1]
+
+
 async def test_bind_writes_engine_node_and_running() -> None:
     obj = experiment("a").obj()
     ckpt = {"path": "/ckpt/team-a/a/step-00000004", "step": 4}
@@ -179,6 +183,53 @@ async def test_full_or_unreachable_engine_leaves_it_pending() -> None:
         await r.act(snap, plan, "token")
         s = _status(kube)
         assert s["phase"] == "Pending" and s["engine"] is None
+
+
+class CountingEngines(FakeEngines):
+    def __init__(self, put: Any) -> None:
+        super().__init__(put=put)
+        self.puts = 0
+
+    async def put(self, *args: Any) -> tuple[int, dict[str, Any]]:
+        self.puts += 1
+        return await super().put(*args)
+
+
+async def test_an_engine_5xx_on_put_is_retried_with_back_off_then_fails_it() -> None:
+    # Issue 26: a 500 is the engine's fault, not a lack of room: never "NoCapacity", never
+    # retried every round for ever. One round a second: PUTs at 0, 5, 15, 35 and 75 s.
+    obj = experiment("a").obj()
+    engines = CountingEngines(put=EngineError(500, "internal", "RecursionError"))
+    r, kube, events = _reconciler(engines)
+    clock = [0.0]
+    r.put_backoff[Pool.from_obj(pool().obj()).name] = PutBackoff(lambda: clock[0])
+    sent_at = []
+    for _ in range(120):
+        before = engines.puts
+        await r.act(*_round(obj, puts=[_put(obj)]), "token")
+        if engines.puts > before:
+            sent_at.append(clock[0])
+        s = _latest_status(kube)
+        if s["phase"] == "Failed":
+            break
+        assert s["phase"] == "Pending" and "EngineError" in s["message"], s
+        clock[0] += 1.0
+    assert sent_at == [0.0, 5.0, 15.0, 35.0, 75.0]
+    assert f"answered 500 to bind {PUT_ATTEMPTS}/{PUT_ATTEMPTS}" in s["message"], s
+    warnings = [e for e in events if e[2] == "EngineError"]
+    assert len(warnings) == PUT_ATTEMPTS and "giving up" in warnings[-1][3]
+
+
+async def test_an_unavailable_engine_is_waited_for_not_counted() -> None:
+    obj = experiment("a").obj()
+    engines = CountingEngines(put=EngineError(503, "unavailable", "loading"))
+    r, kube, _ = _reconciler(engines)
+    for _ in range(PUT_ATTEMPTS + 2):
+        snap, plan = _round(obj, puts=[_put(obj)])
+        await r.act(snap, plan, "token")
+        s = _latest_status(kube)
+        assert s["phase"] == "Pending" and "WaitingForEngine" in s["message"], s
+    assert engines.puts == PUT_ATTEMPTS + 2
 
 
 async def test_preempted_victim_goes_pending_with_its_checkpoint() -> None:

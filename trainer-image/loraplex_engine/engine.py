@@ -46,7 +46,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.experiment import (
     Experiment,
     adapter_field,
-    adapter_spec,
+    check_same,
     lora_config,
     new_experiment,
 )
@@ -375,38 +375,37 @@ class Engine:
                 "starting with a letter or digit",
                 field="runId",
             )
-        with self._model_lock:
-            existing = self._experiments.get(exp_id)
-            if existing is not None:
-                self._check_same(existing, spec, run_id)
-                return existing.status(), False
-            exp = self._load(exp_id, spec, namespace, name or exp_id, resume_from, run_id)
-            try:
-                self.backend.add_adapter(exp_id)
-            except Exception:
-                self.optimizer.remove_adapter(exp_id)
-                self.model.remove_adapter(exp_id)
-                raise
-            if self.ranks is not None:
-                self.ranks.adapter_added(exp_id)
-            with self._state_lock:
-                self._experiments[exp_id] = exp
-            self.work_available.set()
-            return exp.status(), True
-
-    @staticmethod
-    def _check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:
-        """A PUT of a loaded experiment is a no-op only with its spec and run."""
-        if adapter_spec(existing.spec) != adapter_spec(spec):
-            raise ConflictError(
-                f"experiment {existing.id!r} is loaded with a different spec; "
-                "DELETE it first to change its spec"
-            )
-        if run_id is not None and run_id != existing.run_id:
-            raise ConflictError(
-                f"experiment {existing.id!r} is loaded as run {existing.run_id!r}, "
-                f"not runId {run_id!r}; DELETE it first to start another run"
-            )
+        with self._state_lock:
+            loaded = exp_id in self._experiments
+        # Checked, and its task built (a tenant's dataset opened and checked), before the
+        # model lock: a big file holds no tick (issue 26). Built under it only if the
+        # experiment was removed in between.
+        exp = None if loaded else self._build(exp_id, spec, namespace, name or exp_id, run_id)
+        kept = False
+        try:
+            with self._model_lock:
+                existing = self._experiments.get(exp_id)
+                if existing is not None:
+                    check_same(existing, spec, run_id)
+                    return existing.status(), False
+                exp = exp or self._build(exp_id, spec, namespace, name or exp_id, run_id)
+                self._load(exp, resume_from, run_id)
+                try:
+                    self.backend.add_adapter(exp_id)
+                except Exception:
+                    self.optimizer.remove_adapter(exp_id)
+                    self.model.remove_adapter(exp_id)
+                    raise
+                if self.ranks is not None:
+                    self.ranks.adapter_added(exp_id)
+                with self._state_lock:
+                    self._experiments[exp_id] = exp
+                kept = True
+                self.work_available.set()
+                return exp.status(), True
+        finally:
+            if exp is not None and not kept:
+                exp.task.close()  # its dataset's descriptors, its reward's client
 
     def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
         with self._model_lock:
@@ -487,17 +486,12 @@ class Engine:
 
     # ---- loading ----------------------------------------------------------------------
 
-    def _load(
-        self,
-        exp_id: str,
-        spec: ExperimentSpec,
-        namespace: str,
-        name: str,
-        resume_from: str | None,
-        run_id: str | None,
+    def _build(
+        self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str, run_id: str | None
     ) -> Experiment:
-        """Check and build everything first, then touch the model: a failure changes
-        nothing."""
+        """Check the spec against the model, then build the experiment (its task reads
+        the dataset); nothing is loaded yet. Needs no lock: it reads only what is fixed,
+        and the free-slot check is done again when the adapter is added."""
         config = lora_config(spec, self.default_targets)
         if spec.task.chat_template and not self.codec.has_chat_template:
             raise InvalidSpecError(
@@ -511,17 +505,21 @@ class Engine:
         self.limits.check_step(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        exp = new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
+        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
+
+    def _load(self, exp: Experiment, resume_from: str | None, run_id: str | None) -> None:
+        """Its adapter, fresh or resumed, into a slot (under the model lock); a failure
+        changes nothing."""
+        config = lora_config(exp.spec, self.default_targets)
         alone = not self._experiments
         try:
             if resume_from:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
             elif run_id is None or not self.store.resume_run(exp, config, alone):
-                self.model.add_adapter(exp_id, config, seed=spec.algorithm.seed)
-                self.optimizer.add_adapter(exp_id, adamw_settings(spec.algorithm))
+                self.model.add_adapter(exp.id, config, seed=exp.spec.algorithm.seed)
+                self.optimizer.add_adapter(exp.id, adamw_settings(exp.spec.algorithm))
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
-        return exp
 
     def _require(self, exp_id: str) -> Experiment:
         exp = self._experiments.get(exp_id)

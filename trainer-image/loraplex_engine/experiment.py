@@ -19,6 +19,7 @@ from loraplex_engine.api_types import (
 )
 from loraplex_engine.errors import (
     AdapterError,
+    ConflictError,
     InvalidSpecError,
     RankTooLargeError,
     TaskError,
@@ -144,6 +145,7 @@ def new_experiment(
             spec.task.reward or "default",
             spec.task.reward_url,
             dataset_root=dataset_root,
+            allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
         )
         algorithm = build_algorithm(spec.algorithm)
@@ -179,3 +181,17 @@ def adapter_field(error: AdapterError) -> str:
 def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
     """The spec minus operator-only fields (pool, priority, suspend): what the engine runs."""
     return spec.model_dump(exclude={"engine_pool", "priority", "suspend"})
+
+
+def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:
+    """A PUT of a loaded experiment is a no-op only with its spec and run."""
+    if adapter_spec(existing.spec) != adapter_spec(spec):
+        raise ConflictError(
+            f"experiment {existing.id!r} is loaded with a different spec; "
+            "DELETE it first to change its spec"
+        )
+    if run_id is not None and run_id != existing.run_id:
+        raise ConflictError(
+            f"experiment {existing.id!r} is loaded as run {existing.run_id!r}, "
+            f"not runId {run_id!r}; DELETE it first to start another run"
+        )

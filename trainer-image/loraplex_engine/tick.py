@@ -45,6 +45,7 @@ from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
+from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.rows import TrainRow
@@ -192,8 +193,9 @@ class Tick:
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
         encoded = [
-            self._encode_prompt(p, roll.max_new_tokens, exp.spec.task.chat_template)
+            prompt_ids(self.codec, p.text, p.meta.get("line"), exp.spec.task.chat_template, *limits)
             for p in prompts
         ]
         requests = [
@@ -213,27 +215,6 @@ class Tick:
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         exp.rolled_out_at = self.count
         return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
-
-    def _encode_prompt(self, prompt: Prompt, new_tokens: int, chat_template: bool) -> list[int]:
-        """A prompt's tokens; one over the engine's prompt limit (or the model's context)
-        fails its experiment: truncating it would train on a prompt the data does not hold,
-        and a row past the context would fail the shared rollout batch."""
-        ids = self.codec.encode_prompt(prompt.text, chat_template)
-        line = prompt.meta.get("line")
-        where = f"dataset line {line}" if line else "a prompt"
-        if len(ids) > self.max_prompt_tokens:
-            raise TaskError(
-                "spec.task.dataset",
-                f"{where} has {len(ids)} prompt tokens, over this engine's limit of "
-                f"{self.max_prompt_tokens} (serve --max-prompt-tokens)",
-            )
-        if self.context_tokens is not None and len(ids) + new_tokens > self.context_tokens:
-            raise TaskError(
-                "spec.task.dataset",
-                f"{where} has {len(ids)} prompt tokens: with maxNewTokens {new_tokens} that "
-                f"is over the base model's context of {self.context_tokens}",
-            )
-        return ids
 
     def _rollout(
         self, planned: list[Rollout], jobs: list[CompletionJob]

@@ -42,12 +42,14 @@ def build_task(
     reward_timeout: float = REWARD_TIMEOUT_S,
     *,
     dataset_root: Path | None = None,
+    allow_hard_links: bool = False,
     reward_egress: RewardEgress | None = None,
 ) -> Task:
     """A ready task; raises ``TaskError`` naming the offending spec field.
 
     ``dataset`` is read as given: the engine resolves and checks it first (tenancy/trust.py) and
-    passes the directory it must stay in as ``dataset_root``; ``reward_egress`` bounds
+    passes the directory it must stay in as ``dataset_root`` (and whether a file with
+    several hard links is allowed); ``reward_egress`` bounds
     where an http reward may be sent (None: anywhere)."""
     params = dict(params or {})
     check_task(name, params)
@@ -65,7 +67,9 @@ def build_task(
     if name == "jsonl":
         if not dataset:
             raise TaskError("spec.task.dataset", "required for task jsonl")
-        return JsonlTask(dataset, params, reward_obj, root=dataset_root)
+        return JsonlTask(
+            dataset, params, reward_obj, root=dataset_root, allow_hard_links=allow_hard_links
+        )
     return TASKS[name](params, reward_obj)
 
 

@@ -5,7 +5,8 @@ engine opens it (docs/design/tenancy.md, "Tenancy and trust"):
 
 - **data**: ``task.dataset`` resolves (symlinks followed) inside ``<data root>/<namespace>/``
   of one of the pool's data roots; anything else is "not allowed", worded the same whether
-  the path exists or not, so the answer is no oracle for the pod's files;
+  the path exists or not, so the answer is no oracle for the pod's files. The file is then
+  opened beneath that directory without following links (tenancy/data_files.py);
 - **egress**: ``rewardUrl``'s host resolves to no loopback, link-local (cloud metadata
   included), unspecified or multicast address and none of the pod's own, however spelled
   (an IPv6 form with an IPv4 address inside is judged by that address too), unless the
@@ -62,11 +63,14 @@ class DataRoots:
 
     ``per_namespace`` (the engine service): a namespace's files live in
     ``<root>/<namespace>/``; a relative dataset is taken from there. Off (the local runner,
-    one user): files anywhere under a root, a relative dataset is taken from the first."""
+    one user): files anywhere under a root, a relative dataset is taken from the first.
+    ``allow_hard_links``: a dataset file may have several hard links (tenancy/data_files.py;
+    off by default: a hard link can name another tenant's file here)."""
 
     roots: tuple[Path, ...] = ()
     per_namespace: bool = True
     flag_hint: str = "serve --data-root DIR"
+    allow_hard_links: bool = False
 
     def resolve(self, dataset: str, namespace: str) -> tuple[Path, Path]:
         """``(file, its allowed directory)`` for ``dataset`` of ``namespace``; otherwise a

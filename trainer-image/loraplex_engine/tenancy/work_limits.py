@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex_engine.errors import InvalidRequestError, InvalidSpecError
+from loraplex_engine.errors import InvalidRequestError, InvalidSpecError, TaskError
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.tokens import TokenCodec
+
+# A prompt over this many characters per token of the prompt limit is refused before it is
+# tokenised: tokenising a 20 MB line took 4.5 GB (issue 26). Tokens of over 32 characters
+# are rare in any vocabulary, so no prompt that fits the limit is refused by it.
+PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -63,3 +69,40 @@ class WorkLimits:
                 f"{self.max_step_tokens} (serve --max-step-tokens)",
                 field="n",
             )
+
+
+def prompt_ids(
+    codec: TokenCodec,
+    text: str,
+    line: str | None,
+    chat_template: bool,
+    max_prompt_tokens: int,
+    context_tokens: int | None,
+    new_tokens: int,
+) -> list[int]:
+    """A task prompt's tokens (the tick's); one over the engine's prompt limit (or the
+    model's context) fails its experiment: truncating it would train on a prompt the data
+    does not hold, and a row past the context would fail the shared rollout batch. ``line``:
+    its dataset line, for the message."""
+    where = f"dataset line {line}" if line else "a prompt"
+    max_chars = max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
+    if len(text) > max_chars:
+        raise TaskError(
+            "spec.task.dataset",
+            f"{where} has {len(text)} characters, over the {max_chars} a prompt within this "
+            f"engine's limit of {max_prompt_tokens} tokens may have (serve --max-prompt-tokens)",
+        )
+    ids = codec.encode_prompt(text, chat_template)
+    if len(ids) > max_prompt_tokens:
+        raise TaskError(
+            "spec.task.dataset",
+            f"{where} has {len(ids)} prompt tokens, over this engine's limit of "
+            f"{max_prompt_tokens} (serve --max-prompt-tokens)",
+        )
+    if context_tokens is not None and len(ids) + new_tokens > context_tokens:
+        raise TaskError(
+            "spec.task.dataset",
+            f"{where} has {len(ids)} prompt tokens: with maxNewTokens {new_tokens} that "
+            f"is over the base model's context of {context_tokens}",
+        )
+    return ids
