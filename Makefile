@@ -54,11 +54,12 @@ test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
 
 # The numeric tests again on torch's other CPU kernel paths (the run above took the
 # machine's native one, avx512 where present): a tolerance that holds on one path only
-# would fail on another machine's CPU. Each run's header names the path it took.
+# would fail on another machine's CPU. Each run first prints the path torch takes.
 KERNEL_PATHS ?= default avx2
 test-kernel-paths: tiny-model
 	@for cap in $(KERNEL_PATHS); do \
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
 	done
 
