@@ -97,43 +97,30 @@ def seconds(value: str) -> float:
     return number
 
 
-def tokens_or_auto(value: str) -> int | None:
-    """A positive int; ``auto`` (or empty) for None: the memory plan derives it."""
-    if str(value).strip().lower() in ("", "auto"):
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise invalid("token count", value, "; a positive integer, or auto")
-    return number
+def _positive_or_none(
+    unset: str, parse: Callable[[str], int], what: str, hint: str
+) -> Callable[[str], int | None]:
+    """A parser of a positive count (``parse``), or ``unset`` (or empty) for None."""
+
+    def parse_value(value: str) -> int | None:
+        if str(value).strip().lower() in ("", unset):
+            return None
+        try:
+            number = parse(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise invalid(what, value, hint)
+        return number
+
+    return parse_value
 
 
-def bytes_or_none(value: str) -> int | None:
-    """A byte count (``50GiB``); ``none`` (or empty) for None: no bound."""
-    if str(value).strip().lower() in ("", "none"):
-        return None
-    try:
-        number = parse_bytes(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise invalid("byte count", value, "; e.g. 50GiB, or none")
-    return number
-
-
-def bytes_or_auto(value: str) -> int | None:
-    """A byte count (``80GiB``, ``141GB``); ``auto`` (or empty) for None."""
-    if str(value).strip().lower() in ("", "auto"):
-        return None
-    try:
-        number = parse_bytes(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise invalid("byte count", value, "; e.g. 80GiB, 141GB, or auto")
-    return number
+# None: the memory plan derives it.
+tokens_or_auto = _positive_or_none("auto", int, "token count", "; a positive integer, or auto")
+# None: no bound.
+bytes_or_none = _positive_or_none("none", parse_bytes, "byte count", "; e.g. 50GiB, or none")
+bytes_or_auto = _positive_or_none("auto", parse_bytes, "byte count", "; e.g. 80GiB, 141GB, or auto")
 
 
 def fraction(value: str) -> float:
