@@ -22,12 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraplex_engine.api_types import (
     DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_ROLLOUT_KV_TOKENS,
-    MAX_NEW_TOKENS,
     AdapterSyncStats,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
-    MemoryPlan,
     MemoryUse,
     TickReport,
 )
@@ -107,27 +105,15 @@ class Engine:
         ignore_eos: bool = False,
         share_prompt_prefix: bool = True,
     ) -> None:
-        s = self.settings = settings
-        max_adapters, max_rank, rollout_backend = s.max_adapters, s.max_rank, s.rollout_backend
-        train_mode, micro_batch_tokens, rollout_kv_tokens = (
-            s.train_mode, s.micro_batch_tokens, s.rollout_kv_tokens
-        )  # fmt: skip
-        lora_kernel, gradient_checkpointing = s.lora_kernel, s.gradient_checkpointing
-        if lora_kernel not in KERNEL_MODES:
-            raise ValueError(
-                f"lora_kernel must be one of {list(KERNEL_MODES)}, got {lora_kernel!r}"
-            )
-        for name, value in (("micro_batch_tokens", micro_batch_tokens),
-                            ("rollout_kv_tokens", rollout_kv_tokens)):  # fmt: skip
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        s = self.settings = settings  # validated: settings/engine.py
+        micro_batch_tokens, rollout_kv_tokens = s.micro_batch_tokens, s.rollout_kv_tokens
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
-        self.rollout_backend = rollout_backend
+        self.rollout_backend = s.rollout_backend
         self.device = torch.device(device)
         self.dtype = resolve_dtype(s.dtype, self.device)
         enable_tf32(self.device)
-        self.train_mode = train_mode
+        self.train_mode = s.train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
         self.max_step_tokens = s.max_step_tokens
@@ -143,11 +129,11 @@ class Engine:
         base.to(self.device).eval()
         self.model = MultiLoRAModel(
             base,
-            max_adapters=max_adapters,
-            max_rank=max_rank,
+            max_adapters=s.max_adapters,
+            max_rank=s.max_rank,
             target_modules=adaptable_module_names(base),
             dtype=MASTER_DTYPE,
-            grouped_mm=KERNEL_MODES[lora_kernel],
+            grouped_mm=KERNEL_MODES[s.lora_kernel],
         )
         self.lockstep = shard_engine_base(self.model, world, self.device) if s.shard_base else None
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
@@ -163,11 +149,12 @@ class Engine:
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
+        gradient_checkpointing = s.gradient_checkpointing
         if gradient_checkpointing is None:
             gradient_checkpointing = self.device.type == "cuda"
         # Chosen once; from here on the engine asks the backend what it is (rollout/select.py).
         self.backend = build_rollout(
-            rollout_backend,
+            s.rollout_backend,
             RolloutParts(
                 self.model,
                 self.model_dir,
@@ -187,12 +174,12 @@ class Engine:
             ),
         )
         trainer: type[AdapterTrainer] = FusedTraining
-        if train_mode == "timesliced":  # the benchmark's baseline arm: dev code, on request
+        if s.train_mode == "timesliced":  # the benchmark's baseline arm: dev code, on request
             from loraplex_engine.dev.timesliced import TimeSlicedTraining
 
             trainer = TimeSlicedTraining
         if world is not None:  # data parallel over the process group (parallel/data_parallel.py)
-            trainer = data_parallel_trainer(world, train_mode, self.lockstep)
+            trainer = data_parallel_trainer(world, s.train_mode, self.lockstep)
         self.strategy: TrainingStrategy = trainer(
             self.model,
             self.optimizer,
@@ -211,8 +198,17 @@ class Engine:
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
-        self.memory_plan = self._plan_memory(
-            micro_batch_tokens, rollout_kv_tokens, s.device_memory, s.memory_headroom
+        self.memory_plan = engine_plan(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            checkpointing=self.strategy.gradient_checkpointing,
+            max_prompt_tokens=self.max_prompt_tokens,
+            device_bytes=s.device_memory,
+            headroom=s.memory_headroom,
+            micro_batch_tokens=micro_batch_tokens,
+            rollout_kv_tokens=rollout_kv_tokens,
+            plan_rollout=self.backend.shares_trainer_weights,  # vLLM sizes its own cache
         )
         self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
         if isinstance(self.backend, TorchRollout):  # vLLM sizes its own cache
@@ -240,39 +236,6 @@ class Engine:
             s.max_prompt_tokens,
             self.context_tokens,
         )
-
-    def _plan_memory(
-        self,
-        micro_batch_tokens: int | None,
-        rollout_kv_tokens: int | None,
-        device_memory: int | None,
-        headroom: float,
-    ) -> MemoryPlan:
-        """The engine's memory plan (memory/capacity_plan.py): what /v1/capacity reports and the
-        operator's placement counts; derives the budgets the caller left unset."""
-        context = getattr(self.model.base_model.config, "max_position_embeddings", None)
-        longest = self.max_prompt_tokens + MAX_NEW_TOKENS
-        longest = longest if context is None else min(context, longest)
-        plan = engine_plan(
-            self.model,
-            dtype=self.dtype,
-            device=self.device,
-            checkpointing=self.strategy.gradient_checkpointing,
-            longest_row=longest,
-            prompt_tokens=min(self.max_prompt_tokens, longest // 2),
-            device_bytes=device_memory,
-            headroom=headroom,
-            micro_batch_tokens=micro_batch_tokens,
-            rollout_kv_tokens=rollout_kv_tokens,
-            plan_rollout=self.backend.shares_trainer_weights,  # vLLM sizes its own cache
-        )
-        log.info(
-            "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
-            "rollout KV %s tokens (derived: %s)",
-            plan.device_bytes, plan.base_bytes, plan.slots, plan.slot_bytes,
-            plan.micro_batch_tokens, plan.rollout_kv_tokens, ", ".join(plan.derived) or "none",
-        )  # fmt: skip
-        return plan
 
     def _export_adapter(self, exp_id: str, dtype: torch.dtype) -> PeftWeights:
         """An adapter as a sampler of its own takes it: PEFT config and tensors."""

@@ -15,7 +15,15 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
-from loraplex_engine.spec_schema import CelRule, Int32, Int64, ListSet, SpecModel, immutable
+from loraplex_engine.spec_schema import (
+    CelRule,
+    Int32,
+    Int64,
+    ListSet,
+    SpecModel,
+    field_errors,
+    immutable,
+)
 from loraplex_engine.train.lr_schedule import LRScheduleName
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
@@ -458,35 +466,17 @@ class ExperimentSpec(SpecModel):
             raise SpecError(exc.field, exc.message) from None
 
 
-def _field_path(err: Mapping[str, Any], prefix: str) -> str:
-    loc = [str(part) for part in err.get("loc", ())]
-    extra = (err.get("ctx") or {}).get("field")
-    if extra:
-        loc.append(str(extra))
-    return ".".join([prefix, *loc]) if loc else prefix
-
-
-def _message(err: Mapping[str, Any]) -> str:
-    return "unknown field" if err["type"] == "extra_forbidden" else str(err["msg"])
-
-
-def spec_error_from(exc: ValidationError, prefix: str = "spec") -> SpecError:
-    """The first pydantic error as a ``SpecError`` whose message names the field path."""
-    err, more = exc.errors()[0], len(exc.errors()) - 1
-    msg = _message(err)
-    if more:
-        msg += f" (and {more} more error{'s' if more > 1 else ''})"
-    return SpecError(_field_path(err, prefix), msg)
-
-
 def parse_spec(data: Any, prefix: str = "spec") -> ExperimentSpec:
-    """Validate a camelCase spec dict; raise ``SpecError`` naming the first bad field."""
+    """Validate a camelCase spec dict; raise ``SpecError`` naming the first bad field, its
+    message followed by every other problem (one round trip shows them all)."""
     if not isinstance(data, Mapping):
         raise SpecError(prefix, f"must be a mapping, got {type(data).__name__}")
     try:
         return ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        raise spec_error_from(exc, prefix) from None
+        first, *rest = field_errors(exc, prefix)
+        also = "".join(f"; also {e.field}: {e.message}" for e in rest)
+        raise SpecError(first.field, first.message + also) from None
 
 
 def all_spec_errors(data: Any, prefix: str = "spec") -> list[SpecError]:
@@ -494,7 +484,7 @@ def all_spec_errors(data: Any, prefix: str = "spec") -> list[SpecError]:
     try:
         ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        return [SpecError(_field_path(e, prefix), _message(e)) for e in exc.errors()]
+        return field_errors(exc, prefix)
     return []
 
 
@@ -507,5 +497,4 @@ __all__ = [
     "TaskSpec",
     "all_spec_errors",
     "parse_spec",
-    "spec_error_from",
 ]

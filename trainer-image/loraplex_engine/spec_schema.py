@@ -15,7 +15,7 @@ module adds what JSON Schema has no word for, each stated once and read by both 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
@@ -24,9 +24,12 @@ from pydantic import (
     ConfigDict,
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
+    ValidationError,
     model_validator,
 )
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
+
+from loraplex_engine.errors import SpecError
 
 CEL_KEY = "x-kubernetes-validations"
 
@@ -119,4 +122,32 @@ class _Format:
 Int32 = Annotated[int, _Format("int32")]
 Int64 = Annotated[int, _Format("int64")]
 
-__all__ = ["CEL_KEY", "CelRule", "Int32", "Int64", "ListSet", "SpecModel", "immutable"]
+
+def _field_path(err: Mapping[str, Any], prefix: str) -> str:
+    loc = [str(part) for part in err.get("loc", ())]
+    extra = (err.get("ctx") or {}).get("field")
+    if extra:
+        loc.append(str(extra))
+    return ".".join([prefix, *loc]) if loc else prefix
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    return "unknown field" if err["type"] == "extra_forbidden" else str(err["msg"])
+
+
+def field_errors(exc: ValidationError, prefix: str) -> list[SpecError]:
+    """Each pydantic error of a spec as a ``SpecError`` naming its path under ``prefix``
+    (a ``CelRule``'s ``ctx["field"]`` included)."""
+    return [SpecError(_field_path(e, prefix), _message(e)) for e in exc.errors()]
+
+
+__all__ = [
+    "CEL_KEY",
+    "CelRule",
+    "Int32",
+    "Int64",
+    "ListSet",
+    "SpecModel",
+    "field_errors",
+    "immutable",
+]

@@ -30,6 +30,7 @@ longest row does not fit next to the slots.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from transformers import PretrainedConfig
 from loraplex_engine.api_types import (
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_MICRO_BATCH_TOKENS,
+    MAX_NEW_TOKENS,
     MemoryPlan,
 )
 from loraplex_engine.errors import CapacityError
@@ -54,6 +56,8 @@ from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
+
+log = logging.getLogger("loraplex_engine.memory.capacity_plan")
 
 # Adapter slot copies the engine keeps: fp32 master, its gradient, Adam's two moments.
 SLOT_COPIES = 4
@@ -331,8 +335,7 @@ def engine_plan(
     dtype: torch.dtype,
     device: torch.device,
     checkpointing: bool,
-    longest_row: int,
-    prompt_tokens: int,
+    max_prompt_tokens: int,
     device_bytes: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
     micro_batch_tokens: int | None = None,
@@ -341,10 +344,15 @@ def engine_plan(
 ) -> MemoryPlan:
     """The loaded engine's memory plan: exact static bytes, the analytic KV cost, the
     activation cost measured (only when the micro-batch budget is to be derived), and
-    the budgets ``derive_budgets`` keeps or chooses."""
+    the budgets ``derive_budgets`` keeps or chooses. The longest row is the longest prompt
+    the engine admits plus the most new tokens, within the model's context."""
     total, planned = device_memory(device, device_bytes)
     static = static_bytes(model)
     config = model.base_model.config
+    context = getattr(config, "max_position_embeddings", None)
+    longest_row = max_prompt_tokens + MAX_NEW_TOKENS
+    longest_row = longest_row if context is None else min(context, longest_row)
+    prompt_tokens = min(max_prompt_tokens, longest_row // 2)
     acts = None
     if planned is not None and micro_batch_tokens is None:
         targets = sorted(model.target_modules)
@@ -362,7 +370,7 @@ def engine_plan(
         rollout_kv_tokens=rollout_kv_tokens,
         plan_rollout=plan_rollout,
     )
-    return MemoryPlan(
+    plan = MemoryPlan(
         device_total_bytes=total,
         device_bytes=planned,
         headroom=headroom,
@@ -377,3 +385,10 @@ def engine_plan(
         rollout_kv_tokens=budgets.rollout_kv_tokens,
         derived=list(budgets.derived),
     )
+    log.info(
+        "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
+        "rollout KV %s tokens (derived: %s)",
+        plan.device_bytes, plan.base_bytes, plan.slots, plan.slot_bytes,
+        plan.micro_batch_tokens, plan.rollout_kv_tokens, ", ".join(plan.derived) or "none",
+    )  # fmt: skip
+    return plan

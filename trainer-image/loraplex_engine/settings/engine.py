@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from loraplex_engine.api_types import (
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -20,6 +20,7 @@ from loraplex_engine.api_types import (
     DEFAULT_REWARD_DEADLINE_S,
     DEFAULT_ROLLOUT_KV_TOKENS,
     DTYPE_NAMES,
+    LORA_KERNELS,
 )
 from loraplex_engine.errors import UsageError
 from loraplex_engine.settings import values as v
@@ -184,6 +185,20 @@ class EngineSettings(BaseModel):
             action="switch",
         ),
     ] = False
+
+    @field_validator("lora_kernel")
+    @classmethod
+    def _known_kernel(cls, value: str) -> str:
+        if value not in LORA_KERNELS:
+            raise ValueError(f"lora_kernel must be one of {list(LORA_KERNELS)}, got {value!r}")
+        return value
+
+    @field_validator("micro_batch_tokens", "rollout_kv_tokens")
+    @classmethod
+    def _positive_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+        return value
 
 
 class ProcessSettings(EngineSettings):
