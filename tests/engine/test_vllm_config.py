@@ -120,19 +120,41 @@ def test_kv_bytes_per_token_from_a_config() -> None:
 def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
     from loraplex_engine.cli import build_parser
     from loraplex_engine.errors import UsageError
-    from loraplex_engine.server.flags import check_vllm_options, serve_settings
+    from loraplex_engine.rollout.preflight import check_rollout
+    from loraplex_engine.server.flags import serve_settings
     from loraplex_engine.settings.commands import ServeSettings
 
     def settings(*options: str) -> ServeSettings:
         flags = [f"--vllm-option={o}" for o in options]
-        return serve_settings(build_parser().parse_args(["serve", *flags]))
+        return serve_settings(
+            build_parser().parse_args(["serve", "--rollout-backend", "vllm", *flags])
+        )
 
     monkeypatch.delenv("LORAPLEX_VLLM_OPTIONS", raising=False)
+    monkeypatch.setenv("LORAPLEX_VLLM_PYTHON", "/opt/vllm/bin/python")
     ok = settings("dtype=bfloat16", "max_num_seqs=8")
-    check_vllm_options(ok)
+    check_rollout(ok, ok.device)
     assert ok.vllm_options == {"dtype": "bfloat16", "max_num_seqs": 8}
+    bad = settings("max_lora=2")
     with pytest.raises(UsageError, match="unknown --vllm-option max_lora"):
-        check_vllm_options(settings("max_lora=2"))
+        check_rollout(bad, bad.device)
+
+
+def test_a_vllm_rollout_needs_a_python_with_vllm(monkeypatch) -> None:
+    """This environment has no vllm (it lives in .venv-vllm): without LORAPLEX_VLLM_PYTHON
+    the check says where to point, before any model loads; the torch backend needs none."""
+    import importlib.util
+
+    from loraplex_engine.errors import UsageError
+    from loraplex_engine.rollout.preflight import check_rollout
+    from loraplex_engine.settings.engine import EngineSettings
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this python has vllm")
+    monkeypatch.delenv("LORAPLEX_VLLM_PYTHON", raising=False)
+    with pytest.raises(UsageError, match="this python has no vllm; set LORAPLEX_VLLM_PYTHON"):
+        check_rollout(EngineSettings(rollout_backend="vllm"), "cpu")
+    check_rollout(EngineSettings(rollout_backend="torch"), "cpu")
 
 
 # --- tensor_parallel_size: one vLLM per pod under data parallelism (issue 17) -------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -70,13 +69,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.local.checks import check_run
+    from loraplex_engine.rollout.preflight import check_rollout
     from loraplex_engine.settings.commands import RunSettings
     from loraplex_engine.settings.generate import from_namespace
 
     settings = from_namespace(RunSettings, args)
     check_run(settings)  # flags, manifests, model directory: before torch is imported
-    if settings.rollout_backend == "vllm":
-        _check_vllm_python()
+    check_rollout(settings, settings.device)
     from loraplex_engine.errors import RankFailed
     from loraplex_engine.local.runner import run_file
 
@@ -92,17 +91,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
-
-
-def _check_vllm_python() -> None:
-    """The vLLM worker runs with ``$LORAPLEX_VLLM_PYTHON``, else this python: say so
-    before the model loads rather than fail in the worker's import."""
-    if os.environ.get("LORAPLEX_VLLM_PYTHON") or importlib.util.find_spec("vllm"):
-        return
-    raise UsageError(
-        "--rollout-backend vllm: this python has no vllm; set LORAPLEX_VLLM_PYTHON to the "
-        "python of an environment that has it (make vllm-venv: .venv-vllm/bin/python)"
-    )
 
 
 def one_line(error: Exception) -> str:

@@ -1,5 +1,4 @@
-"""Rollout backends: generate completions for many adapters in one batch."""
+"""Rollout backends: generate completions for many adapters in one batch.
 
-from loraplex_engine.rollout.base import Completion, RolloutRequest
-
-__all__ = ["Completion", "RolloutRequest"]
+Empty on purpose: rollout/preflight.py is imported before torch (the CLI's fast errors).
+"""

@@ -86,21 +86,6 @@ def read_token(settings: ServeSettings) -> str | None:
     return token
 
 
-def check_vllm_options(settings: ServeSettings) -> None:
-    """The --vllm-option names, and what of their placement can be checked before the
-    model loads (UsageError naming the option)."""
-    # Imported here: the vLLM config module pulls in torch (via rollout/).
-    from loraplex_engine.rollout.vllm.config import check_placement, check_vllm_option_names
-
-    options = settings.vllm_options
-    try:
-        check_vllm_option_names(options)
-        if settings.device != "auto":
-            check_placement(options, settings.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-
-
 def check(settings: ServeSettings) -> None:
     """What the flags say that cannot be served, before anything heavy is imported."""
     if not settings.model:

@@ -40,10 +40,10 @@ from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
+from loraplex_engine.rollout.preflight import check_rollout
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.flags import (
     check,
-    check_vllm_options,
     data_roots,
     read_token,
     resolve_device,
@@ -307,7 +307,7 @@ def run(settings: ServeSettings) -> int:
     )
     check(settings)  # also done by the CLI before this module's imports; cheap
     check_model_dir(str(settings.model))
-    check_vllm_options(settings)  # fail fast on a malformed option, before loading anything
+    check_rollout(settings, settings.device)  # the backend's flags and environment
     device = resolve_device(settings.device, settings.world_size)
     if settings.threads > 0:
         import torch
