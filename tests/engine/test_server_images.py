@@ -84,6 +84,36 @@ def test_engine_image(name: str) -> None:
     assert json.loads(by["CMD"][0]) == ["serve"]
 
 
+def image_env(name: str) -> dict[str, str]:
+    """The image's ENV variables (``K=V`` words of its ENV instructions)."""
+    words = " ".join(by_instruction(name)["ENV"]).split()
+    return dict(w.split("=", 1) for w in words)
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_every_engine_variable_an_image_sets_is_one_serve_reads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt LORAPLEX_* in an image would be silently ignored; each is one of serve's
+    variables, and the CPU image's step bound reaches the settings serve runs with."""
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+    from loraplex_engine.settings.commands import ServeSettings
+    from loraplex_engine.settings.generate import env_rows
+
+    env = {k: v for k, v in image_env(name).items() if k.startswith("LORAPLEX_")}
+    known = {var for var, _ in env_rows(ServeSettings)}
+    assert set(env) <= known, sorted(set(env) - known)
+    for var in known:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    settings = serve_settings(build_parser().parse_args(["serve"]))
+    assert settings.rollout_backend == IMAGES[name]
+    if name == "Dockerfile.cpu":
+        assert settings.max_step_tokens == 16384
+
+
 def test_cuda_image_constraints_are_the_tested_ones_but_torch(tmp_path: Path) -> None:
     """Runs the CUDA image's step that derives its constraints: everything `make test`
     pins except torch's CPU build, which PyPI's CUDA torch 2.13.0 would not satisfy."""

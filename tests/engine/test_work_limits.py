@@ -25,6 +25,14 @@ def test_a_step_at_the_limit_is_admitted_and_one_over_is_refused() -> None:
     WorkLimits(100, 864, None).check_step(spec(group=2, prompts=4))  # no context stated
 
 
+def test_a_row_costs_at_most_the_context() -> None:
+    """A context of 50 holds no row over 50 tokens (longer prompts are refused at rollout),
+    so 8 rows cost 400 tokens, not 8 x (100 + 8)."""
+    WorkLimits(100, 400, 50).check_step(spec(group=2, prompts=4))
+    with pytest.raises(InvalidSpecError, match="= 400 tokens per step exceeds"):
+        WorkLimits(100, 399, 50).check_step(spec(group=2, prompts=4))
+
+
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "n", "field"),
     [(101, 1, 1, "prompt"), (100, 29, 1, "max_tokens"), (60, 60, 8, "n")],

@@ -30,7 +30,8 @@ class WorkLimits:
 
     def check_step(self, spec: ExperimentSpec) -> None:
         """A step's cost, prompts included, is bounded before it is admitted: every row's
-        prompt is at most max_prompt_tokens (the tick refuses longer ones)."""
+        prompt is at most max_prompt_tokens and every row at most the context (the tick
+        refuses longer ones)."""
         alg, new_tokens = spec.algorithm, spec.rollout.max_new_tokens
         if self.context_tokens is not None and new_tokens >= self.context_tokens:
             raise InvalidSpecError(
@@ -39,12 +40,16 @@ class WorkLimits:
                 field="spec.rollout.maxNewTokens",
             )
         rows = alg.group_size * alg.prompts_per_step
-        work = rows * (self.max_prompt_tokens + new_tokens)
-        if work > self.max_step_tokens:
+        # A row never outgrows the context: a longer prompt is refused at rollout.
+        row = self.max_prompt_tokens + new_tokens
+        if self.context_tokens is not None:
+            row = min(row, self.context_tokens)
+        if rows * row > self.max_step_tokens:
             raise InvalidSpecError(
                 f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
-                f"maxNewTokens) = {work} tokens per step exceeds this engine's limit of "
-                f"{self.max_step_tokens} (serve --max-step-tokens); lower one of them",
+                f"maxNewTokens, within the context) = {rows * row} tokens per step exceeds "
+                f"this engine's limit of {self.max_step_tokens} (serve --max-step-tokens); "
+                "lower one of them",
                 field="spec.algorithm.promptsPerStep",
             )
 
