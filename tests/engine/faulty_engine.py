@@ -4,7 +4,7 @@ A fault of the base model or the device (CUDA error, lost GPU) is the one failur
 may fail a whole tick; on CPU no real component produces one on demand. This wrapper runs
 the real command line (``loraplex_engine.cli.main``) with the real
 :class:`~loraplex_engine.engine.Engine`, except that its next N ticks raise inside the
-tick, after the tick has taken the queued completions: N is read from the file
+tick (training or serving), after it has taken the queued completions: N is read from the file
 ``$LORAPLEX_TEST_FAULTS`` (decremented per fault). No test hook lives in the product: the
 wrapper swaps the class ``serve`` imports when it loads the model.
 """
@@ -24,16 +24,20 @@ class FaultyEngine(loraplex_engine.engine.Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         faults = Path(os.environ["LORAPLEX_TEST_FAULTS"])
-        run = self._tick.run
 
-        def run_or_fail(*a: Any, **kw: Any) -> Any:
-            left = int(faults.read_text() or 0) if faults.exists() else 0
-            if left > 0:
-                faults.write_text(str(left - 1))
-                raise RuntimeError("injected device fault")
-            return run(*a, **kw)
+        def failing(tick: Any) -> Any:
+            def tick_or_fail(*a: Any, **kw: Any) -> Any:
+                left = int(faults.read_text() or 0) if faults.exists() else 0
+                if left > 0:
+                    faults.write_text(str(left - 1))
+                    raise RuntimeError("injected device fault")
+                return tick(*a, **kw)
 
-        self._tick.run = run_or_fail  # type: ignore[method-assign]
+            return tick_or_fail
+
+        # Training ticks and serving ticks (tenancy/time_share.py) alike.
+        self._tick.run = failing(self._tick.run)  # type: ignore[method-assign]
+        self._tick.serve = failing(self._tick.serve)  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

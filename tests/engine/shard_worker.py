@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
 from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.memory.capacity_plan import static_bytes
 from loraplex_engine.memory.plan_sharding import fsdp_groups, unsharded_reserve
 from loraplex_engine.parallel import distributed, sharding
@@ -100,23 +100,6 @@ def requests(case: str) -> list[RolloutRequest]:
                 temp = 0.0 if name == "c" else 1.0
                 out.append(RolloutRequest(1 + "abc".index(name), prompt, 6, temp, gen, name))
     return out
-
-
-def decode_forward(model: MultiLoRAModel):
-    """The engine's decoding step (engine.Engine._decode_forward)."""
-
-    def forward(ids, mask, positions, past) -> tuple[torch.Tensor, Any]:
-        out = model.base_model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=past,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1], out.past_key_values
-
-    return forward
 
 
 def torch_rollout(model: MultiLoRAModel, lockstep=None) -> TorchRollout:

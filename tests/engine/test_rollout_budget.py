@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from loraplex_engine.lora.model import decode_forward
 from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.rollout.torch.backend import generate
@@ -155,7 +156,7 @@ def _tenants(eng: Any, count: int, temperature: float = 1.0) -> list[RolloutRequ
 
 
 def _run(eng: Any, requests: list[RolloutRequest], budget: int, forward: Any = None) -> list:
-    fwd = forward or eng._decode_forward
+    fwd = forward or decode_forward(eng.model, eng.device)
     return generate(eng.model.route, fwd, requests, eng.codec.pad_id, (), budget)
 
 
@@ -236,7 +237,7 @@ def _measured(eng: Any, tenants: int, budget: int) -> tuple[int, int]:
     cache: list[int] = []
 
     def forward(ids, mask, positions, past):  # type: ignore[no-untyped-def]
-        logits, past = eng._decode_forward(ids, mask, positions, past)
+        logits, past = decode_forward(eng.model, eng.device)(ids, mask, positions, past)
         layers = past.layers
         cache.append(storage_bytes([t for x in layers for t in (x.keys, x.values)]))
         return logits, past

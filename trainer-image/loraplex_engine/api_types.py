@@ -24,6 +24,8 @@ LORA_KERNELS = ("auto", "bmm", "grouped")
 # maxNewTokens), checked at admission. A step runs inside one tick, so its size bounds the
 # longest wait a co-tenant can see (tenancy/fair_share.py paces big steps on average).
 DEFAULT_MAX_STEP_TOKENS = 1 << 18
+# Of the engine's time while both wait: completion requests' (tenancy/time_share.py).
+DEFAULT_SERVING_SHARE = 0.25
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # longest prompt (task data) a rollout row may have
 MAX_NEW_TOKENS = 4096  # largest spec.rollout.maxNewTokens
 # Padded tokens of one training micro-batch (train/step.py; serve --micro-batch-tokens).

@@ -43,6 +43,13 @@ class CompletionJob:
     def n(self) -> int:
         return self.job.n
 
+    def model_of(self) -> str:
+        return self.job.model
+
+    def cost(self) -> int:
+        """Tokens it may hold in a rollout, as a step's cost counts them (tenancy/)."""
+        return self.job.n * (len(self.job.prompt_ids) + self.job.max_tokens)
+
     def requests(self, slot: int) -> list[RolloutRequest]:
         """Its ``n`` rows; they share the job's seeded generator, if it has one."""
         job = self.job

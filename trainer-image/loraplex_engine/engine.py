@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
 
 import psutil
 import torch
@@ -49,13 +48,13 @@ from loraplex_engine.experiment import (
     new_experiment,
 )
 from loraplex_engine.lora.grouped import KERNEL_MODES
-from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
 from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
-from loraplex_engine.rollout.backends import PeftWeights, TorchRollout
+from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.service import PromptJob, ServedRow
 from loraplex_engine.settings.engine import EngineSettings
@@ -64,6 +63,7 @@ from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.tenancy.fair_share import RewardScorer
+from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tick import Tick
@@ -161,8 +161,8 @@ class Engine:
                 self.device,
                 self.dtype,
                 self.model.route,
-                self._decode_forward,
-                self._export_adapter,
+                decode_forward(self.model, self.device),
+                ckpt.peft_export(self.model, str(self.model_dir)),
                 self.codec.pad_id,
                 self.codec.eos_ids,
                 self.ignore_eos,
@@ -223,6 +223,7 @@ class Engine:
         self.work_available = threading.Event()  # set when a tick would have work
         self._refusing: str | None = None  # why completions are no longer served
         self.scorer = RewardScorer(s.reward_deadline, self._wake)
+        self.time_share = TimeShare(s.serving_share)
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
@@ -236,28 +237,6 @@ class Engine:
             s.max_prompt_tokens,
             self.context_tokens,
         )
-
-    def _export_adapter(self, exp_id: str, dtype: torch.dtype) -> PeftWeights:
-        """An adapter as a sampler of its own takes it: PEFT config and tensors."""
-        return (
-            ckpt.peft_config(self.model, exp_id, str(self.model_dir)),
-            ckpt.peft_tensors(self.model, exp_id, dtype),
-        )
-
-    def _decode_forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: Any
-    ) -> tuple[torch.Tensor, Any]:
-        """One decoding step of the base model; the caller has set the row routing."""
-        out = self.model.base_model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=past,
-            use_cache=True,
-            logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
-        )
-        # stays on the device (rollout/torch/sampling.py)
-        return out.logits[:, -1], out.past_key_values
 
     @property
     def computed_train_tokens(self) -> int:
@@ -428,20 +407,29 @@ class Engine:
     # ---- the tick ---------------------------------------------------------------------
 
     def tick(self) -> TickReport | None:
+        """A training tick or a serving tick, as the time share picks (tenancy/time_share.py)."""
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
-            with self._jobs_lock:  # drain and clear together: no wake-up is lost
-                jobs, self._jobs = self._jobs, []
-                if not jobs and not self._tick.has_work(running):
+            with self._jobs_lock:  # pick and take together: no wake-up is lost
+                kind = self.time_share.pick(
+                    train=self._tick.has_work(running), serve=bool(self._jobs)
+                )
+                if kind is None:
                     self.work_available.clear()
                     return None
+                jobs: list[CompletionJob] = []
+                if kind == "serve":
+                    jobs, self._jobs = take_in_turn(
+                        self._jobs, CompletionJob.model_of, CompletionJob.cost, self.max_step_tokens
+                    )
             try:
-                report = self._tick.run(running, jobs)
+                report = self._tick.serve(jobs) if kind == "serve" else self._tick.run(running)
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
                 resolve(jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}"))
                 raise
+            self.time_share.charge(kind, report.seconds)
             if report.adapter_sync is not None and self.adapter_sync is not None:
                 with self._state_lock:  # capacity() reads it from request threads
                     self.adapter_sync.record(report.adapter_sync)

@@ -141,7 +141,15 @@ class Tick:
         """A tick would do something: an experiment can roll out or a reward is back."""
         return self.scorer.has_arrived() or any(not self.scorer.waits(e) for e in running)
 
-    def run(self, running: list[Experiment], jobs: list[CompletionJob]) -> TickReport:
+    def serve(self, jobs: list[CompletionJob]) -> TickReport:
+        """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
+        start = time.perf_counter()
+        self._rollout([], jobs)
+        seconds = time.perf_counter() - start
+        return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
+
+    def run(self, running: list[Experiment]) -> TickReport:
+        """A training tick: every running experiment that is due steps."""
         start = time.perf_counter()
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
@@ -166,7 +174,7 @@ class Tick:
         plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
         planned = _keep(plans, failures)
         with timed("rollout"):
-            rolled = _keep(self._rollout(planned, jobs), failures)
+            rolled = _keep(self._rollout(planned, []), failures)
         with timed("reward"):
             scored = _keep(arrived + self._score(rolled), failures)
         # A co-located sampler gives the device back while the trainer uses it (the

@@ -291,3 +291,25 @@ def adaptable_module_names(base: nn.Module) -> list[str]:
     if head is not None and head.weight is base.get_input_embeddings().weight:
         names.discard(next(p.rsplit(".", 1)[-1] for p, m in base.named_modules() if m is head))
     return sorted(names)
+
+
+# (input ids, attention mask, positions, KV cache) -> (last position's logits, KV cache)
+DecodeForward = Callable[[Tensor, Tensor, Tensor, Any], tuple[Tensor, Any]]
+
+
+def decode_forward(model: MultiLoRAModel, device: torch.device | None = None) -> DecodeForward:
+    """One decoding step of the base model, the torch rollout's forward; the caller has set
+    the row routing. Inputs move to ``device`` (None: where they are)."""
+
+    def forward(ids: Tensor, mask: Tensor, positions: Tensor, past: Any) -> tuple[Tensor, Any]:
+        out = model.base_model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position samples: no [rows, tokens, vocab]
+        )
+        return out.logits[:, -1], out.past_key_values  # stays on the device (sampling.py)
+
+    return forward

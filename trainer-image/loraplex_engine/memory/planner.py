@@ -68,7 +68,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.memory.fake_model import keep_index_values, with_layers
 from loraplex_engine.memory.plan_sharding import (
     ALL_GATHER,
@@ -350,19 +350,6 @@ def _train_step(
     }
 
 
-def _decode_forward(model: MultiLoRAModel) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """The torch rollout's ``ForwardFn`` as ``Engine._decode_forward`` defines it."""
-
-    def forward(ids, mask, positions, past):  # type: ignore[no-untyped-def]
-        out = model.base_model(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=past, use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
-        return out.logits[:, -1], out.past_key_values
-
-    return forward
-
-
 def _cache_bytes(past: Any) -> int:
     layers = getattr(past, "layers", [])
     return storage_bytes([t for layer in layers for t in (layer.keys, layer.values)])
@@ -398,7 +385,7 @@ def _rollout(model: MultiLoRAModel, w: Workload) -> dict[str, int]:
     slots = [model.slot_of(f"tenant-{t}") for t in range(w.adapters)]
     units = {(r.experiment, r.group) for r in my_rows(model, w)} if w.world_size > 1 else None
     requests, batches = largest_micro_batch(w, slots, units)
-    forward = _decode_forward(model)
+    forward = decode_forward(model)
     logits, past, mask, positions = _shared_prefill(model.route, forward, requests, 0)
     sampler = Sampler(requests, logits.device)
     sizes = [_cache_bytes(past)]

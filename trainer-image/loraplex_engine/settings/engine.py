@@ -19,6 +19,7 @@ from loraplex_engine.api_types import (
     DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_REWARD_DEADLINE_S,
     DEFAULT_ROLLOUT_KV_TOKENS,
+    DEFAULT_SERVING_SHARE,
     DTYPE_NAMES,
     LORA_KERNELS,
 )
@@ -162,6 +163,15 @@ class EngineSettings(BaseModel):
             metavar="SECONDS",
         ),
     ] = DEFAULT_REWARD_DEADLINE_S
+    serving_share: Annotated[
+        float,
+        Flag(
+            "share of the engine's time for completion requests while training also waits "
+            "(training gets the rest; either alone gets all of it)",
+            v.share,
+            metavar="FRACTION",
+        ),
+    ] = DEFAULT_SERVING_SHARE
     vllm_options: Annotated[
         dict[str, Any],
         Flag(

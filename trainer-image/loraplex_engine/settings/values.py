@@ -133,6 +133,16 @@ def fraction(value: str) -> float:
     return number
 
 
+def share(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0.0 < number < 1.0:
+        raise invalid("share", value, "; a number in (0, 1)")
+    return number
+
+
 DEVICES = "auto, cpu, cuda or cuda:N"
 
 

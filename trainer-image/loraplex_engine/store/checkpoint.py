@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,18 @@ def peft_config(
         "inference_mode": True,
         **_UNSUPPORTED,
     }
+
+
+def peft_export(
+    model: MultiLoRAModel, base_model_name_or_path: str
+) -> Callable[[str, torch.dtype], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """An adapter as a sampler of its own takes it (rollout/backends.py ``PeftWeights``):
+    its PEFT config and tensors, by name and dtype."""
+
+    def export(name: str, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return peft_config(model, name, base_model_name_or_path), peft_tensors(model, name, dtype)
+
+    return export
 
 
 def peft_tensors(
