@@ -21,7 +21,7 @@ MAX_LINES = 500
 # list only shrinks, and a listed module may not grow.
 OVER_LIMIT = {
     "loraplex_engine.engine": 528,
-    "loraplex_engine.spec": 511,
+    "loraplex_engine.spec": 506,
 }
 
 
