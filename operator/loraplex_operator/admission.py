@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector, LabelSelectorRequirement
+from loraplex_operator.api.priority import DEFAULT_CLASS, PriorityClass, class_of, find_class
 from loraplex_operator.placement import adapter_memory_bytes
 from loraplex_operator.resources import (
     DEFAULT_TARGET_CANDIDATES,
@@ -99,8 +100,53 @@ def check_experiment(
                 f"namespace {namespace!r} may not use EnginePool {pool_name!r}",
             )
         )
+    problems.extend(_priority_problems(experiment.spec, pool.spec, pool_name, namespace))
     problems.extend(_lora_problems(experiment.spec, pool.spec, pool_name))
     problems.extend(_memory_problems(experiment.spec, pool.spec, pool_name, slot_bytes))
+    return problems
+
+
+def priority_class(experiment: Experiment, pool: EnginePoolSpec) -> PriorityClass:
+    """The class an experiment counts at: the one it names, or the default class (value 0)
+    where it names none or one it may not use (only a placed experiment, which admission
+    let in under an older pool, is ever asked for the latter: as a victim it has value 0)."""
+    spec = experiment.spec
+    found = class_of(pool.priority_classes, spec.priority_class_name, experiment.meta.namespace)
+    return found or DEFAULT_CLASS
+
+
+def _priority_problems(
+    exp: ExperimentSpec, pool: EnginePoolSpec, pool_name: str, namespace: str
+) -> list[Problem]:
+    """The class named must be the pool's and this namespace's to use; a raw priority other
+    than 0 is refused, not ignored, so its author learns it no longer counts."""
+    problems: list[Problem] = []
+    names = [c.name for c in pool.priority_classes or ()]
+    defined = f"it defines {', '.join(names)}" if names else "it defines none"
+    if exp.priority not in (None, 0):
+        problems.append(
+            Problem(
+                "spec.priority",
+                f"{exp.priority} is no longer honoured: priorities are EnginePool {pool_name!r}'s "
+                f"classes ({defined}); remove spec.priority and name one in "
+                "spec.priorityClassName",
+            )
+        )
+    name = exp.priority_class_name
+    if name is None:
+        return problems
+    found = find_class(pool.priority_classes, name)
+    if found is None:
+        message = f"priority class {name!r} is not defined by EnginePool {pool_name!r} ({defined})"
+        problems.append(Problem("spec.priorityClassName", message))
+    elif not found.allows(namespace):
+        problems.append(
+            Problem(
+                "spec.priorityClassName",
+                f"namespace {namespace!r} may not use priority class {name!r} of EnginePool "
+                f"{pool_name!r}",
+            )
+        )
     return problems
 
 

@@ -5,7 +5,8 @@ deterministic list of decisions:
 
 - `Bind(experiment, engine)` — PUT the experiment onto that ready engine now;
 - `Preempt(victim, engine, for_experiment)` — checkpoint and unload a strictly
-  lower-priority experiment so that `for_experiment` fits there next round;
+  lower-priority experiment so that `for_experiment` fits there next round: one of its own
+  namespace, or of any namespace when its priority class says `preemptOtherNamespaces`;
 - `ScaleUp(count)` — create that many engine pods;
 - `Wait(experiment, reason)` — nothing to do for it this round (why, for its status).
 
@@ -17,7 +18,9 @@ mixed max ranks rank-first keeps high-rank engines for high-rank experiments: se
 bench/placement_bench.py and docs/design/operator-placement.md). Capacity of not-ready engines
 and of engines asked for in this round is reserved (so one burst does not scale up
 twice) but never bound to. Preemption happens only when an experiment fits nowhere and
-the pool cannot grow; engines are never over-committed.
+the pool cannot grow; engines are never over-committed. Priorities are class values the
+pool's admin set; across namespaces they order the queue, but only a class with
+`preemptOtherNamespaces` unloads another namespace's experiment.
 """
 
 from __future__ import annotations
@@ -60,13 +63,29 @@ def adapter_memory_bytes(
 # --- inputs ----------------------------------------------------------------------------
 
 
+def namespace_of(key: str) -> str:
+    """The namespace of a `<namespace>/<name>` key."""
+    return key.partition("/")[0]
+
+
 @dataclass(frozen=True)
 class PendingExperiment:
     key: str  # "<namespace>/<name>"
-    priority: int
+    priority: int  # its priority class's value (api/priority.py), never a tenant's number
     created: float  # creation time, seconds since the epoch
     rank: int
     memory_bytes: int = 0
+    # Its class may preempt other namespaces' experiments (the admin's call, not the tenant's).
+    preempts_other_namespaces: bool = False
+
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.key)
+
+    def may_preempt(self, victim: RunningExperiment) -> bool:
+        """Strictly lower priority, and of its own namespace unless its class says otherwise."""
+        same_tenant = victim.namespace == self.namespace or self.preempts_other_namespaces
+        return same_tenant and victim.priority < self.priority
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,10 @@ class RunningExperiment:
     rank: int
     memory_bytes: int = 0
     started: float = 0.0  # newer starters are preempted first among equal priorities
+
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.key)
 
 
 @dataclass(frozen=True)
@@ -219,18 +242,18 @@ def _best_fit(
 
 
 def _victims_on(engine: _Slotting, exp: PendingExperiment) -> list[RunningExperiment] | None:
-    """Fewest strictly-lower-priority victims (cheapest first) that make `exp` fit, or None."""
+    """Fewest victims `exp` may preempt (cheapest first) that make it fit, or None."""
     if exp.rank > engine.max_rank:
         return None
     free, mem = engine.free_slots, engine.memory_used
     chosen: list[RunningExperiment] = []
-    for victim in engine.running:  # already in victim order
+    # In victim order; another namespace's experiment is skipped, not a stop: a lower one
+    # of exp's own namespace may still come after it.
+    for victim in (v for v in engine.running if exp.may_preempt(v)):
         if free >= 1 and (
             engine.memory_budget <= 0 or mem + exp.memory_bytes <= engine.memory_budget
         ):
             break
-        if victim.priority >= exp.priority:
-            return None
         chosen.append(victim)
         free += 1
         mem -= victim.memory_bytes

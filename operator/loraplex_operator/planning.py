@@ -231,7 +231,7 @@ def _adopt(
         return [*unloads, *_unloads([primary], w, SUSPEND)], None
     running = placement.RunningExperiment(
         key=w.key,
-        priority=w.exp.spec.priority,
+        priority=admission.priority_class(w.exp, pool).value,
         rank=w.exp.spec.lora.rank,
         memory_bytes=admission.experiment_memory_bytes(w.exp.spec, pool, slot_bytes),
         started=parse_time(w.engine_status.get("startedAt")) or 0.0,
@@ -262,12 +262,14 @@ def _not_running(
     if w.problems:
         return None
     w.resume_from = exp.status.checkpoint.path
+    priority = admission.priority_class(exp, snap.pool.spec)  # admitted: the one it names
     return placement.PendingExperiment(
         key=w.key,
-        priority=exp.spec.priority,
+        priority=priority.value,
         created=exp.meta.created or 0.0,
         rank=exp.spec.lora.rank,
         memory_bytes=admission.experiment_memory_bytes(exp.spec, snap.pool.spec, slot_bytes),
+        preempts_other_namespaces=priority.preempt_other_namespaces,
     )
 
 

@@ -59,6 +59,10 @@ def _strings(value: Any) -> tuple[str, ...] | None:
     return None if value is None else tuple(str(v) for v in value)
 
 
+def _string(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 @dataclass(frozen=True)
 class Meta:
     name: str
@@ -99,7 +103,9 @@ class Algorithm:
 @dataclass(frozen=True)
 class ExperimentSpec:
     engine_pool: str = ""
-    priority: int = 0
+    priority_class_name: str | None = None  # None: the default class (value 0)
+    # The retired raw priority as written (None: absent); admission refuses any but 0.
+    priority: int | None = None
     suspend: bool = False
     lora: Lora = field(default_factory=Lora)
     algorithm: Algorithm = field(default_factory=Algorithm)
@@ -109,7 +115,8 @@ class ExperimentSpec:
         lora, algorithm = _dict(spec, "lora"), _dict(spec, "algorithm")
         return cls(
             engine_pool=str(spec.get("enginePool", cls.engine_pool)),
-            priority=int(spec.get("priority", cls.priority)),
+            priority_class_name=_string(spec.get("priorityClassName")),
+            priority=None if spec.get("priority") is None else int(spec["priority"]),
             suspend=bool(spec.get("suspend", cls.suspend)),
             lora=Lora(
                 rank=int(lora.get("rank", Lora.rank)),

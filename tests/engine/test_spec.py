@@ -42,6 +42,7 @@ DOC_EXAMPLE: dict[str, Any] = {
     },
     "rollout": {"maxNewTokens": 8, "temperature": 1.0, "reproducible": False},
     "checkpoint": {"everySteps": 10, "keep": 3},
+    "priorityClassName": "high",
     "priority": 0,
     "suspend": False,
 }
@@ -255,6 +256,22 @@ def test_validate_for_engine() -> None:
 def test_names_match_the_registries() -> None:
     assert set(get_args(TaskName)) == set(TASKS)
     assert set(get_args(RewardName)) == set(REWARD_NAMES)
+
+
+@pytest.mark.parametrize("value", [1, -5, 2**31])
+def test_a_raw_priority_is_refused_naming_the_class_field(value: int) -> None:
+    # Retired: a tenant's number would order (and preempt) other tenants' work.
+    with pytest.raises(SpecError) as info:
+        parse_spec(with_change("priority", value))
+    assert info.value.field == "spec.priority"
+    assert "no longer honoured" in info.value.message and "priorityClassName" in info.value.message
+
+
+def test_priority_fields_are_not_part_of_what_the_engine_runs() -> None:
+    from loraplex_engine.experiment import adapter_spec
+
+    plain = {k: v for k, v in DOC_EXAMPLE.items() if k not in ("priorityClassName", "priority")}
+    assert adapter_spec(parse_spec(plain)) == adapter_spec(parse_spec(DOC_EXAMPLE))
 
 
 def test_spec_is_immutable() -> None:

@@ -1,6 +1,6 @@
 """Small builders so operator tests read like specs (after Kueue's testing wrappers).
 
-experiment("a").rank(16).priority(5).obj()
+experiment("a").rank(16).priority_class("high").obj()
 pool("pool-a").max_rank(32).slots(4).replicas(0, 2).obj()
 engine("e1").slots(4, used=1).running(run("x", priority=1)).build()
 pending("a").rank(16).priority(5).created(10).build()
@@ -92,7 +92,12 @@ class ExperimentWrapper:
         return self
 
     def priority(self, p: int) -> Self:
+        """The retired raw spec.priority (refused unless 0)."""
         self._spec["priority"] = p
+        return self
+
+    def priority_class(self, name: str) -> Self:
+        self._spec["priorityClassName"] = name
         return self
 
     def suspend(self, value: bool = True) -> Self:
@@ -179,6 +184,19 @@ class PoolWrapper:
         self._spec["template"].update(fields)
         return self
 
+    def priority_class(
+        self, name: str, value: int, *namespaces: str, cross: bool | None = None
+    ) -> Self:
+        """A spec.priorityClasses entry; `namespaces` empty = every namespace, `cross` is
+        preemptOtherNamespaces (None: left to the default)."""
+        entry: dict[str, Any] = {"name": name, "value": value}
+        if namespaces:
+            entry["namespaces"] = list(namespaces)
+        if cross is not None:
+            entry["preemptOtherNamespaces"] = cross
+        self._spec.setdefault("priorityClasses", []).append(entry)
+        return self
+
     def allowed_namespaces(self, *names: str) -> Self:
         self._spec["allowedNamespaces"] = list(names)
         return self
@@ -222,6 +240,7 @@ class PendingWrapper:
             "created": 0.0,
             "rank": 8,
             "memory_bytes": 0,
+            "preempts_other_namespaces": False,
         }
 
     def rank(self, r: int) -> Self:
@@ -238,6 +257,11 @@ class PendingWrapper:
 
     def memory(self, n: int) -> Self:
         self._f["memory_bytes"] = n
+        return self
+
+    def cross(self, on: bool = True) -> Self:
+        """Its priority class has preemptOtherNamespaces."""
+        self._f["preempts_other_namespaces"] = on
         return self
 
     def build(self) -> PendingExperiment:

@@ -504,7 +504,7 @@ class Harness:
 
     async def _ensure_namespace_and_token(self) -> None:
         assert self.kube is not None
-        for ns in (ENGINE_NS, "team-a"):  # kopf in namespaced mode lists them
+        for ns in (ENGINE_NS, "team-a", "team-b"):  # kopf in namespaced mode lists them
             if await self.kube.get(NAMESPACES, ns) is None:
                 await self.kube.create(NAMESPACES, {"metadata": {"name": ns}})
         if await self.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS) is None:
@@ -520,8 +520,9 @@ class Harness:
 
     async def _cleanup_cluster(self) -> None:
         assert self.kube is not None
-        for obj in await self.kube.list(EXPERIMENTS, "team-a"):
-            await self.kube.delete(EXPERIMENTS, obj["metadata"]["name"], "team-a")
+        for ns in ("team-a", "team-b"):
+            for obj in await self.kube.list(EXPERIMENTS, ns):
+                await self.kube.delete(EXPERIMENTS, obj["metadata"]["name"], ns)
         for obj in await self.kube.list(POOLS):
             if obj["metadata"]["name"].startswith("e2e-"):
                 await self.kube.delete(POOLS, obj["metadata"]["name"])
@@ -534,7 +535,9 @@ class Harness:
         slots: int = 4,
         max_rank: int = 16,
         replicas: tuple[int, int] = (0, 2),
+        priority_classes: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """`priority_classes`: the pool's spec.priorityClasses (absent when None)."""
         image = os.environ.get("LORAPLEX_E2E_IMAGE", "loraplex/engine-cpu:test")
         model = os.environ.get("LORAPLEX_E2E_MODEL", ENGINE_MODEL)
         spec: dict[str, Any] = {
@@ -546,6 +549,8 @@ class Harness:
             "template": {"image": image, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
             "tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"},
         }
+        if priority_classes is not None:
+            spec["priorityClasses"] = priority_classes
         if replicas[1] > 1:  # shared by the engines (kmock: one host directory on its node)
             host = os.environ.get("LORAPLEX_E2E_CHECKPOINTS", "/var/lib/loraplex/checkpoints")
             volume = {"hostPath": {"path": host, "type": "DirectoryOrCreate"}}
@@ -563,7 +568,7 @@ class Harness:
         pool: str,
         max_steps: int = 6,
         every: int = 2,
-        priority: int = 0,
+        priority_class: str | None = None,
         rank: int = 4,
         seed: int = 0,
         namespace: str = "team-a",
@@ -585,7 +590,7 @@ class Harness:
                 },
                 "rollout": {"maxNewTokens": 4, "temperature": 1.0},
                 "checkpoint": {"everySteps": every, "keep": 2},
-                "priority": priority,
+                **({"priorityClassName": priority_class} if priority_class else {}),
             },
         }
 

@@ -63,7 +63,7 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         ),
     ),
     "spec.enginePool is immutable": RuleCase(
-        valid=lambda: experiment("a").pool("pool-a").priority(3).obj(),
+        valid=lambda: experiment("a").pool("pool-a").priority_class("high").obj(),
         invalid=lambda: experiment("a").pool("pool-b").obj(),
         old=lambda: experiment("a").pool("pool-a").obj(),
     ),
@@ -73,7 +73,7 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         old=lambda: experiment("a").rank(16).obj(),
     ),
     "spec.task is immutable": RuleCase(
-        valid=lambda: experiment("a").reward("exact-match").priority(7).obj(),
+        valid=lambda: experiment("a").reward("exact-match").priority_class("low").obj(),
         invalid=lambda: experiment("a").reward("contains").obj(),
         old=lambda: experiment("a").reward("exact-match").obj(),
     ),
@@ -106,6 +106,11 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
     "task.rewardUrl is only used when task.reward is http": RuleCase(
         valid=lambda: experiment("a").reward("exact-match").obj(),
         invalid=lambda: experiment("a").reward("exact-match", "http://rewards:8080/score").obj(),
+    ),
+    # 0 passes: the API server used to default it into every stored experiment.
+    "spec.priority is no longer honoured": RuleCase(
+        valid=lambda: experiment("a").priority(0).obj(),
+        invalid=lambda: experiment("a").priority(1).obj(),
     ),
 }
 
@@ -200,7 +205,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 9  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 10  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -269,13 +274,14 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
 ]
 # The operator acts on these every round, or the engine reads them at the next placement.
 MUTABLE_EDITS: list[tuple[str, Any]] = [
-    ("spec.priority", 5),
+    ("spec.priorityClassName", "high"),
     ("spec.suspend", True),
     ("spec.checkpoint.everySteps", 5),
     ("spec.checkpoint.keep", 10),
 ]
-# One allowed value today, so no edit is possible; the spec.algorithm rule covers it.
-SINGLE_VALUED = {"spec.algorithm.name"}
+# One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
+# retired spec.priority's own rule (0 only) the other.
+SINGLE_VALUED = {"spec.algorithm.name", "spec.priority"}
 
 
 def _edited(base: Obj, field: str, value: Any) -> Obj:

@@ -159,10 +159,13 @@ EXPERIMENT_BOUNDS = [
     ("spec.checkpoint.keep", 0, False),
     ("spec.checkpoint.keep", 1000, True),
     ("spec.checkpoint.keep", 1001, False),
-    ("spec.priority", 2**31 - 1, True),
-    ("spec.priority", 2**31, False),
-    ("spec.priority", -(2**31), True),
-    ("spec.priority", -(2**31) - 1, False),
+    ("spec.priority", 0, True),  # the retired field: anything else is its CEL rule's
+    ("spec.priority", "1", False),
+    ("spec.priorityClassName", "high-1", True),
+    ("spec.priorityClassName", "", False),
+    ("spec.priorityClassName", "High", False),
+    ("spec.priorityClassName", "team.high", False),  # a DNS label, as the pool's class names
+    ("spec.priorityClassName", _long(63), False),
     ("spec.suspend", "yes", False),
     ("spec.enginePool", "Pool_A", False),
     ("spec.enginePool", "", False),
@@ -291,6 +294,26 @@ POOL_BOUNDS = [
     ("spec.rewardHosts", _many(64), False),
     ("spec.rewardHosts", [""], False),
     ("spec.rewardHosts", [_long(253)], False),
+    ("spec.priorityClasses", [{"name": "high", "value": 10}], True),
+    ("spec.priorityClasses", _many(64, lambda i: {"name": f"c{i}", "value": i}), False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1}, {"name": "a", "value": 2}], False),  # map
+    ("spec.priorityClasses", [{"value": 1}], False),
+    ("spec.priorityClasses", [{"name": "a"}], False),
+    ("spec.priorityClasses", [{"name": "", "value": 1}], False),
+    ("spec.priorityClasses", [{"name": "High", "value": 1}], False),
+    ("spec.priorityClasses", [{"name": _long(63), "value": 1}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 10**9}], True),
+    ("spec.priorityClasses", [{"name": "a", "value": -(10**9)}], True),
+    ("spec.priorityClasses", [{"name": "a", "value": 10**9 + 1}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": -(10**9) - 1}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": ["team-a"]}], True),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": []}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": ["t", "t"]}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": _many(1024)}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": ["Team_A"]}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": [""]}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": [_long(63)]}], False),
+    ("spec.priorityClasses", [{"name": "a", "value": 1, "preemptOtherNamespaces": "y"}], False),
     ("spec.allowedNamespaces", ["Team_A"], False),
     ("spec.allowedNamespaces", ["team-a"], True),
     ("spec.allowedNamespaces", ["team-a", "team-a"], False),  # list-type set
@@ -337,7 +360,7 @@ def _names_field(error: str, field: str) -> bool:
     """The error is about `field`: at it or inside it, or its parent saying it is required."""
     where, _, message = error.partition(": ")
     parent, _, leaf = field.rpartition(".")
-    inside = where == field or where.startswith(field + ".")
+    inside = where == field or where.startswith((field + ".", field + "["))
     return inside or (where == parent and f"'{leaf}' is a required property" in message)
 
 
@@ -444,7 +467,8 @@ def test_experiment_defaults() -> None:
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
     assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0, "reproducible": False}
     assert spec["checkpoint"] == {"everySteps": 10, "keep": 3}
-    assert (spec["priority"], spec["suspend"]) == (0, False)
+    assert spec["suspend"] is False
+    assert "priority" not in spec and "priorityClassName" not in spec  # the default class
     assert "reward" not in spec["task"]  # absent = the task's default reward, chosen by the engine
 
 

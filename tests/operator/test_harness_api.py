@@ -42,7 +42,10 @@ async def test_spec_patch_is_checked_against_the_stored_object(kube: Kube) -> No
         await kube.patch(EXPERIMENTS, "a", {"spec": {"lora": {"rank": 8}}}, "team-a")
     with pytest.raises(KubeError, match=r"422: .*spec\.algorithm is immutable once created"):
         await kube.patch(EXPERIMENTS, "a", {"spec": {"algorithm": None}}, "team-a")  # defaulted
-    await kube.patch(EXPERIMENTS, "a", {"spec": {"priority": 3, "suspend": True}}, "team-a")
+    with pytest.raises(KubeError, match=r"422: .*spec\.priority is no longer honoured"):
+        await kube.patch(EXPERIMENTS, "a", {"spec": {"priority": 3}}, "team-a")
+    patch = {"spec": {"priorityClassName": "high", "suspend": True}}
+    await kube.patch(EXPERIMENTS, "a", patch, "team-a")
     # kopf's metadata patches and status writes are not spec edits
     await kube.patch(EXPERIMENTS, "a", {"metadata": {"finalizers": ["x/y"]}}, "team-a")
     await kube.patch(EXPERIMENTS, "a", {"status": {"phase": "Running"}}, "team-a", "status")
@@ -50,7 +53,7 @@ async def test_spec_patch_is_checked_against_the_stored_object(kube: Kube) -> No
     stored = await kube.get(EXPERIMENTS, "a", "team-a")
     assert stored is not None
     assert stored["spec"]["lora"]["rank"] == 4 and stored["spec"]["algorithm"]["maxSteps"] == 500
-    assert (stored["spec"]["priority"], stored["spec"]["suspend"]) == (3, True)
+    assert (stored["spec"]["priorityClassName"], stored["spec"]["suspend"]) == ("high", True)
     assert stored["status"]["phase"] == "Running"
 
 

@@ -306,12 +306,11 @@ async def test_engine_stopped_gracefully_resumes_from_its_sigterm_checkpoint(h: 
 
 
 async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness) -> None:
-    await h.apply(h.pool_obj("pool-p", slots=2, replicas=(0, 1)))
+    high_class = [{"name": "high", "value": 10}]
+    await h.apply(h.pool_obj("pool-p", slots=2, replicas=(0, 1), priority_classes=high_class))
     lows = ["low0", "low1"]
-    for i, n in enumerate(lows):
-        await h.apply(
-            h.experiment_obj(n, "pool-p", max_steps=LONG, every=EVERY, priority=0, seed=i)
-        )
+    for i, n in enumerate(lows):  # no class: value 0
+        await h.apply(h.experiment_obj(n, "pool-p", max_steps=LONG, every=EVERY, seed=i))
 
     async def lows_running() -> bool:
         return all([(await h.status(NS, n)).get("checkpoint") for n in lows])
@@ -328,7 +327,7 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
                 return n, s
         return None
 
-    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority=10))
+    await h.apply(h.experiment_obj("high", "pool-p", max_steps=8, every=4, priority_class="high"))
     # The victim waits in Pending while "high" trains (a second or so): poll fast.
     victim, pending = await h.wait_for(
         "a low-priority experiment back to Pending", one_pending, 120, interval=0.05
@@ -352,6 +351,60 @@ async def test_high_priority_preempts_low_which_resumes_and_finishes(h: Harness)
         async with httpx.AsyncClient() as c:
             metrics = (await c.get(h.operator.metrics_url)).text
         assert 'loraplex_preemptions_total{pool="pool-p"} 1.0' in metrics
+
+
+_LOW_CLASS = [{"name": "low", "value": -1}]
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+
+
+async def test_a_tenants_class_preempts_another_namespace_only_when_the_admin_allows(
+    h: Harness,
+) -> None:
+    """team-a's "high" class outranks team-b's default-class experiment on a full pool, but
+    unloads it only once the pool's admin sets preemptOtherNamespaces on the class."""
+    high = {"name": "high", "value": 100, "namespaces": [NS]}
+    await h.apply(h.pool_obj("pool-t", slots=1, replicas=(0, 1), priority_classes=[high]))
+    await h.apply(h.experiment_obj("b-run", "pool-t", max_steps=0, every=EVERY, namespace="team-b"))
+
+    async def b_training() -> dict[str, Any] | None:
+        s = await h.status("team-b", "b-run")
+        return s if s.get("phase") == "Running" and s.get("step", 0) > 0 else None
+
+    await h.wait_for("team-b's experiment training", b_training, timeout=240)
+    await h.apply(h.experiment_obj("a-high", "pool-t", max_steps=4, every=2, priority_class="high"))
+    # team-b may not name team-a's class: not placed, and told which class and namespace.
+    await h.apply(h.experiment_obj("b-high", "pool-t", namespace="team-b", priority_class="high"))
+
+    async def a_waits() -> dict[str, Any] | None:
+        s = await h.status(NS, "a-high")
+        return s if _condition(s, "Scheduled").get("reason") == "NoCapacity" else None
+
+    await h.wait_for("team-a's experiment waiting for room", a_waits, timeout=60)
+    refused = await h.wait_phase("team-b", "b-high", "Pending", timeout=60)
+    admitted = _condition(refused, "Admitted")
+    assert admitted["status"] == "False", refused
+    assert "namespace 'team-b' may not use priority class 'high'" in admitted["message"]
+    before = (await h.status("team-b", "b-run"))["step"]
+    await asyncio.sleep(5)  # five rounds (LORAPLEX_RECONCILE_INTERVAL=1): still not preempted
+    s = await h.status("team-b", "b-run")
+    assert s["phase"] == "Running" and s["step"] > before and s["restarts"] == 0, s
+    assert "Preempted" not in [e.get("reason") for e in await h.events("team-b", "b-run")]
+    assert (await h.status(NS, "a-high"))["phase"] == "Pending"
+
+    allowed = [{**high, "preemptOtherNamespaces": True}]
+    await h.kube.patch(POOLS, "pool-t", {"spec": {"priorityClasses": allowed}})  # type: ignore[union-attr]
+    assert (await h.wait_phase(NS, "a-high", "Succeeded", timeout=240))["step"] == 4
+
+    async def b_preempted() -> str | None:
+        events = await h.events("team-b", "b-run")
+        return next((e["message"] for e in events if e.get("reason") == "Preempted"), None)
+
+    assert f"{NS}/a-high" in await h.wait_for("team-b's experiment preempted", b_preempted, 30)
+    resumed = await h.wait_for("team-b's experiment training again", b_training, timeout=120)
+    assert resumed["step"] >= before
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -490,7 +543,7 @@ async def test_invalid_experiments_are_rejected_naming_the_field(h: Harness) -> 
 
 
 async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -> None:
-    await h.apply(h.pool_obj("pool-d", slots=4, replicas=(1, 1)))
+    await h.apply(h.pool_obj("pool-d", slots=4, replicas=(1, 1), priority_classes=_LOW_CLASS))
 
     async def engine_ready() -> dict[str, Any] | None:
         pods = await h.engine_pods("pool-d")
@@ -546,13 +599,14 @@ async def test_delete_unloads_and_keeps_checkpoint_suspend_resumes(h: Harness) -
 
     # Editing what defines a running run is refused at apply time (CEL transition rule,
     # evaluated by the real API server or, on kmock, by the harness with crdkit) and the
-    # run goes on unchanged; priority stays editable.
+    # run goes on unchanged; its priority class stays editable.
     assert (await h.status(NS, "stay")).get("engine")
     with pytest.raises(KubeError, match=r"spec\.lora is immutable once created"):
         await h.patch_spec(NS, "stay", {"lora": {"rank": 8}})
-    await h.patch_spec(NS, "stay", {"priority": 1})
+    await h.patch_spec(NS, "stay", {"priorityClassName": "low"})
     stay = await h.get(NS, "stay")
-    assert stay is not None and (stay["spec"]["lora"]["rank"], stay["spec"]["priority"]) == (4, 1)
+    assert stay is not None
+    assert (stay["spec"]["lora"]["rank"], stay["spec"]["priorityClassName"]) == (4, "low")
     assert "team-a.stay" in await _engine_experiments(h, pod)
 
     # Deleting the pool (its engines go with it) sends what it ran back to Pending.

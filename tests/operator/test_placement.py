@@ -216,6 +216,56 @@ CASES = [
         want=[Preempt("ns/rb", "b", "ns/vip"), Wait("ns/vip", WAIT_PREEMPTING)],
     ),
     Case(
+        "priority classes: a higher class preempts a lower one of its own namespace",
+        pending=[pending("team-a/high").priority(10).build()],
+        engines=[engine("a").slots(1).running(run("team-a/low")).build()],
+        limits=limits(1, 1),
+        want=[Preempt("team-a/low", "a", "team-a/high"), Wait("team-a/high", WAIT_PREEMPTING)],
+    ),
+    Case(
+        "priority classes: not another namespace's, without preemptOtherNamespaces",
+        pending=[pending("team-a/high").priority(10).build()],
+        engines=[engine("a").slots(1).running(run("team-b/low")).build()],
+        limits=limits(1, 1),
+        want=[Wait("team-a/high", WAIT_NO_CAPACITY)],
+    ),
+    Case(
+        "priority classes: another namespace's too, with preemptOtherNamespaces",
+        pending=[pending("team-a/high").priority(10).cross().build()],
+        engines=[engine("a").slots(1).running(run("team-b/low")).build()],
+        limits=limits(1, 1),
+        want=[Preempt("team-b/low", "a", "team-a/high"), Wait("team-a/high", WAIT_PREEMPTING)],
+    ),
+    Case(
+        "priority classes: preemptOtherNamespaces still needs a strictly lower value",
+        pending=[pending("team-a/high").priority(10).cross().build()],
+        engines=[engine("a").slots(1).running(run("team-b/peer", priority=10)).build()],
+        limits=limits(1, 1),
+        want=[Wait("team-a/high", WAIT_NO_CAPACITY)],
+    ),
+    Case(
+        "priority classes: another namespace's lowest is skipped for its own lower one",
+        pending=[pending("team-a/high").priority(10).build()],
+        engines=[
+            engine("a")
+            .slots(2)
+            .running(run("team-b/lowest", priority=-5), run("team-a/low", priority=0))
+            .build()
+        ],
+        limits=limits(1, 1),
+        want=[Preempt("team-a/low", "a", "team-a/high"), Wait("team-a/high", WAIT_PREEMPTING)],
+    ),
+    Case(
+        "priority classes: the engine with an own-namespace victim, not the cheaper other",
+        pending=[pending("team-a/high").priority(10).build()],
+        engines=[
+            engine("a").slots(1).running(run("team-b/r", priority=0)).build(),
+            engine("b").slots(1).running(run("team-a/r", priority=5)).build(),
+        ],
+        limits=limits(2, 2),
+        want=[Preempt("team-a/r", "b", "team-a/high"), Wait("team-a/high", WAIT_PREEMPTING)],
+    ),
+    Case(
         "no preemption on an engine whose max rank is too small",
         pending=[pending("ns/vip").priority(9).rank(128).build()],
         engines=[engine("a").slots(1).max_rank(64).running(run("ns/r")).build()],
@@ -257,9 +307,13 @@ def test_plan_is_deterministic_under_input_order() -> None:
         assert plan(exps, engines, lim) == first
 
 
+TEAMS = ("ns", "nt")
+
+
 def _random_round(rng: random.Random) -> tuple[list[PendingExperiment], list[Engine], PoolLimits]:
     exps = [
-        pending(f"ns/x{i}").rank(rng.choice([4, 8, 16, 64, 128])).priority(rng.randint(0, 3))
+        pending(f"{rng.choice(TEAMS)}/x{i}").rank(rng.choice([4, 8, 16, 64, 128]))
+        .priority(rng.randint(0, 3)).cross(rng.random() < 0.3)
         .created(rng.randint(0, 50)).memory(rng.choice([0, 10, 30])).build()
         for i in range(rng.randint(0, 40))
     ]  # fmt: skip
@@ -267,7 +321,7 @@ def _random_round(rng: random.Random) -> tuple[list[PendingExperiment], list[Eng
     for j in range(rng.randint(0, 6)):
         total = rng.choice([1, 2, 4, 8])
         runs = [
-            run(f"ns/r{j}-{k}", priority=rng.randint(0, 3), memory=10, started=k)
+            run(f"{rng.choice(TEAMS)}/r{j}-{k}", priority=rng.randint(0, 3), memory=10, started=k)
             for k in range(rng.randint(0, total))
         ]
         w = (
@@ -317,11 +371,14 @@ def test_invariants_on_random_rounds(seed: int) -> None:
         )
     for k, name in bindings(decisions).items():
         assert prio[k].rank <= by_name[name].max_rank
-    # preemption only of strictly lower priorities, and never alongside a scale-up
+    # preemption only of strictly lower priorities, of another namespace only by a class
+    # that allows it, and never alongside a scale-up
     for d in decisions:
         if isinstance(d, Preempt):
             victim = next(r for r in by_name[d.engine].running if r.key == d.victim)
-            assert victim.priority < prio[d.for_experiment].priority
+            preemptor = prio[d.for_experiment]
+            assert victim.priority < preemptor.priority
+            assert victim.namespace == preemptor.namespace or preemptor.preempts_other_namespaces
     scale = sum(d.count for d in decisions if isinstance(d, ScaleUp))
     fresh = (
         engine("fresh")

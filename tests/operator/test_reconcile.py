@@ -264,12 +264,10 @@ def test_deleting_experiment_is_left_to_the_finalizer() -> None:
 
 def test_preemption_of_lower_priority_when_full() -> None:
     running = [exp(f"low{i}", phase="Running", engine="e1") for i in range(4)]
-    for r in running:
-        r["spec"]["priority"] = 0
     high = exp("high", created=10)
-    high["spec"]["priority"] = 10
+    high["spec"]["priorityClassName"] = "high"
     e1 = engine("e1", *(f"team-a.low{i}" for i in range(4)))
-    p = pool().slots(4).replicas(0, 1).obj()
+    p = pool().slots(4).replicas(0, 1).priority_class("high", 10).obj()
     plan = plan_round(snap([*running, high], [e1], p), CFG)
     preempts = [u for u in plan.unloads if u.reason == PREEMPT]
     assert len(preempts) == 1 and preempts[0].for_key == "team-a/high"

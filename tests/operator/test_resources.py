@@ -16,9 +16,10 @@ from loraplex_operator.resources import Algorithm, Experiment, ExperimentSpec, L
 VIEW_DEFAULTS: list[tuple[str, str, Any]] = [
     ("LoRAExperiment", "lora.rank", Lora.rank),
     ("LoRAExperiment", "algorithm.maxSteps", Algorithm.max_steps),
-    ("LoRAExperiment", "priority", ExperimentSpec.priority),
     ("LoRAExperiment", "suspend", ExperimentSpec.suspend),
 ]
+# No CRD default, and None in the view: absent means the default class / nothing written.
+UNDEFAULTED = ("priorityClassName", "priority")
 
 
 def _crd_default(kind: str, path: str) -> Any:
@@ -32,6 +33,14 @@ def _crd_default(kind: str, path: str) -> Any:
 @pytest.mark.parametrize(("kind", "path", "default"), VIEW_DEFAULTS)
 def test_view_default_is_the_crds(kind: str, path: str, default: Any) -> None:
     assert _crd_default(kind, path) == default
+
+
+@pytest.mark.parametrize("path", UNDEFAULTED)
+def test_priority_fields_have_no_crd_default(path: str) -> None:
+    # A default priority would be written into every object, and a default class name
+    # would have to exist in every pool; absent is the default class (value 0).
+    assert "default" not in schema_of("LoRAExperiment")["properties"]["spec"]["properties"][path]
+    assert (ExperimentSpec.priority_class_name, ExperimentSpec.priority) == (None, None)
 
 
 def test_unset_target_modules_stay_unset_for_the_engines_family_default() -> None:
@@ -53,12 +62,14 @@ def test_views_of_bare_objects_equal_views_of_the_objects_the_api_server_default
 
 def test_views_read_what_the_object_says() -> None:
     obj = experiment("a").rank(32).modules("q_proj").priority(5).suspend().obj()
+    obj["spec"]["priorityClassName"] = "high"
     obj["metadata"]["deletionTimestamp"] = "2030-01-01T00:00:00Z"
     obj["status"] = {"phase": "Running", "restarts": 2, "checkpoint": {"path": "/c", "step": 4}}
     exp = Experiment.from_obj(obj)
     assert (exp.key, exp.id, exp.meta.uid) == ("team-a/a", "team-a.a", "uid-team-a-a")
     assert (exp.spec.lora.rank, exp.spec.lora.target_modules) == (32, ("q_proj",))
     assert (exp.spec.priority, exp.spec.suspend, exp.meta.deleting) == (5, True, True)
+    assert exp.spec.priority_class_name == "high"
     assert (exp.status.phase, exp.status.restarts) == ("Running", 2)
     assert (exp.status.checkpoint.path, exp.status.checkpoint.step) == ("/c", 4)
 

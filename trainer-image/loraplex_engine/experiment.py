@@ -179,8 +179,9 @@ def adapter_field(error: AdapterError) -> str:
 
 
 def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
-    """The spec minus operator-only fields (pool, priority, suspend): what the engine runs."""
-    return spec.model_dump(exclude={"engine_pool", "priority", "suspend"})
+    """The spec minus operator-only fields (pool, priority class, suspend): what the engine
+    runs."""
+    return spec.model_dump(exclude={"engine_pool", "priority_class_name", "priority", "suspend"})
 
 
 def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:

@@ -17,12 +17,14 @@ from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.spec_schema import (
     CelRule,
+    FieldRule,
     Int32,
     Int64,
     ListSet,
     SpecModel,
-    field_errors,
+    block,
     immutable,
+    spec_errors,
 )
 from loraplex_engine.train.lr_schedule import LRScheduleName
 
@@ -43,14 +45,17 @@ ObjectName = Annotated[
 ]
 # Most completions one step may sample (groupSize × promptsPerStep).
 MAX_COMPLETIONS_PER_STEP = 8192
-
-
-def _block(model: type[SpecModel], description: str, immutable_message: str | None = None) -> Any:
-    """A nested block that defaults to ``{}`` (every field at its default)."""
-    extra: dict[str, Any] = {"default": {}}
-    if immutable_message:
-        extra |= immutable(immutable_message)
-    return Field(default_factory=model, description=description, json_schema_extra=extra)
+# A DNS label, as an EnginePool's spec.priorityClasses[].name (loraplex_operator/api/priority.py).
+ClassName = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+]
+# The retired raw priority: 0 (what the CRD used to default) is let through, nothing else.
+RETIRED_PRIORITY = FieldRule(
+    "self == 0",
+    "spec.priority is no longer honoured: priorities are the pool's classes; remove "
+    "spec.priority and name one in spec.priorityClassName (kubectl get enginepool -o yaml)",
+    lambda value: value == 0,
+)
 
 
 class LoraSpec(SpecModel):
@@ -352,7 +357,7 @@ class CheckpointSpec(SpecModel):
 
 class ExperimentSpec(SpecModel):
     """What to train and how: the adapter (lora), the task and its reward, the RL
-    algorithm, the rollouts, checkpointing, and scheduling (enginePool, priority,
+    algorithm, the rollouts, checkpointing, and scheduling (enginePool, priorityClassName,
     suspend). The operator forwards it to the engine unchanged (docs/engine-api.md)."""
 
     CEL_RULES: ClassVar = (
@@ -380,7 +385,7 @@ class ExperimentSpec(SpecModel):
             "on another pool"
         ),
     )
-    lora: LoraSpec = _block(
+    lora: LoraSpec = block(
         LoraSpec,
         "The adapter's shape. Immutable: the adapter's weights, optimiser state and "
         "checkpoints have this shape.",
@@ -394,32 +399,35 @@ class ExperimentSpec(SpecModel):
             "adapter learns): create a new LoRAExperiment to change it"
         ),
     )
-    algorithm: AlgorithmSpec = _block(
+    algorithm: AlgorithmSpec = block(
         AlgorithmSpec,
         "The RL update and the run's length. Immutable: the engine takes it once, at "
         "placement, so an edit would silently split one run between two settings.",
         "spec.algorithm is immutable once created (one run trains with one algorithm setting "
         "and step budget): create a new LoRAExperiment to change it",
     )
-    rollout: RolloutSpec = _block(
+    rollout: RolloutSpec = block(
         RolloutSpec,
         "How completions are sampled (the policy being trained). Immutable.",
         "spec.rollout is immutable once created (one run samples with one rollout setting): "
         "create a new LoRAExperiment to change it",
     )
-    checkpoint: CheckpointSpec = _block(
+    checkpoint: CheckpointSpec = block(
         CheckpointSpec,
         "How often checkpoints are written and how many are kept. Mutable: an edit takes "
         "effect the next time the experiment is placed on an engine (after suspend and "
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
-    priority: Int32 = Field(
-        0,
-        ge=-(2**31),
-        le=2**31 - 1,
-        description="Higher runs first and may preempt strictly lower priorities when the "
-        "pool is full. Mutable: the next scheduling round uses it. The engine ignores it.",
+    priority_class_name: ClassName | None = Field(
+        None,
+        alias="priorityClassName",
+        description="One of the pool's spec.priorityClasses that this namespace may use: its "
+        "value orders the queue and what may be preempted. Absent = value 0. Mutable: the next "
+        "round uses it. The engine ignores it.",
+    )
+    priority: Annotated[Int32, RETIRED_PRIORITY] | None = Field(
+        None, description="Retired, not honoured: only 0 is accepted. Use priorityClassName."
     )
     suspend: bool = Field(
         False,
@@ -474,7 +482,7 @@ def parse_spec(data: Any, prefix: str = "spec") -> ExperimentSpec:
     try:
         return ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        first, *rest = field_errors(exc, prefix)
+        first, *rest = spec_errors(exc, prefix)
         also = "".join(f"; also {e.field}: {e.message}" for e in rest)
         raise SpecError(first.field, first.message + also) from None
 
@@ -484,17 +492,5 @@ def all_spec_errors(data: Any, prefix: str = "spec") -> list[SpecError]:
     try:
         ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        return field_errors(exc, prefix)
+        return spec_errors(exc, prefix)
     return []
-
-
-__all__ = [
-    "AlgorithmSpec",
-    "CheckpointSpec",
-    "ExperimentSpec",
-    "LoraSpec",
-    "RolloutSpec",
-    "TaskSpec",
-    "all_spec_errors",
-    "parse_spec",
-]

@@ -7,8 +7,10 @@ module adds what JSON Schema has no word for, each stated once and read by both 
 
 - ``CelRule``: a cross-field rule, written as CEL for the API server and as a Python
   check that ``parse_spec`` runs (the engine and ``loraplex-engine run`` see no CRD);
+- ``FieldRule``: the same for one field's own value, the rule sitting on that field;
 - ``ListSet``: a list of distinct items (``x-kubernetes-list-type: set``), checked here too;
 - ``Int32``/``Int64``: the integer format the CRD declares;
+- ``spec_errors``: pydantic's errors as ``SpecError``s naming the field;
 - ``immutable``: a transition rule (``self == oldSelf``); only the API server can check it,
   since a spec alone has no old value (the engine's analogue is 409 on a changed spec).
 """
@@ -22,6 +24,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
     ValidationError,
@@ -76,9 +79,43 @@ class SpecModel(BaseModel):
         return self
 
 
+@dataclass(frozen=True)
+class FieldRule:
+    """A rule on one field's value (``self`` is the value), as CEL on that field and as a
+    Python check. On the field, not its parent: the API server's validation ratcheting
+    (1.30+) then lets a stored value that broke a newer rule through unrelated updates."""
+
+    cel: str
+    message: str
+    holds: Callable[[Any], bool]
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {**handler(schema), CEL_KEY: [{"rule": self.cel, "message": self.message}]}
+
+    def _check(self, value: Any) -> Any:
+        if not self.holds(value):
+            raise PydanticCustomError("field_rule", self.message)
+        return value
+
+
 def immutable(message: str) -> dict[str, Any]:
     """``json_schema_extra`` of a field the API server refuses to change after create."""
     return {CEL_KEY: [{"rule": "self == oldSelf", "message": message}]}
+
+
+def block(model: type[SpecModel], description: str, immutable_message: str | None = None) -> Any:
+    """A nested block that defaults to ``{}`` (every field at its default)."""
+    extra: dict[str, Any] = {"default": {}}
+    if immutable_message:
+        extra |= immutable(immutable_message)
+    return Field(default_factory=model, description=description, json_schema_extra=extra)
 
 
 class ListSet:
@@ -119,10 +156,6 @@ class _Format:
         return {**handler(schema), "format": self.name}
 
 
-Int32 = Annotated[int, _Format("int32")]
-Int64 = Annotated[int, _Format("int64")]
-
-
 def _field_path(err: Mapping[str, Any], prefix: str) -> str:
     loc = [str(part) for part in err.get("loc", ())]
     extra = (err.get("ctx") or {}).get("field")
@@ -135,19 +168,23 @@ def _message(err: Mapping[str, Any]) -> str:
     return "unknown field" if err["type"] == "extra_forbidden" else str(err["msg"])
 
 
-def field_errors(exc: ValidationError, prefix: str) -> list[SpecError]:
-    """Each pydantic error of a spec as a ``SpecError`` naming its path under ``prefix``
-    (a ``CelRule``'s ``ctx["field"]`` included)."""
+def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[SpecError]:
+    """Every pydantic error as a ``SpecError`` (for messages that list them all)."""
     return [SpecError(_field_path(e, prefix), _message(e)) for e in exc.errors()]
 
+
+Int32 = Annotated[int, _Format("int32")]
+Int64 = Annotated[int, _Format("int64")]
 
 __all__ = [
     "CEL_KEY",
     "CelRule",
+    "FieldRule",
     "Int32",
     "Int64",
     "ListSet",
     "SpecModel",
-    "field_errors",
+    "block",
     "immutable",
+    "spec_errors",
 ]

@@ -14,19 +14,21 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from loraplex_operator.api.pool_template import EngineTemplate
+from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
 from loraplex_operator.api.schema import (
+    DNS_LABEL,
     LIST_SET,
     PRESERVE_UNKNOWN,
     ApiModel,
     Cel,
     Int32,
     Int64,
+    Namespace,
     block,
     immutable,
+    list_map,
 )
 
-# A DNS label, as Kubernetes names a namespace.
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 AbsolutePath = Annotated[str, Field(min_length=2, max_length=4096, pattern=r"^/")]
 # The projections of every supported family: Llama's seven, and Phi-3's fused ones.
 FAMILY_TARGET_MODULES = (
@@ -259,7 +261,6 @@ def _names(alias: str, max_items: int, description: str) -> Any:
 
 
 ModuleName = Annotated[str, Field(min_length=1, max_length=63)]
-Namespace = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 Host = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-a-zA-Z0-9.:]+$")]
 
 
@@ -421,6 +422,17 @@ class EnginePoolSpec(ApiModel):
         description="metav1.LabelSelector over namespaces whose experiments may use this pool "
         "(see allowedNamespaces).",
     )
+    priority_classes: tuple[PriorityClass, ...] | None = Field(
+        None,
+        alias="priorityClasses",
+        max_length=MAX_CLASSES,
+        description="The priorities experiments of this pool may name (spec.priorityClassName), "
+        "each with its value, the namespaces that may use it and whether it preempts other "
+        "namespaces' experiments. An experiment naming none has value 0 and preempts only "
+        "lower values of its own namespace; one naming a class not listed here, or one its "
+        "namespace may not use, is not placed. Names are unique (a map list keyed by name).",
+        json_schema_extra=list_map("name"),
+    )
     queue_name: str | None = Field(
         None,
         alias="queueName",
@@ -454,6 +466,7 @@ __all__ = [
     "LabelSelector",
     "LabelSelectorRequirement",
     "ModelShape",
+    "PriorityClass",
     "Replicas",
     "SecretKeyRef",
     "VLLMPlacement",

@@ -19,6 +19,9 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler
 
 CEL_KEY = "x-kubernetes-validations"
+# A DNS label, as Kubernetes names a namespace.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+Namespace = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 PRESERVE_UNKNOWN = {"x-kubernetes-preserve-unknown-fields": True}
 LIST_SET = {"x-kubernetes-list-type": "set"}
 
@@ -98,6 +101,7 @@ DateTime = Annotated[str, _Format("date-time")]
 
 __all__ = [
     "CEL_KEY",
+    "DNS_LABEL",
     "LIST_SET",
     "PRESERVE_UNKNOWN",
     "ApiModel",
@@ -105,6 +109,7 @@ __all__ = [
     "DateTime",
     "Int32",
     "Int64",
+    "Namespace",
     "OpenModel",
     "block",
     "immutable",
