@@ -95,6 +95,9 @@ class ExperimentStatus(WireModel):
     # Mean |log p_sampler - log p_trainer| over the latest step's sampled tokens: how far
     # off-policy the rollout backend is (vLLM); None where the trainer samples itself.
     logprob_gap: float | None = None
+    # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
+    # retried every tick while training goes on.
+    checkpoint_pending: bool = False
 
 
 class MemoryUse(WireModel):
@@ -183,6 +186,9 @@ class Capacity(WireModel):
     plan: MemoryPlan | None = None
     # Weight syncs to the rollout backend so far; None where it has no copy to sync (torch).
     adapter_sync: AdapterSyncStats | None = None
+    # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
+    # experiment's is pending; None once they are written.
+    storage_full: str | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -122,7 +122,8 @@ class RunStore:
                 )
         except (OSError, SafetensorError) as e:
             if _out_of_space(e):
-                raise StorageFullError(f"the checkpoint volume is full: {e}") from e
+                why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
+                raise StorageFullError(f"the checkpoint volume {self.root} is full ({why})") from e
             raise
         exp.checkpoint = CheckpointRef(path=str(target), step=exp.step)
         exp.adapter_path = str(target)
