@@ -41,6 +41,9 @@ DEFAULT_REWARD_DEADLINE_S = 1.0
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_MAX_LENGTH = 64
 
+# Runs of one experiment name (deleted and created again: a new run each time) whose
+# checkpoints the run store keeps, the writing one included (serve --checkpoint-keep-runs).
+DEFAULT_KEEP_RUNS = 3
 # The memory plan (memory/capacity_plan.py): the share of the device's memory left unplanned
 # (allocator rounding and fragmentation, kernel workspaces, the rollout's transient
 # activations). Where no device memory is known the two budgets above apply.

@@ -146,6 +146,7 @@ class Engine:
             self.optimizer,
             str(self.model_dir),
             quota=CheckpointQuota(quota) if quota is not None else None,
+            keep_runs=s.checkpoint_keep_runs,
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None

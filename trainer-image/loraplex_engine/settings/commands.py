@@ -84,6 +84,7 @@ class RunSettings(ProcessSettings):
     NOT_FLAGS: ClassVar[frozenset[str]] = frozenset(
         {
             "checkpoint_root",
+            "checkpoint_keep_runs",
             "gradient_checkpointing",
             "lora_kernel",
             "device_memory",
