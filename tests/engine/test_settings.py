@@ -62,6 +62,7 @@ CHANGED: dict[str, Any] = {
     "log_level": "debug",
     "data_root": ("/data", "/more"),
     "allow_reward_host": ("rewards.test", "::1"),
+    "allow_dataset_hard_links": True,
     "manifests": "experiments.yaml",
     "out": "out/x",
 }
