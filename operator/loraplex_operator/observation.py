@@ -124,6 +124,12 @@ class EngineView:
         return EngineMemory.from_capacity(self.capacity) if self.reachable else None
 
     @property
+    def storage_full(self) -> str | None:
+        """Why its checkpoints wait for room on a full volume (`storageFull`), if they do."""
+        full = (self.capacity or {}).get("storageFull")
+        return str(full) if full else None
+
+    @property
     def used_slots(self) -> int:
         return int((self.capacity or {}).get("usedSlots", len(self.experiments)))
 
@@ -232,4 +238,7 @@ def pool_observation(snap: Snapshot) -> st.PoolObservation:
             e.name for e in engines if e.capacity_pending == WAIT_ENGINE_UNSCHEDULABLE
         ),
         token_found=snap.token_found,
+        storage_full=sorted(
+            (e.name, full) for e in engines if e.reachable and (full := e.storage_full)
+        ),
     )

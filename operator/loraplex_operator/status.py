@@ -303,6 +303,8 @@ def phase_reason(status: ExperimentStatus) -> str:
 # --- EnginePool ------------------------------------------------------------------------
 
 CAPACITY_PENDING = "CapacityPending"
+STORAGE_FULL = "StorageFull"
+CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
 WAITING_FOR_ADMISSION = "WaitingForAdmission"  # engine pod gated (Kueue has not admitted it)
 POD_UNSCHEDULABLE = "Unschedulable"  # engine pod fits no node (yet)
 _POOL_RECONCILING = frozenset({"EnginesStarting", WAITING_FOR_ADMISSION, POD_UNSCHEDULABLE})
@@ -320,6 +322,9 @@ class PoolObservation:
     gated: Sequence[str] = ()  # pods held by a scheduling gate (Kueue: not admitted yet)
     unschedulable: Sequence[str] = ()  # pods the scheduler found no node for
     token_found: bool = True  # the engine token Secret exists (engines cannot start without)
+    # (engine pod, why) of the engines whose checkpoints wait for room on a full volume
+    # (their /v1/capacity `storageFull`).
+    storage_full: Sequence[tuple[str, str]] = ()
 
 
 def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
@@ -333,13 +338,25 @@ def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
     return condition(CAPACITY_PENDING, False, "CapacityAvailable")
 
 
+def _storage_full(obs: PoolObservation) -> dict[str, Any]:
+    """Engines whose checkpoints wait for room on a full checkpoint volume: which, and
+    what the engine said (each distinct reason once; the volume is usually shared)."""
+    if not obs.storage_full:
+        return condition(STORAGE_FULL, False, "CheckpointsWritten")
+    pods = ", ".join(pod for pod, _ in obs.storage_full)
+    reasons = "; ".join(dict.fromkeys(why for _, why in obs.storage_full))
+    message = f"checkpoints deferred on engine pods {pods}: {reasons}"
+    return condition(STORAGE_FULL, True, CHECKPOINT_VOLUME_FULL, message)
+
+
 def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
-    """Ready, Reconciling, Stalled and CapacityPending of a pool.
+    """Ready, Reconciling, Stalled, CapacityPending and StorageFull of a pool.
 
     Reconciling while engine pods are asked for but not ready (starting, gated,
     unschedulable) or fewer than `replicas.min` are ready; Stalled when the token Secret
     is missing (no engine starts until someone creates it); Ready when neither holds
-    (some engine ready, or none wanted: a pool scaled to zero is at rest)."""
+    (some engine ready, or none wanted: a pool scaled to zero is at rest). StorageFull
+    while an engine's checkpoints wait for room: they train on, so the pool stays Ready."""
     pending = _capacity_pending(obs)
     counts = f"{obs.ready}/{obs.engines} engines ready"
     if not obs.token_found:
@@ -356,6 +373,7 @@ def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
         _flag(RECONCILING, reconciling, why, message),
         _flag(STALLED, stalled, why, message),
         pending,
+        _storage_full(obs),
     ]
 
 

@@ -268,6 +268,7 @@ def test_alert_rules_quiet_on_healthy_data(prometheus: tuple[str, int]) -> None:
         "LoraplexOperatorDown",
         "LoraplexExperimentStuckPending",
         "LoraplexExperimentRestarting",
+        "LoraplexCheckpointStorageFull",
     )
     for name in quiet:
         assert _query(url, exprs[name], end) == [], name

@@ -95,6 +95,7 @@ QUIET_ALERTS = (
     "LoraplexExperimentNoProgress",
     "LoraplexExperimentStuckPending",
     "LoraplexExperimentRestarting",
+    "LoraplexCheckpointStorageFull",
 )
 # Alerts the FAILING experiment must trigger, with the labels they must carry.
 FAILURE_ALERTS = {

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 
 from tests.engine.engine_builders import engine, spec
@@ -79,21 +80,34 @@ def fill(volume: Path, leave: int) -> Path:
     return filler
 
 
+def storage_full_gauge(eng) -> float | None:
+    """``loraplex_engine_checkpoint_storage_full`` as a scrape of ``eng`` reads it."""
+    metrics = EngineMetrics()
+    metrics.update_capacity(eng.capacity())
+    return metrics.registry.get_sample_value("loraplex_engine_checkpoint_storage_full")
+
+
 def test_a_full_volume_defers_checkpoints_and_training_goes_on(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     with small_volume(tmp_path / "ckpt", "64m") as root:
         eng = engine(tiny_model_dir, root)
         put(eng, B, steps=4, every=1, keep=2, group=2, prompts=2)
-        filler = fill(root, leave=4096)
+        assert eng.capacity().storage_full is None and storage_full_gauge(eng) == 0
+        filler = fill(root, leave=4096)  # from outside: another writer fills the volume
         for _ in range(6):
             eng.tick()
         b = eng.get_experiment(B)
         assert b.phase == "Running" and b.step == 4, b  # trained on, never Failed
-        assert b.checkpoint is None and eng._tick.storage_full is not None
-        assert "full" in eng._tick.storage_full
+        assert b.checkpoint is None and b.checkpoint_pending, b
+        full = eng.capacity().storage_full
+        assert full is not None and "full" in full, full
+        assert eng.capacity().to_json()["storageFull"] == full  # GET /v1/capacity's body
+        assert storage_full_gauge(eng) == 1
         filler.unlink()  # the admin makes room
         tick_until_done(eng)
         b = eng.get_experiment(B)
         assert b.phase == "Succeeded" and b.checkpoint is not None and b.checkpoint.step == 4
-        assert eng._tick.storage_full is None
+        assert not b.checkpoint_pending, b
+        assert Path(b.checkpoint.path, "adapter_model.safetensors").is_file()
+        assert eng.capacity().storage_full is None and storage_full_gauge(eng) == 0

@@ -189,3 +189,20 @@ def test_memory_flags_from_the_environment_auto_and_bad_values(
         "argument --micro-batch-tokens: invalid token count: '0' (from LORAPLEX_MICRO_BATCH_TOKENS)"
         in err
     )
+
+
+def test_allow_dataset_hard_links_from_the_flag_or_the_environment_into_the_trust_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loraplex_engine.server.flags import serve_settings
+    from loraplex_engine.server.serve import trust_policy
+
+    def policy(*argv: str):
+        return trust_policy(serve_settings(build_parser().parse_args(["serve", *argv])), 8000)
+
+    default = policy("--data-root", "/data")
+    assert default.data.allow_hard_links is False  # a hard link may name another's file
+    assert [str(r) for r in default.data.roots] == ["/data"]
+    assert policy("--data-root", "/data", "--allow-dataset-hard-links").data.allow_hard_links
+    monkeypatch.setenv("LORAPLEX_ALLOW_DATASET_HARD_LINKS", "true")
+    assert policy().data.allow_hard_links

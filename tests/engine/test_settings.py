@@ -41,6 +41,7 @@ CHANGED: dict[str, Any] = {
     "rollout_kv_tokens": 512,
     "device_memory": 80 * 2**30,
     "checkpoint_quota_bytes": 50 * 2**30,
+    "checkpoint_keep_runs": 5,
     "memory_headroom": 0.2,
     "max_step_tokens": 4096,
     "max_prompt_tokens": 256,
@@ -61,6 +62,7 @@ CHANGED: dict[str, Any] = {
     "log_level": "debug",
     "data_root": ("/data", "/more"),
     "allow_reward_host": ("rewards.test", "::1"),
+    "allow_dataset_hard_links": True,
     "manifests": "experiments.yaml",
     "out": "out/x",
 }

@@ -260,3 +260,21 @@ def test_the_checkpoint_quota_becomes_the_serve_flag_the_engine_parses() -> None
     assert bytes_or_none(quota.split("=", 1)[1]) == 50 * 2**30
     plain = serve_args(_minimal_pool()["spec"])
     assert not any(a.startswith("--checkpoint-quota-bytes") for a in plain)  # unbounded
+
+
+def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_parses() -> None:
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+    from loraplex_engine.server.serve import trust_policy
+
+    obj = pool("tenants").obj()
+    obj["spec"]["checkpoint"] = {"keepRuns": 5}
+    obj["spec"] |= {"dataRoots": ["/data"], "allowDatasetHardLinks": True}
+    args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    ours = [a for a in args if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]
+    assert ours == ["--allow-dataset-hard-links", "--checkpoint-keep-runs=5"]
+    settings = serve_settings(build_parser().parse_args(["serve", *ours, "--data-root=/data"]))
+    assert settings.checkpoint_keep_runs == 5
+    assert trust_policy(settings, 8000).data.allow_hard_links
+    plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
+    assert not [a for a in plain if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]

@@ -43,6 +43,9 @@ DEFAULT_REWARD_DEADLINE_S = 1.0
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_MAX_LENGTH = 64
 
+# Runs of one experiment name (deleted and created again: a new run each time) whose
+# checkpoints the run store keeps, the writing one included (serve --checkpoint-keep-runs).
+DEFAULT_KEEP_RUNS = 3
 # The memory plan (memory/capacity_plan.py): the share of the device's memory left unplanned
 # (allocator rounding and fragmentation, kernel workspaces, the rollout's transient
 # activations). Where no device memory is known the two budgets above apply.
@@ -97,6 +100,9 @@ class ExperimentStatus(WireModel):
     # Mean |log p_sampler - log p_trainer| over the latest step's sampled tokens: how far
     # off-policy the rollout backend is (vLLM); None where the trainer samples itself.
     logprob_gap: float | None = None
+    # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
+    # retried every tick while training goes on.
+    checkpoint_pending: bool = False
 
 
 class MemoryUse(WireModel):
@@ -185,6 +191,9 @@ class Capacity(WireModel):
     plan: MemoryPlan | None = None
     # Weight syncs to the rollout backend so far; None where it has no copy to sync (torch).
     adapter_sync: AdapterSyncStats | None = None
+    # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
+    # experiment's is pending; None once they are written.
+    storage_full: str | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

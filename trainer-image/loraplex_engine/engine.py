@@ -146,6 +146,7 @@ class Engine:
             self.optimizer,
             str(self.model_dir),
             quota=CheckpointQuota(quota) if quota is not None else None,
+            keep_runs=s.checkpoint_keep_runs,
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
@@ -282,6 +283,7 @@ class Engine:
         with self._state_lock:
             ids = sorted(self._experiments)
             sync = None if self.adapter_sync is None else self.adapter_sync.model_copy()
+            storage_full = self._tick.storage_full_among(self._experiments.values())
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         return Capacity(
             model=self.model_name,
@@ -298,6 +300,7 @@ class Engine:
             model_shape=model_shape_of(self.model.base_model.config),
             plan=self.memory_plan,
             adapter_sync=sync,
+            storage_full=storage_full,
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------

@@ -101,6 +101,7 @@ class Experiment:
             failure_reason=self.failure_reason,
             deterministic_failure=self.failure_reason in DETERMINISTIC_FAILURES,
             logprob_gap=self.logprob_gap,
+            checkpoint_pending=self.checkpoint_pending,
         )
 
 

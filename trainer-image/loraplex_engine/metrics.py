@@ -119,6 +119,11 @@ class EngineMetrics:
         )
         self.free_slots = Gauge("loraplex_engine_free_slots", "Adapter slots free.", registry=r)
         self.memory = Gauge("loraplex_engine_memory_bytes", "Memory in use.", ["kind"], registry=r)
+        self.storage_full = Gauge(
+            "loraplex_engine_checkpoint_storage_full",
+            "1 while checkpoints wait for room on a full checkpoint volume, else 0.",
+            registry=r,
+        )
         for phase in TICK_PHASES:  # every phase visible from the first scrape
             self.phase_seconds.labels(phase=phase)
         for kind in ("rss", "device"):
@@ -252,6 +257,7 @@ class EngineMetrics:
         self.free_slots.set(capacity.free_slots)
         self.memory.labels(kind="rss").set(capacity.memory.rss_bytes)
         self.memory.labels(kind="device").set(capacity.memory.device_bytes)
+        self.storage_full.set(1 if capacity.storage_full is not None else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

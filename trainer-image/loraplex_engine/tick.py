@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -134,8 +134,13 @@ class Tick:
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
-        # Why the last checkpoint write found the volume full; None once one succeeds.
+        # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
+
+    def storage_full_among(self, experiments: Iterable[Experiment]) -> str | None:
+        """Why checkpoints wait for room while a running one of ``experiments`` waits."""
+        waiting = any(e.checkpoint_pending and e.phase == "Running" for e in experiments)
+        return self.storage_full if waiting else None
 
     def has_work(self, running: list[Experiment]) -> bool:
         """A tick would do something: an experiment can roll out or a reward is back."""
@@ -402,7 +407,7 @@ class Tick:
             log.warning("experiment %s: checkpoint deferred: %s", exp.id, e)
             exp.checkpoint_pending, self.storage_full = True, str(e)
             return False
-        exp.checkpoint_pending, self.storage_full = False, None
+        exp.checkpoint_pending = False  # storage_full stays while another one waits
         return True
 
     def _retry_checkpoints(self, running: list[Experiment], stepped: set[int]) -> list[Failure]:

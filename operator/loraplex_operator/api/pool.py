@@ -219,6 +219,17 @@ class CheckpointStorage(ApiModel):
         "written, and that experiment fails alone. Passed as `serve "
         "--checkpoint-quota-bytes`. Absent = unbounded (one tenant may fill the volume).",
     )
+    keep_runs: Int32 | None = Field(
+        None,
+        alias="keepRuns",
+        ge=1,
+        le=1000,
+        description="Runs of one experiment name (deleted and created again: a new run, "
+        "the new uid) whose checkpoints stay on the volume; when a run writes, the name's "
+        "other runs past the newest keepRuns - 1 are removed, oldest first (never the "
+        "writing run, nothing of another name). Passed as `serve --checkpoint-keep-runs`. "
+        "Absent = the engine's default, 3.",
+    )
 
 
 class LabelSelectorRequirement(ApiModel):
@@ -400,6 +411,14 @@ class EnginePoolSpec(ApiModel):
         "namespace: task.dataset x.jsonl of namespace team-a is <root>/team-a/x.jsonl, and an "
         "absolute dataset must lie under <root>/<namespace>/ (symlinks resolved). Passed as "
         "`serve --data-root`. Absent or empty = jsonl experiments are refused.",
+    )
+    allow_dataset_hard_links: bool = Field(
+        False,
+        alias="allowDatasetHardLinks",
+        description="Admit jsonl dataset files with more than one hard link (deduplicated "
+        "or snapshot copies; `serve --allow-dataset-hard-links`). Off: refused, because a "
+        "tenant able to hard-link another tenant's file into its own directory under "
+        "dataRoots would read it; turn on only where tenants cannot make hard links there.",
     )
     reward_hosts: tuple[Host, ...] | None = _names(
         "rewardHosts",

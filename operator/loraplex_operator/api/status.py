@@ -52,7 +52,10 @@ class EnginePoolStatus(ApiModel):
         "engine pods are asked for but not ready (starting, gated, unschedulable) or fewer "
         "than replicas.min are ready. Stalled: True when the token Secret is missing. "
         "CapacityPending: True while engine pods have no node yet, reason WaitingForAdmission "
-        "(a scheduling gate, e.g. Kueue) or Unschedulable, the message naming the pods."
+        "(a scheduling gate, e.g. Kueue) or Unschedulable, the message naming the pods. "
+        "StorageFull: True (reason CheckpointVolumeFull) while engines' checkpoints wait for "
+        "room on a full checkpoint volume (deferred, retried every tick; training goes on), "
+        "the message naming the engine pods and the engines' reason."
     )
 
     def condition(self, type_: str) -> Condition | None:

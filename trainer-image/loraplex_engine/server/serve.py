@@ -296,7 +296,8 @@ def own_addresses() -> set[str]:
 def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
     """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
     egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
-    return TrustPolicy(data=DataRoots(data_roots(settings)), egress=egress)
+    data = DataRoots(data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
+    return TrustPolicy(data=data, egress=egress)
 
 
 def run(settings: ServeSettings) -> int:

@@ -59,6 +59,15 @@ class ServeSettings(ProcessSettings):
             default_text="none",
         ),
     ] = ()
+    allow_dataset_hard_links: Annotated[
+        bool,
+        Flag(
+            "admit dataset files with more than one hard link (deduplicated or snapshot "
+            "copies). Refused by default: a tenant that can hard-link another tenant's file "
+            "into its own directory would read it; allow only where tenants cannot",
+            action="switch",
+        ),
+    ] = False
     allow_reward_host: Annotated[
         tuple[str, ...],
         Flag(
@@ -84,6 +93,7 @@ class RunSettings(ProcessSettings):
     NOT_FLAGS: ClassVar[frozenset[str]] = frozenset(
         {
             "checkpoint_root",
+            "checkpoint_keep_runs",
             "gradient_checkpointing",
             "lora_kernel",
             "device_memory",

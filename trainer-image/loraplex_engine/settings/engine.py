@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from loraplex_engine.api_types import (
+    DEFAULT_KEEP_RUNS,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MEMORY_HEADROOM,
@@ -61,6 +62,16 @@ class EngineSettings(BaseModel):
             default_text="none: unbounded",
         ),
     ] = None
+    checkpoint_keep_runs: Annotated[
+        int,
+        Flag(
+            "runs of one experiment (namespace and name: deleted and created again, each "
+            "time a new run) whose checkpoints are kept; when a run writes, the others past "
+            "the newest N-1 are removed, oldest first",
+            v.positive_int,
+            metavar="N",
+        ),
+    ] = DEFAULT_KEEP_RUNS
     rollout_backend: Annotated[
         Literal["torch", "vllm"],
         Flag(
@@ -203,7 +214,7 @@ class EngineSettings(BaseModel):
             raise ValueError(f"lora_kernel must be one of {list(LORA_KERNELS)}, got {value!r}")
         return value
 
-    @field_validator("micro_batch_tokens", "rollout_kv_tokens")
+    @field_validator("micro_batch_tokens", "rollout_kv_tokens", "checkpoint_keep_runs")
     @classmethod
     def _positive_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:

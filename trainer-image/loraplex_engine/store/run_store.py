@@ -1,8 +1,11 @@
 """Where a run's checkpoints live and which one a resume loads.
 
 Layout: ``<root>/<namespace>/<name>/<run id>/step-NNNNNNNN/``, one directory per run, so a
-recreated experiment of the same name writes elsewhere and never prunes or overwrites the
-old run's checkpoints. Each run keeps its newest ``keep`` checkpoints.
+recreated experiment of the same name writes elsewhere and never overwrites the old run's
+checkpoints. Each run keeps its newest ``keep`` checkpoints, and each experiment name its
+newest ``keep_runs`` runs: when a run writes, the name's other runs past the newest
+``keep_runs - 1`` are removed, oldest first (:func:`runs_to_prune`); the writing run is
+never one of them, nor anything outside ``<root>/<namespace>/<name>/``.
 
 Resume policy: the newest intact checkpoint of the run. Given a checkpoint to resume from,
 that is the newest one of its run at or after its step (one written after the caller last
@@ -32,7 +35,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 
-from loraplex_engine.api_types import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN, CheckpointRef
+from loraplex_engine.api_types import (
+    DEFAULT_KEEP_RUNS,
+    RUN_ID_MAX_LENGTH,
+    RUN_ID_PATTERN,
+    CheckpointRef,
+)
 from loraplex_engine.errors import BadCheckpointError, CheckpointError, StorageFullError
 from loraplex_engine.experiment import Experiment
 from loraplex_engine.lora.layers import LoRAConfig
@@ -65,12 +73,14 @@ class RunStore:
         optimizer: PerAdapterAdamW,
         base_model: str,
         quota: CheckpointQuota | None = None,
+        keep_runs: int = DEFAULT_KEEP_RUNS,
     ) -> None:
         self.root = root
         self.model = model
         self.optimizer = optimizer
         self.base_model = base_model  # written into adapter_config.json
         self.quota = quota  # None: a namespace's checkpoints are not bounded
+        self.keep_runs = keep_runs  # runs kept per experiment name, the writing one included
         self.remove_stale_leftovers()
 
     def remove_stale_leftovers(self, older_than_s: float = STALE_LEFTOVER_S) -> int:
@@ -103,9 +113,32 @@ class RunStore:
     def run_dir(self, namespace: str, name: str, run_id: str) -> Path:
         return self.root / namespace / name / run_id
 
+    def prune_runs(self, exp: Experiment) -> list[Path]:
+        """Remove the runs of ``exp``'s name past the newest ``keep_runs``, its own run
+        counted first (:func:`runs_to_prune`); returns what was removed. Only run
+        directories (a valid run id, no link) of ``<root>/<namespace>/<name>/``."""
+        name_dir = self.root / exp.namespace / exp.name
+        try:
+            entries = list(name_dir.iterdir())
+        except OSError:
+            return []
+        runs = {
+            p.name: _mtime(p)
+            for p in entries
+            if valid_run_id(p.name) and p.is_dir() and not p.is_symlink()
+        }
+        doomed = [name_dir / r for r in runs_to_prune(runs, exp.run_id, self.keep_runs)]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        if doomed:
+            log.info("%s: removed old runs %s", exp.id, [p.name for p in doomed])
+        return doomed
+
     def save(self, exp: Experiment) -> CheckpointRef:
         """Adapter (PEFT) + trainer state, written atomically into the run's own directory;
-        keep its newest K. Other runs' directories are never touched."""
+        keep its newest K, and the name's newest ``keep_runs`` runs (:meth:`prune_runs`,
+        before the write: their room is the write's)."""
+        self.prune_runs(exp)
         run_dir = self.run_dir(exp.namespace, exp.name, exp.run_id)
         self.remove_leftovers(run_dir)  # the experiment is bound here: the run is ours
         target = run_dir / f"step-{exp.step:08d}"
@@ -122,7 +155,8 @@ class RunStore:
                 )
         except (OSError, SafetensorError) as e:
             if _out_of_space(e):
-                raise StorageFullError(f"the checkpoint volume is full: {e}") from e
+                why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
+                raise StorageFullError(f"the checkpoint volume {self.root} is full ({why})") from e
             raise
         exp.checkpoint = CheckpointRef(path=str(target), step=exp.step)
         exp.adapter_path = str(target)
@@ -372,6 +406,15 @@ def step_dirs(directory: Path) -> list[Path]:
     except OSError:
         return []
     return sorted(p for p in entries if STEP_DIR.fullmatch(p.name) and p.is_dir())
+
+
+def runs_to_prune(runs: Mapping[str, float], current: str, keep: int) -> list[str]:
+    """Which runs of one experiment name to remove, oldest first: ``runs`` maps each run
+    id to when its directory last changed (a checkpoint written or pruned in it). The
+    ``current`` run (the one writing) is always kept and counts as one of the newest
+    ``keep``; of the others the newest ``keep - 1`` are kept (ties: by id)."""
+    others = sorted(((t, r) for r, t in runs.items() if r != current), reverse=True)
+    return [r for _, r in reversed(others[max(keep - 1, 0) :])]
 
 
 def dir_step(path: Path) -> int:

@@ -77,7 +77,8 @@ class DataFile:
             raise TaskError(
                 FIELD,
                 f"dataset {self.shown!r} has {st.st_nlink} hard links: refused, as a hard "
-                "link can give another tenant's file a name here (unless the pool allows it)",
+                "link can give another tenant's file a name here (unless the pool allows it: "
+                "serve --allow-dataset-hard-links)",
             )
 
     def _error(self, e: OSError) -> TaskError:
