@@ -20,7 +20,7 @@ MAX_LINES = 500
 # Modules still over MAX_LINES, at most this long, until they are split (issue 25): the
 # list only shrinks, and a listed module may not grow.
 OVER_LIMIT = {
-    "loraplex_engine.engine": 528,
+    "loraplex_engine.engine": 504,
     "loraplex_engine.spec": 511,
 }
 

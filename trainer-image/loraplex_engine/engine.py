@@ -22,16 +22,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraplex_engine.api_types import (
     DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_ROLLOUT_KV_TOKENS,
-    MAX_NEW_TOKENS,
     AdapterSyncStats,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
-    MemoryPlan,
     MemoryUse,
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.errors import (
     AdapterError,
@@ -53,7 +53,7 @@ from loraplex_engine.experiment import (
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.memory.capacity_plan import engine_plan
+from loraplex_engine.memory.capacity_plan import engine_memory_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
@@ -85,8 +85,9 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine:
-    """Implements :class:`loraplex_engine.service.TickingEngine`.
+class Engine(ClientTraining):
+    """Implements :class:`loraplex_engine.service.TickingEngine` and, through
+    clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
     ``settings`` (settings/engine.py, each field's help says what it does) configure it;
     the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not
@@ -211,9 +212,11 @@ class Engine:
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
-        self.memory_plan = self._plan_memory(
-            micro_batch_tokens, rollout_kv_tokens, s.device_memory, s.memory_headroom
-        )
+        self.memory_plan = engine_memory_plan(
+            self.model, self.dtype, self.device, self.strategy.gradient_checkpointing,
+            self.max_prompt_tokens, self.backend.shares_trainer_weights,
+            micro_batch_tokens, rollout_kv_tokens, s.device_memory, s.memory_headroom,
+        )  # fmt: skip
         self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
         if isinstance(self.backend, TorchRollout):  # vLLM sizes its own cache
             kv_tokens = self.memory_plan.rollout_kv_tokens or DEFAULT_ROLLOUT_KV_TOKENS
@@ -240,39 +243,7 @@ class Engine:
             s.max_prompt_tokens,
             self.context_tokens,
         )
-
-    def _plan_memory(
-        self,
-        micro_batch_tokens: int | None,
-        rollout_kv_tokens: int | None,
-        device_memory: int | None,
-        headroom: float,
-    ) -> MemoryPlan:
-        """The engine's memory plan (memory/capacity_plan.py): what /v1/capacity reports and the
-        operator's placement counts; derives the budgets the caller left unset."""
-        context = getattr(self.model.base_model.config, "max_position_embeddings", None)
-        longest = self.max_prompt_tokens + MAX_NEW_TOKENS
-        longest = longest if context is None else min(context, longest)
-        plan = engine_plan(
-            self.model,
-            dtype=self.dtype,
-            device=self.device,
-            checkpointing=self.strategy.gradient_checkpointing,
-            longest_row=longest,
-            prompt_tokens=min(self.max_prompt_tokens, longest // 2),
-            device_bytes=device_memory,
-            headroom=headroom,
-            micro_batch_tokens=micro_batch_tokens,
-            rollout_kv_tokens=rollout_kv_tokens,
-            plan_rollout=self.backend.shares_trainer_weights,  # vLLM sizes its own cache
-        )
-        log.info(
-            "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
-            "rollout KV %s tokens (derived: %s)",
-            plan.device_bytes, plan.base_bytes, plan.slots, plan.slot_bytes,
-            plan.micro_batch_tokens, plan.rollout_kv_tokens, ", ".join(plan.derived) or "none",
-        )  # fmt: skip
-        return plan
+        self.clients = ClientModels(self)  # models a client trains itself (clients/)
 
     def _export_adapter(self, exp_id: str, dtype: torch.dtype) -> PeftWeights:
         """An adapter as a sampler of its own takes it: PEFT config and tensors."""
@@ -315,6 +286,7 @@ class Engine:
             self._refusing = reason
             jobs, self._jobs = self._jobs, []
         resolve(jobs, UnavailableError(reason))
+        self.clients.refuse(reason)
 
     def close(self) -> None:
         """Answer the completions still queued, stop the reward pool and the rollout
@@ -338,7 +310,7 @@ class Engine:
 
     def capacity(self) -> Capacity:
         with self._state_lock:
-            ids = sorted(self._experiments)
+            ids = sorted([*self._experiments, *self.clients.adapter_names()])
             sync = None if self.adapter_sync is None else self.adapter_sync.model_copy()
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         return Capacity(
@@ -469,16 +441,20 @@ class Engine:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
             with self._jobs_lock:  # drain and clear together: no wake-up is lost
                 jobs, self._jobs = self._jobs, []
-                if not jobs and not self._tick.has_work(running):
+                client = self.clients.take()  # client models' calls (clients/ticking.py)
+                if not jobs and not client and not self._tick.has_work(running):
                     self.work_available.clear()
                     return None
             try:
-                report = self._tick.run(running, jobs)
+                report = self._tick.run(running, jobs + client.start(), client.train)
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
                 resolve(jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}"))
+                client.fail(e)
                 raise
+            finally:
+                client.finish()
             if report.adapter_sync is not None and self.adapter_sync is not None:
                 with self._state_lock:  # capacity() reads it from request threads
                     self.adapter_sync.record(report.adapter_sync)

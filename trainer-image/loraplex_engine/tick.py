@@ -141,7 +141,14 @@ class Tick:
         """A tick would do something: an experiment can roll out or a reward is back."""
         return self.scorer.has_arrived() or any(not self.scorer.waits(e) for e in running)
 
-    def run(self, running: list[Experiment], jobs: list[CompletionJob]) -> TickReport:
+    def run(
+        self,
+        running: list[Experiment],
+        jobs: list[CompletionJob],
+        client_train: Callable[[TrainingStrategy], None] | None = None,
+    ) -> TickReport:
+        """``client_train``: the client models' pass (clients/ticking.py), run in the train
+        phase after the experiments' update, with the same strategy."""
         start = time.perf_counter()
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
@@ -173,6 +180,8 @@ class Tick:
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
             trained = _keep(self._train(scored), failures)
+            if client_train is not None:
+                client_train(self.strategy)
         with timed("sync"):
             synced, sync = self._sync(trained)
             trained = _keep(synced, failures)

@@ -30,6 +30,7 @@ longest row does not fit next to the slots.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from transformers import PretrainedConfig
 from loraplex_engine.api_types import (
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_MICRO_BATCH_TOKENS,
+    MAX_NEW_TOKENS,
     MemoryPlan,
 )
 from loraplex_engine.errors import CapacityError
@@ -377,3 +379,46 @@ def engine_plan(
         rollout_kv_tokens=budgets.rollout_kv_tokens,
         derived=list(budgets.derived),
     )
+
+
+log = logging.getLogger("loraplex_engine.engine")
+
+
+def engine_memory_plan(
+    model: MultiLoRAModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpointing: bool,
+    max_prompt_tokens: int,
+    plan_rollout: bool,
+    micro_batch_tokens: int | None,
+    rollout_kv_tokens: int | None,
+    device_bytes: int | None,
+    headroom: float,
+) -> MemoryPlan:
+    """The Engine's plan (:func:`engine_plan` for its longest row, logged): what
+    /v1/capacity reports and the operator's placement counts; derives the budgets the
+    caller left unset. ``plan_rollout`` False: the sampler sizes its own cache (vLLM)."""
+    context = getattr(model.base_model.config, "max_position_embeddings", None)
+    longest = max_prompt_tokens + MAX_NEW_TOKENS
+    longest = longest if context is None else min(context, longest)
+    plan = engine_plan(
+        model,
+        dtype=dtype,
+        device=device,
+        checkpointing=checkpointing,
+        longest_row=longest,
+        prompt_tokens=min(max_prompt_tokens, longest // 2),
+        device_bytes=device_bytes,
+        headroom=headroom,
+        micro_batch_tokens=micro_batch_tokens,
+        rollout_kv_tokens=rollout_kv_tokens,
+        plan_rollout=plan_rollout,
+    )
+    log.info(
+        "memory plan: device %s bytes, base %d, %d slots x %d, micro-batch %d tokens, "
+        "rollout KV %s tokens (derived: %s)",
+        plan.device_bytes, plan.base_bytes, plan.slots, plan.slot_bytes,
+        plan.micro_batch_tokens, plan.rollout_kv_tokens, ", ".join(plan.derived) or "none",
+    )  # fmt: skip
+    return plan
