@@ -122,7 +122,9 @@ def test_an_experiment_training_between_calls_leaves_the_accumulated_gradient(en
     eng.put_experiment("default.rl", spec(steps=2, group=2, prompts=1), "default", "rl")
     while eng.get_experiment("default.rl").step < 2:  # the experiment zeroes and steps .grad
         eng.tick()
-    assert all(torch.equal(a, b) for a, b in zip(held, eng.clients.loaded(NS, "acc").grads))
+    assert all(
+        torch.equal(a, b) for a, b in zip(held, eng.clients.loaded(NS, "acc").grads, strict=True)
+    )
     eng.remove_experiment("default.rl")
     drive(
         eng,

@@ -223,7 +223,7 @@ class ClientModels:
 
     def load_state(self, namespace: str, model_id: str, path: str, with_optimizer: bool) -> None:
         self._get(namespace, model_id)
-        saved.parse_path(path)
+        self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
         self._submit(namespace, model_id, "load_state", (path, with_optimizer))
 
     def unload_model(self, namespace: str, model_id: str) -> None:
