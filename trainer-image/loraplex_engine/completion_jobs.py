@@ -63,6 +63,7 @@ class CompletionJob:
                 group="~job",
                 adapter=self.slot_name,
                 top_p=job.top_p,
+                top_k=job.top_k,
                 top_logprobs=job.top_logprobs,
                 seeded=self.generator is not None,
                 sink=None if self.on_token is None else _JobRowSink(self, row),

@@ -29,6 +29,8 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.errors import (
     AdapterError,
@@ -83,8 +85,9 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine:
-    """Implements :class:`loraplex_engine.service.TickingEngine`.
+class Engine(ClientTraining):
+    """Implements :class:`loraplex_engine.service.TickingEngine` and, through
+    clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
     ``settings`` (settings/engine.py, each field's help says what it does) configure it;
     the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not
@@ -238,6 +241,7 @@ class Engine:
             s.max_prompt_tokens,
             self.context_tokens,
         )
+        self.clients = ClientModels(self)  # models a client trains itself (clients/)
 
     @property
     def computed_train_tokens(self) -> int:
@@ -258,6 +262,7 @@ class Engine:
             self._refusing = reason
             jobs, self._jobs = self._jobs, []
         resolve(jobs, UnavailableError(reason))
+        self.clients.refuse(reason)
 
     def close(self) -> None:
         """Answer the completions still queued, stop the reward pool and the rollout
@@ -281,7 +286,7 @@ class Engine:
 
     def capacity(self) -> Capacity:
         with self._state_lock:
-            ids = sorted(self._experiments)
+            ids = sorted([*self._experiments, *self.clients.adapter_names()])
             sync = None if self.adapter_sync is None else self.adapter_sync.model_copy()
             storage_full = self._tick.storage_full_among(self._experiments.values())
         device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -414,24 +419,30 @@ class Engine:
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
             with self._jobs_lock:  # pick and take together: no wake-up is lost
-                kind = self.time_share.pick(
-                    train=self._tick.has_work(running), serve=bool(self._jobs)
-                )
+                train = self._tick.has_work(running) or self.clients.has_work()
+                kind = self.time_share.pick(train=train, serve=bool(self._jobs))
                 if kind is None:
                     self.work_available.clear()
                     return None
                 jobs: list[CompletionJob] = []
+                client = self.clients.take(train=kind == "train")
                 if kind == "serve":
                     jobs, self._jobs = take_in_turn(
                         self._jobs, CompletionJob.model_of, CompletionJob.cost, self.max_step_tokens
                     )
             try:
-                report = self._tick.serve(jobs) if kind == "serve" else self._tick.run(running)
+                if kind == "serve":
+                    report = self._tick.serve(jobs)
+                else:  # client models' calls are training work (clients/ticking.py)
+                    report = self._tick.run(running, client.start(), client.train)
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
                 resolve(jobs, UnavailableError(f"the tick serving this failed: {type(e).__name__}"))
+                client.fail(e)
                 raise
+            finally:
+                client.finish()
             self.time_share.charge(kind, report.seconds)
             if report.adapter_sync is not None and self.adapter_sync is not None:
                 with self._state_lock:  # capacity() reads it from request threads

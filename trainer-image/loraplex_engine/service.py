@@ -33,6 +33,7 @@ class PromptJob:
     temperature: float
     n: int = 1
     top_p: float = 1.0  # nucleus sampling
+    top_k: int = 0  # sample among the k most likely tokens (0 or less: all)
     top_logprobs: int = 0  # alternatives to report per sampled token (0: none)
     seed: int | None = None  # the rows share one generator seeded with it
     on_token: TokenCallback | None = None  # each sampled token as the decode makes it

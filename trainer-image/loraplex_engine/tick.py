@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -153,8 +153,16 @@ class Tick:
         seconds = time.perf_counter() - start
         return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
 
-    def run(self, running: list[Experiment]) -> TickReport:
-        """A training tick: every running experiment that is due steps."""
+    def run(
+        self,
+        running: list[Experiment],
+        jobs: Sequence[CompletionJob] = (),
+        client_train: Callable[[TrainingStrategy], None] | None = None,
+    ) -> TickReport:
+        """A training tick: every running experiment that is due steps. ``jobs``: client
+        models' samples (their training loops'); ``client_train``: the client models' pass
+        (clients/ticking.py), run in the train phase after the experiments' update, with
+        the same strategy."""
         start = time.perf_counter()
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
@@ -179,13 +187,15 @@ class Tick:
         plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
         planned = _keep(plans, failures)
         with timed("rollout"):
-            rolled = _keep(self._rollout(planned, []), failures)
+            rolled = _keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
             scored = _keep(arrived + self._score(rolled), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
             trained = _keep(self._train(scored), failures)
+            if client_train is not None:
+                client_train(self.strategy)
         with timed("sync"):
             synced, sync = self._sync(trained)
             trained = _keep(synced, failures)
@@ -230,7 +240,7 @@ class Tick:
         return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
 
     def _rollout(
-        self, planned: list[Rollout], jobs: list[CompletionJob]
+        self, planned: list[Rollout], jobs: Sequence[CompletionJob]
     ) -> list[Rollout | Failure]:
         """One generate call for every experiment's requests and the queued jobs; an
         experiment (or job) with a row the backend refused fails alone."""

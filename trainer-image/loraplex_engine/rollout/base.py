@@ -38,6 +38,7 @@ class RolloutRequest:
     group: str = ""  # experiment id; rows of one group sample together
     adapter: str | None = None  # adapter name for backends that address adapters by name
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this mass
+    top_k: int = 0  # sample among the k most likely tokens (0 or less: all)
     top_logprobs: int = 0  # alternatives to report per sampled token (0: none)
     seeded: bool = False  # the generator is this request's own seed: sample it alone
     # Seed this row even where seeding costs speed (vLLM on GPU): spec.rollout.reproducible

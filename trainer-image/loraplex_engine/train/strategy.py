@@ -22,7 +22,7 @@ from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.optim import PerAdapterAdamW
-from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.rows import RoutedForward, TrainRow
 from loraplex_engine.train.shared_prefix import SharedForward
 from loraplex_engine.train.step import fused_backward, score_rows
 
@@ -91,6 +91,11 @@ class AdapterTrainer:
             if self.gradient_checkpointing:
                 log.warning("gradient checkpointing off: it needs the hidden-states forward")
                 self.gradient_checkpointing = False
+
+    @property
+    def policy_forward(self) -> RoutedForward | HiddenStatesForward:
+        """The forward the update runs (client models' rows go through it too)."""
+        return self._forward or self._routed_forward
 
     def with_trainer_old_logprobs(
         self, rows: list[TrainRow]

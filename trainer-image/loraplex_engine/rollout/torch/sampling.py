@@ -32,7 +32,7 @@ SEED_BOUND = (1 << 63) - 1  # torch.randint's high bound is exclusive and an int
 
 def sampling_key(req: RolloutRequest) -> tuple[object, ...]:
     """Rows sampled together: same experiment, generator and sampling settings."""
-    return (req.group, req.temperature, req.top_p, req.top_logprobs, id(req.generator))
+    return (req.group, req.temperature, req.top_p, req.top_k, req.top_logprobs, id(req.generator))
 
 
 def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,14 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_probs, order = probs.sort(-1, descending=True)
     outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
     return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+
+
+def top_k_only(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero every token below each row's ``keep``-th largest probability (0: keep all)."""
+    k = keep.clamp(max=probs.shape[-1])
+    values = probs.topk(int(k.max()), dim=-1).values
+    kth = values.gather(-1, (k - 1).clamp(min=0)[:, None])
+    return probs.masked_fill((probs < kth) & (k[:, None] > 0), 0.0)
 
 
 @dataclass
@@ -73,6 +81,11 @@ class Sampler:
         self.top_p = torch.tensor(cut, dtype=torch.float32, device=device)
         self.use_top_p = any(c != float("inf") for c, g in zip(cut, greedy, strict=True) if not g)
         self.top_k = max(r.top_logprobs for r in requests)
+        keep = [
+            r.top_k if r.top_k > 0 and not g else 0 for g, r in zip(greedy, requests, strict=True)
+        ]
+        self.keep_k = max(keep)  # 0: no row cuts to its top k
+        self.keep = torch.tensor(keep, dtype=torch.long, device=device)
         # (first row, end row, device generator or None) of each sampled group
         self.draws: list[tuple[int, int, torch.Generator | None]] = []
         for start, end in _spans(group_of):
@@ -92,6 +105,8 @@ class Sampler:
             probs = scaled.exp()
             if self.use_top_p:
                 probs = nucleus(probs, self.top_p)
+            if self.keep_k:
+                probs = top_k_only(probs, self.keep)
             noise = torch.ones_like(probs)  # greedy rows: their draw is not used
             for start, end, gen in self.draws:
                 noise[start:end].exponential_(generator=gen)

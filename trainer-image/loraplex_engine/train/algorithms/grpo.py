@@ -78,6 +78,20 @@ def tis_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) ->
     return torch.exp(old_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, low: float | Tensor, high: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped objective per token, ``min(ratio * A, clamp(ratio, low, high) * A)``
+    (to maximise), and where the clip was active (bool). GRPO's loss (``low = 1 - clip``)
+    and Tinker's ``ppo`` (train/algorithms/tinker_losses.py) share it."""
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, low, high) * advantages
+    # min() picks the pessimistic bound: outside the trust region the clipped
+    # branch is constant, so the token contributes no gradient.
+    # Active = the constant clipped branch won the min (token gives no gradient).
+    return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -99,11 +113,8 @@ def grpo_loss(
     """
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     ratio = torch.exp(logprobs - old_logprobs.detach())
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv
-    # min() picks the pessimistic bound: outside the trust region the clipped
-    # branch is constant, so the token contributes no gradient.
-    token_loss = -torch.minimum(unclipped, clipped)
+    objective, clipped_active = clipped_surrogate(ratio, adv, 1.0 - clip, 1.0 + clip)
+    token_loss = -objective
     tis = None
     if tis_cap is not None:
         if behaviour_logprobs is None:
@@ -117,11 +128,9 @@ def grpo_loss(
         kl_tok = torch.zeros_like(logprobs)
     if kl_coef:
         token_loss = token_loss + kl_coef * kl_tok
-    # Active = the constant clipped branch won the min (token gives no gradient).
-    clipped_active = (clipped < unclipped).to(logprobs.dtype)
     return LossOutput(
         seq_loss=masked_seq_mean(token_loss, mask),
-        clip_fraction=_masked_scalar_mean(clipped_active, mask),
+        clip_fraction=_masked_scalar_mean(clipped_active.to(logprobs.dtype), mask),
         kl=_masked_scalar_mean(kl_tok.detach(), mask),
         ratio_mean=_masked_scalar_mean(ratio.detach(), mask),
         tis_mean=None if tis is None else _masked_scalar_mean(tis, mask),

@@ -1,0 +1,190 @@
+"""Models a client trains itself (clients/, training_service.py) on a real Engine with the
+tiny model: supervised learning end to end, fused ticks equal to training alone,
+gradient accumulation, isolation from the engine's own experiments, saved states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from adapter_parity import adapter_gap, assert_same_training
+from client_driver import NS, drive, sft_datum
+from loraplex_engine.training_service import AdamStep, ClientLora, LossCall, SampleCall
+
+from tests.engine.engine_builders import engine, spec
+
+PROMPT = [1, 40, 41, 42]
+ANSWER = [100, 101, 102, 103]
+OTHER = ([1, 50, 51], [200, 201, 202])
+CE = LossCall("cross_entropy")
+LR = 0.01
+
+
+def _adapter(eng, model_id: str, ns: str = NS) -> dict[str, torch.Tensor]:
+    model = eng.clients.loaded(ns, model_id)
+    return eng.model.adapter_state_dict(model.name)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    e = engine(tiny_model_dir, tmp_path_factory.mktemp("clients"), max_adapters=6)
+    yield e
+    e.close()
+
+
+def _unload_all(eng) -> None:
+    for ns, model_id in list(eng.clients._models):
+        drive(eng, lambda ns=ns, m=model_id: eng.unload_model(ns, m))
+
+
+def test_supervised_training_lowers_the_loss_and_the_sampler_emits_the_text(eng) -> None:
+    eng.create_model(NS, "sft", ClientLora(rank=8, seed=0))
+    data = [sft_datum(PROMPT, ANSWER)]
+    losses = []
+    for _ in range(40):
+        out, _ = drive(
+            eng,
+            lambda: eng.forward_backward(NS, "sft", data, CE),
+            lambda: eng.optim_step(NS, "sft", AdamStep(learning_rate=0.005)),
+        )
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < 0.1 * losses[0], losses
+    # Sums over tokens: the loss is the weighted sum of -logprobs, per datum.
+    row = out.outputs[0]
+    assert row["logprobs"].shape == (len(PROMPT) + len(ANSWER) - 1,)
+    np.testing.assert_allclose(row["elementwise_loss"].sum(), out.metrics["loss:sum"], rtol=1e-5)
+    (saved,) = drive(eng, lambda: eng.save_state(NS, "sft", "v1", "sampler_weights"))
+    assert saved.path == "tinker://sft/sampler_weights/v1"
+    call = SampleCall(PROMPT, num_samples=2, max_tokens=len(ANSWER), temperature=0.0)
+    (got,) = drive(eng, lambda: eng.sample(NS, saved.path, call))
+    assert [r.token_ids for r in got.rows] == [ANSWER, ANSWER]
+    # The base model does not say it.
+    (base,) = drive(eng, lambda: eng.sample(NS, eng.model_name, call))
+    assert base.rows[0].token_ids != ANSWER
+    assert eng.capacity().used_slots >= 1 and any("sft" in x for x in eng.capacity().experiments)
+    _unload_all(eng)
+
+
+def _train(eng, models: dict[str, list], steps: int, together: bool) -> None:
+    """Each model's forward_backward + optim_step per step; ``together``: every model's
+    calls queued before the tick (one fused pass), else one model at a time."""
+    for _ in range(steps):
+        groups = [list(models)] if together else [[m] for m in models]
+        for group in groups:
+            calls = []
+            for m in group:
+                calls.append(lambda m=m: eng.forward_backward(NS, m, models[m], CE))
+                calls.append(lambda m=m: eng.optim_step(NS, m, AdamStep(learning_rate=LR)))
+            drive(eng, *calls)
+
+
+def test_two_models_of_different_ranks_in_one_tick_train_as_alone(eng) -> None:
+    data = {"r4": [sft_datum(PROMPT, ANSWER)], "r8": [sft_datum(*OTHER), sft_datum(*OTHER)]}
+    ranks = {"r4": 4, "r8": 8}
+    adapters = {}
+    for together in (False, True):
+        for m, r in ranks.items():
+            eng.create_model(NS, m, ClientLora(rank=r, seed=3))
+        _train(eng, data, 3, together)
+        adapters[together] = {m: _adapter(eng, m) for m in ranks}
+        _unload_all(eng)
+    gaps = {m: adapter_gap(adapters[False][m], adapters[True][m], LR, 3) for m in ranks}
+    assert_same_training(gaps)
+
+
+def test_gradients_accumulate_until_optim_step(eng) -> None:
+    d1, d2 = sft_datum(PROMPT, ANSWER), sft_datum(*OTHER)
+    for m in ("split", "whole"):
+        eng.create_model(NS, m, ClientLora(rank=8, seed=5))
+    for _ in range(3):
+        drive(
+            eng,
+            lambda: eng.forward_backward(NS, "split", [d1], CE),
+            lambda: eng.forward_backward(NS, "split", [d2], CE),
+            lambda: eng.optim_step(NS, "split", AdamStep(learning_rate=LR)),
+            lambda: eng.forward_backward(NS, "whole", [d1, d2], CE),
+            lambda: eng.optim_step(NS, "whole", AdamStep(learning_rate=LR)),
+        )
+    assert_same_training(
+        {"acc": adapter_gap(_adapter(eng, "whole"), _adapter(eng, "split"), LR, 3)}
+    )
+    _unload_all(eng)
+
+
+def test_an_experiment_training_between_calls_leaves_the_accumulated_gradient(eng) -> None:
+    d1, d2 = sft_datum(PROMPT, ANSWER), sft_datum(*OTHER)
+    for m in ("acc", "ref"):
+        eng.create_model(NS, m, ClientLora(rank=8, seed=7))
+    drive(eng, lambda: eng.forward_backward(NS, "acc", [d1], CE))
+    held = [g.clone() for g in eng.clients.loaded(NS, "acc").grads]
+    eng.put_experiment("default.rl", spec(steps=2, group=2, prompts=1), "default", "rl")
+    while eng.get_experiment("default.rl").step < 2:  # the experiment zeroes and steps .grad
+        eng.tick()
+    assert all(
+        torch.equal(a, b) for a, b in zip(held, eng.clients.loaded(NS, "acc").grads, strict=True)
+    )
+    eng.remove_experiment("default.rl")
+    drive(
+        eng,
+        lambda: eng.forward_backward(NS, "acc", [d2], CE),
+        lambda: eng.optim_step(NS, "acc", AdamStep(learning_rate=LR)),
+        lambda: eng.forward_backward(NS, "ref", [d1, d2], CE),
+        lambda: eng.optim_step(NS, "ref", AdamStep(learning_rate=LR)),
+    )
+    assert_same_training({"acc": adapter_gap(_adapter(eng, "ref"), _adapter(eng, "acc"), LR, 1)})
+    _unload_all(eng)
+
+
+def test_saved_weights_restore_the_same_loss(eng) -> None:
+    data = [sft_datum(PROMPT, ANSWER), sft_datum(*OTHER)]
+    eng.create_model(NS, "orig", ClientLora(rank=4, seed=1, train_mlp=False))
+    for _ in range(2):
+        drive(
+            eng,
+            lambda: eng.forward_backward(NS, "orig", data, CE),
+            lambda: eng.optim_step(NS, "orig", AdamStep(learning_rate=LR)),
+        )
+    (saved,) = drive(eng, lambda: eng.save_state(NS, "orig", "ckpt", "weights"))
+    assert saved.path in [s.path for s in eng.list_saved(NS, "orig")]
+    info = eng.create_model_from_state(NS, "copy", saved.path, with_optimizer=True)
+    assert info.lora.rank == 4 and not info.lora.train_mlp
+    a, b = drive(
+        eng,
+        lambda: eng.forward(NS, "orig", data, CE),
+        lambda: eng.forward(NS, "copy", data, CE),
+    )
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-6)
+    # Both step on from the same optimiser state: still the same.
+    drive(
+        eng,
+        lambda: eng.forward_backward(NS, "orig", data, CE),
+        lambda: eng.optim_step(NS, "orig", AdamStep(learning_rate=LR)),
+        lambda: eng.forward_backward(NS, "copy", data, CE),
+        lambda: eng.optim_step(NS, "copy", AdamStep(learning_rate=LR)),
+    )
+    gap = adapter_gap(_adapter(eng, "orig"), _adapter(eng, "copy"), LR, 3)
+    assert gap.rms <= 1e-3 and gap.worst <= 2e-2, gap
+    _unload_all(eng)
+
+
+def test_a_sampler_keeps_its_published_version(eng) -> None:
+    eng.create_model(NS, "pub", ClientLora(rank=8, seed=2))
+    data = [sft_datum(PROMPT, ANSWER)]
+    call = SampleCall(PROMPT, max_tokens=4, temperature=0.0, prompt_logprobs=True)
+    (v0,) = drive(eng, lambda: eng.save_state(NS, "pub", "v0", "sampler_weights"))
+    (before,) = drive(eng, lambda: eng.sample(NS, v0.path, call))
+    for _ in range(15):
+        drive(
+            eng,
+            lambda: eng.forward_backward(NS, "pub", data, CE),
+            lambda: eng.optim_step(NS, "pub", AdamStep(learning_rate=0.05)),
+        )
+    slots = len(eng.model.adapters())
+    (after,) = drive(eng, lambda: eng.sample(NS, v0.path, call))  # from a spare slot
+    assert after.rows[0].token_ids == before.rows[0].token_ids
+    assert after.prompt_logprobs == pytest.approx(before.prompt_logprobs)
+    assert after.prompt_logprobs[0] is None and len(after.prompt_logprobs) == len(PROMPT)
+    assert len(eng.model.adapters()) == slots  # the spare slot was freed
+    _unload_all(eng)

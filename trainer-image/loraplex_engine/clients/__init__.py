@@ -1,0 +1,2 @@
+"""Models a client trains itself (the Tinker protocol, training_service.py), on the
+engine's own slots, tick and run store: docs/design/client-training.md."""

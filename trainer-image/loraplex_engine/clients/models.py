@@ -1,0 +1,360 @@
+"""The engine's client models: created, queued on, saved, loaded and unloaded here; run
+by the tick (clients/ticking.py). Implements ``training_service.TrainingService`` for
+the Engine (clients/service.py delegates to it).
+
+A client model is an adapter in the engine's slot pool like an experiment's: the same
+``MultiLoRAModel`` slots, per-adapter AdamW state, capacity count, tick and checkpoint
+volume (with its namespace's quota). Identity is (namespace, model id): any call naming
+a model, path or sampler of another namespace finds nothing (``NotFoundError``).
+
+``host`` is the Engine; this reads its parts: ``model``, ``optimizer``, ``store``
+(``root``, ``quota``), ``codec``, ``strategy``, ``backend``, ``device``, ``model_name``,
+``model_dir``, ``context_tokens``, ``max_step_tokens``, ``ranks``, ``lockstep``, its
+model lock (``_model_lock``) and its wake-up (``_wake``).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from loraplex_engine.clients import saved
+from loraplex_engine.clients.inputs import Limits, check_data, check_loss
+from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
+from loraplex_engine.clients.sampling import SampleTask
+from loraplex_engine.clients.ticking import ClientTick
+from loraplex_engine.errors import (
+    AdapterError,
+    ConflictError,
+    InvalidRequestError,
+    NoCapacityError,
+    NoFreeSlotError,
+    NotFoundError,
+    UnavailableError,
+)
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.store.quota import tree_bytes
+from loraplex_engine.train.optim import AdamWSettings
+from loraplex_engine.training_service import (
+    AdamStep,
+    ClientDatum,
+    ClientLora,
+    ClientModelInfo,
+    ForwardOutput,
+    LossCall,
+    SampleCall,
+    SampleOutput,
+    SavedState,
+)
+
+# Tinker's LoRA scale is alpha / rank with a fixed alpha (the client chooses the rank).
+LORA_ALPHA = 32.0
+ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value"})
+MLP = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2"})
+UNEMBED = frozenset({"lm_head"})
+# Tinker's AdamParams defaults until the first optim_step configures the model's own.
+DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+
+class ClientModels:
+    def __init__(self, host: Any) -> None:
+        self.host = host
+        self._lock = threading.Lock()  # the registry and the queues
+        self._models: dict[tuple[str, str], ClientModel] = {}
+        self._samples: list[Op] = []
+        self._refusing: str | None = None
+
+    # ---- the registry -------------------------------------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        with self._lock:
+            return [m.name for m in self._models.values()]
+
+    def loaded(self, namespace: str, model_id: str) -> ClientModel | None:
+        with self._lock:
+            return self._models.get((namespace, model_id))
+
+    def _get(self, namespace: str, model_id: str) -> ClientModel:
+        model = self.loaded(namespace, model_id)
+        if model is None:
+            raise NotFoundError(f"no model {model_id!r}")
+        return model
+
+    def model_info(self, namespace: str, model_id: str) -> ClientModelInfo:
+        return self._get(namespace, model_id).info
+
+    def list_models(self, namespace: str) -> list[ClientModelInfo]:
+        with self._lock:
+            return [m.info for (ns, _), m in sorted(self._models.items()) if ns == namespace]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.host.codec.decode(ids)
+
+    @property
+    def limits(self) -> Limits:
+        h = self.host
+        return Limits(h.model.base_model.config.vocab_size, h.context_tokens, h.max_step_tokens)
+
+    # ---- creating ---------------------------------------------------------------------
+
+    def lora_config(self, lora: ClientLora) -> tuple[LoRAConfig, ClientLora]:
+        """The adapter ``lora`` asks for on this model, and ``lora`` as granted
+        (``train_unembed`` off where the head is tied to the embeddings: not adaptable)."""
+        h = self.host
+        if not 1 <= lora.rank <= h.model.max_rank:
+            raise InvalidRequestError(
+                f"rank {lora.rank} must be between 1 and the engine's max rank {h.model.max_rank}",
+                field="lora_config.rank",
+            )
+        known = h.model.target_modules
+        unembed = bool(known & UNEMBED) and lora.train_unembed
+        targets = (known & ATTENTION if lora.train_attn else set()) | (
+            known & MLP if lora.train_mlp else set()
+        )
+        targets |= known & UNEMBED if unembed else set()
+        if not targets:
+            raise InvalidRequestError(
+                "no module to train: turn on train_attn, train_mlp or train_unembed",
+                field="lora_config",
+            )
+        granted = ClientLora(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, unembed)
+        return LoRAConfig(lora.rank, LORA_ALPHA, 0.0, tuple(sorted(targets))), granted
+
+    def create_model(self, namespace: str, model_id: str, lora: ClientLora) -> ClientModelInfo:
+        h = self.host
+        if not saved.valid_name(model_id):
+            raise InvalidRequestError(
+                f"model id {model_id!r} is not a valid name", field="model_id"
+            )
+        if h.ranks is not None or h.lockstep is not None or not h.backend.shares_trainer_weights:
+            raise UnavailableError(
+                "client-driven training needs a one-rank engine with the torch rollout"
+            )
+        config, granted = self.lora_config(lora)
+        with h._model_lock:
+            with self._lock:
+                if (namespace, model_id) in self._models:
+                    raise ConflictError(f"model {model_id!r} exists")
+            name = adapter_name(namespace, model_id)
+            try:
+                h.model.add_adapter(name, config, seed=lora.seed)
+            except NoFreeSlotError as e:
+                raise NoCapacityError(str(e)) from e
+            except AdapterError as e:
+                raise InvalidRequestError(str(e), field="lora_config") from e
+            h.optimizer.add_adapter(name, DEFAULT_ADAM)
+            info = ClientModelInfo(model_id, namespace, h.model_name, str(h.model_dir), granted)
+            model = ClientModel(info, name)
+            with self._lock:
+                self._models[(namespace, model_id)] = model
+            return info
+
+    def create_model_from_state(
+        self, namespace: str, model_id: str, path: str, with_optimizer: bool
+    ) -> ClientModelInfo:
+        state = saved.parse_path(path)
+        _, stored = self.state_of(namespace, state)
+        info = self.create_model(namespace, model_id, stored.lora)
+        model = self._get(namespace, model_id)
+        with self.host._model_lock:
+            try:
+                self.load_into(model, path, with_optimizer)
+            except BaseException:
+                self.unload_now(model, save=False)
+                raise
+        return info
+
+    # ---- queued calls -----------------------------------------------------------------
+
+    def _submit(self, namespace: str, model_id: str, kind: OpKind, payload: Any = None) -> Any:
+        op = Op(kind, payload)
+        with self._lock:
+            model = self._models.get((namespace, model_id))
+            if model is None:
+                raise NotFoundError(f"no model {model_id!r}")
+            if self._refusing is not None:
+                raise UnavailableError(self._refusing)
+            model.queue.append(op)
+        self.host._wake()
+        return op.wait()
+
+    def forward(
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+    ) -> ForwardOutput:
+        return self._train(namespace, model_id, data, loss, "forward")
+
+    def forward_backward(
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+    ) -> ForwardOutput:
+        return self._train(namespace, model_id, data, loss, "forward_backward")
+
+    def _train(
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall, kind: OpKind
+    ) -> ForwardOutput:
+        self._get(namespace, model_id)  # a model of another namespace: before any check
+        token_loss = check_loss(loss)
+        checked = check_data(data, token_loss, self.limits)
+        payload = (checked, token_loss, kind == "forward_backward")
+        return self._submit(namespace, model_id, kind, payload)
+
+    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+        self._get(namespace, model_id)
+        try:
+            settings = AdamWSettings(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+                max_grad_norm=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
+            )
+        except AdapterError as e:
+            raise InvalidRequestError(str(e), field="adam_params") from e
+        return self._submit(namespace, model_id, "optim_step", settings)
+
+    def save_state(self, namespace: str, model_id: str, name: str, kind: saved.Kind) -> SavedState:
+        self._get(namespace, model_id)
+        if not saved.valid_name(name):
+            raise InvalidRequestError(f"{name!r} is not a valid name", field="path")
+        if kind not in saved.KINDS:
+            raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
+        return self._submit(namespace, model_id, "save_state", (name, kind))
+
+    def load_state(self, namespace: str, model_id: str, path: str, with_optimizer: bool) -> None:
+        self._get(namespace, model_id)
+        self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
+        self._submit(namespace, model_id, "load_state", (path, with_optimizer))
+
+    def unload_model(self, namespace: str, model_id: str) -> None:
+        self._submit(namespace, model_id, "unload")
+
+    def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
+        h = self.host
+        state = None
+        if sampler != h.model_name:
+            state = saved.parse_path(sampler, field="model_path")
+            if state.kind != "sampler_weights":
+                raise InvalidRequestError(
+                    "sample from a sampler_weights path or the base model", field="model_path"
+                )
+            self.state_of(namespace, state)  # NotFoundError before queueing
+        _check_sample(call, self.limits)
+        h.limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
+        op = Op("sample", SampleTask(namespace, state, call))
+        with self._lock:
+            if self._refusing is not None:
+                raise UnavailableError(self._refusing)
+            self._samples.append(op)
+        h._wake()
+        return op.wait()
+
+    def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]:
+        return saved.list_saved(self.host.store.root, namespace, model_id)
+
+    # ---- the tick's side --------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """A call is queued: the next training tick has client work (tenancy/time_share.py)."""
+        with self._lock:
+            return bool(self._samples) or any(m.queue for m in self._models.values())
+
+    def take(self, train: bool = True) -> ClientTick:
+        """This tick's work: one segment of every model's queue, and every sample call; none
+        for a serving tick (a client's calls, its samples too, are its training loop's)."""
+        if not train:
+            return ClientTick(self, [], [])
+        with self._lock:
+            segments = [(m, seg) for m in self._models.values() if (seg := m.take_segment())]
+            samples, self._samples = self._samples, []
+        return ClientTick(self, segments, samples)
+
+    def refuse(self, reason: str) -> None:
+        """No tick will run again: answer every queued call, and every later one."""
+        with self._lock:
+            self._refusing = reason
+            ops = [op for m in self._models.values() for op in m.queue] + self._samples
+            for m in self._models.values():
+                m.queue.clear()
+            self._samples = []
+        for op in ops:
+            op.resolve(error=UnavailableError(reason))
+
+    def state_of(self, namespace: str, state: saved.StatePath) -> tuple[Path, saved.StateInfo]:
+        directory = state.directory(self.host.store.root, namespace)
+        return directory, saved.read_info(directory, state.uri)
+
+    def save(self, model: ClientModel, name: str, kind: saved.Kind) -> SavedState:
+        """Write the model's adapter (and, for ``weights``, its optimiser state) under the
+        caller's namespace, within its quota; atomically (store/checkpoint.py)."""
+        h, info = self.host, model.info
+        state = saved.StatePath(info.model_id, kind, name)
+        target = state.directory(h.store.root, info.namespace)
+        if h.store.quota is not None:
+            tensors = h.model.adapter_state_dict(model.name).values()
+            writing = (3 if kind == "weights" else 1) * 4 * sum(t.numel() for t in tensors)
+            h.store.quota.check(h.store.root, info.namespace, writing, saved.removable(target))
+        stored = saved.StateInfo(
+            info.model_id, kind, name, info.lora, model.version, model.incarnation, saved.now()
+        )
+        with ckpt.atomic_dir(target, overwrite=True) as tmp:
+            ckpt.save_adapter(h.model, model.name, tmp, base_model_name_or_path=str(h.model_dir))
+            if kind == "weights":
+                ckpt.save_trainer_state(tmp, h.optimizer, model.name, model.generator)
+            saved.write_info(tmp, stored)
+        return saved.SavedState(
+            state.uri, kind, info.model_id, name, stored.created, tree_bytes(target)
+        )
+
+    def load_into(self, model: ClientModel, path: str, with_optimizer: bool) -> None:
+        """Weights (and with ``with_optimizer`` the optimiser state of a ``weights``
+        state) of the caller's namespace into ``model``; its gradient is cleared."""
+        h = self.host
+        state = saved.parse_path(path)
+        directory, stored = self.state_of(model.info.namespace, state)
+        config = ckpt.read_adapter_config(directory)
+        if config != h.model.config_of(model.name):
+            raise InvalidRequestError(
+                f"{path} holds rank {config.rank} on {list(config.target_modules)}; this model "
+                f"has rank {model.info.lora.rank}",
+                field="path",
+            )
+        ckpt.load_adapter(h.model, model.name, directory)
+        if with_optimizer and stored.kind == "weights":
+            ckpt.load_trainer_state(directory, h.optimizer, model.name, model.generator, False)
+        else:
+            h.optimizer.add_adapter(model.name, DEFAULT_ADAM)
+        model.grads = None
+        model.version += 1
+
+    def unload_now(self, model: ClientModel, save: bool = True) -> None:
+        """Free its slot (under the model lock), its last weights saved as
+        ``weights/final`` first when ``save``; calls still queued get NotFoundError."""
+        h = self.host
+        if save:
+            self.save(model, "final", "weights")
+        with self._lock:
+            self._models.pop((model.info.namespace, model.info.model_id), None)
+            left, model.unloaded = list(model.queue), True
+            model.queue.clear()
+        h.optimizer.remove_adapter(model.name)
+        h.model.remove_adapter(model.name)
+        for op in left:
+            op.resolve(error=NotFoundError(f"model {model.info.model_id!r} was unloaded"))
+
+
+def _check_sample(call: SampleCall, limits: Limits) -> None:
+    if not call.prompt_ids:
+        raise InvalidRequestError("an empty prompt", field="prompt")
+    bad = next((t for t in call.prompt_ids if not 0 <= t < limits.vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary", field="prompt")
+    for name, ok in (
+        ("num_samples", call.num_samples >= 1),
+        ("max_tokens", call.max_tokens >= 1),
+        ("temperature", call.temperature >= 0),
+        ("top_p", 0 < call.top_p <= 1),
+        ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
+    ):
+        if not ok:
+            raise InvalidRequestError(f"{name} is out of range", field=f"sampling_params.{name}")

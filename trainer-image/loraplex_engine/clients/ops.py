@@ -1,0 +1,77 @@
+"""A client model and the operations queued on it: what a request thread waits on and
+a tick resolves (clients/ticking.py)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from loraplex_engine.clients.fused import SlotGrads
+from loraplex_engine.training_service import ClientModelInfo
+
+OpKind = Literal[
+    "forward", "forward_backward", "optim_step", "save_state", "load_state", "unload", "sample"
+]
+TRAIN_KINDS = ("forward", "forward_backward")
+
+
+@dataclass
+class Op:
+    """One call, answered once: a result or an error."""
+
+    kind: OpKind
+    payload: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.result, self.error = result, error
+            self.done.set()
+
+    def wait(self) -> Any:
+        """Blocks until a tick answers (or the engine refuses: the loop stopped)."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@dataclass(eq=False)  # hashed by identity
+class ClientModel:
+    info: ClientModelInfo
+    name: str  # its adapter's name in the model and the optimiser
+    # Weight versions: +1 at every optimiser step and load (sampling compares it with
+    # the version a sampler_weights state saved); the incarnation tells two loads of one
+    # model id apart.
+    version: int = 0
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    grads: SlotGrads | None = None  # accumulated since its last optim_step
+    queue: deque[Op] = field(default_factory=deque)
+    generator: torch.Generator = field(default_factory=torch.Generator)  # saved with weights
+    unloaded: bool = False
+
+    def take_segment(self) -> list[Op]:
+        """The ops one tick runs for this model, in call order: its leading forward /
+        forward_backward calls and the optim_step after them, or one other op."""
+        if not self.queue:
+            return []
+        if self.queue[0].kind not in TRAIN_KINDS:
+            return [self.queue.popleft()]
+        taken = []
+        while self.queue and self.queue[0].kind in TRAIN_KINDS:
+            taken.append(self.queue.popleft())
+        if self.queue and self.queue[0].kind == "optim_step":
+            taken.append(self.queue.popleft())
+        return taken
+
+
+def adapter_name(namespace: str, model_id: str) -> str:
+    """A client model's adapter name: never an experiment id (those have no ':')."""
+    return f"tinker:{namespace}/{model_id}"

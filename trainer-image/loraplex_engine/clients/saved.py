@@ -1,0 +1,129 @@
+"""Client models' saved states on the checkpoint volume, and their ``tinker://`` paths.
+
+``tinker://<model_id>/<kind>/<name>`` (kind ``weights`` or ``sampler_weights``) lives at
+``<root>/<namespace>/_tinker/<model_id>/<kind>/<name>/``: under the caller's namespace, so
+the namespace's checkpoint quota counts it (store/quota.py) and a path of another
+namespace is simply not there (NotFoundError). ``_tinker`` cannot be an experiment's
+name (Kubernetes names have no ``_``), so it never meets the run store's directories.
+
+Each directory is a PEFT adapter (store/checkpoint.py), written atomically; ``weights``
+adds the optimiser state (the run store's trainer-state files), and both carry
+``client_state.json``: the model, its LoRA settings and the adapter *version* saved (the
+model's count of weight changes, with the id of the model's incarnation), which tells
+the sampler whether the live adapter still is that version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from loraplex_engine.errors import InvalidRequestError, NotFoundError
+from loraplex_engine.store.quota import tree_bytes
+from loraplex_engine.training_service import ClientLora, SavedState
+
+SCHEME = "tinker://"
+KINDS = ("weights", "sampler_weights")
+CLIENT_DIR = "_tinker"
+STATE_FILE = "client_state.json"
+Kind = Literal["weights", "sampler_weights"]
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def valid_name(value: str) -> bool:
+    """A model id or state name the store may use as one directory name."""
+    return _NAME.fullmatch(value) is not None and ".." not in value
+
+
+@dataclass(frozen=True)
+class StatePath:
+    model_id: str
+    kind: Kind
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"{SCHEME}{self.model_id}/{self.kind}/{self.name}"
+
+    def directory(self, root: Path, namespace: str) -> Path:
+        return root / namespace / CLIENT_DIR / self.model_id / self.kind / self.name
+
+
+def parse_path(path: str, field: str = "path") -> StatePath:
+    """``tinker://<model_id>/<kind>/<name>``, or InvalidRequestError naming ``field``."""
+    parts = path[len(SCHEME) :].split("/") if path.startswith(SCHEME) else []
+    if len(parts) != 3 or parts[1] not in KINDS or not all(valid_name(p) for p in parts[::2]):
+        raise InvalidRequestError(
+            f"{path!r} is not a saved state's path: tinker://<model_id>/<kind>/<name>, "
+            f"kind one of {list(KINDS)}",
+            field=field,
+        )
+    return StatePath(parts[0], cast(Kind, parts[1]), parts[2])
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    """What ``client_state.json`` records."""
+
+    model_id: str
+    kind: Kind
+    name: str
+    lora: ClientLora
+    version: int  # the model's weight version saved
+    incarnation: str  # which load of the model (a model id may be created again)
+    created: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "lora": asdict(self.lora)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StateInfo:
+        return cls(**{**raw, "lora": ClientLora(**raw["lora"])})
+
+
+def write_info(directory: Path, info: StateInfo) -> None:
+    (directory / STATE_FILE).write_text(json.dumps(info.to_json(), indent=2) + "\n")
+
+
+def read_info(directory: Path, uri: str) -> StateInfo:
+    """The saved state at ``directory``; NotFoundError when there is none (also for a
+    path of another namespace: it is looked for under the caller's)."""
+    try:
+        return StateInfo.from_json(json.loads((directory / STATE_FILE).read_text()))
+    except FileNotFoundError:
+        raise NotFoundError(f"no saved state {uri!r}") from None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise NotFoundError(f"saved state {uri!r} cannot be read: {e}") from None
+
+
+def saved_state(directory: Path, info: StateInfo) -> SavedState:
+    path = StatePath(info.model_id, info.kind, info.name)
+    return SavedState(
+        path.uri, info.kind, info.model_id, info.name, info.created, tree_bytes(directory)
+    )
+
+
+def list_saved(root: Path, namespace: str, model_id: str | None) -> list[SavedState]:
+    """The namespace's saved states (one model's, with ``model_id``), oldest first."""
+    base = root / namespace / CLIENT_DIR
+    found: list[SavedState] = []
+    for file in base.glob(f"{model_id or '*'}/*/*/{STATE_FILE}"):
+        try:
+            found.append(saved_state(file.parent, read_info(file.parent, str(file.parent))))
+        except NotFoundError:
+            continue  # removed meanwhile, or half-written by a crash: not listed
+    return sorted(found, key=lambda s: (s.created, s.path))
+
+
+def now() -> float:
+    return time.time()
+
+
+def removable(directory: Path) -> list[Path]:
+    """What overwriting ``directory`` frees (for the quota check)."""
+    return [directory] if os.path.isdir(directory) else []

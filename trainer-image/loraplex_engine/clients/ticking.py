@@ -1,0 +1,209 @@
+"""What one tick does for the client models (engine.py calls it under the model lock):
+
+1. ``start`` (before the rollout): each sample call gets its adapter (the live slot or
+   a spare one holding the published version) and its prompt log-probs; its rows join
+   the tick's rollout batch as completion jobs.
+2. ``train`` (in the tick's train phase, after the experiments' update): every model's
+   taken ``forward``/``forward_backward`` calls in one fused pass, then their
+   ``optim_step``\\ s (clients/fused.py).
+3. ``finish``: saves, loads and unloads, in each model's call order; the sample answers;
+   the spare slots freed.
+
+Each model contributes one *segment* of its queue a tick (clients/ops.py), so its
+operations run in call order; different models' segments share the tick. An operation
+that fails answers its caller alone; a fault of the shared pass answers every operation
+this tick took with ``UnavailableError`` (``fail``) and the tick fails as it does for
+experiments.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from loraplex_engine.clients.fused import (
+    StepCall,
+    TrainCall,
+    client_pass,
+    optim_steps,
+    take_slot_grads,
+)
+from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
+from loraplex_engine.clients.saved import StateInfo, StatePath
+from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.errors import ConflictError, NoCapacityError, NoFreeSlotError, UnavailableError
+from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.train.strategy import AdapterTrainer, TrainingStrategy
+
+log = logging.getLogger("loraplex_engine.clients")
+
+
+class Owner(Protocol):
+    """What the tick needs of the registry (clients/models.ClientModels)."""
+
+    host: Any
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def loaded(self, namespace: str, model_id: str) -> ClientModel | None: ...
+
+    def state_of(self, namespace: str, state: StatePath) -> tuple[Path, StateInfo]: ...
+
+    def save(self, model: ClientModel, name: str, kind: Any) -> Any: ...
+
+    def load_into(self, model: ClientModel, path: str, with_optimizer: bool) -> None: ...
+
+    def unload_now(self, model: ClientModel, save: bool = True) -> None: ...
+
+
+@dataclass
+class ClientTick:
+    owner: Owner
+    segments: list[tuple[ClientModel, list[Op]]]
+    samples: list[Op]
+    spare: list[str] = field(default_factory=list)  # ~sample adapters loaded this tick
+
+    def __bool__(self) -> bool:
+        return bool(self.segments or self.samples)
+
+    def ops(self) -> list[Op]:
+        return [op for _, ops in self.segments for op in ops] + self.samples
+
+    # ---- 1. before the rollout ----------------------------------------------------------
+
+    def start(self) -> list[CompletionJob]:
+        jobs = []
+        for op in self.samples:
+            task: SampleTask = op.payload
+            try:
+                task.adapter = self._adapter_for(task)
+                if task.call.prompt_logprobs or task.call.topk_prompt_logprobs:
+                    host = self.owner.host
+                    slot = 0 if task.adapter is None else host.model.slot_of(task.adapter)
+                    task.prompt_logprobs, task.topk = prompt_logprobs(
+                        host.model, host.device, slot, task.call.prompt_ids,
+                        task.call.topk_prompt_logprobs,
+                    )  # fmt: skip
+                jobs.append(task.completion_job(self.owner.host.model_name, self.owner.decode))
+            except Exception as e:
+                op.resolve(error=e)
+        return jobs
+
+    def _adapter_for(self, task: SampleTask) -> str | None:
+        if task.state is None:
+            return None
+        directory, info = self.owner.state_of(task.namespace, task.state)
+        live = self.owner.loaded(task.namespace, task.state.model_id)
+        if live is not None and (live.incarnation, live.version) == (
+            info.incarnation,
+            info.version,
+        ):
+            return live.name
+        name = f"~sample:{task.namespace}/{task.state.uri}"
+        model = self.owner.host.model
+        if name not in model.adapters():
+            try:
+                ckpt.load_adapter(model, name, directory)
+            except NoFreeSlotError as e:
+                raise NoCapacityError(f"no spare slot to sample {task.state.uri}: {e}") from e
+            self.spare.append(name)
+        return name
+
+    # ---- 2. the train phase -------------------------------------------------------------
+
+    def train(self, strategy: TrainingStrategy) -> None:
+        """The fused pass over every taken train call, then the optimiser steps."""
+        host = self.owner.host
+        calls: list[tuple[ClientModel, Op, TrainCall]] = []
+        steps: list[tuple[ClientModel, Op]] = []
+        for model, ops in self.segments:
+            for op in ops:
+                if op.kind in ("forward", "forward_backward"):
+                    call: TrainCall = op.payload
+                    calls.append((model, op, TrainCall(host.model.slot_of(model.name), *call)))
+                elif op.kind == "optim_step":
+                    steps.append((model, op))
+        if not calls and not steps:
+            return
+        if not isinstance(strategy, AdapterTrainer):
+            raise UnavailableError("client training needs the engine's own trainer")
+        if calls:
+            host.optimizer.zero_grad()
+            host.model.train()
+            try:
+                client_pass(
+                    strategy.policy_forward,
+                    [c for _, _, c in calls],
+                    host.codec.pad_id,
+                    strategy.micro_batch_tokens,
+                    strategy.gradient_checkpointing,
+                )
+                for model in dict.fromkeys(m for m, _, c in calls if c.backward):
+                    slot = host.model.slot_of(model.name)
+                    model.grads = take_slot_grads(host.optimizer, slot, model.grads)
+            finally:
+                host.optimizer.zero_grad()
+                host.model.eval()
+            for _, op, c in calls:
+                op.resolve(c.output())
+        self._steps(steps)
+
+    def _steps(self, steps: list[tuple[ClientModel, Op]]) -> None:
+        host = self.owner.host
+        todo = [
+            StepCall(m.name, host.model.slot_of(m.name), m.grads, op.payload) for m, op in steps
+        ]
+        metrics = optim_steps(host.optimizer, todo)
+        for model, op in steps:
+            model.grads = None
+            mine = metrics[model.name]
+            if mine.get("skipped:sum"):
+                op.resolve(error=ConflictError("the accumulated gradient is not finite: "
+                                               "not stepped, and cleared"))  # fmt: skip
+                continue
+            model.version += 1
+            op.resolve(mine)
+
+    # ---- 3. after the tick --------------------------------------------------------------
+
+    def finish(self) -> None:
+        try:
+            for model, ops in self.segments:
+                for op in ops:
+                    if not op.done.is_set():
+                        self._other(model, op)
+            for op in self.samples:
+                if not op.done.is_set():
+                    try:
+                        op.resolve(op.payload.output())
+                    except Exception as e:
+                        op.resolve(error=e)
+        finally:
+            for name in self.spare:
+                self.owner.host.model.remove_adapter(name)
+            self.spare = []
+
+    def _other(self, model: ClientModel, op: Op) -> None:
+        try:
+            if op.kind == "save_state":
+                op.resolve(self.owner.save(model, *op.payload))
+            elif op.kind == "load_state":
+                self.owner.load_into(model, *op.payload)
+                op.resolve(None)
+            elif op.kind == "unload":
+                self.owner.unload_now(model)
+                op.resolve(None)
+            else:
+                op.resolve(error=UnavailableError(f"operation {op.kind!r} was not run"))
+        except Exception as e:
+            op.resolve(error=e)
+
+    def fail(self, error: BaseException) -> None:
+        """The tick failed (a fault of the shared model or device): every operation it
+        took is answered."""
+        why = UnavailableError(f"the tick serving this failed: {type(error).__name__}")
+        for op in self.ops():
+            op.resolve(error=why)
