@@ -86,7 +86,7 @@ def datum(tokens: list[int], weights_dtype: str = "float32") -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens),
         loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:] + [0])),
+            "target_tokens": types.TensorData.from_numpy(np.array([*tokens[1:], 0])),
             "weights": types.TensorData.from_numpy(weights),
         },
     )
@@ -133,7 +133,8 @@ def test_a_training_loop_round_trips_through_the_sdk(server: Server) -> None:
     runs = server.rest().list_training_runs().result()
     assert [r.training_run_id for r in runs.training_runs] == [tc.model_id]
     assert runs.training_runs[0].last_checkpoint.tinker_path == state
-    ids = {c.checkpoint_id for c in server.rest().list_checkpoints(tc.model_id).result().checkpoints}
+    listed = server.rest().list_checkpoints(tc.model_id).result().checkpoints
+    ids = {c.checkpoint_id for c in listed}
     assert {"sampler_weights/s1", "weights/ck1"} <= ids
 
     tc2 = client.create_training_client_from_state_with_optimizer(state).result()

@@ -39,8 +39,8 @@ from loraplex_engine.spec import ExperimentSpec
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # DNS-1123 label: no dots
-MAX_BODY_BYTES = 4 * 1024 * 1024
-TINKER_PREFIX = "/api/v1"  # the Tinker protocol's routes (tinker/routes.py)  # 16 prompts of 8192 characters, JSON-escaped, fit
+MAX_BODY_BYTES = 4 * 1024 * 1024  # 16 prompts of 8192 characters, JSON-escaped, fit
+TINKER_PREFIX = "/api/v1"  # the Tinker protocol's routes (tinker/routes.py)
 
 
 ExpId = Annotated[

@@ -22,41 +22,17 @@ from loraplex_engine.errors import (
     ApiError,
     ConflictError,
     InvalidRequestError,
-    LoraplexError,
     NoCapacityError,
+    ProtocolError,
+    SessionGone,
+    TooManyRequests,
     UnavailableError,
 )
+
+__all__ = ["ProtocolError", "SessionGone", "TooManyRequests"]
 from loraplex_engine.server.errors import error_json, http_status
 
 log = logging.getLogger("loraplex_engine.tinker")
-
-
-class ProtocolError(LoraplexError):
-    """An error only the Tinker routes answer, with its own status (not an engine
-    ``ApiError``: the engine API's codes and statuses stay as documented)."""
-
-    status = 400
-    code = "invalid_request"
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-
-
-class TooManyRequests(ProtocolError):
-    """The future table is full: 429, which the SDK backs off from and retries."""
-
-    status = 429
-    code = "too_many_requests"
-
-
-class SessionGone(ProtocolError):
-    """A session that finished, or expired without heartbeats: 410, on which the SDK
-    stops its heartbeat."""
-
-    status = 410
-    code = "gone"
 
 
 def status_of(exc: ApiError) -> int:

@@ -29,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from loraplex_engine.errors import KeyFileError
+
 log = logging.getLogger("loraplex_engine.tinker.keys")
 
 KEY_PREFIX = "tml-"
@@ -36,10 +38,6 @@ NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label
 DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 MIN_KEY_CHARS = 20  # "tml-" and at least 16 characters of secret
 RECHECK_S = 1.0
-
-
-class KeyFileError(ValueError):
-    """A key source that does not parse: every problem, one per line."""
 
 
 def digest(key: str) -> bytes:
