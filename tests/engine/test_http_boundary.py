@@ -42,8 +42,22 @@ ALLOWED = {
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",
     "loraplex_engine.metrics",
+    # app.py mounts the Tinker routes only given --tinker-keys; their own boundary
+    # (numpy and the SDK's protobuf allowed, still no torch) is checked below.
+    "loraplex_engine.tinker",
+    "loraplex_engine.tinker.routes",
 }
 BLOCKED = {"torch", "transformers", "vllm", "safetensors", "peft", "numpy"}
+
+# The Tinker protocol (tinker/, mounted by app.py only with --tinker-keys) is HTTP-side
+# too: its arrays cross as numpy (training_service.py) and its wire is the tinker SDK's
+# protobuf, but it reaches no torch and no engine internal either.
+TINKER_MODULES = sorted(
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for p in PACKAGE.glob("tinker/*.py")
+)
+TINKER_ALLOWED = ALLOWED | {*TINKER_MODULES, "loraplex_engine.training_service"}
+TINKER_BLOCKED = BLOCKED - {"numpy"}
 
 # Runs in a fresh interpreter where importing torch or an engine internal raises.
 SCRIPT = textwrap.dedent(
@@ -153,6 +167,60 @@ def test_no_import_in_the_http_source_crosses_the_boundary() -> None:
         # ``from loraplex_engine.x import Name``: the module is checked, not the name.
         engine = {m for m in engine if m in ALLOWED or m.rpartition(".")[0] not in ALLOWED}
         bad = {m for m in found if m.partition(".")[0] in BLOCKED} | (engine - ALLOWED)
+        if bad:
+            crossing[name] = sorted(bad)
+    assert crossing == {}
+
+
+TINKER_SCRIPT = textwrap.dedent(
+    """
+    import importlib, importlib.abc, json, sys
+
+    allowed, blocked, modules = json.loads(sys.argv[1])
+    ALLOWED, BLOCKED = set(allowed), set(blocked)
+
+    class Boundary(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            top = name.partition(".")[0]
+            if top in BLOCKED or (top == "loraplex_engine" and name not in ALLOWED):
+                raise ImportError(f"the Tinker layer imported {name}")
+            return None
+
+    sys.meta_path.insert(0, Boundary())
+    for name in modules:
+        importlib.import_module(name)
+    assert not BLOCKED & {m.partition(".")[0] for m in sys.modules}
+    print("imported")
+    """
+)
+
+
+def test_the_tinker_layer_imports_without_torch_or_engine_internals() -> None:
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
+    args = json.dumps([sorted(TINKER_ALLOWED), sorted(TINKER_BLOCKED), TINKER_MODULES])
+    r = subprocess.run(
+        [sys.executable, "-c", TINKER_SCRIPT, args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "imported", r.stderr[-3000:]
+
+
+def test_no_import_in_the_tinker_source_crosses_the_boundary() -> None:
+    assert "loraplex_engine.tinker.routes" in TINKER_MODULES
+    crossing = {}
+    for name in TINKER_MODULES:
+        found = imports_of(PACKAGE.parent / (name.replace(".", "/") + ".py"))
+        engine = {m for m in found if m.startswith("loraplex_engine.")}
+        engine = {
+            m for m in engine if m in TINKER_ALLOWED or m.rpartition(".")[0] not in TINKER_ALLOWED
+        }
+        bad = {m for m in found if m.partition(".")[0] in TINKER_BLOCKED}
+        bad |= engine - TINKER_ALLOWED
         if bad:
             crossing[name] = sorted(bad)
     assert crossing == {}

@@ -56,6 +56,7 @@ CHANGED: dict[str, Any] = {
     "host": "127.0.0.1",
     "port": 0,
     "token_file": "/var/run/token",
+    "tinker_keys": "/var/run/tinker-keys",
     "insecure_no_auth": True,
     "threads": 2,
     "max_completion_tokens": 64,

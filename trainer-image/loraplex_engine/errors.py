@@ -185,3 +185,39 @@ class StorageFullError(CheckpointError):
 class ExchangeError(LoraplexError):
     """Why a reward exchange failed (tenancy/reward_exchange.py), in words that carry
     nothing of the answer; tasks/rewards.py reports it as the experiment's RewardError."""
+
+
+# --- the Tinker protocol's own errors (tinker/): statuses outside the engine API -------
+
+
+class ProtocolError(LoraplexError):
+    """An error only the Tinker routes answer (/api/v1, tinker/errors.py), with its own
+    HTTP ``status``: not an :class:`ApiError`, so the engine API's documented codes and
+    statuses stay as they are."""
+
+    status = 400
+    code = "invalid_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class TooManyRequests(ProtocolError):
+    """The Tinker future table is full: 429, which the SDK backs off from and retries."""
+
+    status = 429
+    code = "too_many_requests"
+
+
+class SessionGone(ProtocolError):
+    """A Tinker session that was closed, or expired without heartbeats: 410, on which the
+    SDK stops its heartbeat."""
+
+    status = 410
+    code = "gone"
+
+
+class KeyFileError(LoraplexError, ValueError):
+    """A --tinker-keys source that does not parse: every problem, one per line."""

@@ -40,6 +40,7 @@ from loraplex_engine.spec import ExperimentSpec
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # DNS-1123 label: no dots
 MAX_BODY_BYTES = 4 * 1024 * 1024  # 16 prompts of 8192 characters, JSON-escaped, fit
+TINKER_PREFIX = "/api/v1"  # the Tinker protocol's routes (tinker/routes.py)
 
 
 ExpId = Annotated[
@@ -94,6 +95,8 @@ def create_app(
     alive: Callable[[], bool] | None = None,
     max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tinker_keys: Any = None,
+    training: Callable[[], Any] | None = None,
 ) -> FastAPI:
     """The HTTP app for ``engine``.
 
@@ -102,6 +105,10 @@ def create_app(
     metrics: shared with the engine loop, which feeds it tick reports.
     on_work: called when a request gave the engine work (wakes an idle loop).
     ready / alive: readiness and liveness beyond ``engine.is_ready()``.
+    tinker_keys / training: with both, the Tinker protocol is served under ``/api/v1``
+        (tinker/routes.py): ``tinker_keys`` a ``tinker.keys.KeyStore`` (tenants' API
+        keys, each a namespace), ``training`` the engine's ``TrainingService`` (a getter:
+        it raises ``UnavailableError`` until the engine has loaded).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -120,7 +127,8 @@ def create_app(
     if token is not None:  # added last = outermost: nothing runs before the token check
         if not token:
             raise ValueError("empty token: pass None to serve without auth")
-        app.add_middleware(BearerAuth, token=token)
+        tenant = TINKER_PREFIX + "/" if tinker_keys is not None else None
+        app.add_middleware(BearerAuth, token=token, tenant_prefix=tenant)
     bearer = HTTPBearer(auto_error=False, description="the pool's engine token")
     v1 = {"dependencies": [Security(bearer)]}  # documents the scheme; BearerAuth enforces
 
@@ -257,5 +265,11 @@ def create_app(
     add_completions_route(app, _ready_engine, **openai)
     add_chat_route(app, _ready_engine, **openai)
     add_models_routes(app, _ready_engine, v1)
+
+    if tinker_keys is not None and training is not None:
+        # Imported only here: the protocol's wire needs numpy and the tinker SDK's protobuf.
+        from loraplex_engine.tinker.routes import mount_tinker
+
+        mount_tinker(app, training, tinker_keys)
 
     return app

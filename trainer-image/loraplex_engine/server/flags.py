@@ -86,6 +86,22 @@ def read_token(settings: ServeSettings) -> str | None:
     return token
 
 
+def read_tinker_keys(settings: ServeSettings) -> Any:
+    """The tenants' API keys of ``--tinker-keys`` (a ``tinker.keys.KeyStore``), or None:
+    no Tinker protocol. Raises UsageError for a source that cannot be read or parsed."""
+    if not settings.tinker_keys:
+        return None
+    from loraplex_engine.tinker.keys import KeyFileError, KeyStore
+
+    try:
+        store = KeyStore(settings.tinker_keys)
+    except KeyFileError as e:
+        raise UsageError(str(e)) from None
+    if not len(store):
+        log.warning("--tinker-keys %s holds no key yet: /api/v1 refuses all", settings.tinker_keys)
+    return store
+
+
 def check(settings: ServeSettings) -> None:
     """What the flags say that cannot be served, before anything heavy is imported."""
     if not settings.model:

@@ -19,14 +19,23 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 
 
 class BearerAuth:
-    """Rejects every non-open path without the right bearer token (constant-time)."""
+    """Rejects every non-open path without the right bearer token (constant-time).
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    ``tenant_prefix``: paths under it (the Tinker routes, ``/api/v1/``) authenticate
+    with the tenants' own API keys instead (tinker/rest.py), never the pool's token."""
+
+    def __init__(self, app: ASGIApp, token: str, tenant_prefix: str | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
+        self.tenant_prefix = tenant_prefix
+
+    def _open(self, path: str) -> bool:
+        if path in OPEN_PATHS:
+            return True
+        return self.tenant_prefix is not None and path.startswith(self.tenant_prefix)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and not self._open(scope["path"]):
             given = b""
             for key, value in scope["headers"]:
                 if key == b"authorization":

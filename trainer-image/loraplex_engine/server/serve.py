@@ -45,6 +45,7 @@ from loraplex_engine.server.app import create_app
 from loraplex_engine.server.flags import (
     check,
     data_roots,
+    read_tinker_keys,
     read_token,
     resolve_device,
     reward_hosts,
@@ -341,6 +342,17 @@ def run(settings: ServeSettings) -> int:
         loop = loop_box.get("loop")
         return loop is not None and loop.running and holder.is_ready()
 
+    tinker_keys = read_tinker_keys(settings)
+
+    def training() -> Any:
+        """The engine's TrainingService (the Tinker protocol's), once it has loaded."""
+        engine = holder.engine
+        if engine is None or not ready():
+            raise UnavailableError("the engine is still loading")
+        if not callable(getattr(engine, "forward_backward", None)):
+            raise UnavailableError("this engine does not offer client-driven training")
+        return engine
+
     app = create_app(
         holder,
         token,
@@ -349,6 +361,8 @@ def run(settings: ServeSettings) -> int:
         ready=ready,
         alive=alive,
         max_completion_tokens=settings.max_completion_tokens,
+        tinker_keys=tinker_keys,
+        training=training,
     )
 
     try:

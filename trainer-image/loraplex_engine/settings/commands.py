@@ -37,6 +37,16 @@ class ServeSettings(ProcessSettings):
     insecure_no_auth: Annotated[
         bool, Flag("serve /v1 without a token (local experiments only)", action="switch")
     ] = False
+    tinker_keys: Annotated[
+        str | None,
+        Flag(
+            "serve the Tinker protocol under /api/v1 with these tenant API keys: a file of "
+            "'<namespace> <tml-key>' lines, or a directory of files named by namespace, one "
+            "key (or sha256:<hex>) per line; re-read when it changes",
+            metavar="PATH",
+            default_text="none: no /api/v1",
+        ),
+    ] = None
     threads: Annotated[int, Flag("torch CPU threads (0: torch's default)", v.to_int)] = 0
     max_completion_tokens: Annotated[
         int, Flag("largest max_tokens accepted by /v1/completions", v.to_int)
