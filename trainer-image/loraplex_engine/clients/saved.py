@@ -32,7 +32,8 @@ KINDS = ("weights", "sampler_weights")
 CLIENT_DIR = "_tinker"
 STATE_FILE = "client_state.json"
 Kind = Literal["weights", "sampler_weights"]
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# ":" for the ids the Tinker protocol hands out (tinker/state.py: <session>:train:<n>).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def valid_name(value: str) -> bool:
