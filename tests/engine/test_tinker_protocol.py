@@ -1,7 +1,8 @@
 """The Tinker protocol (/api/v1, loraplex_engine/tinker/) driven by the real, unchanged
 tinker SDK against a real uvicorn server. The engine behind it is tinker_double.py's
-FakeTraining, a TEST DOUBLE of TrainingService: the engine-backed tests come with the
-engine side (issue 28).
+FakeTraining, a TEST DOUBLE of TrainingService: it pins the wire layer's answers to exact
+numbers a real engine cannot give. The same SDK against the real engine, in a real
+``serve`` process: test_tinker_engine.py.
 """
 
 from __future__ import annotations
