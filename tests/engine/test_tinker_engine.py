@@ -122,21 +122,26 @@ def test_two_clients_of_different_ranks_train_at_the_same_time(server) -> None:
         client.close("success").result()
 
 
+RL_ROUNDS = 20
+RL_RISE = 0.15
+
+
 def test_an_rl_loop_with_importance_sampling_raises_its_reward(server) -> None:
     """sample → reward → advantages → forward_backward(importance_sampling) → optim_step,
     as tinker-cookbook's RL loops do; the reward is the share of sampled token ids that are
     even (about half at first). The mean reward of the last 4 rounds beats the first 4's
-    by 0.15: 8 rows x 4 tokens a round, so a round's mean of a fair coin has a standard
-    deviation of 0.09 and four rounds' 0.044; 0.15 is over 2.4 of those for the two means'
-    difference (sd 0.063), far from what an untrained model drifts by."""
+    by RL_RISE: 16 rows x up to 4 tokens a round, so a round's mean of a fair coin has a
+    standard deviation of about 0.06 and four rounds' 0.03; the two means' difference
+    (sd 0.044) passes 0.15 by chance with odds under 1 in 5000 (z 3.4), while training
+    moves it well past that (printed)."""
     client = service(server)
     tc = client.create_lora_training_client(base_model=base_model(client), rank=8, seed=1).result()
     prompt = types.ModelInput.from_ints(PROMPT)
     params = types.SamplingParams(max_tokens=4, temperature=1.0)
     rewards = []
-    for _ in range(16):
+    for _ in range(RL_ROUNDS):
         sampler = tc.save_weights_and_get_sampling_client().result()
-        got = sampler.sample(prompt, 8, params).result()
+        got = sampler.sample(prompt, 16, params).result()
         scores = [float(np.mean([t % 2 == 0 for t in s.tokens])) for s in got.sequences]
         rewards.append(float(np.mean(scores)))
         data = []
@@ -157,8 +162,9 @@ def test_an_rl_loop_with_importance_sampling_raises_its_reward(server) -> None:
                 )
             )
         tc.forward_backward(data, "importance_sampling").result()
-        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
-    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.15, rewards
+        tc.optim_step(types.AdamParams(learning_rate=0.03)).result()
+    print("rewards by round:", [round(r, 2) for r in rewards])
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + RL_RISE, rewards
     client.close("success").result()
 
 
