@@ -91,13 +91,26 @@ def tis_losses(tis_cap: float | None):
     return {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0, tis_cap=tis_cap) for n in CONFIGS}
 
 
-def train_with_tis(trainer, tis_cap: float | None) -> dict[str, dict[str, torch.Tensor]]:
-    """One update of every adapter; their weights after it."""
+def train_with_tis(
+    trainer, tis_cap: float | None
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, tuple[float | None, int]]]:
+    """One update of every adapter; their weights after it, and each one's TIS statistic
+    (its mean weight and the tokens weighted: TrainOutcome's, over every rank's rows)."""
     from lora_helpers import CONFIGS
 
-    outcomes = trainer.train(tis_rows(trainer.model), tis_losses(tis_cap))
+    rows = tis_rows(trainer.model)
+    outcomes = trainer.train(rows, tis_losses(tis_cap))
     assert all(o.failure is None for o in outcomes.values()), outcomes
-    return {n: trainer.model.adapter_state_dict(n) for n in CONFIGS}
+    tis = {n: (o.tis_weight_mean, o.tis_tokens) for n, o in outcomes.items()}
+    return {n: trainer.model.adapter_state_dict(n) for n in CONFIGS}, tis
+
+
+def tis_tokens_of(model) -> dict[str, int]:
+    """Each adapter's completion tokens in ``tis_rows``: what TIS must weight."""
+    counts: dict[str, int] = {}
+    for row in tis_rows(model):
+        counts[row.experiment] = counts.get(row.experiment, 0) + len(row.completion_ids)
+    return counts
 
 
 def run_tis_rank(rank: int, port: int, model_dir: str, out: str, tis_cap: float) -> None:
@@ -109,12 +122,13 @@ def run_tis_rank(rank: int, port: int, model_dir: str, out: str, tis_cap: float)
     distributed.join(world, torch.device("cpu"), timeout_s=120)
     try:
         trainer = tis_trainer(model_dir, world)
+        tis = None
         if world.is_leader:
-            adapters = train_with_tis(trainer, tis_cap)
+            adapters, tis = train_with_tis(trainer, tis_cap)
             trainer.stop()
         else:
             assert trainer.follow() == 1
             adapters = {n: trainer.model.adapter_state_dict(n) for n in tis_losses(None)}
-        torch.save(adapters, Path(out) / f"tis-rank{rank}.pt")
+        torch.save({"adapters": adapters, "tis": tis}, Path(out) / f"tis-rank{rank}.pt")
     finally:
         distributed.leave()

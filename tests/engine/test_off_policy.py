@@ -17,7 +17,14 @@ from loraplex_engine.api_types import ExperimentTick, TickReport
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.train.rows import TrainRow
-from loraplex_engine.train.strategy import gap_totals, logprob_gaps, mean_gaps
+from loraplex_engine.train.strategy import (
+    StepTotals,
+    TrainOutcome,
+    gap_totals,
+    logprob_gaps,
+    mean_gaps,
+    with_totals,
+)
 
 from tests.engine.engine_builders import engine, spec
 
@@ -87,7 +94,8 @@ def test_recomputed_old_logprobs_are_the_torch_rollouts_own(
 @pytest.mark.parametrize("mode", ["fused", "timesliced"])
 def test_a_tick_reports_the_gap_it_measured(tiny_model_dir: Path, tmp_path: Path, mode) -> None:
     """Forced on for the torch rollout, the recompute runs inside the tick (either
-    strategy), with TIS on, and the tick, the status and /metrics carry the (~0) gap."""
+    strategy), with TIS on, and the tick, the status and /metrics carry the (~0) gap and
+    the (~1) TIS weight, which weighted every sampled token."""
     eng = engine(tiny_model_dir, tmp_path, train_mode=mode)
     metrics = EngineMetrics()
     try:
@@ -100,8 +108,14 @@ def test_a_tick_reports_the_gap_it_measured(tiny_model_dir: Path, tmp_path: Path
         (tick,) = report.experiments
         assert tick.logprob_gap is not None and 0.0 <= tick.logprob_gap < TOL
         assert eng.get_experiment("default.a").logprob_gap == tick.logprob_gap
+        assert tick.tis_weight_mean == pytest.approx(1.0, abs=TOL)
+        assert tick.tis_tokens == tick.rollout_tokens > 0
+        status = eng.get_experiment("default.a")
+        assert status.tis_weight_mean == tick.tis_weight_mean
+        assert status.to_json()["tisWeightMean"] == tick.tis_weight_mean
         text = metrics.render().decode()
         assert 'loraplex_engine_logprob_gap{experiment="default.a",namespace="default"}' in text
+        assert 'loraplex_engine_tis_weight_mean{experiment="default.a",namespace="d' in text
     finally:
         eng.close()
 
@@ -113,14 +127,16 @@ def test_gap_gauge_only_where_measured_and_dropped_with_the_experiment() -> None
             0.1,
             {},
             [
-                ExperimentTick("x.v", "x", 1, 0.5, 8, 16, logprob_gap=0.0123),
-                ExperimentTick("x.t", "x", 1, 0.5, 8, 16),  # torch rollout: no gap
+                ExperimentTick("x.v", "x", 1, 0.5, 8, 16, logprob_gap=0.0123, tis_weight_mean=0.97),
+                ExperimentTick("x.t", "x", 1, 0.5, 8, 16),  # torch rollout: no gap, no TIS
             ],
         )
     )
     text = m.render().decode()
     assert 'loraplex_engine_logprob_gap{experiment="x.v",namespace="x"} 0.0123' in text
     assert 'loraplex_engine_logprob_gap{experiment="x.t"' not in text
+    assert 'loraplex_engine_tis_weight_mean{experiment="x.v",namespace="x"} 0.97' in text
+    assert 'loraplex_engine_tis_weight_mean{experiment="x.t"' not in text
     m.forget("x.v")
     assert "x.v" not in m.render().decode()
 
@@ -139,3 +155,20 @@ def test_gaps_split_over_ranks_average_to_the_one_rank_gap() -> None:
     ranks = [gap_totals(rows[:1], trainer[:1]), gap_totals(rows[1:], trainer[1:])]
     assert mean_gaps(ranks) == pytest.approx(one)
     assert mean_gaps([{}, {"a": (0.0, 0)}]) == {"a": 0.0}  # a rank with no tokens of it
+
+
+def test_tis_totals_over_ranks_give_the_one_rank_mean_and_every_token() -> None:
+    """Each rank totals the TIS weight over its share's tokens; combined, rank 0 reports
+    the token-weighted mean of one rank and the tokens of all ranks. An experiment whose
+    loss applied no TIS has none, whatever its gap."""
+    one = {"a": (1.5 + 0.5 + 2.0 + 1.0, 4)}
+    ranks = [StepTotals({"b": (0.5, 2)}, {"a": (1.5, 1)}), StepTotals({}, {"a": (3.5, 3)})]
+    outcomes = {"a": TrainOutcome(), "b": TrainOutcome()}
+    got = with_totals(outcomes, ranks)
+    assert got["a"] == TrainOutcome(tis_weight_mean=5.0 / 4, tis_tokens=4)
+    assert got["a"] == with_totals(outcomes, [StepTotals({}, one)])["a"]
+    assert got["b"] == TrainOutcome(logprob_gap=0.25)  # no TIS: None and 0 tokens
+    # a worker that trained without TIS adds no tokens: the count gives it away
+    assert with_totals(outcomes, ranks[:1])["a"].tis_tokens == 1
+    inf = TrainOutcome(logprob_gap=float("inf"), tis_weight_mean=float("nan"), tis_tokens=3)
+    assert inf.finite() == TrainOutcome(tis_tokens=3)

@@ -29,19 +29,23 @@ EXP_KEYS = {
     "phase": str,
     "rewards": list,
     "logprob_gaps": list,
+    "completion_tokens": list,
+    "tis_weight_means": list,
+    "tis_tokens": list,
     "error": type(None),
 }
 
 
-def manifest(name: str, task: str, seed: int) -> str:
-    """One LoRAExperiment at tiny size: group 2, 2 prompts, 4 new tokens."""
+def manifest(name: str, task: str, seed: int, algorithm: str = "") -> str:
+    """One LoRAExperiment at tiny size: group 2, 2 prompts, 4 new tokens; ``algorithm``:
+    more of its algorithm's fields (", key: value" ...)."""
     return (
         "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
         f"metadata: {{name: {name}}}\nspec:\n"
         "  lora: {rank: 4, alpha: 8, targetModules: [q_proj, v_proj, lm_head]}\n"
         f"  task: {task}\n"
         "  algorithm: {groupSize: 2, promptsPerStep: 2, learningRate: 0.02, "
-        f"maxSteps: {STEPS}, seed: {seed}}}\n"
+        f"maxSteps: {STEPS}, seed: {seed}{algorithm}}}\n"
         "  rollout: {maxNewTokens: 4}\n"
         "  checkpoint: {everySteps: 4, keep: 1}\n"
     )
@@ -73,10 +77,12 @@ def _closed_port_url() -> str:
 
 def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> None:
     """Exit 0; summary.json with exactly the documented keys and types; rewards.png;
-    adapters PEFT loads as saved; progress with step, reward and tok/s."""
+    adapters PEFT loads as saved; progress with step, reward and tok/s. TIS (on say-yes)
+    weighs every sampled token by exactly 1 under the torch rollout."""
+    tis = ", offPolicyCorrection: tis, tisCap: 1.5"
     code, summary = run_cli(
         [
-            manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0),
+            manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0, tis),
             manifest("copy-ab", "{name: copy, params: {length: '2', alphabet: ab}}", 1),
         ],
         tmp_path,
@@ -92,6 +98,7 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
         assert exp["reward_first"] == pytest.approx(sum(exp["rewards"][:5]) / 5)
         assert exp["reward_last"] == pytest.approx(sum(exp["rewards"][-5:]) / 5)
         assert exp["logprob_gaps"] == []  # the torch rollout: the trainer samples itself
+        assert len(exp["completion_tokens"]) == STEPS and min(exp["completion_tokens"]) > 0
         adapter = Path(exp["adapter_path"])
         # a PEFT adapter directory, not the whole checkpoint (no optimiser state)
         assert sorted(p.name for p in adapter.iterdir()) == [
@@ -99,6 +106,10 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
             "adapter_model.safetensors",
         ]
         assert_peft_adapter_loads(adapter, tiny_model_dir)
+    yes, copy = summary["experiments"]
+    assert yes["tis_weight_means"] == [1.0] * STEPS  # the sampler is the trainer
+    assert yes["tis_tokens"] == yes["completion_tokens"]
+    assert copy["tis_weight_means"] == copy["tis_tokens"] == []  # no TIS
     png = tmp_path / "out" / "rewards.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     assert_progress(capsys.readouterr().out, ["say-yes", "copy-ab"])

@@ -18,6 +18,17 @@ def run(share: TimeShare, ticks: int, seconds: dict[str, float], **work: bool) -
     return spent
 
 
+def both_busy(share: TimeShare, ticks: int) -> list[str]:
+    """The kinds of ``ticks`` one-second ticks while both kinds have work."""
+    kinds = []
+    for _ in range(ticks):
+        kind = share.pick(train=True, serve=True)
+        assert kind is not None
+        share.charge(kind, 1.0)
+        kinds.append(kind)
+    return kinds
+
+
 @pytest.mark.parametrize(
     ("serve_s", "train_s"),
     [(0.1, 0.1), (4.0, 0.05), (0.01, 2.0)],  # serving ticks as long as, far longer, far shorter
@@ -42,12 +53,7 @@ def test_idle_time_is_not_banked() -> None:
     then on the split is the shares', not serving catching up on the hour."""
     share = TimeShare(0.25)
     run(share, 3600, {"serve": 1.0, "train": 1.0}, serve=False)
-    kinds = []
-    for _ in range(8):
-        kind = share.pick(train=True, serve=True)
-        assert kind is not None
-        share.charge(kind, 1.0)
-        kinds.append(kind)
+    kinds = both_busy(share, 8)
     assert kinds.count("serve") == 2, kinds
 
 
@@ -58,12 +64,7 @@ def test_a_pause_with_no_work_at_all_banks_nothing_either() -> None:
     run(share, 60, {"serve": 1.0, "train": 1.0}, train=False)
     assert share.pick(train=False, serve=False) is None
     run(share, 5, {"serve": 1.0, "train": 1.0}, serve=False)
-    kinds = []
-    for _ in range(8):
-        kind = share.pick(train=True, serve=True)
-        assert kind is not None
-        share.charge(kind, 1.0)
-        kinds.append(kind)
+    kinds = both_busy(share, 8)
     assert kinds.count("serve") == 2, kinds
 
 

@@ -100,6 +100,9 @@ class ExperimentStatus(WireModel):
     # Mean |log p_sampler - log p_trainer| over the latest step's sampled tokens: how far
     # off-policy the rollout backend is (vLLM); None where the trainer samples itself.
     logprob_gap: float | None = None
+    # Mean truncated-importance weight over the latest step's sampled tokens
+    # (offPolicyCorrection: tis; every rank's under data parallelism); None without TIS.
+    tis_weight_mean: float | None = None
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
@@ -214,6 +217,8 @@ class ExperimentTick:
     checkpointed: bool = False
     failed_reason: str | None = None  # set when this tick failed the experiment
     logprob_gap: float | None = None  # sampler vs trainer log-probs (ExperimentStatus)
+    tis_weight_mean: float | None = None  # the TIS weight's mean (ExperimentStatus)
+    tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Experiment:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
+    tis_weight_mean: float | None = None  # likewise
     # A due checkpoint met a full volume (StorageFullError): retried every tick; a
     # finished experiment is Succeeded only once its last checkpoint is written.
     checkpoint_pending: bool = False
@@ -101,6 +102,7 @@ class Experiment:
             failure_reason=self.failure_reason,
             deterministic_failure=self.failure_reason in DETERMINISTIC_FAILURES,
             logprob_gap=self.logprob_gap,
+            tis_weight_mean=self.tis_weight_mean,
             checkpoint_pending=self.checkpoint_pending,
         )
 

@@ -100,6 +100,13 @@ class EngineMetrics:
             per_exp,
             registry=r,
         )
+        # Only for experiments whose loss applies TIS (offPolicyCorrection: tis).
+        self.tis_weight_mean = Gauge(
+            "loraplex_engine_tis_weight_mean",
+            "Mean truncated-importance (TIS) weight over the latest step's sampled tokens.",
+            per_exp,
+            registry=r,
+        )
         self.failures = Counter(
             "loraplex_engine_experiment_failures",
             "Experiments failed (NaN, reward error, ...).",
@@ -187,6 +194,7 @@ class EngineMetrics:
             self.reward,
             self.checkpoints,
             self.logprob_gap,
+            self.tis_weight_mean,
         )
         self._serving = (self.serving_requests, self.serving_seconds, self.serving_first_token)
         self._lock = threading.Lock()
@@ -255,6 +263,9 @@ class EngineMetrics:
                 if s.logprob_gap is not None:
                     labels = {"namespace": s.namespace, "experiment": s.id}
                     self.logprob_gap.labels(**labels).set(s.logprob_gap)
+                if s.tis_weight_mean is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.tis_weight_mean.labels(**labels).set(s.tis_weight_mean)
 
     def count_checkpoint(self, exp_id: str, namespace: str) -> None:
         with self._lock:
@@ -331,6 +342,8 @@ class EngineMetrics:
                 self.reward.labels(**labels).set(t.reward)
                 if t.logprob_gap is not None:
                     self.logprob_gap.labels(**labels).set(t.logprob_gap)
+                if t.tis_weight_mean is not None:
+                    self.tis_weight_mean.labels(**labels).set(t.tis_weight_mean)
                 if t.checkpointed:
                     self.checkpoints.labels(**labels).inc()
 

@@ -49,7 +49,7 @@ from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.rows import TrainRow
-from loraplex_engine.train.strategy import TrainingStrategy
+from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
@@ -80,7 +80,7 @@ class Scored:
 class Trained:
     scored: Scored
     train_tokens: int
-    logprob_gap: float | None = None  # sampler vs trainer (training_strategy.TrainOutcome)
+    outcome: TrainOutcome  # its statistics (the gap, TIS), finite or None
 
 
 @dataclass(frozen=True)
@@ -326,10 +326,7 @@ class Tick:
                 results.append(Failure(exp, outcome.failure, "non_finite"))
             else:
                 tokens = sum(x.length for x in rows if x.experiment == exp.id)
-                gap = outcome.logprob_gap
-                # A sampled token the trainer finds impossible makes the gap infinite (and
-                # normally the loss too); a status or summary.json carries no inf.
-                results.append(Trained(s, tokens, gap if _finite(gap) else None))
+                results.append(Trained(s, tokens, outcome.finite()))
         return results
 
     def _rows(self, s: Scored) -> list[TrainRow]:
@@ -389,7 +386,8 @@ class Tick:
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
         exp.train_tokens += t.train_tokens
-        exp.logprob_gap = t.logprob_gap
+        exp.logprob_gap = t.outcome.logprob_gap
+        exp.tis_weight_mean = t.outcome.tis_weight_mean
         exp.updated_at = now()
         finished = exp.max_steps > 0 and exp.step >= exp.max_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
@@ -400,7 +398,9 @@ class Tick:
             exp.reward,
             r.rollout_tokens,
             t.train_tokens,
-            logprob_gap=t.logprob_gap,
+            logprob_gap=t.outcome.logprob_gap,
+            tis_weight_mean=t.outcome.tis_weight_mean,
+            tis_tokens=t.outcome.tis_tokens,
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
@@ -454,10 +454,6 @@ def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
 
 def _first_error(completions: list[Completion]) -> str | None:
     return next((c.error for c in completions if c.error is not None), None)
-
-
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
 
 
 def _exp_of(item: Scored | Failure) -> Experiment:

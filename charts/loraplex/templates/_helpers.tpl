@@ -42,6 +42,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{- define "loraplex.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: {{ include "loraplex.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
 {{- define "loraplex.operatorLabels" -}}
 {{ include "loraplex.labels" . }}
 app.kubernetes.io/component: operator

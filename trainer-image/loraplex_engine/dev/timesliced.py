@@ -12,7 +12,7 @@ import torch
 
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.rows import TrainRow
-from loraplex_engine.train.strategy import AdapterTrainer, TrainOutcome, with_gaps
+from loraplex_engine.train.strategy import AdapterTrainer, StepTotals, TrainOutcome, with_totals
 
 
 @dataclass
@@ -26,10 +26,10 @@ class TimeSlicedTraining(AdapterTrainer):
         for exp_id in losses:
             slot = self.model.slot_of(exp_id)
             self._swap(slot, to_device=True)
-            mine, gaps = self.with_trainer_old_logprobs([r for r in rows if r.experiment == exp_id])
+            mine, gaps = self.rescore([r for r in rows if r.experiment == exp_id])
             self.optimizer.zero_grad()
-            self.backward(mine, losses)
-            outcomes |= with_gaps(self.step_finite([exp_id]), gaps)
+            stats = self.backward(mine, losses)
+            outcomes |= with_totals(self.step_finite([exp_id]), [StepTotals(gaps, stats.tis)])
             self._swap(slot, to_device=False)
         return outcomes
 

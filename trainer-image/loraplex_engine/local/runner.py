@@ -45,6 +45,12 @@ class Progress:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # Per step, the off-policy gap (api_types.ExperimentTick.logprob_gap); vLLM only.
     logprob_gaps: dict[str, list[float]] = field(default_factory=dict)
+    # Per step, the tokens sampled (its rows' completions: ExperimentTick.rollout_tokens).
+    completion_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Per step with TIS (offPolicyCorrection: tis), the mean weight and the tokens it
+    # weighted (every rank's under data parallelism: all of the step's completion tokens).
+    tis_weight_means: dict[str, list[float]] = field(default_factory=dict)
+    tis_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Per tick that sent adapters to the sampler (vLLM), its weight sync.
     syncs: list[AdapterSync] = field(default_factory=list)
 
@@ -52,8 +58,12 @@ class Progress:
         for exp in report.experiments:
             if exp.failed_reason is None:
                 self.rewards.setdefault(exp.id, []).append(exp.reward)
+                self.completion_tokens.setdefault(exp.id, []).append(exp.rollout_tokens)
             if exp.failed_reason is None and exp.logprob_gap is not None:
                 self.logprob_gaps.setdefault(exp.id, []).append(exp.logprob_gap)
+            if exp.failed_reason is None and exp.tis_weight_mean is not None:
+                self.tis_weight_means.setdefault(exp.id, []).append(exp.tis_weight_mean)
+                self.tis_tokens.setdefault(exp.id, []).append(exp.tis_tokens)
             self.tokens[exp.id] = self.tokens.get(exp.id, 0) + exp.rollout_tokens
         for phase, seconds in report.phase_seconds.items():
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
@@ -98,6 +108,8 @@ def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
     line += f"reward {reward}  {tokens_per_s:7.1f} tok/s"
     if status.logprob_gap is not None:
         line += f"  gap {status.logprob_gap:.4f}"
+    if status.tis_weight_mean is not None:
+        line += f"  tis {status.tis_weight_mean:.4f}"
     return line
 
 
@@ -173,10 +185,13 @@ def write_summary(
 
     Beside the issue's keys, each experiment carries its ``phase``, ``rewards`` curve,
     ``logprob_gaps`` curve (per step, the mean |sampler − trainer| log-prob gap; empty
-    where the trainer samples itself) and ``error``. A failed experiment has
-    ``adapter_path`` null unless it checkpointed before failing, and null
-    ``reward_first``/``reward_last`` if it never finished a step. With the vLLM rollout,
-    ``adapter_sync`` measures each tick's weight sync (``Progress.sync_summary``).
+    where the trainer samples itself), ``completion_tokens`` (per step, the tokens
+    sampled), ``tis_weight_means`` and ``tis_tokens`` (per step, the mean TIS weight and
+    how many tokens it weighted; empty without ``offPolicyCorrection: tis``) and
+    ``error``. A failed experiment has ``adapter_path`` null unless it checkpointed before
+    failing, and null ``reward_first``/``reward_last`` if it never finished a step. With
+    the vLLM rollout, ``adapter_sync`` measures each tick's weight sync
+    (``Progress.sync_summary``).
     """
     experiments = []
     for exp_id in ids:
@@ -193,6 +208,9 @@ def write_summary(
                 "reward_last": _mean(curve[-FIRST_LAST_K:]),
                 "rewards": curve,
                 "logprob_gaps": progress.logprob_gaps.get(exp_id, []),
+                "completion_tokens": progress.completion_tokens.get(exp_id, []),
+                "tis_weight_means": progress.tis_weight_means.get(exp_id, []),
+                "tis_tokens": progress.tis_tokens.get(exp_id, []),
                 "adapter_path": adapter,
                 "error": status.error,
             }

@@ -21,7 +21,10 @@ vLLM per pod, with ``tensor_parallel_size`` over the pod's GPUs under a sharded 
 rollout/vllm/config.py); the workers start none and get no rollout message. Since vLLM is
 another program, each rank rescores its own share of the rows in its train phase (the
 trainer's old log-probs, AdapterTrainer.rescore: the adapters are equal on every rank,
-so a row scores as on one rank) and rank 0 averages the ranks' sampler-trainer gaps.
+so a row scores as on one rank). After the backward one gather brings every rank's
+off-policy statistics of its share to rank 0 (sums and counts, strategy.StepTotals): the
+sampler-trainer gap, and the TIS weight with the number of tokens it weighted, so a rank
+that trained without rank 0's correction would show in the count.
 
 Adapter slots: rank 0 alone decides which experiments are loaded (the runner's manifest,
 the server's API). Each add and remove is a message to the workers (:class:`AddAdapter`,
@@ -63,7 +66,7 @@ from loraplex_engine.settings.engine import check_train_mode
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.train.rows import TrainRow, count_rows
-from loraplex_engine.train.strategy import FusedTraining, TrainOutcome, mean_gaps, with_gaps
+from loraplex_engine.train.strategy import FusedTraining, StepTotals, TrainOutcome, with_totals
 
 log = logging.getLogger("loraplex_engine.parallel.data_parallel")
 
@@ -293,7 +296,8 @@ class DataParallelTraining(FusedTraining):
 
     def _on_train(self, msg: TrainMessage) -> None:
         self._check_adapters(msg)
-        if msg.rescore != self.recompute_old_logprobs:  # else the gap's gather would hang
+        # Else the ranks' old log-probs would disagree (a sharded base's would hang).
+        if msg.rescore != self.recompute_old_logprobs:
             raise RuntimeError(
                 f"rank {self.world.rank}: rank 0 {'re' if msg.rescore else 'does not re'}scores "
                 "the sampled rows and this rank does not agree: every rank must run the same "
@@ -378,13 +382,15 @@ class DataParallelTraining(FusedTraining):
         share = split_rows_by_rank(rows, self.world.size)[self.world.rank]
         # A vLLM rollout: each rank scores its own share with the adapters as they are
         # (equal on every rank), exactly what one rank would compute for those rows.
-        share, totals = self.rescore(share)
-        gaps = mean_gaps(distributed.gather_objects(totals)) if self.recompute_old_logprobs else {}
+        share, gaps = self.rescore(share)
         self.optimizer.zero_grad()
-        self.backward(share, losses, count_rows(rows))
+        stats = self.backward(share, losses, count_rows(rows))
         in_play = slice(min(slots.values()), max(slots.values()) + 1)
         distributed.all_reduce_lora_grads(self.optimizer.params, in_play)
-        return with_gaps(self.step_finite(list(losses)), gaps)
+        # One gather: every rank's gap and TIS totals over its share, which rank 0 adds
+        # up (a worker's TIS tokens count only where its losses applied TIS).
+        parts = distributed.gather_objects(StepTotals(gaps, stats.tis))
+        return with_totals(self.step_finite(list(losses)), parts)
 
     @torch.no_grad()
     def _sync_new(self, new: dict[str, NewAdapter]) -> None:

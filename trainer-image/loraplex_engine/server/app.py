@@ -106,10 +106,11 @@ def create_app(
     metrics: shared with the engine loop, which feeds it tick reports.
     on_work: called when a request gave the engine work (wakes an idle loop).
     ready / alive: readiness and liveness beyond ``engine.is_ready()``.
-    tinker_keys / training: with both, the Tinker protocol is served under ``/api/v1``
-        (tinker/routes.py): ``tinker_keys`` a ``tinker.keys.KeyStore`` (tenants' API
-        keys, each a namespace), ``training`` the engine's ``TrainingService`` (a getter:
-        it raises ``UnavailableError`` until the engine has loaded).
+    tinker_keys / training: with ``training`` (the engine's ``TrainingService``, a
+        getter: it raises ``UnavailableError`` until the engine has loaded) the Tinker
+        protocol is served under ``/api/v1`` (tinker/routes.py) to ``tinker_keys`` (a
+        ``tinker.keys.KeyStore``: tenants' API keys, each a namespace) and to ``token``
+        acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -129,7 +130,7 @@ def create_app(
     if token is not None:  # added last = outermost: nothing runs before the token check
         if not token:
             raise ValueError("empty token: pass None to serve without auth")
-        tenant = TINKER_PREFIX + "/" if tinker_keys is not None else None
+        tenant = TINKER_PREFIX + "/" if training is not None else None
         app.add_middleware(BearerAuth, token=token, tenant_prefix=tenant)
     app.add_middleware(Observe, metrics=metrics)  # outermost: refused requests are logged too
     bearer = HTTPBearer(auto_error=False, description="the pool's engine token")
@@ -272,10 +273,10 @@ def create_app(
     add_chat_route(app, _ready_engine, **openai)
     add_models_routes(app, _ready_engine, v1)
 
-    if tinker_keys is not None and training is not None:
+    if training is not None and (tinker_keys is not None or token):
         # Imported only here: the protocol's wire needs numpy and the tinker SDK's protobuf.
         from loraplex_engine.tinker.routes import mount_tinker
 
-        mount_tinker(app, training, tinker_keys)
+        mount_tinker(app, training, tinker_keys, admin_token=token)
 
     return app

@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from loraplex_engine.errors import BodyTooLargeError, UnauthorizedError
 from loraplex_engine.server.errors import error_response
 
+NAMESPACE_HEADER = b"x-loraplex-namespace"  # tinker/keys.py's, as ASGI spells headers
+
 # Probes, metrics and the schema stay open: kubelet and Prometheus hold no token.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 
@@ -22,7 +24,10 @@ class BearerAuth:
     """Rejects every non-open path without the right bearer token (constant-time).
 
     ``tenant_prefix``: paths under it (the Tinker routes, ``/api/v1/``) authenticate
-    with the tenants' own API keys instead (tinker/rest.py), never the pool's token."""
+    in the routes (tinker/rest.py): with a tenant's own API key, or with this token and
+    ``X-Loraplex-Namespace`` (a gateway acting for a namespace). A request that names a
+    namespace in that header without this token is refused here, on every path, so a
+    tenant key can never claim a namespace."""
 
     def __init__(self, app: ASGIApp, token: str, tenant_prefix: str | None = None) -> None:
         self.app = app
@@ -35,12 +40,16 @@ class BearerAuth:
         return self.tenant_prefix is not None and path.startswith(self.tenant_prefix)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._open(scope["path"]):
-            given = b""
-            for key, value in scope["headers"]:
-                if key == b"authorization":
-                    given = value
-                    break
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given, delegated = b"", False
+        for key, value in scope["headers"]:
+            if key == b"authorization" and not given:
+                given = value
+            elif key == NAMESPACE_HEADER:
+                delegated = True
+        if delegated or not self._open(scope["path"]):
             # Scheme is case-insensitive (RFC 7235); the token itself is compared exactly.
             if given[:7].lower() == b"bearer ":
                 given = b"Bearer " + given[7:].strip()

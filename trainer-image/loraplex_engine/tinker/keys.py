@@ -16,6 +16,11 @@ The source is re-read when its modification time (or, for a directory, the set o
 and their times) changes, checked at most every ``recheck_s`` seconds: keys rotate
 without a restart. A source that cannot be read, or reads with errors, leaves the last
 good keys in force and is logged.
+
+A gateway in front of several engines (the chart's ``loraplex-gateway``) authenticates
+tenants itself and calls an engine with the engine's admin bearer token plus
+``X-Loraplex-Namespace: <namespace>``: :class:`AdminDelegation` accepts that header only
+with the admin token (server/middleware.py refuses it before routing otherwise).
 """
 
 from __future__ import annotations
@@ -202,3 +207,32 @@ class KeyStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+NAMESPACE_HEADER = "x-loraplex-namespace"
+
+
+def valid_namespace(name: str) -> bool:
+    return len(name) <= 63 and NAMESPACE.match(name) is not None
+
+
+class AdminDelegation:
+    """The engine's admin token acting for a namespace named in ``X-Loraplex-Namespace``
+    (a gateway that authenticated the tenant itself)."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("delegation needs the admin token")
+        self._expected = f"Bearer {token}".encode()
+
+    def namespace_for(self, authorization: str | None, claimed: str | None) -> str | None:
+        """``claimed`` when ``authorization`` is the admin bearer token (constant time)
+        and ``claimed`` is a DNS-1123 label; None otherwise."""
+        given = (authorization or "").encode()
+        if given[:7].lower() == b"bearer ":
+            given = b"Bearer " + given[7:].strip()
+        if not hmac.compare_digest(given, self._expected):
+            return None
+        if claimed is None or not valid_namespace(claimed):
+            return None
+        return claimed

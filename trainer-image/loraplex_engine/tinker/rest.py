@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from loraplex_engine.errors import NotFoundError, UnauthorizedError
+from loraplex_engine.tinker.keys import NAMESPACE_HEADER
 from loraplex_engine.training_service import SavedState
 
 if TYPE_CHECKING:
@@ -21,8 +22,21 @@ if TYPE_CHECKING:
 
 
 def namespace(request: Request) -> str:
-    """The namespace of the request's ``X-API-Key`` (the header the SDK sends)."""
-    ns = request.app.state.tinker_keys.namespace_of(request.headers.get("x-api-key"))
+    """The namespace of the request's ``X-API-Key`` (the header the SDK sends), or, from
+    a gateway, the one ``X-Loraplex-Namespace`` names beside the admin bearer token."""
+    headers = request.headers
+    if NAMESPACE_HEADER in headers:
+        delegation = request.app.state.tinker_delegation
+        ns = None
+        if delegation is not None:
+            ns = delegation.namespace_for(headers.get("authorization"), headers[NAMESPACE_HEADER])
+        if ns is None:
+            raise UnauthorizedError(
+                "X-Loraplex-Namespace needs the engine's admin token and a DNS-1123 label"
+            )
+        return ns
+    keys = request.app.state.tinker_keys
+    ns = keys.namespace_of(headers.get("x-api-key")) if keys is not None else None
     if ns is None:
         raise UnauthorizedError("missing or unknown API key (X-API-Key: tml-...)")
     return ns

@@ -24,7 +24,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.tinker import rest
 from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_error
 from loraplex_engine.tinker.futures import FutureTable, Runner
-from loraplex_engine.tinker.keys import KeyStore
+from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.tinker.rest import Ns
 from loraplex_engine.tinker.state import Registry
@@ -157,19 +157,26 @@ def future_answer(request_id: str, model_id: str | None = None, **extra: Any) ->
 def mount_tinker(
     app: FastAPI,
     training: Callable[[], TrainingService],
-    keys: KeyStore,
+    keys: KeyStore | None,
     *,
+    admin_token: str | None = None,
     registry: Registry | None = None,
     futures: FutureTable | None = None,
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
 ) -> Protocol:
-    """Adds the ``/api/v1`` routes to ``app``; returns the protocol state."""
+    """Adds the ``/api/v1`` routes to ``app``; returns the protocol state. Requests
+    authenticate with ``keys`` (a tenant's ``X-API-Key``) or ``admin_token`` (the engine's
+    admin token acting for ``X-Loraplex-Namespace``); at least one is given."""
+    delegation = AdminDelegation(admin_token) if admin_token else None
+    if keys is None and delegation is None:
+        raise ValueError("the Tinker routes need tenant keys or the admin token")
     proto = Protocol(training, registry=registry, futures=futures, runner=runner)
     app.state.tinker = proto
     add_protocol_error_handler(app)
 
-    app.state.tinker_keys = keys
+    app.state.tinker_keys = keys  # tenants' own keys (serve --tinker-keys), or None
+    app.state.tinker_delegation = delegation  # the gateway's way in, or None
     r = APIRouter(prefix=PREFIX, tags=["tinker"])
 
     @r.get("/healthz")

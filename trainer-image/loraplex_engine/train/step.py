@@ -51,6 +51,11 @@ from loraplex_engine.train.shared_prefix import SharedForward
 if TYPE_CHECKING:
     from loraplex_engine.parallel.lockstep import Lockstep
 
+# Per experiment: (sum of a per-token statistic over its sampled tokens, how many tokens).
+# Sums and counts, not means: the ranks of a data-parallel update each total their own
+# rows, and rank 0 adds every rank's (train/strategy.py: StepTotals).
+TokenTotals = dict[str, tuple[float, int]]
+
 
 @dataclass
 class TrainStats:
@@ -61,6 +66,9 @@ class TrainStats:
     micro_batches: int = 0
     shared_micro_batches: int = 0  # of which ran with shared prompt prefixes
     computed_tokens: int = 0  # real tokens through the policy forward (a shared prefix once)
+    # The TIS weight over the completion tokens it multiplied (experiments whose loss
+    # applies it: LossOutput.tis_mean), so its mean and how many tokens it reached.
+    tis: TokenTotals = field(default_factory=dict)
 
 
 def _micro_batch_loss(
@@ -106,6 +114,10 @@ def _micro_batch_loss(
         stats.tokens[exp] = stats.tokens.get(exp, 0) + sum(
             r.length for r in rows if r.experiment == exp
         )
+        if out.tis_mean is not None:  # a mean over these rows' completion tokens
+            n = int(batch["mask"][index].sum())
+            weights_sum, count = stats.tis.get(exp, (0.0, 0))
+            stats.tis[exp] = (weights_sum + float(out.tis_mean) * n, count + n)
     return total
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -24,7 +25,7 @@ from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.optim import PerAdapterAdamW
 from loraplex_engine.train.rows import RoutedForward, TrainRow
 from loraplex_engine.train.shared_prefix import SharedForward
-from loraplex_engine.train.step import fused_backward, score_rows
+from loraplex_engine.train.step import TokenTotals, TrainStats, fused_backward, score_rows
 
 if TYPE_CHECKING:
     from loraplex_engine.parallel.lockstep import Lockstep
@@ -42,6 +43,31 @@ class TrainOutcome:
     # Mean |log p_sampler - log p_trainer| over the step's sampled tokens, when the
     # trainer recomputed the old log-probs (a vLLM rollout); None when it did not.
     logprob_gap: float | None = None
+    # Mean truncated-importance weight over the step's sampled tokens and how many it
+    # weighted (offPolicyCorrection: tis; every rank's rows under data parallelism);
+    # None and 0 where the loss applies no TIS.
+    tis_weight_mean: float | None = None
+    tis_tokens: int = 0
+
+    def finite(self) -> TrainOutcome:
+        """Its statistics with a non-finite one as None: a sampled token the trainer finds
+        impossible makes the gap infinite (and normally the loss too), and a status or
+        summary.json carries no inf."""
+        gap, tis = self.logprob_gap, self.tis_weight_mean
+        return dataclasses.replace(
+            self,
+            logprob_gap=gap if gap is not None and math.isfinite(gap) else None,
+            tis_weight_mean=tis if tis is not None and math.isfinite(tis) else None,
+        )
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """One update's per-experiment statistics over some rows, as sums and counts: a
+    data-parallel rank totals its share and rank 0 adds every rank's (:func:`with_totals`)."""
+
+    gaps: TokenTotals = field(default_factory=dict)  # |sampler - trainer| log-prob (rescored)
+    tis: TokenTotals = field(default_factory=dict)  # the TIS weight (TrainStats.tis)
 
 
 class TrainingStrategy(Protocol):
@@ -139,7 +165,7 @@ class AdapterTrainer:
         rows: list[TrainRow],
         losses: dict[str, PolicyLoss],
         row_counts: dict[str, int] | None = None,
-    ) -> None:
+    ) -> TrainStats:
         """Accumulate the rows' gradients; ``row_counts``: training.fused_backward's."""
         stats = fused_backward(
             self._forward or self._routed_forward,
@@ -153,6 +179,7 @@ class AdapterTrainer:
             lockstep=self.lockstep,
         )
         self.computed_tokens += stats.computed_tokens
+        return stats
 
     def _routed_forward(
         self, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
@@ -210,10 +237,10 @@ class FusedTraining(AdapterTrainer):
     """Every adapter's rows in one forward/backward, then one step over all slots."""
 
     def train(self, rows: list[TrainRow], losses: dict[str, PolicyLoss]) -> dict[str, TrainOutcome]:
-        rows, gaps = self.with_trainer_old_logprobs(rows)
+        rows, gaps = self.rescore(rows)
         self.optimizer.zero_grad()
-        self.backward(rows, losses)
-        return with_gaps(self.step_finite(list(losses)), gaps)
+        stats = self.backward(rows, losses)
+        return with_totals(self.step_finite(list(losses)), [StepTotals(gaps, stats.tis)])
 
 
 def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str, float]:
@@ -225,7 +252,7 @@ def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str,
 
 
 # Per experiment: (sum of |sampler - trainer| over its sampled tokens, how many tokens).
-GapTotals = dict[str, tuple[float, int]]
+GapTotals = TokenTotals
 
 
 def gap_totals(rows: list[TrainRow], trainer: list[torch.Tensor]) -> GapTotals:
@@ -241,17 +268,32 @@ def gap_totals(rows: list[TrainRow], trainer: list[torch.Tensor]) -> GapTotals:
 
 def mean_gaps(parts: Iterable[GapTotals]) -> dict[str, float]:
     """Per experiment, the mean gap over every part's tokens (0.0 where it has none)."""
-    sums: dict[str, list[float]] = {}
+    return {e: total / n if n else 0.0 for e, (total, n) in sum_totals(parts).items()}
+
+
+def sum_totals(parts: Iterable[TokenTotals]) -> TokenTotals:
+    """Per experiment, every part's sum and count added up."""
+    out: TokenTotals = {}
     for part in parts:
         for exp, (total, n) in part.items():
-            acc = sums.setdefault(exp, [0.0, 0.0])
-            acc[0] += total
-            acc[1] += n
-    return {e: total / n if n else 0.0 for e, (total, n) in sums.items()}
+            acc, count = out.get(exp, (0.0, 0))
+            out[exp] = (acc + total, count + n)
+    return out
 
 
-def with_gaps(outcomes: dict[str, TrainOutcome], gaps: dict[str, float]) -> dict[str, TrainOutcome]:
-    return {
-        e: dataclasses.replace(o, logprob_gap=gaps.get(e)) if e in gaps else o
-        for e, o in outcomes.items()
-    }
+def with_totals(
+    outcomes: dict[str, TrainOutcome], parts: Sequence[StepTotals]
+) -> dict[str, TrainOutcome]:
+    """``outcomes`` with the off-policy statistics of ``parts`` (one per rank) combined:
+    each experiment's mean gap, and its mean TIS weight over every token it weighted."""
+    gaps = mean_gaps(p.gaps for p in parts)
+    tis = sum_totals(p.tis for p in parts)
+    out = {}
+    for e, o in outcomes.items():
+        if e in gaps:
+            o = dataclasses.replace(o, logprob_gap=gaps[e])
+        total, n = tis.get(e, (0.0, 0))
+        if n:
+            o = dataclasses.replace(o, tis_weight_mean=total / n, tis_tokens=n)
+        out[e] = o
+    return out

@@ -1,0 +1,222 @@
+"""The Tinker API (``/api/v1/...``) for every pool: each call authenticated by the
+tenant's key, checked against its role, and sent to the engine that holds what it names
+(routing.py) with the pool token and ``X-Loraplex-Namespace``.
+
+Stage 1 (docs/design/gateway.md): a session lives on one engine, chosen at
+``create_session`` among the pools that admit the namespace (most free slots); its
+models and samplers live there too. The gateway finds a session's engine by asking the
+engines, and a future's engine is written in the future's id, so any replica answers
+any call and a replica lost mid-training loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway.keys import Key
+from loraplex_operator.gateway.routing import Engine
+from loraplex_operator.gateway.upstream import Upstream
+
+PREFIX = "/api/v1"
+PROTOBUF = "application/x-protobuf"
+
+# The engine's client config (loraplex_engine/tinker/routes.py CLIENT_CONFIG) but for
+# compression: the gateway reads forward_backward's model id from the protobuf, so the
+# SDK sends it uncompressed (tests/operator/test_gateway_pure.py keeps the two in step).
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": True,
+    "fwdbwd_max_chunk_len": 256,
+    "fwdbwd_max_chunk_bytes_count": 2_000_000,
+    "use_pyqwest_transport": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+LOCAL = {
+    "client/config": CLIENT_CONFIG,
+    "client/dynamic_config": {"refresh_interval_sec": 300, "sample_cancel_enabled": False},
+    "telemetry": {"status": "accepted"},
+}
+BY_SESSION = frozenset({"session_heartbeat", "create_model", "create_sampling_session"})
+BY_MODEL = frozenset(
+    {"get_info", "optim_step", "save_weights", "save_weights_for_sampler", "unload_model"}
+)
+ANY_ENGINE = frozenset({"get_server_capabilities", "create_custom_loss"})
+LISTINGS = {"training_runs": "training_runs", "checkpoints": "checkpoints"}
+LIST_ALL = {"limit": "1000", "offset": "0"}
+
+
+def not_found(what: str, field: str | None = None) -> Response:
+    return proxy.error(404, "not_found", f"no {what}", field)
+
+
+class Tinker:
+    def __init__(self, upstream: Upstream) -> None:
+        self.up = upstream
+
+    async def handle(self, request: Request, key: Key, route: str, body: bytes) -> Response:
+        name = route.split("/", 1)[0]
+        if route in LOCAL:
+            return JSONResponse(LOCAL[route])
+        if not key.may(name):
+            return proxy.error(
+                403,
+                "forbidden",
+                f"this API key ({key.role}) may not call {name}: it needs the train role",
+            )
+        ns = key.namespace
+        if route == "create_session":
+            return await self._create_session(request, ns, body)
+        if route in ANY_ENGINE:
+            return await self._any_engine(request, ns, route, body)
+        if name in LISTINGS and "/" not in route:
+            return await self._listing(request, ns, name)
+        if name in ("forward_backward", "forward"):
+            if request.headers.get("content-encoding"):
+                return proxy.error(
+                    422, "invalid_request", "send forward_backward uncompressed to the gateway"
+                )
+            model_id = routing.proto_string_field(body, 1)
+            return await self._to_session(request, ns, route, body, model_id, "model_id")
+        if route == "retrieve_future":
+            return await self._retrieve(request, ns, body)
+        doc = _json(body)
+        if route in BY_SESSION:
+            return await self._to_session(request, ns, route, body, doc.get("session_id"))
+        if route in BY_MODEL:
+            return await self._to_session(request, ns, route, body, doc.get("model_id"), "model_id")
+        if route == "load_weights":
+            ref = doc.get("session_id") or doc.get("model_id") or doc.get("path")
+            return await self._to_session(request, ns, route, body, ref, "path")
+        if route == "asample":
+            ref = doc.get("sampling_session_id") or doc.get("model_path")
+            if ref:
+                return await self._to_session(request, ns, route, body, ref, "model_path")
+            return await self._any_engine(request, ns, route, body)
+        if name in ("sessions", "samplers", "training_runs"):
+            ref = route.split("/")[1] if "/" in route else None
+            return await self._to_session(request, ns, route, body, ref)
+        return proxy.error(404, "not_found", f"no Tinker route {route!r}")
+
+    # --- forwarding -------------------------------------------------------------------
+
+    async def _forward(
+        self,
+        request: Request,
+        engine: Engine,
+        ns: str,
+        route: str,
+        body: bytes,
+        idempotent: bool = False,
+    ) -> Response:
+        headers = {}
+        if ctype := request.headers.get("content-type"):
+            headers["Content-Type"] = ctype
+        if accept := request.headers.get("accept"):
+            headers["Accept"] = accept
+        try:
+            r = await self.up.call(
+                engine,
+                request.method,
+                f"{PREFIX}/{route}",
+                ns,
+                content=body or None,
+                headers=headers,
+                params=dict(request.query_params),
+                idempotent=idempotent or request.method == "GET",
+            )
+        except httpx.TransportError as e:
+            self.up.forget(engine)
+            return proxy.lost(engine, e)
+        if r.headers.get("content-type", "").startswith("application/json"):
+            answer = routing.with_future_ids(engine.name, r.json())
+            return proxy.passed(r, json.dumps(answer).encode())
+        return proxy.passed(r)
+
+    async def _to_session(
+        self,
+        request: Request,
+        ns: str,
+        route: str,
+        body: bytes,
+        ref: Any,
+        field: str = "session_id",
+    ) -> Response:
+        session = routing.session_of(ref if isinstance(ref, str) else None)
+        engine = await self.up.find_session(ns, session) if session else None
+        if engine is None:
+            return not_found(f"session, model or sampler {ref!r}", field)
+        return await self._forward(request, engine, ns, route, body)
+
+    async def _create_session(self, request: Request, ns: str, body: bytes) -> Response:
+        engines = self.up.directory.admitting(ns)
+        free = await self.up.free_slots(engines)
+        choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
+        engine = self.up.directory.engine(choice) if choice else None
+        if engine is None:
+            return proxy.error(
+                503, "unavailable", f"no engine of a pool that admits namespace {ns!r} answers"
+            )
+        answer = await self._forward(request, engine, ns, "create_session", body)
+        if answer.status_code == 200:
+            session = json.loads(bytes(answer.body)).get("session_id")
+            if isinstance(session, str):
+                self.up.remember_session(ns, session, engine)
+        return answer
+
+    async def _any_engine(self, request: Request, ns: str, route: str, body: bytes) -> Response:
+        engines = self.up.directory.admitting(ns)
+        if not engines:
+            return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
+        last: Response | None = None
+        for engine in engines:
+            last = await self._forward(request, engine, ns, route, body)
+            if last.status_code < 500:
+                return last
+        assert last is not None
+        return last
+
+    async def _retrieve(self, request: Request, ns: str, body: bytes) -> Response:
+        doc = _json(body)
+        given = doc.get("request_id")
+        split = routing.split_future_id(given) if isinstance(given, str) else None
+        engine = self.up.directory.engine(split[0]) if split else None
+        if split is None or engine is None:
+            return not_found(f"request {given!r} (unknown, or its engine is gone)", "request_id")
+        forwarded = json.dumps({**doc, "request_id": split[1]}).encode()
+        return await self._forward(request, engine, ns, "retrieve_future", forwarded, True)
+
+    async def _listing(self, request: Request, ns: str, name: str) -> Response:
+        """A REST listing gathered from every admitting engine, then paged here."""
+        engines = self.up.directory.admitting(ns)
+        answers = await self.up.gather(engines, f"{PREFIX}/{name}", ns, LIST_ALL)
+        items: dict[str, Any] = {}
+        for answer in answers:
+            for item in answer.get(LISTINGS[name]) or []:
+                ident = item.get("training_run_id") or item.get("tinker_path")
+                items.setdefault(str(ident), item)
+        try:
+            limit = max(1, min(int(request.query_params.get("limit", 20)), 1000))
+            offset = max(0, int(request.query_params.get("offset", 0)))
+        except ValueError:
+            return proxy.error(422, "invalid_request", "limit and offset are integers")
+        ordered = [items[k] for k in sorted(items)]
+        cursor = {"offset": offset, "limit": limit, "total_count": len(ordered)}
+        return JSONResponse({LISTINGS[name]: ordered[offset : offset + limit], "cursor": cursor})
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}

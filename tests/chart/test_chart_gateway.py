@@ -1,0 +1,60 @@
+"""The chart's loraplex-gateway: the rendered Deployment's command line parses as the
+gateway's real CLI (loraplex_operator.gateway.cli), it runs from the operator image with
+2 replicas, a Service and a PodDisruptionBudget, and its RBAC reads key Secrets either
+cluster-wide or only in the namespaces listed, and writes nothing."""
+
+from __future__ import annotations
+
+from chart_helpers import by_kind, one, render
+from loraplex_operator.gateway.cli import parser
+
+NAME = "loraplex-gateway"
+
+
+def _deployment(docs: list[dict]) -> dict:
+    [dep] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == NAME]
+    return dep
+
+
+def test_the_rendered_command_line_is_the_gateways_cli() -> None:
+    docs = render({"gateway": {"enabled": True, "keys": {"namespaces": ["team-b", "team-a"]}}})
+    dep = _deployment(docs)
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "loraplex_operator.gateway"]
+    args = parser().parse_args(container["args"])
+    assert args.port == 8080 and args.key_namespaces == "team-a,team-b"
+    assert args.engines_file is None  # the Kubernetes API, never a file, in a cluster
+    assert dep["spec"]["replicas"] == 2
+    operator = one(docs, "Deployment", "loraplex-operator")
+    assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
+    service = one(docs, "Service", NAME)
+    assert service["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = one(docs, "PodDisruptionBudget", NAME)
+    assert pdb["spec"]["minAvailable"] == 1
+
+
+def test_key_secrets_are_read_where_the_values_say_and_nothing_is_written() -> None:
+    cluster = render({"gateway": {"enabled": True}})
+    rules = one(cluster, "ClusterRole", NAME)["rules"]
+    assert any(r["resources"] == ["secrets"] for r in rules)
+    scoped = render({"gateway": {"enabled": True, "keys": {"namespaces": ["team-a"]}}})
+    rules = one(scoped, "ClusterRole", NAME)["rules"]
+    assert not any("secrets" in r["resources"] for r in rules)
+    roles = [r for r in by_kind(scoped, "Role") if r["metadata"]["name"] == NAME + "-keys"]
+    assert [r["metadata"]["namespace"] for r in roles] == ["team-a"]
+    for doc in by_kind(scoped, "Role") + by_kind(scoped, "ClusterRole"):
+        if doc["metadata"]["name"].startswith(NAME):
+            for rule in doc["rules"]:
+                assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+
+
+def test_engines_admit_the_gateway_under_the_network_policy() -> None:
+    docs = render({"networkPolicy": {"enabled": True}, "gateway": {"enabled": True}})
+    policy = by_kind(docs, "NetworkPolicy")[0]
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert any(
+        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+        == "gateway"
+        for p in peers
+    )
+    assert not any(d["metadata"]["name"] == NAME for d in render({"gateway": {"enabled": False}}))
