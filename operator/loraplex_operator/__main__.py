@@ -12,7 +12,8 @@ listens on loopback `--liveness-port` and is forwarded by `/healthz`.
 Tuning through the environment: LORAPLEX_RECONCILE_INTERVAL (5 s, a pool whose engines
 are polled), LORAPLEX_RESYNC_INTERVAL (60 s, a pool with nothing to poll),
 LORAPLEX_STATUS_INTERVAL (10 s), LORAPLEX_SCALE_DOWN_DELAY (60 s),
-LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s).
+LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s), LORAPLEX_LOG_FORMAT (text;
+json: one JSON object per line, loraplex_operator/logs.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="watch LoRAExperiments only here (repeatable; default: all namespaces)",
     )
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("LORAPLEX_LOG_FORMAT", "text"),
+        help="json: one JSON object per line (time, level, logger, message, object, "
+        "exception); default LORAPLEX_LOG_FORMAT or text",
+    )
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--debug", action="store_true")
     return p
@@ -43,13 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     import kopf
 
     import loraplex_operator.handlers  # noqa: F401  (registers the handlers)
+    from loraplex_operator import logs
 
     liveness_port = args.liveness_port or (args.metrics_port + 1 if args.metrics_port else 0)
     liveness = f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None
     os.environ["LORAPLEX_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["LORAPLEX_LOG_FORMAT"] = args.log_format
     if liveness:
         os.environ["LORAPLEX_KOPF_LIVENESS"] = liveness
     kopf.configure(verbose=args.verbose, debug=args.debug)
+    logs.configure(args.log_format)
     kopf.run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -7,6 +7,12 @@ from typing import Any
 
 import httpx
 
+from loraplex_operator.logs import quiet_libraries
+
+# httpx logs every request at INFO; the operator polls each engine every few seconds, so
+# those lines would be nearly all of its log. Its warnings still show.
+quiet_libraries()
+
 
 class EngineError(Exception):
     """A 4xx/5xx answer from an engine, with the engine's error code and field."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import kopf
 
+from loraplex_operator import logs
 from loraplex_operator import metrics as m
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
@@ -35,6 +36,7 @@ from loraplex_operator.resources import API_VERSION, FINALIZER
 from loraplex_operator.sources import IndexedCluster, ListedCluster
 
 log = logging.getLogger("loraplex_operator")
+logs.configure(logs.log_format())  # kopf run configured its logging before importing this
 
 
 def _raw(body: Any) -> dict[str, Any]:
@@ -70,6 +72,7 @@ async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    logs.configure(logs.log_format())  # after kopf's own logging set-up
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.watching.reconnect_backoff = 1.0

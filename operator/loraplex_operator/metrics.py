@@ -4,6 +4,9 @@ One port (8080 by default) serves both: `/metrics` in the Prometheus text format
 the operator's own registry, `/healthz` = kopf's liveness probe (kopf serves it on a
 loopback port; we forward) and, on top, every pool reconciler must have finished a
 round recently, so a wedged reconciler restarts the pod too.
+
+No `_created` series (prometheus-client's process-wide switch, as in the engine):
+Prometheus ignores them and they double every counter's and histogram's series.
 """
 
 from __future__ import annotations
@@ -14,11 +17,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from loraplex_operator.status import EXPERIMENT_PHASES
 
+disable_created_metrics()
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 EXPERIMENTS_BY_PHASE = Gauge(

@@ -27,7 +27,7 @@ from loraplex_operator.resources import Experiment, Pool
 log = logging.getLogger("loraplex_operator.publish")
 
 # Status fields whose change alone is progress (throttled); anything else is written at once.
-PROGRESS_FIELDS = frozenset({"step", "reward", "observedGeneration"})
+PROGRESS_FIELDS = frozenset({"step", "progress", "reward", "observedGeneration"})
 
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 

@@ -254,7 +254,7 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
     old = ExperimentStatus.model_validate(exp.raw_status)
     generation = exp.meta.generation
     if old.phase in TERMINAL:
-        return _terminal(old, generation, now)
+        return _terminal(old, generation, now, exp.spec.algorithm.max_steps)
     verdict = _verdict(exp.spec.suspend, old.phase, obs)
 
     # Only fields set: one never written stays out of the patch, as it was.
@@ -273,6 +273,7 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
             fields["node"] = obs.binding.node
     else:
         fields.update(engine=None, node=None)  # set to None: the merge patch removes them
+    fields["progress"] = progress(fields.get("step"), exp.spec.algorithm.max_steps)
     if verdict.phase == RUNNING and "started_at" not in fields:
         fields["started_at"] = rfc3339(now)
     if verdict.phase in TERMINAL:
@@ -280,10 +281,20 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
     return ExperimentStatus(**fields)
 
 
-def _terminal(old: ExperimentStatus, generation: int, now: datetime) -> ExperimentStatus:
+def progress(step: int | None, max_steps: int) -> str:
+    """`status.progress`: steps done of maxSteps ("12/50"; continual, maxSteps 0: "12/-")."""
+    return f"{step or 0}/{max_steps if max_steps > 0 else '-'}"
+
+
+def _terminal(
+    old: ExperimentStatus, generation: int, now: datetime, max_steps: int
+) -> ExperimentStatus:
     """A finished experiment's status stays as it was; one written before the generic
-    conditions existed gets them (from its phase and that phase's reason)."""
+    conditions or the progress existed gets them (from its phase and that phase's reason,
+    from its step)."""
     update: dict[str, Any] = {"observed_generation": generation}
+    if old.progress is None:
+        update["progress"] = progress(old.step, max_steps)
     if old.condition(READY) is None:
         new = generic_conditions(str(old.phase), phase_reason(old), old.message or "")
         update["conditions"] = merge_conditions(old.conditions, new, generation, now)

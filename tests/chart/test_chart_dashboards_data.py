@@ -104,6 +104,16 @@ def _openmetrics(end: int) -> str:
         counter("loraplex_engine_train_tokens_total", per_exp, 500)
         counter("loraplex_engine_checkpoints_total", per_exp, 0.05)
         gauge("loraplex_engine_reward", per_exp, 0.5)
+    # Serving, per the request's model: two experiments, the base, and "other" (errors).
+    base = {**engine_wide, "experiment": "tiny-base"}
+    other = {**engine_wide, "experiment": "other"}
+    for labels in (*({**ENGINE, "namespace": ns, "experiment": e} for ns, e in EXPERIMENTS), base):
+        counter("loraplex_engine_serving_requests_total", labels, 2)
+        histogram("loraplex_engine_serving_request_seconds", labels, 2, 1.5)
+        histogram("loraplex_engine_serving_first_token_seconds", labels, 2, 0.4)
+    counter("loraplex_engine_serving_requests_total", other, 0.1)
+    counter("loraplex_engine_serving_errors_total", {**other, "code": "not_found"}, 0.1)
+    gauge("loraplex_engine_serving_queue_depth", engine_wide, 3)
     counter("loraplex_engine_experiment_failures_total", {**engine_wide, "reason": "nan"}, 0.001)
     histogram("loraplex_engine_tick_seconds", engine_wide, 0.5, 1.6)
     for phase in PHASES:

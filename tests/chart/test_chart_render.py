@@ -143,7 +143,8 @@ def test_operator_deployment_defaults() -> None:
     assert env["LORAPLEX_METRICS_PORT"]["value"] == "8080"
     assert env["LORAPLEX_WATCH_NAMESPACES"]["value"] == ""
     # Only what the operator reads (the engine namespace and token come from each pool).
-    assert set(env) == {"LORAPLEX_METRICS_PORT", "LORAPLEX_WATCH_NAMESPACES"}
+    assert set(env) == {"LORAPLEX_METRICS_PORT", "LORAPLEX_WATCH_NAMESPACES", "LORAPLEX_LOG_FORMAT"}
+    assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["image"] == "loraplex/operator:0.1.0"
 

@@ -19,6 +19,9 @@ real operator while experiments train.
   `/api/v1/query` with Grafana's variables set to values that exist (read from the
   variables' own queries) and must return data that is not NaN. At the end the failed
   experiment is deleted and its per-experiment operator series must go.
+- Serving traffic throughout: completions for each experiment and the base model, some
+  streamed, and one for a model that does not exist, so the Serving row's latency
+  quantiles, errors and queue depth read real requests.
 
 `$__rate_interval`, `$__interval` and `$__range` are set to the span of the run, at least
 30 s (as for a dashboard zoomed onto the run): the scheduling latency histogram only
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -98,6 +102,7 @@ QUIET_ALERTS = (
     "LoraplexExperimentStuckPending",
     "LoraplexExperimentRestarting",
     "LoraplexCheckpointStorageFull",
+    "LoraplexServingSlow",
 )
 # Alerts the FAILING experiment must trigger, with the labels they must carry.
 FAILURE_ALERTS = {
@@ -202,6 +207,44 @@ async def _feed_engines(h: Harness, scrapes: Scrapes) -> None:
         with contextlib.suppress(Exception):
             scrapes.set_engines(await h.engine_pods(POOL))
         await asyncio.sleep(0.5)
+
+
+async def _serve_traffic(h: Harness, sent: dict[str, int]) -> None:
+    """Completions against every engine of the pool, as OpenAI clients would send them:
+    each experiment and the base model (every other one streamed), and a model that does
+    not exist (a 404). ``sent`` counts the answers by status."""
+    import base64
+
+    import httpx
+    from harness import ENGINE_NS, TOKEN_SECRET
+    from loraplex_operator.kube import SECRETS
+    from loraplex_operator.manifests import engine_url
+
+    assert h.kube is not None
+    secret = await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    models = [f"{ns}.{name}" for ns, name in EXPERIMENTS]
+    async with httpx.AsyncClient(
+        timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as client:
+        for i in itertools.count():
+            with contextlib.suppress(httpx.HTTPError, KeyError, IndexError):
+                for pod in await h.engine_pods(POOL):
+                    url = engine_url(pod)
+                    if not url or (pod.get("status") or {}).get("phase") != "Running":
+                        continue
+                    listed = (await client.get(f"{url}/v1/models")).json()["data"]
+                    base = listed[0]["id"]
+                    loaded = {m["id"] for m in listed}
+                    targets = [m for m in models if m in loaded] + [base]
+                    if i % 5 == 0:
+                        targets.append("team-a.no-such-model")
+                    for model in targets:
+                        body = {"model": model, "prompt": "a b", "max_tokens": 2,
+                                "stream": i % 2 == 1}  # fmt: skip
+                        r = await client.post(f"{url}/v1/completions", json=body)
+                        sent[str(r.status_code)] = sent.get(str(r.status_code), 0) + 1
+            await asyncio.sleep(0.5)
 
 
 def _value(prom: PrometheusServer, expr: str) -> float:
@@ -367,6 +410,8 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
         assert h.operator is not None
         await asyncio.to_thread(prom.start)
         feeder = asyncio.create_task(_feed_engines(h, scrapes))
+        traffic: asyncio.Task[None] | None = None
+        sent: dict[str, int] = {}
         try:
             scrapes.set_operator(h.operator.metrics_port)
             # One engine from the start (min 1), so it loads while the operator settles.
@@ -392,6 +437,7 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             failing = h.experiment_obj(FAILING[1], POOL, max_steps=MAX_STEPS, namespace=FAILING[0])
             failing["spec"]["task"].update(reward="http", rewardUrl=reward_url)
             await h.apply(failing)
+            traffic = asyncio.create_task(_serve_traffic(h, sent))
 
             def trained() -> bool:
                 for ns, name in EXPERIMENTS:
@@ -406,7 +452,13 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                     if not _value(prom, samples) >= MIN_SAMPLES:
                         return False
                 running = f'loraplex_experiments{{pool="{POOL}", phase="Running"}}'
-                return _value(prom, running) == len(EXPERIMENTS)
+                if _value(prom, running) != len(EXPERIMENTS):
+                    return False
+                # Serving: first tokens of each experiment and of the base, and an error.
+                tokens = "loraplex_engine_serving_first_token_seconds_count"
+                served = f'count({tokens}{{job="loraplex-engine", experiment!="other"}} > 0)'
+                errors = 'sum(loraplex_engine_serving_errors_total{job="loraplex-engine"})'
+                return _value(prom, served) >= len(EXPERIMENTS) + 1 and _value(prom, errors) > 0
 
             def failed_and_unloaded() -> bool:
                 sel = f'namespace="{FAILING[0]}", experiment="{FAILING_ID}"'
@@ -475,16 +527,18 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             if {s["metric"]["experiment"] for s in others} != want_ids:
                 problems.append(f"after the delete: phase series {others}")
         finally:
-            feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await feeder
+            for task in (feeder, traffic):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             prom.stop()
             for ns, name in [*EXPERIMENTS, FAILING]:
                 with contextlib.suppress(Exception):
                     await h.delete(ns, name)
         print(
             f"live prometheus check: {with_data}/{checked} panel queries with data, "
-            f"{time.monotonic() - t_start:.1f}s, window {window}"
+            f"{time.monotonic() - t_start:.1f}s, window {window}, completions by status {sent}"
         )
         assert not problems, "\n".join(problems)
         panels = sum(

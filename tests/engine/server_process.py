@@ -30,8 +30,8 @@ from typing import Any
 import child_processes
 import httpx
 
-LISTEN_RE = re.compile(r"loraplex-engine listening: url=(\S+)")
-READY_RE = re.compile(r"loraplex-engine ready: url=(\S+) startup_s=([0-9.]+)")
+LISTEN_RE = re.compile(r"loraplex-engine listening: url=([^\s\"]+)")  # text or JSON line
+READY_RE = re.compile(r"loraplex-engine ready: url=([^\s\"]+) startup_s=([0-9.]+)")
 
 
 def engine_command() -> list[str]:

@@ -62,6 +62,7 @@ CHANGED: dict[str, Any] = {
     "max_completion_tokens": 64,
     "no_checkpoint_on_shutdown": True,
     "log_level": "debug",
+    "log_format": "json",
     "data_root": ("/data", "/more"),
     "allow_reward_host": ("rewards.test", "::1"),
     "allow_dataset_hard_links": True,

@@ -654,7 +654,7 @@ def test_experiment_printer_columns() -> None:
         "Phase",
         "Pool",
         "Engine",
-        "Step",
+        "Progress",
         "Reward",
         "Age",
     ]

@@ -26,7 +26,11 @@ pytestmark = pytest.mark.slow
 
 MODES = {
     "default": None,
-    "namespaced": {"rbac": {"scope": "namespaced", "namespaces": ["team-a"]}},
+    # ... and JSON logs (operator.logFormat): every line of its log must parse.
+    "namespaced": {
+        "rbac": {"scope": "namespaced", "namespaces": ["team-a"]},
+        "operator": {"logFormat": "json"},
+    },
 }
 MEASURE_FILE = Path("out/operator-measurements.json")
 
@@ -98,7 +102,19 @@ async def test_rendered_operator_takes_an_experiment_to_succeeded(
             metrics = (await c.get(h.operator.metrics_url)).text
             assert "loraplex_experiment_phase{" in metrics and "chart-exp" in metrics
             assert (await c.get(h.operator.rendered.probe_url("livenessProbe"))).is_success
+        _logged_well(h.operator.log_text(), json_lines=mode == "namespaced")
         if mode == "namespaced":  # kopf found team-a by listing and watching namespaces
             assert h.api is not None
             calls = operator_calls_in(h.api)
             assert {("", "namespaces", "list", None), ("", "namespaces", "watch", None)} <= calls
+
+
+def _logged_well(text: str, *, json_lines: bool) -> None:
+    """No per-request httpx lines (the engine polls); with JSON, one object per line."""
+    assert "HTTP Request:" not in text
+    if json_lines:
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines
+        for line in lines:
+            record = json.loads(line)
+            assert {"time", "level", "logger", "message"} <= set(record), record

@@ -219,6 +219,41 @@ def test_running_copies_engine_progress() -> None:
     assert status.started_at == "2026-12-02T15:00:00Z"
 
 
+def _with_max_steps(obj: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    obj["spec"].setdefault("algorithm", {})["maxSteps"] = max_steps
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "engine_status", "want"),
+    [
+        (None, RUNNING_ENGINE, "12/50"),  # maxSteps' default
+        (200, RUNNING_ENGINE, "12/200"),
+        (0, RUNNING_ENGINE, "12/-"),  # continual
+        (200, None, "0/200"),  # not placed yet
+    ],
+)
+def test_progress_is_steps_of_max_steps(
+    max_steps: int | None, engine_status: dict[str, Any] | None, want: str
+) -> None:
+    """`status.progress`, the printer column of `kubectl get lx`."""
+    obj = experiment("a").obj()
+    if max_steps is not None:
+        _with_max_steps(obj, max_steps)
+    binding = BOUND if engine_status else None
+    status = derive_status(obj, Observation(binding=binding, engine_status=engine_status), T0)
+    assert status.progress == want and status.to_json()["progress"] == want
+    # The step carried over when the engine does not report it (e.g. unreachable).
+    again = derive_status({**obj, "status": status.to_json()}, Observation(binding=BOUND), T1)
+    assert again.progress == want
+
+
+def test_a_terminal_status_keeps_its_progress() -> None:
+    obj = experiment("a").status(phase="Succeeded", step=50, progress="50/50").obj()
+    _with_max_steps(obj, 80)  # the spec changed after it finished: the status stays
+    assert derive_status(obj, Observation(), T1).progress == "50/50"
+
+
 def test_failure_message_carries_engine_error() -> None:
     obs = Observation(
         binding=BOUND, engine_status={**RUNNING_ENGINE, "phase": "Failed", "error": "NaN loss"}
@@ -317,7 +352,8 @@ def test_terminal_phases_are_sticky(terminal: str) -> None:
     # Sent back as it was (plus the generic conditions it lacked), with this generation:
     # nothing deleted, nothing of the engine's.
     patch = status.to_patch()
-    assert patch.pop("conditions") and patch == {**obj["status"], "observedGeneration": 1}
+    assert patch.pop("conditions") and patch.pop("progress") == "50/50"  # it lacked them
+    assert patch == {**obj["status"], "observedGeneration": 1}
 
 
 def test_a_terminal_status_written_before_the_generic_conditions_gets_them() -> None:

@@ -76,6 +76,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings = from_namespace(RunSettings, args)
     check_run(settings)  # flags, manifests, model directory: before torch is imported
     check_rollout(settings, settings.device)
+    from loraplex_engine.logs import setup_logging
+
+    setup_logging(settings.log_format, "warning")  # progress goes to stdout; logs: problems
     from loraplex_engine.errors import RankFailed
     from loraplex_engine.local.runner import run_file
 

@@ -249,6 +249,10 @@ class Engine(ClientTraining):
         benchmarks; the per-experiment trainTokens count prompt + completion per row."""
         return self.strategy.computed_tokens
 
+    @property
+    def queued_completions(self) -> int:  # waiting for a serving tick; read at each scrape
+        return len(self._jobs)
+
     def _wake(self) -> None:
         """Work arrived for the loop (a late reward): under the jobs lock, so the check
         in :meth:`tick` cannot miss it."""

@@ -4,12 +4,20 @@
 not collide) and is fed from two places: the engine loop hands it every
 :class:`~loraplex_engine.api_types.TickReport`, and the ``/metrics`` route refreshes the
 capacity gauges just before each scrape. Per-experiment series are dropped as soon as
-the experiment is no longer loaded, so label sets stay bounded.
+the experiment is no longer loaded, so label sets stay bounded. The serving series (the
+OpenAI routes; server/observe.py records them) are labelled by the request's ``model``: a
+loaded experiment, the base model (``namespace=""``, ``experiment`` its name), or
+``other`` for anything else (an unknown model, a request refused before its body was
+accepted).
+
+No ``_created`` series (prometheus-client's process-wide switch, also set by the
+operator): Prometheus ignores them and they double a counter's series.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections import deque
@@ -21,6 +29,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -38,12 +47,19 @@ TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
 # An in-memory sync of a tiny adapter takes a millisecond; a 7B model's adapters at rank 64
 # on every linear (~160 MB each in bf16) seconds.
 SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# A serving request: a tiny model on CPU answers in milliseconds; on a busy GPU engine it
+# waits for a serving tick between training ticks, then decodes: seconds to minutes.
+SERVING_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+OTHER_MODEL = "other"  # the `experiment` of a request for no loaded experiment nor the base
+_ERROR_CODE = re.compile(r"[a-z_]{1,32}")
 BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
 # The failure kinds a tick reports (tick.py `Failure.kind`); exported at 0 from the start so
 # the failures panel and alert read 0 instead of "no data" until the first failure.
 
 __all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "EngineMetrics"]
+
+disable_created_metrics()
 
 
 class EngineMetrics:
@@ -131,6 +147,37 @@ class EngineMetrics:
             "1 while checkpoints wait for room on a full checkpoint volume, else 0.",
             registry=r,
         )
+        self.serving_requests = Counter(
+            "loraplex_engine_serving_requests",
+            "OpenAI completions and chat completions answered, errors included.",
+            per_exp,
+            registry=r,
+        )
+        self.serving_errors = Counter(
+            "loraplex_engine_serving_errors",
+            "Serving requests answered with an error, by error code.",
+            [*per_exp, "code"],
+            registry=r,
+        )
+        self.serving_seconds = Histogram(
+            "loraplex_engine_serving_request_seconds",
+            "A serving request from its arrival to its last byte (a stream's end).",
+            per_exp,
+            buckets=SERVING_BUCKETS,
+            registry=r,
+        )
+        self.serving_first_token = Histogram(
+            "loraplex_engine_serving_first_token_seconds",
+            "A serving request from its arrival to its first generated token.",
+            per_exp,
+            buckets=SERVING_BUCKETS,
+            registry=r,
+        )
+        self.serving_queue = Gauge(
+            "loraplex_engine_serving_queue_depth",
+            "Completion jobs waiting for a serving tick.",
+            registry=r,
+        )
         for phase in TICK_PHASES:  # every phase visible from the first scrape
             self.phase_seconds.labels(phase=phase)
         for kind in ("rss", "device"):
@@ -149,8 +196,11 @@ class EngineMetrics:
             self.logprob_gap,
             self.tis_weight_mean,
         )
+        self._serving = (self.serving_requests, self.serving_seconds, self.serving_first_token)
         self._lock = threading.Lock()
         self._known: dict[str, str] = {}  # experiment id -> namespace
+        self._base: str | None = None  # the base model's name, once known
+        self._error_codes: set[str] = set()  # codes counted so far (to remove their series)
         self._clock = clock
         self._window = busy_window_s
         self._started = clock()
@@ -173,6 +223,8 @@ class EngineMetrics:
         self._known[exp_id] = namespace
         for metric in (self.steps, self.rollout_tokens, self.train_tokens, self.checkpoints):
             metric.labels(namespace=namespace, experiment=exp_id)
+        for metric in self._serving:
+            metric.labels(namespace=namespace, experiment=exp_id)
 
     def forget(self, exp_id: str) -> None:
         """Drop every series of an unloaded experiment."""
@@ -183,9 +235,15 @@ class EngineMetrics:
         namespace = self._known.pop(exp_id, None)
         if namespace is None:
             return
-        for metric in self._per_experiment:
+        self._remove_series(namespace, exp_id)
+
+    def _remove_series(self, namespace: str, exp_id: str) -> None:
+        for metric in (*self._per_experiment, *self._serving):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, exp_id)
+        for code in self._error_codes:
+            with contextlib.suppress(KeyError):
+                self.serving_errors.remove(namespace, exp_id, code)
 
     def tracked(self) -> dict[str, str]:
         with self._lock:
@@ -213,6 +271,49 @@ class EngineMetrics:
         with self._lock:
             self._track_locked(exp_id, namespace)
             self.checkpoints.labels(namespace=namespace, experiment=exp_id).inc()
+
+    # --- serving (the OpenAI routes) ---------------------------------------------------
+
+    def set_base_model(self, name: str) -> None:
+        """The base model's name: its serving series, at 0, under ``experiment=name``."""
+        with self._lock:
+            if name == self._base:
+                return
+            if self._base is not None:
+                self._remove_series("", self._base)
+            self._base = name
+            for metric in self._serving:
+                metric.labels(namespace="", experiment=name)
+
+    def _serving_labels(self, model: str | None) -> dict[str, str]:
+        """Bounded labels for a request's ``model``: loaded experiments and the base."""
+        if model is not None and model in self._known:
+            return {"namespace": self._known[model], "experiment": model}
+        if model is not None and model == self._base:
+            return {"namespace": "", "experiment": model}
+        return {"namespace": "", "experiment": OTHER_MODEL}
+
+    def observe_serving(
+        self,
+        model: str | None,
+        seconds: float,
+        first_token_s: float | None = None,
+        error_code: str | None = None,
+    ) -> None:
+        """One answered serving request (``model`` None: refused before it was read)."""
+        with self._lock:
+            labels = self._serving_labels(model)
+            self.serving_requests.labels(**labels).inc()
+            self.serving_seconds.labels(**labels).observe(max(seconds, 0.0))
+            if first_token_s is not None:
+                self.serving_first_token.labels(**labels).observe(max(first_token_s, 0.0))
+            if error_code is not None:
+                code = error_code if _ERROR_CODE.fullmatch(error_code) else "other"
+                self._error_codes.add(code)
+                self.serving_errors.labels(**labels, code=code).inc()
+
+    def set_serving_queue(self, depth: int) -> None:
+        self.serving_queue.set(max(depth, 0))
 
     # --- ticks -----------------------------------------------------------------------
 

@@ -116,6 +116,11 @@ class ExperimentStatus(ApiModel):
     step: Int64 | None = Field(
         None, description="Optimiser steps done so far (of spec.algorithm.maxSteps)."
     )
+    progress: str | None = Field(
+        None,
+        description="Steps done of spec.algorithm.maxSteps, for `kubectl get lx`: 12/50 (a "
+        "continual experiment, maxSteps 0: 12/-).",
+    )
     reward: float | None = Field(None, description="Mean reward of the last step's completions.")
     checkpoint: CheckpointStatus | None = Field(
         None,

@@ -30,6 +30,7 @@ from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableErr
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from loraplex_engine.server.errors import add_error_handlers, documented_errors
 from loraplex_engine.server.middleware import BearerAuth, BodyLimit
+from loraplex_engine.server.observe import Observe
 from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.server.openai.chat import add_chat_route
 from loraplex_engine.server.openai.completions import add_completions_route
@@ -124,12 +125,14 @@ def create_app(
     )
     app.state.engine = engine
     app.state.metrics = metrics
+    metrics.set_base_model(engine.model_name)  # again on each scrape: a loaded engine's
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if token is not None:  # added last = outermost: nothing runs before the token check
         if not token:
             raise ValueError("empty token: pass None to serve without auth")
         tenant = TINKER_PREFIX + "/" if training is not None else None
         app.add_middleware(BearerAuth, token=token, tenant_prefix=tenant)
+    app.add_middleware(Observe, metrics=metrics)  # outermost: refused requests are logged too
     bearer = HTTPBearer(auto_error=False, description="the pool's engine token")
     v1 = {"dependencies": [Security(bearer)]}  # documents the scheme; BearerAuth enforces
 
@@ -168,6 +171,9 @@ def create_app(
             try:
                 metrics.update_capacity(engine.capacity())
                 metrics.sync_experiments(engine.list_experiments())
+                metrics.set_base_model(engine.model_name)
+                # Completions waiting for a serving tick (a list's length: no lock).
+                metrics.set_serving_queue(getattr(engine, "queued_completions", 0))
             except ApiError:
                 pass
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ import psutil
 from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
+from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
 from loraplex_engine.rollout.preflight import check_rollout
@@ -83,6 +83,10 @@ class EngineHolder:
     @property
     def context_tokens(self) -> int | None:
         return self._get().context_tokens
+
+    @property
+    def queued_completions(self) -> int:
+        return getattr(self.engine, "queued_completions", 0)
 
     def _get(self) -> TickingEngine:
         engine = self.engine
@@ -302,11 +306,7 @@ def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
 
 
 def run(settings: ServeSettings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(settings.log_format, settings.log_level)
     check(settings)  # also done by the CLI before this module's imports; cheap
     check_model_dir(str(settings.model))
     check_rollout(settings, settings.device)  # the backend's flags and environment
@@ -372,12 +372,13 @@ def run(settings: ServeSettings) -> int:
         raise UsageError(f"cannot listen on {where}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    print(f"{LISTEN_LINE} url={url}", file=sys.stderr, flush=True)
+    announce(f"{LISTEN_LINE} url={url}")
 
     config = uvicorn.Config(
         app,
         log_level=settings.log_level.lower(),
-        access_log=False,
+        log_config=None,  # uvicorn's loggers propagate to ours (logs.py)
+        access_log=False,  # server/observe.py logs each request
         timeout_graceful_shutdown=30,
         lifespan="off",
     )
@@ -391,6 +392,8 @@ def run(settings: ServeSettings) -> int:
         try:
             t_import = time.monotonic()
             from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
+
+            quiet_libraries()  # transformers' own handler, now that it is imported
 
             t_build = time.monotonic()
             world = ranks.start()  # ranks 1..N-1 started and joined (N > 1)
@@ -417,14 +420,14 @@ def run(settings: ServeSettings) -> int:
                 settings.rollout_backend,
                 os.environ.get("LORAPLEX_POOL", "-"),
             )
-            print(f"{READY_LINE} url={url} startup_s={startup:.3f}", file=sys.stderr, flush=True)
+            announce(f"{READY_LINE} url={url} startup_s={startup:.3f}")
         except RankFailed as e:  # a worker rank did not start (its own error is above)
-            print(f"loraplex-engine serve: error: {e}", file=sys.stderr, flush=True)
+            announce(f"loraplex-engine serve: error: {e}")
             outcome["rc"] = 1
             server.should_exit = True
         except UsageError as e:  # e.g. the memory plan: this device cannot hold it
             log.error("engine failed to load: %s", e)
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            announce(f"error: {e}")
             outcome["rc"] = 2
             server.should_exit = True
         except BaseException:

@@ -259,6 +259,14 @@ class ProcessSettings(EngineSettings):
             metavar="SECONDS",
         ),
     ] = DEFAULT_DIST_TIMEOUT_S
+    log_format: Annotated[
+        str,
+        Flag(
+            f"one of {', '.join(v.LOG_FORMATS)}: json writes one JSON object per line "
+            "(time, level, logger, message, exception)",
+            v.log_format,
+        ),
+    ] = "text"
 
     def check(self) -> None:
         """What these settings cannot run, refused before anything starts."""

@@ -170,6 +170,8 @@ dtype = one_of("dtype", DTYPE_NAMES)
 lora_kernel = one_of("LoRA kernel", LORA_KERNELS)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 log_level = one_of("log level", LOG_LEVELS, fold=True)
+LOG_FORMATS = ("text", "json")  # loraplex_engine/logs.py
+log_format = one_of("log format", LOG_FORMATS, fold=True)
 
 
 def boolean(value: str) -> bool:

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from loraplex_engine.server.errors import streamed_or_json
+from loraplex_engine.server.observe import ServingCall, serving_call
 from loraplex_engine.server.openai.api import ChatRequestBase, with_token_limit
 from loraplex_engine.server.openai.choices import (
     COMPLETION_THREADS,
@@ -58,6 +59,8 @@ def add_chat_route(
     async def chat_completions(body: ChatRequestBase, request: Request) -> Any:
         """OpenAI chat completions through the tokenizer's chat template; `model` is an
         experiment id or the base model's name."""
+        call = serving_call(request)
+        call.model = body.model
         engine = await run_in_threadpool(ready_engine)
         await run_in_threadpool(check_model, engine, body.model)
         messages = [m.for_template() for m in body.messages]
@@ -73,12 +76,12 @@ def add_chat_route(
             body.alternatives or 0,
             body.seed,
         )
-        run = ChoiceRun(engine, job, choices, limiter, wake)
+        run = ChoiceRun(engine, job, choices, limiter, wake, call.token)
         created = int(time.time())
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
         fmt = _ChatLogprobs(engine.detokenize) if body.alternatives is not None else None
         if body.stream:
-            chunks = _stream(run, head, fmt, body.include_usage)
+            chunks = _stream(run, head, fmt, body.include_usage, call)
             return StreamingResponse(chunks, media_type="text/event-stream")
         async for _ in run.events(request.is_disconnected):
             pass
@@ -117,7 +120,11 @@ def _choice(index: int, c: ChoiceText, fmt: _ChatLogprobs | None) -> dict[str, A
 
 
 async def _stream(
-    run: ChoiceRun, head: dict[str, Any], fmt: _ChatLogprobs | None, include_usage: bool
+    run: ChoiceRun,
+    head: dict[str, Any],
+    fmt: _ChatLogprobs | None,
+    include_usage: bool,
+    call: ServingCall,
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -137,7 +144,9 @@ async def _stream(
             if piece.finish_reason is not None:
                 yield chunk(index, {}, None, piece.finish_reason)
     except Exception as e:
-        yield sse(stream_error(e))
+        error = stream_error(e)
+        call.failed(error)
+        yield sse(error)
         return
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(run.request.prompts, run.choices)})

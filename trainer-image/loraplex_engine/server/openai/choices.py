@@ -149,9 +149,12 @@ class ChoiceRun:
         choices: list[ChoiceText],
         limiter: anyio.CapacityLimiter,
         wake: Callable[[], None],
+        on_token: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_token``: called (on the event loop) with each choice's news, so the first
+        call is the first token, streamed or not (server/observe.py's time to it)."""
         self.engine, self.request, self.choices = engine, request, choices
-        self.limiter, self.wake = limiter, wake
+        self.limiter, self.wake, self.on_token = limiter, wake, on_token
         self.cancelled = [False] * len(choices)
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -175,6 +178,7 @@ class ChoiceRun:
                     continue
                 if kind == "error":
                     raise value
+                self.on_token()
                 if kind == "done":
                     remaining -= 1
                     first = value * self.request.n

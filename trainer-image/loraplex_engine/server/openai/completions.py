@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from loraplex_engine.server.errors import streamed_or_json
+from loraplex_engine.server.observe import ServingCall, serving_call
 from loraplex_engine.server.openai.api import CompletionRequestBase, with_token_limit
 from loraplex_engine.server.openai.choices import (
     COMPLETION_THREADS,
@@ -59,6 +60,8 @@ def add_completions_route(
     async def completions(body: CompletionRequestBase, request: Request) -> Any:
         """OpenAI completions. `model` is an experiment id (its current adapter) or the
         base model's name; served in the engine's next rollout batch."""
+        call = serving_call(request)
+        call.model = body.model
         engine = await run_in_threadpool(ready_engine)
         await run_in_threadpool(check_model, engine, body.model)
         prompts = [await run_in_threadpool(engine.tokenize, p) for p in body.prompts]
@@ -77,7 +80,7 @@ def add_completions_route(
             body.logprobs or 0,
             body.seed,
         )
-        run = ChoiceRun(engine, job, choices, limiter, wake)
+        run = ChoiceRun(engine, job, choices, limiter, wake, call.token)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -87,7 +90,7 @@ def add_completions_route(
         fmt = _LogprobFormat(engine.detokenize) if body.logprobs is not None else None
         if body.stream:
             return StreamingResponse(
-                _stream(run, head, fmt, body.include_usage), media_type="text/event-stream"
+                _stream(run, head, fmt, body.include_usage, call), media_type="text/event-stream"
             )
         async for _ in run.events(request.is_disconnected):
             pass
@@ -118,7 +121,11 @@ def _choice(index: int, c: ChoiceText, fmt: _LogprobFormat | None) -> dict[str, 
 
 
 async def _stream(
-    run: ChoiceRun, head: dict[str, Any], fmt: _LogprobFormat | None, include_usage: bool
+    run: ChoiceRun,
+    head: dict[str, Any],
+    fmt: _LogprobFormat | None,
+    include_usage: bool,
+    call: ServingCall,
 ) -> AsyncIterator[str]:
     try:
         async for index in run.events():
@@ -129,7 +136,9 @@ async def _stream(
                 choice = {"index": index, "text": piece.text, "logprobs": lp}
                 yield sse({**head, "choices": [{**choice, "finish_reason": piece.finish_reason}]})
     except Exception as e:
-        yield sse(stream_error(e))
+        error = stream_error(e)
+        call.failed(error)
+        yield sse(error)
         return
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(run.request.prompts, run.choices)})
