@@ -11,6 +11,7 @@ import sys
 
 from loraplex_operator.gateway.app import MAX_BODY_BYTES, STREAM_IDLE_S, create_app
 from loraplex_operator.gateway.directory import REFRESH_S, Directory, FileDirectory
+from loraplex_operator.logs import quiet_libraries
 
 log = logging.getLogger("loraplex_operator.gateway")
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_libraries()  # no httpx INFO line per proxied request
     import uvicorn
 
     app = create_app(

@@ -6,7 +6,16 @@ end of the answer, time to the first streamed byte (TTFT), and engines lost mid-
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+
+# No `_created` twin per series (promtool check metrics; issue 33), as the engine and operator.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
