@@ -188,3 +188,31 @@ def test_a_sampler_keeps_its_published_version(eng) -> None:
     assert after.prompt_logprobs[0] is None and len(after.prompt_logprobs) == len(PROMPT)
     assert len(eng.model.adapters()) == slots  # the spare slot was freed
     _unload_all(eng)
+
+
+def test_models_per_tick_takes_segments_in_turn() -> None:
+    """``--client-models-per-tick N``: a tick takes at most N models' segments, starting
+    with the models waited on longest; a model taken goes to the back of the line."""
+    from loraplex_engine.clients.models import ClientModels
+    from loraplex_engine.clients.ops import ClientModel, Op
+    from loraplex_engine.training_service import ClientModelInfo
+
+    def taken(clients: ClientModels) -> list[str]:
+        return [m.info.model_id for m, _ in clients.take().segments]
+
+    for limit, ticks in (
+        (None, [["a", "b", "c"], ["a", "b", "c"]]),
+        (1, [["a"], ["b"], ["c"], ["a"], ["b"], ["c"]]),
+        (2, [["a", "b"], ["c", "a"], ["b", "c"]]),
+    ):
+        clients = ClientModels(host=None, models_per_tick=limit)
+        for m in "abc":
+            model = ClientModel(ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)), m)
+            for _ in range(2):
+                model.queue.extend([Op("forward_backward"), Op("optim_step")])
+            clients._models[(NS, m)] = model
+        assert [taken(clients) for _ in ticks] == ticks, limit
+        assert not clients.has_work()
+    clients._models[(NS, "a")].queue.extend([Op("forward"), Op("forward"), Op("optim_step")])
+    (segment,) = [ops for _, ops in clients.take().segments]  # a whole segment: one model's
+    assert [op.kind for op in segment] == ["forward", "forward", "optim_step"]

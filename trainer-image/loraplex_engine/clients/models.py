@@ -59,8 +59,10 @@ DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay
 
 
 class ClientModels:
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: Any, models_per_tick: int | None = None) -> None:
         self.host = host
+        # At most this many models' segments a tick (None: all), taken in turn.
+        self.models_per_tick = models_per_tick
         self._lock = threading.Lock()  # the registry and the queues
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
@@ -260,12 +262,22 @@ class ClientModels:
             return bool(self._samples) or any(m.queue for m in self._models.values())
 
     def take(self, train: bool = True) -> ClientTick:
-        """This tick's work: one segment of every model's queue, and every sample call; none
-        for a serving tick (a client's calls, its samples too, are its training loop's)."""
+        """This tick's work: one segment of every model's queue (of at most
+        ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
+        and every sample call; none for a serving tick (a client's calls, its samples
+        too, are its training loop's)."""
         if not train:
             return ClientTick(self, [], [])
+        limit = self.models_per_tick
         with self._lock:
-            segments = [(m, seg) for m in self._models.values() if (seg := m.take_segment())]
+            segments: list[tuple[ClientModel, list[Op]]] = []
+            for key, model in list(self._models.items()):
+                if limit is not None and len(segments) >= limit:
+                    break
+                if seg := model.take_segment():
+                    segments.append((model, seg))
+                    if limit is not None:
+                        self._models[key] = self._models.pop(key)
             samples, self._samples = self._samples, []
         return ClientTick(self, segments, samples)
 
