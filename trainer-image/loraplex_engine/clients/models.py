@@ -16,6 +16,7 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,14 @@ class ClientModels:
 
     # ---- queued calls -----------------------------------------------------------------
 
-    def _submit(self, namespace: str, model_id: str, kind: OpKind, payload: Any = None) -> Any:
+    def _submit(
+        self,
+        namespace: str,
+        model_id: str,
+        kind: OpKind,
+        payload: Any = None,
+        queued: Callable[[], None] | None = None,
+    ) -> Any:
         op = Op(kind, payload)
         with self._lock:
             model = self._models.get((namespace, model_id))
@@ -179,29 +187,53 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+        if queued is not None:
+            queued()  # its place in the model's order is held: the caller may go on
         self.host._wake()
         return op.wait()
 
     def forward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward")
+        return self._train(namespace, model_id, data, loss, "forward", queued)
 
     def forward_backward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward_backward")
+        return self._train(namespace, model_id, data, loss, "forward_backward", queued)
 
     def _train(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall, kind: OpKind
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        kind: OpKind,
+        queued: Callable[[], None] | None,
     ) -> ForwardOutput:
         self._get(namespace, model_id)  # a model of another namespace: before any check
         token_loss = check_loss(loss)
         checked = check_data(data, token_loss, self.limits)
         payload = (checked, token_loss, kind == "forward_backward")
-        return self._submit(namespace, model_id, kind, payload)
+        return self._submit(namespace, model_id, kind, payload, queued)
 
-    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+    def optim_step(
+        self,
+        namespace: str,
+        model_id: str,
+        adam: AdamStep,
+        queued: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
         self._get(namespace, model_id)
         try:
             settings = AdamWSettings(
@@ -213,7 +245,7 @@ class ClientModels:
             )
         except AdapterError as e:
             raise InvalidRequestError(str(e), field="adam_params") from e
-        return self._submit(namespace, model_id, "optim_step", settings)
+        return self._submit(namespace, model_id, "optim_step", settings, queued)
 
     def save_state(self, namespace: str, model_id: str, name: str, kind: saved.Kind) -> SavedState:
         self._get(namespace, model_id)
