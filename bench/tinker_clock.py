@@ -4,7 +4,7 @@ A benchmark, not a test: it prints and writes numbers.
 
     .venv/bin/python bench/tinker_clock.py [--ns 1,2,4,8] [--rows 1,4] [--steps 20]
         [--repeats 2] [--prompt-tokens 8] [--completion-tokens 24] [--lr 0.005]
-        [--threads 1] [--out bench/results/tinker-clock.json]
+        [--threads 1] [--out bench/results/tinker-clock.json]  (and its -losses.png)
 
 Two real ``loraplex-engine serve --tinker-keys`` processes with the tiny model (tests'
 fixture), up at once, 8 slots, torch at ``--threads``, everything else at the engine's
@@ -381,6 +381,7 @@ def main() -> None:
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_name(args.out.stem + "-losses.png"))
     print_table(ratios, parities)
 
 
@@ -429,6 +430,35 @@ def print_table(ratios: list[dict], parities: dict) -> None:
           f"within the loss tolerance; max rel loss diff "
           f"{max(v['max_rel_loss_diff'] for v in every):.1e}; adapter gap max "
           f"{max(v['adapter_gap_max_steps'] for v in every):.1e} Adam steps")  # fmt: skip
+
+
+def plot(report: dict, path: Path) -> None:
+    """Every client's loss curve at the largest N, per batch size (repeat 0): fused solid,
+    per_model dashed on top of it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(r["n"] for r in report["runs"])
+    rows = sorted({r["rows"] for r in report["runs"]})
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], rows, strict=True):
+        for run in report["runs"]:
+            if (run["n"], run["rows"], run["repeat"]) != (n, size, 0):
+                continue
+            style = "-" if run["arm"] == "fused" else "--"
+            for i, losses in run["losses"].items():
+                ax.plot(range(len(losses)), losses, style, color=f"C{int(i)}",
+                        label=f"client {i}" if run["arm"] == "fused" else None)  # fmt: skip
+        ax.set_title(f"N={n}, {size} row(s) of 31 tokens a step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss per weighted token")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle("Tinker SDK clients' losses: fused (solid) vs per_model (dashed, identical)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
