@@ -4,14 +4,26 @@ gradient accumulation, isolation from the engine's own experiments, saved states
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from adapter_parity import adapter_gap, assert_same_training
-from client_driver import NS, drive, sft_datum
-from loraplex_engine.training_service import AdamStep, ClientLora, LossCall, SampleCall
+from client_driver import NS, drive, queued, sft_datum
+from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.errors import NotFoundError
+from loraplex_engine.training_service import (
+    AdamStep,
+    ClientLora,
+    ClientModelInfo,
+    LossCall,
+    SampleCall,
+)
 
 from tests.engine.engine_builders import engine, spec
 
@@ -187,4 +199,52 @@ def test_a_sampler_keeps_its_published_version(eng) -> None:
     assert after.prompt_logprobs == pytest.approx(before.prompt_logprobs)
     assert after.prompt_logprobs[0] is None and len(after.prompt_logprobs) == len(PROMPT)
     assert len(eng.model.adapters()) == slots  # the spare slot was freed
+    _unload_all(eng)
+
+
+def test_models_per_tick_takes_segments_in_turn() -> None:
+    """``--client-models-per-tick N``: a tick takes at most N models' segments, starting
+    with the models waited on longest; a model taken goes to the back of the line."""
+
+    def taken(clients: ClientModels) -> list[str]:
+        return [m.info.model_id for m, _ in clients.take().segments]
+
+    for limit, ticks in (
+        (None, [["a", "b", "c"], ["a", "b", "c"]]),
+        (1, [["a"], ["b"], ["c"], ["a"], ["b"], ["c"]]),
+        (2, [["a", "b"], ["c", "a"], ["b", "c"]]),
+    ):
+        clients = ClientModels(host=None, models_per_tick=limit)
+        for m in "abc":
+            model = ClientModel(ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)), m)
+            for _ in range(2):
+                model.queue.extend([Op("forward_backward"), Op("optim_step")])
+            clients._models[(NS, m)] = model
+        assert [taken(clients) for _ in ticks] == ticks, limit
+        assert not clients.has_work()
+    clients._models[(NS, "a")].queue.extend([Op("forward"), Op("forward"), Op("optim_step")])
+    (segment,) = [ops for _, ops in clients.take().segments]  # a whole segment: one model's
+    assert [op.kind for op in segment] == ["forward", "forward", "optim_step"]
+
+
+def test_a_call_queued_signals_it_so_the_next_can_share_its_tick(eng) -> None:
+    """``queued``: called once the call holds its place, before any tick answers it; the
+    optim_step then sent shares the forward_backward's tick (the protocol pipelines so).
+    A call refused at once never calls it."""
+    eng.create_model(NS, "pipe", ClientLora(rank=4, seed=1))
+    placed = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        data = [sft_datum(PROMPT, ANSWER)]
+        fb = pool.submit(eng.forward_backward, NS, "pipe", data, CE, placed.set)
+        assert placed.wait(30) and queued(eng) == 1
+        opt = pool.submit(eng.optim_step, NS, "pipe", AdamStep(learning_rate=LR))
+        deadline = time.monotonic() + 30
+        while queued(eng) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert eng.tick() is not None
+        assert fb.result(30).metrics["loss:sum"] > 0 and opt.result(30)["learning_rate:mean"] == LR
+    never = threading.Event()
+    with pytest.raises(NotFoundError):
+        eng.optim_step(NS, "nobody", AdamStep(), never.set)
+    assert not never.is_set()
     _unload_all(eng)

@@ -248,3 +248,41 @@ def test_a_vanished_client_has_its_models_saved_and_unloaded(server: Server) -> 
         time.sleep(0.1)
     calls = [c for c, _, m in server.training.log if m == tc.model_id]
     assert calls[-2].startswith("save_state:weights:expired-") and calls[-1] == "unload_model"
+
+
+def test_a_pipelined_job_hands_its_lane_on_once_queued() -> None:
+    """The lane's next job starts when a pipelined job releases it (the engine queued
+    its call), while the job still waits for its answer; a plain job holds the lane to
+    its end, and a pipelined job that never releases (refused at once) holds it too."""
+    from loraplex_engine.tinker.futures import Runner
+
+    runner = Runner(workers=4)
+    events: list[str] = []
+    answered = threading.Event()
+    done = threading.Event()
+
+    def first(release) -> None:
+        events.append("first queued")
+        release()
+        release()  # once counts
+        assert answered.wait(10)
+        events.append("first answered")
+
+    def refused(release) -> None:
+        events.append("refused")
+
+    try:
+        runner.run_pipelined("m", first, order=1)
+        runner.run_pipelined("m", lambda release: (events.append("second"), release()), order=2)
+        runner.run_pipelined("m", refused, order=3)
+        runner.run("m", lambda: events.append("plain"), order=4)
+        runner.run("m", done.set, order=5)
+        assert done.wait(10)
+        assert events == ["first queued", "second", "refused", "plain"]
+        answered.set()
+        deadline = time.monotonic() + 10
+        while "first answered" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1] == "first answered"
+    finally:
+        runner.close()

@@ -103,22 +103,28 @@ class FakeTraining:
             outputs.append({"logprobs": logprobs, "elementwise_loss": loss_el})
         return m, ForwardOutput(outputs, {"loss:sum": total})
 
-    def forward(self, namespace, model_id, data, loss) -> ForwardOutput:
+    def forward(self, namespace, model_id, data, loss, queued=None) -> ForwardOutput:
         with self.lock:
-            return self._forward(namespace, model_id, data, loss)[1]
+            out = self._forward(namespace, model_id, data, loss)[1]
+        _placed(queued)
+        return out
 
-    def forward_backward(self, namespace, model_id, data, loss) -> ForwardOutput:
+    def forward_backward(self, namespace, model_id, data, loss, queued=None) -> ForwardOutput:
         with self.lock:
             m, out = self._forward(namespace, model_id, data, loss)
             m.pending_grads += len(data)
-            return out
+        _placed(queued)
+        return out
 
-    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+    def optim_step(
+        self, namespace: str, model_id: str, adam: AdamStep, queued=None
+    ) -> dict[str, float]:
         with self.lock:
             m = self._model(namespace, model_id)
             m.steps += 1
             grads, m.pending_grads = m.pending_grads, 0
-            return {"grad_norm": float(grads), "learning_rate": adam.learning_rate}
+        _placed(queued)
+        return {"grad_norm": float(grads), "learning_rate": adam.learning_rate}
 
     def save_state(self, namespace, model_id, name, kind) -> SavedState:
         with self.lock:
@@ -177,3 +183,10 @@ class FakeTraining:
             self._model(namespace, model_id)
             del self.models[(namespace, model_id)]
             self.log.append(("unload_model", namespace, model_id))
+
+
+def _placed(queued) -> None:
+    """The double runs a call at once: it holds its place from the start (released
+    after the work, so the lane's order is kept exactly)."""
+    if queued is not None:
+        queued()

@@ -241,7 +241,8 @@ class Engine(ClientTraining):
             s.max_prompt_tokens,
             self.context_tokens,
         )
-        self.clients = ClientModels(self)  # models a client trains itself (clients/)
+        # Models a client trains itself (clients/).
+        self.clients = ClientModels(self, s.client_models_per_tick)
 
     @property
     def computed_train_tokens(self) -> int:

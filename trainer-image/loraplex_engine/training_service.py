@@ -17,7 +17,7 @@ protocol layer turns into the SDK's "paused for capacity" queue state and retrie
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -149,17 +149,38 @@ class TrainingService(Protocol):
 
     def list_models(self, namespace: str) -> list[ClientModelInfo]: ...
 
+    # ``queued`` (forward, forward_backward, optim_step): called once the call holds its
+    # place in the model's order, before its answer; a call on the same model made after
+    # that, from any thread, runs after it. A caller pipelines with it (a forward_backward
+    # and the optim_step after it then share a tick). Not called for a call refused at once.
+
     def forward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
         """The loss and log-probs, no gradient."""
 
     def forward_backward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
         """Gradients accumulate across calls until :meth:`optim_step`."""
 
-    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+    def optim_step(
+        self,
+        namespace: str,
+        model_id: str,
+        adam: AdamStep,
+        queued: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
         """Steps this model's adapter alone with the accumulated gradient, then clears it."""
 
     def save_state(

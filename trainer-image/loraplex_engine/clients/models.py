@@ -16,6 +16,7 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,10 @@ DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay
 
 
 class ClientModels:
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: Any, models_per_tick: int | None = None) -> None:
         self.host = host
+        # At most this many models' segments a tick (None: all), taken in turn.
+        self.models_per_tick = models_per_tick
         self._lock = threading.Lock()  # the registry and the queues
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
@@ -168,7 +171,14 @@ class ClientModels:
 
     # ---- queued calls -----------------------------------------------------------------
 
-    def _submit(self, namespace: str, model_id: str, kind: OpKind, payload: Any = None) -> Any:
+    def _submit(
+        self,
+        namespace: str,
+        model_id: str,
+        kind: OpKind,
+        payload: Any = None,
+        queued: Callable[[], None] | None = None,
+    ) -> Any:
         op = Op(kind, payload)
         with self._lock:
             model = self._models.get((namespace, model_id))
@@ -177,29 +187,53 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+        if queued is not None:
+            queued()  # its place in the model's order is held: the caller may go on
         self.host._wake()
         return op.wait()
 
     def forward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward")
+        return self._train(namespace, model_id, data, loss, "forward", queued)
 
     def forward_backward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward_backward")
+        return self._train(namespace, model_id, data, loss, "forward_backward", queued)
 
     def _train(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall, kind: OpKind
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        kind: OpKind,
+        queued: Callable[[], None] | None,
     ) -> ForwardOutput:
         self._get(namespace, model_id)  # a model of another namespace: before any check
         token_loss = check_loss(loss)
         checked = check_data(data, token_loss, self.limits)
         payload = (checked, token_loss, kind == "forward_backward")
-        return self._submit(namespace, model_id, kind, payload)
+        return self._submit(namespace, model_id, kind, payload, queued)
 
-    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+    def optim_step(
+        self,
+        namespace: str,
+        model_id: str,
+        adam: AdamStep,
+        queued: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
         self._get(namespace, model_id)
         try:
             settings = AdamWSettings(
@@ -211,7 +245,7 @@ class ClientModels:
             )
         except AdapterError as e:
             raise InvalidRequestError(str(e), field="adam_params") from e
-        return self._submit(namespace, model_id, "optim_step", settings)
+        return self._submit(namespace, model_id, "optim_step", settings, queued)
 
     def save_state(self, namespace: str, model_id: str, name: str, kind: saved.Kind) -> SavedState:
         self._get(namespace, model_id)
@@ -260,12 +294,22 @@ class ClientModels:
             return bool(self._samples) or any(m.queue for m in self._models.values())
 
     def take(self, train: bool = True) -> ClientTick:
-        """This tick's work: one segment of every model's queue, and every sample call; none
-        for a serving tick (a client's calls, its samples too, are its training loop's)."""
+        """This tick's work: one segment of every model's queue (of at most
+        ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
+        and every sample call; none for a serving tick (a client's calls, its samples
+        too, are its training loop's)."""
         if not train:
             return ClientTick(self, [], [])
+        limit = self.models_per_tick
         with self._lock:
-            segments = [(m, seg) for m in self._models.values() if (seg := m.take_segment())]
+            segments: list[tuple[ClientModel, list[Op]]] = []
+            for key, model in list(self._models.items()):
+                if limit is not None and len(segments) >= limit:
+                    break
+                if seg := model.take_segment():
+                    segments.append((model, seg))
+                    if limit is not None:
+                        self._models[key] = self._models.pop(key)
             samples, self._samples = self._samples, []
         return ClientTick(self, segments, samples)
 

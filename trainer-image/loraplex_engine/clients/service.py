@@ -4,6 +4,8 @@ engine.py only composes it (``Engine(ClientTraining)``, ``self.clients``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.saved import Kind
 from loraplex_engine.training_service import (
@@ -39,17 +41,33 @@ class ClientTraining:
         return self.clients.list_models(namespace)
 
     def forward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self.clients.forward(namespace, model_id, data, loss)
+        return self.clients.forward(namespace, model_id, data, loss, queued)
 
     def forward_backward(
-        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
+        self,
+        namespace: str,
+        model_id: str,
+        data: list[ClientDatum],
+        loss: LossCall,
+        queued: Callable[[], None] | None = None,
     ) -> ForwardOutput:
-        return self.clients.forward_backward(namespace, model_id, data, loss)
+        return self.clients.forward_backward(namespace, model_id, data, loss, queued)
 
-    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
-        return self.clients.optim_step(namespace, model_id, adam)
+    def optim_step(
+        self,
+        namespace: str,
+        model_id: str,
+        adam: AdamStep,
+        queued: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        return self.clients.optim_step(namespace, model_id, adam, queued)
 
     def save_state(self, namespace: str, model_id: str, name: str, kind: Kind) -> SavedState:
         return self.clients.save_state(namespace, model_id, name, kind)

@@ -276,7 +276,11 @@ def _uvicorn_server_class() -> type:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP spelled out: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and an accepted socket inherits the listener's. With proto 0 every
+    # keep-alive answer written in two sends waited for the peer's delayed ACK (~40 ms a
+    # request; 46 ms per /healthz measured, < 2 ms without).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

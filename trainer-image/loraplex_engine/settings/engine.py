@@ -183,6 +183,17 @@ class EngineSettings(BaseModel):
             metavar="FRACTION",
         ),
     ] = DEFAULT_SERVING_SHARE
+    client_models_per_tick: Annotated[
+        int | None,
+        Flag(
+            "client models (the Tinker protocol's) one tick takes a call segment of, in "
+            "turn; 1 runs them one model at a time (SkyRL's per_model execution, the "
+            "baseline of bench/tinker_clock.py) instead of fusing their forward/backward",
+            v.count_or_all,
+            metavar="N",
+            default_text="all: every model with a call waiting",
+        ),
+    ] = None
     vllm_options: Annotated[
         dict[str, Any],
         Flag(
@@ -214,7 +225,9 @@ class EngineSettings(BaseModel):
             raise ValueError(f"lora_kernel must be one of {list(LORA_KERNELS)}, got {value!r}")
         return value
 
-    @field_validator("micro_batch_tokens", "rollout_kv_tokens", "checkpoint_keep_runs")
+    @field_validator(
+        "micro_batch_tokens", "rollout_kv_tokens", "checkpoint_keep_runs", "client_models_per_tick"
+    )
     @classmethod
     def _positive_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:

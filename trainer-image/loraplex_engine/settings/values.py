@@ -121,6 +121,8 @@ tokens_or_auto = _positive_or_none("auto", int, "token count", "; a positive int
 # None: no bound.
 bytes_or_none = _positive_or_none("none", parse_bytes, "byte count", "; e.g. 50GiB, or none")
 bytes_or_auto = _positive_or_none("auto", parse_bytes, "byte count", "; e.g. 80GiB, 141GB, or auto")
+# None: every one there is.
+count_or_all = _positive_or_none("all", int, "count", "; a positive integer, or all")
 
 
 def fraction(value: str) -> float:

@@ -10,7 +10,11 @@ worker threads that run the engine call behind it.
 - **Lanes**: the operations of one model run one after another, in the order of the
   SDK's ``seq_id`` (then of arrival), on a shared pool of worker threads, since an
   engine call blocks until the tick that serves it. Different models run at once, so
-  their calls can share a tick.
+  their calls can share a tick. A *pipelined* job (a call the engine queues on the
+  model in call order: forward, forward_backward, optim_step) hands the lane on as soon
+  as the engine has queued it (its ``release``), while it still waits for its answer:
+  the SDK's ``forward_backward`` then ``optim_step`` reach the engine together and
+  share one tick, as Tinker's clock cycle has them.
 - **Parked jobs**: a job that found the engine full (``NoCapacityError``) is parked and
   retried every ``retry_s`` seconds or as soon as a slot frees (:meth:`Runner.wake`);
   meanwhile its future reports the SDK's queue state ``paused_capacity``.
@@ -142,11 +146,14 @@ class FutureTable:
 
 
 Job = Callable[[], None]
+# A pipelined job: called with ``release``, which it calls once the lane's next job may
+# start (the engine queued its call); it may call it from any thread, at most once counts.
+PipelinedJob = Callable[[Callable[[], None]], None]
 
 
 @dataclass
 class _Lane:
-    queue: list[tuple[float, int, Job]] = field(default_factory=list)
+    queue: list[tuple[float, int, Job | PipelinedJob, bool]] = field(default_factory=list)
     running: bool = False
 
 
@@ -168,7 +175,14 @@ class Runner:
     def run(self, lane: str, job: Job, order: float | None = None) -> None:
         """Queue ``job`` on ``lane``; jobs of one lane run one at a time, lowest
         ``order`` (the SDK's seq_id) first, then first come."""
-        key = (float("inf") if order is None else float(order), next(self._count), job)
+        self._push(lane, (_order(order), next(self._count), job, False))
+
+    def run_pipelined(self, lane: str, job: PipelinedJob, order: float | None = None) -> None:
+        """Like :meth:`run`, but the lane's next job starts once ``job`` calls its
+        ``release`` argument (or returns), not only once it returns."""
+        self._push(lane, (_order(order), next(self._count), job, True))
+
+    def _push(self, lane: str, key: tuple[float, int, Job | PipelinedJob, bool]) -> None:
         with self._lock:
             entry = self._lanes.setdefault(lane, _Lane())
             heapq.heappush(entry.queue, key)
@@ -215,8 +229,25 @@ class Runner:
                     entry.running = False
                     del self._lanes[lane]
                     return
-                _, _, job = heapq.heappop(entry.queue)
-            self._guarded(job)
+                _, _, job, pipelined = heapq.heappop(entry.queue)
+            if not pipelined:
+                self._guarded(job)
+                continue
+            handed = threading.Event()
+
+            def release(lane: str = lane, handed: threading.Event = handed) -> None:
+                with self._lock:
+                    if handed.is_set():
+                        return
+                    handed.set()
+                self._pool.submit(self._drain, lane)  # the lane goes on without this thread
+
+            self._guarded(lambda job=job, release=release: job(release))
+            with self._lock:
+                if not handed.is_set():  # never queued (refused at once): go on here
+                    handed.set()
+                    continue
+            return
 
     def _retry_loop(self) -> None:
         while not self._stop.is_set():
@@ -228,3 +259,7 @@ class Runner:
                 self._parked = [p for p in self._parked if p[1] > now]
             for lane, _, job in due:
                 self.run(lane, job)
+
+
+def _order(order: float | None) -> float:
+    return float("inf") if order is None else float(order)

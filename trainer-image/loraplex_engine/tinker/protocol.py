@@ -82,7 +82,17 @@ class Protocol:
         except Exception as e:
             fut.fail(*failure_text(e))
 
-    def _queue(self, model: Model, seq_id: int | None, kind: str, fn: Callable[[], Any]) -> str:
+    def _queue(
+        self,
+        model: Model,
+        seq_id: int | None,
+        kind: str,
+        fn: Callable[[], Any] | None = None,
+        pipelined: Callable[[Callable[[], None]], Any] | None = None,
+    ) -> str:
+        """A future for ``fn`` run on the model's lane; or for ``pipelined``, called with
+        the lane's ``release`` (the engine's ``queued``): the model's next call goes to the
+        engine once this one is queued there, not only once it is answered."""
         if seq_id is not None:  # the same request sent again: the same future
             earlier = self.registry.seq_request(model, seq_id)
             if earlier is not None and self.futures.get(model.namespace, earlier) is not None:
@@ -90,7 +100,13 @@ class Protocol:
         fut = self.futures.new(model.namespace, kind, model.id)
         if seq_id is not None:
             self.registry.record_seq(model, seq_id, fut.request_id)
-        self.runner.run(model.id, lambda: self._finish(fut, fn), order=seq_id)
+        if pipelined is not None:
+            job = pipelined
+            self.runner.run_pipelined(
+                model.id, lambda release: self._finish(fut, lambda: job(release)), order=seq_id
+            )
+        elif fn is not None:
+            self.runner.run(model.id, lambda: self._finish(fut, fn), order=seq_id)
         return fut.request_id
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
@@ -229,11 +245,12 @@ class Protocol:
         svc = self.training()
         step = svc.forward if call.forward_only else svc.forward_backward
 
-        def run() -> bytes:
-            return wire.forward_output_proto(step(namespace, model.id, call.data, call.loss))
+        def run(queued: Callable[[], None]) -> bytes:
+            out = step(namespace, model.id, call.data, call.loss, queued=queued)
+            return wire.forward_output_proto(out)
 
         kind = "Forward" if call.forward_only else "ForwardBackward"
-        return self._queue(model, call.seq_id or None, kind, run)
+        return self._queue(model, call.seq_id or None, kind, pipelined=run)
 
     def optim_step(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -251,11 +268,11 @@ class Protocol:
             raise InvalidRequestError("unknown AdamParams field", f"adam_params.{unknown[0]}")
         adam = replace(AdamStep(), **{k: float(v) for k, v in params.items()})
 
-        def run() -> dict[str, Any]:
-            metrics = self.training().optim_step(namespace, model.id, adam)
+        def run(queued: Callable[[], None]) -> dict[str, Any]:
+            metrics = self.training().optim_step(namespace, model.id, adam, queued=queued)
             return {"metrics": {k: float(v) for k, v in metrics.items()}}
 
-        return self._queue(model, body.get("seq_id"), "OptimStep", run)
+        return self._queue(model, body.get("seq_id"), "OptimStep", pipelined=run)
 
     def save_weights(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
