@@ -37,6 +37,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
+sys.path.insert(0, str(REPO / "tests"))  # child_processes, which server_process imports
 
 from server_process import EngineServer, wait_until  # noqa: E402
 
