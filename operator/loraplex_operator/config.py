@@ -18,6 +18,9 @@ class Config:
     scale_down_delay: float = 60.0  # an engine idle this long (above min) is removed
     max_restarts: int = DEFAULT_MAX_RESTARTS
     engine_timeout: float = 30.0
+    # An engine pod started but not Ready, or without a node, this long is failing
+    # (engine_failures: ReadinessProbeFailing, Unschedulable): the pool is Stalled.
+    stall_after: float = 600.0
     # Namespaces whose experiments this operator may read (namespaced RBAC); () = all.
     namespaces: tuple[str, ...] = ()
 
@@ -33,6 +36,7 @@ class Config:
             scale_down_delay=num("SCALE_DOWN_DELAY", cls.scale_down_delay),
             max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),
             engine_timeout=num("ENGINE_TIMEOUT", cls.engine_timeout),
+            stall_after=num("STALL_AFTER", cls.stall_after),
             namespaces=tuple(
                 n.strip()
                 for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")
