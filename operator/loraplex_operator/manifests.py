@@ -261,6 +261,9 @@ def _container(pool_name: str, spec: EnginePoolSpec) -> dict[str, Any]:
         # Model loading can take minutes: the startup probe guards liveness until /healthz.
         "startupProbe": _probe("/healthz", 5, 120),
         "livenessProbe": _probe("/healthz", 10, 6),
+        # An engine that exits before it logs a termination message (a bad model path)
+        # leaves its log's tail there: the pool's Stalled condition quotes it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
