@@ -23,6 +23,11 @@ class Config:
     stall_after: float = 600.0
     # Namespaces whose experiments this operator may read (namespaced RBAC); () = all.
     namespaces: tuple[str, ...] = ()
+    # The engine token Secret this operator creates when a pool names it and it is absent
+    # ("namespace/name", the chart's engine token; "" = create none: an existingSecret),
+    # and the length of the token it generates.
+    managed_token: str = ""
+    token_length: int = 48
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -37,6 +42,8 @@ class Config:
             max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),
             engine_timeout=num("ENGINE_TIMEOUT", cls.engine_timeout),
             stall_after=num("STALL_AFTER", cls.stall_after),
+            managed_token=env.get("LORAPLEX_MANAGED_TOKEN_SECRET", "").strip(),
+            token_length=int(num("TOKEN_LENGTH", cls.token_length)),
             namespaces=tuple(
                 n.strip()
                 for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import string
 import time
 from collections.abc import Mapping
@@ -39,7 +40,7 @@ from loraplex_operator.backoffs import (
 )
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.kube import NAMESPACES, PODS, Kube, KubeError
+from loraplex_operator.kube import NAMESPACES, PODS, SECRETS, Kube, KubeError
 from loraplex_operator.observation import (
     EngineView,
     Snapshot,
@@ -121,10 +122,28 @@ class PoolReconciler:
     async def token(self, pool: Pool) -> str | None:
         secret = pool.spec.token_secret_ref
         ns = pool.spec.engine_namespace
-        return await self._cached(
-            ("secret", ns, secret.name, secret.key),
-            lambda: self.kube.secret_value(ns, secret.name, secret.key),
-        )
+
+        async def read() -> str | None:
+            value = await self.kube.secret_value(ns, secret.name, secret.key)
+            if value is None and self.config.managed_token == f"{ns}/{secret.name}":
+                value = await self._create_token(ns, secret.name, secret.key)
+            return value
+
+        return await self._cached(("secret", ns, secret.name, secret.key), read)
+
+    async def _create_token(self, ns: str, name: str, key: str) -> str | None:
+        """The chart's engine token, absent: create it (a conflict means another writer
+        did first: read theirs)."""
+        token = secrets.token_urlsafe(self.config.token_length)[: self.config.token_length]
+        try:
+            await self.kube.create(SECRETS, manifests.token_secret(ns, name, key, token), ns)
+        except KubeError as e:
+            if e.status != 409:
+                log.warning("create engine token Secret %s/%s: %s", ns, name, e)
+                return None
+            return await self.kube.secret_value(ns, name, key)
+        log.info("created engine token Secret %s/%s", ns, name)
+        return token
 
     async def namespace_labels(self, namespace: str) -> dict[str, str]:
         async def read() -> dict[str, str]:
