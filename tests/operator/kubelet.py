@@ -15,8 +15,15 @@ the way a kubelet does: whatever the container still ran is killed with it, the 
 `containerStatuses`), after the kubelet's back-off (none before the first restart, then
 10 s doubling to 300 s), with the same volumes (an emptyDir outlives its container). Its
 engine binds a new port, so `loraplex.dev/engine-url` changes where a real Pod's IP would
-not. A container that is not restarted, or that fails to start, turns its Pod `Failed`;
-so does `Kubelet.kill` (a node loss: nothing on the node restarts it).
+not. A container that exits while it starts is restarted the same way
+(`CrashLoopBackOff` while it waits). The states a kubelet writes for what goes wrong
+(`kubelet_status.py`): an image the node's registry lacks (`Node.images`: ErrImagePull,
+ImagePullBackOff), env from a missing Secret (CreateContainerConfigError), a container
+over its memory limit (SIGKILLed: OOMKilled), a nodeSelector the node's labels do not
+match (Unschedulable), a GPU the device plugin reports unhealthy (`Node.unhealthy`: the
+Pod Failed, UnexpectedAdmissionError). With `probe_readiness` it probes each engine's
+readiness as the Pod's readinessProbe says. A container that is not restarted turns its
+Pod `Failed`; so does `Kubelet.kill` (a node loss: nothing on the node restarts it).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import kmock
 import kubelet_status as ks
 import psutil
@@ -130,6 +138,12 @@ class Kubelet:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kubelet")
     )
     _closed: bool = False
+    # Probe running engines' readiness as their readinessProbe says (periodSeconds,
+    # failureThreshold, timeoutSeconds), turning the Pod not Ready and back. Off unless a
+    # test asks: a loaded 2-core machine can miss a probe's timeout and flap a Pod.
+    probe_readiness: bool = False
+    _probes: dict[str, tuple[float, int, bool]] = field(default_factory=dict)  # next, fails, ready
+    _probing: set[str] = field(default_factory=set)
 
     def _pods(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -194,6 +208,8 @@ class Kubelet:
                 self._starting.add(name)
                 self._spawn(self._run_pod(pod))
         self._enforce_memory_limits()
+        if self.probe_readiness:
+            self._probe_readiness(pods)
         for name, proc in list(self.processes.items()):
             if name not in pods:  # removed without a grace period
                 del self.processes[name]
@@ -226,6 +242,40 @@ class Kubelet:
         exit_code = 137 if oom or code is None or code < 0 else code
         since = self._started_at.get(name, ks.now())
         return ks.terminated(exit_code, oom, proc.log_tail(40), since)
+
+    def _probe_readiness(self, pods: dict[str, dict[str, Any]]) -> None:
+        """Start each due readiness probe of a running engine (in the background)."""
+        for name, proc in list(self.processes.items()):
+            due, fails, ready = self._probes.get(name, (0.0, 0, True))
+            if name in pods and time.monotonic() >= due and name not in self._probing:
+                self._probing.add(name)
+                self._spawn(self._probe(pods[name], proc, fails, ready))
+
+    async def _probe(self, pod: dict[str, Any], proc: PodEngine, fails: int, ready: bool) -> None:
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        container = next(c for c in pod["spec"]["containers"] if c["name"] == manifests.CONTAINER)
+        probe = container.get("readinessProbe") or {}
+        period, threshold = probe.get("periodSeconds", 10), probe.get("failureThreshold", 3)
+        try:
+            ok = await asyncio.to_thread(
+                _http_ok, proc.url + "/readyz", probe.get("timeoutSeconds", 1)
+            )
+            fails = 0 if ok else fails + 1
+            now_ready = ok or (ready and fails < threshold)
+            if now_ready != ready and name in self.processes:
+                state = ks.running(self._started_at.get(name, ks.now()))
+                patch = ks.pod_status(
+                    "Running",
+                    state,
+                    ready=now_ready,
+                    started=True,
+                    restarts=self.restarts.get(name, 0),
+                    image=container.get("image", ""),
+                )
+                await self._patch(ns, name, patch)
+            self._probes[name] = (time.monotonic() + period, fails, now_ready)
+        finally:
+            self._probing.discard(name)
 
     def _enforce_memory_limits(self) -> None:
         """A container over its memory limit is SIGKILLed (the cgroup's OOM killer)."""
@@ -392,6 +442,13 @@ class Kubelet:
         the Pod turns `Failed`, its container is not restarted."""
         self._lost.add(pod)
         self.processes[pod].kill()
+
+
+def _http_ok(url: str, timeout: float) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def restarts_after(pod: dict[str, Any], exit_code: int | None) -> bool:
