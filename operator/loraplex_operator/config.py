@@ -18,8 +18,16 @@ class Config:
     scale_down_delay: float = 60.0  # an engine idle this long (above min) is removed
     max_restarts: int = DEFAULT_MAX_RESTARTS
     engine_timeout: float = 30.0
+    # An engine pod started but not Ready, or without a node, this long is failing
+    # (engine_failures: ReadinessProbeFailing, Unschedulable): the pool is Stalled.
+    stall_after: float = 600.0
     # Namespaces whose experiments this operator may read (namespaced RBAC); () = all.
     namespaces: tuple[str, ...] = ()
+    # The engine token Secret this operator creates when a pool names it and it is absent
+    # ("namespace/name", the chart's engine token; "" = create none: an existingSecret),
+    # and the length of the token it generates.
+    managed_token: str = ""
+    token_length: int = 48
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -33,6 +41,9 @@ class Config:
             scale_down_delay=num("SCALE_DOWN_DELAY", cls.scale_down_delay),
             max_restarts=int(num("MAX_RESTARTS", cls.max_restarts)),
             engine_timeout=num("ENGINE_TIMEOUT", cls.engine_timeout),
+            stall_after=num("STALL_AFTER", cls.stall_after),
+            managed_token=env.get("LORAPLEX_MANAGED_TOKEN_SECRET", "").strip(),
+            token_length=int(num("TOKEN_LENGTH", cls.token_length)),
             namespaces=tuple(
                 n.strip()
                 for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")

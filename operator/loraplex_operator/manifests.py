@@ -13,6 +13,7 @@ engine: one GPU per rank on a GPU pool, `--world-size` (and `--shard-base` with
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from collections.abc import Mapping
@@ -261,6 +262,9 @@ def _container(pool_name: str, spec: EnginePoolSpec) -> dict[str, Any]:
         # Model loading can take minutes: the startup probe guards liveness until /healthz.
         "startupProbe": _probe("/healthz", 5, 120),
         "livenessProbe": _probe("/healthz", 10, 6),
+        # An engine that exits before it logs a termination message (a bad model path)
+        # leaves its log's tail there: the pool's Stalled condition quotes it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -326,3 +330,27 @@ def engine_url(pod: Mapping[str, Any]) -> str | None:
 def is_pod_ready(pod: Mapping[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+TOKEN_COMPONENT = "engine-token"
+
+
+def token_secret(namespace: str, name: str, key: str, token: str) -> dict[str, Any]:
+    """The engine token Secret the operator creates when it is absent (the chart renders
+    none, so that `helm template` is stable for GitOps). Not owned by any pool: pools
+    share it and running engines mount it, so it outlives each of them."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                "app.kubernetes.io/name": "loraplex",
+                "app.kubernetes.io/component": TOKEN_COMPONENT,
+                "app.kubernetes.io/managed-by": "loraplex-operator",
+            },
+        },
+        "type": "Opaque",
+        "data": {key: base64.b64encode(token.encode()).decode()},
+    }

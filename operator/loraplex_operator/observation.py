@@ -13,6 +13,7 @@ from typing import Any
 
 from loraplex_operator import manifests
 from loraplex_operator import status as st
+from loraplex_operator.engine_failures import PodFailure, pod_failure
 from loraplex_operator.placement import ModelShape
 from loraplex_operator.resources import Experiment, Pool, parse_time
 
@@ -73,10 +74,15 @@ class EngineView:
     # found none (PodScheduled=False, Unschedulable). Capacity asked for, not there yet.
     gated: bool = False
     unschedulable: bool = False
+    # Why it cannot serve and will not by itself (CrashLoopBackOff, ImagePullBackOff, ...).
+    failure: PodFailure | None = None
 
     @classmethod
-    def from_pod(cls, pod: Mapping[str, Any]) -> EngineView:
-        """The pod's part of the view; the engine's answers are filled in by the probe."""
+    def from_pod(
+        cls, pod: Mapping[str, Any], now: float = 0.0, stall_after: float = float("inf")
+    ) -> EngineView:
+        """The pod's part of the view; the engine's answers are filled in by the probe.
+        `stall_after`: seconds not ready (started) or unschedulable that make it failing."""
         spec, status = pod.get("spec") or {}, pod.get("status") or {}
         return cls(
             name=pod["metadata"]["name"],
@@ -87,6 +93,7 @@ class EngineView:
             deleting_until=deleting_until(pod),
             gated=bool(spec.get("schedulingGates")),
             unschedulable=_unschedulable(status),
+            failure=pod_failure(pod, now, stall_after),
         )
 
     @property
@@ -177,6 +184,8 @@ class Snapshot:
     now: float = 0.0  # epoch seconds
     idle_since: dict[str, float] = field(default_factory=dict)  # engine -> epoch
     token_found: bool = True  # the pool's engine token Secret exists
+    # A failed engine pod whose replacement waits (engine_failures.RecreateBackoff).
+    recreate_held: PodFailure | None = None
 
 
 def reported_shape(engines: Iterable[EngineView]) -> ModelShape | None:
@@ -241,4 +250,17 @@ def pool_observation(snap: Snapshot) -> st.PoolObservation:
         storage_full=sorted(
             (e.name, full) for e in engines if e.reachable and (full := e.storage_full)
         ),
+        failures=failures(snap),
     )
+
+
+def failures(snap: Snapshot) -> list[PodFailure]:
+    """The pool's engine pods that cannot serve (dead ones too, until removed), by pod
+    name; else the failure that holds back their replacement."""
+    found = sorted(
+        (e.failure for e in snap.engines if e.failure is not None and not e.terminating),
+        key=lambda f: f.pod,
+    )
+    if not found and snap.recreate_held is not None:
+        return [snap.recreate_held]
+    return found

@@ -29,6 +29,7 @@ from loraplex_operator import admission, placement
 from loraplex_operator import status as st
 from loraplex_operator.api.pool import Capacity, EnginePoolSpec
 from loraplex_operator.config import Config
+from loraplex_operator.engine_failures import UNSCHEDULABLE, PodFailure
 from loraplex_operator.observation import (
     EngineView,
     Snapshot,
@@ -36,6 +37,7 @@ from loraplex_operator.observation import (
     slot_bytes,
     with_reported_shape,
 )
+from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.resources import Experiment, parse_time
 
 log = logging.getLogger("loraplex_operator.planning")
@@ -62,6 +64,7 @@ class Work:
     restarts: int = 0
     problems: list[str] = field(default_factory=list)
     waiting_reason: str | None = None
+    waiting_message: str | None = None  # what the waiting reason is about, when known
     resume_from: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
 
@@ -129,17 +132,31 @@ def plan_round(snap: Snapshot, config: Config) -> RoundPlan:
     unloads = sorted_out.unloads + acts.unloads
     busy = {u.engine for u in unloads} | acts.bound_to | acts.held
     scaling = scale(snap, engines, config, acts.create_pods, busy, acts.waiting)
+    create_pods = scaling.create_pods
+    if snap.recreate_held is not None and create_pods:
+        create_pods = 0  # engine pods keep failing: the next one waits (RecreateBackoff)
+        _held_back(decisions, sorted_out.work, snap.recreate_held)
     return RoundPlan(
         work=sorted_out.work,
         unloads=unloads,
         puts=acts.puts,
-        create_pods=scaling.create_pods,
+        create_pods=create_pods,
         delete_pods=[e.name for e in snap.engines if e.dead and not e.terminating]
         + scaling.delete_pods,
         recoveries=sum(w.restarts > w.exp.status.restarts for w in sorted_out.work.values()),
         decisions=decisions,
         idle_since=scaling.idle_since,
     )
+
+
+def _held_back(
+    decisions: Iterable[placement.Decision], work: Mapping[str, Work], held: PodFailure
+) -> None:
+    """Experiments that wait for an engine not created yet: why it is not created."""
+    for d in decisions:
+        if isinstance(d, placement.Wait) and d.engine is None and d.reason == WAIT_STARTING:
+            work[d.experiment].waiting_reason = held.reason
+            work[d.experiment].waiting_message = f"no new engine yet: {held.describe()}"
 
 
 # --- 1. who runs what ------------------------------------------------------------------
@@ -381,7 +398,11 @@ def act_on(
         elif isinstance(d, placement.ScaleUp):
             acts.create_pods += d.count
         elif isinstance(d, placement.Wait):
-            work[d.experiment].waiting_reason = _waiting_reason(d, engines)
+            w = work[d.experiment]
+            w.waiting_reason = _waiting_reason(d, engines)
+            failing = engines[d.engine].failure if d.engine in engines else None
+            if failing is not None:
+                w.waiting_message = f"its engine cannot start: {failing.describe()}"
             acts.waiting |= d.reason != placement.WAIT_UNSCHEDULABLE
             if d.engine in engines:
                 acts.held.add(d.engine)
@@ -389,9 +410,12 @@ def act_on(
 
 
 def _waiting_reason(d: placement.Wait, engines: Mapping[str, EngineView]) -> str:
-    """The Wait's reason, or why the engine it waits for has no node yet (Kueue has not
-    admitted it, or no node fits): the user sees what it actually waits for."""
+    """The Wait's reason, or why the engine it waits for cannot serve (its pod's failure:
+    CrashLoopBackOff, ImagePullBackOff, ...) or has no node yet (Kueue has not admitted
+    it, or no node fits): the user sees what it actually waits for."""
     engine = engines.get(d.engine or "")
+    if engine is not None and engine.failure is not None and engine.failure.reason != UNSCHEDULABLE:
+        return engine.failure.reason
     return (engine.capacity_pending if engine else None) or d.reason
 
 

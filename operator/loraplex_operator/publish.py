@@ -47,6 +47,7 @@ def derive(w: Work, config: Config, now: datetime) -> ExperimentStatus:
         engine_status=w.engine_status,
         problems=w.problems,
         waiting_reason=w.waiting_reason,
+        waiting_message=w.waiting_message,
         restarts=w.restarts,
         max_restarts=config.max_restarts,
     )

@@ -22,22 +22,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import string
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator import admission, manifests, placement
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
+from loraplex_operator.backoffs import (
+    PUT_ATTEMPTS,
+    WAIT_ENGINE_ERROR,
+    PutBackoff,
+    RecreateBackoff,
+)
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
-from loraplex_operator.kube import NAMESPACES, PODS, Kube, KubeError
+from loraplex_operator.kube import NAMESPACES, PODS, SECRETS, Kube, KubeError
 from loraplex_operator.observation import (
     EngineView,
     Snapshot,
     deleting_until,
+    failures,
     pool_observation,
 )
 from loraplex_operator.planning import (
@@ -62,43 +70,6 @@ log = logging.getLogger("loraplex_operator.reconcile")
 # watched (the operator may only `get` them), and a round must not read them each time.
 READ_TTL = 60.0
 
-# An engine's 5xx to a PUT is its fault, not a lack of room (issue 26: a dataset that made
-# every PUT answer 500 was retried as "no capacity" every round, for ever): the bind is
-# retried after 5, 10, 20, 40 s, and after PUT_ATTEMPTS answers the experiment fails with
-# the engine's error. A 503 (loading, or its loop stopped) waits for the engine instead.
-PUT_ATTEMPTS = 5
-PUT_BACKOFF_S = 5.0
-PUT_BACKOFF_MAX_S = 300.0
-WAIT_ENGINE_ERROR = "EngineError"
-
-
-class PutBackoff:
-    """Per experiment: how many binds an engine answered with a 5xx, and when the next
-    may be tried (soft state: a restarted operator starts counting again)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._failed: dict[str, tuple[int, float]] = {}  # key -> (answers, next try)
-
-    def waiting(self, key: str) -> bool:
-        hit = self._failed.get(key)
-        return hit is not None and self.clock() < hit[1]
-
-    def failed(self, key: str) -> int:
-        """Count one more 5xx; returns how many so far."""
-        count = self._failed.get(key, (0, 0.0))[0] + 1
-        delay = min(PUT_BACKOFF_S * 2 ** (count - 1), PUT_BACKOFF_MAX_S)
-        self._failed[key] = (count, self.clock() + delay)
-        return count
-
-    def forget(self, key: str) -> None:
-        self._failed.pop(key, None)
-
-    def keep_only(self, keys: Collection[str]) -> None:
-        """Drop the entries of experiments not in ``keys`` (deleted, or no longer bound)."""
-        for key in [k for k in self._failed if k not in keys]:
-            del self._failed[key]
-
 
 class PoolReconciler:
     """Runs rounds for pools; holds only soft state (timers), never the truth."""
@@ -118,6 +89,8 @@ class PoolReconciler:
         self._idle_since: dict[str, dict[str, float]] = {}
         self._reads: dict[tuple[str, ...], tuple[float, Any]] = {}  # key -> (expiry, value)
         self.put_backoff: dict[str, PutBackoff] = {}  # per pool
+        self.recreate: dict[str, RecreateBackoff] = {}  # per pool
+        self._failures_told: dict[str, set[tuple[str, str]]] = {}  # pool -> (pod, reason)
 
     @property
     def kube(self) -> Kube:
@@ -149,10 +122,28 @@ class PoolReconciler:
     async def token(self, pool: Pool) -> str | None:
         secret = pool.spec.token_secret_ref
         ns = pool.spec.engine_namespace
-        return await self._cached(
-            ("secret", ns, secret.name, secret.key),
-            lambda: self.kube.secret_value(ns, secret.name, secret.key),
-        )
+
+        async def read() -> str | None:
+            value = await self.kube.secret_value(ns, secret.name, secret.key)
+            if value is None and self.config.managed_token == f"{ns}/{secret.name}":
+                value = await self._create_token(ns, secret.name, secret.key)
+            return value
+
+        return await self._cached(("secret", ns, secret.name, secret.key), read)
+
+    async def _create_token(self, ns: str, name: str, key: str) -> str | None:
+        """The chart's engine token, absent: create it (a conflict means another writer
+        did first: read theirs)."""
+        token = secrets.token_urlsafe(self.config.token_length)[: self.config.token_length]
+        try:
+            await self.kube.create(SECRETS, manifests.token_secret(ns, name, key, token), ns)
+        except KubeError as e:
+            if e.status != 409:
+                log.warning("create engine token Secret %s/%s: %s", ns, name, e)
+                return None
+            return await self.kube.secret_value(ns, name, key)
+        log.info("created engine token Secret %s/%s", ns, name)
+        return token
 
     async def namespace_labels(self, namespace: str) -> dict[str, str]:
         async def read() -> dict[str, str]:
@@ -166,7 +157,8 @@ class PoolReconciler:
     ) -> list[EngineView]:
         namespace = pool.spec.engine_namespace
         pods = await source.engine_pods(pool.name, namespace)
-        views = [EngineView.from_pod(p) for p in pods]
+        now, stall_after = time.time(), self.config.stall_after
+        views = [EngineView.from_pod(p, now, stall_after) for p in pods]
         await asyncio.gather(*(self._probe(v, token, namespace) for v in views))
         return views
 
@@ -212,14 +204,19 @@ class PoolReconciler:
         if pool.spec.namespace_selector is not None:
             for ns in {x.meta.namespace for x in exps}:
                 ns_labels[ns] = await self.namespace_labels(ns)
+        now = time.time()
+        backoff = self.recreate.setdefault(pool_name, RecreateBackoff())
+        failed = [v.failure for v in views if v.dead and v.failure and not v.terminating]
+        backoff.observe(failed, [v.name for v in views if v.usable], now)
         snap = Snapshot(
             pool=pool,
             experiments=exps,
             engines=views,
             namespace_labels=ns_labels,
-            now=time.time(),
+            now=now,
             idle_since=self._idle_since.get(pool_name, {}),
             token_found=token is not None,
+            recreate_held=backoff.holding(now),
         )
         return snap, token
 
@@ -246,6 +243,7 @@ class PoolReconciler:
         await asyncio.gather(*(self._put(plan, p, token, pool_name) for p in plan.puts))
         self._backoff(pool_name).keep_only(plan.work)
         await self._pods(snap.pool, plan)
+        self._tell_failures(snap)
 
         now = datetime.now(UTC)
         works = list(plan.work.values())
@@ -371,6 +369,23 @@ class PoolReconciler:
                 m.RECONCILE_ERRORS.labels(kind="pod").inc()
                 log.warning("delete engine pod %s: %s", name, e)
 
+    def _tell_failures(self, snap: Snapshot) -> None:
+        """A Warning Event on the pool (and a log line) once per failing pod and reason."""
+        pool_obj = {"apiVersion": API_VERSION, "kind": POOL_KIND, **snap.pool.raw}
+        told = self._failures_told.setdefault(snap.pool.name, set())
+        now = {(f.pod, f.reason): f for f in failures(snap)}
+        for key, failure in sorted(now.items()):
+            if key in told:
+                continue
+            backoff = self.recreate.get(snap.pool.name)
+            wait = backoff.not_before - snap.now if backoff is not None else 0.0
+            also = f"; next engine pod in {wait:.0f} s" if snap.recreate_held == failure else ""
+
+            log.warning("pool %s: %s%s", snap.pool.name, failure.describe(), also)
+            self.emit(pool_obj, WARNING, failure.reason, failure.describe() + also)
+        told.intersection_update(now)
+        told.update(now)
+
     async def _pool_status(self, snap: Snapshot, phases: dict[str, int], now: datetime) -> None:
         counts = pool_observation(snap)
         m.set_pool(snap.pool.name, phases, counts.engines, counts.slots_used, counts.slots_free)
@@ -406,6 +421,8 @@ class PoolReconciler:
         self.heartbeats.forget(pool_name)
         self._idle_since.pop(pool_name, None)
         self.put_backoff.pop(pool_name, None)
+        self.recreate.pop(pool_name, None)
+        self._failures_told.pop(pool_name, None)
         now = datetime.now(UTC)
         for item in await (source or self.source()).experiments(pool_name):
             exp = Experiment.from_obj(item)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from loraplex_operator import engine_failures as ef
 from loraplex_operator.api.condition import Condition
 from loraplex_operator.api.status import CheckpointStatus, EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
@@ -84,6 +85,7 @@ class Observation:
     engine_status: Mapping[str, Any] | None = None  # GET /v1/experiments/{id} body
     problems: Sequence[str] = ()  # admission problems, "field: message"
     waiting_reason: str | None = None  # placement.Wait reason while pending
+    waiting_message: str | None = None  # what that reason is about (an engine's failure)
     restarts: int = 0
     max_restarts: int = DEFAULT_MAX_RESTARTS
 
@@ -163,14 +165,20 @@ def _verdict(suspend: bool, old_phase: str | None, obs: Observation) -> _Verdict
         return _Verdict(PENDING, "AdmissionFailed", "; ".join(obs.problems))
     if obs.binding is None:
         reason = obs.waiting_reason or "WaitingForPlacement"
-        return _Verdict(PENDING, reason, f"waiting for placement ({reason})")
+        message = f"waiting for placement ({reason})"
+        return _Verdict(
+            PENDING, reason, f"{message}: {obs.waiting_message}" if obs.waiting_message else message
+        )
     if engine_phase == RUNNING:
         return _Verdict(RUNNING, "Training", f"training on {obs.binding.engine}")
     return _Verdict(SCHEDULED, "Bound", f"bound to {obs.binding.engine}")
 
 
 # Pending for one of these reasons needs a human (fix the spec or the pool): Stalled.
-NEEDS_A_HUMAN = frozenset({"AdmissionFailed", WAIT_UNSCHEDULABLE})
+# The engine pod failures among them: its engine cannot start until the pool is fixed.
+NEEDS_A_HUMAN = frozenset(
+    {"AdmissionFailed", WAIT_UNSCHEDULABLE, *ef.WAITING, ef.OOM_KILLED, ef.NOT_READY}
+)
 
 
 def generic_conditions(phase: str, reason: str, message: str) -> list[dict[str, Any]]:
@@ -336,6 +344,8 @@ class PoolObservation:
     # (engine pod, why) of the engines whose checkpoints wait for room on a full volume
     # (their /v1/capacity `storageFull`).
     storage_full: Sequence[tuple[str, str]] = ()
+    # Engine pods that cannot serve and will not by themselves (engine_failures).
+    failures: Sequence[ef.PodFailure] = ()
 
 
 def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
@@ -360,25 +370,39 @@ def _storage_full(obs: PoolObservation) -> dict[str, Any]:
     return condition(STORAGE_FULL, True, CHECKPOINT_VOLUME_FULL, message)
 
 
+def _pool_stalled(obs: PoolObservation, counts: str) -> tuple[str, str] | None:
+    """(reason, message) when the pool needs a human, else None."""
+    if not obs.token_found:
+        return "TokenSecretMissing", "engine token Secret (spec.tokenSecretRef) not found"
+    if obs.failures:  # the first pod's reason; the message names every failing pod
+        return obs.failures[0].reason, f"{counts}; " + "; ".join(f.describe() for f in obs.failures)
+    return None
+
+
 def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
     """Ready, Reconciling, Stalled, CapacityPending and StorageFull of a pool.
 
     Reconciling while engine pods are asked for but not ready (starting, gated,
     unschedulable) or fewer than `replicas.min` are ready; Stalled when the token Secret
-    is missing (no engine starts until someone creates it); Ready when neither holds
+    is missing (no engine starts until someone creates it) or an engine pod fails in a
+    way that waiting does not fix (`engine_failures`: CrashLoopBackOff, ImagePullBackOff,
+    OOMKilled, ...; the reason is the first failing pod's, the message names each pod,
+    container and its last message); Ready when neither holds
     (some engine ready, or none wanted: a pool scaled to zero is at rest). StorageFull
     while an engine's checkpoints wait for room: they train on, so the pool stays Ready."""
     pending = _capacity_pending(obs)
     counts = f"{obs.ready}/{obs.engines} engines ready"
-    if not obs.token_found:
-        why, message = "TokenSecretMissing", "engine token Secret (spec.tokenSecretRef) not found"
+    stall = _pool_stalled(obs, counts)
+    if stall is not None:
+        why, message = stall
     elif obs.engines > obs.ready or obs.ready < obs.min_replicas:
         on_hold = pending["status"] == "True"
         why = pending["reason"] if on_hold else "EnginesStarting"
         message = f"{counts}; {pending['message']}" if on_hold else counts
     else:
         why, message = ("EnginesReady" if obs.ready else "ScaledToZero"), counts
-    stalled, reconciling = why == "TokenSecretMissing", why in _POOL_RECONCILING
+    stalled = stall is not None
+    reconciling = not stalled and why in _POOL_RECONCILING
     return [
         condition(READY, not (stalled or reconciling), why, message),
         _flag(RECONCILING, reconciling, why, message),

@@ -7,10 +7,10 @@ import pytest
 import yaml
 from chart_helpers import CONTRACT, NAMESPACE, SCENARIOS, by_kind, one, render
 
-SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret"}
+SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret", "engineNamespace"}
 MODES = {"cluster", "namespaced"}
 SECRET = "loraplex-engine-token"
-KEYS = {"apiGroups", "resources", "verbs", "scope", "modes", "why", "unobserved"}
+KEYS = {"apiGroups", "resources", "verbs", "scope", "modes", "why", "unobserved", "generatedToken"}
 VALID_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
 
 
@@ -44,15 +44,19 @@ def _triples(rules: list[dict]) -> set[tuple]:
     return out
 
 
-def expected(mode: str, watched: list[str], engine_ns: str) -> dict[str, set[tuple]]:
+def expected(
+    mode: str, watched: list[str], engine_ns: str, secret: str = SECRET, generated: bool = True
+) -> dict[str, set[tuple]]:
     """Where each contract rule must be granted: 'cluster' or a namespace → triples."""
     out: dict[str, set[tuple]] = {}
     for rule in contract()["rules"]:
-        if mode not in rule.get("modes", MODES):
+        if mode not in rule.get("modes", MODES) or (rule.get("generatedToken") and not generated):
             continue
         scope = rule["scope"]
         if scope == "engineSecret":
-            targets, rule = [engine_ns], {**rule, "resourceNames": [SECRET]}
+            targets, rule = [engine_ns], {**rule, "resourceNames": [secret]}
+        elif scope == "engineNamespace":
+            targets = [engine_ns]
         elif scope == "cluster" or mode == "cluster":
             targets = ["cluster"]
         elif scope == "watched":
@@ -99,6 +103,25 @@ def rendered(docs: list[dict]) -> dict[str, set[tuple]]:
 def test_rendered_rbac_matches_contract(scenario, mode, watched, engine_ns) -> None:
     docs = render(SCENARIOS[scenario])
     assert rendered(docs) == expected(mode, watched, engine_ns)
+
+
+def test_with_an_existing_secret_the_operator_may_create_no_secret() -> None:
+    docs = render(SCENARIOS["existing-secret"])
+    assert rendered(docs) == expected(
+        "cluster", [], NAMESPACE, secret="my-engine-token", generated=False
+    )
+
+
+@pytest.mark.parametrize("scenario", ["default", "namespaced"])
+def test_the_operator_writes_pods_only_in_the_engine_namespace(scenario: str) -> None:
+    """Both modes: pods are created and deleted through the engine namespace's Role, never
+    a ClusterRole (cluster mode keeps only kopf's list and watch cluster-wide)."""
+    grants = rendered(render(SCENARIOS[scenario]))
+    writes = {"create", "delete", "patch", "update", "get"}
+    assert not {t for t in grants.get("cluster", set()) if t[1] == "pods" and t[2] in writes}
+    assert {("", "pods", v, ()) for v in ("get", "create", "delete")} <= grants[NAMESPACE]
+    secrets = {t for target in grants.values() for t in target if t[1] == "secrets"}
+    assert secrets == {("", "secrets", "get", (SECRET,)), ("", "secrets", "create", ())}
 
 
 @pytest.mark.parametrize("scenario", ["default", "namespaced", "engines-elsewhere"])

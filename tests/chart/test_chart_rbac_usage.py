@@ -8,7 +8,8 @@ the run does use is stale and fails too.
 
 The run (kmock records every request; kopf and our client identify themselves by
 User-Agent): the operator harness, cluster-wide as the chart's rbac.scope=cluster, a
-real engine; a pool without engines is scaled up by an experiment that trains to
+real engine; a pool without engines, naming the chart's token Secret that no one created
+(the operator creates it), is scaled up by an experiment that trains to
 Succeeded and is deleted (kopf's finalizer, the release handler); the idle engine is
 scaled down; the pool is deleted (kopf's daemon finalizer, its Event). The calls are
 the same in namespaced mode (experiments listed per namespace instead of once) except
@@ -18,6 +19,7 @@ kopf's namespace observation, which the contract explains.
 from __future__ import annotations
 
 import asyncio
+import base64
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +32,7 @@ from chart_helpers import CONTRACT, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 from harness import ENGINE_NS, Call, Harness, operator_calls_in
-from loraplex_operator.kube import POOLS, Kube
+from loraplex_operator.kube import POOLS, SECRETS, Kube
 
 WATCHED = "team-a"
 # kopf posts Events about cluster-scoped objects in its default namespace: the service
@@ -38,6 +40,7 @@ WATCHED = "team-a"
 # context names none (the runs here).
 KOPF_DEFAULT_NS = "default"
 POOL = "rbac-pool"
+CHART_TOKEN = "loraplex-engine-token"  # the chart's default (release "loraplex")
 
 
 def covers(scope: str, namespace: str | None) -> bool:
@@ -48,7 +51,7 @@ def covers(scope: str, namespace: str | None) -> bool:
         return namespace in (WATCHED, None)
     if scope == "engines":  # cluster mode: kopf watches engine pods across namespaces
         return namespace in (ENGINE_NS, None)
-    if scope == "engineSecret":
+    if scope in ("engineSecret", "engineNamespace"):
         return namespace == ENGINE_NS
     if scope == "operatorNamespace":
         return namespace == KOPF_DEFAULT_NS
@@ -86,6 +89,10 @@ async def _operator_calls(workdir: Path, model_dir: Path) -> set[Call]:
     async with Harness(workdir, model_dir) as h:
         assert h.kube is not None and h.api is not None and h.operator is not None
         pool = h.pool_obj(POOL, slots=2, max_rank=8, replicas=(0, 1))
+        # The chart's own token Secret, which no one created: the operator does (and
+        # the engine it starts mounts it).
+        pool["spec"]["tokenSecretRef"] = {"name": CHART_TOKEN, "key": "token"}
+        assert await h.kube.get(SECRETS, CHART_TOKEN, ENGINE_NS) is None
         await h.apply(pool)
         await h.apply(h.experiment_obj("rbac-exp", POOL, max_steps=2, every=1))
         await h.wait_phase(WATCHED, "rbac-exp", "Succeeded", timeout=240)
@@ -97,6 +104,9 @@ async def _operator_calls(workdir: Path, model_dir: Path) -> set[Call]:
         await until("the idle engine scaled down", no_engine, timeout=120)
         await h.kube.delete(POOLS, POOL)
         await until("the pool gone", lambda: _gone(h.kube, POOL))
+        secret = await h.kube.get(SECRETS, CHART_TOKEN, ENGINE_NS)
+        assert secret is not None and len(base64.b64decode(secret["data"]["token"])) == 48
+        assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "loraplex-operator"
         await asyncio.to_thread(h.operator.stop)  # all its calls are in before reading
         return operator_calls_in(h.api)
 

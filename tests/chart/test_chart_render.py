@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from chart_helpers import (
     REPO,
     RULES_FILE,
     SCENARIOS,
+    _helm_template,
     by_kind,
     one,
     render,
@@ -73,27 +73,27 @@ def test_renders_well_formed(scenario: str) -> None:
 
 # Which kinds a scenario renders (count per kind).
 # ClusterRole: the operator's, and the view and edit roles aggregated into the default
-# user roles; Pod: the `helm test` hook.
+# user roles; Pod: the `helm test` hook; no Secret: the operator creates the token.
 EXPECTED_KINDS = {
     "default": {
         "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "Pod": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Pod": 1,
     },
     "all-on": {
         "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 1, "ServiceMonitor": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 0, "ServiceMonitor": 1,
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
         "NetworkPolicy": 1, "EnginePool": 1, "Pod": 1,
     },
     # two watched namespaces, the engine namespace, the operator's namespace
     "namespaced": {
         "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 1, "Pod": 1,
+        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 0, "Pod": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
     "minimal": {
         "Deployment": 1, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 0,
-        "Secret": 1, "Pod": 0,
+        "Secret": 0, "Pod": 0,
     },
     "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
     "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
@@ -142,8 +142,15 @@ def test_operator_deployment_defaults() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["LORAPLEX_METRICS_PORT"]["value"] == "8080"
     assert env["LORAPLEX_WATCH_NAMESPACES"]["value"] == ""
-    # Only what the operator reads (the engine namespace and token come from each pool).
-    assert set(env) == {"LORAPLEX_METRICS_PORT", "LORAPLEX_WATCH_NAMESPACES", "LORAPLEX_LOG_FORMAT"}
+    # Only what the operator reads (the engine namespace and token come from each pool;
+    # the token Secret it creates when absent, and the length of its token).
+    assert set(env) == {
+        "LORAPLEX_METRICS_PORT",
+        "LORAPLEX_WATCH_NAMESPACES",
+        "LORAPLEX_MANAGED_TOKEN_SECRET",
+        "LORAPLEX_TOKEN_LENGTH",
+        "LORAPLEX_LOG_FORMAT",
+    }
     assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["image"] == "loraplex/operator:0.1.0"
@@ -185,17 +192,28 @@ def test_image_digest_and_log_level() -> None:
     assert dep["metadata"]["name"] == "lp-operator"
 
 
-def test_generated_token_secret() -> None:
+def test_no_token_secret_rendered_the_operator_creates_it() -> None:
+    """The chart renders no random Secret (GitOps: `helm template` must be stable); it
+    tells the operator which one to create when absent (reconcile.token)."""
     docs = render()
-    secret = one(docs, "Secret")
-    assert secret["metadata"]["name"] == f"{FULL}-engine-token"
-    assert secret["metadata"]["namespace"] == NAMESPACE
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    assert len(token) == 48 and token.isalnum()
-    # A new render without a cluster draws a new token (lookup finds nothing offline);
-    # against a cluster, lookup returns the stored one (see engine-token-secret.yaml).
-    assert "lookup" in (CHART / "templates" / "engine-token-secret.yaml").read_text()
+    assert not by_kind(docs, "Secret")
+    env = {e["name"]: e.get("value") for e in _container(docs)[1]["env"]}
+    assert env["LORAPLEX_MANAGED_TOKEN_SECRET"] == f"{NAMESPACE}/{FULL}-engine-token"
+    assert env["LORAPLEX_TOKEN_LENGTH"] == "48"
+    existing = render(SCENARIOS["existing-secret"])
+    env = {e["name"] for e in _container(existing)[1]["env"]}
+    assert "LORAPLEX_MANAGED_TOKEN_SECRET" not in env
+
+
+@pytest.mark.parametrize("scenario", ["default", "all-on", "existing-secret", "namespaced"])
+def test_two_renders_are_the_same_for_gitops(scenario: str) -> None:
+    """Argo CD and Flux render the chart with `helm template` on every sync: anything
+    random in it (a generated token) would be a permanent diff."""
+    values = json.dumps(SCENARIOS[scenario], sort_keys=True)
+    # helm itself, twice (render() caches), as a GitOps tool runs it: CRDs included
+    first, second = (_helm_template(values, None, True) for _ in range(2))
+    assert first == second
+    assert not by_kind([d for d in yaml.safe_load_all(first) if d], "Secret")
 
 
 def test_existing_secret_is_used_everywhere() -> None:
@@ -262,7 +280,8 @@ def test_default_pool_sharding_its_base_over_two_ranks() -> None:
 def test_engines_in_another_namespace() -> None:
     docs = render(SCENARIOS["engines-elsewhere"])
     ns = "gpu-engines"
-    assert one(docs, "Secret")["metadata"]["namespace"] == ns
+    env = {e["name"]: e.get("value") for e in _container(docs)[1]["env"]}
+    assert env["LORAPLEX_MANAGED_TOKEN_SECRET"] == f"{ns}/{FULL}-engine-token"
     assert one(docs, "NetworkPolicy")["metadata"]["namespace"] == ns
     assert one(docs, "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": [ns]}
     assert one(docs, "EnginePool")["spec"]["engineNamespace"] == ns

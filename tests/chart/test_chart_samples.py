@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart_helpers import CHART, KUBE_VERSIONS, NAMESPACE, REPO, by_kind, one, render
+from chart_helpers import CHART, KUBE_VERSIONS, NAMESPACE, REPO, by_kind, render
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 from crdkit import CRD_FILES, admit, apply_defaults, schema_of
@@ -82,19 +82,24 @@ def test_cluster_namespaces_are_created_before_use() -> None:
 
 
 def _chart_token() -> tuple[str, dict[str, str]]:
-    """(engine namespace, tokenSecretRef) that the chart's defaults create and grant."""
+    """(engine namespace, tokenSecretRef) of the Secret that the chart's defaults tell
+    the operator to create (it renders none) and grant it to read."""
     docs = render()
-    secret = one(docs, "Secret")
+    (deployment,) = by_kind(docs, "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    namespace, name = env["LORAPLEX_MANAGED_TOKEN_SECRET"].split("/")
     roles = [r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == NAMESPACE]
     granted = [
         rule.get("resourceNames")
         for role in roles
         for rule in role["rules"]
-        if "secrets" in rule["resources"]
+        if "secrets" in rule["resources"] and "get" in rule["verbs"]
     ]
-    assert granted == [[secret["metadata"]["name"]]], granted
-    (key,) = secret["data"]
-    return secret["metadata"]["namespace"], {"name": secret["metadata"]["name"], "key": key}
+    assert granted == [[name]], granted
+    return namespace, {"name": name, "key": "token"}
 
 
 def test_cluster_pools_use_the_charts_token_secret() -> None:

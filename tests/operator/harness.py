@@ -93,6 +93,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # Bearer tokens let in besides HARNESS_TOKEN; None = no authentication at all.
     tokens: set[str] | None = None
+    # (plural, namespace, name, monotonic time) of every object created, for tests that
+    # count creations (a pod can be created and gone between two polls).
+    creations: list[tuple[str, str | None, str, float]]
 
     def __iter__(self) -> Any:
         """Every request served so far; while a request's reaction is being chosen, only
@@ -214,6 +217,11 @@ class ApiServer(kmock.KubernetesEmulator):
         meta.setdefault("creationTimestamp", now())
         meta.setdefault("generation", 1)
         meta["resourceVersion"] = _next_version()
+        if not hasattr(self, "creations"):
+            self.creations = []
+        self.creations.append(
+            (request.resource.plural, meta.get("namespace"), meta.get("name", ""), time.monotonic())
+        )
         if request.resource.plural == "pods" and KUEUE_QUEUE_LABEL in (meta.get("labels") or {}):
             _kueue_gate(obj)
         kind = CRD_KINDS.get(request.resource.plural)

@@ -15,8 +15,15 @@ the way a kubelet does: whatever the container still ran is killed with it, the 
 `containerStatuses`), after the kubelet's back-off (none before the first restart, then
 10 s doubling to 300 s), with the same volumes (an emptyDir outlives its container). Its
 engine binds a new port, so `loraplex.dev/engine-url` changes where a real Pod's IP would
-not. A container that is not restarted, or that fails to start, turns its Pod `Failed`;
-so does `Kubelet.kill` (a node loss: nothing on the node restarts it).
+not. A container that exits while it starts is restarted the same way
+(`CrashLoopBackOff` while it waits). The states a kubelet writes for what goes wrong
+(`kubelet_status.py`): an image the node's registry lacks (`Node.images`: ErrImagePull,
+ImagePullBackOff), env from a missing Secret (CreateContainerConfigError), a container
+over its memory limit (SIGKILLed: OOMKilled), a nodeSelector the node's labels do not
+match (Unschedulable), a GPU the device plugin reports unhealthy (`Node.unhealthy`: the
+Pod Failed, UnexpectedAdmissionError). With `probe_readiness` it probes each engine's
+readiness as the Pod's readinessProbe says. A container that is not restarted turns its
+Pod `Failed`; so does `Kubelet.kill` (a node loss: nothing on the node restarts it).
 """
 
 from __future__ import annotations
@@ -28,14 +35,24 @@ import sys
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import kmock
+import kubelet_status as ks
+import psutil
 from loraplex_operator import manifests
 from loraplex_operator.kube import PODS, Kube
-from pod_runtime import Node, SecretReader, container_env, local_command, local_env
+from pod_runtime import (
+    ContainerConfigError,
+    Node,
+    PodSpecError,
+    SecretReader,
+    container_env,
+    local_command,
+    local_env,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_process import EngineServer
@@ -47,8 +64,7 @@ BACKOFF_S, MAX_BACKOFF_S = 10.0, 300.0
 KUBELET_HOLD = "kmock.loraplex.dev/kubelet"
 
 
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+now = ks.now
 
 
 class PodEngine(EngineServer):
@@ -60,10 +76,12 @@ class PodEngine(EngineServer):
     ) -> None:
         meta = pod["metadata"]
         container = next(c for c in pod["spec"]["containers"] if c["name"] == manifests.CONTAINER)
+        env = container_env(pod, container, read_secret)  # CreateContainerConfigError first
         self.volumes = node.volume_dirs(pod, read_secret)  # volume name -> local directory
         mapped = node.path_map(container, self.volumes)
         self.argv = local_command(container, mapped)
-        self.environment = local_env(container_env(pod, container), mapped)
+        self.environment = local_env(env, mapped)
+        self.memory_limit = ks.memory_limit(pod)
         workdir = node.root / "pods" / meta["namespace"] / meta["name"]
         super().__init__(workdir, workdir, workdir=workdir)
 
@@ -82,6 +100,17 @@ class PodEngine(EngineServer):
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def rss(self) -> int:
+        """Resident memory of the container's processes (what a cgroup limit counts)."""
+        if not self.alive() or self.proc is None:
+            return 0
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+            return sum(p.memory_info().rss for p in procs)
+        except psutil.Error:
+            return 0
+
 
 @dataclass
 class Kubelet:
@@ -95,6 +124,10 @@ class Kubelet:
     start_seconds: dict[str, float] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # pod -> its container's restarts
     _lost: set[str] = field(default_factory=set)  # killed as in a node loss: not restarted
+    _oom: set[str] = field(default_factory=set)  # killed by the memory limit, last exit
+    _started_at: dict[str, str] = field(default_factory=dict)  # pod -> its container's start
+    _starting_engines: dict[str, PodEngine] = field(default_factory=dict)
+    _engines: dict[str, PodEngine] = field(default_factory=dict)  # pod -> its container
     _starting: set[str] = field(default_factory=set)
     _stopping: dict[str, PodEngine | None] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
@@ -105,6 +138,12 @@ class Kubelet:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kubelet")
     )
     _closed: bool = False
+    # Probe running engines' readiness as their readinessProbe says (periodSeconds,
+    # failureThreshold, timeoutSeconds), turning the Pod not Ready and back. Off unless a
+    # test asks: a loaded 2-core machine can miss a probe's timeout and flap a Pod.
+    probe_readiness: bool = False
+    _probes: dict[str, tuple[float, int, bool]] = field(default_factory=dict)  # next, fails, ready
+    _probing: set[str] = field(default_factory=set)
 
     def _pods(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -168,6 +207,9 @@ class Kubelet:
             elif name not in self.processes and name not in self._starting | self.failed:
                 self._starting.add(name)
                 self._spawn(self._run_pod(pod))
+        self._enforce_memory_limits()
+        if self.probe_readiness:
+            self._probe_readiness(pods)
         for name, proc in list(self.processes.items()):
             if name not in pods:  # removed without a grace period
                 del self.processes[name]
@@ -179,18 +221,70 @@ class Kubelet:
         """The container's process exited: restart it in its Pod, or fail the Pod."""
         name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
         code = proc.proc.returncode if proc.proc is not None else None
+        last = self._last_state(name, proc)
         if name in self._lost or not restarts_after(pod, code):
             self.failed.add(name)
-            await self._patch(ns, name, _pod_status(False, "Failed", self.restarts.get(name, 0)))
+            state = {"terminated": last}
+            patch = ks.pod_status("Failed", state, restarts=self.restarts.get(name, 0))
+            await self._patch(ns, name, patch)
             await asyncio.to_thread(proc.kill)  # the rest of the container goes with it
             return
         del self.processes[name]
-        count = self.restarts[name] = self.restarts.get(name, 0) + 1
-        print(f"kubelet: pod {name}: container exited ({code}); restart {count}", file=sys.stderr)
         self._starting.add(name)
-        await self._patch(ns, name, _pod_status(False, "Running", count))
         await asyncio.to_thread(proc.kill)
-        self._spawn(self._run_pod(pod, proc, delay=crash_backoff(count)))
+        self._spawn(self._run_pod(pod, proc, last=last))
+
+    def _last_state(self, name: str, proc: PodEngine) -> dict[str, Any]:
+        """The exited container's `lastState.terminated` (the kernel's SIGKILL is 137)."""
+        code = proc.proc.returncode if proc.proc is not None else None
+        oom = name in self._oom
+        self._oom.discard(name)
+        exit_code = 137 if oom or code is None or code < 0 else code
+        since = self._started_at.get(name, ks.now())
+        return ks.terminated(exit_code, oom, proc.log_tail(40), since)
+
+    def _probe_readiness(self, pods: dict[str, dict[str, Any]]) -> None:
+        """Start each due readiness probe of a running engine (in the background)."""
+        for name, proc in list(self.processes.items()):
+            due, fails, ready = self._probes.get(name, (0.0, 0, True))
+            if name in pods and time.monotonic() >= due and name not in self._probing:
+                self._probing.add(name)
+                self._spawn(self._probe(pods[name], proc, fails, ready))
+
+    async def _probe(self, pod: dict[str, Any], proc: PodEngine, fails: int, ready: bool) -> None:
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        container = next(c for c in pod["spec"]["containers"] if c["name"] == manifests.CONTAINER)
+        probe = container.get("readinessProbe") or {}
+        period, threshold = probe.get("periodSeconds", 10), probe.get("failureThreshold", 3)
+        try:
+            ok = await asyncio.to_thread(
+                _http_ok, proc.url + "/readyz", probe.get("timeoutSeconds", 1)
+            )
+            fails = 0 if ok else fails + 1
+            now_ready = ok or (ready and fails < threshold)
+            if now_ready != ready and name in self.processes:
+                state = ks.running(self._started_at.get(name, ks.now()))
+                patch = ks.pod_status(
+                    "Running",
+                    state,
+                    ready=now_ready,
+                    started=True,
+                    restarts=self.restarts.get(name, 0),
+                    image=container.get("image", ""),
+                )
+                await self._patch(ns, name, patch)
+            self._probes[name] = (time.monotonic() + period, fails, now_ready)
+        finally:
+            self._probing.discard(name)
+
+    def _enforce_memory_limits(self) -> None:
+        """A container over its memory limit is SIGKILLed (the cgroup's OOM killer)."""
+        for pod, engine in [*self.processes.items(), *self._starting_engines.items()]:
+            limit = engine.memory_limit
+            if limit and pod not in self._oom and engine.rss() > limit:
+                print(f"kubelet: pod {pod}: over its memory limit; OOM-killed", file=sys.stderr)
+                self._oom.add(pod)
+                engine.kill()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -220,38 +314,125 @@ class Kubelet:
         if engine is None:
             engine = PodEngine(pod, self.node, self._secret_data)
             self._started.append(engine)
+            self._engines[pod["metadata"]["name"]] = engine
+        self._starting_engines[pod["metadata"]["name"]] = engine
         try:
             engine.start()
         finally:
+            self._starting_engines.pop(pod["metadata"]["name"], None)
             if self._closed:
                 engine.kill()
         return engine
 
-    async def _run_pod(
-        self, pod: dict[str, Any], restarted: PodEngine | None = None, delay: float = 0.0
-    ) -> None:
+    async def _admitted(self, pod: dict[str, Any]) -> bool:
+        """The scheduler and the node's admission: False when the Pod does not run here
+        (left Pending unschedulable, or failed by the device manager)."""
         name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
-        await asyncio.sleep(delay)
-        try:
-            t0 = time.monotonic()
-            loop = asyncio.get_running_loop()
-            proc = await loop.run_in_executor(self._starter, self._start_engine, pod, restarted)
-            self.start_seconds[name] = time.monotonic() - t0
-        except Exception as e:
-            print(f"kubelet: engine for pod {name} failed to start: {e!r}", file=sys.stderr)
+        if message := ks.unschedulable(pod, self.node.labels):
+            await self._patch(ns, name, ks.unscheduled(message))
+            return False
+        if message := ks.admission_error(pod, self.node.unhealthy):
+            state = ks.waiting("ContainerCreating")
+            patch = ks.pod_status(
+                "Failed", state, reason="UnexpectedAdmissionError", message=message
+            )
+            patch["spec"] = {"nodeName": NODE}
+            await self._patch(ns, name, patch)
+            return False
+        return True
+
+    async def _run_pod(
+        self,
+        pod: dict[str, Any],
+        restarted: PodEngine | None = None,
+        last: dict[str, Any] | None = None,
+    ) -> None:
+        """Start the Pod's container, as a kubelet keeps trying to: an image it cannot
+        pull (ErrImagePull, ImagePullBackOff), a config it cannot make
+        (CreateContainerConfigError) and a container that exits (CrashLoopBackOff, the
+        crash back-off) are retried until the Pod is deleted."""
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        image = pod["spec"]["containers"][0].get("image", "")
+        if restarted is None and last is None and not await self._admitted(pod):
             self.failed.add(name)
             self._starting.discard(name)
-            await self._patch(ns, name, _pod_status(False, "Failed", self.restarts.get(name, 0)))
             return
+        while not self._closed:
+            if name not in self._pods() or _terminating(self._pods()[name]):
+                self._starting.discard(name)
+                return
+            count = self.restarts.get(name, 0)
+            phase = "Running" if last else "Pending"
+            if last is not None:  # the container exited: restart it after the back-off
+                count = self.restarts[name] = count + 1
+                delay = crash_backoff(count)
+                print(f"kubelet: pod {name}: container exited; restart {count}", file=sys.stderr)
+                state = (
+                    ks.waiting("CrashLoopBackOff", ks.back_off_message(pod, delay))
+                    if delay
+                    else ks.waiting("ContainerCreating")
+                )
+                status = ks.pod_status(phase, state, restarts=count, last=last, image=image)
+                await self._patch(ns, name, status)
+                await asyncio.sleep(delay)
+            if not self.node.pulls(image):
+                pulled = f'failed to pull and unpack image "{image}": not found'
+                for state, pause in (
+                    (ks.waiting("ErrImagePull", pulled), 1.0),
+                    (ks.waiting("ImagePullBackOff", f'Back-off pulling image "{image}"'), 2.0),
+                ):
+                    status = ks.pod_status(phase, state, restarts=count, last=last, image=image)
+                    await self._patch(ns, name, status)
+                    await asyncio.sleep(pause)
+                continue
+            self._started_at[name] = ks.now()
+            try:
+                t0 = time.monotonic()
+                loop = asyncio.get_running_loop()
+                proc = await loop.run_in_executor(self._starter, self._start_engine, pod, restarted)
+                self.start_seconds[name] = time.monotonic() - t0
+            except ContainerConfigError as e:
+                state = ks.waiting("CreateContainerConfigError", str(e))
+                await self._patch(ns, name, ks.pod_status(phase, state, restarts=count, last=last))
+                await asyncio.sleep(1.0)
+                continue
+            except PodSpecError as e:  # this runtime cannot run it: the test's mistake
+                print(f"kubelet: pod {name} cannot run here: {e}", file=sys.stderr)
+                return await self._fail(pod, {"waiting": {"reason": "RunContainerError"}})
+            except Exception as e:
+                engine = self._engines.get(name)
+                if engine is None or engine.proc is None:
+                    print(f"kubelet: engine for pod {name} failed to start: {e!r}", file=sys.stderr)
+                    return await self._fail(pod, ks.waiting("RunContainerError", str(e)[-500:]))
+                restarted, last = engine, self._last_state(name, engine)
+                continue
+            return await self._started_pod(pod, proc, last)
+
+    async def _started_pod(
+        self, pod: dict[str, Any], proc: PodEngine, last: dict[str, Any] | None
+    ) -> None:
+        """Its engine is up: Running and Ready, its URL published."""
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        image = pod["spec"]["containers"][0].get("image", "")
         self._starting.discard(name)
         if name not in self._pods():  # deleted while starting
             await asyncio.to_thread(proc.stop, 30.0)
             return
         self.processes[name] = proc
-        patch = _pod_status(True, "Running", self.restarts.get(name, 0))
+        count = self.restarts.get(name, 0)
+        state = ks.running(self._started_at[name])
+        patch = ks.pod_status("Running", state, ready=True, started=True, restarts=count,
+                              last=last, image=image)  # fmt: skip
         patch["metadata"] = {"annotations": {manifests.ENGINE_URL_ANNOTATION: proc.url}}
         patch["spec"] = {"nodeName": NODE}
         await self._patch(ns, name, patch)
+
+    async def _fail(self, pod: dict[str, Any], state: dict[str, Any]) -> None:
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        self.failed.add(name)
+        self._starting.discard(name)
+        count = self.restarts.get(name, 0)
+        await self._patch(ns, name, ks.pod_status("Failed", state, restarts=count))
 
     async def _patch(self, ns: str, name: str, patch: dict[str, Any]) -> None:
         await self.client.patch(PODS, name, patch, namespace=ns)
@@ -261,6 +442,13 @@ class Kubelet:
         the Pod turns `Failed`, its container is not restarted."""
         self._lost.add(pod)
         self.processes[pod].kill()
+
+
+def _http_ok(url: str, timeout: float) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def restarts_after(pod: dict[str, Any], exit_code: int | None) -> bool:
@@ -276,20 +464,3 @@ def crash_backoff(restart: int) -> float:
 
 def _terminating(pod: dict[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
-
-
-def _pod_status(ready: bool, phase: str, restarts: int = 0) -> dict[str, Any]:
-    flag = "True" if ready else "False"
-    status: dict[str, Any] = {
-        "phase": phase,
-        "conditions": [
-            {"type": "Ready", "status": flag, "lastTransitionTime": now()},
-            {"type": "ContainersReady", "status": flag, "lastTransitionTime": now()},
-        ],
-        "containerStatuses": [
-            {"name": manifests.CONTAINER, "ready": ready, "restartCount": restarts}
-        ],
-    }
-    if ready:
-        status["podIP"] = "127.0.0.1"
-    return {"status": status}

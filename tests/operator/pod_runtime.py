@@ -40,6 +40,11 @@ class PodSpecError(ValueError):
     """The Pod asks for something this runtime cannot provide (the message says what)."""
 
 
+class ContainerConfigError(ValueError):
+    """What a kubelet reports as `CreateContainerConfigError`: the container's config
+    names a Secret or key that is not there (the message in the kubelet's words)."""
+
+
 def local_program(name: str) -> str:
     """The image's program `name` → the virtualenv's (fails naming it when absent)."""
     path = VENV_BIN / name
@@ -58,17 +63,43 @@ def field_ref(pod: Mapping[str, Any], path: str) -> str:
     return str(value)
 
 
-def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+def container_env(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    read_secret: SecretReader | None = None,
+) -> dict[str, str]:
     """The process environment: the image's, then the container's `env` in order."""
     env = {k: os.environ[k] for k in HOST_ENV if k in os.environ} | IMAGE_ENV
     for var in container.get("env") or []:
+        source = var.get("valueFrom") or {}
         if "value" in var:
             env[var["name"]] = str(var["value"])
-        elif "fieldRef" in (var.get("valueFrom") or {}):
-            env[var["name"]] = field_ref(pod, var["valueFrom"]["fieldRef"]["fieldPath"])
+        elif "fieldRef" in source:
+            env[var["name"]] = field_ref(pod, source["fieldRef"]["fieldPath"])
+        elif "secretKeyRef" in source:
+            value = secret_key(pod, source["secretKeyRef"], read_secret)
+            if value is not None:
+                env[var["name"]] = value
         else:
-            raise PodSpecError(f"env {var['name']}: only value and fieldRef are supported")
+            raise PodSpecError(f"env {var['name']}: only value, fieldRef and secretKeyRef")
     return env
+
+
+def secret_key(
+    pod: Mapping[str, Any], ref: Mapping[str, Any], read_secret: SecretReader | None
+) -> str | None:
+    """An env var's `secretKeyRef`: its value, None when optional and absent."""
+    namespace = pod["metadata"].get("namespace", "default")
+    data = read_secret(namespace, ref["name"]) if read_secret else None
+    if data is not None and ref["key"] in data:
+        return base64.b64decode(data[ref["key"]]).decode()
+    if ref.get("optional"):
+        return None
+    if data is None:
+        raise ContainerConfigError(f'secret "{ref["name"]}" not found')
+    raise ContainerConfigError(
+        f"couldn't find key {ref['key']} in Secret {namespace}/{ref['name']}"
+    )
 
 
 @dataclass
@@ -77,6 +108,14 @@ class Node:
 
     root: Path
     image_paths: dict[str, Path] = field(default_factory=dict)  # path in image -> local
+    labels: dict[str, str] = field(default_factory=dict)  # what nodeSelectors match
+    # Images its registry holds (None: every image pulls); extended resources whose
+    # devices the device plugin reports unhealthy (a Pod asking for one is refused).
+    images: set[str] | None = None
+    unhealthy: set[str] = field(default_factory=set)
+
+    def pulls(self, image: str) -> bool:
+        return self.images is None or image in self.images
 
     def volume_dirs(
         self, pod: Mapping[str, Any], read_secret: SecretReader | None = None

@@ -16,12 +16,18 @@ from loraplex_operator import logs
 def root_handler() -> Iterator[io.StringIO]:
     root = logging.getLogger()
     saved, level = root.handlers[:], root.level
+    # An in-process operator of an earlier test leaves kopf's event poster on kopf.objects;
+    # its filter reads real kopf settings, which this record's stand-in is not.
+    objects = logging.getLogger("kopf.objects")
+    saved_objects = objects.handlers[:]
+    objects.handlers[:] = []
     out = io.StringIO()
     root.handlers[:] = [logging.StreamHandler(out)]  # as kopf's configure leaves it
     root.setLevel(logging.INFO)
     yield out
     root.handlers[:] = saved
     root.setLevel(level)
+    objects.handlers[:] = saved_objects
 
 
 def test_json_lines_carry_the_object_and_the_exception(root_handler: io.StringIO) -> None:
