@@ -59,6 +59,14 @@ SCHEDULING_LATENCY = Histogram(
 )
 POOL_ENGINES = Gauge("loraplex_pool_engines", "Engine pods.", ["pool"], registry=REGISTRY)
 POOL_SLOTS = Gauge("loraplex_pool_slots", "Adapter slots.", ["pool", "state"], registry=REGISTRY)
+POOL_STALLED = Gauge(
+    "loraplex_pool_stalled",
+    "1 while the pool's Stalled condition is True; its reason (a container failure, a "
+    "missing token Secret) as a label.",
+    ["pool", "reason"],
+    registry=REGISTRY,
+)
+_stalled: dict[str, str] = {}  # pool -> the reason exported, so a new reason replaces it
 RECONCILE_ERRORS = Counter(
     "loraplex_reconcile_errors", "Handler errors.", ["kind"], registry=REGISTRY
 )
@@ -114,7 +122,14 @@ def exported_names() -> set[str]:
     return names
 
 
-def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: int) -> None:
+def set_pool(
+    pool: str,
+    phases: dict[str, int],
+    engines: int,
+    used: int,
+    free: int,
+    stalled: str | None = None,
+) -> None:
     # The pool's event counters and latency histogram exist at 0 from its first round, so
     # rate()/increase() see the first placement (and preemptions/recoveries show 0, not
     # "no data"). labels() creates a child once and returns the existing one after.
@@ -125,6 +140,17 @@ def set_pool(pool: str, phases: dict[str, int], engines: int, used: int, free: i
     POOL_ENGINES.labels(pool=pool).set(engines)
     POOL_SLOTS.labels(pool=pool, state="used").set(used)
     POOL_SLOTS.labels(pool=pool, state="free").set(free)
+    set_stalled(pool, stalled)
+
+
+def set_stalled(pool: str, reason: str | None) -> None:
+    """One series per stalled pool, its reason as a label; none while it is not stalled."""
+    old = _stalled.pop(pool, None)
+    if old is not None and old != reason:
+        _remove(POOL_STALLED, pool, old)
+    if reason is not None:
+        POOL_STALLED.labels(pool=pool, reason=reason).set(1)
+        _stalled[pool] = reason
 
 
 @dataclass(frozen=True)
@@ -183,6 +209,7 @@ def forget_pool(pool: str) -> None:
     _remove(POOL_ENGINES, pool)
     _remove(POOL_SLOTS, pool, "used")
     _remove(POOL_SLOTS, pool, "free")
+    set_stalled(pool, None)
     for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
         _remove(counter, pool)
 

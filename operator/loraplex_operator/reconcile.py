@@ -388,8 +388,12 @@ class PoolReconciler:
 
     async def _pool_status(self, snap: Snapshot, phases: dict[str, int], now: datetime) -> None:
         counts = pool_observation(snap)
-        m.set_pool(snap.pool.name, phases, counts.engines, counts.slots_used, counts.slots_free)
         new = st.pool_status(counts, snap.pool.meta.generation, snap.pool.status.conditions, now)
+        stalled = next((c for c in new.conditions if c.type == st.STALLED), None)
+        reason = stalled.reason if stalled is not None and stalled.status == "True" else None
+        m.set_pool(
+            snap.pool.name, phases, counts.engines, counts.slots_used, counts.slots_free, reason
+        )
         await self.publisher.publish_pool(snap.pool, new)
 
     # -- deletion and pools that do not exist --

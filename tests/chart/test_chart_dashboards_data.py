@@ -279,6 +279,7 @@ def test_alert_rules_quiet_on_healthy_data(prometheus: tuple[str, int]) -> None:
         "LoraplexExperimentStuckPending",
         "LoraplexExperimentRestarting",
         "LoraplexCheckpointStorageFull",
+        "LoraplexPoolStalled",
     )
     for name in quiet:
         assert _query(url, exprs[name], end) == [], name

@@ -103,6 +103,7 @@ QUIET_ALERTS = (
     "LoraplexExperimentRestarting",
     "LoraplexCheckpointStorageFull",
     "LoraplexServingSlow",
+    "LoraplexPoolStalled",
 )
 # Alerts the FAILING experiment must trigger, with the labels they must carry.
 FAILURE_ALERTS = {

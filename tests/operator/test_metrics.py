@@ -53,6 +53,31 @@ async def test_metrics_and_healthz_served_on_one_port() -> None:
         m.forget_pool("pool-x")
 
 
+def _stalled_series() -> list[str]:
+    from prometheus_client import generate_latest
+
+    text = generate_latest(m.REGISTRY).decode()
+    return [line for line in text.splitlines() if line.startswith("loraplex_pool_stalled{")]
+
+
+def test_a_stalled_pool_has_one_series_with_its_reason_and_none_once_it_recovers() -> None:
+    try:
+        m.set_pool("pool-s", {}, engines=1, used=0, free=0, stalled="ImagePullBackOff")
+        assert _stalled_series() == [
+            'loraplex_pool_stalled{pool="pool-s",reason="ImagePullBackOff"} 1.0'
+        ]
+        m.set_pool("pool-s", {}, engines=1, used=0, free=0, stalled="CrashLoopBackOff")
+        assert _stalled_series() == [
+            'loraplex_pool_stalled{pool="pool-s",reason="CrashLoopBackOff"} 1.0'
+        ]
+        m.set_pool("pool-s", {}, engines=1, used=0, free=4)
+        assert _stalled_series() == []
+        m.set_pool("pool-s", {}, engines=1, used=0, free=0, stalled="OOMKilled")
+    finally:
+        m.forget_pool("pool-s")
+    assert _stalled_series() == []
+
+
 # --- per-experiment series: set, change, delete ------------------------------------------
 
 PER_EXPERIMENT = (
