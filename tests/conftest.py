@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         print(f"\nprocesses the test helpers started are still running: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _close_tinker_clients() -> Iterator[None]:
+    """SDK clients a test opened (tests/engine/tinker_clients.py) end with the test."""
+    yield
+    clients = sys.modules.get("tinker_clients")
+    if clients is not None:
+        clients.close_all()

@@ -24,6 +24,7 @@ from gateway_process import GatewayProcess
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 from tinker import types
+from tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,7 @@ def oai(gw: GatewayProcess, key: str) -> openai.OpenAI:
 
 
 def service(gw: GatewayProcess, key: str = KEY_A) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=gw.url, api_key=key)
+    return service_client(gw.url, key)
 
 
 def sft(prompt: list[int], answer: list[int]) -> types.Datum:

@@ -23,6 +23,12 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+
+# Imported at collection, not by the first from_url() inside a test: schemathesis is a pytest
+# plugin, so pytest compiles its modules to rewrite their asserts on first import, and in a
+# fresh clone's full run CPython 3.11.7's compile() raised "AST constructor recursion depth
+# mismatch" there, inside a test, after many earlier tests of the same process.
+import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, given, settings
 from loraplex_engine.server.app import ID_PATTERN, create_app
 from loraplex_engine.server.serve import EngineHolder

@@ -20,6 +20,7 @@ import pytest
 import tinker
 from server_process import EngineServer
 from tinker import types
+from tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,7 @@ def server(
 
 
 def service(server: EngineServer, key: str = KEY_A) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=server.url, api_key=key)
+    return service_client(server.url, key)
 
 
 def base_model(client: tinker.ServiceClient) -> str:

@@ -21,6 +21,7 @@ from loraplex_engine.server.app import create_app
 from loraplex_engine.tinker.keys import KeyStore, digest
 from test_server_app import FakeEngine
 from tinker import types
+from tinker_clients import close_all, service_client
 from tinker_double import FakeTraining
 
 KEY_A = "tml-aaaaaaaaaaaaaaaaaaaaaaaa"
@@ -63,12 +64,13 @@ class Server:
             time.sleep(0.02)
 
     def client(self, key: str = KEY_A) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
+        return service_client(self.url, key)
 
     def rest(self, key: str = KEY_A) -> tinker.RestClient:
         return tinker.RestClient(base_url=self.url, api_key=key)
 
     def stop(self) -> None:
+        close_all()  # the SDK clients while their server still answers
         self.server.should_exit = True
         self.thread.join(10)
         self.proto.close()
