@@ -84,7 +84,11 @@ CHECKPOINT_EVERY = 5
 MAX_STEPS = 100_000  # still training when the panels are checked; deleted at the end
 # Series this live engine does not export: the vLLM-only gap (it rolls out with torch),
 # and the TIS weight (none of its experiments sets offPolicyCorrection: tis).
-ABSENT_HERE = {"loraplex_engine_logprob_gap", "loraplex_engine_tis_weight_mean"}
+ABSENT_HERE = {
+    "loraplex_engine_logprob_gap",
+    "loraplex_engine_tis_weight_mean",
+    "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+}
 
 # Panel queries allowed to return nothing, with the reason. Empty: every counter that
 # only moves on rare events (preemptions, recoveries, reconcile errors, experiment
