@@ -153,7 +153,7 @@ def test_operator_deployment_defaults() -> None:
     }
     assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
-    assert c["image"] == "loraplex/operator:0.1.0"
+    assert c["image"] == "ghcr.io/loraplex/operator:0.1.0"
 
 
 def test_operator_pod_is_restricted() -> None:
@@ -187,7 +187,7 @@ def test_namespaced_mode_args_and_env() -> None:
 def test_image_digest_and_log_level() -> None:
     docs = render(SCENARIOS["digest-debug"])
     dep, c = _container(docs)
-    assert c["image"] == "loraplex/operator@sha256:" + "a" * 64
+    assert c["image"] == "ghcr.io/loraplex/operator@sha256:" + "a" * 64
     assert "--debug" in c["args"]
     assert dep["metadata"]["name"] == "lp-operator"
 
@@ -244,7 +244,7 @@ def test_default_pool() -> None:
 def test_default_pool_engine_image_follows_the_app_version() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     image = one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]["template"]["image"]
-    assert image == f"loraplex/engine:{app_version}"
+    assert image == f"ghcr.io/loraplex/engine:{app_version}"
     for pinned in ("registry.example:5000/loraplex/engine:9.9.9", "loraplex/engine@sha256:ab12"):
         values = {"defaultPool": {"enabled": True, "spec": {"template": {"image": pinned}}}}
         assert one(render(values), "EnginePool")["spec"]["template"]["image"] == pinned
