@@ -158,3 +158,23 @@ def test_helm_template_from_the_registry_runs_the_released_images(
     assert operator["image"] == names["operator"]
     assert one(docs, "EnginePool")["spec"]["template"]["image"] == names["engine"]
     assert by_kind(docs, "PrometheusRule") and by_kind(docs, "ServiceMonitor")  # README's --set
+
+
+def test_release_without_a_container_engine_stops_before_the_chart(
+    registry: str, helm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`make release` with no engine to build images with (CONTAINER_TOOL names one that
+    does not exist, as on every build machine here): it says so, and pushes no chart
+    that would name images never pushed."""
+    prefix = f"{registry}/no-images"
+    proc = subprocess.run(
+        ["make", "-s", "--no-print-directory", "release", f"REGISTRY={prefix}",
+         "HELM_PUSH_FLAGS=--plain-http", f"OUT={tmp_path}",
+         "CONTAINER_TOOL=no-such-container-engine"],
+        cwd=REPO, env=helm_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "no container engine to build images with" in proc.stderr
+    assert "Nothing was built or pushed" in proc.stderr
+    catalog = _get(f"http://{registry}/v2/_catalog")["repositories"]
+    assert not [r for r in catalog if r.startswith("no-images/")], catalog
