@@ -23,6 +23,7 @@ from chart_helpers import (
     render_notes,
     tool,
 )
+from loraplex_operator.config import Config
 from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
 from loraplex_operator.resources import Pool
 
@@ -150,6 +151,7 @@ def test_operator_deployment_defaults() -> None:
         "LORAPLEX_MANAGED_TOKEN_SECRET",
         "LORAPLEX_TOKEN_LENGTH",
         "LORAPLEX_LOG_FORMAT",
+        "LORAPLEX_STALL_AFTER",
     }
     assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
@@ -203,6 +205,17 @@ def test_no_token_secret_rendered_the_operator_creates_it() -> None:
     existing = render(SCENARIOS["existing-secret"])
     env = {e["name"] for e in _container(existing)[1]["env"]}
     assert "LORAPLEX_MANAGED_TOKEN_SECRET" not in env
+
+
+def test_stall_after_reaches_the_operator_config() -> None:
+    """engines.stallAfterSeconds is what the operator's Config reads (default 600 s, the
+    operator's own default; another value passes through as a number it parses)."""
+    for values, expected in (
+        ({}, Config.stall_after),
+        ({"engines": {"stallAfterSeconds": 90}}, 90),
+    ):
+        env = {e["name"]: e["value"] for e in _container(render(values))[1]["env"] if "value" in e}
+        assert Config.from_env(env).stall_after == expected
 
 
 @pytest.mark.parametrize("scenario", ["default", "all-on", "existing-secret", "namespaced"])
