@@ -152,6 +152,7 @@ def test_operator_deployment_defaults() -> None:
         "LORAPLEX_TOKEN_LENGTH",
         "LORAPLEX_LOG_FORMAT",
         "LORAPLEX_STALL_AFTER",
+        "LORAPLEX_ENGINE_LOG_FORMAT",
     }
     assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
@@ -216,6 +217,22 @@ def test_stall_after_reaches_the_operator_config() -> None:
     ):
         env = {e["name"]: e["value"] for e in _container(render(values))[1]["env"] if "value" in e}
         assert Config.from_env(env).stall_after == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, "text"),
+        ({"operator": {"logFormat": "json"}}, "json"),  # one switch: operator and engines
+        ({"operator": {"logFormat": "json"}, "engines": {"logFormat": "text"}}, "text"),
+        ({"engines": {"logFormat": "json"}}, "json"),
+    ],
+)
+def test_engine_log_format_reaches_the_operator_config(values: dict, expected: str) -> None:
+    """engines.logFormat, else operator.logFormat: the engines' `serve --log-format`
+    where a pool's template names none (Config.engine_log_format)."""
+    env = {e["name"]: e["value"] for e in _container(render(values))[1]["env"] if "value" in e}
+    assert Config.from_env(env).engine_log_format == expected
 
 
 @pytest.mark.parametrize("scenario", ["default", "all-on", "existing-secret", "namespaced"])

@@ -261,6 +261,8 @@ POOL_BOUNDS = [
     ("spec.template.image", _long(1024), False),
     ("spec.template.imagePullPolicy", "Sometimes", False),
     ("spec.template.imagePullPolicy", "Never", True),
+    ("spec.template.logFormat", "xml", False),
+    ("spec.template.logFormat", "json", True),
     ("spec.template.imagePullSecrets", _many(16, lambda i: {"name": f"s{i}"}), False),
     ("spec.template.imagePullSecrets", [{}], False),
     ("spec.template.serviceAccountName", _long(253), False),
