@@ -49,7 +49,17 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import ALL_ON, DASHBOARDS, METRICS_DOC, REPO, RULES_FILE, one, render, tool
+from chart_helpers import (
+    ALL_ON,
+    DASHBOARDS,
+    METRICS_DOC,
+    REPO,
+    RULES_FILE,
+    one,
+    operator_deployment,
+    render,
+    tool,
+)
 from prometheus_process import (
     PrometheusServer,
     QueryError,
@@ -167,7 +177,7 @@ class Scrapes:
         ]
         assert len(services) == 1, "the ServiceMonitor selects no (or several) Services"
         self.operator_service = services[0]
-        self.operator_deployment = one(docs, "Deployment")
+        self.operator_deployment = operator_deployment(docs)
         self.engines_sd = workdir / "engines.json"
         self.operator_sd = workdir / "operator.json"
         write_sd_file(self.engines_sd, [])
