@@ -57,8 +57,10 @@ def test_another_registry_moves_every_name() -> None:
 
 def test_the_chart_renders_the_release_images() -> None:
     docs = render({"defaultPool": {"enabled": True}})
-    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert operator["image"] == NAMES["operator"]
+    # the operator and the gateway both run from the operator image
+    images = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["image"]
+              for d in by_kind(docs, "Deployment")}  # fmt: skip
+    assert len(images) == 2 and set(images.values()) == {NAMES["operator"]}, images
     (test_pod,) = [d for d in by_kind(docs, "Pod")]
     assert test_pod["spec"]["containers"][0]["image"] == NAMES["operator"]
     assert one(docs, "EnginePool")["spec"]["template"]["image"] in ENGINES

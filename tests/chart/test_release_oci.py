@@ -154,8 +154,9 @@ def test_helm_template_from_the_registry_runs_the_released_images(
     rendered = _helm(helm_env, *args, "--set", "defaultPool.enabled=true")
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     names = release_names(published)
-    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert operator["image"] == names["operator"]
+    deployments = by_kind(docs, "Deployment")  # the operator's and the gateway's
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in deployments}
+    assert len(deployments) == 2 and images == {names["operator"]}, images
     assert one(docs, "EnginePool")["spec"]["template"]["image"] == names["engine"]
     assert by_kind(docs, "PrometheusRule") and by_kind(docs, "ServiceMonitor")  # README's --set
 
