@@ -38,6 +38,8 @@ DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # the tick after the reward arrives, tenancy/fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).
 DEFAULT_REWARD_DEADLINE_S = 1.0
+# A client call waits at most this long for others on their way (clients/gather.py).
+DEFAULT_CLIENT_TICK_GATHER_S = 0.02
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
 # a safe path segment (no "/", never "." or ".."), short enough for any file system.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
