@@ -103,7 +103,8 @@ class ExperimentStatus(WireModel):
     # Mean truncated-importance weight over the latest step's sampled tokens
     # (offPolicyCorrection: tis; every rank's under data parallelism); None without TIS.
     tis_weight_mean: float | None = None
-    # Steps whose update algorithm.dynamicSampling skipped (every group's rewards equal).
+    # Steps whose update algorithm.dynamicSampling skipped (every group's rewards equal),
+    # since this engine placed the experiment (not carried in checkpoints).
     skipped_updates: int = 0
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
