@@ -145,6 +145,34 @@ EXPERIMENT_BOUNDS = [
     ("spec.algorithm.tisCap", 1, True),
     ("spec.algorithm.tisCap", 100, True),
     ("spec.algorithm.tisCap", 100.5, False),
+    ("spec.algorithm.clipHigh", 0, False),
+    ("spec.algorithm.clipHigh", 0.28, True),
+    ("spec.algorithm.clipHigh", 1, True),
+    ("spec.algorithm.clipHigh", 1.28, False),  # ε, not 1 + ε
+    ("spec.algorithm.clipHigh", "0.28", False),
+    ("spec.algorithm.importanceSamplingLevel", "sequence", True),
+    ("spec.algorithm.importanceSamplingLevel", "token", True),
+    ("spec.algorithm.importanceSamplingLevel", "sequence_token", False),
+    ("spec.algorithm.advantageEstimator", "rloo", True),
+    ("spec.algorithm.advantageEstimator", "gae", False),
+    ("spec.algorithm.scaleRewards", "none", True),
+    ("spec.algorithm.scaleRewards", "batch", True),
+    ("spec.algorithm.scaleRewards", False, False),
+    ("spec.algorithm.lossAggregation", "token-mean", True),
+    ("spec.algorithm.lossAggregation", "seq-mean-token-sum-norm", True),
+    ("spec.algorithm.lossAggregation", "dr_grpo", False),
+    ("spec.algorithm.klEstimator", "k1", True),
+    ("spec.algorithm.klEstimator", "k2", False),
+    ("spec.algorithm.dynamicSampling", True, True),
+    ("spec.algorithm.dynamicSampling", "true", False),
+    ("spec.algorithm.overlong", {"bufferTokens": 64}, True),
+    ("spec.algorithm.overlong", {}, False),  # bufferTokens is required
+    ("spec.algorithm.overlong.bufferTokens", 0, False),
+    ("spec.algorithm.overlong.bufferTokens", 4097, False),
+    ("spec.algorithm.overlong.bufferTokens", 4.5, False),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 0}, False),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 10}, True),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 10.5}, False),
     ("spec.algorithm.maxSteps", -1, False),
     ("spec.algorithm.maxSteps", 0, True),
     ("spec.algorithm.seed", -1, False),
@@ -469,8 +497,11 @@ def test_experiment_defaults() -> None:
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
         "lrSchedule": "constant", "warmupSteps": 0,
         "klCoef": 0.0, "clip": 0.2, "offPolicyCorrection": "none", "tisCap": 2.0,
-        "maxSteps": 50, "seed": 0,
+        "importanceSamplingLevel": "token", "advantageEstimator": "grpo",
+        "scaleRewards": "group", "lossAggregation": "seq-mean-token-mean", "klEstimator": "k3",
+        "dynamicSampling": False, "maxSteps": 50, "seed": 0,
     }  # fmt: skip
+    assert "clipHigh" not in spec["algorithm"] and "overlong" not in spec["algorithm"]
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
     assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0, "reproducible": False}
     assert spec["checkpoint"] == {"everySteps": 10, "keep": 3}

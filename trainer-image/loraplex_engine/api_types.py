@@ -105,6 +105,9 @@ class ExperimentStatus(WireModel):
     # Mean truncated-importance weight over the latest step's sampled tokens
     # (offPolicyCorrection: tis; every rank's under data parallelism); None without TIS.
     tis_weight_mean: float | None = None
+    # Steps whose update algorithm.dynamicSampling skipped (every group's rewards equal),
+    # since this engine placed the experiment (not carried in checkpoints).
+    skipped_updates: int = 0
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
@@ -221,6 +224,8 @@ class ExperimentTick:
     logprob_gap: float | None = None  # sampler vs trainer log-probs (ExperimentStatus)
     tis_weight_mean: float | None = None  # the TIS weight's mean (ExperimentStatus)
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
+    dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
+    update_skipped: bool = False  # every group dropped: the step updated nothing
 
 
 @dataclass
