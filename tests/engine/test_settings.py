@@ -68,6 +68,9 @@ CHANGED: dict[str, Any] = {
     "data_root": ("/data", "/more"),
     "allow_reward_host": ("rewards.test", "::1"),
     "allow_dataset_hard_links": True,
+    "object_store_prefix": ("s3://datasets/{namespace}/", "gs://more/{namespace}/"),
+    "object_store_endpoint": "http://minio.storage:9000",
+    "object_store_region": "eu-west-1",
     "manifests": "experiments.yaml",
     "out": "out/x",
 }

@@ -173,12 +173,22 @@ CROSS_FIELD_RULES = [
     (
         {"task": {"name": "jsonl"}},
         "spec.task.dataset",
-        "task.dataset is required when task.name is jsonl",
+        "task.dataset is required when task.name is jsonl or dataset",
+    ),
+    (
+        {"task": {"name": "dataset"}},
+        "spec.task.dataset",
+        "task.dataset is required when task.name is jsonl or dataset",
     ),
     (
         {"task": {"name": "copy", "dataset": "/data/train.jsonl"}},
         "spec.task.dataset",
-        "task.dataset is only used by the jsonl task",
+        "task.dataset is only used by the jsonl and dataset tasks",
+    ),
+    (
+        {"task": {"name": "jsonl", "dataset": "x.jsonl", "datasetOptions": {"split": "test"}}},
+        "spec.task.datasetOptions",
+        "task.datasetOptions is only used by the dataset task",
     ),
     (
         {"task": {"name": "copy", "reward": "http"}},
@@ -229,6 +239,18 @@ CROSS_FIELD_RULES = [
 # The same rules just holding (edges included).
 CROSS_FIELD_VALID = [
     {"task": {"name": "jsonl", "dataset": "/data/train.jsonl"}},
+    {"task": {"name": "dataset", "dataset": "s3://datasets/team-a/gsm8k/"}},
+    {
+        "task": {
+            "name": "dataset",
+            "dataset": "gsm8k",
+            "datasetOptions": {
+                "format": "hf-disk",
+                "split": "test",
+                "columns": {"prompt": "q", "answer": "a"},
+            },
+        }
+    },
     {"task": {"name": "copy", "reward": "http", "rewardUrl": "https://r.example/score"}},
     {"task": {"name": "copy", "reward": "exact-match"}},
     {"lora": {"rank": 1, "alpha": 16}},

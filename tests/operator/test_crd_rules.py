@@ -103,13 +103,17 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: experiment("a").rank(1).alpha(16).obj(),
         invalid=lambda: experiment("a").rank(1).alpha(16.5).obj(),
     ),
-    "task.dataset is required when task.name is jsonl": RuleCase(
-        valid=lambda: experiment("a").task("jsonl", dataset="/data/train.jsonl").obj(),
-        invalid=lambda: experiment("a").task("jsonl").obj(),
+    "task.dataset is required when task.name is jsonl or dataset": RuleCase(
+        valid=lambda: experiment("a").task("dataset", dataset="s3://data/a/x.parquet").obj(),
+        invalid=lambda: experiment("a").task("dataset").obj(),
     ),
-    "task.dataset is only used by the jsonl task": RuleCase(
+    "task.dataset is only used by the jsonl and dataset tasks": RuleCase(
         valid=lambda: experiment("a").task("copy").obj(),
         invalid=lambda: experiment("a").task("copy", dataset="/data/train.jsonl").obj(),
+    ),
+    "task.datasetOptions is only used by the dataset task": RuleCase(
+        valid=lambda: experiment("a").task("dataset", dataset="x", datasetOptions={}).obj(),
+        invalid=lambda: experiment("a").task("jsonl", dataset="x", datasetOptions={}).obj(),
     ),
     "task.rewardUrl is required when task.reward is http": RuleCase(
         valid=lambda: experiment("a").reward("http", "http://rewards:8080/score").obj(),
@@ -217,7 +221,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 12  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 13  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -249,6 +253,11 @@ def _jsonl() -> Obj:
     return experiment("a").task("jsonl", dataset="/data/a.jsonl").obj()
 
 
+def _dataset() -> Obj:
+    options = {"format": "hf-disk", "split": "train", "columns": {"prompt": "q"}}
+    return experiment("a").task("dataset", dataset="gsm8k", datasetOptions=options).obj()
+
+
 def _overlong() -> Obj:
     return experiment("a").algorithm(overlong={"bufferTokens": 4}).obj()
 
@@ -267,6 +276,10 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.task.name", "copy", _TASK, _plain),
     ("spec.task.params", {"target": "no"}, _TASK, _plain),
     ("spec.task.dataset", "/data/b.jsonl", _TASK, _jsonl),
+    ("spec.task.datasetOptions.format", "parquet", _TASK, _dataset),
+    ("spec.task.datasetOptions.split", "test", _TASK, _dataset),
+    ("spec.task.datasetOptions.columns.prompt", "question", _TASK, _dataset),
+    ("spec.task.datasetOptions.columns.answer", "solution", _TASK, _dataset),
     ("spec.task.reward", "exact-match", _TASK, _plain),
     ("spec.task.rewardUrl", "http://rewards:8080/b", _TASK, _http),
     ("spec.task.chatTemplate", True, _TASK, _plain),

@@ -17,6 +17,8 @@ from loraplex_engine.api_types import (
     ExperimentPhase,
     ExperimentStatus,
 )
+from loraplex_engine.data.options import DatasetOptions
+from loraplex_engine.data.sources import resolve_dataset
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -26,7 +28,7 @@ from loraplex_engine.errors import (
     UnknownTargetModuleError,
 )
 from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
@@ -139,19 +141,20 @@ def new_experiment(
     unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
     allow, is an InvalidSpecError naming the field."""
     try:
-        dataset, dataset_root = None, None
-        if spec.task.name == "jsonl" and spec.task.dataset:
-            file, dataset_root = trust.data.resolve(spec.task.dataset, namespace)
-            dataset = str(file)
+        source = None
+        if spec.task.name in DATA_TASKS and spec.task.dataset:
+            options = spec.task.dataset_options
+            if spec.task.name == "jsonl":  # the older task: JSONL, keys prompt and answer
+                options = DatasetOptions(format="jsonl")
+            source = resolve_dataset(trust, spec.task.dataset, options, namespace)
         task = build_task(
             spec.task.name,
             spec.task.params,
-            dataset,
+            None,
             spec.task.reward or "default",
             spec.task.reward_url,
-            dataset_root=dataset_root,
-            allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
+            source=source,
         )
         algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
     except TaskError as e:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
+from loraplex_engine.data.options import DatasetOptions
 from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.spec_algorithm import AlgorithmSpec
 from loraplex_engine.spec_schema import (
@@ -27,7 +28,8 @@ from loraplex_engine.spec_schema import (
     spec_errors,
 )
 
-TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
+TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl", "dataset"]
+DATA_TASKS = ("jsonl", "dataset")  # the tasks that read task.dataset
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
 RewardName = Literal[
     "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
@@ -103,16 +105,22 @@ class TaskSpec(SpecModel):
 
     CEL_RULES: ClassVar = (
         CelRule(
-            "self.name != 'jsonl' || has(self.dataset)",
-            "task.dataset is required when task.name is jsonl",
+            "!(self.name in ['jsonl', 'dataset']) || has(self.dataset)",
+            "task.dataset is required when task.name is jsonl or dataset",
             "dataset",
-            lambda task: task.name != "jsonl" or task.dataset is not None,
+            lambda task: task.name not in DATA_TASKS or task.dataset is not None,
         ),
         CelRule(
-            "!has(self.dataset) || self.name == 'jsonl'",
-            "task.dataset is only used by the jsonl task",
+            "!has(self.dataset) || self.name in ['jsonl', 'dataset']",
+            "task.dataset is only used by the jsonl and dataset tasks",
             "dataset",
-            lambda task: task.dataset is None or task.name == "jsonl",
+            lambda task: task.dataset is None or task.name in DATA_TASKS,
+        ),
+        CelRule(
+            "!has(self.datasetOptions) || self.name == 'dataset'",
+            "task.datasetOptions is only used by the dataset task",
+            "datasetOptions",
+            lambda task: task.dataset_options is None or task.name == "dataset",
         ),
         CelRule(
             "!has(self.reward) || self.reward != 'http' || has(self.rewardUrl)",
@@ -130,7 +138,8 @@ class TaskSpec(SpecModel):
 
     name: TaskName = Field(
         description="Where prompts come from: target-token, copy, arithmetic and short-reply "
-        "generate them (with a built-in verifier); jsonl reads them from dataset.",
+        "generate them (with a built-in verifier); jsonl reads them from a JSONL dataset, "
+        "dataset from a JSONL, Parquet or saved datasets one (datasetOptions).",
     )
     params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
         default_factory=dict,
@@ -143,8 +152,17 @@ class TaskSpec(SpecModel):
         None,
         min_length=1,
         max_length=4096,
-        description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
-        '"answer": str} object per line. Required by, and only used by, the jsonl task.',
+        description="Where the rows are: a path under the pool's dataRoots (relative: "
+        "under <root>/<namespace>/), or an object-storage URL (s3://bucket/key, gs://) under "
+        "the prefix the pool's objectStore gives the namespace. The jsonl task reads a JSONL "
+        'file of {"prompt": str, "answer": str} objects; the dataset task any format '
+        "datasetOptions names. Required by, and only used by, those two tasks.",
+    )
+    dataset_options: DatasetOptions | None = Field(
+        None,
+        alias="datasetOptions",
+        description="The dataset task's format, split and columns (docs/datasets.md). "
+        "Absent = format from the name, columns prompt and answer.",
     )
     reward: RewardName | None = Field(
         None,

@@ -9,9 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.data.sources import resolve_dataset
 from loraplex_engine.errors import FieldError, UsageError
 from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.settings.commands import RunSettings
+from loraplex_engine.spec import DATA_TASKS
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 
@@ -35,9 +37,10 @@ def check_run(settings: RunSettings) -> list[Manifest]:
     check_model_dir(settings.model)
     trust = trust_of(settings)
     for m in manifests:
-        if m.spec.task.name == "jsonl" and m.spec.task.dataset:
+        task = m.spec.task
+        if task.name in DATA_TASKS and task.dataset:
             try:
-                trust.data.resolve(m.spec.task.dataset, m.namespace)
+                resolve_dataset(trust, task.dataset, task.dataset_options, m.namespace)
             except FieldError as e:
                 raise UsageError(f"{source}: {m.name}: {e}") from None
     return manifests

@@ -23,7 +23,6 @@ Every flag can also come from the environment as ``LORAPLEX_<FLAG>`` (``--max-ra
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -31,8 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-import psutil
 
 from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
 from loraplex_engine.base_model import check_model_dir
@@ -44,16 +41,16 @@ from loraplex_engine.rollout.preflight import check_rollout
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.flags import (
     check,
-    data_roots,
+    object_store,
     read_tinker_keys,
     read_token,
     resolve_device,
-    reward_hosts,
+    trust_policy,
 )
 from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
-from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
+from loraplex_engine.tenancy.trust import TrustPolicy
 
 log = logging.getLogger("loraplex_engine.server.serve")
 
@@ -288,30 +285,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def own_addresses() -> set[str]:
-    """This pod's addresses (every interface's, and the host name's): a reward URL must
-    not lead back into the pod."""
-    found = {
-        a.address
-        for addrs in psutil.net_if_addrs().values()
-        for a in addrs
-        if a.family in (socket.AF_INET, socket.AF_INET6)
-    }
-    with contextlib.suppress(OSError):
-        found.update(system_resolver(socket.gethostname(), 0))
-    return found
-
-
-def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
-    """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
-    egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
-    data = DataRoots(data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
-    return TrustPolicy(data=data, egress=egress)
-
-
 def run(settings: ServeSettings) -> int:
     setup_logging(settings.log_format, settings.log_level)
     check(settings)  # also done by the CLI before this module's imports; cheap
+    # The object store's credentials, out of the environment before any process starts.
+    objects = object_store(settings)
     check_model_dir(str(settings.model))
     check_rollout(settings, settings.device)  # the backend's flags and environment
     device = resolve_device(settings.device, settings.world_size)
@@ -401,7 +379,7 @@ def run(settings: ServeSettings) -> int:
 
             t_build = time.monotonic()
             world = ranks.start()  # ranks 1..N-1 started and joined (N > 1)
-            engine = _build_engine(settings, device, world, trust_policy(settings, port))
+            engine = _build_engine(settings, device, world, trust_policy(settings, port, objects))
             ranks.loaded(engine)  # every rank has loaded
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine

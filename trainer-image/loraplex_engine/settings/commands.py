@@ -27,6 +27,9 @@ class ServeSettings(ProcessSettings):
     ENV_EXTRA: ClassVar[tuple[tuple[str, str], ...]] = (
         ("LORAPLEX_TOKEN", "the bearer token itself (instead of --token-file)"),
         ("LORAPLEX_VLLM_PYTHON", "python of the environment that holds vLLM (vllm backend)"),
+        ("LORAPLEX_S3_ACCESS_KEY_ID", "object store access key (read once, then unset)"),
+        ("LORAPLEX_S3_SECRET_ACCESS_KEY", "object store secret key (read once, then unset)"),
+        ("LORAPLEX_S3_SESSION_TOKEN", "object store session token (read once, then unset)"),
     )
 
     host: Annotated[str, Flag("listen address")] = "0.0.0.0"
@@ -78,6 +81,30 @@ class ServeSettings(ProcessSettings):
             action="switch",
         ),
     ] = False
+    object_store_prefix: Annotated[
+        tuple[str, ...],
+        Flag(
+            "object-storage prefix a namespace's datasets may be read from, holding "
+            "{namespace} (s3://datasets/{namespace}/); repeatable. None given: s3:// and "
+            "gs:// datasets are refused",
+            action="append",
+            metavar="URL",
+            env_parse=v.split_on(","),
+            env_help="--object-store-prefix templates, by ','",
+            default_text="none",
+        ),
+    ] = ()
+    object_store_endpoint: Annotated[
+        str | None,
+        Flag(
+            "S3 API endpoint of --object-store-prefix's s3:// buckets (MinIO, Ceph, ...)",
+            metavar="URL",
+            default_text="AWS's",
+        ),
+    ] = None
+    object_store_region: Annotated[
+        str | None, Flag("region of the s3:// buckets", default_text="botocore's")
+    ] = None
     allow_reward_host: Annotated[
         tuple[str, ...],
         Flag(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from loraplex_engine.data.sources import DatasetSource
 from loraplex_engine.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.builtin import (
@@ -13,13 +14,15 @@ from loraplex_engine.tasks.builtin import (
     ShortReplyTask,
     TargetTokenTask,
 )
+from loraplex_engine.tasks.dataset import DatasetTask, open_dataset
 from loraplex_engine.tasks.jsonl import JsonlTask
 from loraplex_engine.tasks.rewards import BUILTIN_REWARDS, make_reward
 from loraplex_engine.tenancy.reward_exchange import REWARD_TIMEOUT_S
 from loraplex_engine.tenancy.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (TargetTokenTask, CopyTask, ArithmeticTask, ShortReplyTask, JsonlTask)
+    cls.name: cls
+    for cls in (TargetTokenTask, CopyTask, ArithmeticTask, ShortReplyTask, JsonlTask, DatasetTask)
 }
 
 # "default" = the task's own verifier; the others replace it.
@@ -44,12 +47,14 @@ def build_task(
     dataset_root: Path | None = None,
     allow_hard_links: bool = False,
     reward_egress: RewardEgress | None = None,
+    source: DatasetSource | None = None,
 ) -> Task:
     """A ready task; raises ``TaskError`` naming the offending spec field.
 
     ``dataset`` is read as given: the engine resolves and checks it first (tenancy/trust.py) and
     passes the directory it must stay in as ``dataset_root`` (and whether a file with
-    several hard links is allowed); ``reward_egress`` bounds
+    several hard links is allowed), or the checked ``source`` (data/sources.py: what the
+    jsonl and dataset tasks read, wherever it is); ``reward_egress`` bounds
     where an http reward may be sent (None: anywhere)."""
     params = dict(params or {})
     check_task(name, params)
@@ -64,6 +69,10 @@ def build_task(
         if reward == "default"
         else make_reward(reward, reward_url, reward_timeout, egress=reward_egress)
     )
+    if source is not None and name in ("jsonl", "dataset"):
+        return open_dataset(source, params, reward_obj)
+    if name == "dataset":
+        raise TaskError("spec.task.dataset", "required for task dataset")
     if name == "jsonl":
         if not dataset:
             raise TaskError("spec.task.dataset", "required for task jsonl")
@@ -78,6 +87,7 @@ __all__ = [
     "TASKS",
     "ArithmeticTask",
     "CopyTask",
+    "DatasetTask",
     "JsonlTask",
     "Prompt",
     "ShortReplyTask",

@@ -1,4 +1,5 @@
-"""Prompts from a JSONL file of ``{"prompt": str, "answer": str}`` rows.
+"""Prompts from a JSONL file of ``{"prompt": str, "answer": str}`` rows (or the keys
+``columns`` names: the dataset task's ``datasetOptions.columns``).
 
 Bounded whatever the file holds (issue 26; docs/architecture.md, "Tenancy and trust"):
 
@@ -80,9 +81,11 @@ class JsonlTask(Task):
         max_line_bytes: int = MAX_LINE_BYTES,
         refresh_bytes: int = REFRESH_BYTES,
         max_rows: int = MAX_ROWS,
+        columns: tuple[str, str] = jsonl_rows.KEYS,
     ):
         super().__init__(params, reward)
         self.path = Path(dataset)
+        self.columns = columns  # the keys of the prompt and the answer
         self.max_line_bytes, self.refresh_bytes, self.max_rows = (
             max_line_bytes, refresh_bytes, max_rows
         )  # fmt: skip
@@ -134,7 +137,7 @@ class JsonlTask(Task):
         """Every line before ``end`` is a row; a TaskError naming the first that is not."""
         assert self._h.fd is not None
         if end <= INLINE_CHECK_BYTES:
-            problem = jsonl_rows.check_file(self._h.fd, end, self.max_line_bytes)
+            problem = jsonl_rows.check_file(self._h.fd, end, self.max_line_bytes, self.columns)
         else:
             problem = self._check_in_child(self._h.fd, end)
         if problem is not None:
@@ -144,7 +147,7 @@ class JsonlTask(Task):
         args = [sys.executable, "-I", jsonl_rows.__file__, str(fd), str(end)]
         try:
             done = subprocess.run(
-                [*args, str(self.max_line_bytes)],
+                [*args, str(self.max_line_bytes), *self.columns],
                 pass_fds=(fd,),
                 capture_output=True,
                 timeout=CHECK_TIMEOUT_S,
@@ -215,7 +218,9 @@ class JsonlTask(Task):
             return
         assert self._h.fd is not None
         raw = os.pread(self._h.fd, size, self._offset)
-        if not raw.strip(jsonl_rows.BLANK) or isinstance(jsonl_rows.parse_row(raw), str):
+        if not raw.strip(jsonl_rows.BLANK) or isinstance(
+            jsonl_rows.parse_row(raw, self.columns), str
+        ):
             self._tail_tried = size
             return
         self._offsets.append(self._offset)
@@ -229,7 +234,11 @@ class JsonlTask(Task):
         assert self._h.fd is not None
         length, line = self._lengths[i], self._lines[i]
         raw = os.pread(self._h.fd, length, self._offsets[i])
-        parsed = jsonl_rows.parse_row(raw) if len(raw) == length else "changed since it was read"
+        parsed = (
+            jsonl_rows.parse_row(raw, self.columns)
+            if len(raw) == length
+            else "changed since it was read"
+        )
         if isinstance(parsed, str):
             raise TaskError(FIELD, f"{self.path}:{line}: {parsed}")
         return Prompt(parsed[0], parsed[1], meta={"line": str(line)})

@@ -1,7 +1,7 @@
 """One JSONL row checked and parsed, and a whole file checked in a child process.
 
 Standard library only: a file of a million rows is checked at admission by this module
-run as a script (``python -I jsonl_rows.py FD END MAX_LINE``, the descriptor inherited,
+run as a script (``python -I jsonl_rows.py FD END MAX_LINE [KEY...]``, the descriptor inherited,
 at the lowest CPU priority), so that the parse neither holds the engine's GIL against its
 tick, nor takes the cores the tick needs, nor grows the engine's memory.
 A row's problem is one line naming the line number; the script prints it and exits 1.
@@ -13,25 +13,32 @@ import json
 import os
 import sys
 
-ROW_SHAPE = 'row must be {"prompt": str, "answer": str}'
+KEYS = ("prompt", "answer")
 CHUNK_BYTES = 4 << 20
 BLANK = b" \t\r\n\x0b\x0c"
 
 
-def parse_row(raw: bytes) -> tuple[str, str] | str:
-    """``(prompt, answer)``, or why the line is not a row. Every failure is caught: a
-    200k-deep nesting (RecursionError), a line too big to parse (MemoryError), bytes that
-    are not UTF-8 or a lone surrogate (UnicodeError) are the tenant's data, not ours."""
+def row_shape(keys: tuple[str, ...] = KEYS) -> str:
+    inner = ", ".join(f"{json.dumps(k)}: str" for k in keys)
+    return f"row must be {{{inner}}}"
+
+
+ROW_SHAPE = row_shape()
+
+
+def parse_row(raw: bytes, keys: tuple[str, ...] = KEYS) -> tuple[str, ...] | str:
+    """The values of ``keys`` (the prompt's and the answer's), or why the line is not a
+    row. Every failure is caught: a 200k-deep nesting (RecursionError), a line too big to
+    parse (MemoryError), bytes that are not UTF-8 or a lone surrogate (UnicodeError) are
+    the tenant's data, not ours."""
     try:
         row = json.loads(raw.decode("utf-8"))
-        if not (
-            isinstance(row, dict)
-            and isinstance(row.get("prompt"), str)
-            and isinstance(row.get("answer"), str)
-        ):
-            return ROW_SHAPE
-        row["prompt"].encode("utf-8"), row["answer"].encode("utf-8")  # lone surrogates
-        return row["prompt"], row["answer"]
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in keys):
+            return row_shape(keys)
+        values = tuple(row[k] for k in keys)
+        for value in values:
+            value.encode("utf-8")  # lone surrogates
+        return values
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg})"
     except UnicodeError:
@@ -44,7 +51,7 @@ def parse_row(raw: bytes) -> tuple[str, str] | str:
         return f"invalid JSON ({type(e).__name__})"
 
 
-def check_file(fd: int, end: int, max_line: int) -> str | None:
+def check_file(fd: int, end: int, max_line: int, keys: tuple[str, ...] = KEYS) -> str | None:
     """The first problem among the newline-terminated lines of ``fd`` before ``end``, as
     ``"LINE: why"``; None if every non-blank one is a row."""
     offset, line_no, carry = 0, 0, b""
@@ -60,7 +67,7 @@ def check_file(fd: int, end: int, max_line: int) -> str | None:
             if len(raw) > max_line:
                 return f"{line_no}: line of {len(raw)} bytes is over the limit of {max_line}"
             if raw.strip(BLANK):
-                parsed = parse_row(raw)
+                parsed = parse_row(raw, keys)
                 if isinstance(parsed, str):
                     return f"{line_no}: {parsed}"
         if len(carry) > max_line:
@@ -78,7 +85,8 @@ def lowest_priority() -> None:
 
 if __name__ == "__main__":
     lowest_priority()
-    problem = check_file(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    keys = tuple(sys.argv[4:]) or KEYS
+    problem = check_file(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), keys)
     if problem is not None:
         print(problem)
     sys.exit(problem is not None)

@@ -50,48 +50,66 @@ class DataFile:
         is met on the way, or it is not a regular file, or it has several hard links."""
         if self.dir_fd is None:
             raise TaskError(FIELD, f"dataset {self.shown!r} is closed")
-        fd = self.dir_fd
-        try:
-            for i, part in enumerate(self.parts):
-                last = i == len(self.parts) - 1
-                opened = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
-                if fd != self.dir_fd:
-                    os.close(fd)
-                fd = opened
-        except OSError as e:
-            if fd != self.dir_fd:
-                os.close(fd)
-            raise self._error(e) from None
-        try:
-            st = os.fstat(fd)
-            self._check(st)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
-
-    def _check(self, st: os.stat_result) -> None:
-        if not stat.S_ISREG(st.st_mode):
-            raise TaskError(FIELD, f"dataset {self.shown!r} is not a regular file")
-        if st.st_nlink > 1 and not self.allow_hard_links:
-            raise TaskError(
-                FIELD,
-                f"dataset {self.shown!r} has {st.st_nlink} hard links: refused, as a hard "
-                "link can give another tenant's file a name here (unless the pool allows it: "
-                "serve --allow-dataset-hard-links)",
-            )
+        return open_beneath(self.dir_fd, self.parts, self.shown, self.allow_hard_links)
 
     def _error(self, e: OSError) -> TaskError:
-        if e.errno == errno.ENOENT:
-            return TaskError(FIELD, f"dataset file {self.shown!r} does not exist")
-        if e.errno in _LINK_ERRORS:
-            return TaskError(FIELD, f"dataset {self.shown!r} is not allowed: a symbolic link")
-        return TaskError(FIELD, f"dataset {self.shown!r} cannot be opened ({e.strerror})")
+        return _error(e, self.shown)
 
     def close(self) -> None:
         if self.dir_fd is not None:
             os.close(self.dir_fd)
             self.dir_fd = None
+
+
+def open_beneath(
+    dir_fd: int, parts: tuple[str, ...], shown: str, allow_hard_links: bool = False
+) -> tuple[int, os.stat_result]:
+    """``parts`` below the directory ``dir_fd``, each component opened relative to the one
+    before without following a link; the file's descriptor and ``fstat``. TaskError if a
+    link is met, or it is not a regular file, or it has several hard links (unless
+    ``allow_hard_links``). Also the dataset reader's (data/child.py), which inherits
+    ``dir_fd`` and opens a saved dataset's files by the names its state.json gives."""
+    if not parts or any(p in ("", ".", "..") or "/" in p for p in parts):
+        raise TaskError(FIELD, f"dataset {shown!r} is not allowed")
+    fd = dir_fd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            opened = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = opened
+    except OSError as e:
+        if fd != dir_fd:
+            os.close(fd)
+        raise _error(e, shown) from None
+    try:
+        st = os.fstat(fd)
+        _check(st, shown, allow_hard_links)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _check(st: os.stat_result, shown: str, allow_hard_links: bool) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise TaskError(FIELD, f"dataset {shown!r} is not a regular file")
+    if st.st_nlink > 1 and not allow_hard_links:
+        raise TaskError(
+            FIELD,
+            f"dataset {shown!r} has {st.st_nlink} hard links: refused, as a hard "
+            "link can give another tenant's file a name here (unless the pool allows it: "
+            "serve --allow-dataset-hard-links)",
+        )
+
+
+def _error(e: OSError, shown: str) -> TaskError:
+    if e.errno == errno.ENOENT:
+        return TaskError(FIELD, f"dataset file {shown!r} does not exist")
+    if e.errno in _LINK_ERRORS:
+        return TaskError(FIELD, f"dataset {shown!r} is not allowed: a symbolic link")
+    return TaskError(FIELD, f"dataset {shown!r} cannot be opened ({e.strerror})")
 
 
 def beneath(path: Path, base: Path | None) -> tuple[Path, tuple[str, ...]]:

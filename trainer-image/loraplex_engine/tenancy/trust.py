@@ -6,7 +6,8 @@ engine opens it (docs/design/tenancy.md, "Tenancy and trust"):
 - **data**: ``task.dataset`` resolves (symlinks followed) inside ``<data root>/<namespace>/``
   of one of the pool's data roots; anything else is "not allowed", worded the same whether
   the path exists or not, so the answer is no oracle for the pod's files. The file is then
-  opened beneath that directory without following links (tenancy/data_files.py);
+  opened beneath that directory without following links (tenancy/data_files.py); an
+  object-storage URL lies under the namespace's prefix (tenancy/object_store.py);
 - **egress**: ``rewardUrl``'s host resolves to no loopback, link-local (cloud metadata
   included), unspecified or multicast address and none of the pod's own, however spelled
   (an IPv6 form with an IPv4 address inside is judged by that address too), unless the
@@ -28,6 +29,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from loraplex_engine.errors import TaskError, UsageError
+from loraplex_engine.tenancy.object_store import ObjectStore
 
 DATASET_FIELD = "spec.task.dataset"
 REWARD_URL_FIELD = "spec.task.rewardUrl"
@@ -290,10 +292,11 @@ def checkpoint_inside(requested: str | Path, own_dir: Path) -> Path | None:
 @dataclass(frozen=True)
 class TrustPolicy:
     """What the pool admin allows tenants' specs to reach. The default allows no dataset
-    file and sends rewards only to non-local addresses."""
+    file or object and sends rewards only to non-local addresses."""
 
     data: DataRoots = DataRoots()
     egress: RewardEgress | None = RewardEgress()  # None: unrestricted (local runner)
+    objects: ObjectStore = field(default_factory=ObjectStore)  # none: objects refused
 
     @classmethod
     def local(cls, data_roots: Iterable[Path]) -> TrustPolicy:
