@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from loraplex_operator.api.object_store import ObjectStore
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.pool_template import CHECKPOINT_VOLUME, SHM_VOLUME, TOKEN_VOLUME
 from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, Pool
@@ -161,13 +162,45 @@ def trust_args(spec: EnginePoolSpec) -> list[str]:
         + [f"--allow-reward-host={h}" for h in spec.reward_hosts or ()]
         + ([f"--checkpoint-quota-bytes={quota}"] if quota is not None else [])
         + ([f"--checkpoint-keep-runs={runs}"] if runs is not None else [])
+        + object_store_args(spec.object_store)
     )
+
+
+def object_store_args(store: ObjectStore | None) -> list[str]:
+    """The pool's object store as `serve` flags."""
+    if store is None:
+        return []
+    return (
+        [f"--object-store-prefix={p}" for p in store.prefixes]
+        + ([f"--object-store-endpoint={store.endpoint_url}"] if store.endpoint_url else [])
+        + ([f"--object-store-region={store.region}"] if store.region else [])
+    )
+
+
+def object_store_env(store: ObjectStore | None) -> list[dict[str, Any]]:
+    """The Secret's keys as the engine's credential variables (the token optional)."""
+    if store is None or store.secret_ref is None:
+        return []
+    ref = store.secret_ref
+
+    def var(name: str, key: str, optional: bool = False) -> dict[str, Any]:
+        selector: dict[str, Any] = {"name": ref.name, "key": key}
+        if optional:
+            selector["optional"] = True
+        return {"name": name, "valueFrom": {"secretKeyRef": selector}}
+
+    return [
+        var("LORAPLEX_S3_ACCESS_KEY_ID", ref.access_key_id_key),
+        var("LORAPLEX_S3_SECRET_ACCESS_KEY", ref.secret_access_key_key),
+        var("LORAPLEX_S3_SESSION_TOKEN", ref.session_token_key, optional=True),
+    ]
 
 
 def _env(pool_name: str, spec: EnginePoolSpec) -> list[dict[str, Any]]:
     ours = [
         {"name": "LORAPLEX_POOL", "value": pool_name},
         {"name": "LORAPLEX_ENGINE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *object_store_env(spec.object_store),
     ]
     taken = {e["name"] for e in ours}
     theirs = [e.to_json() for e in spec.template.env or () if e.name not in taken]

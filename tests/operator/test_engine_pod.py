@@ -310,3 +310,59 @@ def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_p
     assert trust_policy(settings, 8000).data.allow_hard_links
     plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
     assert not [a for a in plain if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]
+
+
+def test_the_object_store_becomes_serve_flags_and_the_secrets_keys_the_engines_env() -> None:
+    """The prefixes and endpoint as flags `serve` parses into its trust policy; the
+    credentials only as references to the pool's Secret (never a value in the pod)."""
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+    from loraplex_engine.server.serve import trust_policy
+
+    obj = pool("tenants").obj()
+    obj["spec"]["objectStore"] = {
+        "prefixes": ["s3://datasets/{namespace}/", "s3://shared/teams/{namespace}/rl/"],
+        "endpointUrl": "http://minio.storage:9000",
+        "region": "eu-west-1",
+        "secretRef": {"name": "datasets-s3", "accessKeyIdKey": "id"},
+    }
+    assert admit("EnginePool", obj) == []
+    full = apply_defaults(schema_of("EnginePool"), obj)
+    args = [a for a in serve_args(full["spec"]) if a.startswith("--object-store")]
+    settings = serve_settings(build_parser().parse_args(["serve", *args]))
+    store = trust_policy(settings, 8000, objects=None).objects
+    assert store.check("s3://datasets/team-a/x.parquet", "team-a").key == "team-a/x.parquet"
+    assert (store.endpoint_url, store.region) == ("http://minio.storage:9000", "eu-west-1")
+    pod = pod_of(full)
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    refs = {
+        n: e["valueFrom"]["secretKeyRef"] for n, e in env.items() if n.startswith("LORAPLEX_S3")
+    }
+    assert refs == {
+        "LORAPLEX_S3_ACCESS_KEY_ID": {"name": "datasets-s3", "key": "id"},
+        "LORAPLEX_S3_SECRET_ACCESS_KEY": {"name": "datasets-s3", "key": "AWS_SECRET_ACCESS_KEY"},
+        "LORAPLEX_S3_SESSION_TOKEN": {
+            "name": "datasets-s3",
+            "key": "AWS_SESSION_TOKEN",
+            "optional": True,
+        },
+    }
+    plain = pod_of(apply_defaults(schema_of("EnginePool"), pool("tenants").obj()))
+    assert not [e for e in plain["spec"]["containers"][0]["env"] if "S3" in e["name"]]
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "s3://datasets/",  # no {namespace}: every namespace would share it
+        "s3://datasets/{namespace}",  # no trailing '/': team-a would match team-ab
+        "s3://datasets/x-{namespace}/",  # not a whole segment
+        "s3://datasets/../{namespace}/",
+        "http://datasets/{namespace}/",
+    ],
+)
+def test_the_crd_refuses_a_prefix_that_would_not_confine_a_namespace(prefix: str) -> None:
+    obj = pool("tenants").obj()
+    obj["spec"]["objectStore"] = {"prefixes": [prefix]}
+    assert admit("EnginePool", obj) != []

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from loraplex_operator.api.object_store import ObjectStore
 from loraplex_operator.api.pool_template import EngineTemplate
 from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
 from loraplex_operator.api.schema import (
@@ -419,6 +420,9 @@ class EnginePoolSpec(ApiModel):
         "or snapshot copies; `serve --allow-dataset-hard-links`). Off: refused, because a "
         "tenant able to hard-link another tenant's file into its own directory under "
         "dataRoots would read it; turn on only where tenants cannot make hard links there.",
+    )
+    object_store: ObjectStore | None = Field(
+        None, alias="objectStore", description=ObjectStore.__doc__
     )
     reward_hosts: tuple[Host, ...] | None = _names(
         "rewardHosts",
