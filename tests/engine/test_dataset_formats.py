@@ -76,6 +76,7 @@ def test_a_parquet_file_is_read_with_the_columns_the_spec_maps(root: Path) -> No
     sampled = task.sample_prompts(8, random.Random(0))
     assert all(p.text == f"question {p.answer}" for p in sampled)
     assert task.score(sampled, [p.answer for p in sampled]) == [1.0] * 8  # exact match
+    assert task.row(7).position == "row 7"  # what a too-long prompt's error names
     task.close()
 
 
@@ -103,6 +104,7 @@ def test_a_local_jsonl_file_with_other_keys_is_still_read_in_place(root: Path) -
         f.write(json.dumps({"q": "p2", "a": "y2"}) + "\n")
     task.refresh()
     assert _rows(task) == [("p", "y"), ("p2", "y2")]
+    assert task.row(1).position == "line 2"
     assert 'row must be {"prompt": str, "answer": str}' in _refusal(root, "qa.jsonl")
 
 

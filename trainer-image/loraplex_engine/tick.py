@@ -224,7 +224,7 @@ class Tick:
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
         limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
         encoded = [
-            prompt_ids(self.codec, p.text, p.meta.get("line"), exp.spec.task.chat_template, *limits)
+            prompt_ids(self.codec, p.text, p.position, exp.spec.task.chat_template, *limits)
             for p in prompts
         ]
         requests = [

@@ -23,6 +23,15 @@ class Prompt:
     answer: str
     meta: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def position(self) -> str | None:
+        """Where in its dataset the prompt is, for messages ("line 3" of a JSONL file read
+        in place, "row 3" of a spooled one); None: a generated prompt."""
+        for key in ("line", "row"):
+            if key in self.meta:
+                return f"{key} {self.meta[key]}"
+        return None
+
 
 class Task(ABC):
     """Subclasses set ``name``, ``PARAMS`` (name → default) and implement two methods."""

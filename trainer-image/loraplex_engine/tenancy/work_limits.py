@@ -79,7 +79,7 @@ class WorkLimits:
 def prompt_ids(
     codec: TokenCodec,
     text: str,
-    line: str | None,
+    position: str | None,
     chat_template: bool,
     max_prompt_tokens: int,
     context_tokens: int | None,
@@ -87,9 +87,9 @@ def prompt_ids(
 ) -> list[int]:
     """A task prompt's tokens (the tick's); one over the engine's prompt limit (or the
     model's context) fails its experiment: truncating it would train on a prompt the data
-    does not hold, and a row past the context would fail the shared rollout batch. ``line``:
-    its dataset line, for the message."""
-    where = f"dataset line {line}" if line else "a prompt"
+    does not hold, and a row past the context would fail the shared rollout batch.
+    ``position``: where in its dataset it is ("line 3", "row 3"), for the message."""
+    where = f"dataset {position}" if position else "a prompt"
     max_chars = max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
     if len(text) > max_chars:
         raise TaskError(
