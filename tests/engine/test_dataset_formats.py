@@ -151,15 +151,24 @@ def test_the_row_and_byte_limits_hold(root: Path) -> None:
     assert len(_open(root, "big.parquet", max_rows=1000, max_bytes=2000)) == 1000
 
 
-def test_a_dictionary_bomb_is_measured_not_expanded(root: Path) -> None:
-    """One 60 KB string repeated 100,000 times is a few KB of Parquet but 6 GB as strings:
-    the reader measures it through the dictionary, under a 512 MiB address space."""
-    prompt = pa.DictionaryArray.from_arrays(pa.array([0] * 100_000, pa.int32()), ["x" * 60_000])
-    table = pa.table({"prompt": prompt, "answer": ["a"] * 100_000})
-    pq.write_table(table, root / NS / "bomb.parquet", use_dictionary=True, compression="zstd")
-    assert (root / NS / "bomb.parquet").stat().st_size < 1 << 20
-    message = _refusal(root, "bomb.parquet", max_bytes=64 << 20, memory_bytes=768 << 20)
+def _repeated(path: Path, value_bytes: int, rows: int) -> Path:
+    """A Parquet file of one value repeated: its dictionary page and a few KB of indices."""
+    prompt = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), ["x" * value_bytes])
+    table = pa.table({"prompt": prompt, "answer": ["a"] * rows})
+    pq.write_table(table, path, compression="zstd", dictionary_pagesize_limit=1 << 30)
+    assert path.stat().st_size < 1 << 20
+    return path
+
+
+def test_a_small_file_that_expands_to_gigabytes_is_refused(root: Path) -> None:
+    """6 GB of strings from a file under 1 MiB: the byte bound stops it a batch in; 32 GB
+    of 16 MB values is refused at its first row, inside a reader of 1 GiB."""
+    _repeated(root / NS / "bomb.parquet", 60_000, 100_000)
+    message = _refusal(root, "bomb.parquet", max_bytes=64 << 20, memory_bytes=1 << 30)
     assert "limit of 67108864 bytes" in message
+    _repeated(root / NS / "huge.parquet", 16 << 20, 2048)
+    message = _refusal(root, "huge.parquet", memory_bytes=1 << 30)
+    assert "row 0: 16777217 bytes of prompt and answer, over the limit" in message
 
 
 def test_a_lying_compressed_buffer_meets_the_readers_memory_bound(root: Path) -> None:

@@ -3,13 +3,13 @@ to the engine's spool (data/spool.py), then exits.
 
 The engine starts it at admission (``python -I -c ...``, the job as JSON on stdin, the
 credentials in it rather than in argv or the environment) with the descriptors it needs:
-the spool's two files and, for a local dataset, its allowed directory. It runs at the
+the spool's three files and, for a local dataset, its allowed directory. It runs at the
 lowest CPU priority under an address-space limit, so hostile bytes (a decompression
 bomb, a malformed file that crashes a parser) cost the engine neither cores, memory nor
 its process: whatever happens here is one line on stdout and an exit status.
 
-Spool layout: the data file holds each row's prompt then answer, UTF-8; the index file
-one ``INDEX`` record a row (the data offset, the prompt's and the answer's length).
+Spool layout: one file of the prompts' UTF-8 bytes back to back, one of the answers', and
+an index of ``INDEX`` records, one a row: where its prompt and its answer end.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import struct
 import sys
 from collections.abc import Iterable
 from typing import Any
 
-INDEX = struct.Struct("<qII")
+import numpy as np
+
+INDEX = np.dtype([("prompt_end", "<i8"), ("answer_end", "<i8")])
 
 
 class Limits:
@@ -32,32 +33,34 @@ class Limits:
         self.max_row_bytes = int(job["max_row_bytes"])
 
 
-def write_spool(
-    rows: Iterable[tuple[str, str]], data_fd: int, index_fd: int, limits: Limits, shown: str
-) -> int:
-    """Every row into the spool; the number written. DataError past a limit."""
+def write_spool(batches: Iterable[Any], fds: dict[str, int], limits: Limits, shown: str) -> int:
+    """Every batch into the spool; the number of rows written. DataError past a limit."""
     from loraplex_engine.data.formats import DataError
 
-    count, offset = 0, 0
+    rows, ends = 0, np.zeros(2, dtype=np.int64)
     with (
-        open(data_fd, "wb", buffering=1 << 20, closefd=False) as data,
-        open(index_fd, "wb", buffering=1 << 20, closefd=False) as index,
+        open(fds["prompts"], "wb", buffering=1 << 20, closefd=False) as prompts,
+        open(fds["answers"], "wb", buffering=1 << 20, closefd=False) as answers,
+        open(fds["index"], "wb", buffering=1 << 20, closefd=False) as index,
     ):
-        for prompt, answer in rows:
-            p, a = prompt.encode("utf-8"), answer.encode("utf-8")
-            count += 1
-            if count > limits.max_rows:
+        for (p_len, p_data), (a_len, a_data) in batches:
+            rows += len(p_len)
+            if rows > limits.max_rows:
                 raise DataError(f"{shown}: over this engine's limit of {limits.max_rows} rows")
-            if offset + len(p) + len(a) > limits.max_bytes:
+            if int(ends.sum()) + len(p_data) + len(a_data) > limits.max_bytes:
                 raise DataError(
                     f"{shown}: over this engine's limit of {limits.max_bytes} bytes of "
                     "prompts and answers"
                 )
-            data.write(p)
-            data.write(a)
-            index.write(INDEX.pack(offset, len(p), len(a)))
-            offset += len(p) + len(a)
-    return count
+            prompts.write(p_data)
+            answers.write(a_data)
+            record = np.empty(len(p_len), dtype=INDEX)
+            record["prompt_end"] = ends[0] + np.cumsum(p_len)
+            record["answer_end"] = ends[1] + np.cumsum(a_len)
+            index.write(record.tobytes())
+            if len(record):
+                ends[:] = record[-1].tolist()
+    return rows
 
 
 def opener_of(job: dict[str, Any]) -> Any:
@@ -77,15 +80,15 @@ def opener_of(job: dict[str, Any]) -> Any:
 
 def run(job: dict[str, Any]) -> tuple[int, str]:
     """Exit status and the line to print."""
-    from loraplex_engine.data.formats import DataError, read_rows
+    from loraplex_engine.data.formats import DataError, read_batches
 
     shown = job["shown"]
     limits = Limits(job)
     try:
-        rows = read_rows(
+        batches = read_batches(
             opener_of(job), job["format"], job["split"], tuple(job["columns"]), limits.max_row_bytes
         )
-        count = write_spool(rows, job["data_fd"], job["index_fd"], limits, shown)
+        count = write_spool(batches, job["fds"], limits, shown)
     except DataError as e:
         return 1, str(e)
     except MemoryError:

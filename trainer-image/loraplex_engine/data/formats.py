@@ -1,11 +1,12 @@
-"""A dataset's rows, ``(prompt, answer)``, read batch by batch from JSONL, Parquet or a
-directory saved by the datasets library, whatever opens its files (data/openers.py).
+"""A dataset's rows read batch by batch from JSONL, Parquet or a directory saved by the
+datasets library, whatever opens its files (data/openers.py), as columnar batches: each
+row's prompt and answer lengths and their UTF-8 bytes back to back.
 
 Run only in the reader process (data/child.py): the bytes are the tenant's, so every
 column is checked (present, a string, no nulls, valid UTF-8) and every row is measured
-against ``max_row_bytes`` *before* it is turned into Python strings; Parquet string
-columns are read as dictionaries, so a dictionary page repeated a million times is
-measured, never expanded. What stays in memory is one batch.
+against ``max_row_bytes``. What stays in memory is one batch (1,024 rows); Arrow
+batches are never turned into Python strings (a million rows take seconds, not minutes,
+at the reader's idle priority).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import pyarrow.parquet as pq
 from loraplex_engine.tasks.jsonl_rows import BLANK, parse_row
 
 Row = tuple[str, str]
-BATCH_ROWS = 256  # Parquet rows decoded at a time
+Column = tuple[np.ndarray, bytes | memoryview]  # each row's byte length; the bytes
+Batch = tuple[Column, Column]  # the prompts', the answers'
+BATCH_ROWS = 1024  # rows decoded at a time: at most 256 MiB at the row bound
 CHUNK_BYTES = 1 << 20  # JSONL bytes read at a time
 READ_BUFFER = 1 << 20  # Parquet column data buffered at a time (not a whole row group)
 MAX_JSON_BYTES = 1 << 20  # a saved dataset's state.json or dataset_dict.json
@@ -50,9 +53,9 @@ class Opener(Protocol):
         ...
 
 
-def read_rows(
+def read_batches(
     opener: Opener, fmt: str, split: str | None, columns: Row, max_row_bytes: int
-) -> Iterator[Row]:
+) -> Iterator[Batch]:
     if fmt == "jsonl":
         with opener.open() as f:
             yield from jsonl_rows(f, opener.shown, columns, max_row_bytes)
@@ -65,49 +68,63 @@ def read_rows(
         raise DataError(f"unknown format {fmt!r}")
 
 
-def jsonl_rows(f: BinaryIO, shown: str, columns: Row, max_line: int) -> Iterator[Row]:
+def jsonl_rows(f: BinaryIO, shown: str, columns: Row, max_line: int) -> Iterator[Batch]:
     """Line by line, as tasks/jsonl.py checks a local file; a line over ``max_line`` is
     refused before it is joined, let alone decoded."""
-    line_no, carry = 0, b""
+    line_no, carry, rows = 0, b"", []
     while chunk := f.read(CHUNK_BYTES):
         lines = (carry + chunk).split(b"\n")
         carry = lines.pop()
         for raw in lines:
             line_no += 1
-            yield from _jsonl_row(raw, f"{shown}:{line_no}", columns, max_line)
+            rows.extend(_jsonl_row(raw, f"{shown}:{line_no}", columns, max_line))
         if len(carry) > max_line:
             raise DataError(f"{shown}:{line_no + 1}: line is over the limit of {max_line} bytes")
-    yield from _jsonl_row(carry, f"{shown}:{line_no + 1}", columns, max_line)
+        if len(rows) >= BATCH_ROWS:
+            yield text_batch(rows)
+            rows = []
+    rows.extend(_jsonl_row(carry, f"{shown}:{line_no + 1}", columns, max_line))
+    if rows:
+        yield text_batch(rows)
 
 
-def _jsonl_row(raw: bytes, where: str, columns: Row, max_line: int) -> Iterator[Row]:
+def _jsonl_row(raw: bytes, where: str, columns: Row, max_line: int) -> list[Row]:
     if len(raw) > max_line:
         raise DataError(f"{where}: line of {len(raw)} bytes is over the limit of {max_line}")
-    if raw.strip(BLANK):
-        parsed = parse_row(raw, columns)
-        if isinstance(parsed, str):
-            raise DataError(f"{where}: {parsed}")
-        yield parsed[0], parsed[1]
+    if not raw.strip(BLANK):
+        return []
+    parsed = parse_row(raw, columns)
+    if isinstance(parsed, str):
+        raise DataError(f"{where}: {parsed}")
+    return [(parsed[0], parsed[1])]
 
 
-def parquet_rows(f: BinaryIO, shown: str, columns: Row, max_row_bytes: int) -> Iterator[Row]:
+def text_batch(rows: list[Row]) -> Batch:
+    def column(values: list[bytes]) -> Column:
+        return np.fromiter(map(len, values), np.int64, len(values)), b"".join(values)
+
+    return (
+        column([p.encode("utf-8") for p, _ in rows]),
+        column([a.encode("utf-8") for _, a in rows]),
+    )
+
+
+def parquet_rows(f: BinaryIO, shown: str, columns: Row, max_row_bytes: int) -> Iterator[Batch]:
+    """Batch by batch, as plain strings: reading as dictionaries would measure a value
+    repeated a million times without expanding it, but building the dictionary of a
+    million distinct values took 50 times the CPU. A batch of a repeated huge value is
+    expanded, then, and meets the reader's address-space limit (data/child.py) or the
+    row bound, either one a TaskError of that dataset."""
     wanted = list(dict.fromkeys(columns))
     try:
         footer = pq.ParquetFile(f)
         _check_schema(footer.schema_arrow, shown, columns)
-        # Again, now that the columns are known to be there: as dictionaries.
-        pf = pq.ParquetFile(
-            f,
-            metadata=footer.metadata,
-            buffer_size=READ_BUFFER,
-            pre_buffer=False,
-            read_dictionary=wanted,
-        )
+        pf = pq.ParquetFile(f, metadata=footer.metadata, buffer_size=READ_BUFFER, pre_buffer=False)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(f"{shown}: not a Parquet file ({_short(e)})") from None
     row = 0
     for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=wanted, use_threads=False):
-        yield from batch_rows(batch, shown, columns, row, max_row_bytes)
+        yield arrow_batch(batch, shown, columns, row, max_row_bytes, trusted=True)
         row += batch.num_rows
 
 
@@ -124,13 +141,13 @@ def arrow_stream_rows(
     for batch in reader:
         for start in range(0, batch.num_rows, BATCH_ROWS):
             part = batch.slice(start, BATCH_ROWS)
-            yield from batch_rows(part, shown, columns, row, max_row_bytes)
+            yield arrow_batch(part, shown, columns, row, max_row_bytes)
             row += part.num_rows
 
 
 def saved_rows(
     opener: Opener, split: str | None, columns: Row, max_row_bytes: int
-) -> Iterator[Row]:
+) -> Iterator[Batch]:
     """A directory written by ``Dataset.save_to_disk`` (``state.json`` naming its Arrow
     files) or ``DatasetDict.save_to_disk`` (``dataset_dict.json`` naming the splits, one
     such directory each)."""
@@ -156,11 +173,11 @@ def saved_rows(
         if not isinstance(name, str) or not _NAME.match(name):
             raise DataError(f"{shown}: state.json names a data file that is not a plain name")
         with opener.open(*where, name) as f:
-            for item in arrow_stream_rows(
+            for batch in arrow_stream_rows(
                 f, f"{shown}/{'/'.join((*where, name))}", columns, row, max_row_bytes
             ):
-                row += 1
-                yield item
+                row += len(batch[0][0])
+                yield batch
 
 
 def _split_of(splits: object, split: str | None, shown: str) -> str:
@@ -205,14 +222,20 @@ def _check_schema(schema: pa.Schema, shown: str, columns: Row) -> None:
             raise DataError(f"{shown}: column {column!r} is {kind}, not a string")
 
 
-def batch_rows(
-    batch: pa.RecordBatch, shown: str, columns: Row, first_row: int, max_row_bytes: int
-) -> Iterator[Row]:
-    """The batch's rows, once its columns are valid and each row is within the bound."""
-    try:
-        batch.validate(full=True)  # offsets inside their buffers, UTF-8
-    except pa.ArrowException as e:
-        raise DataError(f"{shown}: rows {first_row}+: invalid data ({_short(e)})") from None
+def arrow_batch(
+    batch: pa.RecordBatch,
+    shown: str,
+    columns: Row,
+    first_row: int,
+    max_row_bytes: int,
+    trusted: bool = False,
+) -> Batch:
+    """The batch's two columns, once they are valid and each row is within the bound.
+    ``trusted``: its offsets are Arrow's own (decoded from Parquet pages, not read from the
+    file), so only the UTF-8 of what is kept is checked, not a whole shared dictionary's
+    once a batch."""
+    if not trusted:
+        _validate(batch, shown, first_row)  # offsets inside their buffers, UTF-8
     arrays = [batch.column(c) for c in columns]
     total = np.zeros(batch.num_rows, dtype=np.int64)
     for column, array in zip(columns, arrays, strict=True):
@@ -227,7 +250,40 @@ def batch_rows(
             f"{shown}: row {first_row + at}: {int(total[at])} bytes of prompt and answer, "
             f"over the limit of {max_row_bytes}"
         )
-    yield from zip(*(a.to_pylist() for a in arrays), strict=True)
+    decoded = [_plain(a) for a in arrays]
+    if trusted:
+        for array in decoded:
+            _validate(array, shown, first_row)
+    return _column(decoded[0]), _column(decoded[1])
+
+
+def _validate(data: pa.RecordBatch | pa.Array, shown: str, first_row: int) -> None:
+    try:
+        data.validate(full=True)
+    except pa.ArrowException as e:
+        raise DataError(f"{shown}: rows {first_row}+: invalid data ({_short(e)})") from None
+
+
+def _plain(array: pa.Array) -> pa.Array:
+    """A string or large string array: expanded from its dictionary (once every row is
+    known to be within the bound), a string view cast."""
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+        array = array.cast(pa.large_string())
+    return array
+
+
+def _column(array: pa.Array) -> Column:
+    """A plain string column's lengths and bytes, without a Python object per value."""
+    if len(array) == 0:
+        return np.zeros(0, dtype=np.int64), b""
+    wide = np.int64 if pa.types.is_large_string(array.type) else np.int32
+    _, offsets_buf, data_buf = array.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=wide)[array.offset : array.offset + len(array) + 1]
+    start, end = int(offsets[0]), int(offsets[-1])
+    data = memoryview(data_buf)[start:end] if data_buf is not None else b""
+    return np.diff(offsets).astype(np.int64), data
 
 
 def _lengths(array: pa.Array) -> np.ndarray:

@@ -2,9 +2,10 @@
 local JSONL file (which is read in place, tasks/jsonl.py).
 
 The reader is a child process (data/child.py) under a time, memory and CPU bound; it
-checks every row and writes the rows to two unlinked temporary files the engine created
+checks every row and writes them to three unlinked temporary files the engine created
 (only the engine can reach them, and they vanish with it). The engine then holds only
-the index, 16 bytes a row, and reads a row back from the spool when it is sampled. So
+the index, 16 bytes a row (where its prompt and its answer end), and reads a row back
+from the spool when it is sampled. So
 whatever the source (a Parquet file, a saved datasets directory, an object in S3), the
 training loop never parses tenant bytes, never waits on the network, and cannot be made
 to read a file that changed after admission.
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 import loraplex_engine
+from loraplex_engine.data.child import INDEX
 from loraplex_engine.data.sources import DatasetSource, LocalSource
 from loraplex_engine.errors import TaskError
 from loraplex_engine.tenancy.data_files import DataFile, beneath
@@ -34,7 +36,6 @@ MAX_ROW_BYTES = 256 << 10  # a row's prompt and answer, as a JSONL line's bound
 MAX_BYTES = 1 << 30  # the spool of one dataset, on the engine's temporary disk
 MEMORY_BYTES = 2 << 30  # the reader's address space
 READ_TIMEOUT_S = 300.0
-_INDEX = np.dtype([("offset", "<i8"), ("prompt", "<u4"), ("answer", "<u4")])
 _PACKAGE_ROOT = str(Path(loraplex_engine.__file__).resolve().parents[1])
 # The reader imports this engine's package (not whichever one -I's site-packages holds).
 _CHILD = (
@@ -49,14 +50,19 @@ _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TMPDIR")
 class _Files:
     """The spool's descriptors, closed with the task (or when it is collected)."""
 
+    NAMES = ("prompts", "answers", "index")
+
     def __init__(self) -> None:
         # Held as long as the task: closed by close(), not by a with block.
-        self.data = tempfile.TemporaryFile(prefix="loraplex-dataset-")  # noqa: SIM115
-        self.index = tempfile.TemporaryFile(prefix="loraplex-index-")  # noqa: SIM115
+        self.files = [
+            tempfile.TemporaryFile(prefix=f"loraplex-{name}-")  # noqa: SIM115
+            for name in self.NAMES
+        ]
+        self.fds = {name: f.fileno() for name, f in zip(self.NAMES, self.files, strict=True)}
 
     def close(self) -> None:
-        self.data.close()
-        self.index.close()
+        for f in self.files:
+            f.close()
 
 
 class SpooledRows:
@@ -85,8 +91,7 @@ class SpooledRows:
             "max_row_bytes": max_row_bytes,
             "max_bytes": max_bytes,
             "memory_bytes": memory_bytes,
-            "data_fd": self._files.data.fileno(),
-            "index_fd": self._files.index.fileno(),
+            "fds": self._files.fds,
         }
         try:
             self._read(job, source, timeout_s)
@@ -107,7 +112,7 @@ class SpooledRows:
             job.update(kind="object", scheme=where.url.scheme, path=where.url.path)
             job.update(endpoint_url=store.endpoint_url, region=store.region)
             job["credentials"] = dict(store.credentials)
-        fds = [job["data_fd"], job["index_fd"], *([job["dir_fd"]] if held else [])]
+        fds = [*job["fds"].values(), *([job["dir_fd"]] if held else [])]
         try:
             self._run(job, fds, timeout_s)
         finally:
@@ -139,27 +144,30 @@ class SpooledRows:
     def _load_index(self, max_rows: int) -> np.ndarray:
         """The index the reader wrote, checked against the spool (it is the reader's
         word, and the reader parsed the tenant's bytes)."""
-        index_fd, data_fd = self._files.index.fileno(), self._files.data.fileno()
-        size = os.fstat(index_fd).st_size
-        if size % _INDEX.itemsize or size // _INDEX.itemsize > max_rows:
+        fds = self._files.fds
+        size = os.fstat(fds["index"]).st_size
+        if size % INDEX.itemsize or size // INDEX.itemsize > max_rows:
             raise TaskError(FIELD, f"{self.shown}: the reader's index is damaged")
-        index = np.frombuffer(os.pread(index_fd, size, 0), dtype=_INDEX)
-        ends = index["offset"] + index["prompt"] + index["answer"]
-        if len(index) and (
-            index["offset"].min() < 0
-            or int(ends.max()) > os.fstat(data_fd).st_size
-            or int((index["prompt"].astype(np.int64) + index["answer"]).max()) > self.max_row_bytes
-        ):
-            raise TaskError(FIELD, f"{self.shown}: the reader's index is damaged")
+        index = np.frombuffer(os.pread(fds["index"], size, 0), dtype=INDEX)
+        for name, column in (("prompts", "prompt_end"), ("answers", "answer_end")):
+            ends = np.concatenate(([0], index[column]))
+            lengths = np.diff(ends)
+            if len(index) and (lengths.min() < 0 or int(ends[-1]) > os.fstat(fds[name]).st_size):
+                raise TaskError(FIELD, f"{self.shown}: the reader's index is damaged")
         return index
 
     def __len__(self) -> int:
         return len(self._index)
 
     def row(self, i: int) -> tuple[str, str]:
-        offset, p, a = self._index[i].tolist()
-        raw = os.pread(self._files.data.fileno(), p + a, offset)
-        return raw[:p].decode("utf-8"), raw[p:].decode("utf-8")
+        p_end, a_end = self._index[i].tolist()
+        p_start, a_start = self._index[i - 1].tolist() if i else (0, 0)
+        if p_end - p_start + a_end - a_start > self.max_row_bytes:
+            raise TaskError(FIELD, f"{self.shown}: the reader's index is damaged")
+        fds = self._files.fds
+        prompt = os.pread(fds["prompts"], p_end - p_start, p_start)
+        answer = os.pread(fds["answers"], a_end - a_start, a_start)
+        return prompt.decode("utf-8"), answer.decode("utf-8")
 
     def close(self) -> None:
         self._files.close()
