@@ -41,6 +41,15 @@ class TaskError(FieldError):
     """Bad task settings or data; ``field`` is the spec path (``spec.task.params.x``)."""
 
 
+class DataReadError(LoraplexError):
+    """Why the dataset reader process (data/child.py) cannot read a dataset: one line,
+    naming where; the engine turns it into a TaskError on spec.task.dataset."""
+
+
+class DataFileMissing(DataReadError):
+    """A file or object the dataset reader asked for is not there."""
+
+
 class ManifestError(LoraplexError, ValueError):
     """One or more bad manifest documents; ``problems`` lists one line per problem."""
 

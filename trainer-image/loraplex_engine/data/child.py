@@ -9,7 +9,7 @@ bomb, a malformed file that crashes a parser) cost the engine neither cores, mem
 its process: whatever happens here is one line on stdout and an exit status.
 
 Spool layout: one file of the prompts' UTF-8 bytes back to back, one of the answers', and
-an index of ``INDEX`` records, one a row: where its prompt and its answer end.
+an index of ``spool.INDEX`` records, one a row: where its prompt and its answer end.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-INDEX = np.dtype([("prompt_end", "<i8"), ("answer_end", "<i8")])
+from loraplex_engine.data.spool import INDEX
 
 
 class Limits:

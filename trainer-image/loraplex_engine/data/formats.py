@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from loraplex_engine.errors import DataFileMissing as Missing
+from loraplex_engine.errors import DataReadError as DataError
 from loraplex_engine.tasks.jsonl_rows import BLANK, parse_row
 
 Row = tuple[str, str]
@@ -34,14 +36,6 @@ MAX_JSON_BYTES = 1 << 20  # a saved dataset's state.json or dataset_dict.json
 MAX_FILES = 10_000  # data files of one saved split
 # A saved dataset's file or split name: one path component, nothing that walks.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-
-
-class DataError(Exception):
-    """Why the dataset cannot be read: one line, already naming where."""
-
-
-class Missing(DataError):
-    """A file the reader asked for is not there."""
 
 
 class Opener(Protocol):

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 import loraplex_engine
-from loraplex_engine.data.child import INDEX
 from loraplex_engine.data.sources import DatasetSource, LocalSource
 from loraplex_engine.errors import TaskError
 from loraplex_engine.tenancy.data_files import DataFile, beneath
@@ -36,6 +35,8 @@ MAX_ROW_BYTES = 256 << 10  # a row's prompt and answer, as a JSONL line's bound
 MAX_BYTES = 1 << 30  # the spool of one dataset, on the engine's temporary disk
 MEMORY_BYTES = 2 << 30  # the reader's address space
 READ_TIMEOUT_S = 300.0
+# One record a row, written by the reader: where its prompt and its answer end.
+INDEX = np.dtype([("prompt_end", "<i8"), ("answer_end", "<i8")])
 _PACKAGE_ROOT = str(Path(loraplex_engine.__file__).resolve().parents[1])
 # The reader imports this engine's package (not whichever one -I's site-packages holds).
 _CHILD = (
