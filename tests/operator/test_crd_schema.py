@@ -31,6 +31,29 @@ POOL = "EnginePool"
 DELETE = object()  # a table value that removes the field (for `required` rules)
 
 
+def _dataset_task(options: dict[str, Any]) -> dict[str, Any]:
+    return {"name": "dataset", "dataset": "s3://datasets/team-a/x", "datasetOptions": options}
+
+
+_SECRET = {"name": "datasets-s3"}
+_OBJECT_STORES: list[tuple[dict[str, Any], bool]] = [
+    ({"secretRef": _SECRET, "endpointUrl": "http://minio.storage:9000", "region": "eu-1"}, True),
+    ({"secretRef": {}}, False),
+    ({"secretRef": {"name": ""}}, False),
+    ({"secretRef": {"name": "x" * 254}}, False),
+    *(
+        ({"secretRef": {**_SECRET, key: value}}, False)
+        for key in ("accessKeyIdKey", "secretAccessKeyKey", "sessionTokenKey")
+        for value in ("", "a b", "k" * 254)
+    ),
+    ({"endpointUrl": "minio:9000"}, False),
+    ({"endpointUrl": "http://" + "m" * 510}, False),
+    ({"region": ""}, False),
+    ({"region": "EU West"}, False),
+    ({"region": "r" * 65}, False),
+]
+
+
 def _long(n: int, head: str = "") -> str:
     """A string one character longer than `n` (a maxLength of `n` rejects it)."""
     return head + "a" * (n + 1 - len(head))
@@ -108,6 +131,23 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
     ("spec.task.params", {"target": _long(4096)}, False),
     ("spec.task.dataset", "", False),
+    *(
+        ("spec.task", _dataset_task(options), valid)
+        for options, valid in (
+            ({"format": "parquet", "columns": {"prompt": "q", "answer": "a"}}, True),
+            ({"format": "hf-disk", "split": "test"}, True),
+            ({"format": "csv"}, False),
+            ({"split": ""}, False),
+            ({"split": "../train"}, False),
+            ({"split": _long(128)}, False),
+            ({"columns": {"prompt": ""}}, False),
+            ({"columns": {"prompt": "a\nb"}}, False),
+            ({"columns": {"prompt": _long(256)}}, False),
+            ({"columns": {"answer": ""}}, False),
+            ({"columns": {"answer": "a\x00"}}, False),
+            ({"columns": {"answer": _long(256)}}, False),
+        )
+    ),
     ("spec.task.dataset", _long(4096), False),
     ("spec.task.reward", "bleu", False),
     ("spec.task.reward", "exact-match", True),
@@ -254,6 +294,16 @@ POOL_BOUNDS = [
     ("spec.checkpoint.keepRuns", 1, True),
     ("spec.checkpoint.keepRuns", 1001, False),
     ("spec.allowDatasetHardLinks", "yes", False),
+    *(
+        ("spec.objectStore", {"prefixes": ["s3://datasets/{namespace}/"], **store}, valid)
+        for store, valid in _OBJECT_STORES
+    ),
+    ("spec.objectStore", {"endpointUrl": "http://minio:9000"}, False),  # no prefixes
+    ("spec.objectStore", {"prefixes": []}, False),
+    ("spec.objectStore", {"prefixes": _many(16, lambda i: f"s3://b{i:02}/{{namespace}}/")}, False),
+    ("spec.objectStore", {"prefixes": ["s3://datasets/teams/"]}, False),  # no {namespace}
+    ("spec.objectStore", {"prefixes": ["s3://a/"]}, False),  # too short
+    ("spec.objectStore", {"prefixes": [f"s3://data/{{namespace}}/{'a' * 500}/"]}, False),
     ("spec.allowDatasetHardLinks", True, True),
     ("spec.capacity.maxAdapters", 0, False),
     ("spec.capacity.maxAdapters", 256, True),
