@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import os
 import socket
@@ -69,12 +70,15 @@ def object_store(settings: Any, environ: dict[str, str] | None = None) -> Object
     environment (os.environ by default) so that no process the engine starts inherits
     them. UsageError for a bad prefix or endpoint."""
     env = os.environ if environ is None else environ
-    return ObjectStore.build(
+    store = ObjectStore.build(
         settings.object_store_prefix or (),
         settings.object_store_endpoint,
         settings.object_store_region,
         credentials_from(env),  # type: ignore[arg-type]
     )
+    if any(p.scheme == "gs" for p in store.prefixes) and not importlib.util.find_spec("gcsfs"):
+        log.warning("gs:// prefixes given, but gcsfs is not installed: gs:// datasets will fail")
+    return store
 
 
 def reward_hosts(settings: _Trust) -> list[str]:
