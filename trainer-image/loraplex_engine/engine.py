@@ -462,6 +462,8 @@ class Engine(ClientTraining):
         """Check the spec against the model, then build the experiment (its task reads
         the dataset); nothing is loaded yet. Needs no lock: it reads only what is fixed,
         and the free-slot check is done again when the adapter is added."""
+        if spec.task is None:  # spec.client (docs/design/gateway.md)
+            raise InvalidSpecError("client experiments: not yet", field="spec.client")
         config = lora_config(spec, self.default_targets)
         if spec.task.chat_template and not self.codec.has_chat_template:
             raise InvalidSpecError(
