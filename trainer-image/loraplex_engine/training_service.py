@@ -199,6 +199,10 @@ class TrainingService(Protocol):
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]: ...
 
+    def adoptable(self, namespace: str, model_id: str) -> int | None:
+        """The rank of a client experiment's model loaded here (a ``LoRAExperiment`` with
+        ``spec.client``, placed by the operator), None if ``model_id`` is none here."""
+
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         """``sampler``: a ``sampler_weights`` path (exactly that version's weights) or the
         base model's name."""

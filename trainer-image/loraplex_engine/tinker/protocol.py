@@ -62,6 +62,8 @@ class Protocol:
     ) -> None:
         self.training = training
         self.registry = registry or Registry()
+        if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
+            self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
         self.futures = futures or FutureTable()
         self.runner = runner or Runner()
         self._stop = threading.Event()

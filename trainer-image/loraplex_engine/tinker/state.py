@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,9 @@ class Session:
     user_metadata: dict[str, Any]
     last_seen: float = field(default_factory=time.monotonic)
     models: set[str] = field(default_factory=set)
+    # A client experiment's model lives in a pinned session: no heartbeat TTL ends it,
+    # its life is the experiment's (clients/experiments.py).
+    pinned: bool = False
 
 
 @dataclass
@@ -56,9 +60,16 @@ class Sampler:
     model_path: str | None
 
 
+# (namespace, model id) -> the model's rank if it is a client experiment's, loaded here.
+Adopter = Callable[[str, str], "int | None"]
+
+
 class Registry:
-    def __init__(self, session_ttl_s: float = SESSION_TTL_S) -> None:
+    def __init__(
+        self, session_ttl_s: float = SESSION_TTL_S, adopter: Adopter | None = None
+    ) -> None:
         self.session_ttl_s = session_ttl_s
+        self.adopter = adopter
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._gone: dict[str, str] = {}  # session id -> namespace, of ended sessions
@@ -103,7 +114,8 @@ class Registry:
         now = time.monotonic()
         out: list[Model] = []
         with self._lock:
-            for s in [s for s in self._sessions.values() if now - s.last_seen > self.session_ttl_s]:
+            late = [s for s in self._sessions.values() if now - s.last_seen > self.session_ttl_s]
+            for s in [s for s in late if not s.pinned]:
                 out.extend(self._end_locked(s))
         return out
 
@@ -142,6 +154,10 @@ class Registry:
 
     def model(self, namespace: str, model_id: str) -> Model:
         with self._lock:
+            known = model_id in self._models
+        if not known:
+            self._adopt(namespace, model_id)
+        with self._lock:
             m = self._models.get(model_id)
             if m is None or m.namespace != namespace:
                 raise NotFoundError(f"no model {model_id!r}", field="model_id")
@@ -150,6 +166,25 @@ class Registry:
             if s is not None:
                 s.last_seen = time.monotonic()
             return m
+
+    def _adopt(self, namespace: str, model_id: str) -> None:
+        """A client experiment's model, first named here: registered in its pinned
+        session (the session part of its id), as if this engine had created it."""
+        rank = self.adopter(namespace, model_id) if self.adopter is not None else None
+        if rank is None:
+            return
+        session_id = model_id.split(":", 1)[0]
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = Session(session_id, namespace, {}, pinned=True)
+                self._sessions[session_id] = s
+                self._gone.pop(session_id, None)
+            if s.namespace != namespace or model_id in self._models:
+                return
+            s.pinned = True
+            self._models[model_id] = Model(model_id, namespace, session_id, rank, None)
+            s.models.add(model_id)
 
     def drop_model(self, model_id: str) -> None:
         with self._lock:
