@@ -61,7 +61,18 @@ class RenderedOperator:
 
 
 def rendered_operator(values: dict[str, Any]) -> RenderedOperator:
-    deployment = one(render(values), "Deployment")
+    # The operator's Deployment (with gateway.enabled the chart renders the gateway's too).
+    deployments = [d for d in render(values) if d.get("kind") == "Deployment"]
+    deployment = one(
+        [
+            d
+            for d in deployments
+            if any(
+                c["name"] == OPERATOR_CONTAINER for c in d["spec"]["template"]["spec"]["containers"]
+            )
+        ],
+        "Deployment",
+    )
     template = deployment["spec"]["template"]
     pod = {
         "metadata": {

@@ -34,6 +34,7 @@ MODEL_ID = re.compile(r"^(s[0-9a-f]{20}):train:([0-9]{1,10})$")
 NAME = re.compile(r"^tinker-(s[0-9a-f]{20})-([0-9]{1,10})$")
 CREATE_FUTURE = "lx~"
 MODEL_FUTURE = "m~"
+UNLOADED_FUTURE = "ux~"
 MAX_RANK = 1024  # the CRD's own bound is the pool's max rank; this only keeps ints sane
 PAUSED = "paused_capacity"
 
@@ -170,12 +171,20 @@ def model_future(name: str, request_id: str) -> str:
     return f"{MODEL_FUTURE}{name}~{request_id}"
 
 
-def split_future(given: str) -> tuple[Literal["create", "model"], str, str] | None:
-    """``("create", name, "")`` or ``("model", name, engine request id``), or None for a
-    stage-1 future (``<engine pod>~<id>``)."""
-    if given.startswith(CREATE_FUTURE):
-        name = given[len(CREATE_FUTURE) :]
-        return ("create", name, "") if NAME.match(name) else None
+def unloaded_future(name: str) -> str:
+    """``unload_model``'s future when the model had no engine: its experiment is deleted."""
+    return UNLOADED_FUTURE + name
+
+
+def split_future(
+    given: str,
+) -> tuple[Literal["create", "model", "unloaded"], str, str] | None:
+    """``("create", name, "")``, ``("model", name, engine request id)``, ``("unloaded",
+    name, "")``, or None for a stage-1 future (``<engine pod>~<id>``)."""
+    for prefix, kind in ((CREATE_FUTURE, "create"), (UNLOADED_FUTURE, "unloaded")):
+        if given.startswith(prefix):
+            name = given[len(prefix) :]
+            return (kind, name, "") if NAME.match(name) else None  # type: ignore[return-value]
     if given.startswith(MODEL_FUTURE):
         name, sep, rid = given[len(MODEL_FUTURE) :].partition("~")
         return ("model", name, rid) if sep and rid and NAME.match(name) else None
