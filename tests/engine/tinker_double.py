@@ -143,7 +143,7 @@ class FakeTraining:
                 raise NotFoundError(f"no checkpoint {path!r}", field="path")
             m.steps = state[1]
 
-    def adoptable(self, namespace: str, model_id: str) -> int | None:
+    def adoptable(self, namespace: str, model_id: str) -> None:
         return None  # no client experiments here
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]:

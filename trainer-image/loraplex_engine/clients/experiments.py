@@ -28,7 +28,7 @@ from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.errors import ConflictError, NotFoundError
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.training_service import ClientLora
+from loraplex_engine.training_service import Adoption, ClientLora
 
 STEP = re.compile(r"^step-([0-9]{8,})$")
 
@@ -51,6 +51,7 @@ class ClientExperiment:
     checkpoint: CheckpointRef | None = None
     phase: str = "Running"
     error: str | None = None
+    restored_steps: int = 0  # the optimiser steps of the checkpoint it started from
 
     @property
     def model_id(self) -> str:
@@ -119,7 +120,7 @@ class ClientExperiments:
             exp.checkpoint = CheckpointRef(path=path, step=steps)
         model = self.clients.loaded(namespace, client.model_id)
         assert model is not None
-        model.steps = steps
+        model.steps = exp.restored_steps = steps
         model.checkpoints = (spec.checkpoint.every_steps, spec.checkpoint.keep)
         model.on_checkpoint = lambda ref, e=exp: setattr(e, "checkpoint", ref)
         with self._lock:
@@ -189,12 +190,16 @@ class ClientExperiments:
             self._exps.pop(exp_id, None)
         return status
 
-    def adoptable(self, namespace: str, model_id: str) -> int | None:
-        """The rank of a loaded client experiment's model (the Tinker protocol adopts it),
-        None if ``model_id`` is none here."""
+    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
+        """A loaded client experiment's model (the Tinker protocol adopts it), None if
+        ``model_id`` is none here."""
         exp = self.by_model(namespace, model_id)
         model = self.clients.loaded(namespace, model_id) if exp is not None else None
-        return None if model is None else model.info.lora.rank
+        if exp is None or model is None:
+            return None
+        base = self.clients.host.store.root / namespace / saved.CLIENT_DIR / model_id
+        every = exp.spec.checkpoint.every_steps
+        return Adoption(model.info.lora.rank, exp.restored_steps, every, str(base / "journal"))
 
 
 class ClientExperimentAPI:
@@ -235,7 +240,7 @@ class ClientExperimentAPI:
             return self.client_experiments.remove(exp_id)
         return self.remove_task_experiment(exp_id)
 
-    def adoptable(self, namespace: str, model_id: str) -> int | None:  # TrainingService
+    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:  # TrainingService
         return self.client_experiments.adoptable(namespace, model_id)
 
     # The Engine's own (engine.py), for task experiments.

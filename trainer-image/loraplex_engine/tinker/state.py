@@ -22,6 +22,8 @@ from typing import Any
 
 from loraplex_engine.errors import NotFoundError
 from loraplex_engine.tinker.errors import SessionGone
+from loraplex_engine.tinker.journal import Journal
+from loraplex_engine.training_service import Adoption
 
 SESSION_TTL_S = 300.0  # no heartbeat (or request) for this long: the client has vanished
 MAX_SEQ_MEMORY = 256  # (model, seq_id) -> future remembered, for resent requests
@@ -49,6 +51,9 @@ class Model:
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     seq_futures: dict[int, str] = field(default_factory=dict)
+    # A client experiment's (adopted): its journal and checkpoint cadence (journal.py).
+    journal: Journal | None = None
+    checkpoint_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,8 @@ class Sampler:
     model_path: str | None
 
 
-# (namespace, model id) -> the model's rank if it is a client experiment's, loaded here.
-Adopter = Callable[[str, str], "int | None"]
+# (namespace, model id) -> a client experiment's model loaded here, or None.
+Adopter = Callable[[str, str], "Adoption | None"]
 
 
 class Registry:
@@ -70,6 +75,7 @@ class Registry:
     ) -> None:
         self.session_ttl_s = session_ttl_s
         self.adopter = adopter
+        self.on_adopted: Callable[[Model, Adoption], None] | None = None  # the replay
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._gone: dict[str, str] = {}  # session id -> namespace, of ended sessions
@@ -170,8 +176,8 @@ class Registry:
     def _adopt(self, namespace: str, model_id: str) -> None:
         """A client experiment's model, first named here: registered in its pinned
         session (the session part of its id), as if this engine had created it."""
-        rank = self.adopter(namespace, model_id) if self.adopter is not None else None
-        if rank is None:
+        found = self.adopter(namespace, model_id) if self.adopter is not None else None
+        if found is None:
             return
         session_id = model_id.split(":", 1)[0]
         with self._lock:
@@ -183,8 +189,12 @@ class Registry:
             if s.namespace != namespace or model_id in self._models:
                 return
             s.pinned = True
-            self._models[model_id] = Model(model_id, namespace, session_id, rank, None)
+            m = Model(model_id, namespace, session_id, found.rank, None)
+            m.journal, m.checkpoint_every = Journal(found.journal_dir), found.checkpoint_every
+            self._models[model_id] = m
             s.models.add(model_id)
+        if self.on_adopted is not None:
+            self.on_adopted(m, found)
 
     def drop_model(self, model_id: str) -> None:
         with self._lock:
