@@ -127,3 +127,15 @@ def test_a_task_experiment_cannot_take_a_client_experiments_id(eng) -> None:
     eng.put_experiment(EXP, client_spec(), NS, NAME)
     with pytest.raises(ConflictError):
         eng.put_experiment(EXP, spec(), NS, NAME)
+
+
+def test_a_model_its_client_unloaded_leaves_no_journal(eng) -> None:
+    eng.put_experiment(EXP, client_spec(), NS, NAME)
+    journal = eng.client_experiments.journal_dir(NS, MODEL)
+    journal.mkdir(parents=True)
+    (journal / "7.op").write_text("{}")
+    drive(eng, lambda: eng.unload_model(NS, MODEL))  # the client's unload_model
+    assert eng.get_experiment(EXP).phase == "Succeeded"
+    removed = eng.remove_experiment(EXP)  # the operator, once the gateway deleted it
+    assert removed.phase == "Succeeded" and not journal.exists()
+    assert eng.list_experiments() == []

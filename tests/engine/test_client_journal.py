@@ -142,6 +142,9 @@ def test_an_engine_lost_with_operations_queued_is_replayed_where_the_model_resum
     assert status.step == 1
     p2 = Protocol(lambda: two)
     try:
+        # Step 1's answer, had the client not read it before the crash: kept.
+        kept = find_future(p2, NS, f"{MODEL}#2")
+        assert kept.state == "done" and kept.result == wait_done(p1, f"{MODEL}#2")
         with ticking(two):
             result = wait_done(p2, f"{MODEL}#4")  # the client's future, asked again
             assert "metrics" in result
@@ -152,6 +155,7 @@ def test_an_engine_lost_with_operations_queued_is_replayed_where_the_model_resum
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
         journal = Journal(two.store.root / NS / "_tinker" / MODEL / "journal")
         assert journal.entries() == [] and journal.base() == (2, 4)
+        assert journal.answer(2) is None and journal.answer(4) is not None  # the last window
     finally:
         p2.close()
 

@@ -4,15 +4,16 @@ the kmock API server, and engine processes the test kubelet runs from the Pods t
 operator writes. Namespace A's key creates a model with the official tinker SDK: it is a
 LoRAExperiment in team-a (as `kubectl get loraexperiments` lists it), placed and bound by
 the operator, trained and sampled through the gateway; B's key finds nothing of it; a
-read-only key cannot train; an engine killed between steps costs the client nothing but a
-pause (the SDK retries the paused answers) and the model resumes from its checkpoint on
-the engine that takes it. Not yet here (docs/design/gateway.md): an engine killed with an
-operation in flight (the engine's journal), and the OpenAI API on a client experiment.
+read-only key cannot train; an engine killed mid-step costs the client nothing but a
+pause (the SDK retries the paused answers): the model resumes from its checkpoint on the
+engine that takes it, which replays the step from the journal. Not yet here
+(docs/design/gateway.md): the OpenAI API on a client experiment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,18 @@ def sft(prompt: list[int], answer: list[int]) -> types.Datum:
     )
 
 
-def _train(tc: Any, steps: int) -> list[float]:
+def _train(tc: Any, steps: int, kill_at: int = -1, kill: Any = None) -> list[float]:
+    """The client's loop; at step ``kill_at`` ``kill`` runs with the step's forward_backward
+    and optim_step sent and not yet answered."""
     losses = []
-    for _ in range(steps):
-        out = tc.forward_backward([sft(PROMPT, ANSWER)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=0.005)).result()
+    for i in range(steps):
+        fwd = tc.forward_backward([sft(PROMPT, ANSWER)], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=0.005))
+        if i == kill_at:
+            time.sleep(0.5)  # the requests on their way (journalled, or sent again)
+            kill()
+        out = fwd.result()
+        opt.result()
         losses.append(out.metrics["loss:sum"])
     return losses
 
@@ -149,12 +157,17 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
             )
         )
 
-    # The engine dies between steps: the operator re-places the experiment, the engine that
-    # takes it resumes the model from its step-10 checkpoint; the SDK, answered "paused"
-    # meanwhile, goes on unchanged.
+    # The engine dies mid-step (SIGKILL, its step sent and unanswered): the operator
+    # re-places the experiment, the engine that takes it resumes the model from its last
+    # checkpoint and replays the step from the journal; the SDK, answered "paused"
+    # meanwhile, goes on unchanged and its loop finishes.
     victim = status["engine"]
-    await h.kill_engine(victim)
-    more = await asyncio.to_thread(_train, tc, 10)
+    loop = asyncio.get_running_loop()
+
+    def kill() -> None:
+        asyncio.run_coroutine_threadsafe(h.kill_engine(victim), loop).result()
+
+    more = await asyncio.to_thread(_train, tc, 10, 2, kill)
     after = await _status_at(h, name, 20)
     assert after["engine"] != victim and after.get("restarts", 0) >= 1
     assert more[0] < losses[0] * 0.5, (losses, more)  # it went on from where it was

@@ -11,8 +11,10 @@ stays stage 1's (sampling sessions, listings, capabilities).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 # Routes whose JSON body names the model by ``model_id`` (forward_backward's is in its
 # protobuf, field 1).
+PAUSED_POLL_S = 5.0  # a paused model's retrieve_future waits this long before try_again
+PAUSED_RECHECK_S = 0.5
 BY_MODEL = frozenset(
     {"get_info", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights"}
 )
@@ -151,6 +155,12 @@ class Models:
         if kind == "unloaded":
             return JSONResponse({"model_id": gx.model_id_of(exp), "type": "unload_model"})
         found = await self._binding(ns, exp)
+        # The SDK polls a try_again again at once: hold it a while, as an engine's long
+        # poll does, looking again, so that a paused model is not a busy loop.
+        deadline = time.monotonic() + PAUSED_POLL_S
+        while found is not None and found.state == "paused" and time.monotonic() < deadline:
+            await asyncio.sleep(PAUSED_RECHECK_S)
+            found = await self._binding(ns, exp)
         if found is None:
             return proxy.error(404, "not_found", f"no model (experiment {exp!r})", "request_id")
         if found.state == "failed":

@@ -18,9 +18,11 @@ task goes to the engine's own (``put_task_experiment``...), one with a client he
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from loraplex_engine.api_types import CheckpointRef, ExperimentStatus
@@ -178,17 +180,28 @@ class ClientExperiments:
         return exp.checkpoint
 
     def remove(self, exp_id: str) -> ExperimentStatus:
-        """Checkpoint (when it moved on since the last), unload, forget."""
+        """Checkpoint (when it moved on since the last), unload, forget. A model its client
+        unloaded (unload_model, maybe while this runs) leaves nothing to keep: its journal
+        goes too (its saved states stay)."""
         exp = self._require(exp_id)
         model = self.clients.loaded(exp.namespace, exp.model_id)
-        if model is not None:
-            if exp.checkpoint is None or exp.checkpoint.step != model.steps:
-                self.checkpoint(exp_id)
-            self.clients.unload_model(exp.namespace, exp.model_id, save=False)
+        try:
+            if model is not None:
+                if exp.checkpoint is None or exp.checkpoint.step != model.steps:
+                    self.checkpoint(exp_id)
+                self.clients.unload_model(exp.namespace, exp.model_id, save=False)
+        except NotFoundError:  # unloaded by its client meanwhile
+            model = None
         status = self.status(exp_id)
+        if model is None:
+            shutil.rmtree(self.journal_dir(exp.namespace, exp.model_id), ignore_errors=True)
         with self._lock:
             self._exps.pop(exp_id, None)
         return status
+
+    def journal_dir(self, namespace: str, model_id: str) -> Path:
+        root = self.clients.host.store.root
+        return root / namespace / saved.CLIENT_DIR / model_id / "journal"
 
     def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
         """A loaded client experiment's model (the Tinker protocol adopts it), None if
@@ -197,9 +210,8 @@ class ClientExperiments:
         model = self.clients.loaded(namespace, model_id) if exp is not None else None
         if exp is None or model is None:
             return None
-        base = self.clients.host.store.root / namespace / saved.CLIENT_DIR / model_id
-        every = exp.spec.checkpoint.every_steps
-        return Adoption(model.info.lora.rank, exp.restored_steps, every, str(base / "journal"))
+        every, journal = exp.spec.checkpoint.every_steps, self.journal_dir(namespace, model_id)
+        return Adoption(model.info.lora.rank, exp.restored_steps, every, str(journal))
 
 
 class ClientExperimentAPI:

@@ -16,6 +16,7 @@ between a checkpoint and its ``base.json`` update replays nothing twice.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -79,6 +80,24 @@ class Journal:
                 log.warning("journal entry %s unreadable: skipped", file)
         return sorted(out, key=lambda e: e.seq)
 
+    def done(self, seq: int, result: Any) -> None:
+        """An operation's answer (protobuf bytes or a JSON dict), kept until the checkpoint
+        after next: an engine that takes over answers a future whose operation the
+        checkpoint holds but whose answer its client had not read yet."""
+        raw = result if isinstance(result, bytes) else json.dumps(result).encode()
+        doc = {"proto": isinstance(result, bytes), "body": base64.b64encode(raw).decode()}
+        with contextlib.suppress(OSError):  # no answer kept: its future would be re-asked
+            _atomic_write(self.dir / f"{seq}.done", json.dumps(doc).encode())
+
+    def answer(self, seq: int) -> Any:
+        """A kept answer, or None."""
+        try:
+            doc = json.loads((self.dir / f"{seq}.done").read_text())
+            raw = base64.b64decode(doc["body"])
+            return raw if doc["proto"] else json.loads(raw)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def stepped(self, seq: int, every: int) -> None:
         """Optimiser step ``seq`` is answered. When it was a checkpoint's (its step a
         multiple of ``every``: written before the answer), the entries it holds are
@@ -92,6 +111,9 @@ class Journal:
         _atomic_write(self.dir / BASE, json.dumps({"steps": steps, "seq": seq}).encode())
         for e in done:
             (self.dir / f"{e.seq}.op").unlink(missing_ok=True)
+        for kept in self.dir.glob("*.done"):  # the answers of the window before this one
+            if kept.stem.isdigit() and int(kept.stem) <= base_seq:
+                kept.unlink(missing_ok=True)
 
     def to_replay(self, restored_steps: int) -> list[Entry]:
         """The entries the checkpoint of step ``restored_steps`` does not hold."""
@@ -133,13 +155,31 @@ def replay(proto: Any, model: Any, restored_steps: int) -> None:
 
 def find_future(proto: Any, namespace: str, request_id: str) -> Any:
     """The future ``request_id``; a client experiment's (``<model id>#<seq_id>``) on an
-    engine that has not adopted its model yet is replayed first, then found."""
+    engine that has not adopted its model yet is replayed first, then found, or answered
+    from the journal's kept answers (its operation is in the checkpoint)."""
     fut = proto.futures.get(namespace, request_id)
-    model_id, sep, _ = request_id.rpartition("#")
-    if fut is None and sep:
-        try:
-            proto.registry.model(namespace, model_id)
-        except Exception:  # not a model here (NotFoundError): the future is unknown
-            return None
-        fut = proto.futures.get(namespace, request_id)
+    model_id, sep, seq = request_id.rpartition("#")
+    if fut is not None or not sep or not seq.isdigit():
+        return fut
+    try:
+        model = proto.registry.model(namespace, model_id)
+    except Exception:  # not a model here (NotFoundError): the future is unknown
+        return None
+    fut = proto.futures.get(namespace, request_id)
+    kept = model.journal.answer(int(seq)) if fut is None and model.journal else None
+    if kept is not None:
+        fut = proto.futures.new(namespace, "Kept", model_id, request_id)
+        fut.finish(kept)
     return fut
+
+
+def journalled(finish: Any, journal: Journal, seq: int) -> Any:
+    """``finish`` (the protocol's: run, then finish or fail the future) that also keeps a
+    finished future's answer in the journal."""
+
+    def run(fut: Any, fn: Any) -> None:
+        finish(fut, fn)
+        if fut.state == "done":
+            journal.done(seq, fut.result)
+
+    return run

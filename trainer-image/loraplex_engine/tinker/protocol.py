@@ -27,7 +27,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.tinker import wire
 from loraplex_engine.tinker.errors import failure_text
 from loraplex_engine.tinker.futures import Future, FutureTable, Runner
-from loraplex_engine.tinker.journal import Entry, replay
+from loraplex_engine.tinker.journal import Entry, journalled, replay
 from loraplex_engine.tinker.state import Model, Registry, Sampler
 from loraplex_engine.training_service import (
     AdamStep,
@@ -110,13 +110,16 @@ class Protocol:
         fut = self.futures.new(model.namespace, kind, model.id, rid)
         if seq_id is not None:
             self.registry.record_seq(model, seq_id, fut.request_id)
+        finish = self._finish
+        if rid is not None and model.journal is not None and seq_id is not None:
+            finish = journalled(self._finish, model.journal, seq_id)
         if pipelined is not None:
             job = pipelined
             self.runner.run_pipelined(
-                model.id, lambda release: self._finish(fut, lambda: job(release)), order=seq_id
+                model.id, lambda release: finish(fut, lambda: job(release)), order=seq_id
             )
         elif fn is not None:
-            self.runner.run(model.id, lambda: self._finish(fut, fn), order=seq_id)
+            self.runner.run(model.id, lambda: finish(fut, fn), order=seq_id)
         return fut.request_id
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
@@ -283,9 +286,11 @@ class Protocol:
 
         def run(queued: Callable[[], None]) -> dict[str, Any]:
             metrics = self.training().optim_step(namespace, model.id, adam, queued=queued)
-            if model.journal is not None and seq is not None:
+            answer = {"metrics": {k: float(v) for k, v in metrics.items()}}
+            if model.journal is not None and seq is not None:  # kept, then the window moves
+                model.journal.done(seq, answer)
                 model.journal.stepped(seq, model.checkpoint_every)
-            return {"metrics": {k: float(v) for k, v in metrics.items()}}
+            return answer
 
         entry = ("optim_step", json.dumps(body).encode(), None)
         return self._queue(model, seq, "OptimStep", pipelined=run, entry=entry)
