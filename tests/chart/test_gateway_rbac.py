@@ -100,6 +100,16 @@ async def _seed(kube: Kube) -> None:
     await kube.create(PODS, _pod(), ENGINE_NS)
 
 
+async def _tinker_model_lifecycle(directory: KubeDirectory) -> None:
+    """What a Tinker model costs in API calls (gateway/tinker_models.py): create_model
+    creates its experiment, each call reads it, unload_model deletes it."""
+    meta = {"name": "tinker-s-0", "namespace": "team-a"}
+    obj = {"apiVersion": "loraplex.dev/v1alpha1", "kind": "LoRAExperiment", "metadata": meta}
+    assert await directory.create_experiment(obj)
+    assert await directory.get_experiment("team-a", "tinker-s-0") is not None
+    assert await directory.delete_experiment("team-a", "tinker-s-0")
+
+
 async def _calls(key_namespaces: tuple[str, ...]) -> tuple[set[Call], KubeDirectory]:
     async with ApiServer() as api:
         declare_resources(api)
@@ -111,6 +121,7 @@ async def _calls(key_namespaces: tuple[str, ...]) -> tuple[set[Call], KubeDirect
                 await _seed(seeder)
                 directory = KubeDirectory(gateway, key_namespaces)
                 await directory.refresh()
+                await _tinker_model_lifecycle(directory)
             finally:
                 await seeder.close()
                 await gateway.close()

@@ -38,6 +38,8 @@ ALLOWED = {
     "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
     "loraplex_engine.spec",  # the PUT body's spec
     "loraplex_engine.spec_schema",
+    "loraplex_engine.spec_checkpoint",  # spec.py's blocks in their own modules
+    "loraplex_engine.spec_client",
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",

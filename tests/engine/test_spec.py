@@ -259,7 +259,7 @@ def test_cross_field_rules_accept_what_they_allow(change: dict[str, Any]) -> Non
 
 
 def test_missing_task_and_non_mapping() -> None:
-    with pytest.raises(SpecError, match=r"spec\.task: Field required"):
+    with pytest.raises(SpecError, match=r"spec\.task: set exactly one of spec\.task .*client"):
         parse_spec({})
     with pytest.raises(SpecError, match="must be a mapping"):
         parse_spec([1, 2])
@@ -314,3 +314,41 @@ def test_spec_is_immutable() -> None:
     with pytest.raises(ValidationError, match="frozen"):
         spec.priority = 3  # type: ignore[misc]
     assert isinstance(spec, ExperimentSpec)
+
+
+CLIENT = {"modelId": "s0123456789abcdef0123:train:0"}
+
+
+def test_a_client_spec_has_no_task_and_round_trips() -> None:
+    spec = parse_spec({"lora": {"rank": 4}, "client": {**CLIENT, "seed": 3, "trainMlp": False}})
+    assert spec.task is None and spec.client is not None
+    assert (spec.client.model_id, spec.client.seed, spec.client.train_mlp) == (
+        CLIENT["modelId"],
+        3,
+        False,
+    )
+    assert spec.client.idle_seconds == 3600 and spec.client.train_unembed
+    assert parse_spec(spec.to_json()) == spec
+    spec.check_task()  # nothing to check: no task
+    spec.validate_for_engine(8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "message"),
+    [
+        ({"client": CLIENT, "task": {"name": "copy"}}, "spec.task", "set exactly one of"),
+        (
+            {"client": CLIENT, "lora": {"targetModules": ["q_proj"]}},
+            "spec.lora.targetModules",
+            "a client experiment chooses its modules by kind",
+        ),
+        ({"client": {"modelId": "s1:sample:0"}}, "spec.client.modelId", "String should match"),
+        ({"client": {**CLIENT, "idleSeconds": -1}}, "spec.client.idleSeconds", "Input should be"),
+        ({"client": {**CLIENT, "rank": 4}}, "spec.client.rank", "unknown field"),
+    ],
+)
+def test_client_spec_errors_name_the_field(doc: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(doc)
+    assert info.value.field == field
+    assert info.value.message.startswith(message)

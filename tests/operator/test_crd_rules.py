@@ -119,6 +119,24 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: experiment("a").reward("exact-match").obj(),
         invalid=lambda: experiment("a").reward("exact-match", "http://rewards:8080/score").obj(),
     ),
+    "set exactly one of spec.task": RuleCase(
+        valid=lambda: experiment("a").client().obj(),
+        invalid=lambda: experiment("a").client().task("copy").obj(),
+    ),
+    "a client experiment chooses its modules by kind": RuleCase(
+        valid=lambda: experiment("a").client(trainMlp=False).rank(4).obj(),
+        invalid=lambda: experiment("a").client().modules("q_proj").obj(),
+    ),
+    "spec.client is immutable": RuleCase(
+        valid=lambda: experiment("a").client(idleSeconds=5).suspend().obj(),
+        invalid=lambda: experiment("a").client(idleSeconds=6).obj(),
+        old=lambda: experiment("a").client(idleSeconds=5).obj(),
+    ),
+    "a LoRAExperiment is trained by its task or by its client for life": RuleCase(
+        valid=lambda: experiment("a").suspend().obj(),
+        invalid=lambda: experiment("a").client().obj(),
+        old=lambda: experiment("a").obj(),
+    ),
     # 0 passes: the API server used to default it into every stored experiment.
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
@@ -239,10 +257,15 @@ _LORA = "spec.lora is immutable"
 _TASK = "spec.task is immutable"
 _ALG = "spec.algorithm is immutable"
 _ROLL = "spec.rollout is immutable"
+_CLIENT = "spec.client is immutable"
 
 
 def _plain() -> Obj:
     return experiment("a").obj()
+
+
+def _client() -> Obj:
+    return experiment("a").client().obj()
 
 
 def _jsonl() -> Obj:
@@ -296,6 +319,12 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.rollout.maxNewTokens", 32, _ROLL, _plain),
     ("spec.rollout.temperature", 0.7, _ROLL, _plain),
     ("spec.rollout.reproducible", True, _ROLL, _plain),
+    ("spec.client.modelId", "s0123456789abcdef0123:train:1", _CLIENT, _client),
+    ("spec.client.seed", 7, _CLIENT, _client),
+    ("spec.client.trainAttn", False, _CLIENT, _client),
+    ("spec.client.trainMlp", False, _CLIENT, _client),
+    ("spec.client.trainUnembed", False, _CLIENT, _client),
+    ("spec.client.idleSeconds", 60, _CLIENT, _client),
 ]
 # The operator acts on these every round, or the engine reads them at the next placement.
 MUTABLE_EDITS: list[tuple[str, Any]] = [
@@ -436,7 +465,11 @@ def test_transition_rules_sit_on_fields_every_object_has(kind: str) -> None:
         for step in rule.path:
             assert step not in ("[]", "{}"), rule
             child = node["properties"][step]
-            assert step in node.get("required", []) or "default" in child, (rule.path, step)
+            # spec.task and spec.client are optional: the spec-level "for life" rule (on
+            # spec, which every object has) refuses adding or removing either.
+            kind_block = rule.path[:2] in (("spec", "task"), ("spec", "client"))
+            required = step in node.get("required", []) or "default" in child
+            assert required or kind_block, (rule.path, step)
             node = child
 
 

@@ -108,6 +108,16 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
     ("spec.task.params", {"target": _long(4096)}, False),
     ("spec.task.dataset", "", False),
+    # spec.client.* on a client experiment (_case): what the gateway writes.
+    ("spec.client.modelId", DELETE, False),
+    ("spec.client.modelId", "", False),
+    ("spec.client.modelId", "s1:sample:0", False),
+    ("spec.client.modelId", "s1:train:3", True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 9, True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 10, False),
+    ("spec.client.idleSeconds", -1, False),
+    ("spec.client.idleSeconds", 0, True),
+    ("spec.client.idleSeconds", 2592001, False),
     ("spec.task.dataset", _long(4096), False),
     ("spec.task.reward", "bleu", False),
     ("spec.task.reward", "exact-match", True),
@@ -387,7 +397,10 @@ def _set(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 def _case(kind: str, field: str, value: Any) -> dict[str, Any]:
     # The pool carries a modelShape so its fields can be broken one at a time (an absent
     # block has no field rules to break, and a partial one breaks `required` too).
-    base = experiment("a") if kind == EXP else pool().model_shape(numLayers=2, hiddenSize=64)
+    if kind == EXP:
+        base = experiment("a").client() if field.startswith("spec.client.") else experiment("a")
+    else:
+        base = pool().model_shape(numLayers=2, hiddenSize=64)
     return _set(base.obj(), field, value)
 
 
@@ -396,7 +409,11 @@ def _names_field(error: str, field: str) -> bool:
     where, _, message = error.partition(": ")
     parent, _, leaf = field.rpartition(".")
     inside = where == field or where.startswith((field + ".", field + "["))
-    return inside or (where == parent and f"'{leaf}' is a required property" in message)
+    # A rule on the whole spec (x-kubernetes-validations on spec) answers its message
+    # alone; it must name the field by its path.
+    spec_rule = not message and f"{field} " in error
+    required = where == parent and f"'{leaf}' is a required property" in message
+    return inside or spec_rule or required
 
 
 def _check_bound(kind: str, field: str, value: Any, valid: bool) -> None:
@@ -455,7 +472,7 @@ def test_the_rule_walker_sees_nested_rules() -> None:
     exp, pool_rules = set(constraint_rules(schema_of(EXP))), set(constraint_rules(schema_of(POOL)))
     assert {
         "<root> required:spec",
-        "spec required:task",
+        "spec.client required:modelId",
         "spec.lora.alpha maximum",
         "spec.lora.targetModules maxItems",
         "spec.lora.targetModules[] pattern",
@@ -481,12 +498,13 @@ def test_every_schema_rule_has_an_invalid_case(kind: str) -> None:
     assert [r for r in constraint_rules(schema) if r not in broken] == []
 
 
-def test_experiment_requires_pool_and_task() -> None:
+def test_experiment_requires_pool_and_task_or_client() -> None:
     obj = experiment("a").obj()
     del obj["spec"]["enginePool"], obj["spec"]["task"]
-    errors = admit(EXP, obj)
-    assert any("'enginePool' is a required property" in e for e in errors)
-    assert any("'task' is a required property" in e for e in errors)
+    assert any("'enginePool' is a required property" in e for e in admit(EXP, obj))
+    obj = experiment("a").obj()
+    del obj["spec"]["task"]  # the schema holds; the spec's rule refuses it
+    assert [e[:31] for e in admit(EXP, obj)] == ["set exactly one of spec.task (t"]
 
 
 def test_experiment_defaults() -> None:
@@ -577,9 +595,16 @@ def _value_paths(
     return out
 
 
+def _doc_client_spec() -> dict[str, Any]:
+    """The client experiment's example (the second block of the section)."""
+    section = (REPO / "docs" / "engine-api.md").read_text().split("## Experiment spec", 1)[1]
+    return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[1])
+
+
 def test_spec_fields_match_engine_api_doc() -> None:
     spec_schema = schema_of(EXP)["properties"]["spec"]
-    assert _paths(spec_schema) == _value_paths(_doc_spec())
+    assert _paths(spec_schema) == _value_paths(_doc_spec()) | _value_paths(_doc_client_spec())
+    assert admit(EXP, {**experiment("a").obj(), "spec": _doc_client_spec()}) == []
 
 
 def test_engine_api_doc_example_passes_the_schema() -> None:

@@ -29,6 +29,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
@@ -72,11 +73,7 @@ from loraplex_engine.tick import Tick
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
-from loraplex_engine.train.strategy import (
-    AdapterTrainer,
-    FusedTraining,
-    TrainingStrategy,
-)
+from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -85,7 +82,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientTraining):
+class Engine(ClientExperimentAPI, ClientTraining):
     """Implements :class:`loraplex_engine.service.TickingEngine` and, through
     clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
@@ -243,6 +240,7 @@ class Engine(ClientTraining):
         )
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
+        self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
 
     @property
     def computed_train_tokens(self) -> int:
@@ -281,11 +279,11 @@ class Engine(ClientTraining):
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded
 
-    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+    def get_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._state_lock:
             return self._require(exp_id).status()
 
-    def list_experiments(self) -> list[ExperimentStatus]:
+    def list_task_experiments(self) -> list[ExperimentStatus]:
         with self._state_lock:
             return [e.status() for e in self._experiments.values()]
 
@@ -315,7 +313,7 @@ class Engine(ClientTraining):
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
 
-    def put_experiment(
+    def put_task_experiment(
         self,
         exp_id: str,
         spec: ExperimentSpec,
@@ -362,14 +360,14 @@ class Engine(ClientTraining):
             if exp is not None and not kept:
                 exp.task.close()  # its dataset's descriptors, its reward's client
 
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+    def checkpoint_task_experiment(self, exp_id: str) -> CheckpointRef:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase == "Failed":
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
             return self.store.save(exp)
 
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+    def remove_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase != "Failed" and (

@@ -16,6 +16,8 @@ from pydantic import Field, ValidationError
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.spec_algorithm import AlgorithmSpec
+from loraplex_engine.spec_checkpoint import CheckpointSpec
+from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -198,25 +200,6 @@ class RolloutSpec(SpecModel):
     )
 
 
-class CheckpointSpec(SpecModel):
-    """How often checkpoints are written and how many are kept."""
-
-    every_steps: Int32 = Field(
-        10,
-        ge=1,
-        alias="everySteps",
-        description="Write a checkpoint every this many optimiser steps (the engine also "
-        "writes one when the experiment is unloaded, suspended or its pod stops).",
-    )
-    keep: Int32 = Field(
-        3,
-        ge=1,
-        le=1000,
-        description="Checkpoints kept per run: after each write, older ones beyond this "
-        "many are deleted.",
-    )
-
-
 class ExperimentSpec(SpecModel):
     """What to train and how: the adapter (lora), the task and its reward, the RL
     algorithm, the rollouts, checkpointing, and scheduling (enginePool, priorityClassName,
@@ -244,6 +227,7 @@ class ExperimentSpec(SpecModel):
                 or spec.algorithm.overlong.buffer_tokens <= spec.rollout.max_new_tokens
             ),
         ),
+        *CLIENT_RULES,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.
@@ -266,13 +250,16 @@ class ExperimentSpec(SpecModel):
         "spec.lora is immutable once created (the adapter's weights, optimiser state and "
         "checkpoints have its shape): create a new LoRAExperiment to change it",
     )
-    task: TaskSpec = Field(
-        description="Prompts and reward, i.e. what the adapter learns. Immutable.",
+    task: TaskSpec | None = Field(
+        None,
+        description="Prompts and reward, i.e. what the adapter learns. Immutable. Required "
+        "unless spec.client is set.",
         json_schema_extra=immutable(
             "spec.task is immutable once created (its prompts and reward define what the "
             "adapter learns): create a new LoRAExperiment to change it"
         ),
     )
+    client: ClientSpec | None = client_field()
     algorithm: AlgorithmSpec = block(
         AlgorithmSpec,
         "The RL update and the run's length. Immutable: the engine takes it once, at "
@@ -339,6 +326,8 @@ class ExperimentSpec(SpecModel):
 
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
+        if self.task is None:  # a client experiment (spec_client.py)
+            return
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import check_task
 

@@ -15,12 +15,14 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
@@ -269,8 +271,8 @@ class ClientModels:
         self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
         self._submit(namespace, model_id, "load_state", (path, with_optimizer))
 
-    def unload_model(self, namespace: str, model_id: str) -> None:
-        self._submit(namespace, model_id, "unload")
+    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
+        self._submit(namespace, model_id, "unload", save)
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.host
@@ -400,6 +402,28 @@ class ClientModels:
             h.optimizer.add_adapter(model.name, DEFAULT_ADAM)
         model.grads = None
         model.version += 1
+
+    def stepped(self, model: ClientModel) -> None:
+        """After an optimiser step (in the tick, before the step's call is answered): a
+        client experiment's checkpoint when one is due, the oldest beyond ``keep``
+        removed, so a step its client saw done is on the volume."""
+        model.steps += 1
+        every, keep = model.checkpoints
+        if not every or model.steps % every:
+            return
+        name = f"step-{model.steps:08d}"
+        state = self.save(model, name, "weights")
+        if model.on_checkpoint is not None:
+            model.on_checkpoint(CheckpointRef(path=state.path, step=model.steps))
+        info = model.info
+        steps = sorted(
+            s.name
+            for s in saved.list_saved(self.host.store.root, info.namespace, info.model_id)
+            if s.kind == "weights" and s.name.startswith("step-")
+        )
+        for old in steps[: max(0, len(steps) - keep)]:
+            target = saved.StatePath(info.model_id, "weights", old)
+            shutil.rmtree(target.directory(self.host.store.root, info.namespace), True)
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None:
         """Free its slot (under the model lock), its last weights saved as
