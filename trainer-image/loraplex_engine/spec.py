@@ -26,6 +26,7 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
+from loraplex_engine.spec_tracking import TrackingSpec
 from loraplex_engine.train.lr_schedule import LRScheduleName
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
@@ -419,6 +420,7 @@ class ExperimentSpec(SpecModel):
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
+    tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",
