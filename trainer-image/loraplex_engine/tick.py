@@ -49,6 +49,7 @@ from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 
 _T = TypeVar("_T")
@@ -401,6 +402,12 @@ class Tick:
             logprob_gap=t.outcome.logprob_gap,
             tis_weight_mean=t.outcome.tis_weight_mean,
             tis_tokens=t.outcome.tis_tokens,
+            kl=t.outcome.kl,
+            clip_fraction=t.outcome.clip_fraction,
+            name=exp.name,
+            run_id=exp.run_id,
+            tracking=exp.spec.tracking,
+            **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
