@@ -233,6 +233,7 @@ class ExperimentTick:
     name: str = ""
     run_id: str = ""
     tracking: TrackingSpec | None = None  # spec.tracking
+    finished: bool = False  # its last step (maxSteps reached)
 
 
 @dataclass

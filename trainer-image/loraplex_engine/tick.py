@@ -407,6 +407,7 @@ class Tick:
             name=exp.name,
             run_id=exp.run_id,
             tracking=exp.spec.tracking,
+            finished=finished,
             **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
@@ -482,5 +483,14 @@ def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
 def _failed(f: Failure) -> ExperimentTick:
     exp = f.exp
     return ExperimentTick(
-        exp.id, exp.namespace, exp.step, exp.reward or 0.0, 0, 0, failed_reason=f.kind
+        exp.id,
+        exp.namespace,
+        exp.step,
+        exp.reward or 0.0,
+        0,
+        0,
+        failed_reason=f.kind,
+        name=exp.name,
+        run_id=exp.run_id,
+        tracking=exp.spec.tracking,
     )
