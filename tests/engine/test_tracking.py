@@ -270,10 +270,14 @@ def test_tensorboard_event_files_hold_each_metric_by_step(tmp_path: Path) -> Non
     assert '"runName": "r1"' in (run_dir / "run.json").read_text()
 
 
-def test_wandb_offline_run_files_hold_the_history(tmp_path: Path) -> None:
+def test_wandb_offline_run_files_hold_the_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from event_reader import wandb_history
     from loraplex_engine.tracking.wandb_tracker import WandbTracker
 
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var))  # the tracker sets them if unset
     tracker = WandbTracker("offline", "loraplex-test", None, str(tmp_path))
     for step in (1, 2, 3):
         tracker.log(records_of(report(tick(step=step, reward=step / 4)), "p", 0))

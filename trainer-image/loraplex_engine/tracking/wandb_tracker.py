@@ -38,6 +38,11 @@ class WandbTracker:
         self.entity = entity
         self.directory = directory
         self._runs: dict[tuple[str, str, str], Any] = {}
+        # W&B keeps a cache, config and data directory under $HOME by default, which an
+        # engine pod may not have writable: under the pool's directory, unless set.
+        for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
+                         ("WANDB_DATA_DIR", "data")):  # fmt: skip
+            os.environ.setdefault(var, os.path.join(directory, sub))
 
     def log(self, records: Sequence[StepRecord]) -> None:
         for record in records:
