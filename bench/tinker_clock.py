@@ -279,7 +279,10 @@ def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
     from loraplex_engine.training_service import AdamStep, ClientLora, LossCall
 
     torch.set_num_threads(args.threads)
-    eng = engine(model, work / f"inproc-{rows}-{n}", max_adapters=n, max_rank=16)
+    # Every call is queued before its tick here: nothing is on its way to gather.
+    eng = engine(
+        model, work / f"inproc-{rows}-{n}", max_adapters=n, max_rank=16, client_tick_gather=0
+    )
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=args.lr)
     data = {}
     for i in range(n):

@@ -38,6 +38,7 @@ ALLOWED = {
     "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
     "loraplex_engine.spec",  # the PUT body's spec
     "loraplex_engine.spec_schema",
+    "loraplex_engine.spec_algorithm",  # the spec's algorithm block
     "loraplex_engine.spec_tracking",  # the spec's tracking block
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules

@@ -48,6 +48,7 @@ CHANGED: dict[str, Any] = {
     "reward_deadline": 2.5,
     "serving_share": 0.4,
     "client_models_per_tick": 1,
+    "client_tick_gather": 0.05,
     "vllm_options": {"max_model_len": 4096, "dtype": "bfloat16", "sleep_mode": True},
     "shard_base": True,
     "model": "/models/m with space",

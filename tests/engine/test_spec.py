@@ -37,6 +37,14 @@ DOC_EXAMPLE: dict[str, Any] = {
         "clip": 0.2,
         "offPolicyCorrection": "tis",
         "tisCap": 2.0,
+        "clipHigh": 0.28,
+        "importanceSamplingLevel": "token",
+        "advantageEstimator": "grpo",
+        "scaleRewards": "group",
+        "lossAggregation": "seq-mean-token-mean",
+        "klEstimator": "k3",
+        "dynamicSampling": False,
+        "overlong": {"bufferTokens": 4, "penalty": 1.0},
         "maxSteps": 50,
         "seed": 0,
     },
@@ -137,7 +145,14 @@ def test_bounds_edges_are_accepted() -> None:
     for path, value in [
         ("lora.rank", 256),
         ("algorithm.groupSize", 2),
-        ("algorithm.clip", 1.0),
+        ("algorithm.clip", 0.28),  # = the example's clipHigh: clip-higher's rule holds
+        ("algorithm.clipHigh", 1.0),
+        ("algorithm.importanceSamplingLevel", "sequence"),
+        ("algorithm.advantageEstimator", "rloo"),
+        ("algorithm.scaleRewards", "none"),
+        ("algorithm.lossAggregation", "seq-mean-token-sum-norm"),
+        ("algorithm.klEstimator", "k1"),
+        ("algorithm.dynamicSampling", True),
         ("algorithm.maxSteps", 0),
         ("rollout.temperature", 0.01),  # 0 is refused by GRPO's rule (below)
         ("rollout.temperature", 2),
@@ -196,6 +211,21 @@ CROSS_FIELD_RULES = [
         "spec.rollout.temperature",
         "GRPO needs rollout.temperature > 0",
     ),
+    (
+        {"algorithm": {"clip": 0.2, "clipHigh": 0.1}},
+        "spec.algorithm.clipHigh",
+        "algorithm.clipHigh must be at least algorithm.clip",
+    ),
+    (
+        {"algorithm": {"overlong": {"bufferTokens": 65}}},  # maxNewTokens defaults to 64
+        "spec.algorithm.overlong.bufferTokens",
+        "algorithm.overlong.bufferTokens must be at most rollout.maxNewTokens",
+    ),
+    (
+        {"algorithm": {"overlong": {"bufferTokens": 9}}, "rollout": {"maxNewTokens": 8}},
+        "spec.algorithm.overlong.bufferTokens",
+        "algorithm.overlong.bufferTokens must be at most rollout.maxNewTokens",
+    ),
 ]
 # The same rules just holding (edges included).
 CROSS_FIELD_VALID = [
@@ -206,6 +236,11 @@ CROSS_FIELD_VALID = [
     {"lora": {"rank": 256, "alpha": 4096}},
     {"algorithm": {"groupSize": 256, "promptsPerStep": 32}},
     {"rollout": {"temperature": 0.01}},
+    {"algorithm": {"clip": 0.2, "clipHigh": 0.2}},
+    {
+        "algorithm": {"overlong": {"bufferTokens": 8, "penalty": 1.0}},
+        "rollout": {"maxNewTokens": 8},
+    },
 ]
 
 

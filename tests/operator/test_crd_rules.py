@@ -62,6 +62,18 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
             experiment("a").algorithm(lrSchedule="cosine", maxSteps=10, warmupSteps=10).obj()
         ),
     ),
+    "algorithm.clipHigh must be at least algorithm.clip": RuleCase(
+        valid=lambda: experiment("a").algorithm(clip=0.2, clipHigh=0.2).obj(),
+        invalid=lambda: experiment("a").algorithm(clip=0.2, clipHigh=0.19).obj(),
+    ),
+    "algorithm.overlong.bufferTokens must be at most rollout.maxNewTokens": RuleCase(
+        valid=lambda: (
+            experiment("a").algorithm(overlong={"bufferTokens": 16}).rollout(maxNewTokens=16).obj()
+        ),
+        invalid=lambda: (
+            experiment("a").algorithm(overlong={"bufferTokens": 17}).rollout(maxNewTokens=16).obj()
+        ),
+    ),
     "spec.enginePool is immutable": RuleCase(
         valid=lambda: experiment("a").pool("pool-a").priority_class("high").obj(),
         invalid=lambda: experiment("a").pool("pool-b").obj(),
@@ -205,7 +217,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 10  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 12  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -237,6 +249,10 @@ def _jsonl() -> Obj:
     return experiment("a").task("jsonl", dataset="/data/a.jsonl").obj()
 
 
+def _overlong() -> Obj:
+    return experiment("a").algorithm(overlong={"bufferTokens": 4}).obj()
+
+
 def _http() -> Obj:
     return experiment("a").reward("http", "http://rewards:8080/a").obj()
 
@@ -264,6 +280,15 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.algorithm.clip", 0.3, _ALG, _plain),
     ("spec.algorithm.offPolicyCorrection", "tis", _ALG, _plain),
     ("spec.algorithm.tisCap", 4.0, _ALG, _plain),
+    ("spec.algorithm.clipHigh", 0.28, _ALG, _plain),
+    ("spec.algorithm.importanceSamplingLevel", "sequence", _ALG, _plain),
+    ("spec.algorithm.advantageEstimator", "rloo", _ALG, _plain),
+    ("spec.algorithm.scaleRewards", "none", _ALG, _plain),
+    ("spec.algorithm.lossAggregation", "token-mean", _ALG, _plain),
+    ("spec.algorithm.klEstimator", "k1", _ALG, _plain),
+    ("spec.algorithm.dynamicSampling", True, _ALG, _plain),
+    ("spec.algorithm.overlong.bufferTokens", 8, _ALG, _plain),
+    ("spec.algorithm.overlong.penalty", 0.5, _ALG, _overlong),
     ("spec.algorithm.maxSteps", 100, _ALG, _plain),  # raised
     ("spec.algorithm.maxSteps", 10, _ALG, _plain),  # lowered
     ("spec.algorithm.maxSteps", 0, _ALG, _plain),  # made continual

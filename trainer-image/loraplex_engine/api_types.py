@@ -41,6 +41,8 @@ DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # the tick after the reward arrives, tenancy/fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).
 DEFAULT_REWARD_DEADLINE_S = 1.0
+# A client call waits at most this long for others on their way (clients/gather.py).
+DEFAULT_CLIENT_TICK_GATHER_S = 0.02
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
 # a safe path segment (no "/", never "." or ".."), short enough for any file system.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -106,6 +108,9 @@ class ExperimentStatus(WireModel):
     # Mean truncated-importance weight over the latest step's sampled tokens
     # (offPolicyCorrection: tis; every rank's under data parallelism); None without TIS.
     tis_weight_mean: float | None = None
+    # Steps whose update algorithm.dynamicSampling skipped (every group's rewards equal),
+    # since this engine placed the experiment (not carried in checkpoints).
+    skipped_updates: int = 0
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
@@ -222,6 +227,8 @@ class ExperimentTick:
     logprob_gap: float | None = None  # sampler vs trainer log-probs (ExperimentStatus)
     tis_weight_mean: float | None = None  # the TIS weight's mean (ExperimentStatus)
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
+    dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
+    update_skipped: bool = False  # every group dropped: the step updated nothing
     # The step's statistics the experiment trackers record (tracking/records.py):
     # train/step_stats.py's and the loss's (train/strategy.TrainOutcome); None: not known.
     reward_std: float | None = None

@@ -242,7 +242,7 @@ class Engine(ClientTraining):
             self.context_tokens,
         )
         # Models a client trains itself (clients/).
-        self.clients = ClientModels(self, s.client_models_per_tick)
+        self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
 
     @property
     def computed_train_tokens(self) -> int:
@@ -421,6 +421,7 @@ class Engine(ClientTraining):
 
     def tick(self) -> TickReport | None:
         """A training tick or a serving tick, as the time share picks (tenancy/time_share.py)."""
+        self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
             with self._jobs_lock:  # pick and take together: no wake-up is lost

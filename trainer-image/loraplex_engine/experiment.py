@@ -65,6 +65,7 @@ class Experiment:
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
     tis_weight_mean: float | None = None  # likewise
+    skipped_updates: int = 0  # steps dynamic sampling left without an update
     # A due checkpoint met a full volume (StorageFullError): retried every tick; a
     # finished experiment is Succeeded only once its last checkpoint is written.
     checkpoint_pending: bool = False
@@ -103,6 +104,7 @@ class Experiment:
             deterministic_failure=self.failure_reason in DETERMINISTIC_FAILURES,
             logprob_gap=self.logprob_gap,
             tis_weight_mean=self.tis_weight_mean,
+            skipped_updates=self.skipped_updates,
             checkpoint_pending=self.checkpoint_pending,
         )
 
@@ -151,7 +153,7 @@ def new_experiment(
             allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
         )
-        algorithm = build_algorithm(spec.algorithm)
+        algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
     except TaskError as e:
         raise InvalidSpecError(e.message, field=e.field) from e
     except KeyError as e:

@@ -26,8 +26,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
-
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.errors import (
@@ -48,6 +46,12 @@ from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
+from loraplex_engine.train.experiment_rows import (
+    ExperimentRows,
+    Sample,
+    experiment_rows,
+    step_loss,
+)
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
@@ -82,6 +86,8 @@ class Trained:
     scored: Scored
     train_tokens: int
     outcome: TrainOutcome  # its statistics (the gap, TIS), finite or None
+    dropped_groups: int = 0  # groups the dynamic-sampling filter left out
+    skipped: bool = False  # no row trained (every group dropped): no update
 
 
 @dataclass(frozen=True)
@@ -299,9 +305,10 @@ class Tick:
     # ---- train --------------------------------------------------------------------------
 
     def _train(self, scored: list[Scored]) -> list[Trained | Failure]:
-        """Each experiment's rows (its advantages) on its own, then one shared update."""
+        """Each experiment's rows (its advantages) on its own, then one shared update; an
+        experiment with no row left (dynamic sampling dropped every group) skips it."""
         results: list[Trained | Failure] = []
-        kept: list[Scored] = []
+        kept: list[tuple[Scored, ExperimentRows]] = []
         rows: list[TrainRow] = []
         losses: dict[str, PolicyLoss] = {}
         for s in scored:
@@ -309,10 +316,12 @@ class Tick:
             prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
                 results.append(prepared)
-                continue
-            rows += prepared
-            losses[exp.id] = exp.algorithm.loss
-            kept.append(s)
+            elif prepared.skipped:
+                results.append(Trained(s, 0, TrainOutcome(), prepared.step.dropped_groups, True))
+            else:
+                rows += prepared.rows
+                losses[exp.id] = step_loss(exp.algorithm, prepared.rows)
+                kept.append((s, prepared))
         if not kept:
             return results
         self.model.train()
@@ -320,42 +329,27 @@ class Tick:
             outcomes = self.strategy.train(rows, losses)
         finally:
             self.model.eval()
-        for s in kept:
+        for s, prepared in kept:
             exp = s.rollout.exp
             outcome = outcomes[exp.id]
             if outcome.failure is not None:
                 results.append(Failure(exp, outcome.failure, "non_finite"))
             else:
-                tokens = sum(x.length for x in rows if x.experiment == exp.id)
-                results.append(Trained(s, tokens, outcome.finite()))
+                tokens = sum(x.length for x in prepared.rows)
+                dropped = prepared.step.dropped_groups
+                results.append(Trained(s, tokens, outcome.finite(), dropped))
         return results
 
-    def _rows(self, s: Scored) -> list[TrainRow]:
+    def _rows(self, s: Scored) -> ExperimentRows:
         """One experiment's training rows, with their group-relative advantages."""
-        rows: list[TrainRow] = []
         r, exp = s.rollout, s.rollout.exp
-        group_size = exp.spec.algorithm.group_size
-        adv = exp.algorithm.advantages(torch.tensor(s.rewards), group_size)
+        samples = [
+            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature)
+            for req, comp in zip(r.requests, r.completions, strict=True)
+        ]
         slot = self.model.slot_of(exp.id)
-        # Prompt group = identical prompt tokens within this experiment's step (its
-        # groupSize samples, and any prompt drawn twice): they share one prefix.
-        groups: dict[tuple[int, ...], int] = {}
-        for req, comp, a in zip(r.requests, r.completions, adv.tolist(), strict=True):
-            if comp.token_ids:
-                group = groups.setdefault(tuple(req.prompt_ids), len(groups))
-                rows.append(
-                    TrainRow(
-                        exp.id,
-                        slot,
-                        req.prompt_ids,
-                        comp.token_ids,
-                        comp.logprobs,
-                        a,
-                        req.temperature,
-                        group,
-                    )
-                )
-        return rows
+        group_size = exp.spec.algorithm.group_size
+        return experiment_rows(exp.id, slot, exp.algorithm, group_size, samples, s.rewards)
 
     # ---- sync ---------------------------------------------------------------------------
 
@@ -363,7 +357,8 @@ class Tick:
         """The backend takes the new weights of the adapters trained now (no other
         changed); an adapter it refuses fails its experiment (its rollouts would come
         from stale weights). Also returns the sync's measure (None: nothing crossed)."""
-        result = self.backend.sync_adapters([t.scored.rollout.exp.id for t in trained])
+        changed = [t.scored.rollout.exp.id for t in trained if not t.skipped]
+        result = self.backend.sync_adapters(changed)
         out: list[Trained | Failure] = []
         for t in trained:
             exp = t.scored.rollout.exp
@@ -389,6 +384,7 @@ class Tick:
         exp.train_tokens += t.train_tokens
         exp.logprob_gap = t.outcome.logprob_gap
         exp.tis_weight_mean = t.outcome.tis_weight_mean
+        exp.skipped_updates += t.skipped
         exp.updated_at = now()
         finished = exp.max_steps > 0 and exp.step >= exp.max_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
@@ -402,6 +398,8 @@ class Tick:
             logprob_gap=t.outcome.logprob_gap,
             tis_weight_mean=t.outcome.tis_weight_mean,
             tis_tokens=t.outcome.tis_tokens,
+            dropped_groups=t.dropped_groups,
+            update_skipped=t.skipped,
             kl=t.outcome.kl,
             clip_fraction=t.outcome.clip_fraction,
             name=exp.name,

@@ -16,11 +16,13 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from loraplex_engine.clients import saved
+from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.sampling import SampleTask
@@ -60,11 +62,17 @@ DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay
 
 
 class ClientModels:
-    def __init__(self, host: Any, models_per_tick: int | None = None) -> None:
+    def __init__(
+        self, host: Any, models_per_tick: int | None = None, gather_s: float = 0.0
+    ) -> None:
         self.host = host
         # At most this many models' segments a tick (None: all), taken in turn.
         self.models_per_tick = models_per_tick
+        # How long, at most, a queued call waits for others on their way (gather.py).
+        self.gather_s = gather_s
         self._lock = threading.Lock()  # the registry and the queues
+        self._queued = threading.Condition(self._lock)  # a call was queued
+        self._served_last: set[ClientModel] = set()  # by the last tick that took any
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
         self._refusing: str | None = None
@@ -187,6 +195,7 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+            self._queued.notify_all()
         if queued is not None:
             queued()  # its place in the model's order is held: the caller may go on
         self.host._wake()
@@ -293,6 +302,25 @@ class ClientModels:
         with self._lock:
             return bool(self._samples) or any(m.queue for m in self._models.values())
 
+    def gather(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Before a tick: wait until every model on its way (gather.waiting_on) has its
+        call queued, or until ``gather_s`` after the oldest queued call arrived, whichever
+        is first; at once when no call is queued or none is on its way. Holds no engine
+        lock: calls queue meanwhile."""
+        if self.gather_s <= 0:
+            return
+        with self._queued:
+            while True:
+                models = list(self._models.values())
+                oldest = oldest_call(models)
+                on_way = waiting_on(models, self._served_last, self.models_per_tick)
+                if oldest is None or not on_way:
+                    return
+                left = oldest + self.gather_s - clock()
+                if left <= 0:
+                    return
+                self._queued.wait(left)
+
     def take(self, train: bool = True) -> ClientTick:
         """This tick's work: one segment of every model's queue (of at most
         ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
@@ -311,6 +339,8 @@ class ClientModels:
                     if limit is not None:
                         self._models[key] = self._models.pop(key)
             samples, self._samples = self._samples, []
+            if segments:
+                self._served_last = {m for m, _ in segments}
         return ClientTick(self, segments, samples)
 
     def refuse(self, reason: str) -> None:

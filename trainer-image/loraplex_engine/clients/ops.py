@@ -4,6 +4,7 @@ a tick resolves (clients/ticking.py)."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Op:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+    queued_at: float = field(default_factory=time.monotonic)  # the gather's bound
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from loraplex_engine.api_types import (
+    DEFAULT_CLIENT_TICK_GATHER_S,
     DEFAULT_KEEP_RUNS,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
@@ -194,6 +195,17 @@ class EngineSettings(BaseModel):
             default_text="all: every model with a call waiting",
         ),
     ] = None
+    client_tick_gather: Annotated[
+        float,
+        Flag(
+            "how long a client model's call (the Tinker protocol's) may wait, from its "
+            "arrival, for the calls on their way to join its tick: an optim_step sent "
+            "after its forward_backward, the next step of a client the last tick served "
+            "(Tinker's clock cycle); 0 starts each tick on the calls already there",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = DEFAULT_CLIENT_TICK_GATHER_S
     vllm_options: Annotated[
         dict[str, Any],
         Flag(

@@ -112,7 +112,10 @@ class FutureTable:
 
     def new(self, namespace: str, kind: str, model_id: str | None = None) -> Future:
         with self._lock:
-            self._sweep_locked(time.monotonic())
+            # The janitor sweeps every second (protocol.py); here only when full, so a
+            # new future costs O(1), not a scan of every kept one.
+            if len(self._futures) >= self.max_entries:
+                self._sweep_locked(time.monotonic())
             if len(self._futures) >= self.max_entries:
                 raise TooManyRequests(
                     f"{len(self._futures)} requests are pending or unretrieved; retry later"
