@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,7 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-    }
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _chunks(data: bytes) -> list[bytes]:
@@ -63,16 +62,23 @@ def _key(item: Any) -> str:
     return item.key or ".".join(item.nested_key)
 
 
-def wandb_history(root: Path) -> list[dict[str, Any]]:
-    """Every history row (``run.log``) of the one offline run under ``root``, in order."""
+def wandb_history(root: Path, wait_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every history row (``run.log``) of the one offline run under ``root``, in order,
+    once the log holds the run's exit record: W&B's core process writes the file on its
+    own after ``run.finish()`` returns (``wait_s`` bounds the wait; no speed expected)."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = root.glob("wandb/offline-run-*/run-*.wandb")
-    rows = []
-    for raw in _chunks(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            items = record.history.item
-            rows.append({_key(i): json.loads(i.value_json) for i in items})
-    return rows
+    deadline = time.monotonic() + wait_s
+    while True:
+        (path,) = root.glob("wandb/offline-run-*/run-*.wandb")
+        records = [wandb_internal_pb2.Record.FromString(raw) for raw in _chunks(path.read_bytes())]
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        assert time.monotonic() < deadline, f"no exit record in {path}: {kinds}"
+        time.sleep(0.1)
+    return [
+        {_key(i): json.loads(i.value_json) for i in r.history.item}
+        for r, kind in zip(records, kinds, strict=True)
+        if kind == "history"
+    ]

@@ -63,6 +63,7 @@ def test_a_step_becomes_one_record_with_every_known_metric() -> None:
         "step_seconds": 0.25,
         "rollout_tokens": 40.0,
         "train_tokens": 90.0,
+        "dropped_groups": 0.0,
     }
     assert set(rec.metrics) <= set(METRICS)
 
@@ -266,7 +267,9 @@ def test_tensorboard_event_files_hold_each_metric_by_step(tmp_path: Path) -> Non
     got = scalars(run_dir)
     assert got["reward_mean"] == [(1, 0.25), (2, 0.5)]
     assert got["kl"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]
-    assert set(got) == {"reward_mean", "kl", "step_seconds", "rollout_tokens", "train_tokens"}
+    assert set(got) == {
+        "reward_mean", "kl", "step_seconds", "rollout_tokens", "train_tokens", "dropped_groups",
+    }  # fmt: skip
     assert '"runName": "r1"' in (run_dir / "run.json").read_text()
 
 
@@ -282,5 +285,5 @@ def test_wandb_offline_run_files_hold_the_history(
     for step in (1, 2, 3):
         tracker.log(records_of(report(tick(step=step, reward=step / 4)), "p", 0))
     tracker.close()
-    history = wandb_history(tmp_path)
+    history = wandb_history(tmp_path, wait_s=0.0)  # close() waits for W&B's own writer
     assert [(h["_step"], h["reward_mean"]) for h in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]

@@ -27,6 +27,7 @@ METRICS = (
     "train_tokens",
     "logprob_gap",
     "tis_weight_mean",
+    "dropped_groups",
 )
 SYSTEM_TAG_PREFIX = "loraplex."
 
@@ -87,6 +88,7 @@ def metrics_of(tick: ExperimentTick, seconds: float) -> dict[str, float]:
         "train_tokens": tick.train_tokens,
         "logprob_gap": tick.logprob_gap,
         "tis_weight_mean": tick.tis_weight_mean,
+        "dropped_groups": tick.dropped_groups,
     }
     return {k: float(x) for k, x in values.items() if x is not None and math.isfinite(x)}
 

@@ -59,6 +59,9 @@ class WandbTracker:
         for run in self._runs.values():
             run.finish()
         self._runs.clear()
+        # W&B's core process writes the run files after finish() returns; wait for it,
+        # or a pod's last steps may never reach the offline files.
+        wandb.teardown()
 
     def _run(self, ref: RunRef) -> Any:
         run = self._runs.get(ref.key)
