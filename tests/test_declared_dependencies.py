@@ -82,6 +82,11 @@ def imported_modules(files: list[Path]) -> dict[str, set[str]]:
     return found
 
 
+# `mlflow` is mlflow-skinny's (the client the engine declares), mlflow's (client and
+# server, dev.txt: the tests' server) and mlflow-tracing's, found in any order.
+PROVIDER = {"mlflow": "mlflow-skinny"}
+
+
 def distributions(modules: dict[str, set[str]]) -> dict[str, set[str]]:
     """Distribution (canonical name) -> the files importing it."""
     mapping = importlib.metadata.packages_distributions()
@@ -89,8 +94,11 @@ def distributions(modules: dict[str, set[str]]) -> dict[str, set[str]]:
     for module, files in modules.items():
         dists = mapping.get(module)
         assert dists, f"{module} (imported by {sorted(files)}) belongs to no installed package"
-        # One import name can ship in several distributions; the first is the one we pin.
-        out.setdefault(canonical(dists[0]), set()).update(files)
+        # One import name can ship in several distributions; the one we pin is the
+        # PROVIDER named for it, else the first.
+        dist = PROVIDER.get(module, dists[0])
+        assert dist in dists, f"{module} is not {dist}'s"
+        out.setdefault(canonical(dist), set()).update(files)
     return out
 
 

@@ -40,6 +40,8 @@ ALLOWED = {
     "loraplex_engine.spec_schema",
     "loraplex_engine.spec_checkpoint",  # spec.py's blocks in their own modules
     "loraplex_engine.spec_client",
+    "loraplex_engine.spec_algorithm",  # the spec's algorithm block
+    "loraplex_engine.spec_tracking",  # the spec's tracking block
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",

@@ -50,6 +50,7 @@ DOC_EXAMPLE: dict[str, Any] = {
     },
     "rollout": {"maxNewTokens": 8, "temperature": 1.0, "reproducible": False},
     "checkpoint": {"everySteps": 10, "keep": 3},
+    "tracking": {"runName": "lr-5e-4", "tags": [{"name": "sweep", "value": "lr"}]},
     "priorityClassName": "high",
     "priority": 0,
     "suspend": False,

@@ -332,6 +332,8 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.suspend", True),
     ("spec.checkpoint.everySteps", 5),
     ("spec.checkpoint.keep", 10),
+    ("spec.tracking.runName", "lr-2"),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
 # retired spec.priority's own rule (0 only) the other.

@@ -28,6 +28,7 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
+from loraplex_engine.spec_tracking import TrackingSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
@@ -280,6 +281,7 @@ class ExperimentSpec(SpecModel):
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
+    tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",

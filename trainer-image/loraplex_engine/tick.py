@@ -53,6 +53,7 @@ from loraplex_engine.train.experiment_rows import (
     step_loss,
 )
 from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 
 _T = TypeVar("_T")
@@ -399,6 +400,13 @@ class Tick:
             tis_tokens=t.outcome.tis_tokens,
             dropped_groups=t.dropped_groups,
             update_skipped=t.skipped,
+            kl=t.outcome.kl,
+            clip_fraction=t.outcome.clip_fraction,
+            name=exp.name,
+            run_id=exp.run_id,
+            tracking=exp.spec.tracking,
+            finished=finished,
+            **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
@@ -473,5 +481,14 @@ def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
 def _failed(f: Failure) -> ExperimentTick:
     exp = f.exp
     return ExperimentTick(
-        exp.id, exp.namespace, exp.step, exp.reward or 0.0, 0, 0, failed_reason=f.kind
+        exp.id,
+        exp.namespace,
+        exp.step,
+        exp.reward or 0.0,
+        0,
+        0,
+        failed_reason=f.kind,
+        name=exp.name,
+        run_id=exp.run_id,
+        tracking=exp.spec.tracking,
     )

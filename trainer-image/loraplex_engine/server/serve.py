@@ -54,6 +54,7 @@ from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
+from loraplex_engine.tracking.hub import TickObservers, start_tracking
 
 log = logging.getLogger("loraplex_engine.server.serve")
 
@@ -155,7 +156,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: TickingEngine,
-        metrics: EngineMetrics,
+        metrics: EngineMetrics | TickObservers,
         *,
         idle_wait_s: float = IDLE_WAIT_S,
         max_errors: int = MAX_TICK_ERRORS,
@@ -330,6 +331,7 @@ def run(settings: ServeSettings) -> int:
     age = _process_age_s()
     t0 = time.monotonic() - (age if age is not None else 0.0)
     metrics = EngineMetrics()
+    tracking = start_tracking(settings, metrics.registry)  # a missing client: a usage error
     model_name = os.path.basename(os.path.normpath(str(settings.model)))
     holder = EngineHolder(model_name, settings.rollout_backend)
     loop_box: dict[str, EngineLoop] = {}
@@ -405,7 +407,8 @@ def run(settings: ServeSettings) -> int:
             ranks.loaded(engine)  # every rank has loaded
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
-            loop = EngineLoop(engine, metrics, on_idle=ranks.idle, on_error=ranks.on_error)
+            observers = TickObservers(metrics, tracking)
+            loop = EngineLoop(engine, observers, on_idle=ranks.idle, on_error=ranks.on_error)
             loop_box["loop"] = loop
             loop.start()
             now = time.monotonic()
@@ -445,6 +448,7 @@ def run(settings: ServeSettings) -> int:
         server.run(sockets=[sock])
     finally:
         shutdown(holder, loop_box.get("loop"), checkpoint=not settings.no_checkpoint_on_shutdown)
+        tracking.close()
         # The group is left below: nothing may hold the engine then (a sharded base's
         # DTensors hold the group; distributed.leave).
         holder.engine = None
