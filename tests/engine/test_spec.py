@@ -3,13 +3,13 @@ from typing import Any, get_args
 
 import pytest
 from loraplex_engine.errors import SpecError
-from loraplex_engine.spec_plugins import BUILTIN_REWARDS
 from loraplex_engine.spec import (
     ExperimentSpec,
     TaskName,
     all_spec_errors,
     parse_spec,
 )
+from loraplex_engine.spec_plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 
