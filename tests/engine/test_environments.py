@@ -206,14 +206,23 @@ STEPS = 20
 PLUGIN_TIMEOUT_S = 3.0
 
 
-def _spec(task: dict, *, steps: int = 0, seed: int = 0, new_tokens: int = 8) -> dict:
+def _spec(
+    task: dict,
+    *,
+    steps: int = 0,
+    seed: int = 0,
+    new_tokens: int = 8,
+    lr: float = 0.05,
+    group: int = 8,
+    prompts: int = 4,
+) -> dict:
     return {
         "lora": {"rank": 8, "alpha": 16, "targetModules": TARGETS},
         "task": task,
         "algorithm": {
-            "groupSize": 8,
-            "promptsPerStep": 4,
-            "learningRate": 0.02,
+            "groupSize": group,
+            "promptsPerStep": prompts,
+            "learningRate": lr,
             "maxSteps": steps,
             "seed": seed,
         },
@@ -248,7 +257,7 @@ def _curve(api: httpx.Client, exp_id: str, timeout: float = 600) -> dict[int, fl
         s = status(api, exp_id)
         if s["step"] > 0:
             seen.setdefault(s["step"], s["reward"])
-        if s["phase"] != "Running":
+        if s["phase"] in ("Succeeded", "Failed"):
             assert s["phase"] == "Succeeded", s
             return seen
         time.sleep(0.05)
@@ -261,12 +270,14 @@ def test_a_skyrl_gym_tool_environment_trains_with_rewards_rising(server: EngineS
     point), two turns an episode, on target-token's prompts: random completions say the
     word ~1% of the time; trained, the mean reward of the last 5 steps is well above the
     first 5's (MIN_RISE, as test_engine_rl.py's: several times the start, far beyond
-    step-to-step noise). Seed 0 rose from 0.00 to 0.87 at step 20 in the engine; seeds 1-5
-    in scripts/learnability-style runs: see the module's notes in the report."""
+    step-to-step noise). Learnability, measured in-process (this spec, seeds 0-5, lr
+    0.05): the last 5 steps' mean reached 1.0, 0.0, 0.02, 0.99, 1.0, 1.0 from ~0.001 (a
+    seed whose first 20 steps never say the word as a whole word has no signal, as
+    test_engine_rl.py notes for its tasks): seed 0, which crossed 0.85 at step 14."""
     env = {"name": "word-tool", "maxTurns": 2, "maxEpisodeTokens": 40}
     task = {"name": "target-token", "params": {"target": "yes"}, "environment": env}
     with server.client() as api:
-        assert put(api, "default.env-rises", _spec(task, steps=STEPS)).status_code == 201
+        assert put(api, "default.env-rises", _spec(task, steps=STEPS, seed=0)).status_code == 201
         curve = _curve(api, "default.env-rises")
     first = [curve[s] for s in range(1, 6) if s in curve]
     last = [curve[s] for s in range(STEPS - 4, STEPS + 1) if s in curve]
@@ -277,7 +288,7 @@ def test_a_skyrl_gym_tool_environment_trains_with_rewards_rising(server: EngineS
 MIN_RISE = 0.15
 
 
-def _wait_steps(api: httpx.Client, exp_id: str, steps: int, timeout: float = 180) -> dict:
+def _wait_steps(api: httpx.Client, exp_id: str, steps: int, timeout: float = 600) -> dict:
     return wait_until(lambda: (s := status(api, exp_id))["step"] >= steps and s, timeout=timeout)
 
 
@@ -291,10 +302,11 @@ def test_skyrl_gyms_gsm8k_multi_turn_trains_on_generated_problems(server: Engine
     env = {"name": "gsm8k_multi_turn", "maxTurns": 3, "maxEpisodeTokens": 96}
     exp = "default.gsm8k"
     with server.client() as api:
-        assert put(api, exp, _spec({"name": "arithmetic", "environment": env})).status_code == 201
+        body = _spec({"name": "arithmetic", "environment": env}, group=4, prompts=2)
+        assert put(api, exp, body).status_code == 201
         s = _wait_steps(api, exp, 2)
         assert s["phase"] == "Running", s
-        per_row = s["rolloutTokens"] / (s["step"] * 32)
+        per_row = s["rolloutTokens"] / (s["step"] * 8)
         assert per_row > 8, s  # one turn samples at most maxNewTokens 8
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
 
@@ -307,10 +319,11 @@ def test_an_environment_that_never_ends_degrades_only_its_experiment(
     env = {"name": "never-ends", "maxTurns": 3, "maxEpisodeTokens": 64}
     exp = "default.never-ends"
     with server.client() as api:
-        assert put(api, exp, _spec({"name": "copy", "environment": env})).status_code == 201
+        body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
+        assert put(api, exp, body).status_code == 201
         s = _wait_steps(api, exp, 3)
         assert s["phase"] == "Running" and s["reward"] == 0.0, s
-        assert s["rolloutTokens"] / (s["step"] * 32) > 8, s
+        assert s["rolloutTokens"] / (s["step"] * 8) > 8, s
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
 
 
@@ -321,9 +334,11 @@ def test_an_environment_that_hangs_fails_only_its_experiment(server: EngineServe
     bystander, exp = "team-b.bystander", "team-a.hangs"
     env = {"name": "hangs-env", "maxTurns": 2}
     with server.client() as api:
-        assert put(api, bystander, _spec({"name": "copy"}, new_tokens=4)).status_code == 201
+        body = _spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
+        assert put(api, bystander, body).status_code == 201
         step = _wait_steps(api, bystander, 1)["step"]
-        assert put(api, exp, _spec({"name": "copy", "environment": env})).status_code == 201
+        body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
+        assert put(api, exp, body).status_code == 201
         s = wait_until(lambda: (s := status(api, exp))["phase"] == "Failed" and s, timeout=120)
         assert s["failureReason"] == "reward_error", s
         assert f"environment hangs-env did not answer within {PLUGIN_TIMEOUT_S:g}s" in s["error"]
