@@ -67,7 +67,8 @@ def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
 
     def make(name: str, max_turns: int, max_tokens: int = 512, timeout: float = 30.0):
         spec = EnvironmentSpec(name=name, maxTurns=max_turns, maxEpisodeTokens=max_tokens)
-        opened.append(EnvironmentSession(spec, PluginHost("test", timeout)))
+        host = PluginHost("test", f"environment:{name}", timeout)
+        opened.append(EnvironmentSession(spec, host))
         return opened[-1]
 
     yield make

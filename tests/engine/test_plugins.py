@@ -2,8 +2,8 @@
 installed as a package through entry points (tests/plugins/loraplex_test_plugins,
 installed for real: plugin_install.py) are listed by /v1/capacity, usable by name, and an
 unknown name is refused at PUT listing them; a TRL-style reward trains; a reward plug-in
-that raises, hangs, returns NaN or the wrong count fails its own experiment alone (its
-worker process gone), while a bystander keeps training.
+that raises, hangs, returns NaN or the wrong count, or fails to import, fails its own
+experiment alone (its worker process gone), while a bystander keeps training.
 
 The engine bounds each plug-in call at PLUGIN_TIMEOUT_S (--plugin-timeout) and waits
 0.3 s for a tick's rewards (a late one trains in a later tick), as test_reward_bounds.py.
@@ -64,7 +64,7 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
     with server.client() as api:
         plugins = api.get("/v1/capacity").json()["plugins"]
-    assert plugins["rewards"] == ["hangs", "nan", "raises", "says-target", "too-few"]
+    assert plugins["rewards"] == ["broken", "hangs", "nan", "raises", "says-target", "too-few"]
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
     assert plugins["environments"][:3] == ["hangs-env", "never-ends", "word-tool"]
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
@@ -118,6 +118,7 @@ def test_a_trl_style_reward_plugin_trains(server: EngineServer) -> None:
         ("hangs", f"reward plug-in hangs did not answer within {PLUGIN_TIMEOUT_S:g}s"),
         ("nan", "reward plug-in nan: score 0 is not finite"),
         ("too-few", "reward plug-in too-few: 7 scores for 8 completions"),
+        ("broken", "reward plug-in broken failed to load: ModuleNotFoundError"),
     ],
 )
 def test_a_hostile_reward_plugin_fails_only_its_experiment(

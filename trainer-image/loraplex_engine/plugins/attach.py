@@ -48,7 +48,8 @@ def plug_in(
     task: Task, reward: str, environment: EnvironmentSpec | None, timeout: float, owner: str
 ) -> Task:
     """``task`` scored by its plug-in (checked by :func:`check_plugins` first)."""
-    host = PluginHost(owner, timeout)
+    plugin = f"environment:{environment.name}" if environment else f"reward:{reward}"
+    host = PluginHost(owner, plugin, timeout)
     if environment is not None:
         task.environment = EnvironmentSession(environment, host)
     else:

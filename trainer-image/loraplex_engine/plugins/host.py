@@ -34,17 +34,19 @@ MAX_ANSWER_BYTES = 16 << 20
 
 
 class PluginHost:
-    """One experiment's worker: started at once (the import overlaps admission), killed
-    on a timeout, a broken answer or :meth:`close`. Calls are serialised."""
+    """One experiment's worker for ``plugin`` (``reward:NAME`` or ``environment:NAME``):
+    started at once (its import overlaps admission and is bounded by START_TIMEOUT_S, on
+    top of the first call's bound), killed on a timeout, a broken answer or
+    :meth:`close`. Calls are serialised."""
 
-    def __init__(self, owner: str, timeout: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, owner: str, plugin: str, timeout: float = CALL_TIMEOUT_S) -> None:
         self.owner, self.timeout = owner, timeout
         self._lock = threading.Lock()
         self._buf = b""
         self._dead: str | None = None
         self._ready = False
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex_engine.plugins.worker"],
+            [sys.executable, "-m", "loraplex_engine.plugins.worker", plugin],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # its own process group: killed whole
@@ -63,8 +65,11 @@ class PluginHost:
             deadline = time.monotonic() + self.timeout
             try:
                 if not self._ready:
-                    self._read_line(deadline + START_TIMEOUT_S, what)
+                    ready = json.loads(self._read_line(deadline + START_TIMEOUT_S, what))
+                    if not ready.get("ok"):
+                        raise PluginError(f"{what} failed to load: {ready.get('error')}")
                     self._ready = True
+                    deadline = time.monotonic() + self.timeout  # the call's own bound
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self._proc.stdin.flush()

@@ -6,8 +6,10 @@ corrupt the exchange). Requests: ``reward`` (a TRL-style function over a batch),
 ``env_open`` / ``env_step`` / ``env_close`` (episodes, by the engine's ids). Answers are
 ``{"ok": true, ...}`` or ``{"ok": false, "error": str}``: a plug-in's exception becomes
 the error its experiment fails with. Values are passed on as given (NaN included): the
-engine checks them. ``--list`` prints the installed plug-ins (discovery.py) and exits.
-Free of torch and of the engine's state: a hang here is ended by killing this process.
+engine checks them. The argument, ``reward:NAME`` or ``environment:NAME``, is imported
+before the worker answers ready: an import is start-up, not a bounded call. ``--list``
+prints the installed plug-ins (discovery.py) and exits. Free of torch and of the
+engine's state: a hang here is ended by killing this process.
 """
 
 from __future__ import annotations
@@ -21,9 +23,32 @@ from typing import Any
 from loraplex_engine.environments.base import Environment, Step
 from loraplex_engine.plugins import discovery
 
+_loaded: dict[tuple[str, str], object] = {}
+
+
+def load(group: str, name: str) -> object:
+    """An entry point's object, imported once (at start-up: see ``main``)."""
+    key = (group, name)
+    if key not in _loaded:
+        _loaded[key] = discovery.load_entry_point(group, name)
+    return _loaded[key]
+
+
+def preload(kind: str, name: str) -> None:
+    """Import the plug-in before answering ready: its import is start-up, not a call."""
+    if kind == "reward":
+        load(discovery.REWARD_GROUP, name)
+    elif name in discovery.entry_point_names(discovery.ENVIRONMENT_GROUP):
+        load(discovery.ENVIRONMENT_GROUP, name)
+    else:
+        import skyrl_gym
+
+        if name not in skyrl_gym.registry:
+            raise KeyError(f"no skyrl-gym environment {name!r}")
+
 
 def _reward(req: dict[str, Any], _state: dict[Any, Environment]) -> dict[str, Any]:
-    fn = discovery.load_entry_point(discovery.REWARD_GROUP, req["name"])
+    fn = load(discovery.REWARD_GROUP, req["name"])
     if not callable(fn):
         raise TypeError(f"entry point {req['name']!r} is not callable")
     # TRL's convention: prompts and completions by name, each dataset column by name.
@@ -48,7 +73,7 @@ def _make_env(name: str, prompt: str, answer: str, params: dict, max_turns: int)
     from loraplex_engine.environments.skyrl import SkyRLEnvironment, is_skyrl_env
 
     if name in discovery.entry_point_names(discovery.ENVIRONMENT_GROUP):
-        obj = discovery.load_entry_point(discovery.ENVIRONMENT_GROUP, name)
+        obj = load(discovery.ENVIRONMENT_GROUP, name)
         if isinstance(obj, type) and issubclass(obj, Environment):
             return obj(prompt, answer, params, max_turns)
         if is_skyrl_env(obj):
@@ -102,9 +127,14 @@ OPS: dict[str, Callable[[dict[str, Any], dict[Any, Environment]], dict[str, Any]
 }
 
 
-def serve(proto: Any) -> None:
+def serve(proto: Any, kind: str, name: str) -> None:
     state: dict[Any, Environment] = {}
-    proto.write(json.dumps({"ok": True, "ready": True}) + "\n")
+    try:
+        preload(kind, name)
+        ready: dict[str, Any] = {"ok": True, "ready": True}
+    except Exception as e:  # reported by the first call: its experiment fails with it
+        ready = {"ok": False, "error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+    proto.write(json.dumps(ready) + "\n")
     proto.flush()
     for line in sys.stdin:
         req = json.loads(line)
@@ -126,7 +156,8 @@ def main() -> None:
         proto.write(json.dumps({**found.to_json(), "problems": list(found.problems)}) + "\n")
         proto.flush()
         return
-    serve(proto)
+    kind, _, name = sys.argv[1].partition(":")  # reward:NAME or environment:NAME
+    serve(proto, kind, name)
 
 
 if __name__ == "__main__":
