@@ -38,6 +38,7 @@ ALLOWED = {
     "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
     "loraplex_engine.spec",  # the PUT body's spec
     "loraplex_engine.spec_schema",
+    "loraplex_engine.spec_plugins",  # its plug-in fields (free of imports)
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",
