@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "loraplex_test_plugins"
+SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "plugins" / "acme_rewards"
 
 
-def install(work: Path) -> Path:
-    """Install the package under ``work``; returns the directory to put on PYTHONPATH."""
+def install(work: Path, package: Path = PACKAGE) -> Path:
+    """Install ``package`` under ``work``; returns the directory to put on PYTHONPATH."""
     source, target = work / "source", work / "site"
     # A copy: building in place would leave build/ and egg-info in the repository.
-    shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    shutil.copytree(package, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     flags = ["--no-deps", "--no-build-isolation", "--no-index", "--target", str(target)]
     subprocess.run([*pip, *flags, str(source)], check=True, timeout=300)

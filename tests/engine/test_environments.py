@@ -23,12 +23,14 @@ from lora_helpers import CONFIGS, multi_model
 from loraplex_engine.environments.episodes import EpisodeGroup, open_group, play
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
+from loraplex_engine.plugins.reward import PluginReward
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.spec_plugins import EnvironmentSpec
+from loraplex_engine.tasks.rewards import RewardItem
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
-from plugin_install import with_path
+from plugin_install import SAMPLE, install, with_path
 from server_process import EngineServer, wait_until
 from test_tenant_isolation import LIMITS, put, status
 
@@ -76,9 +78,9 @@ def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
         s.close()
 
 
-def _group(session: EnvironmentSession, prompts: list[tuple[str, str]], budget: int):
+def _group(session: EnvironmentSession, prompts: list[tuple[str, str]], budget: int, new: int = 8):
     def request(ids: list[int], room: int) -> RolloutRequest:
-        return RolloutRequest(slot=1, prompt_ids=ids, max_new_tokens=min(8, room), temperature=1)
+        return RolloutRequest(slot=1, prompt_ids=ids, max_new_tokens=min(new, room), temperature=1)
 
     return open_group(session, prompts, _ids, request, lambda ids: budget)
 
@@ -162,6 +164,33 @@ def test_an_environment_that_hangs_fails_its_group_and_its_worker_is_killed(sess
     assert "environment hangs-env did not answer within 1s" in group.error[0]
     assert time.monotonic() - started < 10
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_sample_plugin_package_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """samples/plugins/acme_rewards, installed as docs/plugins.md says: its calculator
+    environment answers a tool call and scores an answer; its TRL-style reward scores."""
+    site = install(tmp_path, SAMPLE)
+    monkeypatch.setenv("PYTHONPATH", with_path(site)["PYTHONPATH"])
+    spec = EnvironmentSpec(name="acme-calculator", maxTurns=3)
+    session = EnvironmentSession(spec, PluginHost("sample", "environment:acme-calculator"))
+    reward_host = PluginHost("sample", "reward:acme-format")
+    try:
+        group = _group(session, [("12 * 7 =", "84")], budget=512, new=16)
+
+        class Calculates(_Policy):
+            def __call__(self, requests):
+                self.turn = "calc: 12 * 7" if not self.calls else "answer: 84"
+                return super().__call__(requests)
+
+        _play(group, Calculates(""))
+        (e,) = group.episodes
+        assert "\nresult: 84\n" in _text(e.ids) and e.tool_calls == 1
+        assert e.done and e.reward == 1.0 and e.turns == 2
+        items = [RewardItem("q", "<answer>84</answer>", "84"), RewardItem("q", "84", "84")]
+        assert PluginReward("acme-format", reward_host).score(items) == [1.0, 0.0]
+    finally:
+        session.close()
+        reward_host.close()
 
 
 # ---- the loss's mask ------------------------------------------------------------------
