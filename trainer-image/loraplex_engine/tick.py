@@ -2,8 +2,10 @@
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
 plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
-mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
-deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
+mixed-adapter batch, queued completions included; multi-turn episodes then go on turn
+by turn, every experiment's in one batch a turn: environments/episodes.py) → ``reward``
+(concurrent, with a deadline: a late reward trains in a later tick) → ``train`` (the
+training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
 checkpoints). Each phase takes the experiments still in play and returns who carries on.
 
@@ -27,7 +29,13 @@ from typing import TypeVar
 
 import torch
 
-from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
+from loraplex_engine.api_types import (
+    MAX_NEW_TOKENS,
+    TICK_PHASES,
+    AdapterSync,
+    ExperimentTick,
+    TickReport,
+)
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.environments.episodes import open_group, play
 from loraplex_engine.errors import (
@@ -204,10 +212,12 @@ class Tick:
         return Rollout(exp, repeated, requests, episodes=episodes)
 
     def _room(self, exp: Experiment, prompt: list[int]) -> int:
-        """Tokens an episode may add after ``prompt``: its spec's bound, within the context."""
+        """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
+        row the engine admits (the prompt limit plus the largest maxNewTokens: the vLLM
+        sampler's max_model_len) and the context."""
         env = exp.spec.task.environment
         assert env is not None
-        room = env.max_episode_tokens
+        room = min(env.max_episode_tokens, self.max_prompt_tokens + MAX_NEW_TOKENS - len(prompt))
         if self.context_tokens is not None:
             room = min(room, self.context_tokens - len(prompt))
         return max(1, room)
