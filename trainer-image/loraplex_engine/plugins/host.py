@@ -6,10 +6,12 @@ plug-in that hangs (an endless loop, a regex gone exponential on a tenant's comp
 would hold its thread, and a spinning one a share of the GIL, for the engine's life.
 A process is killed at the bound, with its process group (a plug-in's own children,
 a tool's subprocess), and the experiment fails with the reason; nothing leaks. A call
-costs one pipe round trip (tens of microseconds a call, batched: one call per
-experiment and tick for a reward, per turn for an environment); the worker costs a
-Python interpreter with the plug-in imported (tens of MB), only for experiments that
-name a plug-in, at most one per adapter slot. Per experiment, not shared: one tenant's
+costs one pipe round trip of JSON, batched: one call per experiment and tick for a
+reward, per turn for an environment (measured, a loaded 2-core machine: 0.13 ms for 32
+completions, 0.3 ms for a turn of 32 skyrl-gym episodes); the worker costs a Python
+interpreter with the plug-in imported (18 MB RSS for a plain function, 112 MB with
+skyrl-gym and its pandas), only for experiments that name a plug-in, at most one per
+adapter slot. Per experiment, not shared: one tenant's
 hang or crash cannot delay or fail another's calls.
 """
 
