@@ -188,6 +188,14 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class InstalledPlugins(WireModel):
+    """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
+    task.reward and task.environment.name may use beyond the built-ins."""
+
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -205,6 +213,7 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    plugins: InstalledPlugins = InstalledPlugins()
 
     @computed_field  # type: ignore[prop-decorator]
     @property

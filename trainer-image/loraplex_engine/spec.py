@@ -18,6 +18,7 @@ from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.spec_algorithm import AlgorithmSpec
 from loraplex_engine.spec_checkpoint import CheckpointSpec
 from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_plugins import EnvironmentSpec, ParamValue, PluginName
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -31,14 +32,9 @@ from loraplex_engine.spec_schema import (
 from loraplex_engine.spec_tracking import TrackingSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
-# "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
-RewardName = Literal[
-    "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
-]
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 ]
-ParamValue = Annotated[str, Field(max_length=4096)]
 # A DNS subdomain, as Kubernetes names an object (the pool is one).
 ObjectName = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -149,12 +145,16 @@ class TaskSpec(SpecModel):
         description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
         '"answer": str} object per line. Required by, and only used by, the jsonl task.',
     )
-    reward: RewardName | None = Field(
+    reward: PluginName | None = Field(
         None,
         description="How a completion is scored: default (the task's own verifier), a "
         "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
-        "against the answer), or http (scored by the service at rewardUrl). "
+        "against the answer), http (scored by the service at rewardUrl), or the name of a "
+        "reward plug-in installed in the engine (GET /v1/capacity lists them). "
         "Absent = the task's own verifier.",
+    )
+    environment: EnvironmentSpec | None = Field(
+        None, description="A multi-turn environment the policy acts in (its reward scores)."
     )
     chat_template: bool = Field(
         False,

@@ -40,6 +40,7 @@ from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.preflight import check_rollout
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.flags import (
@@ -396,6 +397,8 @@ def run(settings: ServeSettings) -> int:
 
     def load() -> None:
         try:
+            # The installed plug-ins, listed by a child while the model loads (PUT reads them).
+            threading.Thread(target=installed, name="plugins", daemon=True).start()
             t_import = time.monotonic()
             from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
 
