@@ -9,7 +9,7 @@ from loraplex_engine.spec import (
     all_spec_errors,
     parse_spec,
 )
-from loraplex_engine.spec_plugins import BUILTIN_REWARDS
+from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
 if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
-    from loraplex_engine.spec_tracking import TrackingSpec
+    from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")

@@ -15,10 +15,11 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
-from loraplex_engine.spec_algorithm import AlgorithmSpec
-from loraplex_engine.spec_checkpoint import CheckpointSpec
-from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
-from loraplex_engine.spec_plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
+from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
+from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.tracking import TrackingSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -29,7 +30,6 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
-from loraplex_engine.spec_tracking import TrackingSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 ModuleName = Annotated[
@@ -328,7 +328,7 @@ class ExperimentSpec(SpecModel):
 
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
-        if self.task is None:  # a client experiment (spec_client.py)
+        if self.task is None:  # a client experiment (spec_blocks/client.py)
             return
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import check_task

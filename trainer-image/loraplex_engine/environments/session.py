@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from loraplex_engine.environments.base import Step
 from loraplex_engine.errors import PluginError
 from loraplex_engine.plugins.host import PluginHost
-from loraplex_engine.spec_plugins import EnvironmentSpec
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import check_score
 
 

@@ -9,7 +9,7 @@ from loraplex_engine.errors import TaskError
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
-from loraplex_engine.spec_plugins import BUILTIN_REWARDS, EnvironmentSpec
+from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS, EnvironmentSpec
 from loraplex_engine.tasks.base import Task
 
 

@@ -4,7 +4,7 @@ One :class:`StepRecord` per experiment that stepped (its metrics at its step) or
 (its run is closed). The run is the engine's: one per experiment run, found again by its
 ``loraplex.runId`` tag after a restart; the tenant's spec.tracking only names it and adds
 tags, and the system tags (namespace, experiment, run id, pool) are set last, so a tenant
-can override none of them (its tag names have no dot: spec_tracking.py).
+can override none of them (its tag names have no dot: spec_blocks/tracking.py).
 """
 
 from __future__ import annotations
