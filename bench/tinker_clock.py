@@ -44,8 +44,8 @@ Where it runs (bench/gpu_tinker.py, the lent GPU's stage, sets these):
 shapes, random bf16 weights, gpu_common.build_family_model; qwen3-dry-run: its 2-layer
 rehearsal), ``--engine-cpus``/``--client-cpus`` (the serve processes and ``engine_only``
 on one set of cores, the SDK clients on another: no contention between them),
-``--budget-s`` (no cell starts past it; the JSON is rewritten after every cell, with
-``complete`` false until the end).
+``--budget-s`` (no cell but the first starts past it; the JSON is rewritten after every
+cell, with ``complete`` false until the end).
 """
 
 from __future__ import annotations
@@ -316,18 +316,20 @@ def start_servers(stack: contextlib.ExitStack, model: Path, work: Path, args) ->
 class Run:
     """What a run has measured so far, and its JSON, rewritten after every cell."""
 
-    def __init__(self, args, model: Path) -> None:
+    def __init__(self, args, model: Path, t_start: float) -> None:
         self.args, self.model = args, model
         self.dtype = engine_dtype(args.device, None)
-        self.t_start, self.load_start = time.time(), os.getloadavg()[0]
+        self.t_start, self.load_start = t_start, os.getloadavg()[0]
         self.runs: list[dict] = []
         self.ceiling: list[dict] = []
         self.skipped: list[dict] = []
         self.affinity: dict[str, list[int]] = {}
 
     def past_budget(self, what: str) -> bool:
+        """Whether ``what`` should not start; the first cell always does (a budget spent
+        on start-up alone would leave nothing to read)."""
         spent = time.time() - self.t_start
-        if self.args.budget_s is None or spent < self.args.budget_s:
+        if self.args.budget_s is None or spent < self.args.budget_s or not self.runs:
             return False
         self.skipped.append({"what": what, "why": f"time budget: {spent:.0f}s of "
                              f"{self.args.budget_s:.0f}s spent"})  # fmt: skip
@@ -378,9 +380,10 @@ class Run:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    t_start = time.time()  # the budget counts the model's build too
     model = model_dir(args.model, args.device)
     args.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    run = Run(args, model)
+    run = Run(args, model, t_start)
     work = Path(tempfile.mkdtemp(prefix="tinker-clock-"))
     pin(args.engine_cpus)  # the serve processes inherit it
     with contextlib.ExitStack() as stack:
