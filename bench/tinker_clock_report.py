@@ -74,15 +74,18 @@ def parity(fused: dict, per_model: dict, lr: float, steps: int, tol: dict) -> di
 
 
 def summarise(runs: list[dict], lr: float, steps: int, tol: dict) -> tuple[list[dict], dict]:
-    """Per (rows, N) with both arms run: each arm's median throughput over the repeats and
-    fused / per_model; per (rows, N, repeat): every client's parity with per_model."""
+    """Per (rows, N): each arm's median throughput over the repeats that ran both arms
+    (a run cut short between the arms of a cell leaves one out) and fused / per_model;
+    per (rows, N, repeat): every client's parity with per_model."""
+    arms_of: dict[tuple[int, int, int], set[str]] = {}
+    for r in runs:
+        arms_of.setdefault((r["rows"], r["n"], r["repeat"]), set()).add(r["arm"])
     cells: dict[tuple[int, int], dict[str, list[dict]]] = {}
     for r in runs:
-        cells.setdefault((r["rows"], r["n"]), {}).setdefault(r["arm"], []).append(r)
+        if arms_of[(r["rows"], r["n"], r["repeat"])] >= {"fused", "per_model"}:
+            cells.setdefault((r["rows"], r["n"]), {}).setdefault(r["arm"], []).append(r)
     ratios, parities = [], {}
     for (rows, n), arms in cells.items():
-        if "per_model" not in arms or "fused" not in arms:
-            continue  # a run cut short between the arms of a cell
         med = {
             a: {
                 k: float(np.median([r[k] for r in rs]))
