@@ -378,6 +378,21 @@ class Run:
         return report
 
 
+def ceiling(run: Run, model: Path, work: Path) -> None:
+    """engine_only for every batch size, in this process on the engine's cores (the
+    clients' threads too, idle meanwhile), then back on the clients' cores."""
+    args = run.args
+    pin(args.engine_cpus)
+    for rows in args.rows if args.engine_only else []:
+        if not run.past_budget(f"engine_only rows {rows}"):
+            c = engine_only(model, work, rows, max(args.ns), args)
+            print(f"engine only rows={c['rows']} N={c['n']}: tick s {c['tick_s']}, "
+                  f"ratio {c['ratio']}", flush=True)  # fmt: skip
+            run.ceiling.append(c)
+            run.write()
+    pin(args.client_cpus)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     t_start = time.time()  # the budget counts the model's build too
@@ -403,14 +418,10 @@ def main(argv: list[str] | None = None) -> None:
                     for arm, srv in servers.items():
                         run.runs.append(run_cell(srv, arm, n, rows, rep, args))
                     run.write()
-    pin(args.engine_cpus)  # engine_only runs the engine here
-    for rows in args.rows if args.engine_only else []:
-        if not run.past_budget(f"engine_only rows {rows}"):
-            c = engine_only(model, work, rows, max(args.ns), args)
-            print(f"engine only rows={c['rows']} N={c['n']}: tick s {c['tick_s']}, "
-                  f"ratio {c['ratio']}", flush=True)  # fmt: skip
-            run.ceiling.append(c)
-            run.write()
+            if rep + 1 == args.engine_only_after:  # the servers idle meanwhile
+                ceiling(run, model, work)
+    if args.engine_only_after is None:
+        ceiling(run, model, work)
     report = run.write(complete=True)
     if args.plot:
         plot(report, args.out.with_name(args.out.stem + "-losses.png"))
@@ -450,11 +461,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no cell (nor engine_only) starts past this many seconds",
     )
     p.add_argument("--no-engine-only", dest="engine_only", action="store_false")
+    p.add_argument("--engine-only-after", type=int, default=None, metavar="REPEATS",
+                   help="engine_only after this many repeats, the servers up and idle "
+                   "(default: after all, the servers stopped)")  # fmt: skip
     p.add_argument(
         "--no-plot", dest="plot", action="store_false", help="no -losses.png beside the JSON"
     )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "tinker-clock.json")
     args = p.parse_args(argv)
+    if (args.engine_cpus is None) != (args.client_cpus is None):
+        p.error("--engine-cpus and --client-cpus go together")
     args.ns = [int(x) for x in args.ns.split(",")]
     args.rows = [int(x) for x in args.rows.split(",")]
     return args
