@@ -280,6 +280,12 @@ def _http() -> Obj:
     return experiment("a").reward("http", "http://rewards:8080/a").obj()
 
 
+def _environment() -> Obj:
+    obj = experiment("a").obj()
+    obj["spec"]["task"]["environment"] = {"name": "gsm8k_multi_turn", "maxTurns": 4}
+    return obj
+
+
 # (field, new value, rule that refuses it, the object being edited)
 IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.enginePool", "pool-b", _POOL, _plain),
@@ -293,6 +299,10 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.task.reward", "exact-match", _TASK, _plain),
     ("spec.task.rewardUrl", "http://rewards:8080/b", _TASK, _http),
     ("spec.task.chatTemplate", True, _TASK, _plain),
+    ("spec.task.environment.name", "other", _TASK, _environment),
+    ("spec.task.environment.params", {"k": "v"}, _TASK, _environment),
+    ("spec.task.environment.maxTurns", 2, _TASK, _environment),
+    ("spec.task.environment.maxEpisodeTokens", 256, _TASK, _environment),
     ("spec.algorithm.groupSize", 4, _ALG, _plain),
     ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),
     ("spec.algorithm.learningRate", 0.001, _ALG, _plain),

@@ -41,6 +41,11 @@ def _many(n: int, item: Any = None) -> list[Any]:
     return [item(i) if callable(item) else f"m{i}" for i in range(n + 1)]
 
 
+def _env(**fields: Any) -> dict[str, Any]:
+    """A task.environment block with `fields` over a valid one."""
+    return {"name": "gsm8k_multi_turn", **fields}
+
+
 _CONDITION = {
     "type": "Ready",
     "status": "True",
@@ -119,8 +124,24 @@ EXPERIMENT_BOUNDS = [
     ("spec.client.idleSeconds", 0, True),
     ("spec.client.idleSeconds", 2592001, False),
     ("spec.task.dataset", _long(4096), False),
-    ("spec.task.reward", "bleu", False),
+    ("spec.task.reward", "bleu", True),  # a plug-in's name: the engine refuses unknown ones
     ("spec.task.reward", "exact-match", True),
+    ("spec.task.reward", "", False),
+    ("spec.task.reward", "-dash-first", False),
+    ("spec.task.reward", "a" * 129, False),
+    ("spec.task.environment", {"params": {}}, False),
+    ("spec.task.environment", _env(name=""), False),
+    ("spec.task.environment", _env(name="gsm8k multi"), False),
+    ("spec.task.environment", _env(name="a" * 129), False),
+    ("spec.task.environment", _env(name="acme.calc:v1/x_y-z"), True),
+    ("spec.task.environment", _env(params={f"k{i}": "v" for i in range(65)}), False),
+    ("spec.task.environment", _env(params={"k": "v" * 4097}), False),
+    ("spec.task.environment", _env(maxTurns=0), False),
+    ("spec.task.environment", _env(maxTurns=64), True),
+    ("spec.task.environment", _env(maxTurns=65), False),
+    ("spec.task.environment", _env(maxEpisodeTokens=0), False),
+    ("spec.task.environment", _env(maxEpisodeTokens=32768), True),
+    ("spec.task.environment", _env(maxEpisodeTokens=32769), False),
     ("spec.task.rewardUrl", "ftp://x", False),
     ("spec.task.rewardUrl", _long(2048, "http://"), False),
     ("spec.algorithm.name", "ppo", False),
@@ -525,7 +546,7 @@ def test_the_rule_walker_sees_nested_rules() -> None:
         "spec.lora.targetModules[] pattern",
         "spec.task.params maxProperties",
         "spec.task.params{} maxLength",
-        "spec.task.reward enum",
+        "spec.task.reward pattern",
         "spec.checkpoint.keep maximum",
         "status.conditions[] required:reason",
     } <= exp
@@ -644,14 +665,25 @@ def _value_paths(
 
 def _doc_client_spec() -> dict[str, Any]:
     """The client experiment's example (the second block of the section)."""
+    return _doc_block(1)
+
+
+def _doc_environment_spec() -> dict[str, Any]:
+    """The multi-turn experiment's example (the third block of the section)."""
+    return _doc_block(2)
+
+
+def _doc_block(index: int) -> dict[str, Any]:
     section = (REPO / "docs" / "engine-api.md").read_text().split("## Experiment spec", 1)[1]
-    return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[1])
+    return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[index])
 
 
 def test_spec_fields_match_engine_api_doc() -> None:
     spec_schema = schema_of(EXP)["properties"]["spec"]
-    assert _paths(spec_schema) == _value_paths(_doc_spec()) | _value_paths(_doc_client_spec())
+    documented = _value_paths(_doc_spec()) | _value_paths(_doc_client_spec())
+    assert _paths(spec_schema) == documented | _value_paths(_doc_environment_spec())
     assert admit(EXP, {**experiment("a").obj(), "spec": _doc_client_spec()}) == []
+    assert admit(EXP, {**experiment("a").obj(), "spec": _doc_environment_spec()}) == []
 
 
 def test_engine_api_doc_example_passes_the_schema() -> None:
