@@ -27,6 +27,7 @@ from loraplex_engine.spec_schema import (
     spec_errors,
 )
 from loraplex_engine.train.lr_schedule import LRScheduleName
+from loraplex_engine.versions.spec import PUBLISH_FIELD, PublishSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 # "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
@@ -419,6 +420,7 @@ class ExperimentSpec(SpecModel):
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
+    publish: PublishSpec | None = PUBLISH_FIELD
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",
