@@ -40,6 +40,8 @@ ALLOWED = {
     "loraplex_engine.spec_schema",
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
+    "loraplex_engine.versions",
+    "loraplex_engine.versions.spec",  # the spec's publish block
     "loraplex_engine.errors",
     "loraplex_engine.metrics",
     # app.py mounts the Tinker routes only given --tinker-keys; their own boundary

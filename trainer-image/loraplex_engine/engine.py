@@ -27,6 +27,7 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     MemoryUse,
     TickReport,
+    VersionSummary,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.clients.models import ClientModels
@@ -45,7 +46,6 @@ from loraplex_engine.errors import (
 from loraplex_engine.experiment import (
     Experiment,
     adapter_field,
-    check_same,
     lora_config,
     new_experiment,
 )
@@ -64,6 +64,7 @@ from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
+from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -72,11 +73,8 @@ from loraplex_engine.tick import Tick
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
-from loraplex_engine.train.strategy import (
-    AdapterTrainer,
-    FusedTraining,
-    TrainingStrategy,
-)
+from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
+from loraplex_engine.versions.publisher import Publisher
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -142,14 +140,10 @@ class Engine(ClientTraining):
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
-        quota = s.checkpoint_quota_bytes
+        root, quota = Path(s.checkpoint_root), s.checkpoint_quota_bytes
+        quota = CheckpointQuota(quota) if quota is not None else None
         self.store = RunStore(
-            Path(s.checkpoint_root),
-            self.model,
-            self.optimizer,
-            str(self.model_dir),
-            quota=CheckpointQuota(quota) if quota is not None else None,
-            keep_runs=s.checkpoint_keep_runs,
+            root, self.model, self.optimizer, str(self.model_dir), quota, s.checkpoint_keep_runs
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
@@ -199,6 +193,9 @@ class Engine(ClientTraining):
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
+        # Published versions (versions/): from spare slots where one process decodes (torch).
+        one = self.ranks is None and self.lockstep is None and self.backend.shares_trainer_weights
+        self.publisher = Publisher(VersionStore(root, quota), self.model, self.model_dir, one)
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
@@ -240,6 +237,7 @@ class Engine(ClientTraining):
             self.scorer,
             s.max_prompt_tokens,
             self.context_tokens,
+            self.publisher,
         )
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick)
@@ -341,10 +339,11 @@ class Engine(ClientTraining):
             with self._model_lock:
                 existing = self._experiments.get(exp_id)
                 if existing is not None:
-                    check_same(existing, spec, run_id)
+                    self.publisher.update(existing, spec, run_id)  # publish: in place, else 409
                     return existing.status(), False
                 exp = exp or self._build(exp_id, spec, namespace, name or exp_id, run_id)
                 self._load(exp, resume_from, run_id)
+                self.publisher.attach(exp)
                 try:
                     self.backend.add_adapter(exp_id)
                 except Exception:
@@ -369,6 +368,10 @@ class Engine(ClientTraining):
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
             return self.store.save(exp)
 
+    def publish_version(self, exp_id: str) -> VersionSummary:
+        with self._model_lock:  # by hand: the next version now
+            return self.publisher.publish_now(self._require(exp_id))
+
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:
             exp = self._require(exp_id)
@@ -390,12 +393,10 @@ class Engine(ClientTraining):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        if job.model not in (self.model_name, *self._experiments):
-            raise NotFoundError(
-                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
-            )
+        live = job.model in (self.model_name, *self._experiments)
+        version = None if live else self.publisher.serving(job.model)  # versions/names.py
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
-        queued = CompletionJob.of(job, self.model_name)
+        queued = CompletionJob.of(job, self.model_name, version)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
+from loraplex_engine.api_types import (
+    Capacity,
+    CheckpointRef,
+    ExperimentStatus,
+    TickReport,
+    VersionSummary,
+)
 from loraplex_engine.spec import ExperimentSpec
 
 # (row, token id, log-prob, top alternatives or None); called from the tick's thread, so
@@ -84,6 +90,8 @@ class EngineService(Protocol):
     def list_experiments(self) -> list[ExperimentStatus]: ...
 
     def checkpoint_experiment(self, exp_id: str) -> CheckpointRef: ...
+
+    def publish_version(self, exp_id: str) -> VersionSummary: ...
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         """Checkpoint, then unload and free the slot."""

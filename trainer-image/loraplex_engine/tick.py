@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
-from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.completion_jobs import CompletionJob, load_versions
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
@@ -43,6 +43,7 @@ from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.store.run_store import RunStore
+from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
@@ -50,6 +51,7 @@ from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
+from loraplex_engine.versions.publisher import Publisher
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
@@ -124,6 +126,7 @@ class Tick:
         scorer: RewardScorer[Scored | Failure],
         max_prompt_tokens: int,
         context_tokens: int | None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.model = model
         self.codec = codec
@@ -133,6 +136,7 @@ class Tick:
         self.scorer = scorer
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
+        self.publisher = publisher  # published versions (versions/publisher.py)
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
@@ -149,7 +153,11 @@ class Tick:
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
         start = time.perf_counter()
-        self._rollout([], jobs)
+        spare = SpareSlots(self.model)  # published versions' rows (versions/)
+        try:
+            self._rollout([], load_versions(jobs, spare))
+        finally:
+            spare.release()
         seconds = time.perf_counter() - start
         return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
 
@@ -404,6 +412,8 @@ class Tick:
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
+        if self.publisher is not None:
+            self.publisher.after_step(exp, exp.reward)
         if finished and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick

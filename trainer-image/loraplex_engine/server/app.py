@@ -25,6 +25,7 @@ from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
     ExperimentStatus,
+    VersionSummary,
 )
 from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -255,6 +256,18 @@ def create_app(
         if ns is not None:
             metrics.count_checkpoint(id, ns)
         return ref.to_json()
+
+    @app.post(
+        "/v1/experiments/{id}/versions",
+        response_model=VersionSummary,
+        status_code=201,
+        responses=documented_errors(401, 404, 422, 503),
+        **v1,
+    )
+    def publish_version(id: ExpId) -> dict[str, Any]:
+        """Publish the adapter now as the experiment's next version (docs/versions.md);
+        its aliases follow as on a scheduled publish."""
+        return _ready_engine().publish_version(id).to_json()
 
     @app.delete(
         "/v1/experiments/{id}",
