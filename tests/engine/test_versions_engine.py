@@ -178,3 +178,24 @@ def test_a_quota_refusal_fails_the_publish_not_the_experiment(tiny_model_dir, tm
         assert s.publish_error and "quota" in s.publish_error
     finally:
         eng.close()
+
+
+def test_the_publish_route_edits_in_place(eng) -> None:
+    from loraplex_engine.versions.spec import PublishSpec
+
+    exp_id = f"{NS}.edited"
+    eng.put_experiment(exp_id, _continual({"everySteps": 1}), NS, "edited")
+    _ticks(eng, 2)
+    before = eng.get_experiment(exp_id)
+    assert before.publish == {"everySteps": 1, "keep": 5, "pinned": [], "aliases": []}
+    pin = PublishSpec.model_validate(
+        {"everySteps": 1, "aliases": [{"name": "mine", "version": "v1"}]}
+    )
+    after = eng.update_publish(exp_id, pin)
+    assert after.aliases["mine"] == "v1" and after.step == before.step
+    assert after.publish is not None and after.publish["aliases"] == [
+        {"name": "mine", "version": "v1"}
+    ]
+    assert eng.update_publish(exp_id, None).publish is None
+    _ticks(eng, 1)  # no policy now: nothing more is published
+    assert len(eng.get_experiment(exp_id).versions) == len(after.versions)

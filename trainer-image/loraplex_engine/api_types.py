@@ -122,6 +122,7 @@ class ExperimentStatus(WireModel):
     versions: list[VersionSummary] = []
     aliases: dict[str, str] = {}
     publish_error: str | None = None
+    publish: dict[str, Any] | None = None  # the spec.publish the engine applies (JSON)
 
 
 class MemoryUse(WireModel):

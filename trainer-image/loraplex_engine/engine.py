@@ -27,7 +27,6 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     MemoryUse,
     TickReport,
-    VersionSummary,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.clients.models import ClientModels
@@ -75,6 +74,7 @@ from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
 from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
 from loraplex_engine.versions.publisher import Publisher
+from loraplex_engine.versions.service import Versions
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -83,7 +83,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientTraining):
+class Engine(ClientTraining, Versions):
     """Implements :class:`loraplex_engine.service.TickingEngine` and, through
     clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
@@ -367,10 +367,6 @@ class Engine(ClientTraining):
             if exp.phase == "Failed":
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
             return self.store.save(exp)
-
-    def publish_version(self, exp_id: str) -> VersionSummary:
-        with self._model_lock:  # by hand: the next version now
-            return self.publisher.publish_now(self._require(exp_id))
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:

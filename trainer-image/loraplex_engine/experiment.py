@@ -110,6 +110,7 @@ class Experiment:
             versions=list(self.published.recent),
             aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
             publish_error=self.published.error,
+            publish=None if self.spec.publish is None else self.spec.publish.to_json(),
         )
 
 

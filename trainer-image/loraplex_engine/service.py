@@ -22,6 +22,7 @@ from loraplex_engine.api_types import (
     VersionSummary,
 )
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.versions.spec import PublishSpec
 
 # (row, token id, log-prob, top alternatives or None); called from the tick's thread, so
 # it must not block (the whole rollout batch waits on it).
@@ -92,6 +93,8 @@ class EngineService(Protocol):
     def checkpoint_experiment(self, exp_id: str) -> CheckpointRef: ...
 
     def publish_version(self, exp_id: str) -> VersionSummary: ...
+
+    def update_publish(self, exp_id: str, publish: PublishSpec | None) -> ExperimentStatus: ...
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         """Checkpoint, then unload and free the slot."""

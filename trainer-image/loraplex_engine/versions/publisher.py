@@ -134,6 +134,10 @@ class Publisher:
         assert made is not None  # by hand, a refusal raises
         return made
 
+    def update_publish(self, exp: Experiment, publish: PublishSpec | None) -> None:
+        """A new publish block, applied in place."""
+        self.update(exp, exp.spec.model_copy(update={"publish": publish}), exp.run_id)
+
     def update(self, exp: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:
         """A PUT of a loaded experiment: a no-op with its spec and run, but a changed
         publish block (kubectl patch of the aliases, a pin, the policy) is applied in

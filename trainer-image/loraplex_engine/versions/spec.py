@@ -99,6 +99,9 @@ class PublishSpec(SpecModel):
         "stable (unless aliases sets stable by hand). Absent = stable only by hand.",
     )
 
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
 
 # spec.ExperimentSpec's field (here: spec.py is at its size limit).
 PUBLISH_FIELD: Any = Field(
