@@ -88,6 +88,8 @@ ABSENT_HERE = {
     "loraplex_engine_logprob_gap",
     "loraplex_engine_tis_weight_mean",
     "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+    # a series only while an experiment has a stable version; these publish none
+    "loraplex_experiment_stable_version",
 }
 
 # Panel queries allowed to return nothing, with the reason. Empty: every counter that

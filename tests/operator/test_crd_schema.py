@@ -195,6 +195,12 @@ EXPERIMENT_BOUNDS = [
     ("status.phase", "Done", False),
     ("status.phase", "Succeeded", True),
     ("status.restarts", -1, False),
+    ("status.versions", [{"version": "v1", "step": 3, "gatePassed": True}], True),
+    ("status.versions", [{"version": f"v{i + 1}"} for i in range(11)], False),
+    ("status.versions", [{"step": 3}], False),
+    ("status.versions", [{"version": "3"}], False),
+    ("status.aliases", {"stable": "v2", "latest": "v3"}, True),
+    ("status.aliases", {f"a{i}": "v1" for i in range(41)}, False),
     *_condition_cases(),
 ]
 
@@ -663,6 +669,9 @@ def test_printer_columns_point_at_schema_fields(kind: str) -> None:
             if step.endswith("[]"):
                 node = node["properties"][step[:-2]]["items"]
                 continue
+            if "properties" not in node and "additionalProperties" in node:
+                node = node["additionalProperties"]  # a map's key (.status.aliases.stable)
+                continue
             node = node["properties"][step] if step != "creationTimestamp" else {"type": "string"}
         assert node["type"] in (
             column["type"],
@@ -678,6 +687,7 @@ def test_experiment_printer_columns() -> None:
         "Engine",
         "Progress",
         "Reward",
+        "Stable",
         "Age",
     ]
 

@@ -34,7 +34,13 @@ from typing import Any
 
 import psutil
 
-from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
+from loraplex_engine.api_types import (
+    Capacity,
+    CheckpointRef,
+    ExperimentStatus,
+    TickReport,
+    VersionSummary,
+)
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
@@ -119,6 +125,12 @@ class EngineHolder:
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         return self._get().remove_experiment(exp_id)
+
+    def publish_version(self, exp_id: str) -> VersionSummary:
+        return self._get().publish_version(exp_id)
+
+    def update_publish(self, exp_id: str, publish: Any) -> ExperimentStatus:
+        return self._get().update_publish(exp_id, publish)
 
     def capacity(self) -> Capacity:
         return self._get().capacity()
