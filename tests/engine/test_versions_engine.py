@@ -70,7 +70,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eng(tiny_model_dir, root):
-    e = engine(tiny_model_dir, root, max_adapters=4)
+    e = engine(tiny_model_dir, root, max_adapters=6)  # 4 experiments + spare slots
     yield e
     e.close()
 
@@ -199,3 +199,46 @@ def test_the_publish_route_edits_in_place(eng) -> None:
     assert eng.update_publish(exp_id, None).publish is None
     _ticks(eng, 1)  # no policy now: nothing more is published
     assert len(eng.get_experiment(exp_id).versions) == len(after.versions)
+
+
+def _peft_logprobs(model_dir: Path, version_dir: Path | None, prompt: list[int],
+                   tokens: list[int]) -> list[float]:  # fmt: skip
+    """Each of ``tokens``' log-prob after ``prompt`` (teacher forced) under peft on a
+    version's directory (None: the base model)."""
+    model = load_base(model_dir)
+    if version_dir is not None:
+        model = PeftModel.from_pretrained(model, version_dir)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model.eval()(ids).logits[0, len(prompt) - 1 : -1].float()
+    picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])
+    return picked[:, 0].tolist()
+
+
+def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
+    """The rows ride a training tick's mixed batch, so on this random tiny model (flat,
+    near-tied logits) the greedy tokens can differ from a lone row's; what must hold is
+    that they were sampled with the version's weights: their log-probs are peft's on the
+    version's directory (fp32, batch rounding ~1e-6), far from the base model's."""
+    from client_driver import drive
+    from loraplex_engine.training_service import SampleCall
+
+    exp_id = f"{NS}.tink"
+    eng.put_experiment(exp_id, _continual({"everySteps": 1, "keep": 50}), NS, "tink")
+    _ticks(eng, 3)
+    prompt = eng.tokenize(PROMPT)
+    call = SampleCall(prompt, max_tokens=6, temperature=0.0)
+    slots = len(eng.model.adapters())
+    for model, n in ((f"{exp_id}@v2", 2), (f"{exp_id}:latest", None)):
+        # an alias resolves when the call is queued: before the ticks that publish more
+        n = n or int(eng.get_experiment(exp_id).aliases["latest"][1:])
+        (sampled,) = drive(eng, lambda m=model: eng.sample(NS, m, call))
+        row = sampled.rows[0]
+        version_dir = VersionStore(root).path(NS, "tink", n)
+        want = _peft_logprobs(tiny_model_dir, version_dir, prompt, row.token_ids)
+        base = _peft_logprobs(tiny_model_dir, None, prompt, row.token_ids)
+        assert row.logprobs == pytest.approx(want, abs=1e-4), model
+        assert max(abs(a - b) for a, b in zip(want, base, strict=True)) > 1e-3
+    assert len(eng.model.adapters()) == slots  # the spare slots were freed
+    with pytest.raises(NotFoundError, match="namespace 'other'"):
+        eng.sample("other", f"{exp_id}@v1", call)  # another tenant's version: not found

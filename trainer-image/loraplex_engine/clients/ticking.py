@@ -93,6 +93,10 @@ class ClientTick:
         return jobs
 
     def _adapter_for(self, task: SampleTask) -> str | None:
+        if task.version is not None:  # a published version: a spare slot as well
+            if self.spare is None:
+                self.spare = SpareSlots(self.owner.host.model)
+            return self.spare.load(*task.version, task.version[0])
         if task.state is None:
             return None
         directory, info = self.owner.state_of(task.namespace, task.state)
