@@ -58,7 +58,12 @@ TINKER_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
     for p in PACKAGE.glob("tinker/*.py")
 )
-TINKER_ALLOWED = ALLOWED | {*TINKER_MODULES, "loraplex_engine.training_service"}
+# versions/names.py: the version model names a sampler may take (pure parsing).
+TINKER_ALLOWED = ALLOWED | {
+    *TINKER_MODULES,
+    "loraplex_engine.training_service",
+    "loraplex_engine.versions.names",
+}
 TINKER_BLOCKED = BLOCKED - {"numpy"}
 
 # Runs in a fresh interpreter where importing torch or an engine internal raises.

@@ -80,3 +80,5 @@ def test_version_names() -> None:
     ):  # fmt: skip
         assert names.parse(bad) is None, bad
     assert names.served_name("ns", "exp", 3) == "ns.exp@v3"
+    assert names.untinkered("tinker://ns.exp:stable") == "ns.exp:stable"  # the SDK's scheme
+    assert names.untinkered("tinker://model-1/weights/w") == "tinker://model-1/weights/w"

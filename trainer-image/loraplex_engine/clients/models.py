@@ -267,11 +267,11 @@ class ClientModels:
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.host
         state, version = None, None
-        ref = names.parse(sampler)
+        ref = names.parse(names.untinkered(sampler))
         if ref is not None:  # a published version or alias (versions/), the caller's own
             if ref.namespace != namespace:
                 raise NotFoundError(f"no model {sampler!r} in namespace {namespace!r}")
-            version = h.publisher.serving(sampler)
+            version = h.publisher.serving(names.untinkered(sampler))
         elif sampler != h.model_name:
             state = saved.parse_path(sampler, field="model_path")
             if state.kind != "sampler_weights":

@@ -14,6 +14,9 @@ _WHICH = r"(@v(?P<v>[1-9][0-9]{0,8})|:(?P<alias>[a-z]([-a-z0-9]{0,30}[a-z0-9])?)
 _REF = re.compile(_NS + r"\." + _NAME + _WHICH)
 
 
+TINKER_SCHEME = "tinker://"
+
+
 @dataclass(frozen=True)
 class VersionName:
     namespace: str
@@ -32,6 +35,13 @@ def parse(model: str) -> VersionName | None:
         return None
     v = m.group("v")
     return VersionName(m.group("ns"), m.group("name"), int(v) if v else None, m.group("alias"))
+
+
+def untinkered(path: str) -> str:
+    """A version name as a Tinker sampler takes it, ``tinker://<ns>.<name>@v<N>`` (the
+    SDK sends only ``tinker://`` paths), without the scheme; other names unchanged."""
+    rest = path.removeprefix(TINKER_SCHEME)
+    return rest if parse(rest) is not None else path
 
 
 def served_name(namespace: str, name: str, version: int) -> str:
