@@ -242,3 +242,21 @@ def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
     assert len(eng.model.adapters()) == slots  # the spare slots were freed
     with pytest.raises(NotFoundError, match="namespace 'other'"):
         eng.sample("other", f"{exp_id}@v1", call)  # another tenant's version: not found
+
+
+def test_the_latest_version_series(eng) -> None:
+    """loraplex_engine_latest_version (the dashboard's version marks) follows latest."""
+    import re
+
+    from loraplex_engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.sync_experiments(eng.list_experiments())
+    text = metrics.render().decode()
+    latest = eng.get_experiment(f"{NS}.pub").aliases["latest"]
+    found = re.search(
+        r'^loraplex_engine_latest_version\{experiment="team.pub",namespace="team"\} (\S+)$',
+        text,
+        re.M,
+    )
+    assert found and float(found.group(1)) == int(latest[1:])
