@@ -26,6 +26,12 @@ def test_the_sdk_samples_a_version_and_an_alias(tiny_model_dir: Path, tmp_path: 
         spec = small_spec(max_steps=0) | {"publish": {"everySteps": 1, "keep": 100}}
         assert api.put(f"/v1/experiments/{EXP}", json=put_body(EXP, spec)).status_code == 201
         wait_until(lambda: len(VersionStore(root).list("demo", "cont")) >= 2, timeout=120)
+        # The card a gateway looks a model up by (GET /v1/models/{id}): any version name.
+        for name in (f"{EXP}@v1", f"{EXP}:latest"):
+            card = api.get(f"/v1/models/{name}")
+            assert card.status_code == 200 and card.json()["id"] == name, card.text
+        assert api.get(f"/v1/models/{EXP}@v999").status_code == 404
+        assert api.get("/v1/models/demo.nothing").status_code == 404
         service = tinker.ServiceClient(base_url=srv.url, api_key=KEY)
         prompt = types.ModelInput.from_ints([1, 17, 42, 99])
         greedy = types.SamplingParams(max_tokens=4, temperature=0.0)

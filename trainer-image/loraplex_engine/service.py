@@ -96,6 +96,8 @@ class EngineService(Protocol):
 
     def update_publish(self, exp_id: str, publish: PublishSpec | None) -> ExperimentStatus: ...
 
+    def describe_version(self, model: str) -> VersionSummary: ...
+
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         """Checkpoint, then unload and free the slot."""
 

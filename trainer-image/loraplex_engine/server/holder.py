@@ -77,6 +77,9 @@ class EngineHolder:
     def update_publish(self, exp_id: str, publish: Any) -> ExperimentStatus:
         return self._get().update_publish(exp_id, publish)
 
+    def describe_version(self, model: str) -> VersionSummary:
+        return self._get().describe_version(model)
+
     def capacity(self) -> Capacity:
         return self._get().capacity()
 

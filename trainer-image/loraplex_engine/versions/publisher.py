@@ -216,6 +216,16 @@ class Publisher:
         directory = self.store.path(ref.namespace, ref.name, version)
         return names.served_name(ref.namespace, ref.name, version), directory
 
+    def describe(self, model: str) -> VersionSummary:
+        """What :meth:`serving` would serve for ``model``, as its summary."""
+        _, directory = self.serving(model)
+        ref = names.parse(model)
+        assert ref is not None  # serving() refuses anything else
+        try:
+            return summary(self.store.read(ref.namespace, ref.name, int(directory.name[1:])))
+        except CheckpointError as e:  # pruned since
+            raise NotFoundError(f"{model!r}: {e}") from e
+
 
 def summary(m: Manifest) -> VersionSummary:
     return VersionSummary(

@@ -27,6 +27,10 @@ class Versions:
         with self._model_lock:
             return self.publisher.publish_now(self._require(exp_id))
 
+    def describe_version(self: _Host, model: str) -> VersionSummary:
+        """The version a version name serves now (an alias: where it points)."""
+        return self.publisher.describe(model)
+
     def update_publish(self: _Host, exp_id: str, publish: PublishSpec | None) -> ExperimentStatus:
         """A new ``spec.publish`` (the operator's, after a kubectl patch): applied in
         place, the experiment training on; its aliases move at once."""
