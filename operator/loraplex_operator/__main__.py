@@ -12,8 +12,10 @@ listens on loopback `--liveness-port` and is forwarded by `/healthz`.
 Tuning through the environment: LORAPLEX_RECONCILE_INTERVAL (5 s, a pool whose engines
 are polled), LORAPLEX_RESYNC_INTERVAL (60 s, a pool with nothing to poll),
 LORAPLEX_STATUS_INTERVAL (10 s), LORAPLEX_SCALE_DOWN_DELAY (60 s),
-LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s), LORAPLEX_LOG_FORMAT (text;
-json: one JSON object per line, loraplex_operator/logs.py).
+LORAPLEX_MAX_RESTARTS (3), LORAPLEX_ENGINE_TIMEOUT (30 s), LORAPLEX_STALL_AFTER (600 s),
+LORAPLEX_LOG_FORMAT (text; json: one JSON object per line, loraplex_operator/logs.py),
+LORAPLEX_ENGINE_LOG_FORMAT (text; the engines' `serve --log-format` where a pool's
+template names none).
 """
 
 from __future__ import annotations

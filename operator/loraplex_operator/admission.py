@@ -161,6 +161,8 @@ def _lora_problems(exp: ExperimentSpec, pool: EnginePoolSpec, pool_name: str) ->
             )
         )
     allowed = pool.allowed_target_modules
+    if exp.client:  # modules by kind (spec.client.trainAttn...): the engine checks them
+        return problems
     if exp.lora.target_modules is None:
         problems += _default_targets_problems(allowed, pool_name)
         return problems

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_MAX_RESTARTS = 3
+ENGINE_LOG_FORMAT = "LORAPLEX_ENGINE_LOG_FORMAT"
+ENGINE_LOG_FORMATS = ("text", "json")  # the engine's `serve --log-format` choices
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class Config:
     # and the length of the token it generates.
     managed_token: str = ""
     token_length: int = 48
+    # The engines' `serve --log-format` where a pool's template names none.
+    engine_log_format: str = "text"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -44,9 +48,19 @@ class Config:
             stall_after=num("STALL_AFTER", cls.stall_after),
             managed_token=env.get("LORAPLEX_MANAGED_TOKEN_SECRET", "").strip(),
             token_length=int(num("TOKEN_LENGTH", cls.token_length)),
+            engine_log_format=_log_format(env.get(ENGINE_LOG_FORMAT, cls.engine_log_format)),
             namespaces=tuple(
                 n.strip()
                 for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")
                 if n.strip()
             ),
         )
+
+
+def _log_format(value: str) -> str:
+    """A bad value stops the operator at start naming it, rather than every engine pod
+    it creates failing on `--log-format`."""
+    fmt = value.strip().lower() or Config.engine_log_format
+    if fmt not in ENGINE_LOG_FORMATS:
+        raise ValueError(f"{ENGINE_LOG_FORMAT} must be one of text, json; not {value!r}")
+    return fmt

@@ -21,6 +21,7 @@ from typing import Any
 
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.pool_template import CHECKPOINT_VOLUME, SHM_VOLUME, TOKEN_VOLUME
+from loraplex_operator.api.pool_tracking import tracking_args
 from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, Pool
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -71,8 +72,9 @@ def owner_reference(pool: Pool) -> dict[str, Any]:
     }
 
 
-def engine_args(spec: EnginePoolSpec) -> list[str]:
-    """`loraplex-engine serve ...` arguments for a pool spec."""
+def engine_args(spec: EnginePoolSpec, log_format: str = "text") -> list[str]:
+    """`loraplex-engine serve ...` arguments for a pool spec; `log_format` is the
+    operator's default where the template names no logFormat."""
     return [
         "serve",
         "--model", spec.base_model,
@@ -86,9 +88,20 @@ def engine_args(spec: EnginePoolSpec) -> list[str]:
         *_vllm_args(spec),
         *_memory_args(spec),
         *_world_args(spec),
+        *_log_args(spec, log_format),
         *trust_args(spec),
+        *tracking_args(spec.tracking),
         *(spec.template.extra_args or ()),
     ]  # fmt: skip
+
+
+def _log_args(spec: EnginePoolSpec, default: str) -> list[str]:
+    """`--log-format` where the template names one or the operator's default is not the
+    engine's own (text): a pool that asks for neither keeps the command line it had
+    before the setting existed, so it runs on images without the flag."""
+    chosen = spec.template.log_format
+    fmt = chosen or default
+    return ["--log-format", fmt] if chosen or fmt != "text" else []
 
 
 def _precision_args(spec: EnginePoolSpec) -> list[str]:
@@ -248,13 +261,13 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _container(pool_name: str, spec: EnginePoolSpec) -> dict[str, Any]:
+def _container(pool_name: str, spec: EnginePoolSpec, log_format: str) -> dict[str, Any]:
     template = spec.template
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": template.image,
         "command": ["loraplex-engine"],
-        "args": engine_args(spec),
+        "args": engine_args(spec, log_format),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(pool_name, spec),
         "volumeMounts": _volume_mounts(spec),
@@ -292,11 +305,12 @@ def _scheduling(spec: EnginePoolSpec) -> dict[str, Any]:
     return {key: value for key, value in parts.items() if value}
 
 
-def engine_pod(pool: Pool, suffix: str) -> dict[str, Any]:
-    """The engine Pod for `pool` (an EnginePool with metadata.name and uid)."""
+def engine_pod(pool: Pool, suffix: str, log_format: str = "text") -> dict[str, Any]:
+    """The engine Pod for `pool` (an EnginePool with metadata.name and uid); `log_format`:
+    the operator's engine log format (Config.engine_log_format), the template's wins."""
     spec = pool.spec
     pod_spec: dict[str, Any] = {
-        "containers": [_container(pool.name, spec)],
+        "containers": [_container(pool.name, spec, log_format)],
         "volumes": _volumes(spec),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 60,  # time to checkpoint on shutdown

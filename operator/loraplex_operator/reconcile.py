@@ -352,7 +352,7 @@ class PoolReconciler:
         ns = pool.spec.engine_namespace
         pool_obj = {"apiVersion": API_VERSION, "kind": POOL_KIND, **pool.raw}
         for _ in range(plan.create_pods):
-            pod = manifests.engine_pod(pool, _suffix())
+            pod = manifests.engine_pod(pool, _suffix(), self.config.engine_log_format)
             try:
                 await self.kube.create(PODS, pod, ns)
                 log.info("created engine pod %s/%s", ns, pod["metadata"]["name"])

@@ -90,9 +90,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "rbac": {"create": False, "aggregateToDefaultRoles": False},
         "tests": {"enabled": False},
         "serviceAccount": {"create": False, "name": "preexisting-sa"},
+        "gateway": {"serviceAccount": {"create": False, "name": "preexisting-gateway-sa"}},
         "metrics": {"service": {"enabled": False}},
         "engines": {"metricsService": {"enabled": False}},
     },
+    "no-gateway": {"gateway": {"enabled": False}},
     "digest-debug": {
         "operator": {"image": {"digest": "sha256:" + "a" * 64}, "logLevel": "debug"},
         "fullnameOverride": "lp",
@@ -173,6 +175,23 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
     found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
     assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def component(docs: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, Any]]:
+    """The `kind`s of one component (label app.kubernetes.io/component: operator,
+    gateway): the chart renders a Deployment, ServiceAccount, RBAC and Service for each."""
+    return [
+        d
+        for d in by_kind(docs, kind)
+        if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == name
+    ]
+
+
+def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The operator's Deployment (the chart also renders the gateway's, by default)."""
+    found = component(docs, "Deployment", "operator")
+    assert len(found) == 1, f"expected one operator Deployment, got {len(found)}"
     return found[0]
 
 

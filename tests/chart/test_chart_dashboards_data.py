@@ -32,6 +32,9 @@ ENGINE = {
     "pod": "pool-a-engine-0",
     "pool": "pool-a",
 }
+# loraplex-gateway, one of its replicas (ServiceMonitor: job relabelled, honorLabels keep
+# the tenant `namespace`).
+GATEWAY = {"job": "loraplex-gateway", "instance": "10.0.0.3:8080", "pod": "loraplex-gateway-x"}
 EXPERIMENTS = [("team-a", "team-a.exp1"), ("team-b", "team-b.exp2")]
 FAILED = ("team-a", "team-a.exp3")  # known to the operator only
 BUCKETS = ["0.1", "0.5", "1", "5", "30", "120", "600", "+Inf"]
@@ -126,8 +129,25 @@ def _openmetrics(end: int) -> str:
     gauge("loraplex_engine_free_slots", engine_wide, 6)
     gauge("loraplex_engine_memory_bytes", {**engine_wide, "kind": "rss"}, 2e9)
     gauge("loraplex_engine_memory_bytes", {**engine_wide, "kind": "device"}, 8e9)
+    # The gateway: both tenants' OpenAI and Tinker calls, some refused, streams' first tokens.
+    for ns, _ in EXPERIMENTS:
+        for api in ("openai", "tinker"):
+            per_ns = {**GATEWAY, "namespace": ns, "api": api}
+            counter("loraplex_gateway_requests_total", {**per_ns, "code": "200"}, 3)
+            histogram("loraplex_gateway_request_seconds", per_ns, 3, 1.2)
+        refused = {**GATEWAY, "namespace": ns, "api": "openai", "code": "404"}
+        counter("loraplex_gateway_requests_total", refused, 0.1)
+        ttft = {**GATEWAY, "namespace": ns}
+        histogram("loraplex_gateway_time_to_first_token_seconds", ttft, 1, 0.3)
+    no_key = {**GATEWAY, "namespace": "", "api": "openai"}
+    counter("loraplex_gateway_requests_total", {**no_key, "code": "401"}, 0.05)
+    histogram("loraplex_gateway_request_seconds", no_key, 0.05, 0.001)
+    for reason in ("connect", "reset", "timeout"):
+        counter("loraplex_gateway_upstream_errors_total", {**GATEWAY, "reason": reason}, 0.001)
+    gauge("loraplex_gateway_engines", GATEWAY, 1)
+    gauge("loraplex_gateway_api_keys", GATEWAY, 2)
     # the synthetic `up` series Prometheus writes per target
-    for target in (OP, engine_wide):
+    for target in (OP, engine_wide, GATEWAY):
         gauge("up", target, 1)
 
     lines = []

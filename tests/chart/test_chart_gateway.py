@@ -5,7 +5,7 @@ cluster-wide or only in the namespaces listed, and writes nothing."""
 
 from __future__ import annotations
 
-from chart_helpers import by_kind, one, render
+from chart_helpers import SCENARIOS, by_kind, one, render
 from loraplex_operator.gateway.cli import parser
 
 NAME = "loraplex-gateway"
@@ -17,7 +17,7 @@ def _deployment(docs: list[dict]) -> dict:
 
 
 def test_the_rendered_command_line_is_the_gateways_cli() -> None:
-    docs = render({"gateway": {"enabled": True, "keys": {"namespaces": ["team-b", "team-a"]}}})
+    docs = render({"gateway": {"keys": {"namespaces": ["team-b", "team-a"]}}})
     dep = _deployment(docs)
     [container] = dep["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["python", "-m", "loraplex_operator.gateway"]
@@ -33,11 +33,11 @@ def test_the_rendered_command_line_is_the_gateways_cli() -> None:
     assert pdb["spec"]["minAvailable"] == 1
 
 
-def test_key_secrets_are_read_where_the_values_say_and_nothing_is_written() -> None:
-    cluster = render({"gateway": {"enabled": True}})
+def test_key_secrets_are_read_where_the_values_say_and_only_experiments_are_written() -> None:
+    cluster = render()
     rules = one(cluster, "ClusterRole", NAME)["rules"]
     assert any(r["resources"] == ["secrets"] for r in rules)
-    scoped = render({"gateway": {"enabled": True, "keys": {"namespaces": ["team-a"]}}})
+    scoped = render({"gateway": {"keys": {"namespaces": ["team-a"]}}})
     rules = one(scoped, "ClusterRole", NAME)["rules"]
     assert not any("secrets" in r["resources"] for r in rules)
     roles = [r for r in by_kind(scoped, "Role") if r["metadata"]["name"] == NAME + "-keys"]
@@ -45,11 +45,14 @@ def test_key_secrets_are_read_where_the_values_say_and_nothing_is_written() -> N
     for doc in by_kind(scoped, "Role") + by_kind(scoped, "ClusterRole"):
         if doc["metadata"]["name"].startswith(NAME):
             for rule in doc["rules"]:
-                assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+                if rule["resources"] == ["loraexperiments"]:  # Tinker models (issue 29 item 3)
+                    assert set(rule["verbs"]) == {"get", "create", "delete"}, rule
+                else:
+                    assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
 
 
 def test_engines_admit_the_gateway_under_the_network_policy() -> None:
-    docs = render({"networkPolicy": {"enabled": True}, "gateway": {"enabled": True}})
+    docs = render({"networkPolicy": {"enabled": True}})
     policy = by_kind(docs, "NetworkPolicy")[0]
     peers = policy["spec"]["ingress"][0]["from"]
     assert any(
@@ -58,3 +61,30 @@ def test_engines_admit_the_gateway_under_the_network_policy() -> None:
         for p in peers
     )
     assert not any(d["metadata"]["name"] == NAME for d in render({"gateway": {"enabled": False}}))
+
+
+def test_the_gateway_is_on_by_default_and_its_service_monitor_selects_its_service() -> None:
+    """`helm install` gives tenants their way in; with monitoring on, Prometheus scrapes
+    every gateway pod's /metrics on the Service's port, as job loraplex-gateway, keeping
+    the tenant `namespace` label the gateway exports."""
+    docs = render(
+        {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}}
+    )
+    dep = _deployment(docs)
+    service = one(docs, "Service", NAME)
+    monitor = one(docs, "ServiceMonitor", NAME)
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    selected = [
+        s for s in by_kind(docs, "Service") if selector.items() <= s["metadata"]["labels"].items()
+    ]
+    assert selected == [service]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    [port] = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in [p["name"] for p in container["ports"]]
+    assert endpoint["path"] == "/metrics" and endpoint["honorLabels"] is True
+    assert {"action": "replace", "targetLabel": "job", "replacement": "loraplex-gateway"} in (
+        endpoint["relabelings"]
+    )
+    assert not any(d["metadata"]["name"] == NAME for d in render(SCENARIOS["no-gateway"]))

@@ -9,7 +9,16 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from chart_helpers import ALL_ON, NAMESPACE, SCENARIOS, by_kind, merge, one, render
+from chart_helpers import (
+    ALL_ON,
+    NAMESPACE,
+    SCENARIOS,
+    by_kind,
+    merge,
+    one,
+    operator_deployment,
+    render,
+)
 
 FULL = "loraplex"
 
@@ -47,7 +56,7 @@ def test_hook_checks_the_rendered_operator_service_and_engines(scenario: str) ->
     # the engine pods' readiness probe path (operator manifests.py) is what the hook asks for
     assert "/readyz" in pod["spec"]["containers"][0]["args"][0]
     assert pod["spec"]["restartPolicy"] == "Never"
-    deployment = one(docs, "Deployment")["spec"]["template"]["spec"]
+    deployment = operator_deployment(docs)["spec"]["template"]["spec"]
     assert pod["spec"]["containers"][0]["image"] == deployment["containers"][0]["image"]
     assert pod["spec"]["securityContext"] == deployment["securityContext"]
 

@@ -13,7 +13,15 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from chart_helpers import CUSTOM_KINDS, KUBE_VERSIONS, SCENARIOS, by_kind, crd_files, render
+from chart_helpers import (
+    CUSTOM_KINDS,
+    KUBE_VERSIONS,
+    SCENARIOS,
+    by_kind,
+    crd_files,
+    operator_deployment,
+    render,
+)
 
 
 def test_supported_versions_are_shipped() -> None:
@@ -42,7 +50,7 @@ def test_builtin_kinds_validate_strict(scenario: str, kube_version: str) -> None
 
 def test_validator_rejects_unknown_fields() -> None:
     """Guard: strict validation is not a silent no-op."""
-    (dep,) = by_kind(render(), "Deployment")
+    dep = operator_deployment(render())
     dep["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGett"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, KUBE_VERSIONS[0], strict=True)
@@ -241,9 +249,12 @@ MONITORING_SCHEMAS = {
 def test_monitoring_resources_structure(scenario: str) -> None:
     docs = render(SCENARIOS[scenario])
     for kind, schema in MONITORING_SCHEMAS.items():
-        (doc,) = by_kind(docs, kind)
-        errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
-        assert errors == [], (kind, errors)
+        found = by_kind(docs, kind)
+        # a ServiceMonitor for the operator and one for the gateway; one of the others
+        assert len(found) == (2 if kind == "ServiceMonitor" else 1), (kind, len(found))
+        for doc in found:
+            errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+            assert errors == [], (kind, doc["metadata"]["name"], errors)
 
 
 def _crd_schema(kind: str) -> dict | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chart_helpers import one, render
+from chart_helpers import operator_deployment, render
 
 DOCKERFILE = Path(__file__).resolve().parents[2] / "operator" / "Dockerfile"
 
@@ -22,7 +22,7 @@ def _instruction(name: str) -> str:
 
 
 def _chart_container() -> dict:
-    deployment = one(render({}), "Deployment")
+    deployment = operator_deployment(render({}))
     (container,) = [
         c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"
     ]

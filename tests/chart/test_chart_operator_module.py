@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from chart_helpers import REPO, SCENARIOS, one, render
+from chart_helpers import REPO, SCENARIOS, operator_deployment, render
 
 OPERATOR_SRC = REPO / "operator" / "loraplex_operator"
 
@@ -67,7 +67,7 @@ def declared_handlers() -> set[str]:
 
 def chart_module(values: dict) -> str:
     """The module after `-m` in the operator container's rendered args."""
-    container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container = operator_deployment(render(values))["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert container["command"] == ["kopf"] and args[0] == "run", container
     return args[args.index("-m") + 1]

@@ -1,11 +1,20 @@
-"""The operator's rendered RBAC is exactly rbac-contract.yaml, placed as each RBAC mode
-says; the aggregated ClusterRoles give users read (view) and write (edit) on the kinds."""
+"""The operator's and the gateway's rendered RBAC is exactly rbac-contract.yaml (`rules`
+and `gatewayRules`), placed as each RBAC mode says, each bound to its own ServiceAccount;
+the aggregated ClusterRoles give users read (view) and write (edit) on the kinds."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
-from chart_helpers import CONTRACT, NAMESPACE, SCENARIOS, by_kind, one, render
+from chart_helpers import (
+    CONTRACT,
+    NAMESPACE,
+    SCENARIOS,
+    by_kind,
+    component,
+    operator_deployment,
+    render,
+)
 
 SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret", "engineNamespace"}
 MODES = {"cluster", "namespaced"}
@@ -77,16 +86,17 @@ def _aggregated(role: dict) -> bool:
     return any(k.startswith(AGGREGATE) for k in role["metadata"].get("labels") or {})
 
 
-def operator_roles(docs: list[dict], kind: str) -> list[dict]:
-    """The (Cluster)Roles for the operator: all but those aggregated into user roles."""
-    return [r for r in by_kind(docs, kind) if not _aggregated(r)]
+def operator_roles(docs: list[dict], kind: str, who: str = "operator") -> list[dict]:
+    """The (Cluster)Roles of `who` (operator, gateway; never those aggregated into user
+    roles, which carry no component)."""
+    return [r for r in component(docs, kind, who) if not _aggregated(r)]
 
 
-def rendered(docs: list[dict]) -> dict[str, set[tuple]]:
+def rendered(docs: list[dict], who: str = "operator") -> dict[str, set[tuple]]:
     out: dict[str, set[tuple]] = {}
-    for role in operator_roles(docs, "ClusterRole"):
+    for role in operator_roles(docs, "ClusterRole", who):
         out.setdefault("cluster", set()).update(_triples(role["rules"]))
-    for role in by_kind(docs, "Role"):
+    for role in operator_roles(docs, "Role", who):
         out.setdefault(role["metadata"]["namespace"], set()).update(_triples(role["rules"]))
     return out
 
@@ -127,20 +137,30 @@ def test_the_operator_writes_pods_only_in_the_engine_namespace(scenario: str) ->
 @pytest.mark.parametrize("scenario", ["default", "namespaced", "engines-elsewhere"])
 def test_bindings_bind_the_operator(scenario: str) -> None:
     docs = render(SCENARIOS[scenario])
-    dep = one(docs, "Deployment")
-    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
-    roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
-             for r in operator_roles(docs, "ClusterRole") + by_kind(docs, "Role")}  # fmt: skip
-    bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
-    assert len(bindings) == len(roles)
-    for b in bindings:
-        ns = b["metadata"].get("namespace")
-        assert (b["roleRef"]["kind"], ns, b["roleRef"]["name"]) in roles, b
-        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    for who in ("operator", "gateway"):
+        [dep] = component(docs, "Deployment", who)
+        sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+        own = operator_roles(docs, "ClusterRole", who) + operator_roles(docs, "Role", who)
+        roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"]) for r in own}
+        bindings = component(docs, "ClusterRoleBinding", who) + component(docs, "RoleBinding", who)
+        assert len(bindings) == len(roles)
+        for b in bindings:
+            ns = b["metadata"].get("namespace")
+            assert (b["roleRef"]["kind"], ns, b["roleRef"]["name"]) in roles, b
+            assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    # two ServiceAccounts: the gateway reads key Secrets, the operator writes pods
+    sas = {d["spec"]["template"]["spec"]["serviceAccountName"] for d in by_kind(docs, "Deployment")}
+    assert len(sas) == 2, sas
+    all_bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
+    assert len(all_bindings) == sum(
+        len(component(docs, k, w))
+        for k in ("ClusterRoleBinding", "RoleBinding")
+        for w in ("operator", "gateway")
+    )
 
 
 def test_kopf_flags_match_contract() -> None:
-    args = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = operator_deployment(render())["spec"]["template"]["spec"]["containers"][0]["args"]
     for flag in contract()["kopfFlags"]:
         assert flag in args
 
@@ -148,7 +168,7 @@ def test_kopf_flags_match_contract() -> None:
 def test_no_rbac_when_disabled() -> None:
     docs = render(SCENARIOS["minimal"])
     assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
-    sa = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    sa = operator_deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"]
     assert sa == "preexisting-sa"
 
 
@@ -185,3 +205,58 @@ def test_aggregate_roles_can_be_turned_off() -> None:
     docs = render({"rbac": {"aggregateToDefaultRoles": False}})
     assert not [r for r in by_kind(docs, "ClusterRole") if _aggregated(r)]
     assert operator_roles(docs, "ClusterRole")  # the operator keeps its own
+
+
+GATEWAY_SCOPES = {"cluster", "engineNamespace", "keys"}
+
+
+def test_gateway_contract_is_well_formed_and_writes_only_experiments() -> None:
+    for rule in contract()["gatewayRules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "scope", "why"}, rule
+        assert rule["scope"] in GATEWAY_SCOPES and rule["why"], rule
+        if rule["resources"] == ["loraexperiments"]:  # Tinker models as experiments
+            assert set(rule["verbs"]) == {"get", "create", "delete"}, rule
+        else:
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # reads only
+        assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], rule
+
+
+def expected_gateway(engine_ns: str, key_namespaces: list[str]) -> dict[str, set[tuple]]:
+    out: dict[str, set[tuple]] = {}
+    for rule in contract()["gatewayRules"]:
+        scope = rule["scope"]
+        if scope == "cluster" or (scope == "keys" and not key_namespaces):
+            targets = ["cluster"]
+        elif scope == "engineNamespace":
+            targets = [engine_ns]
+        else:
+            targets = key_namespaces
+        for target in targets:
+            out.setdefault(target, set()).update(_triples([rule]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("scenario", "key_namespaces", "engine_ns"),
+    [
+        ("default", [], NAMESPACE),
+        ("default", ["team-b", "team-a"], NAMESPACE),
+        ("engines-elsewhere", [], "gpu-engines"),
+        ("engines-elsewhere", ["team-a"], "gpu-engines"),
+    ],
+)
+def test_rendered_gateway_rbac_matches_contract(
+    scenario: str, key_namespaces: list[str], engine_ns: str
+) -> None:
+    docs = render({**SCENARIOS[scenario], "gateway": {"keys": {"namespaces": key_namespaces}}})
+    assert rendered(docs, "gateway") == expected_gateway(engine_ns, sorted(key_namespaces))
+    # and the operator's stays exactly its own contract (the gateway adds nothing to it)
+    assert rendered(docs) == rendered(render(SCENARIOS[scenario]))
+
+
+def test_no_gateway_rbac_when_rbac_is_off_or_the_gateway_is() -> None:
+    for values in (SCENARIOS["minimal"], SCENARIOS["no-gateway"]):
+        docs = render(values)
+        assert not any(component(docs, k, "gateway") for k in ("ClusterRole", "Role"))
+    [dep] = component(render(SCENARIOS["minimal"]), "Deployment", "gateway")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "preexisting-gateway-sa"

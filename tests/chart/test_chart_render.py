@@ -19,10 +19,12 @@ from chart_helpers import (
     _helm_template,
     by_kind,
     one,
+    operator_deployment,
     render,
     render_notes,
     tool,
 )
+from loraplex_operator.config import Config
 from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
 from loraplex_operator.resources import Pool
 
@@ -72,33 +74,43 @@ def test_renders_well_formed(scenario: str) -> None:
 
 
 # Which kinds a scenario renders (count per kind).
-# ClusterRole: the operator's, and the view and edit roles aggregated into the default
-# user roles; Pod: the `helm test` hook; no Secret: the operator creates the token.
+# Two components, each with a Deployment, ServiceAccount and Service: the operator and
+# the gateway (a PodDisruptionBudget too). ClusterRole: the operator's, the gateway's, and
+# the view and edit roles aggregated into the default user roles; Role: each one's in the
+# engine namespace; Service: the operator's metrics, the engines' (headless), the
+# gateway's; Pod: the `helm test` hook; no Secret: the operator creates the token.
 EXPECTED_KINDS = {
     "default": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Pod": 1,
+        "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
+        "Role": 2, "RoleBinding": 2, "Service": 3, "Pod": 1, "PodDisruptionBudget": 1,
     },
     "all-on": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 1, "RoleBinding": 1, "Service": 2, "Secret": 0, "ServiceMonitor": 1,
+        "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
+        "Role": 2, "RoleBinding": 2, "Service": 3, "Secret": 0, "ServiceMonitor": 2,
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
         "NetworkPolicy": 1, "EnginePool": 1, "Pod": 1,
     },
-    # two watched namespaces, the engine namespace, the operator's namespace
+    # the operator's: two watched namespaces, the engine namespace, its own namespace;
+    # the gateway's: the engine namespace (keys: cluster-wide by default)
     "namespaced": {
-        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
-        "Role": 4, "RoleBinding": 4, "Service": 2, "Secret": 0, "Pod": 1,
+        "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
+        "Role": 5, "RoleBinding": 5, "Service": 3, "Secret": 0, "Pod": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
+    # no RBAC, no ServiceAccounts (both preexisting), no operator metrics Service: the
+    # gateway keeps its Service (tenants' way in)
     "minimal": {
-        "Deployment": 1, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 0,
+        "Deployment": 2, "ServiceAccount": 0, "ClusterRole": 0, "Role": 0, "Service": 1,
         "Secret": 0, "Pod": 0,
+    },
+    "no-gateway": {
+        "Deployment": 1, "ServiceAccount": 1, "ClusterRole": 3, "ClusterRoleBinding": 1,
+        "Role": 1, "RoleBinding": 1, "Service": 2, "PodDisruptionBudget": 0,
     },
     "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
     "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
     "monitoring-only": {
-        "ServiceMonitor": 1, "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
+        "ServiceMonitor": 2, "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
         "NetworkPolicy": 0, "EnginePool": 0,
     },
 }  # fmt: skip
@@ -117,7 +129,7 @@ def test_kinds_per_toggle(scenario: str) -> None:
 
 
 def _container(docs):
-    dep = one(docs, "Deployment")
+    dep = operator_deployment(docs)
     return dep, dep["spec"]["template"]["spec"]["containers"][0]
 
 
@@ -150,10 +162,12 @@ def test_operator_deployment_defaults() -> None:
         "LORAPLEX_MANAGED_TOKEN_SECRET",
         "LORAPLEX_TOKEN_LENGTH",
         "LORAPLEX_LOG_FORMAT",
+        "LORAPLEX_STALL_AFTER",
+        "LORAPLEX_ENGINE_LOG_FORMAT",
     }
     assert env["LORAPLEX_LOG_FORMAT"]["value"] == "text"  # operator.logFormat
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
-    assert c["image"] == "loraplex/operator:0.1.0"
+    assert c["image"] == "ghcr.io/loraplex/operator:0.1.0"
 
 
 def test_operator_pod_is_restricted() -> None:
@@ -187,7 +201,7 @@ def test_namespaced_mode_args_and_env() -> None:
 def test_image_digest_and_log_level() -> None:
     docs = render(SCENARIOS["digest-debug"])
     dep, c = _container(docs)
-    assert c["image"] == "loraplex/operator@sha256:" + "a" * 64
+    assert c["image"] == "ghcr.io/loraplex/operator@sha256:" + "a" * 64
     assert "--debug" in c["args"]
     assert dep["metadata"]["name"] == "lp-operator"
 
@@ -203,6 +217,33 @@ def test_no_token_secret_rendered_the_operator_creates_it() -> None:
     existing = render(SCENARIOS["existing-secret"])
     env = {e["name"] for e in _container(existing)[1]["env"]}
     assert "LORAPLEX_MANAGED_TOKEN_SECRET" not in env
+
+
+def test_stall_after_reaches_the_operator_config() -> None:
+    """engines.stallAfterSeconds is what the operator's Config reads (default 600 s, the
+    operator's own default; another value passes through as a number it parses)."""
+    for values, expected in (
+        ({}, Config.stall_after),
+        ({"engines": {"stallAfterSeconds": 90}}, 90),
+    ):
+        env = {e["name"]: e["value"] for e in _container(render(values))[1]["env"] if "value" in e}
+        assert Config.from_env(env).stall_after == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, "text"),
+        ({"operator": {"logFormat": "json"}}, "json"),  # one switch: operator and engines
+        ({"operator": {"logFormat": "json"}, "engines": {"logFormat": "text"}}, "text"),
+        ({"engines": {"logFormat": "json"}}, "json"),
+    ],
+)
+def test_engine_log_format_reaches_the_operator_config(values: dict, expected: str) -> None:
+    """engines.logFormat, else operator.logFormat: the engines' `serve --log-format`
+    where a pool's template names none (Config.engine_log_format)."""
+    env = {e["name"]: e["value"] for e in _container(render(values))[1]["env"] if "value" in e}
+    assert Config.from_env(env).engine_log_format == expected
 
 
 @pytest.mark.parametrize("scenario", ["default", "all-on", "existing-secret", "namespaced"])
@@ -244,7 +285,7 @@ def test_default_pool() -> None:
 def test_default_pool_engine_image_follows_the_app_version() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     image = one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]["template"]["image"]
-    assert image == f"loraplex/engine:{app_version}"
+    assert image == f"ghcr.io/loraplex/engine:{app_version}"
     for pinned in ("registry.example:5000/loraplex/engine:9.9.9", "loraplex/engine@sha256:ab12"):
         values = {"defaultPool": {"enabled": True, "spec": {"template": {"image": pinned}}}}
         assert one(render(values), "EnginePool")["spec"]["template"]["image"] == pinned
@@ -289,7 +330,7 @@ def test_engines_in_another_namespace() -> None:
     engines_svc = one(docs, "Service", f"{FULL}-engines")
     assert engines_svc["metadata"]["namespace"] == ns
     # The operator itself stays in the release namespace.
-    assert one(docs, "Deployment")["metadata"]["namespace"] == NAMESPACE
+    assert operator_deployment(docs)["metadata"]["namespace"] == NAMESPACE
 
 
 def test_services() -> None:
@@ -298,7 +339,7 @@ def test_services() -> None:
     assert op["spec"]["ports"] == [
         {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
     ]
-    dep = one(docs, "Deployment")
+    dep = operator_deployment(docs)
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert op["spec"]["selector"].items() <= pod_labels.items()
     eng = one(docs, "Service", f"{FULL}-engines")
@@ -310,7 +351,7 @@ def test_services() -> None:
 
 def test_monitors() -> None:
     docs = render(ALL_ON)
-    sm = one(docs, "ServiceMonitor")
+    sm = one(docs, "ServiceMonitor", f"{FULL}-operator")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     svc = one(docs, "Service", f"{FULL}-operator-metrics")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
@@ -375,9 +416,13 @@ def test_network_policy() -> None:
     assert spec["policyTypes"] == ["Ingress"]
     (rule,) = spec["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    operator_peer, test_peer, prometheus_peer = rule["from"]  # test: the helm test Pod
+    # test: the helm test Pod
+    operator_peer, gateway_peer, test_peer, prometheus_peer = rule["from"]
     assert test_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "helm-test"
-    dep = one(docs, "Deployment")
+    gateway = one(docs, "Deployment", f"{FULL}-gateway")
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert gateway_peer["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    dep = operator_deployment(docs)
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert operator_peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert operator_peer["namespaceSelector"] == {

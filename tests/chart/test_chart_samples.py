@@ -15,7 +15,16 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart_helpers import CHART, KUBE_VERSIONS, NAMESPACE, REPO, by_kind, render
+from chart_helpers import (
+    CHART,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    REPO,
+    by_kind,
+    component,
+    operator_deployment,
+    render,
+)
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 from crdkit import CRD_FILES, admit, apply_defaults, schema_of
@@ -85,13 +94,15 @@ def _chart_token() -> tuple[str, dict[str, str]]:
     """(engine namespace, tokenSecretRef) of the Secret that the chart's defaults tell
     the operator to create (it renders none) and grant it to read."""
     docs = render()
-    (deployment,) = by_kind(docs, "Deployment")
+    deployment = operator_deployment(docs)
     env = {
         e["name"]: e.get("value")
         for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     namespace, name = env["LORAPLEX_MANAGED_TOKEN_SECRET"].split("/")
-    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+    roles = [
+        r for r in component(docs, "Role", "operator") if r["metadata"]["namespace"] == NAMESPACE
+    ]
     granted = [
         rule.get("resourceNames")
         for role in roles

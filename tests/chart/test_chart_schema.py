@@ -52,6 +52,18 @@ BAD_VALUES = {
         {"monitoring": {"podMonitor": {"enabled": True, "interval": "30"}}},
         "monitoring.podMonitor.interval: Does not match pattern",
     ),
+    "engine log format": (
+        {"engines": {"logFormat": "xml"}},
+        "engines.logFormat: engines.logFormat must be one of the following",
+    ),
+    "stall after zero seconds": (
+        {"engines": {"stallAfterSeconds": 0}},
+        "engines.stallAfterSeconds: Must be greater than or equal to 1",
+    ),
+    "stall after as a duration string": (
+        {"engines": {"stallAfterSeconds": "10m"}},
+        "engines.stallAfterSeconds: Invalid type. Expected: integer, given: string",
+    ),
     "short token": (
         {"engines": {"token": {"length": 8}}},
         "engines.token.length: Must be greater than or equal to 32",

@@ -1,10 +1,11 @@
 """Every metric name the dashboards and alert rules read is registered by the code, and
-docs/metrics.md lists exactly what the engine and the operator register (name, type,
-labels).
+docs/metrics.md lists exactly what the engine, the operator and the gateway register
+(name, type, labels).
 
 The names come from the real prometheus-client registries: a fresh
-`loraplex_engine.metrics.EngineMetrics()` and the operator's module-level
-`loraplex_operator.metrics.REGISTRY`. A counter `x` registers the series `x_total`, a
+`loraplex_engine.metrics.EngineMetrics()`, the operator's module-level
+`loraplex_operator.metrics.REGISTRY` and the gateway's
+`loraplex_operator.gateway.metrics.REGISTRY`. A counter `x` registers the series `x_total`, a
 histogram `x_bucket`/`x_sum`/`x_count` (promql_names.exported_series_names does the same
 expansion for the documented names).
 """
@@ -44,8 +45,11 @@ def registered(registry: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def engine_registry() -> Any:
     from loraplex_engine.metrics import EngineMetrics
+    from loraplex_engine.tracking.hub import TrackingMetrics
 
-    return EngineMetrics().registry
+    registry = EngineMetrics().registry
+    TrackingMetrics(registry, [])  # `serve` registers the tracking series beside them
+    return registry
 
 
 def operator_registry() -> Any:
@@ -54,9 +58,15 @@ def operator_registry() -> Any:
     return metrics.REGISTRY
 
 
+def gateway_registry() -> Any:
+    from loraplex_operator.gateway import metrics
+
+    return metrics.REGISTRY
+
+
 def registered_series() -> set[str]:
     names: dict[str, str] = {}
-    for registry in (engine_registry(), operator_registry()):
+    for registry in (engine_registry(), operator_registry(), gateway_registry()):
         names.update({n: kind for n, (kind, _) in registered(registry).items()})
     return exported_series_names(names)
 
@@ -122,8 +132,8 @@ def doc_section(title: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 @pytest.mark.parametrize(
     ("title", "registry"),
-    [("Engine", engine_registry), ("Operator", operator_registry)],
-    ids=["engine", "operator"],
+    [("Engine", engine_registry), ("Operator", operator_registry), ("Gateway", gateway_registry)],
+    ids=["engine", "operator", "gateway"],
 )
 def test_docs_match_registry(title: str, registry: Any) -> None:
     documented = doc_section(title)
@@ -144,8 +154,8 @@ def test_docs_match_registry(title: str, registry: Any) -> None:
 
 def test_docs_tables_are_all_parsed() -> None:
     """The per-section parse and promql_names' whole-file parse agree."""
-    both = {**doc_section("Engine"), **doc_section("Operator")}
-    assert {n: k for n, (k, _) in both.items()} == documented_metrics(METRICS_DOC)
+    every = {**doc_section("Engine"), **doc_section("Operator"), **doc_section("Gateway")}
+    assert {n: k for n, (k, _) in every.items()} == documented_metrics(METRICS_DOC)
 
 
 # --- label values exported at 0 from the start cover what the code counts -----------------
@@ -232,16 +242,30 @@ def test_documented_label_values_are_exported_from_the_start() -> None:
     """The values listed in the docs are exactly the ones a fresh process exports."""
     from loraplex_engine.metrics import EngineMetrics
     from loraplex_operator import metrics
+    from loraplex_operator.gateway import metrics as gateway_metrics
     from prometheus_client import generate_latest
 
     engine = _rendered_label_values(EngineMetrics().render().decode())
+    gateway = _rendered_label_values(generate_latest(gateway_metrics.REGISTRY).decode())
     metrics.set_pool("pool-doc", {}, engines=0, used=0, free=0)
     try:
         operator = _rendered_label_values(generate_latest(metrics.REGISTRY).decode())
     finally:
         metrics.forget_pool("pool-doc")
-    for title, rendered in (("Engine", engine), ("Operator", operator)):
+    for title, rendered in (("Engine", engine), ("Operator", operator), ("Gateway", gateway)):
         documented = doc_label_values(title)
         assert documented, title
         for key, values in documented.items():
             assert rendered.get(key) == values, (title, key, rendered.get(key), values)
+
+
+def test_gateway_upstream_reasons_are_precreated() -> None:
+    """Every reason upstream.transport_reason answers is exported at 0 from the start."""
+    import httpx
+    from loraplex_operator.gateway.metrics import UPSTREAM_REASONS
+    from loraplex_operator.gateway.upstream import transport_reason
+
+    request = httpx.Request("GET", "http://engine")
+    errors = [httpx.ConnectError("x"), httpx.ConnectTimeout("x"), httpx.ReadTimeout("x")]
+    errors += [httpx.RemoteProtocolError("x", request=request), httpx.ReadError("x")]
+    assert {transport_reason(e) for e in errors} == set(UPSTREAM_REASONS)

@@ -22,6 +22,10 @@ real operator while experiments train.
 - Serving traffic throughout: completions for each experiment and the base model, some
   streamed, and one for a model that does not exist, so the Serving row's latency
   quantiles, errors and queue depth read real requests.
+- loraplex-gateway (a real process, live_gateway.py) in front of the pool's engines,
+  scraped as the chart's gateway ServiceMonitor says, with each namespace's completions
+  through it (some streamed, some for a model that does not exist, some with an unknown
+  key), so the Gateway row reads real requests per namespace.
 
 `$__rate_interval`, `$__interval` and `$__range` are set to the span of the run, at least
 30 s (as for a dashboard zoomed onto the run): the scheduling latency histogram only
@@ -49,7 +53,17 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import ALL_ON, DASHBOARDS, METRICS_DOC, REPO, RULES_FILE, one, render, tool
+from chart_helpers import (
+    ALL_ON,
+    DASHBOARDS,
+    METRICS_DOC,
+    REPO,
+    RULES_FILE,
+    one,
+    operator_deployment,
+    render,
+    tool,
+)
 from prometheus_process import (
     PrometheusServer,
     QueryError,
@@ -68,6 +82,7 @@ from promql_names import (
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 from harness import Harness
+from live_gateway import LiveGateway, serve_through
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +103,12 @@ ABSENT_HERE = {
     "loraplex_engine_logprob_gap",
     "loraplex_engine_tis_weight_mean",
     "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+    # per tracker the pool configures (docs/tracking.md); this pool configures none
+    "loraplex_engine_tracking_records_total",
+    "loraplex_engine_tracking_errors_total",
+    "loraplex_engine_tracking_dropped_total",
+    "loraplex_engine_tracking_up",
+    "loraplex_engine_tracking_queued",
     # series only for experiments with published versions (a stable one); these have none
     "loraplex_experiment_stable_version",
     "loraplex_engine_latest_version",
@@ -163,7 +184,7 @@ class Scrapes:
     def __init__(self, workdir: Path) -> None:
         docs = render(ALL_ON)
         self.pod_monitor = one(docs, "PodMonitor")
-        self.service_monitor = one(docs, "ServiceMonitor")
+        self.service_monitor = one(docs, "ServiceMonitor", "loraplex-operator")
         selector = self.service_monitor["spec"]["selector"]["matchLabels"]
         services = [
             d
@@ -173,7 +194,8 @@ class Scrapes:
         ]
         assert len(services) == 1, "the ServiceMonitor selects no (or several) Services"
         self.operator_service = services[0]
-        self.operator_deployment = one(docs, "Deployment")
+        self.operator_deployment = operator_deployment(docs)
+        self.gateway = LiveGateway(workdir / "gateway", docs)
         self.engines_sd = workdir / "engines.json"
         self.operator_sd = workdir / "operator.json"
         write_sd_file(self.engines_sd, [])
@@ -183,6 +205,7 @@ class Scrapes:
         return [
             pod_monitor_scrape_config(self.pod_monitor, self.engines_sd, "1s"),
             service_monitor_scrape_config(self.service_monitor, self.operator_sd, "1s"),
+            self.gateway.scrape_config("1s"),
         ]
 
     def set_operator(self, port: int) -> None:
@@ -194,15 +217,17 @@ class Scrapes:
             endpoint_targets(self.operator_service, pod, container, f"127.0.0.1:{port}"),
         )
 
-    def set_engines(self, pods: list[dict[str, Any]]) -> None:
+    def set_engines(self, pods: list[dict[str, Any]], token: str) -> None:
         from loraplex_operator.manifests import engine_url
 
-        groups = []
+        groups, running = [], []
         for pod in pods:
             url = engine_url(pod)
             if url and (pod.get("status") or {}).get("phase") == "Running":
                 groups += pod_targets(pod, url.removeprefix("http://"))
+                running.append((pod["metadata"]["name"], url))
         write_sd_file(self.engines_sd, groups)
+        self.gateway.set_engines(POOL, running, token)
 
 
 async def _poll(h: Harness, what: str, check: Any, timeout: float) -> Any:
@@ -212,11 +237,24 @@ async def _poll(h: Harness, what: str, check: Any, timeout: float) -> Any:
     return await h.wait_for(what, once, timeout=timeout, interval=0.5)
 
 
+async def _pool_token(h: Harness) -> str:
+    import base64
+
+    from harness import ENGINE_NS, TOKEN_SECRET
+    from loraplex_operator.kube import SECRETS
+
+    assert h.kube is not None
+    secret = await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
 async def _feed_engines(h: Harness, scrapes: Scrapes) -> None:
-    """The discovery loop: engine Pods of the pool → the engines' file_sd file."""
+    """The discovery loop: engine Pods of the pool → the engines' file_sd file, and the
+    gateway's view."""
+    token = await _pool_token(h)
     while True:
         with contextlib.suppress(Exception):
-            scrapes.set_engines(await h.engine_pods(POOL))
+            scrapes.set_engines(await h.engine_pods(POOL), token)
         await asyncio.sleep(0.5)
 
 
@@ -224,16 +262,10 @@ async def _serve_traffic(h: Harness, sent: dict[str, int]) -> None:
     """Completions against every engine of the pool, as OpenAI clients would send them:
     each experiment and the base model (every other one streamed), and a model that does
     not exist (a 404). ``sent`` counts the answers by status."""
-    import base64
-
     import httpx
-    from harness import ENGINE_NS, TOKEN_SECRET
-    from loraplex_operator.kube import SECRETS
     from loraplex_operator.manifests import engine_url
 
-    assert h.kube is not None
-    secret = await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)
-    token = base64.b64decode(secret["data"]["token"]).decode()
+    token = await _pool_token(h)
     models = [f"{ns}.{name}" for ns, name in EXPERIMENTS]
     async with httpx.AsyncClient(
         timeout=30, headers={"Authorization": f"Bearer {token}"}
@@ -420,9 +452,12 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
     async with Harness(tmp_path / "cluster", tiny_model_dir) as h:
         assert h.operator is not None
         await asyncio.to_thread(prom.start)
+        await asyncio.to_thread(scrapes.gateway.start)
         feeder = asyncio.create_task(_feed_engines(h, scrapes))
         traffic: asyncio.Task[None] | None = None
+        gateway_traffic: asyncio.Task[None] | None = None
         sent: dict[str, int] = {}
+        through_gateway: dict[str, int] = {}
         try:
             scrapes.set_operator(h.operator.metrics_port)
             # One engine from the start (min 1), so it loads while the operator settles.
@@ -449,6 +484,9 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             failing["spec"]["task"].update(reward="http", rewardUrl=reward_url)
             await h.apply(failing)
             traffic = asyncio.create_task(_serve_traffic(h, sent))
+            gateway_traffic = asyncio.create_task(
+                serve_through(scrapes.gateway, dict(EXPERIMENTS), through_gateway)
+            )
 
             def trained() -> bool:
                 for ns, name in EXPERIMENTS:
@@ -469,7 +507,15 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                 tokens = "loraplex_engine_serving_first_token_seconds_count"
                 served = f'count({tokens}{{job="loraplex-engine", experiment!="other"}} > 0)'
                 errors = 'sum(loraplex_engine_serving_errors_total{job="loraplex-engine"})'
-                return _value(prom, served) >= len(EXPERIMENTS) + 1 and _value(prom, errors) > 0
+                if not (_value(prom, served) >= len(EXPERIMENTS) + 1 and _value(prom, errors) > 0):
+                    return False
+                # Through the gateway: each namespace's streamed answers, a 404 and a 401.
+                # (an increase within the panels' shortest window: a namespace's series
+                # appears with its first stream, whose count its first sample already holds)
+                gw_tokens = "loraplex_gateway_time_to_first_token_seconds_count"
+                gw_served = f'count(increase({gw_tokens}{{job="loraplex-gateway"}}[30s]) > 0)'
+                codes = 'count(sum by (code) (loraplex_gateway_requests_total{code=~"401|404"}))'
+                return _value(prom, gw_served) >= len(EXPERIMENTS) and _value(prom, codes) == 2
 
             def failed_and_unloaded() -> bool:
                 sel = f'namespace="{FAILING[0]}", experiment="{FAILING_ID}"'
@@ -487,6 +533,12 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             window = f"{max(30, math.ceil(at - prom.started_at) + 5)}s"
             problems, checked, with_data = await asyncio.to_thread(_check_panels, prom, window, at)
             problems += await asyncio.to_thread(_check_table_join, prom, at)
+
+            # The gateway's series carry the tenants' namespaces (honorLabels), not its own.
+            by_ns = 'group by (namespace) (loraplex_gateway_requests_total{job="loraplex-gateway"})'
+            tenants = {s["metric"].get("namespace", "") for s in prom.query(by_ns, at)}
+            if tenants != {ns for ns, _ in EXPERIMENTS} | {""}:
+                problems.append(f"gateway series by namespace: {tenants}")
 
             exprs = dict(rule_exprs(RULES_FILE))
             for alert in QUIET_ALERTS:
@@ -538,18 +590,20 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
             if {s["metric"]["experiment"] for s in others} != want_ids:
                 problems.append(f"after the delete: phase series {others}")
         finally:
-            for task in (feeder, traffic):
+            for task in (feeder, traffic, gateway_traffic):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             prom.stop()
+            await asyncio.to_thread(scrapes.gateway.stop)
             for ns, name in [*EXPERIMENTS, FAILING]:
                 with contextlib.suppress(Exception):
                     await h.delete(ns, name)
         print(
             f"live prometheus check: {with_data}/{checked} panel queries with data, "
-            f"{time.monotonic() - t_start:.1f}s, window {window}, completions by status {sent}"
+            f"{time.monotonic() - t_start:.1f}s, window {window}, completions by status {sent}, "
+            f"through the gateway {through_gateway}"
         )
         assert not problems, "\n".join(problems)
         panels = sum(
@@ -578,4 +632,5 @@ def test_generated_scrape_config_is_valid(tmp_path: Path) -> None:
     assert jobs == {
         "podMonitor/loraplex-system/loraplex-engines/0",
         "serviceMonitor/loraplex-system/loraplex-operator/0",
+        "serviceMonitor/loraplex-system/loraplex-gateway/0",
     }

@@ -111,18 +111,18 @@ def test_the_registry_builds_the_specs_settings_into_the_loss() -> None:
     spec = AlgorithmSpec.model_validate(
         {"name": "grpo", "clip": 0.3, "klCoef": 0.1, "offPolicyCorrection": "tis", "tisCap": 3.0}
     )
-    algo = build_algorithm(spec)
-    assert algo.name == "grpo" and ALGORITHMS["grpo"](spec) == algo
+    algo = build_algorithm(spec, 64)
+    assert algo.name == "grpo" and ALGORITHMS["grpo"](spec, 64) == algo
     assert algo.loss == ClippedRatioLoss(clip=0.3, kl_coef=0.1, tis_cap=3.0)
     assert algo.loss.needs_reference and not ClippedRatioLoss().needs_reference
-    plain = build_algorithm(AlgorithmSpec.model_validate({"tisCap": 3.0}))
+    plain = build_algorithm(AlgorithmSpec.model_validate({"tisCap": 3.0}), 64)
     assert plain.loss.tis_cap is None
     adv = algo.advantages(torch.tensor([1.0, 0.0]), 2)
     zeros = torch.zeros(2, 1)
     out = plain.loss(LossInputs(zeros, zeros, adv, torch.ones(2, 1)))
     assert out.seq_loss.shape == (2,) and out.tis_mean is None
     with pytest.raises(KeyError, match="unknown algorithm 'ppo'"):
-        build_algorithm(AlgorithmSpec.model_construct(name="ppo"))
+        build_algorithm(AlgorithmSpec.model_construct(name="ppo"), 64)
 
 
 def test_grpo_raises_reward_on_the_tiny_model(tiny_model_dir: Path) -> None:

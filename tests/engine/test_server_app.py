@@ -442,3 +442,37 @@ def _samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
             labels = tuple(s.labels[k] for k in sorted(s.labels))  # (experiment, namespace)
             out[(s.name, labels)] = s.value
     return out
+
+
+# The GRPO family's settings (spec_blocks/algorithm.py), one case per validation rule: a bad
+# value is a 422 naming the field, before the engine is asked anything.
+BAD_ALGORITHM = [
+    ({"clipHigh": 1.28}, "spec.algorithm.clipHigh", "less than or equal to 1"),
+    ({"clipHigh": 0}, "spec.algorithm.clipHigh", "greater than 0"),
+    ({"clipHigh": 0.1}, "spec.algorithm.clipHigh", "must be at least algorithm.clip"),
+    ({"importanceSamplingLevel": "seq"}, "spec.algorithm.importanceSamplingLevel", "'token'"),
+    ({"advantageEstimator": "ppo"}, "spec.algorithm.advantageEstimator", "'rloo'"),
+    ({"scaleRewards": "std"}, "spec.algorithm.scaleRewards", "'batch'"),
+    ({"lossAggregation": "dr_grpo"}, "spec.algorithm.lossAggregation", "'token-mean'"),
+    ({"klEstimator": "k2"}, "spec.algorithm.klEstimator", "'k3'"),
+    ({"dynamicSampling": "yes"}, "spec.algorithm.dynamicSampling", "boolean"),
+    ({"overlong": {}}, "spec.algorithm.overlong.bufferTokens", "Field required"),
+    ({"overlong": {"bufferTokens": 0}}, "spec.algorithm.overlong.bufferTokens", "greater than"),
+    ({"overlong": {"bufferTokens": 2, "penalty": 0}}, "spec.algorithm.overlong.penalty", "greater"),
+    ({"overlong": {"bufferTokens": 2, "cache": 1}}, "spec.algorithm.overlong.cache", "unknown"),
+    ({"overlong": {"bufferTokens": 5}}, "spec.algorithm.overlong.bufferTokens", "rollout.maxNew"),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "field", "words"), BAD_ALGORITHM)
+def test_a_bad_grpo_family_setting_is_a_422_naming_it(
+    client, engine: FakeEngine, algorithm: dict[str, Any], field: str, words: str
+) -> None:
+    spec = _spec()  # rollout.maxNewTokens 4
+    spec["algorithm"] = {**spec["algorithm"], **algorithm}
+    r = put(client, "default.a", spec=spec)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["field"]) == ("invalid_spec", field)
+    assert words in err["message"]
+    assert engine.calls == []

@@ -22,6 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {"Dockerfile": "vllm", "Dockerfile.cpu": "torch"}
+CPU_SAMPLE_MODEL = "/models/tiny-llama"  # samples/pool-cpu.yaml's baseModel
+TINY_MODEL_STEP = f"loraplex-engine tiny-model --out {CPU_SAMPLE_MODEL}"
 
 
 def by_instruction(name: str) -> dict[str, list[str]]:
@@ -185,14 +187,18 @@ def test_cpu_image_install_steps_give_a_working_server(
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "PIP_QUIET": "1"}
     env.pop("PYTHONPATH", None)  # the venv must find the package it installed, nothing else
     steps = [c for c in run_commands("Dockerfile.cpu") if c.startswith(("pip ", "loraplex-"))]
-    assert len(steps) == 4, steps  # torch, engine.txt, the package, serve --help
+    # torch, engine.txt, the package, serve --help, the tiny model (into tmp, not /models)
+    assert len(steps) == 5 and steps[-1] == TINY_MODEL_STEP, steps
+    model = tmp_path / "models" / "tiny-llama"
+    steps[-1] = steps[-1].replace(CPU_SAMPLE_MODEL, str(model))
     for step in steps:
         step = step.replace('--index-url "${TORCH_INDEX_URL}"', "")
         subprocess.run(["bash", "-c", step], cwd=workdir, env=env, check=True, timeout=900)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], check=True, env=env)
     exe = venv / "bin" / "loraplex-engine"
 
-    srv = EngineServer(tiny_model_dir, tmp_path / "ckpt", workdir=tmp_path, command=[str(exe)])
+    # The image's own model, as samples/pool-cpu.yaml serves it.
+    srv = EngineServer(model, tmp_path / "ckpt", workdir=tmp_path, command=[str(exe)])
     try:
         srv.start()
         with srv.client() as api:
@@ -202,6 +208,28 @@ def test_cpu_image_install_steps_give_a_working_server(
         assert srv.stop() == 0
     finally:
         srv.kill()
+
+
+def test_cpu_image_holds_the_model_the_cpu_sample_pool_serves() -> None:
+    """samples/pool-cpu.yaml (README "Install on a cluster") runs the CPU image on
+    /models/tiny-llama with the tiny model's shape: the image builds that model there,
+    before USER (/models stays root's, read-only to the engine)."""
+    import yaml
+    from loraplex_engine.dev.tiny_model import PRESETS
+
+    pool = yaml.safe_load((REPO / "samples" / "pool-cpu.yaml").read_text())
+    assert pool["spec"]["baseModel"] == CPU_SAMPLE_MODEL
+    tiny = PRESETS["tiny"]  # `tiny-model`'s default preset
+    head_dim = tiny.hidden_size // tiny.num_attention_heads
+    assert pool["spec"]["modelShape"] == {
+        "numLayers": tiny.num_hidden_layers,
+        "hiddenSize": tiny.hidden_size,
+        "intermediateSize": tiny.intermediate_size,
+        "kvDim": head_dim * tiny.num_key_value_heads,
+    }
+    ins = instructions(REPO / "trainer-image" / "Dockerfile.cpu")
+    at = [i for i, (w, rest) in enumerate(ins) if w == "RUN" and TINY_MODEL_STEP in rest]
+    assert at and at[0] < [w for w, _ in ins].index("USER")
 
 
 def copy_into(src: Path, dest: Path) -> None:

@@ -24,7 +24,7 @@ import child_processes
 from pod_runtime import container_env, local_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-from chart_helpers import merge, one, render
+from chart_helpers import component, merge, operator_deployment, render
 
 OPERATOR_CONTAINER = "operator"
 
@@ -61,7 +61,7 @@ class RenderedOperator:
 
 
 def rendered_operator(values: dict[str, Any]) -> RenderedOperator:
-    deployment = one(render(values), "Deployment")
+    deployment = operator_deployment(render(values))
     template = deployment["spec"]["template"]
     pod = {
         "metadata": {
@@ -74,7 +74,8 @@ def rendered_operator(values: dict[str, Any]) -> RenderedOperator:
     container = next(c for c in pod["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
     # The path Prometheus scrapes: the chart's ServiceMonitor for the same values.
     monitored = merge(values, {"monitoring": {"serviceMonitor": {"enabled": True}}})
-    endpoint = one(render(monitored), "ServiceMonitor")["spec"]["endpoints"][0]
+    [monitor] = component(render(monitored), "ServiceMonitor", "operator")
+    endpoint = monitor["spec"]["endpoints"][0]
     return RenderedOperator(pod, container, endpoint.get("path", "/metrics"), endpoint["port"])
 
 

@@ -144,3 +144,16 @@ def test_several_problems_reported_together() -> None:
     exp = experiment("a", namespace="team-z").rank(128).alpha(128).modules("lm_head").obj()
     p = pool().max_rank(32).allowed_namespaces("team-a").obj()
     assert _fields(exp, p) == ["metadata.namespace", "spec.lora.rank", "spec.lora.targetModules"]
+
+
+def test_client_experiment_is_admitted_like_any_but_its_modules_go_by_kind() -> None:
+    """spec.client (what the gateway creates): no task, no targetModules; the pool's rank
+    limit and namespaces still apply."""
+    exp = experiment("a").client(trainUnembed=False).obj()
+    assert _fields(exp, pool().obj()) == []
+    assert _fields(exp, pool().target_modules("q_proj").obj()) == []  # no family default needed
+    assert _fields(experiment("a").client().rank(64).obj(), pool().max_rank(32).obj()) == [
+        "spec.lora.rank"
+    ]
+    assert ExperimentSpec.from_obj(exp["spec"]).client
+    assert not ExperimentSpec.from_obj(experiment("a").obj()["spec"]).client

@@ -68,6 +68,18 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
             experiment("a").algorithm(lrSchedule="cosine", maxSteps=10, warmupSteps=10).obj()
         ),
     ),
+    "algorithm.clipHigh must be at least algorithm.clip": RuleCase(
+        valid=lambda: experiment("a").algorithm(clip=0.2, clipHigh=0.2).obj(),
+        invalid=lambda: experiment("a").algorithm(clip=0.2, clipHigh=0.19).obj(),
+    ),
+    "algorithm.overlong.bufferTokens must be at most rollout.maxNewTokens": RuleCase(
+        valid=lambda: (
+            experiment("a").algorithm(overlong={"bufferTokens": 16}).rollout(maxNewTokens=16).obj()
+        ),
+        invalid=lambda: (
+            experiment("a").algorithm(overlong={"bufferTokens": 17}).rollout(maxNewTokens=16).obj()
+        ),
+    ),
     "spec.enginePool is immutable": RuleCase(
         valid=lambda: experiment("a").pool("pool-a").priority_class("high").obj(),
         invalid=lambda: experiment("a").pool("pool-b").obj(),
@@ -112,6 +124,24 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
     "task.rewardUrl is only used when task.reward is http": RuleCase(
         valid=lambda: experiment("a").reward("exact-match").obj(),
         invalid=lambda: experiment("a").reward("exact-match", "http://rewards:8080/score").obj(),
+    ),
+    "set exactly one of spec.task": RuleCase(
+        valid=lambda: experiment("a").client().obj(),
+        invalid=lambda: experiment("a").client().task("copy").obj(),
+    ),
+    "a client experiment chooses its modules by kind": RuleCase(
+        valid=lambda: experiment("a").client(trainMlp=False).rank(4).obj(),
+        invalid=lambda: experiment("a").client().modules("q_proj").obj(),
+    ),
+    "spec.client is immutable": RuleCase(
+        valid=lambda: experiment("a").client(idleSeconds=5).suspend().obj(),
+        invalid=lambda: experiment("a").client(idleSeconds=6).obj(),
+        old=lambda: experiment("a").client(idleSeconds=5).obj(),
+    ),
+    "a LoRAExperiment is trained by its task or by its client for life": RuleCase(
+        valid=lambda: experiment("a").suspend().obj(),
+        invalid=lambda: experiment("a").client().obj(),
+        old=lambda: experiment("a").obj(),
     ),
     # 0 passes: the API server used to default it into every stored experiment.
     "publish.aliases: 'latest' is the engine's own alias": RuleCase(
@@ -215,7 +245,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 11  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 15  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -237,14 +267,23 @@ _LORA = "spec.lora is immutable"
 _TASK = "spec.task is immutable"
 _ALG = "spec.algorithm is immutable"
 _ROLL = "spec.rollout is immutable"
+_CLIENT = "spec.client is immutable"
 
 
 def _plain() -> Obj:
     return experiment("a").obj()
 
 
+def _client() -> Obj:
+    return experiment("a").client().obj()
+
+
 def _jsonl() -> Obj:
     return experiment("a").task("jsonl", dataset="/data/a.jsonl").obj()
+
+
+def _overlong() -> Obj:
+    return experiment("a").algorithm(overlong={"bufferTokens": 4}).obj()
 
 
 def _http() -> Obj:
@@ -274,6 +313,15 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.algorithm.clip", 0.3, _ALG, _plain),
     ("spec.algorithm.offPolicyCorrection", "tis", _ALG, _plain),
     ("spec.algorithm.tisCap", 4.0, _ALG, _plain),
+    ("spec.algorithm.clipHigh", 0.28, _ALG, _plain),
+    ("spec.algorithm.importanceSamplingLevel", "sequence", _ALG, _plain),
+    ("spec.algorithm.advantageEstimator", "rloo", _ALG, _plain),
+    ("spec.algorithm.scaleRewards", "none", _ALG, _plain),
+    ("spec.algorithm.lossAggregation", "token-mean", _ALG, _plain),
+    ("spec.algorithm.klEstimator", "k1", _ALG, _plain),
+    ("spec.algorithm.dynamicSampling", True, _ALG, _plain),
+    ("spec.algorithm.overlong.bufferTokens", 8, _ALG, _plain),
+    ("spec.algorithm.overlong.penalty", 0.5, _ALG, _overlong),
     ("spec.algorithm.maxSteps", 100, _ALG, _plain),  # raised
     ("spec.algorithm.maxSteps", 10, _ALG, _plain),  # lowered
     ("spec.algorithm.maxSteps", 0, _ALG, _plain),  # made continual
@@ -281,6 +329,12 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.rollout.maxNewTokens", 32, _ROLL, _plain),
     ("spec.rollout.temperature", 0.7, _ROLL, _plain),
     ("spec.rollout.reproducible", True, _ROLL, _plain),
+    ("spec.client.modelId", "s0123456789abcdef0123:train:1", _CLIENT, _client),
+    ("spec.client.seed", 7, _CLIENT, _client),
+    ("spec.client.trainAttn", False, _CLIENT, _client),
+    ("spec.client.trainMlp", False, _CLIENT, _client),
+    ("spec.client.trainUnembed", False, _CLIENT, _client),
+    ("spec.client.idleSeconds", 60, _CLIENT, _client),
 ]
 # The operator acts on these every round, or the engine reads them at the next placement.
 MUTABLE_EDITS: list[tuple[str, Any]] = [
@@ -288,6 +342,8 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.suspend", True),
     ("spec.checkpoint.everySteps", 5),
     ("spec.checkpoint.keep", 10),
+    ("spec.tracking.runName", "lr-2"),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
     # The engine applies a publish edit in place (versions/, docs/versions.md).
     ("spec.publish.everySteps", 5),
     ("spec.publish.keep", 3),
@@ -428,7 +484,11 @@ def test_transition_rules_sit_on_fields_every_object_has(kind: str) -> None:
         for step in rule.path:
             assert step not in ("[]", "{}"), rule
             child = node["properties"][step]
-            assert step in node.get("required", []) or "default" in child, (rule.path, step)
+            # spec.task and spec.client are optional: the spec-level "for life" rule (on
+            # spec, which every object has) refuses adding or removing either.
+            kind_block = rule.path[:2] in (("spec", "task"), ("spec", "client"))
+            required = step in node.get("required", []) or "default" in child
+            assert required or kind_block, (rule.path, step)
             node = child
 
 

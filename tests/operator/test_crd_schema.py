@@ -108,6 +108,16 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
     ("spec.task.params", {"target": _long(4096)}, False),
     ("spec.task.dataset", "", False),
+    # spec.client.* on a client experiment (_case): what the gateway writes.
+    ("spec.client.modelId", DELETE, False),
+    ("spec.client.modelId", "", False),
+    ("spec.client.modelId", "s1:sample:0", False),
+    ("spec.client.modelId", "s1:train:3", True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 9, True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 10, False),
+    ("spec.client.idleSeconds", -1, False),
+    ("spec.client.idleSeconds", 0, True),
+    ("spec.client.idleSeconds", 2592001, False),
     ("spec.task.dataset", _long(4096), False),
     ("spec.task.reward", "bleu", False),
     ("spec.task.reward", "exact-match", True),
@@ -145,6 +155,34 @@ EXPERIMENT_BOUNDS = [
     ("spec.algorithm.tisCap", 1, True),
     ("spec.algorithm.tisCap", 100, True),
     ("spec.algorithm.tisCap", 100.5, False),
+    ("spec.algorithm.clipHigh", 0, False),
+    ("spec.algorithm.clipHigh", 0.28, True),
+    ("spec.algorithm.clipHigh", 1, True),
+    ("spec.algorithm.clipHigh", 1.28, False),  # ε, not 1 + ε
+    ("spec.algorithm.clipHigh", "0.28", False),
+    ("spec.algorithm.importanceSamplingLevel", "sequence", True),
+    ("spec.algorithm.importanceSamplingLevel", "token", True),
+    ("spec.algorithm.importanceSamplingLevel", "sequence_token", False),
+    ("spec.algorithm.advantageEstimator", "rloo", True),
+    ("spec.algorithm.advantageEstimator", "gae", False),
+    ("spec.algorithm.scaleRewards", "none", True),
+    ("spec.algorithm.scaleRewards", "batch", True),
+    ("spec.algorithm.scaleRewards", False, False),
+    ("spec.algorithm.lossAggregation", "token-mean", True),
+    ("spec.algorithm.lossAggregation", "seq-mean-token-sum-norm", True),
+    ("spec.algorithm.lossAggregation", "dr_grpo", False),
+    ("spec.algorithm.klEstimator", "k1", True),
+    ("spec.algorithm.klEstimator", "k2", False),
+    ("spec.algorithm.dynamicSampling", True, True),
+    ("spec.algorithm.dynamicSampling", "true", False),
+    ("spec.algorithm.overlong", {"bufferTokens": 64}, True),
+    ("spec.algorithm.overlong", {}, False),  # bufferTokens is required
+    ("spec.algorithm.overlong.bufferTokens", 0, False),
+    ("spec.algorithm.overlong.bufferTokens", 4097, False),
+    ("spec.algorithm.overlong.bufferTokens", 4.5, False),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 0}, False),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 10}, True),
+    ("spec.algorithm.overlong", {"bufferTokens": 4, "penalty": 10.5}, False),
     ("spec.algorithm.maxSteps", -1, False),
     ("spec.algorithm.maxSteps", 0, True),
     ("spec.algorithm.seed", -1, False),
@@ -158,6 +196,19 @@ EXPERIMENT_BOUNDS = [
     ("spec.checkpoint.everySteps", 1, True),
     ("spec.checkpoint.keep", 0, False),
     ("spec.checkpoint.keep", 1000, True),
+    ("spec.tracking.runName", "lr-3e-4,seed=1", True),
+    ("spec.tracking.runName", "", False),
+    ("spec.tracking.runName", "a/b", False),
+    ("spec.tracking.runName", _long(128), False),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "lr été"}], True),
+    ("spec.tracking.tags", [{"name": f"t{i}"} for i in range(33)], False),
+    ("spec.tracking.tags", [{"value": "x"}], False),
+    ("spec.tracking.tags", [{"name": "mlflow.parentRunId", "value": "x"}], False),
+    ("spec.tracking.tags", [{"name": ""}], False),
+    ("spec.tracking.tags", [{"name": _long(63)}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": "line\nbreak"}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
+    ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
     ("spec.checkpoint.keep", 1001, False),
     ("spec.publish.everySteps", 0, False),
     ("spec.publish.everySteps", 1, True),
@@ -202,6 +253,39 @@ EXPERIMENT_BOUNDS = [
     ("status.aliases", {"stable": "v2", "latest": "v3"}, True),
     ("status.aliases", {f"a{i}": "v1" for i in range(41)}, False),
     *_condition_cases(),
+]
+
+_URI = "http://mlflow.mlops.svc:5000"
+_MLFLOW = {"trackingUri": _URI}
+# EnginePool spec.tracking (api/pool_tracking.py): each whole, so a case breaks one rule.
+TRACKING_CASES: list[tuple[Any, bool]] = [
+    ({"mlflow": _MLFLOW, "wandb": {}, "tensorboard": {"logDir": "/tb"}, "queue": 1}, True),
+    ({"mlflow": {}}, False),
+    ({"mlflow": {"trackingUri": "ftp://mlflow"}}, False),
+    ({"mlflow": {"trackingUri": "http://"}}, False),
+    ({"mlflow": {"trackingUri": _long(2048, "http://")}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "team/rl"}}, True),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": ""}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "-x"}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": _long(128)}}, False),
+    ({"wandb": {"mode": "online", "project": "p.x", "entity": "team-a", "dir": "/w"}}, True),
+    ({"wandb": {"mode": "disabled"}}, False),
+    ({"wandb": {"project": ""}}, False),
+    ({"wandb": {"project": "a b"}}, False),
+    ({"wandb": {"project": _long(128)}}, False),
+    ({"wandb": {"entity": ""}}, False),
+    ({"wandb": {"entity": "a/b"}}, False),
+    ({"wandb": {"entity": _long(128)}}, False),
+    ({"wandb": {"dir": "/"}}, False),
+    ({"wandb": {"dir": "rel/ative"}}, False),
+    ({"wandb": {"dir": _long(4096, "/")}}, False),
+    ({"tensorboard": {}}, False),
+    ({"tensorboard": {"logDir": "/"}}, False),
+    ({"tensorboard": {"logDir": "tb"}}, False),
+    ({"tensorboard": {"logDir": _long(4096, "/")}}, False),
+    ({"queue": 0}, False),
+    ({"queue": 1_000_000}, True),
+    ({"queue": 1_000_001}, False),
 ]
 
 POOL_BOUNDS = [
@@ -253,6 +337,7 @@ POOL_BOUNDS = [
     ("spec.checkpoint.keepRuns", 0, False),
     ("spec.checkpoint.keepRuns", 1, True),
     ("spec.checkpoint.keepRuns", 1001, False),
+    *[("spec.tracking", t, ok) for t, ok in TRACKING_CASES],
     ("spec.allowDatasetHardLinks", "yes", False),
     ("spec.allowDatasetHardLinks", True, True),
     ("spec.capacity.maxAdapters", 0, False),
@@ -289,6 +374,8 @@ POOL_BOUNDS = [
     ("spec.template.image", _long(1024), False),
     ("spec.template.imagePullPolicy", "Sometimes", False),
     ("spec.template.imagePullPolicy", "Never", True),
+    ("spec.template.logFormat", "xml", False),
+    ("spec.template.logFormat", "json", True),
     ("spec.template.imagePullSecrets", _many(16, lambda i: {"name": f"s{i}"}), False),
     ("spec.template.imagePullSecrets", [{}], False),
     ("spec.template.serviceAccountName", _long(253), False),
@@ -385,7 +472,10 @@ def _set(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 def _case(kind: str, field: str, value: Any) -> dict[str, Any]:
     # The pool carries a modelShape so its fields can be broken one at a time (an absent
     # block has no field rules to break, and a partial one breaks `required` too).
-    base = experiment("a") if kind == EXP else pool().model_shape(numLayers=2, hiddenSize=64)
+    if kind == EXP:
+        base = experiment("a").client() if field.startswith("spec.client.") else experiment("a")
+    else:
+        base = pool().model_shape(numLayers=2, hiddenSize=64)
     return _set(base.obj(), field, value)
 
 
@@ -394,7 +484,11 @@ def _names_field(error: str, field: str) -> bool:
     where, _, message = error.partition(": ")
     parent, _, leaf = field.rpartition(".")
     inside = where == field or where.startswith((field + ".", field + "["))
-    return inside or (where == parent and f"'{leaf}' is a required property" in message)
+    # A rule on the whole spec (x-kubernetes-validations on spec) answers its message
+    # alone; it must name the field by its path.
+    spec_rule = not message and f"{field} " in error
+    required = where == parent and f"'{leaf}' is a required property" in message
+    return inside or spec_rule or required
 
 
 def _check_bound(kind: str, field: str, value: Any, valid: bool) -> None:
@@ -453,7 +547,7 @@ def test_the_rule_walker_sees_nested_rules() -> None:
     exp, pool_rules = set(constraint_rules(schema_of(EXP))), set(constraint_rules(schema_of(POOL)))
     assert {
         "<root> required:spec",
-        "spec required:task",
+        "spec.client required:modelId",
         "spec.lora.alpha maximum",
         "spec.lora.targetModules maxItems",
         "spec.lora.targetModules[] pattern",
@@ -479,12 +573,13 @@ def test_every_schema_rule_has_an_invalid_case(kind: str) -> None:
     assert [r for r in constraint_rules(schema) if r not in broken] == []
 
 
-def test_experiment_requires_pool_and_task() -> None:
+def test_experiment_requires_pool_and_task_or_client() -> None:
     obj = experiment("a").obj()
     del obj["spec"]["enginePool"], obj["spec"]["task"]
-    errors = admit(EXP, obj)
-    assert any("'enginePool' is a required property" in e for e in errors)
-    assert any("'task' is a required property" in e for e in errors)
+    assert any("'enginePool' is a required property" in e for e in admit(EXP, obj))
+    obj = experiment("a").obj()
+    del obj["spec"]["task"]  # the schema holds; the spec's rule refuses it
+    assert [e[:31] for e in admit(EXP, obj)] == ["set exactly one of spec.task (t"]
 
 
 def test_experiment_defaults() -> None:
@@ -495,8 +590,11 @@ def test_experiment_defaults() -> None:
         "name": "grpo", "groupSize": 8, "promptsPerStep": 4, "learningRate": 0.0005,
         "lrSchedule": "constant", "warmupSteps": 0,
         "klCoef": 0.0, "clip": 0.2, "offPolicyCorrection": "none", "tisCap": 2.0,
-        "maxSteps": 50, "seed": 0,
+        "importanceSamplingLevel": "token", "advantageEstimator": "grpo",
+        "scaleRewards": "group", "lossAggregation": "seq-mean-token-mean", "klEstimator": "k3",
+        "dynamicSampling": False, "maxSteps": 50, "seed": 0,
     }  # fmt: skip
+    assert "clipHigh" not in spec["algorithm"] and "overlong" not in spec["algorithm"]
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
     assert spec["rollout"] == {"maxNewTokens": 64, "temperature": 1.0, "reproducible": False}
     assert spec["checkpoint"] == {"everySteps": 10, "keep": 3}
@@ -572,9 +670,16 @@ def _value_paths(
     return out
 
 
+def _doc_client_spec() -> dict[str, Any]:
+    """The client experiment's example (the second block of the section)."""
+    section = (REPO / "docs" / "engine-api.md").read_text().split("## Experiment spec", 1)[1]
+    return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[1])
+
+
 def test_spec_fields_match_engine_api_doc() -> None:
     spec_schema = schema_of(EXP)["properties"]["spec"]
-    assert _paths(spec_schema) == _value_paths(_doc_spec())
+    assert _paths(spec_schema) == _value_paths(_doc_spec()) | _value_paths(_doc_client_spec())
+    assert admit(EXP, {**experiment("a").obj(), "spec": _doc_client_spec()}) == []
 
 
 def test_engine_api_doc_example_passes_the_schema() -> None:

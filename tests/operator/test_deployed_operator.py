@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 MODES = {
     "default": None,
-    # ... and JSON logs (operator.logFormat): every line of its log must parse.
+    # ... and JSON logs (operator.logFormat): every line of its log must parse, and of
+    # its engines' (engines.logFormat empty: the operator's format).
     "namespaced": {
         "rbac": {"scope": "namespaced", "namespaces": ["team-a"]},
         "operator": {"logFormat": "json"},
@@ -99,6 +100,7 @@ async def test_rendered_operator_takes_an_experiment_to_succeeded(
             pods = await h.engine_pods("pool-chart")
             assert len(pods) == 1 and pods[0]["metadata"]["namespace"] == ENGINE_NS
             _ran_the_pod_spec(h, pods[0])
+            _engine_logged(h, pods[0], json_lines=mode == "namespaced")
             metrics = (await c.get(h.operator.metrics_url)).text
             assert "loraplex_experiment_phase{" in metrics and "chart-exp" in metrics
             assert (await c.get(h.operator.rendered.probe_url("livenessProbe"))).is_success
@@ -107,6 +109,26 @@ async def test_rendered_operator_takes_an_experiment_to_succeeded(
             assert h.api is not None
             calls = operator_calls_in(h.api)
             assert {("", "namespaces", "list", None), ("", "namespaces", "watch", None)} <= calls
+
+
+def _engine_logged(h: Harness, pod: dict[str, Any], *, json_lines: bool) -> None:
+    """The engine pod runs `serve --log-format json` where the chart's values chose json
+    (text: no flag, the engine's default), and its log is in that format (JSON: every
+    line an object with the engine's fields)."""
+    assert h.kubelet is not None
+    args = pod["spec"]["containers"][0]["args"]
+    if json_lines:
+        assert args[args.index("--log-format") + 1] == "json"
+    else:
+        assert "--log-format" not in args
+    log = h.kubelet.processes[pod["metadata"]["name"]].log_text()
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    assert any("loraplex-engine listening" in ln for ln in lines)
+    for line in lines:
+        if json_lines:
+            assert {"time", "level", "logger", "message"} <= set(json.loads(line)), line
+        else:
+            assert not line.startswith("{"), line
 
 
 def _logged_well(text: str, *, json_lines: bool) -> None:

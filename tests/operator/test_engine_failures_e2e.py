@@ -10,7 +10,7 @@ One operator and six pools, each broken one way, each with one experiment waitin
 - config: an env var from a Secret that does not exist: CreateContainerConfigError;
 - oom: a memory limit below what the engine needs: SIGKILLed over it, restarted: OOMKilled;
 - nonode: a nodeSelector no node matches: PodScheduled=False, Unschedulable, which
-  stalls after LORAPLEX_STALL_AFTER (2 s here);
+  stalls after LORAPLEX_STALL_AFTER (the chart's engines.stallAfterSeconds, 2 s here);
 - gpu: a GPU whose device plugin reports it unhealthy: the kubelet fails the pod,
   UnexpectedAdmissionError;
 - hung: a healthy engine (replicas.min 1) that stops answering (SIGSTOP): the kubelet's
@@ -92,8 +92,8 @@ def _set(obj: dict[str, Any], path: str, value: Any) -> None:
 
 @pytest.fixture
 async def h(tmp_path: Path, tiny_model_dir: Path):
-    harness = Harness(tmp_path, tiny_model_dir)
-    harness.operator_env["LORAPLEX_STALL_AFTER"] = "2"
+    # The chart's engines.stallAfterSeconds, as a user sets it (LORAPLEX_STALL_AFTER).
+    harness = Harness(tmp_path, tiny_model_dir, chart_values={"engines": {"stallAfterSeconds": 2}})
     harness.operator_env["LORAPLEX_ENGINE_TIMEOUT"] = "3"  # the hung engine's probes
     async with harness:
         assert harness.kubelet is not None

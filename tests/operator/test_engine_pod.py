@@ -8,7 +8,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from builders import pod_of, pool, serve_args
-from crdkit import REPO, apply_defaults, schema_of
+from crdkit import REPO, admit, apply_defaults, schema_of
+from loraplex_operator import manifests
+from loraplex_operator.config import Config
 from loraplex_operator.manifests import (
     KUEUE_QUEUE_LABEL,
     POOL_LABEL,
@@ -16,6 +18,7 @@ from loraplex_operator.manifests import (
     engine_url,
     is_pod_ready,
 )
+from loraplex_operator.resources import Pool
 
 K8S_VERSION = "1.33"
 _PVC = {"persistentVolumeClaim": {"claimName": "ckpt"}}
@@ -30,7 +33,7 @@ def _gpu_pool() -> dict[str, Any]:
         .replicas(0, 4)
         .checkpoint(root="/shared/ckpt", volume=_PVC)
         .template(
-            image="ghcr.io/loraplex/engine-cuda:0.1.0",
+            image="ghcr.io/loraplex/engine:0.1.0",
             resources={"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}},
             nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
             tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -111,6 +114,35 @@ def test_engine_command_line() -> None:
         "--rollout-backend", "vllm",
         "--log-level", "info",
     ]  # fmt: skip
+
+
+def test_log_format_is_the_templates_else_the_operators() -> None:
+    """spec.template.logFormat wins; without it the operator's engine log format
+    (Config.engine_log_format, LORAPLEX_ENGINE_LOG_FORMAT) is passed to `serve`."""
+
+    def log_format(obj: dict[str, Any], default: str) -> str | None:
+        (c,) = manifests.engine_pod(Pool.from_obj(obj), "x", default)["spec"]["containers"]
+        args = c["args"]
+        return args[args.index("--log-format") + 1] if "--log-format" in args else None
+
+    obj = _gpu_pool()
+    # Neither asks: no flag (the engine's default, text; images without the flag run it).
+    assert log_format(obj, "text") is None and log_format(obj, "json") == "json"
+    obj["spec"]["template"]["logFormat"] = "json"
+    assert log_format(obj, "text") == "json"
+    obj["spec"]["template"]["logFormat"] = "text"
+    assert log_format(obj, "json") == "text"
+    kubernetes_validate.validate(pod_of(obj, "x"), K8S_VERSION, strict=True)
+
+
+def test_a_log_format_the_engine_lacks_is_refused_by_the_crd_and_the_operator() -> None:
+    obj = _gpu_pool()
+    obj["spec"]["template"]["logFormat"] = "xml"
+    assert any("logFormat" in e for e in admit("EnginePool", obj))
+    assert Config.from_env({"LORAPLEX_ENGINE_LOG_FORMAT": " JSON "}).engine_log_format == "json"
+    assert Config.from_env({}).engine_log_format == "text"
+    with pytest.raises(ValueError, match="LORAPLEX_ENGINE_LOG_FORMAT must be one of text, json"):
+        Config.from_env({"LORAPLEX_ENGINE_LOG_FORMAT": "xml"})
 
 
 def test_args_use_pool_defaults() -> None:
@@ -278,3 +310,28 @@ def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_p
     assert trust_policy(settings, 8000).data.allow_hard_links
     plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
     assert not [a for a in plain if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]
+
+
+def test_the_pools_trackers_become_the_serve_flags_the_engine_parses() -> None:
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+
+    obj = pool("tenants").obj()
+    obj["spec"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.mlops.svc:5000"},
+        "wandb": {"mode": "online", "entity": "team", "dir": "/ckpt/wandb"},
+        "tensorboard": {"logDir": "/ckpt/tb"},
+        "queue": 500,
+    }
+    args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    ours = [a for a in args if a.startswith("--tracking-")]
+    settings = serve_settings(build_parser().parse_args(["serve", "--model=/m", *ours]))
+    assert (settings.tracking_mlflow_uri, settings.tracking_mlflow_experiment) == (
+        "http://mlflow.mlops.svc:5000",
+        "loraplex",  # the CRD's default prefix
+    )
+    assert (settings.tracking_wandb, settings.tracking_wandb_project) == ("online", "loraplex")
+    assert (settings.tracking_wandb_entity, settings.tracking_wandb_dir) == ("team", "/ckpt/wandb")
+    assert (settings.tracking_tensorboard_dir, settings.tracking_queue) == ("/ckpt/tb", 500)
+    plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
+    assert not [a for a in plain if a.startswith("--tracking-")]  # no block: no tracker

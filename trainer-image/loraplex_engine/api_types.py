@@ -9,10 +9,13 @@ and subclasses).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
+
+if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
+    from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -38,6 +41,8 @@ DEFAULT_ROLLOUT_KV_TOKENS = 65536
 # the tick after the reward arrives, tenancy/fair_share.py): under a GPU tick (seconds), over a
 # healthy reward service's answer (milliseconds to a few hundred).
 DEFAULT_REWARD_DEADLINE_S = 1.0
+# A client call waits at most this long for others on their way (clients/gather.py).
+DEFAULT_CLIENT_TICK_GATHER_S = 0.02
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
 # a safe path segment (no "/", never "." or ".."), short enough for any file system.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -114,6 +119,9 @@ class ExperimentStatus(WireModel):
     # Mean truncated-importance weight over the latest step's sampled tokens
     # (offPolicyCorrection: tis; every rank's under data parallelism); None without TIS.
     tis_weight_mean: float | None = None
+    # Steps whose update algorithm.dynamicSampling skipped (every group's rewards equal),
+    # since this engine placed the experiment (not carried in checkpoints).
+    skipped_updates: int = 0
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
@@ -197,6 +205,14 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class InstalledPlugins(WireModel):
+    """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
+    task.reward and task.environment.name may use beyond the built-ins."""
+
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -214,6 +230,7 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    plugins: InstalledPlugins = InstalledPlugins()
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -236,6 +253,20 @@ class ExperimentTick:
     logprob_gap: float | None = None  # sampler vs trainer log-probs (ExperimentStatus)
     tis_weight_mean: float | None = None  # the TIS weight's mean (ExperimentStatus)
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
+    dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
+    update_skipped: bool = False  # every group dropped: the step updated nothing
+    # The step's statistics the experiment trackers record (tracking/records.py):
+    # train/step_stats.py's and the loss's (train/strategy.TrainOutcome); None: not known.
+    reward_std: float | None = None
+    response_tokens: float | None = None  # mean completion length
+    entropy: float | None = None  # sampled-token estimate, -mean log p
+    kl: float | None = None
+    clip_fraction: float | None = None
+    # Who the step was for, as the trackers name its run.
+    name: str = ""
+    run_id: str = ""
+    tracking: TrackingSpec | None = None  # spec.tracking
+    finished: bool = False  # its last step (maxSteps reached)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
@@ -42,12 +43,7 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.experiment import (
-    Experiment,
-    adapter_field,
-    lora_config,
-    new_experiment,
-)
+from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
@@ -55,6 +51,7 @@ from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.service import PromptJob, ServedRow
@@ -83,7 +80,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientTraining, Versions):
+class Engine(ClientExperimentAPI, ClientTraining, Versions):
     """Implements :class:`loraplex_engine.service.TickingEngine` and, through
     clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
@@ -119,8 +116,7 @@ class Engine(ClientTraining, Versions):
         self.ignore_eos = ignore_eos
         self.max_step_tokens = s.max_step_tokens
         self.max_prompt_tokens = s.max_prompt_tokens
-        # What tenants' datasets and reward URLs may reach (tenancy/trust.py); the default allows
-        # no dataset file and no local reward address.
+        # What tenants' data and rewards may reach (tenancy/trust.py; default: the strictest).
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
@@ -240,7 +236,8 @@ class Engine(ClientTraining, Versions):
             self.publisher,
         )
         # Models a client trains itself (clients/).
-        self.clients = ClientModels(self, s.client_models_per_tick)
+        self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
+        self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
 
     @property
     def computed_train_tokens(self) -> int:
@@ -279,11 +276,11 @@ class Engine(ClientTraining, Versions):
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded
 
-    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+    def get_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._state_lock:
             return self._require(exp_id).status()
 
-    def list_experiments(self) -> list[ExperimentStatus]:
+    def list_task_experiments(self) -> list[ExperimentStatus]:
         with self._state_lock:
             return [e.status() for e in self._experiments.values()]
 
@@ -309,11 +306,12 @@ class Engine(ClientTraining, Versions):
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,
+            plugins=installed().to_json(),  # type: ignore[arg-type]
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
 
-    def put_experiment(
+    def put_task_experiment(
         self,
         exp_id: str,
         spec: ExperimentSpec,
@@ -361,14 +359,14 @@ class Engine(ClientTraining, Versions):
             if exp is not None and not kept:
                 exp.task.close()  # its dataset's descriptors, its reward's client
 
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+    def checkpoint_task_experiment(self, exp_id: str) -> CheckpointRef:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase == "Failed":
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
             return self.store.save(exp)
 
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+    def remove_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase != "Failed" and (
@@ -418,6 +416,7 @@ class Engine(ClientTraining, Versions):
 
     def tick(self) -> TickReport | None:
         """A training tick or a serving tick, as the time share picks (tenancy/time_share.py)."""
+        self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
             with self._jobs_lock:  # pick and take together: no wake-up is lost
@@ -472,7 +471,8 @@ class Engine(ClientTraining, Versions):
         self.limits.check_step(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
+        timeout = self.settings.plugin_timeout
+        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust, timeout)
 
     def _load(self, exp: Experiment, resume_from: str | None, run_id: str | None) -> None:
         """Its adapter, fresh or resumed, into a slot (under the model lock); a failure

@@ -114,6 +114,19 @@ class EngineMetrics:
             per_exp,
             registry=r,
         )
+        # algorithm.dynamicSampling: exported at 0 for every experiment from its first step.
+        self.groups_dropped = Counter(
+            "loraplex_engine_groups_dropped",
+            "Prompt groups dynamic sampling left out of the update (all rewards equal).",
+            per_exp,
+            registry=r,
+        )
+        self.updates_skipped = Counter(
+            "loraplex_engine_updates_skipped",
+            "Steps with every group dropped by dynamic sampling: no update.",
+            per_exp,
+            registry=r,
+        )
         self.failures = Counter(
             "loraplex_engine_experiment_failures",
             "Experiments failed (NaN, reward error, ...).",
@@ -203,6 +216,8 @@ class EngineMetrics:
             self.logprob_gap,
             self.latest_version,
             self.tis_weight_mean,
+            self.groups_dropped,
+            self.updates_skipped,
         )
         self._serving = (self.serving_requests, self.serving_seconds, self.serving_first_token)
         self._lock = threading.Lock()
@@ -356,6 +371,8 @@ class EngineMetrics:
                     self.logprob_gap.labels(**labels).set(t.logprob_gap)
                 if t.tis_weight_mean is not None:
                     self.tis_weight_mean.labels(**labels).set(t.tis_weight_mean)
+                self.groups_dropped.labels(**labels).inc(t.dropped_groups)
+                self.updates_skipped.labels(**labels).inc(int(t.update_skipped))
                 if t.checkpointed:
                     self.checkpoints.labels(**labels).inc()
 

@@ -15,37 +15,31 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
+from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
+from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.tracking import TrackingSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
     Int32,
-    Int64,
     ListSet,
     SpecModel,
     block,
     immutable,
     spec_errors,
 )
-from loraplex_engine.train.lr_schedule import LRScheduleName
 from loraplex_engine.versions.spec import PUBLISH_FIELD, PublishSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
-# "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
-RewardName = Literal[
-    "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
-]
-AlgorithmName = Literal["grpo"]
-OffPolicyCorrection = Literal["none", "tis"]
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 ]
-ParamValue = Annotated[str, Field(max_length=4096)]
 # A DNS subdomain, as Kubernetes names an object (the pool is one).
 ObjectName = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 ]
-# Most completions one step may sample (groupSize × promptsPerStep).
-MAX_COMPLETIONS_PER_STEP = 8192
 # A DNS label, as an EnginePool's spec.priorityClasses[].name (loraplex_operator/api/priority.py).
 ClassName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -152,12 +146,16 @@ class TaskSpec(SpecModel):
         description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
         '"answer": str} object per line. Required by, and only used by, the jsonl task.',
     )
-    reward: RewardName | None = Field(
+    reward: PluginName | None = Field(
         None,
         description="How a completion is scored: default (the task's own verifier), a "
         "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
-        "against the answer), or http (scored by the service at rewardUrl). "
+        "against the answer), http (scored by the service at rewardUrl), or the name of a "
+        "reward plug-in installed in the engine (GET /v1/capacity lists them). "
         "Absent = the task's own verifier.",
+    )
+    environment: EnvironmentSpec | None = Field(
+        None, description="A multi-turn environment the policy acts in (its reward scores)."
     )
     chat_template: bool = Field(
         False,
@@ -173,139 +171,6 @@ class TaskSpec(SpecModel):
         pattern=r"^https?://[^\s]+$",
         description='URL the engine POSTs {"items": [{prompt, completion, answer}]} to, '
         'answered by {"scores": [float]}. Required when, and only used when, reward is http.',
-    )
-
-
-class AlgorithmSpec(SpecModel):
-    """The RL update and the run's length."""
-
-    CEL_RULES: ClassVar = (
-        CelRule(
-            "!has(self.groupSize) || !has(self.promptsPerStep) || "
-            f"self.groupSize * self.promptsPerStep <= {MAX_COMPLETIONS_PER_STEP}",
-            "algorithm.groupSize × algorithm.promptsPerStep (completions per step) must be at "
-            f"most {MAX_COMPLETIONS_PER_STEP}",
-            "promptsPerStep",
-            lambda alg: alg.group_size * alg.prompts_per_step <= MAX_COMPLETIONS_PER_STEP,
-        ),
-        CelRule(
-            "!has(self.lrSchedule) || self.lrSchedule != 'cosine' || !has(self.maxSteps) || "
-            "self.maxSteps > 0",
-            "algorithm.lrSchedule cosine decays over algorithm.maxSteps, so it needs "
-            "maxSteps > 0 (a continual run, maxSteps 0, has no end to decay to): use constant",
-            "lrSchedule",
-            lambda alg: alg.lr_schedule != "cosine" or alg.max_steps > 0,
-        ),
-        CelRule(
-            "!has(self.lrSchedule) || self.lrSchedule != 'cosine' || !has(self.maxSteps) || "
-            "self.maxSteps == 0 || !has(self.warmupSteps) || self.warmupSteps < self.maxSteps",
-            "algorithm.warmupSteps must be less than algorithm.maxSteps when lrSchedule is "
-            "cosine (the decay needs at least one step after the warmup)",
-            "warmupSteps",
-            lambda alg: (
-                alg.lr_schedule != "cosine"
-                or alg.max_steps == 0
-                or alg.warmup_steps < alg.max_steps
-            ),
-        ),
-    )
-
-    name: AlgorithmName = Field(
-        "grpo", description="The RL algorithm: grpo (group relative policy optimisation)."
-    )
-    group_size: Int32 = Field(
-        8,
-        ge=2,
-        le=256,
-        alias="groupSize",
-        description="Completions sampled per prompt. GRPO's advantage of a completion is its "
-        "reward minus its group's mean, divided by the group's standard deviation.",
-    )
-    prompts_per_step: Int32 = Field(
-        4,
-        ge=1,
-        le=1024,
-        alias="promptsPerStep",
-        description="Prompts per optimiser step; a step trains on groupSize × promptsPerStep "
-        f"completions (at most {MAX_COMPLETIONS_PER_STEP}).",
-    )
-    learning_rate: float = Field(
-        5e-4,
-        gt=0,
-        le=1,
-        alias="learningRate",
-        description="Adam learning rate of the adapter: the rate after the warmup, where "
-        "lrSchedule starts from.",
-    )
-    lr_schedule: LRScheduleName = Field(
-        "constant",
-        alias="lrSchedule",
-        description="How the learning rate moves over the run, driven by this experiment's "
-        "own optimiser steps (restored from its checkpoint on resume, whatever the other "
-        "tenants do): constant = learningRate after the warmup; cosine = after the warmup, a "
-        "half cosine from learningRate towards 0 over the remaining maxSteps - warmupSteps "
-        "steps. cosine needs maxSteps > 0 (not continual).",
-    )
-    warmup_steps: Int64 = Field(
-        0,
-        ge=0,
-        alias="warmupSteps",
-        description="Optimiser steps over which the learning rate ramps linearly up to "
-        "learningRate (step k of the warmup uses k/warmupSteps of it); 0 = no warmup. "
-        "Applies to both schedules; with cosine it must be less than maxSteps.",
-    )
-    max_grad_norm: float | None = Field(
-        None,
-        gt=0,
-        alias="maxGradNorm",
-        description="Clip the adapter's gradient to this 2-norm before each step, on this "
-        "adapter's own gradient alone (as torch.nn.utils.clip_grad_norm_ over its "
-        "parameters), so another tenant's gradient never scales this update. "
-        "Absent = no clipping.",
-    )
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        alias="klCoef",
-        description="Weight of the per-token KL penalty towards the base model (the reference "
-        "policy); 0 = no penalty.",
-    )
-    clip: float = Field(
-        0.2,
-        gt=0,
-        le=1,
-        description="PPO-style clip ε: the policy ratio is clipped to [1 - ε, 1 + ε].",
-    )
-    off_policy_correction: OffPolicyCorrection = Field(
-        "none",
-        alias="offPolicyCorrection",
-        description="Correction for the gap between the sampler's and the trainer's "
-        "log-probs (a vLLM rollout samples with other kernels and precision than the "
-        "trainer; the trainer recomputes the old log-probs itself either way): none, or "
-        "tis = truncated importance sampling, each token's policy-gradient term weighted by "
-        "min(exp(logp_trainer_old - logp_sampler), tisCap). The torch rollout samples with "
-        "the trainer's own model, so there the weight is 1.",
-    )
-    tis_cap: float = Field(
-        2.0,
-        ge=1,
-        le=100,
-        alias="tisCap",
-        description="Upper bound C of the TIS weight min(ratio, C) when offPolicyCorrection "
-        "is tis: a larger C corrects larger gaps at the cost of variance. Ignored otherwise.",
-    )
-    max_steps: Int64 = Field(
-        50,
-        ge=0,
-        alias="maxSteps",
-        description="Optimiser steps to run, after which the experiment is Succeeded; "
-        "0 = continual (train until suspended or deleted).",
-    )
-    seed: Int64 = Field(
-        0,
-        ge=0,
-        description="Seed of the adapter's initial weights, the prompt order and the "
-        "rollouts' sampling: the same spec and seed give the same run.",
     )
 
 
@@ -337,25 +202,6 @@ class RolloutSpec(SpecModel):
     )
 
 
-class CheckpointSpec(SpecModel):
-    """How often checkpoints are written and how many are kept."""
-
-    every_steps: Int32 = Field(
-        10,
-        ge=1,
-        alias="everySteps",
-        description="Write a checkpoint every this many optimiser steps (the engine also "
-        "writes one when the experiment is unloaded, suspended or its pod stops).",
-    )
-    keep: Int32 = Field(
-        3,
-        ge=1,
-        le=1000,
-        description="Checkpoints kept per run: after each write, older ones beyond this "
-        "many are deleted.",
-    )
-
-
 class ExperimentSpec(SpecModel):
     """What to train and how: the adapter (lora), the task and its reward, the RL
     algorithm, the rollouts, checkpointing, and scheduling (enginePool, priorityClassName,
@@ -371,6 +217,19 @@ class ExperimentSpec(SpecModel):
             "rollout.temperature",
             lambda spec: spec.algorithm.name != "grpo" or spec.rollout.temperature > 0,
         ),
+        CelRule(
+            "!has(self.algorithm) || !has(self.algorithm.overlong) || !has(self.rollout) || "
+            "!has(self.rollout.maxNewTokens) || "
+            "self.algorithm.overlong.bufferTokens <= self.rollout.maxNewTokens",
+            "algorithm.overlong.bufferTokens must be at most rollout.maxNewTokens (the "
+            "punished zone lies inside the completion's length)",
+            "algorithm.overlong.bufferTokens",
+            lambda spec: (
+                spec.algorithm.overlong is None
+                or spec.algorithm.overlong.buffer_tokens <= spec.rollout.max_new_tokens
+            ),
+        ),
+        *CLIENT_RULES,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.
@@ -393,13 +252,16 @@ class ExperimentSpec(SpecModel):
         "spec.lora is immutable once created (the adapter's weights, optimiser state and "
         "checkpoints have its shape): create a new LoRAExperiment to change it",
     )
-    task: TaskSpec = Field(
-        description="Prompts and reward, i.e. what the adapter learns. Immutable.",
+    task: TaskSpec | None = Field(
+        None,
+        description="Prompts and reward, i.e. what the adapter learns. Immutable. Required "
+        "unless spec.client is set.",
         json_schema_extra=immutable(
             "spec.task is immutable once created (its prompts and reward define what the "
             "adapter learns): create a new LoRAExperiment to change it"
         ),
     )
+    client: ClientSpec | None = client_field()
     algorithm: AlgorithmSpec = block(
         AlgorithmSpec,
         "The RL update and the run's length. Immutable: the engine takes it once, at "
@@ -420,6 +282,7 @@ class ExperimentSpec(SpecModel):
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
+    tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
     publish: PublishSpec | None = PUBLISH_FIELD
     priority_class_name: ClassName | None = Field(
         None,
@@ -467,6 +330,8 @@ class ExperimentSpec(SpecModel):
 
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
+        if self.task is None:  # a client experiment (spec_blocks/client.py)
+            return
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import check_task
 

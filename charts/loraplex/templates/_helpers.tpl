@@ -48,6 +48,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: gateway
 {{- end }}
 
+{{- define "loraplex.gatewayLabels" -}}
+{{ include "loraplex.labels" . }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{- define "loraplex.gatewayServiceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create }}
+{{- default (printf "%s-gateway" (include "loraplex.fullname" .)) .Values.gateway.serviceAccount.name }}
+{{- else }}
+{{- required "gateway.serviceAccount.name is required when gateway.serviceAccount.create is false" .Values.gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
 {{- define "loraplex.operatorLabels" -}}
 {{ include "loraplex.labels" . }}
 app.kubernetes.io/component: operator

@@ -88,6 +88,15 @@ class EngineTemplate(ApiModel):
         alias="imagePullPolicy",
         description="The container's imagePullPolicy; absent = Kubernetes' default.",
     )
+    log_format: Literal["text", "json"] | None = Field(
+        None,
+        alias="logFormat",
+        description="The engine's log format (`serve --log-format`): text, or json (one JSON "
+        "object per line: time, level, logger, message, exception and the access log's "
+        "fields) for a log pipeline that parses them. Absent = the operator's default "
+        "(LORAPLEX_ENGINE_LOG_FORMAT: the chart's engines.logFormat, else its "
+        "operator.logFormat).",
+    )
     image_pull_secrets: tuple[LocalObjectReference, ...] | None = Field(
         None,
         alias="imagePullSecrets",

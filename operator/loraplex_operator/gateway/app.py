@@ -147,6 +147,7 @@ def create_app(
                 idle_s=stream_idle_s,
                 namespace=ns,
                 on_done=lambda code: record(ns, "openai", t0, code),
+                t0=t0,
             )
         try:
             r = await up().call(

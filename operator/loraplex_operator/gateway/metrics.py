@@ -41,11 +41,14 @@ TTFT = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+UPSTREAM_REASONS = ("connect", "reset", "timeout")  # upstream.transport_reason's answers
 UPSTREAM_ERRORS = Counter(
     "loraplex_gateway_upstream_errors",
     "Engine calls that failed in transport (connect, reset, timeout), by reason.",
     ["reason"],
     registry=REGISTRY,
 )
+for _reason in UPSTREAM_REASONS:  # at 0 from the start: the dashboard shows 0, not no data
+    UPSTREAM_ERRORS.labels(_reason)
 ENGINES = Gauge("loraplex_gateway_engines", "Engines the gateway routes to.", registry=REGISTRY)
 KEYS = Gauge("loraplex_gateway_api_keys", "API keys loaded.", registry=REGISTRY)

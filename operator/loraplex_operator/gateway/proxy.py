@@ -80,9 +80,11 @@ async def stream(
     idle_s: float,
     namespace: str,
     on_done: Callable[[int], None],
+    t0: float | None = None,
 ) -> Response:
-    """POST ``body`` to the engine and stream its answer back as it comes."""
-    t0 = time.monotonic()
+    """POST ``body`` to the engine and stream its answer back as it comes. ``t0``: when
+    the request arrived (``time.monotonic()``), what time to first token counts from."""
+    t0 = time.monotonic() if t0 is None else t0
     request = client.build_request(
         "POST",
         engine.url + path,

@@ -15,12 +15,16 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 
 from __future__ import annotations
 
+import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.clients import saved
+from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.sampling import SampleTask
@@ -61,11 +65,17 @@ DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay
 
 
 class ClientModels:
-    def __init__(self, host: Any, models_per_tick: int | None = None) -> None:
+    def __init__(
+        self, host: Any, models_per_tick: int | None = None, gather_s: float = 0.0
+    ) -> None:
         self.host = host
         # At most this many models' segments a tick (None: all), taken in turn.
         self.models_per_tick = models_per_tick
+        # How long, at most, a queued call waits for others on their way (gather.py).
+        self.gather_s = gather_s
         self._lock = threading.Lock()  # the registry and the queues
+        self._queued = threading.Condition(self._lock)  # a call was queued
+        self._served_last: set[ClientModel] = set()  # by the last tick that took any
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
         self._refusing: str | None = None
@@ -188,6 +198,7 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+            self._queued.notify_all()
         if queued is not None:
             queued()  # its place in the model's order is held: the caller may go on
         self.host._wake()
@@ -261,8 +272,8 @@ class ClientModels:
         self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
         self._submit(namespace, model_id, "load_state", (path, with_optimizer))
 
-    def unload_model(self, namespace: str, model_id: str) -> None:
-        self._submit(namespace, model_id, "unload")
+    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
+        self._submit(namespace, model_id, "unload", save)
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.host
@@ -299,6 +310,25 @@ class ClientModels:
         with self._lock:
             return bool(self._samples) or any(m.queue for m in self._models.values())
 
+    def gather(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Before a tick: wait until every model on its way (gather.waiting_on) has its
+        call queued, or until ``gather_s`` after the oldest queued call arrived, whichever
+        is first; at once when no call is queued or none is on its way. Holds no engine
+        lock: calls queue meanwhile."""
+        if self.gather_s <= 0:
+            return
+        with self._queued:
+            while True:
+                models = list(self._models.values())
+                oldest = oldest_call(models)
+                on_way = waiting_on(models, self._served_last, self.models_per_tick)
+                if oldest is None or not on_way:
+                    return
+                left = oldest + self.gather_s - clock()
+                if left <= 0:
+                    return
+                self._queued.wait(left)
+
     def take(self, train: bool = True) -> ClientTick:
         """This tick's work: one segment of every model's queue (of at most
         ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
@@ -317,6 +347,8 @@ class ClientModels:
                     if limit is not None:
                         self._models[key] = self._models.pop(key)
             samples, self._samples = self._samples, []
+            if segments:
+                self._served_last = {m for m, _ in segments}
         return ClientTick(self, segments, samples)
 
     def refuse(self, reason: str) -> None:
@@ -376,6 +408,28 @@ class ClientModels:
             h.optimizer.add_adapter(model.name, DEFAULT_ADAM)
         model.grads = None
         model.version += 1
+
+    def stepped(self, model: ClientModel) -> None:
+        """After an optimiser step (in the tick, before the step's call is answered): a
+        client experiment's checkpoint when one is due, the oldest beyond ``keep``
+        removed, so a step its client saw done is on the volume."""
+        model.steps += 1
+        every, keep = model.checkpoints
+        if not every or model.steps % every:
+            return
+        name = f"step-{model.steps:08d}"
+        state = self.save(model, name, "weights")
+        if model.on_checkpoint is not None:
+            model.on_checkpoint(CheckpointRef(path=state.path, step=model.steps))
+        info = model.info
+        steps = sorted(
+            s.name
+            for s in saved.list_saved(self.host.store.root, info.namespace, info.model_id)
+            if s.kind == "weights" and s.name.startswith("step-")
+        )
+        for old in steps[: max(0, len(steps) - keep)]:
+            target = saved.StatePath(info.model_id, "weights", old)
+            shutil.rmtree(target.directory(self.host.store.root, info.namespace), True)
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None:
         """Free its slot (under the model lock), its last weights saved as

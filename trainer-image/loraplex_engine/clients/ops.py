@@ -4,8 +4,10 @@ a tick resolves (clients/ticking.py)."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ class Op:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+    queued_at: float = field(default_factory=time.monotonic)  # the gather's bound
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -56,6 +59,11 @@ class ClientModel:
     queue: deque[Op] = field(default_factory=deque)
     generator: torch.Generator = field(default_factory=torch.Generator)  # saved with weights
     unloaded: bool = False
+    # A client experiment's (clients/experiments.py): optimiser steps taken, the
+    # checkpoint cadence (every, keep; every 0: none) and who hears of each checkpoint.
+    steps: int = 0
+    checkpoints: tuple[int, int] = (0, 0)
+    on_checkpoint: Callable[[Any], None] | None = None
 
     def take_segment(self) -> list[Op]:
         """The ops one tick runs for this model, in call order: its leading forward /

@@ -58,6 +58,8 @@ class Owner(Protocol):
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None: ...
 
+    def stepped(self, model: ClientModel) -> None: ...
+
 
 @dataclass
 class ClientTick:
@@ -164,6 +166,11 @@ class ClientTick:
                                                "not stepped, and cleared"))  # fmt: skip
                 continue
             model.version += 1
+            try:
+                self.owner.stepped(model)
+            except Exception as e:  # stepped, but its checkpoint is not written: say so
+                op.resolve(error=e)
+                continue
             op.resolve(mine)
 
     # ---- 3. after the tick --------------------------------------------------------------
@@ -192,7 +199,7 @@ class ClientTick:
                 self.owner.load_into(model, *op.payload)
                 op.resolve(None)
             elif op.kind == "unload":
-                self.owner.unload_now(model)
+                self.owner.unload_now(model, save=op.payload is not False)
                 op.resolve(None)
             else:
                 op.resolve(error=UnavailableError(f"operation {op.kind!r} was not run"))

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from loraplex_engine.api_types import (
+    DEFAULT_CLIENT_TICK_GATHER_S,
     DEFAULT_KEEP_RUNS,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_STEP_TOKENS,
@@ -25,6 +26,7 @@ from loraplex_engine.api_types import (
     LORA_KERNELS,
 )
 from loraplex_engine.errors import UsageError
+from loraplex_engine.plugins.host import CALL_TIMEOUT_S
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.values import Flag
 
@@ -174,6 +176,15 @@ class EngineSettings(BaseModel):
             metavar="SECONDS",
         ),
     ] = DEFAULT_REWARD_DEADLINE_S
+    plugin_timeout: Annotated[
+        float,
+        Flag(
+            "wall-clock bound on each call of an installed plug-in (a reward, an "
+            "environment's turn); one that takes longer is stopped and fails its experiment",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = CALL_TIMEOUT_S
     serving_share: Annotated[
         float,
         Flag(
@@ -194,6 +205,17 @@ class EngineSettings(BaseModel):
             default_text="all: every model with a call waiting",
         ),
     ] = None
+    client_tick_gather: Annotated[
+        float,
+        Flag(
+            "how long a client model's call (the Tinker protocol's) may wait, from its "
+            "arrival, for the calls on their way to join its tick: an optim_step sent "
+            "after its forward_backward, the next step of a client the last tick served "
+            "(Tinker's clock cycle); 0 starts each tick on the calls already there",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = DEFAULT_CLIENT_TICK_GATHER_S
     vllm_options: Annotated[
         dict[str, Any],
         Flag(

@@ -110,14 +110,21 @@ class FutureTable:
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
 
-    def new(self, namespace: str, kind: str, model_id: str | None = None) -> Future:
+    def new(
+        self, namespace: str, kind: str, model_id: str | None = None, request_id: str | None = None
+    ) -> Future:
+        """``request_id``: a client experiment's ``<model id>#<seq_id>`` (tinker/journal.py),
+        the same on whichever engine replays it; else a fresh one."""
         with self._lock:
-            self._sweep_locked(time.monotonic())
+            # The janitor sweeps every second (protocol.py); here only when full, so a
+            # new future costs O(1), not a scan of every kept one.
+            if len(self._futures) >= self.max_entries:
+                self._sweep_locked(time.monotonic())
             if len(self._futures) >= self.max_entries:
                 raise TooManyRequests(
                     f"{len(self._futures)} requests are pending or unretrieved; retry later"
                 )
-            fut = Future(uuid.uuid4().hex, namespace, kind, model_id=model_id)
+            fut = Future(request_id or uuid.uuid4().hex, namespace, kind, model_id=model_id)
             self._futures[fut.request_id] = fut
             return fut
 

@@ -24,6 +24,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.tinker import rest
 from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_error
 from loraplex_engine.tinker.futures import FutureTable, Runner
+from loraplex_engine.tinker.journal import find_future
 from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.tinker.rest import Ns
@@ -150,6 +151,24 @@ async def call(fn: Callable[..., Any], *args: Any) -> Any:
         raise InvalidRequestError(e.message, e.field) from None
 
 
+# A forward_backward body up to this size is decoded and queued on the event loop (well
+# under a millisecond); a larger one on a worker thread, so it never stalls the loop.
+INLINE_BODY_BYTES = 64 * 1024
+
+
+def at_once(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn`` on the event loop, for protocol calls that only check, decode and
+    queue (they never wait for the engine): no hop to a worker thread, which costs more
+    than the call and, while the tick thread holds the GIL, waits for it. Errors as
+    :func:`call` maps them."""
+    try:
+        return fn(*args)
+    except NoCapacityError as e:
+        raise as_api_error(e) from None
+    except ConflictError as e:
+        raise InvalidRequestError(e.message, e.field) from None
+
+
 def future_answer(request_id: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"request_id": request_id, "model_id": model_id, **extra}
 
@@ -242,6 +261,8 @@ def mount_tinker(
             raise InvalidRequestError(f"forward_backward takes {PROTOBUF}, not {kind!r}")
         body = await request.body()
         encoding = request.headers.get("content-encoding")
+        if len(body) <= INLINE_BODY_BYTES:
+            return future_answer(at_once(proto.forward_backward, ns, body, encoding))
         return future_answer(await call(proto.forward_backward, ns, body, encoding))
 
     @r.post("/forward")
@@ -250,7 +271,7 @@ def mount_tinker(
 
     @r.post("/optim_step")
     async def optim_step(ns: Ns, body: OptimStep) -> dict[str, Any]:
-        return future_answer(await call(proto.optim_step, ns, body.model_dump()))
+        return future_answer(at_once(proto.optim_step, ns, body.model_dump()))
 
     @r.post("/save_weights")
     async def save_weights(ns: Ns, body: SaveWeights) -> dict[str, Any]:
@@ -294,7 +315,7 @@ def mount_tinker(
 
     @r.post("/retrieve_future")
     async def retrieve_future(ns: Ns, body: Retrieve) -> Response:
-        fut = proto.futures.get(ns, body.request_id)
+        fut = await call(find_future, proto, ns, body.request_id)
         if fut is None:
             raise NotFoundError(
                 f"no request {body.request_id!r} (unknown, or its result has expired)",

@@ -8,10 +8,13 @@ message, so a setting added to a loss reaches every rank without a copied field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from torch import Tensor
+
+from loraplex_engine.train.algorithms.advantages import RewardShaping, StepAdvantages
 
 
 @dataclass
@@ -48,6 +51,11 @@ class PolicyLoss(Protocol):
         """Whether it reads ``ref_logprobs`` (the fused backward then runs the base)."""
         ...
 
+    def for_step(self, completion_tokens: Sequence[int]) -> PolicyLoss:
+        """This loss for one step of an experiment whose rows have ``completion_tokens``
+        tokens each (a loss normalised over the step's tokens needs their total)."""
+        ...
+
     def __call__(self, inputs: LossInputs) -> LossOutput: ...
 
 
@@ -61,8 +69,21 @@ class AdvantageEstimator(Protocol):
 
 @dataclass(frozen=True)
 class Algorithm:
-    """What one experiment trains with: how advantages are estimated, and the loss."""
+    """What one experiment trains with: how rewards are shaped and filtered, how
+    advantages are estimated, and the loss."""
 
     name: str
     advantages: AdvantageEstimator
     loss: PolicyLoss
+    shaping: RewardShaping = field(default_factory=RewardShaping)
+
+    def step_advantages(
+        self, rewards: Tensor, lengths: Sequence[int], group_size: int
+    ) -> StepAdvantages:
+        """One step's rewards (completion ``lengths`` in tokens) to its rows' advantages
+        and which rows train (train/algorithms/advantages.py)."""
+        shaped = self.shaping.shaped(rewards, lengths)
+        dropped = self.shaping.dropped(shaped, group_size)
+        keep = (~dropped).repeat_interleave(group_size)
+        advantages = self.advantages(shaped, group_size)
+        return StepAdvantages(advantages, keep, shaped, int(dropped.sum()))
