@@ -39,6 +39,7 @@ from loraplex_operator.observation import (
 )
 from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.resources import Experiment, parse_time
+from loraplex_operator.versions import publish_differs
 
 log = logging.getLogger("loraplex_operator.planning")
 
@@ -67,6 +68,7 @@ class Work:
     waiting_message: str | None = None  # what the waiting reason is about, when known
     resume_from: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    republish: str | None = None  # its engine's URL: spec.publish changed (versions.py)
 
     @classmethod
     def start(cls, exp: Experiment) -> Work:
@@ -240,6 +242,8 @@ def _adopt(
     unloads = _unloads(on[1:], w, DUPLICATE)
     w.binding = st.Binding(primary.name, primary.node)
     w.engine_status = dict(primary.experiments[w.id])
+    if publish_differs(w.exp.raw_spec, w.engine_status):
+        w.republish = primary.url or ""
     if w.exp.status.engine != primary.name:
         w.event(NORMAL, "Adopted", f"found running on engine {primary.name}")
     if w.engine_status.get("phase") in st.TERMINAL:

@@ -63,6 +63,7 @@ from loraplex_operator.planning import (
 from loraplex_operator.publish import EventSink, StatusPublisher, experiment_state, kopf_event
 from loraplex_operator.resources import API_VERSION, POOL_KIND, Experiment, Pool, parse_time
 from loraplex_operator.sources import ClusterSource, ListedCluster
+from loraplex_operator.versions import push_publish
 
 log = logging.getLogger("loraplex_operator.reconcile")
 
@@ -241,6 +242,7 @@ class PoolReconciler:
         pool_name = snap.pool.name
         await asyncio.gather(*(self._unload(plan, u, token, pool_name) for u in plan.unloads))
         await asyncio.gather(*(self._put(plan, p, token, pool_name) for p in plan.puts))
+        await push_publish(self.engines, plan.work.values(), token)  # kubectl-patched aliases
         self._backoff(pool_name).keep_only(plan.work)
         await self._pods(snap.pool, plan)
         self._tell_failures(snap)

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator import engine_failures as ef
+from loraplex_operator import versions
 from loraplex_operator.api.condition import Condition
 from loraplex_operator.api.status import (
     CheckpointStatus,
@@ -242,7 +243,7 @@ def _conditions_for(v: _Verdict, obs: Observation) -> list[dict[str, Any]]:
 # --- the status patch ------------------------------------------------------------------
 
 # Progress carried over from the status written last (the engine may not report it now).
-_CARRIED = ("step", "reward", "checkpoint", "adapter_path", "started_at")
+_CARRIED = ("step", "reward", "checkpoint", "adapter_path", "started_at", "versions", "aliases")
 
 
 def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,7 +260,7 @@ def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
         out["adapter_path"] = engine["adapterPath"]
     if engine.get("startedAt"):
         out["started_at"] = engine["startedAt"]
-    return out
+    return out | versions.status_fields(engine)
 
 
 def derive_status(exp: Experiment, obs: Observation, now: datetime) -> ExperimentStatus:
@@ -278,8 +279,12 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
         message=verdict.message,
         observed_generation=generation,
         restarts=obs.restarts,
-        conditions=merge_conditions(old.conditions, _conditions_for(verdict, obs), generation, now),
     )
+    published = versions.published_condition(
+        exp.raw_spec, fields.get("aliases"), (obs.engine_status or {}).get("publishError")
+    )
+    new_conditions = [*_conditions_for(verdict, obs), *([published] if published else [])]
+    fields["conditions"] = merge_conditions(old.conditions, new_conditions, generation, now)
     if obs.binding is not None and verdict.phase != SUSPENDED:
         fields["engine"] = obs.binding.engine
         if obs.binding.node:

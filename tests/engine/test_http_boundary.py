@@ -46,6 +46,8 @@ ALLOWED = {
     "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
+    "loraplex_engine.versions",
+    "loraplex_engine.versions.spec",  # the spec's publish block
     "loraplex_engine.errors",
     "loraplex_engine.metrics",
     # app.py mounts the Tinker routes only given --tinker-keys; their own boundary
@@ -62,7 +64,12 @@ TINKER_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
     for p in PACKAGE.glob("tinker/*.py")
 )
-TINKER_ALLOWED = ALLOWED | {*TINKER_MODULES, "loraplex_engine.training_service"}
+# versions/names.py: the version model names a sampler may take (pure parsing).
+TINKER_ALLOWED = ALLOWED | {
+    *TINKER_MODULES,
+    "loraplex_engine.training_service",
+    "loraplex_engine.versions.names",
+}
 TINKER_BLOCKED = BLOCKED - {"numpy"}
 
 # Runs in a fresh interpreter where importing torch or an engine internal raises.

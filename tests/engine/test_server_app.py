@@ -30,7 +30,8 @@ from loraplex_engine.api_types import (
 from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.server.app import create_app
-from loraplex_engine.server.serve import EngineHolder, EngineLoop
+from loraplex_engine.server.holder import EngineHolder
+from loraplex_engine.server.serve import EngineLoop
 from loraplex_engine.service import PromptJob, ServedRow
 from prometheus_client.parser import text_string_to_metric_families
 

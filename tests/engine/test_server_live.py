@@ -16,7 +16,7 @@ import httpx
 import pytest
 from app_routes import v1_routes
 from loraplex_engine.server.app import create_app
-from loraplex_engine.server.serve import EngineHolder
+from loraplex_engine.server.holder import EngineHolder
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import EngineServer, record_measurement, wait_until
 

@@ -40,6 +40,12 @@ _MODEL_VOL = {"name": "models", "persistentVolumeClaim": {"claimName": "models"}
 _SHM_VOL = {"name": "shm", "emptyDir": {"medium": "Memory"}}
 _SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
 
+
+def _aliased(alias: str) -> Obj:
+    publish = {"aliases": [{"name": alias, "version": "v1"}]}
+    return experiment("a").set("spec.publish", publish).obj()
+
+
 EXPERIMENT_RULES: dict[str, RuleCase] = {
     "metadata.name must be at most 189": RuleCase(valid=_exp_name(189), invalid=_exp_name(190)),
     "GRPO needs rollout.temperature > 0": RuleCase(
@@ -138,6 +144,10 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         old=lambda: experiment("a").obj(),
     ),
     # 0 passes: the API server used to default it into every stored experiment.
+    "publish.aliases: 'latest' is the engine's own alias": RuleCase(
+        valid=lambda: _aliased("stable"),
+        invalid=lambda: _aliased("latest"),
+    ),
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
         invalid=lambda: experiment("a").priority(1).obj(),
@@ -235,7 +245,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 14  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 15  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -344,10 +354,17 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.checkpoint.keep", 10),
     ("spec.tracking.runName", "lr-2"),
     ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
+    # The engine applies a publish edit in place (versions/, docs/versions.md).
+    ("spec.publish.everySteps", 5),
+    ("spec.publish.keep", 3),
+    ("spec.publish.pinned", ["v2"]),
+    ("spec.publish.aliases", [{"name": "stable", "version": "v2"}]),
+    ("spec.publish.promoteWhen.atLeast", 0.5),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
-# retired spec.priority's own rule (0 only) the other.
-SINGLE_VALUED = {"spec.algorithm.name", "spec.priority"}
+# retired spec.priority's own rule (0 only) another; a new publish.promoteWhen block
+# takes the one score there is.
+SINGLE_VALUED = {"spec.algorithm.name", "spec.priority", "spec.publish.promoteWhen.score"}
 
 
 def _edited(base: Obj, field: str, value: Any) -> Obj:

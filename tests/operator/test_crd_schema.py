@@ -231,6 +231,28 @@ EXPERIMENT_BOUNDS = [
     ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
     ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
     ("spec.checkpoint.keep", 1001, False),
+    ("spec.publish.everySteps", 0, False),
+    ("spec.publish.everySteps", 1, True),
+    ("spec.publish.keep", 0, False),
+    ("spec.publish.keep", 1000, True),
+    ("spec.publish.keep", 1001, False),
+    ("spec.publish.pinned", ["v1", "v999999999"], True),
+    ("spec.publish.pinned", [f"v{i + 1}" for i in range(65)], False),
+    ("spec.publish.pinned", ["v0"], False),
+    ("spec.publish.pinned", ["v1234567890"], False),  # pattern and maxLength
+    ("spec.publish.aliases", [{"name": "stable", "version": "v2"}], True),
+    ("spec.publish.aliases", [{"name": f"a{i}", "version": "v1"} for i in range(33)], False),
+    ("spec.publish.aliases", [{"version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "stable"}], False),
+    ("spec.publish.aliases", [{"name": "Stable", "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "", "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "a" * 33, "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "a", "version": "v1234567890"}], False),
+    ("spec.publish.promoteWhen", {"score": "meanReward"}, False),
+    ("spec.publish.promoteWhen", {"score": "bleu", "atLeast": 0.5}, False),
+    ("spec.publish.promoteWhen", {"atLeast": -1e10}, False),
+    ("spec.publish.promoteWhen", {"atLeast": 1e10}, False),
+    ("spec.publish.promoteWhen", {"atLeast": 0.5}, True),
     ("spec.priority", 0, True),  # the retired field: anything else is its CEL rule's
     ("spec.priority", "1", False),
     ("spec.priorityClassName", "high-1", True),
@@ -245,6 +267,12 @@ EXPERIMENT_BOUNDS = [
     ("status.phase", "Done", False),
     ("status.phase", "Succeeded", True),
     ("status.restarts", -1, False),
+    ("status.versions", [{"version": "v1", "step": 3, "gatePassed": True}], True),
+    ("status.versions", [{"version": f"v{i + 1}"} for i in range(11)], False),
+    ("status.versions", [{"step": 3}], False),
+    ("status.versions", [{"version": "3"}], False),
+    ("status.aliases", {"stable": "v2", "latest": "v3"}, True),
+    ("status.aliases", {f"a{i}": "v1" for i in range(41)}, False),
     *_condition_cases(),
 ]
 
@@ -778,6 +806,9 @@ def test_printer_columns_point_at_schema_fields(kind: str) -> None:
             if step.endswith("[]"):
                 node = node["properties"][step[:-2]]["items"]
                 continue
+            if "properties" not in node and "additionalProperties" in node:
+                node = node["additionalProperties"]  # a map's key (.status.aliases.stable)
+                continue
             node = node["properties"][step] if step != "creationTimestamp" else {"type": "string"}
         assert node["type"] in (
             column["type"],
@@ -793,6 +824,7 @@ def test_experiment_printer_columns() -> None:
         "Engine",
         "Progress",
         "Reward",
+        "Stable",
         "Age",
     ]
 

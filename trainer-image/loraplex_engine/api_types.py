@@ -84,6 +84,17 @@ class CheckpointRef(WireModel):
     step: int
 
 
+class VersionSummary(WireModel):
+    """A published version (store/versions.py's manifest, in brief)."""
+
+    version: str  # "v3"
+    step: int
+    scores: dict[str, float]
+    gate_passed: bool | None  # the promotion gate's verdict (None: no gate)
+    created_at: str
+    content_hash: str
+
+
 class ExperimentStatus(WireModel):
     id: str
     namespace: str
@@ -114,6 +125,12 @@ class ExperimentStatus(WireModel):
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
+    # Published versions (newest last, the most recent few) and the aliases pointing at
+    # them, alias -> "v<N>" (docs/versions.md); why the last publish or alias edit failed.
+    versions: list[VersionSummary] = []
+    aliases: dict[str, str] = {}
+    publish_error: str | None = None
+    publish: dict[str, Any] | None = None  # the spec.publish the engine applies (JSON)
 
 
 class MemoryUse(WireModel):

@@ -43,13 +43,7 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.experiment import (
-    Experiment,
-    adapter_field,
-    check_same,
-    lora_config,
-    new_experiment,
-)
+from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
@@ -66,6 +60,7 @@ from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
+from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -75,6 +70,8 @@ from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
 from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
+from loraplex_engine.versions.publisher import Publisher
+from loraplex_engine.versions.service import Versions
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -83,7 +80,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientExperimentAPI, ClientTraining):
+class Engine(ClientExperimentAPI, ClientTraining, Versions):
     """Implements :class:`loraplex_engine.service.TickingEngine` and, through
     clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
@@ -139,14 +136,10 @@ class Engine(ClientExperimentAPI, ClientTraining):
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
-        quota = s.checkpoint_quota_bytes
+        root, quota = Path(s.checkpoint_root), s.checkpoint_quota_bytes
+        quota = CheckpointQuota(quota) if quota is not None else None
         self.store = RunStore(
-            Path(s.checkpoint_root),
-            self.model,
-            self.optimizer,
-            str(self.model_dir),
-            quota=CheckpointQuota(quota) if quota is not None else None,
-            keep_runs=s.checkpoint_keep_runs,
+            root, self.model, self.optimizer, str(self.model_dir), quota, s.checkpoint_keep_runs
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
@@ -196,6 +189,9 @@ class Engine(ClientExperimentAPI, ClientTraining):
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
+        # Published versions (versions/): from spare slots where one process decodes (torch).
+        one = self.ranks is None and self.lockstep is None and self.backend.shares_trainer_weights
+        self.publisher = Publisher(VersionStore(root, quota), self.model, self.model_dir, one)
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
@@ -237,6 +233,7 @@ class Engine(ClientExperimentAPI, ClientTraining):
             self.scorer,
             s.max_prompt_tokens,
             self.context_tokens,
+            self.publisher,
         )
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
@@ -340,10 +337,11 @@ class Engine(ClientExperimentAPI, ClientTraining):
             with self._model_lock:
                 existing = self._experiments.get(exp_id)
                 if existing is not None:
-                    check_same(existing, spec, run_id)
+                    self.publisher.update(existing, spec, run_id)  # publish: in place, else 409
                     return existing.status(), False
                 exp = exp or self._build(exp_id, spec, namespace, name or exp_id, run_id)
                 self._load(exp, resume_from, run_id)
+                self.publisher.attach(exp)
                 try:
                     self.backend.add_adapter(exp_id)
                 except Exception:
@@ -389,12 +387,10 @@ class Engine(ClientExperimentAPI, ClientTraining):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        if job.model not in (self.model_name, *self._experiments):
-            raise NotFoundError(
-                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
-            )
+        live = job.model in (self.model_name, *self._experiments)
+        version = None if live else self.publisher.serving(job.model)  # versions/names.py
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
-        queued = CompletionJob.of(job, self.model_name)
+        queued = CompletionJob.of(job, self.model_name, version)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)

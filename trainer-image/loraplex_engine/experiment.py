@@ -32,6 +32,7 @@ from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
+from loraplex_engine.versions.policy import PublishState
 
 
 def now() -> str:
@@ -74,6 +75,8 @@ class Experiment:
     # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
+    # Published versions and aliases (versions/publisher.py), read from disk at placement.
+    published: PublishState = field(default_factory=PublishState)
 
     @property
     def max_steps(self) -> int:
@@ -109,6 +112,10 @@ class Experiment:
             tis_weight_mean=self.tis_weight_mean,
             skipped_updates=self.skipped_updates,
             checkpoint_pending=self.checkpoint_pending,
+            versions=list(self.published.recent),
+            aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
+            publish_error=self.published.error,
+            publish=None if self.spec.publish is None else self.spec.publish.to_json(),
         )
 
 
@@ -194,13 +201,16 @@ def adapter_field(error: AdapterError) -> str:
 
 
 def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
-    """The spec minus operator-only fields (pool, priority class, suspend): what the engine
-    runs."""
-    return spec.model_dump(exclude={"engine_pool", "priority_class_name", "priority", "suspend"})
+    """The spec minus operator-only fields (pool, priority class, suspend) and what the
+    engine applies in place (publish): what the engine runs."""
+    return spec.model_dump(
+        exclude={"engine_pool", "priority_class_name", "priority", "suspend", "publish"}
+    )
 
 
-def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:
-    """A PUT of a loaded experiment is a no-op only with its spec and run."""
+def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> bool:
+    """A PUT of a loaded experiment is a no-op only with its spec and run, but for its
+    publish block, which the engine applies in place: True when that changed."""
     if adapter_spec(existing.spec) != adapter_spec(spec):
         raise ConflictError(
             f"experiment {existing.id!r} is loaded with a different spec; "
@@ -211,3 +221,4 @@ def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -
             f"experiment {existing.id!r} is loaded as run {existing.run_id!r}, "
             f"not runId {run_id!r}; DELETE it first to start another run"
         )
+    return existing.spec.publish != spec.publish

@@ -107,6 +107,13 @@ class EngineMetrics:
             per_exp,
             registry=r,
         )
+        # Only for experiments that have published versions (docs/versions.md).
+        self.latest_version = Gauge(
+            "loraplex_engine_latest_version",
+            "N of the experiment's newest published version vN (its latest alias).",
+            per_exp,
+            registry=r,
+        )
         # algorithm.dynamicSampling: exported at 0 for every experiment from its first step.
         self.groups_dropped = Counter(
             "loraplex_engine_groups_dropped",
@@ -207,6 +214,7 @@ class EngineMetrics:
             self.reward,
             self.checkpoints,
             self.logprob_gap,
+            self.latest_version,
             self.tis_weight_mean,
             self.groups_dropped,
             self.updates_skipped,
@@ -281,6 +289,10 @@ class EngineMetrics:
                 if s.tis_weight_mean is not None:
                     labels = {"namespace": s.namespace, "experiment": s.id}
                     self.tis_weight_mean.labels(**labels).set(s.tis_weight_mean)
+                latest = s.aliases.get("latest")
+                if latest is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.latest_version.labels(**labels).set(int(latest[1:]))
 
     def count_checkpoint(self, exp_id: str, namespace: str) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
+from loraplex_engine.versions.spec import PUBLISH_FIELD, PublishSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
 ModuleName = Annotated[
@@ -282,6 +283,7 @@ class ExperimentSpec(SpecModel):
         "given.",
     )
     tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
+    publish: PublishSpec | None = PUBLISH_FIELD
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",

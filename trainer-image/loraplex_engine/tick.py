@@ -34,7 +34,7 @@ from loraplex_engine.api_types import (
     ExperimentTick,
     TickReport,
 )
-from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.completion_jobs import CompletionJob, load_versions
 from loraplex_engine.environments.episodes import open_group, play
 from loraplex_engine.errors import (
     AdapterError,
@@ -48,6 +48,7 @@ from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
+from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
@@ -72,6 +73,7 @@ from loraplex_engine.train.experiment_rows import (
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
+from loraplex_engine.versions.publisher import Publisher
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
@@ -90,6 +92,7 @@ class Tick:
         scorer: RewardScorer[Scored | Failure],
         max_prompt_tokens: int,
         context_tokens: int | None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.model = model
         self.codec = codec
@@ -99,6 +102,7 @@ class Tick:
         self.scorer = scorer
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
+        self.publisher = publisher  # published versions (versions/publisher.py)
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
@@ -115,7 +119,11 @@ class Tick:
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
         start = time.perf_counter()
-        self._rollout([], jobs)
+        spare = SpareSlots(self.model)  # published versions' rows (versions/)
+        try:
+            self._rollout([], load_versions(jobs, spare))
+        finally:
+            spare.release()
         seconds = time.perf_counter() - start
         return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
 
@@ -412,6 +420,8 @@ class Tick:
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
+        if self.publisher is not None:
+            self.publisher.after_step(exp, exp.reward)
         if finished and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick

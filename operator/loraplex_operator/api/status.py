@@ -97,6 +97,27 @@ class CheckpointStatus(ApiModel):
     step: Int64 | None = Field(None, description="Optimiser step the checkpoint was written at.")
 
 
+class VersionStatus(ApiModel):
+    """A published version of the adapter (docs/versions.md), as its engine reports it."""
+
+    version: str = Field(
+        pattern=r"^v[1-9][0-9]{0,8}$", description="Its name: served as <namespace>.<name>@v<N>."
+    )
+    step: Int64 | None = Field(None, description="The optimiser step it was published at.")
+    scores: dict[str, float] | None = Field(
+        None,
+        description="Its scores: meanReward = the mean training reward over the steps since "
+        "the version before it.",
+    )
+    gate_passed: bool | None = Field(
+        None,
+        alias="gatePassed",
+        description="Whether it passed spec.publish.promoteWhen (absent: no gate). A version "
+        "that failed never becomes stable.",
+    )
+    created_at: DateTime | None = Field(None, alias="createdAt", description="When.")
+
+
 class ExperimentStatus(ApiModel):
     """Observed state, written by the operator only (status subresource): where the
     experiment runs and how far it got, copied from its engine every round."""
@@ -163,6 +184,18 @@ class ExperimentStatus(ApiModel):
     completed_at: DateTime | None = Field(
         None, alias="completedAt", description="When it reached Succeeded or Failed."
     )
+    versions: tuple[VersionStatus, ...] | None = Field(
+        None,
+        max_length=10,
+        description="The most recent published versions, newest last (spec.publish).",
+    )
+    aliases: dict[str, str] | None = Field(
+        None,
+        max_length=40,
+        description="Where each alias points (alias -> version): latest (the newest), stable "
+        "(the gate's, or spec.publish.aliases'), and those spec.publish.aliases sets. "
+        "Served as <namespace>.<name>:<alias>.",
+    )
     message: str | None = Field(
         None,
         description='What the phase means right now, for people (e.g. "bound to '
@@ -184,4 +217,10 @@ class ExperimentStatus(ApiModel):
         return {**self.to_json(), **cleared}
 
 
-__all__ = ["CheckpointStatus", "EnginePoolStatus", "ExperimentPhase", "ExperimentStatus"]
+__all__ = [
+    "CheckpointStatus",
+    "EnginePoolStatus",
+    "ExperimentPhase",
+    "ExperimentStatus",
+    "VersionStatus",
+]

@@ -53,6 +53,7 @@ from loraplex_engine.training_service import (
     SampleOutput,
     SavedState,
 )
+from loraplex_engine.versions import names
 
 # Tinker's LoRA scale is alpha / rank with a fixed alpha (the client chooses the rank).
 LORA_ALPHA = 32.0
@@ -276,8 +277,13 @@ class ClientModels:
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.host
-        state = None
-        if sampler != h.model_name:
+        state, version = None, None
+        ref = names.parse(names.untinkered(sampler))
+        if ref is not None:  # a published version or alias (versions/), the caller's own
+            if ref.namespace != namespace:
+                raise NotFoundError(f"no model {sampler!r} in namespace {namespace!r}")
+            version = h.publisher.serving(names.untinkered(sampler))
+        elif sampler != h.model_name:
             state = saved.parse_path(sampler, field="model_path")
             if state.kind != "sampler_weights":
                 raise InvalidRequestError(
@@ -286,7 +292,7 @@ class ClientModels:
             self.state_of(namespace, state)  # NotFoundError before queueing
         _check_sample(call, self.limits)
         h.limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
-        op = Op("sample", SampleTask(namespace, state, call))
+        op = Op("sample", SampleTask(namespace, state, call, version=version))
         with self._lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)

@@ -34,7 +34,6 @@ from typing import Any
 
 import psutil
 
-from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
@@ -44,7 +43,8 @@ from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.preflight import check_rollout
 from loraplex_engine.server import flags
 from loraplex_engine.server.app import create_app
-from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
+from loraplex_engine.server.holder import EngineHolder
+from loraplex_engine.service import TickingEngine
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
@@ -56,82 +56,6 @@ READY_LINE = "loraplex-engine ready:"
 LISTEN_LINE = "loraplex-engine listening:"
 IDLE_WAIT_S = 1.0  # an idle loop re-checks this often even without a wake-up
 MAX_TICK_ERRORS = 5  # consecutive unexpected tick errors before the loop gives up
-
-
-# --- the engine while it loads --------------------------------------------------------
-
-
-class EngineHolder:
-    """Stands in for the engine until it has loaded, so the HTTP app can start first.
-
-    Before loading finishes every call raises :class:`UnavailableError` (503)."""
-
-    def __init__(self, model_name: str, rollout_backend: str) -> None:
-        self.model_name = model_name
-        self.rollout_backend = rollout_backend
-        self.engine: TickingEngine | None = None
-
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.engine, "tokenizer", None)
-
-    @property
-    def context_tokens(self) -> int | None:
-        return self._get().context_tokens
-
-    @property
-    def queued_completions(self) -> int:
-        return getattr(self.engine, "queued_completions", 0)
-
-    def _get(self) -> TickingEngine:
-        engine = self.engine
-        if engine is None:
-            raise UnavailableError("the engine is still loading")
-        return engine
-
-    def is_ready(self) -> bool:
-        return self.engine is not None and self.engine.is_ready()
-
-    def put_experiment(
-        self,
-        exp_id: str,
-        spec: Any,
-        namespace: str,
-        name: str,
-        resume_from: str | None,
-        run_id: str | None = None,
-    ) -> tuple[ExperimentStatus, bool]:
-        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from, run_id)
-
-    def get_experiment(self, exp_id: str) -> ExperimentStatus:
-        return self._get().get_experiment(exp_id)
-
-    def list_experiments(self) -> list[ExperimentStatus]:
-        return self._get().list_experiments()
-
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
-        return self._get().checkpoint_experiment(exp_id)
-
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
-        return self._get().remove_experiment(exp_id)
-
-    def capacity(self) -> Capacity:
-        return self._get().capacity()
-
-    def complete(self, job: PromptJob) -> list[ServedRow]:
-        return self._get().complete(job)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self._get().tokenize(prompt)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self._get().detokenize(token_ids)
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._get().chat_prompt(messages)
-
-    def tick(self) -> TickReport | None:
-        return self._get().tick()
 
 
 # --- the loop -------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from loraplex_engine.training_service import (
     SampleCall,
     TrainingService,
 )
+from loraplex_engine.versions import names
 
 log = logging.getLogger("loraplex_engine.tinker")
 
@@ -387,6 +388,13 @@ class Protocol:
         return self.registry.add_sampler(session, base, path, body.get("sampling_session_seq_id"))
 
     def check_sampler_path(self, namespace: str, path: str) -> None:
+        version = names.parse(names.untinkered(path))  # a published version (versions/)
+        if version is not None:
+            if version.namespace != namespace:
+                raise NotFoundError(
+                    f"no model {path!r} in this key's namespace", field="model_path"
+                )
+            return  # found (or not) when it is sampled: an alias resolves then
         saved = [s for s in self.training().list_saved(namespace) if s.path == path]
         if not saved:
             raise NotFoundError(f"no saved weights at {path!r}", field="model_path")
