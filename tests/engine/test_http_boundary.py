@@ -42,6 +42,7 @@ ALLOWED = {
     "loraplex_engine.spec_client",
     "loraplex_engine.spec_algorithm",  # the spec's algorithm block
     "loraplex_engine.spec_tracking",  # the spec's tracking block
+    "loraplex_engine.spec_eval",  # the spec's eval block
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",

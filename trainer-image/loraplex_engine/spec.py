@@ -18,6 +18,7 @@ from loraplex_engine.errors import SpecError, TaskError
 from loraplex_engine.spec_algorithm import AlgorithmSpec
 from loraplex_engine.spec_checkpoint import CheckpointSpec
 from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -229,6 +230,7 @@ class ExperimentSpec(SpecModel):
             ),
         ),
         *CLIENT_RULES,
+        EVAL_NEEDS_TASK,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.
@@ -282,6 +284,13 @@ class ExperimentSpec(SpecModel):
         "given.",
     )
     tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
+    evaluation: EvalSpec | None = Field(
+        None,
+        alias="eval",
+        description="A fixed prompt set sampled with the adapter every eval.everySteps steps "
+        "and scored with the task's reward (mean reward, pass@k) into status, metrics and "
+        "trackers; never trained on. Absent = no eval. Mutable: the next placement takes it.",
+    )
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",

@@ -19,12 +19,10 @@ a tick: those are faults of the base model or the device.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import TypeVar
+from functools import partial
 
 from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
 from loraplex_engine.completion_jobs import CompletionJob
@@ -32,18 +30,31 @@ from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
     NotFoundError,
-    RewardError,
     StorageFullError,
-    TaskError,
 )
+from loraplex_engine.evaluation.eval_set import eval_rows
 from loraplex_engine.experiment import Experiment, now
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
-from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
+from loraplex_engine.tick_items import (
+    Failure,
+    Rollout,
+    Scored,
+    Trained,
+    eval_only_tick,
+    exp_of,
+    failed_tick,
+    first_error,
+    guarded,
+    keep,
+    record_eval,
+    score_one,
+)
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.experiment_rows import (
@@ -56,66 +67,7 @@ from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 
-_T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One experiment's step: its prompts (each repeated groupSize times), their requests
-    and, after the rollout phase, their completions."""
-
-    exp: Experiment
-    prompts: list[Prompt]
-    requests: list[RolloutRequest]
-    completions: list[Completion] = field(default_factory=list)
-
-    @property
-    def rollout_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
-
-@dataclass(frozen=True)
-class Scored:
-    rollout: Rollout
-    rewards: list[float]
-
-
-@dataclass(frozen=True)
-class Trained:
-    scored: Scored
-    train_tokens: int
-    outcome: TrainOutcome  # its statistics (the gap, TIS), finite or None
-    dropped_groups: int = 0  # groups the dynamic-sampling filter left out
-    skipped: bool = False  # no row trained (every group dropped): no update
-
-
-@dataclass(frozen=True)
-class Failure:
-    exp: Experiment
-    reason: str  # the experiment's error text
-    kind: str  # status.failureReason and the metrics label (api_types.FAILURE_REASONS)
-
-
-def _guarded(exp: Experiment, kind: str, what: str, step: Callable[[], _T]) -> _T | Failure:
-    """Run one experiment's own step; any error in it fails that experiment alone.
-
-    Broad on purpose: this is the boundary between a tenant's spec, data and reward
-    service and the shared tick, and no tenant input may stop the engine."""
-    try:
-        return step()
-    except Exception as e:
-        if not isinstance(e, RewardError | TaskError | ValueError):
-            log.warning("experiment %s: %s failed", exp.id, what, exc_info=True)
-        return Failure(exp, f"{what} failed: {_describe(e)}", kind)
-
-
-def _describe(e: Exception) -> str:
-    """One line: the error's message, with its class when that is not one of ours."""
-    text = " ".join(str(e).split())[:500] or "(no message)"
-    if isinstance(e, RewardError | TaskError):
-        return text
-    return f"{type(e).__name__}: {text}"
 
 
 class Tick:
@@ -175,11 +127,13 @@ class Tick:
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
         arrived = self.scorer.arrived(running)  # late rewards: these train now
-        back = {id(_exp_of(a)) for a in arrived}
+        back = {id(exp_of(a)) for a in arrived}
         eligible = [
             e
             for e in running
-            if not self.scorer.waits(e) and id(e) not in back and not _finished(e)
+            if not self.scorer.waits(e)
+            and id(e) not in back
+            and (not e.finished_steps or e.eval_due())  # a last eval to run
         ]
         due = due_to_roll_out(eligible, self.count)
 
@@ -191,43 +145,45 @@ class Tick:
             finally:
                 phases[phase] += time.perf_counter() - t
 
-        plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
-        planned = _keep(plans, failures)
+        plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
+        planned = keep(plans, failures)
         with timed("rollout"):
-            rolled = _keep(self._rollout(planned, jobs), failures)
+            rolled = keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
-            scored = _keep(arrived + self._score(rolled), failures)
+            scored = keep(arrived + self._score(rolled), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
-            trained = _keep(self._train(scored), failures)
+            trained = keep(self._train(scored), failures)
             if client_train is not None:
                 client_train(self.strategy)
         with timed("sync"):
             synced, sync = self._sync(trained)
-            trained = _keep(synced, failures)
+            trained = keep(synced, failures)
         with timed("checkpoint"):
-            stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
+            stepped = keep([self._guarded_after_step(t) for t in trained], failures)
             stepped_ids = {id(t.scored.rollout.exp) for t in trained}
-            _keep(self._retry_checkpoints(running, stepped_ids), failures)
+            keep(self._retry_checkpoints(running, stepped_ids), failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
-            experiments=[_failed(f) for f in failures] + stepped,
+            experiments=[failed_tick(f) for f in failures] + stepped,
             adapter_sync=sync,
         )
 
     # ---- rollout ------------------------------------------------------------------------
 
     def _plan(self, exp: Experiment) -> Rollout:
+        """The experiment's step (none once its steps are done) and the rows of its eval
+        when one is due; both count in its step cost (tenancy/fair_share.py)."""
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
-        prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
-        limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
-        encoded = [
-            prompt_ids(self.codec, p.text, p.meta.get("line"), exp.spec.task.chat_template, *limits)
-            for p in prompts
-        ]
+        encode = partial(self._encode, exp)
+        prompts = (
+            []
+            if exp.finished_steps
+            else exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        )
         requests = [
             RolloutRequest(
                 slot=slot,
@@ -239,19 +195,32 @@ class Tick:
                 adapter=exp.id,
                 reproducible=roll.reproducible,
             )
-            for ids in encoded
+            for ids in map(encode, prompts)
             for _ in range(alg.group_size)
         ]
+        evals = None
+        if exp.eval_set is not None and exp.eval_due():
+            rollout = (slot, roll.max_new_tokens, roll.reproducible)
+            evals = eval_rows(exp.id, exp.eval_set, exp.step, alg.seed, rollout, encode)
+            exp.eval_planned = exp.step
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        exp.step_cost += evals.cost if evals is not None else 0
         exp.rolled_out_at = self.count
-        return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
+        repeated = [p for p in prompts for _ in range(alg.group_size)]
+        return Rollout(exp, repeated, requests, evals=evals)
+
+    def _encode(self, exp: Experiment, prompt: Prompt) -> list[int]:
+        """A task prompt's tokens, within the engine's limits (work_limits.prompt_ids)."""
+        limits = (self.max_prompt_tokens, self.context_tokens, exp.spec.rollout.max_new_tokens)
+        line = prompt.meta.get("line")
+        return prompt_ids(self.codec, prompt.text, line, exp.spec.task.chat_template, *limits)
 
     def _rollout(
         self, planned: list[Rollout], jobs: Sequence[CompletionJob]
     ) -> list[Rollout | Failure]:
         """One generate call for every experiment's requests and the queued jobs; an
         experiment (or job) with a row the backend refused fails alone."""
-        requests = [req for r in planned for req in r.requests]
+        requests = [req for r in planned for req in r.all_requests()]
         job_rows: list[tuple[CompletionJob, int]] = []
         for job in jobs:
             try:
@@ -269,16 +238,18 @@ class Tick:
         rolled: list[Rollout | Failure] = []
         offset = 0
         for r in planned:
-            mine = outputs[offset : offset + len(r.requests)]
-            offset += len(r.requests)
-            error = _first_error(mine)
+            rows = len(r.all_requests())
+            mine, step_rows = outputs[offset : offset + rows], len(r.requests)
+            offset += rows
+            error = first_error(mine)
             if error is None:
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine))
+                done = (mine[:step_rows], r.evals, mine[step_rows:])
+                rolled.append(Rollout(r.exp, r.prompts, r.requests, *done))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
             result = outputs[first : first + job.n]
-            error = _first_error(result)
+            error = first_error(result)
             if error is None:
                 job.result = result
             else:
@@ -294,12 +265,13 @@ class Tick:
         results: list[Scored | Failure] = []
         jobs = []
         for r in rolled:
-            if any(c.nonfinite for c in r.completions):
+            every = r.completions + r.eval_completions
+            if any(c.nonfinite for c in every):
                 msg = "non-finite logits from the adapter (diverged)"
                 results.append(Failure(r.exp, msg, "non_finite"))
                 continue
-            texts = [self.codec.decode(c.token_ids) for c in r.completions]  # tick thread
-            jobs.append((r.exp, lambda r=r, texts=texts: _score_one(r, texts)))
+            texts = [self.codec.decode(c.token_ids) for c in every]  # tick thread
+            jobs.append((r.exp, lambda r=r, texts=texts: score_one(r, texts)))
         return results + self.scorer.score(jobs)
 
     # ---- train --------------------------------------------------------------------------
@@ -313,7 +285,10 @@ class Tick:
         losses: dict[str, PolicyLoss] = {}
         for s in scored:
             exp = s.rollout.exp
-            prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
+            if s.rollout.eval_only:  # its steps are done: nothing to train
+                results.append(Trained(s, 0, TrainOutcome(), skipped=True))
+                continue
+            prepared = guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
                 results.append(prepared)
             elif prepared.skipped:
@@ -373,11 +348,16 @@ class Tick:
 
     def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
         exp = t.scored.rollout.exp
-        return _guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
+        return guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
 
     def _after_step(self, t: Trained) -> ExperimentTick:
         r, rewards = t.scored.rollout, t.scored.rewards
         exp = r.exp
+        record_eval(exp, t.scored.eval)
+        if r.eval_only:  # the last adapter's eval: the experiment is done
+            if _done(exp) and not exp.checkpoint_pending:
+                exp.phase = "Succeeded"
+            return eval_only_tick(t)
         exp.step += 1
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
@@ -386,7 +366,7 @@ class Tick:
         exp.tis_weight_mean = t.outcome.tis_weight_mean
         exp.skipped_updates += t.skipped
         exp.updated_at = now()
-        finished = exp.max_steps > 0 and exp.step >= exp.max_steps
+        finished = exp.finished_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
         tick = ExperimentTick(
             exp.id,
@@ -405,12 +385,13 @@ class Tick:
             name=exp.name,
             run_id=exp.run_id,
             tracking=exp.spec.tracking,
-            finished=finished,
+            finished=_done(exp),
+            eval=t.scored.eval,
             **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
-        if finished and not exp.checkpoint_pending:
+        if _done(exp) and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick
 
@@ -433,62 +414,14 @@ class Tick:
         for exp in running:
             if not exp.checkpoint_pending or id(exp) in stepped:
                 continue
-            saved = _guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
+            saved = guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
             if isinstance(saved, Failure):
                 failed.append(saved)
-            elif saved and _finished(exp):
+            elif saved and _done(exp):
                 exp.phase = "Succeeded"
         return failed
 
 
-def _finished(exp: Experiment) -> bool:
-    return exp.max_steps > 0 and exp.step >= exp.max_steps
-
-
-def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
-    """One experiment's reward (on a pool thread)."""
-
-    def score() -> Scored:
-        rewards = [float(x) for x in r.exp.task.score(r.prompts, texts)]
-        bad = [x for x in rewards if not math.isfinite(x)]
-        if bad:
-            raise RewardError(f"reward returned a non-finite score ({bad[0]})")
-        return Scored(r, rewards)
-
-    return _guarded(r.exp, "reward_error", "reward", score)
-
-
-def _first_error(completions: list[Completion]) -> str | None:
-    return next((c.error for c in completions if c.error is not None), None)
-
-
-def _exp_of(item: Scored | Failure) -> Experiment:
-    return item.rollout.exp if isinstance(item, Scored) else item.exp
-
-
-def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
-    """The experiments that carry on; the others are failed now and recorded."""
-    kept: list[_T] = []
-    for result in results:
-        if isinstance(result, Failure):
-            result.exp.fail(result.reason, result.kind)
-            failures.append(result)
-        else:
-            kept.append(result)
-    return kept
-
-
-def _failed(f: Failure) -> ExperimentTick:
-    exp = f.exp
-    return ExperimentTick(
-        exp.id,
-        exp.namespace,
-        exp.step,
-        exp.reward or 0.0,
-        0,
-        0,
-        failed_reason=f.kind,
-        name=exp.name,
-        run_id=exp.run_id,
-        tracking=exp.spec.tracking,
-    )
+def _done(exp: Experiment) -> bool:
+    """Its last step is taken and, with spec.eval, its last adapter evaluated."""
+    return exp.finished_steps and not exp.awaits_final_eval()
