@@ -40,6 +40,10 @@ _MODEL_VOL = {"name": "models", "persistentVolumeClaim": {"claimName": "models"}
 _SHM_VOL = {"name": "shm", "emptyDir": {"medium": "Memory"}}
 _SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
 
+def _eval(**fields: Any) -> Obj:
+    return experiment("a").set("spec.eval", fields).obj()
+
+
 EXPERIMENT_RULES: dict[str, RuleCase] = {
     "metadata.name must be at most 189": RuleCase(valid=_exp_name(189), invalid=_exp_name(190)),
     "GRPO needs rollout.temperature > 0": RuleCase(
@@ -138,6 +142,18 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         old=lambda: experiment("a").obj(),
     ),
     # 0 passes: the API server used to default it into every stored experiment.
+    "spec.eval scores completions with spec.task's reward": RuleCase(
+        valid=lambda: experiment("a").set("spec.eval", {}).obj(),
+        invalid=lambda: experiment("a").client().set("spec.eval", {}).obj(),
+    ),
+    "eval.passAtK must be at most eval.samples": RuleCase(
+        valid=lambda: _eval(samples=4, passAtK=4, temperature=1.0),
+        invalid=lambda: _eval(samples=4, passAtK=5, temperature=1.0),
+    ),
+    "eval.samples > 1 needs eval.temperature > 0": RuleCase(
+        valid=lambda: _eval(samples=2, temperature=0.1),
+        invalid=lambda: _eval(samples=2, temperature=0.0),
+    ),
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
         invalid=lambda: experiment("a").priority(1).obj(),
@@ -235,7 +251,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 12  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 17  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -334,6 +350,13 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.checkpoint.keep", 10),
     ("spec.tracking.runName", "lr-2"),
     ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
+    ("spec.eval.everySteps", 5),
+    ("spec.eval.prompts", 8),
+    ("spec.eval.dataset", "held-out.jsonl"),
+    ("spec.eval.samples", 1),
+    ("spec.eval.passAtK", 1),
+    ("spec.eval.temperature", 0.0),
+    ("spec.eval.passThreshold", 0.5),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
 # retired spec.priority's own rule (0 only) the other.
