@@ -40,6 +40,7 @@ _MODEL_VOL = {"name": "models", "persistentVolumeClaim": {"claimName": "models"}
 _SHM_VOL = {"name": "shm", "emptyDir": {"medium": "Memory"}}
 _SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
 
+
 def _eval(**fields: Any) -> Obj:
     return experiment("a").set("spec.eval", fields).obj()
 
