@@ -42,7 +42,8 @@ ALLOWED = {
     "loraplex_engine.spec_client",
     "loraplex_engine.spec_algorithm",  # the spec's algorithm block
     "loraplex_engine.spec_tracking",  # the spec's tracking block
-    "loraplex_engine.spec_eval",  # the spec's eval block
+    "loraplex_engine.evaluation",  # the spec's eval block (evaluation/spec_eval.py)
+    "loraplex_engine.evaluation.spec_eval",
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",

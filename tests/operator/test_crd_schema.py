@@ -209,7 +209,7 @@ EXPERIMENT_BOUNDS = [
     ("spec.tracking.tags", [{"name": "a", "value": "line\nbreak"}], False),
     ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
     ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
-    # spec.eval (spec_eval.py): its bounds keep a tenant's eval small.
+    # spec.eval (evaluation/spec_eval.py): its bounds keep a tenant's eval small.
     ("spec.eval", {}, True),
     ("spec.eval.everySteps", 0, False),
     ("spec.eval.everySteps", 1_000_000, True),

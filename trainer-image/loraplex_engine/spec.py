@@ -15,10 +15,10 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.evaluation.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_algorithm import AlgorithmSpec
 from loraplex_engine.spec_checkpoint import CheckpointSpec
 from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
-from loraplex_engine.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,

@@ -39,9 +39,7 @@ from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
-from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
-from loraplex_engine.tenancy.work_limits import prompt_ids
-from loraplex_engine.tick_items import (
+from loraplex_engine.tenancy.containment import (
     Failure,
     Rollout,
     Scored,
@@ -55,6 +53,8 @@ from loraplex_engine.tick_items import (
     record_eval,
     score_one,
 )
+from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
+from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.experiment_rows import (

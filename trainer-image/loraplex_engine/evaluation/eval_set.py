@@ -19,9 +19,9 @@ import torch
 
 from loraplex_engine.errors import TaskError
 from loraplex_engine.evaluation.scores import EVAL_SEED_SALT, eval_seed
+from loraplex_engine.evaluation.spec_eval import EvalSpec
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.spec_eval import EvalSpec
 from loraplex_engine.tasks import JsonlTask, Prompt, Task
 from loraplex_engine.tenancy.trust import TrustPolicy
 

@@ -1,7 +1,8 @@
-"""What one experiment carries through a tick's phases (tick.py), and the containment
-that fails it alone: ``Rollout`` → ``Scored`` → ``Trained``, or a ``Failure`` at any
-phase. Split from tick.py to keep each module to one job: this one holds the values and
-the guards, tick.py the pipeline.
+"""An experiment's own part of a tick (tick.py) and its containment: what it carries
+through the phases, ``Rollout`` → ``Scored`` → ``Trained``, or a ``Failure`` at any phase
+that fails it alone (its error in its status, the tick going on). Split from tick.py to
+keep each module to one job: this one holds the values and the guards, tick.py the
+pipeline.
 
 An experiment's step may carry the rows of one eval (spec.eval, evaluation/): they are
 sampled in the same rollout batch and scored in the same reward call as its step's rows,
