@@ -103,8 +103,7 @@ async def _seed(kube: Kube) -> None:
 async def _tinker_model_lifecycle(directory: KubeDirectory) -> None:
     """What a Tinker model costs in API calls (gateway/tinker_models.py): create_model
     creates its experiment, each call reads it, unload_model deletes it."""
-    meta = {"name": "tinker-s-0", "namespace": "team-a"}
-    obj = {"apiVersion": "loraplex.dev/v1alpha1", "kind": "LoRAExperiment", "metadata": meta}
+    obj = builders.experiment("tinker-s-0", "team-a").pool(POOL).obj()
     assert await directory.create_experiment(obj)
     assert await directory.get_experiment("team-a", "tinker-s-0") is not None
     assert await directory.delete_experiment("team-a", "tinker-s-0")

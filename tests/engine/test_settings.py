@@ -46,6 +46,7 @@ CHANGED: dict[str, Any] = {
     "max_step_tokens": 4096,
     "max_prompt_tokens": 256,
     "reward_deadline": 2.5,
+    "plugin_timeout": 5.0,
     "serving_share": 0.4,
     "client_models_per_tick": 1,
     "client_tick_gather": 0.05,

@@ -19,7 +19,7 @@ import pytest
 from loraplex_engine.api_types import ExperimentTick, TickReport
 from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import ServeSettings
-from loraplex_engine.spec_tracking import Tag, TrackingSpec
+from loraplex_engine.spec_blocks.tracking import Tag, TrackingSpec
 from loraplex_engine.tracking.hub import Tracking, build_trackers
 from loraplex_engine.tracking.records import METRICS, RunRef, StepRecord, records_of
 from loraplex_engine.tracking.sink import LogLimiter, Sink, backoff_s

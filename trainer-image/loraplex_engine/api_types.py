@@ -16,7 +16,7 @@ from pydantic.alias_generators import to_camel
 
 if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
     from loraplex_engine.evaluation.scores import EvalResult
-    from loraplex_engine.spec_tracking import TrackingSpec
+    from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -198,6 +198,14 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class InstalledPlugins(WireModel):
+    """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
+    task.reward and task.environment.name may use beyond the built-ins."""
+
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -215,6 +223,7 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    plugins: InstalledPlugins = InstalledPlugins()
 
     @computed_field  # type: ignore[prop-decorator]
     @property

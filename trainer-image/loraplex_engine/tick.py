@@ -2,8 +2,10 @@
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
 plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
-mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
-deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
+mixed-adapter batch, queued completions included; multi-turn episodes then go on turn
+by turn, every experiment's in one batch a turn: environments/episodes.py) → ``reward``
+(concurrent, with a deadline: a late reward trains in a later tick) → ``train`` (the
+training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
 checkpoints). Each phase takes the experiments still in play and returns who carries on.
 
@@ -22,10 +24,17 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from functools import partial
+from dataclasses import replace
 
-from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
+from loraplex_engine.api_types import (
+    MAX_NEW_TOKENS,
+    TICK_PHASES,
+    AdapterSync,
+    ExperimentTick,
+    TickReport,
+)
 from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.environments.episodes import open_group, play
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
@@ -39,22 +48,22 @@ from loraplex_engine.rollout.backends import RolloutBackend
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
-from loraplex_engine.tenancy.containment import (
+from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
+from loraplex_engine.tenancy.work_limits import prompt_ids
+from loraplex_engine.tick_results import (
     Failure,
     Rollout,
     Scored,
     Trained,
     eval_only_tick,
     exp_of,
-    failed_tick,
+    failed,
     first_error,
     guarded,
     keep,
     record_eval,
     score_one,
 )
-from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
-from loraplex_engine.tenancy.work_limits import prompt_ids
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.experiment_rows import (
@@ -167,7 +176,7 @@ class Tick:
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
-            experiments=[failed_tick(f) for f in failures] + stepped,
+            experiments=[failed(f) for f in failures] + stepped,
             adapter_sync=sync,
         )
 
@@ -178,42 +187,61 @@ class Tick:
         when one is due; both count in its step cost (tenancy/fair_share.py)."""
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
-        encode = partial(self._encode, exp)
         prompts = (
             []
             if exp.finished_steps
             else exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
         )
-        requests = [
-            RolloutRequest(
+        limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
+
+        def encode(p: Prompt) -> list[int]:
+            chat = exp.spec.task.chat_template
+            return prompt_ids(self.codec, p.text, p.meta.get("line"), chat, *limits)
+
+        def request(ids: list[int], new_tokens: int = roll.max_new_tokens) -> RolloutRequest:
+            return RolloutRequest(
                 slot=slot,
                 prompt_ids=ids,
-                max_new_tokens=roll.max_new_tokens,
+                max_new_tokens=min(new_tokens, roll.max_new_tokens),
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
                 group=exp.id,
                 adapter=exp.id,
                 reproducible=roll.reproducible,
             )
-            for ids in map(encode, prompts)
-            for _ in range(alg.group_size)
-        ]
+
+        repeated = [p for p in prompts for _ in range(alg.group_size)]
+        episodes = None
+        if exp.task.environment is None:
+            requests = [request(ids) for ids in map(encode, prompts) for _ in range(alg.group_size)]
+        else:
+            pairs = [(p.text, p.answer) for p in repeated]
+            encode_text = lambda text: encode(Prompt(text, ""))  # noqa: E731
+            room = lambda ids: self._room(exp, ids)  # noqa: E731
+            episodes = open_group(exp.task.environment, pairs, encode_text, request, room)
+            requests = [e.request for e in episodes.episodes]
+        exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        if episodes is not None:
+            exp.step_cost = sum(len(e.request.prompt_ids) + e.budget for e in episodes.episodes)
         evals = None
         if exp.eval_set is not None and exp.eval_due():
             rollout = (slot, roll.max_new_tokens, roll.reproducible)
             evals = eval_rows(exp.id, exp.eval_set, exp.step, alg.seed, rollout, encode)
             exp.eval_planned = exp.step
-        exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-        exp.step_cost += evals.cost if evals is not None else 0
+            exp.step_cost += evals.cost
         exp.rolled_out_at = self.count
-        repeated = [p for p in prompts for _ in range(alg.group_size)]
-        return Rollout(exp, repeated, requests, evals=evals)
+        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals)
 
-    def _encode(self, exp: Experiment, prompt: Prompt) -> list[int]:
-        """A task prompt's tokens, within the engine's limits (work_limits.prompt_ids)."""
-        limits = (self.max_prompt_tokens, self.context_tokens, exp.spec.rollout.max_new_tokens)
-        line = prompt.meta.get("line")
-        return prompt_ids(self.codec, prompt.text, line, exp.spec.task.chat_template, *limits)
+    def _room(self, exp: Experiment, prompt: list[int]) -> int:
+        """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
+        row the engine admits (the prompt limit plus the largest maxNewTokens: the vLLM
+        sampler's max_model_len) and the context."""
+        env = exp.spec.task.environment
+        assert env is not None
+        room = min(env.max_episode_tokens, self.max_prompt_tokens + MAX_NEW_TOKENS - len(prompt))
+        if self.context_tokens is not None:
+            room = min(room, self.context_tokens - len(prompt))
+        return max(1, room)
 
     def _rollout(
         self, planned: list[Rollout], jobs: Sequence[CompletionJob]
@@ -243,8 +271,8 @@ class Tick:
             offset += rows
             error = first_error(mine)
             if error is None:
-                done = (mine[:step_rows], r.evals, mine[step_rows:])
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, *done))
+                done = {"completions": mine[:step_rows], "eval_completions": mine[step_rows:]}
+                rolled.append(replace(r, **done))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
@@ -255,7 +283,25 @@ class Tick:
             else:
                 job.error = InvalidRequestError(f"the rollout backend refused this: {error}")
             job.done.set()
-        return rolled
+        return self._play(rolled)
+
+    def _play(self, rolled: list[Rollout | Failure]) -> list[Rollout | Failure]:
+        """Multi-turn episodes from their first turns to their ends (episodes.py)."""
+        env = [r for r in rolled if isinstance(r, Rollout) and r.episodes is not None]
+        if not env:
+            return rolled
+        groups = [r.episodes for r in env if r.episodes is not None]
+        firsts = [r.completions for r in env]
+        play(groups, firsts, self.backend.generate, self.codec.decode, self.codec.encode)
+        done: dict[int, Rollout | Failure] = {}
+        for r, g in zip(env, groups, strict=True):
+            comps = [e.completion() for e in g.episodes]
+            done[id(r)] = (
+                Failure(r.exp, g.error[0], g.error[1])
+                if g.error
+                else replace(r, completions=comps, episodes=g)
+            )
+        return [done.get(id(r), r) for r in rolled]
 
     # ---- reward -------------------------------------------------------------------------
 
@@ -269,6 +315,9 @@ class Tick:
             if any(c.nonfinite for c in every):
                 msg = "non-finite logits from the adapter (diverged)"
                 results.append(Failure(r.exp, msg, "non_finite"))
+                continue
+            if r.episodes is not None:  # the environment scored them (no eval: eval_set.py)
+                results.append(Scored(r, [e.reward for e in r.episodes.episodes]))
                 continue
             texts = [self.codec.decode(c.token_ids) for c in every]  # tick thread
             jobs.append((r.exp, lambda r=r, texts=texts: score_one(r, texts)))
@@ -319,7 +368,7 @@ class Tick:
         """One experiment's training rows, with their group-relative advantages."""
         r, exp = s.rollout, s.rollout.exp
         samples = [
-            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature)
+            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature, comp.mask)
             for req, comp in zip(r.requests, r.completions, strict=True)
         ]
         slot = self.model.slot_of(exp.id)

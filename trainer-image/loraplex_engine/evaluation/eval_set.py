@@ -56,6 +56,14 @@ def build_eval_set(
     ev = spec.evaluation
     if ev is None:
         return None
+    if spec.task is not None and spec.task.environment is not None:
+        # An eval is single-turn rows scored by the task's reward; an environment's reward
+        # scores whole episodes, so an eval here would measure something else.
+        raise TaskError(
+            "spec.eval",
+            "spec.eval is not supported with task.environment (multi-turn episodes): "
+            "leave spec.eval unset",
+        )
     if ev.dataset is None:
         rng = random.Random(spec.algorithm.seed ^ EVAL_SEED_SALT)
         return EvalSet(ev, tuple(task.sample_prompts(ev.prompts, rng)))

@@ -40,16 +40,10 @@ from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.preflight import check_rollout
+from loraplex_engine.server import flags
 from loraplex_engine.server.app import create_app
-from loraplex_engine.server.flags import (
-    check,
-    data_roots,
-    read_tinker_keys,
-    read_token,
-    resolve_device,
-    reward_hosts,
-)
 from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
@@ -305,24 +299,24 @@ def own_addresses() -> set[str]:
 
 def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
     """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
-    egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
-    data = DataRoots(data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
+    egress = RewardEgress.build(flags.reward_hosts(settings), own_addresses(), own_port=port)
+    data = DataRoots(flags.data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
     return TrustPolicy(data=data, egress=egress)
 
 
 def run(settings: ServeSettings) -> int:
     setup_logging(settings.log_format, settings.log_level)
-    check(settings)  # also done by the CLI before this module's imports; cheap
+    flags.check(settings)  # also done by the CLI before this module's imports; cheap
     check_model_dir(str(settings.model))
     check_rollout(settings, settings.device)  # the backend's flags and environment
-    device = resolve_device(settings.device, settings.world_size)
+    device = flags.resolve_device(settings.device, settings.world_size)
     if settings.threads > 0:
         import torch
 
         torch.set_num_threads(settings.threads)
     if is_worker():  # rank 1..N-1: no port, no API; rank 0's messages only
         return run_worker(settings, device, lambda world: _build_engine(settings, device, world))
-    token = read_token(settings)
+    token = flags.read_token(settings)
     if token is None:
         log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
 
@@ -348,7 +342,7 @@ def run(settings: ServeSettings) -> int:
         loop = loop_box.get("loop")
         return loop is not None and loop.running and holder.is_ready()
 
-    tinker_keys = read_tinker_keys(settings)
+    tinker_keys = flags.read_tinker_keys(settings)
 
     def training() -> Any:
         """The engine's TrainingService (the Tinker protocol's), once it has loaded."""
@@ -396,6 +390,8 @@ def run(settings: ServeSettings) -> int:
 
     def load() -> None:
         try:
+            # The installed plug-ins, listed by a child while the model loads (PUT reads them).
+            threading.Thread(target=installed, name="plugins", daemon=True).start()
             t_import = time.monotonic()
             from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
 

@@ -1,1 +1,1 @@
-"""Tenants kept apart: trust and egress, fair share, work limits, containment."""
+"""Tenants kept apart: trust and egress, fair share, work limits."""

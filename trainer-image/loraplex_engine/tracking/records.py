@@ -6,7 +6,7 @@ the adapter it evaluated, one before the step it rode along with). The run is th
 engine's: one per experiment run, found again by its
 ``loraplex.runId`` tag after a restart; the tenant's spec.tracking only names it and adds
 tags, and the system tags (namespace, experiment, run id, pool) are set last, so a tenant
-can override none of them (its tag names have no dot: spec_tracking.py).
+can override none of them (its tag names have no dot: spec_blocks/tracking.py).
 """
 
 from __future__ import annotations

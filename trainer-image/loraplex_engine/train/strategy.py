@@ -277,8 +277,12 @@ def gap_totals(rows: list[TrainRow], trainer: list[torch.Tensor]) -> GapTotals:
     out: GapTotals = {}
     for row, mine in zip(rows, trainer, strict=True):
         sampler = torch.tensor(row.old_logprobs, dtype=torch.float32)
+        gap = (sampler - mine).abs()
+        if row.mask is not None:  # an environment's tokens were not sampled: no gap
+            keep = torch.tensor(row.mask, dtype=torch.bool)
+            gap = gap[keep]
         total, n = out.get(row.experiment, (0.0, 0))
-        out[row.experiment] = (total + float((sampler - mine).abs().sum()), n + len(mine))
+        out[row.experiment] = (total + float(gap.sum()), n + len(gap))
     return out
 
 

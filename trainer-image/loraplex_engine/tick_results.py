@@ -1,8 +1,6 @@
-"""An experiment's own part of a tick (tick.py) and its containment: what it carries
-through the phases, ``Rollout`` → ``Scored`` → ``Trained``, or a ``Failure`` at any phase
-that fails it alone (its error in its status, the tick going on). Split from tick.py to
-keep each module to one job: this one holds the values and the guards, tick.py the
-pipeline.
+"""What a tick's phases hand each other: an experiment's rollout, its rewards, its
+update, or its failure; and the guard that turns an error in one experiment's own step
+into that experiment's failure (tick.py).
 
 An experiment's step may carry the rows of one eval (spec.eval, evaluation/): they are
 sampled in the same rollout batch and scored in the same reward call as its step's rows,
@@ -17,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from loraplex_engine.api_types import ExperimentTick
+from loraplex_engine.environments.episodes import EpisodeGroup
 from loraplex_engine.errors import RewardError, TaskError
 from loraplex_engine.evaluation.eval_set import EvalRows
 from loraplex_engine.evaluation.scores import EvalResult, summarize
@@ -40,6 +39,7 @@ class Rollout:
     prompts: list[Prompt]
     requests: list[RolloutRequest]
     completions: list[Completion] = field(default_factory=list)
+    episodes: EpisodeGroup | None = None  # a multi-turn environment's (their rewards)
     evals: EvalRows | None = None
     eval_completions: list[Completion] = field(default_factory=list)
 
@@ -104,10 +104,10 @@ def guarded(exp: Experiment, kind: str, what: str, step: Callable[[], _T]) -> _T
     except Exception as e:
         if not isinstance(e, RewardError | TaskError | ValueError):
             log.warning("experiment %s: %s failed", exp.id, what, exc_info=True)
-        return Failure(exp, f"{what} failed: {_describe(e)}", kind)
+        return Failure(exp, f"{what} failed: {describe(e)}", kind)
 
 
-def _describe(e: Exception) -> str:
+def describe(e: Exception) -> str:
     """One line: the error's message, with its class when that is not one of ours."""
     text = " ".join(str(e).split())[:500] or "(no message)"
     if isinstance(e, RewardError | TaskError):
@@ -130,12 +130,12 @@ def score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
     return guarded(r.exp, "reward_error", "reward", score)
 
 
-def first_error(completions: list[Completion]) -> str | None:
-    return next((c.error for c in completions if c.error is not None), None)
-
-
 def exp_of(item: Scored | Failure) -> Experiment:
     return item.rollout.exp if isinstance(item, Scored) else item.exp
+
+
+def first_error(completions: list[Completion]) -> str | None:
+    return next((c.error for c in completions if c.error is not None), None)
 
 
 def keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
@@ -150,7 +150,7 @@ def keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
     return kept
 
 
-def failed_tick(f: Failure) -> ExperimentTick:
+def failed(f: Failure) -> ExperimentTick:
     exp = f.exp
     return ExperimentTick(
         exp.id,
