@@ -99,6 +99,17 @@ def test_an_eval_set_from_the_task_is_fixed_by_the_seed() -> None:
     assert build_eval_set(no_eval, task, TrustPolicy(), "ns") is None
 
 
+def test_an_eval_with_a_multi_turn_environment_is_refused_naming_the_eval() -> None:
+    """An environment scores whole episodes, an eval's single-turn rows the task's reward:
+    the engine refuses the pair rather than report a number that measures neither."""
+    env = {"name": "gsm8k_multi_turn"}
+    spec = parse_spec({**_spec({}), "task": {**TASK, "environment": env}})
+    with pytest.raises(TaskError) as info:
+        build_eval_set(spec, build_task("arithmetic"), TrustPolicy(), "ns")
+    assert info.value.field == "spec.eval"
+    assert "task.environment" in info.value.message
+
+
 def _rows(path: Path, n: int) -> Path:
     path.write_text(
         "".join(json.dumps({"prompt": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(n))
