@@ -243,7 +243,20 @@ def _conditions_for(v: _Verdict, obs: Observation) -> list[dict[str, Any]]:
 # --- the status patch ------------------------------------------------------------------
 
 # Progress carried over from the status written last (the engine may not report it now).
-_CARRIED = ("step", "reward", "checkpoint", "adapter_path", "started_at", "versions", "aliases")
+_CARRIED = (
+    "step",
+    "reward",
+    "checkpoint",
+    "adapter_path",
+    "started_at",
+    "eval_step",
+    "eval_reward",
+    "eval_pass_at_k",
+    "versions",
+    "aliases",
+)
+# The latest eval (spec.eval) the engine reports, engine key -> status field.
+_EVAL_FIELDS = {"evalReward": "eval_reward", "evalPassAtK": "eval_pass_at_k"}
 
 
 def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -260,6 +273,11 @@ def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
         out["adapter_path"] = engine["adapterPath"]
     if engine.get("startedAt"):
         out["started_at"] = engine["startedAt"]
+    if engine.get("evalStep") is not None:
+        out["eval_step"] = int(engine["evalStep"])
+    for key, name in _EVAL_FIELDS.items():
+        if engine.get(key) is not None:
+            out[name] = float(engine[key])
     return out | versions.status_fields(engine)
 
 

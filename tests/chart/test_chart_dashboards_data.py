@@ -110,6 +110,9 @@ def _openmetrics(end: int) -> str:
         # a version published every sample: the annotation's changes() always has one
         add("loraplex_engine_latest_version", "gauge", "loraplex_engine_latest_version",
             per_exp, lambda i: 1 + i)  # fmt: skip
+        gauge("loraplex_engine_eval_reward", per_exp, 0.7)  # both have spec.eval
+        gauge("loraplex_engine_eval_pass_at_k", per_exp, 0.6)
+        counter("loraplex_engine_eval_tokens_total", per_exp, 40)
     # Serving, per the request's model: two experiments, the base, and "other" (errors).
     base = {**engine_wide, "experiment": "tiny-base"}
     other = {**engine_wide, "experiment": "other"}

@@ -97,6 +97,9 @@ MIN_CHECKPOINTS = 2
 MIN_SAMPLES = 3  # scrapes of each experiment's series within the last 30 s
 CHECKPOINT_EVERY = 5
 MAX_STEPS = 100_000  # still training when the panels are checked; deleted at the end
+# spec.eval on the training experiments: small (2 greedy prompts) and every 5 steps, so
+# the eval series exist from the first step on (the eval at step 0 rides along step 1).
+EVAL = {"everySteps": 5, "prompts": 2}
 # Series this live engine does not export: the vLLM-only gap (it rolls out with torch),
 # and the TIS weight (none of its experiments sets offPolicyCorrection: tis).
 ABSENT_HERE = {
@@ -479,6 +482,7 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                 obj = h.experiment_obj(
                     name, POOL, max_steps=MAX_STEPS, every=CHECKPOINT_EVERY, seed=i, namespace=ns
                 )
+                obj["spec"]["eval"] = EVAL  # the eval series and the dashboard's Eval panel
                 await h.apply(obj)
             failing = h.experiment_obj(FAILING[1], POOL, max_steps=MAX_STEPS, namespace=FAILING[0])
             failing["spec"]["task"].update(reward="http", rewardUrl=reward_url)

@@ -46,6 +46,10 @@ def _aliased(alias: str) -> Obj:
     return experiment("a").set("spec.publish", publish).obj()
 
 
+def _eval(**fields: Any) -> Obj:
+    return experiment("a").set("spec.eval", fields).obj()
+
+
 EXPERIMENT_RULES: dict[str, RuleCase] = {
     "metadata.name must be at most 189": RuleCase(valid=_exp_name(189), invalid=_exp_name(190)),
     "GRPO needs rollout.temperature > 0": RuleCase(
@@ -148,6 +152,18 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: _aliased("stable"),
         invalid=lambda: _aliased("latest"),
     ),
+    "spec.eval scores completions with spec.task's reward": RuleCase(
+        valid=lambda: experiment("a").set("spec.eval", {}).obj(),
+        invalid=lambda: experiment("a").client().set("spec.eval", {}).obj(),
+    ),
+    "eval.passAtK must be at most eval.samples": RuleCase(
+        valid=lambda: _eval(samples=4, passAtK=4, temperature=1.0),
+        invalid=lambda: _eval(samples=4, passAtK=5, temperature=1.0),
+    ),
+    "eval.samples > 1 needs eval.temperature > 0": RuleCase(
+        valid=lambda: _eval(samples=2, temperature=0.1),
+        invalid=lambda: _eval(samples=2, temperature=0.0),
+    ),
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
         invalid=lambda: experiment("a").priority(1).obj(),
@@ -245,7 +261,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 15  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 18  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -360,6 +376,13 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.publish.pinned", ["v2"]),
     ("spec.publish.aliases", [{"name": "stable", "version": "v2"}]),
     ("spec.publish.promoteWhen.atLeast", 0.5),
+    ("spec.eval.everySteps", 5),
+    ("spec.eval.prompts", 8),
+    ("spec.eval.dataset", "held-out.jsonl"),
+    ("spec.eval.samples", 1),
+    ("spec.eval.passAtK", 1),
+    ("spec.eval.temperature", 0.0),
+    ("spec.eval.passThreshold", 0.5),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
 # retired spec.priority's own rule (0 only) another; a new publish.promoteWhen block

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
 
 if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
+    from loraplex_engine.evaluation.scores import EvalResult
     from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
@@ -131,6 +132,15 @@ class ExperimentStatus(WireModel):
     aliases: dict[str, str] = {}
     publish_error: str | None = None
     publish: dict[str, Any] | None = None  # the spec.publish the engine applies (JSON)
+    # spec.eval's latest result (evaluation/; docs/evaluation.md), None before the first:
+    # the adapter after evalStep steps scored a mean reward of evalReward over the eval
+    # set's completions, and a pass@k (k = evalK) of evalPassAtK. The promotion gate's
+    # score. evalTokens: prompt + completion tokens of every eval so far on this engine.
+    eval_step: int | None = None
+    eval_reward: float | None = None
+    eval_pass_at_k: float | None = None
+    eval_k: int | None = None
+    eval_tokens: int = 0
 
 
 class MemoryUse(WireModel):
@@ -266,7 +276,12 @@ class ExperimentTick:
     name: str = ""
     run_id: str = ""
     tracking: TrackingSpec | None = None  # spec.tracking
-    finished: bool = False  # its last step (maxSteps reached)
+    finished: bool = False  # its last tick: maxSteps reached and, with spec.eval, evaluated
+    # spec.eval's result, in the tick that scored it (evaluation/; its step is the adapter's,
+    # which may be before this tick's step). eval_only: the tick only evaluated the final
+    # adapter (no step was taken: step, reward and tokens are the last step's, not new).
+    eval: EvalResult | None = None
+    eval_only: bool = False
 
 
 @dataclass

@@ -25,6 +25,8 @@ from loraplex_engine.errors import (
     TaskError,
     UnknownTargetModuleError,
 )
+from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
+from loraplex_engine.evaluation.scores import EvalResult, eval_due
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.plugins.attach import check_plugins, plug_in, uses_plugins
 from loraplex_engine.plugins.host import CALL_TIMEOUT_S
@@ -77,10 +79,35 @@ class Experiment:
     rolled_out_at: int = -(1 << 62)
     # Published versions and aliases (versions/publisher.py), read from disk at placement.
     published: PublishState = field(default_factory=PublishState)
+    # spec.eval (evaluation/): its fixed prompts, the step of the latest eval planned (its
+    # rows rolled out) and of the latest result, and the tokens every eval cost so far.
+    eval_set: EvalSet | None = None
+    eval_planned: int | None = None
+    last_eval: EvalResult | None = None
+    eval_tokens: int = 0
 
     @property
     def max_steps(self) -> int:
         return self.spec.algorithm.max_steps
+
+    @property
+    def finished_steps(self) -> bool:
+        """Its last step is done (maxSteps > 0 reached)."""
+        return self.max_steps > 0 and self.step >= self.max_steps
+
+    def eval_due(self) -> bool:
+        """The adapter at this step is to be evaluated and no eval of it is planned yet."""
+        if self.eval_set is None:
+            return False
+        every = self.eval_set.spec.every_steps
+        return eval_due(self.step, every, self.eval_planned, self.finished_steps)
+
+    def awaits_final_eval(self) -> bool:
+        """Finished training, but the eval of its last adapter has no result yet: it
+        stays Running until it has."""
+        if self.eval_set is None or not self.finished_steps:
+            return False
+        return self.last_eval is None or self.last_eval.step != self.step
 
     def fail(self, error: str, reason: str) -> None:
         """Fail this experiment alone: ``error`` says what happened, ``reason`` is its
@@ -116,7 +143,21 @@ class Experiment:
             aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
             publish_error=self.published.error,
             publish=None if self.spec.publish is None else self.spec.publish.to_json(),
+            **eval_status(self.last_eval, self.eval_tokens),
         )
+
+
+def eval_status(result: EvalResult | None, tokens: int) -> dict[str, Any]:
+    """ExperimentStatus's eval fields: the latest eval's (None before the first)."""
+    if result is None:
+        return {"eval_tokens": tokens}
+    return {
+        "eval_step": result.step,
+        "eval_reward": result.reward,
+        "eval_pass_at_k": result.pass_at_k,
+        "eval_k": result.k,
+        "eval_tokens": tokens,
+    }
 
 
 def lora_config(spec: ExperimentSpec, default_targets: tuple[str, ...] | None) -> LoRAConfig:
@@ -171,6 +212,11 @@ def new_experiment(
         if plugged:
             plug_in(task, reward, env, plugin_timeout, exp_id)
         algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
+        try:
+            eval_set = build_eval_set(spec, task, trust, namespace)
+        except BaseException:
+            task.close()  # its dataset's descriptors, its reward's client
+            raise
     except TaskError as e:
         raise InvalidSpecError(e.message, field=e.field) from e
     except KeyError as e:
@@ -185,6 +231,7 @@ def new_experiment(
         algorithm=algorithm,
         prompt_rng=random.Random(seed),
         sample_gen=torch.Generator().manual_seed(seed),
+        eval_set=eval_set,
     )
     if run_id is not None:
         exp.run_id = run_id

@@ -127,6 +127,25 @@ class EngineMetrics:
             per_exp,
             registry=r,
         )
+        # spec.eval (docs/evaluation.md): only for experiments with an eval, from its first.
+        self.eval_reward = Gauge(
+            "loraplex_engine_eval_reward",
+            "Mean reward of the latest eval's completions (spec.eval).",
+            per_exp,
+            registry=r,
+        )
+        self.eval_pass_at_k = Gauge(
+            "loraplex_engine_eval_pass_at_k",
+            "pass@k of the latest eval (spec.eval.passAtK), averaged over its prompts.",
+            per_exp,
+            registry=r,
+        )
+        self.eval_tokens = Counter(
+            "loraplex_engine_eval_tokens",
+            "Prompt and completion tokens of the evals' rows (not in rollout_tokens).",
+            per_exp,
+            registry=r,
+        )
         self.failures = Counter(
             "loraplex_engine_experiment_failures",
             "Experiments failed (NaN, reward error, ...).",
@@ -218,6 +237,9 @@ class EngineMetrics:
             self.tis_weight_mean,
             self.groups_dropped,
             self.updates_skipped,
+            self.eval_reward,
+            self.eval_pass_at_k,
+            self.eval_tokens,
         )
         self._serving = (self.serving_requests, self.serving_seconds, self.serving_first_token)
         self._lock = threading.Lock()
@@ -293,6 +315,10 @@ class EngineMetrics:
                 if latest is not None:
                     labels = {"namespace": s.namespace, "experiment": s.id}
                     self.latest_version.labels(**labels).set(int(latest[1:]))
+                if s.eval_reward is not None and s.eval_pass_at_k is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.eval_reward.labels(**labels).set(s.eval_reward)
+                    self.eval_pass_at_k.labels(**labels).set(s.eval_pass_at_k)
 
     def count_checkpoint(self, exp_id: str, namespace: str) -> None:
         with self._lock:
@@ -362,6 +388,12 @@ class EngineMetrics:
                 labels = {"namespace": t.namespace, "experiment": t.id}
                 if t.failed_reason is not None:
                     self.failures.labels(reason=_reason(t.failed_reason)).inc()
+                    continue
+                if t.eval is not None:
+                    self.eval_reward.labels(**labels).set(t.eval.reward)
+                    self.eval_pass_at_k.labels(**labels).set(t.eval.pass_at_k)
+                    self.eval_tokens.labels(**labels).inc(max(t.eval.tokens, 0))
+                if t.eval_only:  # the last adapter's eval: no step was taken
                     continue
                 self.steps.labels(**labels).inc()
                 self.rollout_tokens.labels(**labels).inc(max(t.rollout_tokens, 0))

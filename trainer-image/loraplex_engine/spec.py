@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.evaluation.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
 from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
 from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
@@ -230,6 +231,7 @@ class ExperimentSpec(SpecModel):
             ),
         ),
         *CLIENT_RULES,
+        EVAL_NEEDS_TASK,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.
@@ -284,6 +286,13 @@ class ExperimentSpec(SpecModel):
     )
     tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
     publish: PublishSpec | None = PUBLISH_FIELD
+    evaluation: EvalSpec | None = Field(
+        None,
+        alias="eval",
+        description="A fixed prompt set sampled with the adapter every eval.everySteps steps "
+        "and scored with the task's reward (mean reward, pass@k) into status, metrics and "
+        "trackers; never trained on. Absent = no eval. Mutable: the next placement takes it.",
+    )
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",

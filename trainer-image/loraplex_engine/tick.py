@@ -21,11 +21,10 @@ a tick: those are faults of the base model or the device.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TypeVar
+from dataclasses import replace
 
 from loraplex_engine.api_types import (
     MAX_NEW_TOKENS,
@@ -40,9 +39,9 @@ from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
     NotFoundError,
-    RewardError,
     StorageFullError,
 )
+from loraplex_engine.evaluation.eval_set import eval_rows
 from loraplex_engine.experiment import Experiment, now
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
@@ -57,10 +56,14 @@ from loraplex_engine.tick_results import (
     Rollout,
     Scored,
     Trained,
+    eval_only_tick,
+    exp_of,
     failed,
     first_error,
     guarded,
     keep,
+    record_eval,
+    score_one,
 )
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
@@ -75,7 +78,6 @@ from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 from loraplex_engine.versions.publisher import Publisher
 
-_T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
 
 
@@ -142,11 +144,13 @@ class Tick:
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
         arrived = self.scorer.arrived(running)  # late rewards: these train now
-        back = {id(_exp_of(a)) for a in arrived}
+        back = {id(exp_of(a)) for a in arrived}
         eligible = [
             e
             for e in running
-            if not self.scorer.waits(e) and id(e) not in back and not _finished(e)
+            if not self.scorer.waits(e)
+            and id(e) not in back
+            and (not e.finished_steps or e.eval_due())  # a last eval to run
         ]
         due = due_to_roll_out(eligible, self.count)
 
@@ -187,9 +191,15 @@ class Tick:
     # ---- rollout ------------------------------------------------------------------------
 
     def _plan(self, exp: Experiment) -> Rollout:
+        """The experiment's step (none once its steps are done) and the rows of its eval
+        when one is due; both count in its step cost (tenancy/fair_share.py)."""
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
-        prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        prompts = (
+            []
+            if exp.finished_steps
+            else exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        )
         limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
 
         def encode(p: Prompt) -> list[int]:
@@ -221,8 +231,14 @@ class Tick:
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         if episodes is not None:
             exp.step_cost = sum(len(e.request.prompt_ids) + e.budget for e in episodes.episodes)
+        evals = None
+        if exp.eval_set is not None and exp.eval_due():
+            rollout = (slot, roll.max_new_tokens, roll.reproducible)
+            evals = eval_rows(exp.id, exp.eval_set, exp.step, alg.seed, rollout, encode)
+            exp.eval_planned = exp.step
+            exp.step_cost += evals.cost
         exp.rolled_out_at = self.count
-        return Rollout(exp, repeated, requests, episodes=episodes)
+        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals)
 
     def _room(self, exp: Experiment, prompt: list[int]) -> int:
         """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
@@ -240,7 +256,7 @@ class Tick:
     ) -> list[Rollout | Failure]:
         """One generate call for every experiment's requests and the queued jobs; an
         experiment (or job) with a row the backend refused fails alone."""
-        requests = [req for r in planned for req in r.requests]
+        requests = [req for r in planned for req in r.all_requests()]
         job_rows: list[tuple[CompletionJob, int]] = []
         for job in jobs:
             try:
@@ -258,11 +274,13 @@ class Tick:
         rolled: list[Rollout | Failure] = []
         offset = 0
         for r in planned:
-            mine = outputs[offset : offset + len(r.requests)]
-            offset += len(r.requests)
+            rows = len(r.all_requests())
+            mine, step_rows = outputs[offset : offset + rows], len(r.requests)
+            offset += rows
             error = first_error(mine)
             if error is None:
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine, r.episodes))
+                done = {"completions": mine[:step_rows], "eval_completions": mine[step_rows:]}
+                rolled.append(replace(r, **done))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
@@ -289,7 +307,7 @@ class Tick:
             done[id(r)] = (
                 Failure(r.exp, g.error[0], g.error[1])
                 if g.error
-                else Rollout(r.exp, r.prompts, r.requests, comps, g)
+                else replace(r, completions=comps, episodes=g)
             )
         return [done.get(id(r), r) for r in rolled]
 
@@ -301,15 +319,16 @@ class Tick:
         results: list[Scored | Failure] = []
         jobs = []
         for r in rolled:
-            if any(c.nonfinite for c in r.completions):
+            every = r.completions + r.eval_completions
+            if any(c.nonfinite for c in every):
                 msg = "non-finite logits from the adapter (diverged)"
                 results.append(Failure(r.exp, msg, "non_finite"))
                 continue
-            if r.episodes is not None:  # the environment scored them
+            if r.episodes is not None:  # the environment scored them (no eval: eval_set.py)
                 results.append(Scored(r, [e.reward for e in r.episodes.episodes]))
                 continue
-            texts = [self.codec.decode(c.token_ids) for c in r.completions]  # tick thread
-            jobs.append((r.exp, lambda r=r, texts=texts: _score_one(r, texts)))
+            texts = [self.codec.decode(c.token_ids) for c in every]  # tick thread
+            jobs.append((r.exp, lambda r=r, texts=texts: score_one(r, texts)))
         return results + self.scorer.score(jobs)
 
     # ---- train --------------------------------------------------------------------------
@@ -323,6 +342,9 @@ class Tick:
         losses: dict[str, PolicyLoss] = {}
         for s in scored:
             exp = s.rollout.exp
+            if s.rollout.eval_only:  # its steps are done: nothing to train
+                results.append(Trained(s, 0, TrainOutcome(), skipped=True))
+                continue
             prepared = guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
                 results.append(prepared)
@@ -388,6 +410,11 @@ class Tick:
     def _after_step(self, t: Trained) -> ExperimentTick:
         r, rewards = t.scored.rollout, t.scored.rewards
         exp = r.exp
+        record_eval(exp, t.scored.eval)
+        if r.eval_only:  # the last adapter's eval: the experiment is done
+            if _done(exp) and not exp.checkpoint_pending:
+                exp.phase = "Succeeded"
+            return eval_only_tick(t)
         exp.step += 1
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
@@ -396,7 +423,7 @@ class Tick:
         exp.tis_weight_mean = t.outcome.tis_weight_mean
         exp.skipped_updates += t.skipped
         exp.updated_at = now()
-        finished = exp.max_steps > 0 and exp.step >= exp.max_steps
+        finished = exp.finished_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
         tick = ExperimentTick(
             exp.id,
@@ -415,14 +442,15 @@ class Tick:
             name=exp.name,
             run_id=exp.run_id,
             tracking=exp.spec.tracking,
-            finished=finished,
+            finished=_done(exp),
+            eval=t.scored.eval,
             **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
         if self.publisher is not None:
             self.publisher.after_step(exp, exp.reward)
-        if finished and not exp.checkpoint_pending:
+        if _done(exp) and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick
 
@@ -448,27 +476,11 @@ class Tick:
             saved = guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
             if isinstance(saved, Failure):
                 failed.append(saved)
-            elif saved and _finished(exp):
+            elif saved and _done(exp):
                 exp.phase = "Succeeded"
         return failed
 
 
-def _finished(exp: Experiment) -> bool:
-    return exp.max_steps > 0 and exp.step >= exp.max_steps
-
-
-def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
-    """One experiment's reward (on a pool thread)."""
-
-    def score() -> Scored:
-        rewards = [float(x) for x in r.exp.task.score(r.prompts, texts)]
-        bad = [x for x in rewards if not math.isfinite(x)]
-        if bad:
-            raise RewardError(f"reward returned a non-finite score ({bad[0]})")
-        return Scored(r, rewards)
-
-    return guarded(r.exp, "reward_error", "reward", score)
-
-
-def _exp_of(item: Scored | Failure) -> Experiment:
-    return item.rollout.exp if isinstance(item, Scored) else item.exp
+def _done(exp: Experiment) -> bool:
+    """Its last step is taken and, with spec.eval, its last adapter evaluated."""
+    return exp.finished_steps and not exp.awaits_final_eval()

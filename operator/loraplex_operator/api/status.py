@@ -161,6 +161,25 @@ class ExperimentStatus(ApiModel):
         "continual experiment, maxSteps 0: 12/-).",
     )
     reward: float | None = Field(None, description="Mean reward of the last step's completions.")
+    # spec.eval's latest result, as the engine reports it (docs/evaluation.md).
+    eval_step: Int64 | None = Field(
+        None,
+        alias="evalStep",
+        description="spec.eval: the step of the adapter the latest eval scored (0: before "
+        "training; maxSteps: the final adapter).",
+    )
+    eval_reward: float | None = Field(
+        None,
+        alias="evalReward",
+        description="spec.eval: mean reward of the latest eval's completions (of the adapter "
+        "at evalStep).",
+    )
+    eval_pass_at_k: float | None = Field(
+        None,
+        alias="evalPassAtK",
+        description="spec.eval: pass@k (k = spec.eval.passAtK) of the latest eval: the share "
+        "of eval prompts with a passing completion among k, estimated without bias.",
+    )
     checkpoint: CheckpointStatus | None = Field(
         None,
         description="The newest checkpoint the operator has seen; a recovery or resume "

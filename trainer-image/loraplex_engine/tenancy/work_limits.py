@@ -55,6 +55,18 @@ class WorkLimits:
                 "lower one of them",
                 field="spec.algorithm.promptsPerStep",
             )
+        ev = spec.evaluation
+        # An eval's rows ride in the tick of a step (tick.py): the two together are bounded.
+        eval_rows = 0 if ev is None else ev.prompts * ev.samples
+        if (rows + eval_rows) * row > self.max_step_tokens:
+            raise InvalidSpecError(
+                f"a step with its eval, (groupSize x promptsPerStep + eval.prompts x "
+                f"eval.samples) x (prompt limit {self.max_prompt_tokens} + maxNewTokens, "
+                f"within the context) = {(rows + eval_rows) * row} tokens, exceeds this "
+                f"engine's limit of {self.max_step_tokens} (serve --max-step-tokens); "
+                "lower one of them",
+                field="spec.eval.prompts",
+            )
 
     def check_completion(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
         """A completion rides in a tick's rollout batch: the same limits as a step."""

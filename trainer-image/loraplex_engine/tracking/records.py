@@ -1,7 +1,9 @@
 """What the trackers record, made from a tick's report (pure).
 
 One :class:`StepRecord` per experiment that stepped (its metrics at its step) or ended
-(its run is closed). The run is the engine's: one per experiment run, found again by its
+(its run is closed), and one more per eval scored (spec.eval: its metrics at the step of
+the adapter it evaluated, one before the step it rode along with). The run is the
+engine's: one per experiment run, found again by its
 ``loraplex.runId`` tag after a restart; the tenant's spec.tracking only names it and adds
 tags, and the system tags (namespace, experiment, run id, pool) are set last, so a tenant
 can override none of them (its tag names have no dot: spec_blocks/tracking.py).
@@ -13,7 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 from loraplex_engine.api_types import ExperimentTick, TickReport
+from loraplex_engine.evaluation.scores import EvalResult
 
+# An eval's metrics (docs/evaluation.md), recorded at the evaluated adapter's step.
+EVAL_METRICS = ("eval_reward", "eval_pass_at_k", "eval_tokens")
 # The metric names every tracker records (docs/tracking.md).
 METRICS = (
     "reward_mean",
@@ -28,6 +33,7 @@ METRICS = (
     "logprob_gap",
     "tis_weight_mean",
     "dropped_groups",
+    *EVAL_METRICS,
 )
 SYSTEM_TAG_PREFIX = "loraplex."
 
@@ -93,6 +99,12 @@ def metrics_of(tick: ExperimentTick, seconds: float) -> dict[str, float]:
     return {k: float(x) for k, x in values.items() if x is not None and math.isfinite(x)}
 
 
+def eval_metrics_of(result: EvalResult) -> dict[str, float]:
+    """An eval's metrics, each under its EVAL_METRICS name."""
+    values = (result.reward, result.pass_at_k, result.tokens)
+    return {k: float(x) for k, x in zip(EVAL_METRICS, values, strict=True) if math.isfinite(x)}
+
+
 def records_of(report: TickReport, pool: str, now_ms: int) -> list[StepRecord]:
     """One record per experiment of ``report`` with a run (a tick with an experiment
     carries its run id); a failed one closes its run, with no metrics."""
@@ -105,5 +117,10 @@ def records_of(report: TickReport, pool: str, now_ms: int) -> list[StepRecord]:
             out.append(StepRecord(run, tick.step, now_ms, end="FAILED"))
             continue
         end = "FINISHED" if tick.finished else None
+        if tick.eval is not None:  # an eval-only tick (the last adapter's) ends the run
+            ev_end = end if tick.eval_only else None
+            out.append(StepRecord(run, tick.eval.step, now_ms, eval_metrics_of(tick.eval), ev_end))
+        if tick.eval_only:
+            continue
         out.append(StepRecord(run, tick.step, now_ms, metrics_of(tick, report.seconds), end))
     return out
