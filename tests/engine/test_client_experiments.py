@@ -6,6 +6,8 @@ checkpoint when it is put again (as on another engine after its pod died)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from client_driver import drive, sft_datum
 from loraplex_engine.clients import saved
 from loraplex_engine.errors import ConflictError, NotFoundError
+from loraplex_engine.service import PromptJob
 from loraplex_engine.spec import parse_spec
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.training_service import AdamStep, LossCall
@@ -139,3 +142,32 @@ def test_a_model_its_client_unloaded_leaves_no_journal(eng) -> None:
     removed = eng.remove_experiment(EXP)  # the operator, once the gateway deleted it
     assert removed.phase == "Succeeded" and not journal.exists()
     assert eng.list_experiments() == []
+
+
+def _complete(eng, model: str) -> list[int]:
+    """A greedy completion of the datum's prompt, served by ticks driven here."""
+    job = PromptJob(model=model, prompt_ids=[1, 40, 41, 42], max_tokens=1, temperature=0.0)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(eng.complete, job)
+        deadline = time.monotonic() + 120
+        while not answer.done() and time.monotonic() < deadline:
+            if eng.tick() is None:
+                time.sleep(0.001)
+        return list(answer.result()[0].token_ids)
+
+
+def test_openai_completions_by_the_experiment_id_run_on_its_client_adapter(eng) -> None:
+    """The id /v1/models lists (<ns>.<name>) completes on the client model's adapter as
+    trained so far: after training the prompt's next token, greedy decoding gives it, which
+    the base does not."""
+    eng.put_experiment(EXP, client_spec(), NS, NAME)
+    target = [100]
+    data = [sft_datum([1, 40, 41, 42], target)]
+    assert _complete(eng, eng.model_name) != target  # else the test proves nothing
+    for _ in range(20):
+        drive(eng, lambda: eng.forward_backward(NS, MODEL, data, CE))
+        drive(eng, lambda: eng.optim_step(NS, MODEL, AdamStep(learning_rate=0.05)))
+    assert _complete(eng, EXP) == target
+    assert _complete(eng, eng.model_name) != target  # the base is untouched
+    with pytest.raises(NotFoundError):
+        _complete(eng, f"{NS}.tinker-s0123456789abcdef0123-9")  # no such experiment

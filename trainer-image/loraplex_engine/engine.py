@@ -388,12 +388,13 @@ class Engine(ClientExperimentAPI, ClientTraining):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        if job.model not in (self.model_name, *self._experiments):
+        served = self.client_experiments.served(job)  # a client experiment: its adapter
+        if served is job and job.model not in (self.model_name, *self._experiments):
             raise NotFoundError(
                 f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
             )
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
-        queued = CompletionJob.of(job, self.model_name)
+        queued = CompletionJob.of(served, self.model_name)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)

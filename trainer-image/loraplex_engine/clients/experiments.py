@@ -17,6 +17,7 @@ task goes to the engine's own (``put_task_experiment``...), one with a client he
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import threading
@@ -29,6 +30,7 @@ from loraplex_engine.api_types import CheckpointRef, ExperimentStatus
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.errors import ConflictError, NotFoundError
+from loraplex_engine.service import PromptJob
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.training_service import Adoption, ClientLora
 
@@ -198,6 +200,16 @@ class ClientExperiments:
         with self._lock:
             self._exps.pop(exp_id, None)
         return status
+
+    def served(self, job: PromptJob) -> PromptJob:
+        """A completion naming a client experiment (``<ns>.<name>``, as /v1/models lists
+        it) runs on its client model's adapter as trained so far; any other job as it is."""
+        with self._lock:
+            exp = self._exps.get(job.model)
+        model = self.clients.loaded(exp.namespace, exp.model_id) if exp is not None else None
+        if model is None:
+            return job
+        return dataclasses.replace(job, model=model.name)
 
     def journal_dir(self, namespace: str, model_id: str) -> Path:
         root = self.clients.host.store.root
