@@ -11,8 +11,9 @@ gateway and B's key gets 404 for it. The engine is killed with a step sent: the 
 answered "paused" meanwhile (the SDK retries), the model resumes from its checkpoint on
 the engine that takes it (which replays from the journal what the checkpoint lacks, or
 answers from it what was done), and the client's loop finishes unchanged. Which of those
-paths the kill hits depends on timing; test_client_journal.py pins each. Not yet here
-(docs/design/gateway.md): the OpenAI API on a client experiment's adapter.
+paths the kill hits depends on timing; test_client_journal.py pins each. The openai
+client completes on the model's adapter by its experiment's name; a base model no pool
+serves is refused at create_model; the base model alone samples on a gateway session.
 """
 
 from __future__ import annotations
@@ -149,6 +150,20 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     rest = client.create_rest_client()
     caps = await asyncio.to_thread(lambda: rest.get_server_capabilities().result())
     base = caps.supported_models[0].model_name
+    # A base model no pool of A's serves: refused at create_model, naming both.
+    with pytest.raises(tinker.NotFoundError) as refused:
+        await asyncio.to_thread(
+            lambda: client.create_lora_training_client(base_model="no-such", rank=4).result()
+        )
+    assert "'no-such'" in str(refused.value) and f"'{base}'" in str(refused.value)
+    assert [o for o in await h.kube.list(EXPERIMENTS, "team-a") if "client" in o["spec"]] == []
+    # Sampling the base model alone on the gateway's session (no engine holds the session).
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    base_sampler = client.create_sampling_client(base_model=base)
+    res = await asyncio.to_thread(
+        lambda: base_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    )
+    assert len(res.sequences[0].tokens) == 4
     tc = await asyncio.to_thread(
         lambda: client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     )
@@ -162,6 +177,12 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     losses = await asyncio.to_thread(_train, tc, 10)
     assert losses[-1] < losses[0] * 0.5, losses
     await _status_at(h, name, 10)  # the operator's status follows the engine's
+    # The openai client completes on the model's adapter by its experiment's name (as
+    # /v1/models lists it); B's key finds nothing by that name.
+    chunks = await asyncio.to_thread(_stream, gw, KEY_A, name)
+    assert chunks and all(c.model == f"team-a.{name}" for c in chunks)
+    with pytest.raises(openai.NotFoundError):
+        await asyncio.to_thread(_stream, gw, KEY_B, name)
 
     # B's key: A's model is not there, in the Tinker API nor as an experiment of B's.
     # (Async clients: the API server the gateway reads runs on this test's event loop.)
@@ -203,7 +224,6 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     # Sampling from its saved weights, through the gateway.
     path = await asyncio.to_thread(lambda: tc.save_weights_for_sampler("gw").result().path)
     sampler = client.create_sampling_client(model_path=path)
-    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
     res = await asyncio.to_thread(
         lambda: sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result()
     )

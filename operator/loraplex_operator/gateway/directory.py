@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from loraplex_operator import manifests
@@ -48,6 +49,7 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
                     token=token,
                     allowed_namespaces=spec.allowed_namespaces,
                     namespace_selector=spec.namespace_selector,
+                    base_model=PurePosixPath(spec.base_model).name,
                 )
             )
     return sorted(out, key=lambda e: e.name)
@@ -178,7 +180,7 @@ def file_secrets(keys: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
 class FileDirectory(Directory):
     """The view from a JSON file, re-read when it changes::
 
-    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?}],
+    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?, "baseModel"?}],
      "keys": [{"namespace", "key", "role"}], "namespaceLabels"?: {ns: {k: v}}}
     """
 
@@ -203,6 +205,7 @@ class FileDirectory(Directory):
                 allowed_namespaces=tuple(e["allowedNamespaces"])
                 if e.get("allowedNamespaces") is not None
                 else None,
+                base_model=e.get("baseModel"),
             )
             for e in doc.get("engines", [])
         ]

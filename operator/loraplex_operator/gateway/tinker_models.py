@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway.routing import Engine
 
 if TYPE_CHECKING:
     from loraplex_operator.gateway.tinker import Tinker
@@ -67,6 +68,13 @@ class Models:
             return await self._create(ns, _json(body))
         if route == "retrieve_future":
             return await self._retrieve(request, ns, body)
+        if route == "create_sampling_session":
+            return self._base_sampler(ns, _json(body))
+        if route == "asample":
+            return await self._sample_base(request, ns, _json(body))
+        if name == "samplers" and (split := gx.split_base_sampler(route[len(name) + 1 :])):
+            sid = route[len(name) + 1 :]
+            return JSONResponse({"sampler_id": sid, "base_model": split[1], "model_path": None})
         if name in ("forward_backward", "forward"):
             if request.headers.get("content-encoding"):
                 return None  # tinker.py answers 422
@@ -82,8 +90,54 @@ class Models:
             return await self._unload(request, ns, exp, body)
         return await self._to_model(request, ns, route, body, exp)
 
-    async def _create(self, ns: str, doc: dict[str, Any]) -> Response:
+    def _serving(self, ns: str, given: object) -> list[Engine] | Response:
+        """The admitting engines that serve the base model ``given`` names, or the answer
+        saying why there is none (422: not a name; 503: no pool admits; 404: not served)."""
+        try:
+            base = gx.base_model_name(given)
+        except gx.BadRequest as e:
+            return proxy.error(422, "invalid_request", e.message, e.field)
         engines = self.directory.admitting(ns)
+        if not engines:
+            return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
+        serving = [e for e in engines if e.serves(base)]
+        if not serving and base is not None:
+            why = gx.not_served(ns, base, {e.base_model for e in engines})
+            return proxy.error(404, "not_found", why, "base_model")
+        return serving
+
+    def _base_sampler(self, ns: str, doc: dict[str, Any]) -> Response | None:
+        """A gateway session's sampler of the base model alone, answered here (no engine
+        holds the session); one with a model path is its model's engine's (None)."""
+        session = doc.get("session_id")
+        if doc.get("model_path") is not None or not gx.SESSION.match(str(session)):
+            return None
+        serving = self._serving(ns, doc.get("base_model"))
+        if isinstance(serving, Response):
+            return serving
+        base = gx.base_model_name(doc.get("base_model")) or serving[0].base_model
+        sid = base and gx.base_sampler_id(str(session), doc.get("sampling_session_seq_id"), base)
+        if not sid:
+            why = gx.not_served(ns, str(base), set())
+            return proxy.error(404, "not_found", why, "base_model")
+        return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sid})
+
+    async def _sample_base(self, request: Request, ns: str, doc: dict[str, Any]) -> Response | None:
+        """A base-model sampler's samples: on an admitting engine serving its model, as a
+        sample of the base by name (the engine holds no sampler for it)."""
+        split = gx.split_base_sampler(doc.get("sampling_session_id"))
+        if split is None:
+            return None
+        serving = self._serving(ns, split[1])
+        if isinstance(serving, Response):
+            return serving
+        body = json.dumps({**doc, "sampling_session_id": None, "base_model": split[1]}).encode()
+        return await self.tinker._first_answer(request, serving, ns, "asample", body)
+
+    async def _create(self, ns: str, doc: dict[str, Any]) -> Response:
+        engines = self._serving(ns, doc.get("base_model"))
+        if isinstance(engines, Response):
+            return engines
         free = await self.tinker.up.free_slots(engines)
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
         engine = self.directory.engine(choice) if choice else None
