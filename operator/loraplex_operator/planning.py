@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex_operator import admission, placement
+from loraplex_operator import admission, idle, placement
 from loraplex_operator import status as st
 from loraplex_operator.api.pool import Capacity, EnginePoolSpec
 from loraplex_operator.config import Config
@@ -44,13 +44,15 @@ log = logging.getLogger("loraplex_operator.planning")
 
 NORMAL, WARNING = "Normal", "Warning"
 
-# Why an experiment is unloaded from an engine.
-FINISHED, SUSPEND, DUPLICATE, ORPHAN, PREEMPT = (
+# Why an experiment is unloaded from an engine (idle: a client experiment's idle TTL,
+# suspended first: idle.py).
+FINISHED, SUSPEND, DUPLICATE, ORPHAN, PREEMPT, IDLE = (
     "finished",
     "suspend",
     "duplicate",
     "orphan",
     "preempt",
+    "idle",
 )
 
 
@@ -246,6 +248,8 @@ def _adopt(
         return unloads, None  # recorded this round; unloaded once status says so (next round)
     if w.exp.spec.suspend:
         return [*unloads, *_unloads([primary], w, SUSPEND)], None
+    if idle.due(w.exp.raw_spec, w.engine_status) is not None:
+        return [*unloads, *_unloads([primary], w, IDLE)], None
     running = placement.RunningExperiment(
         key=w.key,
         priority=admission.priority_class(w.exp, pool).value,

@@ -171,3 +171,16 @@ def test_openai_completions_by_the_experiment_id_run_on_its_client_adapter(eng) 
     assert _complete(eng, eng.model_name) != target  # the base is untouched
     with pytest.raises(NotFoundError):
         _complete(eng, f"{NS}.tinker-s0123456789abcdef0123-9")  # no such experiment
+
+
+def test_the_status_says_how_long_its_client_has_been_idle(eng) -> None:
+    """What the operator enforces spec.client.idleSeconds by: the time since the client's
+    last call, counted from placement, 0 again after a call (the clock is moved back
+    here instead of waiting)."""
+    status, _ = eng.put_experiment(EXP, client_spec(), NS, NAME)
+    assert status.idle_seconds is not None and 0 <= status.idle_seconds < 60
+    assert status.to_json()["idleSeconds"] == status.idle_seconds
+    eng.clients.loaded(NS, MODEL).last_call -= 1000
+    assert eng.get_experiment(EXP).idle_seconds >= 1000
+    _step(eng)
+    assert eng.get_experiment(EXP).idle_seconds < 1000

@@ -111,6 +111,10 @@ class ExperimentStatus(WireModel):
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
+    # A client experiment's: seconds since its client's last call (0 while one is
+    # queued; counted from placement), by which the operator enforces
+    # spec.client.idleSeconds. None for a task experiment.
+    idle_seconds: float | None = None
 
 
 class MemoryUse(WireModel):

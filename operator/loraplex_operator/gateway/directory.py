@@ -83,6 +83,10 @@ class Directory:
     async def delete_experiment(self, namespace: str, name: str) -> bool:
         raise NotImplementedError
 
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """A merge patch (the idle TTL's resume: idle.resume_patch)."""
+        raise NotImplementedError
+
     def admitting(self, namespace: str) -> list[Engine]:
         """The engines whose pools admit ``namespace`` (where its Tinker models go)."""
         labels = self.namespace_labels.get(namespace, {})
@@ -141,6 +145,9 @@ class KubeDirectory(Directory):
 
     async def delete_experiment(self, namespace: str, name: str) -> bool:
         return await self.kube.delete(EXPERIMENTS, name, namespace)
+
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.kube.patch(EXPERIMENTS, name, patch, namespace)
 
     async def refresh(self) -> None:
         engines: list[Engine] = []

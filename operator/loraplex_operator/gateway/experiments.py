@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from loraplex_operator import idle
+
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
 PREFIX = "tinker-"
@@ -38,6 +40,7 @@ MODEL_FUTURE = "m~"
 UNLOADED_FUTURE = "ux~"
 MAX_RANK = 1024  # the CRD's own bound is the pool's max rank; this only keeps ints sane
 PAUSED = "paused_capacity"
+IDLE_RESUMING = "the model was idle past spec.client.idleSeconds (suspended): resuming"
 
 
 # A base-model sampler of a gateway session (no engine holds the session, so the
@@ -122,6 +125,7 @@ class Binding:
     state: Literal["running", "paused", "failed"]
     engine: str | None = None
     reason: str = ""
+    wake: bool = False  # suspended by its idle TTL: this call resumes it (idle.py)
 
 
 def binding(obj: Mapping[str, Any]) -> Binding:
@@ -133,6 +137,8 @@ def binding(obj: Mapping[str, Any]) -> Binding:
         return Binding("failed", None, _reason(status) or "the experiment failed")
     why = _reason(status)
     where = f" on {engine}" if engine else ""
+    if idle.idle_suspended(obj):
+        return Binding("paused", None, IDLE_RESUMING, wake=True)
     if (obj.get("spec") or {}).get("suspend"):
         return Binding("paused", None, "the model is suspended (spec.suspend)")
     text = f"the model is {str(phase or 'Pending').lower()}{where}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,12 +21,16 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from loraplex_operator import idle
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway import proxy, routing
 from loraplex_operator.gateway.routing import Engine
+from loraplex_operator.kube import KubeError
 
 if TYPE_CHECKING:
     from loraplex_operator.gateway.tinker import Tinker
+
+log = logging.getLogger("loraplex_operator.gateway.tinker_models")
 
 # Routes whose JSON body names the model by ``model_id`` (forward_backward's is in its
 # protobuf, field 1).
@@ -158,6 +163,11 @@ class Models:
         if obj is None:
             return None
         found = gx.binding(obj)
+        if found.wake:  # its idle TTL suspended it: this call resumes it (paused meanwhile)
+            try:
+                await self.directory.patch_experiment(ns, exp, idle.resume_patch())
+            except KubeError as e:
+                log.warning("resuming idle %s/%s: %s", ns, exp, e)
         if found.state == "running" and self.directory.engine(found.engine or "") is None:
             return gx.Binding("paused", None, f"the model's engine {found.engine} is not ready")
         return found

@@ -21,6 +21,7 @@ import dataclasses
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -160,6 +161,7 @@ class ClientExperiments:
             error=error,
             started_at=exp.started_at,
             updated_at=_now(),
+            idle_seconds=None if model is None else model.idle_seconds(time.monotonic()),
         )
 
     def _directory(self, exp: ClientExperiment, ref: CheckpointRef) -> str:
