@@ -36,6 +36,7 @@ from loraplex_operator.observation import (
     live,
     slot_bytes,
     with_reported_shape,
+    wrapped_modules,
 )
 from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.resources import Experiment, parse_time
@@ -278,7 +279,8 @@ def _not_running(
         if not _recover(w, recorded, config):
             return None
     namespace_labels = snap.namespace_labels.get(exp.meta.namespace)
-    problems = admission.check_experiment(exp, snap.pool, namespace_labels, slot_bytes)
+    wrapped = wrapped_modules(snap.engines)
+    problems = admission.check_experiment(exp, snap.pool, namespace_labels, slot_bytes, wrapped)
     w.problems = [str(p) for p in problems]
     if w.problems:
         return None

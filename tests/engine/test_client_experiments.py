@@ -184,3 +184,20 @@ def test_the_status_says_how_long_its_client_has_been_idle(eng) -> None:
     assert eng.get_experiment(EXP).idle_seconds >= 1000
     _step(eng)
     assert eng.get_experiment(EXP).idle_seconds < 1000
+
+
+@pytest.mark.parametrize("kinds", [{}, {"trainMlp": False}, {"trainAttn": False}])
+def test_capacity_says_what_the_operator_needs_to_know_what_a_kind_trains(eng, kinds) -> None:
+    """The operator and the gateway check a client experiment's module kinds against the
+    pool's allowedTargetModules from the engine's targetModules (client_modules.py): the
+    modules they compute are the ones this engine's adapter really targets."""
+    from loraplex_operator import client_modules
+
+    eng.put_experiment(EXP, client_spec(**kinds), NS, NAME)
+    wrapped = eng.capacity().target_modules
+    assert wrapped and set(wrapped) == set(eng.capacity().to_json()["targetModules"])
+    trained = set(eng.model.config_of(eng.clients.loaded(NS, MODEL).name).target_modules)
+    assert client_modules.refused(kinds, wrapped, sorted(trained)) == []
+    for module in trained:  # allowing one fewer refuses the kind that trains it
+        refused = client_modules.refused(kinds, wrapped, sorted(trained - {module}))
+        assert [extra for *_, extra in refused] == [[module]]

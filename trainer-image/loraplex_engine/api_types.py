@@ -206,6 +206,9 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    # The module names its adapters may target (what it wraps): which of them a client
+    # experiment's module kinds train, for the pool's allowedTargetModules check.
+    target_modules: list[str] | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

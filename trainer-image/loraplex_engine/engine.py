@@ -306,6 +306,7 @@ class Engine(ClientExperimentAPI, ClientTraining):
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
             model_shape=model_shape_of(self.model.base_model.config),
+            target_modules=sorted(self.model.target_modules),
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,

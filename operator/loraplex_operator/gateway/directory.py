@@ -50,6 +50,7 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
                     allowed_namespaces=spec.allowed_namespaces,
                     namespace_selector=spec.namespace_selector,
                     base_model=PurePosixPath(spec.base_model).name,
+                    allowed_target_modules=spec.allowed_target_modules,
                 )
             )
     return sorted(out, key=lambda e: e.name)

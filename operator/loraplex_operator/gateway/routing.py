@@ -40,6 +40,8 @@ class Engine:
     # The name its engines serve the base model by (the pool's baseModel directory's
     # name, as `serve --model` names it); None = unknown (a file view without it).
     base_model: str | None = None
+    # The pool's allowedTargetModules (None: unknown, a file view without it).
+    allowed_target_modules: tuple[str, ...] | None = None
 
     def serves(self, base_model: str | None) -> bool:
         """As the engine's own check: the name before any ``:`` tag; None asks for any."""

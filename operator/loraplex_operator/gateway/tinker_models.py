@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loraplex_operator import idle
+from loraplex_operator import client_modules, idle
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway import proxy, routing
 from loraplex_operator.gateway.routing import Engine
@@ -143,20 +143,39 @@ class Models:
         engines = self._serving(ns, doc.get("base_model"))
         if isinstance(engines, Response):
             return engines
+        try:  # the pool is filled in below; the body is checked first
+            client = gx.manifest(ns, "", doc)["spec"]["client"]
+        except gx.BadRequest as e:
+            return proxy.error(422, "invalid_request", e.message, e.field)
         free = await self.tinker.up.free_slots(engines)
+        refusals = {e.name: self._refused(e, client) for e in engines}
+        free = {name: n for name, n in free.items() if refusals.get(name) is None}
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
         engine = self.directory.engine(choice) if choice else None
         if engine is None:
-            return proxy.error(
+            refused = next((r for r in refusals.values() if r is not None), None)
+            return refused or proxy.error(
                 503, "unavailable", f"no engine of a pool that admits namespace {ns!r} answers"
             )
-        try:
-            obj = gx.manifest(ns, engine.pool, doc)
-        except gx.BadRequest as e:
-            return proxy.error(422, "invalid_request", e.message, e.field)
+        obj = gx.manifest(ns, engine.pool, doc)
+        if engine.allowed_target_modules is not None:
+            allowed = engine.allowed_target_modules
+            obj["spec"]["client"] = client_modules.granted(obj["spec"]["client"], allowed)
         await self.directory.create_experiment(obj)  # exists already: a resent create
         name = obj["metadata"]["name"]
         return JSONResponse({"request_id": gx.create_future(name), "model_id": None})
+
+    def _refused(self, engine: Engine, client: dict[str, Any]) -> Response | None:
+        """422 where the module kinds asked would train a module the engine's pool does not
+        allow (as the operator's admission: client_modules.py); None where it may take it."""
+        allowed, wrapped = engine.allowed_target_modules, self.tinker.up.wrapped.get(engine.name)
+        if allowed is None or wrapped is None:
+            return None  # not known here: the operator's admission checks it
+        asked = client_modules.granted(client, allowed)
+        for _, wire, extra in client_modules.refused(asked, wrapped, allowed):
+            why = client_modules.message(engine.pool, extra, allowed, f"lora_config.{wire}")
+            return proxy.error(422, "invalid_request", why, f"lora_config.{wire}")
+        return None
 
     async def _binding(self, ns: str, exp: str) -> gx.Binding | None:
         obj = await self.directory.get_experiment(ns, exp)
