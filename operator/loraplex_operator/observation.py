@@ -261,6 +261,7 @@ def pool_observation(snap: Snapshot) -> st.PoolObservation:
             (e.name, full) for e in engines if e.reachable and (full := e.storage_full)
         ),
         failures=failures(snap),
+        plugins=next((p for e in ready if (p := (e.capacity or {}).get("plugins"))), None),
     )
 
 

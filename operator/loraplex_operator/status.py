@@ -29,7 +29,12 @@ from typing import Any
 from loraplex_operator import engine_failures as ef
 from loraplex_operator import idle
 from loraplex_operator.api.condition import Condition
-from loraplex_operator.api.status import CheckpointStatus, EnginePoolStatus, ExperimentStatus
+from loraplex_operator.api.status import (
+    CheckpointStatus,
+    EnginePoolStatus,
+    ExperimentStatus,
+    InstalledPlugins,
+)
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
 from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
@@ -355,6 +360,8 @@ class PoolObservation:
     storage_full: Sequence[tuple[str, str]] = ()
     # Engine pods that cannot serve and will not by themselves (engine_failures).
     failures: Sequence[ef.PodFailure] = ()
+    # The plug-ins a ready engine reports (/v1/capacity `plugins`); None: none ready.
+    plugins: Mapping[str, Any] | None = None
 
 
 def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
@@ -434,5 +441,6 @@ def pool_status(
         ready=obs.ready,
         slots_used=obs.slots_used,
         slots_free=obs.slots_free,
+        plugins=None if obs.plugins is None else InstalledPlugins.model_validate(obs.plugins),
         conditions=merge_conditions(old_conditions, pool_conditions(obs), generation, now),
     )

@@ -45,8 +45,11 @@ def registered(registry: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def engine_registry() -> Any:
     from loraplex_engine.metrics import EngineMetrics
+    from loraplex_engine.tracking.hub import TrackingMetrics
 
-    return EngineMetrics().registry
+    registry = EngineMetrics().registry
+    TrackingMetrics(registry, [])  # `serve` registers the tracking series beside them
+    return registry
 
 
 def operator_registry() -> Any:

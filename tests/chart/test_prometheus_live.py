@@ -103,6 +103,12 @@ ABSENT_HERE = {
     "loraplex_engine_logprob_gap",
     "loraplex_engine_tis_weight_mean",
     "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+    # per tracker the pool configures (docs/tracking.md); this pool configures none
+    "loraplex_engine_tracking_records_total",
+    "loraplex_engine_tracking_errors_total",
+    "loraplex_engine_tracking_dropped_total",
+    "loraplex_engine_tracking_up",
+    "loraplex_engine_tracking_queued",
 }
 
 # Panel queries allowed to return nothing, with the reason. Empty: every counter that

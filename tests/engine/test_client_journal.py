@@ -204,6 +204,7 @@ def test_a_step_lost_between_its_checkpoint_and_its_answer_is_answered(engines: 
         wait_done(p1, p1.forward_backward(NS, fb(1), None))
         wait_done(p1, p1.optim_step(NS, optim(2)))
     p1.close()
+    p1.runner._pool.shutdown(wait=True)  # its jobs' last writes (the kept answer) done
     journal = Journal(one.store.root / NS / "_tinker" / MODEL / "journal")
     (journal.dir / "2.done").unlink()  # the crash, undone on the volume: answer not kept,
     (journal.dir / "base.json").unlink()  # the base not moved, the entries not dropped

@@ -38,8 +38,12 @@ ALLOWED = {
     "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
     "loraplex_engine.spec",  # the PUT body's spec
     "loraplex_engine.spec_schema",
-    "loraplex_engine.spec_checkpoint",  # spec.py's blocks in their own modules
-    "loraplex_engine.spec_client",
+    "loraplex_engine.spec_blocks",  # spec.py's blocks in their own modules
+    "loraplex_engine.spec_blocks.checkpoint",
+    "loraplex_engine.spec_blocks.client",
+    "loraplex_engine.spec_blocks.algorithm",
+    "loraplex_engine.spec_blocks.tracking",
+    "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
     "loraplex_engine.errors",

@@ -443,7 +443,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
     return out
 
 
-# The GRPO family's settings (spec_algorithm.py), one case per validation rule: a bad
+# The GRPO family's settings (spec_blocks/algorithm.py), one case per validation rule: a bad
 # value is a 422 naming the field, before the engine is asked anything.
 BAD_ALGORITHM = [
     ({"clipHigh": 1.28}, "spec.algorithm.clipHigh", "less than or equal to 1"),

@@ -5,11 +5,11 @@ import pytest
 from loraplex_engine.errors import SpecError
 from loraplex_engine.spec import (
     ExperimentSpec,
-    RewardName,
     TaskName,
     all_spec_errors,
     parse_spec,
 )
+from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 
@@ -50,6 +50,7 @@ DOC_EXAMPLE: dict[str, Any] = {
     },
     "rollout": {"maxNewTokens": 8, "temperature": 1.0, "reproducible": False},
     "checkpoint": {"everySteps": 10, "keep": 3},
+    "tracking": {"runName": "lr-5e-4", "tags": [{"name": "sweep", "value": "lr"}]},
     "priorityClassName": "high",
     "priority": 0,
     "suspend": False,
@@ -114,7 +115,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ("checkpoint.everySteps", 0, "spec.checkpoint.everySteps"),
         ("checkpoint.keep", 0, "spec.checkpoint.keep"),
         ("task.name", "chess", "spec.task.name"),
-        ("task.reward", "vibes", "spec.task.reward"),
+        ("task.reward", "not a name", "spec.task.reward"),
         ("task.params", {"target": 3}, "spec.task.params.target"),
         ("lora.targetModules", ["q_proj", "q_proj"], "spec.lora.targetModules"),
         ("lora.targetModules", [f"m{i}" for i in range(33)], "spec.lora.targetModules"),
@@ -290,7 +291,7 @@ def test_validate_for_engine() -> None:
 
 def test_names_match_the_registries() -> None:
     assert set(get_args(TaskName)) == set(TASKS)
-    assert set(get_args(RewardName)) == set(REWARD_NAMES)
+    assert set(BUILTIN_REWARDS) == set(REWARD_NAMES)
 
 
 @pytest.mark.parametrize("value", [1, -5, 2**31])

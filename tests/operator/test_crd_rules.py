@@ -235,7 +235,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 12  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 14  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -332,6 +332,8 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.suspend", True),
     ("spec.checkpoint.everySteps", 5),
     ("spec.checkpoint.keep", 10),
+    ("spec.tracking.runName", "lr-2"),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
 # retired spec.priority's own rule (0 only) the other.

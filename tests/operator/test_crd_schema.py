@@ -196,6 +196,19 @@ EXPERIMENT_BOUNDS = [
     ("spec.checkpoint.everySteps", 1, True),
     ("spec.checkpoint.keep", 0, False),
     ("spec.checkpoint.keep", 1000, True),
+    ("spec.tracking.runName", "lr-3e-4,seed=1", True),
+    ("spec.tracking.runName", "", False),
+    ("spec.tracking.runName", "a/b", False),
+    ("spec.tracking.runName", _long(128), False),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "lr été"}], True),
+    ("spec.tracking.tags", [{"name": f"t{i}"} for i in range(33)], False),
+    ("spec.tracking.tags", [{"value": "x"}], False),
+    ("spec.tracking.tags", [{"name": "mlflow.parentRunId", "value": "x"}], False),
+    ("spec.tracking.tags", [{"name": ""}], False),
+    ("spec.tracking.tags", [{"name": _long(63)}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": "line\nbreak"}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
+    ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
     ("spec.checkpoint.keep", 1001, False),
     ("spec.priority", 0, True),  # the retired field: anything else is its CEL rule's
     ("spec.priority", "1", False),
@@ -212,6 +225,39 @@ EXPERIMENT_BOUNDS = [
     ("status.phase", "Succeeded", True),
     ("status.restarts", -1, False),
     *_condition_cases(),
+]
+
+_URI = "http://mlflow.mlops.svc:5000"
+_MLFLOW = {"trackingUri": _URI}
+# EnginePool spec.tracking (api/pool_tracking.py): each whole, so a case breaks one rule.
+TRACKING_CASES: list[tuple[Any, bool]] = [
+    ({"mlflow": _MLFLOW, "wandb": {}, "tensorboard": {"logDir": "/tb"}, "queue": 1}, True),
+    ({"mlflow": {}}, False),
+    ({"mlflow": {"trackingUri": "ftp://mlflow"}}, False),
+    ({"mlflow": {"trackingUri": "http://"}}, False),
+    ({"mlflow": {"trackingUri": _long(2048, "http://")}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "team/rl"}}, True),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": ""}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "-x"}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": _long(128)}}, False),
+    ({"wandb": {"mode": "online", "project": "p.x", "entity": "team-a", "dir": "/w"}}, True),
+    ({"wandb": {"mode": "disabled"}}, False),
+    ({"wandb": {"project": ""}}, False),
+    ({"wandb": {"project": "a b"}}, False),
+    ({"wandb": {"project": _long(128)}}, False),
+    ({"wandb": {"entity": ""}}, False),
+    ({"wandb": {"entity": "a/b"}}, False),
+    ({"wandb": {"entity": _long(128)}}, False),
+    ({"wandb": {"dir": "/"}}, False),
+    ({"wandb": {"dir": "rel/ative"}}, False),
+    ({"wandb": {"dir": _long(4096, "/")}}, False),
+    ({"tensorboard": {}}, False),
+    ({"tensorboard": {"logDir": "/"}}, False),
+    ({"tensorboard": {"logDir": "tb"}}, False),
+    ({"tensorboard": {"logDir": _long(4096, "/")}}, False),
+    ({"queue": 0}, False),
+    ({"queue": 1_000_000}, True),
+    ({"queue": 1_000_001}, False),
 ]
 
 POOL_BOUNDS = [
@@ -263,6 +309,7 @@ POOL_BOUNDS = [
     ("spec.checkpoint.keepRuns", 0, False),
     ("spec.checkpoint.keepRuns", 1, True),
     ("spec.checkpoint.keepRuns", 1001, False),
+    *[("spec.tracking", t, ok) for t, ok in TRACKING_CASES],
     ("spec.allowDatasetHardLinks", "yes", False),
     ("spec.allowDatasetHardLinks", True, True),
     ("spec.capacity.maxAdapters", 0, False),

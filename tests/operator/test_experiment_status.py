@@ -451,6 +451,27 @@ def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
+def test_pool_status_lists_the_plugins_a_ready_engine_reports() -> None:
+    """The engines' /v1/capacity `plugins`, copied: what specs of this pool may name."""
+    plugins = {"rewards": ["says-target"], "environments": ["word-tool", "gsm8k"]}
+    status = _pool(engines=1, ready=1, plugins=plugins)
+    assert status["plugins"] == plugins
+    assert schema_errors(schema_of("EnginePool")["properties"]["status"], status) == []
+    assert "plugins" not in _pool(engines=1, ready=0)  # none ready: not known
+
+
+def test_the_pool_observation_takes_the_plugins_of_a_ready_engine() -> None:
+    from loraplex_operator.observation import pool_observation
+    from test_reconcile import engine, snap
+
+    plugins = {"rewards": ["acme-format"], "environments": ["gsm8k"]}
+    views = [engine("e0"), engine("e1")]
+    views[1].capacity = {**(views[1].capacity or {}), "plugins": plugins}
+    assert pool_observation(snap([], views)).plugins == plugins
+    views[1].reachable = False  # its last answer is no news
+    assert pool_observation(snap([], views)).plugins is None
+
+
 def test_pool_status_counts_and_schema() -> None:
     status = _pool(engines=3, ready=2, slots_used=5, slots_free=7)
     counts = (status["engines"], status["ready"], status["slotsUsed"], status["slotsFree"])

@@ -9,10 +9,13 @@ and subclasses).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
+
+if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
+    from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -189,6 +192,14 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class InstalledPlugins(WireModel):
+    """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
+    task.reward and task.environment.name may use beyond the built-ins."""
+
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -206,6 +217,7 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    plugins: InstalledPlugins = InstalledPlugins()
     # The module names its adapters may target (what it wraps): which of them a client
     # experiment's module kinds train, for the pool's allowedTargetModules check.
     target_modules: list[str] | None = None
@@ -233,6 +245,18 @@ class ExperimentTick:
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
     dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
     update_skipped: bool = False  # every group dropped: the step updated nothing
+    # The step's statistics the experiment trackers record (tracking/records.py):
+    # train/step_stats.py's and the loss's (train/strategy.TrainOutcome); None: not known.
+    reward_std: float | None = None
+    response_tokens: float | None = None  # mean completion length
+    entropy: float | None = None  # sampled-token estimate, -mean log p
+    kl: float | None = None
+    clip_fraction: float | None = None
+    # Who the step was for, as the trackers name its run.
+    name: str = ""
+    run_id: str = ""
+    tracking: TrackingSpec | None = None  # spec.tracking
+    finished: bool = False  # its last step (maxSteps reached)
 
 
 @dataclass

@@ -57,6 +57,7 @@ from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.service import PromptJob, ServedRow
@@ -118,8 +119,7 @@ class Engine(ClientExperimentAPI, ClientTraining):
         self.ignore_eos = ignore_eos
         self.max_step_tokens = s.max_step_tokens
         self.max_prompt_tokens = s.max_prompt_tokens
-        # What tenants' datasets and reward URLs may reach (tenancy/trust.py); the default allows
-        # no dataset file and no local reward address.
+        # What tenants' data and rewards may reach (tenancy/trust.py; default: the strictest).
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
@@ -310,6 +310,7 @@ class Engine(ClientExperimentAPI, ClientTraining):
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,
+            plugins=installed().to_json(),  # type: ignore[arg-type]
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
@@ -389,13 +390,9 @@ class Engine(ClientExperimentAPI, ClientTraining):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        served = self.client_experiments.served(job)  # a client experiment: its adapter
-        if served is job and job.model not in (self.model_name, *self._experiments):
-            raise NotFoundError(
-                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
-            )
+        job = self.served_job(job)  # the base's, an experiment's or a client experiment's
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
-        queued = CompletionJob.of(served, self.model_name)
+        queued = CompletionJob.of(job, self.model_name)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -476,7 +473,8 @@ class Engine(ClientExperimentAPI, ClientTraining):
         self.limits.check_step(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
+        timeout = self.settings.plugin_timeout
+        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust, timeout)
 
     def _load(self, exp: Experiment, resume_from: str | None, run_id: str | None) -> None:
         """Its adapter, fresh or resumed, into a slot (under the model lock); a failure

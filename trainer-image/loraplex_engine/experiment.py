@@ -26,6 +26,8 @@ from loraplex_engine.errors import (
     UnknownTargetModuleError,
 )
 from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.plugins.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.plugins.host import CALL_TIMEOUT_S
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -82,6 +84,7 @@ class Experiment:
         kind (a FAILURE_REASONS entry)."""
         self.phase, self.error, self.updated_at = "Failed", error, now()
         self.failure_reason = reason
+        self.task.close()  # its plug-in worker, reward connections: nothing more to score
 
     def status(self) -> ExperimentStatus:
         return ExperimentStatus(
@@ -134,6 +137,7 @@ def new_experiment(
     name: str,
     run_id: str | None,
     trust: TrustPolicy,
+    plugin_timeout: float = CALL_TIMEOUT_S,
 ) -> Experiment:
     """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
     unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
@@ -143,16 +147,22 @@ def new_experiment(
         if spec.task.name == "jsonl" and spec.task.dataset:
             file, dataset_root = trust.data.resolve(spec.task.dataset, namespace)
             dataset = str(file)
+        reward, env = spec.task.reward or "default", spec.task.environment
+        plugged = uses_plugins(reward, env)
+        if plugged:
+            check_plugins(reward, env)
         task = build_task(
             spec.task.name,
             spec.task.params,
             dataset,
-            spec.task.reward or "default",
+            "default" if plugged else reward,
             spec.task.reward_url,
             dataset_root=dataset_root,
             allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
         )
+        if plugged:
+            plug_in(task, reward, env, plugin_timeout, exp_id)
         algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
     except TaskError as e:
         raise InvalidSpecError(e.message, field=e.field) from e

@@ -15,9 +15,11 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
-from loraplex_engine.spec_algorithm import AlgorithmSpec
-from loraplex_engine.spec_checkpoint import CheckpointSpec
-from loraplex_engine.spec_client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
+from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
+from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.tracking import TrackingSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -30,14 +32,9 @@ from loraplex_engine.spec_schema import (
 )
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
-# "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
-RewardName = Literal[
-    "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
-]
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 ]
-ParamValue = Annotated[str, Field(max_length=4096)]
 # A DNS subdomain, as Kubernetes names an object (the pool is one).
 ObjectName = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -148,12 +145,16 @@ class TaskSpec(SpecModel):
         description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
         '"answer": str} object per line. Required by, and only used by, the jsonl task.',
     )
-    reward: RewardName | None = Field(
+    reward: PluginName | None = Field(
         None,
         description="How a completion is scored: default (the task's own verifier), a "
         "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
-        "against the answer), or http (scored by the service at rewardUrl). "
+        "against the answer), http (scored by the service at rewardUrl), or the name of a "
+        "reward plug-in installed in the engine (GET /v1/capacity lists them). "
         "Absent = the task's own verifier.",
+    )
+    environment: EnvironmentSpec | None = Field(
+        None, description="A multi-turn environment the policy acts in (its reward scores)."
     )
     chat_template: bool = Field(
         False,
@@ -280,6 +281,7 @@ class ExperimentSpec(SpecModel):
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
     )
+    tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
     priority_class_name: ClassName | None = Field(
         None,
         alias="priorityClassName",
@@ -326,7 +328,7 @@ class ExperimentSpec(SpecModel):
 
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
-        if self.task is None:  # a client experiment (spec_client.py)
+        if self.task is None:  # a client experiment (spec_blocks/client.py)
             return
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import check_task

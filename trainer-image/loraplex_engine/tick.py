@@ -2,8 +2,10 @@
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
 plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
-mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
-deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
+mixed-adapter batch, queued completions included; multi-turn episodes then go on turn
+by turn, every experiment's in one batch a turn: environments/episodes.py) → ``reward``
+(concurrent, with a deadline: a late reward trains in a later tick) → ``train`` (the
+training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
 checkpoints). Each phase takes the experiments still in play and returns who carries on.
 
@@ -23,27 +25,42 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import TypeVar
 
-from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
+from loraplex_engine.api_types import (
+    MAX_NEW_TOKENS,
+    TICK_PHASES,
+    AdapterSync,
+    ExperimentTick,
+    TickReport,
+)
 from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.environments.episodes import open_group, play
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
     NotFoundError,
     RewardError,
     StorageFullError,
-    TaskError,
 )
 from loraplex_engine.experiment import Experiment, now
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
-from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
+from loraplex_engine.tick_results import (
+    Failure,
+    Rollout,
+    Scored,
+    Trained,
+    failed,
+    first_error,
+    guarded,
+    keep,
+)
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.experiment_rows import (
@@ -53,68 +70,11 @@ from loraplex_engine.train.experiment_rows import (
     step_loss,
 )
 from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 
 _T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One experiment's step: its prompts (each repeated groupSize times), their requests
-    and, after the rollout phase, their completions."""
-
-    exp: Experiment
-    prompts: list[Prompt]
-    requests: list[RolloutRequest]
-    completions: list[Completion] = field(default_factory=list)
-
-    @property
-    def rollout_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
-
-@dataclass(frozen=True)
-class Scored:
-    rollout: Rollout
-    rewards: list[float]
-
-
-@dataclass(frozen=True)
-class Trained:
-    scored: Scored
-    train_tokens: int
-    outcome: TrainOutcome  # its statistics (the gap, TIS), finite or None
-    dropped_groups: int = 0  # groups the dynamic-sampling filter left out
-    skipped: bool = False  # no row trained (every group dropped): no update
-
-
-@dataclass(frozen=True)
-class Failure:
-    exp: Experiment
-    reason: str  # the experiment's error text
-    kind: str  # status.failureReason and the metrics label (api_types.FAILURE_REASONS)
-
-
-def _guarded(exp: Experiment, kind: str, what: str, step: Callable[[], _T]) -> _T | Failure:
-    """Run one experiment's own step; any error in it fails that experiment alone.
-
-    Broad on purpose: this is the boundary between a tenant's spec, data and reward
-    service and the shared tick, and no tenant input may stop the engine."""
-    try:
-        return step()
-    except Exception as e:
-        if not isinstance(e, RewardError | TaskError | ValueError):
-            log.warning("experiment %s: %s failed", exp.id, what, exc_info=True)
-        return Failure(exp, f"{what} failed: {_describe(e)}", kind)
-
-
-def _describe(e: Exception) -> str:
-    """One line: the error's message, with its class when that is not one of ours."""
-    text = " ".join(str(e).split())[:500] or "(no message)"
-    if isinstance(e, RewardError | TaskError):
-        return text
-    return f"{type(e).__name__}: {text}"
 
 
 class Tick:
@@ -190,29 +150,29 @@ class Tick:
             finally:
                 phases[phase] += time.perf_counter() - t
 
-        plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
-        planned = _keep(plans, failures)
+        plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
+        planned = keep(plans, failures)
         with timed("rollout"):
-            rolled = _keep(self._rollout(planned, jobs), failures)
+            rolled = keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
-            scored = _keep(arrived + self._score(rolled), failures)
+            scored = keep(arrived + self._score(rolled), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
-            trained = _keep(self._train(scored), failures)
+            trained = keep(self._train(scored), failures)
             if client_train is not None:
                 client_train(self.strategy)
         with timed("sync"):
             synced, sync = self._sync(trained)
-            trained = _keep(synced, failures)
+            trained = keep(synced, failures)
         with timed("checkpoint"):
-            stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
+            stepped = keep([self._guarded_after_step(t) for t in trained], failures)
             stepped_ids = {id(t.scored.rollout.exp) for t in trained}
-            _keep(self._retry_checkpoints(running, stepped_ids), failures)
+            keep(self._retry_checkpoints(running, stepped_ids), failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
-            experiments=[_failed(f) for f in failures] + stepped,
+            experiments=[failed(f) for f in failures] + stepped,
             adapter_sync=sync,
         )
 
@@ -223,27 +183,49 @@ class Tick:
         slot = self.model.slot_of(exp.id)
         prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
         limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
-        encoded = [
-            prompt_ids(self.codec, p.text, p.meta.get("line"), exp.spec.task.chat_template, *limits)
-            for p in prompts
-        ]
-        requests = [
-            RolloutRequest(
+
+        def encode(p: Prompt) -> list[int]:
+            chat = exp.spec.task.chat_template
+            return prompt_ids(self.codec, p.text, p.meta.get("line"), chat, *limits)
+
+        def request(ids: list[int], new_tokens: int = roll.max_new_tokens) -> RolloutRequest:
+            return RolloutRequest(
                 slot=slot,
                 prompt_ids=ids,
-                max_new_tokens=roll.max_new_tokens,
+                max_new_tokens=min(new_tokens, roll.max_new_tokens),
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
                 group=exp.id,
                 adapter=exp.id,
                 reproducible=roll.reproducible,
             )
-            for ids in encoded
-            for _ in range(alg.group_size)
-        ]
+
+        repeated = [p for p in prompts for _ in range(alg.group_size)]
+        episodes = None
+        if exp.task.environment is None:
+            requests = [request(ids) for ids in map(encode, prompts) for _ in range(alg.group_size)]
+        else:
+            pairs = [(p.text, p.answer) for p in repeated]
+            encode_text = lambda text: encode(Prompt(text, ""))  # noqa: E731
+            room = lambda ids: self._room(exp, ids)  # noqa: E731
+            episodes = open_group(exp.task.environment, pairs, encode_text, request, room)
+            requests = [e.request for e in episodes.episodes]
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        if episodes is not None:
+            exp.step_cost = sum(len(e.request.prompt_ids) + e.budget for e in episodes.episodes)
         exp.rolled_out_at = self.count
-        return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
+        return Rollout(exp, repeated, requests, episodes=episodes)
+
+    def _room(self, exp: Experiment, prompt: list[int]) -> int:
+        """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
+        row the engine admits (the prompt limit plus the largest maxNewTokens: the vLLM
+        sampler's max_model_len) and the context."""
+        env = exp.spec.task.environment
+        assert env is not None
+        room = min(env.max_episode_tokens, self.max_prompt_tokens + MAX_NEW_TOKENS - len(prompt))
+        if self.context_tokens is not None:
+            room = min(room, self.context_tokens - len(prompt))
+        return max(1, room)
 
     def _rollout(
         self, planned: list[Rollout], jobs: Sequence[CompletionJob]
@@ -270,20 +252,38 @@ class Tick:
         for r in planned:
             mine = outputs[offset : offset + len(r.requests)]
             offset += len(r.requests)
-            error = _first_error(mine)
+            error = first_error(mine)
             if error is None:
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine))
+                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine, r.episodes))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
             result = outputs[first : first + job.n]
-            error = _first_error(result)
+            error = first_error(result)
             if error is None:
                 job.result = result
             else:
                 job.error = InvalidRequestError(f"the rollout backend refused this: {error}")
             job.done.set()
-        return rolled
+        return self._play(rolled)
+
+    def _play(self, rolled: list[Rollout | Failure]) -> list[Rollout | Failure]:
+        """Multi-turn episodes from their first turns to their ends (episodes.py)."""
+        env = [r for r in rolled if isinstance(r, Rollout) and r.episodes is not None]
+        if not env:
+            return rolled
+        groups = [r.episodes for r in env if r.episodes is not None]
+        firsts = [r.completions for r in env]
+        play(groups, firsts, self.backend.generate, self.codec.decode, self.codec.encode)
+        done: dict[int, Rollout | Failure] = {}
+        for r, g in zip(env, groups, strict=True):
+            comps = [e.completion() for e in g.episodes]
+            done[id(r)] = (
+                Failure(r.exp, g.error[0], g.error[1])
+                if g.error
+                else Rollout(r.exp, r.prompts, r.requests, comps, g)
+            )
+        return [done.get(id(r), r) for r in rolled]
 
     # ---- reward -------------------------------------------------------------------------
 
@@ -296,6 +296,9 @@ class Tick:
             if any(c.nonfinite for c in r.completions):
                 msg = "non-finite logits from the adapter (diverged)"
                 results.append(Failure(r.exp, msg, "non_finite"))
+                continue
+            if r.episodes is not None:  # the environment scored them
+                results.append(Scored(r, [e.reward for e in r.episodes.episodes]))
                 continue
             texts = [self.codec.decode(c.token_ids) for c in r.completions]  # tick thread
             jobs.append((r.exp, lambda r=r, texts=texts: _score_one(r, texts)))
@@ -312,7 +315,7 @@ class Tick:
         losses: dict[str, PolicyLoss] = {}
         for s in scored:
             exp = s.rollout.exp
-            prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
+            prepared = guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
                 results.append(prepared)
             elif prepared.skipped:
@@ -343,7 +346,7 @@ class Tick:
         """One experiment's training rows, with their group-relative advantages."""
         r, exp = s.rollout, s.rollout.exp
         samples = [
-            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature)
+            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature, comp.mask)
             for req, comp in zip(r.requests, r.completions, strict=True)
         ]
         slot = self.model.slot_of(exp.id)
@@ -372,7 +375,7 @@ class Tick:
 
     def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
         exp = t.scored.rollout.exp
-        return _guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
+        return guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
 
     def _after_step(self, t: Trained) -> ExperimentTick:
         r, rewards = t.scored.rollout, t.scored.rewards
@@ -399,6 +402,13 @@ class Tick:
             tis_tokens=t.outcome.tis_tokens,
             dropped_groups=t.dropped_groups,
             update_skipped=t.skipped,
+            kl=t.outcome.kl,
+            clip_fraction=t.outcome.clip_fraction,
+            name=exp.name,
+            run_id=exp.run_id,
+            tracking=exp.spec.tracking,
+            finished=finished,
+            **rollout_stats(rewards, r.completions),
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
@@ -425,7 +435,7 @@ class Tick:
         for exp in running:
             if not exp.checkpoint_pending or id(exp) in stepped:
                 continue
-            saved = _guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
+            saved = guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
             if isinstance(saved, Failure):
                 failed.append(saved)
             elif saved and _finished(exp):
@@ -447,31 +457,8 @@ def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
             raise RewardError(f"reward returned a non-finite score ({bad[0]})")
         return Scored(r, rewards)
 
-    return _guarded(r.exp, "reward_error", "reward", score)
-
-
-def _first_error(completions: list[Completion]) -> str | None:
-    return next((c.error for c in completions if c.error is not None), None)
+    return guarded(r.exp, "reward_error", "reward", score)
 
 
 def _exp_of(item: Scored | Failure) -> Experiment:
     return item.rollout.exp if isinstance(item, Scored) else item.exp
-
-
-def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
-    """The experiments that carry on; the others are failed now and recorded."""
-    kept: list[_T] = []
-    for result in results:
-        if isinstance(result, Failure):
-            result.exp.fail(result.reason, result.kind)
-            failures.append(result)
-        else:
-            kept.append(result)
-    return kept
-
-
-def _failed(f: Failure) -> ExperimentTick:
-    exp = f.exp
-    return ExperimentTick(
-        exp.id, exp.namespace, exp.step, exp.reward or 0.0, 0, 0, failed_reason=f.kind
-    )

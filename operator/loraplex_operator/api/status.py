@@ -16,6 +16,19 @@ from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 # --- EnginePool ------------------------------------------------------------------------
 
 
+class InstalledPlugins(ApiModel):
+    """Plug-ins installed in the pool's engine image (docs/plugins.md)."""
+
+    rewards: tuple[str, ...] | None = Field(
+        None, description="Reward plug-ins: names a LoRAExperiment's task.reward may use."
+    )
+    environments: tuple[str, ...] | None = Field(
+        None,
+        description="Environments (entry points, then skyrl-gym ids): names "
+        "task.environment.name may use.",
+    )
+
+
 class EnginePoolStatus(ApiModel):
     """Observed state, written by the operator once per reconcile round."""
 
@@ -45,6 +58,11 @@ class EnginePoolStatus(ApiModel):
         alias="slotsFree",
         ge=0,
         description="Adapter slots free over the ready engines.",
+    )
+    plugins: InstalledPlugins | None = Field(
+        None,
+        description="Plug-ins the pool's engines have installed, as a ready engine reports "
+        "them (GET /v1/capacity); absent while none is ready.",
     )
     conditions: tuple[Condition, ...] | None = conditions_field(
         "metav1.Condition list, one per type. Ready: True when the pool is neither "

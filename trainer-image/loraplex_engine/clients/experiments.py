@@ -232,6 +232,19 @@ class ClientExperimentAPI:
     """The Engine's experiment API (EngineService) over task and client experiments."""
 
     client_experiments: ClientExperiments
+    model_name: str  # the Engine's: its base model, and its task experiments by id
+    _experiments: dict[str, Any]
+
+    def served_job(self, job: PromptJob) -> PromptJob:
+        """A completion as served: on the base model, a task experiment's adapter, or a
+        client experiment's model's adapter (named by the experiment's id, as /v1/models
+        lists it); NotFoundError for any other model."""
+        served = self.client_experiments.served(job)
+        if served is job and job.model not in (self.model_name, *self._experiments):
+            raise NotFoundError(
+                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
+            )
+        return served
 
     def put_experiment(
         self,

@@ -40,14 +40,17 @@ class WorkLimits:
                 field="spec.rollout.maxNewTokens",
             )
         rows = alg.group_size * alg.prompts_per_step
+        env = spec.task.environment  # an episode's row: its prompt and all its turns
+        added = new_tokens if env is None else max(new_tokens, env.max_episode_tokens)
         # A row never outgrows the context: a longer prompt is refused at rollout.
-        row = self.max_prompt_tokens + new_tokens
+        row = self.max_prompt_tokens + added
         if self.context_tokens is not None:
             row = min(row, self.context_tokens)
         if rows * row > self.max_step_tokens:
             raise InvalidSpecError(
                 f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
-                f"maxNewTokens, within the context) = {rows * row} tokens per step exceeds "
+                f"maxNewTokens or environment.maxEpisodeTokens, within the context) = "
+                f"{rows * row} tokens per step exceeds "
                 f"this engine's limit of {self.max_step_tokens} (serve --max-step-tokens); "
                 "lower one of them",
                 field="spec.algorithm.promptsPerStep",
