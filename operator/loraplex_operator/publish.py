@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from loraplex_operator import idle, versions
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
-from loraplex_operator import versions
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import Config
 from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
@@ -180,6 +180,20 @@ class StatusPublisher:
         except KubeError as e:
             m.RECONCILE_ERRORS.labels(kind="status").inc()
             log.warning("status of %s: %s", w.key, e)
+
+    async def suspend_idle(self, w: Work, now: datetime) -> bool:
+        """Suspend a client experiment its idle TTL ended (idle.py), before its unload: the
+        round's status then says so; False (not unloaded, tried next round) if not written."""
+        meta, patch = w.exp.meta, idle.suspend_patch(now)
+        try:
+            found = await self.kube.patch(EXPERIMENTS, meta.name, patch, namespace=meta.namespace)
+        except KubeError as e:
+            m.RECONCILE_ERRORS.labels(kind="unload").inc()  # its unload waits
+            log.warning("idle suspend of %s: %s", w.key, e)
+            return False
+        if found is not None:
+            w.exp = Experiment.from_obj(idle.merged(w.exp.raw, patch))
+        return found is not None
 
     async def publish_pool(self, pool: Pool, status: EnginePoolStatus) -> None:
         new = status.to_json()

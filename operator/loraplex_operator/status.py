@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator import engine_failures as ef
-from loraplex_operator import versions
+from loraplex_operator import idle, versions
 from loraplex_operator.api.condition import Condition
 from loraplex_operator.api.status import (
     CheckpointStatus,
@@ -66,7 +66,7 @@ _PHASE_CONDITION = {
     PENDING: COND_SCHEDULED,  # NoCapacity, WaitingForEngine, AdmissionFailed, Preempted, ...
     SCHEDULED: COND_SCHEDULED,  # Bound
     RUNNING: COND_RUNNING,  # Training
-    SUSPENDED: COND_SUSPENDED,  # SuspendRequested
+    SUSPENDED: COND_SUSPENDED,  # SuspendRequested, IdleTimeout (idle.py)
     SUCCEEDED: COND_SUCCEEDED,  # MaxStepsReached
     FAILED: COND_FAILED,  # EngineReportedFailure, RestartBudgetExhausted
 }
@@ -142,6 +142,12 @@ def is_true(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> bool:
 
 
 # --- phase -----------------------------------------------------------------------------
+
+
+IDLE_MESSAGE = (
+    "suspended after no call for spec.client.idleSeconds: checkpointed and unloaded; its "
+    "client's next call through the gateway resumes it"
+)
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,8 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
     if old.phase in TERMINAL:
         return _terminal(old, generation, now, exp.spec.algorithm.max_steps)
     verdict = _verdict(exp.spec.suspend, old.phase, obs)
+    if verdict.reason == "SuspendRequested" and idle.idle_suspended(exp.raw):
+        verdict = _Verdict(SUSPENDED, "IdleTimeout", IDLE_MESSAGE)
 
     # Only fields set: one never written stays out of the patch, as it was.
     fields = {k: getattr(old, k) for k in _CARRIED if k in old.model_fields_set}

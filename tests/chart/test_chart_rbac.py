@@ -215,7 +215,7 @@ def test_gateway_contract_is_well_formed_and_writes_only_experiments() -> None:
         assert set(rule) <= {"apiGroups", "resources", "verbs", "scope", "why"}, rule
         assert rule["scope"] in GATEWAY_SCOPES and rule["why"], rule
         if rule["resources"] == ["loraexperiments"]:  # Tinker models as experiments
-            assert set(rule["verbs"]) == {"get", "create", "delete"}, rule
+            assert set(rule["verbs"]) == {"get", "create", "delete", "patch"}, rule
         else:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # reads only
         assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], rule

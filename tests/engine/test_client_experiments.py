@@ -6,6 +6,8 @@ checkpoint when it is put again (as on another engine after its pod died)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from client_driver import drive, sft_datum
 from loraplex_engine.clients import saved
 from loraplex_engine.errors import ConflictError, NotFoundError
+from loraplex_engine.service import PromptJob
 from loraplex_engine.spec import parse_spec
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.training_service import AdamStep, LossCall
@@ -139,3 +142,62 @@ def test_a_model_its_client_unloaded_leaves_no_journal(eng) -> None:
     removed = eng.remove_experiment(EXP)  # the operator, once the gateway deleted it
     assert removed.phase == "Succeeded" and not journal.exists()
     assert eng.list_experiments() == []
+
+
+def _complete(eng, model: str) -> list[int]:
+    """A greedy completion of the datum's prompt, served by ticks driven here."""
+    job = PromptJob(model=model, prompt_ids=[1, 40, 41, 42], max_tokens=1, temperature=0.0)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(eng.complete, job)
+        deadline = time.monotonic() + 120
+        while not answer.done() and time.monotonic() < deadline:
+            if eng.tick() is None:
+                time.sleep(0.001)
+        return list(answer.result()[0].token_ids)
+
+
+def test_openai_completions_by_the_experiment_id_run_on_its_client_adapter(eng) -> None:
+    """The id /v1/models lists (<ns>.<name>) completes on the client model's adapter as
+    trained so far: after training the prompt's next token, greedy decoding gives it, which
+    the base does not."""
+    eng.put_experiment(EXP, client_spec(), NS, NAME)
+    target = [100]
+    data = [sft_datum([1, 40, 41, 42], target)]
+    assert _complete(eng, eng.model_name) != target  # else the test proves nothing
+    for _ in range(20):
+        drive(eng, lambda: eng.forward_backward(NS, MODEL, data, CE))
+        drive(eng, lambda: eng.optim_step(NS, MODEL, AdamStep(learning_rate=0.05)))
+    assert _complete(eng, EXP) == target
+    assert _complete(eng, eng.model_name) != target  # the base is untouched
+    with pytest.raises(NotFoundError):
+        _complete(eng, f"{NS}.tinker-s0123456789abcdef0123-9")  # no such experiment
+
+
+def test_the_status_says_how_long_its_client_has_been_idle(eng) -> None:
+    """What the operator enforces spec.client.idleSeconds by: the time since the client's
+    last call, counted from placement, 0 again after a call (the clock is moved back
+    here instead of waiting)."""
+    status, _ = eng.put_experiment(EXP, client_spec(), NS, NAME)
+    assert status.idle_seconds is not None and 0 <= status.idle_seconds < 60
+    assert status.to_json()["idleSeconds"] == status.idle_seconds
+    eng.clients.loaded(NS, MODEL).last_call -= 1000
+    assert eng.get_experiment(EXP).idle_seconds >= 1000
+    _step(eng)
+    assert eng.get_experiment(EXP).idle_seconds < 1000
+
+
+@pytest.mark.parametrize("kinds", [{}, {"trainMlp": False}, {"trainAttn": False}])
+def test_capacity_says_what_the_operator_needs_to_know_what_a_kind_trains(eng, kinds) -> None:
+    """The operator and the gateway check a client experiment's module kinds against the
+    pool's allowedTargetModules from the engine's targetModules (client_modules.py): the
+    modules they compute are the ones this engine's adapter really targets."""
+    from loraplex_operator import client_modules
+
+    eng.put_experiment(EXP, client_spec(**kinds), NS, NAME)
+    wrapped = eng.capacity().target_modules
+    assert wrapped and set(wrapped) == set(eng.capacity().to_json()["targetModules"])
+    trained = set(eng.model.config_of(eng.clients.loaded(NS, MODEL).name).target_modules)
+    assert client_modules.refused(kinds, wrapped, sorted(trained)) == []
+    for module in trained:  # allowing one fewer refuses the kind that trains it
+        refused = client_modules.refused(kinds, wrapped, sorted(trained - {module}))
+        assert [extra for *_, extra in refused] == [[module]]

@@ -7,6 +7,7 @@ operations queued and not run."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -179,3 +180,44 @@ def test_replay_lines_up_with_the_checkpoint_not_with_the_base(tmp_path: Path) -
     j.stepped(5, every=2)  # step 3: no checkpoint, so the entry stays
     assert j.base() == (2, 4) and [e.seq for e in j.entries()] == [5]
     assert j.to_replay(7) == []  # cannot be lined up: nothing replayed (logged)
+
+
+def test_which_entries_a_checkpoint_holds(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    for seq, route in ((1, "forward_backward"), (2, "optim_step"), (3, "forward_backward")):
+        j.write(Entry(seq, route, b"x"))
+    assert j.held(2, 1).route == "optim_step" and j.held(1, 1).seq == 1
+    assert j.held(3, 1) is None  # after the checkpoint's step: replayed, not held
+    assert j.held(2, 0) is None  # the checkpoint before it: replayed
+    assert j.held(2, 5) is None  # cannot be lined up: nothing claimed
+
+
+def test_a_step_lost_between_its_checkpoint_and_its_answer_is_answered(engines: Any) -> None:
+    """The window between a checkpoint's write and its answer's: the engine dies with
+    step 1 on the volume but neither its kept answer nor the journal's move past it. The
+    engine that takes over answers the step's future (applied; no metrics) instead of
+    404, and replays nothing twice."""
+    one = engines("shared")
+    one.put_experiment(EXP, SPEC, NS, NAME)
+    p1 = Protocol(lambda: one)
+    with ticking(one):
+        wait_done(p1, p1.forward_backward(NS, fb(1), None))
+        wait_done(p1, p1.optim_step(NS, optim(2)))
+    p1.close()
+    p1.runner._pool.shutdown(wait=True)  # its jobs' last writes (the kept answer) done
+    journal = Journal(one.store.root / NS / "_tinker" / MODEL / "journal")
+    (journal.dir / "2.done").unlink()  # the crash, undone on the volume: answer not kept,
+    (journal.dir / "base.json").unlink()  # the base not moved, the entries not dropped
+    journal.write(Entry(1, "forward_backward", fb(1)))
+    journal.write(Entry(2, "optim_step", json.dumps(optim(2)).encode()))
+
+    two = engines("shared")
+    assert two.put_experiment(EXP, SPEC, NS, NAME)[0].step == 1
+    p2 = Protocol(lambda: two)
+    try:
+        fut = find_future(p2, NS, f"{MODEL}#2")
+        assert fut is not None and fut.state == "done" and fut.result == {"metrics": {}}
+        assert find_future(p2, NS, f"{MODEL}#1").state == "done"  # its kept answer
+        assert two.get_experiment(EXP).step == 1  # nothing replayed
+    finally:
+        p2.close()

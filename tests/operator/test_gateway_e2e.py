@@ -11,8 +11,11 @@ gateway and B's key gets 404 for it. The engine is killed with a step sent: the 
 answered "paused" meanwhile (the SDK retries), the model resumes from its checkpoint on
 the engine that takes it (which replays from the journal what the checkpoint lacks, or
 answers from it what was done), and the client's loop finishes unchanged. Which of those
-paths the kill hits depends on timing; test_client_journal.py pins each. Not yet here
-(docs/design/gateway.md): the OpenAI API on a client experiment's adapter.
+paths the kill hits depends on timing; test_client_journal.py pins each. The openai
+client completes on the model's adapter by its experiment's name; a base model no pool
+serves is refused at create_model; the base model alone samples on a gateway session; a
+model idle past spec.client.idleSeconds is suspended with a checkpoint and resumed by its
+next call; a module kind that would train a module the pool does not allow is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ import pytest
 import tinker
 from deployed_gateway import GatewayContainer, gateway_values, rendered_gateway
 from harness import Harness
-from loraplex_operator.kube import EXPERIMENTS, SECRETS
+from loraplex_operator import idle
+from loraplex_operator.api.pool import FAMILY_TARGET_MODULES
+from loraplex_operator.gateway import experiments as gx
+from loraplex_operator.kube import EXPERIMENTS, POOLS, SECRETS
 from tinker import types
 from tinker_clients import service_client
 
@@ -84,7 +90,11 @@ async def test_a_tinker_model_is_an_experiment_through_the_gateway(
 ) -> None:
     values = gateway_values()
     async with Harness(tmp_path, tiny_model_dir, chart_values=values) as h:
-        await h.apply(h.pool_obj("pool-gw", slots=3, max_rank=8, replicas=(1, 2)))
+        pool = h.pool_obj("pool-gw", slots=3, max_rank=8, replicas=(1, 2))
+        # lm_head allowed: the SDK's models train unembed too (the default allowlist has
+        # no lm_head, and the gateway would grant train_unembed off: client_modules.py).
+        pool["spec"]["allowedTargetModules"] = [*FAMILY_TARGET_MODULES, "lm_head"]
+        await h.apply(pool)
         await _keys(h)
 
         async def engine_ready() -> bool:
@@ -149,6 +159,20 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     rest = client.create_rest_client()
     caps = await asyncio.to_thread(lambda: rest.get_server_capabilities().result())
     base = caps.supported_models[0].model_name
+    # A base model no pool of A's serves: refused at create_model, naming both.
+    with pytest.raises(tinker.NotFoundError) as refused:
+        await asyncio.to_thread(
+            lambda: client.create_lora_training_client(base_model="no-such", rank=4).result()
+        )
+    assert "'no-such'" in str(refused.value) and f"'{base}'" in str(refused.value)
+    assert [o for o in await h.kube.list(EXPERIMENTS, "team-a") if "client" in o["spec"]] == []
+    # Sampling the base model alone on the gateway's session (no engine holds the session).
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    base_sampler = client.create_sampling_client(base_model=base)
+    res = await asyncio.to_thread(
+        lambda: base_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result()
+    )
+    assert len(res.sequences[0].tokens) == 4
     tc = await asyncio.to_thread(
         lambda: client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     )
@@ -162,6 +186,12 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     losses = await asyncio.to_thread(_train, tc, 10)
     assert losses[-1] < losses[0] * 0.5, losses
     await _status_at(h, name, 10)  # the operator's status follows the engine's
+    # The openai client completes on the model's adapter by its experiment's name (as
+    # /v1/models lists it); B's key finds nothing by that name.
+    chunks = await asyncio.to_thread(_stream, gw, KEY_A, name)
+    assert chunks and all(c.model == f"team-a.{name}" for c in chunks)
+    with pytest.raises(openai.NotFoundError):
+        await asyncio.to_thread(_stream, gw, KEY_B, name)
 
     # B's key: A's model is not there, in the Tinker API nor as an experiment of B's.
     # (Async clients: the API server the gateway reads runs on this test's event loop.)
@@ -203,7 +233,6 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
     # Sampling from its saved weights, through the gateway.
     path = await asyncio.to_thread(lambda: tc.save_weights_for_sampler("gw").result().path)
     sampler = client.create_sampling_client(model_path=path)
-    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
     res = await asyncio.to_thread(
         lambda: sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result()
     )
@@ -222,3 +251,84 @@ async def _scenario(h: Harness, gw: GatewayContainer) -> None:
         ]
 
     await h.wait_for("the model's experiment deleted", deleted, timeout=60)
+    await _modules_allowed(h, gw, client, base)
+    await _idle(h, gw)
+
+
+async def _modules_allowed(h: Harness, gw: GatewayContainer, client: Any, base: str) -> None:
+    """The pool allows no o_proj for a while: a model whose attention would train it is
+    refused by the gateway (create_model) and by the operator's admission (an experiment
+    written by hand), each naming the kind and the module."""
+    assert h.kube is not None
+    pool = await h.kube.get(POOLS, "pool-gw")
+    allowed = list(pool["spec"]["allowedTargetModules"])
+    assert "o_proj" in allowed
+    await h.kube.patch(POOLS, "pool-gw", {"spec": {"allowedTargetModules": [
+        m for m in allowed if m != "o_proj"
+    ]}})  # fmt: skip
+    a, session, seq = _api(gw, KEY_A), "s" + "cd" * 10, iter(range(1000))
+    lora = {"rank": 4, "train_unembed": False}
+
+    async def create_answers(code: int) -> bool:
+        """A create_model answered ``code`` (the gateway re-reads pools every second); one
+        that answered otherwise is undone."""
+        body = {"session_id": session, "model_seq_id": next(seq), "base_model": base}
+        r = await a.post("/create_model", json={**body, "lora_config": lora})
+        if r.status_code == 200:
+            await h.kube.delete(EXPERIMENTS, f"tinker-{session}-{body['model_seq_id']}", "team-a")
+        return r.status_code == code
+
+    await h.wait_for("the gateway refuses attention without o_proj", lambda: create_answers(422))
+    with pytest.raises(tinker.APIStatusError) as refused:
+        await asyncio.to_thread(
+            lambda: client.create_lora_training_client(base_model=base, rank=4).result()
+        )
+    assert "o_proj" in str(refused.value) and "train_attn" in str(refused.value)
+    by_hand = gx.manifest("team-a", "pool-gw", {**body_of(session, 999), "lora_config": lora})
+    await h.apply(by_hand)
+
+    async def not_admitted() -> bool:
+        s = (await h.get("team-a", by_hand["metadata"]["name"]) or {}).get("status") or {}
+        return "spec.client.trainAttn" in str(s.get("message")) and "o_proj" in str(s)
+
+    await h.wait_for("admission refuses it", not_admitted, timeout=60)
+    await h.kube.delete(EXPERIMENTS, by_hand["metadata"]["name"], "team-a")
+    await h.kube.patch(POOLS, "pool-gw", {"spec": {"allowedTargetModules": allowed}})
+    await h.wait_for("the gateway takes models again", lambda: create_answers(200))
+
+
+def body_of(session: str, seq: int) -> dict[str, Any]:
+    return {"session_id": session, "model_seq_id": seq}
+
+
+async def _idle(h: Harness, gw: GatewayContainer) -> None:
+    """A model no call names for spec.client.idleSeconds is suspended with a checkpoint
+    (the operator, from the engine's idleSeconds); a call answers paused and resumes it."""
+    assert h.kube is not None
+    session = "s" + "ab" * 10
+    lora = {"rank": 4, "train_unembed": False}  # the pool allows no lm_head
+    create = {"session_id": session, "model_seq_id": 0, "lora_config": lora}
+    obj = gx.manifest("team-a", "pool-gw", create)
+    obj["spec"]["client"]["idleSeconds"] = 2
+    name, model_id = obj["metadata"]["name"], f"{session}:train:0"
+    await h.apply(obj)
+
+    async def suspended() -> dict[str, Any] | None:
+        o = await h.get("team-a", name)
+        phase = ((o or {}).get("status") or {}).get("phase")
+        return o if o and o["spec"].get("suspend") and phase == "Suspended" else None
+
+    o = await h.wait_for("the idle model suspended", suspended, timeout=120)
+    assert idle.IDLE_ANNOTATION in o["metadata"]["annotations"]
+    assert o["status"]["checkpoint"]["path"].startswith(f"tinker://{model_id}/weights/")
+    assert "idleSeconds" in o["status"]["message"]
+    a = _api(gw, KEY_A)
+    r = await a.post("/get_info", json={"model_id": model_id})
+    assert r.status_code == 503 and r.json()["queue_state"] == "paused_capacity", r.text
+
+    async def answers() -> bool:  # (get_info queues nothing: it may be suspended again)
+        r = await a.post("/get_info", json={"model_id": model_id})
+        return r.status_code == 200
+
+    await h.wait_for("the idle model resumed by its calls", answers, timeout=120)
+    await h.kube.delete(EXPERIMENTS, name, "team-a")

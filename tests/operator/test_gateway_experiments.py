@@ -127,3 +127,27 @@ def test_future_ids() -> None:
     assert gx.created_answer(name) == {"model_id": f"{SESSION}:train:2", "type": "create_model"}
     for stage1 in ("pool-a-engine-x~r1", "lx~not-a-model", "m~" + name, "m~x~r1"):
         assert gx.split_future(stage1) is None
+
+
+def test_base_model_names_and_why_one_is_not_served() -> None:
+    assert gx.base_model_name("tiny-llama:v1") == "tiny-llama"
+    assert gx.base_model_name(None) is None
+    for bad in ("", ":tag", 7, ["tiny-llama"]):
+        with pytest.raises(gx.BadRequest) as e:
+            gx.base_model_name(bad)
+        assert e.value.field == "base_model"
+    why = gx.not_served("team-a", "Qwen3-8B", {"tiny-llama", None, "llama-2"})
+    assert "'Qwen3-8B'" in why and "'team-a'" in why and "'llama-2', 'tiny-llama'" in why
+    assert "serve nothing" in gx.not_served("team-a", "x", set())
+
+
+def test_a_base_model_sampler_carries_its_session_and_model() -> None:
+    sid = gx.base_sampler_id(SESSION, 3, "tiny-llama")
+    assert sid == f"{SESSION}:sample:b3:tiny-llama"
+    assert gx.split_base_sampler(sid) == (SESSION, "tiny-llama")
+    minted = gx.base_sampler_id(SESSION, None, "tiny-llama")  # no seq id: a random tag
+    assert minted != gx.base_sampler_id(SESSION, None, "tiny-llama")
+    assert gx.split_base_sampler(minted) == (SESSION, "tiny-llama")
+    assert gx.base_sampler_id(SESSION, 1, "a model/with space") is None  # no name to carry
+    for other in (f"{SESSION}:sample:3", f"{SESSION}:train:0", None, 5, "x:sample:b1:m"):
+        assert gx.split_base_sampler(other) is None

@@ -141,6 +141,10 @@ class ExperimentStatus(WireModel):
     eval_pass_at_k: float | None = None
     eval_k: int | None = None
     eval_tokens: int = 0
+    # A client experiment's: seconds since its client's last call (0 while one is
+    # queued; counted from placement), by which the operator enforces
+    # spec.client.idleSeconds. None for a task experiment.
+    idle_seconds: float | None = None
 
 
 class MemoryUse(WireModel):
@@ -241,6 +245,9 @@ class Capacity(WireModel):
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
     plugins: InstalledPlugins = InstalledPlugins()
+    # The module names its adapters may target (what it wraps): which of them a client
+    # experiment's module kinds train, for the pool's allowedTargetModules check.
+    target_modules: list[str] | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -303,6 +303,7 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
             model_shape=model_shape_of(self.model.base_model.config),
+            target_modules=sorted(self.model.target_modules),
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,
@@ -387,8 +388,10 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        live = job.model in (self.model_name, *self._experiments)
+        served = self.client_experiments.served(job)  # a client experiment's model's adapter
+        live = served is not job or job.model in (self.model_name, *self._experiments)
         version = None if live else self.publisher.serving(job.model)  # versions/names.py
+        job = served
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
         queued = CompletionJob.of(job, self.model_name, version)
         with self._jobs_lock:

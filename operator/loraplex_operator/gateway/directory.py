@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from loraplex_operator import manifests
@@ -48,6 +49,8 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
                     token=token,
                     allowed_namespaces=spec.allowed_namespaces,
                     namespace_selector=spec.namespace_selector,
+                    base_model=PurePosixPath(spec.base_model).name,
+                    allowed_target_modules=spec.allowed_target_modules,
                 )
             )
     return sorted(out, key=lambda e: e.name)
@@ -79,6 +82,10 @@ class Directory:
         raise NotImplementedError
 
     async def delete_experiment(self, namespace: str, name: str) -> bool:
+        raise NotImplementedError
+
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """A merge patch (the idle TTL's resume: idle.resume_patch)."""
         raise NotImplementedError
 
     def admitting(self, namespace: str) -> list[Engine]:
@@ -140,6 +147,9 @@ class KubeDirectory(Directory):
     async def delete_experiment(self, namespace: str, name: str) -> bool:
         return await self.kube.delete(EXPERIMENTS, name, namespace)
 
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.kube.patch(EXPERIMENTS, name, patch, namespace)
+
     async def refresh(self) -> None:
         engines: list[Engine] = []
         selectors = False
@@ -178,7 +188,7 @@ def file_secrets(keys: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
 class FileDirectory(Directory):
     """The view from a JSON file, re-read when it changes::
 
-    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?}],
+    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?, "baseModel"?}],
      "keys": [{"namespace", "key", "role"}], "namespaceLabels"?: {ns: {k: v}}}
     """
 
@@ -203,6 +213,7 @@ class FileDirectory(Directory):
                 allowed_namespaces=tuple(e["allowedNamespaces"])
                 if e.get("allowedNamespaces") is not None
                 else None,
+                base_model=e.get("baseModel"),
             )
             for e in doc.get("engines", [])
         ]

@@ -18,9 +18,12 @@ in the key's namespace (docs/design/gateway.md, "Tinker models as experiments"):
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from loraplex_operator import idle
 
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
@@ -37,6 +40,13 @@ MODEL_FUTURE = "m~"
 UNLOADED_FUTURE = "ux~"
 MAX_RANK = 1024  # the CRD's own bound is the pool's max rank; this only keeps ints sane
 PAUSED = "paused_capacity"
+IDLE_RESUMING = "the model was idle past spec.client.idleSeconds (suspended): resuming"
+
+
+# A base-model sampler of a gateway session (no engine holds the session, so the
+# gateway answers create_sampling_session itself): its id carries the base model, and
+# its samples go to any admitting engine that serves that model.
+BASE_SAMPLER = re.compile(r"^(s[0-9a-f]{20}):sample:b([0-9a-f]{1,12}):([A-Za-z0-9._-]{1,200})$")
 
 
 class BadRequest(ValueError):
@@ -115,6 +125,7 @@ class Binding:
     state: Literal["running", "paused", "failed"]
     engine: str | None = None
     reason: str = ""
+    wake: bool = False  # suspended by its idle TTL: this call resumes it (idle.py)
 
 
 def binding(obj: Mapping[str, Any]) -> Binding:
@@ -126,6 +137,8 @@ def binding(obj: Mapping[str, Any]) -> Binding:
         return Binding("failed", None, _reason(status) or "the experiment failed")
     why = _reason(status)
     where = f" on {engine}" if engine else ""
+    if idle.idle_suspended(obj):
+        return Binding("paused", None, IDLE_RESUMING, wake=True)
     if (obj.get("spec") or {}).get("suspend"):
         return Binding("paused", None, "the model is suspended (spec.suspend)")
     text = f"the model is {str(phase or 'Pending').lower()}{where}"
@@ -189,3 +202,38 @@ def split_future(
         name, sep, rid = given[len(MODEL_FUTURE) :].partition("~")
         return ("model", name, rid) if sep and rid and NAME.match(name) else None
     return None
+
+
+def base_model_name(given: object) -> str | None:
+    """The base model a request names, as engines compare it (the name before any ``:``
+    tag); None where it names none (any); BadRequest for what is not a model name."""
+    if given is None:
+        return None
+    if not isinstance(given, str) or not given.split(":")[0]:
+        raise BadRequest("base_model", "a base model's name, or absent")
+    return given.split(":")[0]
+
+
+def not_served(namespace: str, base_model: str, served: set[str | None]) -> str:
+    """Why no engine takes a request for ``base_model``: naming what the pools serve."""
+    names = sorted(n for n in served if n)
+    there = ", ".join(repr(n) for n in names) or "nothing"
+    return (
+        f"base model {base_model!r} is not served to namespace {namespace!r}: the pools "
+        f"that admit it serve {there}"
+    )
+
+
+def base_sampler_id(session: str, seq: object, base_model: str) -> str | None:
+    """A base-model sampler's id (None where the base model's name cannot be one)."""
+    tag = format(seq, "x") if isinstance(seq, int) and not isinstance(seq, bool) else None
+    if tag is None or seq < 0:  # type: ignore[operator]
+        tag = secrets.token_hex(6)
+    sid = f"{session}:sample:b{tag[-12:]}:{base_model}"
+    return sid if BASE_SAMPLER.match(sid) else None
+
+
+def split_base_sampler(sampler_id: object) -> tuple[str, str] | None:
+    """(session, base model) of a base-model sampler's id, else None."""
+    m = BASE_SAMPLER.match(sampler_id) if isinstance(sampler_id, str) else None
+    return (m.group(1), m.group(3)) if m else None

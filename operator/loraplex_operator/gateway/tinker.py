@@ -193,6 +193,12 @@ class Tinker:
         engines = self.up.directory.admitting(ns)
         if not engines:
             return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
+        return await self._first_answer(request, engines, ns, route, body)
+
+    async def _first_answer(
+        self, request: Request, engines: list[Engine], ns: str, route: str, body: bytes
+    ) -> Response:
+        """The first of ``engines`` (not empty) to answer below 500."""
         last: Response | None = None
         for engine in engines:
             last = await self._forward(request, engine, ns, route, body)

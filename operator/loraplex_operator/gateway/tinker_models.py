@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,11 +21,16 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from loraplex_operator import client_modules, idle
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway.routing import Engine
+from loraplex_operator.kube import KubeError
 
 if TYPE_CHECKING:
     from loraplex_operator.gateway.tinker import Tinker
+
+log = logging.getLogger("loraplex_operator.gateway.tinker_models")
 
 # Routes whose JSON body names the model by ``model_id`` (forward_backward's is in its
 # protobuf, field 1).
@@ -67,6 +73,13 @@ class Models:
             return await self._create(ns, _json(body))
         if route == "retrieve_future":
             return await self._retrieve(request, ns, body)
+        if route == "create_sampling_session":
+            return self._base_sampler(ns, _json(body))
+        if route == "asample":
+            return await self._sample_base(request, ns, _json(body))
+        if name == "samplers" and (split := gx.split_base_sampler(route[len(name) + 1 :])):
+            sid = route[len(name) + 1 :]
+            return JSONResponse({"sampler_id": sid, "base_model": split[1], "model_path": None})
         if name in ("forward_backward", "forward"):
             if request.headers.get("content-encoding"):
                 return None  # tinker.py answers 422
@@ -82,28 +95,98 @@ class Models:
             return await self._unload(request, ns, exp, body)
         return await self._to_model(request, ns, route, body, exp)
 
-    async def _create(self, ns: str, doc: dict[str, Any]) -> Response:
+    def _serving(self, ns: str, given: object) -> list[Engine] | Response:
+        """The admitting engines that serve the base model ``given`` names, or the answer
+        saying why there is none (422: not a name; 503: no pool admits; 404: not served)."""
+        try:
+            base = gx.base_model_name(given)
+        except gx.BadRequest as e:
+            return proxy.error(422, "invalid_request", e.message, e.field)
         engines = self.directory.admitting(ns)
+        if not engines:
+            return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
+        serving = [e for e in engines if e.serves(base)]
+        if not serving and base is not None:
+            why = gx.not_served(ns, base, {e.base_model for e in engines})
+            return proxy.error(404, "not_found", why, "base_model")
+        return serving
+
+    def _base_sampler(self, ns: str, doc: dict[str, Any]) -> Response | None:
+        """A gateway session's sampler of the base model alone, answered here (no engine
+        holds the session); one with a model path is its model's engine's (None)."""
+        session = doc.get("session_id")
+        if doc.get("model_path") is not None or not gx.SESSION.match(str(session)):
+            return None
+        serving = self._serving(ns, doc.get("base_model"))
+        if isinstance(serving, Response):
+            return serving
+        base = gx.base_model_name(doc.get("base_model")) or serving[0].base_model
+        sid = base and gx.base_sampler_id(str(session), doc.get("sampling_session_seq_id"), base)
+        if not sid:
+            why = gx.not_served(ns, str(base), set())
+            return proxy.error(404, "not_found", why, "base_model")
+        return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sid})
+
+    async def _sample_base(self, request: Request, ns: str, doc: dict[str, Any]) -> Response | None:
+        """A base-model sampler's samples: on an admitting engine serving its model, as a
+        sample of the base by name (the engine holds no sampler for it)."""
+        split = gx.split_base_sampler(doc.get("sampling_session_id"))
+        if split is None:
+            return None
+        serving = self._serving(ns, split[1])
+        if isinstance(serving, Response):
+            return serving
+        body = json.dumps({**doc, "sampling_session_id": None, "base_model": split[1]}).encode()
+        return await self.tinker._first_answer(request, serving, ns, "asample", body)
+
+    async def _create(self, ns: str, doc: dict[str, Any]) -> Response:
+        engines = self._serving(ns, doc.get("base_model"))
+        if isinstance(engines, Response):
+            return engines
+        try:  # the pool is filled in below; the body is checked first
+            client = gx.manifest(ns, "", doc)["spec"]["client"]
+        except gx.BadRequest as e:
+            return proxy.error(422, "invalid_request", e.message, e.field)
         free = await self.tinker.up.free_slots(engines)
+        refusals = {e.name: self._refused(e, client) for e in engines}
+        free = {name: n for name, n in free.items() if refusals.get(name) is None}
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
         engine = self.directory.engine(choice) if choice else None
         if engine is None:
-            return proxy.error(
+            refused = next((r for r in refusals.values() if r is not None), None)
+            return refused or proxy.error(
                 503, "unavailable", f"no engine of a pool that admits namespace {ns!r} answers"
             )
-        try:
-            obj = gx.manifest(ns, engine.pool, doc)
-        except gx.BadRequest as e:
-            return proxy.error(422, "invalid_request", e.message, e.field)
+        obj = gx.manifest(ns, engine.pool, doc)
+        if engine.allowed_target_modules is not None:
+            allowed = engine.allowed_target_modules
+            obj["spec"]["client"] = client_modules.granted(obj["spec"]["client"], allowed)
         await self.directory.create_experiment(obj)  # exists already: a resent create
         name = obj["metadata"]["name"]
         return JSONResponse({"request_id": gx.create_future(name), "model_id": None})
+
+    def _refused(self, engine: Engine, client: dict[str, Any]) -> Response | None:
+        """422 where the module kinds asked would train a module the engine's pool does not
+        allow (as the operator's admission: client_modules.py); None where it may take it."""
+        allowed, wrapped = engine.allowed_target_modules, self.tinker.up.wrapped.get(engine.name)
+        if allowed is None or wrapped is None:
+            return None  # not known here: the operator's admission checks it
+        asked = client_modules.granted(client, allowed)
+        for _, wire, extra in client_modules.refused(asked, wrapped, allowed):
+            why = client_modules.message(engine.pool, extra, allowed, f"lora_config.{wire}")
+            return proxy.error(422, "invalid_request", why, f"lora_config.{wire}")
+        return None
 
     async def _binding(self, ns: str, exp: str) -> gx.Binding | None:
         obj = await self.directory.get_experiment(ns, exp)
         if obj is None:
             return None
         found = gx.binding(obj)
+        if found.wake:  # its idle TTL suspended it: this call resumes it (paused meanwhile)
+            try:
+                await self.directory.patch_experiment(ns, exp, idle.resume_patch())
+            except KubeError as e:
+                log.warning("resuming idle %s/%s: %s", ns, exp, e)
         if found.state == "running" and self.directory.engine(found.engine or "") is None:
             return gx.Binding("paused", None, f"the model's engine {found.engine} is not ready")
         return found

@@ -17,9 +17,11 @@ task goes to the engine's own (``put_task_experiment``...), one with a client he
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +31,7 @@ from loraplex_engine.api_types import CheckpointRef, ExperimentStatus
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.errors import ConflictError, NotFoundError
+from loraplex_engine.service import PromptJob
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.training_service import Adoption, ClientLora
 
@@ -158,6 +161,7 @@ class ClientExperiments:
             error=error,
             started_at=exp.started_at,
             updated_at=_now(),
+            idle_seconds=None if model is None else model.idle_seconds(time.monotonic()),
         )
 
     def _directory(self, exp: ClientExperiment, ref: CheckpointRef) -> str:
@@ -199,6 +203,16 @@ class ClientExperiments:
             self._exps.pop(exp_id, None)
         return status
 
+    def served(self, job: PromptJob) -> PromptJob:
+        """A completion naming a client experiment (``<ns>.<name>``, as /v1/models lists
+        it) runs on its client model's adapter as trained so far; any other job as it is."""
+        with self._lock:
+            exp = self._exps.get(job.model)
+        model = self.clients.loaded(exp.namespace, exp.model_id) if exp is not None else None
+        if model is None:
+            return job
+        return dataclasses.replace(job, model=model.name)
+
     def journal_dir(self, namespace: str, model_id: str) -> Path:
         root = self.clients.host.store.root
         return root / namespace / saved.CLIENT_DIR / model_id / "journal"
@@ -218,6 +232,8 @@ class ClientExperimentAPI:
     """The Engine's experiment API (EngineService) over task and client experiments."""
 
     client_experiments: ClientExperiments
+    model_name: str  # the Engine's: its base model, and its task experiments by id
+    _experiments: dict[str, Any]
 
     def put_experiment(
         self,

@@ -198,6 +198,7 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+            model.last_call = op.queued_at
             self._queued.notify_all()
         if queued is not None:
             queued()  # its place in the model's order is held: the caller may go on

@@ -85,6 +85,7 @@ class ClientSpec(SpecModel):
         ge=0,
         le=IDLE_MAX_S,
         alias="idleSeconds",
-        description="A model no call has named for this long is suspended (checkpointed, "
-        "its slot freed) and resumes on its next call; 0 = never. Not yet enforced.",
+        description="A model no call has named for this long is suspended (spec.suspend "
+        "with the loraplex.dev/idle-suspended annotation: checkpointed, its slot freed) and "
+        "resumes on its next call through the gateway; 0 = never.",
     )

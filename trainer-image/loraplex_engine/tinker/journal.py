@@ -133,6 +133,20 @@ class Journal:
         )
         return []
 
+    def held(self, seq: int, restored_steps: int) -> Entry | None:
+        """Entry ``seq`` when the checkpoint of step ``restored_steps`` holds it (so it was
+        not replayed), else None (replayed, unknown, or the journal cannot be lined up)."""
+        steps, base_seq = self.base()
+        held = []
+        for e in (e for e in self.entries() if e.seq > base_seq):
+            if steps == restored_steps:
+                break
+            held.append(e)
+            steps += e.route == "optim_step"
+        if steps != restored_steps:
+            return None
+        return next((e for e in held if e.seq == seq), None)
+
 
 # The protocol's handlers an entry is run again through, by route (JSON bodies but
 # forward_backward's protobuf, which says itself whether it is a forward only).
@@ -167,6 +181,11 @@ def find_future(proto: Any, namespace: str, request_id: str) -> Any:
         return None
     fut = proto.futures.get(namespace, request_id)
     kept = model.journal.answer(int(seq)) if fut is None and model.journal else None
+    if kept is None and fut is None and model.journal is not None:
+        # Lost between its checkpoint's write and its answer's: the step is applied (the
+        # restored checkpoint holds it); its metrics died with the engine.
+        entry = model.journal.held(int(seq), model.restored_steps)
+        kept = {"metrics": {}} if entry is not None and entry.route == "optim_step" else None
     if kept is not None:
         fut = proto.futures.new(namespace, "Kept", model_id, request_id)
         fut.finish(kept)

@@ -54,6 +54,7 @@ class Model:
     # A client experiment's (adopted): its journal and checkpoint cadence (journal.py).
     journal: Journal | None = None
     checkpoint_every: int = 0
+    restored_steps: int = 0  # the optimiser steps of the checkpoint it was adopted from
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,7 @@ class Registry:
             s.pinned = True
             m = Model(model_id, namespace, session_id, found.rank, None)
             m.journal, m.checkpoint_every = Journal(found.journal_dir), found.checkpoint_every
+            m.restored_steps = found.steps
             self._models[model_id] = m
             s.models.add(model_id)
         if self.on_adopted is not None:
