@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one `device` call, on a bare, offline lent machine (issue 27).
 #
-#   here, once:   bash scripts/gpu-wheelhouse.sh        (.whl: pydantic and its needs, 2.7 MiB)
+#   here, once:   bash scripts/gpu-wheelhouse.sh        (.whl: pydantic, the server, the
+#                                                       tinker SDK and their needs)
 #   the call:     device run  command "bash bench/gpu_device.sh"  carry [".whl"]  timeout_s 540
 #   rehearsal:    OUT=DIR bash bench/gpu_device.sh --dry-run   (CPU, tiny; tests/bench/test_gpu_device.py)
 #
@@ -17,9 +18,13 @@
 #   scale.json           bench/gpu_scale.py: Qwen3-4B's shapes, random weights from the config,
 #                        N = 1, 8, 32: fused vs time-sliced vs one-at-a-time, tokens/s, peak
 #                        memory vs the planner; a failing arm or cell is recorded, the next
-#                        runs; saved after every arm                       what is left - 120 s
+#                        runs; saved after every arm                 what is left - 120 - 110 s
 #   e2e.json             python -m loraplex_engine.cli run --device cuda of samples/local/demo.yaml,
 #                        fused then time-sliced, reward parity (+ e2e-rewards.png)    <= 120 s
+#   tinker-clock.json    bench/gpu_tinker.py: bench/tinker_clock.py's 8 tinker SDK clients,
+#                        fused clock cycle vs per_model, on the CPU tiny model with the
+#                        clients on other cores than the engine, then on serve --device
+#                        cuda with Qwen3-0.6B's shapes; ratio per N, parity   <= 110 s, last
 #   stages.json          each stage's exit code, seconds and limit; the vLLM and world-size
 #                        arms, skipped with the reason (this image has no vLLM; one GPU)
 #   gpu-device.log       everything printed
@@ -28,7 +33,9 @@
 # grace, under the call's 540 s. Exit code: 0 when every stage exited 0.
 # Environment: OUT (default out/gpu-device), PYTHON (python3), WHEELS (.whl), SITE
 # (/tmp/site), GPU_DEVICE_DEMO (the manifest), GPU_DEVICE_WORK (/tmp/gpu-device-e2e: the
-# e2e's model and runs), GPU_SCALE_ARGS (more gpu_scale.py options).
+# e2e's model and runs), GPU_DEVICE_TINKER_S (110: the tinker-clock stage's cap, reserved
+# from the scale stage's share), GPU_DEVICE_TINKER_WORK (/tmp/gpu-device-tinker),
+# GPU_SCALE_ARGS (more gpu_scale.py options).
 set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
 START=$SECONDS
 cd "$(dirname "$0")/.."
@@ -42,6 +49,8 @@ BUDGET="${GPU_DEVICE_BUDGET_S:-510}"
 DEMO="${GPU_DEVICE_DEMO:-samples/local/demo.yaml}"
 WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many files, not $OUT
 E2E_S=120
+TINKER_S="${GPU_DEVICE_TINKER_S:-110}"  # reserved from the scale stage's share, like E2E_S
+TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.
@@ -77,6 +86,17 @@ scale_kernel() {
         "$OUT/grouped-kernel.json" 2>/dev/null || echo bmm
 }
 
+# Issue 28's Tinker clock cycle, last: the stages above keep their results whatever
+# happens here. One file back (tinker-clock.json); its own work folder.
+tinker_clock_stage() {
+    local left budget
+    left=$((BUDGET - (SECONDS - START)))
+    budget=$(((left < TINKER_S ? left : TINKER_S) - 5))
+    stage tinker-clock tinker-clock.json "$TINKER_S" \
+        "$PY" bench/gpu_tinker.py --out "$OUT/tinker-clock.json" --budget-s "$budget" \
+        --work "$TINKER_WORK" ${DRY_RUN:+--dry-run}
+}
+
 main() {
     echo "bench/gpu_device.sh${DRY_RUN:+ (dry run)}: $(date -u +%FT%TZ), OUT=$OUT, budget ${BUDGET}s"
     "$PY" bench/gpu_device.py begin --out "$OUT"
@@ -88,7 +108,7 @@ main() {
     kernel=$(scale_kernel)
     echo "scale cells: --lora-kernel $kernel"
     left=$((BUDGET - (SECONDS - START)))
-    scale_s=$((left - E2E_S))
+    scale_s=$((left - E2E_S - TINKER_S))
     # shellcheck disable=SC2086  # GPU_SCALE_ARGS: options, split on purpose
     stage scale scale.json "$scale_s" \
         "$PY" bench/gpu_scale.py --out "$OUT/scale.json" --budget-s "$((scale_s * 8 / 10))" \
@@ -98,6 +118,7 @@ main() {
         "$PY" bench/gpu_e2e.py --out "$OUT/e2e.json" --manifest "$DEMO" \
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" --work "$WORK" \
         --budget-s "$(((left < E2E_S ? left : E2E_S) - 5))" --png "$OUT/e2e-rewards.png"
+    tinker_clock_stage
     echo "bench/gpu_device.sh: done in $((SECONDS - START))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return "$FAILED"
 }

@@ -10,21 +10,16 @@ The token comes from ``--token-file`` or ``LORAPLEX_TOKEN``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any, Protocol
-
-import psutil
 
 from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import add_flags, env_epilog, from_namespace
 from loraplex_engine.tenancy.object_store import ObjectStore, credentials_from
-from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 
 log = logging.getLogger("loraplex_engine.server.serve")
 
@@ -132,28 +127,3 @@ def check(settings: ServeSettings) -> None:
     settings.check()
     data_roots(settings)
     object_store(settings, environ={})  # the prefixes and endpoint (credentials: at start)
-
-
-def own_addresses() -> set[str]:
-    """This pod's addresses (every interface's, and the host name's): a reward URL must
-    not lead back into the pod."""
-    found = {
-        a.address
-        for addrs in psutil.net_if_addrs().values()
-        for a in addrs
-        if a.family in (socket.AF_INET, socket.AF_INET6)
-    }
-    with contextlib.suppress(OSError):
-        found.update(system_resolver(socket.gethostname(), 0))
-    return found
-
-
-def trust_policy(
-    settings: ServeSettings, port: int, objects: ObjectStore | None = None
-) -> TrustPolicy:
-    """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one;
-    ``objects``: the object store taken at start (None: taken now)."""
-    egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
-    data = DataRoots(data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
-    objects = object_store(settings) if objects is None else objects
-    return TrustPolicy(data=data, egress=egress, objects=objects)
