@@ -46,7 +46,7 @@ def test_key_secrets_are_read_where_the_values_say_and_only_experiments_are_writ
         if doc["metadata"]["name"].startswith(NAME):
             for rule in doc["rules"]:
                 if rule["resources"] == ["loraexperiments"]:  # Tinker models (issue 29 item 3)
-                    assert set(rule["verbs"]) == {"get", "create", "delete"}, rule
+                    assert set(rule["verbs"]) == {"get", "create", "delete", "patch"}, rule
                 else:
                     assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
 
