@@ -226,6 +226,9 @@ class ExperimentTick:
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
     dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
     update_skipped: bool = False  # every group dropped: the step updated nothing
+    # The adapter's step whose weights sampled this step's rollout (step - 1 - it: how
+    # stale; 0 on-policy, docs/design/pipeline.md).
+    rollout_version: int = 0
 
 
 @dataclass

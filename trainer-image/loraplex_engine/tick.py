@@ -68,6 +68,7 @@ class Rollout:
     prompts: list[Prompt]
     requests: list[RolloutRequest]
     completions: list[Completion] = field(default_factory=list)
+    version: int = 0  # the adapter's step (its weights' version) when this was planned
 
     @property
     def rollout_tokens(self) -> int:
@@ -243,7 +244,8 @@ class Tick:
         ]
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         exp.rolled_out_at = self.count
-        return Rollout(exp, [p for p in prompts for _ in range(alg.group_size)], requests)
+        prompts = [p for p in prompts for _ in range(alg.group_size)]
+        return Rollout(exp, prompts, requests, version=exp.step)
 
     def _rollout(
         self, planned: list[Rollout], jobs: Sequence[CompletionJob]
@@ -272,7 +274,7 @@ class Tick:
             offset += len(r.requests)
             error = _first_error(mine)
             if error is None:
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine))
+                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine, r.version))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
@@ -399,6 +401,7 @@ class Tick:
             tis_tokens=t.outcome.tis_tokens,
             dropped_groups=t.dropped_groups,
             update_skipped=t.skipped,
+            rollout_version=r.version,
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
