@@ -59,7 +59,9 @@ def make_engine(args: argparse.Namespace, mode: str, micro_batch_tokens: int) ->
         gradient_checkpointing=False,
     )
     # No shared prompt prefix: each row is its own prompt here.
-    eng = Engine(targs.model_dir, settings, ignore_eos=True, share_prompt_prefix=False)
+    eng = Engine(
+        targs.model_dir, settings, device=args.device, ignore_eos=True, share_prompt_prefix=False
+    )
     for e in throughput.experiment_specs(args.n, 1000, targs):
         eng.put_experiment(e["id"], parse_spec(e["spec"]), "bench", e["id"][6:])
     return eng
@@ -96,14 +98,22 @@ def make_rows(eng: Any, rows: int, seq: int, seed: int) -> tuple[list[Any], dict
 
 def time_step(eng: Any, rows: list[Any], losses: dict[str, Any]) -> tuple[float, float]:
     """Wall seconds and this process's CPU seconds of one training step (one torch
-    thread: the CPU time is the work done, whatever the machine's other load)."""
+    thread: the CPU time is the work done, whatever the machine's other load; on a GPU
+    the wall time, synchronised, is the measure)."""
     eng.model.train()
+    _sync(eng)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         eng.strategy.train(rows, losses)
+        _sync(eng)
     finally:
         eng.model.eval()
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _sync(eng: Any) -> None:
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
 
 
 def run_workload(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -161,6 +171,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=11)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workloads", default="underfilled,saturated")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu_device.sh)")
     p.add_argument("--out", type=Path, default=Path("out/bench/fused-workloads.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,11 +181,19 @@ def main() -> None:
 
         build_model(targs.model_dir, preset=args.preset)
     load_start = os.getloadavg()
-    table = [run_workload(args, w) for w in args.workloads.split(",")]
+    table: list[dict[str, Any]] = []
+    for name in args.workloads.split(","):
+        table.append(run_workload(args, name))
+        write(args, targs, load_start, table)
+
+
+def write(args: argparse.Namespace, targs: Any, load_start: Any, table: list[Any]) -> None:
+    """(Re)write ``--out`` with the workloads measured so far."""
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": throughput.model_info(targs.model_dir),
         "torch_threads": args.threads,
+        "device": args.device,
         "machine_start": {**throughput.machine_info(), "loadavg": list(load_start)},
         "machine_end": throughput.machine_info(),
         "workloads": table,
