@@ -15,7 +15,7 @@
 #   grouped-kernel.json  torch._grouped_mm's CUTLASS kernel vs bmm at Qwen3-4B's projections,
 #                        N=32 rank 32: if it fails or disagrees, the scale cells take bmm <= 60 s
 #   fused-workloads.json bench/fused_workloads.py --device cuda: fused vs time-sliced on SkyRL
-#                        #1938's underfilled and saturated workloads (issue 32), N=8    <= 45 s
+#                        #1938's underfilled and saturated workloads (issue 32), N=8    <= 60 s
 #   scale.json           bench/gpu_scale.py: Qwen3-4B's shapes, random weights from the config,
 #                        N = 1, 8, 32: fused vs time-sliced vs one-at-a-time, tokens/s, peak
 #                        memory vs the planner; a failing arm or cell is recorded, the next
@@ -44,7 +44,7 @@ BUDGET="${GPU_DEVICE_BUDGET_S:-510}"
 DEMO="${GPU_DEVICE_DEMO:-samples/local/demo.yaml}"
 WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many files, not $OUT
 E2E_S=120
-WORKLOADS_S=45
+WORKLOADS_S=60
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.

@@ -147,3 +147,27 @@ def test_schedule_names() -> None:
         tick_class("fast")
     with pytest.raises(UsageError, match="data parallelism"):
         tick_class("pipelined", world=object())  # type: ignore[arg-type]
+
+
+def test_run_command_takes_the_schedule_and_records_versions(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`loraplex-engine run --schedule pipelined`: one experiment on-policy, one allowing
+    one step of staleness; summary.json records each step's rollout version."""
+    from test_runner import manifest, run_cli
+
+    yes, no = "{name: target-token, params: {target: 'yes'}}", "{name: target-token, params: {}}"
+    code, summary = run_cli(
+        [manifest("strict", yes, 0), manifest("stale", no, 1, ", maxStaleness: 1")],
+        tmp_path,
+        tiny_model_dir,
+        "--schedule",
+        "pipelined",
+    )
+    assert code == 0
+    strict, stale = summary["experiments"]
+    steps = strict["steps"]
+    assert strict["phase"] == stale["phase"] == "Succeeded" and stale["steps"] == steps
+    assert strict["rollout_versions"] == list(range(steps))  # on-policy
+    lag = [i - v for i, v in enumerate(stale["rollout_versions"])]
+    assert len(lag) == steps and set(lag) <= {0, 1} and 1 in lag, lag
