@@ -14,6 +14,9 @@ overlap with vLLM in its own process is the benchmark's (bench/throughput.py
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -171,3 +174,51 @@ def test_run_command_takes_the_schedule_and_records_versions(
     assert strict["rollout_versions"] == list(range(steps))  # on-policy
     lag = [i - v for i, v in enumerate(stale["rollout_versions"])]
     assert len(lag) == steps and set(lag) <= {0, 1} and 1 in lag, lag
+
+
+class _RewardThenFault(BaseHTTPRequestHandler):
+    """Scores its first batch (0.5 each), answers 500 to every later one."""
+
+    calls = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).calls += 1
+        if type(self).calls > 1:
+            self.send_response(500)
+            self.end_headers()
+            return
+        answer = json.dumps({"scores": [0.5] * len(body["items"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_stale_experiment_failing_in_its_next_rollout_does_not_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """maxStaleness 1: its second rollout's reward fails while its first trains. It fails
+    alone, without the step (its update is not reported, no checkpoint is written)."""
+    server = HTTPServer(("127.0.0.1", 0), _RewardThenFault)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/score"
+        eng = engine(tiny_model_dir, tmp_path, schedule="pipelined")
+        specs = _specs(1)
+        flaky = {"name": "target-token", "reward": "http", "rewardUrl": url}
+        bad = spec(flaky, steps=STEPS, group=4, prompts=2)
+        alg = bad.algorithm.model_copy(update={"max_staleness": 1})
+        eng.put_experiment("good", specs["exp0"])
+        eng.put_experiment("bad", bad.model_copy(update={"algorithm": alg}))
+        reports = [t for _ in range(10 * STEPS) if (r := eng.tick()) for t in r.experiments]
+    finally:
+        server.shutdown()
+    status = eng.get_experiment("bad")
+    assert status.phase == "Failed" and "reward failed" in status.error and status.step == 0
+    assert [t.failed_reason for t in reports if t.id == "bad"] == ["reward_error"]
+    assert eng.get_experiment("good").phase == "Succeeded"

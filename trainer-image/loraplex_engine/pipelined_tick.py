@@ -71,6 +71,10 @@ def may_roll_out(exp: Experiment, training: bool) -> bool:
     return max_staleness(exp) > 0 and not last
 
 
+def _owner(item: Trained | Failure) -> Experiment:
+    return item.exp if isinstance(item, Failure) else item.scored.rollout.exp
+
+
 def fill_split(due: list[Experiment]) -> list[Experiment]:
     """Who rolls out when nothing trains (the first tick, or after a pause): half of the
     on-policy experiments, so that from the next tick on one half trains while the other
@@ -119,7 +123,10 @@ class PipelinedTick(Tick):
         scored, trained = self._overlap(planned, jobs, to_train, client_train, phases)
         for s in _keep(scored, failures):
             self.ready[s.rollout.exp.id] = s
-        trained = _keep(trained, failures)
+        # A stale experiment can fail in its next rollout (its task, reward) while its
+        # update is made: failed, it does not step (its last checkpoint stands).
+        failed = {id(f.exp) for f in failures}
+        trained = _keep([t for t in trained if id(_owner(t)) not in failed], failures)
         t = time.perf_counter()
         synced, sync = self._sync(trained)
         trained = _keep(synced, failures)
