@@ -492,7 +492,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             order = list(reversed(args.arms)) if flip else list(args.arms)
             flip = not flip
             for arm in order:
+                load_before = os.getloadavg()[0]  # the shared machine's load at the start
                 m = run_arm(arm, exps, args, workdir)
+                m["loadavg_1m_start"] = load_before
                 rewards = m.pop("rewards")
                 failed = m.pop("failed")
                 device_bytes = m.pop("peak_device_bytes")
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot_throughput(results, args.out / "throughput.png")
     plot_rewards(curves, args.out / "rewards.png")
     for r in results["ratios"]:
-        shown = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k not in ("n", "steps"))
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float))
         print(f"N={r['n']} steps={r['steps']}: {shown}")
     parity = results["reward_parity"]
     print(f"reward parity: {sum(p['within_2se'] for p in parity)}/{len(parity)} within 2 SE")

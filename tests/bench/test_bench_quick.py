@@ -28,6 +28,7 @@ RUN_KEYS = {
     "final_reward_mean": float,
     "peak_rss_bytes": int,
     "max_staleness": int,
+    "loadavg_1m_start": float,
 }
 RATIO_KEYS = {
     "n",
@@ -38,6 +39,7 @@ RATIO_KEYS = {
     "fused_vs_timesliced_excl_load",
     "pipelined_vs_fused",
     "pipelined_vs_fused_excl_load",
+    "pipelined_vs_fused_excl_load_per_repeat",
     "train_phase_fused_vs_timesliced",
 }
 PARITY_KEYS = {
@@ -106,7 +108,9 @@ def test_results_have_the_documented_shape(results: dict) -> None:
     assert [(r["n"], r["steps"]) for r in results["ratios"]] == [(1, 2), (2, 2)]
     for ratio in results["ratios"]:
         assert set(ratio) == RATIO_KEYS
-        assert all(ratio[k] > 0 for k in RATIO_KEYS - {"n", "steps"})
+        per_repeat = ratio["pipelined_vs_fused_excl_load_per_repeat"]
+        assert len(per_repeat) == 1 and per_repeat[0] > 0  # one repeat
+        assert all(v > 0 for v in ratio.values() if isinstance(v, float))
     # one row per pair of arms, experiment and cell: 2 x (1 + 2 experiments)
     assert len(results["reward_parity"]) == 6
     for row in results["reward_parity"]:
