@@ -192,10 +192,10 @@ def write_summary(
     sampled), ``tis_weight_means`` and ``tis_tokens`` (per step, the mean TIS weight and
     how many tokens it weighted; empty without ``offPolicyCorrection: tis``),
     ``rollout_versions`` (per step, the adapter step whose weights sampled it:
-    docs/design/pipeline.md) and ``error``. A failed experiment has ``adapter_path`` null unless it checkpointed before
-    failing, and null ``reward_first``/``reward_last`` if it never finished a step. With
-    the vLLM rollout, ``adapter_sync`` measures each tick's weight sync
-    (``Progress.sync_summary``).
+    docs/design/pipeline.md) and ``error``. A failed experiment has ``adapter_path``
+    null unless it checkpointed before failing, and null ``reward_first``/``reward_last``
+    if it never finished a step. With the vLLM rollout, ``adapter_sync`` measures each
+    tick's weight sync (``Progress.sync_summary``).
     """
     experiments = []
     for exp_id in ids:
