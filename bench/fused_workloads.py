@@ -172,6 +172,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workloads", default="underfilled,saturated")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu_device.sh)")
+    p.add_argument(
+        "--into",
+        default=None,
+        metavar="KEY",
+        help="write the result under KEY of the JSON object already at --out (the device "
+        "check brings back 8 files at most)",
+    )
     p.add_argument("--out", type=Path, default=Path("out/bench/fused-workloads.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,6 +206,9 @@ def write(args: argparse.Namespace, targs: Any, load_start: Any, table: list[Any
         "workloads": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.into:
+        whole = json.loads(args.out.read_text()) if args.out.exists() else {}
+        result = {**whole, args.into: result}
     args.out.write_text(json.dumps(result, indent=1))
 
 

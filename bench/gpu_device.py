@@ -51,6 +51,26 @@ NEEDED = (
     ("annotated_types", "annotated-types"),
     ("typing_inspection", "typing-inspection"),
     ("typing_extensions", "typing-extensions"),
+    # the server and the tinker SDK (the tinker-clock stage): the carried wheels'...
+    ("fastapi", "fastapi"),
+    ("starlette", "starlette"),
+    ("uvicorn", "uvicorn"),
+    ("opentelemetry.context", "opentelemetry-api"),  # opentelemetry: a namespace
+    ("anyio", "anyio"),
+    ("zstandard", "zstandard"),
+    ("tinker", "tinker"),
+    ("distro", "distro"),
+    ("orjson", "orjson"),
+    ("sniffio", "sniffio"),
+    ("h2", "h2"),
+    ("hpack", "hpack"),
+    ("hyperframe", "hyperframe"),
+    # ...and the image's
+    ("google.protobuf", "protobuf"),
+    ("click", "click"),
+    ("h11", "h11"),
+    ("rich", "rich"),
+    ("numpy", "numpy"),
 )
 # What the scale arm and `loraplex-engine run` import (not the server's fastapi).
 ENGINE_MODULES = (
@@ -61,6 +81,8 @@ ENGINE_MODULES = (
     "loraplex_engine.local.runner",
     "loraplex_engine.cli",
 )
+# What `serve --tinker-keys` adds (the tinker-clock stage); reported, not this stage's code.
+SERVER_MODULES = ("loraplex_engine.server.app", "loraplex_engine.tinker.routes")
 NOT_STARTED = -1  # bench/gpu_device.sh's code for a stage the budget left no time for
 PIP_TIMEOUT_S = 60
 IMPORT_TIMEOUT_S = 90
@@ -201,7 +223,7 @@ def install(wheels: list[str], site: Path) -> dict[str, Any]:
 IMPORT_PROBE = """
 import importlib, json, sys
 modules, engine = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-got = {"modules": {}, "engine": {}}
+got = {"modules": {}, "engine": {}, "server": {}}
 for name in modules:
     try:
         m = importlib.import_module(name)
@@ -216,12 +238,13 @@ if cuda:
     p = torch.cuda.get_device_properties(0)
     got["torch"] |= {"device": p.name, "capability": list(torch.cuda.get_device_capability()),
                      "total_memory": p.total_memory, "count": torch.cuda.device_count()}
-for name in engine:
-    try:
-        importlib.import_module(name)
-        got["engine"][name] = "ok"
-    except Exception as e:
-        got["engine"][name] = f"{type(e).__name__}: {e}"
+for key, names in (("engine", engine), ("server", json.loads(sys.argv[3]))):
+    for name in names:
+        try:
+            importlib.import_module(name)
+            got[key][name] = "ok"
+        except Exception as e:
+            got[key][name] = f"{type(e).__name__}: {e}"
 print("PROBE " + json.dumps(got))
 """
 
@@ -230,7 +253,8 @@ def probe_imports() -> dict[str, Any]:
     """Every needed module and the engine, imported in a fresh interpreter (this one
     started before the wheels were there, and its finders remember that)."""
     modules = json.dumps([m for m, _ in NEEDED])
-    cmd = [sys.executable, "-c", IMPORT_PROBE, modules, json.dumps(ENGINE_MODULES)]
+    cmd = [sys.executable, "-c", IMPORT_PROBE, modules, json.dumps(ENGINE_MODULES),
+           json.dumps(SERVER_MODULES)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -272,11 +296,15 @@ def _after_install(path: Path, result: dict[str, Any]) -> int:
     broken = {k: v for k, v in probe.get("engine", {}).items() if v != "ok"}
     result["missing_after"] = still
     result["engine_imported"] = bool(probe.get("engine")) and not broken
+    server = {k: v for k, v in probe.get("server", {}).items() if v != "ok"}
+    result["server_imported"] = bool(probe.get("server")) and not server
     write_json(path, result)
     print(f"preflight: torch {probe.get('torch')}", flush=True)
     imported = "yes" if result["engine_imported"] else broken or probe
     print(f"preflight: missing after the wheels: {', '.join(still) or 'none'}; engine "
-          f"imported: {imported}", flush=True)  # fmt: skip
+          f"imported: {imported}; server (tinker-clock stage): "
+          f"{'yes' if result['server_imported'] else server or 'not probed'}",
+          flush=True)  # fmt: skip
     return 0 if result["engine_imported"] else 1
 
 

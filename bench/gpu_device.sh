@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one `device` call, on a bare, offline lent machine (issue 27).
 #
-#   here, once:   bash scripts/gpu-wheelhouse.sh        (.whl: pydantic and its needs, 2.7 MiB)
+#   here, once:   bash scripts/gpu-wheelhouse.sh        (.whl: pydantic, the server, the
+#                                                       tinker SDK and their needs)
 #   the call:     device run  command "bash bench/gpu_device.sh"  carry [".whl"]  timeout_s 540
 #   rehearsal:    OUT=DIR bash bench/gpu_device.sh --dry-run   (CPU, tiny; tests/bench/test_gpu_device.py)
 #
@@ -14,14 +15,19 @@
 #                        pip --target into $SITE (on PYTHONPATH), the engine imported    <= 60 s
 #   grouped-kernel.json  torch._grouped_mm's CUTLASS kernel vs bmm at Qwen3-4B's projections,
 #                        N=32 rank 32: if it fails or disagrees, the scale cells take bmm <= 60 s
-#   fused-workloads.json bench/fused_workloads.py --device cuda: fused vs time-sliced on SkyRL
-#                        #1938's underfilled and saturated workloads (issue 32), N=8    <= 60 s
+#   (workloads)          bench/fused_workloads.py --device cuda: fused vs time-sliced on SkyRL
+#                        #1938's underfilled and saturated workloads (issue 32), N=8, into
+#                        grouped-kernel.json's "fused_workloads" (8 files at most)  <= 60 s
 #   scale.json           bench/gpu_scale.py: Qwen3-4B's shapes, random weights from the config,
 #                        N = 1, 8, 32: fused vs time-sliced vs one-at-a-time, tokens/s, peak
 #                        memory vs the planner; a failing arm or cell is recorded, the next
-#                        runs; saved after every arm                       what is left - 120 s
+#                        runs; saved after every arm                 what is left - 120 - 110 s
 #   e2e.json             python -m loraplex_engine.cli run --device cuda of samples/local/demo.yaml,
 #                        fused then time-sliced, reward parity (+ e2e-rewards.png)    <= 120 s
+#   tinker-clock.json    bench/gpu_tinker.py: bench/tinker_clock.py's 8 tinker SDK clients,
+#                        fused clock cycle vs per_model, on the CPU tiny model with the
+#                        clients on other cores than the engine, then on serve --device
+#                        cuda with Qwen3-0.6B's shapes; ratio per N, parity   <= 110 s, last
 #   stages.json          each stage's exit code, seconds and limit; the vLLM, pipelined and
 #                        world-size arms, skipped with the reason (this image has no vLLM; one GPU)
 #   gpu-device.log       everything printed
@@ -30,7 +36,9 @@
 # grace, under the call's 540 s. Exit code: 0 when every stage exited 0.
 # Environment: OUT (default out/gpu-device), PYTHON (python3), WHEELS (.whl), SITE
 # (/tmp/site), GPU_DEVICE_DEMO (the manifest), GPU_DEVICE_WORK (/tmp/gpu-device-e2e: the
-# e2e's model and runs), GPU_SCALE_ARGS (more gpu_scale.py options).
+# e2e's model and runs), GPU_DEVICE_TINKER_S (110: the tinker-clock stage's cap, reserved
+# from the scale stage's share), GPU_DEVICE_TINKER_WORK (/tmp/gpu-device-tinker),
+# GPU_SCALE_ARGS (more gpu_scale.py options).
 set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
 START=$SECONDS
 cd "$(dirname "$0")/.."
@@ -44,6 +52,8 @@ BUDGET="${GPU_DEVICE_BUDGET_S:-510}"
 DEMO="${GPU_DEVICE_DEMO:-samples/local/demo.yaml}"
 WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many files, not $OUT
 E2E_S=120
+TINKER_S="${GPU_DEVICE_TINKER_S:-110}"  # reserved from the scale stage's share, like E2E_S
+TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
 WORKLOADS_S=60
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
@@ -80,6 +90,17 @@ scale_kernel() {
         "$OUT/grouped-kernel.json" 2>/dev/null || echo bmm
 }
 
+# Issue 28's Tinker clock cycle, last: the stages above keep their results whatever
+# happens here. One file back (tinker-clock.json); its own work folder.
+tinker_clock_stage() {
+    local left budget
+    left=$((BUDGET - (SECONDS - START)))
+    budget=$(((left < TINKER_S ? left : TINKER_S) - 5))
+    stage tinker-clock tinker-clock.json "$TINKER_S" \
+        "$PY" bench/gpu_tinker.py --out "$OUT/tinker-clock.json" --budget-s "$budget" \
+        --work "$TINKER_WORK" ${DRY_RUN:+--dry-run}
+}
+
 main() {
     echo "bench/gpu_device.sh${DRY_RUN:+ (dry run)}: $(date -u +%FT%TZ), OUT=$OUT, budget ${BUDGET}s"
     "$PY" bench/gpu_device.py begin --out "$OUT"
@@ -87,15 +108,15 @@ main() {
         "$PY" bench/gpu_device.py preflight --out "$OUT" --wheels "$WHEELS" --site "$SITE"
     stage grouped-kernel grouped-kernel.json 60 \
         "$PY" bench/gpu_device.py kernel --out "$OUT/grouped-kernel.json" ${DRY_RUN:+--dry-run}
-    stage workloads fused-workloads.json "$WORKLOADS_S" \
-        "$PY" bench/fused_workloads.py --out "$OUT/fused-workloads.json" \
+    stage workloads grouped-kernel.json "$WORKLOADS_S" \
+        "$PY" bench/fused_workloads.py --out "$OUT/grouped-kernel.json" --into fused_workloads \
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
         ${DRY_RUN:+--preset tiny --n 2 --seq 16 --saturated-rows 2 --steps 3}
     local kernel left scale_s
     kernel=$(scale_kernel)
     echo "scale cells: --lora-kernel $kernel"
     left=$((BUDGET - (SECONDS - START)))
-    scale_s=$((left - E2E_S))
+    scale_s=$((left - E2E_S - TINKER_S))
     # shellcheck disable=SC2086  # GPU_SCALE_ARGS: options, split on purpose
     stage scale scale.json "$scale_s" \
         "$PY" bench/gpu_scale.py --out "$OUT/scale.json" --budget-s "$((scale_s * 8 / 10))" \
@@ -105,6 +126,7 @@ main() {
         "$PY" bench/gpu_e2e.py --out "$OUT/e2e.json" --manifest "$DEMO" \
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" --work "$WORK" \
         --budget-s "$(((left < E2E_S ? left : E2E_S) - 5))" --png "$OUT/e2e-rewards.png"
+    tinker_clock_stage
     echo "bench/gpu_device.sh: done in $((SECONDS - START))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return "$FAILED"
 }

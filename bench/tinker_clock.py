@@ -35,13 +35,17 @@ one model a tick: the ratio's ceiling on this machine for each batch size.
 
 Parity: every client's per-token loss at every step in ``fused`` against
 ``per_model`` (same seeds, same data), and its final adapter (``save_state``) against
-the other arm's with the tolerances of tests/engine/adapter_parity.py. The loss
-tolerance at step k (weights after k optimiser steps) is derived there too:
-``LOSS_RTOL * |L_k| + STEP_MAX_TOL * |L_0 - L_k|``: the forward's own rounding
-(fp32 sums of ~100 tokens: sqrt(n) * 2^-24 ~ 6e-7, bounded by 1e-5) plus a weight gap of
-at most STEP_MAX_TOL Adam steps per element, whose first-order effect on the loss is at
-most that share of what the k steps moved it (Adam moves every element by up to one
-step against its gradient's sign, so |L_0 - L_k| ~ sum |grad| * lr * k).
+the other arm's, under the tolerances of the engine's dtype (bench/tinker_clock_report.py
+derives them: float32 on the CPU, bfloat16 on CUDA); ``parity_verdict`` sums them up.
+
+Where it runs (bench/gpu_tinker.py, the lent GPU's stage, sets these):
+``--device cuda`` (serve's and ``engine_only``'s; serve plans both arms against the same
+``--device-memory``), ``--model`` tiny (the tests' fixture) or qwen3-0.6b (Qwen3-0.6B's
+shapes, random bf16 weights, gpu_common.build_family_model; qwen3-dry-run: its 2-layer
+rehearsal), ``--engine-cpus``/``--client-cpus`` (the serve processes and ``engine_only``
+on one set of cores, the SDK clients on another: no contention between them),
+``--budget-s`` (no cell but the first starts past it; the JSON is rewritten after every
+cell, with ``complete`` false until the end).
 """
 
 from __future__ import annotations
@@ -64,13 +68,27 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "engine"), str(REPO / "tests")]
 
-from adapter_parity import STEP_MAX_TOL, adapter_gap_of_files  # noqa: E402
 from server_process import EngineServer  # noqa: E402
+from tinker_clock_engine import RANK, SEED0, engine_only  # noqa: E402
+from tinker_clock_report import (  # noqa: E402
+    TOLERANCES,
+    engine_dtype,
+    plot,
+    print_table,
+    ratio_by_rows,
+    summarise,
+    verdict,
+)
 
-LOSS_RTOL = 1e-5
-RANK = 8
-SEED0 = 1000
-VOCAB = 473  # tiny-llama's; token ids are drawn below it
+MODELS = {
+    "tiny": "tiny-llama (tests' fixture: 2 layers, hidden 64, vocab 473)",
+    "qwen3-0.6b": "Qwen3-0.6B's shapes (bench/configs/qwen3-0.6b.json), random bf16 weights, "
+    "a trained byte-level vocabulary (gpu_common.build_family_model)",
+    "qwen3-dry-run": "Qwen3's layout at 2 layers, hidden 64 (gpu_common's dry-run shape)",
+}
+# On CUDA both serve processes share the GPU, up at once: each plans against this much
+# (not "what is free", which the one started first would change for the other).
+DEVICE_MEMORY = "30GiB"
 ARMS = {
     "fused": [],
     "per_model": ["--client-models-per-tick", "1"],
@@ -173,7 +191,7 @@ def run_cell(srv: EngineServer, arm: str, n: int, rows: int, rep: int, args) -> 
     model_name = rest.get_server_capabilities().result().supported_models[0].model_name
     clients = [
         Client(srv.url, i, model_name, client_rows(i, rows, args.prompt_tokens,
-                                                   args.completion_tokens, VOCAB))
+                                                   args.completion_tokens, args.vocab))
         for i in range(n)
     ]  # fmt: skip
     start = threading.Barrier(n + 1)
@@ -234,91 +252,183 @@ def run_cell(srv: EngineServer, arm: str, n: int, rows: int, rep: int, args) -> 
     return row
 
 
-def parity(fused: dict, per_model: dict, lr: float, steps: int) -> dict:
-    """Each client's losses and final adapter, a fused arm vs per_model."""
-    out = {}
-    for i, ref in per_model["losses"].items():
-        got = fused["losses"][i]
-        tol = [LOSS_RTOL * abs(r) + STEP_MAX_TOL * abs(ref[0] - r) for r in ref]
-        diff = [abs(a - b) for a, b in zip(ref, got, strict=True)]
-        gap = adapter_gap_of_files(
-            Path(per_model["adapters"][i]), Path(fused["adapters"][i]), lr, steps
+def cpu_list(text: str) -> set[int] | None:
+    """``0-1,4`` -> {0, 1, 4}; empty: None (no pinning)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus or None
+
+
+def pin(cpus: set[int] | None) -> None:
+    """Every thread of this process, and what it starts from now on, onto ``cpus``."""
+    if cpus is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def model_dir(name: str, device: str) -> Path:
+    """The model's directory, built when missing (no downloads)."""
+    if name == "tiny":
+        model = REPO / ".cache" / "models" / "tiny-llama"
+        if not (model / "config.json").exists():
+            from loraplex_engine.dev.tiny_model import build_model
+
+            build_model(model)
+        return model
+    from gpu_common import FAMILY_MODEL_DIRS, build_family_model
+
+    dry_run = name == "qwen3-dry-run"
+    return build_family_model(FAMILY_MODEL_DIRS[dry_run], dry_run, device)
+
+
+def start_servers(stack: contextlib.ExitStack, model: Path, work: Path, args) -> dict:
+    """Both arms' serve processes, started at once (their imports and model loads
+    overlap), each killed when ``stack`` closes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = work / "keys.txt"
+    keys.write_text("".join(f"ns{i} {key_of(i)}\n" for i in range(max(args.ns))))
+    device = ["--device", args.device]
+    if args.device.startswith("cuda"):
+        device += ["--device-memory", DEVICE_MEMORY]
+    servers = {
+        arm: EngineServer(
+            model, work / arm / "ckpt", max_adapters=max(args.ns), max_rank=16,
+            threads=args.threads, workdir=work / arm,
+            # the module, not the console script: the lent machine has no console script
+            command=[sys.executable, "-m", "loraplex_engine.cli"],
+            extra_args=["--tinker-keys", str(keys), *device, *flags],
         )
-        out[i] = {
-            "max_abs_loss_diff": max(diff),
-            "max_rel_loss_diff": max(d / abs(r) for d, r in zip(diff, ref, strict=True)),
-            "losses_within_tolerance": all(d <= t for d, t in zip(diff, tol, strict=True)),
-            "adapter_gap_rms_steps": gap.rms,
-            "adapter_gap_max_steps": gap.worst,
-        }
-    return out
+        for arm, flags in ARMS.items()
+    }  # fmt: skip
+    for srv in servers.values():
+        stack.callback(srv.kill)
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for future in [pool.submit(srv.start) for srv in servers.values()]:
+            future.result()
+    return servers
 
 
-class _Ticks:
-    """The engine as client_driver.drive sees it, summing its ticks' own seconds."""
+class Run:
+    """What a run has measured so far, and its JSON, rewritten after every cell."""
 
-    def __init__(self, eng: Any) -> None:
-        self.eng, self.clients, self.seconds, self.count = eng, eng.clients, 0.0, 0
+    def __init__(self, args, model: Path, t_start: float) -> None:
+        self.args, self.model = args, model
+        self.dtype = engine_dtype(args.device, None)
+        self.t_start, self.load_start = t_start, os.getloadavg()[0]
+        self.runs: list[dict] = []
+        self.ceiling: list[dict] = []
+        self.skipped: list[dict] = []
+        self.affinity: dict[str, list[int]] = {}
 
-    def tick(self) -> Any:
-        report = self.eng.tick()
-        if report is not None:
-            self.seconds += report.seconds
-            self.count += 1
+    def past_budget(self, what: str) -> bool:
+        """Whether ``what`` should not start; the first cell always does (a budget spent
+        on start-up alone would leave nothing to read)."""
+        spent = time.time() - self.t_start
+        if self.args.budget_s is None or spent < self.args.budget_s or not self.runs:
+            return False
+        self.skipped.append({"what": what, "why": f"time budget: {spent:.0f}s of "
+                             f"{self.args.budget_s:.0f}s spent"})  # fmt: skip
+        print(f"skipped {what}: past the {self.args.budget_s:.0f}s budget", flush=True)
+        return True
+
+    def report(self, complete: bool) -> dict:
+        args = self.args
+        tol = TOLERANCES[self.dtype]
+        ratios, parities = summarise(self.runs, args.lr, args.steps, tol)
+        return {
+            "complete": complete,
+            "config": {
+                "command": " ".join(["bench/tinker_clock.py", *sys.argv[1:]]),
+                "model": MODELS[args.model], "model_dir": str(self.model),
+                "vocab": args.vocab, "device": args.device, "dtype": self.dtype,
+                "lora": f"rank {RANK}, Tinker's defaults: attention, MLP and unembed",
+                "ns": args.ns, "rows_per_step": args.rows,
+                "prompt_tokens": args.prompt_tokens,
+                "completion_tokens": args.completion_tokens, "steps": args.steps,
+                "lr": args.lr, "repeats": args.repeats, "threads": args.threads,
+                "arms": {a: " ".join(f) or "(serve defaults)" for a, f in ARMS.items()},
+                "device_memory": DEVICE_MEMORY if args.device.startswith("cuda") else None,
+                "engine_cpus": sorted(args.engine_cpus or []),
+                "client_cpus": sorted(args.client_cpus or []),
+                "affinity": self.affinity, "budget_s": args.budget_s,
+                "tolerance": tol,
+                "machine": {"platform": platform.platform(),
+                            "python": platform.python_version(), "nproc": os.cpu_count(),
+                            "loadavg_1m_start_end": [self.load_start, os.getloadavg()[0]]},
+                "wall_s": round(time.time() - self.t_start, 1),
+            },
+            "ratios": ratios, "ratio_by_rows": ratio_by_rows(ratios),
+            "parity_verdict": verdict(parities, self.dtype),
+            "engine_only": self.ceiling, "skipped": self.skipped,
+            "parity": parities, "runs": self.runs,
+        }  # fmt: skip
+
+    def write(self, complete: bool = False) -> dict:
+        report = self.report(complete)
+        out = self.args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")  # a reader never sees half a file
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out)
         return report
 
 
-def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
-    """No HTTP, no SDK: the same data on an in-process Engine (torch at --threads),
-    each step's forward_backward + optim_step of all n models queued before one tick
-    (fused) or one model's per tick (per_model). The tick seconds are what the engine
-    alone costs: the ratio's ceiling on this machine for this batch size."""
-    import torch
-    from client_driver import drive, sft_datum
-    from engine_builders import engine
-    from loraplex_engine.training_service import AdamStep, ClientLora, LossCall
-
-    torch.set_num_threads(args.threads)
-    # Every call is queued before its tick here: nothing is on its way to gather.
-    eng = engine(
-        model, work / f"inproc-{rows}-{n}", max_adapters=n, max_rank=16, client_tick_gather=0
-    )
-    ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=args.lr)
-    data = {}
-    for i in range(n):
-        rng = np.random.default_rng(SEED0 + i)
-        split = args.prompt_tokens
-        seqs = [
-            rng.integers(3, VOCAB, split + args.completion_tokens).tolist() for _ in range(rows)
-        ]
-        data[f"m{i}"] = [sft_datum(q[:split], q[split:]) for q in seqs]
-        eng.create_model("bench", f"m{i}", ClientLora(rank=RANK, seed=SEED0 + i))
-    ticks = _Ticks(eng)
-
-    def step(models: list[str]) -> None:
-        calls = []
-        for m in models:
-            calls.append(lambda m=m: eng.forward_backward("bench", m, data[m], ce))
-            calls.append(lambda m=m: eng.optim_step("bench", m, adam))
-        drive(ticks, *calls)
-
-    out = {}
-    try:
-        step(list(data))  # warm
-        for arm in ("fused", "per_model", "fused", "per_model"):
-            ticks.seconds, ticks.count = 0.0, 0
-            for _ in range(args.steps):
-                for group in [list(data)] if arm == "fused" else [[m] for m in data]:
-                    step(group)
-            out.setdefault(arm, []).append(round(ticks.seconds, 4))
-    finally:
-        eng.close()
-    best = {arm: min(v) for arm, v in out.items()}
-    return {"rows": rows, "n": n, "tick_s": out,
-            "ratio": round(best["per_model"] / best["fused"], 3)}  # fmt: skip
+def ceiling(run: Run, model: Path, work: Path) -> None:
+    """engine_only for every batch size, in this process on the engine's cores (the
+    clients' threads too, idle meanwhile), then back on the clients' cores."""
+    args = run.args
+    pin(args.engine_cpus)
+    for rows in args.rows if args.engine_only else []:
+        if not run.past_budget(f"engine_only rows {rows}"):
+            c = engine_only(model, work, rows, max(args.ns), args)
+            print(f"engine only rows={c['rows']} N={c['n']}: tick s {c['tick_s']}, "
+                  f"ratio {c['ratio']}", flush=True)  # fmt: skip
+            run.ceiling.append(c)
+            run.write()
+    pin(args.client_cpus)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    t_start = time.time()  # the budget counts the model's build too
+    model = model_dir(args.model, args.device)
+    args.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    run = Run(args, model, t_start)
+    work = Path(tempfile.mkdtemp(prefix="tinker-clock-"))
+    pin(args.engine_cpus)  # the serve processes inherit it
+    with contextlib.ExitStack() as stack:
+        servers = start_servers(stack, model, work, args)
+        assert all(srv.proc is not None for srv in servers.values())
+        run.affinity = {arm: sorted(os.sched_getaffinity(srv.proc.pid))  # type: ignore[union-attr]
+                        for arm, srv in servers.items()}  # fmt: skip
+        pin(args.client_cpus)  # the SDK clients' threads start after this
+        run.affinity["clients"] = sorted(os.sched_getaffinity(0))
+        # Interleaved: every arm's cell of a (rows, N) back to back, so that the load of a
+        # shared machine drifts alike over the arms.
+        for rep in range(args.repeats):
+            for rows in args.rows:
+                for n in args.ns:
+                    if run.past_budget(f"rows {rows} N {n} repeat {rep}"):
+                        continue
+                    for arm, srv in servers.items():
+                        run.runs.append(run_cell(srv, arm, n, rows, rep, args))
+                    run.write()
+            if rep + 1 == args.engine_only_after:  # the servers idle meanwhile
+                ceiling(run, model, work)
+    if args.engine_only_after is None:
+        ceiling(run, model, work)
+    report = run.write(complete=True)
+    if args.plot:
+        plot(report, args.out.with_name(args.out.stem + "-losses.png"))
+    print_table(report["ratios"], report["parity_verdict"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -330,138 +440,40 @@ def main() -> None:
     p.add_argument("--completion-tokens", type=int, default=24)
     p.add_argument("--lr", type=float, default=0.005)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "tinker-clock.json")
-    args = p.parse_args()
-    ns = [int(x) for x in args.ns.split(",")]
-    row_sizes = [int(x) for x in args.rows.split(",")]
-    model = REPO / ".cache" / "models" / "tiny-llama"
-    if not (model / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
-
-        build_model(model)
-    t_start, load_start = time.time(), os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="tinker-clock-"))
-    keys = work / "keys.txt"
-    keys.write_text("".join(f"ns{i} {key_of(i)}\n" for i in range(max(ns))))
-    runs: list[dict] = []
-    with contextlib.ExitStack() as stack:
-        servers = {
-            arm: stack.enter_context(EngineServer(
-                model, work / arm / "ckpt", max_adapters=max(ns), max_rank=16,
-                threads=args.threads, workdir=work / arm,
-                extra_args=["--tinker-keys", str(keys), *flags],
-            ))
-            for arm, flags in ARMS.items()
-        }  # fmt: skip
-        # Interleaved: every arm's cell of a (rows, N) back to back, so that the load of a
-        # shared machine drifts alike over the arms.
-        for rep in range(args.repeats):
-            for rows in row_sizes:
-                for n in ns:
-                    for arm, srv in servers.items():
-                        runs.append(run_cell(srv, arm, n, rows, rep, args))
-    ceiling = [engine_only(model, work, rows, max(ns), args) for rows in row_sizes]
-    for c in ceiling:
-        print(f"engine only rows={c['rows']} N={c['n']}: tick s {c['tick_s']}, ratio {c['ratio']}")
-    ratios, parities = summarise(runs, args)
-    report = {
-        "config": {
-            "command": " ".join(["bench/tinker_clock.py", *sys.argv[1:]]),
-            "model": "tiny-llama (tests' fixture: 2 layers, hidden 64, vocab 473)",
-            "lora": f"rank {RANK}, Tinker's defaults: attention, MLP and unembed",
-            "rows_per_step": row_sizes, "prompt_tokens": args.prompt_tokens,
-            "completion_tokens": args.completion_tokens, "steps": args.steps, "lr": args.lr,
-            "repeats": args.repeats, "threads": args.threads,
-            "arms": {a: " ".join(f) or "(serve defaults)" for a, f in ARMS.items()},
-            "loss_tolerance": "LOSS_RTOL*|L_k| + STEP_MAX_TOL*|L_0-L_k|",
-            "LOSS_RTOL": LOSS_RTOL, "STEP_MAX_TOL": STEP_MAX_TOL,
-            "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "nproc": os.cpu_count(),
-                        "loadavg_1m_start_end": [load_start, os.getloadavg()[0]]},
-            "wall_s": round(time.time() - t_start, 1),
-        },
-        "ratios": ratios, "engine_only": ceiling, "parity": parities, "runs": runs,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_name(args.out.stem + "-losses.png"))
-    print_table(ratios, parities)
-
-
-def summarise(runs: list[dict], args) -> tuple[list[dict], dict]:
-    """Per (rows, N): each arm's median throughput over the repeats and fused / per_model;
-    per (rows, N, repeat, fused arm): every client's parity with per_model."""
-    cells: dict[tuple[int, int], dict[str, list[dict]]] = {}
-    for r in runs:
-        cells.setdefault((r["rows"], r["n"]), {}).setdefault(r["arm"], []).append(r)
-    ratios, parities = [], {}
-    for (rows, n), arms in cells.items():
-        med = {
-            a: {
-                k: float(np.median([r[k] for r in rs]))
-                for k in ("train_tokens_per_s", "steps_per_s")
-            }
-            for a, rs in arms.items()
-        }
-        entry = {"rows": rows, "n": n, "median": med}
-        for arm in arms:
-            if arm != "per_model":
-                ratio = med[arm]["train_tokens_per_s"] / med["per_model"]["train_tokens_per_s"]
-                entry[f"{arm}_vs_per_model"] = round(ratio, 3)
-                for f, s in zip(arms[arm], arms["per_model"], strict=True):
-                    key = f"rows{rows}-n{n}-{f['repeat']}-{arm}"
-                    parities[key] = parity(f, s, args.lr, args.steps)
-        ratios.append(entry)  # fmt: skip
-    return ratios, parities
-
-
-def print_table(ratios: list[dict], parities: dict) -> None:
-    print(
-        "\n| rows | N | fused tok/s | fused steps/s | per_model tok/s | per_model steps/s "
-        "| fused / per_model |"
+    p.add_argument("--device", default="cpu", help="serve's and engine_only's: cpu, cuda")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        help="cores of the serve processes and engine_only, e.g. 0-1",
     )
-    print("|---|---|---|---|---|---|---|")
-    for r in ratios:
-        f, s = r["median"]["fused"], r["median"]["per_model"]
-        print(
-            f"| {r['rows']} | {r['n']} | {f['train_tokens_per_s']:.0f} | "
-            f"{f['steps_per_s']:.1f} | {s['train_tokens_per_s']:.0f} | "
-            f"{s['steps_per_s']:.1f} | {r['fused_vs_per_model']} |"
-        )
-    every = [v for per in parities.values() for v in per.values()]
-    print(f"parity: {sum(v['losses_within_tolerance'] for v in every)}/{len(every)} client runs "
-          f"within the loss tolerance; max rel loss diff "
-          f"{max(v['max_rel_loss_diff'] for v in every):.1e}; adapter gap max "
-          f"{max(v['adapter_gap_max_steps'] for v in every):.1e} Adam steps")  # fmt: skip
-
-
-def plot(report: dict, path: Path) -> None:
-    """Every client's loss curve at the largest N, per batch size (repeat 0): fused solid,
-    per_model dashed on top of it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = max(r["n"] for r in report["runs"])
-    rows = sorted({r["rows"] for r in report["runs"]})
-    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.8), squeeze=False)
-    for ax, size in zip(axes[0], rows, strict=True):
-        for run in report["runs"]:
-            if (run["n"], run["rows"], run["repeat"]) != (n, size, 0):
-                continue
-            style = "-" if run["arm"] == "fused" else "--"
-            for i, losses in run["losses"].items():
-                ax.plot(range(len(losses)), losses, style, color=f"C{int(i)}",
-                        label=f"client {i}" if run["arm"] == "fused" else None)  # fmt: skip
-        ax.set_title(f"N={n}, {size} row(s) of 31 tokens a step")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss per weighted token")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle("Tinker SDK clients' losses: fused (solid) vs per_model (dashed, identical)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    p.add_argument(
+        "--client-cpus",
+        type=cpu_list,
+        default=None,
+        help="cores of the SDK clients (this process), e.g. 2-15",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="no cell (nor engine_only) starts past this many seconds",
+    )
+    p.add_argument("--no-engine-only", dest="engine_only", action="store_false")
+    p.add_argument("--engine-only-after", type=int, default=None, metavar="REPEATS",
+                   help="engine_only after this many repeats, the servers up and idle "
+                   "(default: after all, the servers stopped)")  # fmt: skip
+    p.add_argument(
+        "--no-plot", dest="plot", action="store_false", help="no -losses.png beside the JSON"
+    )
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "tinker-clock.json")
+    args = p.parse_args(argv)
+    if (args.engine_cpus is None) != (args.client_cpus is None):
+        p.error("--engine-cpus and --client-cpus go together")
+    args.ns = [int(x) for x in args.ns.split(",")]
+    args.rows = [int(x) for x in args.rows.split(",")]
+    return args
 
 
 if __name__ == "__main__":

@@ -7,13 +7,24 @@
 #   bash scripts/gpu-wheelhouse.sh --python-version 3.11 --dest DIR
 #
 # The device image (/work/.library/device/KINDS.md) has torch, transformers, safetensors,
-# tokenizers, httpx, pyyaml, psutil, prometheus-client and matplotlib, but no pydantic,
-# which every path of the engine imports (spec.py, api_types.py). pydantic 2.14.4 needs
-# pydantic-core, annotated-types, typing-inspection and typing-extensions >= 4.16 (the
-# image's may be older, and the wheel's, first on PYTHONPATH, wins). fastapi, starlette
-# and uvicorn are only the server's (`serve`): the GPU check never imports them.
+# tokenizers, httpx, pyyaml, psutil, prometheus-client, matplotlib, anyio, h11, click,
+# rich, numpy and protobuf, but none of:
 #
-# Downloads exactly those five, manylinux x86_64, at the pins of requirements/constraints.txt,
+#   - pydantic, which every path of the engine imports (spec.py, api_types.py): pydantic
+#     2.14.4 needs pydantic-core, annotated-types, typing-inspection and
+#     typing-extensions >= 4.16 (the image's may be older, and the wheel's, first on
+#     PYTHONPATH, wins);
+#   - the server (`serve`, bench/gpu_tinker.py's stage): fastapi (which imports
+#     opentelemetry-api for its telemetry hooks), starlette, uvicorn, zstandard (the
+#     Tinker routes' compressed bodies), tinker (the routes' protobuf messages), anyio at
+#     fastapi's pin (the image's version is not known);
+#   - the official tinker SDK the stage's clients run: tinker and what it imports:
+#     distro, orjson, sniffio, zstandard, and h2, hpack, hyperframe (it opens httpx with
+#     http2=True, which imports h2). Not pyqwest (5.5 MiB): the engine answers the SDK's
+#     client config with use_pyqwest_transport false, so the SDK never imports it (the
+#     rehearsal hides it). protobuf: the image's (tinker's generated code needs >= 4.21).
+#
+# Downloads exactly those, manylinux x86_64, at the pins of requirements/constraints.txt,
 # into a git-ignored folder; versions of them no longer pinned are removed (pip's --target
 # install stops at two of one package). A wheel already there is not fetched again, so a
 # second run works offline. Prints the wheels' total size beside the tracked files': what
@@ -36,7 +47,11 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu-wheelhouse.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
-NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+NAMES=(
+    pydantic pydantic-core annotated-types typing-inspection typing-extensions
+    fastapi starlette uvicorn opentelemetry-api anyio zstandard
+    tinker distro orjson sniffio h2 hpack hyperframe
+)
 
 norm() { local s=${1,,}; echo "${s//[-_.]/-}"; }  # as pip compares names: - _ . alike
 

@@ -86,3 +86,11 @@ def _close_tinker_clients() -> Iterator[None]:
     clients = sys.modules.get("tinker_clients")
     if clients is not None:
         clients.close_all()
+
+
+@pytest.fixture(scope="session")
+def plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test plug-in package installed in a directory of its own (for PYTHONPATH)."""
+    from tests.engine.plugin_install import install
+
+    return install(tmp_path_factory.mktemp("plugins"))

@@ -131,7 +131,9 @@ def _model_blocks(model: type, schema: dict[str, Any]) -> dict[type, dict[str, A
         args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
         nested = args[0] if len(args) == 1 else annotation
         if isinstance(nested, type) and issubclass(nested, SpecModel | ApiModel):
-            blocks |= _model_blocks(nested, schema["properties"][field.alias or name])
+            node = schema["properties"][field.alias or name]
+            # a list of objects (spec.publish.aliases): the model is the items'
+            blocks |= _model_blocks(nested, node.get("items", node))
     return blocks
 
 

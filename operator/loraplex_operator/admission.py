@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from loraplex_operator import client_modules
 from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector, LabelSelectorRequirement
 from loraplex_operator.api.priority import DEFAULT_CLASS, PriorityClass, class_of, find_class
 from loraplex_operator.placement import adapter_memory_bytes
@@ -85,9 +86,11 @@ def check_experiment(
     pool: Pool | None,
     namespace_labels: Mapping[str, str] | None = None,
     slot_bytes: int | None = None,
+    wrapped: frozenset[str] | None = None,
 ) -> list[Problem]:
     """Problems that keep `experiment` off `pool` (None = the named pool does not exist);
-    ``slot_bytes``: as for ``experiment_memory_bytes``."""
+    ``slot_bytes``: as for ``experiment_memory_bytes``; ``wrapped``: the modules the
+    pool's engines wrap (observation.wrapped_modules; None: not known yet)."""
     pool_name = experiment.spec.engine_pool
     if pool is None:
         return [Problem("spec.enginePool", f"EnginePool {pool_name!r} not found")]
@@ -102,6 +105,12 @@ def check_experiment(
         )
     problems.extend(_priority_problems(experiment.spec, pool.spec, pool_name, namespace))
     problems.extend(_lora_problems(experiment.spec, pool.spec, pool_name))
+    client = experiment.raw_spec.get("client")
+    if isinstance(client, Mapping) and wrapped is not None:
+        allowed = pool.spec.allowed_target_modules
+        for field, _, extra in client_modules.refused(client, wrapped, allowed):
+            message = client_modules.message(pool_name, extra, allowed, field)
+            problems.append(Problem(f"spec.client.{field}", message))
     problems.extend(_memory_problems(experiment.spec, pool.spec, pool_name, slot_bytes))
     return problems
 
@@ -161,6 +170,8 @@ def _lora_problems(exp: ExperimentSpec, pool: EnginePoolSpec, pool_name: str) ->
             )
         )
     allowed = pool.allowed_target_modules
+    if exp.client:  # modules by kind (spec.client.trainAttn...): check_experiment's
+        return problems
     if exp.lora.target_modules is None:
         problems += _default_targets_problems(allowed, pool_name)
         return problems

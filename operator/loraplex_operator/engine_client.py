@@ -109,6 +109,15 @@ class EngineClient:
         self._raise(r)
         return r.status_code, r.json()
 
+    async def put_publish(
+        self, base: str, token: str, exp_id: str, publish: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """Replace a loaded experiment's spec.publish in place; its new status."""
+        body = {"publish": None if publish is None else dict(publish)}
+        r = await self._call("PUT", f"{base}/v1/experiments/{exp_id}/publish", token, json=body)
+        self._raise(r)
+        return r.json()
+
     async def delete(
         self, base: str, token: str, exp_id: str, timeout: float = 120.0
     ) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.pool_template import CHECKPOINT_VOLUME, SHM_VOLUME, TOKEN_VOLUME
+from loraplex_operator.api.pool_tracking import tracking_args
 from loraplex_operator.resources import API_VERSION, GROUP, POOL_KIND, Pool
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -89,6 +90,7 @@ def engine_args(spec: EnginePoolSpec, log_format: str = "text") -> list[str]:
         *_world_args(spec),
         *_log_args(spec, log_format),
         *trust_args(spec),
+        *tracking_args(spec.tracking),
         *(spec.template.extra_args or ()),
     ]  # fmt: skip
 

@@ -28,6 +28,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from loraplex_operator.status import EXPERIMENT_PHASES
+from loraplex_operator.versions import MOVE_KINDS
 
 disable_created_metrics()
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -99,6 +100,20 @@ EXPERIMENT_MAX_STEPS = Gauge(
     _PER_EXP,
     registry=REGISTRY,
 )
+EXPERIMENT_STABLE_VERSION = Gauge(
+    "loraplex_experiment_stable_version",
+    "The version the experiment's stable alias points at (N of vN; docs/versions.md); no "
+    "series while it has none.",
+    _PER_EXP,
+    registry=REGISTRY,
+)
+ALIAS_MOVES = Counter(
+    "loraplex_alias_moves",
+    "Alias moves of published versions, by kind: publish (latest), promotion and rollback "
+    "(stable forward, back), alias (any other set, moved or removed).",
+    ["pool", "kind"],
+    registry=REGISTRY,
+)
 
 # The `kind` values the handlers, the reconciler and the publisher count errors under;
 # exported at 0 from the start so dashboards and rate() show 0, not "no data", before
@@ -135,6 +150,8 @@ def set_pool(
     # "no data"). labels() creates a child once and returns the existing one after.
     for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
         counter.labels(pool=pool)
+    for kind in MOVE_KINDS:
+        ALIAS_MOVES.labels(pool=pool, kind=kind)
     for phase in EXPERIMENT_PHASES:
         EXPERIMENTS_BY_PHASE.labels(pool=pool, phase=phase).set(phases.get(phase, 0))
     POOL_ENGINES.labels(pool=pool).set(engines)
@@ -164,6 +181,7 @@ class ExperimentState:
     restarts: int
     step: int
     max_steps: int
+    stable_version: int | None = None
 
 
 # pool -> (namespace, experiment) -> what was exported for it last
@@ -190,6 +208,10 @@ def set_experiments(pool: str, states: Iterable[ExperimentState]) -> None:
         EXPERIMENT_RESTARTS.labels(**labels).set(s.restarts)
         EXPERIMENT_STEP.labels(**labels).set(s.step)
         EXPERIMENT_MAX_STEPS.labels(**labels).set(s.max_steps)
+        if s.stable_version is not None:
+            EXPERIMENT_STABLE_VERSION.labels(**labels).set(s.stable_version)
+        else:
+            _remove(EXPERIMENT_STABLE_VERSION, s.namespace, s.experiment, pool)
     if new:
         _exported[pool] = new
     else:
@@ -198,7 +220,12 @@ def set_experiments(pool: str, states: Iterable[ExperimentState]) -> None:
 
 def _remove_experiment(pool: str, s: ExperimentState) -> None:
     _remove(EXPERIMENT_PHASE, s.namespace, s.experiment, pool, s.phase, s.reason)
-    for gauge in (EXPERIMENT_RESTARTS, EXPERIMENT_STEP, EXPERIMENT_MAX_STEPS):
+    for gauge in (
+        EXPERIMENT_RESTARTS,
+        EXPERIMENT_STEP,
+        EXPERIMENT_MAX_STEPS,
+        EXPERIMENT_STABLE_VERSION,
+    ):
         _remove(gauge, s.namespace, s.experiment, pool)
 
 
@@ -212,6 +239,8 @@ def forget_pool(pool: str) -> None:
     set_stalled(pool, None)
     for counter in (PLACEMENTS, PREEMPTIONS, RECOVERIES, SCHEDULING_LATENCY):
         _remove(counter, pool)
+    for kind in MOVE_KINDS:
+        _remove(ALIAS_MOVES, pool, kind)
 
 
 def _remove(metric: Any, *labels: str) -> None:

@@ -217,6 +217,16 @@ def slot_bytes(engines: Iterable[EngineView]) -> int | None:
     return None if answered else 0
 
 
+def wrapped_modules(engines: Iterable[EngineView]) -> frozenset[str] | None:
+    """The modules the pool's engines wrap (one base model: the first that reports them),
+    None until one has (client_modules.py checks a client experiment's kinds with them)."""
+    for e in engines:
+        modules = (e.capacity or {}).get("targetModules") if e.reachable else None
+        if isinstance(modules, list):
+            return frozenset(str(m) for m in modules)
+    return None
+
+
 def with_reported_shape(snap: Snapshot) -> Snapshot:
     """The snapshot with the pool's `modelShape`, or else the one its engines report: a
     pool need not declare its model's dimensions. Until an engine reports, nothing is
@@ -251,6 +261,7 @@ def pool_observation(snap: Snapshot) -> st.PoolObservation:
             (e.name, full) for e in engines if e.reachable and (full := e.storage_full)
         ),
         failures=failures(snap),
+        plugins=next((p for e in ready if (p := (e.capacity or {}).get("plugins"))), None),
     )
 
 

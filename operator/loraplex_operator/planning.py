@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex_operator import admission, placement
+from loraplex_operator import admission, idle, placement
 from loraplex_operator import status as st
 from loraplex_operator.api.pool import Capacity, EnginePoolSpec
 from loraplex_operator.config import Config
@@ -36,21 +36,25 @@ from loraplex_operator.observation import (
     live,
     slot_bytes,
     with_reported_shape,
+    wrapped_modules,
 )
 from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.resources import Experiment, parse_time
+from loraplex_operator.versions import publish_differs
 
 log = logging.getLogger("loraplex_operator.planning")
 
 NORMAL, WARNING = "Normal", "Warning"
 
-# Why an experiment is unloaded from an engine.
-FINISHED, SUSPEND, DUPLICATE, ORPHAN, PREEMPT = (
+# Why an experiment is unloaded from an engine (idle: a client experiment's idle TTL,
+# suspended first: idle.py).
+FINISHED, SUSPEND, DUPLICATE, ORPHAN, PREEMPT, IDLE = (
     "finished",
     "suspend",
     "duplicate",
     "orphan",
     "preempt",
+    "idle",
 )
 
 
@@ -67,6 +71,7 @@ class Work:
     waiting_message: str | None = None  # what the waiting reason is about, when known
     resume_from: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    republish: str | None = None  # its engine's URL: spec.publish changed (versions.py)
 
     @classmethod
     def start(cls, exp: Experiment) -> Work:
@@ -240,12 +245,16 @@ def _adopt(
     unloads = _unloads(on[1:], w, DUPLICATE)
     w.binding = st.Binding(primary.name, primary.node)
     w.engine_status = dict(primary.experiments[w.id])
+    if publish_differs(w.exp.raw_spec, w.engine_status):
+        w.republish = primary.url or ""
     if w.exp.status.engine != primary.name:
         w.event(NORMAL, "Adopted", f"found running on engine {primary.name}")
     if w.engine_status.get("phase") in st.TERMINAL:
         return unloads, None  # recorded this round; unloaded once status says so (next round)
     if w.exp.spec.suspend:
         return [*unloads, *_unloads([primary], w, SUSPEND)], None
+    if idle.due(w.exp.raw_spec, w.engine_status) is not None:
+        return [*unloads, *_unloads([primary], w, IDLE)], None
     running = placement.RunningExperiment(
         key=w.key,
         priority=admission.priority_class(w.exp, pool).value,
@@ -274,7 +283,8 @@ def _not_running(
         if not _recover(w, recorded, config):
             return None
     namespace_labels = snap.namespace_labels.get(exp.meta.namespace)
-    problems = admission.check_experiment(exp, snap.pool, namespace_labels, slot_bytes)
+    wrapped = wrapped_modules(snap.engines)
+    problems = admission.check_experiment(exp, snap.pool, namespace_labels, slot_bytes, wrapped)
     w.problems = [str(p) for p in problems]
     if w.problems:
         return None

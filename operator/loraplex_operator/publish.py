@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from loraplex_operator import idle, versions
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
@@ -84,6 +85,17 @@ def terminal_event(w: Work, old_phase: str | None, new: ExperimentStatus) -> Non
         w.event(type_, new.phase, new.message or "")
 
 
+def alias_events(w: Work, new: ExperimentStatus) -> None:
+    """An Event and a count (loraplex_alias_moves) for each alias the engine moved since
+    the status written last: a publish (latest), a promotion or rollback (stable), another
+    alias set or moved by hand (versions.py)."""
+    if new.aliases is None:
+        return
+    for move in versions.moves(w.exp.raw_status.get("aliases"), new.aliases):
+        w.event(*move.event())
+        m.ALIAS_MOVES.labels(pool=w.exp.spec.engine_pool, kind=move.kind).inc()
+
+
 def experiment_state(exp: Experiment, status: ExperimentStatus) -> m.ExperimentState:
     """The per-experiment metrics for `exp` whose derived status is `status` (pure).
 
@@ -98,6 +110,7 @@ def experiment_state(exp: Experiment, status: ExperimentStatus) -> m.ExperimentS
         restarts=status.restarts or 0,
         step=status.step or 0,
         max_steps=exp.spec.algorithm.max_steps,
+        stable_version=versions.stable_number(status.aliases),
     )
 
 
@@ -126,6 +139,7 @@ class StatusPublisher:
         admission_events(w)
         new = derive(w, self.config, now)
         terminal_event(w, w.exp.status.phase, new)
+        alias_events(w, new)
         for type_, reason, message in w.events:
             if type_ == WARNING:
                 log.warning("%s: %s: %s", w.key, reason, message)
@@ -166,6 +180,20 @@ class StatusPublisher:
         except KubeError as e:
             m.RECONCILE_ERRORS.labels(kind="status").inc()
             log.warning("status of %s: %s", w.key, e)
+
+    async def suspend_idle(self, w: Work, now: datetime) -> bool:
+        """Suspend a client experiment its idle TTL ended (idle.py), before its unload: the
+        round's status then says so; False (not unloaded, tried next round) if not written."""
+        meta, patch = w.exp.meta, idle.suspend_patch(now)
+        try:
+            found = await self.kube.patch(EXPERIMENTS, meta.name, patch, namespace=meta.namespace)
+        except KubeError as e:
+            m.RECONCILE_ERRORS.labels(kind="unload").inc()  # its unload waits
+            log.warning("idle suspend of %s: %s", w.key, e)
+            return False
+        if found is not None:
+            w.exp = Experiment.from_obj(idle.merged(w.exp.raw, patch))
+        return found is not None
 
     async def publish_pool(self, pool: Pool, status: EnginePoolStatus) -> None:
         new = status.to_json()

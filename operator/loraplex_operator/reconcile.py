@@ -50,6 +50,7 @@ from loraplex_operator.observation import (
 )
 from loraplex_operator.planning import (
     DUPLICATE,
+    IDLE,
     NORMAL,
     PREEMPT,
     SUSPEND,
@@ -63,6 +64,7 @@ from loraplex_operator.planning import (
 from loraplex_operator.publish import EventSink, StatusPublisher, experiment_state, kopf_event
 from loraplex_operator.resources import API_VERSION, POOL_KIND, Experiment, Pool, parse_time
 from loraplex_operator.sources import ClusterSource, ListedCluster
+from loraplex_operator.versions import push_publish
 
 log = logging.getLogger("loraplex_operator.reconcile")
 
@@ -241,6 +243,7 @@ class PoolReconciler:
         pool_name = snap.pool.name
         await asyncio.gather(*(self._unload(plan, u, token, pool_name) for u in plan.unloads))
         await asyncio.gather(*(self._put(plan, p, token, pool_name) for p in plan.puts))
+        await push_publish(self.engines, plan.work.values(), token)  # kubectl-patched aliases
         self._backoff(pool_name).keep_only(plan.work)
         await self._pods(snap.pool, plan)
         self._tell_failures(snap)
@@ -258,6 +261,11 @@ class PoolReconciler:
         await self._pool_status(snap, phases, now)
 
     async def _unload(self, plan: RoundPlan, u: Unload, token: str, pool_name: str) -> None:
+        w = plan.work.get(u.key) if u.key else None
+        if u.reason == IDLE and (
+            w is None or not await self.publisher.suspend_idle(w, datetime.now(UTC))
+        ):
+            return
         try:
             final = await self.engines.delete(u.url, token, u.exp_id)
         except (EngineUnreachable, EngineError) as e:
@@ -265,20 +273,24 @@ class PoolReconciler:
             log.warning("unload %s from %s (%s): %s", u.exp_id, u.engine, u.reason, e)
             return
         log.info("unloaded %s from %s (%s)", u.exp_id, u.engine, u.reason)
-        w = plan.work.get(u.key) if u.key else None
         if w is None or u.reason == DUPLICATE:
             return
         if final:
             merged = dict(w.engine_status or {})
             merged.update({k: v for k, v in final.items() if v is not None})
-            if u.reason in (SUSPEND, PREEMPT):
+            if u.reason in (SUSPEND, IDLE, PREEMPT):
                 merged["phase"] = st.RUNNING  # unloaded, not finished
             w.engine_status = merged
         step = (final or {}).get("checkpoint", {}) or {}
         at = f"checkpoint at step {step.get('step')}" if step else "no checkpoint"
-        if u.reason == SUSPEND:
+        if u.reason in (SUSPEND, IDLE):
             w.binding = None
-            w.event(NORMAL, "Suspended", f"unloaded from engine {u.engine}; {at}")
+            why = (
+                "idle past spec.client.idleSeconds (a call resumes it); "
+                if u.reason == IDLE
+                else ""
+            )
+            w.event(NORMAL, "Suspended", f"{why}unloaded from engine {u.engine}; {at}")
         elif u.reason == PREEMPT:
             w.binding = None
             w.waiting_reason = "Preempted"

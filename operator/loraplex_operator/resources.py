@@ -109,6 +109,8 @@ class ExperimentSpec:
     suspend: bool = False
     lora: Lora = field(default_factory=Lora)
     algorithm: Algorithm = field(default_factory=Algorithm)
+    # spec.client set: its Tinker client trains it (no task; modules chosen by kind).
+    client: bool = False
 
     @classmethod
     def from_obj(cls, spec: Mapping[str, Any]) -> ExperimentSpec:
@@ -123,6 +125,7 @@ class ExperimentSpec:
                 target_modules=_strings(lora.get("targetModules")),
             ),
             algorithm=Algorithm(max_steps=int(algorithm.get("maxSteps", Algorithm.max_steps))),
+            client=isinstance(spec.get("client"), Mapping),
         )
 
 

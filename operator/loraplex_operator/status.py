@@ -27,8 +27,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex_operator import engine_failures as ef
+from loraplex_operator import idle, versions
 from loraplex_operator.api.condition import Condition
-from loraplex_operator.api.status import CheckpointStatus, EnginePoolStatus, ExperimentStatus
+from loraplex_operator.api.status import (
+    CheckpointStatus,
+    EnginePoolStatus,
+    ExperimentStatus,
+    InstalledPlugins,
+)
 from loraplex_operator.config import DEFAULT_MAX_RESTARTS
 from loraplex_operator.placement import WAIT_UNSCHEDULABLE
 from loraplex_operator.resources import Experiment
@@ -60,7 +66,7 @@ _PHASE_CONDITION = {
     PENDING: COND_SCHEDULED,  # NoCapacity, WaitingForEngine, AdmissionFailed, Preempted, ...
     SCHEDULED: COND_SCHEDULED,  # Bound
     RUNNING: COND_RUNNING,  # Training
-    SUSPENDED: COND_SUSPENDED,  # SuspendRequested
+    SUSPENDED: COND_SUSPENDED,  # SuspendRequested, IdleTimeout (idle.py)
     SUCCEEDED: COND_SUCCEEDED,  # MaxStepsReached
     FAILED: COND_FAILED,  # EngineReportedFailure, RestartBudgetExhausted
 }
@@ -136,6 +142,12 @@ def is_true(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> bool:
 
 
 # --- phase -----------------------------------------------------------------------------
+
+
+IDLE_MESSAGE = (
+    "suspended after no call for spec.client.idleSeconds: checkpointed and unloaded; its "
+    "client's next call through the gateway resumes it"
+)
 
 
 @dataclass(frozen=True)
@@ -237,7 +249,20 @@ def _conditions_for(v: _Verdict, obs: Observation) -> list[dict[str, Any]]:
 # --- the status patch ------------------------------------------------------------------
 
 # Progress carried over from the status written last (the engine may not report it now).
-_CARRIED = ("step", "reward", "checkpoint", "adapter_path", "started_at")
+_CARRIED = (
+    "step",
+    "reward",
+    "checkpoint",
+    "adapter_path",
+    "started_at",
+    "eval_step",
+    "eval_reward",
+    "eval_pass_at_k",
+    "versions",
+    "aliases",
+)
+# The latest eval (spec.eval) the engine reports, engine key -> status field.
+_EVAL_FIELDS = {"evalReward": "eval_reward", "evalPassAtK": "eval_pass_at_k"}
 
 
 def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -254,7 +279,12 @@ def _engine_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
         out["adapter_path"] = engine["adapterPath"]
     if engine.get("startedAt"):
         out["started_at"] = engine["startedAt"]
-    return out
+    if engine.get("evalStep") is not None:
+        out["eval_step"] = int(engine["evalStep"])
+    for key, name in _EVAL_FIELDS.items():
+        if engine.get(key) is not None:
+            out[name] = float(engine[key])
+    return out | versions.status_fields(engine)
 
 
 def derive_status(exp: Experiment, obs: Observation, now: datetime) -> ExperimentStatus:
@@ -264,6 +294,8 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
     if old.phase in TERMINAL:
         return _terminal(old, generation, now, exp.spec.algorithm.max_steps)
     verdict = _verdict(exp.spec.suspend, old.phase, obs)
+    if verdict.reason == "SuspendRequested" and idle.idle_suspended(exp.raw):
+        verdict = _Verdict(SUSPENDED, "IdleTimeout", IDLE_MESSAGE)
 
     # Only fields set: one never written stays out of the patch, as it was.
     fields = {k: getattr(old, k) for k in _CARRIED if k in old.model_fields_set}
@@ -273,8 +305,12 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
         message=verdict.message,
         observed_generation=generation,
         restarts=obs.restarts,
-        conditions=merge_conditions(old.conditions, _conditions_for(verdict, obs), generation, now),
     )
+    published = versions.published_condition(
+        exp.raw_spec, fields.get("aliases"), (obs.engine_status or {}).get("publishError")
+    )
+    new_conditions = [*_conditions_for(verdict, obs), *([published] if published else [])]
+    fields["conditions"] = merge_conditions(old.conditions, new_conditions, generation, now)
     if obs.binding is not None and verdict.phase != SUSPENDED:
         fields["engine"] = obs.binding.engine
         if obs.binding.node:
@@ -346,6 +382,8 @@ class PoolObservation:
     storage_full: Sequence[tuple[str, str]] = ()
     # Engine pods that cannot serve and will not by themselves (engine_failures).
     failures: Sequence[ef.PodFailure] = ()
+    # The plug-ins a ready engine reports (/v1/capacity `plugins`); None: none ready.
+    plugins: Mapping[str, Any] | None = None
 
 
 def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
@@ -425,5 +463,6 @@ def pool_status(
         ready=obs.ready,
         slots_used=obs.slots_used,
         slots_free=obs.slots_free,
+        plugins=None if obs.plugins is None else InstalledPlugins.model_validate(obs.plugins),
         conditions=merge_conditions(old_conditions, pool_conditions(obs), generation, now),
     )

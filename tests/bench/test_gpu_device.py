@@ -4,15 +4,18 @@ replica of the lent machine's environment (issue 27).
 What the replica copies, and how:
 
 - **No network**: the script runs under ``unshare -n`` (a network namespace with only a
-  down loopback; as root), else ``unshare -rn`` (the same in a user namespace). Where
-  neither is allowed, pip is pointed at no index and every proxy at a closed port, which
-  stops pip and httpx but not a raw socket: the test prints which cut it used.
-- **No pydantic**: the project's venv has it, so a ``sitecustomize`` (on PYTHONPATH,
-  inherited by every process the script starts) hides pydantic, pydantic_core,
-  annotated_types, typing_inspection (the wheels carried) and fastapi, starlette,
-  uvicorn, vllm (absent there too) from the venv's site-packages: an import of one is
-  looked for only outside it, that is in the wheelhouse the script installs with
-  ``pip --target``, and fails otherwise. Their dist-info stays visible to
+  loopback, which the test brings up: the lent machine has one, and the tinker-clock
+  stage's servers listen on it; as root), else ``unshare -rn`` (the same in a user
+  namespace). Where neither is allowed, pip is pointed at no index and every proxy at a
+  closed port, which stops pip and httpx but not a raw socket: the test prints which cut
+  it used. The proxies point at the closed port under either cut, so the stage's own
+  loopback bypass (NO_PROXY) is what lets its clients reach its servers.
+- **No pydantic, no server, no SDK**: the project's venv has them, so a
+  ``sitecustomize`` (on PYTHONPATH, inherited by every process the script starts) hides
+  the wheels carried (CARRIED: pydantic and its needs, fastapi, uvicorn, the tinker SDK
+  and its needs) and pyqwest and vllm (absent there too) from the venv's site-packages:
+  an import of one is looked for only outside it, that is in the wheelhouse the script
+  installs with ``pip --target``, and fails otherwise. Their dist-info stays visible to
   importlib.metadata, so the preflight judges "missing" by import, not by metadata.
 - **No pip config**: ``PIP_CONFIG_FILE=/dev/null`` and no ``PIP_*`` variables (this
   machine's point at local wheel folders).
@@ -20,8 +23,9 @@ What the replica copies, and how:
 Not copied: the device's Python 3.12, torch 2.11 and transformers 5.17 (this venv's
 versions run), and its GPU (``--dry-run``: the kernel check runs the grouped algorithm's
 reference loop, the scale arm a 2-layer Qwen3-shaped model, the e2e a 3-step demo on
-``--device cpu``). The wheelhouse is this Python's (cp3XX), built by the same script as
-the device's (``make gpu-rehearsal-wheels``, or here when missing, from PyPI).
+``--device cpu``, the Tinker clock's two configs at N=2 for 3 steps on the CPU). The
+wheelhouse is this Python's (cp3XX), built by the same script as the device's (``make
+gpu-rehearsal-wheels``, or here when missing, from PyPI).
 """
 
 from __future__ import annotations
@@ -41,11 +45,22 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_device  # noqa: E402
 
-CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection")
-ABSENT = ("fastapi", "starlette", "uvicorn", "vllm")
-STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e"]
-FILES = {"preflight.json", "grouped-kernel.json", "fused-workloads.json", "scale.json",
-         "e2e.json", "stages.json", "gpu-device.log", "e2e-rewards.png"}  # fmt: skip
+CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "fastapi",
+           "starlette", "uvicorn", "opentelemetry", "anyio", "zstandard", "tinker", "distro",
+           "orjson", "sniffio", "h2", "hpack", "hyperframe")  # fmt: skip
+ABSENT = ("pyqwest", "vllm")
+STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e", "tinker-clock"]
+FILES = {"preflight.json", "grouped-kernel.json", "scale.json", "e2e.json", "stages.json",
+         "gpu-device.log", "e2e-rewards.png", "tinker-clock.json"}  # fmt: skip
+# Brings the loopback up in the new network namespace (SIOCGIFFLAGS / SIOCSIFFLAGS on lo,
+# IFF_UP), then runs the script; needs no `ip` binary.
+LO_UP = """
+import fcntl, os, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0)))[1]
+fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
 HIDER = '''
 import importlib.machinery, os, sys
 HIDDEN = set(os.environ["REPLICA_HIDDEN"].split(","))
@@ -68,11 +83,19 @@ sys.meta_path.insert(0, HideFromVenv)
 '''
 
 
+def wheel_names() -> list[str]:
+    """The projects scripts/gpu-wheelhouse.sh carries (its NAMES)."""
+    text = (REPO / "scripts/gpu-wheelhouse.sh").read_text()
+    found = re.search(r"^NAMES=\(([^)]*)\)", text, re.M)
+    assert found, "no NAMES=(...) in scripts/gpu-wheelhouse.sh"
+    return found.group(1).split()
+
+
 def wheelhouse() -> Path:
-    """This Python's copy of the device's five wheels (downloaded once if missing)."""
+    """This Python's copy of the device's wheels (downloaded once if missing)."""
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     dest = REPO / ".cache/gpu-wheelhouse" / tag
-    if len(list(dest.glob("*.whl"))) != 5:
+    if len(list(dest.glob("*.whl"))) != len(wheel_names()):
         env = {**os.environ, "PYTHON": sys.executable}
         proc = subprocess.run(["bash", "scripts/gpu-wheelhouse.sh", "--rehearsal"], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -104,6 +127,10 @@ def replica_env(tmp: Path, wheels: Path) -> dict[str, str]:
         "PYTHON": sys.executable, "OUT": str(tmp / "out"), "SITE": str(tmp / "site"),
         "WHEELS": str(wheels), "GPU_DEVICE_WORK": str(tmp / "work"),
         "GPU_DEVICE_DEMO": str(manifest), "GPU_SCALE_ARGS": "--ns 1,2,3 --fail-cell 2",
+        # The device's 110 s leave the CPU rehearsal's four serve processes (each one's
+        # torch import and model load, several times slower on this shared CPU than on
+        # the device's 16 idle cores) too little margin: the cap, not what runs, differs.
+        "GPU_DEVICE_TINKER_WORK": str(tmp / "tinker"), "GPU_DEVICE_TINKER_S": "180",
         "PYTHONPATH": str(tmp / "hider"), "REPLICA_HIDDEN": ",".join(CARRIED + ABSENT),
         "REPLICA_HIDE_FROM": os.pathsep.join({paths["purelib"], paths["platlib"]}),
         "PIP_CONFIG_FILE": os.devnull,
@@ -121,8 +148,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         probe = "import socket; socket.create_connection(('pypi.org', 443), timeout=5)"
         assert subprocess.run([*prefix, sys.executable, "-c", probe], env=env,
                               capture_output=True).returncode != 0  # fmt: skip
-    proc = subprocess.run([*prefix, "bash", "bench/gpu_device.sh", "--dry-run"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    script = ["bash", "bench/gpu_device.sh", "--dry-run"]
+    if prefix:
+        script = [sys.executable, "-c", LO_UP, *script]
+    proc = subprocess.run([*prefix, *script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=420)  # fmt: skip
     out = tmp / "out"
     log = (out / "gpu-device.log").read_text() if (out / "gpu-device.log").exists() else ""
     assert proc.returncode == 0, log[-4000:] + proc.stderr[-2000:]
@@ -145,7 +175,7 @@ def test_every_stage_wrote_its_file_and_ended_in_its_limit(run: dict) -> None:
 
 
 def test_the_workloads_stage_measured_both_workloads(run: dict) -> None:
-    rows = run["fused-workloads.json"]["workloads"]
+    rows = run["grouped-kernel.json"]["fused_workloads"]["workloads"]
     assert [r["workload"] for r in rows] == ["underfilled", "saturated"]
     assert rows[0]["rows_per_adapter"] == 1  # one sequence per adapter per step
     # saturated: one adapter's rows are exactly one micro-batch
@@ -155,14 +185,17 @@ def test_the_workloads_stage_measured_both_workloads(run: dict) -> None:
 
 def test_preflight_named_what_was_missing_before_installing_it(run: dict) -> None:
     pre = run["preflight.json"]
-    assert set(pre["missing_before"]) == {"pydantic", "pydantic-core", "annotated-types",
-                                          "typing-inspection"}  # fmt: skip
+    hidden = {d for m, d in gpu_device.NEEDED if m.split(".")[0] in CARRIED}
+    assert hidden == {d for d in wheel_names() if d != "typing-extensions"}
+    assert set(pre["missing_before"]) == hidden
     assert "missing and not carried: none" in pre["missing_line"]
     assert pre["install"]["exit_code"] == 0 and pre["missing_after"] == []
     assert pre["engine_imported"] and pre["nvidia_smi"] == "nvidia-smi: not found"
+    assert pre["server_imported"], pre["imports"]["server"]
     modules = pre["imports"]["modules"]
-    for name in (*CARRIED, "typing_extensions"):  # from the wheels, not the venv
-        assert modules[name]["file"].startswith(str(run["site"])), modules[name]
+    for name, _ in gpu_device.NEEDED:  # the carried ones from the wheels, not the venv
+        if name.split(".")[0] in (*CARRIED, "typing_extensions"):
+            assert modules[name]["file"].startswith(str(run["site"])), modules[name]
     log = run["log"]
     assert log.index("preflight: missing here:") < log.index("preflight: wheels into")
 
@@ -204,6 +237,39 @@ def test_the_engine_ran_the_demo_both_ways_end_to_end(run: dict) -> None:
     assert [p["experiment"] for p in parity] == ["say-yes", "say-no", "copy-abc", "say-sum"]
 
 
+def test_the_tinker_clock_ran_both_configs_with_ratio_and_parity(run: dict) -> None:
+    """bench/gpu_tinker.py's two configs (the CPU tiny model with the clients on other
+    cores than the serve processes; "cuda", here on the CPU with the 2-layer Qwen3-shaped
+    model) each ran both arms at N=2 through the carried server and SDK (hidden from the
+    venv), and each summary holds what a later session reads first: fused / per_model
+    per rows and N, and the parity verdict under the tolerances of the engine's dtype."""
+    clock = run["tinker-clock.json"]
+    assert clock["dry_run"] and list(clock["configs"]) == ["cpu_pinned", "cuda"]
+    for name, config in clock["configs"].items():
+        assert config["exit_code"] == 0, (name, config.get("error"))
+        summary = config["summary"]
+        assert summary["complete"] and summary["skipped"] == [], (name, summary)
+        assert summary["device"] == "cpu" and summary["target_3x_at_n8"] is None  # no N=8
+        assert list(summary["ratio_by_rows"]) == ["rows 1"]
+        assert summary["ratio_by_rows"]["rows 1"]["2"] > 0
+        parity = summary["parity"]
+        assert parity["dtype"] == "float32" and parity["client_runs"] == 2, parity
+        assert parity["ok"] and parity["losses_within"] == parity["adapters_within"] == 2
+        runs = config["report"]["runs"]
+        assert [(r["arm"], r["n"], r["optim_steps"]) for r in runs] == [
+            ("fused", 2, 6),
+            ("per_model", 2, 6),
+        ]
+        assert all(len(losses) == 3 for r in runs for losses in r["losses"].values())
+        pinned = summary["affinity"]
+        assert pinned["fused"] == pinned["per_model"]
+        if len(os.sched_getaffinity(0)) >= 2:  # the clients off the engine's cores
+            assert not set(pinned["fused"]) & set(pinned["clients"]), pinned
+    assert clock["configs"]["cpu_pinned"]["summary"]["engine_only_ratio"] == {}
+    assert clock["configs"]["cuda"]["summary"]["engine_only_ratio"]["rows 1"] > 0
+    assert "Qwen3" in clock["configs"]["cuda"]["summary"]["model"]
+
+
 def test_a_stage_that_wrote_nothing_gets_a_file_saying_why(tmp_path: Path) -> None:
     gpu_device.record(tmp_path, "scale", "scale.json", 124, 300.0, 300.0)
     gpu_device.record(tmp_path, "e2e", "e2e.json", gpu_device.NOT_STARTED, 0.0, 3.0)
@@ -232,7 +298,7 @@ def test_the_wheelhouse_keeps_one_version_of_each_and_works_offline(tmp_path: Pa
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not stale.exists() and len(list(dest.glob("*.whl"))) == 5
+    assert not stale.exists() and len(list(dest.glob("*.whl"))) == len(wheel_names())
     pins = (REPO / "requirements/constraints.txt").read_text()
     for wheel in dest.glob("*.whl"):
         name, version = wheel.name.split("-")[:2]

@@ -103,8 +103,12 @@ def _walk(node: Any) -> Iterator[dict[str, Any]]:
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, query) for every panel target expr and every query variable of a dashboard."""
+    """(where, query) for every panel target expr, every query variable and every
+    Prometheus annotation of a dashboard."""
     out: list[tuple[str, str]] = []
+    for ann in dashboard.get("annotations", {}).get("list", []):
+        if ann.get("expr"):
+            out.append((f"annotation {ann.get('name')!r}", ann["expr"]))
     for panel in _walk(dashboard.get("panels", [])):
         for target in panel.get("targets", []) or []:
             if isinstance(target, dict) and target.get("expr"):

@@ -107,6 +107,12 @@ def _openmetrics(end: int) -> str:
         counter("loraplex_engine_train_tokens_total", per_exp, 500)
         counter("loraplex_engine_checkpoints_total", per_exp, 0.05)
         gauge("loraplex_engine_reward", per_exp, 0.5)
+        # a version published every sample: the annotation's changes() always has one
+        add("loraplex_engine_latest_version", "gauge", "loraplex_engine_latest_version",
+            per_exp, lambda i: 1 + i)  # fmt: skip
+        gauge("loraplex_engine_eval_reward", per_exp, 0.7)  # both have spec.eval
+        gauge("loraplex_engine_eval_pass_at_k", per_exp, 0.6)
+        counter("loraplex_engine_eval_tokens_total", per_exp, 40)
     # Serving, per the request's model: two experiments, the base, and "other" (errors).
     base = {**engine_wide, "experiment": "tiny-base"}
     other = {**engine_wide, "experiment": "other"}

@@ -210,11 +210,14 @@ def test_aggregate_roles_can_be_turned_off() -> None:
 GATEWAY_SCOPES = {"cluster", "engineNamespace", "keys"}
 
 
-def test_gateway_contract_is_well_formed_and_reads_only() -> None:
+def test_gateway_contract_is_well_formed_and_writes_only_experiments() -> None:
     for rule in contract()["gatewayRules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs", "scope", "why"}, rule
         assert rule["scope"] in GATEWAY_SCOPES and rule["why"], rule
-        assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # it writes nothing
+        if rule["resources"] == ["loraexperiments"]:  # Tinker models as experiments
+            assert set(rule["verbs"]) == {"get", "create", "delete", "patch"}, rule
+        else:
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # reads only
         assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], rule
 
 

@@ -23,7 +23,8 @@ sys.path.insert(0, str(REPO / "tests" / "operator"))
 import builders
 import kmock
 from harness import ApiServer, declare_resources, operator_calls_in
-from loraplex_operator import manifests
+from loraplex_operator import idle, manifests
+from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway.directory import KubeDirectory
 from loraplex_operator.gateway.keys import KEY_LABEL, ROLE_LABEL
 from loraplex_operator.kube import NAMESPACES, PODS, POOLS, SECRETS, Kube
@@ -100,6 +101,20 @@ async def _seed(kube: Kube) -> None:
     await kube.create(PODS, _pod(), ENGINE_NS)
 
 
+async def _tinker_model_lifecycle(directory: KubeDirectory) -> None:
+    """What a Tinker model costs in API calls (gateway/tinker_models.py): create_model
+    creates its experiment, each call reads it, a call to an idle-suspended one resumes
+    it, unload_model deletes it."""
+    session = "s0123456789abcdef0123"
+    create = {"session_id": session, "model_seq_id": 0, "lora_config": {"rank": 4}}
+    obj = gx.manifest("team-a", POOL, create)  # valid: the API server checks the schema
+    name = obj["metadata"]["name"]
+    assert await directory.create_experiment(obj)
+    assert await directory.get_experiment("team-a", name) is not None
+    await directory.patch_experiment("team-a", name, idle.resume_patch())
+    assert await directory.delete_experiment("team-a", name)
+
+
 async def _calls(key_namespaces: tuple[str, ...]) -> tuple[set[Call], KubeDirectory]:
     async with ApiServer() as api:
         declare_resources(api)
@@ -111,6 +126,7 @@ async def _calls(key_namespaces: tuple[str, ...]) -> tuple[set[Call], KubeDirect
                 await _seed(seeder)
                 directory = KubeDirectory(gateway, key_namespaces)
                 await directory.refresh()
+                await _tinker_model_lifecycle(directory)
             finally:
                 await seeder.close()
                 await gateway.close()

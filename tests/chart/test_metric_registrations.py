@@ -45,8 +45,11 @@ def registered(registry: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def engine_registry() -> Any:
     from loraplex_engine.metrics import EngineMetrics
+    from loraplex_engine.tracking.hub import TrackingMetrics
 
-    return EngineMetrics().registry
+    registry = EngineMetrics().registry
+    TrackingMetrics(registry, [])  # `serve` registers the tracking series beside them
+    return registry
 
 
 def operator_registry() -> Any:
@@ -177,11 +180,12 @@ def test_reconcile_error_kinds_are_precreated() -> None:
 def test_engine_failure_reasons_are_precreated() -> None:
     from loraplex_engine.metrics import FAILURE_REASONS
 
-    tick = REPO / "trainer-image" / "loraplex_engine" / "tick.py"
-    # Failure(exp, reason, "kind") and _guarded(exp, "kind", "what", step)
-    failures = _string_args([tick], r"Failure\([^()]*?,\s*\"(\w+)\"\)")
-    guarded = _string_args([tick], r"_guarded\(\s*[\w.]+,\s*\"(\w+)\"")
-    assert failures and guarded, "no Failure(..., kind) / _guarded(exp, kind): the pattern is stale"
+    engine = REPO / "trainer-image" / "loraplex_engine"
+    tick = [engine / "tick.py", engine / "tick_results.py"]
+    # Failure(exp, reason, "kind") and guarded(exp, "kind", "what", step)
+    failures = _string_args(tick, r"Failure\([^()]*?,\s*\"(\w+)\"\)")
+    guarded = _string_args(tick, r"\bguarded\(\s*[\w.]+,\s*\"(\w+)\"")
+    assert failures and guarded, "no Failure(..., kind) / guarded(exp, kind): the pattern is stale"
     kinds = failures | guarded
     assert kinds <= set(FAILURE_REASONS), kinds - set(FAILURE_REASONS)
     assert set(FAILURE_REASONS) <= kinds, "a listed reason the tick never reports"

@@ -97,19 +97,34 @@ MIN_CHECKPOINTS = 2
 MIN_SAMPLES = 3  # scrapes of each experiment's series within the last 30 s
 CHECKPOINT_EVERY = 5
 MAX_STEPS = 100_000  # still training when the panels are checked; deleted at the end
+# spec.eval on the training experiments: small (2 greedy prompts) and every 5 steps, so
+# the eval series exist from the first step on (the eval at step 0 rides along step 1).
+EVAL = {"everySteps": 5, "prompts": 2}
 # Series this live engine does not export: the vLLM-only gap (it rolls out with torch),
 # and the TIS weight (none of its experiments sets offPolicyCorrection: tis).
 ABSENT_HERE = {
     "loraplex_engine_logprob_gap",
     "loraplex_engine_tis_weight_mean",
     "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+    # per tracker the pool configures (docs/tracking.md); this pool configures none
+    "loraplex_engine_tracking_records_total",
+    "loraplex_engine_tracking_errors_total",
+    "loraplex_engine_tracking_dropped_total",
+    "loraplex_engine_tracking_up",
+    "loraplex_engine_tracking_queued",
+    # series only for experiments with published versions (a stable one); these have none
+    "loraplex_experiment_stable_version",
+    "loraplex_engine_latest_version",
 }
 
-# Panel queries allowed to return nothing, with the reason. Empty: every counter that
+# Queries allowed to return nothing, with the reason. Otherwise none: every counter that
 # only moves on rare events (preemptions, recoveries, reconcile errors, experiment
 # failures) is exported at 0 from the start, so its panel shows 0, not "no data", and the
 # failed-experiments table has the FAILING experiment to show.
-EXCUSED: dict[str, str] = {}
+EXCUSED: dict[str, str] = {
+    "loraplex-experiment: annotation 'Published versions'": "no experiment here publishes "
+    "versions (spec.publish); tests/engine/test_versions_engine.py covers the series",
+}
 
 # Alerts that must stay quiet on a healthy live system (label joins: pool, job, pod).
 QUIET_ALERTS = (
@@ -467,6 +482,7 @@ async def test_dashboards_show_data_from_live_engine_and_operator(
                 obj = h.experiment_obj(
                     name, POOL, max_steps=MAX_STEPS, every=CHECKPOINT_EVERY, seed=i, namespace=ns
                 )
+                obj["spec"]["eval"] = EVAL  # the eval series and the dashboard's Eval panel
                 await h.apply(obj)
             failing = h.experiment_obj(FAILING[1], POOL, max_steps=MAX_STEPS, namespace=FAILING[0])
             failing["spec"]["task"].update(reward="http", rewardUrl=reward_url)

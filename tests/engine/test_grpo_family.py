@@ -11,7 +11,7 @@ from typing import get_args
 import pytest
 import torch
 from loraplex_engine.spec import AlgorithmSpec, parse_spec
-from loraplex_engine.spec_algorithm import (
+from loraplex_engine.spec_blocks.algorithm import (
     AdvantageEstimatorName,
     KLEstimator,
     LossAggregation,
@@ -41,7 +41,7 @@ TOL = 1e-6
 
 
 def test_spec_literals_match_the_train_cores() -> None:
-    # spec_algorithm.py stays torch-free, so it spells the names again.
+    # spec_blocks/algorithm.py stays torch-free, so it spells the names again.
     assert get_args(AdvantageEstimatorName) == ADVANTAGE_ESTIMATORS
     assert get_args(ScaleRewards) == SCALE_REWARDS
     assert get_args(LossAggregation) == LOSS_AGGREGATIONS

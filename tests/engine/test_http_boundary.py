@@ -38,8 +38,18 @@ ALLOWED = {
     "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
     "loraplex_engine.spec",  # the PUT body's spec
     "loraplex_engine.spec_schema",
+    "loraplex_engine.spec_blocks",  # spec.py's blocks in their own modules
+    "loraplex_engine.spec_blocks.checkpoint",
+    "loraplex_engine.spec_blocks.client",
+    "loraplex_engine.spec_blocks.algorithm",
+    "loraplex_engine.spec_blocks.tracking",
+    "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
+    "loraplex_engine.evaluation",  # the spec's eval block (evaluation/spec_eval.py)
+    "loraplex_engine.evaluation.spec_eval",
     "loraplex_engine.train",
     "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
+    "loraplex_engine.versions",
+    "loraplex_engine.versions.spec",  # the spec's publish block
     "loraplex_engine.errors",
     "loraplex_engine.metrics",
     # app.py mounts the Tinker routes only given --tinker-keys; their own boundary
@@ -56,7 +66,12 @@ TINKER_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
     for p in PACKAGE.glob("tinker/*.py")
 )
-TINKER_ALLOWED = ALLOWED | {*TINKER_MODULES, "loraplex_engine.training_service"}
+# versions/names.py: the version model names a sampler may take (pure parsing).
+TINKER_ALLOWED = ALLOWED | {
+    *TINKER_MODULES,
+    "loraplex_engine.training_service",
+    "loraplex_engine.versions.names",
+}
 TINKER_BLOCKED = BLOCKED - {"numpy"}
 
 # Runs in a fresh interpreter where importing torch or an engine internal raises.

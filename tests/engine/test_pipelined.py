@@ -123,9 +123,15 @@ def test_stale_by_one_pipelined_rollouts_are_at_most_one_step_behind(
         assert status.phase == "Succeeded" and status.step == STEPS
 
 
-def _exp(staleness: int, step: int = 0, max_steps: int = 5) -> Any:
+def _exp(staleness: int, step: int = 0, max_steps: int = 5, eval_due: bool = False) -> Any:
     alg = SimpleNamespace(max_staleness=staleness)
-    return SimpleNamespace(spec=SimpleNamespace(algorithm=alg), step=step, max_steps=max_steps)
+    return SimpleNamespace(
+        spec=SimpleNamespace(algorithm=alg),
+        step=step,
+        max_steps=max_steps,
+        finished_steps=max_steps > 0 and step >= max_steps,
+        eval_due=lambda: eval_due,
+    )
 
 
 def test_who_may_roll_out() -> None:
@@ -134,6 +140,7 @@ def test_who_may_roll_out() -> None:
     assert may_roll_out(_exp(1), training=True)
     assert not may_roll_out(_exp(1, step=4), training=True)  # that update is its last
     assert not may_roll_out(_exp(0, step=5), training=False)  # finished
+    assert may_roll_out(_exp(0, step=5, eval_due=True), training=False)  # its last eval
 
 
 def test_the_first_tick_rolls_out_half_the_on_policy_experiments() -> None:

@@ -32,6 +32,7 @@ EXP_KEYS = {
     "completion_tokens": list,
     "tis_weight_means": list,
     "tis_tokens": list,
+    "evals": list,
     "rollout_versions": list,
     "error": type(None),
 }
@@ -63,6 +64,22 @@ def run_cli(
     code = cli.main(["run", str(path), "--model", str(model), "--out", str(out), *flags])
     text = (out / "summary.json").read_text()
     return code, json.loads(text, parse_constant=_reject_constant)
+
+
+def test_summary_and_progress_carry_the_evals(tiny_model_dir, tmp_path, capsys) -> None:
+    """spec.eval in a manifest: summary.json's ``evals`` holds one entry per eval (step 0,
+    every everySteps, the last), the progress line the latest."""
+    evaluated = manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0)
+    evaluated += "  eval: {everySteps: 4, prompts: 2, samples: 2, passAtK: 2, temperature: 1.0}\n"
+    code, summary = run_cli([evaluated], tmp_path, tiny_model_dir)
+    assert code == 0
+    evals = summary["experiments"][0]["evals"]
+    want_steps = sorted({*range(0, STEPS + 1, 4), STEPS})
+    assert [e["step"] for e in evals] == want_steps
+    for e in evals:
+        assert set(e) == {"step", "reward", "pass_at_k", "k", "tokens"} and e["k"] == 2
+        assert 0.0 <= e["reward"] <= 1.0 and 0.0 <= e["pass_at_k"] <= 1.0 and e["tokens"] > 0
+    assert f"eval@{STEPS} " in capsys.readouterr().out
 
 
 def _reject_constant(name: str) -> None:

@@ -31,7 +31,7 @@ import schemathesis
 import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, given, settings
 from loraplex_engine.server.app import ID_PATTERN, create_app
-from loraplex_engine.server.serve import EngineHolder
+from loraplex_engine.server.holder import EngineHolder
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (

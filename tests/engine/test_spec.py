@@ -5,11 +5,11 @@ import pytest
 from loraplex_engine.errors import SpecError
 from loraplex_engine.spec import (
     ExperimentSpec,
-    RewardName,
     TaskName,
     all_spec_errors,
     parse_spec,
 )
+from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 
@@ -51,6 +51,7 @@ DOC_EXAMPLE: dict[str, Any] = {
     },
     "rollout": {"maxNewTokens": 8, "temperature": 1.0, "reproducible": False},
     "checkpoint": {"everySteps": 10, "keep": 3},
+    "tracking": {"runName": "lr-5e-4", "tags": [{"name": "sweep", "value": "lr"}]},
     "priorityClassName": "high",
     "priority": 0,
     "suspend": False,
@@ -115,7 +116,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ("checkpoint.everySteps", 0, "spec.checkpoint.everySteps"),
         ("checkpoint.keep", 0, "spec.checkpoint.keep"),
         ("task.name", "chess", "spec.task.name"),
-        ("task.reward", "vibes", "spec.task.reward"),
+        ("task.reward", "not a name", "spec.task.reward"),
         ("task.params", {"target": 3}, "spec.task.params.target"),
         ("lora.targetModules", ["q_proj", "q_proj"], "spec.lora.targetModules"),
         ("lora.targetModules", [f"m{i}" for i in range(33)], "spec.lora.targetModules"),
@@ -260,7 +261,7 @@ def test_cross_field_rules_accept_what_they_allow(change: dict[str, Any]) -> Non
 
 
 def test_missing_task_and_non_mapping() -> None:
-    with pytest.raises(SpecError, match=r"spec\.task: Field required"):
+    with pytest.raises(SpecError, match=r"spec\.task: set exactly one of spec\.task .*client"):
         parse_spec({})
     with pytest.raises(SpecError, match="must be a mapping"):
         parse_spec([1, 2])
@@ -291,7 +292,7 @@ def test_validate_for_engine() -> None:
 
 def test_names_match_the_registries() -> None:
     assert set(get_args(TaskName)) == set(TASKS)
-    assert set(get_args(RewardName)) == set(REWARD_NAMES)
+    assert set(BUILTIN_REWARDS) == set(REWARD_NAMES)
 
 
 @pytest.mark.parametrize("value", [1, -5, 2**31])
@@ -315,3 +316,41 @@ def test_spec_is_immutable() -> None:
     with pytest.raises(ValidationError, match="frozen"):
         spec.priority = 3  # type: ignore[misc]
     assert isinstance(spec, ExperimentSpec)
+
+
+CLIENT = {"modelId": "s0123456789abcdef0123:train:0"}
+
+
+def test_a_client_spec_has_no_task_and_round_trips() -> None:
+    spec = parse_spec({"lora": {"rank": 4}, "client": {**CLIENT, "seed": 3, "trainMlp": False}})
+    assert spec.task is None and spec.client is not None
+    assert (spec.client.model_id, spec.client.seed, spec.client.train_mlp) == (
+        CLIENT["modelId"],
+        3,
+        False,
+    )
+    assert spec.client.idle_seconds == 3600 and spec.client.train_unembed
+    assert parse_spec(spec.to_json()) == spec
+    spec.check_task()  # nothing to check: no task
+    spec.validate_for_engine(8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "message"),
+    [
+        ({"client": CLIENT, "task": {"name": "copy"}}, "spec.task", "set exactly one of"),
+        (
+            {"client": CLIENT, "lora": {"targetModules": ["q_proj"]}},
+            "spec.lora.targetModules",
+            "a client experiment chooses its modules by kind",
+        ),
+        ({"client": {"modelId": "s1:sample:0"}}, "spec.client.modelId", "String should match"),
+        ({"client": {**CLIENT, "idleSeconds": -1}}, "spec.client.idleSeconds", "Input should be"),
+        ({"client": {**CLIENT, "rank": 4}}, "spec.client.rank", "unknown field"),
+    ],
+)
+def test_client_spec_errors_name_the_field(doc: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(doc)
+    assert info.value.field == field
+    assert info.value.message.startswith(message)

@@ -143,6 +143,9 @@ class FakeTraining:
                 raise NotFoundError(f"no checkpoint {path!r}", field="path")
             m.steps = state[1]
 
+    def adoptable(self, namespace: str, model_id: str) -> None:
+        return None  # no client experiments here
+
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]:
         with self.lock:
             return [

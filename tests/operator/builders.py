@@ -73,6 +73,12 @@ class ExperimentWrapper:
         self._spec["task"] = {"name": name, **fields}
         return self
 
+    def client(self, model_id: str = "s0123456789abcdef0123:train:0", **fields: Any) -> Self:
+        """A client-driven experiment (spec.client, no task): what the gateway creates."""
+        self._spec.pop("task", None)
+        self._spec["client"] = {"modelId": model_id, **fields}
+        return self
+
     def reward(self, reward: str, url: str | None = None) -> Self:
         self._spec["task"]["reward"] = reward
         if url is not None:

@@ -144,3 +144,45 @@ def test_several_problems_reported_together() -> None:
     exp = experiment("a", namespace="team-z").rank(128).alpha(128).modules("lm_head").obj()
     p = pool().max_rank(32).allowed_namespaces("team-a").obj()
     assert _fields(exp, p) == ["metadata.namespace", "spec.lora.rank", "spec.lora.targetModules"]
+
+
+def test_client_experiment_is_admitted_like_any_but_its_modules_go_by_kind() -> None:
+    """spec.client (what the gateway creates): no task, no targetModules; the pool's rank
+    limit and namespaces still apply."""
+    exp = experiment("a").client(trainUnembed=False).obj()
+    assert _fields(exp, pool().obj()) == []
+    assert _fields(exp, pool().target_modules("q_proj").obj()) == []  # no family default needed
+    assert _fields(experiment("a").client().rank(64).obj(), pool().max_rank(32).obj()) == [
+        "spec.lora.rank"
+    ]
+    assert ExperimentSpec.from_obj(exp["spec"]).client
+    assert not ExperimentSpec.from_obj(experiment("a").obj()["spec"]).client
+
+
+LLAMA_WRAPPED = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+)
+
+
+def test_a_client_experiments_kinds_must_train_only_allowed_modules() -> None:
+    """What a kind trains is what the pool's engines wrap of that kind (their
+    targetModules); every one must be in allowedTargetModules, or the kind is refused,
+    named by its field. Unknown until an engine has said what it wraps: not checked."""
+    attn_only = pool().target_modules("q_proj", "k_proj", "v_proj", "o_proj").obj()
+    exp = _full("LoRAExperiment", experiment("a").client().obj())
+
+    def problems(obj: dict[str, Any], wrapped: frozenset[str] | None) -> list[Problem]:
+        view = Pool.from_obj(_full("EnginePool", attn_only))
+        return admission.check_experiment(Experiment.from_obj(obj), view, None, None, wrapped)
+
+    found = problems(exp, LLAMA_WRAPPED)
+    assert [p.field for p in found] == ["spec.client.trainMlp"]
+    assert (
+        "down_proj, gate_proj, up_proj" in found[0].message and "trainMlp false" in found[0].message
+    )
+    no_mlp = _full("LoRAExperiment", experiment("a").client(trainMlp=False).obj())
+    assert problems(no_mlp, LLAMA_WRAPPED) == []
+    assert problems(exp, None) == []  # no engine has reported yet
+    # lm_head is not wrapped here (the engine grants trainUnembed off): nothing to allow.
+    found = problems(no_mlp, LLAMA_WRAPPED | {"lm_head"})
+    assert [p.field for p in found] == ["spec.client.trainUnembed"]

@@ -40,6 +40,16 @@ _MODEL_VOL = {"name": "models", "persistentVolumeClaim": {"claimName": "models"}
 _SHM_VOL = {"name": "shm", "emptyDir": {"medium": "Memory"}}
 _SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
 
+
+def _aliased(alias: str) -> Obj:
+    publish = {"aliases": [{"name": alias, "version": "v1"}]}
+    return experiment("a").set("spec.publish", publish).obj()
+
+
+def _eval(**fields: Any) -> Obj:
+    return experiment("a").set("spec.eval", fields).obj()
+
+
 EXPERIMENT_RULES: dict[str, RuleCase] = {
     "metadata.name must be at most 189": RuleCase(valid=_exp_name(189), invalid=_exp_name(190)),
     "GRPO needs rollout.temperature > 0": RuleCase(
@@ -119,7 +129,41 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: experiment("a").reward("exact-match").obj(),
         invalid=lambda: experiment("a").reward("exact-match", "http://rewards:8080/score").obj(),
     ),
+    "set exactly one of spec.task": RuleCase(
+        valid=lambda: experiment("a").client().obj(),
+        invalid=lambda: experiment("a").client().task("copy").obj(),
+    ),
+    "a client experiment chooses its modules by kind": RuleCase(
+        valid=lambda: experiment("a").client(trainMlp=False).rank(4).obj(),
+        invalid=lambda: experiment("a").client().modules("q_proj").obj(),
+    ),
+    "spec.client is immutable": RuleCase(
+        valid=lambda: experiment("a").client(idleSeconds=5).suspend().obj(),
+        invalid=lambda: experiment("a").client(idleSeconds=6).obj(),
+        old=lambda: experiment("a").client(idleSeconds=5).obj(),
+    ),
+    "a LoRAExperiment is trained by its task or by its client for life": RuleCase(
+        valid=lambda: experiment("a").suspend().obj(),
+        invalid=lambda: experiment("a").client().obj(),
+        old=lambda: experiment("a").obj(),
+    ),
     # 0 passes: the API server used to default it into every stored experiment.
+    "publish.aliases: 'latest' is the engine's own alias": RuleCase(
+        valid=lambda: _aliased("stable"),
+        invalid=lambda: _aliased("latest"),
+    ),
+    "spec.eval scores completions with spec.task's reward": RuleCase(
+        valid=lambda: experiment("a").set("spec.eval", {}).obj(),
+        invalid=lambda: experiment("a").client().set("spec.eval", {}).obj(),
+    ),
+    "eval.passAtK must be at most eval.samples": RuleCase(
+        valid=lambda: _eval(samples=4, passAtK=4, temperature=1.0),
+        invalid=lambda: _eval(samples=4, passAtK=5, temperature=1.0),
+    ),
+    "eval.samples > 1 needs eval.temperature > 0": RuleCase(
+        valid=lambda: _eval(samples=2, temperature=0.1),
+        invalid=lambda: _eval(samples=2, temperature=0.0),
+    ),
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
         invalid=lambda: experiment("a").priority(1).obj(),
@@ -217,7 +261,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 12  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 18  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -239,10 +283,15 @@ _LORA = "spec.lora is immutable"
 _TASK = "spec.task is immutable"
 _ALG = "spec.algorithm is immutable"
 _ROLL = "spec.rollout is immutable"
+_CLIENT = "spec.client is immutable"
 
 
 def _plain() -> Obj:
     return experiment("a").obj()
+
+
+def _client() -> Obj:
+    return experiment("a").client().obj()
 
 
 def _jsonl() -> Obj:
@@ -255,6 +304,12 @@ def _overlong() -> Obj:
 
 def _http() -> Obj:
     return experiment("a").reward("http", "http://rewards:8080/a").obj()
+
+
+def _environment() -> Obj:
+    obj = experiment("a").obj()
+    obj["spec"]["task"]["environment"] = {"name": "gsm8k_multi_turn", "maxTurns": 4}
+    return obj
 
 
 # (field, new value, rule that refuses it, the object being edited)
@@ -270,6 +325,10 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.task.reward", "exact-match", _TASK, _plain),
     ("spec.task.rewardUrl", "http://rewards:8080/b", _TASK, _http),
     ("spec.task.chatTemplate", True, _TASK, _plain),
+    ("spec.task.environment.name", "other", _TASK, _environment),
+    ("spec.task.environment.params", {"k": "v"}, _TASK, _environment),
+    ("spec.task.environment.maxTurns", 2, _TASK, _environment),
+    ("spec.task.environment.maxEpisodeTokens", 256, _TASK, _environment),
     ("spec.algorithm.groupSize", 4, _ALG, _plain),
     ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),
     ("spec.algorithm.learningRate", 0.001, _ALG, _plain),
@@ -296,6 +355,12 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.rollout.maxNewTokens", 32, _ROLL, _plain),
     ("spec.rollout.temperature", 0.7, _ROLL, _plain),
     ("spec.rollout.reproducible", True, _ROLL, _plain),
+    ("spec.client.modelId", "s0123456789abcdef0123:train:1", _CLIENT, _client),
+    ("spec.client.seed", 7, _CLIENT, _client),
+    ("spec.client.trainAttn", False, _CLIENT, _client),
+    ("spec.client.trainMlp", False, _CLIENT, _client),
+    ("spec.client.trainUnembed", False, _CLIENT, _client),
+    ("spec.client.idleSeconds", 60, _CLIENT, _client),
 ]
 # The operator acts on these every round, or the engine reads them at the next placement.
 MUTABLE_EDITS: list[tuple[str, Any]] = [
@@ -303,10 +368,26 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.suspend", True),
     ("spec.checkpoint.everySteps", 5),
     ("spec.checkpoint.keep", 10),
+    ("spec.tracking.runName", "lr-2"),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "b"}]),
+    # The engine applies a publish edit in place (versions/, docs/versions.md).
+    ("spec.publish.everySteps", 5),
+    ("spec.publish.keep", 3),
+    ("spec.publish.pinned", ["v2"]),
+    ("spec.publish.aliases", [{"name": "stable", "version": "v2"}]),
+    ("spec.publish.promoteWhen.atLeast", 0.5),
+    ("spec.eval.everySteps", 5),
+    ("spec.eval.prompts", 8),
+    ("spec.eval.dataset", "held-out.jsonl"),
+    ("spec.eval.samples", 1),
+    ("spec.eval.passAtK", 1),
+    ("spec.eval.temperature", 0.0),
+    ("spec.eval.passThreshold", 0.5),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
-# retired spec.priority's own rule (0 only) the other.
-SINGLE_VALUED = {"spec.algorithm.name", "spec.priority"}
+# retired spec.priority's own rule (0 only) another; a new publish.promoteWhen block
+# takes the one score there is.
+SINGLE_VALUED = {"spec.algorithm.name", "spec.priority", "spec.publish.promoteWhen.score"}
 
 
 def _edited(base: Obj, field: str, value: Any) -> Obj:
@@ -436,7 +517,11 @@ def test_transition_rules_sit_on_fields_every_object_has(kind: str) -> None:
         for step in rule.path:
             assert step not in ("[]", "{}"), rule
             child = node["properties"][step]
-            assert step in node.get("required", []) or "default" in child, (rule.path, step)
+            # spec.task and spec.client are optional: the spec-level "for life" rule (on
+            # spec, which every object has) refuses adding or removing either.
+            kind_block = rule.path[:2] in (("spec", "task"), ("spec", "client"))
+            required = step in node.get("required", []) or "default" in child
+            assert required or kind_block, (rule.path, step)
             node = child
 
 

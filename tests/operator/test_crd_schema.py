@@ -41,6 +41,11 @@ def _many(n: int, item: Any = None) -> list[Any]:
     return [item(i) if callable(item) else f"m{i}" for i in range(n + 1)]
 
 
+def _env(**fields: Any) -> dict[str, Any]:
+    """A task.environment block with `fields` over a valid one."""
+    return {"name": "gsm8k_multi_turn", **fields}
+
+
 _CONDITION = {
     "type": "Ready",
     "status": "True",
@@ -108,9 +113,35 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
     ("spec.task.params", {"target": _long(4096)}, False),
     ("spec.task.dataset", "", False),
+    # spec.client.* on a client experiment (_case): what the gateway writes.
+    ("spec.client.modelId", DELETE, False),
+    ("spec.client.modelId", "", False),
+    ("spec.client.modelId", "s1:sample:0", False),
+    ("spec.client.modelId", "s1:train:3", True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 9, True),
+    ("spec.client.modelId", "a" * 64 + ":train:" + "1" * 10, False),
+    ("spec.client.idleSeconds", -1, False),
+    ("spec.client.idleSeconds", 0, True),
+    ("spec.client.idleSeconds", 2592001, False),
     ("spec.task.dataset", _long(4096), False),
-    ("spec.task.reward", "bleu", False),
+    ("spec.task.reward", "bleu", True),  # a plug-in's name: the engine refuses unknown ones
     ("spec.task.reward", "exact-match", True),
+    ("spec.task.reward", "", False),
+    ("spec.task.reward", "-dash-first", False),
+    ("spec.task.reward", "a" * 129, False),
+    ("spec.task.environment", {"params": {}}, False),
+    ("spec.task.environment", _env(name=""), False),
+    ("spec.task.environment", _env(name="gsm8k multi"), False),
+    ("spec.task.environment", _env(name="a" * 129), False),
+    ("spec.task.environment", _env(name="acme.calc:v1/x_y-z"), True),
+    ("spec.task.environment", _env(params={f"k{i}": "v" for i in range(65)}), False),
+    ("spec.task.environment", _env(params={"k": "v" * 4097}), False),
+    ("spec.task.environment", _env(maxTurns=0), False),
+    ("spec.task.environment", _env(maxTurns=64), True),
+    ("spec.task.environment", _env(maxTurns=65), False),
+    ("spec.task.environment", _env(maxEpisodeTokens=0), False),
+    ("spec.task.environment", _env(maxEpisodeTokens=32768), True),
+    ("spec.task.environment", _env(maxEpisodeTokens=32769), False),
     ("spec.task.rewardUrl", "ftp://x", False),
     ("spec.task.rewardUrl", _long(2048, "http://"), False),
     ("spec.algorithm.name", "ppo", False),
@@ -186,7 +217,63 @@ EXPERIMENT_BOUNDS = [
     ("spec.checkpoint.everySteps", 1, True),
     ("spec.checkpoint.keep", 0, False),
     ("spec.checkpoint.keep", 1000, True),
+    ("spec.tracking.runName", "lr-3e-4,seed=1", True),
+    ("spec.tracking.runName", "", False),
+    ("spec.tracking.runName", "a/b", False),
+    ("spec.tracking.runName", _long(128), False),
+    ("spec.tracking.tags", [{"name": "sweep", "value": "lr été"}], True),
+    ("spec.tracking.tags", [{"name": f"t{i}"} for i in range(33)], False),
+    ("spec.tracking.tags", [{"value": "x"}], False),
+    ("spec.tracking.tags", [{"name": "mlflow.parentRunId", "value": "x"}], False),
+    ("spec.tracking.tags", [{"name": ""}], False),
+    ("spec.tracking.tags", [{"name": _long(63)}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": "line\nbreak"}], False),
+    ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
+    ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
+    # spec.eval (evaluation/spec_eval.py): its bounds keep a tenant's eval small.
+    ("spec.eval", {}, True),
+    ("spec.eval.everySteps", 0, False),
+    ("spec.eval.everySteps", 1_000_000, True),
+    ("spec.eval.everySteps", 1_000_001, False),
+    ("spec.eval.prompts", 0, False),
+    ("spec.eval.prompts", 64, True),
+    ("spec.eval.prompts", 65, False),
+    ("spec.eval.dataset", "", False),
+    ("spec.eval.dataset", _long(4097), False),
+    ("spec.eval.dataset", "held-out.jsonl", True),
+    ("spec.eval", {"samples": 0}, False),
+    ("spec.eval", {"samples": 16, "temperature": 1.0}, True),
+    ("spec.eval", {"samples": 17, "temperature": 1.0}, False),
+    ("spec.eval", {"passAtK": 0}, False),
+    ("spec.eval", {"passAtK": 17, "samples": 16, "temperature": 1.0}, False),
+    ("spec.eval.temperature", -0.1, False),
+    ("spec.eval.temperature", 2.01, False),
+    ("spec.eval.passThreshold", -1e9, True),
+    ("spec.eval.passThreshold", -1.1e9, False),
+    ("spec.eval.passThreshold", 1.1e9, False),
     ("spec.checkpoint.keep", 1001, False),
+    ("spec.publish.everySteps", 0, False),
+    ("spec.publish.everySteps", 1, True),
+    ("spec.publish.keep", 0, False),
+    ("spec.publish.keep", 1000, True),
+    ("spec.publish.keep", 1001, False),
+    ("spec.publish.pinned", ["v1", "v999999999"], True),
+    ("spec.publish.pinned", [f"v{i + 1}" for i in range(65)], False),
+    ("spec.publish.pinned", ["v0"], False),
+    ("spec.publish.pinned", ["v1234567890"], False),  # pattern and maxLength
+    ("spec.publish.aliases", [{"name": "stable", "version": "v2"}], True),
+    ("spec.publish.aliases", [{"name": f"a{i}", "version": "v1"} for i in range(33)], False),
+    ("spec.publish.aliases", [{"version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "stable"}], False),
+    ("spec.publish.aliases", [{"name": "Stable", "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "", "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "a" * 33, "version": "v1"}], False),
+    ("spec.publish.aliases", [{"name": "a", "version": "v1234567890"}], False),
+    ("spec.publish.promoteWhen", {"score": "meanReward"}, False),
+    ("spec.publish.promoteWhen", {"score": "bleu", "atLeast": 0.5}, False),
+    ("spec.publish.promoteWhen", {"atLeast": -1e10}, False),
+    ("spec.publish.promoteWhen", {"atLeast": 1e10}, False),
+    ("spec.publish.promoteWhen", {"atLeast": 0.5}, True),
     ("spec.priority", 0, True),  # the retired field: anything else is its CEL rule's
     ("spec.priority", "1", False),
     ("spec.priorityClassName", "high-1", True),
@@ -201,7 +288,46 @@ EXPERIMENT_BOUNDS = [
     ("status.phase", "Done", False),
     ("status.phase", "Succeeded", True),
     ("status.restarts", -1, False),
+    ("status.versions", [{"version": "v1", "step": 3, "gatePassed": True}], True),
+    ("status.versions", [{"version": f"v{i + 1}"} for i in range(11)], False),
+    ("status.versions", [{"step": 3}], False),
+    ("status.versions", [{"version": "3"}], False),
+    ("status.aliases", {"stable": "v2", "latest": "v3"}, True),
+    ("status.aliases", {f"a{i}": "v1" for i in range(41)}, False),
     *_condition_cases(),
+]
+
+_URI = "http://mlflow.mlops.svc:5000"
+_MLFLOW = {"trackingUri": _URI}
+# EnginePool spec.tracking (api/pool_tracking.py): each whole, so a case breaks one rule.
+TRACKING_CASES: list[tuple[Any, bool]] = [
+    ({"mlflow": _MLFLOW, "wandb": {}, "tensorboard": {"logDir": "/tb"}, "queue": 1}, True),
+    ({"mlflow": {}}, False),
+    ({"mlflow": {"trackingUri": "ftp://mlflow"}}, False),
+    ({"mlflow": {"trackingUri": "http://"}}, False),
+    ({"mlflow": {"trackingUri": _long(2048, "http://")}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "team/rl"}}, True),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": ""}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": "-x"}}, False),
+    ({"mlflow": _MLFLOW | {"experimentPrefix": _long(128)}}, False),
+    ({"wandb": {"mode": "online", "project": "p.x", "entity": "team-a", "dir": "/w"}}, True),
+    ({"wandb": {"mode": "disabled"}}, False),
+    ({"wandb": {"project": ""}}, False),
+    ({"wandb": {"project": "a b"}}, False),
+    ({"wandb": {"project": _long(128)}}, False),
+    ({"wandb": {"entity": ""}}, False),
+    ({"wandb": {"entity": "a/b"}}, False),
+    ({"wandb": {"entity": _long(128)}}, False),
+    ({"wandb": {"dir": "/"}}, False),
+    ({"wandb": {"dir": "rel/ative"}}, False),
+    ({"wandb": {"dir": _long(4096, "/")}}, False),
+    ({"tensorboard": {}}, False),
+    ({"tensorboard": {"logDir": "/"}}, False),
+    ({"tensorboard": {"logDir": "tb"}}, False),
+    ({"tensorboard": {"logDir": _long(4096, "/")}}, False),
+    ({"queue": 0}, False),
+    ({"queue": 1_000_000}, True),
+    ({"queue": 1_000_001}, False),
 ]
 
 POOL_BOUNDS = [
@@ -253,6 +379,7 @@ POOL_BOUNDS = [
     ("spec.checkpoint.keepRuns", 0, False),
     ("spec.checkpoint.keepRuns", 1, True),
     ("spec.checkpoint.keepRuns", 1001, False),
+    *[("spec.tracking", t, ok) for t, ok in TRACKING_CASES],
     ("spec.allowDatasetHardLinks", "yes", False),
     ("spec.allowDatasetHardLinks", True, True),
     ("spec.capacity.maxAdapters", 0, False),
@@ -387,7 +514,10 @@ def _set(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 def _case(kind: str, field: str, value: Any) -> dict[str, Any]:
     # The pool carries a modelShape so its fields can be broken one at a time (an absent
     # block has no field rules to break, and a partial one breaks `required` too).
-    base = experiment("a") if kind == EXP else pool().model_shape(numLayers=2, hiddenSize=64)
+    if kind == EXP:
+        base = experiment("a").client() if field.startswith("spec.client.") else experiment("a")
+    else:
+        base = pool().model_shape(numLayers=2, hiddenSize=64)
     return _set(base.obj(), field, value)
 
 
@@ -396,7 +526,11 @@ def _names_field(error: str, field: str) -> bool:
     where, _, message = error.partition(": ")
     parent, _, leaf = field.rpartition(".")
     inside = where == field or where.startswith((field + ".", field + "["))
-    return inside or (where == parent and f"'{leaf}' is a required property" in message)
+    # A rule on the whole spec (x-kubernetes-validations on spec) answers its message
+    # alone; it must name the field by its path.
+    spec_rule = not message and f"{field} " in error
+    required = where == parent and f"'{leaf}' is a required property" in message
+    return inside or spec_rule or required
 
 
 def _check_bound(kind: str, field: str, value: Any, valid: bool) -> None:
@@ -455,13 +589,13 @@ def test_the_rule_walker_sees_nested_rules() -> None:
     exp, pool_rules = set(constraint_rules(schema_of(EXP))), set(constraint_rules(schema_of(POOL)))
     assert {
         "<root> required:spec",
-        "spec required:task",
+        "spec.client required:modelId",
         "spec.lora.alpha maximum",
         "spec.lora.targetModules maxItems",
         "spec.lora.targetModules[] pattern",
         "spec.task.params maxProperties",
         "spec.task.params{} maxLength",
-        "spec.task.reward enum",
+        "spec.task.reward pattern",
         "spec.checkpoint.keep maximum",
         "status.conditions[] required:reason",
     } <= exp
@@ -481,12 +615,13 @@ def test_every_schema_rule_has_an_invalid_case(kind: str) -> None:
     assert [r for r in constraint_rules(schema) if r not in broken] == []
 
 
-def test_experiment_requires_pool_and_task() -> None:
+def test_experiment_requires_pool_and_task_or_client() -> None:
     obj = experiment("a").obj()
     del obj["spec"]["enginePool"], obj["spec"]["task"]
-    errors = admit(EXP, obj)
-    assert any("'enginePool' is a required property" in e for e in errors)
-    assert any("'task' is a required property" in e for e in errors)
+    assert any("'enginePool' is a required property" in e for e in admit(EXP, obj))
+    obj = experiment("a").obj()
+    del obj["spec"]["task"]  # the schema holds; the spec's rule refuses it
+    assert [e[:31] for e in admit(EXP, obj)] == ["set exactly one of spec.task (t"]
 
 
 def test_experiment_defaults() -> None:
@@ -577,9 +712,27 @@ def _value_paths(
     return out
 
 
+def _doc_client_spec() -> dict[str, Any]:
+    """The client experiment's example (the second block of the section)."""
+    return _doc_block(1)
+
+
+def _doc_environment_spec() -> dict[str, Any]:
+    """The multi-turn experiment's example (the third block of the section)."""
+    return _doc_block(2)
+
+
+def _doc_block(index: int) -> dict[str, Any]:
+    section = (REPO / "docs" / "engine-api.md").read_text().split("## Experiment spec", 1)[1]
+    return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[index])
+
+
 def test_spec_fields_match_engine_api_doc() -> None:
     spec_schema = schema_of(EXP)["properties"]["spec"]
-    assert _paths(spec_schema) == _value_paths(_doc_spec())
+    documented = _value_paths(_doc_spec()) | _value_paths(_doc_client_spec())
+    assert _paths(spec_schema) == documented | _value_paths(_doc_environment_spec())
+    assert admit(EXP, {**experiment("a").obj(), "spec": _doc_client_spec()}) == []
+    assert admit(EXP, {**experiment("a").obj(), "spec": _doc_environment_spec()}) == []
 
 
 def test_engine_api_doc_example_passes_the_schema() -> None:
@@ -674,6 +827,9 @@ def test_printer_columns_point_at_schema_fields(kind: str) -> None:
             if step.endswith("[]"):
                 node = node["properties"][step[:-2]]["items"]
                 continue
+            if "properties" not in node and "additionalProperties" in node:
+                node = node["additionalProperties"]  # a map's key (.status.aliases.stable)
+                continue
             node = node["properties"][step] if step != "creationTimestamp" else {"type": "string"}
         assert node["type"] in (
             column["type"],
@@ -689,6 +845,7 @@ def test_experiment_printer_columns() -> None:
         "Engine",
         "Progress",
         "Reward",
+        "Stable",
         "Age",
     ]
 

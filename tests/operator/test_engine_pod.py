@@ -310,3 +310,28 @@ def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_p
     assert trust_policy(settings, 8000).data.allow_hard_links
     plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
     assert not [a for a in plain if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]
+
+
+def test_the_pools_trackers_become_the_serve_flags_the_engine_parses() -> None:
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+
+    obj = pool("tenants").obj()
+    obj["spec"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.mlops.svc:5000"},
+        "wandb": {"mode": "online", "entity": "team", "dir": "/ckpt/wandb"},
+        "tensorboard": {"logDir": "/ckpt/tb"},
+        "queue": 500,
+    }
+    args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+    ours = [a for a in args if a.startswith("--tracking-")]
+    settings = serve_settings(build_parser().parse_args(["serve", "--model=/m", *ours]))
+    assert (settings.tracking_mlflow_uri, settings.tracking_mlflow_experiment) == (
+        "http://mlflow.mlops.svc:5000",
+        "loraplex",  # the CRD's default prefix
+    )
+    assert (settings.tracking_wandb, settings.tracking_wandb_project) == ("online", "loraplex")
+    assert (settings.tracking_wandb_entity, settings.tracking_wandb_dir) == ("team", "/ckpt/wandb")
+    assert (settings.tracking_tensorboard_dir, settings.tracking_queue) == ("/ckpt/tb", 500)
+    plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
+    assert not [a for a in plain if a.startswith("--tracking-")]  # no block: no tracker

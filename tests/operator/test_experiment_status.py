@@ -219,6 +219,25 @@ def test_running_copies_engine_progress() -> None:
     assert status.started_at == "2026-12-02T15:00:00Z"
 
 
+def test_running_copies_and_keeps_the_latest_eval() -> None:
+    """spec.eval's latest result (docs/evaluation.md): copied from the engine, valid
+    against the CRD, and kept while the engine does not report (the promotion gate's
+    score must not vanish with an unreachable engine)."""
+    obj = experiment("a").obj()
+    evaluated = {**RUNNING_ENGINE, "evalStep": 10, "evalReward": 0.75, "evalPassAtK": 0.5}
+    status = derive_status(obj, Observation(binding=BOUND, engine_status=evaluated), T0)
+    assert (status.eval_step, status.eval_reward, status.eval_pass_at_k) == (10, 0.75, 0.5)
+    body = status.to_json()
+    assert (body["evalStep"], body["evalReward"], body["evalPassAtK"]) == (10, 0.75, 0.5)
+    status_schema = schema_of("LoRAExperiment")["properties"]["status"]
+    assert schema_errors(status_schema, body) == []
+    again = derive_status({**obj, "status": body}, Observation(binding=BOUND), T1)
+    assert (again.eval_step, again.eval_reward, again.eval_pass_at_k) == (10, 0.75, 0.5)
+    # An engine without an eval result (none yet, or no spec.eval) reports none.
+    plain = derive_status(obj, Observation(binding=BOUND, engine_status=RUNNING_ENGINE), T0)
+    assert "evalReward" not in plain.to_json()
+
+
 def _with_max_steps(obj: dict[str, Any], max_steps: int) -> dict[str, Any]:
     obj["spec"].setdefault("algorithm", {})["maxSteps"] = max_steps
     return obj
@@ -449,6 +468,27 @@ def _pool(**kw: Any) -> dict[str, Any]:
 
 def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_pool_status_lists_the_plugins_a_ready_engine_reports() -> None:
+    """The engines' /v1/capacity `plugins`, copied: what specs of this pool may name."""
+    plugins = {"rewards": ["says-target"], "environments": ["word-tool", "gsm8k"]}
+    status = _pool(engines=1, ready=1, plugins=plugins)
+    assert status["plugins"] == plugins
+    assert schema_errors(schema_of("EnginePool")["properties"]["status"], status) == []
+    assert "plugins" not in _pool(engines=1, ready=0)  # none ready: not known
+
+
+def test_the_pool_observation_takes_the_plugins_of_a_ready_engine() -> None:
+    from loraplex_operator.observation import pool_observation
+    from test_reconcile import engine, snap
+
+    plugins = {"rewards": ["acme-format"], "environments": ["gsm8k"]}
+    views = [engine("e0"), engine("e1")]
+    views[1].capacity = {**(views[1].capacity or {}), "plugins": plugins}
+    assert pool_observation(snap([], views)).plugins == plugins
+    views[1].reachable = False  # its last answer is no news
+    assert pool_observation(snap([], views)).plugins is None
 
 
 def test_pool_status_counts_and_schema() -> None:

@@ -157,6 +157,9 @@ def test_a_pools_engines_are_its_ready_live_pods() -> None:
         ("p-engine-b", "http://10.0.0.1:8000"),
     ]
     assert engines[0].token == "secret-token" and engines[0].allowed_namespaces == ("team-a",)
+    # The name the engines serve the base model by: `serve --model <dir>` names it <dir>'s.
+    base = pool.spec.base_model.rstrip("/").rsplit("/", 1)[-1]
+    assert engines[0].base_model == base and base
     assert pool_engines(pool, pods, None) == []  # no token: nothing to call them with
 
 
@@ -172,3 +175,10 @@ def test_the_client_config_is_the_engines_but_uncompressed() -> None:
     from loraplex_engine.tinker.routes import CLIENT_CONFIG as ENGINE
 
     assert {**ENGINE, "proto_compress_fwdbwd": False} == CLIENT_CONFIG
+
+
+def test_an_engine_serves_its_base_model_by_name_whatever_the_tag() -> None:
+    e = Engine("e", "p", "http://e", "t", base_model="tiny-llama")
+    assert e.serves("tiny-llama") and e.serves("tiny-llama:latest") and e.serves(None)
+    assert not e.serves("Qwen/Qwen3-8B") and not e.serves("tiny")
+    assert Engine("e", "p", "http://e", "t").serves("anything")  # unknown: the engine checks

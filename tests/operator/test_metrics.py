@@ -14,7 +14,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 def _doc_names() -> set[str]:
     text = DOC.read_text()
-    operator = text.split("## Operator", 1)[1]
+    operator = text.split("## Operator", 1)[1].split("\n## ", 1)[0]  # its section alone
     return set(re.findall(r"^\| `(loraplex_[a-z_]+)` \|", operator, flags=re.M))
 
 

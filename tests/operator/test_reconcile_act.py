@@ -404,3 +404,52 @@ async def test_a_round_reading_a_stale_experiment_does_not_undo_a_recoverys_rest
     # Another object of the same name (a new uid) starts from its own count.
     fresh = experiment("a").set("metadata.uid", "uid-new").obj()
     assert (await pub.publish(Work.start(Experiment.from_obj(fresh)), NOW)).restarts == 0
+
+
+class _Deletes(FakeEngines):
+    def __init__(self, final: dict[str, Any]) -> None:
+        super().__init__(delete=final)
+        self.deleted = 0
+
+    async def delete(self, *args: Any) -> dict[str, Any] | None:
+        self.deleted += 1
+        return await super().delete(*args)
+
+
+async def test_an_idle_client_experiment_is_suspended_before_its_unload() -> None:
+    """The idle TTL (idle.py): spec.suspend and the mark are written first, then the
+    engine checkpoints and unloads it; its status says why and how it resumes. A patch
+    that fails leaves it loaded (tried again next round)."""
+    from loraplex_operator import idle
+    from loraplex_operator.kube import KubeError
+    from loraplex_operator.planning import IDLE
+
+    obj = experiment("a").client(idleSeconds=60).status(phase="Running", engine="e1").obj()
+    final = {"id": "team-a.a", "phase": "Running", "step": 5, "idleSeconds": 61.0}
+    final["checkpoint"] = {"path": "tinker://m/weights/step-00000005", "step": 5}
+    engines = _Deletes(final)
+    r, kube, events = _reconciler(engines)
+    unload = Unload("e1", "http://e1", "team-a.a", "team-a/a", IDLE)
+    snap, plan = _round(obj, unloads=[unload])
+    await r.act(snap, plan, "token")
+    spec_patch = kube.patches[0][1]
+    assert spec_patch["spec"] == {"suspend": True}
+    assert idle.IDLE_ANNOTATION in spec_patch["metadata"]["annotations"]
+    assert engines.deleted == 1
+    s = next(p["status"] for _, p in kube.patches if "status" in p)
+    assert s["phase"] == "Suspended" and s["checkpoint"]["step"] == 5 and s["engine"] is None
+    assert "next call" in s["message"]
+    assert events[0][2] == "Suspended" and "idleSeconds" in events[0][3]
+
+    class Refusing(FakeKube):
+        async def patch(self, res: Any, name: str, patch: dict[str, Any], *a: Any, **kw: Any):
+            if "spec" in patch:
+                raise KubeError(409, "conflict")
+            return await super().patch(res, name, patch, **kw)
+
+    engines = _Deletes(final)
+    r, _, _ = _reconciler(engines)
+    r.kube = Refusing()  # type: ignore[assignment]
+    snap, plan = _round(obj, unloads=[unload])
+    await r.act(snap, plan, "token")
+    assert engines.deleted == 0

@@ -9,10 +9,14 @@ and subclasses).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from pydantic.alias_generators import to_camel
+
+if TYPE_CHECKING:  # the HTTP layer reads this module without the spec's blocks
+    from loraplex_engine.evaluation.scores import EvalResult
+    from loraplex_engine.spec_blocks.tracking import TrackingSpec
 
 # The dtypes a frozen base may be loaded in (lora/precision.py maps them to torch's).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -81,6 +85,17 @@ class CheckpointRef(WireModel):
     step: int
 
 
+class VersionSummary(WireModel):
+    """A published version (store/versions.py's manifest, in brief)."""
+
+    version: str  # "v3"
+    step: int
+    scores: dict[str, float]
+    gate_passed: bool | None  # the promotion gate's verdict (None: no gate)
+    created_at: str
+    content_hash: str
+
+
 class ExperimentStatus(WireModel):
     id: str
     namespace: str
@@ -111,6 +126,25 @@ class ExperimentStatus(WireModel):
     # A due checkpoint found the volume full and waits for room (Capacity.storage_full),
     # retried every tick while training goes on.
     checkpoint_pending: bool = False
+    # Published versions (newest last, the most recent few) and the aliases pointing at
+    # them, alias -> "v<N>" (docs/versions.md); why the last publish or alias edit failed.
+    versions: list[VersionSummary] = []
+    aliases: dict[str, str] = {}
+    publish_error: str | None = None
+    publish: dict[str, Any] | None = None  # the spec.publish the engine applies (JSON)
+    # spec.eval's latest result (evaluation/; docs/evaluation.md), None before the first:
+    # the adapter after evalStep steps scored a mean reward of evalReward over the eval
+    # set's completions, and a pass@k (k = evalK) of evalPassAtK. The promotion gate's
+    # score. evalTokens: prompt + completion tokens of every eval so far on this engine.
+    eval_step: int | None = None
+    eval_reward: float | None = None
+    eval_pass_at_k: float | None = None
+    eval_k: int | None = None
+    eval_tokens: int = 0
+    # A client experiment's: seconds since its client's last call (0 while one is
+    # queued; counted from placement), by which the operator enforces
+    # spec.client.idleSeconds. None for a task experiment.
+    idle_seconds: float | None = None
 
 
 class MemoryUse(WireModel):
@@ -185,6 +219,14 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class InstalledPlugins(WireModel):
+    """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
+    task.reward and task.environment.name may use beyond the built-ins."""
+
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class Capacity(WireModel):
     model: str
     rollout_backend: str
@@ -202,6 +244,10 @@ class Capacity(WireModel):
     # Why checkpoints wait for room (the volume was full, ENOSPC/EDQUOT) while any running
     # experiment's is pending; None once they are written.
     storage_full: str | None = None
+    plugins: InstalledPlugins = InstalledPlugins()
+    # The module names its adapters may target (what it wraps): which of them a client
+    # experiment's module kinds train, for the pool's allowedTargetModules check.
+    target_modules: list[str] | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -226,6 +272,23 @@ class ExperimentTick:
     tis_tokens: int = 0  # the sampled tokens TIS weighted (0: no TIS)
     dropped_groups: int = 0  # groups algorithm.dynamicSampling left out of the update
     update_skipped: bool = False  # every group dropped: the step updated nothing
+    # The step's statistics the experiment trackers record (tracking/records.py):
+    # train/step_stats.py's and the loss's (train/strategy.TrainOutcome); None: not known.
+    reward_std: float | None = None
+    response_tokens: float | None = None  # mean completion length
+    entropy: float | None = None  # sampled-token estimate, -mean log p
+    kl: float | None = None
+    clip_fraction: float | None = None
+    # Who the step was for, as the trackers name its run.
+    name: str = ""
+    run_id: str = ""
+    tracking: TrackingSpec | None = None  # spec.tracking
+    finished: bool = False  # its last tick: maxSteps reached and, with spec.eval, evaluated
+    # spec.eval's result, in the tick that scored it (evaluation/; its step is the adapter's,
+    # which may be before this tick's step). eval_only: the tick only evaluated the final
+    # adapter (no step was taken: step, reward and tokens are the last step's, not new).
+    eval: EvalResult | None = None
+    eval_only: bool = False
     # The adapter's step whose weights sampled this step's rollout (step - 1 - it: how
     # stale; 0 on-policy, docs/design/pipeline.md).
     rollout_version: int = 0

@@ -80,3 +80,25 @@ def default_lora_targets(module_names: Iterable[str]) -> tuple[str, ...] | None:
     adaptable modules are ``module_names``; None if it has none of the candidates."""
     names = set(module_names)
     return next((c for c in DEFAULT_TARGET_CANDIDATES if names.issuperset(c)), None)
+
+
+# Weight files a fingerprint covers, and how much of each it reads (a safetensors header,
+# with every tensor's name, dtype, shape and offsets, sits at the start).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+_HEAD_BYTES = 1 << 20
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """A version manifest's ``baseModelHash``: sha256 over ``config.json`` and each weight
+    file's name, size and first MiB. Cheap (a 14 GB model is not read whole at every
+    start), and it tells apart any two models of different config, shapes, dtypes or
+    files; a same-shaped model with other weights in the same files is not told apart."""
+    import hashlib
+
+    root = Path(model_dir)
+    h = hashlib.sha256((root / CONFIG_FILE).read_bytes())
+    for file in sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
+        h.update(f"\0{file.name}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(_HEAD_BYTES))
+    return "sha256:" + h.hexdigest()

@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from loraplex_engine.errors import ApiError, CheckpointError, UnavailableError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.service import PromptJob, ServedRow, TokenCallback
+from loraplex_engine.store.spare_slots import SpareSlots
 
 log = logging.getLogger("loraplex_engine.completion_jobs")
 
@@ -33,10 +36,19 @@ class CompletionJob:
     result: list[Completion] = field(default_factory=list)
     error: Exception | None = None
 
+    # A published version's directory, loaded into a spare slot named slot_name for the
+    # serving tick (versions/publisher.py); None: a live adapter or the base.
+    version_dir: Path | None = None
+
     @classmethod
-    def of(cls, job: PromptJob, base_model: str) -> CompletionJob:
+    def of(
+        cls, job: PromptJob, base_model: str, version: tuple[str, Path] | None = None
+    ) -> CompletionJob:
+        """``version``: the adapter name and directory a version name serves from."""
         generator = None if job.seed is None else torch.Generator().manual_seed(job.seed)
         slot_name = None if job.model == base_model else job.model
+        if version is not None:
+            return cls(job, version[0], generator, job.on_token, version_dir=version[1])
         return cls(job, slot_name, generator, job.on_token)
 
     @property
@@ -83,6 +95,23 @@ class CompletionJob:
         return [
             ServedRow(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in self.result
         ]
+
+
+def load_versions(jobs: list[CompletionJob], spare: SpareSlots) -> list[CompletionJob]:
+    """Load the published versions ``jobs`` ask for into spare slots; a job whose version
+    cannot be loaded (no free slot, a broken directory) is answered with why. Returns the
+    jobs left to serve."""
+    ready = []
+    for job in jobs:
+        if job.version_dir is not None and job.slot_name is not None:
+            try:
+                spare.load(job.slot_name, job.version_dir, job.slot_name)
+            except (ApiError, CheckpointError) as e:
+                job.error = e if isinstance(e, ApiError) else UnavailableError(str(e))
+                job.done.set()
+                continue
+        ready.append(job)
+    return ready
 
 
 def resolve(jobs: list[CompletionJob], error: Exception) -> None:

@@ -29,6 +29,7 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
@@ -42,13 +43,7 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.experiment import (
-    Experiment,
-    adapter_field,
-    check_same,
-    lora_config,
-    new_experiment,
-)
+from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
@@ -57,6 +52,7 @@ from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
 from loraplex_engine.pipelined_tick import tick_class
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.service import PromptJob, ServedRow
@@ -65,6 +61,7 @@ from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
+from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -72,11 +69,9 @@ from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
-from loraplex_engine.train.strategy import (
-    AdapterTrainer,
-    FusedTraining,
-    TrainingStrategy,
-)
+from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
+from loraplex_engine.versions.publisher import Publisher
+from loraplex_engine.versions.service import Versions
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -85,7 +80,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientTraining):
+class Engine(ClientExperimentAPI, ClientTraining, Versions):
     """Implements :class:`loraplex_engine.service.TickingEngine` and, through
     clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
 
@@ -121,8 +116,7 @@ class Engine(ClientTraining):
         self.ignore_eos = ignore_eos
         self.max_step_tokens = s.max_step_tokens
         self.max_prompt_tokens = s.max_prompt_tokens
-        # What tenants' datasets and reward URLs may reach (tenancy/trust.py); the default allows
-        # no dataset file and no local reward address.
+        # What tenants' data and rewards may reach (tenancy/trust.py; default: the strictest).
         self.trust = trust or TrustPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
@@ -142,14 +136,10 @@ class Engine(ClientTraining):
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
         self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
-        quota = s.checkpoint_quota_bytes
+        root, quota = Path(s.checkpoint_root), s.checkpoint_quota_bytes
+        quota = CheckpointQuota(quota) if quota is not None else None
         self.store = RunStore(
-            Path(s.checkpoint_root),
-            self.model,
-            self.optimizer,
-            str(self.model_dir),
-            quota=CheckpointQuota(quota) if quota is not None else None,
-            keep_runs=s.checkpoint_keep_runs,
+            root, self.model, self.optimizer, str(self.model_dir), quota, s.checkpoint_keep_runs
         )
         shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
         self.share_prompt_prefix = shared is not None
@@ -199,6 +189,9 @@ class Engine(ClientTraining):
         # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
         # and every rank decodes a share of each torch rollout.
         self.ranks = share_rollouts(self.strategy, self.backend)
+        # Published versions (versions/): from spare slots where one process decodes (torch).
+        one = self.ranks is None and self.lockstep is None and self.backend.shares_trainer_weights
+        self.publisher = Publisher(VersionStore(root, quota), self.model, self.model_dir, one)
         # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
         self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
         # Sized once the weights, slots and rollout worker hold their memory.
@@ -240,9 +233,11 @@ class Engine(ClientTraining):
             self.scorer,
             s.max_prompt_tokens,
             self.context_tokens,
+            self.publisher,
         )
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
+        self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
 
     @property
     def computed_train_tokens(self) -> int:
@@ -281,11 +276,11 @@ class Engine(ClientTraining):
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded
 
-    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+    def get_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._state_lock:
             return self._require(exp_id).status()
 
-    def list_experiments(self) -> list[ExperimentStatus]:
+    def list_task_experiments(self) -> list[ExperimentStatus]:
         with self._state_lock:
             return [e.status() for e in self._experiments.values()]
 
@@ -308,14 +303,16 @@ class Engine(ClientTraining):
                 rss_bytes=psutil.Process().memory_info().rss, device_bytes=device_bytes
             ),
             model_shape=model_shape_of(self.model.base_model.config),
+            target_modules=sorted(self.model.target_modules),
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,
+            plugins=installed().to_json(),  # type: ignore[arg-type]
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------
 
-    def put_experiment(
+    def put_task_experiment(
         self,
         exp_id: str,
         spec: ExperimentSpec,
@@ -341,10 +338,11 @@ class Engine(ClientTraining):
             with self._model_lock:
                 existing = self._experiments.get(exp_id)
                 if existing is not None:
-                    check_same(existing, spec, run_id)
+                    self.publisher.update(existing, spec, run_id)  # publish: in place, else 409
                     return existing.status(), False
                 exp = exp or self._build(exp_id, spec, namespace, name or exp_id, run_id)
                 self._load(exp, resume_from, run_id)
+                self.publisher.attach(exp)
                 try:
                     self.backend.add_adapter(exp_id)
                 except Exception:
@@ -362,14 +360,14 @@ class Engine(ClientTraining):
             if exp is not None and not kept:
                 exp.task.close()  # its dataset's descriptors, its reward's client
 
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+    def checkpoint_task_experiment(self, exp_id: str) -> CheckpointRef:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase == "Failed":
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
             return self.store.save(exp)
 
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+    def remove_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:
             exp = self._require(exp_id)
             if exp.phase != "Failed" and (
@@ -390,12 +388,12 @@ class Engine(ClientTraining):
     def complete(self, job: PromptJob) -> list[ServedRow]:
         """Served by the next tick, inside its rollout batch; ``job.on_token`` sees each
         token as the decode makes it (torch backend; vLLM answers whole rows)."""
-        if job.model not in (self.model_name, *self._experiments):
-            raise NotFoundError(
-                f"no model {job.model!r}: use an experiment id or {self.model_name!r}"
-            )
+        served = self.client_experiments.served(job)  # a client experiment's model's adapter
+        live = served is not job or job.model in (self.model_name, *self._experiments)
+        version = None if live else self.publisher.serving(job.model)  # versions/names.py
+        job = served
         self.limits.check_completion(len(job.prompt_ids), job.max_tokens, job.n)
-        queued = CompletionJob.of(job, self.model_name)
+        queued = CompletionJob.of(job, self.model_name, version)
         with self._jobs_lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -476,7 +474,8 @@ class Engine(ClientTraining):
         self.limits.check_step(spec)
         if not self.model.free_slots():
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
-        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust)
+        timeout = self.settings.plugin_timeout
+        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust, timeout)
 
     def _load(self, exp: Experiment, resume_from: str | None, run_id: str | None) -> None:
         """Its adapter, fresh or resumed, into a slot (under the model lock); a failure

@@ -53,6 +53,11 @@ class RewardError(LoraplexError, RuntimeError):
     """A reward could not be computed (service down, bad answer, non-finite score)."""
 
 
+class PluginError(RewardError):
+    """An installed plug-in (a reward, an environment) raised, hung past its bound, or
+    answered wrongly: its experiment fails, nothing else (plugins/host.py)."""
+
+
 class VLLMWorkerError(LoraplexError, RuntimeError):
     """The vLLM worker failed a request, or died."""
 

@@ -25,11 +25,16 @@ from loraplex_engine.errors import (
     TaskError,
     UnknownTargetModuleError,
 )
+from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
+from loraplex_engine.evaluation.scores import EvalResult, eval_due
 from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.plugins.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.plugins.host import CALL_TIMEOUT_S
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
+from loraplex_engine.versions.policy import PublishState
 
 
 def now() -> str:
@@ -72,16 +77,44 @@ class Experiment:
     # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
+    # Published versions and aliases (versions/publisher.py), read from disk at placement.
+    published: PublishState = field(default_factory=PublishState)
+    # spec.eval (evaluation/): its fixed prompts, the step of the latest eval planned (its
+    # rows rolled out) and of the latest result, and the tokens every eval cost so far.
+    eval_set: EvalSet | None = None
+    eval_planned: int | None = None
+    last_eval: EvalResult | None = None
+    eval_tokens: int = 0
 
     @property
     def max_steps(self) -> int:
         return self.spec.algorithm.max_steps
+
+    @property
+    def finished_steps(self) -> bool:
+        """Its last step is done (maxSteps > 0 reached)."""
+        return self.max_steps > 0 and self.step >= self.max_steps
+
+    def eval_due(self) -> bool:
+        """The adapter at this step is to be evaluated and no eval of it is planned yet."""
+        if self.eval_set is None:
+            return False
+        every = self.eval_set.spec.every_steps
+        return eval_due(self.step, every, self.eval_planned, self.finished_steps)
+
+    def awaits_final_eval(self) -> bool:
+        """Finished training, but the eval of its last adapter has no result yet: it
+        stays Running until it has."""
+        if self.eval_set is None or not self.finished_steps:
+            return False
+        return self.last_eval is None or self.last_eval.step != self.step
 
     def fail(self, error: str, reason: str) -> None:
         """Fail this experiment alone: ``error`` says what happened, ``reason`` is its
         kind (a FAILURE_REASONS entry)."""
         self.phase, self.error, self.updated_at = "Failed", error, now()
         self.failure_reason = reason
+        self.task.close()  # its plug-in worker, reward connections: nothing more to score
 
     def status(self) -> ExperimentStatus:
         return ExperimentStatus(
@@ -106,7 +139,25 @@ class Experiment:
             tis_weight_mean=self.tis_weight_mean,
             skipped_updates=self.skipped_updates,
             checkpoint_pending=self.checkpoint_pending,
+            versions=list(self.published.recent),
+            aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
+            publish_error=self.published.error,
+            publish=None if self.spec.publish is None else self.spec.publish.to_json(),
+            **eval_status(self.last_eval, self.eval_tokens),
         )
+
+
+def eval_status(result: EvalResult | None, tokens: int) -> dict[str, Any]:
+    """ExperimentStatus's eval fields: the latest eval's (None before the first)."""
+    if result is None:
+        return {"eval_tokens": tokens}
+    return {
+        "eval_step": result.step,
+        "eval_reward": result.reward,
+        "eval_pass_at_k": result.pass_at_k,
+        "eval_k": result.k,
+        "eval_tokens": tokens,
+    }
 
 
 def lora_config(spec: ExperimentSpec, default_targets: tuple[str, ...] | None) -> LoRAConfig:
@@ -134,6 +185,7 @@ def new_experiment(
     name: str,
     run_id: str | None,
     trust: TrustPolicy,
+    plugin_timeout: float = CALL_TIMEOUT_S,
 ) -> Experiment:
     """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
     unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
@@ -143,17 +195,28 @@ def new_experiment(
         if spec.task.name == "jsonl" and spec.task.dataset:
             file, dataset_root = trust.data.resolve(spec.task.dataset, namespace)
             dataset = str(file)
+        reward, env = spec.task.reward or "default", spec.task.environment
+        plugged = uses_plugins(reward, env)
+        if plugged:
+            check_plugins(reward, env)
         task = build_task(
             spec.task.name,
             spec.task.params,
             dataset,
-            spec.task.reward or "default",
+            "default" if plugged else reward,
             spec.task.reward_url,
             dataset_root=dataset_root,
             allow_hard_links=trust.data.allow_hard_links,
             reward_egress=trust.egress,
         )
+        if plugged:
+            plug_in(task, reward, env, plugin_timeout, exp_id)
         algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
+        try:
+            eval_set = build_eval_set(spec, task, trust, namespace)
+        except BaseException:
+            task.close()  # its dataset's descriptors, its reward's client
+            raise
     except TaskError as e:
         raise InvalidSpecError(e.message, field=e.field) from e
     except KeyError as e:
@@ -168,6 +231,7 @@ def new_experiment(
         algorithm=algorithm,
         prompt_rng=random.Random(seed),
         sample_gen=torch.Generator().manual_seed(seed),
+        eval_set=eval_set,
     )
     if run_id is not None:
         exp.run_id = run_id
@@ -184,13 +248,16 @@ def adapter_field(error: AdapterError) -> str:
 
 
 def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:
-    """The spec minus operator-only fields (pool, priority class, suspend): what the engine
-    runs."""
-    return spec.model_dump(exclude={"engine_pool", "priority_class_name", "priority", "suspend"})
+    """The spec minus operator-only fields (pool, priority class, suspend) and what the
+    engine applies in place (publish): what the engine runs."""
+    return spec.model_dump(
+        exclude={"engine_pool", "priority_class_name", "priority", "suspend", "publish"}
+    )
 
 
-def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> None:
-    """A PUT of a loaded experiment is a no-op only with its spec and run."""
+def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -> bool:
+    """A PUT of a loaded experiment is a no-op only with its spec and run, but for its
+    publish block, which the engine applies in place: True when that changed."""
     if adapter_spec(existing.spec) != adapter_spec(spec):
         raise ConflictError(
             f"experiment {existing.id!r} is loaded with a different spec; "
@@ -201,3 +268,4 @@ def check_same(existing: Experiment, spec: ExperimentSpec, run_id: str | None) -
             f"experiment {existing.id!r} is loaded as run {existing.run_id!r}, "
             f"not runId {run_id!r}; DELETE it first to start another run"
         )
+    return existing.spec.publish != spec.publish

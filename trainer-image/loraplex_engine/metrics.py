@@ -107,6 +107,13 @@ class EngineMetrics:
             per_exp,
             registry=r,
         )
+        # Only for experiments that have published versions (docs/versions.md).
+        self.latest_version = Gauge(
+            "loraplex_engine_latest_version",
+            "N of the experiment's newest published version vN (its latest alias).",
+            per_exp,
+            registry=r,
+        )
         # algorithm.dynamicSampling: exported at 0 for every experiment from its first step.
         self.groups_dropped = Counter(
             "loraplex_engine_groups_dropped",
@@ -117,6 +124,25 @@ class EngineMetrics:
         self.updates_skipped = Counter(
             "loraplex_engine_updates_skipped",
             "Steps with every group dropped by dynamic sampling: no update.",
+            per_exp,
+            registry=r,
+        )
+        # spec.eval (docs/evaluation.md): only for experiments with an eval, from its first.
+        self.eval_reward = Gauge(
+            "loraplex_engine_eval_reward",
+            "Mean reward of the latest eval's completions (spec.eval).",
+            per_exp,
+            registry=r,
+        )
+        self.eval_pass_at_k = Gauge(
+            "loraplex_engine_eval_pass_at_k",
+            "pass@k of the latest eval (spec.eval.passAtK), averaged over its prompts.",
+            per_exp,
+            registry=r,
+        )
+        self.eval_tokens = Counter(
+            "loraplex_engine_eval_tokens",
+            "Prompt and completion tokens of the evals' rows (not in rollout_tokens).",
             per_exp,
             registry=r,
         )
@@ -207,9 +233,13 @@ class EngineMetrics:
             self.reward,
             self.checkpoints,
             self.logprob_gap,
+            self.latest_version,
             self.tis_weight_mean,
             self.groups_dropped,
             self.updates_skipped,
+            self.eval_reward,
+            self.eval_pass_at_k,
+            self.eval_tokens,
         )
         self._serving = (self.serving_requests, self.serving_seconds, self.serving_first_token)
         self._lock = threading.Lock()
@@ -281,6 +311,14 @@ class EngineMetrics:
                 if s.tis_weight_mean is not None:
                     labels = {"namespace": s.namespace, "experiment": s.id}
                     self.tis_weight_mean.labels(**labels).set(s.tis_weight_mean)
+                latest = s.aliases.get("latest")
+                if latest is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.latest_version.labels(**labels).set(int(latest[1:]))
+                if s.eval_reward is not None and s.eval_pass_at_k is not None:
+                    labels = {"namespace": s.namespace, "experiment": s.id}
+                    self.eval_reward.labels(**labels).set(s.eval_reward)
+                    self.eval_pass_at_k.labels(**labels).set(s.eval_pass_at_k)
 
     def count_checkpoint(self, exp_id: str, namespace: str) -> None:
         with self._lock:
@@ -350,6 +388,12 @@ class EngineMetrics:
                 labels = {"namespace": t.namespace, "experiment": t.id}
                 if t.failed_reason is not None:
                     self.failures.labels(reason=_reason(t.failed_reason)).inc()
+                    continue
+                if t.eval is not None:
+                    self.eval_reward.labels(**labels).set(t.eval.reward)
+                    self.eval_pass_at_k.labels(**labels).set(t.eval.pass_at_k)
+                    self.eval_tokens.labels(**labels).inc(max(t.eval.tokens, 0))
+                if t.eval_only:  # the last adapter's eval: no step was taken
                     continue
                 self.steps.labels(**labels).inc()
                 self.rollout_tokens.labels(**labels).inc(max(t.rollout_tokens, 0))

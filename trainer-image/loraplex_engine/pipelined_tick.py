@@ -33,17 +33,8 @@ from loraplex_engine.experiment import Experiment
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.settings.engine import SCHEDULES
 from loraplex_engine.tenancy.fair_share import due_to_roll_out
-from loraplex_engine.tick import (
-    Failure,
-    Rollout,
-    Scored,
-    Tick,
-    Trained,
-    _failed,
-    _finished,
-    _guarded,
-    _keep,
-)
+from loraplex_engine.tick import Tick
+from loraplex_engine.tick_results import Failure, Rollout, Scored, Trained, failed, guarded, keep
 from loraplex_engine.train.strategy import TrainingStrategy
 
 
@@ -62,9 +53,10 @@ def max_staleness(exp: Experiment) -> int:
 
 def may_roll_out(exp: Experiment, training: bool) -> bool:
     """``exp`` may start a rollout this tick: not while its own update is being made
-    unless it allows a stale one, and never past its last step."""
-    if _finished(exp):
-        return False
+    unless it allows a stale one, and never past its last step (but for the eval of its
+    last adapter, spec.eval)."""
+    if exp.finished_steps:
+        return not training and exp.eval_due()
     if not training:
         return True
     last = exp.max_steps > 0 and exp.step + 1 >= exp.max_steps
@@ -110,7 +102,7 @@ class PipelinedTick(Tick):
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
-        to_train = self._take_ready(running) + _keep(self.scorer.arrived(running), failures)
+        to_train = self._take_ready(running) + keep(self.scorer.arrived(running), failures)
         training = {id(s.rollout.exp) for s in to_train}
         eligible = [
             e for e in running if not self.scorer.waits(e) and may_roll_out(e, id(e) in training)
@@ -118,28 +110,28 @@ class PipelinedTick(Tick):
         due = due_to_roll_out(eligible, self.count)
         if not to_train:
             due = fill_split(due)
-        plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
-        planned = _keep(plans, failures)
+        plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
+        planned = keep(plans, failures)
         scored, trained = self._overlap(planned, jobs, to_train, client_train, phases)
-        for s in _keep(scored, failures):
+        for s in keep(scored, failures):
             self.ready[s.rollout.exp.id] = s
         # A stale experiment can fail in its next rollout (its task, reward) while its
         # update is made: failed, it does not step (its last checkpoint stands).
-        failed = {id(f.exp) for f in failures}
-        trained = _keep([t for t in trained if id(_owner(t)) not in failed], failures)
+        lost = {id(f.exp) for f in failures}
+        trained = keep([t for t in trained if id(_owner(t)) not in lost], failures)
         t = time.perf_counter()
         synced, sync = self._sync(trained)
-        trained = _keep(synced, failures)
+        trained = keep(synced, failures)
         phases["sync"] += time.perf_counter() - t
         t = time.perf_counter()
-        stepped = _keep([self._guarded_after_step(x) for x in trained], failures)
+        stepped = keep([self._guarded_after_step(x) for x in trained], failures)
         stepped_ids = {id(x.scored.rollout.exp) for x in trained}
-        _keep(self._retry_checkpoints(running, stepped_ids), failures)
+        keep(self._retry_checkpoints(running, stepped_ids), failures)
         phases["checkpoint"] += time.perf_counter() - t
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
-            experiments=[_failed(f) for f in failures] + stepped,
+            experiments=[failed(f) for f in failures] + stepped,
             adapter_sync=sync,
         )
 

@@ -14,8 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
+from loraplex_engine.api_types import (
+    Capacity,
+    CheckpointRef,
+    ExperimentStatus,
+    TickReport,
+    VersionSummary,
+)
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.versions.spec import PublishSpec
 
 # (row, token id, log-prob, top alternatives or None); called from the tick's thread, so
 # it must not block (the whole rollout batch waits on it).
@@ -84,6 +91,12 @@ class EngineService(Protocol):
     def list_experiments(self) -> list[ExperimentStatus]: ...
 
     def checkpoint_experiment(self, exp_id: str) -> CheckpointRef: ...
+
+    def publish_version(self, exp_id: str) -> VersionSummary: ...
+
+    def update_publish(self, exp_id: str, publish: PublishSpec | None) -> ExperimentStatus: ...
+
+    def describe_version(self, model: str) -> VersionSummary: ...
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
         """Checkpoint, then unload and free the slot."""

@@ -15,7 +15,12 @@ from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.errors import SpecError, TaskError
-from loraplex_engine.spec_algorithm import AlgorithmSpec
+from loraplex_engine.evaluation.spec_eval import EVAL_NEEDS_TASK, EvalSpec
+from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
+from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
+from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.tracking import TrackingSpec
 from loraplex_engine.spec_schema import (
     CelRule,
     FieldRule,
@@ -26,16 +31,12 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
+from loraplex_engine.versions.spec import PUBLISH_FIELD, PublishSpec
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl"]
-# "default" = the task's own verifier; kept equal to tasks.REWARD_NAMES (tested).
-RewardName = Literal[
-    "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
-]
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 ]
-ParamValue = Annotated[str, Field(max_length=4096)]
 # A DNS subdomain, as Kubernetes names an object (the pool is one).
 ObjectName = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -146,12 +147,16 @@ class TaskSpec(SpecModel):
         description='Path of a JSONL file inside the engine pod, one {"prompt": str, '
         '"answer": str} object per line. Required by, and only used by, the jsonl task.',
     )
-    reward: RewardName | None = Field(
+    reward: PluginName | None = Field(
         None,
         description="How a completion is scored: default (the task's own verifier), a "
         "built-in reward (exact-match, contains, prefix-overlap, word-fraction, coverage "
-        "against the answer), or http (scored by the service at rewardUrl). "
+        "against the answer), http (scored by the service at rewardUrl), or the name of a "
+        "reward plug-in installed in the engine (GET /v1/capacity lists them). "
         "Absent = the task's own verifier.",
+    )
+    environment: EnvironmentSpec | None = Field(
+        None, description="A multi-turn environment the policy acts in (its reward scores)."
     )
     chat_template: bool = Field(
         False,
@@ -198,25 +203,6 @@ class RolloutSpec(SpecModel):
     )
 
 
-class CheckpointSpec(SpecModel):
-    """How often checkpoints are written and how many are kept."""
-
-    every_steps: Int32 = Field(
-        10,
-        ge=1,
-        alias="everySteps",
-        description="Write a checkpoint every this many optimiser steps (the engine also "
-        "writes one when the experiment is unloaded, suspended or its pod stops).",
-    )
-    keep: Int32 = Field(
-        3,
-        ge=1,
-        le=1000,
-        description="Checkpoints kept per run: after each write, older ones beyond this "
-        "many are deleted.",
-    )
-
-
 class ExperimentSpec(SpecModel):
     """What to train and how: the adapter (lora), the task and its reward, the RL
     algorithm, the rollouts, checkpointing, and scheduling (enginePool, priorityClassName,
@@ -244,6 +230,8 @@ class ExperimentSpec(SpecModel):
                 or spec.algorithm.overlong.buffer_tokens <= spec.rollout.max_new_tokens
             ),
         ),
+        *CLIENT_RULES,
+        EVAL_NEEDS_TASK,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.
@@ -266,13 +254,16 @@ class ExperimentSpec(SpecModel):
         "spec.lora is immutable once created (the adapter's weights, optimiser state and "
         "checkpoints have its shape): create a new LoRAExperiment to change it",
     )
-    task: TaskSpec = Field(
-        description="Prompts and reward, i.e. what the adapter learns. Immutable.",
+    task: TaskSpec | None = Field(
+        None,
+        description="Prompts and reward, i.e. what the adapter learns. Immutable. Required "
+        "unless spec.client is set.",
         json_schema_extra=immutable(
             "spec.task is immutable once created (its prompts and reward define what the "
             "adapter learns): create a new LoRAExperiment to change it"
         ),
     )
+    client: ClientSpec | None = client_field()
     algorithm: AlgorithmSpec = block(
         AlgorithmSpec,
         "The RL update and the run's length. Immutable: the engine takes it once, at "
@@ -292,6 +283,15 @@ class ExperimentSpec(SpecModel):
         "effect the next time the experiment is placed on an engine (after suspend and "
         "resume, a preemption or a recovery); the running engine keeps the settings it was "
         "given.",
+    )
+    tracking: TrackingSpec = block(TrackingSpec, TrackingSpec.__doc__ or "")
+    publish: PublishSpec | None = PUBLISH_FIELD
+    evaluation: EvalSpec | None = Field(
+        None,
+        alias="eval",
+        description="A fixed prompt set sampled with the adapter every eval.everySteps steps "
+        "and scored with the task's reward (mean reward, pass@k) into status, metrics and "
+        "trackers; never trained on. Absent = no eval. Mutable: the next placement takes it.",
     )
     priority_class_name: ClassName | None = Field(
         None,
@@ -339,6 +339,8 @@ class ExperimentSpec(SpecModel):
 
     def check_task(self) -> None:
         """Task parameters (free-form in the schema) against the task's known ones."""
+        if self.task is None:  # a client experiment (spec_blocks/client.py)
+            return
         # Imported here: tasks pull in httpx; parsing a spec should not need it.
         from loraplex_engine.tasks import check_task
 

@@ -9,6 +9,7 @@ module adds what JSON Schema has no word for, each stated once and read by both 
   check that ``parse_spec`` runs (the engine and ``loraplex-engine run`` see no CRD);
 - ``FieldRule``: the same for one field's own value, the rule sitting on that field;
 - ``ListSet``: a list of distinct items (``x-kubernetes-list-type: set``), checked here too;
+- ``ListMap``: a list of objects with distinct keys (``x-kubernetes-list-type: map``);
 - ``Int32``/``Int64``: the integer format the CRD declares;
 - ``spec_errors``: pydantic's errors as ``SpecError``s naming the field;
 - ``immutable``: a transition rule (``self == oldSelf``); only the API server can check it,
@@ -145,6 +146,29 @@ def _distinct(items: list[Any]) -> list[Any]:
 
 
 @dataclass(frozen=True)
+class ListMap:
+    """A list of objects keyed by ``key`` (``x-kubernetes-list-type: map``): the API
+    server merges entries by it and refuses two with one key; checked here too."""
+
+    key: str
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self._distinct, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        keys = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": [self.key]}
+        return {**handler(schema), **keys}
+
+    def _distinct(self, items: list[Any]) -> list[Any]:
+        _distinct([getattr(item, self.key) for item in items])
+        return items
+
+
+@dataclass(frozen=True)
 class _Format:
     """The OpenAPI ``format`` an integer has in the CRD (JSON Schema has no int32)."""
 
@@ -182,6 +206,7 @@ __all__ = [
     "FieldRule",
     "Int32",
     "Int64",
+    "ListMap",
     "ListSet",
     "SpecModel",
     "block",

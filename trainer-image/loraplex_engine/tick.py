@@ -2,8 +2,10 @@
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
 plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
-mixed-adapter batch, queued completions included) → ``reward`` (concurrent, with a
-deadline: a late reward trains in a later tick) → ``train`` (the training strategy) →
+mixed-adapter batch, queued completions included; multi-turn episodes then go on turn
+by turn, every experiment's in one batch a turn: environments/episodes.py) → ``reward``
+(concurrent, with a deadline: a late reward trains in a later tick) → ``train`` (the
+training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
 checkpoints). Each phase takes the experiments still in play and returns who carries on.
 
@@ -19,31 +21,50 @@ a tick: those are faults of the base model or the device.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import replace
 
-from loraplex_engine.api_types import TICK_PHASES, AdapterSync, ExperimentTick, TickReport
-from loraplex_engine.completion_jobs import CompletionJob
+from loraplex_engine.api_types import (
+    MAX_NEW_TOKENS,
+    TICK_PHASES,
+    AdapterSync,
+    ExperimentTick,
+    TickReport,
+)
+from loraplex_engine.completion_jobs import CompletionJob, load_versions
+from loraplex_engine.environments.episodes import open_group, play
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
     NotFoundError,
-    RewardError,
     StorageFullError,
-    TaskError,
 )
+from loraplex_engine.evaluation.eval_set import eval_rows
 from loraplex_engine.experiment import Experiment, now
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.rollout.backends import RolloutBackend
-from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.store.run_store import RunStore
+from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tenancy.fair_share import RewardScorer, due_to_roll_out
 from loraplex_engine.tenancy.work_limits import prompt_ids
+from loraplex_engine.tick_results import (
+    Failure,
+    Rollout,
+    Scored,
+    Trained,
+    eval_only_tick,
+    exp_of,
+    failed,
+    first_error,
+    guarded,
+    keep,
+    record_eval,
+    score_one,
+)
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.experiment_rows import (
@@ -53,69 +74,11 @@ from loraplex_engine.train.experiment_rows import (
     step_loss,
 )
 from loraplex_engine.train.rows import TrainRow
+from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
+from loraplex_engine.versions.publisher import Publisher
 
-_T = TypeVar("_T")
 log = logging.getLogger("loraplex_engine.tick")
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One experiment's step: its prompts (each repeated groupSize times), their requests
-    and, after the rollout phase, their completions."""
-
-    exp: Experiment
-    prompts: list[Prompt]
-    requests: list[RolloutRequest]
-    completions: list[Completion] = field(default_factory=list)
-    version: int = 0  # the adapter's step (its weights' version) when this was planned
-
-    @property
-    def rollout_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
-
-@dataclass(frozen=True)
-class Scored:
-    rollout: Rollout
-    rewards: list[float]
-
-
-@dataclass(frozen=True)
-class Trained:
-    scored: Scored
-    train_tokens: int
-    outcome: TrainOutcome  # its statistics (the gap, TIS), finite or None
-    dropped_groups: int = 0  # groups the dynamic-sampling filter left out
-    skipped: bool = False  # no row trained (every group dropped): no update
-
-
-@dataclass(frozen=True)
-class Failure:
-    exp: Experiment
-    reason: str  # the experiment's error text
-    kind: str  # status.failureReason and the metrics label (api_types.FAILURE_REASONS)
-
-
-def _guarded(exp: Experiment, kind: str, what: str, step: Callable[[], _T]) -> _T | Failure:
-    """Run one experiment's own step; any error in it fails that experiment alone.
-
-    Broad on purpose: this is the boundary between a tenant's spec, data and reward
-    service and the shared tick, and no tenant input may stop the engine."""
-    try:
-        return step()
-    except Exception as e:
-        if not isinstance(e, RewardError | TaskError | ValueError):
-            log.warning("experiment %s: %s failed", exp.id, what, exc_info=True)
-        return Failure(exp, f"{what} failed: {_describe(e)}", kind)
-
-
-def _describe(e: Exception) -> str:
-    """One line: the error's message, with its class when that is not one of ours."""
-    text = " ".join(str(e).split())[:500] or "(no message)"
-    if isinstance(e, RewardError | TaskError):
-        return text
-    return f"{type(e).__name__}: {text}"
 
 
 class Tick:
@@ -131,6 +94,7 @@ class Tick:
         scorer: RewardScorer[Scored | Failure],
         max_prompt_tokens: int,
         context_tokens: int | None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.model = model
         self.codec = codec
@@ -140,6 +104,7 @@ class Tick:
         self.scorer = scorer
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
+        self.publisher = publisher  # published versions (versions/publisher.py)
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
@@ -156,7 +121,11 @@ class Tick:
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
         start = time.perf_counter()
-        self._rollout([], jobs)
+        spare = SpareSlots(self.model)  # published versions' rows (versions/)
+        try:
+            self._rollout([], load_versions(jobs, spare))
+        finally:
+            spare.release()
         seconds = time.perf_counter() - start
         return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
 
@@ -175,11 +144,13 @@ class Tick:
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
         arrived = self.scorer.arrived(running)  # late rewards: these train now
-        back = {id(_exp_of(a)) for a in arrived}
+        back = {id(exp_of(a)) for a in arrived}
         eligible = [
             e
             for e in running
-            if not self.scorer.waits(e) and id(e) not in back and not _finished(e)
+            if not self.scorer.waits(e)
+            and id(e) not in back
+            and (not e.finished_steps or e.eval_due())  # a last eval to run
         ]
         due = due_to_roll_out(eligible, self.count)
 
@@ -191,68 +162,101 @@ class Tick:
             finally:
                 phases[phase] += time.perf_counter() - t
 
-        plans = [_guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
-        planned = _keep(plans, failures)
+        plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
+        planned = keep(plans, failures)
         with timed("rollout"):
-            rolled = _keep(self._rollout(planned, jobs), failures)
+            rolled = keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
-            scored = _keep(arrived + self._score(rolled), failures)
+            scored = keep(arrived + self._score(rolled), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
-            trained = _keep(self._train(scored), failures)
+            trained = keep(self._train(scored), failures)
             if client_train is not None:
                 client_train(self.strategy)
         with timed("sync"):
             synced, sync = self._sync(trained)
-            trained = _keep(synced, failures)
+            trained = keep(synced, failures)
         with timed("checkpoint"):
-            stepped = _keep([self._guarded_after_step(t) for t in trained], failures)
+            stepped = keep([self._guarded_after_step(t) for t in trained], failures)
             stepped_ids = {id(t.scored.rollout.exp) for t in trained}
-            _keep(self._retry_checkpoints(running, stepped_ids), failures)
+            keep(self._retry_checkpoints(running, stepped_ids), failures)
         return TickReport(
             seconds=time.perf_counter() - start,
             phase_seconds=phases,
-            experiments=[_failed(f) for f in failures] + stepped,
+            experiments=[failed(f) for f in failures] + stepped,
             adapter_sync=sync,
         )
 
     # ---- rollout ------------------------------------------------------------------------
 
     def _plan(self, exp: Experiment) -> Rollout:
+        """The experiment's step (none once its steps are done) and the rows of its eval
+        when one is due; both count in its step cost (tenancy/fair_share.py)."""
         alg, roll = exp.spec.algorithm, exp.spec.rollout
         slot = self.model.slot_of(exp.id)
-        prompts = exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        prompts = (
+            []
+            if exp.finished_steps
+            else exp.task.sample_prompts(alg.prompts_per_step, exp.prompt_rng)
+        )
         limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
-        encoded = [
-            prompt_ids(self.codec, p.text, p.meta.get("line"), exp.spec.task.chat_template, *limits)
-            for p in prompts
-        ]
-        requests = [
-            RolloutRequest(
+
+        def encode(p: Prompt) -> list[int]:
+            chat = exp.spec.task.chat_template
+            return prompt_ids(self.codec, p.text, p.meta.get("line"), chat, *limits)
+
+        def request(ids: list[int], new_tokens: int = roll.max_new_tokens) -> RolloutRequest:
+            return RolloutRequest(
                 slot=slot,
                 prompt_ids=ids,
-                max_new_tokens=roll.max_new_tokens,
+                max_new_tokens=min(new_tokens, roll.max_new_tokens),
                 temperature=roll.temperature,
                 generator=exp.sample_gen,
                 group=exp.id,
                 adapter=exp.id,
                 reproducible=roll.reproducible,
             )
-            for ids in encoded
-            for _ in range(alg.group_size)
-        ]
+
+        repeated = [p for p in prompts for _ in range(alg.group_size)]
+        episodes = None
+        if exp.task.environment is None:
+            requests = [request(ids) for ids in map(encode, prompts) for _ in range(alg.group_size)]
+        else:
+            pairs = [(p.text, p.answer) for p in repeated]
+            encode_text = lambda text: encode(Prompt(text, ""))  # noqa: E731
+            room = lambda ids: self._room(exp, ids)  # noqa: E731
+            episodes = open_group(exp.task.environment, pairs, encode_text, request, room)
+            requests = [e.request for e in episodes.episodes]
         exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        if episodes is not None:
+            exp.step_cost = sum(len(e.request.prompt_ids) + e.budget for e in episodes.episodes)
+        evals = None
+        if exp.eval_set is not None and exp.eval_due():
+            rollout = (slot, roll.max_new_tokens, roll.reproducible)
+            evals = eval_rows(exp.id, exp.eval_set, exp.step, alg.seed, rollout, encode)
+            exp.eval_planned = exp.step
+            exp.step_cost += evals.cost
         exp.rolled_out_at = self.count
-        prompts = [p for p in prompts for _ in range(alg.group_size)]
-        return Rollout(exp, prompts, requests, version=exp.step)
+        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals, version=exp.step)
+
+    def _room(self, exp: Experiment, prompt: list[int]) -> int:
+        """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
+        row the engine admits (the prompt limit plus the largest maxNewTokens: the vLLM
+        sampler's max_model_len) and the context."""
+        env = exp.spec.task.environment
+        assert env is not None
+        room = min(env.max_episode_tokens, self.max_prompt_tokens + MAX_NEW_TOKENS - len(prompt))
+        if self.context_tokens is not None:
+            room = min(room, self.context_tokens - len(prompt))
+        return max(1, room)
 
     def _rollout(
         self, planned: list[Rollout], jobs: Sequence[CompletionJob]
     ) -> list[Rollout | Failure]:
         """One generate call for every experiment's requests and the queued jobs; an
         experiment (or job) with a row the backend refused fails alone."""
-        requests = [req for r in planned for req in r.requests]
+        requests = [req for r in planned for req in r.all_requests()]
         job_rows: list[tuple[CompletionJob, int]] = []
         for job in jobs:
             try:
@@ -270,22 +274,42 @@ class Tick:
         rolled: list[Rollout | Failure] = []
         offset = 0
         for r in planned:
-            mine = outputs[offset : offset + len(r.requests)]
-            offset += len(r.requests)
-            error = _first_error(mine)
+            rows = len(r.all_requests())
+            mine, step_rows = outputs[offset : offset + rows], len(r.requests)
+            offset += rows
+            error = first_error(mine)
             if error is None:
-                rolled.append(Rollout(r.exp, r.prompts, r.requests, mine, r.version))
+                done = {"completions": mine[:step_rows], "eval_completions": mine[step_rows:]}
+                rolled.append(replace(r, **done))
             else:
                 rolled.append(Failure(r.exp, f"rollout failed: {error}", "rollout_error"))
         for job, first in job_rows:
             result = outputs[first : first + job.n]
-            error = _first_error(result)
+            error = first_error(result)
             if error is None:
                 job.result = result
             else:
                 job.error = InvalidRequestError(f"the rollout backend refused this: {error}")
             job.done.set()
-        return rolled
+        return self._play(rolled)
+
+    def _play(self, rolled: list[Rollout | Failure]) -> list[Rollout | Failure]:
+        """Multi-turn episodes from their first turns to their ends (episodes.py)."""
+        env = [r for r in rolled if isinstance(r, Rollout) and r.episodes is not None]
+        if not env:
+            return rolled
+        groups = [r.episodes for r in env if r.episodes is not None]
+        firsts = [r.completions for r in env]
+        play(groups, firsts, self.backend.generate, self.codec.decode, self.codec.encode)
+        done: dict[int, Rollout | Failure] = {}
+        for r, g in zip(env, groups, strict=True):
+            comps = [e.completion() for e in g.episodes]
+            done[id(r)] = (
+                Failure(r.exp, g.error[0], g.error[1])
+                if g.error
+                else replace(r, completions=comps, episodes=g)
+            )
+        return [done.get(id(r), r) for r in rolled]
 
     # ---- reward -------------------------------------------------------------------------
 
@@ -295,12 +319,16 @@ class Tick:
         results: list[Scored | Failure] = []
         jobs = []
         for r in rolled:
-            if any(c.nonfinite for c in r.completions):
+            every = r.completions + r.eval_completions
+            if any(c.nonfinite for c in every):
                 msg = "non-finite logits from the adapter (diverged)"
                 results.append(Failure(r.exp, msg, "non_finite"))
                 continue
-            texts = [self.codec.decode(c.token_ids) for c in r.completions]  # tick thread
-            jobs.append((r.exp, lambda r=r, texts=texts: _score_one(r, texts)))
+            if r.episodes is not None:  # the environment scored them (no eval: eval_set.py)
+                results.append(Scored(r, [e.reward for e in r.episodes.episodes]))
+                continue
+            texts = [self.codec.decode(c.token_ids) for c in every]  # tick thread
+            jobs.append((r.exp, lambda r=r, texts=texts: score_one(r, texts)))
         return results + self.scorer.score(jobs)
 
     # ---- train --------------------------------------------------------------------------
@@ -314,7 +342,10 @@ class Tick:
         losses: dict[str, PolicyLoss] = {}
         for s in scored:
             exp = s.rollout.exp
-            prepared = _guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
+            if s.rollout.eval_only:  # its steps are done: nothing to train
+                results.append(Trained(s, 0, TrainOutcome(), skipped=True))
+                continue
+            prepared = guarded(exp, "reward_error", "advantages", lambda s=s: self._rows(s))
             if isinstance(prepared, Failure):
                 results.append(prepared)
             elif prepared.skipped:
@@ -345,7 +376,7 @@ class Tick:
         """One experiment's training rows, with their group-relative advantages."""
         r, exp = s.rollout, s.rollout.exp
         samples = [
-            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature)
+            Sample(req.prompt_ids, comp.token_ids, comp.logprobs, req.temperature, comp.mask)
             for req, comp in zip(r.requests, r.completions, strict=True)
         ]
         slot = self.model.slot_of(exp.id)
@@ -374,11 +405,16 @@ class Tick:
 
     def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
         exp = t.scored.rollout.exp
-        return _guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
+        return guarded(exp, "checkpoint_error", "checkpoint", lambda: self._after_step(t))
 
     def _after_step(self, t: Trained) -> ExperimentTick:
         r, rewards = t.scored.rollout, t.scored.rewards
         exp = r.exp
+        record_eval(exp, t.scored.eval)
+        if r.eval_only:  # the last adapter's eval: the experiment is done
+            if _done(exp) and not exp.checkpoint_pending:
+                exp.phase = "Succeeded"
+            return eval_only_tick(t)
         exp.step += 1
         exp.reward = sum(rewards) / len(rewards)
         exp.rollout_tokens += r.rollout_tokens
@@ -387,7 +423,7 @@ class Tick:
         exp.tis_weight_mean = t.outcome.tis_weight_mean
         exp.skipped_updates += t.skipped
         exp.updated_at = now()
-        finished = exp.max_steps > 0 and exp.step >= exp.max_steps
+        finished = exp.finished_steps
         due = exp.step % exp.spec.checkpoint.every_steps == 0
         tick = ExperimentTick(
             exp.id,
@@ -401,11 +437,21 @@ class Tick:
             tis_tokens=t.outcome.tis_tokens,
             dropped_groups=t.dropped_groups,
             update_skipped=t.skipped,
+            kl=t.outcome.kl,
+            clip_fraction=t.outcome.clip_fraction,
+            name=exp.name,
+            run_id=exp.run_id,
+            tracking=exp.spec.tracking,
+            finished=_done(exp),
+            eval=t.scored.eval,
+            **rollout_stats(rewards, r.completions),
             rollout_version=r.version,
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)
-        if finished and not exp.checkpoint_pending:
+        if self.publisher is not None:
+            self.publisher.after_step(exp, exp.reward)
+        if _done(exp) and not exp.checkpoint_pending:
             exp.phase = "Succeeded"
         return tick
 
@@ -428,53 +474,14 @@ class Tick:
         for exp in running:
             if not exp.checkpoint_pending or id(exp) in stepped:
                 continue
-            saved = _guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
+            saved = guarded(exp, "checkpoint_error", "checkpoint", lambda e=exp: self._save(e))
             if isinstance(saved, Failure):
                 failed.append(saved)
-            elif saved and _finished(exp):
+            elif saved and _done(exp):
                 exp.phase = "Succeeded"
         return failed
 
 
-def _finished(exp: Experiment) -> bool:
-    return exp.max_steps > 0 and exp.step >= exp.max_steps
-
-
-def _score_one(r: Rollout, texts: list[str]) -> Scored | Failure:
-    """One experiment's reward (on a pool thread)."""
-
-    def score() -> Scored:
-        rewards = [float(x) for x in r.exp.task.score(r.prompts, texts)]
-        bad = [x for x in rewards if not math.isfinite(x)]
-        if bad:
-            raise RewardError(f"reward returned a non-finite score ({bad[0]})")
-        return Scored(r, rewards)
-
-    return _guarded(r.exp, "reward_error", "reward", score)
-
-
-def _first_error(completions: list[Completion]) -> str | None:
-    return next((c.error for c in completions if c.error is not None), None)
-
-
-def _exp_of(item: Scored | Failure) -> Experiment:
-    return item.rollout.exp if isinstance(item, Scored) else item.exp
-
-
-def _keep(results: list[_T | Failure], failures: list[Failure]) -> list[_T]:
-    """The experiments that carry on; the others are failed now and recorded."""
-    kept: list[_T] = []
-    for result in results:
-        if isinstance(result, Failure):
-            result.exp.fail(result.reason, result.kind)
-            failures.append(result)
-        else:
-            kept.append(result)
-    return kept
-
-
-def _failed(f: Failure) -> ExperimentTick:
-    exp = f.exp
-    return ExperimentTick(
-        exp.id, exp.namespace, exp.step, exp.reward or 0.0, 0, 0, failed_reason=f.kind
-    )
+def _done(exp: Experiment) -> bool:
+    """Its last step is taken and, with spec.eval, its last adapter evaluated."""
+    return exp.finished_steps and not exp.awaits_final_eval()

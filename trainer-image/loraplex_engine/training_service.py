@@ -131,6 +131,18 @@ class SavedState:
     size_bytes: int
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """A client experiment's model as the Tinker protocol takes it over: its rank, the
+    optimiser steps its restored checkpoint holds, how often it checkpoints, and its
+    journal's directory (tinker/journal.py)."""
+
+    rank: int
+    steps: int
+    checkpoint_every: int
+    journal_dir: str
+
+
 class TrainingService(Protocol):
     """Thread-safe. Operations of one model run in the order they are called; calls of
     different models pending together share a tick (one fused forward/backward)."""
@@ -198,6 +210,10 @@ class TrainingService(Protocol):
     ) -> None: ...
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]: ...
+
+    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
+        """A client experiment's model loaded here (a ``LoRAExperiment`` with
+        ``spec.client``, placed by the operator), None if ``model_id`` is none here."""
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         """``sampler``: a ``sampler_weights`` path (exactly that version's weights) or the

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from loraplex_operator.api.pool_template import EngineTemplate
+from loraplex_operator.api.pool_tracking import PoolTracking
 from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
 from loraplex_operator.api.schema import (
     DNS_LABEL,
@@ -465,6 +466,7 @@ class EnginePoolSpec(ApiModel):
         "CapacityPending, reason WaitingForAdmission). Absent = no queue. Applies to engine "
         "pods created after a change.",
     )
+    tracking: PoolTracking | None = Field(None, description=PoolTracking.__doc__)
     token_secret_ref: SecretKeyRef = Field(
         alias="tokenSecretRef",
         description="Secret (in engineNamespace) holding the engine API bearer token; mounted "

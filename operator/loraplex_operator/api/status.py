@@ -16,6 +16,19 @@ from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 # --- EnginePool ------------------------------------------------------------------------
 
 
+class InstalledPlugins(ApiModel):
+    """Plug-ins installed in the pool's engine image (docs/plugins.md)."""
+
+    rewards: tuple[str, ...] | None = Field(
+        None, description="Reward plug-ins: names a LoRAExperiment's task.reward may use."
+    )
+    environments: tuple[str, ...] | None = Field(
+        None,
+        description="Environments (entry points, then skyrl-gym ids): names "
+        "task.environment.name may use.",
+    )
+
+
 class EnginePoolStatus(ApiModel):
     """Observed state, written by the operator once per reconcile round."""
 
@@ -45,6 +58,11 @@ class EnginePoolStatus(ApiModel):
         alias="slotsFree",
         ge=0,
         description="Adapter slots free over the ready engines.",
+    )
+    plugins: InstalledPlugins | None = Field(
+        None,
+        description="Plug-ins the pool's engines have installed, as a ready engine reports "
+        "them (GET /v1/capacity); absent while none is ready.",
     )
     conditions: tuple[Condition, ...] | None = conditions_field(
         "metav1.Condition list, one per type. Ready: True when the pool is neither "
@@ -77,6 +95,27 @@ class CheckpointStatus(ApiModel):
         "(<root>/<namespace>/<name>/<uid>/step-NNNNNNNN).",
     )
     step: Int64 | None = Field(None, description="Optimiser step the checkpoint was written at.")
+
+
+class VersionStatus(ApiModel):
+    """A published version of the adapter (docs/versions.md), as its engine reports it."""
+
+    version: str = Field(
+        pattern=r"^v[1-9][0-9]{0,8}$", description="Its name: served as <namespace>.<name>@v<N>."
+    )
+    step: Int64 | None = Field(None, description="The optimiser step it was published at.")
+    scores: dict[str, float] | None = Field(
+        None,
+        description="Its scores: meanReward = the mean training reward over the steps since "
+        "the version before it.",
+    )
+    gate_passed: bool | None = Field(
+        None,
+        alias="gatePassed",
+        description="Whether it passed spec.publish.promoteWhen (absent: no gate). A version "
+        "that failed never becomes stable.",
+    )
+    created_at: DateTime | None = Field(None, alias="createdAt", description="When.")
 
 
 class ExperimentStatus(ApiModel):
@@ -122,6 +161,25 @@ class ExperimentStatus(ApiModel):
         "continual experiment, maxSteps 0: 12/-).",
     )
     reward: float | None = Field(None, description="Mean reward of the last step's completions.")
+    # spec.eval's latest result, as the engine reports it (docs/evaluation.md).
+    eval_step: Int64 | None = Field(
+        None,
+        alias="evalStep",
+        description="spec.eval: the step of the adapter the latest eval scored (0: before "
+        "training; maxSteps: the final adapter).",
+    )
+    eval_reward: float | None = Field(
+        None,
+        alias="evalReward",
+        description="spec.eval: mean reward of the latest eval's completions (of the adapter "
+        "at evalStep).",
+    )
+    eval_pass_at_k: float | None = Field(
+        None,
+        alias="evalPassAtK",
+        description="spec.eval: pass@k (k = spec.eval.passAtK) of the latest eval: the share "
+        "of eval prompts with a passing completion among k, estimated without bias.",
+    )
     checkpoint: CheckpointStatus | None = Field(
         None,
         description="The newest checkpoint the operator has seen; a recovery or resume "
@@ -145,6 +203,18 @@ class ExperimentStatus(ApiModel):
     completed_at: DateTime | None = Field(
         None, alias="completedAt", description="When it reached Succeeded or Failed."
     )
+    versions: tuple[VersionStatus, ...] | None = Field(
+        None,
+        max_length=10,
+        description="The most recent published versions, newest last (spec.publish).",
+    )
+    aliases: dict[str, str] | None = Field(
+        None,
+        max_length=40,
+        description="Where each alias points (alias -> version): latest (the newest), stable "
+        "(the gate's, or spec.publish.aliases'), and those spec.publish.aliases sets. "
+        "Served as <namespace>.<name>:<alias>.",
+    )
     message: str | None = Field(
         None,
         description='What the phase means right now, for people (e.g. "bound to '
@@ -166,4 +236,10 @@ class ExperimentStatus(ApiModel):
         return {**self.to_json(), **cleared}
 
 
-__all__ = ["CheckpointStatus", "EnginePoolStatus", "ExperimentPhase", "ExperimentStatus"]
+__all__ = [
+    "CheckpointStatus",
+    "EnginePoolStatus",
+    "ExperimentPhase",
+    "ExperimentStatus",
+    "VersionStatus",
+]

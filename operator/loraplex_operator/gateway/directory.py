@@ -16,12 +16,13 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from loraplex_operator import manifests
 from loraplex_operator.gateway.keys import KEY_FIELD, KEY_LABEL, ROLE_LABEL, KeyTable
 from loraplex_operator.gateway.routing import Engine
-from loraplex_operator.kube import NAMESPACES, PODS, POOLS, SECRETS, Kube
+from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS, Kube, KubeError
 from loraplex_operator.observation import EngineView
 from loraplex_operator.resources import Pool
 
@@ -48,6 +49,8 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
                     token=token,
                     allowed_namespaces=spec.allowed_namespaces,
                     namespace_selector=spec.namespace_selector,
+                    base_model=PurePosixPath(spec.base_model).name,
+                    allowed_target_modules=spec.allowed_target_modules,
                 )
             )
     return sorted(out, key=lambda e: e.name)
@@ -64,8 +67,26 @@ class Directory:
         self.loaded = False
         self._task: asyncio.Task[None] | None = None
 
+    # Tinker models as experiments (issue 29 item 3) need the Kubernetes API; a view
+    # without it (FileDirectory) keeps stage 1's engine-held models.
+    models_as_experiments = False
+
     def engine(self, name: str) -> Engine | None:
         return next((e for e in self.engines if e.name == name), None)
+
+    async def get_experiment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    async def create_experiment(self, obj: Mapping[str, Any]) -> bool:
+        """False when it exists already (a resent create_model)."""
+        raise NotImplementedError
+
+    async def delete_experiment(self, namespace: str, name: str) -> bool:
+        raise NotImplementedError
+
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """A merge patch (the idle TTL's resume: idle.resume_patch)."""
+        raise NotImplementedError
 
     def admitting(self, namespace: str) -> list[Engine]:
         """The engines whose pools admit ``namespace`` (where its Tinker models go)."""
@@ -102,12 +123,32 @@ class KubeDirectory(Directory):
     """EnginePools, their engine pods and token Secrets, and the labelled key Secrets
     of ``key_namespaces`` (empty: every namespace), through the Kubernetes API."""
 
+    models_as_experiments = True
+
     def __init__(
         self, kube: Kube, key_namespaces: tuple[str, ...] = (), refresh_s: float = REFRESH_S
     ) -> None:
         super().__init__(refresh_s)
         self.kube = kube
         self.key_namespaces = key_namespaces
+
+    async def get_experiment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self.kube.get(EXPERIMENTS, name, namespace)
+
+    async def create_experiment(self, obj: Mapping[str, Any]) -> bool:
+        try:
+            await self.kube.create(EXPERIMENTS, obj, obj["metadata"]["namespace"])
+            return True
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def delete_experiment(self, namespace: str, name: str) -> bool:
+        return await self.kube.delete(EXPERIMENTS, name, namespace)
+
+    async def patch_experiment(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.kube.patch(EXPERIMENTS, name, patch, namespace)
 
     async def refresh(self) -> None:
         engines: list[Engine] = []
@@ -147,7 +188,7 @@ def file_secrets(keys: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
 class FileDirectory(Directory):
     """The view from a JSON file, re-read when it changes::
 
-    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?}],
+    {"engines": [{"name", "pool", "url", "token", "allowedNamespaces"?, "baseModel"?}],
      "keys": [{"namespace", "key", "role"}], "namespaceLabels"?: {ns: {k: v}}}
     """
 
@@ -172,6 +213,7 @@ class FileDirectory(Directory):
                 allowed_namespaces=tuple(e["allowedNamespaces"])
                 if e.get("allowedNamespaces") is not None
                 else None,
+                base_model=e.get("baseModel"),
             )
             for e in doc.get("engines", [])
         ]

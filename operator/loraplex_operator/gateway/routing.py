@@ -37,6 +37,17 @@ class Engine:
     token: str
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: LabelSelector | None = None
+    # The name its engines serve the base model by (the pool's baseModel directory's
+    # name, as `serve --model` names it); None = unknown (a file view without it).
+    base_model: str | None = None
+    # The pool's allowedTargetModules (None: unknown, a file view without it).
+    allowed_target_modules: tuple[str, ...] | None = None
+
+    def serves(self, base_model: str | None) -> bool:
+        """As the engine's own check: the name before any ``:`` tag; None asks for any."""
+        if base_model is None or self.base_model is None:
+            return True
+        return base_model.split(":")[0] == self.base_model
 
     def admits(self, namespace: str, labels: Mapping[str, str] | None = None) -> bool:
         """As admission.namespace_allowed: listed or selected; neither set = all."""

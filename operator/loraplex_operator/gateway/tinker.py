@@ -12,6 +12,7 @@ any call and a replica lost mid-training loses nothing.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from loraplex_operator.gateway import proxy, routing
 from loraplex_operator.gateway.keys import Key
 from loraplex_operator.gateway.routing import Engine
+from loraplex_operator.gateway.tinker_models import Models
 from loraplex_operator.gateway.upstream import Upstream
 
 PREFIX = "/api/v1"
@@ -62,6 +64,8 @@ def not_found(what: str, field: str | None = None) -> Response:
 class Tinker:
     def __init__(self, upstream: Upstream) -> None:
         self.up = upstream
+        # Item 3 (gateway/tinker_models.py) where the view has the Kubernetes API.
+        self.models = Models(self) if upstream.directory.models_as_experiments else None
 
     async def handle(self, request: Request, key: Key, route: str, body: bytes) -> Response:
         name = route.split("/", 1)[0]
@@ -74,6 +78,10 @@ class Tinker:
                 f"this API key ({key.role}) may not call {name}: it needs the train role",
             )
         ns = key.namespace
+        if self.models is not None:
+            answer = await self.models.handle(request, ns, route, body)
+            if answer is not None:
+                return answer
         if route == "create_session":
             return await self._create_session(request, ns, body)
         if route in ANY_ENGINE:
@@ -117,7 +125,10 @@ class Tinker:
         route: str,
         body: bytes,
         idempotent: bool = False,
+        futures: Callable[[str], str] | None = None,
     ) -> Response:
+        """The call on ``engine``; a future in its answer renamed by ``futures`` (default:
+        ``<engine pod>~<id>``)."""
         headers = {}
         if ctype := request.headers.get("content-type"):
             headers["Content-Type"] = ctype
@@ -138,7 +149,12 @@ class Tinker:
             self.up.forget(engine)
             return proxy.lost(engine, e)
         if r.headers.get("content-type", "").startswith("application/json"):
-            answer = routing.with_future_ids(engine.name, r.json())
+            answer = r.json()
+            rid = answer.get("request_id") if isinstance(answer, dict) else None
+            if futures is not None and isinstance(rid, str):
+                answer = {**answer, "request_id": futures(rid)}
+            else:
+                answer = routing.with_future_ids(engine.name, answer)
             return proxy.passed(r, json.dumps(answer).encode())
         return proxy.passed(r)
 
@@ -177,6 +193,12 @@ class Tinker:
         engines = self.up.directory.admitting(ns)
         if not engines:
             return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
+        return await self._first_answer(request, engines, ns, route, body)
+
+    async def _first_answer(
+        self, request: Request, engines: list[Engine], ns: str, route: str, body: bytes
+    ) -> Response:
+        """The first of ``engines`` (not empty) to answer below 500."""
         last: Response | None = None
         for engine in engines:
             last = await self._forward(request, engine, ns, route, body)

@@ -72,6 +72,7 @@ class Upstream:
         self.client = client
         self.sessions = _Cache()  # "<namespace>/<session>" -> engine name
         self.adapters = _Cache()  # engine model id -> engine name
+        self.wrapped: dict[str, list[str]] = {}  # engine name -> its targetModules, as said
 
     async def call(
         self,
@@ -170,6 +171,8 @@ class Upstream:
             if r is not None and r.status_code == 200:
                 body = r.json()
                 out[engine.name] = int(body.get("freeSlots", body.get("free_slots", 0)))
+                if isinstance(modules := body.get("targetModules"), list):
+                    self.wrapped[engine.name] = [str(m) for m in modules]
         return out
 
     async def model_cards(self) -> list[dict[str, Any]]:

@@ -15,12 +15,14 @@ model lock (``_model_lock``) and its wake-up (``_wake``).
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
@@ -51,6 +53,7 @@ from loraplex_engine.training_service import (
     SampleOutput,
     SavedState,
 )
+from loraplex_engine.versions import names
 
 # Tinker's LoRA scale is alpha / rank with a fixed alpha (the client chooses the rank).
 LORA_ALPHA = 32.0
@@ -195,6 +198,7 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.queue.append(op)
+            model.last_call = op.queued_at
             self._queued.notify_all()
         if queued is not None:
             queued()  # its place in the model's order is held: the caller may go on
@@ -269,13 +273,18 @@ class ClientModels:
         self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
         self._submit(namespace, model_id, "load_state", (path, with_optimizer))
 
-    def unload_model(self, namespace: str, model_id: str) -> None:
-        self._submit(namespace, model_id, "unload")
+    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
+        self._submit(namespace, model_id, "unload", save)
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.host
-        state = None
-        if sampler != h.model_name:
+        state, version = None, None
+        ref = names.parse(names.untinkered(sampler))
+        if ref is not None:  # a published version or alias (versions/), the caller's own
+            if ref.namespace != namespace:
+                raise NotFoundError(f"no model {sampler!r} in namespace {namespace!r}")
+            version = h.publisher.serving(names.untinkered(sampler))
+        elif sampler != h.model_name:
             state = saved.parse_path(sampler, field="model_path")
             if state.kind != "sampler_weights":
                 raise InvalidRequestError(
@@ -284,7 +293,7 @@ class ClientModels:
             self.state_of(namespace, state)  # NotFoundError before queueing
         _check_sample(call, self.limits)
         h.limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
-        op = Op("sample", SampleTask(namespace, state, call))
+        op = Op("sample", SampleTask(namespace, state, call, version=version))
         with self._lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
@@ -400,6 +409,28 @@ class ClientModels:
             h.optimizer.add_adapter(model.name, DEFAULT_ADAM)
         model.grads = None
         model.version += 1
+
+    def stepped(self, model: ClientModel) -> None:
+        """After an optimiser step (in the tick, before the step's call is answered): a
+        client experiment's checkpoint when one is due, the oldest beyond ``keep``
+        removed, so a step its client saw done is on the volume."""
+        model.steps += 1
+        every, keep = model.checkpoints
+        if not every or model.steps % every:
+            return
+        name = f"step-{model.steps:08d}"
+        state = self.save(model, name, "weights")
+        if model.on_checkpoint is not None:
+            model.on_checkpoint(CheckpointRef(path=state.path, step=model.steps))
+        info = model.info
+        steps = sorted(
+            s.name
+            for s in saved.list_saved(self.host.store.root, info.namespace, info.model_id)
+            if s.kind == "weights" and s.name.startswith("step-")
+        )
+        for old in steps[: max(0, len(steps) - keep)]:
+            target = saved.StatePath(info.model_id, "weights", old)
+            shutil.rmtree(target.directory(self.host.store.root, info.namespace), True)
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None:
         """Free its slot (under the model lock), its last weights saved as

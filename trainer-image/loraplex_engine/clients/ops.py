@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -58,6 +59,18 @@ class ClientModel:
     queue: deque[Op] = field(default_factory=deque)
     generator: torch.Generator = field(default_factory=torch.Generator)  # saved with weights
     unloaded: bool = False
+    # A client experiment's (clients/experiments.py): optimiser steps taken, the
+    # checkpoint cadence (every, keep; every 0: none) and who hears of each checkpoint.
+    steps: int = 0
+    checkpoints: tuple[int, int] = (0, 0)
+    on_checkpoint: Callable[[Any], None] | None = None
+    # When its client last queued a call (monotonic): a client experiment's idleness,
+    # which the operator reads to enforce spec.client.idleSeconds.
+    last_call: float = field(default_factory=time.monotonic)
+
+    def idle_seconds(self, now: float) -> float:
+        """Seconds since its client's last call; 0 while a call is queued."""
+        return 0.0 if self.queue else max(0.0, now - self.last_call)
 
     def take_segment(self) -> list[Op]:
         """The ops one tick runs for this model, in call order: its leading forward /

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -82,6 +83,8 @@ class SampleTask:
     stops: Stops | None = None
     prompt_logprobs: list[float | None] | None = None
     topk: list[list[tuple[int, float]] | None] | None = None
+    # A published version (versions/publisher.py): its adapter name and directory.
+    version: tuple[str, Path] | None = None
 
     def completion_job(self, base_model: str, decode: Callable[[list[int]], str]) -> CompletionJob:
         c = self.call

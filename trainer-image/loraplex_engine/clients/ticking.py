@@ -19,7 +19,7 @@ experiments.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +34,8 @@ from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
 from loraplex_engine.clients.saved import StateInfo, StatePath
 from loraplex_engine.completion_jobs import CompletionJob
-from loraplex_engine.errors import ConflictError, NoCapacityError, NoFreeSlotError, UnavailableError
-from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.errors import ConflictError, UnavailableError
+from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.train.strategy import AdapterTrainer, TrainingStrategy
 
 log = logging.getLogger("loraplex_engine.clients")
@@ -58,13 +58,15 @@ class Owner(Protocol):
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None: ...
 
+    def stepped(self, model: ClientModel) -> None: ...
+
 
 @dataclass
 class ClientTick:
     owner: Owner
     segments: list[tuple[ClientModel, list[Op]]]
     samples: list[Op]
-    spare: list[str] = field(default_factory=list)  # ~sample adapters loaded this tick
+    spare: SpareSlots | None = None  # ~sample adapters loaded this tick
 
     def __bool__(self) -> bool:
         return bool(self.segments or self.samples)
@@ -93,6 +95,10 @@ class ClientTick:
         return jobs
 
     def _adapter_for(self, task: SampleTask) -> str | None:
+        if task.version is not None:  # a published version: a spare slot as well
+            if self.spare is None:
+                self.spare = SpareSlots(self.owner.host.model)
+            return self.spare.load(*task.version, task.version[0])
         if task.state is None:
             return None
         directory, info = self.owner.state_of(task.namespace, task.state)
@@ -102,15 +108,10 @@ class ClientTick:
             info.version,
         ):
             return live.name
+        if self.spare is None:
+            self.spare = SpareSlots(self.owner.host.model)
         name = f"~sample:{task.namespace}/{task.state.uri}"
-        model = self.owner.host.model
-        if name not in model.adapters():
-            try:
-                ckpt.load_adapter(model, name, directory)
-            except NoFreeSlotError as e:
-                raise NoCapacityError(f"no spare slot to sample {task.state.uri}: {e}") from e
-            self.spare.append(name)
-        return name
+        return self.spare.load(name, directory, task.state.uri)
 
     # ---- 2. the train phase -------------------------------------------------------------
 
@@ -165,6 +166,11 @@ class ClientTick:
                                                "not stepped, and cleared"))  # fmt: skip
                 continue
             model.version += 1
+            try:
+                self.owner.stepped(model)
+            except Exception as e:  # stepped, but its checkpoint is not written: say so
+                op.resolve(error=e)
+                continue
             op.resolve(mine)
 
     # ---- 3. after the tick --------------------------------------------------------------
@@ -182,9 +188,8 @@ class ClientTick:
                     except Exception as e:
                         op.resolve(error=e)
         finally:
-            for name in self.spare:
-                self.owner.host.model.remove_adapter(name)
-            self.spare = []
+            if self.spare is not None:
+                self.spare.release()
 
     def _other(self, model: ClientModel, op: Op) -> None:
         try:
@@ -194,7 +199,7 @@ class ClientTick:
                 self.owner.load_into(model, *op.payload)
                 op.resolve(None)
             elif op.kind == "unload":
-                self.owner.unload_now(model)
+                self.owner.unload_now(model, save=op.payload is not False)
                 op.resolve(None)
             else:
                 op.resolve(error=UnavailableError(f"operation {op.kind!r} was not run"))

@@ -29,7 +29,7 @@ class TimeSlicedTraining(AdapterTrainer):
             mine, gaps = self.rescore([r for r in rows if r.experiment == exp_id])
             self.optimizer.zero_grad()
             stats = self.backward(mine, losses)
-            outcomes |= with_totals(self.step_finite([exp_id]), [StepTotals(gaps, stats.tis)])
+            outcomes |= with_totals(self.step_finite([exp_id]), [StepTotals.of(gaps, stats)])
             self._swap(slot, to_device=False)
         return outcomes
 

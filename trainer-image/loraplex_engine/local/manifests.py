@@ -66,6 +66,9 @@ def _check_doc(
     if spec_problems:
         return problems + spec_problems
     spec = parse_spec(doc["spec"])
+    if spec.client is not None:
+        why = "the local runner trains task experiments; a client's model trains on a cluster"
+        return [*problems, SpecError("spec.client", why + " (through the gateway)")]
     for check in (spec.check_task, lambda: _check_for_engine(spec, max_rank, known_modules)):
         try:
             check()

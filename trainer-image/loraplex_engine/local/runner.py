@@ -19,6 +19,7 @@ import torch
 
 from loraplex_engine.api_types import AdapterSync, ExperimentStatus, TickReport
 from loraplex_engine.errors import ApiError, UsageError
+from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.local.checks import check_run, trust_of, with_targets
 from loraplex_engine.local.manifests import Manifest
 from loraplex_engine.parallel.data_parallel import DataParallelTraining
@@ -55,9 +56,15 @@ class Progress:
     rollout_versions: dict[str, list[int]] = field(default_factory=dict)
     # Per tick that sent adapters to the sampler (vLLM), its weight sync.
     syncs: list[AdapterSync] = field(default_factory=list)
+    # spec.eval: per eval, the step of the adapter it evaluated and its numbers.
+    evals: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
     def record(self, report: TickReport) -> None:
         for exp in report.experiments:
+            if exp.failed_reason is None and exp.eval is not None:
+                self.evals.setdefault(exp.id, []).append(eval_point(exp.eval))
+            if exp.eval_only:  # no step: the last adapter's eval alone
+                continue
             if exp.failed_reason is None:
                 self.rewards.setdefault(exp.id, []).append(exp.reward)
                 self.completion_tokens.setdefault(exp.id, []).append(exp.rollout_tokens)
@@ -90,6 +97,17 @@ class Progress:
         }
 
 
+def eval_point(result: EvalResult) -> dict[str, float]:
+    """summary.json's entry for one eval."""
+    return {
+        "step": result.step,
+        "reward": result.reward,
+        "pass_at_k": result.pass_at_k,
+        "k": result.k,
+        "tokens": result.tokens,
+    }
+
+
 def sync_line(sync: AdapterSync) -> str:
     """The latest tick's weight sync, for the progress output."""
     return (
@@ -113,6 +131,9 @@ def progress_line(status: ExperimentStatus, tokens_per_s: float) -> str:
         line += f"  gap {status.logprob_gap:.4f}"
     if status.tis_weight_mean is not None:
         line += f"  tis {status.tis_weight_mean:.4f}"
+    if status.eval_reward is not None and status.eval_pass_at_k is not None:
+        line += f"  eval@{status.eval_step} {status.eval_reward:.3f}"
+        line += f" pass@{status.eval_k} {status.eval_pass_at_k:.3f}"
     return line
 
 
@@ -190,12 +211,13 @@ def write_summary(
     ``logprob_gaps`` curve (per step, the mean |sampler − trainer| log-prob gap; empty
     where the trainer samples itself), ``completion_tokens`` (per step, the tokens
     sampled), ``tis_weight_means`` and ``tis_tokens`` (per step, the mean TIS weight and
-    how many tokens it weighted; empty without ``offPolicyCorrection: tis``),
-    ``rollout_versions`` (per step, the adapter step whose weights sampled it:
-    docs/design/pipeline.md) and ``error``. A failed experiment has ``adapter_path``
-    null unless it checkpointed before failing, and null ``reward_first``/``reward_last``
-    if it never finished a step. With the vLLM rollout, ``adapter_sync`` measures each
-    tick's weight sync (``Progress.sync_summary``).
+    how many tokens it weighted; empty without ``offPolicyCorrection: tis``), ``evals``
+    (spec.eval: per eval, its adapter's step, reward, pass_at_k, k and tokens; empty
+    without), ``rollout_versions`` (per step, the adapter step whose weights sampled it:
+    docs/design/pipeline.md) and ``error``. A failed experiment has ``adapter_path`` null
+    unless it checkpointed before failing, and null ``reward_first``/``reward_last`` if it
+    never finished a step. With the vLLM rollout, ``adapter_sync`` measures each tick's
+    weight sync (``Progress.sync_summary``).
     """
     experiments = []
     for exp_id in ids:
@@ -215,6 +237,7 @@ def write_summary(
                 "completion_tokens": progress.completion_tokens.get(exp_id, []),
                 "tis_weight_means": progress.tis_weight_means.get(exp_id, []),
                 "tis_tokens": progress.tis_tokens.get(exp_id, []),
+                "evals": progress.evals.get(exp_id, []),
                 "rollout_versions": progress.rollout_versions.get(exp_id, []),
                 "adapter_path": adapter,
                 "error": status.error,

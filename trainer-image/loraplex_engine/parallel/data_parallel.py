@@ -389,7 +389,7 @@ class DataParallelTraining(FusedTraining):
         distributed.all_reduce_lora_grads(self.optimizer.params, in_play)
         # One gather: every rank's gap and TIS totals over its share, which rank 0 adds
         # up (a worker's TIS tokens count only where its losses applied TIS).
-        parts = distributed.gather_objects(StepTotals(gaps, stats.tis))
+        parts = distributed.gather_objects(StepTotals.of(gaps, stats))
         return with_totals(self.step_finite(list(losses)), parts)
 
     @torch.no_grad()

@@ -56,3 +56,6 @@ class Completion:
     finish_reason: str = "length"  # "stop": end of sequence; "cancelled": its client left
     # The backend refused or failed this row (vLLM: its request); fails its experiment alone
     error: str | None = None
+    # Per token, 1 where the policy sampled it, 0 where an environment's observation sits
+    # (a multi-turn episode, environments/episodes.py): trained on the 1s only. None: all 1.
+    mask: list[int] | None = None

@@ -25,6 +25,7 @@ from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
     ExperimentStatus,
+    VersionSummary,
 )
 from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -37,6 +38,7 @@ from loraplex_engine.server.openai.completions import add_completions_route
 from loraplex_engine.server.openai.models import add_models_routes
 from loraplex_engine.service import EngineService
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.versions.spec import PublishSpec
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # DNS-1123 label: no dots
@@ -50,6 +52,12 @@ ExpId = Annotated[
 
 
 # --- request and response bodies ------------------------------------------------------
+
+
+class PublishRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    publish: PublishSpec | None  # spec.publish, as in the LoRAExperiment (null: none)
 
 
 class PutExperimentRequest(BaseModel):
@@ -255,6 +263,29 @@ def create_app(
         if ns is not None:
             metrics.count_checkpoint(id, ns)
         return ref.to_json()
+
+    @app.post(
+        "/v1/experiments/{id}/versions",
+        response_model=VersionSummary,
+        status_code=201,
+        responses=documented_errors(401, 404, 422, 503),
+        **v1,
+    )
+    def publish_version(id: ExpId) -> dict[str, Any]:
+        """Publish the adapter now as the experiment's next version (docs/versions.md);
+        its aliases follow as on a scheduled publish."""
+        return _ready_engine().publish_version(id).to_json()
+
+    @app.put(
+        "/v1/experiments/{id}/publish",
+        response_model=ExperimentStatus,
+        responses=documented_errors(401, 404, 422, 503),
+        **v1,
+    )
+    def update_publish(id: ExpId, body: PublishRequest) -> dict[str, Any]:
+        """Replace the experiment's spec.publish in place (aliases: promotion, rollback;
+        pins; the policy): it trains on, and its aliases move at once."""
+        return _ready_engine().update_publish(id, body.publish).to_json()
 
     @app.delete(
         "/v1/experiments/{id}",

@@ -34,26 +34,21 @@ from typing import Any
 
 import psutil
 
-from loraplex_engine.api_types import Capacity, CheckpointRef, ExperimentStatus, TickReport
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
+from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.preflight import check_rollout
+from loraplex_engine.server import flags
 from loraplex_engine.server.app import create_app
-from loraplex_engine.server.flags import (
-    check,
-    data_roots,
-    read_tinker_keys,
-    read_token,
-    resolve_device,
-    reward_hosts,
-)
-from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
+from loraplex_engine.server.holder import EngineHolder
+from loraplex_engine.service import TickingEngine
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
+from loraplex_engine.tracking.hub import TickObservers, start_tracking
 
 log = logging.getLogger("loraplex_engine.server.serve")
 
@@ -61,82 +56,6 @@ READY_LINE = "loraplex-engine ready:"
 LISTEN_LINE = "loraplex-engine listening:"
 IDLE_WAIT_S = 1.0  # an idle loop re-checks this often even without a wake-up
 MAX_TICK_ERRORS = 5  # consecutive unexpected tick errors before the loop gives up
-
-
-# --- the engine while it loads --------------------------------------------------------
-
-
-class EngineHolder:
-    """Stands in for the engine until it has loaded, so the HTTP app can start first.
-
-    Before loading finishes every call raises :class:`UnavailableError` (503)."""
-
-    def __init__(self, model_name: str, rollout_backend: str) -> None:
-        self.model_name = model_name
-        self.rollout_backend = rollout_backend
-        self.engine: TickingEngine | None = None
-
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.engine, "tokenizer", None)
-
-    @property
-    def context_tokens(self) -> int | None:
-        return self._get().context_tokens
-
-    @property
-    def queued_completions(self) -> int:
-        return getattr(self.engine, "queued_completions", 0)
-
-    def _get(self) -> TickingEngine:
-        engine = self.engine
-        if engine is None:
-            raise UnavailableError("the engine is still loading")
-        return engine
-
-    def is_ready(self) -> bool:
-        return self.engine is not None and self.engine.is_ready()
-
-    def put_experiment(
-        self,
-        exp_id: str,
-        spec: Any,
-        namespace: str,
-        name: str,
-        resume_from: str | None,
-        run_id: str | None = None,
-    ) -> tuple[ExperimentStatus, bool]:
-        return self._get().put_experiment(exp_id, spec, namespace, name, resume_from, run_id)
-
-    def get_experiment(self, exp_id: str) -> ExperimentStatus:
-        return self._get().get_experiment(exp_id)
-
-    def list_experiments(self) -> list[ExperimentStatus]:
-        return self._get().list_experiments()
-
-    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
-        return self._get().checkpoint_experiment(exp_id)
-
-    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
-        return self._get().remove_experiment(exp_id)
-
-    def capacity(self) -> Capacity:
-        return self._get().capacity()
-
-    def complete(self, job: PromptJob) -> list[ServedRow]:
-        return self._get().complete(job)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self._get().tokenize(prompt)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self._get().detokenize(token_ids)
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._get().chat_prompt(messages)
-
-    def tick(self) -> TickReport | None:
-        return self._get().tick()
 
 
 # --- the loop -------------------------------------------------------------------------
@@ -155,7 +74,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: TickingEngine,
-        metrics: EngineMetrics,
+        metrics: EngineMetrics | TickObservers,
         *,
         idle_wait_s: float = IDLE_WAIT_S,
         max_errors: int = MAX_TICK_ERRORS,
@@ -304,24 +223,24 @@ def own_addresses() -> set[str]:
 
 def trust_policy(settings: ServeSettings, port: int) -> TrustPolicy:
     """The pool admin's flags as the engine's TrustPolicy; ``port``: the bound one."""
-    egress = RewardEgress.build(reward_hosts(settings), own_addresses(), own_port=port)
-    data = DataRoots(data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
+    egress = RewardEgress.build(flags.reward_hosts(settings), own_addresses(), own_port=port)
+    data = DataRoots(flags.data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
     return TrustPolicy(data=data, egress=egress)
 
 
 def run(settings: ServeSettings) -> int:
     setup_logging(settings.log_format, settings.log_level)
-    check(settings)  # also done by the CLI before this module's imports; cheap
+    flags.check(settings)  # also done by the CLI before this module's imports; cheap
     check_model_dir(str(settings.model))
     check_rollout(settings, settings.device)  # the backend's flags and environment
-    device = resolve_device(settings.device, settings.world_size)
+    device = flags.resolve_device(settings.device, settings.world_size)
     if settings.threads > 0:
         import torch
 
         torch.set_num_threads(settings.threads)
     if is_worker():  # rank 1..N-1: no port, no API; rank 0's messages only
         return run_worker(settings, device, lambda world: _build_engine(settings, device, world))
-    token = read_token(settings)
+    token = flags.read_token(settings)
     if token is None:
         log.warning("serving /v1 WITHOUT authentication (--insecure-no-auth)")
 
@@ -330,6 +249,7 @@ def run(settings: ServeSettings) -> int:
     age = _process_age_s()
     t0 = time.monotonic() - (age if age is not None else 0.0)
     metrics = EngineMetrics()
+    tracking = start_tracking(settings, metrics.registry)  # a missing client: a usage error
     model_name = os.path.basename(os.path.normpath(str(settings.model)))
     holder = EngineHolder(model_name, settings.rollout_backend)
     loop_box: dict[str, EngineLoop] = {}
@@ -346,7 +266,7 @@ def run(settings: ServeSettings) -> int:
         loop = loop_box.get("loop")
         return loop is not None and loop.running and holder.is_ready()
 
-    tinker_keys = read_tinker_keys(settings)
+    tinker_keys = flags.read_tinker_keys(settings)
 
     def training() -> Any:
         """The engine's TrainingService (the Tinker protocol's), once it has loaded."""
@@ -394,6 +314,8 @@ def run(settings: ServeSettings) -> int:
 
     def load() -> None:
         try:
+            # The installed plug-ins, listed by a child while the model loads (PUT reads them).
+            threading.Thread(target=installed, name="plugins", daemon=True).start()
             t_import = time.monotonic()
             from loraplex_engine.engine import Engine  # noqa: F401  torch, transformers: seconds
 
@@ -405,7 +327,8 @@ def run(settings: ServeSettings) -> int:
             ranks.loaded(engine)  # every rank has loaded
             holder.model_name = getattr(engine, "model_name", model_name)
             holder.engine = engine
-            loop = EngineLoop(engine, metrics, on_idle=ranks.idle, on_error=ranks.on_error)
+            observers = TickObservers(metrics, tracking)
+            loop = EngineLoop(engine, observers, on_idle=ranks.idle, on_error=ranks.on_error)
             loop_box["loop"] = loop
             loop.start()
             now = time.monotonic()
@@ -445,6 +368,7 @@ def run(settings: ServeSettings) -> int:
         server.run(sockets=[sock])
     finally:
         shutdown(holder, loop_box.get("loop"), checkpoint=not settings.no_checkpoint_on_shutdown)
+        tracking.close()
         # The group is left below: nothing may hold the engine then (a sharded base's
         # DTensors hold the group; distributed.leave).
         holder.engine = None

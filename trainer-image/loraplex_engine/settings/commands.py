@@ -13,10 +13,11 @@ from typing import Annotated, ClassVar
 from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
+from loraplex_engine.settings.tracking import TrackingSettings
 from loraplex_engine.settings.values import Flag
 
 
-class ServeSettings(ProcessSettings):
+class ServeSettings(ProcessSettings, TrackingSettings):
     """The HTTP server: where it listens, its token, its tenants' trust."""
 
     COMMAND: ClassVar[str] = "serve"

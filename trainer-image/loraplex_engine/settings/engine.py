@@ -26,6 +26,7 @@ from loraplex_engine.api_types import (
     LORA_KERNELS,
 )
 from loraplex_engine.errors import UsageError
+from loraplex_engine.plugins.host import CALL_TIMEOUT_S
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.values import Flag
 
@@ -187,6 +188,15 @@ class EngineSettings(BaseModel):
             metavar="SECONDS",
         ),
     ] = DEFAULT_REWARD_DEADLINE_S
+    plugin_timeout: Annotated[
+        float,
+        Flag(
+            "wall-clock bound on each call of an installed plug-in (a reward, an "
+            "environment's turn); one that takes longer is stopped and fails its experiment",
+            v.seconds,
+            metavar="SECONDS",
+        ),
+    ] = CALL_TIMEOUT_S
     serving_share: Annotated[
         float,
         Flag(

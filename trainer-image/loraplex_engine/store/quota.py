@@ -37,15 +37,23 @@ class CheckpointQuota:
 
     bytes_per_namespace: int
 
-    def check(self, root: Path, namespace: str, writing: int, freeing: Iterable[Path] = ()) -> None:
+    def check(
+        self,
+        root: Path,
+        namespace: str,
+        writing: int,
+        freeing: Iterable[Path] = (),
+        advice: str = "lower checkpoint.keep",
+    ) -> None:
         """Refuse a write of ``writing`` bytes that would take ``namespace`` past its
-        quota, counting the checkpoints ``freeing`` its pruning then deletes."""
+        quota, counting the checkpoints ``freeing`` its pruning then deletes; ``advice``:
+        the spec setting that bounds what is written."""
         used = tree_bytes(root / namespace)
         after = used - sum(tree_bytes(p) for p in freeing) + writing
         if after > self.bytes_per_namespace:
             raise CheckpointQuotaError(
                 f"namespace {namespace!r}'s checkpoints would take {after} bytes, over its "
                 f"quota of {self.bytes_per_namespace} (serve --checkpoint-quota-bytes; "
-                f"{used} used now): lower checkpoint.keep, or delete the namespace's "
+                f"{used} used now): {advice}, or delete the namespace's "
                 "experiments whose checkpoints are no longer needed"
             )

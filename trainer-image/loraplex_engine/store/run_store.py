@@ -366,7 +366,7 @@ def _restore(exp: Experiment, progress: SavedProgress, path: Path) -> None:
         exp.prompt_rng.setstate(_decode_random_state(progress.prompt_rng))
     exp.checkpoint = CheckpointRef(path=str(path), step=exp.step)
     exp.adapter_path = str(path)
-    if exp.max_steps and exp.step >= exp.max_steps:
+    if exp.finished_steps and not exp.awaits_final_eval():  # else: its eval-only tick
         exp.phase = "Succeeded"
 
 

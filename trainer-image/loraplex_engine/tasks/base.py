@@ -11,7 +11,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from loraplex_engine.errors import TaskError
 from loraplex_engine.tasks.rewards import BuiltinReward, Reward, RewardItem
@@ -34,6 +34,9 @@ class Task(ABC):
         self.params = self.parse_params(params or {})
         # None → the task's own verifier.
         self.reward_fn: Reward = reward or BuiltinReward(f"{self.name}:default", self.verify)
+        # A multi-turn environment's session (environments/session.py), set by build_task:
+        # then the environment scores the episodes, not ``reward_fn``.
+        self.environment: Any = None
 
     @classmethod
     def parse_params(cls, params: Mapping[str, str]) -> dict[str, str]:
@@ -66,7 +69,7 @@ class Task(ABC):
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         items = [
-            RewardItem(prompt=p.text, completion=c, answer=p.answer)
+            RewardItem(prompt=p.text, completion=c, answer=p.answer, columns=p.meta)
             for p, c in zip(prompts, completions, strict=True)
         ]
         return self.reward_fn.score(items)
@@ -79,6 +82,8 @@ class Task(ABC):
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
             close()
+        if self.environment is not None:
+            self.environment.close()
 
 
 def int_param(params: Mapping[str, str], key: str, lo: int, hi: int) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -28,6 +28,7 @@ class RewardItem:
     prompt: str
     completion: str
     answer: str
+    columns: Mapping[str, str] = field(default_factory=dict)  # a dataset row's others
 
 
 class Reward(Protocol):
@@ -97,10 +98,10 @@ class BuiltinReward:
 
     def score(self, items: Sequence[RewardItem]) -> list[float]:
         scores = (self.fn(it.completion, it.answer) for it in items)
-        return [_check_score(s, i, self.name) for i, s in enumerate(scores)]
+        return [check_score(s, i, self.name) for i, s in enumerate(scores)]
 
 
-def _check_score(value: Any, index: int, source: str) -> float:
+def check_score(value: Any, index: int, source: str) -> float:
     # bool is an int subclass; a True/False "score" is almost surely a bug upstream.
     # The value's type, never the value: an answer's content does not reach status.
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -160,7 +161,7 @@ class HttpReward:
             raise RewardError(
                 f"reward service {self.url}: {len(scores)} scores for {len(items)} items"
             )
-        return [_check_score(s, i, f"service {self.url}") for i, s in enumerate(scores)]
+        return [check_score(s, i, f"service {self.url}") for i, s in enumerate(scores)]
 
     def _post(self, body: dict[str, Any]) -> Any:
         url, sni = self.url, None

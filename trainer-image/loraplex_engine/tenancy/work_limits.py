@@ -40,17 +40,32 @@ class WorkLimits:
                 field="spec.rollout.maxNewTokens",
             )
         rows = alg.group_size * alg.prompts_per_step
+        env = spec.task.environment  # an episode's row: its prompt and all its turns
+        added = new_tokens if env is None else max(new_tokens, env.max_episode_tokens)
         # A row never outgrows the context: a longer prompt is refused at rollout.
-        row = self.max_prompt_tokens + new_tokens
+        row = self.max_prompt_tokens + added
         if self.context_tokens is not None:
             row = min(row, self.context_tokens)
         if rows * row > self.max_step_tokens:
             raise InvalidSpecError(
                 f"groupSize x promptsPerStep x (prompt limit {self.max_prompt_tokens} + "
-                f"maxNewTokens, within the context) = {rows * row} tokens per step exceeds "
+                f"maxNewTokens or environment.maxEpisodeTokens, within the context) = "
+                f"{rows * row} tokens per step exceeds "
                 f"this engine's limit of {self.max_step_tokens} (serve --max-step-tokens); "
                 "lower one of them",
                 field="spec.algorithm.promptsPerStep",
+            )
+        ev = spec.evaluation
+        # An eval's rows ride in the tick of a step (tick.py): the two together are bounded.
+        eval_rows = 0 if ev is None else ev.prompts * ev.samples
+        if (rows + eval_rows) * row > self.max_step_tokens:
+            raise InvalidSpecError(
+                f"a step with its eval, (groupSize x promptsPerStep + eval.prompts x "
+                f"eval.samples) x (prompt limit {self.max_prompt_tokens} + maxNewTokens, "
+                f"within the context) = {(rows + eval_rows) * row} tokens, exceeds this "
+                f"engine's limit of {self.max_step_tokens} (serve --max-step-tokens); "
+                "lower one of them",
+                field="spec.eval.prompts",
             )
 
     def check_completion(self, prompt_tokens: int, max_tokens: int, n: int) -> None:

@@ -110,7 +110,11 @@ class FutureTable:
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
 
-    def new(self, namespace: str, kind: str, model_id: str | None = None) -> Future:
+    def new(
+        self, namespace: str, kind: str, model_id: str | None = None, request_id: str | None = None
+    ) -> Future:
+        """``request_id``: a client experiment's ``<model id>#<seq_id>`` (tinker/journal.py),
+        the same on whichever engine replays it; else a fresh one."""
         with self._lock:
             # The janitor sweeps every second (protocol.py); here only when full, so a
             # new future costs O(1), not a scan of every kept one.
@@ -120,7 +124,7 @@ class FutureTable:
                 raise TooManyRequests(
                     f"{len(self._futures)} requests are pending or unretrieved; retry later"
                 )
-            fut = Future(uuid.uuid4().hex, namespace, kind, model_id=model_id)
+            fut = Future(request_id or uuid.uuid4().hex, namespace, kind, model_id=model_id)
             self._futures[fut.request_id] = fut
             return fut
 

@@ -9,6 +9,7 @@ the same model. A ``(model, seq_id)`` sent twice answers the first request's fut
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -26,6 +27,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.tinker import wire
 from loraplex_engine.tinker.errors import failure_text
 from loraplex_engine.tinker.futures import Future, FutureTable, Runner
+from loraplex_engine.tinker.journal import Entry, journalled, replay
 from loraplex_engine.tinker.state import Model, Registry, Sampler
 from loraplex_engine.training_service import (
     AdamStep,
@@ -33,6 +35,7 @@ from loraplex_engine.training_service import (
     SampleCall,
     TrainingService,
 )
+from loraplex_engine.versions import names
 
 log = logging.getLogger("loraplex_engine.tinker")
 
@@ -62,6 +65,9 @@ class Protocol:
     ) -> None:
         self.training = training
         self.registry = registry or Registry()
+        if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
+            self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
+            self.registry.on_adopted = lambda model, found: replay(self, model, found.steps)
         self.futures = futures or FutureTable()
         self.runner = runner or Runner()
         self._stop = threading.Event()
@@ -89,6 +95,7 @@ class Protocol:
         kind: str,
         fn: Callable[[], Any] | None = None,
         pipelined: Callable[[Callable[[], None]], Any] | None = None,
+        entry: tuple[str, bytes, str | None] | None = None,
     ) -> str:
         """A future for ``fn`` run on the model's lane; or for ``pipelined``, called with
         the lane's ``release`` (the engine's ``queued``): the model's next call goes to the
@@ -97,16 +104,23 @@ class Protocol:
             earlier = self.registry.seq_request(model, seq_id)
             if earlier is not None and self.futures.get(model.namespace, earlier) is not None:
                 return earlier
-        fut = self.futures.new(model.namespace, kind, model.id)
+        rid = None
+        if model.journal is not None and seq_id is not None and entry is not None:
+            model.journal.write(Entry(seq_id, *entry))  # a client experiment's (journal.py)
+            rid = f"{model.id}#{seq_id}"
+        fut = self.futures.new(model.namespace, kind, model.id, rid)
         if seq_id is not None:
             self.registry.record_seq(model, seq_id, fut.request_id)
+        finish = self._finish
+        if rid is not None and model.journal is not None and seq_id is not None:
+            finish = journalled(self._finish, model.journal, seq_id)
         if pipelined is not None:
             job = pipelined
             self.runner.run_pipelined(
-                model.id, lambda release: self._finish(fut, lambda: job(release)), order=seq_id
+                model.id, lambda release: finish(fut, lambda: job(release)), order=seq_id
             )
         elif fn is not None:
-            self.runner.run(model.id, lambda: self._finish(fut, fn), order=seq_id)
+            self.runner.run(model.id, lambda: finish(fut, fn), order=seq_id)
         return fut.request_id
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
@@ -250,7 +264,8 @@ class Protocol:
             return wire.forward_output_proto(out)
 
         kind = "Forward" if call.forward_only else "ForwardBackward"
-        return self._queue(model, call.seq_id or None, kind, pipelined=run)
+        entry = ("forward_backward", body, encoding)
+        return self._queue(model, call.seq_id or None, kind, pipelined=run, entry=entry)
 
     def optim_step(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -268,11 +283,18 @@ class Protocol:
             raise InvalidRequestError("unknown AdamParams field", f"adam_params.{unknown[0]}")
         adam = replace(AdamStep(), **{k: float(v) for k, v in params.items()})
 
+        seq = body.get("seq_id")
+
         def run(queued: Callable[[], None]) -> dict[str, Any]:
             metrics = self.training().optim_step(namespace, model.id, adam, queued=queued)
-            return {"metrics": {k: float(v) for k, v in metrics.items()}}
+            answer = {"metrics": {k: float(v) for k, v in metrics.items()}}
+            if model.journal is not None and seq is not None:  # kept, then the window moves
+                model.journal.done(seq, answer)
+                model.journal.stepped(seq, model.checkpoint_every)
+            return answer
 
-        return self._queue(model, body.get("seq_id"), "OptimStep", pipelined=run)
+        entry = ("optim_step", json.dumps(body).encode(), None)
+        return self._queue(model, seq, "OptimStep", pipelined=run, entry=entry)
 
     def save_weights(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -283,7 +305,8 @@ class Protocol:
             saved = self.training().save_state(namespace, model.id, name, "weights")
             return {"path": saved.path, "type": "save_weights"}
 
-        return self._queue(model, seq, "SaveWeights", run)
+        entry = ("save_weights", json.dumps(body).encode(), None)
+        return self._queue(model, seq, "SaveWeights", run, entry=entry)
 
     def save_weights_for_sampler(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -304,7 +327,8 @@ class Protocol:
                 out["sampling_session_id"] = sampler.id
             return out
 
-        return self._queue(model, seq, "SaveWeightsForSampler", run)
+        entry = ("save_weights_for_sampler", json.dumps(body).encode(), None)
+        return self._queue(model, seq, "SaveWeightsForSampler", run, entry=entry)
 
     def unload_model(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -364,6 +388,13 @@ class Protocol:
         return self.registry.add_sampler(session, base, path, body.get("sampling_session_seq_id"))
 
     def check_sampler_path(self, namespace: str, path: str) -> None:
+        version = names.parse(names.untinkered(path))  # a published version (versions/)
+        if version is not None:
+            if version.namespace != namespace:
+                raise NotFoundError(
+                    f"no model {path!r} in this key's namespace", field="model_path"
+                )
+            return  # found (or not) when it is sampled: an alias resolves then
         saved = [s for s in self.training().list_saved(namespace) if s.path == path]
         if not saved:
             raise NotFoundError(f"no saved weights at {path!r}", field="model_path")

@@ -24,6 +24,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.tinker import rest
 from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_error
 from loraplex_engine.tinker.futures import FutureTable, Runner
+from loraplex_engine.tinker.journal import find_future
 from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.tinker.rest import Ns
@@ -314,7 +315,7 @@ def mount_tinker(
 
     @r.post("/retrieve_future")
     async def retrieve_future(ns: Ns, body: Retrieve) -> Response:
-        fut = proto.futures.get(ns, body.request_id)
+        fut = await call(find_future, proto, ns, body.request_id)
         if fut is None:
             raise NotFoundError(
                 f"no request {body.request_id!r} (unknown, or its result has expired)",

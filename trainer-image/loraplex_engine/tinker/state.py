@@ -16,11 +16,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex_engine.errors import NotFoundError
 from loraplex_engine.tinker.errors import SessionGone
+from loraplex_engine.tinker.journal import Journal
+from loraplex_engine.training_service import Adoption
 
 SESSION_TTL_S = 300.0  # no heartbeat (or request) for this long: the client has vanished
 MAX_SEQ_MEMORY = 256  # (model, seq_id) -> future remembered, for resent requests
@@ -33,6 +36,9 @@ class Session:
     user_metadata: dict[str, Any]
     last_seen: float = field(default_factory=time.monotonic)
     models: set[str] = field(default_factory=set)
+    # A client experiment's model lives in a pinned session: no heartbeat TTL ends it,
+    # its life is the experiment's (clients/experiments.py).
+    pinned: bool = False
 
 
 @dataclass
@@ -45,6 +51,10 @@ class Model:
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     seq_futures: dict[int, str] = field(default_factory=dict)
+    # A client experiment's (adopted): its journal and checkpoint cadence (journal.py).
+    journal: Journal | None = None
+    checkpoint_every: int = 0
+    restored_steps: int = 0  # the optimiser steps of the checkpoint it was adopted from
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,17 @@ class Sampler:
     model_path: str | None
 
 
+# (namespace, model id) -> a client experiment's model loaded here, or None.
+Adopter = Callable[[str, str], "Adoption | None"]
+
+
 class Registry:
-    def __init__(self, session_ttl_s: float = SESSION_TTL_S) -> None:
+    def __init__(
+        self, session_ttl_s: float = SESSION_TTL_S, adopter: Adopter | None = None
+    ) -> None:
         self.session_ttl_s = session_ttl_s
+        self.adopter = adopter
+        self.on_adopted: Callable[[Model, Adoption], None] | None = None  # the replay
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._gone: dict[str, str] = {}  # session id -> namespace, of ended sessions
@@ -103,7 +121,8 @@ class Registry:
         now = time.monotonic()
         out: list[Model] = []
         with self._lock:
-            for s in [s for s in self._sessions.values() if now - s.last_seen > self.session_ttl_s]:
+            late = [s for s in self._sessions.values() if now - s.last_seen > self.session_ttl_s]
+            for s in [s for s in late if not s.pinned]:
                 out.extend(self._end_locked(s))
         return out
 
@@ -142,6 +161,10 @@ class Registry:
 
     def model(self, namespace: str, model_id: str) -> Model:
         with self._lock:
+            known = model_id in self._models
+        if not known:
+            self._adopt(namespace, model_id)
+        with self._lock:
             m = self._models.get(model_id)
             if m is None or m.namespace != namespace:
                 raise NotFoundError(f"no model {model_id!r}", field="model_id")
@@ -150,6 +173,30 @@ class Registry:
             if s is not None:
                 s.last_seen = time.monotonic()
             return m
+
+    def _adopt(self, namespace: str, model_id: str) -> None:
+        """A client experiment's model, first named here: registered in its pinned
+        session (the session part of its id), as if this engine had created it."""
+        found = self.adopter(namespace, model_id) if self.adopter is not None else None
+        if found is None:
+            return
+        session_id = model_id.split(":", 1)[0]
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = Session(session_id, namespace, {}, pinned=True)
+                self._sessions[session_id] = s
+                self._gone.pop(session_id, None)
+            if s.namespace != namespace or model_id in self._models:
+                return
+            s.pinned = True
+            m = Model(model_id, namespace, session_id, found.rank, None)
+            m.journal, m.checkpoint_every = Journal(found.journal_dir), found.checkpoint_every
+            m.restored_steps = found.steps
+            self._models[model_id] = m
+            s.models.add(model_id)
+        if self.on_adopted is not None:
+            self.on_adopted(m, found)
 
     def drop_model(self, model_id: str) -> None:
         with self._lock:

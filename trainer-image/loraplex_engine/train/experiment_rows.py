@@ -22,6 +22,7 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     temperature: float
+    mask: list[int] | None = None  # a multi-turn episode's: its observations are not trained
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,15 @@ def experiment_rows(
             group = groups.setdefault(tuple(s.prompt_ids), len(groups))
             rows.append(
                 TrainRow(
-                    exp_id, slot, s.prompt_ids, s.token_ids, s.logprobs, a, s.temperature, group
+                    exp_id,
+                    slot,
+                    s.prompt_ids,
+                    s.token_ids,
+                    s.logprobs,
+                    a,
+                    s.temperature,
+                    group,
+                    mask=s.mask,
                 )
             )
     return ExperimentRows(rows, step)

@@ -37,6 +37,9 @@ class TrainRow:
     # The sampler's log-probs when ``old_logprobs`` were recomputed by the trainer
     # (score_rows); None: ``old_logprobs`` are the sampler's own (the torch rollout).
     behaviour_logprobs: list[float] | None = None
+    # Per completion token, 1 = the policy's (trained), 0 = an environment's observation
+    # (masked out of the loss, its log-probs placeholders). None: every token is trained.
+    mask: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -149,7 +152,7 @@ def collate_rows(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tenso
         attn[i, : len(seq)] = 1
         start = len(row.prompt_ids) - 1  # logits at t predict token t+1
         end = start + len(row.completion_ids)
-        completion_mask[i, start:end] = 1
+        completion_mask[i, start:end] = _mask(row)
         old[i, start:end] = torch.tensor(row.old_logprobs)
         behaviour[i, start:end] = torch.tensor(_behaviour(row))
         scored += range(i * (width - 1) + start, i * (width - 1) + end)
@@ -195,7 +198,8 @@ def collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[st
             old[i, :n] = torch.tensor(row.old_logprobs)
             behaviour[i, :n] = torch.tensor(_behaviour(row))
         attn[i, :n] = 1
-        mask[i, :n] = 1
+        if n:
+            mask[i, :n] = _mask(row)
         positions[i] = torch.arange(len(row.prompt_ids) - 1, len(row.prompt_ids) - 1 + width)
     return {
         "prefix_ids": prefix_ids,
@@ -213,6 +217,10 @@ def collate_shared(groups: Sequence[Sequence[TrainRow]], pad_id: int) -> dict[st
         "adv": torch.tensor([r.advantage for r in rows]),
         "temp": torch.tensor([max(r.temperature, 1e-6) for r in rows]),
     }
+
+
+def _mask(row: TrainRow) -> torch.Tensor | float:
+    return 1.0 if row.mask is None else torch.tensor(row.mask, dtype=torch.float32)
 
 
 def _behaviour(row: TrainRow) -> list[float]:

@@ -60,8 +60,10 @@ TokenTotals = dict[str, tuple[float, int]]
 @dataclass
 class TrainStats:
     loss: dict[str, float] = field(default_factory=dict)
-    kl: dict[str, float] = field(default_factory=dict)
-    clip_fraction: dict[str, float] = field(default_factory=dict)
+    # The loss's KL and clip fraction, each a token mean per micro-batch, weighted here by
+    # its completion tokens (so the step's mean is over every token, however packed).
+    kl: TokenTotals = field(default_factory=dict)
+    clip: TokenTotals = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # logical: prompt + completion per row
     micro_batches: int = 0
     shared_micro_batches: int = 0  # of which ran with shared prompt prefixes
@@ -109,16 +111,21 @@ def _micro_batch_loss(
         stats.loss[exp] = (
             stats.loss.get(exp, 0.0) + float(out.seq_loss.detach().sum()) * weights[exp]
         )
-        stats.kl[exp] = float(out.kl)
-        stats.clip_fraction[exp] = float(out.clip_fraction)
         stats.tokens[exp] = stats.tokens.get(exp, 0) + sum(
             r.length for r in rows if r.experiment == exp
         )
+        n = int(batch["mask"][index].sum())  # these rows' completion tokens
+        _add_mean(stats.kl, exp, float(out.kl), n)
+        _add_mean(stats.clip, exp, float(out.clip_fraction), n)
         if out.tis_mean is not None:  # a mean over these rows' completion tokens
-            n = int(batch["mask"][index].sum())
-            weights_sum, count = stats.tis.get(exp, (0.0, 0))
-            stats.tis[exp] = (weights_sum + float(out.tis_mean) * n, count + n)
+            _add_mean(stats.tis, exp, float(out.tis_mean), n)
     return total
+
+
+def _add_mean(totals: TokenTotals, exp: str, mean: float, n: int) -> None:
+    """Add a mean over ``n`` tokens to ``exp``'s sum and count."""
+    total, count = totals.get(exp, (0.0, 0))
+    totals[exp] = (total + mean * n, count + n)
 
 
 def plan_micro_batches(

@@ -48,17 +48,26 @@ class TrainOutcome:
     # None and 0 where the loss applies no TIS.
     tis_weight_mean: float | None = None
     tis_tokens: int = 0
+    # The loss's mean KL to the base and share of clipped tokens over the step's sampled
+    # tokens (every rank's); None where no token was trained.
+    kl: float | None = None
+    clip_fraction: float | None = None
 
     def finite(self) -> TrainOutcome:
         """Its statistics with a non-finite one as None: a sampled token the trainer finds
         impossible makes the gap infinite (and normally the loss too), and a status or
         summary.json carries no inf."""
-        gap, tis = self.logprob_gap, self.tis_weight_mean
         return dataclasses.replace(
             self,
-            logprob_gap=gap if gap is not None and math.isfinite(gap) else None,
-            tis_weight_mean=tis if tis is not None and math.isfinite(tis) else None,
+            logprob_gap=_finite(self.logprob_gap),
+            tis_weight_mean=_finite(self.tis_weight_mean),
+            kl=_finite(self.kl),
+            clip_fraction=_finite(self.clip_fraction),
         )
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,13 @@ class StepTotals:
 
     gaps: TokenTotals = field(default_factory=dict)  # |sampler - trainer| log-prob (rescored)
     tis: TokenTotals = field(default_factory=dict)  # the TIS weight (TrainStats.tis)
+    kl: TokenTotals = field(default_factory=dict)  # the loss's KL (TrainStats.kl)
+    clip: TokenTotals = field(default_factory=dict)  # clipped tokens (TrainStats.clip)
+
+    @classmethod
+    def of(cls, gaps: TokenTotals, stats: TrainStats) -> StepTotals:
+        """One rank's totals: its rescoring's gaps and its backward's statistics."""
+        return cls(gaps, stats.tis, stats.kl, stats.clip)
 
 
 class TrainingStrategy(Protocol):
@@ -240,7 +256,7 @@ class FusedTraining(AdapterTrainer):
         rows, gaps = self.rescore(rows)
         self.optimizer.zero_grad()
         stats = self.backward(rows, losses)
-        return with_totals(self.step_finite(list(losses)), [StepTotals(gaps, stats.tis)])
+        return with_totals(self.step_finite(list(losses)), [StepTotals.of(gaps, stats)])
 
 
 def logprob_gaps(rows: list[TrainRow], trainer: list[torch.Tensor]) -> dict[str, float]:
@@ -261,8 +277,12 @@ def gap_totals(rows: list[TrainRow], trainer: list[torch.Tensor]) -> GapTotals:
     out: GapTotals = {}
     for row, mine in zip(rows, trainer, strict=True):
         sampler = torch.tensor(row.old_logprobs, dtype=torch.float32)
+        gap = (sampler - mine).abs()
+        if row.mask is not None:  # an environment's tokens were not sampled: no gap
+            keep = torch.tensor(row.mask, dtype=torch.bool)
+            gap = gap[keep]
         total, n = out.get(row.experiment, (0.0, 0))
-        out[row.experiment] = (total + float((sampler - mine).abs().sum()), n + len(mine))
+        out[row.experiment] = (total + float(gap.sum()), n + len(gap))
     return out
 
 
@@ -285,9 +305,12 @@ def with_totals(
     outcomes: dict[str, TrainOutcome], parts: Sequence[StepTotals]
 ) -> dict[str, TrainOutcome]:
     """``outcomes`` with the off-policy statistics of ``parts`` (one per rank) combined:
-    each experiment's mean gap, and its mean TIS weight over every token it weighted."""
+    each experiment's mean gap, its mean TIS weight over every token it weighted, and its
+    mean KL and clip fraction over every token trained."""
     gaps = mean_gaps(p.gaps for p in parts)
     tis = sum_totals(p.tis for p in parts)
+    kl = sum_totals(p.kl for p in parts)
+    clip = sum_totals(p.clip for p in parts)
     out = {}
     for e, o in outcomes.items():
         if e in gaps:
@@ -295,5 +318,8 @@ def with_totals(
         total, n = tis.get(e, (0.0, 0))
         if n:
             o = dataclasses.replace(o, tis_weight_mean=total / n, tis_tokens=n)
+        (kl_sum, kl_n), (clip_sum, clip_n) = kl.get(e, (0.0, 0)), clip.get(e, (0.0, 0))
+        if kl_n:
+            o = dataclasses.replace(o, kl=kl_sum / kl_n, clip_fraction=clip_sum / clip_n)
         out[e] = o
     return out

@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from loraplex_engine.api_types import ExperimentStatus
+from loraplex_engine.errors import NotFoundError
 from loraplex_engine.server.errors import documented_errors
 from loraplex_engine.service import EngineService
 
@@ -82,9 +83,17 @@ def add_models_routes(
         **route_options,
     )
     async def get_model(id: str) -> dict[str, Any]:
-        """One model: the base or an experiment id."""
+        """One model: the base, an experiment id, or a published version's name
+        (``<ns>.<name>@v<N>``, ``<ns>.<name>:<alias>``: docs/versions.md)."""
         engine = await run_in_threadpool(ready_engine)
         base = engine.model_name
         if id == base:
             return _base_card(base)
-        return _experiment_card(base, await run_in_threadpool(engine.get_experiment, id))
+        try:
+            return _experiment_card(base, await run_in_threadpool(engine.get_experiment, id))
+        except NotFoundError:
+            if "@" not in id and ":" not in id:
+                raise
+        version = await run_in_threadpool(engine.describe_version, id)
+        return {"id": id, "object": "model", "created": 0, "owned_by": OWNER, "parent": base,
+                "step": version.step, "phase": None}  # fmt: skip

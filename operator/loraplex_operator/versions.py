@@ -1,0 +1,171 @@
+"""Published versions and aliases of continual experiments, on the operator's side
+(docs/versions.md): the status fields and the `Published` condition from the engine's
+report, an Event and a metric for every alias move, and `spec.publish` edits (a
+`kubectl patch` of the aliases: promotion, rollback) pushed to the engine in place.
+
+Pure but for `push_publish`. The engine owns the versions and moves the aliases (its
+gate, `latest`); the operator reports what it says and forwards the spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from loraplex_operator.api.status import VersionStatus
+
+log = logging.getLogger("loraplex_operator.versions")
+
+STABLE, LATEST = "stable", "latest"
+COND_PUBLISHED = "Published"
+# loraplex_alias_moves{kind}: a bounded label (alias names are the tenant's to choose).
+MOVE_KINDS = ("publish", "promotion", "rollback", "alias")
+_VERSION = re.compile(r"v([1-9][0-9]{0,8})")
+
+
+def _normal(publish: Any) -> Any:
+    """A publish block without its empty entries: the engine reports every field (lists
+    empty, no null); the API server's copy leaves out what was never set."""
+    if not isinstance(publish, Mapping):
+        return publish
+    return {k: _normal(v) for k, v in sorted(publish.items()) if v not in (None, [], {})}
+
+
+def publish_differs(raw_spec: Mapping[str, Any], engine_status: Mapping[str, Any]) -> bool:
+    """The engine applies another `spec.publish` than the object's: an edit to push. An
+    engine that does not report one (older) is never pushed to."""
+    if "publish" not in engine_status:
+        return False
+    return _normal(raw_spec.get("publish")) != _normal(engine_status.get("publish"))
+
+
+def status_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """`status.versions` and `status.aliases` from the engine's report (when it made one)."""
+    out: dict[str, Any] = {}
+    if isinstance(engine.get("versions"), list):
+        out["versions"] = tuple(
+            VersionStatus(
+                version=v["version"],
+                step=v.get("step"),
+                scores=v.get("scores") or None,
+                gate_passed=v.get("gatePassed"),
+                created_at=v.get("createdAt"),
+            )
+            for v in engine["versions"]
+            if isinstance(v, Mapping) and _VERSION.fullmatch(str(v.get("version")))
+        )
+    if isinstance(engine.get("aliases"), Mapping):
+        out["aliases"] = {str(a): str(v) for a, v in sorted(engine["aliases"].items())}
+    return out
+
+
+def published_condition(
+    raw_spec: Mapping[str, Any], aliases: Mapping[str, str] | None, error: str | None
+) -> dict[str, Any] | None:
+    """`Published`: True while versions publish and the aliases apply (the message says
+    where stable and latest point, so every move shows here too); False with why the
+    last publish or alias edit did not apply. None without a publish block."""
+    if raw_spec.get("publish") is None:
+        return None
+    if error:
+        return _condition(False, "PublishFailed", error)
+    if not aliases:
+        return _condition(False, "NoVersionYet", "no version is published yet")
+    where = ", ".join(f"{a} {v}" for a, v in sorted(aliases.items()))
+    return _condition(True, "Published", where)
+
+
+def _condition(status: bool, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "type": COND_PUBLISHED,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message[:32768],
+    }
+
+
+@dataclass(frozen=True)
+class Move:
+    alias: str
+    before: str | None
+    after: str | None
+
+    @property
+    def kind(self) -> str:
+        """One of MOVE_KINDS: latest moves on a publish; stable set or moved forward is a
+        promotion, back a rollback; any other alias set, moved or removed (stable removed
+        too) is `alias`."""
+        if self.alias == LATEST:
+            return "publish"
+        if self.alias != STABLE or self.after is None:
+            return "alias"
+        if self.before is None or _number(self.after) > _number(self.before):
+            return "promotion"
+        return "rollback"
+
+    def event(self) -> tuple[str, str, str]:
+        """(type, reason, message) of its Event."""
+        reason = {"publish": "Published", "promotion": "Promoted", "rollback": "RolledBack"}
+        text = f"alias {self.alias}: {self.before or '-'} -> {self.after or '-'}"
+        return "Normal", reason.get(self.kind, "AliasMoved"), text
+
+
+def moves(before: Mapping[str, str] | None, after: Mapping[str, str] | None) -> list[Move]:
+    """Each alias whose target changed between two statuses, by name."""
+    b, a = dict(before or {}), dict(after or {})
+    return [Move(n, b.get(n), a.get(n)) for n in sorted(set(b) | set(a)) if b.get(n) != a.get(n)]
+
+
+def stable_number(aliases: Mapping[str, str] | None) -> int | None:
+    """The version `stable` points at, as a number (the metric's value)."""
+    v = (aliases or {}).get(STABLE)
+    return _number(v) if v and _VERSION.fullmatch(v) else None
+
+
+def _number(version: str) -> int:
+    m = _VERSION.fullmatch(version)
+    return int(m.group(1)) if m else 0
+
+
+# ---- pushing spec.publish edits --------------------------------------------------------
+
+
+class _Engines(Protocol):
+    async def put_publish(
+        self, base: str, token: str, exp_id: str, publish: Mapping[str, Any] | None
+    ) -> dict[str, Any]: ...
+
+
+class _Work(Protocol):
+    republish: str | None
+    engine_status: dict[str, Any] | None
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def exp(self) -> Any: ...
+
+    def event(self, type_: str, reason: str, message: str) -> None: ...
+
+
+async def push_publish(engines: _Engines, works: Iterable[_Work], token: str) -> None:
+    """`spec.publish` to the engine of each experiment whose engine applies another one
+    (planning marked it `republish`); its fresh status replaces the round's report, so
+    the aliases it moved show (and are evented) this round. A failure is retried next
+    round: the spec still differs."""
+    for w in works:
+        if not w.republish:
+            continue
+        publish = w.exp.raw_spec.get("publish")
+        try:
+            w.engine_status = await engines.put_publish(w.republish, token, w.id, publish)
+        except Exception as e:  # the engine's answer or its absence: next round tries again
+            log.warning("%s: spec.publish not applied on its engine: %s", w.key, e)
+            w.event("Warning", "PublishNotApplied", f"spec.publish not applied: {e}")

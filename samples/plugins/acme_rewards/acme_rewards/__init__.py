@@ -1,0 +1,1 @@
+"""ACME's loraplex plug-ins (a sample)."""

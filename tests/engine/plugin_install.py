@@ -1,0 +1,33 @@
+"""The test plug-in package (tests/plugins/loraplex_test_plugins) installed for real: ``pip
+install --target`` a directory, as a platform's image installs its own package (there
+into site-packages), and the engine under test gets that directory on its PYTHONPATH, so
+``importlib.metadata`` finds its entry points the way it finds any installed package's.
+The ``plugins_site`` fixture (tests/conftest.py): a directory per test session, not the
+shared venv: no other test's engine sees these plug-ins (hostile ones among them)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "loraplex_test_plugins"
+SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "plugins" / "acme_rewards"
+
+
+def install(work: Path, package: Path = PACKAGE) -> Path:
+    """Install ``package`` under ``work``; returns the directory to put on PYTHONPATH."""
+    source, target = work / "source", work / "site"
+    # A copy: building in place would leave build/ and egg-info in the repository.
+    shutil.copytree(package, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    flags = ["--no-deps", "--no-build-isolation", "--no-index", "--target", str(target)]
+    subprocess.run([*pip, *flags, str(source)], check=True, timeout=300)
+    return target
+
+
+def with_path(site: Path) -> dict[str, str]:
+    """Environment variables for an engine process that sees the installed plug-ins."""
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

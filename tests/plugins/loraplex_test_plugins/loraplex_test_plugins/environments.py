@@ -1,0 +1,58 @@
+"""Environments: a skyrl-gym text environment with a tool, and hostile ones of our own."""
+
+from __future__ import annotations
+
+import time
+
+from loraplex_engine.environments.base import Environment, Step
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.tools.core import ToolGroup, tool
+
+
+class WordTools(ToolGroup):
+    def __init__(self) -> None:
+        super().__init__(name="WordTools")
+
+    @tool
+    def count_word(self, text: str, word: str) -> str:
+        return f"{word} count {text.split().count(word)}"
+
+
+class WordToolEnv(BaseTextEnv):
+    """Say the answer word, for ``max_turns`` turns: after each turn the ``count_word``
+    tool counts it in the turn and its output is the observation; each turn scores the
+    share of its words that are the answer, over the turns (an episode scores at most 1)."""
+
+    def __init__(self, env_config=None, extras=None) -> None:
+        super().__init__()
+        extras = extras or {}
+        self.answer = extras["reward_spec"]["ground_truth"]
+        self.max_turns = int(extras.get("max_turns", 2))
+        self.init_tool_groups([WordTools()])
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        words = action.split()
+        share = sum(w == self.answer for w in words) / len(words) if words else 0.0
+        counted = self._execute_tool("WordTools", "count_word", [action, self.answer])
+        done = self.turns >= self.max_turns
+        observations = [] if done else [{"role": "user", "content": counted}]
+        return BaseTextEnvStepOutput(
+            observations=observations,
+            reward=share / self.max_turns,
+            done=done,
+            metadata={"tool_calls": 1},
+        )
+
+
+class NeverEnds(Environment):
+    """Never done: the engine's maxTurns must end its episodes."""
+
+    def step(self, action: str) -> Step:
+        return Step(observation=" again", reward=0.0, done=False)
+
+
+class HangsOnStep(Environment):
+    def step(self, action: str) -> Step:
+        while True:
+            time.monotonic()

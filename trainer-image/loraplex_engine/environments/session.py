@@ -1,0 +1,68 @@
+"""One experiment's environment, seen from the engine: its episodes live in the
+experiment's plug-in worker (plugins/worker.py); every call is one bounded round trip for
+a batch of episodes, and every answer is checked here (a wrong count, a non-string
+observation, a non-finite reward: a ``PluginError``, its experiment fails)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from loraplex_engine.environments.base import Step
+from loraplex_engine.errors import PluginError
+from loraplex_engine.plugins.host import PluginHost
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.tasks.rewards import check_score
+
+
+class EnvironmentSession:
+    def __init__(self, spec: EnvironmentSpec, host: PluginHost) -> None:
+        self.spec, self.host = spec, host
+        self.what = f"environment {spec.name}"
+        self._ids = itertools.count()
+
+    def open(self, prompts: Sequence[tuple[str, str]]) -> tuple[list[int], list[str]]:
+        """Start one episode per (prompt, answer); their ids and first texts."""
+        ids = [next(self._ids) for _ in prompts]
+        request = {
+            "op": "env_open",
+            "name": self.spec.name,
+            "params": dict(self.spec.params),
+            "maxTurns": self.spec.max_turns,
+            "episodes": [
+                {"id": i, "prompt": p, "answer": a} for i, (p, a) in zip(ids, prompts, strict=True)
+            ],
+        }
+        starts = self.host.call(self.what, request).get("starts")
+        if not isinstance(starts, list) or len(starts) != len(ids):
+            raise PluginError(f"{self.what}: started {_count(starts)} of {len(ids)} episodes")
+        if not all(isinstance(s, str) for s in starts):
+            raise PluginError(f"{self.what}: an episode's start is not text")
+        return ids, starts
+
+    def step(self, actions: Sequence[tuple[int, str]]) -> list[Step]:
+        """Each episode's answer to the policy's turn (episode id, decoded text)."""
+        if not actions:
+            return []
+        steps = self.host.call(self.what, {"op": "env_step", "steps": list(actions)}).get("steps")
+        if not isinstance(steps, list) or len(steps) != len(actions):
+            raise PluginError(f"{self.what}: {_count(steps)} answers for {len(actions)} turns")
+        return [self._step(s, i) for i, s in enumerate(steps)]
+
+    def _step(self, raw: object, index: int) -> Step:
+        if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], str):
+            raise PluginError(f"{self.what}: answer {index} is malformed")
+        observation, reward, done, calls = raw
+        reward = check_score(reward, index, self.what)  # a number, finite
+        return Step(observation, reward, bool(done), calls if isinstance(calls, int) else 0)
+
+    def close_episodes(self, ids: Sequence[int]) -> None:
+        if ids:
+            self.host.call(self.what, {"op": "env_close", "ids": list(ids)})
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def _count(value: object) -> int | str:
+    return len(value) if isinstance(value, list) else "no list"

@@ -1,0 +1,128 @@
+"""An experiment's eval set and the rollout rows of one eval (docs/evaluation.md).
+
+The set is fixed when the experiment is built (outside the engine's model lock): drawn
+from the task with a seed of its own, or the first rows of ``spec.eval.dataset`` (opened
+under the same rules as task.dataset: tenancy/trust.py, tasks/jsonl.py). Every eval
+samples the same prompts, so its numbers are comparable step to step and run to run.
+The rows of one eval ride in the tick's rollout batch beside the experiment's step
+(tick.py) under a sampling group of their own: they never train, and they draw no
+randomness from the training samples' generator.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex_engine.errors import TaskError
+from loraplex_engine.evaluation.scores import EVAL_SEED_SALT, eval_seed
+from loraplex_engine.evaluation.spec_eval import EvalSpec
+from loraplex_engine.rollout.base import RolloutRequest
+from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.tasks import JsonlTask, Prompt, Task
+from loraplex_engine.tenancy.trust import TrustPolicy
+
+FIELD = "spec.eval.dataset"
+EVAL_GROUP_SUFFIX = "~eval"  # its rows' sampling group: "<experiment id>~eval"
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    spec: EvalSpec
+    prompts: tuple[Prompt, ...]
+
+
+@dataclass(frozen=True)
+class EvalRows:
+    """One eval's rows: each prompt ``samples`` times, in prompt order."""
+
+    step: int  # the adapter they sample: after this many optimiser steps
+    prompts: list[Prompt]
+    requests: list[RolloutRequest]
+
+    @property
+    def cost(self) -> int:
+        """Tokens the rows may take (prompt + token limit), as a step's cost counts."""
+        return sum(len(r.prompt_ids) + r.max_new_tokens for r in self.requests)
+
+
+def build_eval_set(
+    spec: ExperimentSpec, task: Task, trust: TrustPolicy, namespace: str
+) -> EvalSet | None:
+    """``spec``'s eval set (None: no spec.eval); a TaskError names the field at fault."""
+    ev = spec.evaluation
+    if ev is None:
+        return None
+    if spec.task is not None and spec.task.environment is not None:
+        # An eval is single-turn rows scored by the task's reward; an environment's reward
+        # scores whole episodes, so an eval here would measure something else.
+        raise TaskError(
+            "spec.eval",
+            "spec.eval is not supported with task.environment (multi-turn episodes): "
+            "leave spec.eval unset",
+        )
+    if ev.dataset is None:
+        rng = random.Random(spec.algorithm.seed ^ EVAL_SEED_SALT)
+        return EvalSet(ev, tuple(task.sample_prompts(ev.prompts, rng)))
+    return EvalSet(ev, tuple(_dataset_rows(ev.dataset, ev.prompts, trust, namespace)))
+
+
+def _dataset_rows(dataset: str, n: int, trust: TrustPolicy, namespace: str) -> list[Prompt]:
+    """The first ``n`` rows of the eval dataset (checked whole, as a task's dataset is)."""
+    try:
+        file, root = trust.data.resolve(dataset, namespace)
+        data = JsonlTask(file, {}, None, root, allow_hard_links=trust.data.allow_hard_links)
+    except TaskError as e:  # they name task.dataset: the rules are the same
+        raise TaskError(FIELD, e.message) from None
+    try:
+        if not len(data):
+            raise TaskError(FIELD, f"eval dataset {dataset!r} has no rows")
+        return [data.row(i) for i in range(min(n, len(data)))]
+    except TaskError as e:
+        raise TaskError(FIELD, e.message) from None
+    finally:
+        data.close()
+
+
+def eval_rows(
+    exp_id: str,
+    eval_set: EvalSet,
+    step: int,
+    seed: int,
+    rollout: tuple[int, int, bool],
+    encode: Callable[[Prompt], list[int]],
+) -> EvalRows:
+    """The rows of the eval at ``step``: ``rollout`` is the experiment's adapter slot,
+    maxNewTokens and reproducible; ``encode`` a prompt's tokens (the tick's checks)."""
+    ev = eval_set.spec
+    slot, max_new_tokens, reproducible = rollout
+    # Greedy rows draw nothing; sampled ones from a generator of this eval's own.
+    generator = None
+    if ev.temperature > 0:
+        generator = torch.Generator().manual_seed(eval_seed(seed, step))
+    prompts, requests = [], []
+    for prompt in eval_set.prompts:
+        try:
+            ids = encode(prompt)
+        except TaskError as e:  # too long for this engine: name the eval's source
+            raise TaskError(FIELD if ev.dataset else e.field, f"eval: {e.message}") from None
+        for _ in range(ev.samples):
+            prompts.append(prompt)
+            requests.append(
+                RolloutRequest(
+                    slot=slot,
+                    prompt_ids=ids,
+                    max_new_tokens=max_new_tokens,
+                    temperature=ev.temperature,
+                    generator=generator,
+                    group=exp_id + EVAL_GROUP_SUFFIX,
+                    adapter=exp_id,
+                    # A sampled eval is seeded on vLLM too: it is small, and an eval that
+                    # changes run to run would hide what the adapter learned.
+                    reproducible=reproducible or generator is not None,
+                )
+            )
+    return EvalRows(step, prompts, requests)
