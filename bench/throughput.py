@@ -14,6 +14,14 @@ learning rates; same steps, prompts, group size, LoRA config; rollouts generate 
   by real copies (``Engine(train_mode="timesliced")``), the published design.
 - ``hot_fused``: one process, mixed rollouts, one fused forward/backward
   (``Engine(train_mode="fused")``).
+- ``pipelined`` (issue 32; not run unless named in ``--arms``): ``hot_fused`` under
+  ``--schedule pipelined`` (docs/design/pipeline.md): one cohort trains while the
+  others' rollouts generate; every experiment on-policy (``maxStaleness`` 0). With
+  ``--rollout-backend vllm`` every arm samples with vLLM in its own process
+  (``$LORAPLEX_VLLM_PYTHON``, default ``.venv-vllm/bin/python``), where the overlap is.
+- ``pipelined_stale`` (likewise opt-in): ``pipelined`` with ``maxStaleness`` 1 and TIS
+  (cap 2): every experiment generates its next rollout while its update is made, so all
+  generate and all train in every tick (one step stale, corrected by TIS).
 
 Arms are interleaved per cell and repeat (ABC, CBA, ...) after a warm-up round, and every
 process is a fresh interpreter with fixed torch threads. Writes ``results.json``,
@@ -37,8 +45,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ARMS = ("sequential_cold", "hot_timesliced", "hot_fused")
-MODES = {"hot_timesliced": "timesliced", "hot_fused": "fused"}
+ARMS = ("sequential_cold", "hot_timesliced", "hot_fused", "pipelined", "pipelined_stale")
+DEFAULT_ARMS = ARMS[:3]
+MODES = {
+    "hot_timesliced": "timesliced",
+    "hot_fused": "fused",
+    "pipelined": "fused",
+    "pipelined_stale": "fused",
+}
+SCHEDULES = {"pipelined": "pipelined", "pipelined_stale": "pipelined"}  # the others: sync
+# pipelined_stale's experiments: the next rollout may start before the update lands.
+STALE_ALGORITHM = {"maxStaleness": 1, "offPolicyCorrection": "tis", "tisCap": 2.0}
 PHASES = ("rollout", "reward", "train", "sync")
 # Single-letter targets: coverage = share of the completion's characters that are the
 # letter, so a random policy already scores a few percent (dense signal) and the 13M
@@ -86,6 +103,8 @@ def experiment_specs(
 def _spawn(job: dict[str, Any], workdir: Path, tag: str) -> dict[str, Any]:
     job_path, result_path = workdir / f"{tag}.job.json", workdir / f"{tag}.result.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "TOKENIZERS_PARALLELISM": "false"}
+    if job.get("rollout_backend") == "vllm":
+        env.setdefault("LORAPLEX_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
     job["launch_unix"] = time.time()  # the cold start counts from here
     job_path.write_text(json.dumps(job))
     proc = subprocess.run(
@@ -114,7 +133,11 @@ def run_arm(
         "checkpoint_root": str(workdir / arm / "checkpoints"),
         "device": args.device,
         "autocast": args.autocast,
+        "rollout_backend": args.rollout_backend,
+        "schedule": SCHEDULES.get(arm, "sync"),
     }
+    if arm == "pipelined_stale":
+        exps = [_with_algorithm(e, STALE_ALGORITHM) for e in exps]
     if arm == "sequential_cold":
         results = [
             _spawn({**base_job, "mode": "fused", "experiments": [e]}, workdir, f"{arm}-{i}")
@@ -139,10 +162,25 @@ def run_arm(
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
         "peak_device_bytes": max(r.get("peak_device_bytes", 0) for r in results),
         "rewards": {k: v for r in results for k, v in r["rewards"].items()},
+        # Per experiment, the largest staleness of a step (step - 1 - its rollout's version).
+        "max_staleness": max(
+            (
+                i - v
+                for r in results
+                for vs in r.get("rollout_versions", {}).values()
+                for i, v in enumerate(vs)
+            ),
+            default=0,
+        ),
         "failed": {k: v for r in results for k, v in r["failed"].items()},
     }
     shutil.rmtree(workdir / arm, ignore_errors=True)
     return merged
+
+
+def _with_algorithm(exp: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    spec = {**exp["spec"], "algorithm": {**exp["spec"]["algorithm"], **fields}}
+    return {**exp, "spec": spec}
 
 
 def last_k(steps: int) -> int:
@@ -158,27 +196,39 @@ def _median(runs: list[dict[str, Any]], key: str, sub: str | None = None) -> flo
 
 
 def ratios(runs: list[dict[str, Any]], cells: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per cell, each arm's median makespan over another's (> 1: the second is faster),
+    for the arms that ran; ``_excl_load`` ratios leave each process's model load (and the
+    vLLM worker's start) out."""
     out = []
     for n, steps in cells:
         by = {a: [r for r in runs if (r["arm"], r["n"], r["steps"]) == (a, n, steps)] for a in ARMS}
-        if not all(by.values()):
-            continue
-        seq, ts, fu = (by[a] for a in ARMS)
-        excl = [r["makespan_s"] - r["model_load_s"] for r in seq]
-        excl_f = [r["makespan_s"] - r["model_load_s"] for r in fu]
-        out.append(
-            {
-                "n": n,
-                "steps": steps,
-                "fused_vs_sequential": _median(seq, "makespan_s") / _median(fu, "makespan_s"),
-                "fused_vs_sequential_excl_load": statistics.median(excl)
-                / statistics.median(excl_f),
-                "fused_vs_timesliced": _median(ts, "makespan_s") / _median(fu, "makespan_s"),
-                "train_phase_fused_vs_timesliced": _median(ts, "phase_s", "train")
-                / _median(fu, "phase_s", "train"),
-            }
-        )
+        row: dict[str, Any] = {"n": n, "steps": steps}
+
+        for name, slow, fast in (
+            ("fused_vs_sequential", "sequential_cold", "hot_fused"),
+            ("fused_vs_timesliced", "hot_timesliced", "hot_fused"),
+            ("pipelined_vs_fused", "hot_fused", "pipelined"),
+            ("pipelined_stale_vs_fused", "hot_fused", "pipelined_stale"),
+        ):
+            if by[slow] and by[fast]:
+                row[name] = _median(by[slow], "makespan_s") / _median(by[fast], "makespan_s")
+                row[name + "_excl_load"] = _excl_load(by[slow]) / _excl_load(by[fast])
+                if name.startswith("pipelined"):  # per repeat: the arms ran back to back
+                    row[name + "_excl_load_per_repeat"] = [
+                        _excl_load([a]) / _excl_load([b])
+                        for a, b in zip(by[slow], by[fast], strict=False)
+                    ]
+        if by["hot_timesliced"] and by["hot_fused"]:
+            row["train_phase_fused_vs_timesliced"] = _median(
+                by["hot_timesliced"], "phase_s", "train"
+            ) / _median(by["hot_fused"], "phase_s", "train")
+        if len(row) > 2:
+            out.append(row)
     return out
+
+
+def _excl_load(runs: list[dict[str, Any]]) -> float:
+    return statistics.median(r["makespan_s"] - r["model_load_s"] for r in runs)
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -188,35 +238,41 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, statistics.stdev(values) / math.sqrt(len(values))
 
 
+PARITY_PAIRS = (
+    ("sequential_cold", "hot_fused"),
+    ("hot_fused", "pipelined"),
+    ("hot_fused", "pipelined_stale"),
+)
+
+
 def reward_parity(
     curves: dict[tuple[str, int, int], dict[str, list[list[float]]]],
     cells: list[tuple[int, int]],
 ) -> list[dict[str, Any]]:
-    """Per experiment: last-k mean reward, sequential vs fused, pooled over repeats.
+    """Per experiment: last-k mean reward of two arms (sequential vs fused, fused vs
+    pipelined), pooled over repeats.
 
-    Within 2 SE: |difference| <= 2 * sqrt(se_seq^2 + se_fused^2), where each SE is that of
+    Within 2 SE: |difference| <= 2 * sqrt(se_a^2 + se_b^2), where each SE is that of
     the pooled last-k step rewards (k = min(5, steps // 2)).
     """
     out = []
-    for n, steps in cells:
-        seq = curves.get(("sequential_cold", n, steps), {})
-        fused = curves.get(("hot_fused", n, steps), {})
-        k = last_k(steps)
-        for exp_id in sorted(set(seq) & set(fused)):
-            s_vals = [x for c in seq[exp_id] for x in c[-k:]]
-            f_vals = [x for c in fused[exp_id] for x in c[-k:]]
-            (ms, ses), (mf, sef) = _mean_se(s_vals), _mean_se(f_vals)
-            bound = 2 * math.sqrt(ses**2 + sef**2)
-            out.append(
-                {
-                    "n": n,
-                    "steps": steps,
-                    "experiment": exp_id,
-                    "sequential_last_k_mean": ms,
-                    "fused_last_k_mean": mf,
-                    "within_2se": bool(abs(ms - mf) <= bound + 1e-9),
-                }
-            )
+    for a, b in PARITY_PAIRS:
+        for n, steps in cells:
+            first = curves.get((a, n, steps), {})
+            second = curves.get((b, n, steps), {})
+            k = last_k(steps)
+            for exp_id in sorted(set(first) & set(second)):
+                a_vals = [x for c in first[exp_id] for x in c[-k:]]
+                b_vals = [x for c in second[exp_id] for x in c[-k:]]
+                (ma, sea), (mb, seb) = _mean_se(a_vals), _mean_se(b_vals)
+                bound = 2 * math.sqrt(sea**2 + seb**2)
+                row = {"n": n, "steps": steps, "experiment": exp_id, "arms": [a, b]}
+                # The sequential/fused pair keeps its historical keys.
+                names = ("sequential", "fused") if a == "sequential_cold" else (a, b)
+                row[f"{names[0]}_last_k_mean"] = ma
+                row[f"{names[1]}_last_k_mean"] = mb
+                row["within_2se"] = bool(abs(ma - mb) <= bound + 1e-9)
+                out.append(row)
     return out
 
 
@@ -232,7 +288,7 @@ def plot_throughput(results: dict[str, Any], path: Path) -> None:
     steps_list = sorted({r["steps"] for r in results["runs"]})
     fig, axes = plt.subplots(1, len(steps_list), figsize=(5 * len(steps_list), 4), squeeze=False)
     for ax, steps in zip(axes[0], steps_list, strict=True):
-        for arm in ARMS:
+        for arm in [a for a in ARMS if any(r["arm"] == a for r in results["runs"])]:
             ns = sorted({r["n"] for r in results["runs"] if r["steps"] == steps})
             ys = []
             for n in ns:
@@ -376,7 +432,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", default="q_proj,v_proj,lm_head")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    p.add_argument(
+        "--rollout-backend", default="torch", choices=["torch", "vllm"], help="every arm's"
+    )
     p.add_argument(
         "--seed-per-repeat",
         action="store_true",
@@ -430,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "micro_batch_tokens": args.micro_batch_tokens,
         "device": args.device,
         "autocast": args.autocast,
+        "rollout_backend": args.rollout_backend,
         "reward_last_k": {s: last_k(s) for s in args.steps},
         "machine_start": machine_info(),
     }
@@ -459,7 +519,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             order = list(reversed(args.arms)) if flip else list(args.arms)
             flip = not flip
             for arm in order:
+                load_before = os.getloadavg()[0]  # the shared machine's load at the start
                 m = run_arm(arm, exps, args, workdir)
+                m["loadavg_1m_start"] = load_before
                 rewards = m.pop("rewards")
                 failed = m.pop("failed")
                 device_bytes = m.pop("peak_device_bytes")
@@ -501,12 +563,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot_throughput(results, args.out / "throughput.png")
     plot_rewards(curves, args.out / "rewards.png")
     for r in results["ratios"]:
-        print(
-            f"N={r['n']} steps={r['steps']}: fused/seq {r['fused_vs_sequential']:.2f}"
-            f" (excl load {r['fused_vs_sequential_excl_load']:.2f}),"
-            f" fused/timesliced {r['fused_vs_timesliced']:.2f},"
-            f" train phase {r['train_phase_fused_vs_timesliced']:.2f}"
-        )
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float))
+        print(f"N={r['n']} steps={r['steps']}: {shown}")
     parity = results["reward_parity"]
     print(f"reward parity: {sum(p['within_2se'] for p in parity)}/{len(parity)} within 2 SE")
     print(

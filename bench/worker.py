@@ -4,7 +4,8 @@
 
 ``JOB.json``: ``{"model_dir", "mode": "fused"|"timesliced", "threads", "max_rank",
 "micro_batch_tokens", "checkpoint_root", "launch_unix", "experiments": [{"id", "spec"}]}``
-and optionally ``"device"`` (default cpu) and ``"autocast"`` (e.g. ``"bfloat16"``: the
+and optionally ``"rollout_backend"`` (torch|vllm), ``"schedule"`` (sync|pipelined),
+``"device"`` (default cpu) and ``"autocast"`` (e.g. ``"bfloat16"``: the
 frozen base is cast to it and ticks run under ``torch.autocast``; LoRA weights and Adam
 moments stay fp32 — the GPU benchmark's setting).
 The sequential-cold arm starts one such process per experiment (one experiment each);
@@ -44,6 +45,8 @@ def main(job_path: str, result_path: str) -> None:
         checkpoint_root=job["checkpoint_root"],
         train_mode=job["mode"],
         micro_batch_tokens=int(job["micro_batch_tokens"]),
+        rollout_backend=job.get("rollout_backend", "torch"),
+        schedule=job.get("schedule", "sync"),
     )
     engine = Engine(job["model_dir"], settings, ignore_eos=True, device=device)
     amp = job.get("autocast")  # "bfloat16": frozen base in bf16, LoRA + Adam stay fp32
@@ -59,6 +62,7 @@ def main(job_path: str, result_path: str) -> None:
 
     phases: dict[str, float] = {}
     rewards: dict[str, list[float]] = {e["id"]: [] for e in experiments}
+    versions: dict[str, list[int]] = {e["id"]: [] for e in experiments}
     rollout_tokens = dict.fromkeys(rewards, 0)
     train_tokens = dict.fromkeys(rewards, 0)
     finished: dict[str, float] = {}
@@ -85,6 +89,7 @@ def main(job_path: str, result_path: str) -> None:
                 finished[tick.id] = now
                 continue
             rewards[tick.id].append(tick.reward)
+            versions[tick.id].append(tick.rollout_version)
             rollout_tokens[tick.id] += tick.rollout_tokens
             train_tokens[tick.id] += tick.train_tokens
         for exp_id in rewards:
@@ -99,6 +104,7 @@ def main(job_path: str, result_path: str) -> None:
         "ticks": ticks,
         "phase_s": phases,
         "rewards": rewards,
+        "rollout_versions": versions,
         "rollout_tokens": rollout_tokens,
         "train_tokens": train_tokens,
         "failed": failed,

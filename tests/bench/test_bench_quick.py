@@ -1,5 +1,6 @@
-"""`make bench-quick` at CI size: the harness runs all three arms end to end and writes
-results.json in the documented shape with equal token counts across arms (not speed)."""
+"""`make bench-quick` at CI size: the harness runs all four arms end to end (the
+pipelined one on the torch rollout: its stages in turn) and writes results.json in the
+documented shape with equal token counts across arms (not speed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ARMS = {"sequential_cold", "hot_timesliced", "hot_fused"}
+ARMS = {"sequential_cold", "hot_timesliced", "hot_fused", "pipelined"}
 RUN_KEYS = {
     "arm": str,
     "n": int,
@@ -26,6 +27,8 @@ RUN_KEYS = {
     "train_tokens": int,
     "final_reward_mean": float,
     "peak_rss_bytes": int,
+    "max_staleness": int,
+    "loadavg_1m_start": float,
 }
 RATIO_KEYS = {
     "n",
@@ -33,15 +36,31 @@ RATIO_KEYS = {
     "fused_vs_sequential",
     "fused_vs_sequential_excl_load",
     "fused_vs_timesliced",
+    "fused_vs_timesliced_excl_load",
+    "pipelined_vs_fused",
+    "pipelined_vs_fused_excl_load",
+    "pipelined_vs_fused_excl_load_per_repeat",
     "train_phase_fused_vs_timesliced",
 }
 PARITY_KEYS = {
-    "n",
-    "steps",
-    "experiment",
-    "sequential_last_k_mean",
-    "fused_last_k_mean",
-    "within_2se",
+    ("sequential_cold", "hot_fused"): {
+        "n",
+        "steps",
+        "experiment",
+        "arms",
+        "sequential_last_k_mean",
+        "fused_last_k_mean",
+        "within_2se",
+    },
+    ("hot_fused", "pipelined"): {
+        "n",
+        "steps",
+        "experiment",
+        "arms",
+        "hot_fused_last_k_mean",
+        "pipelined_last_k_mean",
+        "within_2se",
+    },
 }
 
 
@@ -59,6 +78,7 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         "--group=2",
         "--prompts=2",
         "--max-new-tokens=4",
+        "--arms=sequential_cold,hot_timesliced,hot_fused,pipelined",
     ]
     cmd = [
         "make",
@@ -88,11 +108,15 @@ def test_results_have_the_documented_shape(results: dict) -> None:
     assert [(r["n"], r["steps"]) for r in results["ratios"]] == [(1, 2), (2, 2)]
     for ratio in results["ratios"]:
         assert set(ratio) == RATIO_KEYS
-        assert all(ratio[k] > 0 for k in RATIO_KEYS - {"n", "steps"})
-    # one row per experiment and cell: 1 + 2 experiments
-    assert len(results["reward_parity"]) == 3
+        per_repeat = ratio["pipelined_vs_fused_excl_load_per_repeat"]
+        assert len(per_repeat) == 1 and per_repeat[0] > 0  # one repeat
+        assert all(v > 0 for v in ratio.values() if isinstance(v, float))
+    # one row per pair of arms, experiment and cell: 2 x (1 + 2 experiments)
+    assert len(results["reward_parity"]) == 6
     for row in results["reward_parity"]:
-        assert set(row) == PARITY_KEYS and isinstance(row["within_2se"], bool)
+        assert set(row) == PARITY_KEYS[tuple(row["arms"])] and isinstance(row["within_2se"], bool)
+    # on-policy: every pipelined step sampled the weights of the step before
+    assert all(r["max_staleness"] == 0 for r in results["runs"])
 
 
 def test_token_counts_are_equal_across_arms(results: dict) -> None:

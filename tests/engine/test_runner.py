@@ -33,6 +33,7 @@ EXP_KEYS = {
     "tis_weight_means": list,
     "tis_tokens": list,
     "evals": list,
+    "rollout_versions": list,
     "error": type(None),
 }
 
@@ -116,6 +117,8 @@ def test_two_experiments_run_to_the_end(tiny_model_dir, tmp_path, capsys) -> Non
         assert exp["reward_last"] == pytest.approx(sum(exp["rewards"][-5:]) / 5)
         assert exp["logprob_gaps"] == []  # the torch rollout: the trainer samples itself
         assert len(exp["completion_tokens"]) == STEPS and min(exp["completion_tokens"]) > 0
+        # the sync schedule: each step sampled with the weights of the step before
+        assert exp["rollout_versions"] == list(range(STEPS))
         adapter = Path(exp["adapter_path"])
         # a PEFT adapter directory, not the whole checkpoint (no optimiser state)
         assert sorted(p.name for p in adapter.iterdir()) == [

@@ -34,6 +34,7 @@ CHANGED: dict[str, Any] = {
     "checkpoint_root": "/elsewhere",
     "rollout_backend": "vllm",
     "train_mode": "timesliced",
+    "schedule": "pipelined",
     "dtype": "float16",
     "gradient_checkpointing": False,
     "lora_kernel": "grouped",

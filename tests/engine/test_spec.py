@@ -45,6 +45,7 @@ DOC_EXAMPLE: dict[str, Any] = {
         "klEstimator": "k3",
         "dynamicSampling": False,
         "overlong": {"bufferTokens": 4, "penalty": 1.0},
+        "maxStaleness": 0,
         "maxSteps": 50,
         "seed": 0,
     },

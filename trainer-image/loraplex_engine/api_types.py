@@ -289,6 +289,9 @@ class ExperimentTick:
     # adapter (no step was taken: step, reward and tokens are the last step's, not new).
     eval: EvalResult | None = None
     eval_only: bool = False
+    # The adapter's step whose weights sampled this step's rollout (step - 1 - it: how
+    # stale; 0 on-policy, docs/design/pipeline.md).
+    rollout_version: int = 0
 
 
 @dataclass

@@ -51,6 +51,7 @@ from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
+from loraplex_engine.pipelined_tick import tick_class
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
@@ -65,7 +66,6 @@ from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
-from loraplex_engine.tick import Tick
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
@@ -224,7 +224,7 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
-        self._tick = Tick(
+        self._tick = tick_class(s.schedule, world)(  # sync, or pipelined_tick.py
             self.model,
             self.codec,
             self.backend,

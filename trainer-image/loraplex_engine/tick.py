@@ -238,7 +238,7 @@ class Tick:
             exp.eval_planned = exp.step
             exp.step_cost += evals.cost
         exp.rolled_out_at = self.count
-        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals)
+        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals, version=exp.step)
 
     def _room(self, exp: Experiment, prompt: list[int]) -> int:
         """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
@@ -445,6 +445,7 @@ class Tick:
             finished=_done(exp),
             eval=t.scored.eval,
             **rollout_stats(rewards, r.completions),
+            rollout_version=r.version,
         )
         if finished or due or exp.checkpoint_pending:
             tick.checkpointed = self._save(exp)

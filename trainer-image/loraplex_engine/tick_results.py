@@ -42,6 +42,7 @@ class Rollout:
     episodes: EpisodeGroup | None = None  # a multi-turn environment's (their rewards)
     evals: EvalRows | None = None
     eval_completions: list[Completion] = field(default_factory=list)
+    version: int = 0  # the adapter's step (its weights' version) when this was planned
 
     @property
     def rollout_tokens(self) -> int:

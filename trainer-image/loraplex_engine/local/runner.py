@@ -52,6 +52,8 @@ class Progress:
     # weighted (every rank's under data parallelism: all of the step's completion tokens).
     tis_weight_means: dict[str, list[float]] = field(default_factory=dict)
     tis_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Per step, the adapter step whose weights sampled it (ExperimentTick.rollout_version).
+    rollout_versions: dict[str, list[int]] = field(default_factory=dict)
     # Per tick that sent adapters to the sampler (vLLM), its weight sync.
     syncs: list[AdapterSync] = field(default_factory=list)
     # spec.eval: per eval, the step of the adapter it evaluated and its numbers.
@@ -66,6 +68,7 @@ class Progress:
             if exp.failed_reason is None:
                 self.rewards.setdefault(exp.id, []).append(exp.reward)
                 self.completion_tokens.setdefault(exp.id, []).append(exp.rollout_tokens)
+                self.rollout_versions.setdefault(exp.id, []).append(exp.rollout_version)
             if exp.failed_reason is None and exp.logprob_gap is not None:
                 self.logprob_gaps.setdefault(exp.id, []).append(exp.logprob_gap)
             if exp.failed_reason is None and exp.tis_weight_mean is not None:
@@ -210,10 +213,11 @@ def write_summary(
     sampled), ``tis_weight_means`` and ``tis_tokens`` (per step, the mean TIS weight and
     how many tokens it weighted; empty without ``offPolicyCorrection: tis``), ``evals``
     (spec.eval: per eval, its adapter's step, reward, pass_at_k, k and tokens; empty
-    without) and ``error``. A failed experiment has ``adapter_path`` null unless it
-    checkpointed before failing, and null ``reward_first``/``reward_last`` if it never
-    finished a step. With the vLLM rollout, ``adapter_sync`` measures each tick's weight
-    sync (``Progress.sync_summary``).
+    without), ``rollout_versions`` (per step, the adapter step whose weights sampled it:
+    docs/design/pipeline.md) and ``error``. A failed experiment has ``adapter_path`` null
+    unless it checkpointed before failing, and null ``reward_first``/``reward_last`` if it
+    never finished a step. With the vLLM rollout, ``adapter_sync`` measures each tick's
+    weight sync (``Progress.sync_summary``).
     """
     experiments = []
     for exp_id in ids:
@@ -234,6 +238,7 @@ def write_summary(
                 "tis_weight_means": progress.tis_weight_means.get(exp_id, []),
                 "tis_tokens": progress.tis_tokens.get(exp_id, []),
                 "evals": progress.evals.get(exp_id, []),
+                "rollout_versions": progress.rollout_versions.get(exp_id, []),
                 "adapter_path": adapter,
                 "error": status.error,
             }

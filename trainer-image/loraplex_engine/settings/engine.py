@@ -32,6 +32,7 @@ from loraplex_engine.settings.values import Flag
 
 ROLLOUT_BACKENDS = ("torch", "vllm")
 TRAIN_MODES = ("fused", "timesliced")
+SCHEDULES = ("sync", "pipelined")
 # How long a collective waits for every rank (parallel/distributed.py, which imports torch):
 # a worker waits for rank 0's next tick through a whole rollout and reward phase.
 DEFAULT_DIST_TIMEOUT_S = 600.0
@@ -92,6 +93,17 @@ class EngineSettings(BaseModel):
             metavar="{fused,timesliced}",
         ),
     ] = "fused"
+    schedule: Annotated[
+        Literal["sync", "pipelined"],
+        Flag(
+            "sync: each tick rolls out, scores and trains every due experiment in turn; "
+            "pipelined: one cohort trains while the others' rollouts generate (vLLM in its "
+            "own process), each experiment on-policy unless its algorithm.maxStaleness > 0 "
+            "(docs/design/pipeline.md)",
+            v.one_of("schedule", SCHEDULES),
+            metavar="{sync,pipelined}",
+        ),
+    ] = "sync"
     dtype: Annotated[
         str | None,
         Flag(

@@ -235,6 +235,18 @@ class AlgorithmSpec(SpecModel):
         description="DAPO's soft overlong punishment, added to each completion's reward "
         "before the advantages; absent = off.",
     )
+    max_staleness: Int32 = Field(
+        0,
+        ge=0,
+        le=16,
+        alias="maxStaleness",
+        description="Under the engine's pipelined schedule: how many optimiser steps "
+        "behind the adapter the weights that sample a rollout may be. 0 = strictly "
+        "on-policy (the next rollout waits for the update); above 0 the next rollout may "
+        "start before the update lands (the pipeline holds one rollout ahead, so at most "
+        "one step behind), corrected by the PPO ratio against the sampler's log-probs "
+        "(torch rollout) or by offPolicyCorrection tis (vLLM). Ignored by the sync schedule.",
+    )
     max_steps: Int64 = Field(
         50,
         ge=0,

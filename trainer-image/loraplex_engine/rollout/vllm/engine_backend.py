@@ -108,6 +108,11 @@ class VLLMRolloutBackend:
         self._wire_dtype = _torch_dtype(self._vllm.info.get("lora_dtype"))
 
     @property
+    def sleeps(self) -> bool:
+        """Sleep mode: vLLM steps aside while the trainer trains (no overlap then)."""
+        return self._sleeps
+
+    @property
     def transport(self) -> str:
         """How the next sync sends adapters: "tensors" (in memory) or "files"."""
         return "tensors" if self._tensor_sync else "files"
