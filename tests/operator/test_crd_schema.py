@@ -185,6 +185,9 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.rewardUrl", "ftp://x", False),
     ("spec.task.rewardUrl", _long(2048, "http://"), False),
     ("spec.algorithm.name", "ppo", False),
+    ("spec.algorithm.maxStaleness", -1, False),
+    ("spec.algorithm.maxStaleness", 16, True),
+    ("spec.algorithm.maxStaleness", 17, False),
     ("spec.algorithm.groupSize", 1, False),
     ("spec.algorithm.groupSize", 2, True),
     ("spec.algorithm.groupSize", 256, True),
@@ -684,7 +687,7 @@ def test_experiment_defaults() -> None:
         "klCoef": 0.0, "clip": 0.2, "offPolicyCorrection": "none", "tisCap": 2.0,
         "importanceSamplingLevel": "token", "advantageEstimator": "grpo",
         "scaleRewards": "group", "lossAggregation": "seq-mean-token-mean", "klEstimator": "k3",
-        "dynamicSampling": False, "maxSteps": 50, "seed": 0,
+        "dynamicSampling": False, "maxSteps": 50, "seed": 0, "maxStaleness": 0,
     }  # fmt: skip
     assert "clipHigh" not in spec["algorithm"] and "overlong" not in spec["algorithm"]
     assert "maxGradNorm" not in spec["algorithm"]  # absent = no clipping
