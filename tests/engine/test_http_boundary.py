@@ -44,6 +44,8 @@ ALLOWED = {
     "loraplex_engine.spec_blocks.algorithm",
     "loraplex_engine.spec_blocks.tracking",
     "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
+    "loraplex_engine.data",  # task.datasetOptions (data/options.py: pydantic only)
+    "loraplex_engine.data.options",
     "loraplex_engine.evaluation",  # the spec's eval block (evaluation/spec_eval.py)
     "loraplex_engine.evaluation.spec_eval",
     "loraplex_engine.train",
