@@ -116,6 +116,9 @@ async def test_a_tinker_model_is_an_experiment_through_the_gateway(
             raise
         finally:
             gw.stop()
+        # After everything B's key tried: no experiment was ever written in team-b.
+        assert h.kube is not None
+        assert await h.kube.list(EXPERIMENTS, "team-b") == []
 
 
 def _api(gw: GatewayContainer, key: str) -> httpx.AsyncClient:
