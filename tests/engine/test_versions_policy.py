@@ -6,8 +6,20 @@ from __future__ import annotations
 import math
 
 import pytest
+from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.versions import names
-from loraplex_engine.versions.policy import AliasMove, due, gate, moves, next_aliases, scores_of
+from loraplex_engine.versions.policy import (
+    AliasMove,
+    best_scores,
+    due,
+    gate,
+    gate_note,
+    improves,
+    moves,
+    next_aliases,
+    scores_of,
+    token_due,
+)
 from loraplex_engine.versions.spec import PromoteWhen, PublishSpec
 
 
@@ -25,6 +37,52 @@ def test_scores_and_gate() -> None:
     assert gate({"meanReward": 0.29}, at) is False
     assert gate({}, at) is False  # no score, no promotion
     assert gate({"meanReward": 0.9}, None) is None
+
+
+def _eval(step: int, reward: float, pass_at_k: float) -> EvalResult:
+    return EvalResult(step, reward, pass_at_k, k=1, samples=1, prompts=4, tokens=100)
+
+
+def test_a_version_takes_the_eval_at_or_before_its_step() -> None:
+    ev = _eval(10, 0.5, 0.25)
+    assert scores_of([0.1], ev, step=10) == {
+        "meanReward": pytest.approx(0.1), "evalReward": 0.5, "evalPassAtK": 0.25,
+    }  # fmt: skip
+    assert scores_of([0.1], ev, step=12)["evalReward"] == 0.5  # the latest before
+    assert "evalReward" not in scores_of([0.1], ev, step=9)  # an eval of a later adapter
+    assert "evalReward" not in scores_of([0.1], None, step=9)
+    assert "evalPassAtK" not in scores_of([], _eval(0, 0.5, math.nan), step=1)
+
+
+def test_the_gate_on_an_eval_score() -> None:
+    at = PromoteWhen.model_validate({"score": "evalPassAtK", "atLeast": 0.5})
+    scores = {"meanReward": 0.9, "evalReward": 0.9, "evalPassAtK": 0.4}
+    assert gate(scores, at) is False  # the training reward does not count
+    assert gate_note(scores, at) == "evalPassAtK 0.4 < promoteWhen.atLeast 0.5"
+    assert gate({**scores, "evalPassAtK": 0.5}, at) is True
+    assert gate_note({**scores, "evalPassAtK": 0.5}, at) is None
+    # a version without an eval score never becomes stable, and says so
+    assert gate({"meanReward": 0.9}, at) is False
+    assert "no evalPassAtK" in str(gate_note({"meanReward": 0.9}, at))
+    assert "never becomes stable" in str(gate_note({"meanReward": 0.9}, at))
+    assert gate_note({}, None) is None
+
+
+def test_eval_improvement_and_the_best_published() -> None:
+    best = best_scores([{"evalReward": 0.3}, {"evalReward": 0.5, "meanReward": 0.1}, {}])
+    assert best == {"evalReward": 0.5, "meanReward": 0.1}
+    assert best_scores([{"evalReward": math.nan}]) == {}
+    assert improves(0.51, best["evalReward"]) and not improves(0.5, best["evalReward"])
+    assert improves(0.0, None)  # the first eval score beats none
+    assert not improves(math.nan, None)
+
+
+def test_a_request_token_publishes_once() -> None:
+    spec = PublishSpec.model_validate({"requestToken": "release-7"})
+    assert token_due(spec, None) == "release-7"
+    assert token_due(spec, "release-6") == "release-7"
+    assert token_due(spec, "release-7") is None  # applied: an edit or resume does not repeat it
+    assert token_due(PublishSpec(), "release-7") is None and token_due(None, None) is None
 
 
 def test_latest_follows_the_newest_and_the_gate_moves_stable() -> None:

@@ -46,6 +46,11 @@ def _aliased(alias: str) -> Obj:
     return experiment("a").set("spec.publish", publish).obj()
 
 
+def _publish(block: Obj, with_eval: bool = False) -> Obj:
+    b = experiment("a").set("spec.publish", block)
+    return (b.set("spec.eval", {}) if with_eval else b).obj()
+
+
 def _eval(**fields: Any) -> Obj:
     return experiment("a").set("spec.eval", fields).obj()
 
@@ -156,6 +161,14 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: _aliased("stable"),
         invalid=lambda: _aliased("latest"),
     ),
+    "spec.publish.promoteWhen gates on an eval score": RuleCase(
+        valid=lambda: _publish({"promoteWhen": {"score": "evalPassAtK", "atLeast": 0.5}}, True),
+        invalid=lambda: _publish({"promoteWhen": {"score": "evalReward", "atLeast": 0.5}}),
+    ),
+    "spec.publish.onEvalImprovement publishes after an eval": RuleCase(
+        valid=lambda: _publish({"onEvalImprovement": "evalReward"}, True),
+        invalid=lambda: _publish({"onEvalImprovement": "evalPassAtK"}),
+    ),
     "spec.eval scores completions with spec.task's reward": RuleCase(
         valid=lambda: experiment("a").set("spec.eval", {}).obj(),
         invalid=lambda: experiment("a").client().set("spec.eval", {}).obj(),
@@ -265,7 +278,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 19  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 21  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])
@@ -390,6 +403,9 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.publish.pinned", ["v2"]),
     ("spec.publish.aliases", [{"name": "stable", "version": "v2"}]),
     ("spec.publish.promoteWhen.atLeast", 0.5),
+    ("spec.publish.promoteWhen.score", "evalReward"),  # from an object with spec.eval
+    ("spec.publish.onEvalImprovement", "evalPassAtK"),  # likewise
+    ("spec.publish.requestToken", "release-1"),  # publish one version now
     ("spec.eval.everySteps", 5),
     ("spec.eval.prompts", 8),
     ("spec.eval.dataset", "held-out.jsonl"),
@@ -399,9 +415,16 @@ MUTABLE_EDITS: list[tuple[str, Any]] = [
     ("spec.eval.passThreshold", 0.5),
 ]
 # One allowed value today, so no edit is possible; the spec.algorithm rule covers one, the
-# retired spec.priority's own rule (0 only) another; a new publish.promoteWhen block
-# takes the one score there is.
-SINGLE_VALUED = {"spec.algorithm.name", "spec.priority", "spec.publish.promoteWhen.score"}
+# retired spec.priority's own rule (0 only) another.
+SINGLE_VALUED = {"spec.algorithm.name", "spec.priority"}
+# Edits valid only on an object with spec.eval (and a gate to edit the score of).
+_NEEDS_EVAL = {"spec.publish.promoteWhen.score", "spec.publish.onEvalImprovement"}
+
+
+def _mutable_base(field: str) -> Obj:
+    if field not in _NEEDS_EVAL:
+        return experiment("a").obj()
+    return _publish({"promoteWhen": {"atLeast": 0.5}}, with_eval=True)
 
 
 def _edited(base: Obj, field: str, value: Any) -> Obj:
@@ -444,8 +467,8 @@ def test_edit_of_immutable_field_is_refused(
 
 @pytest.mark.parametrize(("field", "value"), MUTABLE_EDITS, ids=lambda v: str(v))
 def test_edit_of_mutable_field_is_allowed(field: str, value: Any) -> None:
-    old = experiment("a").obj()
-    new = _edited(experiment("a").obj(), field, value)
+    old = _mutable_base(field)
+    new = _edited(_mutable_base(field), field, value)
     assert new != old
     assert admit("LoRAExperiment", new, old) == []
 

@@ -317,6 +317,15 @@ EXPERIMENT_BOUNDS = [
     ("spec.publish.promoteWhen", {"atLeast": -1e10}, False),
     ("spec.publish.promoteWhen", {"atLeast": 1e10}, False),
     ("spec.publish.promoteWhen", {"atLeast": 0.5}, True),
+    # an eval score needs spec.eval (the base has none: its spec-level rule)
+    ("spec.publish.promoteWhen", {"score": "evalReward", "atLeast": 0.5}, False),
+    ("spec.publish.onEvalImprovement", "evalReward", False),
+    ("spec.publish.onEvalImprovement", "meanReward", False),  # not an eval score
+    ("spec.publish.requestToken", "release-7.1_b", True),
+    ("spec.publish.requestToken", "", False),
+    ("spec.publish.requestToken", _long(63), False),
+    ("spec.publish.requestToken", "a b", False),
+    ("spec.publish.requestToken", "-a", False),
     ("spec.priority", 0, True),  # the retired field: anything else is its CEL rule's
     ("spec.priority", "1", False),
     ("spec.priorityClassName", "high-1", True),

@@ -94,6 +94,9 @@ class VersionSummary(WireModel):
     gate_passed: bool | None  # the promotion gate's verdict (None: no gate)
     created_at: str
     content_hash: str
+    eval_step: int | None = None  # the eval its eval scores are of
+    gate_note: str | None = None  # why it failed its gate
+    request_token: str | None = None  # the publish.requestToken it answered
 
 
 class ExperimentStatus(WireModel):
@@ -132,6 +135,8 @@ class ExperimentStatus(WireModel):
     aliases: dict[str, str] = {}
     publish_error: str | None = None
     publish: dict[str, Any] | None = None  # the spec.publish the engine applies (JSON)
+    # The last publish.requestToken published (a version answered it).
+    publish_request_token: str | None = None
     # spec.eval's latest result (evaluation/; docs/evaluation.md), None before the first:
     # the adapter after evalStep steps scored a mean reward of evalReward over the eval
     # set's completions, and a pass@k (k = evalK) of evalPassAtK. The promotion gate's

@@ -144,6 +144,7 @@ class Experiment:
             versions=list(self.published.recent),
             aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
             publish_error=self.published.error,
+            publish_request_token=self.published.token,
             publish=None if self.spec.publish is None else self.spec.publish.to_json(),
             **eval_status(self.last_eval, self.eval_tokens),
         )

@@ -125,6 +125,10 @@ class PipelinedTick(Tick):
         phases["sync"] += time.perf_counter() - t
         t = time.perf_counter()
         stepped = keep([self._guarded_after_step(x) for x in trained], failures)
+        # After the steps: a rollout scored while its own update was made (maxStaleness
+        # > 0) was evaluated one step back; its eval is the latest before the next version.
+        evaluated = [s for s in self.ready.values() if s.eval is not None]
+        keep(self._evaluated(evaluated), failures)
         stepped_ids = {id(x.scored.rollout.exp) for x in trained}
         keep(self._retry_checkpoints(running, stepped_ids), failures)
         phases["checkpoint"] += time.perf_counter() - t

@@ -32,7 +32,12 @@ from loraplex_engine.spec_schema import (
     immutable,
     spec_errors,
 )
-from loraplex_engine.versions.spec import PUBLISH_FIELD, PublishSpec
+from loraplex_engine.versions.spec import (
+    GATE_NEEDS_EVAL,
+    ON_EVAL_NEEDS_EVAL,
+    PUBLISH_FIELD,
+    PublishSpec,
+)
 
 TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl", "dataset"]
 DATA_TASKS = ("jsonl", "dataset")  # the tasks that read task.dataset
@@ -250,6 +255,8 @@ class ExperimentSpec(SpecModel):
         ),
         *CLIENT_RULES,
         EVAL_NEEDS_TASK,
+        GATE_NEEDS_EVAL,
+        ON_EVAL_NEEDS_EVAL,
     )
     # Required by the CRD only: the operator needs a pool to place the experiment on,
     # while the engine and the local runner ignore the field.

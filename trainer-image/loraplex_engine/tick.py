@@ -62,6 +62,7 @@ from loraplex_engine.tick_results import (
     first_error,
     guarded,
     keep,
+    publish_evals,
     record_eval,
     score_one,
 )
@@ -168,6 +169,9 @@ class Tick:
             rolled = keep(self._rollout(planned, jobs), failures)
         with timed("reward"):
             scored = keep(arrived + self._score(rolled), failures)
+        # Before the update: a version published on an eval holds the adapter evaluated.
+        with timed("checkpoint"):
+            scored = keep(self._evaluated(scored), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
@@ -402,6 +406,9 @@ class Tick:
         return out, result.sync
 
     # ---- bookkeeping and checkpoints ----------------------------------------------------
+
+    def _evaluated(self, scored: list[Scored]) -> list[Scored | Failure]:
+        return publish_evals(None if self.publisher is None else self.publisher.after_eval, scored)
 
     def _guarded_after_step(self, t: Trained) -> ExperimentTick | Failure:
         exp = t.scored.rollout.exp

@@ -191,3 +191,19 @@ def eval_only_tick(t: Trained) -> ExperimentTick:
         eval=t.scored.eval,
         eval_only=True,
     )
+
+
+def publish_evals(
+    after_eval: Callable[[Experiment, EvalResult], None] | None, scored: list[Scored]
+) -> list[Scored | Failure]:
+    """Each eval result reaches the publisher (versions/publisher.py ``after_eval``); one
+    that fails there fails its experiment alone."""
+    out: list[Scored | Failure] = []
+    for s in scored:
+        exp, result = s.rollout.exp, s.eval
+        if after_eval is None or result is None:
+            out.append(s)
+            continue
+        done = guarded(exp, "checkpoint_error", "publish", lambda e=exp, r=result: after_eval(e, r))
+        out.append(done if isinstance(done, Failure) else s)
+    return out

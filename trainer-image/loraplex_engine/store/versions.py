@@ -43,10 +43,12 @@ from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 VERSIONS_DIR = "_versions"
 MANIFEST = "manifest.json"
 ALIASES = "aliases.json"
+# The last publish.requestToken published: outlives retention of its version.
+REQUEST = "request.json"
 MANIFEST_FORMAT = 1
 # "v" and a number from 1 (no leading zeros: one spelling per version).
 VERSION_NAME = re.compile(r"v([1-9][0-9]{0,8})")
-LEFTOVER = re.compile(r"\.(v[1-9][0-9]{0,8}|aliases\.json)\.(tmp|old)-.+")
+LEFTOVER = re.compile(r"\.(v[1-9][0-9]{0,8}|aliases\.json|request\.json)\.(tmp|old)-.+")
 # The files whose bytes the content hash covers, in this order.
 HASHED_FILES = (ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS)
 
@@ -67,11 +69,16 @@ class Manifest(BaseModel):
     base_model: str
     base_model_hash: str
     step: int = Field(ge=0)
-    # Named scores of the version (versions/policy.py SCORES): meanReward over the steps
-    # since its parent; an eval score joins them when the engine has one.
+    # Named scores of the version (versions/policy.py scores_of): meanReward over the
+    # steps since its parent; evalReward and evalPassAtK of the eval at eval_step (the
+    # latest at or before its step, spec.eval).
     scores: dict[str, float] = Field(default_factory=dict)
-    # The promotion gate's verdict at publish (None: the spec has no gate).
+    eval_step: int | None = None
+    # The promotion gate's verdict at publish (None: the spec has no gate), and why not.
     gate_passed: bool | None = None
+    gate_note: str | None = None
+    # The publish.requestToken this version answered (None: another trigger).
+    request_token: str | None = None
     content_hash: str
     created_at: str
 
@@ -221,16 +228,44 @@ class VersionStore:
 
     def write_aliases(self, namespace: str, name: str, aliases: Mapping[str, int]) -> None:
         """Replace the aliases file atomically: readers see the old one or the new one."""
+        body = json.dumps({a: version_name(n) for a, n in sorted(aliases.items())}, indent=2)
+        self._replace(namespace, name, ALIASES, body)
+
+    def read_token(self, namespace: str, name: str) -> str | None:
+        """The last requestToken published: the request file's, or a newer manifest's (a
+        writer killed between the version and the file)."""
+        token, number = None, 0
+        try:
+            raw = json.loads((self.dir(namespace, name) / REQUEST).read_text())
+            if isinstance(raw, dict) and isinstance(raw.get("requestToken"), str):
+                token, number = raw["requestToken"], int(raw.get("version", 0))
+        except (OSError, ValueError, TypeError):
+            pass
+        for n in reversed(self.list(namespace, name)):
+            if n <= number:
+                break
+            try:
+                m = self.read(namespace, name, n)
+            except CheckpointError:
+                continue
+            if m.request_token is not None:
+                return m.request_token
+        return token
+
+    def write_token(self, namespace: str, name: str, token: str, version: int) -> None:
+        body = json.dumps({"requestToken": token, "version": version})
+        self._replace(namespace, name, REQUEST, body)
+
+    def _replace(self, namespace: str, name: str, file: str, body: str) -> None:
         directory = self.dir(namespace, name)
         directory.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({a: version_name(n) for a, n in sorted(aliases.items())}, indent=2)
-        fd, tmp = tempfile.mkstemp(prefix=f".{ALIASES}.tmp-", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{file}.tmp-", dir=directory)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(body + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, directory / ALIASES)
+            os.replace(tmp, directory / file)
             _fsync_dir(directory)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

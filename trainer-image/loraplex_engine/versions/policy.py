@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex_engine.api_types import VersionSummary
+from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.versions.spec import LATEST, STABLE, PromoteWhen, PublishSpec
 
 
@@ -28,6 +29,14 @@ class PublishState:
     recent: list[VersionSummary] = field(default_factory=list)  # newest last
     aliases: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # the last publish's or alias update's problem
+    # The latest eval (spec.eval) of this placement: its scores join the next version's.
+    last_eval: EvalResult | None = None
+    # An everySteps version due at this step waits for the eval of the same step.
+    awaiting_eval: int | None = None
+    # The best eval score of each kind among the published versions (onEvalImprovement).
+    best: dict[str, float] = field(default_factory=dict)
+    # The last publish.requestToken published (store/versions.py keeps it on disk).
+    token: str | None = None
 
 
 def due(step: int, spec: PublishSpec | None) -> bool:
@@ -35,11 +44,17 @@ def due(step: int, spec: PublishSpec | None) -> bool:
     return spec is not None and spec.every_steps is not None and step % spec.every_steps == 0
 
 
-def scores_of(window: Sequence[float]) -> dict[str, float]:
-    """A version's scores from the step rewards since its parent: meanReward (absent
-    when no step ran since, e.g. a publish by hand right after a resume)."""
+def scores_of(
+    window: Sequence[float], last_eval: EvalResult | None = None, step: int | None = None
+) -> dict[str, float]:
+    """A version's scores: meanReward from the step rewards since its parent (absent when
+    no step ran since, e.g. a publish by hand right after a resume), and evalReward and
+    evalPassAtK from ``last_eval`` when it ran at or before the version's ``step``."""
     finite = [r for r in window if math.isfinite(r)]
-    return {"meanReward": sum(finite) / len(finite)} if finite else {}
+    out = {"meanReward": sum(finite) / len(finite)} if finite else {}
+    if last_eval is not None and (step is None or last_eval.step <= step):
+        out |= {"evalReward": last_eval.reward, "evalPassAtK": last_eval.pass_at_k}
+    return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 def gate(scores: Mapping[str, float], promote_when: PromoteWhen | None) -> bool | None:
@@ -49,6 +64,44 @@ def gate(scores: Mapping[str, float], promote_when: PromoteWhen | None) -> bool 
         return None
     value = scores.get(promote_when.score)
     return value is not None and value >= promote_when.at_least
+
+
+def gate_note(scores: Mapping[str, float], promote_when: PromoteWhen | None) -> str | None:
+    """Why a version with ``scores`` fails its gate (None: it passes, or no gate)."""
+    if promote_when is None or gate(scores, promote_when):
+        return None
+    name, bar = promote_when.score, promote_when.at_least
+    value = scores.get(name)
+    if value is None:
+        why = "no eval ran at or before its step" if name != "meanReward" else "no step ran"
+        return f"no {name} ({why}): it never becomes stable"
+    return f"{name} {value:.6g} < promoteWhen.atLeast {bar:.6g}"
+
+
+def improves(value: float, best: float | None) -> bool:
+    """An eval score beats the best published version's (any score beats none)."""
+    return math.isfinite(value) and (best is None or value > best)
+
+
+def eval_score(result: EvalResult, name: str) -> float:
+    """``evalReward`` or ``evalPassAtK`` of an eval."""
+    return result.reward if name == "evalReward" else result.pass_at_k
+
+
+def best_scores(versions: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The highest value of each score among published versions' scores."""
+    best: dict[str, float] = {}
+    for scores in versions:
+        for k, v in scores.items():
+            if math.isfinite(v) and (k not in best or v > best[k]):
+                best[k] = v
+    return best
+
+
+def token_due(spec: PublishSpec | None, applied: str | None) -> str | None:
+    """The requestToken to publish now: the spec's, when it is not the last one applied."""
+    token = None if spec is None else spec.request_token
+    return token if token is not None and token != applied else None
 
 
 def next_aliases(

@@ -23,6 +23,7 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
+from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.experiment import Experiment, check_same
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.spec import ExperimentSpec
@@ -31,11 +32,16 @@ from loraplex_engine.store.versions import Manifest, VersionStore, version_name
 from loraplex_engine.versions import names
 from loraplex_engine.versions.policy import (
     PublishState,
+    best_scores,
     due,
+    eval_score,
     gate,
+    gate_note,
+    improves,
     moves,
     next_aliases,
     scores_of,
+    token_due,
 )
 from loraplex_engine.versions.spec import STABLE, PublishSpec, hand_aliases, pinned_versions
 
@@ -66,24 +72,61 @@ class Publisher:
         """On placement: what a killed writer left, the versions and aliases on disk (a
         resumed experiment continues their sequence), then the spec's aliases."""
         self.store.remove_leftovers(exp.namespace, exp.name)  # bound here: ours
-        exp.published = PublishState(aliases=self.store.read_aliases(exp.namespace, exp.name))
+        ns, name = exp.namespace, exp.name
+        exp.published = PublishState(
+            aliases=self.store.read_aliases(ns, name), token=self.store.read_token(ns, name)
+        )
+        exp.published.best = best_scores([self._manifest(exp, n).scores for n in self._all(exp)])
         self._refresh(exp)
         self._apply(exp)
+        self._requested(exp)
 
     def after_step(self, exp: Experiment, reward: float) -> None:
         """The tick's bookkeeping: the step's reward joins the next version's window; a
-        version is published when one is due."""
+        version is published when one is due. With spec.eval and an eval due at this
+        step, the version waits for that eval's scores (:meth:`after_eval`); if the
+        adapter moved on before they came, it is published now with the latest before."""
         if exp.spec.publish is None:
             return
-        exp.published.window.append(reward)
+        st = exp.published
+        st.window.append(reward)
+        if st.awaiting_eval is not None and st.awaiting_eval < exp.step:
+            st.awaiting_eval = None
+            self.publish(exp)
         if due(exp.step, exp.spec.publish):
+            if exp.eval_due():
+                st.awaiting_eval = exp.step
+            else:
+                self.publish(exp)
+        self._requested(exp)
+
+    def after_eval(self, exp: Experiment, result: EvalResult) -> None:
+        """An eval's result (spec.eval), while the adapter is the one evaluated (or, in a
+        stale pipelined step, one step on): its scores join the next version's; the
+        version due at its step is published, and so is one whose score beats every
+        published version's (publish.onEvalImprovement; never the untrained adapter)."""
+        st, spec = exp.published, exp.spec.publish
+        st.last_eval = result
+        if spec is None:
+            return
+        waited = st.awaiting_eval is not None and st.awaiting_eval <= result.step
+        which = spec.on_eval_improvement
+        better = which is not None and result.step > 0
+        better = better and improves(eval_score(result, which or ""), st.best.get(which or ""))
+        if waited or better:
+            st.awaiting_eval = None
             self.publish(exp)
 
-    def publish(self, exp: Experiment, by_hand: bool = False) -> VersionSummary | None:
+    def publish(
+        self, exp: Experiment, by_hand: bool = False, token: str | None = None
+    ) -> VersionSummary | None:
         """Publish ``exp``'s adapter now; None (the reason in its status) when refused.
-        ``by_hand``: the error is raised too, for the caller to answer with."""
+        ``by_hand``: the error is raised too, for the caller to answer with; ``token``:
+        the publish.requestToken it answers."""
         spec = exp.spec.publish or PublishSpec()
-        scores = scores_of(exp.published.window)
+        scores = scores_of(exp.published.window, exp.published.last_eval, exp.step)
+        last_eval = exp.published.last_eval
+        eval_step = last_eval.step if last_eval and last_eval.step <= exp.step else None
         passed = gate(scores, spec.promote_when)
         protected = pinned_versions(spec) | set(exp.published.aliases.values())
         protected |= set(hand_aliases(spec).values())
@@ -101,7 +144,10 @@ class Publisher:
                 base_model_hash=self._base_hash(),
                 step=exp.step,
                 scores=scores,
+                eval_step=eval_step,
                 gate_passed=passed,
+                gate_note=gate_note(scores, spec.promote_when),
+                request_token=token,
                 content_hash=digest,
                 created_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
             )
@@ -117,8 +163,11 @@ class Publisher:
                 raise
             return None
         exp.published.window.clear()
-        log.info("experiment %s: published %s at step %d", exp.id, version_name(made.version),
-                 exp.step)  # fmt: skip
+        exp.published.best = best_scores([exp.published.best, made.scores])
+        log.info("experiment %s: published %s at step %d%s", exp.id, version_name(made.version),
+                 exp.step, f" ({made.gate_note})" if made.gate_note else "")  # fmt: skip
+        if token is not None:
+            self._token_written(exp, token, made.version)
         self._refresh(exp)
         self._apply(exp, promoted=made.version if passed else None)
         return summary(made)
@@ -145,6 +194,22 @@ class Publisher:
         if check_same(exp, spec, run_id):
             exp.spec = spec
             self._apply(exp)
+            self._requested(exp)
+
+    def _requested(self, exp: Experiment) -> None:
+        """Publish the version a new publish.requestToken asks for (once per token: it is
+        recorded with the version, so neither an edit nor a resume publishes it again). A
+        refused one is retried after each step."""
+        token = token_due(exp.spec.publish, exp.published.token)
+        if token is not None:
+            self.publish(exp, token=token)
+
+    def _token_written(self, exp: Experiment, token: str, version: int) -> None:
+        exp.published.token = token
+        try:
+            self.store.write_token(exp.namespace, exp.name, token, version)
+        except OSError as e:  # the manifest holds it too (store.read_token)
+            log.warning("experiment %s: requestToken file not written: %s", exp.id, e)
 
     def _apply(self, exp: Experiment, promoted: int | None = None) -> None:
         hand = hand_aliases(exp.spec.publish)
@@ -169,6 +234,17 @@ class Publisher:
             return self.store.read(exp.namespace, exp.name, version).gate_passed
         except CheckpointError:
             return None
+
+    def _all(self, exp: Experiment) -> list[int]:
+        return self.store.list(exp.namespace, exp.name)
+
+    def _manifest(self, exp: Experiment, version: int) -> Manifest:
+        """A version's manifest; an empty one (no scores) when it is unreadable."""
+        try:
+            return self.store.read(exp.namespace, exp.name, version)
+        except CheckpointError as e:  # pruned meanwhile, or tampered with
+            log.warning("experiment %s: %s", exp.id, e)
+            return Manifest.model_construct(scores={})
 
     def _refresh(self, exp: Experiment) -> None:
         recent = []
@@ -235,6 +311,9 @@ def summary(m: Manifest) -> VersionSummary:
         gate_passed=m.gate_passed,
         created_at=m.created_at,
         content_hash=m.content_hash,
+        eval_step=m.eval_step,
+        gate_note=m.gate_note,
+        request_token=m.request_token,
     )
 
 

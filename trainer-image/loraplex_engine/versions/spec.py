@@ -17,9 +17,41 @@ LATEST = "latest"
 # The alias the promotion gate moves.
 STABLE = "stable"
 # Scores a version can be gated on (store/versions.py Manifest.scores). meanReward: the
-# mean of the training reward over the steps since the previous version. An eval score
-# (issue 30) joins this list when the engine computes one.
-ScoreName = Literal["meanReward"]
+# mean of the training reward over the steps since the previous version; evalReward and
+# evalPassAtK: spec.eval's (evaluation/scores.py) of the eval at or latest before the
+# version's step.
+ScoreName = Literal["meanReward", "evalReward", "evalPassAtK"]
+EvalScoreName = Literal["evalReward", "evalPassAtK"]
+EVAL_SCORES: tuple[str, ...] = ("evalReward", "evalPassAtK")
+# A publish request's token (publish.requestToken): a label value's alphabet.
+TOKEN_PATTERN = r"^[A-Za-z0-9]([-._A-Za-z0-9]{0,61}[A-Za-z0-9])?$"
+
+# spec-level rules (ExperimentSpec.CEL_RULES): an eval score exists only with spec.eval.
+GATE_NEEDS_EVAL = CelRule(
+    "!has(self.publish) || !has(self.publish.promoteWhen) || "
+    "!has(self.publish.promoteWhen.score) || self.publish.promoteWhen.score == 'meanReward' "
+    "|| has(self.eval)",
+    "spec.publish.promoteWhen gates on an eval score (evalReward, evalPassAtK) only with "
+    "spec.eval, the eval that computes it; set spec.eval or gate on meanReward",
+    "publish.promoteWhen.score",
+    lambda spec: (
+        spec.publish is None
+        or spec.publish.promote_when is None
+        or spec.publish.promote_when.score not in EVAL_SCORES
+        or spec.evaluation is not None
+    ),
+)
+ON_EVAL_NEEDS_EVAL = CelRule(
+    "!has(self.publish) || !has(self.publish.onEvalImprovement) || has(self.eval)",
+    "spec.publish.onEvalImprovement publishes after an eval, so it needs spec.eval (the eval "
+    "that scores the adapter); set spec.eval or leave it unset",
+    "publish.onEvalImprovement",
+    lambda spec: (
+        spec.publish is None
+        or spec.publish.on_eval_improvement is None
+        or spec.evaluation is not None
+    ),
+)
 
 
 class AliasSpec(SpecModel):
@@ -50,8 +82,9 @@ class PromoteWhen(SpecModel):
     score: ScoreName = Field(
         "meanReward",
         description="Which score of the version is gated: meanReward = the mean training "
-        "reward over the steps since the previous version (an eval score will be offered "
-        "once the engine computes one).",
+        "reward over the steps since the previous version; evalReward, evalPassAtK = "
+        "spec.eval's scores of the eval at (or the latest before) the version's step (needs "
+        "spec.eval; a version without one never becomes stable).",
     )
     at_least: float = Field(
         alias="atLeast",
@@ -71,8 +104,25 @@ class PublishSpec(SpecModel):
         None,
         ge=1,
         alias="everySteps",
-        description="Publish a version every this many optimiser steps. Absent = only by "
-        "hand (POST /v1/experiments/{id}/versions on the engine).",
+        description="Publish a version every this many optimiser steps. Absent = not on a "
+        "step count (onEvalImprovement, requestToken, or the engine's publish route).",
+    )
+    on_eval_improvement: EvalScoreName | None = Field(
+        None,
+        alias="onEvalImprovement",
+        description="Publish a version after each eval (spec.eval) whose score (evalReward "
+        "or evalPassAtK, named here) beats every published version's; the untrained adapter "
+        "(step 0) is not published. Together with everySteps both apply. Absent = off.",
+    )
+    request_token: str | None = Field(
+        None,
+        min_length=1,
+        max_length=63,
+        pattern=TOKEN_PATTERN,
+        alias="requestToken",
+        description="Publish one version now: each new value publishes once (kubectl patch, "
+        "GitOps). The token is recorded in the version's manifest and the status, so a "
+        "resumed engine does not publish it again. Letters, digits, '-', '_', '.'.",
     )
     keep: Int32 = Field(
         5,
