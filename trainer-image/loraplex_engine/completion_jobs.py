@@ -19,6 +19,7 @@ from loraplex_engine.errors import ApiError, CheckpointError, UnavailableError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.service import PromptJob, ServedRow, TokenCallback
 from loraplex_engine.store.spare_slots import SpareSlots
+from loraplex_engine.versions.slot_cache import VersionSlots
 
 log = logging.getLogger("loraplex_engine.completion_jobs")
 
@@ -97,7 +98,9 @@ class CompletionJob:
         ]
 
 
-def load_versions(jobs: list[CompletionJob], spare: SpareSlots) -> list[CompletionJob]:
+def load_versions(
+    jobs: list[CompletionJob], spare: SpareSlots | VersionSlots
+) -> list[CompletionJob]:
     """Load the published versions ``jobs`` ask for into spare slots; a job whose version
     cannot be loaded (no free slot, a broken directory) is answered with why. Returns the
     jobs left to serve."""

@@ -472,7 +472,7 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
         except AdapterError as e:
             raise InvalidSpecError(str(e), field=adapter_field(e)) from e
         self.limits.check_step(spec)
-        if not self.model.free_slots():
+        if not self.model.has_room():  # a cached version gives its slot back when asked
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
         timeout = self.settings.plugin_timeout
         return new_experiment(exp_id, spec, namespace, name, run_id, self.trust, timeout)

@@ -122,7 +122,9 @@ class Tick:
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
         start = time.perf_counter()
-        spare = SpareSlots(self.model)  # published versions' rows (versions/)
+        # Published versions' rows: resident slots (versions/slot_cache.py) or spare ones.
+        slots = self.publisher.slots if self.publisher is not None else None
+        spare = slots or SpareSlots(self.model)
         try:
             self._rollout([], load_versions(jobs, spare))
         finally:

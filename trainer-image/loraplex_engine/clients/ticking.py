@@ -67,6 +67,7 @@ class ClientTick:
     segments: list[tuple[ClientModel, list[Op]]]
     samples: list[Op]
     spare: SpareSlots | None = None  # ~sample adapters loaded this tick
+    resident: Any = None  # the VersionSlots that served published versions this tick
 
     def __bool__(self) -> bool:
         return bool(self.segments or self.samples)
@@ -95,7 +96,11 @@ class ClientTick:
         return jobs
 
     def _adapter_for(self, task: SampleTask) -> str | None:
-        if task.version is not None:  # a published version: a spare slot as well
+        if task.version is not None:  # a published version: resident (versions/slot_cache.py)
+            slots = self.owner.host.publisher.slots
+            if slots is not None:
+                self.resident = slots
+                return slots.load(*task.version, task.version[0])
             if self.spare is None:
                 self.spare = SpareSlots(self.owner.host.model)
             return self.spare.load(*task.version, task.version[0])
@@ -190,6 +195,8 @@ class ClientTick:
         finally:
             if self.spare is not None:
                 self.spare.release()
+            if self.resident is not None:
+                self.resident.release()
 
     def _other(self, model: ClientModel, op: Op) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,14 @@ from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
 from loraplex_engine.lora.routing import Router
 
 PEFT_PREFIX = "base_model.model."
+
+
+class Reclaimer(Protocol):
+    """Holds adapters it can give back (versions/slot_cache.py VersionSlots)."""
+
+    def reclaim(self) -> bool: ...  # evict one; False when none can go
+
+    def evictable(self) -> int: ...
 
 
 class MultiLoRAModel(nn.Module):
@@ -58,6 +66,9 @@ class MultiLoRAModel(nn.Module):
         self.target_modules = frozenset(p.rsplit(".", 1)[-1] for p in self.lora_layers)
         self._slots: dict[str, int] = {}
         self._configs: dict[str, LoRAConfig] = {}
+        # Who holds evictable adapters (versions/slot_cache.py): asked for a slot when
+        # none is free, so a cached version never keeps a slot from a trained adapter.
+        self.reclaimer: Reclaimer | None = None
         self.training = base_model.training  # keep the base's train/eval mode
 
     def set_grouped_mm(self, mode: str) -> None:
@@ -73,7 +84,7 @@ class MultiLoRAModel(nn.Module):
         if name in self._slots:
             raise DuplicateAdapterError(f"adapter {name!r} is already loaded")
         self.check_config(config)
-        free = self.free_slots()
+        free = self.free_slots(reclaim=True)
         if not free:
             raise NoFreeSlotError(f"all {self.max_adapters} adapter slots are taken")
         slot = free[0]
@@ -100,9 +111,19 @@ class MultiLoRAModel(nn.Module):
         """Loaded adapters: name -> slot."""
         return dict(self._slots)
 
-    def free_slots(self) -> list[int]:
-        used = set(self._slots.values())
-        return [s for s in range(1, self.max_adapters + 1) if s not in used]
+    def free_slots(self, reclaim: bool = False) -> list[int]:
+        """The empty slots; ``reclaim``: when none is, evictable adapters are evicted
+        (``self.reclaim``) until one is or none is left."""
+        while True:
+            used = set(self._slots.values())
+            free = [s for s in range(1, self.max_adapters + 1) if s not in used]
+            if free or not reclaim or self.reclaimer is None or not self.reclaimer.reclaim():
+                return free
+
+    def has_room(self) -> bool:
+        """A slot is free or can be freed (by evicting a cached adapter)."""
+        held = self.reclaimer
+        return bool(self.free_slots()) or (held is not None and held.evictable() > 0)
 
     def check_config(self, config: LoRAConfig) -> None:
         """Raise if ``config`` cannot be served by this model (changes nothing)."""

@@ -43,6 +43,7 @@ from loraplex_engine.versions.policy import (
     scores_of,
     token_due,
 )
+from loraplex_engine.versions.slot_cache import VersionSlots, resident_name
 from loraplex_engine.versions.spec import STABLE, PublishSpec, hand_aliases, pinned_versions
 
 log = logging.getLogger("loraplex_engine.versions")
@@ -64,6 +65,8 @@ class Publisher:
         # The rollout decodes with the trained model (torch): a version loads into a
         # spare slot. A vLLM rollout has its own adapters: a vLLM fleet serves versions.
         self.serves_versions = serves_versions
+        # Versions stay resident in spare slots between the ticks that serve them.
+        self.slots = VersionSlots(model) if serves_versions else None
         self._fingerprint: str | None = None  # of the base model, on the first publish
 
     # ---- an experiment's versions -------------------------------------------------------
@@ -266,8 +269,9 @@ class Publisher:
     # ---- serving ------------------------------------------------------------------------
 
     def serving(self, model: str) -> tuple[str, Path]:
-        """The adapter name and directory that model name ``model`` serves from now: a
-        version (``<ns>.<name>@v<N>``) or where an alias points (``<ns>.<name>:<alias>``).
+        """The adapter name (the version's own and its content: slot_cache.resident_name)
+        and directory that model name ``model`` serves from now: a version
+        (``<ns>.<name>@v<N>``) or where an alias points (``<ns>.<name>:<alias>``).
         NotFoundError when it names nothing published."""
         ref = names.parse(model)
         if ref is None:
@@ -286,11 +290,12 @@ class Publisher:
             if version is None:
                 raise NotFoundError(f"no alias {ref.alias!r} of experiment {ref.experiment!r}")
         try:
-            self.store.read(ref.namespace, ref.name, version)
+            manifest = self.store.read(ref.namespace, ref.name, version)
         except CheckpointError as e:
             raise NotFoundError(f"{model!r}: {e}") from e
         directory = self.store.path(ref.namespace, ref.name, version)
-        return names.served_name(ref.namespace, ref.name, version), directory
+        served = names.served_name(ref.namespace, ref.name, version)
+        return resident_name(served, manifest.content_hash), directory
 
     def describe(self, model: str) -> VersionSummary:
         """What :meth:`serving` would serve for ``model``, as its summary."""

@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from loraplex_engine.errors import NotFoundError
 from loraplex_engine.server.errors import streamed_or_json
 from loraplex_engine.server.observe import ServingCall, serving_call
 from loraplex_engine.server.openai.api import CompletionRequestBase, with_token_limit
@@ -110,9 +111,16 @@ def add_completions_route(
 
 
 def check_model(engine: EngineService, model: str) -> None:
-    """A 404 before anything is queued (or, streaming, before the stream starts)."""
-    if model != engine.model_name:
+    """A 404 before anything is queued (or, streaming, before the stream starts): the
+    base, an experiment id, or a published version's name (docs/versions.md)."""
+    if model == engine.model_name:
+        return
+    try:
         engine.get_experiment(model)
+    except NotFoundError:
+        if "@" not in model and ":" not in model:
+            raise
+        engine.describe_version(model)  # NotFoundError when it names no version
 
 
 def _choice(index: int, c: ChoiceText, fmt: _LogprobFormat | None) -> dict[str, Any]:
