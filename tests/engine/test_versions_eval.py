@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from engine_builders import engine, spec
 from loraplex_engine.engine import Engine
@@ -45,17 +46,21 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "adapter_model.safetensors")
 
 
-def test_a_version_holds_its_steps_eval_and_the_adapter_it_scored(tiny_model_dir, tmp_path) -> None:
-    eng = engine(tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("schedule", ["sync", "pipelined"])
+def test_a_version_holds_its_steps_eval_and_the_adapter_it_scored(
+    tiny_model_dir, tmp_path, schedule: str
+) -> None:
+    eng = engine(tiny_model_dir, tmp_path, schedule=schedule)
     try:
         exp_id, name = f"{NS}.scored", "scored"
         gate = {"score": "evalReward", "atLeast": -1.0}  # any eval score passes
         put = _exp({"everySteps": 2, "keep": 20, "promoteWhen": gate}, {"everySteps": 2})
         eng.put_experiment(exp_id, put, NS, name, run_id="r")
-        evals = _run(eng, exp_id, 7)
+        # pipelined, one experiment: it generates in one tick and trains in the next
+        evals = _run(eng, exp_id, 7 if schedule == "sync" else 14)
         store = VersionStore(tmp_path)
         listed = store.list(NS, name)
-        assert listed == [1, 2, 3]  # steps 2, 4, 6: each waited one tick for its eval
+        assert listed == [1, 2, 3]  # steps 2, 4, 6: each waited for its eval
         run_dir = tmp_path / NS / name / "r"
         for n in listed:
             m = store.read(NS, name, n, verify=True)
