@@ -169,10 +169,10 @@ class Publisher:
         exp.published.best = best_scores([exp.published.best, made.scores])
         log.info("experiment %s: published %s at step %d%s", exp.id, version_name(made.version),
                  exp.step, f" ({made.gate_note})" if made.gate_note else "")  # fmt: skip
-        if token is not None:
-            self._token_written(exp, token, made.version)
         self._refresh(exp)
         self._apply(exp, promoted=made.version if passed else None)
+        if token is not None:  # last: a status read (no model lock) that shows the token
+            self._token_written(exp, token, made.version)  # shows its version too
         return summary(made)
 
     def publish_now(self, exp: Experiment) -> VersionSummary:
