@@ -22,6 +22,7 @@ again) is another entry: stale weights are never served under a name.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class VersionSlots:
         served = name.partition("#")[0]
         for other in [n for n in self._resident if n.partition("#")[0] == served]:
             self._evict(other)  # the same name with other bytes: never served again
+        t = time.perf_counter()
         try:
             ckpt.load_adapter(self.model, name, directory)  # may reclaim an idle one
         except NoFreeSlotError as e:
@@ -73,8 +75,9 @@ class VersionSlots:
         self._resident[name] = None
         self._in_use.add(name)
         self.loads += 1
-        log.info("version %s loaded into slot %d (%d resident)", name,
-                 self.model.slot_of(name), len(self._resident))  # fmt: skip
+        log.info("version %s loaded into slot %d in %.1f ms (%d resident)", name,
+                 self.model.slot_of(name), 1000 * (time.perf_counter() - t),
+                 len(self._resident))  # fmt: skip
         return name
 
     def release(self) -> None:
