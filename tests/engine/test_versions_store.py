@@ -100,6 +100,31 @@ def test_quota_refuses_before_writing(tmp_path: Path) -> None:
     assert store.list("ns", "exp") == [3]
 
 
+def test_the_last_request_token_survives_a_kill_and_retention(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+
+    def asked(token: str | None):
+        def manifest(n: int, parent: int | None, digest: str) -> Manifest:
+            return _manifest(n, parent, digest).model_copy(update={"request_token": token})
+
+        return manifest
+
+    assert store.read_token("ns", "exp") is None
+    store.publish("ns", "exp", _writer(), asked("r1"), keep=1)
+    # killed before the request file was written: the manifest tells
+    assert store.read_token("ns", "exp") == "r1"
+    store.write_token("ns", "exp", "r1", 1)
+    store.publish("ns", "exp", _writer(), asked(None), keep=1)  # v1 pruned
+    assert store.list("ns", "exp") == [2] and store.read_token("ns", "exp") == "r1"
+    store.publish("ns", "exp", _writer(), asked("r2"), keep=1)  # v3, its file not written
+    assert store.read_token("ns", "exp") == "r2"  # newer than the file's v1
+    # a hostile or torn file: the manifests still answer, nothing raises
+    (store.dir("ns", "exp") / "request.json").write_text('{"requestToken": 7, "version": "x"}')
+    assert store.read_token("ns", "exp") == "r2"
+    (store.dir("ns", "exp") / "request.json").write_text("{not json")
+    assert store.read_token("ns", "exp") == "r2"
+
+
 def test_aliases_round_trip_and_hostile_file(tmp_path: Path) -> None:
     store = VersionStore(tmp_path)
     store.write_aliases("ns", "exp", {"stable": 3, "latest": 5})
