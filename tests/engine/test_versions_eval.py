@@ -14,6 +14,7 @@ import torch
 from engine_builders import engine, spec
 from loraplex_engine.engine import Engine
 from loraplex_engine.evaluation.scores import EvalResult
+from loraplex_engine.spec import parse_spec
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions.policy import improves
 from safetensors.torch import load_file
@@ -77,6 +78,29 @@ def test_a_version_holds_its_steps_eval_and_the_adapter_it_scored(
             assert all(torch.equal(version[k], at[k]) for k in at)
             assert any(not torch.equal(version[k], after[k]) for k in at)
         assert eng.get_experiment(exp_id).aliases["stable"] == "v3"
+    finally:
+        eng.close()
+
+
+def test_a_stale_pipelined_version_takes_the_eval_one_step_back(tiny_model_dir, tmp_path) -> None:
+    """maxStaleness 1 (pipelined): the eval of step s is scored while s -> s + 1 trains;
+    the version due at s is written at s + 1 with that eval, the latest before it."""
+    eng = engine(tiny_model_dir, tmp_path, schedule="pipelined")
+    try:
+        put = _exp({"everySteps": 2, "keep": 50}, {"everySteps": 2}, every=100)
+        body = put.model_dump(by_alias=True, mode="json", exclude_none=True)
+        body["algorithm"]["maxStaleness"] = 1
+        eng.put_experiment(f"{NS}.stale", parse_spec(body), NS, "stale")
+        evals = _run(eng, f"{NS}.stale", 12)
+        store = VersionStore(tmp_path)
+        manifests = [store.read(NS, "stale", n) for n in store.list(NS, "stale")]
+        assert len(manifests) >= 4
+        for m in manifests:
+            assert m.eval_step == m.step - 1 and m.eval_step % 2 == 0
+        # a tick reports an eval with the step it trains, a tick after the version's
+        reported = [m for m in manifests if m.eval_step in evals]
+        assert len(reported) >= len(manifests) - 1
+        assert all(m.scores["evalReward"] == evals[m.eval_step].reward for m in reported)
     finally:
         eng.close()
 

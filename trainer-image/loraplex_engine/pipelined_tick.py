@@ -124,10 +124,13 @@ class PipelinedTick(Tick):
         trained = keep(synced, failures)
         phases["sync"] += time.perf_counter() - t
         t = time.perf_counter()
-        stepped = keep([self._guarded_after_step(x) for x in trained], failures)
-        # After the steps: a rollout scored while its own update was made (maxStaleness
-        # > 0) was evaluated one step back; its eval is the latest before the next version.
+        # An eval scored while its own update was made (maxStaleness > 0) scored the
+        # adapter one step back: its scores join the step's version as the latest before.
         evaluated = [s for s in self.ready.values() if s.eval is not None]
+        for s in evaluated if self.publisher is not None else ():
+            if id(s.rollout.exp) in training:
+                s.rollout.exp.published.last_eval = s.eval
+        stepped = keep([self._guarded_after_step(x) for x in trained], failures)
         keep(self._evaluated(evaluated), failures)
         stepped_ids = {id(x.scored.rollout.exp) for x in trained}
         keep(self._retry_checkpoints(running, stepped_ids), failures)
