@@ -72,6 +72,12 @@ def test_a_served_version_stays_resident_and_a_flip_serves_the_new_one(
         assert _loads(srv, other) == 1
         assert flipped == _complete(api, f"{EXP}@{other}") and flipped != first
         assert (_loads(srv, "v1"), _loads(srv, other)) == (1, 1)  # both resident, no reload
+        capacity = api.get("/v1/capacity").json()
+        assert capacity["versionLoads"] == 2 and len(capacity["residentVersions"]) == 2
+        assert capacity["freeSlots"] == 2  # resident versions give their slots back
+        metrics = api.get("/metrics").text
+        assert re.search(r"^loraplex_engine_version_loads_total 2\.0$", metrics, re.M)
+        assert re.search(r"^loraplex_engine_resident_versions 2\.0$", metrics, re.M)
         # Training experiments placed now take the resident versions' slots.
         assert _evictions(srv) == 0
         for other in ("demo.b", "demo.c"):

@@ -253,6 +253,10 @@ class Capacity(WireModel):
     # The module names its adapters may target (what it wraps): which of them a client
     # experiment's module kinds train, for the pool's allowedTargetModules check.
     target_modules: list[str] | None = None
+    # Published versions resident in free slots (versions/slot_cache.py: evicted when a
+    # slot is needed, so free_slots counts theirs), and versions loaded into one so far.
+    resident_versions: list[str] = []
+    version_loads: int = 0
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -308,6 +308,7 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
             adapter_sync=sync,
             storage_full=storage_full,
             plugins=installed().to_json(),  # type: ignore[arg-type]
+            **self.publisher.slot_stats(),
         )
 
     # ---- EngineService: mutations (between ticks) -------------------------------------

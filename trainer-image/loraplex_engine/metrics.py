@@ -180,6 +180,18 @@ class EngineMetrics:
             "loraplex_engine_active_adapters", "Adapters loaded.", registry=r
         )
         self.free_slots = Gauge("loraplex_engine_free_slots", "Adapter slots free.", registry=r)
+        # Published versions kept in free slots between serving ticks (versions/slot_cache.py).
+        self.resident_versions = Gauge(
+            "loraplex_engine_resident_versions",
+            "Published versions resident in free adapter slots (evicted when a slot is needed).",
+            registry=r,
+        )
+        self.version_loads = Counter(
+            "loraplex_engine_version_loads",
+            "Published versions loaded from their directory into a slot (a miss of the cache).",
+            registry=r,
+        )
+        self._version_loads_seen = 0
         self.memory = Gauge("loraplex_engine_memory_bytes", "Memory in use.", ["kind"], registry=r)
         self.storage_full = Gauge(
             "loraplex_engine_checkpoint_storage_full",
@@ -433,6 +445,10 @@ class EngineMetrics:
         self.memory.labels(kind="rss").set(capacity.memory.rss_bytes)
         self.memory.labels(kind="device").set(capacity.memory.device_bytes)
         self.storage_full.set(1 if capacity.storage_full is not None else 0)
+        self.resident_versions.set(len(capacity.resident_versions))
+        if capacity.version_loads > self._version_loads_seen:  # the engine's count so far
+            self.version_loads.inc(capacity.version_loads - self._version_loads_seen)
+        self._version_loads_seen = capacity.version_loads
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from loraplex_engine.api_types import VersionSummary
 from loraplex_engine.base_model import fingerprint
@@ -267,6 +268,12 @@ class Publisher:
         return self._fingerprint
 
     # ---- serving ------------------------------------------------------------------------
+
+    def slot_stats(self) -> dict[str, Any]:
+        """Capacity's fields of the version slot cache (versions/slot_cache.py)."""
+        if self.slots is None:
+            return {}
+        return {"resident_versions": self.slots.resident(), "version_loads": self.slots.loads}
 
     def serving(self, model: str) -> tuple[str, Path]:
         """The adapter name (the version's own and its content: slot_cache.resident_name)
