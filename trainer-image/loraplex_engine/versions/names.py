@@ -45,6 +45,7 @@ def untinkered(path: str) -> str:
 
 
 def served_name(namespace: str, name: str, version: int) -> str:
-    """The adapter name a served version has (in an engine's spare slot, in a vLLM
-    fleet): the version's own, so an alias flip never reuses a name for other weights."""
+    """The adapter name a served version has (in a vLLM fleet; an engine's slot adds its
+    content hash, versions/slot_cache.py): the version's own, so an alias flip never
+    reuses a name for other weights."""
     return f"{namespace}.{name}@v{version}"
