@@ -31,7 +31,6 @@ from loraplex_engine.api_types import (
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
-from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.errors import (
     AdapterError,
@@ -80,9 +79,9 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientExperimentAPI, ClientTraining, Versions):
-    """Implements :class:`loraplex_engine.service.TickingEngine` and, through
-    clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
+class Engine(ClientExperimentAPI, Versions):
+    """Implements :class:`loraplex_engine.service.TickingEngine`; its ``clients``
+    (clients/models.py) implement :class:`loraplex_engine.training_service.TrainingService`.
 
     ``settings`` (settings/engine.py, each field's help says what it does) configure it;
     the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not

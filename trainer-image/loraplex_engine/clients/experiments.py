@@ -268,9 +268,6 @@ class ClientExperimentAPI:
             return self.client_experiments.remove(exp_id)
         return self.remove_task_experiment(exp_id)
 
-    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:  # TrainingService
-        return self.client_experiments.adoptable(namespace, model_id)
-
     # The Engine's own (engine.py), for task experiments.
     def put_task_experiment(self, *args: Any) -> tuple[ExperimentStatus, bool]:
         raise NotImplementedError
