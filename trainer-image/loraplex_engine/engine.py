@@ -61,6 +61,7 @@ from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.store.versions import VersionStore
+from loraplex_engine.tenancy.admissions import KeyedLocks
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -237,6 +238,7 @@ class Engine(ClientExperimentAPI, Versions):
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
         self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
+        self.admissions = KeyedLocks()  # one PUT per experiment id at a time
 
     @property
     def computed_train_tokens(self) -> int:
