@@ -95,6 +95,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "engines": {"metricsService": {"enabled": False}},
     },
     "no-gateway": {"gateway": {"enabled": False}},
+    # AIBrix ModelAdapters for published aliases (operator/loraplex_operator/aibrix.py).
+    "aibrix": {"aibrix": {"enabled": True, "podSelector": {"model.aibrix.ai/name": "base"}}},
+    "aibrix-namespaced": merge(
+        NAMESPACED, {"aibrix": {"enabled": True, "podSelector": {"app": "vllm"}}}
+    ),
     # The vLLM serving fleet (templates/fleet.yaml, tests/chart/test_chart_fleet.py).
     "fleet": {
         "fleet": {
