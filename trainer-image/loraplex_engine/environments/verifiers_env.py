@@ -270,7 +270,7 @@ def _reward(episode: Any) -> float:
     """The episode's reward: its traces' (each the sum of its weighted rewards); an
     episode that failed (a hook raised, a deadline passed) fails its experiment."""
     if not episode.ok:
-        error = episode.errors[-1] if episode.errors else None
-        why = f"{error.type}: {error.message}" if error else "a trace failed"
+        errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
+        why = f"{errors[0].type}: {errors[0].message}" if errors else "a trace failed"
         raise RuntimeError(f"the verifiers episode failed: {' '.join(why.split())[:500]}")
     return float(sum(trace.reward for trace in episode.traces))
