@@ -192,11 +192,8 @@ def test_an_experiment_trains_on_a_verifiers_environment_and_hostile_ones_fail_a
     experiment trains on."""
     env = {"name": GUESS, "maxTurns": 3, "maxEpisodeTokens": 96}
     with server.client() as api:
-        refused = put(
-            api,
-            "default.unknown",
-            _spec({"name": "copy", "environment": {"name": "verifiers:nope"}}),
-        )
+        unknown = {"name": "copy", "environment": {**env, "name": "verifiers:nope"}}
+        refused = put(api, "default.unknown", _spec(unknown, group=4, prompts=2))
         assert refused.status_code == 422 and GUESS in refused.text, refused.text
         body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
         assert put(api, "team-a.guess", body).status_code == 201
