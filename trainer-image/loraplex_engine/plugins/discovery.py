@@ -64,10 +64,6 @@ def skyrl_gym_ids() -> list[str]:
 def verifiers_ids() -> tuple[list[str], list[str]]:
     """``verifiers:<module>`` for each installed verifiers environment (none when
     verifiers is not installed), and the problems met (a module that fails to import)."""
-    try:
-        from verifiers.v1.taskset import Taskset
-    except ImportError:
-        return [], []
     modules = sorted(
         {
             module
@@ -76,6 +72,12 @@ def verifiers_ids() -> tuple[list[str], list[str]]:
             if _requires_verifiers(dist) and module.isidentifier()
         }
     )
+    if not modules:  # verifiers itself is not imported (~3 s) for nothing
+        return [], []
+    try:
+        from verifiers.v1.taskset import Taskset
+    except ImportError as e:
+        return [], [f"verifiers environments {', '.join(modules)}: verifiers: {e}"]
     ids, problems = [], []
     for name in modules:
         try:
