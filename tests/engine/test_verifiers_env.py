@@ -136,6 +136,15 @@ def test_a_param_the_taskset_does_not_have_is_named(session_of) -> None:
         _group(session, [("p", "a")], budget=64)
 
 
+@pytest.mark.parametrize("field", ["id", "system_prompt"])
+def test_params_cannot_set_verifiers_own_taskset_fields(session_of, field: str) -> None:
+    """A tenant's string may not choose the module imported (id) or a file read
+    (system_prompt): refused, naming the param."""
+    session = session_of(GUESS, **{field: "/etc/passwd"})
+    with pytest.raises(Exception, match=rf"params {field}: not settable"):
+        _group(session, [("p", "a")], budget=64)
+
+
 def _failed(session, turns: int = 1) -> EpisodeGroup:
     group = _group(session, [("p", "a")], budget=64)
     _play(group, _Turns("x"))

@@ -39,6 +39,7 @@ from typing import Any
 from verifiers.v1.clients import Client, EvalClientConfig, ModelContext
 from verifiers.v1.clients.train import serialize_completion
 from verifiers.v1.configs.agent import AgentConfig
+from verifiers.v1.configs.taskset import TasksetConfig
 from verifiers.v1.interception import server as interception_server
 from verifiers.v1.types import AssistantMessage, Response, Usage, content_text
 from verifiers.v1.utils.loaders import (
@@ -131,11 +132,18 @@ def import_taskset(taskset_id: str) -> None:
 
 def environment(taskset_id: str, params: Mapping[str, str]) -> Any:
     """The verifiers environment of ``taskset_id`` (an installed module exporting a
-    ``Taskset``), configured by ``params`` (its taskset's config fields, but ``rows``),
+    ``Taskset``), configured by ``params`` (the fields its taskset's config adds, and
+    ``rows``),
     loaded once per worker and serving (its interception, shared tools) on the loop."""
     key = (taskset_id, tuple(sorted(params.items())))
     if key not in _envs:
         fields = {k: v for k, v in params.items() if k != "rows"}
+        # Tenants' strings: only the taskset's own fields. verifiers' base fields choose
+        # what runs or is read (id: the module imported; system_prompt: a file; task:
+        # reward functions by import path), the platform's business.
+        base = sorted(set(fields) & set(TasksetConfig.model_fields))
+        if base:
+            raise ValueError(f"params {', '.join(base)}: not settable (verifiers' own fields)")
         cls = env_config_type(taskset_id)
         seat = {"harness": {"id": verifiers_chat.HARNESS_ID}, "runtime": {"type": "subprocess"}}
         roles = [n for n, f in cls.model_fields.items() if isinstance(f.default, AgentConfig)]
