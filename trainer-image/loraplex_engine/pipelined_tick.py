@@ -7,10 +7,13 @@ generate and score, on a thread: with vLLM in its own process the two use differ
 cores (or devices). Per experiment the stages stay in order (generate → score → train →
 sync), so with ``algorithm.maxStaleness`` 0 an experiment never generates in the tick
 that trains it, and samples with the weights of its own last update: on-policy, as in the
-sync tick. With maxStaleness > 0 it may generate in that tick too, from the weights
-before the update: one step stale, corrected by the PPO ratio against the sampler's
-log-probs (torch rollout) or TIS (vLLM, ``offPolicyCorrection: tis``). Every trained
-step reports the version its rollout was sampled with (``ExperimentTick.rollout_version``).
+sync tick. With maxStaleness k > 0 its next rollout may start while up to k of its
+updates have not landed (the one being made this tick, scored rollouts waiting for
+theirs, rewards still pending: :class:`Lane`), from the weights before them: at most k
+steps stale, corrected by the PPO ratio against the sampler's log-probs (torch rollout)
+or TIS (vLLM, ``offPolicyCorrection: tis``). An experiment's rollouts train in the order
+they started, one a tick. Every trained step reports the version its rollout was sampled
+with (``ExperimentTick.rollout_version``).
 
 Every backend call finishes inside the tick (the rollout thread is joined before the
 trained adapters sync), so adding and removing experiments between ticks is as safe as
@@ -21,10 +24,13 @@ other, rollout first (a stale rollout then samples the pre-update weights, as re
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 from loraplex_engine.api_types import TICK_PHASES, TickReport
 from loraplex_engine.completion_jobs import CompletionJob
@@ -36,6 +42,8 @@ from loraplex_engine.tenancy.fair_share import due_to_roll_out
 from loraplex_engine.tick import Tick
 from loraplex_engine.tick_results import Failure, Rollout, Scored, Trained, failed, guarded, keep
 from loraplex_engine.train.strategy import TrainingStrategy
+
+log = logging.getLogger("loraplex_engine.tick")
 
 
 def tick_class(schedule: str, world: World | None = None) -> type[Tick]:
@@ -51,16 +59,17 @@ def max_staleness(exp: Experiment) -> int:
     return exp.spec.algorithm.max_staleness
 
 
-def may_roll_out(exp: Experiment, training: bool) -> bool:
-    """``exp`` may start a rollout this tick: not while its own update is being made
-    unless it allows a stale one, and never past its last step (but for the eval of its
-    last adapter, spec.eval)."""
+def may_roll_out(exp: Experiment, pending: int) -> bool:
+    """``exp`` may start a rollout this tick while ``pending`` of its updates have not
+    landed (each lands before this rollout's own, which is then ``pending`` steps stale):
+    at most its maxStaleness, and never a rollout past its last step (but for the eval of
+    its last adapter, spec.eval, once every update has landed)."""
     if exp.finished_steps:
-        return not training and exp.eval_due()
-    if not training:
+        return pending == 0 and exp.eval_due()
+    if pending == 0:
         return True
-    last = exp.max_steps > 0 and exp.step + 1 >= exp.max_steps
-    return max_staleness(exp) > 0 and not last
+    beyond_last = exp.max_steps > 0 and exp.step + pending >= exp.max_steps
+    return pending <= max_staleness(exp) and not beyond_last
 
 
 def _owner(item: Trained | Failure) -> Experiment:
@@ -78,16 +87,65 @@ def fill_split(due: list[Experiment]) -> list[Experiment]:
     return [e for e in due if max_staleness(e) > 0 or id(e) in first]
 
 
+@dataclass
+class Lane:
+    """One experiment's rollouts from their start to their update, in the order they
+    started (by the tick that planned them): the head trains first, once scored."""
+
+    exp: Experiment
+    started: deque[int] = field(default_factory=deque)  # planned ticks, oldest first
+    scored: dict[int, Scored] = field(default_factory=dict)  # their rewards are back
+
+    def head(self) -> Scored | None:
+        return self.scored.get(self.started[0]) if self.started else None
+
+    def take_head(self) -> Scored | None:
+        """The oldest rollout if it is scored (its update is made now), else None."""
+        head = self.head()
+        if head is not None:
+            del self.scored[self.started.popleft()]
+        return head
+
+    def file(self, s: Scored) -> bool:
+        """Keep a scored rollout until its turn; False: not one of this lane's (started
+        before the experiment left the running set)."""
+        if s.rollout.planned_tick not in self.started:
+            return False
+        self.scored[s.rollout.planned_tick] = s
+        return True
+
+
 class PipelinedTick(Tick):
-    """Trains last tick's scored rollouts while this tick's generate (module doc)."""
+    """Trains earlier ticks' scored rollouts while this tick's generate (module doc)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        # Scored rollouts waiting for their update: at most one per experiment.
-        self.ready: dict[str, Scored] = {}
+        # Per experiment id: its rollouts between their start and their update.
+        self.lanes: dict[str, Lane] = {}
 
     def has_work(self, running: list[Experiment]) -> bool:
-        return bool(self.ready) or super().has_work(running)
+        if self.scorer.has_arrived():
+            return True
+        for e in running:
+            lane = self._lane_of(e)
+            pending = len(lane.started) if lane else 0
+            if pending == 0 and not self.scorer.waits(e):  # idle: as under the sync tick
+                return True
+            if lane and (lane.head() is not None or self._may_start(e, pending)):
+                return True
+        return False
+
+    def _lane_of(self, exp: Experiment) -> Lane | None:
+        lane = self.lanes.get(exp.id)
+        return lane if lane is not None and lane.exp is exp else None
+
+    def _may_start(self, exp: Experiment, pending: int) -> bool:
+        """Rewards allow it (on-policy: none pending; else its namespace has room) and
+        so does :func:`may_roll_out`."""
+        blocked = self.scorer.waits(exp) if max_staleness(exp) == 0 else None
+        if blocked is None:
+            blocked = self.scorer.namespace_full(exp)
+        return not blocked and may_roll_out(exp, pending)
 
     def run(
         self,
@@ -102,19 +160,20 @@ class PipelinedTick(Tick):
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
-        to_train = self._take_ready(running) + keep(self.scorer.arrived(running), failures)
+        self._prune(running)
+        self._file(keep(self.scorer.arrived(running), failures))
+        to_train = [s for e in running if (s := self._take_head(e)) is not None]
         training = {id(s.rollout.exp) for s in to_train}
-        eligible = [
-            e for e in running if not self.scorer.waits(e) and may_roll_out(e, id(e) in training)
-        ]
+        eligible = [e for e in running if self._may_start(e, self._pending(e, training))]
         due = due_to_roll_out(eligible, self.count)
         if not to_train:
             due = fill_split(due)
         plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
         planned = keep(plans, failures)
+        for r in planned:
+            self._lane(r.exp).started.append(r.planned_tick)
         scored, trained = self._overlap(planned, jobs, to_train, client_train, phases)
-        for s in keep(scored, failures):
-            self.ready[s.rollout.exp.id] = s
+        self._file(keep(scored, failures))
         # A stale experiment can fail in its next rollout (its task, reward) while its
         # update is made: failed, it does not step (its last checkpoint stands).
         lost = {id(f.exp) for f in failures}
@@ -135,12 +194,34 @@ class PipelinedTick(Tick):
             adapter_sync=sync,
         )
 
-    def _take_ready(self, running: list[Experiment]) -> list[Scored]:
-        """The scored rollouts of experiments still running (one removed, failed or put
-        again since leaves its rollout behind)."""
-        ready, self.ready = self.ready, {}
-        live = {id(e) for e in running}
-        return [s for s in ready.values() if id(s.rollout.exp) in live]
+    def _prune(self, running: list[Experiment]) -> None:
+        """Drop the lanes of experiments no longer running (one removed, failed or put
+        again since leaves its rollouts behind; its prompt stream has moved past them)."""
+        live = {e.id: e for e in running}
+        self.lanes = {k: v for k, v in self.lanes.items() if live.get(k) is v.exp}
+
+    def _lane(self, exp: Experiment) -> Lane:
+        lane = self._lane_of(exp)
+        if lane is None:
+            lane = self.lanes[exp.id] = Lane(exp)
+        return lane
+
+    def _file(self, scored: list[Scored]) -> None:
+        for s in scored:
+            if not self._lane(s.rollout.exp).file(s):
+                log.info(
+                    "experiment %s: dropped a rollout started before a pause", s.rollout.exp.id
+                )
+
+    def _take_head(self, exp: Experiment) -> Scored | None:
+        lane = self._lane_of(exp)
+        return lane.take_head() if lane is not None else None
+
+    def _pending(self, exp: Experiment, training: set[int]) -> int:
+        """``exp``'s updates not landed yet: its rollouts started and not trained, and
+        the one it trains this tick (that update lands after this tick's rollouts start)."""
+        lane = self._lane_of(exp)
+        return (len(lane.started) if lane else 0) + (id(exp) in training)
 
     def _overlap(
         self,

@@ -238,7 +238,15 @@ class Tick:
             exp.eval_planned = exp.step
             exp.step_cost += evals.cost
         exp.rolled_out_at = self.count
-        return Rollout(exp, repeated, requests, episodes=episodes, evals=evals, version=exp.step)
+        return Rollout(
+            exp,
+            repeated,
+            requests,
+            episodes=episodes,
+            evals=evals,
+            version=exp.step,
+            planned_tick=self.count,
+        )
 
     def _room(self, exp: Experiment, prompt: list[int]) -> int:
         """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
