@@ -17,8 +17,9 @@ with (``ExperimentTick.rollout_version``).
 
 Every backend call finishes inside the tick (the rollout thread is joined before the
 trained adapters sync), so adding and removing experiments between ticks is as safe as
-under the sync tick. A rollout that shares the trainer's weights (torch) cannot overlap
-the update without reading half-updated weights: there the stages run one after the
+under the sync tick. A rollout that shares the trainer's weights (torch) overlaps the
+update only on CUDA, on a side stream, when its slots are not the update's and both
+working sets fit (rollout/torch/streams.py); otherwise the stages run one after the
 other, rollout first (a stale rollout then samples the pre-update weights, as recorded).
 """
 
@@ -32,11 +33,20 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from loraplex_engine.api_types import TICK_PHASES, TickReport
+import torch
+
+from loraplex_engine.api_types import TICK_PHASES, MemoryPlan, TickReport
 from loraplex_engine.completion_jobs import CompletionJob
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import AdapterError, UsageError
 from loraplex_engine.experiment import Experiment
 from loraplex_engine.parallel.distributed import World
+from loraplex_engine.rollout.torch.streams import (
+    SideStream,
+    StaticFacts,
+    TickFacts,
+    overlap_blocker,
+    static_blocker,
+)
 from loraplex_engine.settings.engine import SCHEDULES
 from loraplex_engine.tenancy.fair_share import due_to_roll_out
 from loraplex_engine.tick import Tick
@@ -74,6 +84,15 @@ def may_roll_out(exp: Experiment, pending: int) -> bool:
 
 def _owner(item: Trained | Failure) -> Experiment:
     return item.exp if isinstance(item, Failure) else item.scored.rollout.exp
+
+
+def _client_trains(client_train: Callable[[TrainingStrategy], None] | None) -> bool:
+    """Client models train in this tick: the engine passes its client tick's ``train``
+    every tick (clients/ticking.py), which trains only when it took train calls."""
+    if client_train is None:
+        return False
+    owner = getattr(client_train, "__self__", None)
+    return bool(getattr(owner, "segments", True))
 
 
 def fill_split(due: list[Experiment]) -> list[Experiment]:
@@ -122,6 +141,26 @@ class PipelinedTick(Tick):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         # Per experiment id: its rollouts between their start and their update.
         self.lanes: dict[str, Lane] = {}
+        # The torch rollout beside the update on CUDA (attach_streams); why not, if not.
+        self.streams: SideStream | None = None
+        self.memory_plan: MemoryPlan | None = None
+        self.stream_blocker: str | None = "not attached"
+        self.side_stream_ticks = 0  # ticks whose rollout ran on the side stream
+
+    def attach_streams(self, device: torch.device, plan: MemoryPlan) -> None:
+        """Called once the memory plan is made: a side stream where the torch rollout may
+        ever run beside training (rollout/torch/streams.py), else the reason it may not."""
+        config = self.model.base_model.config
+        facts = StaticFacts(
+            device_type=device.type,
+            torch_rollout=self.backend.shares_trainer_weights,
+            single_process=getattr(self.backend, "lockstep", None) is None
+            and getattr(self.backend, "distribute", None) is None,
+            checkpointing=bool(getattr(self.strategy, "gradient_checkpointing", False)),
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        )
+        self.memory_plan, self.stream_blocker = plan, static_blocker(facts)
+        self.streams = SideStream(device) if self.stream_blocker is None else None
 
     def has_work(self, running: list[Experiment]) -> bool:
         if self.scorer.has_arrived():
@@ -234,21 +273,99 @@ class PipelinedTick(Tick):
         """Generate and score ``planned`` (and serve ``jobs``) while ``to_train`` trains;
         one after the other where the sampler is the trainer's model or steps aside."""
         generating = bool(planned or jobs)
-        together = generating and bool(to_train) and not self._shares_device()
+        both = generating and bool(to_train)
+        side = self._side_stream(planned, jobs, to_train, client_train) if both else None
+        together = both and (side is not None or not self._shares_device())
         if not together:
             scored = self._generate_and_score(planned, jobs, phases) if generating else []
             with self.backend.training_phase() if to_train else nullcontext():
                 trained = self._timed_train(to_train, client_train, phases)
             return scored, trained
+        ready = side.launch() if side is not None else None
         with ThreadPoolExecutor(1, thread_name_prefix="loraplex-rollout") as pool:
-            rolling = pool.submit(self._generate_and_score, planned, jobs, phases)
+            rolling = pool.submit(self._rollout_thread, side, ready, planned, jobs, phases)
             try:
                 trained = self._timed_train(to_train, client_train, phases)
             finally:
                 # A failed update still waits for the rollout: no backend call may be in
                 # flight when the tick returns (or raises).
-                scored = rolling.result()
+                try:
+                    scored = rolling.result()
+                finally:
+                    if side is not None:
+                        side.join()
         return scored, trained
+
+    def _rollout_thread(
+        self,
+        side: SideStream | None,
+        ready: torch.cuda.Event | None,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        phases: dict[str, float],
+    ) -> list[Scored | Failure]:
+        if side is None or ready is None:
+            return self._generate_and_score(planned, jobs, phases)
+        with side.generating(ready):
+            return self._generate_and_score(planned, jobs, phases)
+
+    def _side_stream(
+        self,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        to_train: list[Scored],
+        client_train: Callable[[TrainingStrategy], None] | None,
+    ) -> SideStream | None:
+        """The side stream if this tick's rollout may run on it beside the update."""
+        if self.streams is None:
+            return None
+        why = overlap_blocker(
+            self.memory_plan, self._tick_facts(planned, jobs, to_train, client_train)
+        )
+        self.stream_blocker = why
+        if why is not None:
+            log.debug("torch rollout and update one after the other: %s", why)
+            return None
+        self.side_stream_ticks += 1
+        return self.streams
+
+    def _tick_facts(
+        self,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        to_train: list[Scored],
+        client_train: Callable[[TrainingStrategy], None] | None,
+    ) -> TickFacts:
+        requests = [q for r in planned for q in r.all_requests()]
+        slots = {q.slot for q in requests}
+        for job in jobs:
+            slots.add(0 if job.slot_name is None else self._slot_or_base(job.slot_name))
+        rollout_tokens = sum(len(q.prompt_ids) + q.max_new_tokens for q in requests)
+        if any(r.episodes is not None for r in planned) or jobs:  # later turns, job rows
+            rollout_tokens = max(
+                rollout_tokens, (self.memory_plan and self.memory_plan.rollout_kv_tokens) or 0
+            )
+        train_tokens = sum(
+            len(q.prompt_ids) + len(c.token_ids)
+            for s in to_train
+            for q, c in zip(s.rollout.requests, s.rollout.completions, strict=False)
+        )
+        dropout = frozenset().union(*(x.dropout_slots for x in self.model.lora_layers.values()))
+        return TickFacts(
+            rollout_slots=frozenset(slots),
+            trained_slots=frozenset(self.model.slot_of(s.rollout.exp.id) for s in to_train),
+            dropout_slots=dropout,
+            client_train=_client_trains(client_train),
+            train_tokens=train_tokens,
+            train_adapters=len(to_train),
+            rollout_tokens=rollout_tokens,
+        )
+
+    def _slot_or_base(self, name: str) -> int:
+        try:
+            return self.model.slot_of(name)
+        except AdapterError:  # its experiment left: the rollout answers it as not found
+            return 0
 
     def _shares_device(self) -> bool:
         """The sampler cannot run while the trainer trains: it is the trainer's own model
