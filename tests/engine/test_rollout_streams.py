@@ -159,3 +159,37 @@ def test_on_the_cpu_the_pipelined_engine_never_takes_a_side_stream(
     while eng.tick() is not None:
         pass
     assert tick.side_stream_ticks == 0 and tick.stream_blocker == "not on CUDA"
+
+
+def test_each_tick_decides_from_its_own_cohorts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The per-tick decision on a real engine's cohorts, with the CUDA side stream stood in
+    for (none exists on the CPU: the decision is recorded, the stages then run in turn).
+    On-policy cohorts are disjoint, so every tick that trains and generates may overlap;
+    an experiment allowing staleness generates in the tick that trains it, so those may
+    not (its slot would be read while written)."""
+    from test_pipelined import _specs
+
+    def decisions(staleness: int, root: Path) -> list[str | None]:
+        eng = engine(tiny_model_dir, root, schedule="pipelined")
+        tick = eng._tick
+        side, got = object(), []
+        tick.streams, tick.memory_plan = side, _plan()  # type: ignore[assignment]
+        decide = tick._side_stream
+
+        def record(*args: object) -> None:
+            chosen = decide(*args)  # type: ignore[arg-type]
+            got.append(None if chosen is side else tick.stream_blocker)
+            return None  # the CPU runs the stages in turn
+
+        tick._side_stream = record  # type: ignore[method-assign]
+        for exp_id, s in _specs(staleness).items():
+            eng.put_experiment(exp_id, s)
+        while eng.tick() is not None:
+            pass
+        assert all(eng.get_experiment(e).phase == "Succeeded" for e in _specs(staleness))
+        return got
+
+    strict = decisions(0, tmp_path / "strict")
+    assert strict and all(d is None for d in strict), strict
+    stale = decisions(1, tmp_path / "stale")
+    assert "a slot is read by the rollout and written by the update" in stale, stale

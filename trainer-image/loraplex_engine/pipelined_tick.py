@@ -342,9 +342,8 @@ class PipelinedTick(Tick):
             slots.add(0 if job.slot_name is None else self._slot_or_base(job.slot_name))
         rollout_tokens = sum(len(q.prompt_ids) + q.max_new_tokens for q in requests)
         if any(r.episodes is not None for r in planned) or jobs:  # later turns, job rows
-            rollout_tokens = max(
-                rollout_tokens, (self.memory_plan and self.memory_plan.rollout_kv_tokens) or 0
-            )
+            cap = self.memory_plan.rollout_kv_tokens if self.memory_plan else None
+            rollout_tokens = max(rollout_tokens, cap or 0)  # as much as its budget allows
         train_tokens = sum(
             len(q.prompt_ids) + len(c.token_ids)
             for s in to_train
