@@ -51,7 +51,7 @@ from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
-from loraplex_engine.pipelined_tick import PipelinedTick, tick_class
+from loraplex_engine.pipelined_tick import tick_class
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
@@ -235,8 +235,7 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
             self.context_tokens,
             self.publisher,
         )
-        if isinstance(self._tick, PipelinedTick):  # the torch rollout on a side stream (CUDA)
-            self._tick.attach_streams(self.device, self.memory_plan)
+        self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
         self.client_experiments = ClientExperiments(self.clients)  # spec.client ones

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -173,6 +173,10 @@ class PipelinedTick(Tick):
             if lane and (lane.head() is not None or self._may_start(e, pending)):
                 return True
         return False
+
+    def _plan(self, exp: Experiment) -> Rollout:
+        # the tick that planned it orders the experiment's rollouts in its lane
+        return replace(super()._plan(exp), planned_tick=self.count)
 
     def _lane_of(self, exp: Experiment) -> Lane | None:
         lane = self.lanes.get(exp.id)
