@@ -235,6 +235,7 @@ class Engine(ClientExperimentAPI, Versions):
             self.context_tokens,
             self.publisher,
         )
+        self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
         self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
