@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
+import torch
+
 from loraplex_engine.api_types import (
     MAX_NEW_TOKENS,
     TICK_PHASES,
     AdapterSync,
     ExperimentTick,
+    MemoryPlan,
     TickReport,
 )
 from loraplex_engine.completion_jobs import CompletionJob, load_versions
@@ -110,6 +113,9 @@ class Tick:
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
 
+    def attach_streams(self, device: torch.device, plan: MemoryPlan) -> None:
+        """The pipelined tick's torch side stream (pipelined_tick.py); none here."""
+
     def storage_full_among(self, experiments: Iterable[Experiment]) -> str | None:
         """Why checkpoints wait for room while a running one of ``experiments`` waits."""
         waiting = any(e.checkpoint_pending and e.phase == "Running" for e in experiments)
@@ -122,9 +128,8 @@ class Tick:
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
         start = time.perf_counter()
-        # Published versions' rows: resident slots (versions/slot_cache.py) or spare ones.
         slots = self.publisher.slots if self.publisher is not None else None
-        spare = slots or SpareSlots(self.model)
+        spare = slots or SpareSlots(self.model)  # versions' rows (versions/slot_cache.py)
         try:
             self._rollout([], load_versions(jobs, spare))
         finally:
@@ -172,8 +177,7 @@ class Tick:
         with timed("reward"):
             scored = keep(arrived + self._score(rolled), failures)
         # Before the update: a version published on an eval holds the adapter evaluated.
-        with timed("checkpoint"):
-            scored = keep(self._evaluated(scored), failures)
+        scored = keep(self._evaluated(scored), failures)
         # A co-located sampler gives the device back while the trainer uses it (the
         # train phase's seconds include vLLM's sleep and wake-up).
         with timed("train"), self.backend.training_phase() if scored else nullcontext():
