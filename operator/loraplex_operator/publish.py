@@ -97,6 +97,17 @@ def alias_events(w: Work, new: ExperimentStatus) -> None:
         m.ALIAS_MOVES.labels(pool=w.exp.spec.engine_pool, kind=move.kind).inc()
 
 
+def gate_events(w: Work, new: ExperimentStatus, evented: int) -> int:
+    """A Warning Event `VersionGateFailed` for each version newly reported to have failed
+    its promotion gate, with why (versions.py); the newest version number told of."""
+    for v in versions.new_gate_failures(
+        w.exp.raw_status.get("versions"), new.versions or (), evented
+    ):
+        w.event(WARNING, "VersionGateFailed", versions.gate_failure(v))
+        evented = max(evented, versions.number(v.version))
+    return evented
+
+
 def experiment_state(exp: Experiment, status: ExperimentStatus) -> m.ExperimentState:
     """The per-experiment metrics for `exp` whose derived status is `status` (pure).
 
@@ -128,6 +139,8 @@ class StatusPublisher:
         self.config = config
         self.last_write: dict[str, float] = {}  # experiment key -> monotonic seconds
         self.restarts: dict[tuple[str, str | None], int] = {}  # (key, uid) -> last written
+        # (key, uid) -> the newest version whose failed gate was evented (gate_events).
+        self.gate_told: dict[tuple[str, str | None], int] = {}
         # AIBrix ModelAdapters per alias (aibrix.py), when the chart turns them on.
         self.adapters = AdapterSync(kube, config.aibrix) if config.aibrix else None
 
@@ -143,6 +156,8 @@ class StatusPublisher:
         new = derive(w, self.config, now)
         terminal_event(w, w.exp.status.phase, new)
         alias_events(w, new)
+        key_uid = (w.key, w.exp.meta.uid)
+        self.gate_told[key_uid] = gate_events(w, new, self.gate_told.get(key_uid, 0))
         for type_, reason, message in w.events:
             if type_ == WARNING:
                 log.warning("%s: %s: %s", w.key, reason, message)
@@ -162,8 +177,9 @@ class StatusPublisher:
         keep = set(keys)
         for key in self.last_write.keys() - keep:
             del self.last_write[key]
-        for key_uid in [k for k in self.restarts if k[0] not in keep]:
-            del self.restarts[key_uid]
+        for table in (self.restarts, self.gate_told):
+            for key_uid in [k for k in table if k[0] not in keep]:
+                del table[key_uid]
         if self.adapters is not None:
             self.adapters.forget_others(keep)
 

@@ -260,6 +260,7 @@ _CARRIED = (
     "eval_pass_at_k",
     "versions",
     "aliases",
+    "publish_request_token",
 )
 # The latest eval (spec.eval) the engine reports, engine key -> status field.
 _EVAL_FIELDS = {"evalReward": "eval_reward", "evalPassAtK": "eval_pass_at_k"}
@@ -307,7 +308,10 @@ def derive_status(exp: Experiment, obs: Observation, now: datetime) -> Experimen
         restarts=obs.restarts,
     )
     published = versions.published_condition(
-        exp.raw_spec, fields.get("aliases"), (obs.engine_status or {}).get("publishError")
+        exp.raw_spec,
+        fields.get("aliases"),
+        (obs.engine_status or {}).get("publishError"),
+        fields.get("versions") or (),
     )
     new_conditions = [*_conditions_for(verdict, obs), *([published] if published else [])]
     fields["conditions"] = merge_conditions(old.conditions, new_conditions, generation, now)

@@ -10,12 +10,19 @@ gate, `latest`); the operator reports what it says and forwards the spec.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
-from loraplex_operator.api.status import VersionStatus
+from loraplex_operator.api.status import (
+    GATE_NOTE_MAX,
+    SCORES_MAX,
+    TOKEN_PATTERN,
+    VersionStatus,
+)
 
 log = logging.getLogger("loraplex_operator.versions")
 
@@ -24,6 +31,12 @@ COND_PUBLISHED = "Published"
 # loraplex_alias_moves{kind}: a bounded label (alias names are the tenant's to choose).
 MOVE_KINDS = ("publish", "promotion", "rollback", "alias")
 _VERSION = re.compile(r"v([1-9][0-9]{0,8})")
+_TOKEN = re.compile(TOKEN_PATTERN)
+_SCORE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
+_INT64_MAX = 2**63 - 1
+_RFC3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})"
+)
 
 
 def _normal(publish: Any) -> Any:
@@ -43,31 +56,82 @@ def publish_differs(raw_spec: Mapping[str, Any], engine_status: Mapping[str, Any
 
 
 def status_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
-    """`status.versions` and `status.aliases` from the engine's report (when it made one)."""
+    """`status.versions`, `status.aliases` and `status.publishRequestToken` from the
+    engine's report (when it made one). The engine is trusted less than the API server:
+    an entry that does not read as a version is left out, a field that does not read as
+    its kind is dropped, and notes are cut to what the schema allows."""
     out: dict[str, Any] = {}
     if isinstance(engine.get("versions"), list):
-        out["versions"] = tuple(
-            VersionStatus(
-                version=v["version"],
-                step=v.get("step"),
-                scores=v.get("scores") or None,
-                gate_passed=v.get("gatePassed"),
-                created_at=v.get("createdAt"),
-            )
-            for v in engine["versions"]
-            if isinstance(v, Mapping) and _VERSION.fullmatch(str(v.get("version")))
-        )
+        found = (_version(v) for v in engine["versions"] if isinstance(v, Mapping))
+        out["versions"] = tuple(v for v in found if v is not None)[-10:]
     if isinstance(engine.get("aliases"), Mapping):
         out["aliases"] = {str(a): str(v) for a, v in sorted(engine["aliases"].items())}
+    if token := _token(engine.get("publishRequestToken")):
+        out["publish_request_token"] = token  # none yet (or not a token): the old one stays
     return out
 
 
+def _version(v: Mapping[str, Any]) -> VersionStatus | None:
+    if not _VERSION.fullmatch(str(v.get("version"))):
+        return None
+    note = v.get("gateNote")
+    return VersionStatus(
+        version=v["version"],
+        step=_count(v.get("step")),
+        scores=_scores(v.get("scores")),
+        eval_step=_count(v.get("evalStep")),
+        gate_passed=v["gatePassed"] if isinstance(v.get("gatePassed"), bool) else None,
+        gate_note=note[:GATE_NOTE_MAX] if isinstance(note, str) and note else None,
+        request_token=_token(v.get("requestToken")),
+        created_at=_datetime(v.get("createdAt")),
+    )
+
+
+def _count(x: Any) -> int | None:
+    ok = isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _INT64_MAX
+    return x if ok else None
+
+
+def _scores(x: Any) -> dict[str, float] | None:
+    if not isinstance(x, Mapping):
+        return None
+    good = {
+        k: float(v)
+        for k, v in sorted(x.items())
+        if isinstance(k, str)
+        and _SCORE_NAME.fullmatch(k)
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+    }
+    return dict(list(good.items())[:SCORES_MAX]) or None
+
+
+def _token(x: Any) -> str | None:
+    return x if isinstance(x, str) and _TOKEN.fullmatch(x) else None
+
+
+def _datetime(x: Any) -> str | None:
+    """An RFC 3339 time as the engine writes it (the schema's date-time), else none."""
+    if not isinstance(x, str) or not _RFC3339.fullmatch(x):
+        return None
+    try:
+        datetime.fromisoformat(x.replace("Z", "+00:00"))  # a real date and time
+    except ValueError:
+        return None
+    return x
+
+
 def published_condition(
-    raw_spec: Mapping[str, Any], aliases: Mapping[str, str] | None, error: str | None
+    raw_spec: Mapping[str, Any],
+    aliases: Mapping[str, str] | None,
+    error: str | None,
+    recent: Iterable[VersionStatus] = (),
 ) -> dict[str, Any] | None:
     """`Published`: True while versions publish and the aliases apply (the message says
-    where stable and latest point, so every move shows here too); False with why the
-    last publish or alias edit did not apply. None without a publish block."""
+    where stable and latest point, so every move shows here too, and names the newest
+    version when it failed its gate, with why); False with why the last publish or alias
+    edit did not apply. None without a publish block."""
     if raw_spec.get("publish") is None:
         return None
     if error:
@@ -75,7 +139,34 @@ def published_condition(
     if not aliases:
         return _condition(False, "NoVersionYet", "no version is published yet")
     where = ", ".join(f"{a} {v}" for a, v in sorted(aliases.items()))
+    newest = list(recent)[-1:]
+    if newest and newest[0].gate_passed is False:
+        where += f"; {gate_failure(newest[0])}"
     return _condition(True, "Published", where)
+
+
+def gate_failure(v: VersionStatus) -> str:
+    """What a version that failed its gate says (the Event's and the condition's text)."""
+    return f"{v.version} failed its gate: {v.gate_note or 'spec.publish.promoteWhen'}"
+
+
+def new_gate_failures(
+    before: Any, after: Iterable[VersionStatus], evented: int = 0
+) -> list[VersionStatus]:
+    """The versions in `after` that failed their gate and are news: not listed as failed
+    in the status written last (`before`, its raw `versions`), and numbered above
+    `evented`, the newest one already told of (a cache that has not seen the last write
+    yet would show it again)."""
+    told = {
+        str(v.get("version"))
+        for v in (before if isinstance(before, list) else [])
+        if isinstance(v, Mapping) and v.get("gatePassed") is False
+    }
+    return [
+        v
+        for v in after
+        if v.gate_passed is False and v.version not in told and number(v.version) > evented
+    ]
 
 
 def _condition(status: bool, reason: str, message: str) -> dict[str, Any]:
@@ -102,7 +193,7 @@ class Move:
             return "publish"
         if self.alias != STABLE or self.after is None:
             return "alias"
-        if self.before is None or _number(self.after) > _number(self.before):
+        if self.before is None or number(self.after) > number(self.before):
             return "promotion"
         return "rollback"
 
@@ -122,10 +213,10 @@ def moves(before: Mapping[str, str] | None, after: Mapping[str, str] | None) -> 
 def stable_number(aliases: Mapping[str, str] | None) -> int | None:
     """The version `stable` points at, as a number (the metric's value)."""
     v = (aliases or {}).get(STABLE)
-    return _number(v) if v and _VERSION.fullmatch(v) else None
+    return number(v) if v and _VERSION.fullmatch(v) else None
 
 
-def _number(version: str) -> int:
+def number(version: str) -> int:
     m = _VERSION.fullmatch(version)
     return int(m.group(1)) if m else 0
 

@@ -13,6 +13,12 @@ from pydantic import Field
 from loraplex_operator.api.condition import Condition, conditions_field, find
 from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 
+# A publish request's token: loraplex_engine/versions/spec.py TOKEN_PATTERN (a test ties
+# them; the operator image does not carry the engine).
+TOKEN_PATTERN = r"^[A-Za-z0-9]([-._A-Za-z0-9]{0,61}[A-Za-z0-9])?$"
+GATE_NOTE_MAX = 256  # the engine's gateNote, cut to this in the status
+SCORES_MAX = 8  # score names per version (the engine has three)
+
 # --- EnginePool ------------------------------------------------------------------------
 
 
@@ -106,14 +112,35 @@ class VersionStatus(ApiModel):
     step: Int64 | None = Field(None, description="The optimiser step it was published at.")
     scores: dict[str, float] | None = Field(
         None,
+        max_length=SCORES_MAX,
         description="Its scores: meanReward = the mean training reward over the steps since "
-        "the version before it.",
+        "the version before it; evalReward, evalPassAtK = spec.eval's, of the eval at "
+        "evalStep.",
+    )
+    eval_step: Int64 | None = Field(
+        None,
+        alias="evalStep",
+        ge=0,
+        description="The step of the adapter the eval in its scores scored (absent: no eval yet).",
     )
     gate_passed: bool | None = Field(
         None,
         alias="gatePassed",
         description="Whether it passed spec.publish.promoteWhen (absent: no gate). A version "
         "that failed never becomes stable.",
+    )
+    gate_note: str | None = Field(
+        None,
+        alias="gateNote",
+        max_length=GATE_NOTE_MAX,
+        description="Why it failed its gate (e.g. evalReward 0.41 < promoteWhen.atLeast 0.8).",
+    )
+    request_token: str | None = Field(
+        None,
+        alias="requestToken",
+        max_length=63,
+        pattern=TOKEN_PATTERN,
+        description="The spec.publish.requestToken it answered (absent: another trigger).",
     )
     created_at: DateTime | None = Field(None, alias="createdAt", description="When.")
 
@@ -214,6 +241,14 @@ class ExperimentStatus(ApiModel):
         description="Where each alias points (alias -> version): latest (the newest), stable "
         "(the gate's, or spec.publish.aliases'), and those spec.publish.aliases sets. "
         "Served as <namespace>.<name>:<alias>.",
+    )
+    publish_request_token: str | None = Field(
+        None,
+        alias="publishRequestToken",
+        max_length=63,
+        pattern=TOKEN_PATTERN,
+        description="The last spec.publish.requestToken a version answered: a GitOps edit of "
+        "the token landed once this equals it.",
     )
     message: str | None = Field(
         None,
