@@ -59,6 +59,16 @@ def _long(n: int, head: str = "") -> str:
     return head + "a" * (n + 1 - len(head))
 
 
+# A status.versions entry with every field at its bound (what the operator may write).
+_VERSION_FULL = {
+    "version": "v1",
+    "evalStep": 0,
+    "gateNote": _long(255),
+    "requestToken": "release-7",
+    "scores": {f"s{i}": 1.0 for i in range(8)},
+}
+
+
 def _many(n: int, item: Any = None) -> list[Any]:
     """n + 1 distinct items (a maxItems of `n` rejects them; set/map lists stay valid)."""
     return [item(i) if callable(item) else f"m{i}" for i in range(n + 1)]
@@ -344,6 +354,15 @@ EXPERIMENT_BOUNDS = [
     ("status.versions", [{"version": f"v{i + 1}"} for i in range(11)], False),
     ("status.versions", [{"step": 3}], False),
     ("status.versions", [{"version": "3"}], False),
+    ("status.versions", [_VERSION_FULL], True),
+    ("status.versions", [{"version": "v1", "evalStep": -1}], False),
+    ("status.versions", [{"version": "v1", "gateNote": _long(256)}], False),
+    ("status.versions", [{"version": "v1", "requestToken": "a b"}], False),
+    ("status.versions", [{"version": "v1", "requestToken": _long(63)}], False),
+    ("status.versions", [{"version": "v1", "scores": {f"s{i}": 1.0 for i in range(9)}}], False),
+    ("status.publishRequestToken", "release-7", True),
+    ("status.publishRequestToken", "-a", False),
+    ("status.publishRequestToken", _long(63), False),
     ("status.aliases", {"stable": "v2", "latest": "v3"}, True),
     ("status.aliases", {f"a{i}": "v1" for i in range(41)}, False),
     *_condition_cases(),
