@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from loraplex_operator.api.status import (
+    ALIASES_MAX,
     GATE_NOTE_MAX,
     SCORES_MAX,
     TOKEN_PATTERN,
@@ -32,6 +33,7 @@ COND_PUBLISHED = "Published"
 MOVE_KINDS = ("publish", "promotion", "rollback", "alias")
 _VERSION = re.compile(r"v([1-9][0-9]{0,8})")
 _TOKEN = re.compile(TOKEN_PATTERN)
+_ALIAS = re.compile(r"[a-z]([-a-z0-9]{0,30}[a-z0-9])?")  # versions/spec.py's alias names
 _SCORE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
 _INT64_MAX = 2**63 - 1
 _RFC3339 = re.compile(
@@ -65,7 +67,7 @@ def status_fields(engine: Mapping[str, Any]) -> dict[str, Any]:
         found = (_version(v) for v in engine["versions"] if isinstance(v, Mapping))
         out["versions"] = tuple(v for v in found if v is not None)[-10:]
     if isinstance(engine.get("aliases"), Mapping):
-        out["aliases"] = {str(a): str(v) for a, v in sorted(engine["aliases"].items())}
+        out["aliases"] = _aliases(engine["aliases"])
     if token := _token(engine.get("publishRequestToken")):
         out["publish_request_token"] = token  # none yet (or not a token): the old one stays
     return out
@@ -85,6 +87,22 @@ def _version(v: Mapping[str, Any]) -> VersionStatus | None:
         request_token=_token(v.get("requestToken")),
         created_at=_datetime(v.get("createdAt")),
     )
+
+
+def _aliases(x: Mapping[Any, Any]) -> dict[str, str]:
+    """Alias -> version where both read as such (the spec's alias pattern, v<N>), at most
+    the schema's count: ``latest`` and ``stable`` first, then by name."""
+    good = {
+        a: v
+        for a, v in x.items()
+        if isinstance(a, str)
+        and _ALIAS.fullmatch(a)
+        and isinstance(v, str)
+        and _VERSION.fullmatch(v)
+    }
+    first = [a for a in (LATEST, STABLE) if a in good]
+    names = first + sorted(a for a in good if a not in first)
+    return {a: good[a] for a in sorted(names[:ALIASES_MAX])}
 
 
 def _count(x: Any) -> int | None:

@@ -8,7 +8,12 @@ from builders import experiment
 from crdkit import apply_defaults, schema_of
 from loraplex_engine.spec import parse_spec
 from loraplex_engine.versions.spec import TOKEN_PATTERN as ENGINE_TOKEN_PATTERN
-from loraplex_operator.api.status import TOKEN_PATTERN, ExperimentStatus, VersionStatus
+from loraplex_operator.api.status import (
+    ALIASES_MAX,
+    TOKEN_PATTERN,
+    ExperimentStatus,
+    VersionStatus,
+)
 from loraplex_operator.versions import (
     Move,
     moves,
@@ -119,6 +124,20 @@ def test_a_hostile_engine_report_is_cut_to_the_schema() -> None:
     assert v.scores is not None and len(v.scores) == 8 and v.scores["meanReward"] == 0.5
     assert not {"evalReward", "a b", "ok"} & set(v.scores)
     assert "publish_request_token" not in fields
+    ExperimentStatus(**fields)  # valid against the model (and so the generated schema)
+
+
+def test_hostile_aliases_are_cut_to_the_schema() -> None:
+    """Aliases that do not read as an alias and a version are dropped; of too many, latest
+    and stable are kept first (the status schema's maxProperties, else the patch fails)."""
+    aliases = {f"canary-{i:02d}": "v1" for i in range(60)}
+    aliases |= {"stable": "v2", "latest": "v3", "Bad Name": "v1", "x" * 40: "v1"}
+    aliases |= {"rollback": "../v1", "shadow": 7}
+    fields = status_fields({"aliases": aliases})
+    kept = fields["aliases"]
+    assert len(kept) == ALIASES_MAX
+    assert kept["stable"] == "v2" and kept["latest"] == "v3"
+    assert not {"Bad Name", "x" * 40, "rollback", "shadow"} & set(kept)
     ExperimentStatus(**fields)  # valid against the model (and so the generated schema)
 
 

@@ -17,6 +17,7 @@ from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 # them; the operator image does not carry the engine).
 TOKEN_PATTERN = r"^[A-Za-z0-9]([-._A-Za-z0-9]{0,61}[A-Za-z0-9])?$"
 GATE_NOTE_MAX = 256  # the engine's gateNote, cut to this in the status
+ALIASES_MAX = 40  # status.aliases: the spec's 32 set by hand, latest, stable and room
 SCORES_MAX = 8  # score names per version (the engine has three)
 
 # --- EnginePool ------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class ExperimentStatus(ApiModel):
     )
     aliases: dict[str, str] | None = Field(
         None,
-        max_length=40,
+        max_length=ALIASES_MAX,
         description="Where each alias points (alias -> version): latest (the newest), stable "
         "(the gate's, or spec.publish.aliases'), and those spec.publish.aliases sets. "
         "Served as <namespace>.<name>:<alias>.",
