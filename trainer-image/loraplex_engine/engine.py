@@ -234,6 +234,7 @@ class Engine(ClientExperimentAPI, Versions):
             s.max_prompt_tokens,
             self.context_tokens,
             self.publisher,
+            wake=self._wake,  # a multi-turn step's environment answered after its tick
         )
         self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).

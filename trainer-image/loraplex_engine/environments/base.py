@@ -23,6 +23,15 @@ class Step:
     tool_calls: int = 0  # tools the environment ran for this turn (reported, not trained)
 
 
+class ParamError(ValueError):
+    """A bad ``task.environment.params`` entry: ``param`` names it (the engine's 422 says
+    ``spec.task.environment.params.<param>``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class Environment(ABC):
     """One episode. ``prompt`` and ``answer`` come from the experiment's task (its
     generated problem or dataset row), ``params`` from ``spec.task.environment.params``
@@ -30,6 +39,12 @@ class Environment(ABC):
 
     def __init__(self, prompt: str, answer: str, params: Mapping[str, str], max_turns: int) -> None:
         self.prompt, self.answer, self.params, self.max_turns = prompt, answer, params, max_turns
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, str]) -> None:
+        """Refuse bad ``params`` at PUT, before any episode: raise :class:`ParamError`
+        (or ``ValueError``) saying what is wrong. Default: every params accepted."""
+        return None
 
     def start(self) -> str:
         """The text the policy sees first (default: the task's prompt)."""

@@ -1,7 +1,8 @@
 """skyrl-gym's text environments (``BaseTextEnv``) behind our interface.
 
 skyrl-gym environments take ``env_config`` and ``extras``: the task's answer goes in
-as ``extras["reward_spec"]["ground_truth"]`` (what its GSM8K environments score against),
+as ``extras["reward_spec"]["ground_truth"]`` (what its GSM8K environments score against;
+``extras["reward_model"]`` too, for its AIME one),
 the engine's turn bound as ``extras["max_turns"]``, the spec's params as ``env_config``
 and in ``extras`` too. Observations are chat messages: their contents are joined into
 the text appended to the context. Tools run inside the environment's ``step`` (its tool
@@ -28,6 +29,7 @@ def _extras(answer: str, params: Mapping[str, str], max_turns: int) -> dict[str,
     return {
         **params,
         "reward_spec": {"method": "rule", "ground_truth": answer},
+        "reward_model": {"ground_truth": answer},  # what its aime environment reads
         "extra_info": {"max_turns": max_turns},
         "max_turns": max_turns,
     }

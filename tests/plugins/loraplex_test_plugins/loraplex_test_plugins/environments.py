@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
-from loraplex_engine.environments.base import Environment, Step
+from loraplex_engine.environments.base import Environment, ParamError, Step
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.tools.core import ToolGroup, tool
 
@@ -25,6 +26,9 @@ class WordToolEnv(BaseTextEnv):
 
     def __init__(self, env_config=None, extras=None) -> None:
         super().__init__()
+        word = (env_config or {}).get("word", "")
+        if not word.isalpha() and word:  # skyrl-gym environments check in __init__
+            raise ValueError(f"env_config word must be letters, not {word!r}")
         extras = extras or {}
         self.answer = extras["reward_spec"]["ground_truth"]
         self.max_turns = int(extras.get("max_turns", 2))
@@ -56,3 +60,23 @@ class HangsOnStep(Environment):
     def step(self, action: str) -> Step:
         while True:
             time.monotonic()
+
+
+class Gated(Environment):
+    """Answers a turn only once the file ``params["gate"]`` exists (polled), having
+    touched ``<gate>.waiting``: an environment as slow as the test wants, within the
+    engine's bound. One turn an episode, reward 1."""
+
+    @classmethod
+    def check_params(cls, params) -> None:
+        if "gate" not in params:
+            raise ParamError("gate", "is required: the file whose existence opens the gate")
+        if not Path(params["gate"]).is_absolute():
+            raise ParamError("gate", f"must be an absolute path, not {params['gate']!r}")
+
+    def step(self, action: str) -> Step:
+        gate = Path(self.params["gate"])
+        gate.with_suffix(".waiting").touch()  # a turn is here (the test waits for it)
+        while not gate.exists():
+            time.sleep(0.02)
+        return Step(reward=1.0, done=True)
