@@ -22,7 +22,7 @@ import torch
 from lora_helpers import CONFIGS, multi_model
 from loraplex_engine.environments.episodes import EpisodeGroup, new_group
 from loraplex_engine.environments.observations import text_observer
-from loraplex_engine.environments.player import EpisodePlayer, play
+from loraplex_engine.environments.player import play
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
@@ -173,48 +173,6 @@ def test_an_environment_that_hangs_fails_its_group_and_its_worker_is_killed(sess
     assert "environment hangs-env did not answer within 1s" in group.error[0]
     assert time.monotonic() - started < 10
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
-def test_a_slow_environment_leaves_its_turns_to_later_ticks_and_the_others_play_on(
-    session_of, tmp_path: Path
-) -> None:
-    """Two experiments' groups in one player, ticked: the gated environment has not
-    answered its first turn (its gate is shut), so its group waits in play while the
-    other's two-turn episodes play to their end (its second turn sampled in a later
-    round or tick); once the gate opens, the waiting group ends too, having taken exactly
-    its one turn. Ordered by the gate, not by a clock: the deadline only sets how long
-    each "tick" waits."""
-    gate = tmp_path / "gate"
-    slow = session_of("gated", max_turns=1, params={"gate": str(gate)})
-    fast = session_of("word-tool", max_turns=2)
-    slow_group = _group(slow, [("p", "a")], budget=64, slot=1)
-    fast_group = _group(fast, [("say yes:", "yes")], budget=64, slot=2)
-    player: EpisodePlayer[str] = EpisodePlayer(deadline_s=0.05)
-    policy = _Policy("yes")
-    ended = player.play([("slow", slow_group), ("fast", fast_group)], policy, _text)
-
-    def tick() -> None:  # as the engine loop does: the next tick once an answer is back
-        wait_until(player.has_arrived, timeout=60)
-        ended.extend(player.play([], policy, _text))
-
-    while not ended:  # the fast one's worker starts, its two turns are played
-        tick()
-    assert [owner for owner, _ in ended] == ["fast"], ended
-    assert fast_group.episodes[0].turns == 2 and fast_group.error is None
-    assert player.waits(slow) and not player.waits(fast)
-    waiting = gate.with_suffix(".waiting")  # the slow one's turn is with its environment
-    while not waiting.exists():
-        wait_until(lambda: waiting.exists() or player.has_arrived(), timeout=60)
-        if not waiting.exists():
-            tick()
-    assert [owner for owner, _ in ended] == ["fast"] and player.waits(slow)
-    slow_turns = [r for call in policy.calls for r in call if r.slot == 1]
-    assert len(slow_turns) == 1  # no second turn while its environment is out
-    gate.touch()
-    tick()
-    assert [owner for owner, _ in ended] == ["fast", "slow"]
-    (e,) = slow_group.episodes
-    assert e.done and e.turns == 1 and e.reward == 1.0 and not player.waits(slow)
 
 
 def test_the_sample_plugin_package_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -426,53 +384,4 @@ def test_an_environment_that_hangs_fails_only_its_experiment(server: EngineServe
         _wait_steps(api, bystander, step + 3)
         assert status(api, bystander)["phase"] == "Running"
         for e in (exp, bystander):
-            assert api.delete(f"/v1/experiments/{e}").status_code == 200
-
-
-@pytest.fixture(scope="module")
-def patient_server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plugins_site: Path
-) -> Iterator[EngineServer]:
-    """An engine whose plug-in bound (300 s) no test here reaches: a slow environment is
-    slow, not hung."""
-    work = tmp_path_factory.mktemp("patient")
-    srv = EngineServer(
-        tiny_model_dir,
-        work / "ckpt",
-        max_adapters=4,
-        workdir=work,
-        extra_args=[*LIMITS, "--plugin-timeout", "300"],
-        env=with_path(plugins_site),
-    )
-    with srv:
-        yield srv
-
-
-@pytest.mark.slow
-def test_a_slow_environment_does_not_hold_the_other_tenants_steps(
-    patient_server: EngineServer, tmp_path: Path
-) -> None:
-    """team-a's environment answers its turn only when the test opens its gate. While
-    its turn is out (its `.waiting` marker is written), team-b's experiment takes step
-    after step; team-a's stays at step 0, Running. Then the gate opens and team-a's step
-    completes (reward 1). Before, the environment's turn was played inside the tick: the
-    tick, and team-b's steps with it, waited for the gate."""
-    gate = tmp_path / "gate"
-    env = {"name": "gated", "params": {"gate": str(gate)}, "maxTurns": 1, "maxEpisodeTokens": 8}
-    slow, fast = "team-a.slow-env", "team-b.steps-on"
-    with patient_server.client() as api:
-        body = _spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
-        assert put(api, fast, body).status_code == 201
-        body = _spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
-        assert put(api, slow, body).status_code == 201
-        wait_until(gate.with_suffix(".waiting").exists, timeout=120)
-        start = status(api, fast)["step"]
-        _wait_steps(api, fast, start + 3, timeout=120)
-        s = status(api, slow)
-        assert s["step"] == 0 and s["phase"] == "Running", s
-        gate.touch()
-        s = wait_until(lambda: (s := status(api, slow))["phase"] == "Succeeded" and s, timeout=120)
-        assert s["step"] == 1 and s["reward"] == 1.0, s
-        assert status(api, fast)["phase"] == "Running"
-        for e in (slow, fast):
             assert api.delete(f"/v1/experiments/{e}").status_code == 200

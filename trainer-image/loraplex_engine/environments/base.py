@@ -21,6 +21,16 @@ class Step:
     reward: float = 0.0  # this turn's reward; the episode's is the sum over its turns
     done: bool = False  # the episode ended (else the policy takes another turn)
     tool_calls: int = 0  # tools the environment ran for this turn (reported, not trained)
+    # With task.environment.observationFormat chat: the observation's message role (user
+    # or tool), or several (role, content) messages (skyrl-gym's) instead of one.
+    role: str = "user"
+    messages: tuple[tuple[str, str], ...] = ()
+
+    def chat(self) -> tuple[tuple[str, str], ...]:
+        """The observation as chat messages (none for an empty observation)."""
+        if self.messages:
+            return self.messages
+        return ((self.role, self.observation),) if self.observation else ()
 
 
 class ParamError(ValueError):

@@ -154,13 +154,15 @@ def _apply(g: EpisodeGroup, call: Future[Any]) -> None:
     except Exception as e:  # the environment's failure is its experiment's
         g.fail(f"environment failed: {_one_line(e)}", "reward_error")
         return
-    if g.opened:
-        g.answer(result)
-        return
     try:
-        g.start(*result)
+        if g.opened:
+            g.answer(result)
+        else:
+            g.start(*result)
     except LoraplexError as e:  # a first text over the prompt limit: the task's
         g.fail(f"task failed: {_one_line(e)}", "task_error")
+    except ValueError as e:  # an observation the chat template refused (observations.py)
+        g.fail(f"environment failed: {_one_line(e)}", "reward_error")
 
 
 def play(

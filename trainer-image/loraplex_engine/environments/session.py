@@ -14,6 +14,8 @@ from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import check_score
 
+OBSERVATION_ROLES = ("user", "tool")
+
 
 class EnvironmentSession:
     def __init__(self, spec: EnvironmentSpec, host: PluginHost) -> None:
@@ -81,11 +83,29 @@ class EnvironmentSession:
         return [self._step(s, i) for i, s in enumerate(steps)]
 
     def _step(self, raw: object, index: int) -> Step:
-        if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], str):
+        if not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[0], str):
             raise PluginError(f"{self.what}: answer {index} is malformed")
-        observation, reward, done, calls = raw
+        observation, reward, done, calls, chat = raw
         reward = check_score(reward, index, self.what)  # a number, finite
-        return Step(observation, reward, bool(done), calls if isinstance(calls, int) else 0)
+        calls = calls if isinstance(calls, int) else 0
+        return Step(observation, reward, bool(done), calls, messages=self._chat(chat, index))
+
+    def _chat(self, chat: object, index: int) -> tuple[tuple[str, str], ...]:
+        """The observation's chat messages: (role, text) pairs, a role the policy's
+        context may take from an environment (never the assistant's: those are sampled)."""
+        ok = isinstance(chat, list) and all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in chat
+        )
+        if not ok:
+            raise PluginError(f"{self.what}: answer {index}'s messages are malformed")
+        assert isinstance(chat, list)
+        bad = next((m[0] for m in chat if m[0] not in OBSERVATION_ROLES), None)
+        if bad is not None:
+            raise PluginError(
+                f"{self.what}: answer {index} has a {bad!r} message; observations may be "
+                f"{' or '.join(OBSERVATION_ROLES)} messages"
+            )
+        return tuple((m[0], m[1]) for m in chat)
 
     def close_episodes(self, ids: Sequence[int]) -> None:
         """Episodes that ended: closed by the worker at the next open (or with it)."""

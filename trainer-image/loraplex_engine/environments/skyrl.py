@@ -52,6 +52,14 @@ def render(observations: Any) -> str:
     return "".join(f"\n{p}\n" for p in parts)
 
 
+def messages(observations: Any) -> tuple[tuple[str, str], ...]:
+    """The observation messages as (role, content), for chat-formatted observations."""
+    if isinstance(observations, str):
+        return (("user", observations),) if observations else ()
+    render(observations)  # the same checks
+    return tuple((str(m.get("role", "user")), m["content"]) for m in observations)
+
+
 class SkyRLEnvironment(Environment):
     """A ``BaseTextEnv`` (a class, or an id registered with skyrl_gym) as an episode."""
 
@@ -84,8 +92,10 @@ class SkyRLEnvironment(Environment):
             raise TypeError(f"step returned a {type(out).__name__}, not a dict")
         metadata = out.get("metadata") or {}
         calls = metadata.get("tool_calls", 0) if isinstance(metadata, dict) else 0
+        observations = out.get("observations") or []
         return Step(
-            observation=render(out.get("observations") or []),
+            observation=render(observations),
+            messages=messages(observations),
             reward=out.get("reward", 0.0),  # checked by the engine (a number, finite)
             done=bool(out.get("done")),
             tool_calls=calls if isinstance(calls, int) else 0,

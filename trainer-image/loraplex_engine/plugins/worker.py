@@ -140,7 +140,8 @@ def _env_step(req: dict[str, Any], state: dict[Any, Environment]) -> dict[str, A
             raise TypeError(f"step() returned a {type(step).__name__}, not a Step")
         if not isinstance(step.observation, str):
             raise TypeError("step().observation is not a str")
-        out.append([step.observation, _number(step.reward), bool(step.done), step.tool_calls])
+        chat = [list(m) for m in step.chat()]
+        out.append([step.observation, _number(step.reward), bool(step.done), step.tool_calls, chat])
     return {"steps": out}
 
 
