@@ -238,3 +238,25 @@ def test_an_environment_trains_with_chat_observations(patient_server: EngineServ
         # Each row: two sampled turns and "\nuser: yes count N\nassistant:" between them.
         assert s["rolloutTokens"] / (s["step"] * 8) > 8, s
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
+
+
+@pytest.mark.slow
+def test_an_experiment_removed_while_its_environment_holds_a_turn_goes_cleanly(
+    patient_server: EngineServer, tmp_path: Path
+) -> None:
+    """DELETE while its environment holds a turn: answered at once (no tick is waiting on
+    the environment), its worker is stopped and its step in play dropped; the same id
+    PUT again starts afresh and completes its step."""
+    gate = tmp_path / "gate"
+    env = {"name": "gated", "params": {"gate": str(gate)}, "maxTurns": 1, "maxEpisodeTokens": 8}
+    exp = "team-a.removed"
+    body = _spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
+    with patient_server.client() as api:
+        assert put(api, exp, body).status_code == 201
+        wait_until(gate.with_suffix(".waiting").exists, timeout=120)
+        assert api.delete(f"/v1/experiments/{exp}").status_code == 200
+        gate.touch()
+        assert put(api, exp, body).status_code == 201
+        s = wait_until(lambda: (s := status(api, exp))["phase"] == "Succeeded" and s, timeout=120)
+        assert s["step"] == 1 and s["reward"] == 1.0, s
+        assert api.delete(f"/v1/experiments/{exp}").status_code == 200
