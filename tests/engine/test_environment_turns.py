@@ -143,6 +143,15 @@ def test_chat_observations_are_template_messages_after_the_exact_sampled_ids(
     assert calls[1][0].prompt_ids == prompt_ids + turn + obs
 
 
+def test_an_observation_in_the_assistants_role_fails_its_group(session_of) -> None:
+    """The assistant's turns are the policy's, sampled: an environment's message in that
+    role fails its experiment, naming the role."""
+    group = _group(session_of("impersonates", max_turns=3), [("p", "a")], budget=64)
+    play([group], _Policy("x"), _text)
+    assert group.error is not None and group.error[1] == "reward_error"
+    assert "has a 'assistant' message; observations may be user or tool messages" in group.error[0]
+
+
 def test_chat_observations_need_a_usable_chat_template(tiny_model_dir: Path) -> None:
     """Checked at PUT (engine._build): no template, or one that re-renders the earlier
     turns when a message is added, is an invalid spec naming observationFormat; the
