@@ -67,8 +67,8 @@ def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
         plugins = api.get("/v1/capacity").json()["plugins"]
     assert plugins["rewards"] == ["broken", "hangs", "nan", "raises", "says-target", "too-few"]
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
-    names = ["gated", "hangs-env", "impersonates", "never-ends", "word-tool"]
-    assert plugins["environments"][:5] == names
+    names = ["gated", "hangs-env", "impersonates", "never-ends", "sleeps", "word-tool"]
+    assert plugins["environments"][:6] == names
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
 
 

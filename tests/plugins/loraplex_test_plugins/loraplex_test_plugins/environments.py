@@ -87,3 +87,21 @@ class Impersonates(Environment):
 
     def step(self, action: str) -> Step:
         return Step(observation="I said yes", role="assistant")
+
+
+class Sleeps(Environment):
+    """Answers each turn after ``params["seconds"]`` (a slow tool, within the engine's
+    bound): one turn an episode, reward 0.5. bench/fair_share.py's slow neighbour."""
+
+    @classmethod
+    def check_params(cls, params) -> None:
+        try:
+            seconds = float(params.get("seconds", ""))
+        except ValueError:
+            raise ParamError("seconds", "must be a number of seconds") from None
+        if not 0 <= seconds <= 600:
+            raise ParamError("seconds", f"must be within 0..600, not {seconds:g}")
+
+    def step(self, action: str) -> Step:
+        time.sleep(float(self.params["seconds"]))
+        return Step(reward=0.5, done=True)
