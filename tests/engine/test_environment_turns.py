@@ -18,7 +18,7 @@ from loraplex_engine.environments.player import EpisodePlayer, play
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from plugin_install import with_path
 from server_process import EngineServer, wait_until
-from test_environments import _group, _Policy, _spec, _text, _wait_steps
+from test_environments import _group, _ids, _Policy, _spec, _text, _wait_steps
 from test_tenant_isolation import LIMITS, put, status
 
 session_of = test_environments.session_of  # the fixture: plug-in workers, closed after
@@ -269,3 +269,29 @@ def test_an_experiment_removed_while_its_environment_holds_a_turn_goes_cleanly(
         s = wait_until(lambda: (s := status(api, exp))["phase"] == "Succeeded" and s, timeout=120)
         assert s["step"] == 1 and s["reward"] == 1.0, s
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
+
+
+def test_a_template_that_refuses_an_observation_fails_only_that_group(
+    session_of, tiny_model_dir: Path
+) -> None:
+    """A chat template that raises for a role (as some refuse non-alternating or tool
+    turns) fails the group whose observation it could not render, with the template's
+    message: the tick goes on."""
+    tok, _ = _tokenizer("tiny", tiny_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['content'] == 'yes count 1' %}"
+        "{{ raise_exception('this template refuses it') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    session = session_of("word-tool", max_turns=2)
+
+    def request(ids: list[int], room: int) -> RolloutRequest:
+        return RolloutRequest(1, prompt_ids=ids, max_new_tokens=min(8, room), temperature=1)
+
+    group = new_group(
+        session, [("say yes:", "yes")], _ids, request, lambda ids: 64, ChatObserver(tok)
+    )
+    play([group], _Policy("yes no"), _text)
+    assert group.error is not None and group.error[1] == "reward_error", group.error
+    assert "this template refuses it" in group.error[0]

@@ -161,8 +161,8 @@ def _apply(g: EpisodeGroup, call: Future[Any]) -> None:
             g.start(*result)
     except LoraplexError as e:  # a first text over the prompt limit: the task's
         g.fail(f"task failed: {_one_line(e)}", "task_error")
-    except ValueError as e:  # an observation the chat template refused (observations.py)
-        g.fail(f"environment failed: {_one_line(e)}", "reward_error")
+    except Exception as e:  # an observation the chat template refused (a role it rejects)
+        g.fail(f"environment failed: {type(e).__name__}: {_one_line(e)}", "reward_error")
 
 
 def play(
