@@ -36,8 +36,8 @@ def test_a_slow_environment_leaves_its_turns_to_later_ticks_and_the_others_play_
     gate = tmp_path / "gate"
     slow = session_of("gated", max_turns=1, params={"gate": str(gate)})
     fast = session_of("word-tool", max_turns=2)
-    slow_group = _group(slow, [("p", "a")], budget=64, slot=1)
-    fast_group = _group(fast, [("say yes:", "yes")], budget=64, slot=2)
+    slow_group = _group(slow, [("p", "a")], budget=64, slot=1, opened=False)
+    fast_group = _group(fast, [("say yes:", "yes")], budget=64, slot=2, opened=False)
     player: EpisodePlayer[str] = EpisodePlayer(deadline_s=0.05)
     policy = _Policy("yes")
     ended = player.play([("slow", slow_group), ("fast", fast_group)], policy, _text)
@@ -143,10 +143,18 @@ def test_chat_observations_are_template_messages_after_the_exact_sampled_ids(
     assert calls[1][0].prompt_ids == prompt_ids + turn + obs
 
 
-def test_an_observation_in_the_assistants_role_fails_its_group(session_of) -> None:
-    """The assistant's turns are the policy's, sampled: an environment's message in that
-    role fails its experiment, naming the role."""
-    group = _group(session_of("impersonates", max_turns=3), [("p", "a")], budget=64)
+def test_an_observation_in_the_assistants_role_fails_its_group(
+    session_of, tiny_model_dir: Path
+) -> None:
+    """observationFormat chat: the assistant's turns are the policy's, sampled; an
+    environment's message in that role fails its experiment, naming the role."""
+    tok, _ = _tokenizer("tiny", tiny_model_dir)
+    session = session_of("impersonates", max_turns=3)
+
+    def request(ids: list[int], room: int) -> RolloutRequest:
+        return RolloutRequest(1, prompt_ids=ids, max_new_tokens=min(8, room), temperature=1)
+
+    group = new_group(session, [("p", "a")], _ids, request, lambda ids: 64, ChatObserver(tok))
     play([group], _Policy("x"), _text)
     assert group.error is not None and group.error[1] == "reward_error"
     assert "has a 'assistant' message; observations may be user or tool messages" in group.error[0]

@@ -88,11 +88,15 @@ def _group(
     budget: int,
     new: int = 8,
     slot: int = 1,
+    opened: bool = True,
 ):
     def request(ids: list[int], room: int) -> RolloutRequest:
         return RolloutRequest(slot, prompt_ids=ids, max_new_tokens=min(new, room), temperature=1)
 
-    return new_group(session, prompts, _ids, request, lambda ids: budget, text_observer(_ids))
+    group = new_group(session, prompts, _ids, request, lambda ids: budget, text_observer(_ids))
+    if opened:  # started here, at once (its environment's errors raise): as the worker
+        group.start(*session.open(prompts))  # answers the tick's first call of a step
+    return group
 
 
 def _play(group: EpisodeGroup, policy: _Policy) -> None:

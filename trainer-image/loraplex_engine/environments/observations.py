@@ -30,6 +30,8 @@ CHARS_PER_TOKEN = 16
 _TURN = "loraplex-assistant-turn"
 _BASE = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _TURN}]
 FIELD = "spec.task.environment.observationFormat"
+# The roles an observation's message may take (never the assistant's: those are sampled).
+OBSERVATION_ROLES = ("user", "tool")
 
 
 def text_observer(encode: Callable[[str], list[int]]) -> Observe:
@@ -75,6 +77,11 @@ class ChatObserver:
         left = (room + 1) * CHARS_PER_TOKEN  # bounds the encoder's work, as text's
         messages = []
         for role, content in step.chat():
+            if role not in OBSERVATION_ROLES:
+                raise ValueError(
+                    f"an observation has a {role!r} message; observations may be "
+                    f"{' or '.join(OBSERVATION_ROLES)} messages"
+                )
             messages.append((role, content[:left]))
             left = max(0, left - len(content))
         if not messages:

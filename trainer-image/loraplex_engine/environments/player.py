@@ -71,7 +71,8 @@ class EpisodePlayer(Generic[_T]):
         for owner, g in started:
             p = _Playing(owner, g)
             self._playing[id(g.session)] = p
-            sent.append(self._send(p, lambda g=g: g.session.open(g.prompts)))
+            if not g.opened:  # (a caller may have started it: tests)
+                sent.append(self._send(p, lambda g=g: g.session.open(g.prompts)))
         ended: list[tuple[_T, EpisodeGroup]] = []
         while True:
             _wait([f for f in sent if not f.done()], deadline)

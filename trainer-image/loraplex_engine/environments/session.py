@@ -14,8 +14,6 @@ from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import check_score
 
-OBSERVATION_ROLES = ("user", "tool")
-
 
 class EnvironmentSession:
     def __init__(self, spec: EnvironmentSpec, host: PluginHost) -> None:
@@ -91,20 +89,14 @@ class EnvironmentSession:
         return Step(observation, reward, bool(done), calls, messages=self._chat(chat, index))
 
     def _chat(self, chat: object, index: int) -> tuple[tuple[str, str], ...]:
-        """The observation's chat messages: (role, text) pairs, a role the policy's
-        context may take from an environment (never the assistant's: those are sampled)."""
+        """The observation's chat messages, (role, text) pairs (their roles are checked
+        where they are rendered: observations.py)."""
         ok = isinstance(chat, list) and all(
             isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in chat
         )
         if not ok:
             raise PluginError(f"{self.what}: answer {index}'s messages are malformed")
         assert isinstance(chat, list)
-        bad = next((m[0] for m in chat if m[0] not in OBSERVATION_ROLES), None)
-        if bad is not None:
-            raise PluginError(
-                f"{self.what}: answer {index} has a {bad!r} message; observations may be "
-                f"{' or '.join(OBSERVATION_ROLES)} messages"
-            )
         return tuple((m[0], m[1]) for m in chat)
 
     def close_episodes(self, ids: Sequence[int]) -> None:
