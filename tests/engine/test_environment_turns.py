@@ -191,38 +191,48 @@ def test_chat_observations_need_a_usable_chat_template(tiny_model_dir: Path) -> 
         check_chat_templates(chat, TokenCodec(tok), "tiny")
 
 
+def _patient(model: Path, work: Path, site: Path, *args: str) -> EngineServer:
+    """An engine whose plug-in bound (300 s) no test here reaches: a slow environment is
+    slow, not hung."""
+    extra = [*LIMITS, "--plugin-timeout", "300", *args]
+    return EngineServer(
+        model, work / "ckpt", max_adapters=4, workdir=work, extra_args=extra, env=with_path(site)
+    )
+
+
 @pytest.fixture(scope="module")
 def patient_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plugins_site: Path
 ) -> Iterator[EngineServer]:
-    """An engine whose plug-in bound (300 s) no test here reaches: a slow environment is
-    slow, not hung."""
-    work = tmp_path_factory.mktemp("patient")
-    srv = EngineServer(
-        tiny_model_dir,
-        work / "ckpt",
-        max_adapters=4,
-        workdir=work,
-        extra_args=[*LIMITS, "--plugin-timeout", "300"],
-        env=with_path(plugins_site),
-    )
-    with srv:
+    with _patient(tiny_model_dir, tmp_path_factory.mktemp("patient"), plugins_site) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def patient_pipelined(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plugins_site: Path
+) -> Iterator[EngineServer]:
+    work = tmp_path_factory.mktemp("patient-pipelined")
+    with _patient(tiny_model_dir, work, plugins_site, "--schedule", "pipelined") as srv:
         yield srv
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["patient_server", "patient_pipelined"])
 def test_a_slow_environment_does_not_hold_the_other_tenants_steps(
-    patient_server: EngineServer, tmp_path: Path
+    engine: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """team-a's environment answers its turn only when the test opens its gate. While
     its turn is out (its `.waiting` marker is written), team-b's experiment takes step
     after step; team-a's stays at step 0, Running. Then the gate opens and team-a's step
     completes (reward 1). Before, the environment's turn was played inside the tick: the
-    tick, and team-b's steps with it, waited for the gate."""
+    tick, and team-b's steps with it, waited for the gate. Under both schedules (the
+    pipelined one's lanes wait for a step in play too)."""
+    server: EngineServer = request.getfixturevalue(engine)
     gate = tmp_path / "gate"
     env = {"name": "gated", "params": {"gate": str(gate)}, "maxTurns": 1, "maxEpisodeTokens": 8}
     slow, fast = "team-a.slow-env", "team-b.steps-on"
-    with patient_server.client() as api:
+    with server.client() as api:
         body = _spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
         assert put(api, fast, body).status_code == 201
         body = _spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
