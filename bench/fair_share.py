@@ -1,7 +1,7 @@
 """Fair share: a co-tenant's steps/s alone vs beside a slow, a maximal and a long-prompt
 neighbour (issue 15). A benchmark, not a test: it prints and writes numbers.
 
-    .venv/bin/python bench/fair_share.py [--seconds 45] [--threads 1]
+    .venv/bin/python bench/fair_share.py [--seconds 45] [--threads 1] [--scenarios a,b]
                                          [--out bench/results/fair-share.json]
 
 One real ``loraplex-engine serve`` process with the tiny model (tests' fixture), engine
@@ -16,6 +16,12 @@ one neighbour, lets it start, then counts the co-tenant's steps over ``--seconds
 - ``maximal_spec``: the largest spec the engine admits at 128 new tokens (16 x 4 rows:
   64 x (384 + 128) = 32768 tokens);
 - ``long_prompt``: JSONL prompts of about 380 tokens (just under the prompt limit).
+- ``slow_environment``: a multi-turn environment (the test plug-ins' ``sleeps``, installed
+  as a platform installs its own) that answers each episode's turn after 0.5 s: 16 s for
+  the call that carries its step's 32 episodes (under the 30 s plug-in bound). Its turns
+  are off the tick's thread, its step completes in a later tick.
+
+``--scenarios slow_environment`` runs that one only (between the two ``alone`` runs).
 
 The target is a co-tenant at >= 70% of its steps/s alone in every scenario.
 """
@@ -39,11 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
 sys.path.insert(0, str(REPO / "tests"))  # child_processes, which server_process imports
 
+from plugin_install import install, with_path  # noqa: E402
 from server_process import EngineServer, wait_until  # noqa: E402
 
 COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"
 SLOW_REWARD_S = 20.0
+SLOW_ENVIRONMENT_S = 0.5  # per episode's turn: 16 s for the 32 of a step, one call
 MAX_PROMPT_TOKENS = 384
 MAX_STEP_TOKENS = 32768
 TARGETS = ["q_proj", "v_proj", "lm_head"]
@@ -115,12 +123,15 @@ def neighbours(reward_url: str, data: Path) -> dict[str, dict[str, Any]]:
         "reward": "http",
         "rewardUrl": reward_url,
     }
+    sleeps = {"name": "sleeps", "params": {"seconds": f"{SLOW_ENVIRONMENT_S:g}"}, "maxTurns": 1}
+    env = {"name": "target-token", "params": {"target": "no"}, "environment": sleeps}
     return {
         "slow_reward": spec(http, group=8, prompts=4, new_tokens=16, seed=1),
         "maximal_spec": spec(group=16, prompts=4, new_tokens=128, seed=2),
         "long_prompt": spec(
             {"name": "jsonl", "dataset": str(data)}, group=8, prompts=4, new_tokens=16, seed=3
         ),
+        "slow_environment": spec(env, group=8, prompts=4, new_tokens=16, seed=4),
     }
 
 
@@ -143,6 +154,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=45.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fair-share.json")
+    p.add_argument("--scenarios", default="", help="comma-separated; default: every one")
     args = p.parse_args()
     model = REPO / ".cache" / "models" / "tiny-llama"
     if not (model / "config.json").exists():
@@ -156,15 +168,25 @@ def main() -> None:
     long_prompt_dataset(data, model)
     limits = ["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
     limits += ["--max-step-tokens", str(MAX_STEP_TOKENS)]
+    plugins = with_path(install(work / "plugins"))  # the slow environment's package
     srv = EngineServer(
-        model, work / "ckpt", max_adapters=4, threads=args.threads, workdir=work, extra_args=limits
+        model,
+        work / "ckpt",
+        max_adapters=4,
+        threads=args.threads,
+        workdir=work,
+        extra_args=limits,
+        env=plugins,
     )
+    chosen = set(filter(None, args.scenarios.split(",")))
     results: dict[str, Any] = {}
     with srv, srv.client() as api:
         put(api, COTENANT, spec(group=8, prompts=4, new_tokens=16, seed=0))
         wait_until(lambda: step(api, COTENANT) >= 3)
         results["alone"] = measure(api, args.seconds)
         for name, body in neighbours(f"http://127.0.0.1:{reward.server_port}/score", data).items():
+            if chosen and name not in chosen:
+                continue
             put(api, NEIGHBOUR, body)
             time.sleep(2.0)  # it starts: the slow reward is pending, the big step has run
             results[name] = measure(api, args.seconds)
@@ -178,7 +200,7 @@ def main() -> None:
     alone = (
         results["alone"]["cotenant_steps_per_s"] + results["alone_again"]["cotenant_steps_per_s"]
     ) / 2
-    for name in ("slow_reward", "maximal_spec", "long_prompt"):
+    for name in set(results) - {"alone", "alone_again"}:
         results[name]["vs_alone"] = round(results[name]["cotenant_steps_per_s"] / alone, 3)
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},

@@ -20,7 +20,9 @@ import psutil
 import pytest
 import torch
 from lora_helpers import CONFIGS, multi_model
-from loraplex_engine.environments.episodes import EpisodeGroup, open_group, play
+from loraplex_engine.environments.episodes import EpisodeGroup, new_group
+from loraplex_engine.environments.observations import text_observer
+from loraplex_engine.environments.player import play
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
@@ -67,8 +69,10 @@ def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     monkeypatch.setenv("PYTHONPATH", with_path(plugins_site)["PYTHONPATH"])
     opened: list[EnvironmentSession] = []
 
-    def make(name: str, max_turns: int, max_tokens: int = 512, timeout: float = 30.0):
-        spec = EnvironmentSpec(name=name, maxTurns=max_turns, maxEpisodeTokens=max_tokens)
+    def make(name: str, max_turns: int, max_tokens: int = 512, timeout: float = 30.0, params=None):
+        spec = EnvironmentSpec(
+            name=name, maxTurns=max_turns, maxEpisodeTokens=max_tokens, params=params or {}
+        )
         host = PluginHost("test", f"environment:{name}", timeout)
         opened.append(EnvironmentSession(spec, host))
         return opened[-1]
@@ -78,16 +82,25 @@ def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
         s.close()
 
 
-def _group(session: EnvironmentSession, prompts: list[tuple[str, str]], budget: int, new: int = 8):
+def _group(
+    session: EnvironmentSession,
+    prompts: list[tuple[str, str]],
+    budget: int,
+    new: int = 8,
+    slot: int = 1,
+    opened: bool = True,
+):
     def request(ids: list[int], room: int) -> RolloutRequest:
-        return RolloutRequest(slot=1, prompt_ids=ids, max_new_tokens=min(new, room), temperature=1)
+        return RolloutRequest(slot, prompt_ids=ids, max_new_tokens=min(new, room), temperature=1)
 
-    return open_group(session, prompts, _ids, request, lambda ids: budget)
+    group = new_group(session, prompts, _ids, request, lambda ids: budget, text_observer(_ids))
+    if opened:  # started here, at once (its environment's errors raise): as the worker
+        group.start(*session.open(prompts))  # answers the tick's first call of a step
+    return group
 
 
 def _play(group: EpisodeGroup, policy: _Policy) -> None:
-    firsts = policy([e.request for e in group.episodes])
-    play([group], [firsts], policy, _text, _ids)
+    play([group], policy, _text)
 
 
 def test_a_tool_episode_interleaves_sampled_turns_and_masked_observations(session_of) -> None:

@@ -1,7 +1,8 @@
 """Issue 30 item 1 on a real ``loraplex-engine serve``: reward functions and environments
 installed as a package through entry points (tests/plugins/loraplex_test_plugins,
 installed for real: plugin_install.py) are listed by /v1/capacity, usable by name, and an
-unknown name is refused at PUT listing them; a TRL-style reward trains; a reward plug-in
+unknown name is refused at PUT listing them, and so are an environment's bad params;
+a TRL-style reward trains; a reward plug-in
 that raises, hangs, returns NaN or the wrong count, or fails to import, fails its own
 experiment alone (its worker process gone), while a bystander keeps training.
 
@@ -66,7 +67,8 @@ def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
         plugins = api.get("/v1/capacity").json()["plugins"]
     assert plugins["rewards"] == ["broken", "hangs", "nan", "raises", "says-target", "too-few"]
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
-    assert plugins["environments"][:3] == ["hangs-env", "never-ends", "word-tool"]
+    names = ["gated", "hangs-env", "impersonates", "never-ends", "sleeps", "word-tool"]
+    assert plugins["environments"][:6] == names
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
 
 
@@ -97,6 +99,47 @@ def test_an_unknown_plugin_is_refused_at_put_listing_the_installed(
         assert error["field"] == field and listed in error["message"], error
         assert api.get("/v1/experiments/team-a.unknown").status_code == 404
     assert len(workers(server)) == before  # nothing was started for it
+
+
+@pytest.mark.parametrize(
+    ("environment", "field", "message"),
+    [
+        (  # the environment's own check_params (ParamError): a param it lacks
+            {"name": "gated"},
+            "spec.task.environment.params",
+            "environment gated refused its params: gate: is required",
+        ),
+        (  # ... and one it refuses, named in the field
+            {"name": "gated", "params": {"gate": "relative/file"}},
+            "spec.task.environment.params.gate",
+            "must be an absolute path, not 'relative/file'",
+        ),
+        (  # a skyrl-gym environment checks in its constructor: one is built
+            {"name": "word-tool", "params": {"word": "4 2"}},
+            "spec.task.environment.params",
+            "ValueError: env_config word must be letters, not '4 2'",
+        ),
+        (  # skyrl-gym's text2sql needs omegaconf, which this engine lacks: not the params
+            {"name": "text2sql", "params": {"db_id": "x"}},
+            "spec.task.environment.name",
+            "cannot be loaded here: ModuleNotFoundError: No module named 'omegaconf'",
+        ),
+    ],
+)
+def test_bad_environment_params_are_refused_at_put(
+    server: EngineServer, environment: dict, field: str, message: str
+) -> None:
+    """Checked in the experiment's worker at PUT (a 422 naming the param), not when the
+    first episode starts; the worker started for the check is stopped."""
+    with server.client() as api:
+        before = len(workers(server))
+        task = {"name": "copy", "environment": environment}
+        r = put(api, "team-a.bad-params", spec(task))
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["field"] == field and message in error["message"], error
+        assert api.get("/v1/experiments/team-a.bad-params").status_code == 404
+        wait_until(lambda: len(workers(server)) == before, timeout=30)
 
 
 def test_a_trl_style_reward_plugin_trains(server: EngineServer) -> None:

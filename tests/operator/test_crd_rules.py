@@ -355,6 +355,7 @@ IMMUTABLE_EDITS: list[tuple[str, Any, str, Callable[[], Obj]]] = [
     ("spec.task.environment.params", {"k": "v"}, _TASK, _environment),
     ("spec.task.environment.maxTurns", 2, _TASK, _environment),
     ("spec.task.environment.maxEpisodeTokens", 256, _TASK, _environment),
+    ("spec.task.environment.observationFormat", "chat", _TASK, _environment),
     ("spec.algorithm.groupSize", 4, _ALG, _plain),
     ("spec.algorithm.maxStaleness", 1, _ALG, _plain),
     ("spec.algorithm.promptsPerStep", 8, _ALG, _plain),

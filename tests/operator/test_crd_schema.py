@@ -192,6 +192,8 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.environment", _env(maxEpisodeTokens=0), False),
     ("spec.task.environment", _env(maxEpisodeTokens=32768), True),
     ("spec.task.environment", _env(maxEpisodeTokens=32769), False),
+    ("spec.task.environment", _env(observationFormat="chat"), True),
+    ("spec.task.environment", _env(observationFormat="markdown"), False),
     ("spec.task.rewardUrl", "ftp://x", False),
     ("spec.task.rewardUrl", _long(2048, "http://"), False),
     ("spec.algorithm.name", "ppo", False),

@@ -32,6 +32,7 @@ from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.completion_jobs import CompletionJob, resolve
+from loraplex_engine.environments.observations import check_chat_templates
 from loraplex_engine.errors import (
     AdapterError,
     ConflictError,
@@ -234,6 +235,7 @@ class Engine(ClientExperimentAPI, Versions):
             s.max_prompt_tokens,
             self.context_tokens,
             self.publisher,
+            wake=self._wake,  # a multi-turn step's environment answered after its tick
         )
         self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).
@@ -463,11 +465,7 @@ class Engine(ClientExperimentAPI, Versions):
         the dataset); nothing is loaded yet. Needs no lock: it reads only what is fixed,
         and the free-slot check is done again when the adapter is added."""
         config = lora_config(spec, self.default_targets)
-        if spec.task.chat_template and not self.codec.has_chat_template:
-            raise InvalidSpecError(
-                f"the tokenizer of {self.model_name} has no chat template",
-                field="spec.task.chatTemplate",
-            )
+        check_chat_templates(spec.task, self.codec, self.model_name)  # prompts, observations
         try:
             self.model.check_config(config)
         except AdapterError as e:

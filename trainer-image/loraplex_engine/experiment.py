@@ -214,7 +214,11 @@ def new_experiment(
             source=source,
         )
         if plugged:
-            plug_in(task, reward, env, plugin_timeout, exp_id)
+            try:  # an environment's params are checked here (plugins/attach.py)
+                plug_in(task, reward, env, plugin_timeout, exp_id)
+            except BaseException:
+                task.close()  # its dataset's descriptors
+                raise
         algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
         try:
             eval_set = build_eval_set(spec, task, trust, namespace)

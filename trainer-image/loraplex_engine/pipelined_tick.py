@@ -163,7 +163,7 @@ class PipelinedTick(Tick):
         self.streams = SideStream(device) if self.stream_blocker is None else None
 
     def has_work(self, running: list[Experiment]) -> bool:
-        if self.scorer.has_arrived():
+        if self.scorer.has_arrived() or self.episodes.has_arrived():
             return True
         for e in running:
             lane = self._lane_of(e)
@@ -183,11 +183,13 @@ class PipelinedTick(Tick):
         return lane if lane is not None and lane.exp is exp else None
 
     def _may_start(self, exp: Experiment, pending: int) -> bool:
-        """Rewards allow it (on-policy: none pending; else its namespace has room) and
-        so does :func:`may_roll_out`."""
+        """Rewards allow it (on-policy: none pending; else its namespace has room), no
+        multi-turn step of its is in play, and :func:`may_roll_out` allows it."""
         blocked = self.scorer.waits(exp) if max_staleness(exp) == 0 else None
         if blocked is None:
             blocked = self.scorer.namespace_full(exp)
+        # A multi-turn step still in play (environments/player.py): one at a time.
+        blocked = blocked or self.episodes.waits(exp.task.environment)
         return not blocked and may_roll_out(exp, pending)
 
     def run(

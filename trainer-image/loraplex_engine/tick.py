@@ -2,8 +2,9 @@
 
 Phases, in order (``api_types.TICK_PHASES``: the labels of metrics and TickReport):
 plan rollouts (who is due, tenancy/fair_share.py; their prompts) → ``rollout`` (one
-mixed-adapter batch, queued completions included; multi-turn episodes then go on turn
-by turn, every experiment's in one batch a turn: environments/episodes.py) → ``reward``
+mixed-adapter batch, queued completions included; multi-turn episodes go on turn by
+turn, every experiment's in one batch a turn, each at its environment's pace: a step
+whose environment has not answered completes in a later tick, environments/player.py) → ``reward``
 (concurrent, with a deadline: a late reward trains in a later tick) → ``train`` (the
 training strategy) →
 ``sync`` (rollout backend) → ``checkpoint`` (bookkeeping, periodic and final
@@ -29,7 +30,6 @@ from dataclasses import replace
 import torch
 
 from loraplex_engine.api_types import (
-    MAX_NEW_TOKENS,
     TICK_PHASES,
     AdapterSync,
     ExperimentTick,
@@ -37,7 +37,8 @@ from loraplex_engine.api_types import (
     TickReport,
 )
 from loraplex_engine.completion_jobs import CompletionJob, load_versions
-from loraplex_engine.environments.episodes import open_group, play
+from loraplex_engine.environments.planning import plan_group
+from loraplex_engine.environments.player import EpisodePlayer
 from loraplex_engine.errors import (
     AdapterError,
     InvalidRequestError,
@@ -99,6 +100,7 @@ class Tick:
         max_prompt_tokens: int,
         context_tokens: int | None,
         publisher: Publisher | None = None,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.model = model
         self.codec = codec
@@ -109,6 +111,8 @@ class Tick:
         self.max_prompt_tokens = max_prompt_tokens
         self.context_tokens = context_tokens
         self.publisher = publisher  # published versions (versions/publisher.py)
+        # Multi-turn steps in play across ticks; ``wake``: an answer outlived its tick.
+        self.episodes: EpisodePlayer[Rollout] = EpisodePlayer(scorer.deadline_s, wake)
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
@@ -123,7 +127,12 @@ class Tick:
 
     def has_work(self, running: list[Experiment]) -> bool:
         """A tick would do something: an experiment can roll out or a reward is back."""
-        return self.scorer.has_arrived() or any(not self.scorer.waits(e) for e in running)
+        arrived = self.scorer.has_arrived() or self.episodes.has_arrived()
+        return arrived or any(not self.waits(e) for e in running)
+
+    def waits(self, exp: Experiment) -> bool:
+        """``exp`` may not roll out: its reward or its multi-turn step is in play."""
+        return self.scorer.waits(exp) or self.episodes.waits(exp.task.environment)
 
     def serve(self, jobs: list[CompletionJob]) -> TickReport:
         """A serving tick: the jobs' rows in one rollout batch, no experiment's."""
@@ -131,7 +140,7 @@ class Tick:
         slots = self.publisher.slots if self.publisher is not None else None
         spare = slots or SpareSlots(self.model)  # versions' rows (versions/slot_cache.py)
         try:
-            self._rollout([], load_versions(jobs, spare))
+            self._rollout([], load_versions(jobs, spare), play=False)
         finally:
             spare.release()
         seconds = time.perf_counter() - start
@@ -156,7 +165,7 @@ class Tick:
         eligible = [
             e
             for e in running
-            if not self.scorer.waits(e)
+            if not self.waits(e)
             and id(e) not in back
             and (not e.finished_steps or e.eval_due())  # a last eval to run
         ]
@@ -232,15 +241,13 @@ class Tick:
         episodes = None
         if exp.task.environment is None:
             requests = [request(ids) for ids in map(encode, prompts) for _ in range(alg.group_size)]
-        else:
-            pairs = [(p.text, p.answer) for p in repeated]
-            encode_text = lambda text: encode(Prompt(text, ""))  # noqa: E731
-            room = lambda ids: self._room(exp, ids)  # noqa: E731
-            episodes = open_group(exp.task.environment, pairs, encode_text, request, room)
-            requests = [e.request for e in episodes.episodes]
-        exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-        if episodes is not None:
-            exp.step_cost = sum(len(e.request.prompt_ids) + e.budget for e in episodes.episodes)
+            exp.step_cost = sum(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        else:  # its first turns' requests once the environment has started its episodes
+            env, bounds = exp.task.environment, limits[:2]
+            episodes, exp.step_cost = plan_group(
+                exp.spec.task, env, prompts, alg.group_size, encode, request, self.codec, bounds
+            )
+            requests = []
         evals = None
         if exp.eval_set is not None and exp.eval_due():
             rollout = (slot, roll.max_new_tokens, roll.reproducible)
@@ -250,23 +257,15 @@ class Tick:
         exp.rolled_out_at = self.count
         return Rollout(exp, repeated, requests, episodes=episodes, evals=evals, version=exp.step)
 
-    def _room(self, exp: Experiment, prompt: list[int]) -> int:
-        """Tokens an episode may add after ``prompt``: its spec's bound, within the longest
-        row the engine admits (the prompt limit plus the largest maxNewTokens: the vLLM
-        sampler's max_model_len) and the context."""
-        env = exp.spec.task.environment
-        assert env is not None
-        room = min(env.max_episode_tokens, self.max_prompt_tokens + MAX_NEW_TOKENS - len(prompt))
-        if self.context_tokens is not None:
-            room = min(room, self.context_tokens - len(prompt))
-        return max(1, room)
-
     def _rollout(
-        self, planned: list[Rollout], jobs: Sequence[CompletionJob]
+        self, planned: list[Rollout], jobs: Sequence[CompletionJob], play: bool = True
     ) -> list[Rollout | Failure]:
-        """One generate call for every experiment's requests and the queued jobs; an
-        experiment (or job) with a row the backend refused fails alone."""
-        requests = [req for r in planned for req in r.all_requests()]
+        """One generate call for every experiment's requests and the queued jobs, then the
+        multi-turn steps' turns (``play``: a training tick); an experiment (or job) with a
+        row the backend refused fails alone."""
+        # A multi-turn step's turns are the player's (_play), its first included.
+        batch = [r for r in planned if r.episodes is None]
+        requests = [req for r in batch for req in r.all_requests()]
         job_rows: list[tuple[CompletionJob, int]] = []
         for job in jobs:
             try:
@@ -281,9 +280,9 @@ class Tick:
             job_rows.append((job, len(requests)))
             requests += job.requests(slot)
         outputs = self.backend.generate(requests)
-        rolled: list[Rollout | Failure] = []
+        rolled: list[Rollout | Failure] = [r for r in planned if r.episodes is not None]
         offset = 0
-        for r in planned:
+        for r in batch:
             rows = len(r.all_requests())
             mine, step_rows = outputs[offset : offset + rows], len(r.requests)
             offset += rows
@@ -301,25 +300,25 @@ class Tick:
             else:
                 job.error = InvalidRequestError(f"the rollout backend refused this: {error}")
             job.done.set()
-        return self._play(rolled)
+        return self._play(rolled) if play else rolled
 
     def _play(self, rolled: list[Rollout | Failure]) -> list[Rollout | Failure]:
-        """Multi-turn episodes from their first turns to their ends (episodes.py)."""
+        """Multi-turn steps: those started now and those in play from earlier ticks go on
+        (player.py); the steps that ended now join the tick, the others wait."""
         env = [r for r in rolled if isinstance(r, Rollout) and r.episodes is not None]
-        if not env:
-            return rolled
-        groups = [r.episodes for r in env if r.episodes is not None]
-        firsts = [r.completions for r in env]
-        play(groups, firsts, self.backend.generate, self.codec.decode, self.codec.encode)
-        done: dict[int, Rollout | Failure] = {}
-        for r, g in zip(env, groups, strict=True):
+        started = [(r, r.episodes) for r in env if r.episodes is not None]
+        ended = self.episodes.play(started, self.backend.generate, self.codec.decode)
+        out = [r for r in rolled if not (isinstance(r, Rollout) and r.episodes is not None)]
+        for r, g in ended:
+            if r.exp.phase != "Running":  # it failed or paused while its step was in play
+                continue
+            if g.error:
+                out.append(Failure(r.exp, g.error[0], g.error[1]))
+                continue
+            requests = [e.request for e in g.episodes]
             comps = [e.completion() for e in g.episodes]
-            done[id(r)] = (
-                Failure(r.exp, g.error[0], g.error[1])
-                if g.error
-                else replace(r, completions=comps, episodes=g)
-            )
-        return [done.get(id(r), r) for r in rolled]
+            out.append(replace(r, requests=requests, completions=comps, episodes=g))
+        return out
 
     # ---- reward -------------------------------------------------------------------------
 

@@ -21,6 +21,25 @@ class Step:
     reward: float = 0.0  # this turn's reward; the episode's is the sum over its turns
     done: bool = False  # the episode ended (else the policy takes another turn)
     tool_calls: int = 0  # tools the environment ran for this turn (reported, not trained)
+    # With task.environment.observationFormat chat: the observation's message role (user
+    # or tool), or several (role, content) messages (skyrl-gym's) instead of one.
+    role: str = "user"
+    messages: tuple[tuple[str, str], ...] = ()
+
+    def chat(self) -> tuple[tuple[str, str], ...]:
+        """The observation as chat messages (none for an empty observation)."""
+        if self.messages:
+            return self.messages
+        return ((self.role, self.observation),) if self.observation else ()
+
+
+class ParamError(ValueError):
+    """A bad ``task.environment.params`` entry: ``param`` names it (the engine's 422 says
+    ``spec.task.environment.params.<param>``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Environment(ABC):
@@ -30,6 +49,12 @@ class Environment(ABC):
 
     def __init__(self, prompt: str, answer: str, params: Mapping[str, str], max_turns: int) -> None:
         self.prompt, self.answer, self.params, self.max_turns = prompt, answer, params, max_turns
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, str]) -> None:
+        """Refuse bad ``params`` at PUT, before any episode: raise :class:`ParamError`
+        (or ``ValueError``) saying what is wrong. Default: every params accepted."""
+        return None
 
     def start(self) -> str:
         """The text the policy sees first (default: the task's prompt)."""

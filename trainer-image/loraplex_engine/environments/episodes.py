@@ -1,34 +1,31 @@
-"""Many experiments' multi-turn episodes, played turn by turn inside one tick.
-
-The first turn rides in the tick's rollout batch with every other experiment's rows
-(tick.py); from then on each turn is one generate call for every episode still going, of
-every experiment, from the experiment's live adapter: the fused design, turn by turn.
-Between turns each experiment's environment answers its episodes' turns in one bounded
-call, the experiments' calls concurrently (an environment's latency is its own).
+"""One experiment's multi-turn episodes of a step: their rows and their bookkeeping.
 
 An episode's row is its prompt, then the policy's sampled token ids with their
 log-probs, exactly as sampled (never re-tokenised), interleaved with the environment's
-observations, encoded and masked out of the loss (``Completion.mask`` 0). Bounds: the
+observations, encoded (observations.py: plain text, or chat messages through the
+tokenizer's template) and masked out of the loss (``Completion.mask`` 0). Bounds: the
 spec's ``maxTurns`` (an episode still going is cut there, scored by its turns so far:
 an environment that never ends costs its experiment that, nothing else) and its
 ``maxEpisodeTokens`` (each turn samples at most what is left; an observation is cut to
 leave the policy a token).
+
+Pure bookkeeping, no I/O: the environment's calls (its worker's round trips) are made by
+player.py, which plays every experiment's groups, each at its environment's pace.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from loraplex_engine.environments.base import Step
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 
-Generate = Callable[[list[RolloutRequest]], list[Completion]]
-# Characters of an observation encoded at most per token of room (a token is at least a
-# byte of text, so this keeps every token that can fit and bounds the encoder's work).
-CHARS_PER_TOKEN = 16
+# An observation's ids, given the policy's latest turn (its sampled ids), the step and the
+# room left in the episode (the result is cut to it).
+Observe = Callable[[list[int], Step, int], list[int]]
 
 
 @dataclass
@@ -58,7 +55,13 @@ class Episode:
         self.logprobs += [0.0] * len(ids)  # not the policy's: masked out
         self.mask += [0] * len(ids)
 
+    def last_turn(self) -> list[int]:
+        return self.ids[self.turn_start :]
+
     def next_request(self) -> RolloutRequest:
+        """This episode's next turn; its first (the prompt alone) before it has one."""
+        if not self.turns:
+            return self.request
         left = self.budget - len(self.ids)
         return dataclasses.replace(
             self.request,
@@ -70,111 +73,81 @@ class Episode:
         return Completion(list(self.ids), list(self.logprobs), mask=list(self.mask))
 
 
+# Episodes from the environment's opening answer: (episode ids, first texts) -> episodes.
+Begin = Callable[[list[int], list[str]], list[Episode]]
+
+
 @dataclass
 class EpisodeGroup:
-    """One experiment's episodes of this step, in its requests' order."""
+    """One experiment's episodes of this step, in its prompts' order; none until its
+    environment has started them (``begin``)."""
 
     session: EnvironmentSession
-    episodes: list[Episode]
+    prompts: list[tuple[str, str]]  # (prompt, answer) per episode, groupSize copies each
+    begin: Begin
+    observe: Observe
     max_turns: int
+    episodes: list[Episode] = field(default_factory=list)
+    opened: bool = False
     error: tuple[str, str] | None = None  # (what failed, FAILURE_REASONS kind)
 
     def live(self) -> list[Episode]:
         return [] if self.error else [e for e in self.episodes if not e.done]
 
+    def fail(self, what: str, kind: str) -> None:
+        if self.error is None:
+            self.error = (what, kind)
 
-def play(
-    groups: Sequence[EpisodeGroup],
-    firsts: Sequence[Sequence[Completion]],
-    generate: Generate,
-    decode: Callable[[list[int]], str],
-    encode: Callable[[str], list[int]],
-) -> None:
-    """Play every group's episodes to their end from their sampled first turns; each
-    group ends with its episodes done, or with ``error`` set (that experiment fails)."""
-    for g, outs in zip(groups, firsts, strict=True):
-        for e, c in zip(g.episodes, outs, strict=True):
-            _take(g, e, c)
-    with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="env") as pool:
-        while True:
-            live = [g for g in groups if g.live()]
-            actions = [[(e.id, decode(e.ids[e.turn_start :])) for e in g.live()] for g in live]
-            answers = list(pool.map(_step, live, actions))
-            for g, steps in zip(live, answers, strict=True):
-                _answer(g, steps, encode)
-            going = [(g, e) for g in groups for e in g.live()]
-            if not going:
-                break
-            outs = generate([e.next_request() for _, e in going])
-            for (g, e), c in zip(going, outs, strict=True):
-                _take(g, e, c)
-        list(pool.map(_close, groups))
+    def start(self, ids: list[int], starts: list[str]) -> None:
+        """The environment started the episodes: ``starts`` are their first texts."""
+        self.opened = True
+        self.episodes = self.begin(ids, starts)
 
-
-def _take(g: EpisodeGroup, e: Episode, c: Completion) -> None:
-    if g.error:
-        return
-    if c.error is not None:
-        g.error = (f"rollout failed: {c.error}", "rollout_error")
-    elif c.nonfinite:
-        g.error = ("non-finite logits from the adapter (diverged)", "non_finite")
-    else:
-        e.take(c)
-
-
-def _step(g: EpisodeGroup, actions: list[tuple[int, str]]) -> list | Exception:
-    try:
-        return g.session.step(actions)
-    except Exception as e:  # the environment's failure is its experiment's
-        return e
-
-
-def _answer(g: EpisodeGroup, steps: list | Exception, encode: Callable[[str], list[int]]) -> None:
-    if isinstance(steps, Exception):
-        g.error = (f"environment failed: {' '.join(str(steps).split())[:500]}", "reward_error")
-        return
-    for e, s in zip(g.live(), steps, strict=True):
-        e.reward += s.reward
-        e.tool_calls += s.tool_calls
-        room = e.budget - len(e.ids) - 1  # the policy keeps a token for its next turn
-        if s.done:
-            e.done = True
-        elif e.turns >= g.max_turns or room <= 0:
-            e.done = e.cut = True
+    def take(self, e: Episode, c: Completion) -> None:
+        """The policy's turn ``c`` for ``e``; a failed row fails the experiment."""
+        if self.error:
+            return
+        if c.error is not None:
+            self.fail(f"rollout failed: {c.error}", "rollout_error")
+        elif c.nonfinite:
+            self.fail("non-finite logits from the adapter (diverged)", "non_finite")
         else:
-            obs = (
-                encode(s.observation[: (room + 1) * CHARS_PER_TOKEN])[:room]
-                if s.observation
-                else []
-            )
-            e.observe(obs)
+            e.take(c)
+
+    def answer(self, steps: Sequence[Step]) -> None:
+        """The environment's answers to the live episodes' latest turns, in order."""
+        for e, s in zip(self.live(), steps, strict=True):
+            e.reward += s.reward
+            e.tool_calls += s.tool_calls
+            room = e.budget - len(e.ids) - 1  # the policy keeps a token for its next turn
+            if s.done:
+                e.done = True
+            elif e.turns >= self.max_turns or room <= 0:
+                e.done = e.cut = True
+            else:
+                e.observe(self.observe(e.last_turn(), s, room)[:room])
 
 
-def _close(g: EpisodeGroup) -> None:
-    try:
-        g.session.close_episodes([e.id for e in g.episodes])
-    except Exception as e:  # a worker that hangs on close is stopped: the next step fails
-        if g.error is None:
-            g.error = (f"environment failed: {' '.join(str(e).split())[:500]}", "reward_error")
-
-
-def open_group(
+def new_group(
     session: EnvironmentSession,
     prompts: Sequence[tuple[str, str]],
     encode_prompt: Callable[[str], list[int]],
     make_request: Callable[[list[int], int], RolloutRequest],
     budget: Callable[[list[int]], int],
+    observe: Observe,
 ) -> EpisodeGroup:
     """One experiment's episodes of a step, one per (prompt, answer) (its groupSize
-    copies included): started in its environment, their first requests made by
-    ``make_request(prompt ids, room)`` (room: the tokens it may add, ``budget(prompt ids)``,
-    at least 1), sampling at most ``room`` tokens."""
-    ids, starts = session.open(prompts)
-    encoded: dict[str, list[int]] = {}
-    episodes = []
-    for episode_id, text in zip(ids, starts, strict=True):
-        prompt = encoded.get(text) or encoded.setdefault(text, encode_prompt(text))
-        room = budget(prompt)
-        request = make_request(prompt, room)
-        episodes.append(Episode(episode_id, request, room))
-    return EpisodeGroup(session, episodes, session.spec.max_turns)
+    copies included), to be started by its environment: then each first request is
+    ``make_request(first text's ids, room)`` (room: the tokens it may add,
+    ``budget(ids)``, at least 1), sampling at most ``room`` tokens."""
+
+    def begin(ids: list[int], starts: list[str]) -> list[Episode]:
+        encoded: dict[str, list[int]] = {}
+        episodes = []
+        for episode_id, text in zip(ids, starts, strict=True):
+            prompt = encoded.get(text) or encoded.setdefault(text, encode_prompt(text))
+            room = budget(prompt)
+            episodes.append(Episode(episode_id, make_request(prompt, room), room))
+        return episodes
+
+    return EpisodeGroup(session, list(prompts), begin, observe, session.spec.max_turns)

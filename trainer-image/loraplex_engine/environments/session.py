@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 
 from loraplex_engine.environments.base import Step
-from loraplex_engine.errors import PluginError
+from loraplex_engine.errors import PluginError, TaskError
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import check_score
@@ -20,12 +20,43 @@ class EnvironmentSession:
         self.spec, self.host = spec, host
         self.what = f"environment {spec.name}"
         self._ids = itertools.count()
+        self._ended: list[int] = []  # episodes to close, sent with the next open
+        self.closed = False
+
+    def check(self) -> None:
+        """The environment's verdict on the spec's params (at PUT): a ``TaskError``
+        naming the param it refuses (``spec.task.environment.params[.NAME]``)."""
+        request = {
+            "op": "env_check",
+            "name": self.spec.name,
+            "params": dict(self.spec.params),
+            "maxTurns": self.spec.max_turns,
+        }
+        problem = self.host.call(self.what, request).get("problem")
+        if problem is None:
+            return
+        if not isinstance(problem, dict):
+            raise PluginError(f"{self.what}: its params check answered {type(problem).__name__}")
+        param, message = problem.get("param"), problem.get("message")
+        if problem.get("load"):
+            raise TaskError(
+                "spec.task.environment.name", f"{self.what} cannot be loaded here: {message}"
+            )
+        field = "spec.task.environment.params"
+        if isinstance(param, str) and param in self.spec.params:
+            field += f".{param}"
+        elif isinstance(param, str):  # one it lacks: named in the message
+            message = f"{param}: {message}"
+        raise TaskError(field, f"{self.what} refused its params: {message}")
 
     def open(self, prompts: Sequence[tuple[str, str]]) -> tuple[list[int], list[str]]:
-        """Start one episode per (prompt, answer); their ids and first texts."""
+        """Start one episode per (prompt, answer); their ids and first texts. The worker
+        first closes the episodes that ended since the last open (no call of their own)."""
         ids = [next(self._ids) for _ in prompts]
+        ended, self._ended = self._ended, []
         request = {
             "op": "env_open",
+            "close": ended,
             "name": self.spec.name,
             "params": dict(self.spec.params),
             "maxTurns": self.spec.max_turns,
@@ -50,17 +81,30 @@ class EnvironmentSession:
         return [self._step(s, i) for i, s in enumerate(steps)]
 
     def _step(self, raw: object, index: int) -> Step:
-        if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], str):
+        if not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[0], str):
             raise PluginError(f"{self.what}: answer {index} is malformed")
-        observation, reward, done, calls = raw
+        observation, reward, done, calls, chat = raw
         reward = check_score(reward, index, self.what)  # a number, finite
-        return Step(observation, reward, bool(done), calls if isinstance(calls, int) else 0)
+        calls = calls if isinstance(calls, int) else 0
+        return Step(observation, reward, bool(done), calls, messages=self._chat(chat, index))
+
+    def _chat(self, chat: object, index: int) -> tuple[tuple[str, str], ...]:
+        """The observation's chat messages, (role, text) pairs (their roles are checked
+        where they are rendered: observations.py)."""
+        ok = isinstance(chat, list) and all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in chat
+        )
+        if not ok:
+            raise PluginError(f"{self.what}: answer {index}'s messages are malformed")
+        assert isinstance(chat, list)
+        return tuple((m[0], m[1]) for m in chat)
 
     def close_episodes(self, ids: Sequence[int]) -> None:
-        if ids:
-            self.host.call(self.what, {"op": "env_close", "ids": list(ids)})
+        """Episodes that ended: closed by the worker at the next open (or with it)."""
+        self._ended += ids
 
     def close(self) -> None:
+        self.closed = True
         self.host.close()
 
 

@@ -1,7 +1,8 @@
 """skyrl-gym's text environments (``BaseTextEnv``) behind our interface.
 
 skyrl-gym environments take ``env_config`` and ``extras``: the task's answer goes in
-as ``extras["reward_spec"]["ground_truth"]`` (what its GSM8K environments score against),
+as ``extras["reward_spec"]["ground_truth"]`` (what its GSM8K environments score against;
+``extras["reward_model"]`` too, for its AIME one),
 the engine's turn bound as ``extras["max_turns"]``, the spec's params as ``env_config``
 and in ``extras`` too. Observations are chat messages: their contents are joined into
 the text appended to the context. Tools run inside the environment's ``step`` (its tool
@@ -28,6 +29,7 @@ def _extras(answer: str, params: Mapping[str, str], max_turns: int) -> dict[str,
     return {
         **params,
         "reward_spec": {"method": "rule", "ground_truth": answer},
+        "reward_model": {"ground_truth": answer},  # what its aime environment reads
         "extra_info": {"max_turns": max_turns},
         "max_turns": max_turns,
     }
@@ -48,6 +50,14 @@ def render(observations: Any) -> str:
             raise TypeError("an observation message has no string 'content'")
         parts.append(content)
     return "".join(f"\n{p}\n" for p in parts)
+
+
+def messages(observations: Any) -> tuple[tuple[str, str], ...]:
+    """The observation messages as (role, content), for chat-formatted observations."""
+    if isinstance(observations, str):
+        return (("user", observations),) if observations else ()
+    render(observations)  # the same checks
+    return tuple((str(m.get("role", "user")), m["content"]) for m in observations)
 
 
 class SkyRLEnvironment(Environment):
@@ -82,8 +92,10 @@ class SkyRLEnvironment(Environment):
             raise TypeError(f"step returned a {type(out).__name__}, not a dict")
         metadata = out.get("metadata") or {}
         calls = metadata.get("tool_calls", 0) if isinstance(metadata, dict) else 0
+        observations = out.get("observations") or []
         return Step(
-            observation=render(out.get("observations") or []),
+            observation=render(observations),
+            messages=messages(observations),
             reward=out.get("reward", 0.0),  # checked by the engine (a number, finite)
             done=bool(out.get("done")),
             tool_calls=calls if isinstance(calls, int) else 0,

@@ -1,11 +1,12 @@
 """A task whose reward or environment is an installed plug-in: the names checked against
 what the engine has installed (discovery.py; an unknown one is the PUT's 422, listing the
-installed ones), and the experiment's plug-in worker started (host.py)."""
+installed ones), and the experiment's plug-in worker started (host.py): an environment's
+params checked there at once (its ``check_params``; a bad one is the PUT's 422)."""
 
 from __future__ import annotations
 
 from loraplex_engine.environments.session import EnvironmentSession
-from loraplex_engine.errors import TaskError
+from loraplex_engine.errors import PluginError, TaskError
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
@@ -51,7 +52,15 @@ def plug_in(
     plugin = f"environment:{environment.name}" if environment else f"reward:{reward}"
     host = PluginHost(owner, plugin, timeout)
     if environment is not None:
-        task.environment = EnvironmentSession(environment, host)
+        session = EnvironmentSession(environment, host)
+        try:  # bad params are the PUT's 422, not the first episode's failure
+            session.check()
+        except (TaskError, PluginError) as e:
+            session.close()
+            if isinstance(e, TaskError):
+                raise
+            raise TaskError("spec.task.environment.name", str(e)) from e
+        task.environment = session
     else:
         task.reward_fn = PluginReward(reward, host)
     return task

@@ -3,7 +3,8 @@
 One JSON request a line on stdin, one JSON answer a line on the protocol descriptor (the
 original stdout; plug-in code printing to stdout writes to stderr instead, so it cannot
 corrupt the exchange). Requests: ``reward`` (a TRL-style function over a batch),
-``env_open`` / ``env_step`` / ``env_close`` (episodes, by the engine's ids). Answers are
+``env_check`` (the spec's params, at PUT), ``env_open`` (closing the episodes of the
+last step first) / ``env_step`` / ``env_close`` (episodes, by the engine's ids). Answers are
 ``{"ok": true, ...}`` or ``{"ok": false, "error": str}``: a plug-in's exception becomes
 the error its experiment fails with. Values are passed on as given (NaN included): the
 engine checks them. The argument, ``reward:NAME`` or ``environment:NAME``, is imported
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from loraplex_engine.environments.base import Environment, Step
+from loraplex_engine.environments.base import Environment, ParamError, Step
 from loraplex_engine.plugins import discovery
 
 _loaded: dict[tuple[str, str], object] = {}
@@ -93,7 +94,33 @@ def _make_env(name: str, prompt: str, answer: str, params: dict, max_turns: int)
     return SkyRLEnvironment(name, prompt, answer, params, max_turns)
 
 
+def _env_check(req: dict[str, Any], _state: dict[Any, Environment]) -> dict[str, Any]:
+    """The environment's verdict on the spec's params, at PUT: its ``check_params``, or
+    for a skyrl-gym environment (which checks in its constructor) one built and closed.
+    A refusal is an answer (``problem``), not a failure of the call."""
+    name, params = req["name"], req["params"]
+    try:
+        if name in discovery.entry_point_names(discovery.ENVIRONMENT_GROUP):
+            obj = load(discovery.ENVIRONMENT_GROUP, name)
+            if isinstance(obj, type) and issubclass(obj, Environment):
+                obj.check_params(params)
+                return {"problem": None}
+        _make_env(name, "", "", params, req["maxTurns"]).close()
+    except ParamError as e:
+        return {"problem": {"param": e.param, "message": _line(e)}}
+    except ImportError as e:  # not the params: the image lacks what it needs
+        return {"problem": {"load": True, "message": f"{type(e).__name__}: {_line(e)}"}}
+    except Exception as e:  # a constructor's assert or KeyError: a param it lacks
+        return {"problem": {"param": None, "message": f"{type(e).__name__}: {_line(e)}"}}
+    return {"problem": None}
+
+
+def _line(e: Exception) -> str:
+    return " ".join(str(e).split())[:500] or "(no message)"
+
+
 def _env_open(req: dict[str, Any], state: dict[Any, Environment]) -> dict[str, Any]:
+    _env_close({"ids": req.get("close", [])}, state)  # the last step's, ended since
     starts = []
     for ep in req["episodes"]:
         env = _make_env(req["name"], ep["prompt"], ep["answer"], req["params"], req["maxTurns"])
@@ -113,7 +140,8 @@ def _env_step(req: dict[str, Any], state: dict[Any, Environment]) -> dict[str, A
             raise TypeError(f"step() returned a {type(step).__name__}, not a Step")
         if not isinstance(step.observation, str):
             raise TypeError("step().observation is not a str")
-        out.append([step.observation, _number(step.reward), bool(step.done), step.tool_calls])
+        chat = [list(m) for m in step.chat()]
+        out.append([step.observation, _number(step.reward), bool(step.done), step.tool_calls, chat])
     return {"steps": out}
 
 
@@ -131,6 +159,7 @@ def _env_close(req: dict[str, Any], state: dict[Any, Environment]) -> dict[str, 
 
 OPS: dict[str, Callable[[dict[str, Any], dict[Any, Environment]], dict[str, Any]]] = {
     "reward": _reward,
+    "env_check": _env_check,
     "env_open": _env_open,
     "env_step": _env_step,
     "env_close": _env_close,

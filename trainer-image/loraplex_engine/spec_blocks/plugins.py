@@ -6,7 +6,7 @@ refuses an unknown one at PUT, listing what it has installed (plugins/discovery.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -21,6 +21,7 @@ PluginName = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 ]
 ParamValue = Annotated[str, Field(max_length=4096)]
+ObservationFormat = Literal["chat", "text"]
 MAX_TURNS = 64
 MAX_EPISODE_TOKENS = 32768
 
@@ -56,4 +57,13 @@ class EnvironmentSpec(SpecModel):
         description="Most tokens an episode adds after its prompt, the policy's and the "
         "environment's together (each turn samples at most rollout.maxNewTokens); an "
         "episode that reaches it ends there.",
+    )
+    observation_format: ObservationFormat | None = Field(
+        None,
+        alias="observationFormat",
+        description="How the environment's observations join an episode's context: chat "
+        "(as user or tool messages through the base model's chat template, the assistant "
+        "turn opened again after them) or text (appended as they are, for base models). "
+        "Absent: chat when task.chatTemplate is set, else text. chat needs a tokenizer "
+        "with a chat template (the engine refuses the spec otherwise).",
     )
