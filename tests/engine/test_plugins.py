@@ -29,7 +29,10 @@ PLUGIN_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plugins_site: Path
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    plugins_site: Path,
+    engine_site: Path,
 ) -> Iterator[EngineServer]:
     work = tmp_path_factory.mktemp("plugins")
     args = [*LIMITS, "--plugin-timeout", str(PLUGIN_TIMEOUT_S), "--reward-deadline", "0.3"]
@@ -39,7 +42,7 @@ def server(
         max_adapters=8,
         workdir=work,
         extra_args=args,
-        env=with_path(plugins_site),
+        env=with_path(plugins_site, engine_site),  # the engine's own plug-ins as this tree has them
     )
     with srv, srv.client() as api:
         assert put(api, BYSTANDER, spec()).status_code == 201
@@ -64,7 +67,9 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
     with server.client() as api:
         plugins = api.get("/v1/capacity").json()["plugins"]
-    assert plugins["rewards"] == ["broken", "hangs", "nan", "raises", "says-target", "too-few"]
+    # The test package's and the engine's own (math-verify: docs/workloads.md).
+    test_package = ["broken", "hangs", "math-verify", "nan", "raises", "says-target", "too-few"]
+    assert plugins["rewards"] == test_package
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
     assert plugins["environments"][:3] == ["hangs-env", "never-ends", "word-tool"]
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
