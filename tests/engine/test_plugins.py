@@ -71,7 +71,8 @@ def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
     test_package = ["broken", "hangs", "math-verify", "nan", "raises", "says-target", "too-few"]
     assert plugins["rewards"] == test_package
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
-    assert plugins["environments"][:3] == ["hangs-env", "never-ends", "word-tool"]
+    entry_points = ["gsm8k-calculator", "hangs-env", "never-ends", "word-tool"]
+    assert plugins["environments"][:4] == entry_points
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
 
 
