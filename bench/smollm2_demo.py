@@ -123,6 +123,7 @@ def collect(
                 "task": exp["task"],
                 "fused": {"rewards": exp["rewards"], **stats},
                 "rose": stats["last_mean"] > stats["first_mean"],
+                "evals": exp.get("evals", []),  # spec.eval's scores, when it has one
             }
             continue
         alone = json.loads((out_root / f"alone-{name}" / "summary.json").read_text())
@@ -172,6 +173,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 color=color,
                 label=f"{name} ({mode})",
                 marker="o" if mode == "fused" else None,
+            )
+        evals = exp.get("evals") or []
+        if evals:
+            ax.plot(
+                [e["step"] for e in evals],
+                [e["reward"] for e in evals],
+                "s:",
+                color=color,
+                label=f"{name} (greedy eval)",
             )
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")

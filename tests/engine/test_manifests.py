@@ -123,3 +123,10 @@ def test_gsm8k_sample_is_valid_and_its_rows_score() -> None:
     first = task.row(0)
     assert first.text.endswith("have now?") and "\n#### " in first.answer
     assert number_matches("#### " + first.answer.rsplit("#### ", 1)[1], first.answer)
+
+
+def test_gsm8k_learning_sample_is_valid() -> None:
+    path = REPO / "samples" / "local" / "gsm8k-smollm2-learn.yaml"
+    (m,) = load_manifests(path, max_rank=64)
+    assert m.spec.task.name == "gsm8k" and m.spec.task.reward == "math-verify"
+    assert m.spec.evaluation is not None and m.spec.evaluation.temperature == 0.0
