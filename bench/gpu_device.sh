@@ -24,12 +24,15 @@
 #                        runs; saved after every arm                 what is left - 120 - 110 s
 #   e2e.json             python -m loraplex_engine.cli run --device cuda of samples/local/demo.yaml,
 #                        fused then time-sliced, reward parity (+ e2e-rewards.png)    <= 120 s
+#   (torch-pipelined)    bench/gpu_pipelined.py: the pipelined schedule vs sync with the torch
+#                        rollout (its side CUDA stream beside training, issue 32), N=8, timed,
+#                        reward and weight parity, into e2e.json's "torch_pipelined"   <= 60 s
 #   tinker-clock.json    bench/gpu_tinker.py: bench/tinker_clock.py's 8 tinker SDK clients,
 #                        fused clock cycle vs per_model, on the CPU tiny model with the
 #                        clients on other cores than the engine, then on serve --device
 #                        cuda with Qwen3-0.6B's shapes; ratio per N, parity   <= 110 s, last
-#   stages.json          each stage's exit code, seconds and limit; the vLLM, pipelined and
-#                        world-size arms, skipped with the reason (this image has no vLLM; one GPU)
+#   stages.json          each stage's exit code, seconds and limit; the vLLM, vLLM-pipelined
+#                        and world-size arms, skipped with the reason (this image has no vLLM; one GPU)
 #   gpu-device.log       everything printed
 #
 # All within GPU_DEVICE_BUDGET_S (510 s from the start; ~5 min expected): with the kill
@@ -38,7 +41,8 @@
 # (/tmp/site), GPU_DEVICE_DEMO (the manifest), GPU_DEVICE_WORK (/tmp/gpu-device-e2e: the
 # e2e's model and runs), GPU_DEVICE_TINKER_S (110: the tinker-clock stage's cap, reserved
 # from the scale stage's share), GPU_DEVICE_TINKER_WORK (/tmp/gpu-device-tinker),
-# GPU_SCALE_ARGS (more gpu_scale.py options).
+# GPU_SCALE_ARGS (more gpu_scale.py options), GPU_DEVICE_PIPELINED_S (60: the
+# torch-pipelined stage's cap, reserved from the scale stage's share).
 set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
 START=$SECONDS
 cd "$(dirname "$0")/.."
@@ -55,6 +59,7 @@ E2E_S=120
 TINKER_S="${GPU_DEVICE_TINKER_S:-110}"  # reserved from the scale stage's share, like E2E_S
 TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
 WORKLOADS_S=60
+PIPELINED_S="${GPU_DEVICE_PIPELINED_S:-60}"  # reserved from the scale stage's share
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.
@@ -116,7 +121,7 @@ main() {
     kernel=$(scale_kernel)
     echo "scale cells: --lora-kernel $kernel"
     left=$((BUDGET - (SECONDS - START)))
-    scale_s=$((left - E2E_S - TINKER_S))
+    scale_s=$((left - E2E_S - PIPELINED_S - TINKER_S))
     # shellcheck disable=SC2086  # GPU_SCALE_ARGS: options, split on purpose
     stage scale scale.json "$scale_s" \
         "$PY" bench/gpu_scale.py --out "$OUT/scale.json" --budget-s "$((scale_s * 8 / 10))" \
@@ -126,6 +131,12 @@ main() {
         "$PY" bench/gpu_e2e.py --out "$OUT/e2e.json" --manifest "$DEMO" \
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" --work "$WORK" \
         --budget-s "$(((left < E2E_S ? left : E2E_S) - 5))" --png "$OUT/e2e-rewards.png"
+    left=$((BUDGET - (SECONDS - START)))
+    stage torch-pipelined e2e.json "$PIPELINED_S" \
+        "$PY" bench/gpu_pipelined.py --out "$OUT/e2e.json" --into torch_pipelined \
+        --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
+        --budget-s "$(((left < PIPELINED_S ? left : PIPELINED_S) - 10))" \
+        ${DRY_RUN:+--preset tiny --n 2 --steps 3 --rounds 1}
     tinker_clock_stage
     echo "bench/gpu_device.sh: done in $((SECONDS - START))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return "$FAILED"

@@ -88,7 +88,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, tick in (("sync", sync_tick), ("pipelined", piped)):
             eng._tick = tick
-            piped.ready.clear()  # a pending rollout would not be the sync tick's
+            piped.lanes.clear()  # a pending rollout would not be the sync tick's
             if tick is piped:  # untimed: its first tick only generates (nothing to train)
                 eng.tick()
             load = os.getloadavg()[0]

@@ -54,14 +54,14 @@ def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
             for _ in range(rows)
         ]
         data[f"m{i}"] = [sft_datum(q[:split], q[split:]) for q in seqs]
-        eng.create_model("bench", f"m{i}", ClientLora(rank=RANK, seed=SEED0 + i))
+        eng.clients.create_model("bench", f"m{i}", ClientLora(rank=RANK, seed=SEED0 + i))
     ticks = _Ticks(eng)
 
     def step(models: list[str]) -> None:
         calls = []
         for m in models:
-            calls.append(lambda m=m: eng.forward_backward("bench", m, data[m], ce))
-            calls.append(lambda m=m: eng.optim_step("bench", m, adam))
+            calls.append(lambda m=m: eng.clients.forward_backward("bench", m, data[m], ce))
+            calls.append(lambda m=m: eng.clients.optim_step("bench", m, adam))
         drive(ticks, *calls)
 
     out = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from loraplex_operator.aibrix import AibrixConfig
+
 DEFAULT_MAX_RESTARTS = 3
 ENGINE_LOG_FORMAT = "LORAPLEX_ENGINE_LOG_FORMAT"
 ENGINE_LOG_FORMATS = ("text", "json")  # the engine's `serve --log-format` choices
@@ -32,6 +34,8 @@ class Config:
     token_length: int = 48
     # The engines' `serve --log-format` where a pool's template names none.
     engine_log_format: str = "text"
+    # AIBrix ModelAdapters for published aliases (aibrix.py); None = off (the default).
+    aibrix: AibrixConfig | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -49,6 +53,7 @@ class Config:
             managed_token=env.get("LORAPLEX_MANAGED_TOKEN_SECRET", "").strip(),
             token_length=int(num("TOKEN_LENGTH", cls.token_length)),
             engine_log_format=_log_format(env.get(ENGINE_LOG_FORMAT, cls.engine_log_format)),
+            aibrix=AibrixConfig.from_env(env),
             namespaces=tuple(
                 n.strip()
                 for n in env.get("LORAPLEX_WATCH_NAMESPACES", "").replace(" ", ",").split(",")

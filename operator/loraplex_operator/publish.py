@@ -19,6 +19,7 @@ from typing import Any
 from loraplex_operator import idle, versions
 from loraplex_operator import metrics as m
 from loraplex_operator import status as st
+from loraplex_operator.aibrix import AdapterSync
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import Config
 from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
@@ -127,6 +128,8 @@ class StatusPublisher:
         self.config = config
         self.last_write: dict[str, float] = {}  # experiment key -> monotonic seconds
         self.restarts: dict[tuple[str, str | None], int] = {}  # (key, uid) -> last written
+        # AIBrix ModelAdapters per alias (aibrix.py), when the chart turns them on.
+        self.adapters = AdapterSync(kube, config.aibrix) if config.aibrix else None
 
     async def publish(self, w: Work, now: datetime) -> ExperimentStatus:
         """Derive `w`'s status, emit its Events, write what changed; the derived status.
@@ -148,6 +151,9 @@ class StatusPublisher:
         changed = status_changes(w.exp.raw_status, patch)
         if changed and self._due(w.key, changed):
             await self._write(w, patch)
+        if self.adapters is not None:
+            self.adapters.kube = self.kube  # the reconciler may swap its client
+            await self.adapters.sync(w.key, w.exp, new.aliases)
         return new
 
     def forget_others(self, keys: Iterable[str]) -> None:
@@ -158,6 +164,8 @@ class StatusPublisher:
             del self.last_write[key]
         for key_uid in [k for k in self.restarts if k[0] not in keep]:
             del self.restarts[key_uid]
+        if self.adapters is not None:
+            self.adapters.forget_others(keep)
 
     def _due(self, key: str, changed: set[str]) -> bool:
         if changed - PROGRESS_FIELDS:

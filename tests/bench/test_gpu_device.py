@@ -49,7 +49,8 @@ CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", 
            "starlette", "uvicorn", "opentelemetry", "anyio", "zstandard", "tinker", "distro",
            "orjson", "sniffio", "h2", "hpack", "hyperframe")  # fmt: skip
 ABSENT = ("pyqwest", "vllm")
-STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e", "tinker-clock"]
+STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e", "torch-pipelined",
+          "tinker-clock"]  # fmt: skip
 FILES = {"preflight.json", "grouped-kernel.json", "scale.json", "e2e.json", "stages.json",
          "gpu-device.log", "e2e-rewards.png", "tinker-clock.json"}  # fmt: skip
 # Brings the loopback up in the new network namespace (SIOCGIFFLAGS / SIOCSIFFLAGS on lo,
@@ -151,8 +152,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     script = ["bash", "bench/gpu_device.sh", "--dry-run"]
     if prefix:
         script = [sys.executable, "-c", LO_UP, *script]
+    # 480 s: the script's stages on 2 loaded cores (torch-pipelined added ~30 s)
     proc = subprocess.run([*prefix, *script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=420)  # fmt: skip
+                          text=True, timeout=480)  # fmt: skip
     out = tmp / "out"
     log = (out / "gpu-device.log").read_text() if (out / "gpu-device.log").exists() else ""
     assert proc.returncode == 0, log[-4000:] + proc.stderr[-2000:]
@@ -235,6 +237,22 @@ def test_the_engine_ran_the_demo_both_ways_end_to_end(run: dict) -> None:
         assert all(len(e["rewards"]) == 3 for e in got["experiments"])
     parity = e2e["reward_parity"]
     assert [p["experiment"] for p in parity] == ["say-yes", "say-no", "copy-abc", "say-sum"]
+
+
+def test_the_torch_pipelined_stage_timed_both_schedules_with_parity(run: dict) -> None:
+    """bench/gpu_pipelined.py, folded into e2e.json (the call's 8 files are all used): on
+    the CPU the side stream is never taken (so it says why), and the pipelined run's
+    rewards and weights are the sync run's."""
+    got = run["e2e.json"]["torch_pipelined"]
+    assert got["ran_on_gpu"] is False and got["device"] == "cpu"
+    assert [r["schedule"] for r in got["runs"]] == ["sync", "pipelined"]
+    piped = got["runs"][1]
+    assert piped["side_stream_ticks"] == 0 and piped["stream_blocker"] == "not on CUDA"
+    assert all(phase == "Succeeded" for r in got["runs"] for phase in r["phases"])
+    assert got["parity"]["ok"] and got["parity"]["rewards_equal"]
+    assert all(e["steps"] == 3 for e in got["parity"]["experiments"].values())
+    assert got["speedup"] > 0 and set(got["wall_s_median"]) == {"sync", "pipelined"}
+    assert run["e2e.json"]["runs"]["fused"]["succeeded"]  # the e2e's own result is kept
 
 
 def test_the_tinker_clock_ran_both_configs_with_ratio_and_parity(run: dict) -> None:

@@ -95,6 +95,27 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "engines": {"metricsService": {"enabled": False}},
     },
     "no-gateway": {"gateway": {"enabled": False}},
+    # AIBrix ModelAdapters for published aliases (operator/loraplex_operator/aibrix.py).
+    "aibrix": {"aibrix": {"enabled": True, "podSelector": {"model.aibrix.ai/name": "base"}}},
+    "aibrix-namespaced": merge(
+        NAMESPACED, {"aibrix": {"enabled": True, "podSelector": {"app": "vllm"}}}
+    ),
+    # The vLLM serving fleet (templates/fleet.yaml, tests/chart/test_chart_fleet.py).
+    "fleet": {
+        "fleet": {
+            "enabled": True,
+            "experiments": ["team-a/support-bot", "team-b/summarise"],
+            "model": "/models/base",
+            "maxLoraRank": 32,
+            "maxLoras": 4,
+            "port": 8100,
+            "pollSeconds": 0.5,
+            "checkpoint": {
+                "root": "/var/lib/loraplex/ckpt",
+                "volume": {"persistentVolumeClaim": {"claimName": "loraplex-ckpt"}},
+            },
+        }
+    },
     "digest-debug": {
         "operator": {"image": {"digest": "sha256:" + "a" * 64}, "logLevel": "debug"},
         "fullnameOverride": "lp",

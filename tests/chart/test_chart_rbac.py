@@ -20,6 +20,7 @@ SCOPES = {"cluster", "watched", "engines", "operatorNamespace", "engineSecret", 
 MODES = {"cluster", "namespaced"}
 SECRET = "loraplex-engine-token"
 KEYS = {"apiGroups", "resources", "verbs", "scope", "modes", "why", "unobserved", "generatedToken"}
+KEYS |= {"aibrix"}
 VALID_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
 
 
@@ -54,12 +55,19 @@ def _triples(rules: list[dict]) -> set[tuple]:
 
 
 def expected(
-    mode: str, watched: list[str], engine_ns: str, secret: str = SECRET, generated: bool = True
+    mode: str,
+    watched: list[str],
+    engine_ns: str,
+    secret: str = SECRET,
+    generated: bool = True,
+    aibrix: bool = False,
 ) -> dict[str, set[tuple]]:
     """Where each contract rule must be granted: 'cluster' or a namespace → triples."""
     out: dict[str, set[tuple]] = {}
     for rule in contract()["rules"]:
         if mode not in rule.get("modes", MODES) or (rule.get("generatedToken") and not generated):
+            continue
+        if rule.get("aibrix") and not aibrix:
             continue
         scope = rule["scope"]
         if scope == "engineSecret":
@@ -113,6 +121,24 @@ def rendered(docs: list[dict], who: str = "operator") -> dict[str, set[tuple]]:
 def test_rendered_rbac_matches_contract(scenario, mode, watched, engine_ns) -> None:
     docs = render(SCENARIOS[scenario])
     assert rendered(docs) == expected(mode, watched, engine_ns)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mode", "watched"),
+    [("aibrix", "cluster", []), ("aibrix-namespaced", "namespaced", ["team-a", "team-b"])],
+)
+def test_aibrix_adds_its_modeladapter_grants(scenario: str, mode: str, watched: list) -> None:
+    grants = rendered(render(SCENARIOS[scenario]))
+    assert grants == expected(mode, watched, NAMESPACE, aibrix=True)
+    where = {t for targets in grants.values() for t in targets if t[0] == "model.aibrix.ai"}
+    assert {t[2] for t in where} == {"list", "create", "patch", "delete"}
+    assert not any(t[0] == "model.aibrix.ai" for t in _triples(_all_rules(SCENARIOS["default"])))
+
+
+def _all_rules(values: dict) -> list[dict]:
+    docs = render(values)
+    return [r for kind in ("ClusterRole", "Role") for role in operator_roles(docs, kind)
+            for r in role["rules"]]  # fmt: skip
 
 
 def test_with_an_existing_secret_the_operator_may_create_no_secret() -> None:

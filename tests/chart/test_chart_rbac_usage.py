@@ -62,6 +62,8 @@ def unused_grants(rules: list[dict[str, Any]], calls: set[Call]) -> list[str]:
     """Problems: a granted verb neither used nor explained, or explained but used."""
     problems = []
     for rule in rules:
+        if rule.get("aibrix"):  # off in this run; tests/operator/test_aibrix_e2e.py uses them
+            continue
         reasons = rule.get("unobserved", {})
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:

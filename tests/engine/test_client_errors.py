@@ -22,7 +22,7 @@ IS = LossCall("importance_sampling")
 @pytest.fixture(scope="module")
 def eng(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     e = engine(tiny_model_dir, tmp_path_factory.mktemp("client-errors"), max_adapters=2)
-    e.create_model(NS, "m", ClientLora(rank=4, seed=0))
+    e.clients.create_model(NS, "m", ClientLora(rank=4, seed=0))
     yield e
     e.close()
 
@@ -57,52 +57,52 @@ def _without(key: str) -> ClientDatum:
 )
 def test_bad_data_names_its_field(eng, data, loss, field) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        eng.forward_backward(NS, "m", data, loss)
+        eng.clients.forward_backward(NS, "m", data, loss)
     assert e.value.field == field, e.value
 
 
 def test_bad_settings_name_their_field(eng) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        eng.create_model(NS, "big", ClientLora(rank=64))
+        eng.clients.create_model(NS, "big", ClientLora(rank=64))
     assert e.value.field == "lora_config.rank"
     with pytest.raises(InvalidRequestError) as e:
-        eng.optim_step(NS, "m", AdamStep(beta1=1.5))
+        eng.clients.optim_step(NS, "m", AdamStep(beta1=1.5))
     assert e.value.field == "adam_params"
     with pytest.raises(InvalidRequestError) as e:
-        eng.load_state(NS, "m", "s3://elsewhere", with_optimizer=False)
+        eng.clients.load_state(NS, "m", "s3://elsewhere", with_optimizer=False)
     assert e.value.field == "path"
     with pytest.raises(InvalidRequestError) as e:
-        eng.sample(NS, eng.model_name, SampleCall([1, 1000]))
+        eng.clients.sample(NS, eng.model_name, SampleCall([1, 1000]))
     assert e.value.field == "prompt"
 
 
 def test_a_full_engine_has_no_capacity(eng) -> None:
-    eng.create_model(NS, "second", ClientLora(rank=4))
+    eng.clients.create_model(NS, "second", ClientLora(rank=4))
     with pytest.raises(NoCapacityError):
-        eng.create_model(NS, "third", ClientLora(rank=4))
+        eng.clients.create_model(NS, "third", ClientLora(rank=4))
     assert eng.capacity().used_slots == 2
-    drive(eng, lambda: eng.unload_model(NS, "second"))
+    drive(eng, lambda: eng.clients.unload_model(NS, "second"))
     assert eng.capacity().used_slots == 1
 
 
 def test_another_namespace_sees_nothing(eng) -> None:
-    (saved,) = drive(eng, lambda: eng.save_state(NS, "m", "mine", "sampler_weights"))
-    (weights,) = drive(eng, lambda: eng.save_state(NS, "m", "w", "weights"))
+    (saved,) = drive(eng, lambda: eng.clients.save_state(NS, "m", "mine", "sampler_weights"))
+    (weights,) = drive(eng, lambda: eng.clients.save_state(NS, "m", "w", "weights"))
     other = "team-b"
     for call in (
-        lambda: eng.model_info(other, "m"),
-        lambda: eng.forward(other, "m", [GOOD], CE),
-        lambda: eng.optim_step(other, "m", AdamStep()),
-        lambda: eng.save_state(other, "m", "x", "weights"),
-        lambda: eng.unload_model(other, "m"),
-        lambda: eng.sample(other, saved.path, SampleCall([1, 2])),
-        lambda: eng.create_model_from_state(other, "stolen", weights.path, True),
+        lambda: eng.clients.model_info(other, "m"),
+        lambda: eng.clients.forward(other, "m", [GOOD], CE),
+        lambda: eng.clients.optim_step(other, "m", AdamStep()),
+        lambda: eng.clients.save_state(other, "m", "x", "weights"),
+        lambda: eng.clients.unload_model(other, "m"),
+        lambda: eng.clients.sample(other, saved.path, SampleCall([1, 2])),
+        lambda: eng.clients.create_model_from_state(other, "stolen", weights.path, True),
     ):
         with pytest.raises(NotFoundError):
             call()
-    assert eng.list_models(other) == [] and eng.list_saved(other) == []
-    assert {s.path for s in eng.list_saved(NS, "m")} >= {saved.path, weights.path}
-    eng.create_model(other, "own", ClientLora(rank=4))
+    assert eng.clients.list_models(other) == [] and eng.clients.list_saved(other) == []
+    assert {s.path for s in eng.clients.list_saved(NS, "m")} >= {saved.path, weights.path}
+    eng.clients.create_model(other, "own", ClientLora(rank=4))
     with pytest.raises(NotFoundError):  # a path of NS, loaded from team-b's model
-        eng.load_state(other, "own", weights.path, with_optimizer=True)
-    drive(eng, lambda: eng.unload_model(other, "own"))
+        eng.clients.load_state(other, "own", weights.path, with_optimizer=True)
+    drive(eng, lambda: eng.clients.unload_model(other, "own"))

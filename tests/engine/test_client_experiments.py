@@ -49,8 +49,8 @@ def eng(tiny_model_dir: Path, tmp_path: Path):
 
 
 def _step(eng) -> dict[str, float]:
-    drive(eng, lambda: eng.forward_backward(NS, MODEL, DATA, CE))
-    return drive(eng, lambda: eng.optim_step(NS, MODEL, AdamStep(learning_rate=0.01)))[0]
+    drive(eng, lambda: eng.clients.forward_backward(NS, MODEL, DATA, CE))
+    return drive(eng, lambda: eng.clients.optim_step(NS, MODEL, AdamStep(learning_rate=0.01)))[0]
 
 
 def _steps_on_disk(eng) -> list[str]:
@@ -108,7 +108,7 @@ def test_a_removal_between_checkpoints_writes_one(eng) -> None:
 
 
 def test_the_tinker_protocol_adopts_the_model_in_its_namespace_only(eng) -> None:
-    proto = Protocol(lambda: eng)
+    proto = Protocol(lambda: eng.clients)
     try:
         with pytest.raises(NotFoundError):
             proto.registry.model(NS, MODEL)  # not put yet
@@ -137,7 +137,7 @@ def test_a_model_its_client_unloaded_leaves_no_journal(eng) -> None:
     journal = eng.client_experiments.journal_dir(NS, MODEL)
     journal.mkdir(parents=True)
     (journal / "7.op").write_text("{}")
-    drive(eng, lambda: eng.unload_model(NS, MODEL))  # the client's unload_model
+    drive(eng, lambda: eng.clients.unload_model(NS, MODEL))  # the client's unload_model
     assert eng.get_experiment(EXP).phase == "Succeeded"
     removed = eng.remove_experiment(EXP)  # the operator, once the gateway deleted it
     assert removed.phase == "Succeeded" and not journal.exists()
@@ -165,8 +165,8 @@ def test_openai_completions_by_the_experiment_id_run_on_its_client_adapter(eng) 
     data = [sft_datum([1, 40, 41, 42], target)]
     assert _complete(eng, eng.model_name) != target  # else the test proves nothing
     for _ in range(20):
-        drive(eng, lambda: eng.forward_backward(NS, MODEL, data, CE))
-        drive(eng, lambda: eng.optim_step(NS, MODEL, AdamStep(learning_rate=0.05)))
+        drive(eng, lambda: eng.clients.forward_backward(NS, MODEL, data, CE))
+        drive(eng, lambda: eng.clients.optim_step(NS, MODEL, AdamStep(learning_rate=0.05)))
     assert _complete(eng, EXP) == target
     assert _complete(eng, eng.model_name) != target  # the base is untouched
     with pytest.raises(NotFoundError):

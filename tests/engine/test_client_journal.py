@@ -115,7 +115,7 @@ def test_an_engine_lost_with_operations_queued_is_replayed_where_the_model_resum
     # The reference: two steps, uninterrupted.
     ref = engines("ref")
     ref.put_experiment(EXP, SPEC, NS, NAME)
-    p = Protocol(lambda: ref)
+    p = Protocol(lambda: ref.clients)
     with ticking(ref):
         rids = [p.forward_backward(NS, fb(1), None), p.optim_step(NS, optim(2))]
         rids += [p.forward_backward(NS, fb(3), None), p.optim_step(NS, optim(4))]
@@ -129,7 +129,7 @@ def test_an_engine_lost_with_operations_queued_is_replayed_where_the_model_resum
     # before it runs it.
     one = engines("shared")
     one.put_experiment(EXP, SPEC, NS, NAME)
-    p1 = Protocol(lambda: one)
+    p1 = Protocol(lambda: one.clients)
     with ticking(one):
         wait_done(p1, p1.forward_backward(NS, fb(1), None))
         wait_done(p1, p1.optim_step(NS, optim(2)))
@@ -141,7 +141,7 @@ def test_an_engine_lost_with_operations_queued_is_replayed_where_the_model_resum
     two = engines("shared")
     status, _ = two.put_experiment(EXP, SPEC, NS, NAME)
     assert status.step == 1
-    p2 = Protocol(lambda: two)
+    p2 = Protocol(lambda: two.clients)
     try:
         # Step 1's answer, had the client not read it before the crash: kept.
         kept = find_future(p2, NS, f"{MODEL}#2")
@@ -199,7 +199,7 @@ def test_a_step_lost_between_its_checkpoint_and_its_answer_is_answered(engines: 
     404, and replays nothing twice."""
     one = engines("shared")
     one.put_experiment(EXP, SPEC, NS, NAME)
-    p1 = Protocol(lambda: one)
+    p1 = Protocol(lambda: one.clients)
     with ticking(one):
         wait_done(p1, p1.forward_backward(NS, fb(1), None))
         wait_done(p1, p1.optim_step(NS, optim(2)))
@@ -213,7 +213,7 @@ def test_a_step_lost_between_its_checkpoint_and_its_answer_is_answered(engines: 
 
     two = engines("shared")
     assert two.put_experiment(EXP, SPEC, NS, NAME)[0].step == 1
-    p2 = Protocol(lambda: two)
+    p2 = Protocol(lambda: two.clients)
     try:
         fut = find_future(p2, NS, f"{MODEL}#2")
         assert fut is not None and fut.state == "done" and fut.result == {"metrics": {}}

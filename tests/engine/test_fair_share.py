@@ -79,3 +79,29 @@ def test_a_namespace_at_its_cap_of_calls_in_flight_waits_and_others_do_not() -> 
         time.sleep(0.01)
     assert scorer.in_flight("team-a") == 0 and not scorer.waits(a3)
     assert scorer.arrived([a2]) == [True]  # a1 was removed: its result is dropped
+
+
+def test_an_experiment_may_have_several_rewards_pending() -> None:
+    """Under the pipelined schedule with maxStaleness > 0; each comes back when done (the
+    pipelined tick trains them in the order they started: pipelined_tick.Lane)."""
+    first, second = threading.Event(), threading.Event()
+    scorer: RewardScorer[str] = RewardScorer(0.01, lambda: None)
+    a, b = experiment("a"), experiment("b")
+
+    def call(ev: threading.Event, name: str) -> str:
+        ev.wait(5)
+        return name
+
+    assert scorer.score([(a, lambda: call(first, "a1"))]) == []
+    assert scorer.score([(a, lambda: call(second, "a2")), (b, lambda: "b1")]) == ["b1"]
+    assert scorer.pending(a) == 2 and scorer.pending(b) == 0
+    assert scorer.waits(a) and not scorer.namespace_full(a)
+    second.set()  # the later call ends first
+    deadline = time.monotonic() + 5
+    while scorer.in_flight("default") > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.arrived([a]) == ["a2"] and scorer.pending(a) == 1
+    first.set()
+    while scorer.in_flight("default") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.arrived([a]) == ["a1"] and not scorer.is_pending(a)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import tinker
@@ -24,7 +23,7 @@ from gateway_process import GatewayProcess
 from server_process import EngineServer, wait_until
 from test_server_live import put_body, small_spec
 from tinker import types
-from tinker_clients import service_client
+from tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 
@@ -90,18 +89,6 @@ def oai(gw: GatewayProcess, key: str) -> openai.OpenAI:
 
 def service(gw: GatewayProcess, key: str = KEY_A) -> tinker.ServiceClient:
     return service_client(gw.url, key)
-
-
-def sft(prompt: list[int], answer: list[int]) -> types.Datum:
-    seq = prompt + answer
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(seq[:-1]),
-        loss_fn_inputs={
-            "target_tokens": np.array(seq[1:], dtype=np.int64),
-            "weights": np.array(weights, dtype=np.float32),
-        },
-    )
 
 
 def test_the_openai_client_streams_from_as_adapter(gateway: GatewayProcess) -> None:

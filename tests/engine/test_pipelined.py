@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,13 @@ import pytest
 import torch
 from engine_builders import engine, spec
 from loraplex_engine.errors import UsageError
-from loraplex_engine.pipelined_tick import PipelinedTick, fill_split, may_roll_out, tick_class
+from loraplex_engine.pipelined_tick import (
+    Lane,
+    PipelinedTick,
+    fill_split,
+    may_roll_out,
+    tick_class,
+)
 from loraplex_engine.tick import Tick
 
 STEPS = 4
@@ -135,12 +142,32 @@ def _exp(staleness: int, step: int = 0, max_steps: int = 5, eval_due: bool = Fal
 
 
 def test_who_may_roll_out() -> None:
-    assert may_roll_out(_exp(0), training=False)
-    assert not may_roll_out(_exp(0), training=True)  # waits for its own update
-    assert may_roll_out(_exp(1), training=True)
-    assert not may_roll_out(_exp(1, step=4), training=True)  # that update is its last
-    assert not may_roll_out(_exp(0, step=5), training=False)  # finished
-    assert may_roll_out(_exp(0, step=5, eval_due=True), training=False)  # its last eval
+    # pending: the experiment's updates not landed yet (this rollout would be that stale)
+    assert may_roll_out(_exp(0), pending=0)
+    assert not may_roll_out(_exp(0), pending=1)  # waits for its own update
+    assert may_roll_out(_exp(1), pending=1)
+    assert not may_roll_out(_exp(1), pending=2)
+    assert may_roll_out(_exp(3), pending=3) and not may_roll_out(_exp(3), pending=4)
+    assert may_roll_out(_exp(16, max_steps=0), pending=16)  # continual
+    assert not may_roll_out(_exp(1, step=4), pending=1)  # that update is its last
+    assert may_roll_out(_exp(3, step=2), pending=2)  # step 4 of 5 would be its last
+    assert not may_roll_out(_exp(3, step=2), pending=3)  # a 6th step of 5
+    assert not may_roll_out(_exp(0, step=5), pending=0)  # finished
+    assert may_roll_out(_exp(0, step=5, eval_due=True), pending=0)  # its last eval
+    assert not may_roll_out(_exp(2, step=5, eval_due=True), pending=1)  # after its updates
+
+
+def test_a_lane_trains_its_rollouts_in_the_order_they_started() -> None:
+    exp = _exp(2)
+    lane = Lane(exp)  # type: ignore[arg-type]
+    lane.started.extend([3, 4, 5])
+    scored = {t: SimpleNamespace(rollout=SimpleNamespace(planned_tick=t)) for t in (3, 4, 5, 9)}
+    assert lane.file(scored[4]) and lane.file(scored[5])  # type: ignore[arg-type]
+    assert lane.take_head() is None  # tick 3's reward is late: 4 and 5 wait behind it
+    assert not lane.file(scored[9])  # type: ignore[arg-type]  # not started in this lane
+    assert lane.file(scored[3])  # type: ignore[arg-type]
+    assert [lane.take_head() for _ in range(4)] == [scored[3], scored[4], scored[5], None]
+    assert not lane.started and not lane.scored
 
 
 def test_the_first_tick_rolls_out_half_the_on_policy_experiments() -> None:
@@ -229,3 +256,84 @@ def test_a_stale_experiment_failing_in_its_next_rollout_does_not_step(
     assert status.phase == "Failed" and "reward failed" in status.error and status.step == 0
     assert [t.failed_reason for t in reports if t.id == "bad"] == ["reward_error"]
     assert eng.get_experiment("good").phase == "Succeeded"
+
+
+class _HeldReward(BaseHTTPRequestHandler):
+    """A reward service that holds its first ``held`` calls until all of them have come
+    (then answers every call at once): an experiment allowed that much staleness keeps
+    starting rollouts while its rewards are out, and no other tenant is held."""
+
+    held = 0
+    calls = 0
+    lock = threading.Lock()
+    all_in = threading.Event()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.calls += 1
+            if cls.calls >= cls.held:
+                cls.all_in.set()
+        cls.all_in.wait(60)  # bounded: a broken pipeline fails the test, not hangs it
+        scores = [float(len(item["completion"]) % 3) for item in body["items"]]
+        answer = json.dumps({"scores": scores}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _drive(eng: Any, ids: list[str], limit_s: float = 240.0) -> list[Any]:
+    """Tick until none of ``ids`` runs, waiting for late rewards as the engine loop does."""
+    reports: list[Any] = []
+    deadline = time.monotonic() + limit_s
+    while any(eng.get_experiment(i).phase == "Running" for i in ids):
+        assert time.monotonic() < deadline, "still running"
+        report = eng.tick()
+        if report is None:
+            eng.work_available.wait(1.0)
+            continue
+        reports += report.experiments
+    return reports
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_stale_by_k_rollouts_are_at_most_k_steps_behind(
+    tiny_model_dir: Path, tmp_path: Path, k: int
+) -> None:
+    """maxStaleness k with a reward service slower than the engine's reward deadline:
+    the experiment starts a rollout each tick while its rewards are out, until k of its
+    updates are pending, and then waits. Its steps' recorded versions: the first rollout
+    on-policy, then one step more behind each, up to k and never more; an on-policy
+    experiment beside it stays on-policy and is not held back."""
+    steps = k + 4
+    _HeldReward.held, _HeldReward.calls = k + 1, 0
+    _HeldReward.all_in.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HeldReward)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/score"
+        eng = engine(tiny_model_dir, tmp_path, schedule="pipelined", reward_deadline=0.05)
+        held = {"name": "target-token", "reward": "http", "rewardUrl": url}
+        slow = spec(held, steps=steps, group=4, prompts=2)  # the size of strict's: same pace
+        alg = slow.algorithm.model_copy(update={"max_staleness": k})
+        eng.put_experiment("slow", slow.model_copy(update={"algorithm": alg}))
+        eng.put_experiment("strict", _specs(0)["exp0"])
+        reports = _drive(eng, ["slow", "strict"])
+    finally:
+        server.shutdown()
+    mine = [t for t in reports if t.id == "slow"]
+    assert [t.failed_reason for t in mine] == [None] * steps
+    lag = [t.step - 1 - t.rollout_version for t in mine]
+    # k + 1 rollouts (versions 0) went out before the first reward came back; each later
+    # one started with k updates pending. Without the bound the held rewards would let
+    # it start one a tick: lag k + 1 and more.
+    assert lag == list(range(k + 1)) + [k] * (steps - k - 1), lag
+    strict = [t for t in reports if t.id == "strict"]
+    assert [t.rollout_version for t in strict] == [t.step - 1 for t in strict]
+    assert len(strict) == STEPS and eng.get_experiment("slow").phase == "Succeeded"

@@ -20,7 +20,7 @@ import pytest
 import tinker
 from server_process import EngineServer
 from tinker import types
-from tinker_clients import service_client
+from tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 
@@ -53,19 +53,6 @@ def service(server: EngineServer, key: str = KEY_A) -> tinker.ServiceClient:
 
 def base_model(client: tinker.ServiceClient) -> str:
     return client.get_server_capabilities().supported_models[0].model_name
-
-
-def sft(prompt: list[int], answer: list[int]) -> types.Datum:
-    """Next-token training on ``answer`` after ``prompt``: the SDK's usual datum."""
-    seq = prompt + answer
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(seq[:-1]),
-        loss_fn_inputs={
-            "target_tokens": np.array(seq[1:], dtype=np.int64),
-            "weights": np.array(weights, dtype=np.float32),
-        },
-    )
 
 
 def train(tc: tinker.TrainingClient, data: list[types.Datum], steps: int, lr: float) -> list[float]:

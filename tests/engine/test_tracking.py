@@ -39,6 +39,7 @@ def tick(**kw: object) -> ExperimentTick:
         "name": "exp",
         "run_id": "uid-1",
     }
+    base["rollout_version"] = int(kw.get("step", 3)) - 1  # type: ignore[call-overload]
     return ExperimentTick(**(base | kw))  # type: ignore[arg-type]
 
 
@@ -64,8 +65,13 @@ def test_a_step_becomes_one_record_with_every_known_metric() -> None:
         "rollout_tokens": 40.0,
         "train_tokens": 90.0,
         "dropped_groups": 0.0,
+        "rollout_version": 2.0,
+        "rollout_staleness": 0.0,
     }
     assert set(rec.metrics) <= set(METRICS)
+    # A pipelined step sampled with older weights records which ones, and the lag.
+    (rec,) = records_of(report(tick(rollout_version=0)), "pool-a", 0)
+    assert (rec.metrics["rollout_version"], rec.metrics["rollout_staleness"]) == (0.0, 2.0)
 
 
 def test_unknown_and_non_finite_metrics_are_left_out() -> None:
@@ -269,6 +275,7 @@ def test_tensorboard_event_files_hold_each_metric_by_step(tmp_path: Path) -> Non
     assert got["kl"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]
     assert set(got) == {
         "reward_mean", "kl", "step_seconds", "rollout_tokens", "train_tokens", "dropped_groups",
+        "rollout_version", "rollout_staleness",
     }  # fmt: skip
     assert '"runName": "r1"' in (run_dir / "run.json").read_text()
 

@@ -232,7 +232,7 @@ def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
     for model, n in ((f"{exp_id}@v2", 2), (f"{exp_id}:latest", None)):
         # an alias resolves when the call is queued: before the ticks that publish more
         n = n or int(eng.get_experiment(exp_id).aliases["latest"][1:])
-        (sampled,) = drive(eng, lambda m=model: eng.sample(NS, m, call))
+        (sampled,) = drive(eng, lambda m=model: eng.clients.sample(NS, m, call))
         row = sampled.rows[0]
         version_dir = VersionStore(root).path(NS, "tink", n)
         want = _peft_logprobs(tiny_model_dir, version_dir, prompt, row.token_ids)
@@ -241,7 +241,7 @@ def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
         assert max(abs(a - b) for a, b in zip(want, base, strict=True)) > 1e-3
     assert len(eng.model.adapters()) == slots  # the spare slots were freed
     with pytest.raises(NotFoundError, match="namespace 'other'"):
-        eng.sample("other", f"{exp_id}@v1", call)  # another tenant's version: not found
+        eng.clients.sample("other", f"{exp_id}@v1", call)  # another tenant's version: not found
 
 
 def test_the_latest_version_series(eng) -> None:

@@ -371,6 +371,15 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
         shortnames={"ep", "lxpool"},
         subresources={"status"},
     )
+    # AIBrix's ModelAdapter CRD, as on a cluster that has AIBrix (the operator writes
+    # them only with the chart's aibrix.enabled: operator/loraplex_operator/aibrix.py).
+    api.resources["model.aibrix.ai/v1alpha1/modeladapters"] = kmock.ResourceInfo(
+        kind="ModelAdapter",
+        singular="modeladapter",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete", "update"},
+        subresources={"status"},
+    )
 
 
 # --- RBAC: what the operator called vs. what the chart grants ------------------------

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import tinker
@@ -37,7 +36,7 @@ from loraplex_operator.api.pool import FAMILY_TARGET_MODULES
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.kube import EXPERIMENTS, POOLS, SECRETS
 from tinker import types
-from tinker_clients import service_client
+from tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 
@@ -47,18 +46,6 @@ KEY_B = "tml-team-b-train-0123456789"
 KEYS = [("team-a", KEY_A, "train", "a"), ("team-a", KEY_A_RO, "sample", "a-ro")]
 KEYS += [("team-b", KEY_B, "train", "b")]
 PROMPT, ANSWER = [1, 40, 41, 42], [100, 101, 102, 103]
-
-
-def sft(prompt: list[int], answer: list[int]) -> types.Datum:
-    seq = prompt + answer
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(seq[:-1]),
-        loss_fn_inputs={
-            "target_tokens": np.array(seq[1:], dtype=np.int64),
-            "weights": np.array(weights, dtype=np.float32),
-        },
-    )
 
 
 def _train(tc: Any, steps: int, kill_at: int = -1, kill: Any = None) -> list[float]:

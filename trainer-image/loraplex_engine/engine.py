@@ -31,7 +31,6 @@ from loraplex_engine.api_types import (
 from loraplex_engine.base_model import default_lora_targets, model_shape_of
 from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
-from loraplex_engine.clients.service import ClientTraining
 from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.errors import (
     AdapterError,
@@ -62,6 +61,7 @@ from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.store.versions import VersionStore
+from loraplex_engine.tenancy.admissions import KeyedLocks
 from loraplex_engine.tenancy.fair_share import RewardScorer
 from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
@@ -80,9 +80,9 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientExperimentAPI, ClientTraining, Versions):
-    """Implements :class:`loraplex_engine.service.TickingEngine` and, through
-    clients/service.py, :class:`loraplex_engine.training_service.TrainingService`.
+class Engine(ClientExperimentAPI, Versions):
+    """Implements :class:`loraplex_engine.service.TickingEngine`; its ``clients``
+    (clients/models.py) implement :class:`loraplex_engine.training_service.TrainingService`.
 
     ``settings`` (settings/engine.py, each field's help says what it does) configure it;
     the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not
@@ -235,9 +235,11 @@ class Engine(ClientExperimentAPI, ClientTraining, Versions):
             self.context_tokens,
             self.publisher,
         )
+        self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).
         self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
         self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
+        self.admissions = KeyedLocks()  # one PUT per experiment id at a time
 
     @property
     def computed_train_tokens(self) -> int:

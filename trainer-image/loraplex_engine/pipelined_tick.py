@@ -7,35 +7,53 @@ generate and score, on a thread: with vLLM in its own process the two use differ
 cores (or devices). Per experiment the stages stay in order (generate → score → train →
 sync), so with ``algorithm.maxStaleness`` 0 an experiment never generates in the tick
 that trains it, and samples with the weights of its own last update: on-policy, as in the
-sync tick. With maxStaleness > 0 it may generate in that tick too, from the weights
-before the update: one step stale, corrected by the PPO ratio against the sampler's
-log-probs (torch rollout) or TIS (vLLM, ``offPolicyCorrection: tis``). Every trained
-step reports the version its rollout was sampled with (``ExperimentTick.rollout_version``).
+sync tick. With maxStaleness k > 0 its next rollout may start while up to k of its
+updates have not landed (the one being made this tick, scored rollouts waiting for
+theirs, rewards still pending: :class:`Lane`), from the weights before them: at most k
+steps stale, corrected by the PPO ratio against the sampler's log-probs (torch rollout)
+or TIS (vLLM, ``offPolicyCorrection: tis``). An experiment's rollouts train in the order
+they started, one a tick. Every trained step reports the version its rollout was sampled
+with (``ExperimentTick.rollout_version``).
 
 Every backend call finishes inside the tick (the rollout thread is joined before the
 trained adapters sync), so adding and removing experiments between ticks is as safe as
-under the sync tick. A rollout that shares the trainer's weights (torch) cannot overlap
-the update without reading half-updated weights: there the stages run one after the
+under the sync tick. A rollout that shares the trainer's weights (torch) overlaps the
+update only on CUDA, on a side stream, when its slots are not the update's and both
+working sets fit (rollout/torch/streams.py); otherwise the stages run one after the
 other, rollout first (a stale rollout then samples the pre-update weights, as recorded).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 
-from loraplex_engine.api_types import TICK_PHASES, TickReport
+import torch
+
+from loraplex_engine.api_types import TICK_PHASES, MemoryPlan, TickReport
 from loraplex_engine.completion_jobs import CompletionJob
-from loraplex_engine.errors import UsageError
+from loraplex_engine.errors import AdapterError, UsageError
 from loraplex_engine.experiment import Experiment
 from loraplex_engine.parallel.distributed import World
+from loraplex_engine.rollout.torch.streams import (
+    SideStream,
+    StaticFacts,
+    TickFacts,
+    overlap_blocker,
+    static_blocker,
+)
 from loraplex_engine.settings.engine import SCHEDULES
 from loraplex_engine.tenancy.fair_share import due_to_roll_out
 from loraplex_engine.tick import Tick
 from loraplex_engine.tick_results import Failure, Rollout, Scored, Trained, failed, guarded, keep
 from loraplex_engine.train.strategy import TrainingStrategy
+
+log = logging.getLogger("loraplex_engine.tick")
 
 
 def tick_class(schedule: str, world: World | None = None) -> type[Tick]:
@@ -51,20 +69,30 @@ def max_staleness(exp: Experiment) -> int:
     return exp.spec.algorithm.max_staleness
 
 
-def may_roll_out(exp: Experiment, training: bool) -> bool:
-    """``exp`` may start a rollout this tick: not while its own update is being made
-    unless it allows a stale one, and never past its last step (but for the eval of its
-    last adapter, spec.eval)."""
+def may_roll_out(exp: Experiment, pending: int) -> bool:
+    """``exp`` may start a rollout this tick while ``pending`` of its updates have not
+    landed (each lands before this rollout's own, which is then ``pending`` steps stale):
+    at most its maxStaleness, and never a rollout past its last step (but for the eval of
+    its last adapter, spec.eval, once every update has landed)."""
     if exp.finished_steps:
-        return not training and exp.eval_due()
-    if not training:
+        return pending == 0 and exp.eval_due()
+    if pending == 0:
         return True
-    last = exp.max_steps > 0 and exp.step + 1 >= exp.max_steps
-    return max_staleness(exp) > 0 and not last
+    beyond_last = exp.max_steps > 0 and exp.step + pending >= exp.max_steps
+    return pending <= max_staleness(exp) and not beyond_last
 
 
 def _owner(item: Trained | Failure) -> Experiment:
     return item.exp if isinstance(item, Failure) else item.scored.rollout.exp
+
+
+def _client_trains(client_train: Callable[[TrainingStrategy], None] | None) -> bool:
+    """Client models train in this tick: the engine passes its client tick's ``train``
+    every tick (clients/ticking.py), which trains only when it took train calls."""
+    if client_train is None:
+        return False
+    owner = getattr(client_train, "__self__", None)
+    return bool(getattr(owner, "segments", True))
 
 
 def fill_split(due: list[Experiment]) -> list[Experiment]:
@@ -78,16 +106,89 @@ def fill_split(due: list[Experiment]) -> list[Experiment]:
     return [e for e in due if max_staleness(e) > 0 or id(e) in first]
 
 
+@dataclass
+class Lane:
+    """One experiment's rollouts from their start to their update, in the order they
+    started (by the tick that planned them): the head trains first, once scored."""
+
+    exp: Experiment
+    started: deque[int] = field(default_factory=deque)  # planned ticks, oldest first
+    scored: dict[int, Scored] = field(default_factory=dict)  # their rewards are back
+
+    def head(self) -> Scored | None:
+        return self.scored.get(self.started[0]) if self.started else None
+
+    def take_head(self) -> Scored | None:
+        """The oldest rollout if it is scored (its update is made now), else None."""
+        head = self.head()
+        if head is not None:
+            del self.scored[self.started.popleft()]
+        return head
+
+    def file(self, s: Scored) -> bool:
+        """Keep a scored rollout until its turn; False: not one of this lane's (started
+        before the experiment left the running set)."""
+        if s.rollout.planned_tick not in self.started:
+            return False
+        self.scored[s.rollout.planned_tick] = s
+        return True
+
+
 class PipelinedTick(Tick):
-    """Trains last tick's scored rollouts while this tick's generate (module doc)."""
+    """Trains earlier ticks' scored rollouts while this tick's generate (module doc)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        # Scored rollouts waiting for their update: at most one per experiment.
-        self.ready: dict[str, Scored] = {}
+        # Per experiment id: its rollouts between their start and their update.
+        self.lanes: dict[str, Lane] = {}
+        # The torch rollout beside the update on CUDA (attach_streams); why not, if not.
+        self.streams: SideStream | None = None
+        self.memory_plan: MemoryPlan | None = None
+        self.stream_blocker: str | None = "not attached"
+        self.side_stream_ticks = 0  # ticks whose rollout ran on the side stream
+
+    def attach_streams(self, device: torch.device, plan: MemoryPlan) -> None:
+        """Called once the memory plan is made: a side stream where the torch rollout may
+        ever run beside training (rollout/torch/streams.py), else the reason it may not."""
+        config = self.model.base_model.config
+        facts = StaticFacts(
+            device_type=device.type,
+            torch_rollout=self.backend.shares_trainer_weights,
+            single_process=getattr(self.backend, "lockstep", None) is None
+            and getattr(self.backend, "distribute", None) is None,
+            checkpointing=bool(getattr(self.strategy, "gradient_checkpointing", False)),
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        )
+        self.memory_plan, self.stream_blocker = plan, static_blocker(facts)
+        self.streams = SideStream(device) if self.stream_blocker is None else None
 
     def has_work(self, running: list[Experiment]) -> bool:
-        return bool(self.ready) or super().has_work(running)
+        if self.scorer.has_arrived():
+            return True
+        for e in running:
+            lane = self._lane_of(e)
+            pending = len(lane.started) if lane else 0
+            if pending == 0 and not self.scorer.waits(e):  # idle: as under the sync tick
+                return True
+            if lane and (lane.head() is not None or self._may_start(e, pending)):
+                return True
+        return False
+
+    def _plan(self, exp: Experiment) -> Rollout:
+        # the tick that planned it orders the experiment's rollouts in its lane
+        return replace(super()._plan(exp), planned_tick=self.count)
+
+    def _lane_of(self, exp: Experiment) -> Lane | None:
+        lane = self.lanes.get(exp.id)
+        return lane if lane is not None and lane.exp is exp else None
+
+    def _may_start(self, exp: Experiment, pending: int) -> bool:
+        """Rewards allow it (on-policy: none pending; else its namespace has room) and
+        so does :func:`may_roll_out`."""
+        blocked = self.scorer.waits(exp) if max_staleness(exp) == 0 else None
+        if blocked is None:
+            blocked = self.scorer.namespace_full(exp)
+        return not blocked and may_roll_out(exp, pending)
 
     def run(
         self,
@@ -102,19 +203,20 @@ class PipelinedTick(Tick):
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)
         failures: list[Failure] = []
-        to_train = self._take_ready(running) + keep(self.scorer.arrived(running), failures)
+        self._prune(running)
+        self._file(keep(self.scorer.arrived(running), failures))
+        to_train = [s for e in running if (s := self._take_head(e)) is not None]
         training = {id(s.rollout.exp) for s in to_train}
-        eligible = [
-            e for e in running if not self.scorer.waits(e) and may_roll_out(e, id(e) in training)
-        ]
+        eligible = [e for e in running if self._may_start(e, self._pending(e, training))]
         due = due_to_roll_out(eligible, self.count)
         if not to_train:
             due = fill_split(due)
         plans = [guarded(e, "task_error", "task", lambda e=e: self._plan(e)) for e in due]
         planned = keep(plans, failures)
+        for r in planned:
+            self._lane(r.exp).started.append(r.planned_tick)
         scored, trained = self._overlap(planned, jobs, to_train, client_train, phases)
-        for s in keep(scored, failures):
-            self.ready[s.rollout.exp.id] = s
+        self._file(keep(scored, failures))
         # A stale experiment can fail in its next rollout (its task, reward) while its
         # update is made: failed, it does not step (its last checkpoint stands).
         lost = {id(f.exp) for f in failures}
@@ -135,12 +237,34 @@ class PipelinedTick(Tick):
             adapter_sync=sync,
         )
 
-    def _take_ready(self, running: list[Experiment]) -> list[Scored]:
-        """The scored rollouts of experiments still running (one removed, failed or put
-        again since leaves its rollout behind)."""
-        ready, self.ready = self.ready, {}
-        live = {id(e) for e in running}
-        return [s for s in ready.values() if id(s.rollout.exp) in live]
+    def _prune(self, running: list[Experiment]) -> None:
+        """Drop the lanes of experiments no longer running (one removed, failed or put
+        again since leaves its rollouts behind; its prompt stream has moved past them)."""
+        live = {e.id: e for e in running}
+        self.lanes = {k: v for k, v in self.lanes.items() if live.get(k) is v.exp}
+
+    def _lane(self, exp: Experiment) -> Lane:
+        lane = self._lane_of(exp)
+        if lane is None:
+            lane = self.lanes[exp.id] = Lane(exp)
+        return lane
+
+    def _file(self, scored: list[Scored]) -> None:
+        for s in scored:
+            if not self._lane(s.rollout.exp).file(s):
+                log.info(
+                    "experiment %s: dropped a rollout started before a pause", s.rollout.exp.id
+                )
+
+    def _take_head(self, exp: Experiment) -> Scored | None:
+        lane = self._lane_of(exp)
+        return lane.take_head() if lane is not None else None
+
+    def _pending(self, exp: Experiment, training: set[int]) -> int:
+        """``exp``'s updates not landed yet: its rollouts started and not trained, and
+        the one it trains this tick (that update lands after this tick's rollouts start)."""
+        lane = self._lane_of(exp)
+        return (len(lane.started) if lane else 0) + (id(exp) in training)
 
     def _overlap(
         self,
@@ -153,21 +277,98 @@ class PipelinedTick(Tick):
         """Generate and score ``planned`` (and serve ``jobs``) while ``to_train`` trains;
         one after the other where the sampler is the trainer's model or steps aside."""
         generating = bool(planned or jobs)
-        together = generating and bool(to_train) and not self._shares_device()
+        both = generating and bool(to_train)
+        side = self._side_stream(planned, jobs, to_train, client_train) if both else None
+        together = both and (side is not None or not self._shares_device())
         if not together:
             scored = self._generate_and_score(planned, jobs, phases) if generating else []
             with self.backend.training_phase() if to_train else nullcontext():
                 trained = self._timed_train(to_train, client_train, phases)
             return scored, trained
+        ready = side.launch() if side is not None else None
         with ThreadPoolExecutor(1, thread_name_prefix="loraplex-rollout") as pool:
-            rolling = pool.submit(self._generate_and_score, planned, jobs, phases)
+            rolling = pool.submit(self._rollout_thread, side, ready, planned, jobs, phases)
             try:
                 trained = self._timed_train(to_train, client_train, phases)
             finally:
                 # A failed update still waits for the rollout: no backend call may be in
                 # flight when the tick returns (or raises).
-                scored = rolling.result()
+                try:
+                    scored = rolling.result()
+                finally:
+                    if side is not None:
+                        side.join()
         return scored, trained
+
+    def _rollout_thread(
+        self,
+        side: SideStream | None,
+        ready: torch.cuda.Event | None,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        phases: dict[str, float],
+    ) -> list[Scored | Failure]:
+        if side is None or ready is None:
+            return self._generate_and_score(planned, jobs, phases)
+        with side.generating(ready):
+            return self._generate_and_score(planned, jobs, phases)
+
+    def _side_stream(
+        self,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        to_train: list[Scored],
+        client_train: Callable[[TrainingStrategy], None] | None,
+    ) -> SideStream | None:
+        """The side stream if this tick's rollout may run on it beside the update."""
+        if self.streams is None:
+            return None
+        why = overlap_blocker(
+            self.memory_plan, self._tick_facts(planned, jobs, to_train, client_train)
+        )
+        self.stream_blocker = why
+        if why is not None:
+            log.debug("torch rollout and update one after the other: %s", why)
+            return None
+        self.side_stream_ticks += 1
+        return self.streams
+
+    def _tick_facts(
+        self,
+        planned: list[Rollout],
+        jobs: Sequence[CompletionJob],
+        to_train: list[Scored],
+        client_train: Callable[[TrainingStrategy], None] | None,
+    ) -> TickFacts:
+        requests = [q for r in planned for q in r.all_requests()]
+        slots = {q.slot for q in requests}
+        for job in jobs:
+            slots.add(0 if job.slot_name is None else self._slot_or_base(job.slot_name))
+        rollout_tokens = sum(len(q.prompt_ids) + q.max_new_tokens for q in requests)
+        if any(r.episodes is not None for r in planned) or jobs:  # later turns, job rows
+            cap = self.memory_plan.rollout_kv_tokens if self.memory_plan else None
+            rollout_tokens = max(rollout_tokens, cap or 0)  # as much as its budget allows
+        train_tokens = sum(
+            len(q.prompt_ids) + len(c.token_ids)
+            for s in to_train
+            for q, c in zip(s.rollout.requests, s.rollout.completions, strict=False)
+        )
+        dropout = frozenset().union(*(x.dropout_slots for x in self.model.lora_layers.values()))
+        return TickFacts(
+            rollout_slots=frozenset(slots),
+            trained_slots=frozenset(self.model.slot_of(s.rollout.exp.id) for s in to_train),
+            dropout_slots=dropout,
+            client_train=_client_trains(client_train),
+            train_tokens=train_tokens,
+            train_adapters=len(to_train),
+            rollout_tokens=rollout_tokens,
+        )
+
+    def _slot_or_base(self, name: str) -> int:
+        try:
+            return self.model.slot_of(name)
+        except AdapterError:  # its experiment left: the rollout answers it as not found
+            return 0
 
     def _shares_device(self) -> bool:
         """The sampler cannot run while the trainer trains: it is the trainer's own model

@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
+import torch
+
 from loraplex_engine.api_types import (
     MAX_NEW_TOKENS,
     TICK_PHASES,
     AdapterSync,
     ExperimentTick,
+    MemoryPlan,
     TickReport,
 )
 from loraplex_engine.completion_jobs import CompletionJob, load_versions
@@ -108,6 +111,9 @@ class Tick:
         self.count = 0  # ticks run (fair_share.due_to_roll_out paces by it)
         # Why the last checkpoint write found the volume full (see storage_full_among).
         self.storage_full: str | None = None
+
+    def attach_streams(self, device: torch.device, plan: MemoryPlan) -> None:
+        """The pipelined tick's torch side stream (pipelined_tick.py); none here."""
 
     def storage_full_among(self, experiments: Iterable[Experiment]) -> str | None:
         """Why checkpoints wait for room while a running one of ``experiments`` waits."""

@@ -43,6 +43,7 @@ class Rollout:
     evals: EvalRows | None = None
     eval_completions: list[Completion] = field(default_factory=list)
     version: int = 0  # the adapter's step (its weights' version) when this was planned
+    planned_tick: int = 0  # the tick that planned it: orders an experiment's rollouts
 
     @property
     def rollout_tokens(self) -> int:

@@ -98,3 +98,15 @@ app.kubernetes.io/component: operator
 {{- define "loraplex.watchNamespaces" -}}
 {{- .Values.rbac.namespaces | uniq | sortAlpha | join "," }}
 {{- end }}
+
+{{/* The vLLM serving fleet (fleet.enabled, templates/fleet.yaml). */}}
+{{- define "loraplex.fleetSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "loraplex.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: fleet
+{{- end }}
+
+{{- define "loraplex.fleetLabels" -}}
+{{ include "loraplex.labels" . }}
+app.kubernetes.io/component: fleet
+{{- end }}

@@ -33,6 +33,7 @@ from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.errors import ConflictError, NotFoundError
 from loraplex_engine.service import PromptJob
 from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.tenancy.admissions import KeyedLocks
 from loraplex_engine.training_service import Adoption, ClientLora
 
 STEP = re.compile(r"^step-([0-9]{8,})$")
@@ -232,6 +233,7 @@ class ClientExperimentAPI:
     """The Engine's experiment API (EngineService) over task and client experiments."""
 
     client_experiments: ClientExperiments
+    admissions: KeyedLocks
     model_name: str  # the Engine's: its base model, and its task experiments by id
     _experiments: dict[str, Any]
 
@@ -244,11 +246,12 @@ class ClientExperimentAPI:
         resume_from: str | None = None,
         run_id: str | None = None,
     ) -> tuple[ExperimentStatus, bool]:
-        if spec.client is not None:
-            return self.client_experiments.put(exp_id, spec, namespace, name or exp_id)
-        if exp_id in self.client_experiments:
-            raise ConflictError(f"experiment {exp_id!r} is loaded as a client experiment")
-        return self.put_task_experiment(exp_id, spec, namespace, name, resume_from, run_id)
+        with self.admissions.hold(exp_id):  # a retried PUT waits for the one in flight
+            if spec.client is not None:
+                return self.client_experiments.put(exp_id, spec, namespace, name or exp_id)
+            if exp_id in self.client_experiments:
+                raise ConflictError(f"experiment {exp_id!r} is loaded as a client experiment")
+            return self.put_task_experiment(exp_id, spec, namespace, name, resume_from, run_id)
 
     def get_experiment(self, exp_id: str) -> ExperimentStatus:
         if exp_id in self.client_experiments:
@@ -267,9 +270,6 @@ class ClientExperimentAPI:
         if exp_id in self.client_experiments:
             return self.client_experiments.remove(exp_id)
         return self.remove_task_experiment(exp_id)
-
-    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:  # TrainingService
-        return self.client_experiments.adoptable(namespace, model_id)
 
     # The Engine's own (engine.py), for task experiments.
     def put_task_experiment(self, *args: Any) -> tuple[ExperimentStatus, bool]:

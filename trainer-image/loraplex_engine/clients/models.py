@@ -1,6 +1,6 @@
 """The engine's client models: created, queued on, saved, loaded and unloaded here; run
-by the tick (clients/ticking.py). Implements ``training_service.TrainingService`` for
-the Engine (clients/service.py delegates to it).
+by the tick (clients/ticking.py). Implements ``training_service.TrainingService``: the
+Tinker layer is handed the Engine's ``clients``.
 
 A client model is an adapter in the engine's slot pool like an experiment's: the same
 ``MultiLoRAModel`` slots, per-adapter AdamW state, capacity count, tick and checkpoint
@@ -44,6 +44,7 @@ from loraplex_engine.store.quota import tree_bytes
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.training_service import (
     AdamStep,
+    Adoption,
     ClientDatum,
     ClientLora,
     ClientModelInfo,
@@ -81,6 +82,13 @@ class ClientModels:
         self._refusing: str | None = None
 
     # ---- the registry -------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.host.model_name
+
+    def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
+        return self.host.client_experiments.adoptable(namespace, model_id)
 
     def adapter_names(self) -> list[str]:
         with self._lock:

@@ -13,6 +13,7 @@ bf16 the delta is instead grouped matmuls at each slot's own rank (lora/grouped.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,27 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("dropout", torch.zeros(slots, **kw), persistent=False)
         self._dropout_slots: set[int] = set()  # host-side copy: no device sync per forward
         self._ranks: dict[int, int] = {}  # slots that contribute here -> their rank
-        self.router: Router | None = None
+        # The routing of the forward under way, per thread: the pipelined tick's rollout
+        # may decode on one thread while the update trains on another (rollout/torch/
+        # streams.py); a plain dict (not threading.local) so the module still deep-copies.
+        self._routers: dict[int, Router] = {}
+
+    @property
+    def router(self) -> Router | None:
+        """The router of this thread's forward (None: every row is the base's)."""
+        return self._routers.get(threading.get_ident())
+
+    @router.setter
+    def router(self, router: Router | None) -> None:
+        if router is None:
+            self._routers.pop(threading.get_ident(), None)
+        else:
+            self._routers[threading.get_ident()] = router
+
+    @property
+    def dropout_slots(self) -> frozenset[int]:
+        """Slots with LoRA dropout here (applied while the module is in train mode)."""
+        return frozenset(self._dropout_slots)
 
     @property
     def in_features(self) -> int:

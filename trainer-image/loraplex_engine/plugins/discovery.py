@@ -1,14 +1,19 @@
-"""What plug-ins are installed: entry points by group, and skyrl-gym's registered ids.
+"""What plug-ins are installed: entry points by group, skyrl-gym's registered ids, and
+verifiers environments (``verifiers:<module>``: every installed distribution that
+requires verifiers, by its top-level modules that export a verifiers ``Taskset``, which
+is how verifiers itself finds a taskset: an importable module, its ``__all__``).
 
-Listing skyrl-gym's ids imports skyrl_gym (and pandas, ~2 s), and a broken plug-in
+Listing skyrl-gym's ids imports skyrl_gym (and pandas, ~2 s), verifiers' ~3 s, and a broken plug-in
 package may fail or hang on import: so the engine lists them in a child process once
 (:func:`installed`), bounded, and never imports plug-in code itself.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +22,7 @@ from importlib import metadata
 
 REWARD_GROUP = "loraplex.rewards"
 ENVIRONMENT_GROUP = "loraplex.environments"
+VERIFIERS_PREFIX = "verifiers:"
 LIST_TIMEOUT_S = 60.0
 log = logging.getLogger("loraplex_engine.plugins")
 
@@ -55,6 +61,44 @@ def skyrl_gym_ids() -> list[str]:
     return sorted(skyrl_gym.registry)
 
 
+def verifiers_ids() -> tuple[list[str], list[str]]:
+    """``verifiers:<module>`` for each installed verifiers environment (none when
+    verifiers is not installed), and the problems met (a module that fails to import)."""
+    modules = sorted(
+        {
+            module
+            for module, dists in metadata.packages_distributions().items()
+            for dist in dists
+            if _requires_verifiers(dist) and module.isidentifier()
+        }
+    )
+    if not modules:  # verifiers itself is not imported (~3 s) for nothing
+        return [], []
+    try:
+        from verifiers.v1.taskset import Taskset
+    except ImportError as e:
+        return [], [f"verifiers environments {', '.join(modules)}: verifiers: {e}"]
+    ids, problems = [], []
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # a broken environment package is listed as a problem
+            problems.append(f"verifiers environment {name}: {type(e).__name__}: {e}")
+            continue
+        exported = [getattr(module, n, None) for n in getattr(module, "__all__", ())]
+        if any(isinstance(c, type) and issubclass(c, Taskset) for c in exported):
+            ids.append(VERIFIERS_PREFIX + name)
+    return ids, problems
+
+
+def _requires_verifiers(dist: str) -> bool:
+    try:
+        requires = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return False
+    return any(re.match(r"verifiers\b(?![-_.\w])", r) for r in requires)
+
+
 def list_here() -> Installed:
     """The listing, computed in this process (the child's side of :func:`installed`)."""
     envs = entry_point_names(ENVIRONMENT_GROUP)
@@ -63,10 +107,14 @@ def list_here() -> Installed:
         gym = skyrl_gym_ids()
     except Exception as e:  # a broken skyrl-gym install lists its entry points only
         gym, problems = [], [f"skyrl-gym: {type(e).__name__}: {e}"]
+    try:
+        vf, vf_problems = verifiers_ids()
+    except Exception as e:  # a broken verifiers install lists the others
+        vf, vf_problems = [], [f"verifiers: {type(e).__name__}: {e}"]
     return Installed(
         tuple(entry_point_names(REWARD_GROUP)),
-        tuple(envs + [i for i in gym if i not in envs]),
-        tuple(problems),
+        tuple(envs + [i for i in gym if i not in envs] + vf),
+        tuple(problems + vf_problems),
     )
 
 

@@ -38,6 +38,12 @@ def preload(kind: str, name: str) -> None:
     """Import the plug-in before answering ready: its import is start-up, not a call."""
     if kind == "reward":
         load(discovery.REWARD_GROUP, name)
+    elif name.startswith(discovery.VERIFIERS_PREFIX):
+        # verifiers and the taskset's module, imported (the environment is loaded with
+        # its params at the first episode's start)
+        from loraplex_engine.environments.verifiers_env import import_taskset
+
+        import_taskset(name.removeprefix(discovery.VERIFIERS_PREFIX))
     elif name in discovery.entry_point_names(discovery.ENVIRONMENT_GROUP):
         load(discovery.ENVIRONMENT_GROUP, name)
     else:
@@ -72,6 +78,10 @@ def _number(value: Any) -> Any:
 def _make_env(name: str, prompt: str, answer: str, params: dict, max_turns: int) -> Environment:
     from loraplex_engine.environments.skyrl import SkyRLEnvironment, is_skyrl_env
 
+    if name.startswith(discovery.VERIFIERS_PREFIX):
+        from loraplex_engine.environments.verifiers_env import VerifiersEnvironment
+
+        return VerifiersEnvironment(name, prompt, answer, params, max_turns)
     if name in discovery.entry_point_names(discovery.ENVIRONMENT_GROUP):
         obj = load(discovery.ENVIRONMENT_GROUP, name)
         if isinstance(obj, type) and issubclass(obj, Environment):

@@ -280,9 +280,10 @@ def run(settings: ServeSettings) -> int:
         engine = holder.engine
         if engine is None or not ready():
             raise UnavailableError("the engine is still loading")
-        if not callable(getattr(engine, "forward_backward", None)):
+        training = getattr(engine, "clients", None)
+        if training is None:
             raise UnavailableError("this engine does not offer client-driven training")
-        return engine
+        return training
 
     app = create_app(
         holder,

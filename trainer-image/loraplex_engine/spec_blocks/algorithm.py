@@ -242,10 +242,11 @@ class AlgorithmSpec(SpecModel):
         alias="maxStaleness",
         description="Under the engine's pipelined schedule: how many optimiser steps "
         "behind the adapter the weights that sample a rollout may be. 0 = strictly "
-        "on-policy (the next rollout waits for the update); above 0 the next rollout may "
-        "start before the update lands (the pipeline holds one rollout ahead, so at most "
-        "one step behind), corrected by the PPO ratio against the sampler's log-probs "
-        "(torch rollout) or by offPolicyCorrection tis (vLLM). Ignored by the sync schedule.",
+        "on-policy (the next rollout waits for the update); k above 0: the next rollout "
+        "may start while up to k of the experiment's updates have not landed (the one "
+        "being made, rollouts waiting for their rewards or their turn), corrected by the "
+        "PPO ratio against the sampler's log-probs (torch rollout) or by "
+        "offPolicyCorrection tis (vLLM). Ignored by the sync schedule.",
     )
     max_steps: Int64 = Field(
         50,

@@ -16,7 +16,7 @@ from loraplex_engine.spec_schema import Int32, SpecModel
 BUILTIN_REWARDS = (
     "default", "exact-match", "contains", "prefix-overlap", "word-fraction", "coverage", "http"
 )  # fmt: skip
-# An entry point's name or a skyrl-gym id: letters, digits and . _ - : /
+# An entry point's name, a skyrl-gym id or verifiers:<module>: letters, digits and . _ - : /
 PluginName = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 ]
@@ -31,8 +31,9 @@ class EnvironmentSpec(SpecModel):
 
     name: PluginName = Field(
         description="An installed environment: an entry point of the group "
-        "loraplex.environments, or an installed skyrl-gym environment id (gsm8k, "
-        "gsm8k_multi_turn, ...). The engine refuses a name it does not have, listing those "
+        "loraplex.environments, an installed skyrl-gym environment id (gsm8k, "
+        "gsm8k_multi_turn, ...), or verifiers:<module> for an installed verifiers "
+        "environment. The engine refuses a name it does not have, listing those "
         "it has (GET /v1/capacity lists them too).",
     )
     params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(

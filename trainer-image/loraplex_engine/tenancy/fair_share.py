@@ -12,7 +12,9 @@ Two rules keep one experiment from holding the others back (docs/design/tenancy.
   Its experiments do not roll out while that many are in flight (pending, or left
   running by a removed experiment), so one tenant's hanging service cannot pile up
   threads and sockets. A removed experiment's reward is closed (``forget``), which ends
-  its call at once.
+  its call at once. Under the pipelined schedule an experiment allowing staleness
+  (``algorithm.maxStaleness``) may have several rewards pending, returned in the order
+  they were started (pipelined_tick.py trains its rollouts in that order).
 - **Expensive steps yield.** An experiment whose step costs k >= 1.5 times the cheapest
   running one's (prompt + completion tokens over its rows) rolls out every
   round(EXPENSIVE_YIELD x k)-th tick, so beside it the cheap one keeps about three
@@ -52,8 +54,9 @@ class _Pending(Generic[_R]):
 
 
 class RewardScorer(Generic[_R]):
-    """Scores each experiment's reward on a thread of its own (an experiment has at most
-    one reward in flight, so there are at most as many as adapter slots). Daemon threads,
+    """Scores each experiment's reward on a thread of its own (under the sync schedule an
+    experiment has at most one reward in flight, under the pipelined one 1 + maxStaleness;
+    a namespace's are bounded by ``max_per_namespace``). Daemon threads,
     not a ThreadPoolExecutor: the interpreter joins a pool's threads at exit, so a reward
     service that hangs would hold SIGTERM past the pod's grace period. ``notify`` is
     called when a pending reward arrives, so the engine loop wakes up for it."""
@@ -67,20 +70,27 @@ class RewardScorer(Generic[_R]):
         self.deadline_s = deadline_s
         self.max_per_namespace = max_per_namespace
         self._notify = notify
-        self._pending: dict[str, _Pending[_R]] = {}
+        self._pending: list[_Pending[_R]] = []  # in the order they were started
         self._in_flight: Counter[str] = Counter()  # namespace -> calls still running
         self._lock = threading.Lock()
 
     def is_pending(self, exp: Experiment) -> bool:
+        return self.pending(exp) > 0
+
+    def pending(self, exp: Experiment) -> int:
+        """How many of ``exp``'s rewards are pending."""
         with self._lock:
-            return exp.id in self._pending
+            return sum(p.exp.id == exp.id for p in self._pending)
 
     def waits(self, exp: Experiment) -> bool:
         """``exp`` may not roll out now: its reward is pending, or its namespace has
         ``max_per_namespace`` calls in flight."""
+        return self.is_pending(exp) or self.namespace_full(exp)
+
+    def namespace_full(self, exp: Experiment) -> bool:
+        """``exp``'s namespace has ``max_per_namespace`` calls in flight."""
         with self._lock:
-            full = self._in_flight[exp.namespace] >= self.max_per_namespace
-            return exp.id in self._pending or full
+            return self._in_flight[exp.namespace] >= self.max_per_namespace
 
     def in_flight(self, namespace: str) -> int:
         with self._lock:
@@ -89,24 +99,26 @@ class RewardScorer(Generic[_R]):
     def has_arrived(self) -> bool:
         """A pending reward is back (the next tick has work)."""
         with self._lock:
-            return any(p.future.done() for p in self._pending.values())
+            return any(p.future.done() for p in self._pending)
 
     def forget(self, exp: Experiment) -> None:
-        """Drop the pending reward of an experiment that was removed, and close its
+        """Drop the pending rewards of an experiment that was removed, and close its
         reward: a call blocked on the service returns now, its thread and socket end."""
         with self._lock:
-            self._pending.pop(exp.id, None)
+            self._pending = [p for p in self._pending if p.exp.id != exp.id]
         exp.task.close()
 
     def arrived(self, running: Sequence[Experiment]) -> list[_R]:
-        """Results of pending rewards that are back, for experiments still running."""
+        """Results of pending rewards that are back, for experiments still running, in
+        the order they were started."""
         out: list[_R] = []
         with self._lock:
-            for exp_id, p in list(self._pending.items()):
-                if p.future.done():
-                    del self._pending[exp_id]
-                    if any(e is p.exp for e in running):
-                        out.append(p.future.result())
+            done = [p.future.done() for p in self._pending]  # once: a call may end now
+            back = [p for p, d in zip(self._pending, done, strict=True) if d]
+            self._pending = [p for p, d in zip(self._pending, done, strict=True) if not d]
+        for p in back:
+            if any(e is p.exp for e in running):
+                out.append(p.future.result())
         return out
 
     def score(self, jobs: Sequence[tuple[Experiment, Callable[[], _R]]]) -> list[_R]:
@@ -121,14 +133,14 @@ class RewardScorer(Generic[_R]):
                 done.append(future.result())
                 continue
             with self._lock:
-                self._pending[exp.id] = _Pending(exp, future)
+                self._pending.append(_Pending(exp, future))
             future.add_done_callback(lambda _f: self._notify())
         return done
 
     def close(self) -> None:
         """Drop every pending reward and close it (its thread ends with its call)."""
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
+            pending, self._pending = self._pending, []
         for p in pending:
             p.exp.task.close()
 

@@ -33,6 +33,8 @@ METRICS = (
     "logprob_gap",
     "tis_weight_mean",
     "dropped_groups",
+    "rollout_version",
+    "rollout_staleness",
     *EVAL_METRICS,
 )
 SYSTEM_TAG_PREFIX = "loraplex."
@@ -95,6 +97,10 @@ def metrics_of(tick: ExperimentTick, seconds: float) -> dict[str, float]:
         "logprob_gap": tick.logprob_gap,
         "tis_weight_mean": tick.tis_weight_mean,
         "dropped_groups": tick.dropped_groups,
+        # The weights that sampled the step's rollout (docs/design/pipeline.md): the run
+        # can be replayed knowing them; a lag above 0 only under the pipelined schedule.
+        "rollout_version": tick.rollout_version,
+        "rollout_staleness": tick.step - 1 - tick.rollout_version,
     }
     return {k: float(x) for k, x in values.items() if x is not None and math.isfinite(x)}
 

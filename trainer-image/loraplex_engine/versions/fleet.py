@@ -114,14 +114,20 @@ def _watch(text: str) -> Watch:
     return Watch(namespace, name)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The sync's command line (the chart's fleet sidecar passes these; a test parses
+    the rendered args with it)."""
     p = argparse.ArgumentParser(prog="python -m loraplex_engine.versions.fleet")
     p.add_argument("--checkpoint-root", type=Path, required=True)
     p.add_argument("--vllm-url", required=True, help="e.g. http://localhost:8000")
     p.add_argument("--experiment", type=_watch, action="append", required=True,
                    help="<namespace>/<name>, repeatable")  # fmt: skip
     p.add_argument("--poll-seconds", type=float, default=POLL_S)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     sync = FleetSync(VersionStore(args.checkpoint_root), args.vllm_url.rstrip("/"),
                      args.experiment, os.environ.get("VLLM_API_KEY"))  # fmt: skip

@@ -1,5 +1,5 @@
 """The Engine's version routes: a mixin over ``self.publisher`` (versions/publisher.py),
-so that engine.py only composes it (``Engine(ClientTraining, Versions)``)."""
+so that engine.py only composes it (``Engine(ClientExperimentAPI, Versions)``)."""
 
 from __future__ import annotations
 
