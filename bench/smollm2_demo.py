@@ -186,7 +186,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1.05)
-    ax.set_title("SmolLM2-135M-Instruct: fused on one engine (solid) vs alone (dashed)")
+    alone = any("alone" in exp for exp in result["experiments"].values())
+    ax.set_title(
+        "SmolLM2-135M-Instruct: fused on one engine (solid) vs alone (dashed)"
+        if alone
+        else "SmolLM2-135M-Instruct: training reward (solid), greedy eval (dotted)"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
