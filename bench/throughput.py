@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_workloads import WORKLOADS, describe, task_spec
+
 ARMS = ("sequential_cold", "hot_timesliced", "hot_fused", "pipelined", "pipelined_stale")
 DEFAULT_ARMS = ARMS[:3]
 MODES = {
@@ -57,11 +59,6 @@ SCHEDULES = {"pipelined": "pipelined", "pipelined_stale": "pipelined"}  # the ot
 # pipelined_stale's experiments: the next rollout may start before the update lands.
 STALE_ALGORITHM = {"maxStaleness": 1, "offPolicyCorrection": "tis", "tisCap": 2.0}
 PHASES = ("rollout", "reward", "train", "sync")
-# Single-letter targets: coverage = share of the completion's characters that are the
-# letter, so a random policy already scores a few percent (dense signal) and the 13M
-# random model learns within tens of steps at 8 rows per step (whole-word targets stay
-# at ~0 for 20 steps with so few rows: no group has a nonzero advantage).
-TARGETS = ("a", "e", "o", "s", "t", "n", "i", "r")
 WORKER = Path(__file__).resolve().with_name("worker.py")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +79,7 @@ def experiment_specs(
     for i in range(n):
         spec = {
             "lora": {"rank": args.rank, "alpha": 2 * args.rank, "targetModules": args.targets},
-            "task": {"name": "target-token", "params": {"target": TARGETS[i % len(TARGETS)]}},
+            "task": task_spec(args.workload, i, args.max_new_tokens),
             "algorithm": {
                 "groupSize": args.group,
                 "promptsPerStep": args.prompts,
@@ -412,6 +409,7 @@ def write_results(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="bench", choices=["tiny", "bench"])
+    p.add_argument("--workload", default="target-token", choices=WORKLOADS)
     p.add_argument(
         "--model-dir", type=Path, default=None, help="default .cache/models/<preset>-llama"
     )
@@ -476,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "arms": args.arms,
         "interleave": "per repeat and cell, arm order alternates forward/reverse",
         "experiment": {
-            "task": "target-token (coverage reward), targets " + ", ".join(TARGETS),
+            "task": describe(args.workload),
             "group_size": args.group,
             "prompts_per_step": args.prompts,
             "rows_per_step_per_experiment": args.group * args.prompts,

@@ -78,6 +78,11 @@ def main(job_path: str, result_path: str) -> None:
     while True:
         report = run_tick()
         if report is None:
+            # No work now, but an experiment still running waits for its reward (a plug-in
+            # reward is scored beside the tick, --reward-deadline): wait for it, as serve does.
+            if any(engine.get_experiment(e).phase == "Running" for e in rewards):
+                engine.work_available.wait(0.05)
+                continue
             break
         ticks += 1
         now = time.time()

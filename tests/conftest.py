@@ -94,3 +94,12 @@ def plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.engine.plugin_install import install
 
     return install(tmp_path_factory.mktemp("plugins"))
+
+
+@pytest.fixture(scope="session")
+def engine_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine's own metadata (its first-party plug-ins' entry points) as this tree
+    declares them, for PYTHONPATH (plugin_install.install_engine_metadata)."""
+    from tests.engine.plugin_install import install_engine_metadata
+
+    return install_engine_metadata(tmp_path_factory.mktemp("engine-site"))

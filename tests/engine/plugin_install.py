@@ -15,19 +15,35 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "loraplex_test_plugins"
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "plugins" / "acme_rewards"
+ENGINE = Path(__file__).resolve().parents[2] / "trainer-image"
 
 
 def install(work: Path, package: Path = PACKAGE) -> Path:
     """Install ``package`` under ``work``; returns the directory to put on PYTHONPATH."""
     source, target = work / "source", work / "site"
     # A copy: building in place would leave build/ and egg-info in the repository.
-    shutil.copytree(package, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    shutil.copytree(
+        package, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     flags = ["--no-deps", "--no-build-isolation", "--no-index", "--target", str(target)]
     subprocess.run([*pip, *flags, str(source)], check=True, timeout=300)
     return target
 
 
-def with_path(site: Path) -> dict[str, str]:
+def install_engine_metadata(work: Path) -> Path:
+    """The engine's own distribution as this tree declares it (its first-party plug-ins'
+    entry points, trainer-image/pyproject.toml), installed under ``work`` with its code
+    removed: what an editable install is, metadata here and the code where PYTHONPATH
+    finds it. The shared venv's install may predate this tree's entry points; first on
+    the path, this one is what ``importlib.metadata`` reads."""
+    site = install(work, ENGINE)
+    shutil.rmtree(site / "loraplex_engine")
+    shutil.rmtree(site / "bin", ignore_errors=True)
+    return site
+
+
+def with_path(*sites: Path) -> dict[str, str]:
     """Environment variables for an engine process that sees the installed plug-ins."""
-    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(site) for site in sites]
+    return {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}

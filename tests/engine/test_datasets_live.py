@@ -248,3 +248,36 @@ def test_a_wrong_key_is_refused_by_the_store(s3: S3) -> None:
             with pytest.raises(TaskError, match=r"gsm\.parquet: access denied") as info:
                 DatasetTask(source)
             assert "not-the-secret" not in info.value.message
+
+
+def test_an_eval_set_reads_any_dataset_source_under_the_same_rules(api: httpx.Client) -> None:
+    """spec.eval.dataset through the training data's resolver: a Parquet object in S3 with
+    its columns mapped is the eval set of an experiment that trains to the end, scored at
+    every step; an eval URL into another namespace's prefix is refused naming the eval."""
+    spec = _spec("s3://datasets/team-a/rows.jsonl")
+    spec["algorithm"]["maxSteps"] = 2
+    spec["eval"] = {
+        "everySteps": 1,
+        "prompts": 4,
+        "dataset": "s3://datasets/team-a/gsm.parquet",
+        "datasetOptions": {"columns": {"prompt": "question", "answer": "solution"}},
+    }
+    assert _put(api, "team-a.evals", spec).status_code == 201
+    done = wait_until(
+        lambda: (
+            (s := api.get("/v1/experiments/team-a.evals").json())["phase"] != "Running"
+            and s["phase"] != "Pending"
+            and s
+        ),
+        timeout=180,
+    )
+    assert done["phase"] == "Succeeded" and done["evalStep"] == 2, done
+    assert 0.0 <= done["evalReward"] <= 1.0 and done["evalTokens"] > 0, done
+    assert api.delete("/v1/experiments/team-a.evals").status_code in (200, 202, 204)
+    theirs = {**_spec("s3://datasets/team-b/rows.jsonl"), "task": {"name": "arithmetic"}}
+    theirs["eval"] = {"dataset": "s3://datasets/team-a/gsm.parquet"}
+    r = _put(api, "team-b.peek", theirs)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == "spec.eval.dataset", error
+    assert "team-b's datasets must lie under s3://datasets/team-b/" in error["message"]

@@ -146,3 +146,27 @@ def test_a_bad_eval_dataset_names_the_eval_field(
     with pytest.raises(TaskError) as info:
         _eval_set_of(tmp_path, {"dataset": dataset})
     assert info.value.field == "spec.eval.dataset" and words in info.value.message
+
+
+def test_an_eval_dataset_in_any_format_with_its_columns(tmp_path: Path) -> None:
+    """eval.dataset is read as task.dataset is: here Parquet (through the bounded reader
+    process and the spool), its prompt and answer in the columns datasetOptions names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": [f"q{i}" for i in range(6)], "gold": [str(i) for i in range(6)]})
+    pq.write_table(table, tmp_path / "held.parquet")
+    options = {"columns": {"prompt": "question", "answer": "gold"}}
+    got = _eval_set_of(tmp_path, {"dataset": "held.parquet", "datasetOptions": options})
+    assert [(p.text, p.answer) for p in got.prompts] == [(f"q{i}", str(i)) for i in range(6)]
+    with pytest.raises(TaskError) as info:  # a column it does not have
+        _eval_set_of(tmp_path, {"dataset": "held.parquet"})
+    assert info.value.field == "spec.eval.dataset" and "prompt" in info.value.message
+
+
+def test_eval_dataset_options_errors_name_the_eval_fields(tmp_path: Path) -> None:
+    _rows(tmp_path / "held.jsonl", 3)
+    with pytest.raises(TaskError) as info:
+        _eval_set_of(tmp_path, {"dataset": "held.jsonl", "datasetOptions": {"split": "test"}})
+    assert info.value.field == "spec.eval.datasetOptions.split"
+    assert "only hf-disk" in info.value.message

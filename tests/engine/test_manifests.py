@@ -104,3 +104,29 @@ def test_smollm2_demo_sample_is_valid_and_its_dataset_loads() -> None:
     assert len(rows) == 12 and {r.answer for r in rows} == {"Yes"}
     assert task.reward(rows[0], "Yes") == 1.0
     assert task.reward(rows[0], "Yes, it is.") < 0.5
+
+
+def test_gsm8k_sample_is_valid_and_its_rows_score() -> None:
+    """samples/local/gsm8k-smollm2.yaml: the three ways into the GSM8K workload, and its
+    GSM8K-format rows read through the columns it maps, scored by the gsm8k answer."""
+    from loraplex_engine.workloads.math_answer import number_matches
+
+    path = REPO / "samples" / "local" / "gsm8k-smollm2.yaml"
+    out = load_manifests(path, max_rank=64)
+    assert [m.name for m in out] == ["gsm8k-easy", "gsm8k-calculator", "gsm8k-rows"]
+    easy, calc, rows = (m.spec.task for m in out)
+    assert easy.reward == "math-verify" and calc.environment is not None
+    assert calc.environment.name == "gsm8k-calculator"
+    columns = rows.dataset_options.columns
+    assert rows.dataset is not None
+    task = JsonlTask(path.parent / rows.dataset, columns=(columns.prompt, columns.answer))
+    first = task.row(0)
+    assert first.text.endswith("have now?") and "\n#### " in first.answer
+    assert number_matches("#### " + first.answer.rsplit("#### ", 1)[1], first.answer)
+
+
+def test_gsm8k_learning_sample_is_valid() -> None:
+    path = REPO / "samples" / "local" / "gsm8k-smollm2-learn.yaml"
+    (m,) = load_manifests(path, max_rank=64)
+    assert m.spec.task.name == "gsm8k" and m.spec.task.reward == "math-verify"
+    assert m.spec.evaluation is not None and m.spec.evaluation.temperature == 0.0

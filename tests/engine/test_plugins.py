@@ -30,7 +30,10 @@ PLUGIN_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plugins_site: Path
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    plugins_site: Path,
+    engine_site: Path,
 ) -> Iterator[EngineServer]:
     work = tmp_path_factory.mktemp("plugins")
     args = [*LIMITS, "--plugin-timeout", str(PLUGIN_TIMEOUT_S), "--reward-deadline", "0.3"]
@@ -40,7 +43,7 @@ def server(
         max_adapters=8,
         workdir=work,
         extra_args=args,
-        env=with_path(plugins_site),
+        env=with_path(plugins_site, engine_site),  # the engine's own plug-ins as this tree has them
     )
     with srv, srv.client() as api:
         assert put(api, BYSTANDER, spec()).status_code == 201
@@ -65,10 +68,13 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:
     with server.client() as api:
         plugins = api.get("/v1/capacity").json()["plugins"]
-    assert plugins["rewards"] == ["broken", "hangs", "nan", "raises", "says-target", "too-few"]
+    # The test package's and the engine's own (math-verify: docs/workloads.md).
+    test_package = ["broken", "hangs", "math-verify", "nan", "raises", "says-target", "too-few"]
+    assert plugins["rewards"] == test_package
     # The package's entry points, then skyrl-gym's registered ids (it is installed here).
-    names = ["gated", "hangs-env", "impersonates", "never-ends", "sleeps", "word-tool"]
-    assert plugins["environments"][:6] == names
+    names = ["gated", "gsm8k-calculator", "hangs-env", "impersonates", "never-ends"]
+    names += ["sleeps", "word-tool"]
+    assert plugins["environments"][: len(names)] == names
     assert {"gsm8k", "gsm8k_multi_turn"} <= set(plugins["environments"])
 
 

@@ -68,6 +68,22 @@ _VERSION_FULL = {
     "scores": {f"s{i}": 1.0 for i in range(8)},
 }
 
+# task.datasetOptions and eval.datasetOptions (one model at two paths): each rule's cases.
+_DATASET_OPTIONS: list[tuple[dict[str, Any], bool]] = [
+    ({"format": "parquet", "columns": {"prompt": "q", "answer": "a"}}, True),
+    ({"format": "hf-disk", "split": "test"}, True),
+    ({"format": "csv"}, False),
+    ({"split": ""}, False),
+    ({"split": "../train"}, False),
+    ({"split": _long(128)}, False),
+    ({"columns": {"prompt": ""}}, False),
+    ({"columns": {"prompt": "a\nb"}}, False),
+    ({"columns": {"prompt": _long(256)}}, False),
+    ({"columns": {"answer": ""}}, False),
+    ({"columns": {"answer": "a\x00"}}, False),
+    ({"columns": {"answer": _long(256)}}, False),
+]
+
 
 def _many(n: int, item: Any = None) -> list[Any]:
     """n + 1 distinct items (a maxItems of `n` rejects them; set/map lists stay valid)."""
@@ -146,23 +162,7 @@ EXPERIMENT_BOUNDS = [
     ("spec.task.params", {f"k{i}": "v" for i in range(65)}, False),
     ("spec.task.params", {"target": _long(4096)}, False),
     ("spec.task.dataset", "", False),
-    *(
-        ("spec.task", _dataset_task(options), valid)
-        for options, valid in (
-            ({"format": "parquet", "columns": {"prompt": "q", "answer": "a"}}, True),
-            ({"format": "hf-disk", "split": "test"}, True),
-            ({"format": "csv"}, False),
-            ({"split": ""}, False),
-            ({"split": "../train"}, False),
-            ({"split": _long(128)}, False),
-            ({"columns": {"prompt": ""}}, False),
-            ({"columns": {"prompt": "a\nb"}}, False),
-            ({"columns": {"prompt": _long(256)}}, False),
-            ({"columns": {"answer": ""}}, False),
-            ({"columns": {"answer": "a\x00"}}, False),
-            ({"columns": {"answer": _long(256)}}, False),
-        )
-    ),
+    *(("spec.task", _dataset_task(options), valid) for options, valid in _DATASET_OPTIONS),
     # spec.client.* on a client experiment (_case): what the gateway writes.
     ("spec.client.modelId", DELETE, False),
     ("spec.client.modelId", "", False),
@@ -296,6 +296,8 @@ EXPERIMENT_BOUNDS = [
     ("spec.eval.dataset", "", False),
     ("spec.eval.dataset", _long(4097), False),
     ("spec.eval.dataset", "held-out.jsonl", True),
+    # eval.datasetOptions: task.datasetOptions' model, so the same rules at a second path.
+    *(("spec.eval.datasetOptions", options, valid) for options, valid in _DATASET_OPTIONS),
     ("spec.eval", {"samples": 0}, False),
     ("spec.eval", {"samples": 16, "temperature": 1.0}, True),
     ("spec.eval", {"samples": 17, "temperature": 1.0}, False),

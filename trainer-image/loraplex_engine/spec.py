@@ -39,7 +39,7 @@ from loraplex_engine.versions.spec import (
     PublishSpec,
 )
 
-TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "jsonl", "dataset"]
+TaskName = Literal["target-token", "copy", "arithmetic", "short-reply", "gsm8k", "jsonl", "dataset"]
 DATA_TASKS = ("jsonl", "dataset")  # the tasks that read task.dataset
 ModuleName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -143,15 +143,16 @@ class TaskSpec(SpecModel):
     )
 
     name: TaskName = Field(
-        description="Where prompts come from: target-token, copy, arithmetic and short-reply "
-        "generate them (with a built-in verifier); jsonl reads them from a JSONL dataset, "
+        description="Where prompts come from: target-token, copy, arithmetic, short-reply and "
+        "gsm8k (math word problems) generate them (with a built-in verifier); jsonl reads "
+        "them from a JSONL dataset, "
         "dataset from a JSONL, Parquet or saved datasets one (datasetOptions).",
     )
     params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
         default_factory=dict,
         description="The task's settings, as strings: target (target-token); length, "
-        "alphabet (copy); maxOperand, partialCredit (arithmetic); maxWords (short-reply); jsonl "
-        "takes none. "
+        "alphabet (copy); maxOperand, partialCredit (arithmetic); maxWords (short-reply); "
+        "minSteps, maxSteps, maxNumber, hint (gsm8k); jsonl takes none. "
         "The engine refuses unknown keys and bad values when the experiment is placed.",
     )
     dataset: str | None = Field(

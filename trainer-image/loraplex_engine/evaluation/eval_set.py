@@ -1,8 +1,9 @@
 """An experiment's eval set and the rollout rows of one eval (docs/evaluation.md).
 
 The set is fixed when the experiment is built (outside the engine's model lock): drawn
-from the task with a seed of its own, or the first rows of ``spec.eval.dataset`` (opened
-under the same rules as task.dataset: tenancy/trust.py, tasks/jsonl.py). Every eval
+from the task with a seed of its own, or the first rows of ``spec.eval.dataset`` (read
+as task.dataset is, any format and source, under the same rules: data/sources.py,
+tenancy/trust.py). Every eval
 samples the same prompts, so its numbers are comparable step to step and run to run.
 The rows of one eval ride in the tick's rollout batch beside the experiment's step
 (tick.py) under a sampling group of their own: they never train, and they draw no
@@ -17,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex_engine.data.sources import resolve_dataset
 from loraplex_engine.errors import TaskError
 from loraplex_engine.evaluation.scores import EVAL_SEED_SALT, eval_seed
 from loraplex_engine.evaluation.spec_eval import EvalSpec
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.tasks import JsonlTask, Prompt, Task
+from loraplex_engine.tasks.dataset import DatasetTask, open_dataset
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 FIELD = "spec.eval.dataset"
@@ -67,24 +70,26 @@ def build_eval_set(
     if ev.dataset is None:
         rng = random.Random(spec.algorithm.seed ^ EVAL_SEED_SALT)
         return EvalSet(ev, tuple(task.sample_prompts(ev.prompts, rng)))
-    return EvalSet(ev, tuple(_dataset_rows(ev.dataset, ev.prompts, trust, namespace)))
+    return EvalSet(ev, tuple(_dataset_rows(ev, trust, namespace)))
 
 
-def _dataset_rows(dataset: str, n: int, trust: TrustPolicy, namespace: str) -> list[Prompt]:
-    """The first ``n`` rows of the eval dataset (checked whole, as a task's dataset is)."""
+def _dataset_rows(ev: EvalSpec, trust: TrustPolicy, namespace: str) -> list[Prompt]:
+    """The first ``prompts`` rows of the eval dataset, read as a task's dataset is (any
+    format, local or object storage, checked whole: data/sources.py, tasks/dataset.py)."""
+    assert ev.dataset is not None
+    data: Task | None = None
     try:
-        file, root = trust.data.resolve(dataset, namespace)
-        data = JsonlTask(file, {}, None, root, allow_hard_links=trust.data.allow_hard_links)
-    except TaskError as e:  # they name task.dataset: the rules are the same
-        raise TaskError(FIELD, e.message) from None
-    try:
+        source = resolve_dataset(trust, ev.dataset, ev.dataset_options, namespace)
+        data = open_dataset(source, {}, None)
+        assert isinstance(data, JsonlTask | DatasetTask)  # what open_dataset opens: rows
         if not len(data):
-            raise TaskError(FIELD, f"eval dataset {dataset!r} has no rows")
-        return [data.row(i) for i in range(min(n, len(data)))]
-    except TaskError as e:
-        raise TaskError(FIELD, e.message) from None
+            raise TaskError(FIELD, f"eval dataset {ev.dataset!r} has no rows")
+        return [data.row(i) for i in range(min(ev.prompts, len(data)))]
+    except TaskError as e:  # the rules are task.dataset's: name the eval's own fields
+        raise TaskError(e.field.replace("spec.task.", "spec.eval.", 1), e.message) from None
     finally:
-        data.close()
+        if data is not None:
+            data.close()
 
 
 def eval_rows(

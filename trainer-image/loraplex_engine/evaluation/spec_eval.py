@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
+from loraplex_engine.data.options import DatasetOptions
 from loraplex_engine.spec_schema import CelRule, Int32, SpecModel
 
 MAX_EVAL_PROMPTS = 64
@@ -75,10 +76,17 @@ class EvalSpec(SpecModel):
         None,
         min_length=1,
         max_length=4096,
-        description='A JSONL file of {"prompt": str, "answer": str} rows under the same rules '
-        "as task.dataset (the pool's dataRoots, relative: under <root>/<namespace>/): the "
-        "eval set is its first `prompts` rows, scored with the task's reward. Absent = "
-        "prompts drawn from the task itself.",
+        description="A dataset read as task.dataset is (JSONL, Parquet or a saved datasets "
+        "directory; from the pool's dataRoots, relative: under <root>/<namespace>/, or "
+        "object storage within the namespace's prefix): the eval set is its first `prompts` "
+        "rows, scored with the task's reward. Absent = prompts drawn from the task itself.",
+    )
+    dataset_options: DatasetOptions | None = Field(
+        None,
+        alias="datasetOptions",
+        description="How eval.dataset is read: its format, split and the columns of the "
+        "prompt and the answer, as task.datasetOptions. Absent = from its name, columns "
+        "prompt and answer.",
     )
     samples: Int32 = Field(
         1,

@@ -15,6 +15,7 @@ from loraplex_engine.tasks.builtin import (
     TargetTokenTask,
 )
 from loraplex_engine.tasks.dataset import DatasetTask, open_dataset
+from loraplex_engine.tasks.gsm8k import Gsm8kTask
 from loraplex_engine.tasks.jsonl import JsonlTask
 from loraplex_engine.tasks.rewards import BUILTIN_REWARDS, make_reward
 from loraplex_engine.tenancy.reward_exchange import REWARD_TIMEOUT_S
@@ -22,7 +23,15 @@ from loraplex_engine.tenancy.trust import RewardEgress
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls
-    for cls in (TargetTokenTask, CopyTask, ArithmeticTask, ShortReplyTask, JsonlTask, DatasetTask)
+    for cls in (
+        TargetTokenTask,
+        CopyTask,
+        ArithmeticTask,
+        ShortReplyTask,
+        Gsm8kTask,
+        JsonlTask,
+        DatasetTask,
+    )
 }
 
 # "default" = the task's own verifier; the others replace it.
@@ -88,6 +97,7 @@ __all__ = [
     "ArithmeticTask",
     "CopyTask",
     "DatasetTask",
+    "Gsm8kTask",
     "JsonlTask",
     "Prompt",
     "ShortReplyTask",
