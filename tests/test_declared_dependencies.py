@@ -40,9 +40,11 @@ PACKAGES = {
 }
 DEV_CODE = ("tests", "bench", "scripts")
 # Imported only where the platform installs them in its engine image (plug-ins, docs/plugins.md),
-# behind an ImportError: the adapters to them (environments/skyrl.py). Not the engine's own
-# requirement; the tests install them from dev-nodeps.txt.
-OPTIONAL = {"loraplex_engine": {"skyrl-gym"}}
+# behind an ImportError or imported only when an experiment names one: the adapters to them
+# (environments/skyrl.py; environments/verifiers_*.py, which also import the openai client
+# verifiers drives). Not the engine's own requirement; the tests install them from
+# dev-nodeps.txt (verifiers) and dev.txt (openai).
+OPTIONAL = {"loraplex_engine": {"skyrl-gym", "verifiers", "openai"}}
 # Every top-level module name this repository itself provides: the packages (not their
 # subpackages: loraplex_engine.rollout.torch is no `torch`), test helpers, bench modules,
 # and the vLLM worker's siblings, which it imports as top-level modules.
