@@ -51,7 +51,8 @@ def _id(doc: dict[str, Any]) -> str:
 
 def test_samples_are_split_as_the_readme_says() -> None:
     assert {p.name for p in CLUSTER_FILES} == {"experiments.yaml", "pool-cpu.yaml", "pool-gpu.yaml"}
-    assert {p.name for p in LOCAL_FILES} == {"demo.yaml", "demo-smollm2.yaml"}
+    local = {"demo.yaml", "demo-smollm2.yaml", "gsm8k-smollm2.yaml", "gsm8k-smollm2-learn.yaml"}
+    assert {p.name for p in LOCAL_FILES} == local
 
 
 @pytest.mark.parametrize("doc", _docs(CLUSTER_FILES + LOCAL_FILES), ids=_id)

@@ -50,6 +50,21 @@ class DataFileMissing(DataReadError):
     """A file or object the dataset reader asked for is not there."""
 
 
+class ParamError(LoraplexError, ValueError):
+    """A plug-in environment's bad ``task.environment.params`` entry: ``param`` names it
+    (the engine's 422 says ``spec.task.environment.params.<param>``). Plug-ins import it
+    from ``loraplex_engine.environments.base``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CalcError(LoraplexError, ValueError):
+    """Why the GSM8K calculator refuses an expression (workloads/calculator.py): shown to
+    the policy as the tool's result."""
+
+
 class ManifestError(LoraplexError, ValueError):
     """One or more bad manifest documents; ``problems`` lists one line per problem."""
 

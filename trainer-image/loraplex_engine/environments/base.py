@@ -12,6 +12,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from loraplex_engine.errors import ParamError
+
+__all__ = ["Environment", "ParamError", "Step"]
+
 
 @dataclass(frozen=True)
 class Step:
@@ -31,15 +35,6 @@ class Step:
         if self.messages:
             return self.messages
         return ((self.role, self.observation),) if self.observation else ()
-
-
-class ParamError(ValueError):
-    """A bad ``task.environment.params`` entry: ``param`` names it (the engine's 422 says
-    ``spec.task.environment.params.<param>``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class Environment(ABC):

@@ -18,6 +18,8 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
+from loraplex_engine.errors import CalcError
+
 MAX_CHARS = 200
 MAX_NODES = 64
 MAX_MAGNITUDE = 10**15
@@ -31,10 +33,6 @@ _BINARY: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
     ast.Div: operator.truediv,
 }
 ALLOWED = "numbers, + - * / and parentheses"
-
-
-class CalcError(ValueError):
-    """Why an expression is refused (shown to the policy as the tool's result)."""
 
 
 def _number(value: object) -> Fraction:
