@@ -253,6 +253,7 @@ def demo_specs(w: Workload) -> list[dict[str, Any]]:
     args = SimpleNamespace(
         rank=w.rank, targets=list(w.targets), group=w.group, prompts=w.prompts,
         lr=w.lr, max_new_tokens=w.max_new_tokens, seed_per_repeat=False,
+        workload="target-token",
     )  # fmt: skip
     return throughput.experiment_specs(w.experiments, w.steps, args)
 
