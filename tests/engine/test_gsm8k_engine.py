@@ -71,7 +71,13 @@ def test_gsm8k_trains_with_the_math_verify_reward(server: EngineServer) -> None:
 def test_gsm8k_trains_with_the_calculator_environment(server: EngineServer) -> None:
     env = {"name": "gsm8k-calculator", "maxTurns": 3, "maxEpisodeTokens": 128}
     task = {"name": "gsm8k", "params": {"maxSteps": "2", "hint": "false"}, "environment": env}
-    _finished(server, "team-a.gsm8k-calc", spec(task, new_tokens=8))
+    s = _finished(server, "team-a.gsm8k-calc", spec(task, new_tokens=8))
+    assert s["rolloutTokens"] > 0, s
+    episodes = [" ".join(w.cmdline()) for w in workers(server)]
+    assert any("environment:gsm8k-calculator" in c for c in episodes), episodes  # its worker
+    with server.client() as api:
+        assert api.delete("/v1/experiments/team-a.gsm8k-calc").status_code == 200
+    wait_until(lambda: not workers(server), timeout=30)  # removed: its worker ends
 
 
 def test_a_bad_environment_param_fails_only_its_experiment(server: EngineServer) -> None:
