@@ -156,3 +156,15 @@ def test_the_allowlist_is_the_sdks_and_the_engines() -> None:
             re.escape("{}"), r"\{\w+\}"
         )
         assert re.search(engine_pattern, engine), f"the engine serves no {t.method} {t.name}"
+
+
+def test_body_ids_with_a_trailing_newline_are_not_ids() -> None:
+    """The Kubernetes mode's ids (gateway/experiments.py) are matched whole: a ``$`` let
+    ``s<hex>\\n`` through into an experiment's name."""
+    from loraplex_operator.gateway import experiments as gx
+
+    with pytest.raises(gx.BadRequest):
+        gx.manifest("team-a", "pool", {"session_id": SID + "\n", "model_seq_id": 0})
+    assert gx.experiment_name(f"{SID}:train:0") is not None
+    assert gx.experiment_name(f"{SID}:train:0\n") is None
+    assert gx.split_base_sampler(f"{SID}:sample:b1:tiny\n") is None
