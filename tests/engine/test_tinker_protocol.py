@@ -195,8 +195,14 @@ def test_the_key_file_rotates_without_a_restart(server: Server) -> None:
     assert server.rest(KEY_C).list_training_runs().result().training_runs == []
     with pytest.raises(tinker.AuthenticationError):
         server.rest(KEY_A).list_training_runs().result()
-    server.keys_file.write_text("team-c not-a-key\n")  # a bad file: the last keys stay
-    assert server.rest(KEY_C).list_training_runs().result().training_runs == []
+    # One edit revokes C, adds B and mistypes a line: the bad line is skipped (logged),
+    # the rest applies, the revocation included.
+    server.keys_file.write_text(f"team-c not-a-key\nteam-b {KEY_B}\n")
+    assert server.rest(KEY_B).list_training_runs().result().training_runs == []
+    with pytest.raises(tinker.AuthenticationError):
+        server.rest(KEY_C).list_training_runs().result()
+    server.keys_file.unlink()  # unreadable: the last keys stay
+    assert server.rest(KEY_B).list_training_runs().result().training_runs == []
 
 
 def test_each_error_names_its_field(server: Server) -> None:

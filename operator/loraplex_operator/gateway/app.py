@@ -5,6 +5,10 @@ Every /v1 and /api/v1 request presents a tenant key (``Authorization: Bearer tml
 or ``X-API-Key``); the key's namespace bounds everything it sees. OpenAI model ids
 resolve within that namespace (routing.openai_model) and go to the engine serving the
 adapter, streamed through (proxy.stream) when the request asks for a stream.
+
+Paths are not routes (paths.py): every request's path must be plain (``PlainPaths``), a
+Tinker call must be one of the allowlisted routes, a model id a plain id, before
+anything is forwarded.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import httpx
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_operator.gateway import metrics, proxy, routing
+from loraplex_operator.gateway import metrics, paths, proxy, routing
 from loraplex_operator.gateway.directory import Directory
 from loraplex_operator.gateway.keys import Key, presented_key
 from loraplex_operator.gateway.tinker import PREFIX, Tinker
@@ -36,6 +42,29 @@ UPSTREAM_TIMEOUT = httpx.Timeout(60.0, connect=5.0)  # retrieve_future long-poll
 
 class TooLarge(Exception):
     pass
+
+
+class PlainPaths:
+    """Refuses (400) a request whose path is not plain as it came (paths.plain_path),
+    before routing: what the gateway routes on is then what it could forward."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            raw = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
+            found = paths.plain_path(raw.partition(b"?")[0])
+            if isinstance(found, paths.Refused):
+                answer = proxy.error(found.status, "invalid_path", found.message, "path")
+                await answer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def refused(r: paths.Refused) -> Response:
+    code = "not_found" if r.status == 404 else "invalid_request"
+    return proxy.error(r.status, code, r.message, r.field)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -101,20 +130,30 @@ def create_app(
             record("", "openai", t0, 401)
             return unauthorized()
         given = request.path_params["id"]
-        engine = await up().find_adapter(routing.openai_model(key.namespace, given))
+        if bad := paths.model_problem(given):
+            record(key.namespace, "openai", t0, bad.status)
+            return refused(bad)
+        mid = routing.openai_model(key.namespace, given)
+        engine = await up().find_adapter(mid)
         if engine is None:
             record(key.namespace, "openai", t0, 404)
             return proxy.error(404, "not_found", f"no model {given!r}", "model")
-        mid = routing.openai_model(key.namespace, given)
         try:
-            r = await up().call(engine, "GET", f"/v1/models/{mid}", None, idempotent=True)
+            r = await up().call(engine, "GET", paths.model_path(mid), None, idempotent=True)
         except httpx.TransportError as e:
             record(key.namespace, "openai", t0, 502)
             return proxy.lost(engine, e)
         record(key.namespace, "openai", t0, r.status_code)
         return proxy.passed(r)
 
-    async def complete(request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        return await complete(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, "/v1/chat/completions")
+
+    async def complete(request: Request, path: str) -> Response:
+        """``path``: the route matched, forwarded as written here (never the path given)."""
         t0, key = time.monotonic(), authenticate(request)
         if key is None:
             record("", "openai", t0, 401)
@@ -128,16 +167,19 @@ def create_app(
         except (ValueError, ClientDisconnect):
             record(ns, "openai", t0, 400)
             return proxy.error(400, "invalid_request", "the body is not JSON")
-        if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
+        if not isinstance(doc, dict):
             record(ns, "openai", t0, 422)
-            return proxy.error(422, "invalid_request", "model is required", "model")
+            return proxy.error(422, "invalid_request", "the body is not a JSON object")
+        if bad := paths.model_problem(doc.get("model")):
+            record(ns, "openai", t0, bad.status)
+            return refused(bad)
         given = doc["model"]
         doc["model"] = routing.openai_model(ns, given)
         engine = await up().find_adapter(doc["model"])
         if engine is None:
             record(ns, "openai", t0, 404)
             return proxy.error(404, "not_found", f"no model {given!r}", "model")
-        body, path = json.dumps(doc).encode(), request.url.path
+        body = json.dumps(doc).encode()
         if doc.get("stream"):
             return await proxy.stream(
                 up().client,
@@ -174,12 +216,16 @@ def create_app(
         if key is None:
             record("", "tinker", t0, 401)
             return unauthorized()
+        call = paths.match_tinker(request.method, route)
+        if isinstance(call, paths.Refused):
+            record(key.namespace, "tinker", t0, call.status)
+            return refused(call)
         try:
             body = await read_body(request, max_body_bytes)
         except TooLarge:
             record(key.namespace, "tinker", t0, 413)
             return proxy.error(413, "too_large", f"request body over {max_body_bytes} bytes")
-        answer = await state["tinker"].handle(request, key, route, body)
+        answer = await state["tinker"].handle(request, key, call, body)
         record(key.namespace, "tinker", t0, answer.status_code)
         return answer
 
@@ -201,8 +247,8 @@ def create_app(
         Route("/metrics", metrics_route),
         Route("/v1/models", list_models),
         Route("/v1/models/{id:path}", get_model),
-        Route("/v1/completions", complete, methods=["POST"]),
-        Route("/v1/chat/completions", complete, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route(PREFIX + "/{route:path}", tinker, methods=["GET", "POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(PlainPaths)])

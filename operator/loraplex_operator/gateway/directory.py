@@ -176,9 +176,11 @@ class KubeDirectory(Directory):
 
 
 def file_secrets(keys: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A file's ``{"namespace", "key", "role"}`` entries as the Secrets they stand for."""
+    """A file's ``{"namespace", "key", "role"}`` entries as the Secrets they stand for (an
+    entry that is not an object: one without a namespace, logged and skipped)."""
     out = []
     for i, k in enumerate(keys):
+        k = k if isinstance(k, Mapping) else {}
         labels = {KEY_LABEL: "true", ROLE_LABEL: str(k.get("role", "sample"))}
         meta = {"namespace": k.get("namespace"), "name": f"key-{i}", "labels": labels}
         out.append({"metadata": meta, "stringData": {KEY_FIELD: k.get("key")}})
@@ -204,6 +206,11 @@ class FileDirectory(Directory):
             return
         with open(self.path, encoding="utf-8") as f:
             doc = json.load(f)
+        # Keys first, on their own: an edit's removals apply even if the rest is bad.
+        keys, problems = KeyTable.from_secrets(file_secrets(doc.get("keys", [])))
+        for p in problems:
+            log.warning("API key not loaded: %s", p)
+        self.keys = keys
         engines = [
             Engine(
                 name=e["name"],
@@ -217,9 +224,6 @@ class FileDirectory(Directory):
             )
             for e in doc.get("engines", [])
         ]
-        keys, problems = KeyTable.from_secrets(file_secrets(doc.get("keys", [])))
-        for p in problems:
-            log.warning("API key not loaded: %s", p)
-        self.engines, self.keys = engines, keys
+        self.engines = engines
         self.namespace_labels = {k: dict(v) for k, v in doc.get("namespaceLabels", {}).items()}
         self._stamp = stamp

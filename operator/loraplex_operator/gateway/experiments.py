@@ -59,19 +59,19 @@ class BadRequest(ValueError):
 
 def experiment_name(model_id: str | None) -> str | None:
     """``tinker-<session>-<n>`` for a model id the gateway's sessions hand out, else None."""
-    m = MODEL_ID.match(model_id or "")
+    m = MODEL_ID.fullmatch(model_id or "")
     return f"{PREFIX}{m.group(1)}-{int(m.group(2))}" if m else None
 
 
 def model_id_of(name: str) -> str | None:
-    m = NAME.match(name)
+    m = NAME.fullmatch(name)
     return f"{m.group(1)}:train:{m.group(2)}" if m else None
 
 
 def manifest(namespace: str, pool: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The ``LoRAExperiment`` for a ``create_model`` request (BadRequest if it has none)."""
     session, seq = body.get("session_id"), body.get("model_seq_id")
-    if not isinstance(session, str) or not SESSION.match(session):
+    if not isinstance(session, str) or not SESSION.fullmatch(session):
         raise BadRequest("session_id", "not a session of this gateway")
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 10**10:
         raise BadRequest("model_seq_id", "an integer in [0, 10^10)")
@@ -197,10 +197,10 @@ def split_future(
     for prefix, kind in ((CREATE_FUTURE, "create"), (UNLOADED_FUTURE, "unloaded")):
         if given.startswith(prefix):
             name = given[len(prefix) :]
-            return (kind, name, "") if NAME.match(name) else None  # type: ignore[return-value]
+            return (kind, name, "") if NAME.fullmatch(name) else None  # type: ignore[return-value]
     if given.startswith(MODEL_FUTURE):
         name, sep, rid = given[len(MODEL_FUTURE) :].partition("~")
-        return ("model", name, rid) if sep and rid and NAME.match(name) else None
+        return ("model", name, rid) if sep and rid and NAME.fullmatch(name) else None
     return None
 
 
@@ -230,10 +230,10 @@ def base_sampler_id(session: str, seq: object, base_model: str) -> str | None:
     if tag is None or seq < 0:  # type: ignore[operator]
         tag = secrets.token_hex(6)
     sid = f"{session}:sample:b{tag[-12:]}:{base_model}"
-    return sid if BASE_SAMPLER.match(sid) else None
+    return sid if BASE_SAMPLER.fullmatch(sid) else None
 
 
 def split_base_sampler(sampler_id: object) -> tuple[str, str] | None:
     """(session, base model) of a base-model sampler's id, else None."""
-    m = BASE_SAMPLER.match(sampler_id) if isinstance(sampler_id, str) else None
+    m = BASE_SAMPLER.fullmatch(sampler_id) if isinstance(sampler_id, str) else None
     return (m.group(1), m.group(3)) if m else None

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from loraplex_operator.gateway import metrics
 from loraplex_operator.gateway.routing import Engine
-from loraplex_operator.gateway.upstream import engine_headers, transport_reason
+from loraplex_operator.gateway.upstream import checked, engine_headers, transport_reason
 
 log = logging.getLogger("loraplex_operator.gateway.proxy")
 
@@ -87,7 +87,7 @@ async def stream(
     t0 = time.monotonic() if t0 is None else t0
     request = client.build_request(
         "POST",
-        engine.url + path,
+        engine.url + checked(path),
         content=body,
         headers={"Content-Type": "application/json", **engine_headers(engine, None)},
         timeout=httpx.Timeout(30.0, read=idle_s),

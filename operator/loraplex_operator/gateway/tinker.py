@@ -1,6 +1,7 @@
 """The Tinker API (``/api/v1/...``) for every pool: each call authenticated by the
 tenant's key, checked against its role, and sent to the engine that holds what it names
-(routing.py) with the pool token and ``X-Loraplex-Namespace``.
+(routing.py) with the pool token and ``X-Loraplex-Namespace``. Only the allowlisted
+routes reach here (paths.py), each as the route rebuilt from its checked parts.
 
 Stage 1 (docs/design/gateway.md): a session lives on one engine, chosen at
 ``create_session`` among the pools that admit the namespace (most free slots); its
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from loraplex_operator.gateway import proxy, routing
 from loraplex_operator.gateway.keys import Key
+from loraplex_operator.gateway.paths import TinkerCall
 from loraplex_operator.gateway.routing import Engine
 from loraplex_operator.gateway.tinker_models import Models
 from loraplex_operator.gateway.upstream import Upstream
@@ -67,15 +69,16 @@ class Tinker:
         # Item 3 (gateway/tinker_models.py) where the view has the Kubernetes API.
         self.models = Models(self) if upstream.directory.models_as_experiments else None
 
-    async def handle(self, request: Request, key: Key, route: str, body: bytes) -> Response:
+    async def handle(self, request: Request, key: Key, call: TinkerCall, body: bytes) -> Response:
+        route = call.route
         name = route.split("/", 1)[0]
         if route in LOCAL:
             return JSONResponse(LOCAL[route])
-        if not key.may(name):
+        if not key.may(call.name):  # the route matched and forwarded, not the path given
             return proxy.error(
                 403,
                 "forbidden",
-                f"this API key ({key.role}) may not call {name}: it needs the train role",
+                f"this API key ({key.role}) may not call {call.name}: it needs the train role",
             )
         ns = key.namespace
         if self.models is not None:

@@ -64,7 +64,7 @@ class Models:
             return JSONResponse({"type": "create_session", "session_id": new_session_id()})
         if route == "session_heartbeat":
             sid = _json(body).get("session_id")
-            if isinstance(sid, str) and gx.SESSION.match(sid):
+            if isinstance(sid, str) and gx.SESSION.fullmatch(sid):
                 return JSONResponse({"type": "session_heartbeat"})
             return proxy.error(404, "not_found", f"no session {sid!r}", "session_id")
         if name == "sessions" and route.endswith("/finish"):
@@ -115,7 +115,7 @@ class Models:
         """A gateway session's sampler of the base model alone, answered here (no engine
         holds the session); one with a model path is its model's engine's (None)."""
         session = doc.get("session_id")
-        if doc.get("model_path") is not None or not gx.SESSION.match(str(session)):
+        if doc.get("model_path") is not None or not gx.SESSION.fullmatch(str(session)):
             return None
         serving = self._serving(ns, doc.get("base_model"))
         if isinstance(serving, Response):

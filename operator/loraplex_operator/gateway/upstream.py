@@ -8,6 +8,9 @@ asking again on a miss, a transport error, or a restart.
 Retries: a call that never reached the engine (connect error) is retried on any
 method, once the directory has had a chance to change; a call that may have reached it
 is retried only when it is idempotent (GETs, ``retrieve_future``).
+
+A path sent here must be plain (paths.plain_path): one with a dot segment would be
+normalised by httpx into another route, so it is refused as a bug, never sent.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loraplex_operator.gateway import metrics
+from loraplex_operator.gateway import metrics, paths
 from loraplex_operator.gateway.directory import Directory
 from loraplex_operator.gateway.routing import Engine
 
@@ -36,6 +39,13 @@ def engine_headers(engine: Engine, namespace: str | None) -> dict[str, str]:
     if namespace is not None:
         headers[NAMESPACE_HEADER] = namespace
     return headers
+
+
+def checked(path: str) -> str:
+    """``path`` if plain; a ValueError (a bug: callers build paths from checked parts)."""
+    if isinstance(found := paths.plain_path(path.encode("utf-8")), paths.Refused):
+        raise ValueError(f"not sent to an engine: {found.message}")
+    return path
 
 
 def transport_reason(e: httpx.TransportError) -> str:
@@ -88,6 +98,7 @@ class Upstream:
         timeout: float | None = None,
     ) -> httpx.Response:
         """One buffered call; transport errors raise after the retries allowed."""
+        checked(path)
         attempt = 0
         while True:
             try:
@@ -156,7 +167,7 @@ class Upstream:
         if cached and (engine := self.directory.engine(cached)) is not None:
             return engine
         answers = await self._ask(
-            self.directory.engines, "GET", f"/v1/models/{model_id}", None, idempotent=True
+            self.directory.engines, "GET", paths.model_path(model_id), None, idempotent=True
         )
         for engine, r in answers:
             if r is not None and r.status_code == 200:

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraplex_engine.errors import BodyTooLargeError, UnauthorizedError
-from loraplex_engine.server.errors import error_response
+from loraplex_engine.server.errors import error_json, error_response
 
 NAMESPACE_HEADER = b"x-loraplex-namespace"  # tinker/keys.py's, as ASGI spells headers
 
@@ -27,17 +27,23 @@ class BearerAuth:
     in the routes (tinker/rest.py): with a tenant's own API key, or with this token and
     ``X-Loraplex-Namespace`` (a gateway acting for a namespace). A request that names a
     namespace in that header without this token is refused here, on every path, so a
-    tenant key can never claim a namespace."""
+    tenant key can never claim a namespace. A request with that header is a tenant's,
+    whatever its token: outside the tenant routes (the admin API, the OpenAI routes) it
+    is refused (403), so a path that reached this engine other than the gateway meant
+    (a dot segment resolved on the way) never opens the admin API."""
 
     def __init__(self, app: ASGIApp, token: str, tenant_prefix: str | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
         self.tenant_prefix = tenant_prefix
 
+    def _tenant(self, path: str) -> bool:
+        if self.tenant_prefix is None or not path.startswith(self.tenant_prefix):
+            return False
+        return not any(s in (".", "..") for s in path.split("/"))
+
     def _open(self, path: str) -> bool:
-        if path in OPEN_PATHS:
-            return True
-        return self.tenant_prefix is not None and path.startswith(self.tenant_prefix)
+        return path in OPEN_PATHS or self._tenant(path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,6 +64,13 @@ class BearerAuth:
                 response = error_response(error, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+        if delegated and not self._tenant(scope["path"]):
+            message = (
+                "X-Loraplex-Namespace (a tenant's request) is accepted on the Tinker routes only"
+            )
+            response = error_json("forbidden", message, "X-Loraplex-Namespace", 403)
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

@@ -14,8 +14,10 @@ through timing.
 
 The source is re-read when its modification time (or, for a directory, the set of files
 and their times) changes, checked at most every ``recheck_s`` seconds: keys rotate
-without a restart. A source that cannot be read, or reads with errors, leaves the last
-good keys in force and is logged.
+without a restart. A source that cannot be read leaves the last keys in force (logged);
+one that reads with bad lines takes effect without them: its good lines and its
+removals apply (a revoked key stops even when the same edit mistyped another line), and
+each bad line is logged. At start-up (``serve``) a bad line is an error.
 
 A gateway in front of several engines (the chart's ``loraplex-gateway``) authenticates
 tenants itself and calls an engine with the engine's admin bearer token plus
@@ -80,7 +82,20 @@ def _lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def parse_file(text: str, name: str = "keys") -> list[_Entry]:
+@dataclass(frozen=True)
+class Parsed:
+    """A source's good keys, and its bad lines (each a message naming file and line)."""
+
+    entries: list[_Entry]
+    problems: list[str]
+
+    def strict(self) -> list[_Entry]:
+        if self.problems:
+            raise KeyFileError("\n".join(self.problems))
+        return self.entries
+
+
+def parse_file(text: str, name: str = "keys") -> Parsed:
     entries: list[_Entry] = []
     problems: list[str] = []
     for i, line in _lines(text):
@@ -91,12 +106,10 @@ def parse_file(text: str, name: str = "keys") -> list[_Entry]:
         entry = _parse_key(parts[1], f"{name}:{i}", parts[0], problems)
         if entry is not None:
             entries.append(entry)
-    if problems:
-        raise KeyFileError("\n".join(problems))
-    return entries
+    return Parsed(entries, problems)
 
 
-def parse_dir(files: dict[str, str]) -> list[_Entry]:
+def parse_dir(files: dict[str, str]) -> Parsed:
     entries: list[_Entry] = []
     problems: list[str] = []
     for fname, text in sorted(files.items()):
@@ -104,9 +117,7 @@ def parse_dir(files: dict[str, str]) -> list[_Entry]:
             entry = _parse_key(line, f"{fname}:{i}", fname, problems)
             if entry is not None:
                 entries.append(entry)
-    if problems:
-        raise KeyFileError("\n".join(problems))
-    return entries
+    return Parsed(entries, problems)
 
 
 def _dir_files(path: str) -> list[str]:
@@ -156,7 +167,7 @@ class KeyStore:
             stamps.append((n, s.st_mtime_ns, s.st_size, s.st_ino))
         return (st.st_mtime_ns, tuple(stamps))
 
-    def _read(self) -> list[_Entry]:
+    def _read(self) -> Parsed:
         if os.path.isdir(self.path):
             files = {}
             for n in _dir_files(self.path):
@@ -171,12 +182,15 @@ class KeyStore:
             stamp = self._stamp_now()
             if stamp == self._stamp:
                 return
-            entries = self._read()
+            parsed = self._read()
+            entries = parsed.strict() if strict else parsed.entries
         except (OSError, UnicodeDecodeError, KeyFileError) as e:
             if strict:
                 raise KeyFileError(f"--tinker-keys {self.path}: {e}") from e
             log.error("tinker keys %s not reloaded, the previous keys stay: %s", self.path, e)
             return
+        for problem in parsed.problems:  # not strict: skipped, the rest applies
+            log.error("tinker keys %s: line skipped: %s", self.path, problem)
         if not strict:
             log.info("tinker keys %s reloaded: %d key(s)", self.path, len(entries))
         self._entries = entries
