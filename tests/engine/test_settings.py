@@ -61,6 +61,7 @@ CHANGED: dict[str, Any] = {
     "port": 0,
     "token_file": "/var/run/token",
     "tinker_keys": "/var/run/tinker-keys",
+    "tinker_max_sessions": 16,
     "insecure_no_auth": True,
     "threads": 2,
     "max_completion_tokens": 64,

@@ -18,6 +18,7 @@ from loraplex_engine.training_service import (
     ClientLora,
     ClientModelInfo,
     ForwardOutput,
+    Limits,
     LossCall,
     SampleCall,
     SampledRow,
@@ -46,6 +47,10 @@ class FakeTraining:
         self.models: dict[tuple[str, str], _Model] = {}
         self.saved: dict[tuple[str, str], tuple[SavedState, int, ClientLora]] = {}
         self.log: list[tuple[str, str, str]] = []  # (call, namespace, model id)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(vocab=32_000, context=None, max_tokens=262_144)
 
     def _model(self, ns: str, model_id: str) -> _Model:
         m = self.models.get((ns, model_id))

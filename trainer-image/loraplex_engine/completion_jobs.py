@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from loraplex_engine.errors import ApiError, CheckpointError, UnavailableError
+from loraplex_engine.errors import (
+    ApiError,
+    CheckpointError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.service import PromptJob, ServedRow, TokenCallback
 from loraplex_engine.store.spare_slots import SpareSlots
@@ -84,6 +89,21 @@ class CompletionJob:
             for row in range(job.n)
         ]
 
+    def rows(self, slot: int) -> list[RolloutRequest]:
+        """:meth:`requests`, for the tick's batch; none, and the job answered, when every
+        row is cancelled or a value of its own cannot go into the batch's tensors (the
+        job fails alone, never the tick its co-tenants share)."""
+        if self.abandoned():
+            self.done.set()
+            return []
+        try:
+            check_tensors(self.job)
+        except InvalidRequestError as e:
+            self.error = e
+            self.done.set()
+            return []
+        return self.requests(slot)
+
     def abandoned(self) -> bool:
         """Every row cancelled before the batch: the job is answered without decoding."""
         cancelled = self.job.cancelled
@@ -96,6 +116,23 @@ class CompletionJob:
         return [
             ServedRow(c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in self.result
         ]
+
+
+def check_tensors(job: PromptJob) -> None:
+    """The values the job's rows put in the rollout's batched tensors (token ids and
+    counts as int64, temperature and top_p as float32), built for this job alone first:
+    one that overflows or is not finite raises ``InvalidRequestError`` here, for this job,
+    instead of failing the whole batch where the rollout builds them together."""
+    counts = [job.max_tokens, job.top_logprobs, job.n, *job.prompt_ids]
+    try:
+        torch.tensor([job.top_k, *counts], dtype=torch.long)
+        floats = torch.tensor([job.temperature, job.top_p], dtype=torch.float32)
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+        raise InvalidRequestError(f"a sampling value the rollout cannot take: {e}") from None
+    if not bool(torch.isfinite(floats).all()) or job.temperature < 0 or not 0 < job.top_p <= 1:
+        raise InvalidRequestError("temperature and top_p must be finite, >= 0 and in (0, 1]")
+    if min(counts) < 0:  # top_k alone may be negative (no cut)
+        raise InvalidRequestError("token ids and counts must not be negative")
 
 
 def load_versions(

@@ -274,11 +274,10 @@ class Tick:
                 job.error = NotFoundError(str(e))
                 job.done.set()
                 continue
-            if job.abandoned():
-                job.done.set()
-                continue
-            job_rows.append((job, len(requests)))
-            requests += job.requests(slot)
+            rows = job.rows(slot)  # none: answered (cancelled, or values of its own that fail)
+            if rows:
+                job_rows.append((job, len(requests)))
+                requests += rows
         outputs = self.backend.generate(requests)
         rolled: list[Rollout | Failure] = [r for r in planned if r.episodes is not None]
         offset = 0

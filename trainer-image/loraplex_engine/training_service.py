@@ -96,6 +96,16 @@ class SampleCall:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What the engine's model takes: token ids below ``vocab``, rows of at most
+    ``context`` tokens (None: unbounded) and at most ``max_tokens`` tokens a call."""
+
+    vocab: int
+    context: int | None
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class SampledRow:
     token_ids: list[int]
     logprobs: list[float]
@@ -149,6 +159,10 @@ class TrainingService(Protocol):
 
     @property
     def model_name(self) -> str: ...
+
+    @property
+    def limits(self) -> Limits:
+        """What a call may ask: token ids, row length, tokens a call (checked at the door)."""
 
     def create_model(self, namespace: str, model_id: str, lora: ClientLora) -> ClientModelInfo:
         """A fresh adapter in a free slot; ``NoCapacityError`` when none is free."""

@@ -19,7 +19,7 @@ from loraplex_engine.train.algorithms.tinker_losses import (
     TokenLossInputs,
     build_token_loss,
 )
-from loraplex_engine.training_service import ClientDatum, LossCall
+from loraplex_engine.training_service import ClientDatum, Limits, LossCall
 
 # Float loss inputs the losses read, and the TokenLossInputs field each fills.
 FLOAT_INPUTS = {
@@ -48,16 +48,6 @@ class Datum:
         return TokenLossInputs(
             logprobs, **{k: v.to(logprobs.device) for k, v in self.floats.items()}
         )
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the engine's model takes: token ids below ``vocab``, rows of at most
-    ``context`` tokens (None: unbounded) and at most ``max_tokens`` tokens a call."""
-
-    vocab: int
-    context: int | None
-    max_tokens: int
 
 
 def check_loss(loss: LossCall) -> TokenLoss:

@@ -466,6 +466,7 @@ def _check_sample(call: SampleCall, limits: Limits) -> None:
         ("num_samples", call.num_samples >= 1),
         ("max_tokens", call.max_tokens >= 1),
         ("temperature", call.temperature >= 0),
+        ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (tinker/)
         ("top_p", 0 < call.top_p <= 1),
         ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
     ):

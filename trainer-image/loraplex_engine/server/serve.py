@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from loraplex_engine.base_model import check_model_dir
-from loraplex_engine.errors import RankFailed, UnavailableError, UsageError
+from loraplex_engine.errors import ApiError, RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
@@ -70,7 +70,9 @@ class EngineLoop:
     work) for at most ``idle_wait_s``. An unexpected
     exception from ``tick`` is logged and retried with back-off; after
     ``max_errors`` in a row the loop stops and reports itself dead (liveness fails,
-    so Kubernetes restarts the pod and the operator resumes its experiments)."""
+    so Kubernetes restarts the pod and the operator resumes its experiments). An
+    ``ApiError`` is a request's own (its caller is answered with it) and never counts
+    toward that limit: no tenant's request can stop the engine."""
 
     def __init__(
         self,
@@ -125,6 +127,12 @@ class EngineLoop:
                 self._wake.clear()  # a wake() during the tick makes the next wait return
             try:
                 report = self.engine.tick()
+            except ApiError as e:  # a request's own error: answered to it, not the engine's
+                log.warning("a tick ended on a request's error (not counted): %s", e.message)
+                if self.on_error is not None:
+                    self.on_error(e)
+                self._stop.wait(0.05)  # never a spin, should one recur
+                continue
             except Exception as e:
                 errors += 1
                 log.exception("engine tick failed (%d in a row)", errors)
@@ -295,6 +303,7 @@ def run(settings: ServeSettings) -> int:
         max_completion_tokens=settings.max_completion_tokens,
         tinker_keys=tinker_keys,
         training=training,
+        tinker_options={"max_sessions": settings.tinker_max_sessions},
     )
 
     try:

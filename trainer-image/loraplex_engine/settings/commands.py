@@ -15,6 +15,7 @@ from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
 from loraplex_engine.settings.tracking import TrackingSettings
 from loraplex_engine.settings.values import Flag
+from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS
 
 
 class ServeSettings(ProcessSettings, TrackingSettings):
@@ -51,6 +52,14 @@ class ServeSettings(ProcessSettings, TrackingSettings):
             default_text="none: no /api/v1",
         ),
     ] = None
+    tinker_max_sessions: Annotated[
+        int,
+        Flag(
+            "open Tinker sessions (ServiceClients) a namespace may hold at once; one more "
+            "answers 429",
+            v.positive_int,
+        ),
+    ] = DEFAULT_MAX_SESSIONS
     threads: Annotated[int, Flag("torch CPU threads (0: torch's default)", v.to_int)] = 0
     max_completion_tokens: Annotated[
         int, Flag("largest max_tokens accepted by /v1/completions", v.to_int)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -29,10 +30,17 @@ from loraplex_engine.errors import (
     UnavailableError,
 )
 
-__all__ = ["ProtocolError", "SessionGone", "TooManyRequests"]
+__all__ = ["ProtocolError", "SessionGone", "SessionLimit", "TooManyRequests"]
 from loraplex_engine.server.errors import error_json, http_status
 
 log = logging.getLogger("loraplex_engine.tinker")
+
+
+class SessionLimit(TooManyRequests):
+    """A namespace at its limit of open sessions: 429, with ``x-should-retry: false`` so
+    the SDK reports it at once instead of retrying (a session lasts minutes)."""
+
+    headers: ClassVar[dict[str, str]] = {"x-should-retry": "false"}
 
 
 def status_of(exc: ApiError) -> int:
@@ -63,4 +71,5 @@ def as_api_error(exc: Exception) -> ApiError:
 def add_protocol_error_handler(app: FastAPI) -> None:
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
-        return error_json(exc.code, exc.message, exc.field, exc.status)
+        headers = getattr(exc, "headers", None)
+        return error_json(exc.code, exc.message, exc.field, exc.status, headers)

@@ -28,11 +28,11 @@ from loraplex_engine.tinker import wire
 from loraplex_engine.tinker.errors import failure_text
 from loraplex_engine.tinker.futures import Future, FutureTable, Runner
 from loraplex_engine.tinker.journal import Entry, journalled, replay
+from loraplex_engine.tinker.sampling_params import sample_call
 from loraplex_engine.tinker.state import Model, Registry, Sampler
 from loraplex_engine.training_service import (
     AdamStep,
     ClientLora,
-    SampleCall,
     TrainingService,
 )
 from loraplex_engine.versions import names
@@ -254,9 +254,11 @@ class Protocol:
         return self._queue(model, body.get("seq_id"), "LoadWeights", load)
 
     def forward_backward(self, namespace: str, body: bytes, encoding: str | None) -> str:
-        call = wire.read_forward_backward(wire.decompress(body, encoding))
-        model = self.registry.model(namespace, call.model_id)
         svc = self.training()
+        max_tokens = svc.limits.max_tokens
+        raw = wire.decompress(body, encoding, wire.max_body_bytes(max_tokens))
+        call = wire.read_forward_backward(raw, max_tokens)
+        model = self.registry.model(namespace, call.model_id)
         step = svc.forward if call.forward_only else svc.forward_backward
 
         def run(queued: Callable[[], None]) -> bytes:
@@ -421,7 +423,7 @@ class Protocol:
                 raise InvalidRequestError(f"{name} is not supported", field=name)
         if body.get("record_stability_info"):
             raise InvalidRequestError("not supported", field="record_stability_info")
-        call = sample_call(body)
+        call = sample_call(body, self.training().limits)
         fut = self.futures.new(namespace, "Sample")
         fut.sample_sequence_ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
         topk = call.topk_prompt_logprobs
@@ -432,57 +434,3 @@ class Protocol:
 
         self.runner.submit(lambda: self._finish(fut, run))
         return fut
-
-
-MAX_SAMPLES = 128
-MAX_TOPK = 20
-
-
-def sample_call(body: dict[str, Any]) -> SampleCall:
-    tokens: list[int] = []
-    for j, chunk in enumerate((body.get("prompt") or {}).get("chunks") or []):
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise InvalidRequestError(
-                f"{chunk.get('type')} chunks are not supported (text tokens only)",
-                field=f"prompt.chunks[{j}]",
-            )
-        tokens.extend(int(t) for t in chunk.get("tokens") or [])
-    if not tokens or min(tokens) < 0:
-        raise InvalidRequestError("a prompt of token ids is required", field="prompt")
-    n = int(body.get("num_samples", 1))
-    if not 1 <= n <= MAX_SAMPLES:
-        raise InvalidRequestError(f"must be 1..{MAX_SAMPLES}", field="num_samples")
-    topk = int(body.get("topk_prompt_logprobs") or 0)
-    if not 0 <= topk <= MAX_TOPK:
-        raise InvalidRequestError(f"must be 0..{MAX_TOPK}", field="topk_prompt_logprobs")
-    p = body.get("sampling_params") or {}
-    stop = p.get("stop")
-    stop_ids: list[int] = []
-    stop_strs: list[str] = []
-    if isinstance(stop, str):
-        stop_strs = [stop]
-    elif isinstance(stop, list):
-        stop_ids = [s for s in stop if isinstance(s, int)]
-        stop_strs = [s for s in stop if isinstance(s, str)]
-    defaults = SampleCall(prompt_ids=tokens)
-    max_tokens = p.get("max_tokens")
-    call = replace(
-        defaults,
-        num_samples=n,
-        max_tokens=defaults.max_tokens if max_tokens is None else int(max_tokens),
-        temperature=float(p.get("temperature", 1.0)),
-        top_k=int(p.get("top_k", -1)),
-        top_p=float(p.get("top_p", 1.0)),
-        seed=p.get("seed"),
-        stop_token_ids=stop_ids,
-        stop_strings=stop_strs,
-        prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
-        topk_prompt_logprobs=topk,
-    )
-    if call.max_tokens < 1:
-        raise InvalidRequestError("must be at least 1", field="sampling_params.max_tokens")
-    if call.temperature < 0:
-        raise InvalidRequestError("must be >= 0", field="sampling_params.temperature")
-    if not 0 < call.top_p <= 1:
-        raise InvalidRequestError("must be in (0, 1]", field="sampling_params.top_p")
-    return call

@@ -8,11 +8,12 @@ request to :class:`~loraplex_engine.tinker.protocol.Protocol`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from loraplex_engine.errors import (
@@ -26,6 +27,7 @@ from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_err
 from loraplex_engine.tinker.futures import FutureTable, Runner
 from loraplex_engine.tinker.journal import find_future
 from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
+from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS, check_metadata
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.tinker.rest import Ns
 from loraplex_engine.tinker.state import Registry
@@ -57,9 +59,13 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
+# Kept as long as its session lives: bounded (tinker/metadata.py), a 422 naming it past that.
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
+
+
 class CreateSession(Body):
     tags: list[str] = []
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata = None
     sdk_version: str = ""
 
 
@@ -78,7 +84,7 @@ class Lora(Body):
 class CreateModel(SessionRef):
     model_seq_id: int = Field(ge=0)
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata = None
     lora_config: Lora | None = None
     optimizer_config: dict[str, Any] | None = None
 
@@ -106,7 +112,7 @@ class LoadWeights(Body):
     session_id: str | None = None
     model_seq_id: int | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata = None
     path: str = Field(min_length=1, max_length=4096)
     optimizer: bool = False
     optimizer_config: dict[str, Any] | None = None
@@ -151,9 +157,20 @@ async def call(fn: Callable[..., Any], *args: Any) -> Any:
         raise InvalidRequestError(e.message, e.field) from None
 
 
-# A forward_backward body up to this size is decoded and queued on the event loop (well
-# under a millisecond); a larger one on a worker thread, so it never stalls the loop.
-INLINE_BODY_BYTES = 64 * 1024
+# forward_backward bodies are decoded (zstd, protobuf) on at most this many threads at
+# once, never on the event loop: a body that expands to megabytes costs a decode thread,
+# not every tenant's /healthz and polls. More wait their turn (holding only their body).
+MAX_DECODES = 2
+
+
+async def decode_call(limiter: anyio.CapacityLimiter, fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`call` on one of the ``limiter``'s decode threads."""
+    try:
+        return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=limiter)
+    except NoCapacityError as e:
+        raise as_api_error(e) from None
+    except ConflictError as e:
+        raise InvalidRequestError(e.message, e.field) from None
 
 
 def at_once(fn: Callable[..., Any], *args: Any) -> Any:
@@ -183,6 +200,7 @@ def mount_tinker(
     futures: FutureTable | None = None,
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
 ) -> Protocol:
     """Adds the ``/api/v1`` routes to ``app``; returns the protocol state. Requests
     authenticate with ``keys`` (a tenant's ``X-API-Key``) or ``admin_token`` (the engine's
@@ -190,7 +208,9 @@ def mount_tinker(
     delegation = AdminDelegation(admin_token) if admin_token else None
     if keys is None and delegation is None:
         raise ValueError("the Tinker routes need tenant keys or the admin token")
+    registry = registry or Registry(max_sessions=max_sessions)
     proto = Protocol(training, registry=registry, futures=futures, runner=runner)
+    decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto
     add_protocol_error_handler(app)
 
@@ -261,9 +281,7 @@ def mount_tinker(
             raise InvalidRequestError(f"forward_backward takes {PROTOBUF}, not {kind!r}")
         body = await request.body()
         encoding = request.headers.get("content-encoding")
-        if len(body) <= INLINE_BODY_BYTES:
-            return future_answer(at_once(proto.forward_backward, ns, body, encoding))
-        return future_answer(await call(proto.forward_backward, ns, body, encoding))
+        return future_answer(await decode_call(decodes, proto.forward_backward, ns, body, encoding))
 
     @r.post("/forward")
     async def forward(ns: Ns, request: Request) -> dict[str, Any]:

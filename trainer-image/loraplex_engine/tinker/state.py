@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex_engine.errors import NotFoundError
-from loraplex_engine.tinker.errors import SessionGone
+from loraplex_engine.tinker.errors import SessionGone, SessionLimit
 from loraplex_engine.tinker.journal import Journal
+from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS
 from loraplex_engine.training_service import Adoption
 
 SESSION_TTL_S = 300.0  # no heartbeat (or request) for this long: the client has vanished
@@ -72,9 +73,13 @@ Adopter = Callable[[str, str], "Adoption | None"]
 
 class Registry:
     def __init__(
-        self, session_ttl_s: float = SESSION_TTL_S, adopter: Adopter | None = None
+        self,
+        session_ttl_s: float = SESSION_TTL_S,
+        adopter: Adopter | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         self.session_ttl_s = session_ttl_s
+        self.max_sessions = max_sessions  # open (unpinned) sessions per namespace
         self.adopter = adopter
         self.on_adopted: Callable[[Model, Adoption], None] | None = None  # the replay
         self._lock = threading.Lock()
@@ -89,6 +94,13 @@ class Registry:
     def new_session(self, namespace: str, user_metadata: dict[str, Any] | None) -> Session:
         s = Session("s" + uuid.uuid4().hex[:20], namespace, dict(user_metadata or {}))
         with self._lock:
+            mine = sum(1 for o in self._sessions.values() if o.namespace == namespace)
+            if mine >= self.max_sessions:
+                raise SessionLimit(
+                    f"namespace {namespace!r} has {mine} open Tinker sessions, the engine's "
+                    f"limit (serve --tinker-max-sessions {self.max_sessions}): close one "
+                    "(ServiceClient.close) or let one expire, then retry"
+                )
             self._sessions[s.id] = s
         return s
 

@@ -18,7 +18,8 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from loraplex_engine.errors import InvalidRequestError
+from loraplex_engine.errors import BodyTooLargeError, InvalidRequestError
+from loraplex_engine.tinker.sampling_params import brief
 from loraplex_engine.training_service import (
     ClientDatum,
     ForwardOutput,
@@ -28,7 +29,12 @@ from loraplex_engine.training_service import (
 )
 
 PROTOBUF = "application/x-protobuf"
-MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+# A forward_backward body's size once decompressed is bounded by the tokens a call may
+# have (--max-step-tokens): a token costs 32 bytes on the wire (its int32 id, an int64
+# target and five float32 inputs), twice that leaves room for each datum's framing; the
+# slack is the SDK's own chunk size (fwdbwd_max_chunk_bytes_count, routes.py).
+BYTES_PER_TOKEN = 64
+BODY_SLACK_BYTES = 2 * 1024 * 1024
 LOSSES: tuple[str, ...] = get_args(LossName)
 # The SDK's loss names this engine does not implement: each answers a clear error.
 UNSUPPORTED_LOSSES = {
@@ -60,18 +66,30 @@ class ForwardBackwardCall:
     loss: LossCall
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
+def max_body_bytes(max_tokens: int) -> int:
+    """The largest forward_backward body (decompressed) a call of ``max_tokens`` needs."""
+    return BODY_SLACK_BYTES + BYTES_PER_TOKEN * max_tokens
+
+
+def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """The body, decompressed as it streams and stopped past ``max_bytes``: a small
+    zstd frame that expands to gigabytes is refused having produced ``max_bytes``."""
+    if len(body) > max_bytes:
+        raise BodyTooLargeError(f"the body is over the limit of {max_bytes} bytes")
     if not encoding or encoding.lower() == "identity":
         return body
     if encoding.lower() != "zstd":
-        raise InvalidRequestError(f"Content-Encoding {encoding!r}: only zstd is accepted")
+        raise InvalidRequestError(f"Content-Encoding {brief(encoding)}: only zstd is accepted")
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
-        out = reader.read(MAX_DECOMPRESSED_BYTES + 1)
+        out = reader.read(max_bytes + 1)
     except zstandard.ZstdError as e:
         raise InvalidRequestError(f"the zstd body does not decompress: {e}") from None
-    if len(out) > MAX_DECOMPRESSED_BYTES:
-        raise InvalidRequestError(f"the body decompresses to over {MAX_DECOMPRESSED_BYTES} bytes")
+    if len(out) > max_bytes:
+        raise BodyTooLargeError(
+            f"the body decompresses to over the limit of {max_bytes} bytes "
+            "(what --max-step-tokens tokens take on the wire)"
+        )
     return out
 
 
@@ -90,6 +108,11 @@ def _tensor(msg: pb.Tensor, name: str, n_tokens: int, where: str) -> np.ndarray:
     if msg.HasField("sparse_csr"):
         raise InvalidRequestError("sparse tensors are not accepted here", field=field)
     raw = msg.dense
+    if len(msg.shape) > 1 or len(raw) > 8 * n_tokens:  # before copying it
+        raise InvalidRequestError(
+            f"shape {brief(list(msg.shape))}; expected [{n_tokens}] (one value per input token)",
+            field=f"{field}.shape",
+        )
     itemsize = np.dtype(_NUMPY[dtype]).itemsize
     if len(raw) % itemsize:
         raise InvalidRequestError(f"{len(raw)} bytes is not a whole number of {dtype}", field)
@@ -97,7 +120,7 @@ def _tensor(msg: pb.Tensor, name: str, n_tokens: int, where: str) -> np.ndarray:
     shape = list(msg.shape) if msg.shape else [arr.size]
     if shape != [n_tokens] or arr.size != n_tokens:
         raise InvalidRequestError(
-            f"shape {shape} with {arr.size} values; expected [{n_tokens}] "
+            f"shape {brief(shape)} with {arr.size} values; expected [{n_tokens}] "
             "(one value per input token)",
             field=f"{field}.shape",
         )
@@ -133,7 +156,7 @@ def loss_call(name: str, config: dict[str, float]) -> LossCall:
         raise InvalidRequestError(UNSUPPORTED_LOSSES[name], field="loss_fn")
     if name not in LOSSES:
         raise InvalidRequestError(
-            f"unknown loss_fn {name!r}; this engine implements {', '.join(LOSSES)}",
+            f"unknown loss_fn {brief(name)}; this engine implements {', '.join(LOSSES)}",
             field="loss_fn",
         )
     return LossCall(name, dict(config))  # type: ignore[arg-type]
@@ -157,7 +180,23 @@ def _config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
     return out
 
 
-def read_forward_backward(body: bytes) -> ForwardBackwardCall:
+def _count_tokens(msg: pb.ForwardBackwardRequest, max_tokens: int) -> None:
+    """The call's token count, from the chunks' byte lengths: checked before any list of
+    Python ints is built (a list costs 36 bytes a token, the wire 4)."""
+    count = sum(
+        len(chunk.encoded_text.tokens) // 4
+        for datum in msg.data
+        for chunk in datum.model_input
+        if chunk.WhichOneof("chunk") == "encoded_text"
+    )
+    if count > max_tokens:
+        raise InvalidRequestError(
+            f"{count} tokens; a call takes at most {max_tokens} (--max-step-tokens)",
+            field="forward_backward_input.data",
+        )
+
+
+def read_forward_backward(body: bytes, max_tokens: int) -> ForwardBackwardCall:
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -168,6 +207,7 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
     loss = loss_call(msg.loss_fn, _config(msg))
     if not msg.data:
         raise InvalidRequestError("no data", field="forward_backward_input.data")
+    _count_tokens(msg, max_tokens)
     data = []
     for i, datum in enumerate(msg.data):
         where = f"data[{i}]"
