@@ -155,13 +155,14 @@ def _world_args(spec: EnginePoolSpec) -> list[str]:
 
 
 def trust_args(spec: EnginePoolSpec) -> list[str]:
-    """The pool's data roots, reward hosts and checkpoint quota and retention as `serve`
-    flags (`--flag=value`: a value is never read as another flag)."""
+    """The pool's data roots, reward hosts, plug-in allowlist and checkpoint quota and
+    retention as `serve` flags (`--flag=value`: a value is never read as another flag)."""
     quota, runs = spec.checkpoint.quota_bytes_per_namespace, spec.checkpoint.keep_runs
     return (
         [f"--data-root={d}" for d in spec.data_roots or ()]
         + (["--allow-dataset-hard-links"] if spec.allow_dataset_hard_links else [])
         + [f"--allow-reward-host={h}" for h in spec.reward_hosts or ()]
+        + (spec.plugins.serve_flags() if spec.plugins else [])
         + ([f"--checkpoint-quota-bytes={quota}"] if quota is not None else [])
         + ([f"--checkpoint-keep-runs={runs}"] if runs is not None else [])
         + object_store_args(spec.object_store)

@@ -9,6 +9,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from loraplex_engine.environments.base import ParamError
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
@@ -110,10 +111,22 @@ def test_an_episode_calls_the_tool_then_answers() -> None:
 
 
 def test_bad_params_are_refused() -> None:
-    with pytest.raises(ValueError, match="unknown params"):
+    with pytest.raises(ValueError, match="unknown param"):
         CalculatorEnv("q", "1", {"tools": "all"}, 2)
-    with pytest.raises(ValueError, match="instructions must be"):
+    with pytest.raises(ValueError, match="must be true or false"):
         CalculatorEnv("q", "1", {"instructions": "maybe"}, 2)
+
+
+def test_params_are_checked_before_any_episode_naming_the_param() -> None:
+    """check_params is what the engine asks at PUT (plugins/worker.py's env_check): the
+    default accepts everything, so an unknown param used to be admitted and fail step 1."""
+    with pytest.raises(ParamError) as unknown:
+        CalculatorEnv.check_params({"tools": "all"})
+    assert unknown.value.param == "tools"
+    with pytest.raises(ParamError) as bad:
+        CalculatorEnv.check_params({"instructions": "m" * 100_000})
+    assert bad.value.param == "instructions" and len(str(bad.value)) < 200  # a prefix echoed
+    CalculatorEnv.check_params({"instructions": "false"})
 
 
 def test_episodes_run_in_a_plugin_worker_through_the_entry_point(

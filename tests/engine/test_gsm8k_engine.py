@@ -80,10 +80,16 @@ def test_gsm8k_trains_with_the_calculator_environment(server: EngineServer) -> N
     wait_until(lambda: not workers(server), timeout=30)  # removed: its worker ends
 
 
-def test_a_bad_environment_param_fails_only_its_experiment(server: EngineServer) -> None:
+def test_a_bad_environment_param_is_refused_at_put(server: EngineServer) -> None:
+    """The calculator checks its params when asked at PUT (check_params): an unknown one is
+    the PUT's 422 naming it, nothing admitted, its worker stopped."""
     env = {"name": "gsm8k-calculator", "maxTurns": 2, "params": {"tools": "all"}}
     body = spec({"name": "gsm8k", "environment": env}, new_tokens=4)
     with server.client() as api:
-        assert put(api, "team-a.bad-env", body).status_code == 201
-        s = wait_until(lambda: (s := status(api, "team-a.bad-env"))["phase"] == "Failed" and s)
-    assert "unknown params ['tools']" in s["error"], s
+        r = put(api, "team-a.bad-env", body)
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["field"] == "spec.task.environment.params.tools", error
+        assert "unknown param; known: instructions" in error["message"], error
+        assert api.get("/v1/experiments/team-a.bad-env").status_code == 404
+    wait_until(lambda: not workers(server), timeout=30)

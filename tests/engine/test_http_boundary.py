@@ -44,6 +44,8 @@ ALLOWED = {
     "loraplex_engine.spec_blocks.algorithm",
     "loraplex_engine.spec_blocks.tracking",
     "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
+    "loraplex_engine.spec_blocks.params",  # the params' bounds (pydantic only)
+    "loraplex_engine.echo",  # a bounded prefix of a tenant's text in a message
     "loraplex_engine.data",  # task.datasetOptions (data/options.py: pydantic only)
     "loraplex_engine.data.options",
     "loraplex_engine.evaluation",  # the spec's eval block (evaluation/spec_eval.py)

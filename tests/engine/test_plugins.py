@@ -1,8 +1,9 @@
 """Issue 30 item 1 on a real ``loraplex-engine serve``: reward functions and environments
 installed as a package through entry points (tests/plugins/loraplex_test_plugins,
 installed for real: plugin_install.py) are listed by /v1/capacity, usable by name, and an
-unknown name is refused at PUT listing them, and so are an environment's bad params;
-a TRL-style reward trains; a reward plug-in
+unknown name is refused at PUT listing them, and so are an environment's bad params
+(the first-party calculator's too) and params past their bounds (a name of megabytes:
+the answer echoes a prefix of it at most); a TRL-style reward trains; a reward plug-in
 that raises, hangs, returns NaN or the wrong count, or fails to import, fails its own
 experiment alone (its worker process gone), while a bystander keeps training.
 
@@ -125,6 +126,11 @@ def test_an_unknown_plugin_is_refused_at_put_listing_the_installed(
             "spec.task.environment.params",
             "ValueError: env_config word must be letters, not '4 2'",
         ),
+        (  # the first-party calculator: an unknown param at PUT, not at its first step
+            {"name": "gsm8k-calculator", "params": {"tools": "all"}},
+            "spec.task.environment.params.tools",
+            "environment gsm8k-calculator refused its params: unknown param; known: instructions",
+        ),
         (  # skyrl-gym's text2sql needs omegaconf, which this engine lacks: not the params
             {"name": "text2sql", "params": {"db_id": "x"}},
             "spec.task.environment.name",
@@ -187,3 +193,40 @@ def test_a_hostile_reward_plugin_fails_only_its_experiment(
         wait_until(lambda: status(api, BYSTANDER)["step"] >= step + 3, timeout=60)
         assert status(api, BYSTANDER)["phase"] == "Running"
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
+
+
+def _calculator(params: dict[str, str]) -> dict:
+    return spec({"name": "gsm8k", "environment": {"name": "gsm8k-calculator", "params": params}})
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "message"),
+    [
+        (  # a 3 MiB name: refused by the names' bound, the name not echoed
+            {"x" * (3 << 20): "1"},
+            "spec.task.environment.params",
+            "task.environment.params names must be 1 to 128 characters",
+        ),
+        (  # and with a value too long besides: the path shows a prefix of the name
+            {"y" * (3 << 20): "v" * 5000},
+            "spec.task.environment.params." + "y" * 64 + "...(3145664 more characters)",
+            "at most 4096 characters",
+        ),
+        (  # 17 values at the value limit: 68 KiB as JSON
+            {f"k{i}": "v" * 4096 for i in range(17)},
+            "spec.task.environment.params",
+            "more than the limit of 65536",
+        ),
+    ],
+    ids=["long-name", "long-name-and-value", "too-big"],
+)
+def test_params_out_of_bounds_are_refused_at_put_echoing_a_prefix(
+    server: EngineServer, params: dict[str, str], field: str, message: str
+) -> None:
+    with server.client() as api:
+        r = put(api, "team-a.params", _calculator(params))
+        assert r.status_code == 422, r.text[:500]
+        assert len(r.content) < 8192, len(r.content)  # no megabyte echoed back
+        error = r.json()["error"]
+        assert error["field"] == field and message in error["message"], error
+        assert api.get("/v1/experiments/team-a.params").status_code == 404

@@ -206,3 +206,28 @@ def test_allow_dataset_hard_links_from_the_flag_or_the_environment_into_the_trus
     assert policy("--data-root", "/data", "--allow-dataset-hard-links").data.allow_hard_links
     monkeypatch.setenv("LORAPLEX_ALLOW_DATASET_HARD_LINKS", "true")
     assert policy().data.allow_hard_links
+
+
+def test_plugin_grants_from_flags_or_the_environment_and_a_bad_one_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_model_dir
+) -> None:
+    from loraplex_engine.server.flags import plugin_access
+
+    assert plugin_access(build_parser().parse_args(["serve"])).grants is None  # all allowed
+    monkeypatch.setenv("LORAPLEX_ALLOW_PLUGINS", "team-b=reward:acme; *=environment:verifiers:g")
+    access = plugin_access(build_parser().parse_args(["serve"]))
+    assert access.allows("team-b", "reward", "acme")
+    assert not access.allows("team-a", "reward", "acme")
+    assert access.allows("team-a", "environment", "verifiers:g")
+    assert not access.allows("team-b", "environment", "acme")  # a kind is part of the name
+    nothing = plugin_access(build_parser().parse_args(["serve", "--allow-plugins=*="]))
+    assert nothing.grants is not None and not nothing.allows("team-a", "reward", "acme")
+    monkeypatch.delenv("LORAPLEX_ALLOW_PLUGINS")
+    model = str(tiny_model_dir)
+    for bad, why in [
+        ("team-a", "use NAMESPACES=KIND:NAME"),
+        ("Team_A=reward:x", "namespace 'Team_A' is not a namespace name"),
+        ("team-a=tool:x", "'tool:x' is not KIND:NAME"),
+    ]:
+        code = main(["serve", "--model", model, "--insecure-no-auth", f"--allow-plugins={bad}"])
+        assert code == 2 and why in capsys.readouterr().err, bad

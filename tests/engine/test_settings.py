@@ -70,6 +70,7 @@ CHANGED: dict[str, Any] = {
     "log_format": "json",
     "data_root": ("/data", "/more"),
     "allow_reward_host": ("rewards.test", "::1"),
+    "allow_plugins": ("team-a,team-b=reward:acme,environment:verifiers:guess", "*="),
     "allow_dataset_hard_links": True,
     "object_store_prefix": ("s3://datasets/{namespace}/", "gs://more/{namespace}/"),
     "object_store_endpoint": "http://minio.storage:9000",
@@ -145,7 +146,7 @@ def as_variables(settings: ProcessSettings) -> dict[str, str]:
         if flag.action in ("switch", "toggle"):
             text = "true" if value else "false"
         elif flag.action == "append":
-            text = (":" if name == "data_root" else ",").join(value)
+            text = {"data_root": ":", "allow_plugins": ";"}.get(name, ",").join(value)
         elif flag.action == "merge":
             text = json.dumps(value)
         else:

@@ -51,6 +51,11 @@ def _publish(block: Obj, with_eval: bool = False) -> Obj:
     return (b.set("spec.eval", {}) if with_eval else b).obj()
 
 
+def _env_params(params: dict[str, str]) -> Obj:
+    env = {"name": "gsm8k-calculator", "params": params}
+    return experiment("a").set("spec.task", {"name": "gsm8k", "environment": env}).obj()
+
+
 def _eval(**fields: Any) -> Obj:
     return experiment("a").set("spec.eval", fields).obj()
 
@@ -181,6 +186,14 @@ EXPERIMENT_RULES: dict[str, RuleCase] = {
         valid=lambda: _eval(samples=2, temperature=0.1),
         invalid=lambda: _eval(samples=2, temperature=0.0),
     ),
+    "task.params names must be 1 to 128 characters": RuleCase(
+        valid=lambda: experiment("a").set("spec.task.params", {"a" * 128: "1"}).obj(),
+        invalid=lambda: experiment("a").set("spec.task.params", {"a" * 129: "1"}).obj(),
+    ),
+    "task.environment.params names must be 1 to 128 characters": RuleCase(
+        valid=lambda: _env_params({"a" * 128: "1"}),
+        invalid=lambda: _env_params({"a" * 129: "1"}),
+    ),
     "spec.priority is no longer honoured": RuleCase(
         valid=lambda: experiment("a").priority(0).obj(),
         invalid=lambda: experiment("a").priority(1).obj(),
@@ -278,7 +291,7 @@ def test_engine_refuses_what_the_spec_rule_refuses(rule: Any) -> None:
 
 
 def test_spec_rules_are_found() -> None:
-    assert len(_SPEC_RULES) == 21  # guards the test above against a walker that finds none
+    assert len(_SPEC_RULES) == 23  # guards the test above against a walker that finds none
 
 
 @pytest.mark.parametrize(("kind", "message", "case"), [p for p in PARAMS if p.values[2].old])

@@ -405,6 +405,34 @@ TRACKING_CASES: list[tuple[Any, bool]] = [
     ({"queue": 1_000_001}, False),
 ]
 
+
+def _grant_cases(block: str) -> list[tuple[str, Any, bool]]:
+    """spec.plugins.allowed (api/plugins.py) and status.plugins.allowed, which repeats it."""
+
+    def grants(*items: dict[str, Any]) -> dict[str, Any]:
+        return {"allowed": list(items)}
+
+    full = {"namespaces": ["team-a"], "rewards": ["acme"], "environments": ["verifiers:x"]}
+    cases: list[tuple[str, Any, bool]] = [
+        (block, grants(full), True),
+        (block, grants({"environments": ["gsm8k-calculator"]}), True),  # every namespace
+        (block, grants({"namespaces": []}), False),  # absent means every namespace
+        (block, grants({"namespaces": _many(256)}), False),
+        (block, grants({"namespaces": ["Team_A"]}), False),
+        (block, grants({"namespaces": [""]}), False),
+        (block, grants({"namespaces": [_long(63)]}), False),
+        (block, grants({"namespaces": ["team-a", "team-a"]}), False),  # list-type set
+    ]
+    for kind in ("rewards", "environments"):
+        cases += [
+            (block, grants({kind: _many(64)}), False),
+            (block, grants({kind: ["-dash-first"]}), False),
+            (block, grants({kind: [""]}), False),
+            (block, grants({kind: [_long(128)]}), False),
+        ]
+    return cases
+
+
 POOL_BOUNDS = [
     ("spec", DELETE, False),
     ("spec.baseModel", DELETE, False),
@@ -561,6 +589,10 @@ POOL_BOUNDS = [
     ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": [""]}], False),
     ("spec.priorityClasses", [{"name": "a", "value": 1, "namespaces": [_long(63)]}], False),
     ("spec.priorityClasses", [{"name": "a", "value": 1, "preemptOtherNamespaces": "y"}], False),
+    ("spec.plugins", {"allowed": []}, True),  # none may name any plug-in
+    ("spec.plugins", {"allowed": _many(64, lambda i: {"rewards": [f"r{i}"]})}, False),
+    *_grant_cases("spec.plugins"),
+    *_grant_cases("status.plugins"),
     ("spec.allowedNamespaces", ["Team_A"], False),
     ("spec.allowedNamespaces", ["team-a"], True),
     ("spec.allowedNamespaces", ["team-a", "team-a"], False),  # list-type set

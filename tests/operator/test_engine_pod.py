@@ -312,6 +312,41 @@ def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_p
     assert not [a for a in plain if a.startswith(("--checkpoint-keep-runs", "--allow-dataset"))]
 
 
+def test_the_plugin_allowlist_becomes_serve_flags_the_engine_enforces() -> None:
+    """spec.plugins.allowed: one `--allow-plugins` a grant, which `serve` parses into the
+    allowlist its PUT checks (tests/engine/test_plugin_access.py: on a real engine)."""
+    from loraplex_engine.cli import build_parser
+    from loraplex_engine.server.flags import serve_settings
+    from loraplex_engine.server.serve import trust_policy
+
+    def engine_access(allowed: Any) -> tuple[list[str], Any]:
+        obj = pool("tenants").obj()
+        obj["spec"]["plugins"] = {"allowed": allowed}
+        assert admit("EnginePool", obj) == []
+        args = serve_args(apply_defaults(schema_of("EnginePool"), obj)["spec"])
+        ours = [a for a in args if a.startswith("--allow-plugins")]
+        settings = serve_settings(build_parser().parse_args(["serve", *ours]))
+        return ours, trust_policy(settings, 8000).plugins
+
+    grants = [
+        {"namespaces": ["team-b"], "rewards": ["acme-format"], "environments": ["acme-calc"]},
+        {"environments": ["gsm8k-calculator", "verifiers:guess"]},  # every namespace
+    ]
+    flags, access = engine_access(grants)
+    assert flags == [
+        "--allow-plugins=team-b=reward:acme-format,environment:acme-calc",
+        "--allow-plugins=*=environment:gsm8k-calculator,environment:verifiers:guess",
+    ]
+    assert access.allows("team-b", "reward", "acme-format")
+    assert not access.allows("team-a", "reward", "acme-format")
+    assert access.allows("team-a", "environment", "verifiers:guess")
+    # An empty list: on, granting nothing; absent: every plug-in for every namespace.
+    flags, access = engine_access([])
+    assert flags == ["--allow-plugins=*="] and not access.allows("team-b", "reward", "x")
+    plain = serve_args(apply_defaults(schema_of("EnginePool"), pool("tenants").obj())["spec"])
+    assert not [a for a in plain if a.startswith("--allow-plugins")]
+
+
 def test_the_object_store_becomes_serve_flags_and_the_secrets_keys_the_engines_env() -> None:
     """The prefixes and endpoint as flags `serve` parses into its trust policy; the
     credentials only as references to the pool's Secret (never a value in the pod)."""

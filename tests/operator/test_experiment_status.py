@@ -479,6 +479,23 @@ def test_pool_status_lists_the_plugins_a_ready_engine_reports() -> None:
     assert "plugins" not in _pool(engines=1, ready=0)  # none ready: not known
 
 
+def test_pool_status_repeats_the_plugin_allowlist_the_engines_report() -> None:
+    """/v1/capacity `plugins.allowed` (the grants an engine enforces), in status.plugins."""
+    allowed = [
+        {"namespaces": ["team-b"], "rewards": ["acme-format"], "environments": []},
+        {"namespaces": None, "rewards": [], "environments": ["gsm8k-calculator"]},
+    ]
+    plugins = {"rewards": ["acme-format"], "environments": ["gsm8k-calculator"]}
+    status = _pool(engines=1, ready=1, plugins={**plugins, "allowed": allowed})
+    assert status["plugins"]["allowed"] == [
+        {"namespaces": ["team-b"], "rewards": ["acme-format"], "environments": []},
+        {"rewards": [], "environments": ["gsm8k-calculator"]},  # every namespace: absent
+    ]
+    assert schema_errors(schema_of("EnginePool")["properties"]["status"], status) == []
+    open_pool = _pool(engines=1, ready=1, plugins={**plugins, "allowed": None})
+    assert "allowed" not in open_pool["plugins"]  # no allowlist: every plug-in for all
+
+
 def test_the_pool_observation_takes_the_plugins_of_a_ready_engine() -> None:
     from loraplex_operator.observation import pool_observation
     from test_reconcile import engine, snap

@@ -224,12 +224,22 @@ class AdapterSyncStats(WireModel):
         self.last = sync
 
 
+class PluginGrantReport(WireModel):
+    """One grant of the allowlist: plug-ins some namespaces (None: every one) may name."""
+
+    namespaces: list[str] | None = None
+    rewards: list[str] = []
+    environments: list[str] = []
+
+
 class InstalledPlugins(WireModel):
     """Plug-ins installed in the engine's image (plugins/discovery.py): the names a spec's
     task.reward and task.environment.name may use beyond the built-ins."""
 
     rewards: list[str] = []
     environments: list[str] = []
+    # The pool's allowlist (tenancy/plugin_access.py); None: every namespace may use all.
+    allowed: list[PluginGrantReport] | None = None
 
 
 class Capacity(WireModel):

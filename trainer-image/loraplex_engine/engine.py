@@ -309,7 +309,7 @@ class Engine(ClientExperimentAPI, Versions):
             plan=self.memory_plan,
             adapter_sync=sync,
             storage_full=storage_full,
-            plugins=installed().to_json(),  # type: ignore[arg-type]
+            plugins=self.trust.plugins.listing(installed()),  # type: ignore[arg-type]
             **self.publisher.slot_stats(),
         )
 

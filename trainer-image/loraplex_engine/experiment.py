@@ -203,7 +203,7 @@ def new_experiment(
         reward, env = spec.task.reward or "default", spec.task.environment
         plugged = uses_plugins(reward, env)
         if plugged:
-            check_plugins(reward, env)
+            check_plugins(reward, env, namespace, trust.plugins)
         task = build_task(
             spec.task.name,
             spec.task.params,

@@ -20,7 +20,8 @@ from loraplex_engine.evaluation.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
 from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
 from loraplex_engine.spec_blocks.client import CLIENT_RULES, ClientSpec, client_field
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, ParamValue, PluginName
+from loraplex_engine.spec_blocks.params import TaskParams
+from loraplex_engine.spec_blocks.plugins import EnvironmentSpec, PluginName
 from loraplex_engine.spec_blocks.tracking import TrackingSpec
 from loraplex_engine.spec_schema import (
     CelRule,
@@ -148,7 +149,7 @@ class TaskSpec(SpecModel):
         "them from a JSONL dataset, "
         "dataset from a JSONL, Parquet or saved datasets one (datasetOptions).",
     )
-    params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
+    params: TaskParams = Field(
         default_factory=dict,
         description="The task's settings, as strings: target (target-token); length, "
         "alphabet (copy); maxOperand, partialCredit (arithmetic); maxWords (short-reply); "

@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
+from loraplex_engine.echo import clip
 from loraplex_engine.errors import SpecError
 
 CEL_KEY = "x-kubernetes-validations"
@@ -181,7 +182,8 @@ class _Format:
 
 
 def _field_path(err: Mapping[str, Any], prefix: str) -> str:
-    loc = [str(part) for part in err.get("loc", ())]
+    # A map's key is part of the path (task.params.<name>): a tenant's, so clipped.
+    loc = [clip(str(part)) for part in err.get("loc", ())]
     extra = (err.get("ctx") or {}).get("field")
     if extra:
         loc.append(str(extra))

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from loraplex_operator.api.object_store import ObjectStore
+from loraplex_operator.api.plugins import PluginAccess
 from loraplex_operator.api.pool_template import EngineTemplate
 from loraplex_operator.api.pool_tracking import PoolTracking
 from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
@@ -433,6 +434,7 @@ class EnginePoolSpec(ApiModel):
         "--allow-reward-host`. Other hosts must resolve elsewhere; the engine's own port is "
         "never allowed.",
     )
+    plugins: PluginAccess | None = Field(None, description=PluginAccess.__doc__)
     # None = not set; a pool with neither list nor selector admits every namespace.
     allowed_namespaces: tuple[Namespace, ...] | None = _names(
         "allowedNamespaces",

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from loraplex_operator.api.condition import Condition, conditions_field, find
+from loraplex_operator.api.plugins import PluginGrant
 from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 
 # A publish request's token: loraplex_engine/versions/spec.py TOKEN_PATTERN (a test ties
@@ -33,6 +34,13 @@ class InstalledPlugins(ApiModel):
         None,
         description="Environments (entry points, then skyrl-gym ids): names "
         "task.environment.name may use.",
+    )
+    allowed: tuple[PluginGrant, ...] | None = Field(
+        None,
+        description="The plug-in allowlist the engines enforce (spec.plugins.allowed, as a "
+        "ready engine reports it): a namespace may name only the plug-ins of the grants "
+        "that list it or list no namespaces. Absent: every namespace may name every "
+        "installed plug-in.",
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from loraplex_engine.echo import clip
 from loraplex_engine.environments.base import Step
 from loraplex_engine.errors import PluginError, TaskError
 from loraplex_engine.plugins.host import PluginHost
@@ -46,7 +47,7 @@ class EnvironmentSession:
         if isinstance(param, str) and param in self.spec.params:
             field += f".{param}"
         elif isinstance(param, str):  # one it lacks: named in the message
-            message = f"{param}: {message}"
+            message = f"{clip(param)}: {message}"
         raise TaskError(field, f"{self.what} refused its params: {message}")
 
     def open(self, prompts: Sequence[tuple[str, str]]) -> tuple[list[int], list[str]]:

@@ -12,6 +12,9 @@ from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
 from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS, EnvironmentSpec
 from loraplex_engine.tasks.base import Task
+from loraplex_engine.tenancy.plugin_access import PluginAccess
+
+OPEN = PluginAccess()  # no allowlist
 
 
 def _listed(names: tuple[str, ...]) -> str:
@@ -22,8 +25,15 @@ def uses_plugins(reward: str, environment: EnvironmentSpec | None) -> bool:
     return environment is not None or reward not in BUILTIN_REWARDS
 
 
-def check_plugins(reward: str, environment: EnvironmentSpec | None) -> None:
-    """``TaskError`` naming the field when a name is not installed, or both are set."""
+def check_plugins(
+    reward: str,
+    environment: EnvironmentSpec | None,
+    namespace: str = "default",
+    access: PluginAccess = OPEN,
+) -> None:
+    """``TaskError`` naming the field when a name is not one ``namespace`` may use (the
+    pool's allowlist), is not installed, or both are set. The listings name only what
+    the namespace may use: another team's plug-ins stay unnamed."""
     found = installed()
     if environment is not None:
         if reward != "default":
@@ -31,17 +41,30 @@ def check_plugins(reward: str, environment: EnvironmentSpec | None) -> None:
                 "spec.task.reward",
                 "not used with task.environment (the environment scores its episodes)",
             )
-        if environment.name not in found.environments:
-            raise TaskError(
-                "spec.task.environment.name",
-                f"unknown environment {environment.name!r}; installed in this engine: "
-                f"{_listed(found.environments)}",
-            )
-    elif reward not in found.rewards:
+        _check_one("environment", environment.name, found.environments, namespace, access)
+    else:
+        _check_one("reward", reward, found.rewards, namespace, access)
+
+
+_FIELDS = {"reward": "spec.task.reward", "environment": "spec.task.environment.name"}
+
+
+def _check_one(
+    kind: str, name: str, installed_names: tuple[str, ...], namespace: str, access: PluginAccess
+) -> None:
+    usable = access.allowed(namespace, kind, installed_names)
+    if not access.allows(namespace, kind, name):
         raise TaskError(
-            "spec.task.reward",
-            f"unknown reward {reward!r}; built in: {', '.join(BUILTIN_REWARDS)}; reward "
-            f"plug-ins installed in this engine: {_listed(found.rewards)}",
+            _FIELDS[kind],
+            f"{kind} plug-in {name!r} is not allowed for namespace {namespace!r} by this "
+            f"pool (EnginePool spec.plugins.allowed); it may use: {_listed(usable)}",
+        )
+    if name not in installed_names:
+        built_in = f"built in: {', '.join(BUILTIN_REWARDS)}; " if kind == "reward" else ""
+        raise TaskError(
+            _FIELDS[kind],
+            f"unknown {kind} {name!r}; {built_in}{kind} plug-ins installed in this engine: "
+            f"{_listed(usable)}",
         )
 
 

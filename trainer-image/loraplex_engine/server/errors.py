@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex_engine.echo import clip
 from loraplex_engine.errors import (
     ApiError,
     BadCheckpointError,
@@ -146,8 +147,8 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
     if not parts:
         return None
     out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    for p in parts:  # a map's key is a tenant's text: a prefix of it (echo.py)
+        out += f"[{p}]" if isinstance(p, int) else (f".{clip(str(p))}" if out else str(p))
     return out
 
 

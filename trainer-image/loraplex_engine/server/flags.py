@@ -20,6 +20,7 @@ from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import add_flags, env_epilog, from_namespace
 from loraplex_engine.tenancy.object_store import ObjectStore, credentials_from
+from loraplex_engine.tenancy.plugin_access import PluginAccess
 
 log = logging.getLogger("loraplex_engine.server.serve")
 
@@ -81,6 +82,11 @@ def reward_hosts(settings: _Trust) -> list[str]:
     return list(settings.allow_reward_host or ())
 
 
+def plugin_access(settings: Any) -> PluginAccess:
+    """--allow-plugins (or LORAPLEX_ALLOW_PLUGINS, ';'-separated): the pool's allowlist."""
+    return PluginAccess.from_flags(settings.allow_plugins or ())
+
+
 def read_token(settings: ServeSettings) -> str | None:
     """The bearer token, or None with --insecure-no-auth. Raises UsageError otherwise."""
     token = None
@@ -126,4 +132,5 @@ def check(settings: ServeSettings) -> None:
         raise UsageError("--model (or LORAPLEX_MODEL) is required")
     settings.check()
     data_roots(settings)
+    plugin_access(settings)
     object_store(settings, environ={})  # the prefixes and endpoint (credentials: at start)

@@ -238,7 +238,8 @@ def trust_policy(
     egress = RewardEgress.build(flags.reward_hosts(settings), own_addresses(), own_port=port)
     data = DataRoots(flags.data_roots(settings), allow_hard_links=settings.allow_dataset_hard_links)
     objects = flags.object_store(settings) if objects is None else objects
-    return TrustPolicy(data=data, egress=egress, objects=objects)
+    access = flags.plugin_access(settings)
+    return TrustPolicy(data=data, egress=egress, objects=objects, plugins=access)
 
 
 def run(settings: ServeSettings) -> int:

@@ -128,6 +128,19 @@ class ServeSettings(ProcessSettings, TrackingSettings):
             default_text="none",
         ),
     ] = ()
+    allow_plugins: Annotated[
+        tuple[str, ...],
+        Flag(
+            "plug-ins the namespaces may name: NAMESPACES=KIND:NAME,... (namespaces by ',' "
+            "or *; kind reward or environment; *= grants nothing); repeatable. Any given: a "
+            "namespace may name only the plug-ins granted to it",
+            action="append",
+            metavar="NAMESPACES=PLUGINS",
+            env_parse=v.split_on(";"),
+            env_help="--allow-plugins grants, by ';'",
+            default_text="none: every namespace may name every installed plug-in",
+        ),
+    ] = ()
 
 
 class RunSettings(ProcessSettings):

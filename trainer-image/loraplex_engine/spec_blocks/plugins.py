@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from loraplex_engine.spec_blocks.params import EnvironmentParams
 from loraplex_engine.spec_schema import Int32, SpecModel
 
 # The built-ins; kept equal to tasks.REWARD_NAMES (tested). "default" = the task's own.
@@ -20,7 +21,6 @@ BUILTIN_REWARDS = (
 PluginName = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 ]
-ParamValue = Annotated[str, Field(max_length=4096)]
 ObservationFormat = Literal["chat", "text"]
 MAX_TURNS = 64
 MAX_EPISODE_TOKENS = 32768
@@ -37,9 +37,11 @@ class EnvironmentSpec(SpecModel):
         "environment. The engine refuses a name it does not have, listing those "
         "it has (GET /v1/capacity lists them too).",
     )
-    params: Annotated[dict[str, ParamValue], Field(max_length=64)] = Field(
+    params: EnvironmentParams = Field(
         default_factory=dict,
-        description="The environment's settings, as strings, passed to it as they are.",
+        description="The environment's settings, as strings, passed to it as they are: at "
+        "most 64, names of 1 to 128 characters, values of at most 4096, 64 KiB as JSON in "
+        "all.",
     )
     max_turns: Int32 = Field(
         4,

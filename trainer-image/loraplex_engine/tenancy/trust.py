@@ -13,7 +13,9 @@ engine opens it (docs/design/tenancy.md, "Tenancy and trust"):
   (an IPv6 form with an IPv4 address inside is judged by that address too), unless the
   pool lists the host and port; the engine's own port on a local address is never a
   reward target;
-- **checkpoints**: ``resumeFrom`` lies inside ``<checkpoint root>/<namespace>/<name>/``.
+- **checkpoints**: ``resumeFrom`` lies inside ``<checkpoint root>/<namespace>/<name>/``;
+- **plug-ins**: ``task.reward`` and ``task.environment.name`` name a plug-in the pool
+  grants the namespace (tenancy/plugin_access.py).
 
 Everything here is pure but for name resolution, which is injected (tests pass a table).
 """
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 
 from loraplex_engine.errors import TaskError, UsageError
 from loraplex_engine.tenancy.object_store import ObjectStore
+from loraplex_engine.tenancy.plugin_access import PluginAccess
 
 DATASET_FIELD = "spec.task.dataset"
 REWARD_URL_FIELD = "spec.task.rewardUrl"
@@ -297,6 +300,8 @@ class TrustPolicy:
     data: DataRoots = DataRoots()
     egress: RewardEgress | None = RewardEgress()  # None: unrestricted (local runner)
     objects: ObjectStore = field(default_factory=ObjectStore)  # none: objects refused
+    # No allowlist: every namespace may name every installed plug-in.
+    plugins: PluginAccess = field(default_factory=PluginAccess)
 
     @classmethod
     def local(cls, data_roots: Iterable[Path]) -> TrustPolicy:

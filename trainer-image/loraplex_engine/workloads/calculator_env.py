@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from loraplex_engine.environments.base import Environment, Step
+from loraplex_engine.echo import clip
+from loraplex_engine.environments.base import Environment, ParamError, Step
 from loraplex_engine.workloads.calculator import calculate
 from loraplex_engine.workloads.math_reward import score_one
 
@@ -38,20 +39,27 @@ def tool_call(action: str) -> tuple[str, bool] | None:
     return match.group(1), bool(match.group(2))
 
 
-def check_params(params: Mapping[str, str]) -> dict[str, str]:
+def parse_params(params: Mapping[str, str]) -> dict[str, str]:
+    """The defaults merged with ``params``; a ``ParamError`` naming the first bad one."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
-        raise ValueError(f"unknown params {unknown}; known: {sorted(PARAMS)}")
+        raise ParamError(unknown[0], f"unknown param; known: {', '.join(sorted(PARAMS))}")
     merged = {**PARAMS, **params}
     if merged["instructions"] not in ("true", "false"):
-        raise ValueError(f"instructions must be true or false, got {merged['instructions']!r}")
+        shown = clip(merged["instructions"])
+        raise ParamError("instructions", f"must be true or false, not {shown!r}")
     return merged
 
 
 class CalculatorEnv(Environment):
     def __init__(self, prompt: str, answer: str, params: Mapping[str, str], max_turns: int):
-        super().__init__(prompt, answer, check_params(params), max_turns)
+        super().__init__(prompt, answer, parse_params(params), max_turns)
         self.calls = 0
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, str]) -> None:
+        """At PUT: an unknown or bad param is the PUT's 422, not the first step's failure."""
+        parse_params(params)
 
     def start(self) -> str:
         return self.prompt + (INSTRUCTIONS if self.params["instructions"] == "true" else "")
