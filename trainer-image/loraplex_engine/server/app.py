@@ -106,6 +106,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     tinker_keys: Any = None,
     training: Callable[[], Any] | None = None,
+    tinker_futures: Any = None,
 ) -> FastAPI:
     """The HTTP app for ``engine``.
 
@@ -119,6 +120,7 @@ def create_app(
         protocol is served under ``/api/v1`` (tinker/routes.py) to ``tinker_keys`` (a
         ``tinker.keys.KeyStore``: tenants' API keys, each a namespace) and to ``token``
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
+    tinker_futures: the Tinker futures' bounds (a ``tinker.future_table.FutureLimits``).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -308,6 +310,6 @@ def create_app(
         # Imported only here: the protocol's wire needs numpy and the tinker SDK's protobuf.
         from loraplex_engine.tinker.routes import mount_tinker
 
-        mount_tinker(app, training, tinker_keys, admin_token=token)
+        mount_tinker(app, training, tinker_keys, admin_token=token, future_limits=tinker_futures)
 
     return app

@@ -23,7 +23,8 @@ from loraplex_engine.errors import (
 )
 from loraplex_engine.tinker import rest
 from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_error
-from loraplex_engine.tinker.futures import FutureTable, Runner
+from loraplex_engine.tinker.future_table import FutureLimits, FutureTable
+from loraplex_engine.tinker.futures import Runner
 from loraplex_engine.tinker.journal import find_future
 from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.tinker.protocol import Protocol
@@ -181,6 +182,7 @@ def mount_tinker(
     admin_token: str | None = None,
     registry: Registry | None = None,
     futures: FutureTable | None = None,
+    future_limits: FutureLimits | None = None,
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
 ) -> Protocol:
@@ -190,6 +192,7 @@ def mount_tinker(
     delegation = AdminDelegation(admin_token) if admin_token else None
     if keys is None and delegation is None:
         raise ValueError("the Tinker routes need tenant keys or the admin token")
+    futures = futures if futures is not None else FutureTable(future_limits)
     proto = Protocol(training, registry=registry, futures=futures, runner=runner)
     app.state.tinker = proto
     add_protocol_error_handler(app)
@@ -323,6 +326,8 @@ def mount_tinker(
             )
         if fut.state in ("pending", "paused_capacity"):
             await fut.changed(fut.state, long_poll_s)
+        if fut.state in ("done", "failed"):
+            proto.futures.retrieved(fut)  # its client has it: dropped after a grace
         if fut.state == "done":
             if isinstance(fut.result, bytes):
                 return Response(fut.result, media_type=PROTOBUF)
