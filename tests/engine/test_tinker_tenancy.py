@@ -8,6 +8,7 @@ against a real ``loraplex-engine serve`` (tiny model, 4 slots) and the official 
 - a model id is the tenant's own (registry, sessions, lanes and futures keyed by
   namespace): team-a's client experiment under team-b's ``spec.client.modelId``, then
   called through team-a's delegation, leaves team-b's model and its session to team-b;
+  and ``/metrics`` without the engine's token names no tenant;
 - a namespace holds at most its share of the slots (``--client-models-per-namespace``,
   by default half): team-a asking for every slot leaves room for team-b's create_model.
 """
@@ -190,6 +191,14 @@ def test_a_squatting_experiment_cannot_take_another_namespaces_model(server) -> 
             a.post("/retrieve_future", json={"request_id": rid})
         with _as_ns(server, "team-b") as b:
             assert "error" not in _retrieve(b, rid).json()
+        # where team-a would have learnt the id: /metrics names tenants only to the token
+        with server.client() as api:
+            assert session in api.get("/metrics").text  # Prometheus's scrape: all series
+        open_scrape = httpx.get(f"{server.url}/metrics", timeout=30)
+        assert open_scrape.status_code == 200
+        assert "loraplex_engine_free_slots" in open_scrape.text
+        for tenant_id in (session, "team-b", "team-a"):
+            assert tenant_id not in open_scrape.text
     finally:
         _delete(server, f"team-b.{b0}", f"team-b.{b1}", "team-a.squat")
 
