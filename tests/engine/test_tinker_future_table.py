@@ -1,5 +1,6 @@
-"""The Tinker futures table's bounds, per namespace (tinker/future_table.py): pure, with the
-real table and futures; the real engine's side is test_tinker_tenancy.py."""
+"""The Tinker futures table's bounds, per namespace (tinker/future_table.py), and the live
+sessions' (tinker/state.py): pure, with the real table, futures and registry; the real
+engine's side is test_tinker_tenancy.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import pytest
 from loraplex_engine.errors import TooManyRequests
 from loraplex_engine.tinker.future_table import FutureLimits, FutureTable
+from loraplex_engine.tinker.state import Registry
 
 
 def test_a_full_namespace_evicts_its_oldest_finished_future_retrieved_ones_first() -> None:
@@ -52,3 +54,13 @@ def test_a_retrieved_future_goes_after_the_grace_an_unretrieved_one_after_the_tt
     table.sweep()
     assert table.get("team-a", kept.request_id) is None
     assert table.get("team-a", pending.request_id) is pending  # never dropped while pending
+
+
+def test_live_sessions_are_capped_per_namespace() -> None:
+    registry = Registry()
+    registry.max_sessions = 3
+    for _ in range(3):
+        registry.new_session("team-a", None)
+    with pytest.raises(TooManyRequests, match=r"'team-a' holds 3 live sessions"):
+        registry.new_session("team-a", None)
+    assert registry.new_session("team-b", None).namespace == "team-b"

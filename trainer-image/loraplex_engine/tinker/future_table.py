@@ -96,10 +96,6 @@ class FutureTable:
         del space[oldest]
         return True
 
-    def pending(self, namespace: str) -> int:
-        with self._lock:
-            return sum(f.finished is None for f in self._spaces.get(namespace, {}).values())
-
     def __len__(self) -> int:
         with self._lock:
             return sum(len(s) for s in self._spaces.values())

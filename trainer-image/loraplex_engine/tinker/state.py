@@ -23,12 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex_engine.errors import NotFoundError
+from loraplex_engine.errors import NotFoundError, TooManyRequests
 from loraplex_engine.tinker.errors import SessionGone
 from loraplex_engine.tinker.journal import Journal
 from loraplex_engine.training_service import Adoption
 
 SESSION_TTL_S = 300.0  # no heartbeat (or request) for this long: the client has vanished
+# Live sessions one namespace may hold: an SDK client holds one, and an unclosed one lives
+# on for session_ttl_s, so this is many clients' worth; beyond it create_session is 429.
+MAX_SESSIONS_PER_NAMESPACE = 1_000
 MAX_SEQ_MEMORY = 256  # (model, seq_id) -> future remembered, for resent requests
 
 
@@ -85,6 +88,7 @@ class Registry:
         self, session_ttl_s: float = SESSION_TTL_S, adopter: Adopter | None = None
     ) -> None:
         self.session_ttl_s = session_ttl_s
+        self.max_sessions = MAX_SESSIONS_PER_NAMESPACE
         self.adopter = adopter
         self.on_adopted: Callable[[Model, Adoption], None] | None = None  # the replay
         self._lock = threading.Lock()
@@ -99,6 +103,12 @@ class Registry:
     def new_session(self, namespace: str, user_metadata: dict[str, Any] | None) -> Session:
         s = Session("s" + uuid.uuid4().hex[:20], namespace, dict(user_metadata or {}))
         with self._lock:
+            held = sum(ns == namespace for ns, _ in self._sessions)
+            if held >= self.max_sessions:
+                raise TooManyRequests(
+                    f"namespace {namespace!r} holds {held} live sessions, its cap; close "
+                    "unused ServiceClients (or let them expire) and retry"
+                )
             self._sessions[(namespace, s.id)] = s
         return s
 
