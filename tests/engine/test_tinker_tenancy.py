@@ -215,7 +215,7 @@ def test_one_namespace_asking_for_every_slot_leaves_room_for_another(server) -> 
             refused.append(str(e))
     assert created == SLOTS // 2 and len(refused) == SLOTS - created
     assert "--client-models-per-namespace 2" in refused[0] and "'team-a'" in refused[0]
-    r = _put_client_experiment(server, "team-a", "third", "third")
+    r = _put_client_experiment(server, "team-a", "third", "third:train:0")
     assert r.status_code == 409 and "--client-models-per-namespace 2" in r.text, r.text
     b = service_client(server.url, KEY_B)
     tc = b.create_lora_training_client(base_model=base, rank=2)
