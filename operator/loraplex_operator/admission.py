@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loraplex_operator import client_modules
+from loraplex_operator import client_ids, client_modules
 from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector, LabelSelectorRequirement
 from loraplex_operator.api.priority import DEFAULT_CLASS, PriorityClass, class_of, find_class
 from loraplex_operator.placement import adapter_memory_bytes
@@ -106,6 +106,8 @@ def check_experiment(
     problems.extend(_priority_problems(experiment.spec, pool.spec, pool_name, namespace))
     problems.extend(_lora_problems(experiment.spec, pool.spec, pool_name))
     client = experiment.raw_spec.get("client")
+    if isinstance(client, Mapping) and (why := client_ids.problem(experiment.meta.name, client)):
+        problems.append(Problem("spec.client.modelId", why))
     if isinstance(client, Mapping) and wrapped is not None:
         allowed = pool.spec.allowed_target_modules
         for field, _, extra in client_modules.refused(client, wrapped, allowed):

@@ -132,8 +132,10 @@ def _scrape_job(
 
 
 def pod_monitor_scrape_config(
-    monitor: dict[str, Any], sd_file: Path, interval: str
+    monitor: dict[str, Any], sd_file: Path, interval: str, credentials_file: Path | None = None
 ) -> dict[str, Any]:
+    """``credentials_file``: where the test put the value of the Secret the endpoint's
+    ``authorization`` names (the Prometheus Operator reads it from the Secret)."""
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     meta = monitor["metadata"]
     relabel: list[dict[str, Any]] = [
@@ -151,9 +153,14 @@ def pod_monitor_scrape_config(
         {"target_label": "endpoint", "replacement": endpoint["port"]},
         *_user_relabelings(endpoint.get("relabelings") or []),
     ]
-    return _scrape_job(
+    job = _scrape_job(
         f"podMonitor/{meta['namespace']}/{meta['name']}/0", endpoint, sd_file, interval, relabel
     )
+    auth = endpoint.get("authorization")
+    if auth is not None:
+        assert credentials_file is not None, "the monitor scrapes with a Secret's token"
+        job["authorization"] = {"type": auth["type"], "credentials_file": str(credentials_file)}
+    return job
 
 
 def service_monitor_scrape_config(

@@ -129,6 +129,24 @@ ENDPOINT_PROPS = {
     "scrapeTimeout": DURATION,
     "honorLabels": {"type": "boolean"},
     "relabelings": {"type": "array", "items": RELABEL},
+    # SafeAuthorization: a bearer token from a Secret in the monitor's namespace.
+    "authorization": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "type": {"type": "string"},
+            "credentials": {
+                "type": "object",
+                "required": ["key"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "key": {"type": "string", "minLength": 1},
+                    "optional": {"type": "boolean"},
+                },
+            },
+        },
+    },
 }
 NS_SELECTOR = {
     "type": "object",

@@ -200,13 +200,17 @@ class Scrapes:
         self.operator_deployment = operator_deployment(docs)
         self.gateway = LiveGateway(workdir / "gateway", docs)
         self.engines_sd = workdir / "engines.json"
+        self.engine_token_file = workdir / "engine-token"  # the PodMonitor's Secret
+        self.engine_token_file.write_text("")
         self.operator_sd = workdir / "operator.json"
         write_sd_file(self.engines_sd, [])
         write_sd_file(self.operator_sd, [])
 
     def configs(self) -> list[dict[str, Any]]:
         return [
-            pod_monitor_scrape_config(self.pod_monitor, self.engines_sd, "1s"),
+            pod_monitor_scrape_config(
+                self.pod_monitor, self.engines_sd, "1s", self.engine_token_file
+            ),
             service_monitor_scrape_config(self.service_monitor, self.operator_sd, "1s"),
             self.gateway.scrape_config("1s"),
         ]
@@ -229,6 +233,7 @@ class Scrapes:
             if url and (pod.get("status") or {}).get("phase") == "Running":
                 groups += pod_targets(pod, url.removeprefix("http://"))
                 running.append((pod["metadata"]["name"], url))
+        self.engine_token_file.write_text(token)
         write_sd_file(self.engines_sd, groups)
         self.gateway.set_engines(POOL, running, token)
 

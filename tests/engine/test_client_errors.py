@@ -77,6 +77,7 @@ def test_bad_settings_name_their_field(eng) -> None:
 
 
 def test_a_full_engine_has_no_capacity(eng) -> None:
+    eng.clients.per_namespace = 2  # one namespace may fill it (--client-models-per-namespace)
     eng.clients.create_model(NS, "second", ClientLora(rank=4))
     with pytest.raises(NoCapacityError):
         eng.clients.create_model(NS, "third", ClientLora(rank=4))

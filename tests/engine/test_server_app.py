@@ -341,14 +341,18 @@ def test_metrics_follow_ticks_and_drop_unloaded_experiments(client, engine) -> N
     assert put(client, "default.b").status_code == 201
     for _ in range(3):
         client.metrics.observe_tick(engine.tick())
-    samples = _samples(client.get("/metrics").text)
+    # without the token the engine's own series alone: no tenant label (metrics_access.py)
+    open_samples = _samples(client.get("/metrics").text)
+    assert open_samples[("loraplex_engine_free_slots", ())] == 0
+    assert not any("default.a" in labels for _, labels in open_samples)
+    samples = _samples(client.get("/metrics", headers=AUTH).text)
     assert samples[("loraplex_engine_steps_total", ("default.a", "default"))] == 3
     assert samples[("loraplex_engine_train_tokens_total", ("default.b", "default"))] == 60
     assert samples[("loraplex_engine_active_adapters", ())] == 2
     assert samples[("loraplex_engine_free_slots", ())] == 0
     assert 0 < samples[("loraplex_engine_busy_ratio", ())] <= 1
     assert client.delete("/v1/experiments/default.a", headers=AUTH).status_code == 200
-    samples = _samples(client.get("/metrics").text)
+    samples = _samples(client.get("/metrics", headers=AUTH).text)
     assert not any("default.a" in labels for _, labels in samples)
     assert ("loraplex_engine_steps_total", ("default.b", "default")) in samples
 

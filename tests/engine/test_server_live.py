@@ -94,7 +94,8 @@ def tick_and_step_counts(server: EngineServer) -> tuple[float, dict[str, float]]
     count, so it is not compared with it.
     """
     ticks, step_counts = None, {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+    scrape = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    for family in text_string_to_metric_families(scrape):
         for sample in family.samples:
             if sample.name == "loraplex_engine_tick_seconds_count":
                 ticks = sample.value
@@ -166,7 +167,7 @@ VLLM_ONLY = {"loraplex_engine_logprob_gap"}
 
 
 def test_metrics_parse_and_carry_every_experiment(api: httpx.Client) -> None:
-    r = httpx.get(f"{api.base_url}/metrics")  # open: no token
+    r = api.get("/metrics")  # every series: the token (open, the engine's own alone)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -389,7 +390,7 @@ def test_delete_checkpoints_unloads_and_drops_series(
         assert (ckpt / f).is_file(), f
     assert api.get(f"/v1/experiments/{exp}").status_code == 404
     assert exp not in api.get("/v1/capacity").json()["experiments"]
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     assert f'experiment="{exp}"' not in text
     assert 'experiment="default.say-yes"' in text
 

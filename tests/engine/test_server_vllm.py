@@ -74,7 +74,7 @@ def test_serve_with_the_vllm_backend(tiny_vllm_dir: Path, tmp_path: Path) -> Non
                 assert s["rolloutTokens"] > 0
                 # vLLM samples, the trainer recomputes: the gap is measured (finite, >= 0)
                 assert 0.0 <= s["logprobGap"] < 1.0, s
-            metrics = httpx.get(f"{srv.url}/metrics").text
+            metrics = httpx.get(f"{srv.url}/metrics", headers=srv.headers).text
             assert 'loraplex_engine_steps_total{experiment="default.v-one"' in metrics
             gap = re.search(
                 r'^loraplex_engine_logprob_gap\{experiment="default.v-one",namespace="default"\}'

@@ -75,7 +75,7 @@ def test_serving_requests_latency_and_errors_by_experiment(served) -> None:
     assert client.post("/v1/completions", content=b"{", headers=as_json).status_code == 400
     assert client.post("/v1/completions", json={}).status_code == 401
 
-    s = _series(client.get("/metrics").text)
+    s = _series(client.get("/metrics", headers=AUTH).text)
     a = {"namespace": "default", "experiment": "default.a"}
     base = {"namespace": "", "experiment": BASE}
     other = {"namespace": "", "experiment": OTHER_MODEL}
@@ -102,7 +102,7 @@ def test_serving_requests_latency_and_errors_by_experiment(served) -> None:
 
     # Unloaded: its serving series go with its other per-experiment series.
     assert client.delete("/v1/experiments/default.a", headers=AUTH).status_code == 200
-    s = _series(client.get("/metrics").text)
+    s = _series(client.get("/metrics", headers=AUTH).text)
     assert not [k for k in s if ("experiment", "default.a") in k[1]]
     assert _value(s, "loraplex_engine_serving_requests_total", **base) == 1
 
@@ -110,7 +110,7 @@ def test_serving_requests_latency_and_errors_by_experiment(served) -> None:
 def test_a_loaded_experiment_and_the_base_show_at_zero(served) -> None:
     client, _, _ = served
     assert put(client, "default.b").status_code == 201
-    s = _series(client.get("/metrics").text)
+    s = _series(client.get("/metrics", headers=AUTH).text)
     for labels in ({"namespace": "default", "experiment": "default.b"},
                    {"namespace": "", "experiment": BASE}):  # fmt: skip
         assert _value(s, "loraplex_engine_serving_requests_total", **labels) == 0
@@ -123,7 +123,7 @@ def test_a_stream_that_fails_after_its_200_counts_its_error_code(served) -> None
     engine.broken = "default.c"
     r = _complete(client, "default.c", stream=True)
     assert r.status_code == 200 and '"code":"unavailable"' in r.text.replace(" ", "")
-    s = _series(client.get("/metrics").text)
+    s = _series(client.get("/metrics", headers=AUTH).text)
     labels = {"namespace": "default", "experiment": "default.c", "code": "unavailable"}
     assert _value(s, "loraplex_engine_serving_errors_total", **labels) == 1
 

@@ -154,7 +154,8 @@ def test_a_full_engine_pauses_creation_until_a_slot_frees(server: Server) -> Non
     deadline = time.monotonic() + 10
     states: set[str] = set()
     while time.monotonic() < deadline and "paused_capacity" not in states:
-        states = {f.state for f in list(server.proto.futures._futures.values())}
+        spaces = list(server.proto.futures._spaces.values())
+        states = {f.state for space in spaces for f in list(space.values())}
         time.sleep(0.05)
     assert "paused_capacity" in states
     time.sleep(1.5)  # retried meanwhile, still paused, never an error

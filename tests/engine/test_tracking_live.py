@@ -104,7 +104,8 @@ def train_two(srv: EngineServer) -> dict[str, dict[str, Any]]:
 def tracking_series(srv: EngineServer) -> dict[tuple[str, str], float]:
     """(series name, tracker) -> value, from the engine's /metrics."""
     out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text):
+    scrape = httpx.get(f"{srv.url}/metrics", headers=srv.headers).text
+    for family in text_string_to_metric_families(scrape):
         for s in family.samples:
             if s.name.startswith("loraplex_engine_tracking_"):
                 out[(s.name, s.labels["tracker"])] = s.value

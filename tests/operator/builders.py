@@ -73,9 +73,11 @@ class ExperimentWrapper:
         self._spec["task"] = {"name": name, **fields}
         return self
 
-    def client(self, model_id: str = "s0123456789abcdef0123:train:0", **fields: Any) -> Self:
-        """A client-driven experiment (spec.client, no task): what the gateway creates."""
+    def client(self, model_id: str | None = None, **fields: Any) -> Self:
+        """A client-driven experiment (spec.client, no task): what the gateway creates;
+        its model id by default one its name may hold (client_ids.py)."""
         self._spec.pop("task", None)
+        model_id = model_id or f"{self._obj['metadata']['name']}:train:0"
         self._spec["client"] = {"modelId": model_id, **fields}
         return self
 

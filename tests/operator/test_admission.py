@@ -186,3 +186,25 @@ def test_a_client_experiments_kinds_must_train_only_allowed_modules() -> None:
     # lm_head is not wrapped here (the engine grants trainUnembed off): nothing to allow.
     found = problems(no_mlp, LLAMA_WRAPPED | {"lm_head"})
     assert [p.field for p in found] == ["spec.client.trainUnembed"]
+
+
+@pytest.mark.parametrize(
+    ("name", "model_id", "admitted"),
+    [
+        ("tinker-s0123456789abcdef0123-2", "s0123456789abcdef0123:train:2", True),  # gateway's
+        ("my-run", "my-run:train:0", True),  # written by hand after its own name
+        ("squat", "s0123456789abcdef0123:train:2", False),  # another's id
+        ("tinker-s0123456789abcdef0123-2", "s0123456789abcdef0123:train:3", False),
+        ("my-run", "my-run2:train:0", False),
+    ],
+)
+def test_a_client_experiment_holds_only_a_model_id_its_name_spells(
+    name: str, model_id: str, admitted: bool
+) -> None:
+    exp = _full("LoRAExperiment", experiment(name).client(model_id, trainUnembed=False).obj())
+    problems = check_experiment(exp, _full("EnginePool", pool().obj()))
+    fields = [p.field for p in problems]
+    assert ("spec.client.modelId" not in fields) == admitted
+    if not admitted:
+        (why,) = [p.message for p in problems if p.field == "spec.client.modelId"]
+        assert model_id in why and f"'{name}:train:<n>'" in why

@@ -239,7 +239,9 @@ class Engine(ClientExperimentAPI, Versions):
         )
         self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
         # Models a client trains itself (clients/).
-        self.clients = ClientModels(self, s.client_models_per_tick, s.client_tick_gather)
+        self.clients = ClientModels(
+            self, s.client_models_per_tick, s.client_tick_gather, s.client_models_per_namespace
+        )
         self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
         self.admissions = KeyedLocks()  # one PUT per experiment id at a time
 

@@ -170,6 +170,11 @@ class NoCapacityError(ApiError):
     code = "no_capacity"
 
 
+class NamespaceShareError(NoCapacityError):
+    """A namespace holds its share of the engine's slots for client models
+    (clients/share.py): refused, not waited for, so its client learns the limit."""
+
+
 class BodyTooLargeError(ApiError):
     """A request body over the server's limit."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex_engine.api_types import CheckpointRef
-from loraplex_engine.clients import saved
+from loraplex_engine.clients import saved, share
 from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
@@ -67,9 +67,15 @@ DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay
 
 class ClientModels:
     def __init__(
-        self, host: Any, models_per_tick: int | None = None, gather_s: float = 0.0
+        self,
+        host: Any,
+        models_per_tick: int | None = None,
+        gather_s: float = 0.0,
+        per_namespace: int | None = None,
     ) -> None:
         self.host = host
+        # At most this many client models of one namespace (None: share.py's default).
+        self.per_namespace = per_namespace
         # At most this many models' segments a tick (None: all), taken in turn.
         self.models_per_tick = models_per_tick
         # How long, at most, a queued call waits for others on their way (gather.py).
@@ -159,6 +165,8 @@ class ClientModels:
             with self._lock:
                 if (namespace, model_id) in self._models:
                     raise ConflictError(f"model {model_id!r} exists")
+                held = sum(ns == namespace for ns, _ in self._models)
+                share.check(namespace, held, h.model.max_adapters, self.per_namespace)
             name = adapter_name(namespace, model_id)
             try:
                 h.model.add_adapter(name, config, seed=lora.seed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Path, Security
+from fastapi import FastAPI, Path, Request, Security
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +30,7 @@ from loraplex_engine.api_types import (
 from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
 from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from loraplex_engine.server.errors import add_error_handlers, documented_errors
+from loraplex_engine.server.metrics_access import sees_tenants, tenant_free
 from loraplex_engine.server.middleware import BearerAuth, BodyLimit
 from loraplex_engine.server.observe import Observe
 from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
@@ -107,6 +108,7 @@ def create_app(
     tinker_keys: Any = None,
     training: Callable[[], Any] | None = None,
     tinker_options: dict[str, Any] | None = None,
+    tinker_futures: Any = None,
 ) -> FastAPI:
     """The HTTP app for ``engine``.
 
@@ -120,7 +122,14 @@ def create_app(
         protocol is served under ``/api/v1`` (tinker/routes.py) to ``tinker_keys`` (a
         ``tinker.keys.KeyStore``: tenants' API keys, each a namespace) and to ``token``
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
-    tinker_options: ``mount_tinker``'s keyword settings (``max_sessions``).
+        mount_tinker(
+            app,
+            training,
+            tinker_keys,
+            admin_token=token,
+            future_limits=tinker_futures,
+            **(tinker_options or {}),
+        )
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -175,8 +184,9 @@ def create_app(
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
         tags=["probes"],
     )
-    def prometheus_metrics() -> Response:
-        """Prometheus text format (docs/metrics.md)."""
+    def prometheus_metrics(request: Request) -> Response:
+        """Prometheus text format (docs/metrics.md); tenants' series only with the token
+        (server/metrics_access.py)."""
         if is_ready():
             try:
                 metrics.update_capacity(engine.capacity())
@@ -186,7 +196,9 @@ def create_app(
                 metrics.set_serving_queue(getattr(engine, "queued_completions", 0))
             except ApiError:
                 pass
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        if sees_tenants(request.headers.get("authorization"), token):
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(tenant_free(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- /v1 ---
 
@@ -310,6 +322,13 @@ def create_app(
         # Imported only here: the protocol's wire needs numpy and the tinker SDK's protobuf.
         from loraplex_engine.tinker.routes import mount_tinker
 
-        mount_tinker(app, training, tinker_keys, admin_token=token, **(tinker_options or {}))
+        mount_tinker(
+            app,
+            training,
+            tinker_keys,
+            admin_token=token,
+            future_limits=tinker_futures,
+            **(tinker_options or {}),
+        )
 
     return app

@@ -16,7 +16,8 @@ from loraplex_engine.server.errors import error_json, error_response
 
 NAMESPACE_HEADER = b"x-loraplex-namespace"  # tinker/keys.py's, as ASGI spells headers
 
-# Probes, metrics and the schema stay open: kubelet and Prometheus hold no token.
+# Probes, metrics and the schema stay open: kubelet holds no token; /metrics answers
+# tenants' series only to the token (server/metrics_access.py).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 
 

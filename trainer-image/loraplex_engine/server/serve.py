@@ -49,6 +49,7 @@ from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
+from loraplex_engine.tinker.future_table import FutureLimits
 from loraplex_engine.tracking.hub import TickObservers, start_tracking
 
 log = logging.getLogger("loraplex_engine.server.serve")
@@ -305,6 +306,11 @@ def run(settings: ServeSettings) -> int:
         tinker_keys=tinker_keys,
         training=training,
         tinker_options={"max_sessions": settings.tinker_max_sessions},
+        tinker_futures=FutureLimits(
+            settings.tinker_futures_per_namespace,
+            settings.tinker_future_ttl,
+            settings.tinker_retrieved_grace,
+        ),
     )
 
     try:

@@ -15,6 +15,11 @@ from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
 from loraplex_engine.settings.tracking import TrackingSettings
 from loraplex_engine.settings.values import Flag
+from loraplex_engine.tinker.future_table import (
+    FUTURE_TTL_S,
+    FUTURES_PER_NAMESPACE,
+    RETRIEVED_GRACE_S,
+)
 from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS
 
 
@@ -60,6 +65,25 @@ class ServeSettings(ProcessSettings, TrackingSettings):
             v.positive_int,
         ),
     ] = DEFAULT_MAX_SESSIONS
+    tinker_futures_per_namespace: Annotated[
+        int,
+        Flag(
+            "Tinker futures one namespace may hold: beyond it its oldest finished one is "
+            "dropped, and a call is refused (429) only while all of them are pending",
+            v.positive_int,
+        ),
+    ] = FUTURES_PER_NAMESPACE
+    tinker_future_ttl: Annotated[
+        float,
+        Flag("how long a finished Tinker future nobody retrieved is kept", v.seconds),
+    ] = FUTURE_TTL_S
+    tinker_retrieved_grace: Annotated[
+        float,
+        Flag(
+            "how long a retrieved Tinker future is kept, for a poll whose answer was lost",
+            v.seconds,
+        ),
+    ] = RETRIEVED_GRACE_S
     threads: Annotated[int, Flag("torch CPU threads (0: torch's default)", v.to_int)] = 0
     max_completion_tokens: Annotated[
         int, Flag("largest max_tokens accepted by /v1/completions", v.to_int)

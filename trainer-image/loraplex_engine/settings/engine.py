@@ -217,6 +217,17 @@ class EngineSettings(BaseModel):
             default_text="all: every model with a call waiting",
         ),
     ] = None
+    client_models_per_namespace: Annotated[
+        int | None,
+        Flag(
+            "client models (the Tinker protocol's and client experiments') one namespace "
+            "may hold on this engine; one more is refused naming this limit, so one tenant "
+            "cannot take the slots of the others",
+            v.positive_int,
+            metavar="N",
+            default_text="half the adapter slots, rounded up",
+        ),
+    ] = None
     client_tick_gather: Annotated[
         float,
         Flag(
@@ -260,7 +271,11 @@ class EngineSettings(BaseModel):
         return value
 
     @field_validator(
-        "micro_batch_tokens", "rollout_kv_tokens", "checkpoint_keep_runs", "client_models_per_tick"
+        "micro_batch_tokens",
+        "rollout_kv_tokens",
+        "checkpoint_keep_runs",
+        "client_models_per_tick",
+        "client_models_per_namespace",
     )
     @classmethod
     def _positive_budget(cls, value: int | None, info: ValidationInfo) -> int | None:

@@ -1,12 +1,9 @@
 """Futures: what a long-running Tinker call answers at once (``{"request_id"}``), and the
 worker threads that run the engine call behind it.
 
-- **The table** is bounded (``max_entries``; a new future beyond it answers 429, which
-  the SDK retries with back-off) and in memory (a restart forgets it). A finished future
-  is kept ``ttl_s`` seconds after it finished, for the SDK's ``retrieve_future`` polls
-  and their retries, then dropped: polling it later answers 404. A pending one is never
-  dropped. A future belongs to the namespace that created it; another namespace polling
-  its id gets 404, as for an id that never existed.
+- **The table** (future_table.py) is bounded per namespace and in memory (a restart
+  forgets it). A future belongs to the namespace that created it; another namespace
+  polling its id gets 404, as for an id that never existed.
 - **Lanes**: the operations of one model run one after another, in the order of the
   SDK's ``seq_id`` (then of arrival), on a shared pool of worker threads, since an
   engine call blocks until the tick that serves it. Different models run at once, so
@@ -29,18 +26,13 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loraplex_engine.tinker.errors import TooManyRequests
-
 log = logging.getLogger("loraplex_engine.tinker.futures")
 
-MAX_FUTURES = 10_000
-FUTURE_TTL_S = 900.0  # a finished future is kept this long
 WORKERS = 64
 CAPACITY_RETRY_S = 1.0
 
@@ -59,6 +51,7 @@ class Future:
     error: str | None = None
     category: Category = "user"
     finished: float | None = None
+    retrieved: float | None = None  # when its client was answered its final state
     model_id: str | None = None
     sample_sequence_ids: list[str] | None = None
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
@@ -101,55 +94,6 @@ class Future:
         except TimeoutError:
             with self._lock:
                 self._waiters = [w for w in self._waiters if w[1] is not event]
-
-
-class FutureTable:
-    def __init__(self, max_entries: int = MAX_FUTURES, ttl_s: float = FUTURE_TTL_S) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._futures: dict[str, Future] = {}
-
-    def new(
-        self, namespace: str, kind: str, model_id: str | None = None, request_id: str | None = None
-    ) -> Future:
-        """``request_id``: a client experiment's ``<model id>#<seq_id>`` (tinker/journal.py),
-        the same on whichever engine replays it; else a fresh one."""
-        with self._lock:
-            # The janitor sweeps every second (protocol.py); here only when full, so a
-            # new future costs O(1), not a scan of every kept one.
-            if len(self._futures) >= self.max_entries:
-                self._sweep_locked(time.monotonic())
-            if len(self._futures) >= self.max_entries:
-                raise TooManyRequests(
-                    f"{len(self._futures)} requests are pending or unretrieved; retry later"
-                )
-            fut = Future(request_id or uuid.uuid4().hex, namespace, kind, model_id=model_id)
-            self._futures[fut.request_id] = fut
-            return fut
-
-    def get(self, namespace: str, request_id: str) -> Future | None:
-        with self._lock:
-            fut = self._futures.get(request_id)
-        if fut is None or fut.namespace != namespace:
-            return None
-        return fut
-
-    def sweep(self) -> None:
-        with self._lock:
-            self._sweep_locked(time.monotonic())
-
-    def _sweep_locked(self, now: float) -> None:
-        gone = [
-            rid
-            for rid, f in self._futures.items()
-            if f.finished is not None and now - f.finished > self.ttl_s
-        ]
-        for rid in gone:
-            del self._futures[rid]
-
-    def __len__(self) -> int:
-        return len(self._futures)
 
 
 Job = Callable[[], None]

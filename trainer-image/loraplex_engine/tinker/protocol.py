@@ -21,12 +21,14 @@ from typing import Any
 from loraplex_engine.errors import (
     ApiError,
     InvalidRequestError,
+    NamespaceShareError,
     NoCapacityError,
     NotFoundError,
 )
 from loraplex_engine.tinker import wire
 from loraplex_engine.tinker.errors import failure_text
-from loraplex_engine.tinker.futures import Future, FutureTable, Runner
+from loraplex_engine.tinker.future_table import FutureTable
+from loraplex_engine.tinker.futures import Future, Runner
 from loraplex_engine.tinker.journal import Entry, journalled, replay
 from loraplex_engine.tinker.sampling_params import sample_call
 from loraplex_engine.tinker.state import Model, Registry, Sampler
@@ -41,6 +43,11 @@ log = logging.getLogger("loraplex_engine.tinker")
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JANITOR_S = 1.0
+
+
+def lane(namespace: str, model_id: str) -> str:
+    """A model's lane: its namespace's, so an id another namespace chose is another lane."""
+    return f"{namespace}/{model_id}"
 
 
 def _name(value: str | None, default: str, field: str) -> str:
@@ -68,7 +75,7 @@ class Protocol:
         if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
             self.registry.on_adopted = lambda model, found: replay(self, model, found.steps)
-        self.futures = futures or FutureTable()
+        self.futures = futures if futures is not None else FutureTable()
         self.runner = runner or Runner()
         self._stop = threading.Event()
         self._janitor = threading.Thread(
@@ -117,10 +124,12 @@ class Protocol:
         if pipelined is not None:
             job = pipelined
             self.runner.run_pipelined(
-                model.id, lambda release: finish(fut, lambda: job(release)), order=seq_id
+                lane(model.namespace, model.id),
+                lambda release: finish(fut, lambda: job(release)),
+                order=seq_id,
             )
         elif fn is not None:
-            self.runner.run(model.id, lambda: finish(fut, fn), order=seq_id)
+            self.runner.run(lane(model.namespace, model.id), lambda: finish(fut, fn), order=seq_id)
         return fut.request_id
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
@@ -173,6 +182,10 @@ class Protocol:
                 return
             try:
                 info = make(model_id)
+            except NamespaceShareError as e:  # its own share: waiting would not free it
+                self.registry.set_creating(namespace, model_id, None)
+                fut.fail(*failure_text(e))
+                return
             except NoCapacityError as e:
                 try:
                     self.registry.session(namespace, session.id)
@@ -182,7 +195,7 @@ class Protocol:
                     return
                 fut.set_state("paused_capacity")
                 fut.error = e.message
-                self.runner.park(model_id, attempt)
+                self.runner.park(lane(namespace, model_id), attempt)
                 return
             except Exception as e:
                 self.registry.set_creating(namespace, model_id, None)
@@ -197,7 +210,7 @@ class Protocol:
                 return
             fut.finish(answer(model_id, info))
 
-        self.runner.run(model_id, attempt, order=0)
+        self.runner.run(lane(namespace, model_id), attempt, order=0)
         return fut.request_id
 
     def create_model(self, namespace: str, body: dict[str, Any]) -> str:
@@ -337,7 +350,7 @@ class Protocol:
 
         def run() -> dict[str, Any]:
             self.training().unload_model(namespace, model.id)
-            self.registry.drop_model(model.id)
+            self.registry.drop_model(model.namespace, model.id)
             self.runner.wake()
             return {"model_id": model.id, "type": "unload_model"}
 
@@ -360,11 +373,11 @@ class Protocol:
                 pass
             except Exception:
                 log.exception("could not unload %s", model.id)
-            self.registry.drop_model(model.id)
+            self.registry.drop_model(model.namespace, model.id)
             self.runner.wake()
             log.info("tinker model %s of %s unloaded: its session ended", model.id, model.namespace)
 
-        self.runner.run(model.id, run)
+        self.runner.run(lane(model.namespace, model.id), run)
 
     def end_session(self, namespace: str, session_id: str) -> None:
         for model in self.registry.end_session(namespace, session_id):

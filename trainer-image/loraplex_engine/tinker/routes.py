@@ -24,7 +24,8 @@ from loraplex_engine.errors import (
 )
 from loraplex_engine.tinker import rest
 from loraplex_engine.tinker.errors import add_protocol_error_handler, as_api_error
-from loraplex_engine.tinker.futures import FutureTable, Runner
+from loraplex_engine.tinker.future_table import FutureLimits, FutureTable
+from loraplex_engine.tinker.futures import Runner
 from loraplex_engine.tinker.journal import find_future
 from loraplex_engine.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS, check_metadata
@@ -198,6 +199,7 @@ def mount_tinker(
     admin_token: str | None = None,
     registry: Registry | None = None,
     futures: FutureTable | None = None,
+    future_limits: FutureLimits | None = None,
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
     max_sessions: int = DEFAULT_MAX_SESSIONS,
@@ -209,6 +211,7 @@ def mount_tinker(
     if keys is None and delegation is None:
         raise ValueError("the Tinker routes need tenant keys or the admin token")
     registry = registry or Registry(max_sessions=max_sessions)
+    futures = futures if futures is not None else FutureTable(future_limits)
     proto = Protocol(training, registry=registry, futures=futures, runner=runner)
     decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto
@@ -341,6 +344,8 @@ def mount_tinker(
             )
         if fut.state in ("pending", "paused_capacity"):
             await fut.changed(fut.state, long_poll_s)
+        if fut.state in ("done", "failed"):
+            proto.futures.retrieved(fut)  # its client has it: dropped after a grace
         if fut.state == "done":
             if isinstance(fut.result, bytes):
                 return Response(fut.result, media_type=PROTOBUF)

@@ -7,8 +7,11 @@ named ``expired-<unix time>``) and unloaded, freeing their slots. A session the 
 closes (``/sessions/{id}/finish``) goes the same way. Either way its id answers 410
 afterwards.
 
-Everything here is keyed by namespace: a lookup from another namespace answers
-``NotFoundError``, exactly as for an id that never existed.
+Everything here is keyed by (namespace, id): an id is only ever looked up in the
+caller's namespace, so one another namespace chose (a client experiment's model id is
+the tenant's own ``spec.client.modelId``) names a different session, model or sampler,
+and a lookup from another namespace answers ``NotFoundError``, exactly as for an id
+that never existed.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ class Sampler:
     model_path: str | None
 
 
+Key = tuple[str, str]  # (namespace, the id)
+
+
+def _key(s: Session) -> Key:
+    return (s.namespace, s.id)
+
+
 # (namespace, model id) -> a client experiment's model loaded here, or None.
 Adopter = Callable[[str, str], "Adoption | None"]
 
@@ -83,10 +93,10 @@ class Registry:
         self.adopter = adopter
         self.on_adopted: Callable[[Model, Adoption], None] | None = None  # the replay
         self._lock = threading.Lock()
-        self._sessions: dict[str, Session] = {}
-        self._gone: dict[str, str] = {}  # session id -> namespace, of ended sessions
-        self._models: dict[str, Model] = {}
-        self._samplers: dict[str, Sampler] = {}
+        self._sessions: dict[Key, Session] = {}
+        self._gone: dict[Key, None] = {}  # ended sessions, oldest first
+        self._models: dict[Key, Model] = {}
+        self._samplers: dict[Key, Sampler] = {}
         self._creating: dict[tuple[str, str], str] = {}  # (ns, model id) -> request id
 
     # --- sessions ---
@@ -94,23 +104,23 @@ class Registry:
     def new_session(self, namespace: str, user_metadata: dict[str, Any] | None) -> Session:
         s = Session("s" + uuid.uuid4().hex[:20], namespace, dict(user_metadata or {}))
         with self._lock:
-            mine = sum(1 for o in self._sessions.values() if o.namespace == namespace)
+            mine = sum(ns == namespace for ns, _ in self._sessions)
             if mine >= self.max_sessions:
                 raise SessionLimit(
                     f"namespace {namespace!r} has {mine} open Tinker sessions, the engine's "
                     f"limit (serve --tinker-max-sessions {self.max_sessions}): close one "
                     "(ServiceClient.close) or let one expire, then retry"
                 )
-            self._sessions[s.id] = s
+            self._sessions[(namespace, s.id)] = s
         return s
 
     def session(self, namespace: str, session_id: str, field_name: str = "session_id") -> Session:
         with self._lock:
-            s = self._sessions.get(session_id)
-            if s is not None and s.namespace == namespace:
+            s = self._sessions.get((namespace, session_id))
+            if s is not None:
                 s.last_seen = time.monotonic()
                 return s
-            if self._gone.get(session_id) == namespace:
+            if (namespace, session_id) in self._gone:
                 raise SessionGone(
                     f"session {session_id} has ended (closed, or no heartbeat for "
                     f"{self.session_ttl_s:.0f}s); create a new ServiceClient",
@@ -121,9 +131,9 @@ class Registry:
     def end_session(self, namespace: str, session_id: str) -> list[Model]:
         """Ends the session; returns its models (the caller saves and unloads them)."""
         with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None or s.namespace != namespace:
-                if self._gone.get(session_id) == namespace:
+            s = self._sessions.get((namespace, session_id))
+            if s is None:
+                if (namespace, session_id) in self._gone:
                     return []
                 raise NotFoundError(f"no session {session_id!r}", field="session_id")
             return self._end_locked(s)
@@ -139,14 +149,16 @@ class Registry:
         return out
 
     def _end_locked(self, s: Session) -> list[Model]:
-        del self._sessions[s.id]
-        self._gone[s.id] = s.namespace
+        del self._sessions[(s.namespace, s.id)]
+        self._gone[(s.namespace, s.id)] = None
         if len(self._gone) > 100_000:  # forget the oldest ended sessions
-            for sid in list(self._gone)[:50_000]:
-                del self._gone[sid]
-        for sid in [k for k, v in self._samplers.items() if v.session_id == s.id]:
-            del self._samplers[sid]
-        return [self._models[m] for m in s.models if m in self._models]
+            for key in list(self._gone)[:50_000]:
+                del self._gone[key]
+        mine = [k for k, v in self._samplers.items() if (v.namespace, v.session_id) == _key(s)]
+        for key in mine:
+            del self._samplers[key]
+        found = [self._models.get((s.namespace, m)) for m in s.models]
+        return [m for m in found if m is not None]
 
     # --- models ---
 
@@ -164,8 +176,8 @@ class Registry:
     def add_model(self, model: Model) -> bool:
         """Registers a created model; False when its session has ended meanwhile."""
         with self._lock:
-            s = self._sessions.get(model.session_id)
-            self._models[model.id] = model
+            s = self._sessions.get((model.namespace, model.session_id))
+            self._models[(model.namespace, model.id)] = model
             if s is None:
                 return False
             s.models.add(model.id)
@@ -173,15 +185,15 @@ class Registry:
 
     def model(self, namespace: str, model_id: str) -> Model:
         with self._lock:
-            known = model_id in self._models
+            known = (namespace, model_id) in self._models
         if not known:
             self._adopt(namespace, model_id)
         with self._lock:
-            m = self._models.get(model_id)
-            if m is None or m.namespace != namespace:
+            m = self._models.get((namespace, model_id))
+            if m is None:
                 raise NotFoundError(f"no model {model_id!r}", field="model_id")
             m.last_request = time.time()
-            s = self._sessions.get(m.session_id)
+            s = self._sessions.get((namespace, m.session_id))
             if s is not None:
                 s.last_seen = time.monotonic()
             return m
@@ -194,27 +206,28 @@ class Registry:
             return
         session_id = model_id.split(":", 1)[0]
         with self._lock:
-            s = self._sessions.get(session_id)
+            s = self._sessions.get((namespace, session_id))
             if s is None:
                 s = Session(session_id, namespace, {}, pinned=True)
-                self._sessions[session_id] = s
-                self._gone.pop(session_id, None)
-            if s.namespace != namespace or model_id in self._models:
+                self._sessions[(namespace, session_id)] = s
+                self._gone.pop((namespace, session_id), None)
+            if (namespace, model_id) in self._models:
                 return
             s.pinned = True
             m = Model(model_id, namespace, session_id, found.rank, None)
             m.journal, m.checkpoint_every = Journal(found.journal_dir), found.checkpoint_every
             m.restored_steps = found.steps
-            self._models[model_id] = m
+            self._models[(namespace, model_id)] = m
             s.models.add(model_id)
         if self.on_adopted is not None:
             self.on_adopted(m, found)
 
-    def drop_model(self, model_id: str) -> None:
+    def drop_model(self, namespace: str, model_id: str) -> None:
         with self._lock:
-            m = self._models.pop(model_id, None)
-            if m is not None and m.session_id in self._sessions:
-                self._sessions[m.session_id].models.discard(model_id)
+            m = self._models.pop((namespace, model_id), None)
+            s = None if m is None else self._sessions.get((namespace, m.session_id))
+            if s is not None:
+                s.models.discard(model_id)
 
     def models(self, namespace: str) -> list[Model]:
         with self._lock:
@@ -240,12 +253,12 @@ class Registry:
             f"{session.id}:sample:{suffix}", session.namespace, session.id, base_model, model_path
         )
         with self._lock:
-            self._samplers[sampler.id] = sampler
+            self._samplers[(session.namespace, sampler.id)] = sampler
         return sampler
 
     def sampler(self, namespace: str, sampler_id: str) -> Sampler:
         with self._lock:
-            s = self._samplers.get(sampler_id)
-        if s is None or s.namespace != namespace:
+            s = self._samplers.get((namespace, sampler_id))
+        if s is None:
             raise NotFoundError(f"no sampler {sampler_id!r}", field="sampling_session_id")
         return s
