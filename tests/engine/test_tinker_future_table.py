@@ -57,10 +57,9 @@ def test_a_retrieved_future_goes_after_the_grace_an_unretrieved_one_after_the_tt
 
 
 def test_live_sessions_are_capped_per_namespace() -> None:
-    registry = Registry()
-    registry.max_sessions = 3
+    registry = Registry(max_sessions=3)
     for _ in range(3):
         registry.new_session("team-a", None)
-    with pytest.raises(TooManyRequests, match=r"'team-a' holds 3 live sessions"):
+    with pytest.raises(TooManyRequests, match=r"'team-a' has 3 open Tinker sessions"):
         registry.new_session("team-a", None)
     assert registry.new_session("team-b", None).namespace == "team-b"
