@@ -44,6 +44,11 @@ DEFAULT_ROLLOUT_KV_TOKENS = 65536
 DEFAULT_REWARD_DEADLINE_S = 1.0
 # A client call waits at most this long for others on their way (clients/gather.py).
 DEFAULT_CLIENT_TICK_GATHER_S = 0.02
+# A plug-in call's wall-clock bound (plugins/host.py; serve --plugin-timeout).
+CALL_TIMEOUT_S = 30.0
+# The largest max_tokens a completion request may ask (server/openai/; serve
+# --max-completion-tokens).
+DEFAULT_MAX_COMPLETION_TOKENS = 512
 # A run id names the directory a run's checkpoints live in (<root>/<ns>/<name>/<runId>/):
 # a safe path segment (no "/", never "." or ".."), short enough for any file system.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"

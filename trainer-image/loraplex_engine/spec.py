@@ -8,14 +8,14 @@ Kept free of torch and I/O: the HTTP layer and the local runner validate with it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.data.options import DatasetOptions
-from loraplex_engine.errors import SpecError, TaskError
+from loraplex_engine.errors import SpecError
 from loraplex_engine.evaluation.spec_eval import EVAL_NEEDS_TASK, EvalSpec
 from loraplex_engine.spec_blocks.algorithm import AlgorithmSpec
 from loraplex_engine.spec_blocks.checkpoint import CheckpointSpec
@@ -338,42 +338,6 @@ class ExperimentSpec(SpecModel):
     def to_json(self) -> dict[str, Any]:
         """camelCase dict, as the CRD and the HTTP API carry it."""
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)
-
-    def validate_for_engine(self, max_rank: int, known_modules: Iterable[str]) -> None:
-        """Checks that depend on the engine (pool limits, base model); raise ``SpecError``."""
-        if self.lora.rank > max_rank:
-            raise SpecError(
-                "spec.lora.rank", f"rank {self.lora.rank} exceeds the engine's max rank {max_rank}"
-            )
-        known = set(known_modules)
-        if self.lora.target_modules is None:
-            from loraplex_engine.base_model import default_lora_targets
-
-            if default_lora_targets(known) is None:
-                raise SpecError(
-                    "spec.lora.targetModules",
-                    "unset, and this engine's modules have neither q_proj+v_proj nor "
-                    f"qkv_proj for a default; name them (supported: {sorted(known)})",
-                )
-        unknown = [m for m in self.lora.target_modules or () if m not in known]
-        if unknown:
-            raise SpecError(
-                "spec.lora.targetModules",
-                f"unknown module(s) {unknown}; this engine supports {sorted(known)}",
-            )
-        self.check_task()
-
-    def check_task(self) -> None:
-        """Task parameters (free-form in the schema) against the task's known ones."""
-        if self.task is None:  # a client experiment (spec_blocks/client.py)
-            return
-        # Imported here: tasks pull in httpx; parsing a spec should not need it.
-        from loraplex_engine.tasks import check_task
-
-        try:
-            check_task(self.task.name, self.task.params)
-        except TaskError as exc:
-            raise SpecError(exc.field, exc.message) from None
 
 
 def parse_spec(data: Any, prefix: str = "spec") -> ExperimentSpec:

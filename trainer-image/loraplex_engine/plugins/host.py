@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any
 
+from loraplex_engine.api_types import CALL_TIMEOUT_S
 from loraplex_engine.errors import PluginError
 
-CALL_TIMEOUT_S = 30.0  # a call's bound (engine setting --plugin-timeout)
 START_TIMEOUT_S = 60.0  # the worker's start-up, importing the plug-in, on top of a call's
 MAX_ANSWER_BYTES = 16 << 20
 

@@ -20,6 +20,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex_engine.api_types import (
+    DEFAULT_MAX_COMPLETION_TOKENS,
     RUN_ID_MAX_LENGTH,
     RUN_ID_PATTERN,
     Capacity,
@@ -32,7 +33,6 @@ from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from loraplex_engine.server.errors import add_error_handlers, documented_errors
 from loraplex_engine.server.middleware import BearerAuth, BodyLimit
 from loraplex_engine.server.observe import Observe
-from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.server.openai.chat import add_chat_route
 from loraplex_engine.server.openai.completions import add_completions_route
 from loraplex_engine.server.openai.models import add_models_routes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.api_types import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
 from loraplex_engine.settings.tracking import TrackingSettings

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from loraplex_engine.api_types import (
+    CALL_TIMEOUT_S,
     DEFAULT_CLIENT_TICK_GATHER_S,
     DEFAULT_KEEP_RUNS,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -26,7 +27,6 @@ from loraplex_engine.api_types import (
     LORA_KERNELS,
 )
 from loraplex_engine.errors import UsageError
-from loraplex_engine.plugins.host import CALL_TIMEOUT_S
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.values import Flag
 

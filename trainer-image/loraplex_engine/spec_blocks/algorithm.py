@@ -12,7 +12,10 @@ from pydantic import Field
 
 from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.spec_schema import CelRule, Int32, Int64, SpecModel
-from loraplex_engine.train.lr_schedule import LRScheduleName
+
+# The learning-rate schedules a spec may name (train/lr_schedule.py computes them).
+LRScheduleName = Literal["constant", "cosine"]
+LR_SCHEDULES: tuple[LRScheduleName, ...] = ("constant", "cosine")
 
 AlgorithmName = Literal["grpo"]
 OffPolicyCorrection = Literal["none", "tis"]

@@ -25,14 +25,13 @@ from loraplex_engine.errors import (
     UnavailableError,
 )
 from loraplex_engine.evaluation.scores import EvalResult
-from loraplex_engine.experiment import Experiment, check_same
+from loraplex_engine.experiment import Experiment, PublishState, check_same
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.spec import ExperimentSpec
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.versions import Manifest, VersionStore, version_name
 from loraplex_engine.versions import names
 from loraplex_engine.versions.policy import (
-    PublishState,
     best_scores,
     due,
     eval_score,
