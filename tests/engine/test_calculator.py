@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.workloads.calculator import (
     MAX_CHARS,
     CalcError,

@@ -2,15 +2,15 @@ import copy
 from typing import Any, get_args
 
 import pytest
-from loraplex_engine.errors import SpecError
 from loraplex_engine.local.manifests import check_task, validate_for_engine
-from loraplex_engine.spec import (
+from loraplex_engine.spec.errors import SpecError
+from loraplex_engine.spec.experiment import (
     ExperimentSpec,
     TaskName,
     all_spec_errors,
     parse_spec,
 )
-from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS
+from loraplex_engine.spec.plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 

@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
-from loraplex_engine.api_types import (
+from loraplex_engine.data.sources import resolve_dataset
+from loraplex_engine.environments.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.spec.api_types import (
     CALL_TIMEOUT_S,
     DETERMINISTIC_FAILURES,
     CheckpointRef,
@@ -19,9 +23,8 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     VersionSummary,
 )
-from loraplex_engine.data.options import DatasetOptions
-from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import (
+from loraplex_engine.spec.data_options import DatasetOptions
+from loraplex_engine.spec.errors import (
     AdapterError,
     ConflictError,
     InvalidSpecError,
@@ -29,11 +32,8 @@ from loraplex_engine.errors import (
     TaskError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
-from loraplex_engine.evaluation.scores import EvalResult, eval_due
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.plugins.attach import check_plugins, plug_in, uses_plugins
-from loraplex_engine.spec import DATA_TASKS, ExperimentSpec
+from loraplex_engine.spec.eval_scores import EvalResult, eval_due
+from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
@@ -95,7 +95,7 @@ class Experiment:
     # A due checkpoint met a full volume (StorageFullError): retried every tick; a
     # finished experiment is Succeeded only once its last checkpoint is written.
     checkpoint_pending: bool = False
-    # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
+    # Fair share (tick/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
     # Published versions and aliases (versions/publisher.py), read from disk at placement.
@@ -233,7 +233,7 @@ def new_experiment(
             source=source,
         )
         if plugged:
-            try:  # an environment's params are checked here (plugins/attach.py)
+            try:  # an environment's params are checked here (environments/attach.py)
                 plug_in(task, reward, env, plugin_timeout, exp_id)
             except BaseException:
                 task.close()  # its dataset's descriptors

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from loraplex_engine.errors import ManifestError, SpecError, TaskError, UsageError
-from loraplex_engine.spec import ExperimentSpec, all_spec_errors, parse_spec
+from loraplex_engine.spec.errors import ManifestError, SpecError, TaskError, UsageError
+from loraplex_engine.spec.experiment import ExperimentSpec, all_spec_errors, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
@@ -178,7 +178,7 @@ def validate_for_engine(spec: ExperimentSpec, max_rank: int, known_modules: Iter
 
 def check_task(spec: ExperimentSpec) -> None:
     """Task parameters (free-form in the schema) against the task's known ones."""
-    if spec.task is None:  # a client experiment (spec_blocks/client.py)
+    if spec.task is None:  # a client experiment (spec/client.py)
         return
     # Imported here: tasks pull in httpx; reading a manifest should not need it.
     from loraplex_engine.tasks import check_task as check_params

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex_engine.api_types import DTYPE_NAMES
+from loraplex_engine.spec.api_types import DTYPE_NAMES
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.settings.values import parse_bytes
+from loraplex_engine.spec.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 
 
 def add_parser(subparsers: Any) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from loraplex_engine.api_types import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
 from loraplex_engine.settings.tracking import TrackingSettings
 from loraplex_engine.settings.values import Flag
+from loraplex_engine.spec.api_types import DEFAULT_MAX_COMPLETION_TOKENS
 
 
 class ServeSettings(ProcessSettings, TrackingSettings):

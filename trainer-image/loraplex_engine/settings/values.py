@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loraplex_engine.api_types import DTYPE_NAMES, LORA_KERNELS
+from loraplex_engine.spec.api_types import DTYPE_NAMES, LORA_KERNELS
 
 ENV_PREFIX = "LORAPLEX_"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from loraplex_engine.spec_blocks.algorithm import LR_SCHEDULES
+from loraplex_engine.spec.algorithm import LR_SCHEDULES
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int = 0, total_steps: int = 0) -> float:

@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loraplex_engine.evaluation.scores import EvalResult
-from loraplex_engine.versions.spec import LATEST, STABLE, PromoteWhen, PublishSpec
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.publish import LATEST, STABLE, PromoteWhen, PublishSpec
 
 
 def due(step: int, spec: PublishSpec | None) -> bool:
