@@ -53,7 +53,7 @@ from loraplex_engine.tick.results import Failure, Rollout, Scored, Trained, fail
 from loraplex_engine.tick.tick import Tick
 from loraplex_engine.train.strategy import TrainingStrategy
 
-log = logging.getLogger("loraplex_engine.tick.tick")
+log = logging.getLogger("loraplex_engine.tick")
 
 
 def tick_class(schedule: str, world: World | None = None) -> type[Tick]:

@@ -25,7 +25,7 @@ from loraplex_engine.tasks import Prompt
 from loraplex_engine.train.strategy import TrainOutcome
 
 _T = TypeVar("_T")
-log = logging.getLogger("loraplex_engine.tick.tick")
+log = logging.getLogger("loraplex_engine.tick")
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ from loraplex_engine.train.step_stats import rollout_stats
 from loraplex_engine.train.strategy import TrainingStrategy, TrainOutcome
 from loraplex_engine.versions.publisher import Publisher
 
-log = logging.getLogger("loraplex_engine.tick.tick")
+log = logging.getLogger("loraplex_engine.tick")
 
 
 class Tick:
