@@ -42,7 +42,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 # The CRDs' schemas are generated from typed models (LoRAExperiment spec: trainer-image/
-# loraplex_engine/spec.py; EnginePool spec and status: operator/loraplex_operator/api/)
+# loraplex_engine/spec/experiment.py; EnginePool spec and status: operator/loraplex_operator/api/)
 # (scripts/gen_crds.py), then both CRDs are copied into the chart. Run after editing either.
 crds: $(STAMP)
 	$(PY) scripts/gen_crds.py

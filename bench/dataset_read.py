@@ -46,7 +46,7 @@ def measure(trust: TrustPolicy, dataset: str) -> dict[str, float]:
     before = proc.memory_info().rss
     t0 = time.perf_counter()
     options = None
-    from loraplex_engine.data.options import DatasetOptions
+    from loraplex_engine.spec.data_options import DatasetOptions
 
     options = DatasetOptions.model_validate({"columns": {"prompt": "question"}})
     task = DatasetTask(resolve_dataset(trust, dataset, options, "team-a"))

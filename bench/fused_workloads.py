@@ -47,7 +47,7 @@ def workload_rows(name: str, n: int, seq: int, saturated_rows: int) -> int:
 def make_engine(args: argparse.Namespace, mode: str, micro_batch_tokens: int) -> Any:
     from loraplex_engine.engine import Engine
     from loraplex_engine.settings.engine import EngineSettings
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
 
     targs = throughput.parse_args([f"--preset={args.preset}"])
     settings = EngineSettings(

@@ -82,7 +82,7 @@ ENGINE_MODULES = (
     "loraplex_engine.cli",
 )
 # What `serve --tinker-keys` adds (the tinker-clock stage); reported, not this stage's code.
-SERVER_MODULES = ("loraplex_engine.server.app", "loraplex_engine.tinker.routes")
+SERVER_MODULES = ("loraplex_engine.server.app", "loraplex_engine.server.tinker.routes")
 NOT_STARTED = -1  # bench/gpu_device.sh's code for a stage the budget left no time for
 PIP_TIMEOUT_S = 60
 IMPORT_TIMEOUT_S = 90

@@ -46,7 +46,7 @@ def run_once(args: argparse.Namespace, targs: Any, schedule: str) -> dict[str, A
     """One engine, one schedule, every experiment to its last step."""
     from loraplex_engine.engine import Engine
     from loraplex_engine.settings.engine import EngineSettings
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
 
     settings = EngineSettings(
         max_adapters=args.n,

@@ -241,7 +241,7 @@ def train(
 ) -> None:  # fmt: skip
     """Load the workload's adapters and tick until it is done or the budget is out."""
     import torch
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
 
     cell["worker"] = engine.backend.worker_info
     t = time.monotonic()

@@ -56,9 +56,9 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     from loraplex_engine.engine import Engine
-    from loraplex_engine.pipelined_tick import PipelinedTick
     from loraplex_engine.settings.engine import EngineSettings
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
+    from loraplex_engine.tick.pipelined import PipelinedTick
 
     targs = throughput.parse_args(["--preset=bench"])
     if not (targs.model_dir / "config.json").exists():

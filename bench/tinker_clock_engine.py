@@ -36,7 +36,7 @@ def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
     import torch
     from client_driver import drive, sft_datum
     from engine_builders import engine
-    from loraplex_engine.training_service import AdamStep, ClientLora, LossCall
+    from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
 
     torch.set_num_threads(args.threads)
     # Every call is queued before its tick here: nothing is on its way to gather.

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex_engine import metrics  # noqa: F401  no _created series, as in `serve`
-from loraplex_engine.api_types import ExperimentTick, TickReport
+from loraplex_engine.spec.api_types import ExperimentTick, TickReport
 from loraplex_engine.tracking.hub import Tracking
 from loraplex_engine.tracking.records import StepRecord
 from prometheus_client import CollectorRegistry

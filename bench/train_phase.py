@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from loraplex_engine.engine import Engine
     from loraplex_engine.settings.engine import EngineSettings
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
 
     rows_list = [int(x) for x in args.rows.split(",")]
     arms = args.arms.split(",")

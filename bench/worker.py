@@ -35,7 +35,7 @@ def main(job_path: str, result_path: str) -> None:
     torch.set_num_interop_threads(1)
     from loraplex_engine.engine import Engine
     from loraplex_engine.settings.engine import EngineSettings
-    from loraplex_engine.spec import parse_spec
+    from loraplex_engine.spec.experiment import parse_spec
 
     experiments = job["experiments"]
     device = job.get("device", "cpu")

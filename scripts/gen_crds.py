@@ -7,7 +7,7 @@ enums, defaults, descriptions and CEL rules. Everything outside the markers (nam
 printer columns, the root schema) is kept by hand in the file.
 
 - ``crds/loraexperiments.yaml``: ``spec`` from the engine's
-  ``trainer-image/loraplex_engine/spec.py`` (the engine validates experiments itself),
+  ``trainer-image/loraplex_engine/spec/experiment.py`` (the engine validates experiments itself),
   ``status`` from the operator's ``operator/loraplex_operator/api/status.py`` (the
   operator writes it);
 - ``crds/enginepools.yaml``: ``spec`` and ``status`` from the operator's
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # This checkout's models, not an installed copy.
 sys.path[:0] = [str(REPO / "trainer-image"), str(REPO / "operator")]
 
-from loraplex_engine.spec import ExperimentSpec  # noqa: E402
+from loraplex_engine.spec.experiment import ExperimentSpec  # noqa: E402
 from loraplex_operator.api.pool import EnginePoolSpec  # noqa: E402
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus  # noqa: E402
 
@@ -156,7 +156,7 @@ CRDS = (
     Crd(
         REPO / "crds" / "loraexperiments.yaml",
         (
-            Block("spec", "loraplex_engine/spec.py", spec_schema),
+            Block("spec", "loraplex_engine/spec/experiment.py", spec_schema),
             Block(
                 "status",
                 "loraplex_operator/api/status.py",

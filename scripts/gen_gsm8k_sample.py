@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from loraplex_engine.workloads.gsm8k import generate
+from loraplex_engine.tasks.gsm8k_problems import generate
 
 OUT = Path(__file__).resolve().parents[1] / "samples" / "local" / "gsm8k-sample.jsonl"
 

@@ -10,7 +10,7 @@
 # tokenizers, httpx, pyyaml, psutil, prometheus-client, matplotlib, anyio, h11, click,
 # rich, numpy and protobuf, but none of:
 #
-#   - pydantic, which every path of the engine imports (spec.py, api_types.py): pydantic
+#   - pydantic, which every path of the engine imports (spec/experiment.py, spec/api_types.py): pydantic
 #     2.14.4 needs pydantic-core, annotated-types, typing-inspection and
 #     typing-extensions >= 4.16 (the image's may be older, and the wheel's, first on
 #     PYTHONPATH, wins);

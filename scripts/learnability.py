@@ -15,7 +15,7 @@ import time
 import torch
 from loraplex_engine.base_model import default_lora_targets, lora_targets_of
 from loraplex_engine.local.manifests import load_manifests
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.tasks import build_task
 from loraplex_engine.train.algorithms import group_advantages, grpo_loss, token_logprobs
 from peft import LoraConfig, get_peft_model

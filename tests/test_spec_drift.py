@@ -1,5 +1,5 @@
 """Both CRDs are generated from typed models (scripts/gen_crds.py): the LoRAExperiment
-spec from the engine's pydantic models (loraplex_engine/spec.py), its status and the
+spec from the engine's pydantic models (loraplex_engine/spec/experiment.py), its status and the
 EnginePool spec and status from the operator's (loraplex_operator/api/). The models are
 the source; these tests keep the committed CRDs equal to the generator's output (and `make
 crds` a no-op on a clean checkout), and the generator honest: it refuses a constraint it
@@ -21,8 +21,8 @@ from typing import Annotated, Any, ClassVar
 
 import pytest
 import yaml
-from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.spec_schema import CelRule, ListSet, SpecModel
+from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.schema import CelRule, ListSet, SpecModel
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.schema import ApiModel
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 IDLE_ANNOTATION = "loraplex.dev/idle-suspended"
-IDLE_DEFAULT_S = 3600  # loraplex_engine/spec_blocks/client.py IDLE_DEFAULT_S (a test ties them)
+IDLE_DEFAULT_S = 3600  # loraplex_engine/spec/client.py IDLE_DEFAULT_S (a test ties them)
 
 
 def idle_seconds(spec: Mapping[str, Any]) -> int | None:

@@ -320,7 +320,7 @@ class PoolReconciler:
             if e.status >= 500:
                 self._put_failed(w, p, e, self._backoff(pool_name))
                 return
-            if e.code in ("no_capacity", "conflict"):
+            if e.code in ("no_capacity", "namespace_share", "conflict"):
                 w.waiting_reason = placement.WAIT_NO_CAPACITY
                 return
             field_ = e.field or "spec"

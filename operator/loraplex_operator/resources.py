@@ -4,7 +4,7 @@
 server) once; the rest of the operator reads fields, not `.get("…", default)` chains.
 A pool's spec is the API model the EnginePool CRD is generated from
 (`api.pool.EnginePoolSpec`), so its defaults are stated once. An experiment's spec is
-the engine's (`loraplex_engine/spec.py`, not in the operator image): the few fields the
+the engine's (`loraplex_engine/spec/experiment.py`, not in the operator image): the few fields the
 operator reads are plain dataclasses here, whose defaults tests/operator/test_resources.py
 checks against crds/loraexperiments.yaml. A view keeps its raw object (`raw`) for what
 is passed on untouched: the spec the engine is given and the object Events refer to.

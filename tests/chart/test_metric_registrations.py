@@ -181,7 +181,7 @@ def test_engine_failure_reasons_are_precreated() -> None:
     from loraplex_engine.metrics import FAILURE_REASONS
 
     engine = REPO / "trainer-image" / "loraplex_engine"
-    tick = [engine / "tick.py", engine / "tick_results.py"]
+    tick = [engine / "tick/tick.py", engine / "tick/results.py"]
     # Failure(exp, reason, "kind") and guarded(exp, "kind", "what", step)
     failures = _string_args(tick, r"Failure\([^()]*?,\s*\"(\w+)\"\)")
     guarded = _string_args(tick, r"\bguarded\(\s*[\w.]+,\s*\"(\w+)\"")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 from loraplex_engine.engine import Engine
-from loraplex_engine.training_service import ClientDatum
+from loraplex_engine.spec.training_service import ClientDatum
 
 NS = "team-a"
 

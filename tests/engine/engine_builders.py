@@ -8,7 +8,7 @@ from typing import Any
 
 from loraplex_engine.engine import Engine
 from loraplex_engine.settings.engine import EngineSettings
-from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_engine.spec.experiment import ExperimentSpec, parse_spec
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 # Engine tests keep their datasets in pytest's temporary directories and score with

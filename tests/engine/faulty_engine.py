@@ -35,7 +35,7 @@ class FaultyEngine(loraplex_engine.engine.Engine):
 
             return tick_or_fail
 
-        # Training ticks and serving ticks (tenancy/time_share.py) alike.
+        # Training ticks and serving ticks (tick/time_share.py) alike.
         self._tick.run = failing(self._tick.run)  # type: ignore[method-assign]
         self._tick.serve = failing(self._tick.serve)  # type: ignore[method-assign]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.api_types import AdapterSync, AdapterSyncStats, TickReport
-from loraplex_engine.errors import VLLMWorkerError
 from loraplex_engine.local.runner import Progress, sync_line
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.vllm.engine_backend import VLLMRolloutBackend
+from loraplex_engine.spec.api_types import AdapterSync, AdapterSyncStats, TickReport
+from loraplex_engine.spec.errors import VLLMWorkerError
 from safetensors.torch import load_file
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}

@@ -12,7 +12,7 @@ import pytest
 from loraplex_engine.environments.base import ParamError
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.workloads.calculator import (
     MAX_CHARS,
     CalcError,
@@ -118,7 +118,7 @@ def test_bad_params_are_refused() -> None:
 
 
 def test_params_are_checked_before_any_episode_naming_the_param() -> None:
-    """check_params is what the engine asks at PUT (plugins/worker.py's env_check): the
+    """check_params is what the engine asks at PUT (environments/worker.py's env_check): the
     default accepts everything, so an unknown param used to be admitted and fail step 1."""
     with pytest.raises(ParamError) as unknown:
         CalculatorEnv.check_params({"tools": "all"})

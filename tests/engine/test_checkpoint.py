@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from lora_helpers import CONFIGS, batch, load_base, multi_model, rel_err
-from loraplex_engine.errors import CheckpointError
+from loraplex_engine.spec.errors import CheckpointError
 from loraplex_engine.store.checkpoint import (
     atomic_dir,
     load_adapter,

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 import pytest
-from loraplex_engine.api_types import DEFAULT_KEEP_RUNS
 from loraplex_engine.settings.engine import EngineSettings
+from loraplex_engine.spec.api_types import DEFAULT_KEEP_RUNS
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 from loraplex_engine.store.run_store import runs_to_prune
 from pydantic import ValidationError

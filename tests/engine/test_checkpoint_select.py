@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.errors import BadCheckpointError, ConflictError, InvalidRequestError
+from loraplex_engine.spec.errors import BadCheckpointError, ConflictError, InvalidRequestError
 from loraplex_engine.store.checkpoint import read_metadata
 from loraplex_engine.store.run_store import (
     RUN_ID,

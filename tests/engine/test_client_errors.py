@@ -8,8 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from client_driver import NS, drive, sft_datum
-from loraplex_engine.errors import InvalidRequestError, NoCapacityError, NotFoundError
-from loraplex_engine.training_service import AdamStep, ClientDatum, ClientLora, LossCall, SampleCall
+from loraplex_engine.spec.errors import InvalidRequestError, NoCapacityError, NotFoundError
+from loraplex_engine.spec.training_service import (
+    AdamStep,
+    ClientDatum,
+    ClientLora,
+    LossCall,
+    SampleCall,
+)
 
 from tests.engine.engine_builders import engine
 

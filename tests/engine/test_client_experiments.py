@@ -14,11 +14,11 @@ import pytest
 import torch
 from client_driver import drive, sft_datum
 from loraplex_engine.clients import saved
-from loraplex_engine.errors import ConflictError, NotFoundError
-from loraplex_engine.service import PromptJob
-from loraplex_engine.spec import parse_spec
-from loraplex_engine.tinker.protocol import Protocol
-from loraplex_engine.training_service import AdamStep, LossCall
+from loraplex_engine.server.tinker.protocol import Protocol
+from loraplex_engine.spec.errors import ConflictError, NotFoundError
+from loraplex_engine.spec.experiment import parse_spec
+from loraplex_engine.spec.service import PromptJob
+from loraplex_engine.spec.training_service import AdamStep, LossCall
 
 from tests.engine.engine_builders import engine
 

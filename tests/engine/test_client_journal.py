@@ -1,4 +1,4 @@
-"""A client experiment's journal (tinker/journal.py, issue 29 item 3): the operations an
+"""A client experiment's journal (server/tinker/journal.py, issue 29 item 3): the operations an
 engine accepted since the model's last checkpoint are replayed, under the same future
 ids, by the engine that takes the experiment after a crash, so the client's futures
 resolve there and training goes on as if nothing happened. Real Engines (the tiny
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from loraplex_engine.spec import parse_spec
-from loraplex_engine.tinker.journal import Entry, Journal, find_future
-from loraplex_engine.tinker.protocol import Protocol
+from loraplex_engine.server.tinker.journal import Entry, Journal, find_future
+from loraplex_engine.server.tinker.protocol import Protocol
+from loraplex_engine.spec.experiment import parse_spec
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 

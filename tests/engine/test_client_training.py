@@ -1,4 +1,4 @@
-"""Models a client trains itself (clients/, training_service.py) on a real Engine with the
+"""Models a client trains itself (clients/, spec/training_service.py) on a real Engine with the
 tiny model: supervised learning end to end, fused ticks equal to training alone,
 gradient accumulation, isolation from the engine's own experiments, saved states."""
 
@@ -16,8 +16,8 @@ from adapter_parity import adapter_gap, assert_same_training
 from client_driver import NS, drive, queued, sft_datum
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
-from loraplex_engine.errors import NotFoundError
-from loraplex_engine.training_service import (
+from loraplex_engine.spec.errors import NotFoundError
+from loraplex_engine.spec.training_service import (
     AdamStep,
     ClientLora,
     ClientModelInfo,

@@ -33,9 +33,9 @@ from loraplex_engine import cli
 from loraplex_engine.parallel import distributed
 from loraplex_engine.parallel.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
 from loraplex_engine.parallel.distributed import World
-from loraplex_engine.parallel.row_split import row_units, split_row_indices, split_rows_by_rank
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.optim import AdamWSettings
+from loraplex_engine.train.row_split import row_units, split_row_indices, split_rows_by_rank
 from loraplex_engine.train.rows import TrainRow, count_rows
 from loraplex_engine.train.shared_prefix import shared_prefix_forward
 from loraplex_engine.train.step import fused_backward

@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
-from loraplex_engine.data.options import DatasetOptions
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.data_options import DatasetOptions
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks import build_task
 from loraplex_engine.tasks.base import Task
 from loraplex_engine.tasks.dataset import DatasetTask, open_dataset

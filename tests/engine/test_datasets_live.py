@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.dataset import DatasetTask
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import TrustPolicy

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from loraplex_engine.cli import build_parser
-from loraplex_engine.errors import UsageError
 from loraplex_engine.parallel.distributed import backend_for, device_for_rank, local_rank
+from loraplex_engine.spec.errors import UsageError
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.errors import (
+from loraplex_engine.spec.errors import (
     BadCheckpointError,
     ConflictError,
     InvalidSpecError,

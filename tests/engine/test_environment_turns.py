@@ -165,8 +165,8 @@ def test_chat_observations_need_a_usable_chat_template(tiny_model_dir: Path) -> 
     turns when a message is added, is an invalid spec naming observationFormat; the
     default follows task.chatTemplate."""
     from loraplex_engine.environments.observations import check_chat_templates, observation_format
-    from loraplex_engine.errors import InvalidSpecError
-    from loraplex_engine.spec import TaskSpec
+    from loraplex_engine.spec.errors import InvalidSpecError
+    from loraplex_engine.spec.experiment import TaskSpec
     from loraplex_engine.tokens import TokenCodec
 
     tok, _ = _tokenizer("tiny", tiny_model_dir)

@@ -27,7 +27,7 @@ from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import RewardItem
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.rows import TrainRow

@@ -1,4 +1,4 @@
-"""The one error hierarchy (loraplex_engine.errors) and its HTTP statuses (server/errors.py).
+"""The one error hierarchy (loraplex_engine.spec.errors) and its HTTP statuses (server/errors.py).
 
 Every API error class must be listed in the server's status table with a 4xx status (503
 only for ``unavailable``) and its own stable code, documented in docs/engine-api.md, so a
@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from loraplex_engine import errors
-from loraplex_engine.errors import ApiError, LoraplexError, UnavailableError
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.errors import HTTP_STATUS, http_status
+from loraplex_engine.spec import errors
+from loraplex_engine.spec.errors import ApiError, LoraplexError, UnavailableError
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer-image" / "loraplex_engine"
@@ -29,6 +29,7 @@ EXPECTED = {
     "NotFoundError": ("not_found", 404),
     "ConflictError": ("conflict", 409),
     "NoCapacityError": ("no_capacity", 409),
+    "NamespaceShareError": ("namespace_share", 409),
     "BodyTooLargeError": ("too_large", 413),
     "InvalidRequestError": ("invalid_request", 422),
     "InvalidSpecError": ("invalid_spec", 422),
@@ -50,7 +51,7 @@ API_ERRORS = _subclasses(ApiError)
 def test_every_api_error_has_its_own_code_and_a_listed_client_status() -> None:
     assert API_ERRORS, "no ApiError subclasses found"
     for cls in API_ERRORS:
-        assert cls.__module__ == "loraplex_engine.errors", cls
+        assert cls.__module__ == "loraplex_engine.spec.errors", cls
         assert cls in HTTP_STATUS, f"{cls.__name__} has no entry in server_errors.HTTP_STATUS"
         status = HTTP_STATUS[cls]
         assert 400 <= status < 500 or (cls is UnavailableError and status == 503), cls
@@ -134,7 +135,7 @@ def test_a_core_error_reaching_the_server_is_an_engine_bug(
     }
 
 
-# Run by the vLLM worker in vLLM's environment, where loraplex_engine.errors is not
+# Run by the vLLM worker in vLLM's environment, where loraplex_engine.spec.errors is not
 # importable; their errors reach the engine as the protocol's error replies.
 VLLM_WORKER_SIDE = {f"rollout/vllm/{f}.py" for f in ("worker", "worker_env", "tensor_sync")}
 
@@ -143,7 +144,7 @@ def test_every_engine_error_class_lives_in_errors_py() -> None:
     """One hierarchy, one module: no exception class is defined anywhere else."""
     elsewhere = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "errors.py" and path.parent == PACKAGE:
+        if path.relative_to(PACKAGE).as_posix() == "spec/errors.py":
             continue
         if (
             path.relative_to(PACKAGE).as_posix() in VLLM_WORKER_SIDE
@@ -156,5 +157,5 @@ def test_every_engine_error_class_lives_in_errors_py() -> None:
                     elsewhere.append(f"{path.relative_to(PACKAGE)}: {node.name}")
     assert elsewhere == []
     for cls in _subclasses(Exception):
-        if cls.__module__ == "loraplex_engine.errors":
+        if cls.__module__ == "loraplex_engine.spec.errors":
             assert issubclass(cls, LoraplexError), cls

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from adapter_parity import adapter_gap, assert_same_training
-from loraplex_engine.api_types import ExperimentTick
 from loraplex_engine.engine import Engine
-from loraplex_engine.errors import InvalidSpecError
 from loraplex_engine.metrics import EngineMetrics
+from loraplex_engine.spec.api_types import ExperimentTick
+from loraplex_engine.spec.errors import InvalidSpecError
 from loraplex_engine.tracking.records import StepRecord, records_of
 
 from tests.engine.engine_builders import engine, spec

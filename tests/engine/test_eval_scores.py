@@ -1,4 +1,4 @@
-"""spec.eval's numbers and schedule (evaluation/scores.py), pure: pass@k against its
+"""spec.eval's numbers and schedule (spec/eval_scores.py), pure: pass@k against its
 definition, the summary of an eval's rewards, which steps are evaluated."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 from fractions import Fraction
 
 import pytest
-from loraplex_engine.evaluation.scores import eval_due, eval_seed, pass_at_k, summarize
+from loraplex_engine.spec.eval_scores import eval_due, eval_seed, pass_at_k, summarize
 
 
 def _pass_at_k_by_definition(n: int, c: int, k: int) -> Fraction:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loraplex_engine.errors import InvalidSpecError, SpecError, TaskError
 from loraplex_engine.evaluation.eval_set import build_eval_set
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.errors import InvalidSpecError, SpecError, TaskError
+from loraplex_engine.spec.experiment import parse_spec
 from loraplex_engine.tasks import build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits

@@ -1,4 +1,4 @@
-"""Who rolls out in a tick (tenancy/fair_share.py): one size in lockstep, expensive steps
+"""Who rolls out in a tick (tick/fair_share.py): one size in lockstep, expensive steps
 yield, and a namespace's late reward calls are capped."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import threading
 import time
 
 from loraplex_engine.experiment import Experiment, new_experiment
-from loraplex_engine.tenancy.fair_share import (
+from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.tick.fair_share import (
     EXPENSIVE_YIELD,
     RewardScorer,
     due_to_roll_out,
     rollout_interval,
 )
-from loraplex_engine.tenancy.trust import TrustPolicy
 
 from tests.engine.engine_builders import spec
 

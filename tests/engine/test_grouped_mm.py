@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_helpers import load_base, randomise_b
-from loraplex_engine.errors import AdapterError
 from loraplex_engine.lora import grouped as grouped_lora
 from loraplex_engine.lora import layers as lora
 from loraplex_engine.lora.gradient_checkpointing import gradient_checkpointing
@@ -29,6 +28,7 @@ from loraplex_engine.lora.grouped import (
 from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.lora.routing import Router, Routing
+from loraplex_engine.spec.errors import AdapterError
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.spec import AlgorithmSpec
+from loraplex_engine.spec.experiment import AlgorithmSpec
 from loraplex_engine.train.algorithms import (
     ALGORITHMS,
     ClippedRatioLoss,

@@ -10,13 +10,13 @@ from typing import get_args
 
 import pytest
 import torch
-from loraplex_engine.spec import AlgorithmSpec, parse_spec
-from loraplex_engine.spec_blocks.algorithm import (
+from loraplex_engine.spec.algorithm import (
     AdvantageEstimatorName,
     KLEstimator,
     LossAggregation,
     ScaleRewards,
 )
+from loraplex_engine.spec.experiment import AlgorithmSpec, parse_spec
 from loraplex_engine.train.algorithms import (
     ClippedRatioLoss,
     GroupRelativeAdvantages,
@@ -41,7 +41,7 @@ TOL = 1e-6
 
 
 def test_spec_literals_match_the_train_cores() -> None:
-    # spec_blocks/algorithm.py stays torch-free, so it spells the names again.
+    # spec/algorithm.py stays torch-free, so it spells the names again.
     assert get_args(AdvantageEstimatorName) == ADVANTAGE_ESTIMATORS
     assert get_args(ScaleRewards) == SCALE_REWARDS
     assert get_args(LossAggregation) == LOSS_AGGREGATIONS

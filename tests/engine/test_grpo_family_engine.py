@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from adapter_parity import adapter_gap, assert_same_training
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.experiment import parse_spec
 
 from tests.engine.engine_builders import engine, run_to_end, spec
 

@@ -10,10 +10,10 @@ import re
 from fractions import Fraction
 
 import pytest
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks import build_task, check_task
-from loraplex_engine.workloads.gsm8k import generate
-from loraplex_engine.workloads.math_answer import (
+from loraplex_engine.tasks.gsm8k_problems import generate
+from loraplex_engine.tasks.math_answer import (
     ANSWER_CHARS,
     as_number,
     final_answer,

@@ -1,7 +1,7 @@
 """The typed boundary between HTTP and engine (issue 25 item 4).
 
 The HTTP layer (server/ but for the process start-up, serve.py, and its flags) depends on
-the wire types, the errors and the service protocol (service.py) alone: no torch, no
+the wire types, the errors and the service protocol (spec/service.py) alone: no torch, no
 engine internals. Proved at run time (a process that cannot import them builds the app
 and serves every kind of route) and from the source (every import, a function's own
 included, so a rarely taken branch cannot cross it either). And a request that only needs
@@ -22,7 +22,7 @@ from loraplex_engine.server.app import create_app
 from test_server_app import AUTH, TOKEN, FakeEngine, put
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trainer-image" / "loraplex_engine"
-STARTUP = {"serve", "flags"}  # process start-up: may import both sides
+STARTUP = {"serve", "serve_ranks", "flags"}  # process start-up: may import both sides
 HTTP_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
     for p in [*PACKAGE.glob("server/*.py"), *PACKAGE.glob("server/openai/*.py")]
@@ -34,46 +34,44 @@ ALLOWED = {
     "loraplex_engine.server",
     "loraplex_engine.server.openai",
     *HTTP_MODULES,
-    "loraplex_engine.service",  # the protocol and the served-completion values
-    "loraplex_engine.api_types",  # status, capacity, checkpoint: the wire types
-    "loraplex_engine.spec",  # the PUT body's spec
-    "loraplex_engine.spec_schema",
-    "loraplex_engine.spec_blocks",  # spec.py's blocks in their own modules
-    "loraplex_engine.spec_blocks.checkpoint",
-    "loraplex_engine.spec_blocks.client",
-    "loraplex_engine.spec_blocks.algorithm",
-    "loraplex_engine.spec_blocks.tracking",
-    "loraplex_engine.spec_blocks.plugins",  # its plug-in fields (free of imports)
-    "loraplex_engine.spec_blocks.params",  # the params' bounds (pydantic only)
-    "loraplex_engine.echo",  # a bounded prefix of a tenant's text in a message
-    "loraplex_engine.data",  # task.datasetOptions (data/options.py: pydantic only)
-    "loraplex_engine.data.options",
-    "loraplex_engine.evaluation",  # the spec's eval block (evaluation/spec_eval.py)
-    "loraplex_engine.evaluation.spec_eval",
-    "loraplex_engine.train",
-    "loraplex_engine.train.lr_schedule",  # the spec names its LR schedules
-    "loraplex_engine.versions",
-    "loraplex_engine.versions.spec",  # the spec's publish block
-    "loraplex_engine.errors",
+    "loraplex_engine.spec",  # the contract (layers.py): imports no other layer
+    "loraplex_engine.spec.service",  # the protocol and the served-completion values
+    "loraplex_engine.spec.api_types",  # status, capacity, checkpoint: the wire types
+    "loraplex_engine.spec.experiment",  # the PUT body's spec
+    "loraplex_engine.spec.schema",
+    "loraplex_engine.spec.checkpoint",  # the spec's blocks in their own modules
+    "loraplex_engine.spec.client",
+    "loraplex_engine.spec.algorithm",
+    "loraplex_engine.spec.tracking",
+    "loraplex_engine.spec.plugins",
+    "loraplex_engine.spec.params",  # the params' bounds (pydantic only)
+    "loraplex_engine.spec.echo",  # a bounded prefix of a tenant's text in a message
+    "loraplex_engine.spec.tinker_limits",  # the Tinker door's default bounds
+    "loraplex_engine.spec.data_options",  # task.datasetOptions
+    "loraplex_engine.spec.eval",  # the spec's eval block
+    "loraplex_engine.spec.eval_scores",
+    "loraplex_engine.spec.publish",  # the spec's publish block
+    "loraplex_engine.spec.errors",
     "loraplex_engine.metrics",
     # app.py mounts the Tinker routes only given --tinker-keys; their own boundary
     # (numpy and the SDK's protobuf allowed, still no torch) is checked below.
-    "loraplex_engine.tinker",
-    "loraplex_engine.tinker.routes",
+    "loraplex_engine.server.tinker",
+    "loraplex_engine.server.tinker.routes",
 }
 BLOCKED = {"torch", "transformers", "vllm", "safetensors", "peft", "numpy"}
 
-# The Tinker protocol (tinker/, mounted by app.py only with --tinker-keys) is HTTP-side
-# too: its arrays cross as numpy (training_service.py) and its wire is the tinker SDK's
+# The Tinker protocol (server/tinker/, mounted by app.py only with --tinker-keys) is HTTP-side
+# too: its arrays cross as numpy (spec/training_service.py) and its wire is the tinker SDK's
 # protobuf, but it reaches no torch and no engine internal either.
 TINKER_MODULES = sorted(
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
-    for p in PACKAGE.glob("tinker/*.py")
+    for p in PACKAGE.glob("server/tinker/*.py")
 )
 # versions/names.py: the version model names a sampler may take (pure parsing).
 TINKER_ALLOWED = ALLOWED | {
     *TINKER_MODULES,
-    "loraplex_engine.training_service",
+    "loraplex_engine.spec.training_service",
+    "loraplex_engine.versions",
     "loraplex_engine.versions.names",
 }
 TINKER_BLOCKED = BLOCKED - {"numpy"}
@@ -98,10 +96,10 @@ SCRIPT = textwrap.dedent(
         importlib.import_module(name)
 
     from fastapi.testclient import TestClient
-    from loraplex_engine.api_types import Capacity, MemoryUse
-    from loraplex_engine.errors import NotFoundError
+    from loraplex_engine.spec.api_types import Capacity, MemoryUse
+    from loraplex_engine.spec.errors import NotFoundError
     from loraplex_engine.server.app import create_app
-    from loraplex_engine.service import ServedRow
+    from loraplex_engine.spec.service import ServedRow
 
     class Engine:
         model_name = "base"
@@ -230,7 +228,7 @@ def test_the_tinker_layer_imports_without_torch_or_engine_internals() -> None:
 
 
 def test_no_import_in_the_tinker_source_crosses_the_boundary() -> None:
-    assert "loraplex_engine.tinker.routes" in TINKER_MODULES
+    assert "loraplex_engine.server.tinker.routes" in TINKER_MODULES
     crossing = {}
     for name in TINKER_MODULES:
         found = imports_of(PACKAGE.parent / (name.replace(".", "/") + ".py"))

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks import jsonl
 from loraplex_engine.tasks.jsonl import JsonlTask
 

@@ -12,7 +12,9 @@ from lora_helpers import (
     randomise_b,
     rel_err,
 )
-from loraplex_engine.errors import (
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import (
     DuplicateAdapterError,
     NoFreeSlotError,
     RankTooLargeError,
@@ -20,8 +22,6 @@ from loraplex_engine.errors import (
     UnknownAdapterError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.lora.model import MultiLoRAModel
 
 # Row -> adapter name (None = base). Two rows per adapter, interleaved, plus two base rows.
 ROWS = ["a", None, "b", "c", "a", "c", "b", None]

@@ -1,8 +1,8 @@
 from pathlib import Path
 
 import pytest
-from loraplex_engine.errors import ManifestError
 from loraplex_engine.local.manifests import load_manifests, parse_manifests
+from loraplex_engine.spec.errors import ManifestError
 from loraplex_engine.tasks import JsonlTask, build_task
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_smollm2_demo_sample_is_valid_and_its_dataset_loads() -> None:
 def test_gsm8k_sample_is_valid_and_its_rows_score() -> None:
     """samples/local/gsm8k-smollm2.yaml: the three ways into the GSM8K workload, and its
     GSM8K-format rows read through the columns it maps, scored by the gsm8k answer."""
-    from loraplex_engine.workloads.math_answer import number_matches
+    from loraplex_engine.tasks.math_answer import number_matches
 
     path = REPO / "samples" / "local" / "gsm8k-smollm2.yaml"
     out = load_manifests(path, max_rank=64)

@@ -1,6 +1,6 @@
 """The math-verify reward plug-in (workloads/math_reward.py): scoring right, wrong and
 hostile completions, in this process and through its entry point in a real plug-in
-worker (plugins/worker.py, started by PluginHost as the engine starts it), found in the
+worker (environments/worker.py, started by PluginHost as the engine starts it), found in the
 engine's metadata as this tree declares it (the ``engine_site`` fixture)."""
 
 from __future__ import annotations

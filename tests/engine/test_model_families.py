@@ -20,8 +20,8 @@ import pytest
 import torch
 from loraplex_engine import cli
 from loraplex_engine.dev.tiny_model import EOT_TOKEN, build_model
-from loraplex_engine.errors import InvalidSpecError
 from loraplex_engine.rollout.base import RolloutRequest
+from loraplex_engine.spec.errors import InvalidSpecError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 

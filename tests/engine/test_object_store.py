@@ -4,7 +4,7 @@ A dataset read through a real S3 API is tests/engine/test_datasets_live.py."""
 from __future__ import annotations
 
 import pytest
-from loraplex_engine.errors import TaskError, UsageError
+from loraplex_engine.spec.errors import TaskError, UsageError
 from loraplex_engine.tenancy.object_store import (
     ObjectStore,
     ObjectUrl,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.api_types import ExperimentTick, TickReport
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.rollout.base import RolloutRequest
+from loraplex_engine.spec.api_types import ExperimentTick, TickReport
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.strategy import (
     StepTotals,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 from lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
-from loraplex_engine.errors import AdapterError
+from loraplex_engine.spec.errors import AdapterError
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 
 SETTINGS = {

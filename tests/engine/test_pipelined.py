@@ -1,4 +1,4 @@
-"""The pipelined schedule (pipelined_tick.py, docs/design/pipeline.md) on the real engine.
+"""The pipelined schedule (tick/pipelined.py, docs/design/pipeline.md) on the real engine.
 
 - ``maxStaleness: 0``: every experiment's updates are the sync schedule's: the same
   rewards step by step and the same adapter weights at the end, though each tick trains
@@ -25,15 +25,15 @@ from typing import Any
 import pytest
 import torch
 from engine_builders import engine, spec
-from loraplex_engine.errors import UsageError
-from loraplex_engine.pipelined_tick import (
+from loraplex_engine.spec.errors import UsageError
+from loraplex_engine.tick.pipelined import (
     Lane,
     PipelinedTick,
     fill_split,
     may_roll_out,
     tick_class,
 )
-from loraplex_engine.tick import Tick
+from loraplex_engine.tick.tick import Tick
 
 STEPS = 4
 TARGETS = ("yes", "no", "abc")

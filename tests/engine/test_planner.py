@@ -13,9 +13,9 @@ import torch
 from lora_helpers import CONFIGS
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory.fake_model import keep_index_values
-from loraplex_engine.memory.plan_cli import parse_bytes
 from loraplex_engine.memory.planner import Workload, load_config, plan
 from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
+from loraplex_engine.settings.values import parse_bytes
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.rows import TrainRow

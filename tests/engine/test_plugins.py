@@ -56,7 +56,7 @@ def workers(srv: EngineServer) -> list[psutil.Process]:
     """The engine's plug-in worker processes."""
     assert srv.proc is not None
     kids = psutil.Process(srv.proc.pid).children(recursive=True)
-    return [p for p in kids if "loraplex_engine.plugins.worker" in " ".join(_cmdline(p))]
+    return [p for p in kids if "loraplex_engine.environments.worker" in " ".join(_cmdline(p))]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
-from loraplex_engine.errors import RewardError
+from loraplex_engine.spec.errors import RewardError
 from loraplex_engine.tasks.rewards import (
     BUILTIN_REWARDS,
     BuiltinReward,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
-from loraplex_engine.service import PromptJob
+from loraplex_engine.spec.service import PromptJob
 
 from tests.conftest import REPO_ROOT
 from tests.engine.engine_builders import engine, mean, run_to_end, spec

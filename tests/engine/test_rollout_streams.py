@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 from engine_builders import engine
 from lora_helpers import multi_model
-from loraplex_engine.api_types import MemoryPlan
-from loraplex_engine.pipelined_tick import PipelinedTick
 from loraplex_engine.rollout.torch.streams import (
     StaticFacts,
     TickFacts,
@@ -28,6 +26,8 @@ from loraplex_engine.rollout.torch.streams import (
     overlap_blocker,
     static_blocker,
 )
+from loraplex_engine.spec.api_types import MemoryPlan
+from loraplex_engine.tick.pipelined import PipelinedTick
 
 
 def test_two_threads_route_one_model_each_through_its_own_slots(tiny_model_dir: Path) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 from loraplex_engine import cli
-from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.local.runner import final_adapter
+from loraplex_engine.spec.api_types import CheckpointRef
 
 STEPS = 6
 # The summary.json schema, plus the extras README documents (per-phase seconds;

@@ -83,8 +83,8 @@ def test_precision_flags_from_the_environment_and_flags_win(
 def test_lora_kernel_flag_from_the_environment_and_flags_win(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from loraplex_engine.api_types import LORA_KERNELS
     from loraplex_engine.lora.grouped import KERNEL_MODES
+    from loraplex_engine.spec.api_types import LORA_KERNELS
 
     assert tuple(KERNEL_MODES) == LORA_KERNELS  # every flag value has a layer mode
     assert build_parser().parse_args(["serve"]).lora_kernel == "auto"

@@ -19,7 +19,11 @@ from typing import Any
 import httpx
 import pytest
 from app_routes import v1_routes
-from loraplex_engine.api_types import (
+from loraplex_engine.metrics import EngineMetrics
+from loraplex_engine.server.app import create_app
+from loraplex_engine.server.holder import EngineHolder
+from loraplex_engine.server.serve import EngineLoop
+from loraplex_engine.spec.api_types import (
     Capacity,
     CheckpointRef,
     ExperimentStatus,
@@ -27,12 +31,13 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
-from loraplex_engine.errors import ConflictError, InvalidSpecError, NoCapacityError, NotFoundError
-from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.server.app import create_app
-from loraplex_engine.server.holder import EngineHolder
-from loraplex_engine.server.serve import EngineLoop
-from loraplex_engine.service import PromptJob, ServedRow
+from loraplex_engine.spec.errors import (
+    ConflictError,
+    InvalidSpecError,
+    NoCapacityError,
+    NotFoundError,
+)
+from loraplex_engine.spec.service import PromptJob, ServedRow
 from prometheus_client.parser import text_string_to_metric_families
 
 TOKEN = "s3cret-token"
@@ -448,7 +453,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
     return out
 
 
-# The GRPO family's settings (spec_blocks/algorithm.py), one case per validation rule: a bad
+# The GRPO family's settings (spec/algorithm.py), one case per validation rule: a bad
 # value is a 422 naming the field, before the engine is asked anything.
 BAD_ALGORITHM = [
     ({"clipHigh": 1.28}, "spec.algorithm.clipHigh", "less than or equal to 1"),

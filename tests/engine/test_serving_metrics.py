@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from loraplex_engine.errors import UnavailableError
 from loraplex_engine.metrics import OTHER_MODEL, EngineMetrics
 from loraplex_engine.server.app import create_app
+from loraplex_engine.spec.errors import UnavailableError
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_app import AUTH, TOKEN, FakeEngine, put
 

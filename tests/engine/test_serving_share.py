@@ -4,7 +4,7 @@ one after another) while bystander B trains.
 
 Before, requests rode every tick's rollout batch outside any bound: B's tick became the
 requests' decode (issue 26 measured B at 0.05 of its pace). Now the engine's time is
-split between training ticks and serving ticks (tenancy/time_share.py, serving's share
+split between training ticks and serving ticks (tick/time_share.py, serving's share
 0.25 by default), so each side keeps a share whatever the other's load:
 
 - B keeps at least ``TRAIN_FLOOR`` of its steps/s alone;

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from loraplex_engine.cli import build_parser
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import COMMANDS, RunSettings, ServeSettings
 from loraplex_engine.settings.engine import EngineSettings, ProcessSettings
 from loraplex_engine.settings.generate import flags_of, from_namespace, to_argv
+from loraplex_engine.spec.errors import UsageError
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 from adapter_parity import assert_same_training
 from loraplex_engine import cli
 from loraplex_engine.parallel import distributed, rollout_shares
-from loraplex_engine.parallel.row_split import split_rollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.train.row_split import split_rollout
 from test_data_parallel import run_cmd, run_gaps, short_demo, spawn_run
 
 # ---- the rollout split and the wire (pure) ---------------------------------------------

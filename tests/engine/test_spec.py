@@ -2,14 +2,15 @@ import copy
 from typing import Any, get_args
 
 import pytest
-from loraplex_engine.errors import SpecError
-from loraplex_engine.spec import (
+from loraplex_engine.local.manifests import check_task, validate_for_engine
+from loraplex_engine.spec.errors import SpecError
+from loraplex_engine.spec.experiment import (
     ExperimentSpec,
     TaskName,
     all_spec_errors,
     parse_spec,
 )
-from loraplex_engine.spec_blocks.plugins import BUILTIN_REWARDS
+from loraplex_engine.spec.plugins import BUILTIN_REWARDS
 from loraplex_engine.tasks import REWARD_NAMES, TASKS
 from pydantic import ValidationError
 
@@ -299,17 +300,17 @@ def test_all_errors_are_listed() -> None:
 def test_validate_for_engine() -> None:
     spec = parse_spec(with_change("lora.rank", 128))
     with pytest.raises(SpecError, match="rank 128 exceeds the engine's max rank 64") as info:
-        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+        validate_for_engine(spec, max_rank=64, known_modules=["q_proj", "v_proj"])
     assert info.value.field == "spec.lora.rank"
     spec = parse_spec(with_change("lora.targetModules", ["q_proj", "w_proj"]))
     with pytest.raises(SpecError, match=r"\['w_proj'\]") as info:
-        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+        validate_for_engine(spec, max_rank=64, known_modules=["q_proj", "v_proj"])
     assert info.value.field == "spec.lora.targetModules"
     spec = parse_spec(with_change("task.params", {"targt": "yes"}))
     with pytest.raises(SpecError) as info:
-        spec.validate_for_engine(max_rank=64, known_modules=["q_proj", "v_proj"])
+        validate_for_engine(spec, max_rank=64, known_modules=["q_proj", "v_proj"])
     assert info.value.field == "spec.task.params.targt"
-    parse_spec(DOC_EXAMPLE).validate_for_engine(max_rank=8, known_modules=["q_proj", "v_proj"])
+    validate_for_engine(parse_spec(DOC_EXAMPLE), max_rank=8, known_modules=["q_proj", "v_proj"])
 
 
 def test_names_match_the_registries() -> None:
@@ -353,8 +354,8 @@ def test_a_client_spec_has_no_task_and_round_trips() -> None:
     )
     assert spec.client.idle_seconds == 3600 and spec.client.train_unembed
     assert parse_spec(spec.to_json()) == spec
-    spec.check_task()  # nothing to check: no task
-    spec.validate_for_engine(8, ["q_proj", "v_proj"])
+    check_task(spec)  # nothing to check: no task
+    validate_for_engine(spec, 8, ["q_proj", "v_proj"])
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import random
 from pathlib import Path
 
 import pytest
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks import (
     ArithmeticTask,
     CopyTask,

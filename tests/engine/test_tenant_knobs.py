@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lora_helpers import multi_model
-from loraplex_engine.errors import AdapterError
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.errors import AdapterError
+from loraplex_engine.spec.experiment import parse_spec
 from loraplex_engine.store.checkpoint import load_trainer_state, save_trainer_state
 from loraplex_engine.train.lr_schedule import lr_factor
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW, adamw_settings

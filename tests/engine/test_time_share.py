@@ -1,10 +1,10 @@
-"""Serving inside fair share (tenancy/time_share.py), checked directly: which kind of tick
+"""Serving inside fair share (tick/time_share.py), checked directly: which kind of tick
 runs next, how seconds are charged, and which queued requests a serving tick takes."""
 
 from __future__ import annotations
 
 import pytest
-from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
+from loraplex_engine.tick.time_share import TimeShare, take_in_turn
 
 
 def run(share: TimeShare, ticks: int, seconds: dict[str, float], **work: bool) -> dict[str, float]:

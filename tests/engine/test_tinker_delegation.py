@@ -1,5 +1,5 @@
 """The gateway's way into an engine's Tinker routes: the engine's admin token plus
-``X-Loraplex-Namespace`` (tinker/keys.py AdminDelegation, server/middleware.py), beside
+``X-Loraplex-Namespace`` (server/tinker/keys.py AdminDelegation, server/middleware.py), beside
 tenants' own ``--tinker-keys``, over real HTTP (uvicorn) with the protocol test's double.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from loraplex_engine.server.app import create_app
-from loraplex_engine.tinker.keys import AdminDelegation
+from loraplex_engine.server.tinker.keys import AdminDelegation
 from test_server_app import FakeEngine
 from test_tinker_protocol import BASE, KEY_A, KEY_B, Server, _tokenizer_dir
 from tinker_double import FakeTraining

@@ -5,7 +5,7 @@ rises, ``save_state`` → ``create_training_client_from_state`` at the same loss
 of another namespace that can neither see nor sample the model.
 
 One engine process for the module (the tiny model, torch rollout, 6 slots); each test
-closes its SDK session, which saves and unloads its models (tinker/state.py), so the next
+closes its SDK session, which saves and unloads its models (server/tinker/state.py), so the next
 finds the slots free. (SDK 0.38 has no unload call of its own.)
 """
 

@@ -1,5 +1,5 @@
-"""The Tinker futures table's bounds, per namespace (tinker/future_table.py), and the live
-sessions' (tinker/state.py): pure, with the real table, futures and registry; the real
+"""The Tinker futures table's bounds, per namespace (server/tinker/future_table.py), and the live
+sessions' (server/tinker/state.py): pure, with the real table, futures and registry; the real
 engine's side is test_tinker_tenancy.py."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from loraplex_engine.errors import TooManyRequests
-from loraplex_engine.tinker.future_table import FutureLimits, FutureTable
-from loraplex_engine.tinker.state import Registry
+from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
+from loraplex_engine.server.tinker.state import Registry
+from loraplex_engine.spec.errors import TooManyRequests
 
 
 def test_a_full_namespace_evicts_its_oldest_finished_future_retrieved_ones_first() -> None:

@@ -1,6 +1,6 @@
 """The Tinker door's input checks, unit by unit: ``sampling_params`` and the prompt
-(tinker/sampling_params.py), ``user_metadata`` (tinker/metadata.py), the
-``forward_backward`` body's decompressed size and token count (tinker/wire.py); on the
+(server/tinker/sampling_params.py), ``user_metadata`` (server/tinker/metadata.py), the
+``forward_backward`` body's decompressed size and token count (server/tinker/wire.py); on the
 engine's side, a completion job's own values checked before the shared batch
 (completion_jobs.check_tensors), and the engine loop, which never counts a request's
 own error toward its failed-tick limit (server/serve.EngineLoop). The end-to-end view is
@@ -15,19 +15,19 @@ import numpy as np
 import pytest
 import zstandard
 from loraplex_engine.completion_jobs import CompletionJob, check_tensors
-from loraplex_engine.errors import BodyTooLargeError, InvalidRequestError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.server.serve import EngineLoop
-from loraplex_engine.service import PromptJob
-from loraplex_engine.tinker import wire
-from loraplex_engine.tinker.metadata import MAX_METADATA_BYTES, check_metadata
-from loraplex_engine.tinker.sampling_params import (
+from loraplex_engine.server.tinker import wire
+from loraplex_engine.server.tinker.metadata import MAX_METADATA_BYTES, check_metadata
+from loraplex_engine.server.tinker.sampling_params import (
     ECHO_CHARS,
     prompt_tokens,
     sample_call,
     sampling_params,
 )
-from loraplex_engine.training_service import Limits
+from loraplex_engine.spec.errors import BodyTooLargeError, InvalidRequestError
+from loraplex_engine.spec.service import PromptJob
+from loraplex_engine.spec.training_service import Limits
 from tinker.proto import tinker_public_pb2 as pb
 
 VOCAB = 473

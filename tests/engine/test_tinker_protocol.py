@@ -1,4 +1,4 @@
-"""The Tinker protocol (/api/v1, loraplex_engine/tinker/) driven by the real, unchanged
+"""The Tinker protocol (/api/v1, loraplex_engine/server/tinker/) driven by the real, unchanged
 tinker SDK against a real uvicorn server. The engine behind it is tinker_double.py's
 FakeTraining, a TEST DOUBLE of TrainingService: it pins the wire layer's answers to exact
 numbers a real engine cannot give. The same SDK against the real engine, in a real
@@ -18,7 +18,7 @@ import pytest
 import tinker
 import uvicorn
 from loraplex_engine.server.app import create_app
-from loraplex_engine.tinker.keys import KeyStore, digest
+from loraplex_engine.server.tinker.keys import KeyStore, digest
 from test_server_app import FakeEngine
 from tinker import types
 from tinker_clients import close_all, service_client
@@ -263,7 +263,7 @@ def test_a_pipelined_job_hands_its_lane_on_once_queued() -> None:
     """The lane's next job starts when a pipelined job releases it (the engine queued
     its call), while the job still waits for its answer; a plain job holds the lane to
     its end, and a pipelined job that never releases (refused at once) holds it too."""
-    from loraplex_engine.tinker.futures import Runner
+    from loraplex_engine.server.tinker.futures import Runner
 
     runner = Runner(workers=4)
     events: list[str] = []

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from loraplex_engine.api_types import ExperimentTick, TickReport
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import ServeSettings
-from loraplex_engine.spec_blocks.tracking import Tag, TrackingSpec
+from loraplex_engine.spec.api_types import ExperimentTick, TickReport
+from loraplex_engine.spec.errors import UsageError
+from loraplex_engine.spec.tracking import Tag, TrackingSpec
 from loraplex_engine.tracking.hub import Tracking, build_trackers
 from loraplex_engine.tracking.records import METRICS, RunRef, StepRecord, records_of
 from loraplex_engine.tracking.sink import LogLimiter, Sink, backoff_s

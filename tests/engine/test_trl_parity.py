@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from loraplex_engine.spec import AlgorithmSpec
+from loraplex_engine.spec.experiment import AlgorithmSpec
 from loraplex_engine.train.algorithms import build_algorithm, tis_weights
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import TrainStats, _micro_batch_loss

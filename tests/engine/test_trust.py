@@ -7,7 +7,7 @@ import ipaddress
 from pathlib import Path
 
 import pytest
-from loraplex_engine.errors import TaskError, UsageError
+from loraplex_engine.spec.errors import TaskError, UsageError
 from loraplex_engine.tenancy.trust import (
     DataRoots,
     RewardEgress,

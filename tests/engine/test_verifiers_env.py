@@ -20,7 +20,7 @@ from loraplex_engine.environments.episodes import EpisodeGroup
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins import discovery
 from loraplex_engine.plugins.host import PluginHost
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from plugin_install import install, with_path
 from server_process import EngineServer, wait_until
 from test_environments import _group, _ids, _play, _Policy, _spec, _text, _wait_steps

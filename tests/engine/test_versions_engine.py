@@ -13,8 +13,8 @@ import pytest
 import torch
 from engine_builders import engine, spec
 from lora_helpers import load_base
-from loraplex_engine.errors import NotFoundError
-from loraplex_engine.service import PromptJob
+from loraplex_engine.spec.errors import NotFoundError
+from loraplex_engine.spec.service import PromptJob
 from loraplex_engine.store.versions import VersionStore
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -186,7 +186,7 @@ def test_a_quota_refusal_fails_the_publish_not_the_experiment(tiny_model_dir, tm
 
 
 def test_the_publish_route_edits_in_place(eng) -> None:
-    from loraplex_engine.versions.spec import PublishSpec
+    from loraplex_engine.spec.publish import PublishSpec
 
     exp_id = f"{NS}.edited"
     eng.put_experiment(exp_id, _continual({"everySteps": 1}), NS, "edited")
@@ -226,7 +226,7 @@ def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
     that they were sampled with the version's weights: their log-probs are peft's on the
     version's directory (fp32, batch rounding ~1e-6), far from the base model's."""
     from client_driver import drive
-    from loraplex_engine.training_service import SampleCall
+    from loraplex_engine.spec.training_service import SampleCall
 
     exp_id = f"{NS}.tink"
     eng.put_experiment(exp_id, _continual({"everySteps": 1, "keep": 50}), NS, "tink")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from engine_builders import engine, spec
 from loraplex_engine.engine import Engine
-from loraplex_engine.evaluation.scores import EvalResult
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.experiment import parse_spec
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions.policy import improves
 from safetensors.torch import load_file
@@ -167,7 +167,7 @@ def test_publish_on_eval_improvement_alone_and_with_every_steps(tiny_model_dir, 
 
 
 def test_a_request_token_publishes_once_across_edits_and_a_resume(tiny_model_dir, tmp_path) -> None:
-    from loraplex_engine.versions.spec import PublishSpec
+    from loraplex_engine.spec.publish import PublishSpec
 
     exp_id, name = f"{NS}.asked", "asked"
     store = VersionStore(tmp_path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from loraplex_engine.evaluation.scores import EvalResult
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.publish import PromoteWhen, PublishSpec
 from loraplex_engine.versions import names
 from loraplex_engine.versions.policy import (
     AliasMove,
@@ -20,7 +21,6 @@ from loraplex_engine.versions.policy import (
     scores_of,
     token_due,
 )
-from loraplex_engine.versions.spec import PromoteWhen, PublishSpec
 
 
 def test_due_every_k_steps_only_with_a_policy() -> None:

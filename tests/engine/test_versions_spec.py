@@ -1,11 +1,11 @@
-"""The spec's publish block (versions/spec.py), as the engine parses it."""
+"""The spec's publish block (spec/publish.py), as the engine parses it."""
 
 from __future__ import annotations
 
 import pytest
-from loraplex_engine.errors import SpecError
-from loraplex_engine.spec import parse_spec
-from loraplex_engine.versions.spec import hand_aliases, pinned_versions
+from loraplex_engine.spec.errors import SpecError
+from loraplex_engine.spec.experiment import parse_spec
+from loraplex_engine.spec.publish import hand_aliases, pinned_versions
 
 BASE = {"task": {"name": "target-token"}}
 

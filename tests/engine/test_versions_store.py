@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from child_processes import kill_group, spawn
-from loraplex_engine.errors import CheckpointError, CheckpointQuotaError
+from loraplex_engine.spec.errors import CheckpointError, CheckpointQuotaError
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.versions import (
     VERSIONS_DIR,

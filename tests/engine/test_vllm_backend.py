@@ -216,7 +216,7 @@ def test_update_from_tensors_equals_the_directory_update_and_peft(
     _assert_matches_hf(tiny_vllm_dir, adapters["c"], PROMPTS[1], _greedy(rollout, requests)[1])
     rollout.update_adapter("a", adapters["a"])
     assert _greedy(rollout, requests) == original
-    from loraplex_engine.errors import VLLMWorkerError
+    from loraplex_engine.spec.errors import VLLMWorkerError
 
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.update_adapter_tensors("nope", *_peft_weights(adapters["d"]))
@@ -244,7 +244,7 @@ def test_sampling_is_seeded_and_reports_logprobs(rollout) -> None:
 
 
 def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_path) -> None:
-    from loraplex_engine.errors import VLLMWorkerError
+    from loraplex_engine.spec.errors import VLLMWorkerError
 
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.generate([("nope", PROMPTS[0])], max_new_tokens=2)
@@ -267,8 +267,8 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
 
 def test_unsupported_cpu_head_dim_fails_at_startup(tiny_model_dir: Path, tmp_path) -> None:
     """head_dim 16 (4 heads of a 64-wide model), which vLLM's CPU attention lacks."""
-    from loraplex_engine.errors import VLLMWorkerError
     from loraplex_engine.rollout.vllm.backend import VLLMRollout
+    from loraplex_engine.spec.errors import VLLMWorkerError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(tiny_model_dir)

@@ -119,10 +119,10 @@ def test_kv_bytes_per_token_from_a_config() -> None:
 
 def test_serve_refuses_an_unknown_option_before_loading(monkeypatch) -> None:
     from loraplex_engine.cli import build_parser
-    from loraplex_engine.errors import UsageError
     from loraplex_engine.rollout.preflight import check_rollout
     from loraplex_engine.server.flags import serve_settings
     from loraplex_engine.settings.commands import ServeSettings
+    from loraplex_engine.spec.errors import UsageError
 
     def settings(*options: str) -> ServeSettings:
         flags = [f"--vllm-option={o}" for o in options]
@@ -145,9 +145,9 @@ def test_a_vllm_rollout_needs_a_python_with_vllm(monkeypatch) -> None:
     the check says where to point, before any model loads; the torch backend needs none."""
     import importlib.util
 
-    from loraplex_engine.errors import UsageError
     from loraplex_engine.rollout.preflight import check_rollout
     from loraplex_engine.settings.engine import EngineSettings
+    from loraplex_engine.spec.errors import UsageError
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this python has vllm")

@@ -113,8 +113,8 @@ class _StandInWorker:
         self.info = {"device": "cuda"}
 
     def generate_each(self, requests, **_: object):
-        from loraplex_engine.errors import VLLMWorkerError
         from loraplex_engine.rollout.vllm.backend import WorkerCompletion
+        from loraplex_engine.spec.errors import VLLMWorkerError
 
         if not self.alive:
             raise VLLMWorkerError("vLLM worker is not running (exit -9)")
@@ -163,8 +163,8 @@ def test_requests_that_kill_the_worker_fail_their_experiment_alone() -> None:
 
 
 def test_a_worker_that_keeps_dying_fails_the_call_after_bounded_restarts() -> None:
-    from loraplex_engine.errors import VLLMWorkerError
     from loraplex_engine.rollout.vllm.engine_backend import MAX_RESTARTS
+    from loraplex_engine.spec.errors import VLLMWorkerError
 
     log: list[str] = []
     poison = {"a", "b", "c"}

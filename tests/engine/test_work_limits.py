@@ -4,7 +4,7 @@ refuses one token over it, naming the field and the flag, and admits the work at
 from __future__ import annotations
 
 import pytest
-from loraplex_engine.errors import InvalidRequestError, InvalidSpecError
+from loraplex_engine.spec.errors import InvalidRequestError, InvalidSpecError
 from loraplex_engine.tenancy.work_limits import WorkLimits
 
 from tests.engine.engine_builders import spec

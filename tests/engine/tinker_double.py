@@ -1,5 +1,5 @@
-"""A TEST DOUBLE of the engine's TrainingService (training_service.py), in memory, with
-deterministic numbers: it lets the Tinker protocol layer (loraplex_engine/tinker/) be
+"""A TEST DOUBLE of the engine's TrainingService (spec/training_service.py), in memory, with
+deterministic numbers: it lets the Tinker protocol layer (loraplex_engine/server/tinker/) be
 tested with the real tinker SDK before the engine implements the contract. The
 engine-backed tests come with the engine side (issue 28).
 """
@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from loraplex_engine.errors import InvalidRequestError, NoCapacityError, NotFoundError
-from loraplex_engine.training_service import (
+from loraplex_engine.spec.errors import InvalidRequestError, NoCapacityError, NotFoundError
+from loraplex_engine.spec.training_service import (
     AdamStep,
     ClientDatum,
     ClientLora,

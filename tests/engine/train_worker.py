@@ -11,7 +11,7 @@ import sys
 import torch
 from loraplex_engine.engine import Engine
 from loraplex_engine.settings.engine import EngineSettings
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.experiment import parse_spec
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from builders import experiment, pool
 from crdkit import admit, cel_errors, schema_of, walk_rules
-from loraplex_engine.errors import SpecError
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.errors import SpecError
+from loraplex_engine.spec.experiment import parse_spec
 
 Obj = dict[str, Any]
 

@@ -22,8 +22,8 @@ from crdkit import (
     schema_of,
     unknown_fields,
 )
-from loraplex_engine.errors import SpecError
-from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_engine.spec.errors import SpecError
+from loraplex_engine.spec.experiment import ExperimentSpec, parse_spec
 from loraplex_operator.status import CONDITION_TYPES
 
 EXP = "LoRAExperiment"
@@ -285,7 +285,7 @@ EXPERIMENT_BOUNDS = [
     ("spec.tracking.tags", [{"name": "a", "value": "line\nbreak"}], False),
     ("spec.tracking.tags", [{"name": "a", "value": _long(257)}], False),
     ("spec.tracking.tags", [{"name": "a"}, {"name": "a"}], False),
-    # spec.eval (evaluation/spec_eval.py): its bounds keep a tenant's eval small.
+    # spec.eval (spec/eval.py): its bounds keep a tenant's eval small.
     ("spec.eval", {}, True),
     ("spec.eval.everySteps", 0, False),
     ("spec.eval.everySteps", 1_000_000, True),

@@ -1,5 +1,5 @@
 """Placement from the engines' own memory plan (pure): an engine reports on /v1/capacity
-how it sized itself (`plan`: loraplex_engine.api_types.MemoryPlan); every adapter slot is
+how it sized itself (`plan`: loraplex_engine.spec.api_types.MemoryPlan); every adapter slot is
 allocated at max rank on every linear it wraps, so each experiment costs the reported
 slot bytes whatever its rank, not the `modelShape` estimate (which counts the
 experiment's own rank and targets, and so undercounts). Before any engine has answered,
@@ -8,7 +8,7 @@ memory is not guessed."""
 from __future__ import annotations
 
 from builders import experiment, pool
-from loraplex_engine.api_types import MemoryPlan
+from loraplex_engine.spec.api_types import MemoryPlan
 from loraplex_operator.admission import experiment_memory_bytes
 from loraplex_operator.observation import EngineMemory, EngineView, slot_bytes
 from loraplex_operator.placement import WAIT_STARTING

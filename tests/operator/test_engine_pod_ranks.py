@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 from builders import pod_of, pod_resources, pool, serve_args
 from crdkit import admit, apply_defaults, schema_of
-from loraplex_engine.errors import UsageError
 from loraplex_engine.server.flags import add_arguments, serve_settings
+from loraplex_engine.spec.errors import UsageError
 from loraplex_operator.manifests import (
     GPU_RESOURCE,
     SHM_PATH,

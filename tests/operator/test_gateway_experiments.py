@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from builders import experiment
 from crdkit import admit
-from loraplex_engine.spec import parse_spec
+from loraplex_engine.spec.experiment import parse_spec
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.resources import Experiment
 

@@ -142,7 +142,7 @@ def test_the_allowlist_is_the_sdks_and_the_engines() -> None:
     """Every allowlisted route is one the engine serves, and the official SDK calls it
     (but the protocol's two it has no method for)."""
     import tinker
-    from loraplex_engine.tinker import rest, routes
+    from loraplex_engine.server.tinker import rest, routes
 
     sdk = ""
     for f in Path(tinker.__file__).parent.rglob("*.py"):

@@ -172,7 +172,7 @@ def test_a_files_keys_are_the_secrets_they_stand_for() -> None:
 
 def test_the_client_config_is_the_engines_but_uncompressed() -> None:
     pytest.importorskip("fastapi")
-    from loraplex_engine.tinker.routes import CLIENT_CONFIG as ENGINE
+    from loraplex_engine.server.tinker.routes import CLIENT_CONFIG as ENGINE
 
     assert {**ENGINE, "proto_compress_fwdbwd": False} == CLIENT_CONFIG
 

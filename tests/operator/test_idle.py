@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 from builders import experiment
-from loraplex_engine.spec_blocks.client import IDLE_DEFAULT_S
+from loraplex_engine.spec.client import IDLE_DEFAULT_S
 from loraplex_operator import idle
 from loraplex_operator import status as st
 from loraplex_operator.gateway import experiments as gx

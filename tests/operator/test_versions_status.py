@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from builders import experiment
 from crdkit import apply_defaults, schema_of
-from loraplex_engine.spec import parse_spec
-from loraplex_engine.versions.spec import TOKEN_PATTERN as ENGINE_TOKEN_PATTERN
+from loraplex_engine.spec.experiment import parse_spec
+from loraplex_engine.spec.publish import TOKEN_PATTERN as ENGINE_TOKEN_PATTERN
 from loraplex_operator.api.status import (
     ALIASES_MAX,
     TOKEN_PATTERN,

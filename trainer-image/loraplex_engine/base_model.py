@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.api_types import ModelShape
-from loraplex_engine.errors import UsageError
+from loraplex_engine.spec.api_types import ModelShape
+from loraplex_engine.spec.errors import UsageError
 
 CONFIG_FILE = "config.json"
 

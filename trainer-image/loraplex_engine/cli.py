@@ -8,10 +8,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from loraplex_engine.errors import FieldError, ManifestError, UsageError
 from loraplex_engine.settings.commands import RunSettings, ServeSettings
 from loraplex_engine.settings.generate import DefaultsFormatter as Help
 from loraplex_engine.settings.generate import add_command
+from loraplex_engine.spec.errors import FieldError, ManifestError, UsageError
 
 # What a user can get wrong: files, flags, model directories, manifests and specs.
 USER_ERRORS = (UsageError, ManifestError, FieldError)
@@ -79,8 +79,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.logs import setup_logging
 
     setup_logging(settings.log_format, "warning")  # progress goes to stdout; logs: problems
-    from loraplex_engine.errors import RankFailed
     from loraplex_engine.local.runner import run_file
+    from loraplex_engine.spec.errors import RankFailed
 
     try:
         summary = run_file(settings)

@@ -1,6 +1,6 @@
-"""Served completions on the engine's side of the service (service.py): a ``PromptJob``
+"""Served completions on the engine's side of the service (spec/service.py): a ``PromptJob``
 becomes a queued :class:`CompletionJob`, whose rows ride in the next tick's rollout batch
-(tick.py), and its rollout ``Completion``\\ s go back as ``ServedRow``\\ s.
+(tick/tick.py), and its rollout ``Completion``\\ s go back as ``ServedRow``\\ s.
 
 Here, not in the HTTP layer, because this is where torch (the seed's generator) and the
 rollout's types live: the server only ever sees the service's values.
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from loraplex_engine.errors import (
+from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.spec.errors import (
     ApiError,
     CheckpointError,
     InvalidRequestError,
     UnavailableError,
 )
-from loraplex_engine.rollout.base import Completion, RolloutRequest
-from loraplex_engine.service import PromptJob, ServedRow, TokenCallback
+from loraplex_engine.spec.service import PromptJob, ServedRow, TokenCallback
 from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.versions.slot_cache import VersionSlots
 

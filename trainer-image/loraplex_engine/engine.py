@@ -1,9 +1,9 @@
 """The hot engine: one frozen base model, one adapter slot per experiment, and a tick
 that advances every running experiment by one RL step at once.
 
-The Engine is the API (:class:`~loraplex_engine.service.EngineService`) over its parts:
+The Engine is the API (:class:`~loraplex_engine.spec.service.EngineService`) over its parts:
 the model with its adapter slots (lora/model.py), the run store (store/run_store.py:
-checkpoint layout, resume, keep-K), the tick's phase pipeline (tick.py), the training
+checkpoint layout, resume, keep-K), the tick's phase pipeline (tick/tick.py), the training
 strategy (train/strategy.py) and the rollout backend (rollout/). Experiments join and
 leave between ticks (``_model_lock``); reads (status, capacity) never wait for a tick.
 """
@@ -18,7 +18,24 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraplex_engine.api_types import (
+from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
+from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.completion_jobs import CompletionJob, resolve
+from loraplex_engine.environments.observations import check_chat_templates
+from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
+from loraplex_engine.lora.grouped import KERNEL_MODES
+from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
+from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
+from loraplex_engine.memory.capacity_plan import engine_plan
+from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
+from loraplex_engine.parallel.distributed import World
+from loraplex_engine.parallel.sharding import shard_engine_base
+from loraplex_engine.plugins.discovery import installed
+from loraplex_engine.rollout.backends import TorchRollout
+from loraplex_engine.rollout.select import RolloutParts, build_rollout
+from loraplex_engine.settings.engine import EngineSettings
+from loraplex_engine.spec.api_types import (
     DEFAULT_MICRO_BATCH_TOKENS,
     DEFAULT_ROLLOUT_KV_TOKENS,
     AdapterSyncStats,
@@ -28,12 +45,7 @@ from loraplex_engine.api_types import (
     MemoryUse,
     TickReport,
 )
-from loraplex_engine.base_model import default_lora_targets, model_shape_of
-from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
-from loraplex_engine.clients.models import ClientModels
-from loraplex_engine.completion_jobs import CompletionJob, resolve
-from loraplex_engine.environments.observations import check_chat_templates
-from loraplex_engine.errors import (
+from loraplex_engine.spec.errors import (
     AdapterError,
     ConflictError,
     InvalidRequestError,
@@ -43,30 +55,18 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
-from loraplex_engine.lora.grouped import KERNEL_MODES
-from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
-from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.memory.capacity_plan import engine_plan
-from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
-from loraplex_engine.parallel.distributed import World
-from loraplex_engine.parallel.sharding import shard_engine_base
-from loraplex_engine.pipelined_tick import tick_class
-from loraplex_engine.plugins.discovery import installed
-from loraplex_engine.rollout.backends import TorchRollout
-from loraplex_engine.rollout.select import RolloutParts, build_rollout
-from loraplex_engine.service import PromptJob, ServedRow
-from loraplex_engine.settings.engine import EngineSettings
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.service import PromptJob, ServedRow
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore, valid_run_id
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.tenancy.admissions import KeyedLocks
-from loraplex_engine.tenancy.fair_share import RewardScorer
-from loraplex_engine.tenancy.time_share import TimeShare, take_in_turn
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
+from loraplex_engine.tick.fair_share import RewardScorer
+from loraplex_engine.tick.pipelined import tick_class
+from loraplex_engine.tick.time_share import TimeShare, take_in_turn
 from loraplex_engine.tokens import TokenCodec
 from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
 from loraplex_engine.train.shared_prefix import shared_forward_of
@@ -82,8 +82,8 @@ COMPLETION_TIMEOUT_S = 300.0
 
 
 class Engine(ClientExperimentAPI, Versions):
-    """Implements :class:`loraplex_engine.service.TickingEngine`; its ``clients``
-    (clients/models.py) implement :class:`loraplex_engine.training_service.TrainingService`.
+    """Implements :class:`loraplex_engine.spec.service.TickingEngine`; its ``clients``
+    (clients/models.py) implement :class:`loraplex_engine.spec.training_service.TrainingService`.
 
     ``settings`` (settings/engine.py, each field's help says what it does) configure it;
     the rest is what the process running it knows: ``device`` (resolved: ``cuda:1``, not
@@ -225,7 +225,7 @@ class Engine(ClientExperimentAPI, Versions):
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
-        self._tick = tick_class(s.schedule, world)(  # sync, or pipelined_tick.py
+        self._tick = tick_class(s.schedule, world)(  # sync, or tick/pipelined.py
             self.model,
             self.codec,
             self.backend,
@@ -423,7 +423,7 @@ class Engine(ClientExperimentAPI, Versions):
     # ---- the tick ---------------------------------------------------------------------
 
     def tick(self) -> TickReport | None:
-        """A training tick or a serving tick, as the time share picks (tenancy/time_share.py)."""
+        """A training tick or a serving tick, as the time share picks (tick/time_share.py)."""
         self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]

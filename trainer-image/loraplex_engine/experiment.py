@@ -11,15 +11,20 @@ from typing import Any
 
 import torch
 
-from loraplex_engine.api_types import (
+from loraplex_engine.data.sources import resolve_dataset
+from loraplex_engine.environments.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.spec.api_types import (
+    CALL_TIMEOUT_S,
     DETERMINISTIC_FAILURES,
     CheckpointRef,
     ExperimentPhase,
     ExperimentStatus,
+    VersionSummary,
 )
-from loraplex_engine.data.options import DatasetOptions
-from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import (
+from loraplex_engine.spec.data_options import DatasetOptions
+from loraplex_engine.spec.errors import (
     AdapterError,
     ConflictError,
     InvalidSpecError,
@@ -27,16 +32,30 @@ from loraplex_engine.errors import (
     TaskError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
-from loraplex_engine.evaluation.scores import EvalResult, eval_due
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.plugins.attach import check_plugins, plug_in, uses_plugins
-from loraplex_engine.plugins.host import CALL_TIMEOUT_S
-from loraplex_engine.spec import DATA_TASKS, ExperimentSpec
+from loraplex_engine.spec.eval_scores import EvalResult, eval_due
+from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
-from loraplex_engine.versions.policy import PublishState
+
+
+@dataclass
+class PublishState:
+    """An experiment's versions as the engine tracks them (Experiment.published; the
+    decisions over them are versions/policy.py's, the I/O versions/publisher.py's)."""
+
+    window: list[float] = field(default_factory=list)  # step rewards since the last version
+    recent: list[VersionSummary] = field(default_factory=list)  # newest last
+    aliases: dict[str, int] = field(default_factory=dict)
+    error: str | None = None  # the last publish's or alias update's problem
+    # The latest eval (spec.eval) of this placement: its scores join the next version's.
+    last_eval: EvalResult | None = None
+    # An everySteps version due at this step waits for the eval of the same step.
+    awaiting_eval: int | None = None
+    # The best eval score of each kind among the published versions (onEvalImprovement).
+    best: dict[str, float] = field(default_factory=dict)
+    # The last publish.requestToken published (store/versions.py keeps it on disk).
+    token: str | None = None
 
 
 def now() -> str:
@@ -76,7 +95,7 @@ class Experiment:
     # A due checkpoint met a full volume (StorageFullError): retried every tick; a
     # finished experiment is Succeeded only once its last checkpoint is written.
     checkpoint_pending: bool = False
-    # Fair share (tenancy/fair_share.py): tokens of the last step planned, and that tick's number.
+    # Fair share (tick/fair_share.py): tokens of the last step planned, and that tick's number.
     step_cost: int = 0
     rolled_out_at: int = -(1 << 62)
     # Published versions and aliases (versions/publisher.py), read from disk at placement.
@@ -214,7 +233,7 @@ def new_experiment(
             source=source,
         )
         if plugged:
-            try:  # an environment's params are checked here (plugins/attach.py)
+            try:  # an environment's params are checked here (environments/attach.py)
                 plug_in(task, reward, env, plugin_timeout, exp_id)
             except BaseException:
                 task.close()  # its dataset's descriptors

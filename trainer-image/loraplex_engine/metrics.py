@@ -2,7 +2,7 @@
 
 :class:`EngineMetrics` owns its own registry (so tests and several apps in one process do
 not collide) and is fed from two places: the engine loop hands it every
-:class:`~loraplex_engine.api_types.TickReport`, and the ``/metrics`` route refreshes the
+:class:`~loraplex_engine.spec.api_types.TickReport`, and the ``/metrics`` route refreshes the
 capacity gauges just before each scrape. Per-experiment series are dropped as soon as
 the experiment is no longer loaded, so label sets stay bounded. The serving series (the
 OpenAI routes; server/observe.py records them) are labelled by the request's ``model``: a
@@ -33,7 +33,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from loraplex_engine.api_types import (
+from loraplex_engine.spec.api_types import (
     FAILURE_REASONS,
     SYNC_TRANSPORTS,
     TICK_PHASES,
@@ -54,7 +54,7 @@ OTHER_MODEL = "other"  # the `experiment` of a request for no loaded experiment 
 _ERROR_CODE = re.compile(r"[a-z_]{1,32}")
 BUSY_WINDOW_S = 60.0
 MAX_REASON_LEN = 64
-# The failure kinds a tick reports (tick.py `Failure.kind`); exported at 0 from the start so
+# The failure kinds a tick reports (tick/tick.py `Failure.kind`); exported at 0 from the start so
 # the failures panel and alert read 0 instead of "no data" until the first failure.
 
 __all__ = ["CONTENT_TYPE_LATEST", "FAILURE_REASONS", "EngineMetrics"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from loraplex_engine.errors import InvalidRequestError
+from loraplex_engine.spec.errors import InvalidRequestError
 
 
 class TokenCodec:

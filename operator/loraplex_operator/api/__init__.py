@@ -5,5 +5,5 @@ schemas (``make crds``), and through which the operator reads pools and writes s
 A field's type, bounds, default, description and CEL rules are stated once, here; the
 CRD (the API server's validation and defaulting) and the operator's reading of a pool
 both follow from it. The ``LoRAExperiment`` spec lives with the engine
-(``loraplex_engine/spec.py``), which validates it without a cluster.
+(``loraplex_engine/spec/experiment.py``), which validates it without a cluster.
 """

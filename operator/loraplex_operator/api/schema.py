@@ -3,7 +3,7 @@
 Plain pydantic constraints (bounds, lengths, patterns, enums, defaults, descriptions)
 translate to OpenAPI directly (``scripts/gen_crds.py``); this module adds the words
 JSON Schema lacks, as the ``x-kubernetes-*`` keys the generator passes through. The
-engine's ``spec_schema.py`` does the same for the experiment spec; the operator image
+engine's ``spec/schema.py`` does the same for the experiment spec; the operator image
 has no engine package, so the two small sets of helpers are kept side by side.
 
 The API server validates a pool before the operator ever reads it, so the models here

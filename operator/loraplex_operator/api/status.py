@@ -14,7 +14,7 @@ from loraplex_operator.api.condition import Condition, conditions_field, find
 from loraplex_operator.api.plugins import PluginGrant
 from loraplex_operator.api.schema import ApiModel, DateTime, Int32, Int64
 
-# A publish request's token: loraplex_engine/versions/spec.py TOKEN_PATTERN (a test ties
+# A publish request's token: loraplex_engine/spec/publish.py TOKEN_PATTERN (a test ties
 # them; the operator image does not carry the engine).
 TOKEN_PATTERN = r"^[A-Za-z0-9]([-._A-Za-z0-9]{0,61}[A-Za-z0-9])?$"
 GATE_NOTE_MAX = 256  # the engine's gateNote, cut to this in the status

@@ -45,7 +45,7 @@ def _t(method: str, route: str) -> Template:
 
 
 # The Tinker routes (under /api/v1) the gateway answers or forwards: the official SDK's
-# (tinker 0.38) that the engine serves (loraplex_engine/tinker/routes.py and rest.py),
+# (tinker 0.38) that the engine serves (loraplex_engine/server/tinker/routes.py and rest.py),
 # and the protocol's ``forward`` and ``unload_model`` (the engine's; that SDK has no
 # method for them).
 TINKER_ROUTES: tuple[Template, ...] = (

@@ -30,7 +30,7 @@ from loraplex_operator.gateway.upstream import Upstream
 PREFIX = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 
-# The engine's client config (loraplex_engine/tinker/routes.py CLIENT_CONFIG) but for
+# The engine's client config (loraplex_engine/server/tinker/routes.py CLIENT_CONFIG) but for
 # compression: the gateway reads forward_backward's model id from the protobuf, so the
 # SDK sends it uncompressed (tests/operator/test_gateway_pure.py keeps the two in step).
 CLIENT_CONFIG = {

@@ -27,14 +27,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.api_types import CheckpointRef, ExperimentStatus
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
-from loraplex_engine.errors import ConflictError, NotFoundError
-from loraplex_engine.service import PromptJob
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.api_types import CheckpointRef, ExperimentStatus
+from loraplex_engine.spec.errors import ConflictError, NotFoundError
+from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.service import PromptJob
+from loraplex_engine.spec.training_service import Adoption, ClientLora
 from loraplex_engine.tenancy.admissions import KeyedLocks
-from loraplex_engine.training_service import Adoption, ClientLora
 
 STEP = re.compile(r"^step-([0-9]{8,})$")
 

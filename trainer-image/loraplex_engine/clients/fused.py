@@ -26,12 +26,12 @@ import torch
 
 from loraplex_engine.clients.inputs import Datum
 from loraplex_engine.lora.gradient_checkpointing import gradient_checkpointing as checkpointed
+from loraplex_engine.spec.training_service import ForwardOutput
 from loraplex_engine.train.algorithms import token_logprobs
 from loraplex_engine.train.algorithms.tinker_losses import TokenLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.train.rows import RoutedForward, pack_micro_batches
-from loraplex_engine.training_service import ForwardOutput
 
 SlotGrads = list[torch.Tensor]  # one per optimizer.params entry: that param's [slot] grad
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex_engine.errors import InvalidRequestError
+from loraplex_engine.spec.errors import InvalidRequestError
+from loraplex_engine.spec.training_service import ClientDatum, Limits, LossCall
 from loraplex_engine.train.algorithms.tinker_losses import (
     TOKEN_LOSSES,
     TokenLoss,
     TokenLossInputs,
     build_token_loss,
 )
-from loraplex_engine.training_service import ClientDatum, Limits, LossCall
 
 # Float loss inputs the losses read, and the TokenLossInputs field each fills.
 FLOAT_INPUTS = {

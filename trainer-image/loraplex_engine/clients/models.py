@@ -22,14 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.clients import saved, share
 from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.sampling import SampleTask
 from loraplex_engine.clients.ticking import ClientTick
-from loraplex_engine.errors import (
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.spec.api_types import CheckpointRef
+from loraplex_engine.spec.errors import (
     AdapterError,
     ConflictError,
     InvalidRequestError,
@@ -38,11 +39,7 @@ from loraplex_engine.errors import (
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.store import checkpoint as ckpt
-from loraplex_engine.store.quota import tree_bytes
-from loraplex_engine.train.optim import AdamWSettings
-from loraplex_engine.training_service import (
+from loraplex_engine.spec.training_service import (
     AdamStep,
     Adoption,
     ClientDatum,
@@ -54,6 +51,9 @@ from loraplex_engine.training_service import (
     SampleOutput,
     SavedState,
 )
+from loraplex_engine.store import checkpoint as ckpt
+from loraplex_engine.store.quota import tree_bytes
+from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.versions import names
 
 # Tinker's LoRA scale is alpha / rank with a fixed alpha (the client chooses the rank).
@@ -323,7 +323,7 @@ class ClientModels:
     # ---- the tick's side --------------------------------------------------------------
 
     def has_work(self) -> bool:
-        """A call is queued: the next training tick has client work (tenancy/time_share.py)."""
+        """A call is queued: the next training tick has client work (tick/time_share.py)."""
         with self._lock:
             return bool(self._samples) or any(m.queue for m in self._models.values())
 
@@ -474,7 +474,7 @@ def _check_sample(call: SampleCall, limits: Limits) -> None:
         ("num_samples", call.num_samples >= 1),
         ("max_tokens", call.max_tokens >= 1),
         ("temperature", call.temperature >= 0),
-        ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (tinker/)
+        ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
         ("top_p", 0 < call.top_p <= 1),
         ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
     ):

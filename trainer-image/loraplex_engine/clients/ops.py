@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from loraplex_engine.clients.fused import SlotGrads
-from loraplex_engine.training_service import ClientModelInfo
+from loraplex_engine.spec.training_service import ClientModelInfo
 
 OpKind = Literal[
     "forward", "forward_backward", "optim_step", "save_state", "load_state", "unload", "sample"

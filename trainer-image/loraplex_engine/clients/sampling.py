@@ -24,8 +24,8 @@ import torch
 from loraplex_engine.clients.saved import StatePath
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.lora.model import MultiLoRAModel
-from loraplex_engine.service import PromptJob
-from loraplex_engine.training_service import SampleCall, SampledRow, SampleOutput
+from loraplex_engine.spec.service import PromptJob
+from loraplex_engine.spec.training_service import SampleCall, SampledRow, SampleOutput
 
 # A stop string completes within its own length plus this many tokens of the end.
 _STOP_WINDOW = 8

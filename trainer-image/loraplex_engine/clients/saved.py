@@ -23,16 +23,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from loraplex_engine.errors import InvalidRequestError, NotFoundError
+from loraplex_engine.spec.errors import InvalidRequestError, NotFoundError
+from loraplex_engine.spec.training_service import ClientLora, SavedState
 from loraplex_engine.store.quota import tree_bytes
-from loraplex_engine.training_service import ClientLora, SavedState
 
 SCHEME = "tinker://"
 KINDS = ("weights", "sampler_weights")
 CLIENT_DIR = "_tinker"
 STATE_FILE = "client_state.json"
 Kind = Literal["weights", "sampler_weights"]
-# ":" for the ids the Tinker protocol hands out (tinker/state.py: <session>:train:<n>).
+# ":" for the ids the Tinker protocol hands out (server/tinker/state.py: <session>:train:<n>).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from loraplex_engine.errors import NamespaceShareError
+from loraplex_engine.spec.errors import NamespaceShareError
 
 
 def limit(slots: int, configured: int | None) -> int:

@@ -34,7 +34,7 @@ from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
 from loraplex_engine.clients.saved import StateInfo, StatePath
 from loraplex_engine.completion_jobs import CompletionJob
-from loraplex_engine.errors import ConflictError, UnavailableError
+from loraplex_engine.spec.errors import ConflictError, UnavailableError
 from loraplex_engine.store.spare_slots import SpareSlots
 from loraplex_engine.train.strategy import AdapterTrainer, TrainingStrategy
 

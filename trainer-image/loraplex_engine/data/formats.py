@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from loraplex_engine.errors import DataFileMissing as Missing
-from loraplex_engine.errors import DataReadError as DataError
-from loraplex_engine.tasks.jsonl_rows import BLANK, parse_row
+from loraplex_engine.data.jsonl_rows import BLANK, parse_row
+from loraplex_engine.spec.errors import DataFileMissing as Missing
+from loraplex_engine.spec.errors import DataReadError as DataError
 
 Row = tuple[str, str]
 Column = tuple[np.ndarray, bytes | memoryview]  # each row's byte length; the bytes

@@ -10,7 +10,7 @@ import os
 from typing import Any, BinaryIO
 
 from loraplex_engine.data.formats import DataError, Missing
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tenancy.data_files import open_beneath
 
 BLOCK_BYTES = 1 << 20  # what one ranged GET fetches: a read holds at most a few of these

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex_engine.data.options import DatasetColumns, DatasetOptions, dataset_format
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.data_options import DatasetColumns, DatasetOptions, dataset_format
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tenancy.object_store import ObjectStore, ObjectUrl, is_object_url
 from loraplex_engine.tenancy.trust import TrustPolicy
 

@@ -26,7 +26,7 @@ import numpy as np
 
 import loraplex_engine
 from loraplex_engine.data.sources import DatasetSource, LocalSource
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tenancy.data_files import DataFile, beneath
 
 FIELD = "spec.task.dataset"

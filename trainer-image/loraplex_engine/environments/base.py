@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplex_engine.errors import ParamError
+from loraplex_engine.spec.errors import ParamError
 
 __all__ = ["Environment", "ParamError", "Step"]
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex_engine.environments.base import Step
 from loraplex_engine.environments.episodes import Observe
-from loraplex_engine.errors import InvalidSpecError
+from loraplex_engine.spec.errors import InvalidSpecError
 from loraplex_engine.tokens import TokenCodec
 
 if TYPE_CHECKING:
-    from loraplex_engine.spec import TaskSpec
+    from loraplex_engine.spec.experiment import TaskSpec
 
 # Characters of an observation encoded at most per token of room (a token is at least a
 # byte of text, so this keeps every token that can fit and bounds the encoder's work).

@@ -6,17 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loraplex_engine.api_types import MAX_NEW_TOKENS
 from loraplex_engine.environments.episodes import EpisodeGroup, new_group
 from loraplex_engine.environments.observations import observer
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.api_types import MAX_NEW_TOKENS
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.tasks import Prompt
 from loraplex_engine.tokens import TokenCodec
 
 if TYPE_CHECKING:
     from loraplex_engine.environments.session import EnvironmentSession
-    from loraplex_engine.spec import TaskSpec
+    from loraplex_engine.spec.experiment import TaskSpec
 
 
 def room(env: EnvironmentSpec, prompt: list[int], limits: tuple[int, int | None]) -> int:

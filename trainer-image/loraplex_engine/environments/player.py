@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from loraplex_engine.environments.episodes import EpisodeGroup
-from loraplex_engine.errors import LoraplexError
 from loraplex_engine.rollout.base import Completion, RolloutRequest
+from loraplex_engine.spec.errors import LoraplexError
 
 _T = TypeVar("_T")
 Generate = Callable[[list[RolloutRequest]], list[Completion]]

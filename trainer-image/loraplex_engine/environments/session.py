@@ -1,5 +1,5 @@
 """One experiment's environment, seen from the engine: its episodes live in the
-experiment's plug-in worker (plugins/worker.py); every call is one bounded round trip for
+experiment's plug-in worker (environments/worker.py); every call is one bounded round trip for
 a batch of episodes, and every answer is checked here (a wrong count, a non-string
 observation, a non-finite reward: a ``PluginError``, its experiment fails)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from loraplex_engine.echo import clip
 from loraplex_engine.environments.base import Step
-from loraplex_engine.errors import PluginError, TaskError
 from loraplex_engine.plugins.host import PluginHost
-from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
+from loraplex_engine.spec.echo import clip
+from loraplex_engine.spec.errors import PluginError, TaskError
+from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import check_score
 
 

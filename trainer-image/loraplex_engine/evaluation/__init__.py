@@ -1,2 +1,2 @@
-"""spec.eval: an experiment's eval set, its rows in the tick and its numbers
-(docs/evaluation.md)."""
+"""spec.eval: an experiment's eval set and its rows in the tick (docs/evaluation.md); the
+block itself and its numbers are spec/eval.py's and spec/eval_scores.py's."""

@@ -6,7 +6,7 @@ as task.dataset is, any format and source, under the same rules: data/sources.py
 tenancy/trust.py). Every eval
 samples the same prompts, so its numbers are comparable step to step and run to run.
 The rows of one eval ride in the tick's rollout batch beside the experiment's step
-(tick.py) under a sampling group of their own: they never train, and they draw no
+(tick/tick.py) under a sampling group of their own: they never train, and they draw no
 randomness from the training samples' generator.
 """
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import TaskError
-from loraplex_engine.evaluation.scores import EVAL_SEED_SALT, eval_seed
-from loraplex_engine.evaluation.spec_eval import EvalSpec
 from loraplex_engine.rollout.base import RolloutRequest
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.errors import TaskError
+from loraplex_engine.spec.eval import EvalSpec
+from loraplex_engine.spec.eval_scores import EVAL_SEED_SALT, eval_seed
+from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.tasks import JsonlTask, Prompt, Task
 from loraplex_engine.tasks.dataset import DatasetTask, open_dataset
 from loraplex_engine.tenancy.trust import TrustPolicy

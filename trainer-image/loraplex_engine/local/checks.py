@@ -10,10 +10,10 @@ from pathlib import Path
 
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.errors import FieldError, UsageError
 from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
 from loraplex_engine.settings.commands import RunSettings
-from loraplex_engine.spec import DATA_TASKS
+from loraplex_engine.spec.errors import FieldError, UsageError
+from loraplex_engine.spec.experiment import DATA_TASKS
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 

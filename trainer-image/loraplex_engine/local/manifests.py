@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from loraplex_engine.errors import ManifestError, SpecError, UsageError
-from loraplex_engine.spec import ExperimentSpec, all_spec_errors, parse_spec
+from loraplex_engine.spec.errors import ManifestError, SpecError, TaskError, UsageError
+from loraplex_engine.spec.experiment import ExperimentSpec, all_spec_errors, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
 KIND = "LoRAExperiment"
@@ -69,7 +69,10 @@ def _check_doc(
     if spec.client is not None:
         why = "the local runner trains task experiments; a client's model trains on a cluster"
         return [*problems, SpecError("spec.client", why + " (through the gateway)")]
-    for check in (spec.check_task, lambda: _check_for_engine(spec, max_rank, known_modules)):
+    for check in (
+        lambda: check_task(spec),
+        lambda: _check_for_engine(spec, max_rank, known_modules),
+    ):
         try:
             check()
         except SpecError as exc:
@@ -82,7 +85,7 @@ def _check_for_engine(
 ) -> None:
     """The engine's limits; the target modules only where the model's are known."""
     if known_modules is not None:
-        spec.validate_for_engine(max_rank if max_rank is not None else 256, known_modules)
+        validate_for_engine(spec, max_rank if max_rank is not None else 256, known_modules)
     elif max_rank is not None and spec.lora.rank > max_rank:
         raise SpecError(
             "spec.lora.rank", f"rank {spec.lora.rank} exceeds the engine's max rank {max_rank}"
@@ -146,3 +149,41 @@ def load_manifests(
     path: str | Path, max_rank: int | None = None, known_modules: Iterable[str] | None = None
 ) -> list[Manifest]:
     return parse_manifests(read_manifest_file(path), str(path), max_rank, known_modules)
+
+
+def validate_for_engine(spec: ExperimentSpec, max_rank: int, known_modules: Iterable[str]) -> None:
+    """Checks that depend on the engine (pool limits, base model); raise ``SpecError``."""
+    if spec.lora.rank > max_rank:
+        raise SpecError(
+            "spec.lora.rank", f"rank {spec.lora.rank} exceeds the engine's max rank {max_rank}"
+        )
+    known = set(known_modules)
+    if spec.lora.target_modules is None:
+        from loraplex_engine.base_model import default_lora_targets
+
+        if default_lora_targets(known) is None:
+            raise SpecError(
+                "spec.lora.targetModules",
+                "unset, and this engine's modules have neither q_proj+v_proj nor "
+                f"qkv_proj for a default; name them (supported: {sorted(known)})",
+            )
+    unknown = [m for m in spec.lora.target_modules or () if m not in known]
+    if unknown:
+        raise SpecError(
+            "spec.lora.targetModules",
+            f"unknown module(s) {unknown}; this engine supports {sorted(known)}",
+        )
+    check_task(spec)
+
+
+def check_task(spec: ExperimentSpec) -> None:
+    """Task parameters (free-form in the schema) against the task's known ones."""
+    if spec.task is None:  # a client experiment (spec/client.py)
+        return
+    # Imported here: tasks pull in httpx; reading a manifest should not need it.
+    from loraplex_engine.tasks import check_task as check_params
+
+    try:
+        check_params(spec.task.name, spec.task.params)
+    except TaskError as exc:
+        raise SpecError(exc.field, exc.message) from None

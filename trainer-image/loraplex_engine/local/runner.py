@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from loraplex_engine.api_types import AdapterSync, ExperimentStatus, TickReport
-from loraplex_engine.errors import ApiError, UsageError
-from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.local.checks import check_run, trust_of, with_targets
 from loraplex_engine.local.manifests import Manifest
 from loraplex_engine.parallel.data_parallel import DataParallelTraining
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.launch import data_parallel
 from loraplex_engine.server.flags import resolve_device
-from loraplex_engine.service import TickingEngine
 from loraplex_engine.settings.commands import RunSettings
 from loraplex_engine.settings.generate import to_argv
+from loraplex_engine.spec.api_types import AdapterSync, ExperimentStatus, TickReport
+from loraplex_engine.spec.errors import ApiError, UsageError
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.service import TickingEngine
 from loraplex_engine.store.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:

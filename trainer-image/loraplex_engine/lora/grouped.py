@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from loraplex_engine.errors import AdapterError
+from loraplex_engine.spec.errors import AdapterError
 
 if TYPE_CHECKING:
     from loraplex_engine.lora.routing import Routing

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from loraplex_engine.errors import AdapterError
 from loraplex_engine.lora.grouped import (
     Path,
     check_mode,
@@ -31,6 +30,7 @@ from loraplex_engine.lora.grouped import (
     reference_grouped_mm,
 )
 from loraplex_engine.lora.routing import Router, Routing
+from loraplex_engine.spec.errors import AdapterError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from loraplex_engine.errors import (
+from loraplex_engine.lora.grouped import check_mode
+from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
+from loraplex_engine.lora.routing import Router
+from loraplex_engine.spec.errors import (
     AdapterError,
     DuplicateAdapterError,
     NoFreeSlotError,
@@ -18,9 +21,6 @@ from loraplex_engine.errors import (
     UnknownAdapterError,
     UnknownTargetModuleError,
 )
-from loraplex_engine.lora.grouped import check_mode
-from loraplex_engine.lora.layers import LoRAConfig, MultiLoRALinear
-from loraplex_engine.lora.routing import Router
 
 PEFT_PREFIX = "base_model.model."
 

@@ -5,14 +5,15 @@ the CPU); the LoRA master weights, their gradients and the Adam moments stay fp3
 bf16 weight cannot take a small update: bf16 keeps ~3 significant digits); each LoRA
 layer computes in its input's dtype (lora/layers.py casts A and B, not the activations); the
 log-probs and the loss are fp32 (train/chunked_logprobs.py, algorithms). On CUDA, fp32
-matmuls (the LoRA update's own maths, an fp32 base) may use TF32.
+matmuls (the LoRA update's own maths, an fp32 base) may use TF32. And how much of the
+device is free (the capacity plan's and the vLLM worker's measure).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loraplex_engine.api_types import DTYPE_NAMES
+from loraplex_engine.spec.api_types import DTYPE_NAMES
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -42,3 +43,11 @@ def enable_tf32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def cuda_free_and_total(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device now; None on any other device."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)

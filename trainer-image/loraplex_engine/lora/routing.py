@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loraplex_engine.errors import RoutingError
+from loraplex_engine.spec.errors import RoutingError
 
 
 @dataclass(frozen=True)

@@ -39,19 +39,20 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from loraplex_engine.api_types import (
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.lora.precision import cuda_free_and_total
+from loraplex_engine.memory.fake_model import keep_index_values, with_layers
+from loraplex_engine.memory.plan_sharding import fsdp_groups, unsharded_reserve
+from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
+from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
+from loraplex_engine.spec.api_types import (
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_MICRO_BATCH_TOKENS,
     MAX_NEW_TOKENS,
     MemoryPlan,
 )
-from loraplex_engine.errors import CapacityError
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.lora.model import MultiLoRAModel
-from loraplex_engine.memory.fake_model import keep_index_values, with_layers
-from loraplex_engine.memory.plan_sharding import fsdp_groups, unsharded_reserve
-from loraplex_engine.memory.tracker import LiveBytes, storage_bytes
-from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
+from loraplex_engine.spec.errors import CapacityError
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.rows import TrainRow
@@ -303,14 +304,6 @@ def _check_fits(
 
 
 # --- the engine's plan ----------------------------------------------------------------
-
-
-def cuda_free_and_total(device: torch.device) -> tuple[int, int] | None:
-    """(free, total) bytes of a CUDA device now; None on any other device."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
 
 
 def device_memory(device: torch.device, given: int | None) -> tuple[int | None, int | None]:

@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any
 
-from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
-
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``141GB``, ``1.5e9``: a byte count (ValueError naming the value)."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in UNITS:
-        raise ValueError(f"--device-memory: cannot read {text!r} (e.g. 80GiB, 141GB)")
-    try:
-        return int(float(match.group(1)) * UNITS[unit])
-    except ValueError:
-        raise ValueError(f"--device-memory: cannot read {text!r} (e.g. 80GiB, 141GB)") from None
+from loraplex_engine.settings.values import parse_bytes
+from loraplex_engine.spec.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 
 
 def add_parser(subparsers: Any) -> None:

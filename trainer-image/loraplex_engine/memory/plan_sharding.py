@@ -15,7 +15,7 @@ the tracker sees the rank's real shards and FSDP's real all-gather buffers:
   number of times, which would be a different number of collectives per rank); a tied
   head is the embedding, so a tied model's embedding stays whole too.
 - **rows** (``rank_rows``): the rank's share of the step's rows, as the engine splits
-  them (parallel/row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
+  them (train/row_split.py: whole prompt groups, token-balanced); rank 0's share is planned
   (the largest, ties to the lowest rank).
 
 ``sharded_rank_bytes`` is the arithmetic beside the measurement: the rank's shard of
@@ -38,7 +38,7 @@ from torch import nn
 
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory.tracker import LiveBytes
-from loraplex_engine.parallel.row_split import split_rows_by_rank
+from loraplex_engine.train.row_split import split_rows_by_rank
 from loraplex_engine.train.rows import TrainRow
 
 ALL_GATHER = "all_gather"
@@ -160,7 +160,7 @@ def _full_bytes(p: torch.Tensor) -> int:
 
 
 def rank_rows(rows: Sequence[TrainRow], world_size: int) -> list[TrainRow]:
-    """Rank 0's share of the step's rows, as the engine splits them (parallel/row_split.py)."""
+    """Rank 0's share of the step's rows, as the engine splits them (train/row_split.py)."""
     return split_rows_by_rank(rows, world_size)[0]
 
 

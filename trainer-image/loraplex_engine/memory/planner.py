@@ -24,7 +24,7 @@ rollout's peak moves with depth (Llama-3.1-70B: exact from 20 and 40 layers, 2.1
 from 3 and 4; bench/memory_plan.py's ``CUTS``).
 
 Ranks (``Workload.world_size``): the plan is rank 0's, with its share of the rows as the
-engine splits them (parallel/row_split.py), for training and for the rollout (issue 17: each
+engine splits them (train/row_split.py), for training and for the rollout (issue 17: each
 rank decodes its own rows); with ``shard_base`` the frozen base is sharded by FSDP2's
 own ``fully_shard`` on a fake process group (memory/plan_sharding.py), so the tracker sees the
 rank's shards and FSDP's all-gather buffers (tagged ``all_gather``).
@@ -66,7 +66,6 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from loraplex_engine.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.memory.fake_model import keep_index_values, with_layers
@@ -82,6 +81,7 @@ from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.rollout.torch.backend import _shared_prefill
 from loraplex_engine.rollout.torch.packing import kv_tokens, pack_rollout
 from loraplex_engine.rollout.torch.sampling import Sampler
+from loraplex_engine.spec.api_types import DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.chunked_logprobs import DEFAULT_CHUNK_TOKENS, HiddenStatesForward
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW

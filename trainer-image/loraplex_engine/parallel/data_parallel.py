@@ -2,7 +2,7 @@
 
 First slice: rank 0 runs the whole tick (rollout, rewards, checkpoints) and, in its
 train phase, broadcasts the tick's rows; every rank trains its share of them
-(parallel/row_split.py: whole prompt groups, token-balanced), the LoRA gradients are summed over
+(train/row_split.py: whole prompt groups, token-balanced), the LoRA gradients are summed over
 the ranks (distributed.all_reduce_lora_grads) and every rank takes the same per-adapter
 AdamW step on the same summed gradient, so every rank's adapters stay equal to rank 0's.
 Workers (ranks 1..N-1) do nothing else: they run rank 0's messages, one kind at a time
@@ -59,12 +59,12 @@ from loraplex_engine.parallel import distributed, rollout_shares
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.lockstep import Lockstep
 from loraplex_engine.parallel.rollout_shares import ShareResult
-from loraplex_engine.parallel.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.rollout.backends import RolloutBackend, TorchRollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.settings.engine import check_train_mode
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.optim import AdamWSettings
+from loraplex_engine.train.row_split import split_rollout, split_rows_by_rank
 from loraplex_engine.train.rows import TrainRow, count_rows
 from loraplex_engine.train.strategy import FusedTraining, StepTotals, TrainOutcome, with_totals
 

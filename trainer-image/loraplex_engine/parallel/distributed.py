@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.engine import DEFAULT_DIST_TIMEOUT_S
+from loraplex_engine.spec.errors import UsageError
 
 log = logging.getLogger("loraplex_engine.parallel.distributed")
 

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from loraplex_engine.errors import RankFailed, UsageError
 from loraplex_engine.parallel import distributed
 from loraplex_engine.parallel.distributed import JOINED_KEY, LOOPBACK, World
+from loraplex_engine.spec.errors import RankFailed, UsageError
 
 STARTUP_TIMEOUT_S = 300.0  # for a worker to load the model and check in
 EXIT_TIMEOUT_S = 60.0  # for a released worker to exit

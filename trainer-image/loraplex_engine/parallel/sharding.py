@@ -41,10 +41,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from loraplex_engine.errors import UsageError
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.lockstep import Lockstep
+from loraplex_engine.spec.errors import UsageError
 
 log = logging.getLogger("loraplex_engine.parallel.sharding")
 

@@ -3,6 +3,6 @@
 installed skyrl-gym environment id).
 
 Plug-in code never runs in the engine's process: each experiment that names one gets a
-worker process of its own (worker.py), and every call to it has a wall-clock bound
-(host.py). Kept free of imports: the worker starts from this package.
+worker process of its own (environments/worker.py: it runs the environments too), and
+every call to it has a wall-clock bound (host.py). Kept free of imports.
 """

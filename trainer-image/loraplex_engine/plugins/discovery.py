@@ -134,7 +134,7 @@ def installed() -> Installed:
 
 
 def _list_in_child() -> Installed:
-    cmd = [sys.executable, "-m", "loraplex_engine.plugins.worker", "--list"]
+    cmd = [sys.executable, "-m", "loraplex_engine.environments.worker", "--list"]
     try:
         done = subprocess.run(
             cmd, capture_output=True, timeout=LIST_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL

@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any
 
-from loraplex_engine.errors import PluginError
+from loraplex_engine.spec.api_types import CALL_TIMEOUT_S
+from loraplex_engine.spec.errors import PluginError
 
-CALL_TIMEOUT_S = 30.0  # a call's bound (engine setting --plugin-timeout)
 START_TIMEOUT_S = 60.0  # the worker's start-up, importing the plug-in, on top of a call's
 MAX_ANSWER_BYTES = 16 << 20
 
@@ -48,7 +48,7 @@ class PluginHost:
         self._dead: str | None = None
         self._ready = False
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex_engine.plugins.worker", plugin],
+            [sys.executable, "-m", "loraplex_engine.environments.worker", plugin],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # its own process group: killed whole

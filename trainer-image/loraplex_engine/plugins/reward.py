@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loraplex_engine.errors import RewardError
 from loraplex_engine.plugins.host import PluginHost
+from loraplex_engine.spec.errors import RewardError
 from loraplex_engine.tasks.rewards import RewardItem, check_score
 
 

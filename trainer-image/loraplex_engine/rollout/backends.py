@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from loraplex_engine.api_types import AdapterSync
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.rollout.torch.backend import ForwardFn, RouteFn, generate
 from loraplex_engine.rollout.torch.packing import DEFAULT_ROLLOUT_KV_TOKENS
+from loraplex_engine.spec.api_types import AdapterSync
 
 if TYPE_CHECKING:
     from loraplex_engine.lora.model import MultiLoRAModel

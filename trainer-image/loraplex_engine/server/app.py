@@ -1,5 +1,5 @@
 """The engine's HTTP API (docs/engine-api.md): a thin FastAPI layer over EngineService
-(service.py).
+(spec/service.py).
 
 Everything here translates: JSON in, validated by pydantic; one call on the engine
 (in a worker thread, since engine calls may wait for the running tick); JSON out.
@@ -19,7 +19,16 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex_engine.api_types import (
+from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from loraplex_engine.server.errors import add_error_handlers, documented_errors
+from loraplex_engine.server.metrics_access import sees_tenants, tenant_free
+from loraplex_engine.server.middleware import BearerAuth, BodyLimit
+from loraplex_engine.server.observe import Observe
+from loraplex_engine.server.openai.chat import add_chat_route
+from loraplex_engine.server.openai.completions import add_completions_route
+from loraplex_engine.server.openai.models import add_models_routes
+from loraplex_engine.spec.api_types import (
+    DEFAULT_MAX_COMPLETION_TOKENS,
     RUN_ID_MAX_LENGTH,
     RUN_ID_PATTERN,
     Capacity,
@@ -27,24 +36,15 @@ from loraplex_engine.api_types import (
     ExperimentStatus,
     VersionSummary,
 )
-from loraplex_engine.errors import ApiError, InvalidRequestError, UnavailableError
-from loraplex_engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
-from loraplex_engine.server.errors import add_error_handlers, documented_errors
-from loraplex_engine.server.metrics_access import sees_tenants, tenant_free
-from loraplex_engine.server.middleware import BearerAuth, BodyLimit
-from loraplex_engine.server.observe import Observe
-from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
-from loraplex_engine.server.openai.chat import add_chat_route
-from loraplex_engine.server.openai.completions import add_completions_route
-from loraplex_engine.server.openai.models import add_models_routes
-from loraplex_engine.service import EngineService
-from loraplex_engine.spec import ExperimentSpec
-from loraplex_engine.versions.spec import PublishSpec
+from loraplex_engine.spec.errors import ApiError, InvalidRequestError, UnavailableError
+from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.publish import PublishSpec
+from loraplex_engine.spec.service import EngineService
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # DNS-1123 label: no dots
 MAX_BODY_BYTES = 4 * 1024 * 1024  # 16 prompts of 8192 characters, JSON-escaped, fit
-TINKER_PREFIX = "/api/v1"  # the Tinker protocol's routes (tinker/routes.py)
+TINKER_PREFIX = "/api/v1"  # the Tinker protocol's routes (server/tinker/routes.py)
 
 
 ExpId = Annotated[
@@ -119,7 +119,7 @@ def create_app(
     ready / alive: readiness and liveness beyond ``engine.is_ready()``.
     tinker_keys / training: with ``training`` (the engine's ``TrainingService``, a
         getter: it raises ``UnavailableError`` until the engine has loaded) the Tinker
-        protocol is served under ``/api/v1`` (tinker/routes.py) to ``tinker_keys`` (a
+        protocol is served under ``/api/v1`` (server/tinker/routes.py) to ``tinker_keys`` (a
         ``tinker.keys.KeyStore``: tenants' API keys, each a namespace) and to ``token``
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
         mount_tinker(
@@ -320,7 +320,7 @@ def create_app(
 
     if training is not None and (tinker_keys is not None or token):
         # Imported only here: the protocol's wire needs numpy and the tinker SDK's protobuf.
-        from loraplex_engine.tinker.routes import mount_tinker
+        from loraplex_engine.server.tinker.routes import mount_tinker
 
         mount_tinker(
             app,

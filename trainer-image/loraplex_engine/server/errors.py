@@ -2,7 +2,7 @@
 "param"}}``: the engine's own keys and OpenAI's (``type``, ``param`` = ``field``), so
 both the operator's client and OpenAI clients read them.
 
-The one place an HTTP status is chosen for an :class:`ApiError` (errors.py knows nothing
+The one place an HTTP status is chosen for an :class:`ApiError` (spec/errors.py knows nothing
 of HTTP), the translation of pydantic's request validation errors into a field path,
 and the app's exception handlers. Only a bug in the engine answers 500.
 """
@@ -18,14 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex_engine.echo import clip
-from loraplex_engine.errors import (
+from loraplex_engine.spec.echo import clip
+from loraplex_engine.spec.errors import (
     ApiError,
     BadCheckpointError,
     BodyTooLargeError,
     ConflictError,
     InvalidRequestError,
     InvalidSpecError,
+    NamespaceShareError,
     NoCapacityError,
     NotFoundError,
     UnauthorizedError,
@@ -42,6 +43,7 @@ HTTP_STATUS: dict[type[ApiError], int] = {
     NotFoundError: 404,
     ConflictError: 409,
     NoCapacityError: 409,
+    NamespaceShareError: 409,
     BodyTooLargeError: 413,
     InvalidRequestError: 422,
     InvalidSpecError: 422,

@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import add_flags, env_epilog, from_namespace
+from loraplex_engine.spec.errors import UsageError
 from loraplex_engine.tenancy.object_store import ObjectStore, credentials_from
 from loraplex_engine.tenancy.plugin_access import PluginAccess
 
@@ -115,7 +115,7 @@ def read_tinker_keys(settings: ServeSettings) -> Any:
     no Tinker protocol. Raises UsageError for a source that cannot be read or parsed."""
     if not settings.tinker_keys:
         return None
-    from loraplex_engine.tinker.keys import KeyFileError, KeyStore
+    from loraplex_engine.server.tinker.keys import KeyFileError, KeyStore
 
     try:
         store = KeyStore(settings.tinker_keys)

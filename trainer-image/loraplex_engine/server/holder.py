@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex_engine.api_types import (
+from loraplex_engine.spec.api_types import (
     Capacity,
     CheckpointRef,
     ExperimentStatus,
     TickReport,
     VersionSummary,
 )
-from loraplex_engine.errors import UnavailableError
-from loraplex_engine.service import PromptJob, ServedRow, TickingEngine
+from loraplex_engine.spec.errors import UnavailableError
+from loraplex_engine.spec.service import PromptJob, ServedRow, TickingEngine
 
 
 class EngineHolder:

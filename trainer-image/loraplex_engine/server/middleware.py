@@ -11,10 +11,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_engine.errors import BodyTooLargeError, UnauthorizedError
 from loraplex_engine.server.errors import error_json, error_response
+from loraplex_engine.spec.errors import BodyTooLargeError, UnauthorizedError
 
-NAMESPACE_HEADER = b"x-loraplex-namespace"  # tinker/keys.py's, as ASGI spells headers
+NAMESPACE_HEADER = b"x-loraplex-namespace"  # server/tinker/keys.py's, as ASGI spells headers
 
 # Probes, metrics and the schema stay open: kubelet holds no token; /metrics answers
 # tenants' series only to the token (server/metrics_access.py).
@@ -25,7 +25,7 @@ class BearerAuth:
     """Rejects every non-open path without the right bearer token (constant-time).
 
     ``tenant_prefix``: paths under it (the Tinker routes, ``/api/v1/``) authenticate
-    in the routes (tinker/rest.py): with a tenant's own API key, or with this token and
+    in the routes (server/tinker/rest.py): with a tenant's own API key, or with this token and
     ``X-Loraplex-Namespace`` (a gateway acting for a namespace). A request that names a
     namespace in that header without this token is refused here, on every path, so a
     tenant key can never claim a namespace. A request with that header is a tenant's,

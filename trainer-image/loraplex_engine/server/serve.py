@@ -13,7 +13,7 @@ Order of events:
    its current tick and every running experiment is checkpointed (the pod's
    termination grace period covers this), and the process exits 0.
 
-``--world-size N`` (parallel/serve_ranks.py): this process is rank 0 of N data-parallel ranks; it
+``--world-size N`` (server/serve_ranks.py): this process is rank 0 of N data-parallel ranks; it
 starts the others (or torchrun started every rank) before step 2's engine, and the
 engine is ready once every rank has loaded. A worker rank binds nothing and follows.
 
@@ -35,21 +35,21 @@ from typing import Any
 import psutil
 
 from loraplex_engine.base_model import check_model_dir
-from loraplex_engine.errors import ApiError, RankFailed, UnavailableError, UsageError
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
-from loraplex_engine.parallel.serve_ranks import RankGroup, is_worker, run_worker
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.preflight import check_rollout
 from loraplex_engine.server import flags
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.holder import EngineHolder
-from loraplex_engine.service import TickingEngine
+from loraplex_engine.server.serve_ranks import RankGroup, is_worker, run_worker
+from loraplex_engine.server.tinker.future_table import FutureLimits
 from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
+from loraplex_engine.spec.errors import ApiError, RankFailed, UnavailableError, UsageError
+from loraplex_engine.spec.service import TickingEngine
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
-from loraplex_engine.tinker.future_table import FutureLimits
 from loraplex_engine.tracking.hub import TickObservers, start_tracking
 
 log = logging.getLogger("loraplex_engine.server.serve")
@@ -89,7 +89,7 @@ class EngineLoop:
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
         self.max_errors = max_errors
-        # Data parallel (parallel/serve_ranks.py): the idle loop's heartbeat to the workers, and
+        # Data parallel (server/serve_ranks.py): the idle loop's heartbeat to the workers, and
         # the fatal exit a failed tick means when the ranks may be mid-collective.
         self.on_idle = on_idle
         self.on_error = on_error
@@ -137,7 +137,7 @@ class EngineLoop:
             except Exception as e:
                 errors += 1
                 log.exception("engine tick failed (%d in a row)", errors)
-                if self.on_error is not None:  # several ranks: no retry (parallel/serve_ranks.py)
+                if self.on_error is not None:  # several ranks: no retry (server/serve_ranks.py)
                     self.on_error(e)
                 if errors >= self.max_errors:
                     log.error("engine loop stopping after %d failed ticks", errors)

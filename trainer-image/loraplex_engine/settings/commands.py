@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from loraplex_engine.server.openai.api import DEFAULT_MAX_COMPLETION_TOKENS
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.engine import ProcessSettings
 from loraplex_engine.settings.tracking import TrackingSettings
 from loraplex_engine.settings.values import Flag
-from loraplex_engine.tinker.future_table import (
+from loraplex_engine.spec.api_types import DEFAULT_MAX_COMPLETION_TOKENS
+from loraplex_engine.spec.tinker_limits import (
+    DEFAULT_MAX_SESSIONS,
     FUTURE_TTL_S,
     FUTURES_PER_NAMESPACE,
     RETRIEVED_GRACE_S,
 )
-from loraplex_engine.tinker.metadata import DEFAULT_MAX_SESSIONS
 
 
 class ServeSettings(ProcessSettings, TrackingSettings):

@@ -12,7 +12,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from loraplex_engine.api_types import (
+from loraplex_engine.settings import values as v
+from loraplex_engine.settings.values import Flag
+from loraplex_engine.spec.api_types import (
+    CALL_TIMEOUT_S,
     DEFAULT_CLIENT_TICK_GATHER_S,
     DEFAULT_KEEP_RUNS,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -25,10 +28,7 @@ from loraplex_engine.api_types import (
     DTYPE_NAMES,
     LORA_KERNELS,
 )
-from loraplex_engine.errors import UsageError
-from loraplex_engine.plugins.host import CALL_TIMEOUT_S
-from loraplex_engine.settings import values as v
-from loraplex_engine.settings.values import Flag
+from loraplex_engine.spec.errors import UsageError
 
 ROLLOUT_BACKENDS = ("torch", "vllm")
 TRAIN_MODES = ("fused", "timesliced")

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings import values as v
 from loraplex_engine.settings.values import EnvValue, Flag
+from loraplex_engine.spec.errors import UsageError
 
 S = TypeVar("S", bound=BaseModel)
 

@@ -15,10 +15,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loraplex_engine.api_types import DTYPE_NAMES, LORA_KERNELS
-from loraplex_engine.memory.plan_cli import parse_bytes
+from loraplex_engine.spec.api_types import DTYPE_NAMES, LORA_KERNELS
 
 ENV_PREFIX = "LORAPLEX_"
+
+# Byte counts (``--device-memory 80GiB``): decimal and binary units.
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``141GB``, ``1.5e9``: a byte count (ValueError naming the value)."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in UNITS:
+        raise ValueError(f"--device-memory: cannot read {text!r} (e.g. 80GiB, 141GB)")
+    try:
+        return int(float(match.group(1)) * UNITS[unit])
+    except ValueError:
+        raise ValueError(f"--device-memory: cannot read {text!r} (e.g. 80GiB, 141GB)") from None
+
 
 # store: --flag VALUE; switch: --flag (store_true); toggle: --flag/--no-flag;
 # append: --flag VALUE, repeatable (a variable holds the whole list); merge: as append,

@@ -22,9 +22,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from loraplex_engine.errors import AdapterError, CheckpointError
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import PEFT_PREFIX, MultiLoRAModel, check_state_dict
+from loraplex_engine.spec.errors import AdapterError, CheckpointError
 from loraplex_engine.train.optim import PerAdapterAdamW
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex_engine.errors import CheckpointQuotaError
+from loraplex_engine.spec.errors import CheckpointQuotaError
 
 
 def tree_bytes(path: Path) -> int:

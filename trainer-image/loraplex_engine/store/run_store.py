@@ -35,16 +35,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 
-from loraplex_engine.api_types import (
+from loraplex_engine.experiment import Experiment
+from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.api_types import (
     DEFAULT_KEEP_RUNS,
     RUN_ID_MAX_LENGTH,
     RUN_ID_PATTERN,
     CheckpointRef,
 )
-from loraplex_engine.errors import BadCheckpointError, CheckpointError, StorageFullError
-from loraplex_engine.experiment import Experiment
-from loraplex_engine.lora.layers import LoRAConfig
-from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import BadCheckpointError, CheckpointError, StorageFullError
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 from loraplex_engine.tenancy.trust import checkpoint_inside

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex_engine.errors import NoCapacityError, NoFreeSlotError
 from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import NoCapacityError, NoFreeSlotError
 from loraplex_engine.store import checkpoint as ckpt
 
 

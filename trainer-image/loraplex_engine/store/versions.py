@@ -36,7 +36,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from loraplex_engine.errors import CheckpointError
+from loraplex_engine.spec.errors import CheckpointError
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 

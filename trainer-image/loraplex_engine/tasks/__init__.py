@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loraplex_engine.data.sources import DatasetSource
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.builtin import (
     ArithmeticTask,

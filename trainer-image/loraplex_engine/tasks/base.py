@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.rewards import BuiltinReward, Reward, RewardItem
 
 

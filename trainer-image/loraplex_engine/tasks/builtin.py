@@ -10,7 +10,7 @@ import random
 import re
 from collections.abc import Mapping
 
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task, bool_param, int_param
 from loraplex_engine.tasks.rewards import coverage, prefix_overlap
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from loraplex_engine.data.sources import DatasetSource, LocalSource
 from loraplex_engine.data.spool import SpooledRows
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.jsonl import JsonlTask
 from loraplex_engine.tasks.rewards import Reward, exact_match

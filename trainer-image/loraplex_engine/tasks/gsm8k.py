@@ -1,7 +1,7 @@
-"""The ``gsm8k`` task: generated GSM8K-style word problems (workloads/gsm8k.py).
+"""The ``gsm8k`` task: generated GSM8K-style word problems (tasks/gsm8k_problems.py).
 
 Default reward: the completion's final answer (``#### n``, ``\\boxed{n}`` or the last
-number) is the problem's integer answer, exactly (workloads/math_answer.py; no sympy in
+number) is the problem's integer answer, exactly (tasks/math_answer.py; no sympy in
 the engine's process). ``task.reward: math-verify`` scores with the math-verify plug-in
 instead (symbolic equivalence, in the experiment's plug-in worker).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task, bool_param, int_param
-from loraplex_engine.workloads.gsm8k import generate
-from loraplex_engine.workloads.math_answer import number_matches
+from loraplex_engine.tasks.gsm8k_problems import generate
+from loraplex_engine.tasks.math_answer import number_matches
 
 HINT = " Give the final answer as a number after ####."
 MAX_STEPS = 8

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex_engine.errors import TaskError
-from loraplex_engine.tasks import jsonl_rows
+from loraplex_engine.data import jsonl_rows
+from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks.base import Prompt, Task
 from loraplex_engine.tasks.rewards import Reward, exact_match
 from loraplex_engine.tenancy.data_files import DataFile, beneath

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from loraplex_engine.errors import ExchangeError, RewardError, TaskError
+from loraplex_engine.spec.errors import ExchangeError, RewardError, TaskError
 from loraplex_engine.tenancy.reward_exchange import (
     MAX_REWARD_ANSWER_BYTES,
     REWARD_TIMEOUT_S,

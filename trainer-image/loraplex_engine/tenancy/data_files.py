@@ -17,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-from loraplex_engine.errors import TaskError
+from loraplex_engine.spec.errors import TaskError
 
 FIELD = "spec.task.dataset"
 # O_NONBLOCK: opening a FIFO planted under the name would otherwise block the tick for ever.

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from loraplex_engine.errors import TaskError, UsageError
+from loraplex_engine.spec.errors import TaskError, UsageError
 
 FIELD = "spec.task.dataset"
 SCHEMES = ("s3", "gs")

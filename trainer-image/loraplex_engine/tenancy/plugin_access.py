@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loraplex_engine.errors import UsageError
+from loraplex_engine.spec.errors import UsageError
 
 if TYPE_CHECKING:
     from loraplex_engine.plugins.discovery import Installed

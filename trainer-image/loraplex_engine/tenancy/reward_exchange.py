@@ -27,7 +27,7 @@ from typing import Any
 
 import httpcore
 
-from loraplex_engine.errors import ExchangeError
+from loraplex_engine.spec.errors import ExchangeError
 
 REWARD_TIMEOUT_S = 30.0
 # Scores for the largest step (--max-step-tokens bounds its rows to thousands) are tens of

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loraplex_engine.errors import TaskError, UsageError
+from loraplex_engine.spec.errors import TaskError, UsageError
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.plugin_access import PluginAccess
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex_engine.errors import InvalidRequestError, InvalidSpecError, TaskError
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.errors import InvalidRequestError, InvalidSpecError, TaskError
+from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.tokens import TokenCodec
 
 # A prompt over this many characters per token of the prompt limit is refused before it is
@@ -56,7 +56,7 @@ class WorkLimits:
                 field="spec.algorithm.promptsPerStep",
             )
         ev = spec.evaluation
-        # An eval's rows ride in the tick of a step (tick.py): the two together are bounded.
+        # An eval's rows ride in the tick of a step (tick/tick.py): the two together are bounded.
         eval_rows = 0 if ev is None else ev.prompts * ev.samples
         if (rows + eval_rows) * row > self.max_step_tokens:
             raise InvalidSpecError(

@@ -15,9 +15,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from loraplex_engine.api_types import TickReport
-from loraplex_engine.errors import UsageError
 from loraplex_engine.settings.tracking import TrackingSettings
+from loraplex_engine.spec.api_types import TickReport
+from loraplex_engine.spec.errors import UsageError
 from loraplex_engine.tracking.records import records_of
 from loraplex_engine.tracking.sink import Sink, Tracker
 

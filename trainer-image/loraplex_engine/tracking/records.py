@@ -6,7 +6,7 @@ the adapter it evaluated, one before the step it rode along with). The run is th
 engine's: one per experiment run, found again by its
 ``loraplex.runId`` tag after a restart; the tenant's spec.tracking only names it and adds
 tags, and the system tags (namespace, experiment, run id, pool) are set last, so a tenant
-can override none of them (its tag names have no dot: spec_blocks/tracking.py).
+can override none of them (its tag names have no dot: spec/tracking.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loraplex_engine.api_types import ExperimentTick, TickReport
-from loraplex_engine.evaluation.scores import EvalResult
+from loraplex_engine.spec.api_types import ExperimentTick, TickReport
+from loraplex_engine.spec.eval_scores import EvalResult
 
 # An eval's metrics (docs/evaluation.md), recorded at the evaluated adapter's step.
 EVAL_METRICS = ("eval_reward", "eval_pass_at_k", "eval_tokens")

@@ -9,10 +9,8 @@ point of their own schedule, and a resume continues where the checkpoint stopped
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-LRScheduleName = Literal["constant", "cosine"]
-LR_SCHEDULES: tuple[LRScheduleName, ...] = ("constant", "cosine")
+from loraplex_engine.spec.algorithm import LR_SCHEDULES
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int = 0, total_steps: int = 0) -> float:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from loraplex_engine.errors import AdapterError, UnknownAdapterError
 from loraplex_engine.lora.model import MultiLoRAModel, check_state_dict
-from loraplex_engine.spec import AlgorithmSpec
-from loraplex_engine.train.lr_schedule import LR_SCHEDULES, lr_factor
+from loraplex_engine.spec.algorithm import LR_SCHEDULES
+from loraplex_engine.spec.errors import AdapterError, UnknownAdapterError
+from loraplex_engine.spec.experiment import AlgorithmSpec
+from loraplex_engine.train.lr_schedule import lr_factor
 
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm; kept equal so clipping
 # matches it to the last bit of arithmetic it shares.

@@ -1,6 +1,6 @@
 """What one experiment's step looked like beyond its mean reward: the spread of its
 rewards, how long its completions were, and how uncertain its sampler was. Pure: the tick
-records them on its ExperimentTick (api_types.py), for the experiment trackers
+records them on its ExperimentTick (spec/api_types.py), for the experiment trackers
 (tracking/) and the local runner's summary."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from loraplex_engine.errors import CheckpointError
+from loraplex_engine.spec.errors import CheckpointError
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions import names
 

@@ -14,29 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loraplex_engine.api_types import VersionSummary
-from loraplex_engine.evaluation.scores import EvalResult
-from loraplex_engine.versions.spec import LATEST, STABLE, PromoteWhen, PublishSpec
-
-
-@dataclass
-class PublishState:
-    """An experiment's versions as the engine tracks them (Experiment.published)."""
-
-    window: list[float] = field(default_factory=list)  # step rewards since the last version
-    recent: list[VersionSummary] = field(default_factory=list)  # newest last
-    aliases: dict[str, int] = field(default_factory=dict)
-    error: str | None = None  # the last publish's or alias update's problem
-    # The latest eval (spec.eval) of this placement: its scores join the next version's.
-    last_eval: EvalResult | None = None
-    # An everySteps version due at this step waits for the eval of the same step.
-    awaiting_eval: int | None = None
-    # The best eval score of each kind among the published versions (onEvalImprovement).
-    best: dict[str, float] = field(default_factory=dict)
-    # The last publish.requestToken published (store/versions.py keeps it on disk).
-    token: str | None = None
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.publish import LATEST, STABLE, PromoteWhen, PublishSpec
 
 
 def due(step: int, spec: PublishSpec | None) -> bool:

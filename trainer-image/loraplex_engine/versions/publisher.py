@@ -16,23 +16,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.api_types import VersionSummary
 from loraplex_engine.base_model import fingerprint
-from loraplex_engine.errors import (
+from loraplex_engine.experiment import Experiment, PublishState, check_same
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.api_types import VersionSummary
+from loraplex_engine.spec.errors import (
     CheckpointError,
     ConflictError,
     NotFoundError,
     UnavailableError,
 )
-from loraplex_engine.evaluation.scores import EvalResult
-from loraplex_engine.experiment import Experiment, check_same
-from loraplex_engine.lora.model import MultiLoRAModel
-from loraplex_engine.spec import ExperimentSpec
+from loraplex_engine.spec.eval_scores import EvalResult
+from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.publish import STABLE, PublishSpec, hand_aliases, pinned_versions
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.versions import Manifest, VersionStore, version_name
 from loraplex_engine.versions import names
 from loraplex_engine.versions.policy import (
-    PublishState,
     best_scores,
     due,
     eval_score,
@@ -45,7 +45,6 @@ from loraplex_engine.versions.policy import (
     token_due,
 )
 from loraplex_engine.versions.slot_cache import VersionSlots, resident_name
-from loraplex_engine.versions.spec import STABLE, PublishSpec, hand_aliases, pinned_versions
 
 log = logging.getLogger("loraplex_engine.versions")
 

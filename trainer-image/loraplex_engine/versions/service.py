@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from loraplex_engine.api_types import ExperimentStatus, VersionSummary
 from loraplex_engine.experiment import Experiment
+from loraplex_engine.spec.api_types import ExperimentStatus, VersionSummary
+from loraplex_engine.spec.publish import PublishSpec
 from loraplex_engine.versions.publisher import Publisher
-from loraplex_engine.versions.spec import PublishSpec
 
 
 class _Host(Protocol):

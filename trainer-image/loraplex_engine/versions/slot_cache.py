@@ -26,8 +26,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from loraplex_engine.errors import NoCapacityError, NoFreeSlotError
 from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import NoCapacityError, NoFreeSlotError
 from loraplex_engine.store import checkpoint as ckpt
 
 log = logging.getLogger("loraplex_engine.versions.slots")

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from loraplex_engine.errors import CalcError
+from loraplex_engine.spec.errors import CalcError
 
 MAX_CHARS = 200
 MAX_NODES = 64

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from loraplex_engine.echo import clip
 from loraplex_engine.environments.base import Environment, ParamError, Step
+from loraplex_engine.spec.echo import clip
 from loraplex_engine.workloads.calculator import calculate
 from loraplex_engine.workloads.math_reward import score_one
 

@@ -6,7 +6,7 @@ Hugging Face's ``math_verify`` (``1,000`` = ``1000``, ``\\frac{36}{2}`` = ``18``
 ``18.0`` = ``18``), else 0.0. The gold is a row's ``answer`` column: a number, or a
 GSM8K solution ending ``#### n``.
 
-Runs in the experiment's plug-in worker (plugins/worker.py), on its main thread, so
+Runs in the experiment's plug-in worker (environments/worker.py), on its main thread, so
 math_verify's own signal-based timeouts work. Hostile completions are bounded three
 ways: only the tail is searched and the extracted answer is at most 64 characters
 (math_answer.py); an answer with a power or a factorial scores 0 unparsed (a big integer
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loraplex_engine.workloads.math_answer import final_answer, gold_answer, risky
+from loraplex_engine.tasks.math_answer import final_answer, gold_answer, risky
 
 TIMEOUT_S = 1  # per parse and per comparison (math_verify takes whole seconds)
 

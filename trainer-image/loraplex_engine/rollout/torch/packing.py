@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loraplex_engine.api_types import DEFAULT_ROLLOUT_KV_TOKENS
 from loraplex_engine.rollout.base import RolloutRequest
+from loraplex_engine.spec.api_types import DEFAULT_ROLLOUT_KV_TOKENS
 
 __all__ = ["DEFAULT_ROLLOUT_KV_TOKENS", "kv_tokens", "pack_rollout", "prompt_groups"]
 

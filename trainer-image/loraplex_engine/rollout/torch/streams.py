@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex_engine.api_types import MemoryPlan
+from loraplex_engine.spec.api_types import MemoryPlan
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex_engine.errors import VLLMWorkerError
+from loraplex_engine.spec.errors import VLLMWorkerError
 
 if TYPE_CHECKING:
     import torch

@@ -20,10 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from loraplex_engine.api_types import MAX_NEW_TOKENS, AdapterSync
-from loraplex_engine.errors import UsageError, VLLMWorkerError
-from loraplex_engine.lora.precision import dtype_name
-from loraplex_engine.memory.capacity_plan import cuda_free_and_total
+from loraplex_engine.lora.precision import cuda_free_and_total, dtype_name
 from loraplex_engine.rollout.backends import ExportFn, RolloutParts, SyncResult
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.rollout.vllm.backend import RequestError, VLLMRollout
@@ -36,6 +33,8 @@ from loraplex_engine.rollout.vllm.requests import (
     plan_requests,
     rows_from,
 )
+from loraplex_engine.spec.api_types import MAX_NEW_TOKENS, AdapterSync
+from loraplex_engine.spec.errors import UsageError, VLLMWorkerError
 
 log = logging.getLogger("loraplex_engine.rollout")
 # Worker restarts one generate call may spend before it fails (and with it the tick).

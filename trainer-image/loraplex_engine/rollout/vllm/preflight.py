@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from loraplex_engine.errors import UsageError
+from loraplex_engine.spec.errors import UsageError
 
 
 def check(options: Mapping[str, Any], device: str) -> None:

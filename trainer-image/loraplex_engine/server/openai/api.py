@@ -22,7 +22,6 @@ MAX_PROMPT_TOKENS = 8_192
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 5  # alternatives per token, OpenAI's bound for completions
 MAX_MESSAGES = 256
-DEFAULT_MAX_COMPLETION_TOKENS = 512
 
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]

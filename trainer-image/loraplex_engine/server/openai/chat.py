@@ -33,7 +33,7 @@ from loraplex_engine.server.openai.choices import (
     usage,
 )
 from loraplex_engine.server.openai.completions import check_model
-from loraplex_engine.service import EngineService
+from loraplex_engine.spec.service import EngineService
 
 
 class ChatCompletionResponse(BaseModel):

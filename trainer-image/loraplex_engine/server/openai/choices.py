@@ -1,7 +1,7 @@
 """Serving OpenAI choices from the engine: sampled tokens → text, stop strings, log-probs.
 
 A request's prompts each become one ``engine.complete`` call with a ``PromptJob`` (``n``
-rows; service.py) in a worker thread; the engine serves it in its next rollout batch. The
+rows; spec/service.py) in a worker thread; the engine serves it in its next rollout batch. The
 torch backend reports every token as its decode step makes it (``PromptJob.on_token``,
 from the tick's thread, handed to the event loop without blocking), so a stream's chunks
 leave while the row is still decoding; the vLLM backend answers whole rows, which are fed
@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from loraplex_engine.service import EngineService, PromptJob, ServedRow
+from loraplex_engine.spec.service import EngineService, PromptJob, ServedRow
 
 COMPLETION_THREADS = 32
 DISCONNECT_POLL_S = 1.0
@@ -249,8 +249,8 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 def stream_error(exc: Exception) -> dict[str, Any]:
     """An error after the stream began (the status line is gone): OpenAI's error event."""
-    from loraplex_engine.errors import ApiError
     from loraplex_engine.server.errors import error_body, http_status
+    from loraplex_engine.spec.errors import ApiError
 
     if isinstance(exc, ApiError):
         return error_body(exc.code, exc.message, exc.field, http_status(exc))

@@ -19,7 +19,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from loraplex_engine.errors import NotFoundError
 from loraplex_engine.server.errors import streamed_or_json
 from loraplex_engine.server.observe import ServingCall, serving_call
 from loraplex_engine.server.openai.api import CompletionRequestBase, with_token_limit
@@ -32,7 +31,8 @@ from loraplex_engine.server.openai.choices import (
     stream_error,
     usage,
 )
-from loraplex_engine.service import EngineService
+from loraplex_engine.spec.errors import NotFoundError
+from loraplex_engine.spec.service import EngineService
 
 
 class CompletionResponse(BaseModel):

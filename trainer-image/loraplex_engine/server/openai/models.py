@@ -16,10 +16,10 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from loraplex_engine.api_types import ExperimentStatus
-from loraplex_engine.errors import NotFoundError
 from loraplex_engine.server.errors import documented_errors
-from loraplex_engine.service import EngineService
+from loraplex_engine.spec.api_types import ExperimentStatus
+from loraplex_engine.spec.errors import NotFoundError
+from loraplex_engine.spec.service import EngineService
 
 OWNER = "loraplex"
 

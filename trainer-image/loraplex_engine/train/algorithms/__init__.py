@@ -34,7 +34,7 @@ from loraplex_engine.train.algorithms.grpo import (
 )
 
 if TYPE_CHECKING:  # the training core runs without pydantic (the GPU bench): types only
-    from loraplex_engine.spec import AlgorithmSpec
+    from loraplex_engine.spec.experiment import AlgorithmSpec
 
 
 def grpo(spec: AlgorithmSpec, max_new_tokens: int) -> Algorithm:

@@ -1,5 +1,5 @@
 """Token-level losses as the Tinker protocol defines them (``tinker.types.LossFnType``),
-for models a client trains itself (clients/, training_service.py).
+for models a client trains itself (clients/, spec/training_service.py).
 
 Unlike GRPO's loss (grpo.py: a masked mean per sequence, a mean over sequences), these
 are **sums over tokens**: a datum's loss is the sum of its ``elementwise_loss`` and a
