@@ -425,14 +425,15 @@ class Engine(ClientExperimentAPI, Versions):
         self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
+            cheapest = min((e.step_cost for e in running if e.step_cost > 0), default=None)
             with self._jobs_lock:  # pick and take together: no wake-up is lost
-                train = self._tick.has_work(running) or self.clients.has_work()
+                train = self._tick.has_work(running) or self.clients.has_work(cheapest)
                 kind = self.time_share.pick(train=train, serve=bool(self._jobs))
                 if kind is None:
                     self.work_available.clear()
                     return None
                 jobs: list[CompletionJob] = []
-                client = self.clients.take(train=kind == "train")
+                client = self.clients.take(kind == "train", cheapest)
                 if kind == "serve":
                     jobs, self._jobs = take_in_turn(
                         self._jobs, CompletionJob.model_of, CompletionJob.cost, self.max_step_tokens

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex_engine.api_types import CheckpointRef
-from loraplex_engine.clients import saved
+from loraplex_engine.clients import saved, taking
 from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
@@ -41,6 +41,7 @@ from loraplex_engine.errors import (
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import tree_bytes
+from loraplex_engine.tenancy.client_share import ClientShare, Lanes
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.training_service import (
     AdamStep,
@@ -63,6 +64,7 @@ MLP = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc
 UNEMBED = frozenset({"lm_head"})
 # Tinker's AdamParams defaults until the first optim_step configures the model's own.
 DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+UNBOUNDED = 1 << 62  # a registry without an engine (unit tests): no ceiling
 
 
 class ClientModels:
@@ -80,6 +82,8 @@ class ClientModels:
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
         self._refusing: str | None = None
+        # Client work a tick takes, across namespaces (tenancy/client_share.py).
+        self.share = ClientShare(getattr(host, "max_step_tokens", None) or UNBOUNDED)
 
     # ---- the registry -------------------------------------------------------------------
 
@@ -314,10 +318,11 @@ class ClientModels:
 
     # ---- the tick's side --------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        """A call is queued: the next training tick has client work (tenancy/time_share.py)."""
+    def has_work(self, reference: int | None = None) -> bool:
+        """The next training tick would take a call (tenancy/time_share.py): the fair
+        share may hold a dear namespace's calls back (tenancy/client_share.py)."""
         with self._lock:
-            return bool(self._samples) or any(m.queue for m in self._models.values())
+            return bool(self.share.plan(self._lanes(), reference, time.monotonic()).taken)
 
     def gather(self, clock: Callable[[], float] = time.monotonic) -> None:
         """Before a tick: wait until every model on its way (gather.waiting_on) has its
@@ -338,27 +343,33 @@ class ClientModels:
                     return
                 self._queued.wait(left)
 
-    def take(self, train: bool = True) -> ClientTick:
-        """This tick's work: one segment of every model's queue (of at most
-        ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
-        and every sample call; none for a serving tick (a client's calls, its samples
-        too, are its training loop's)."""
+    def take(self, train: bool = True, reference: int | None = None) -> ClientTick:
+        """This tick's work, as the fair share takes it across namespaces
+        (tenancy/client_share.py; ``reference``: the cheapest running experiment's step
+        cost): of each model a prefix of its first segment, of at most
+        ``models_per_tick`` models in turn (a model taken goes to the back of the line),
+        and sample calls; none for a serving tick (a client's calls, its samples too, are
+        its training loop's)."""
         if not train:
             return ClientTick(self, [], [])
-        limit = self.models_per_tick
         with self._lock:
-            segments: list[tuple[ClientModel, list[Op]]] = []
-            for key, model in list(self._models.items()):
-                if limit is not None and len(segments) >= limit:
-                    break
-                if seg := model.take_segment():
-                    segments.append((model, seg))
-                    if limit is not None:
-                        self._models[key] = self._models.pop(key)
-            samples, self._samples = self._samples, []
+            taken = self.share.take(self._lanes(), reference, time.monotonic())
+            segments, samples = taking.pop(taken)
+            gone = {id(op) for op in samples}
+            self._samples = [op for op in self._samples if id(op) not in gone]
             if segments:
                 self._served_last = {m for m, _ in segments}
+            if self.models_per_tick is not None:
+                for model, _ in segments:
+                    key = (model.info.namespace, model.info.model_id)
+                    self._models[key] = self._models.pop(key)
         return ClientTick(self, segments, samples)
+
+    def _lanes(self) -> Lanes[taking.Taken]:
+        models = [m for m in self._models.values() if m.queue]
+        if self.models_per_tick is not None:
+            models = models[: self.models_per_tick]
+        return taking.lanes(models, self._samples)
 
     def refuse(self, reason: str) -> None:
         """No tick will run again: answer every queued call, and every later one."""
