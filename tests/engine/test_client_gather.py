@@ -129,3 +129,37 @@ def test_a_call_is_held_no_longer_than_the_window_after_it_arrived() -> None:
     arrived = b.queue[0].queued_at
     clients.gather(clock=lambda: arrived + LONG_S)  # the window has passed: at once
     assert _taken(clients) == {"b": ["forward_backward"]}
+
+
+class _Rows:  # a training call's data as the fair share prices it: its tokens
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def _train_op(tokens: int, queued_at: float | None = None) -> Op:
+    op = Op("forward_backward", ([_Rows(tokens)], None, True))
+    if queued_at is not None:
+        op.queued_at = queued_at
+    return op
+
+
+def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() -> None:
+    """Team-a's big call has waited long, held back by the fair share (its namespace is
+    dear and in debt: tenancy/client_share.py); team-b's forward_backward has just
+    arrived, its optim_step on its way. The window runs from the oldest call the tick
+    would take (b's), so the gather waits for b's step and the tick takes it whole; timing
+    from a's call would start the tick at once and split b's step over two ticks."""
+    a = ClientModel(ClientModelInfo("a", "team-a", "base", "tok", ClientLora(rank=4)), "a")
+    b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
+    a.queue.append(_train_op(1000, queued_at=0.0))
+    b.queue.append(_train_op(10))
+    clients = ClientModels(host=None, gather_s=LONG_S)
+    clients._models = {("team-a", "a"): a, ("team-b", "b"): b}
+    clients.share.credit = -(10**6)  # a's debt from its earlier calls
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for b's optim_step
+    _queue(clients, b, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {"b": ["forward_backward", "optim_step"]}

@@ -90,3 +90,13 @@ def test_a_lane_is_taken_as_a_prefix() -> None:
     share = ClientShare(ceiling=250)
     taken = share.take({"a": [lane("a", 100, 100, 100)]}, None, 0.0)
     assert [w.item for w in taken] == ["a#0", "a#1"]
+
+
+def test_a_co_tenant_with_only_its_optim_step_queued_still_sets_the_pace() -> None:
+    """B's forward_backward ran last tick and only its optim_step (cost 0) is queued: B
+    still counts at the demand it was served at, so A stays dear."""
+    share = ClientShare(ceiling=20_000)
+    a = {"a": [lane("a", 31, tag=str(m)) for m in range(4)]}
+    share.take({**a, "b": [lane("b", 6)]}, None, 0.0)
+    taken = share.take({**a, "b": [lane("b", 0)]}, None, 0.01)
+    assert [w.namespace for w in taken] == ["b"]

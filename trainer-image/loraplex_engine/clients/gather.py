@@ -7,7 +7,9 @@ and the ``optim_step`` in a tick of its own. And a client whose step the last ti
 answered sends its next step a round trip later. Both are *on their way*; a tick that
 waits for them (never longer than the window after the oldest queued call arrived, so
 a lone client's call is held at most that long) runs them together instead of in
-ticks of one or two models each, paying the tick's fixed cost once.
+ticks of one or two models each, paying the tick's fixed cost once. The window runs
+from the oldest call the tick would take: calls the fair share holds back
+(tenancy/client_share.py) wait anyway, and must not cut a co-tenant's gather short.
 
 Pure logic: no clock, no lock; the caller holds the registry's lock.
 """
@@ -46,3 +48,8 @@ def waiting_on(
 def oldest_call(models: Iterable[ClientModel]) -> float | None:
     """When the longest-waiting queued call arrived (its ``queued_at``), or None."""
     return min((m.queue[0].queued_at for m in models if m.queue), default=None)
+
+
+def first_arrived(ops: Iterable[Op]) -> float | None:
+    """When the longest-waiting of ``ops`` arrived (its ``queued_at``), or None."""
+    return min((op.queued_at for op in ops), default=None)

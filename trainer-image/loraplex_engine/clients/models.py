@@ -24,7 +24,7 @@ from typing import Any
 
 from loraplex_engine.api_types import CheckpointRef
 from loraplex_engine.clients import saved, taking
-from loraplex_engine.clients.gather import oldest_call, waiting_on
+from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.sampling import SampleTask
@@ -326,16 +326,24 @@ class ClientModels:
 
     def gather(self, clock: Callable[[], float] = time.monotonic) -> None:
         """Before a tick: wait until every model on its way (gather.waiting_on) has its
-        call queued, or until ``gather_s`` after the oldest queued call arrived, whichever
-        is first; at once when no call is queued or none is on its way. Holds no engine
-        lock: calls queue meanwhile."""
+        call queued, or until ``gather_s`` after the oldest call the tick would take
+        arrived, whichever is first; at once when it would take none or none is on its
+        way. Calls the fair share holds back (tenancy/client_share.py) neither set the
+        window nor are waited for: they wait anyway. Holds no engine lock: calls queue
+        meanwhile."""
         if self.gather_s <= 0:
             return
         with self._queued:
             while True:
+                taken = self.share.plan(self._lanes(), None, clock()).taken
+                oldest = first_arrived(op for w in taken for op in w.item.ops)
+                takes = {id(w.item.model) for w in taken}
                 models = list(self._models.values())
-                oldest = oldest_call(models)
-                on_way = waiting_on(models, self._served_last, self.models_per_tick)
+                on_way = [
+                    m
+                    for m in waiting_on(models, self._served_last, self.models_per_tick)
+                    if not m.queue or id(m) in takes
+                ]
                 if oldest is None or not on_way:
                     return
                 left = oldest + self.gather_s - clock()

@@ -76,8 +76,12 @@ class ClientShare:
         """What a tick starting ``now`` would take; changes nothing."""
         demand = {ns: sum(w.cost for lane in ls for w in lane) for ns, ls in lanes.items()}
         demand = {ns: d for ns, d in demand.items() if any(lanes[ns])}
-        recent = [d for ns, (t, d) in self.seen.items() if now - t <= RECENT_S and ns not in demand]
-        costs = [c for c in (reference or 0, *demand.values(), *recent) if c > 0]
+        # A namespace served lately with nothing priced queued now counts at its demand
+        # then: its next call is on its way, or what it has queued is the cost-free rest
+        # of a step (its optim_step).
+        recent = {ns: d for ns, (t, d) in self.seen.items() if now - t <= RECENT_S}
+        pace = {**recent, **{ns: d for ns, d in demand.items() if d > 0}}
+        costs = [c for c in (reference or 0, *pace.values()) if c > 0]
         cheapest = min(costs, default=0)
         cheap = [ns for ns, d in demand.items() if d < LOCKSTEP * cheapest or cheapest == 0]
         dear = sorted(ns for ns in demand if ns not in cheap)
