@@ -163,3 +163,41 @@ def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() 
     waiter.join(JOIN_S)
     assert not waiter.is_alive()
     assert _taken(clients) == {"b": ["forward_backward", "optim_step"]}
+
+
+def test_a_client_with_an_answer_to_fetch_is_not_on_its_way() -> None:
+    """Two clients the last tick served, each with a detached call's answer (the Tinker
+    layer's: the SDK fetches it with retrieve_future). ``lone`` has not fetched it, so it
+    cannot have sent its next step: the tick with ``other``'s queued step starts at once.
+    Once ``lone`` has fetched its answer, its next step is on its way and the gather
+    waits for it (``lone`` is then taken with ``other``)."""
+    lone, other = _model("lone"), _model("other", "forward_backward", "optim_step")
+    lone.outstanding = 1  # what take() counts for each detached call it took
+    clients = _registry(lone, other, gather_s=LONG_S)
+    clients._served_last = {lone, other}
+    waiter = _gather_in_thread(clients)
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()  # nothing on its way: at once
+    clients.retrieved(NS, "lone")
+    assert lone.outstanding == 0
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # lone holds its answer: its step is on its way
+    _queue(clients, lone, "forward_backward", "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {m: ["forward_backward", "optim_step"] for m in ("lone", "other")}
+
+
+def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
+    model = _model("m")
+    model.queue.extend(
+        [Op("forward_backward", detached=True), Op("optim_step", detached=True)]  # type: ignore[arg-type]
+    )
+    clients = _registry(model, gather_s=0.0)
+    clients.take()
+    assert model.outstanding == 2
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")  # once more (a repeated fetch): never below 0
+    assert model.outstanding == 0

@@ -202,7 +202,7 @@ class ClientModels:
         payload: Any = None,
         queued: Callable[[], None] | None = None,
     ) -> Any:
-        op = Op(kind, payload)
+        op = Op(kind, payload, detached=queued is not None)
         with self._lock:
             model = self._models.get((namespace, model_id))
             if model is None:
@@ -363,6 +363,8 @@ class ClientModels:
         with self._lock:
             taken = self.share.take(self._lanes(), reference, time.monotonic())
             segments, samples = taking.pop(taken)
+            for model, ops in segments:
+                model.outstanding += sum(op.detached for op in ops)
             gone = {id(op) for op in samples}
             self._samples = [op for op in self._samples if id(op) not in gone]
             if segments:
@@ -378,6 +380,15 @@ class ClientModels:
         if self.models_per_tick is not None:
             models = models[: self.models_per_tick]
         return taking.lanes(models, self._samples)
+
+    def retrieved(self, namespace: str, model_id: str) -> None:
+        """A detached call's answer was fetched (the Tinker layer's retrieve_future):
+        once its client holds every answer, its next call is on its way (gather.py)."""
+        with self._queued:
+            model = self._models.get((namespace, model_id))
+            if model is not None and model.outstanding:
+                model.outstanding -= 1
+                self._queued.notify_all()
 
     def refuse(self, reason: str) -> None:
         """No tick will run again: answer every queued call, and every later one."""
