@@ -442,7 +442,9 @@ class Engine(ClientExperimentAPI, Versions):
                 if kind == "serve":
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
+                    passes = getattr(self.strategy, "passes", 0)
                     report = self._tick.run(running, client.start(), client.train)
+                    report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.

@@ -144,7 +144,8 @@ class Tick:
         finally:
             spare.release()
         seconds = time.perf_counter() - start
-        return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
+        phases = {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds}
+        return TickReport(seconds, phases, kind="serve")
 
     def run(
         self,

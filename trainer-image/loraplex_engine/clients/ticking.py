@@ -137,6 +137,7 @@ class ClientTick:
         if not isinstance(strategy, AdapterTrainer):
             raise UnavailableError("client training needs the engine's own trainer")
         if calls:
+            strategy.passes += 1  # a pass of its own (the engine's metrics count them)
             host.optimizer.zero_grad()
             host.model.train()
             try:

@@ -120,6 +120,7 @@ class AdapterTrainer:
     shared_forward: SharedForward | None
     gradient_checkpointing: bool = False
     computed_tokens: int = 0
+    passes: int = 0  # forward/backward passes over rows (the engine's metrics count them)
     recompute_old_logprobs: bool = False
     # A sharded base (parallel/sharding.py): the ranks' micro-batches run in step.
     lockstep: Lockstep | None = None
@@ -195,6 +196,7 @@ class AdapterTrainer:
             lockstep=self.lockstep,
         )
         self.computed_tokens += stats.computed_tokens
+        self.passes += 1
         return stats
 
     def _routed_forward(
