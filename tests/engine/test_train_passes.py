@@ -69,11 +69,12 @@ def test_ticks_and_training_passes_are_counted(server: EngineServer) -> None:
     ticks, passes = both_kinds_train(server)
     print(f"{ticks:.0f} training ticks, {passes:.0f} passes")
     assert ticks >= STEPS  # every client step took at least one tick
-    # each tick one pass per kind that trained in it, and the client's steps had one each
-    assert STEPS <= passes <= 2 * ticks
+    assert passes >= STEPS  # the client's steps had one each
 
 
-@pytest.mark.xfail(strict=True, reason="the one fused step (both kinds in one pass) is not built")
 def test_a_tick_with_both_kinds_runs_one_pass(server: EngineServer) -> None:
+    """The one fused step (train/riders.py): the experiment's rows and the client's data
+    in one pass, so no more passes than training ticks (it was two a tick with both)."""
     ticks, passes = both_kinds_train(server)
-    assert passes <= ticks
+    print(f"{ticks:.0f} training ticks, {passes:.0f} passes")
+    assert STEPS <= passes <= ticks
