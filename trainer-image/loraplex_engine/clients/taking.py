@@ -20,6 +20,12 @@ from loraplex_engine.clients.ops import TRAIN_KINDS, ClientModel, Op
 from loraplex_engine.clients.sampling import SampleTask
 from loraplex_engine.tenancy.client_share import Lanes, Work
 
+# A call's fixed cost, in tokens: its own work in the tick whatever its data (the answer,
+# an optimiser step over the model's slot, the Python around it). Without it, 4 clients
+# hammering 32-token steps priced as small as a co-tenant's step ran beside it in every
+# tick and held it at 0.42 of its pace (bench/client_fair_share.py).
+CALL_TOKENS = 64
+
 
 @dataclass(frozen=True, eq=False)
 class Taken:
@@ -30,12 +36,13 @@ class Taken:
 
 
 def segment_items(model: ClientModel) -> list[Work[Taken]]:
-    """The model's first segment, priced: a training call's data tokens, 0 otherwise."""
+    """The model's first segment, priced: a training call's data tokens, and each call's
+    ``CALL_TOKENS``."""
     ns, queue = model.info.namespace, model.queue
     if not queue:
         return []
     if queue[0].kind not in TRAIN_KINDS:
-        return [Work(ns, 0, Taken(model, (queue[0],)))]
+        return [Work(ns, CALL_TOKENS, Taken(model, (queue[0],)))]
     items = []
     n = 0
     while n < len(queue) and queue[n].kind in TRAIN_KINDS:
@@ -44,7 +51,7 @@ def segment_items(model: ClientModel) -> list[Work[Taken]]:
         ops = (queue[i],)
         if i == n - 1 and n < len(queue) and queue[n].kind == "optim_step":
             ops += (queue[n],)
-        items.append(Work(ns, call_tokens(queue[i]), Taken(model, ops)))
+        items.append(Work(ns, call_tokens(queue[i]) + CALL_TOKENS * len(ops), Taken(model, ops)))
     return items
 
 
@@ -55,8 +62,10 @@ def call_tokens(op: Op) -> int:
 
 
 def sample_cost(task: SampleTask) -> int:
-    """Tokens its rows may hold, as a completion's cost counts them (time_share.py)."""
-    return task.call.num_samples * (len(task.call.prompt_ids) + task.call.max_tokens)
+    """Tokens its rows may hold, as a completion's cost counts them (time_share.py), and
+    the call's own."""
+    rows = task.call.num_samples * (len(task.call.prompt_ids) + task.call.max_tokens)
+    return rows + CALL_TOKENS
 
 
 def lanes(models: Iterable[ClientModel], samples: Sequence[Op]) -> Lanes[Taken]:
