@@ -129,3 +129,75 @@ def test_a_call_is_held_no_longer_than_the_window_after_it_arrived() -> None:
     arrived = b.queue[0].queued_at
     clients.gather(clock=lambda: arrived + LONG_S)  # the window has passed: at once
     assert _taken(clients) == {"b": ["forward_backward"]}
+
+
+class _Rows:  # a training call's data as the fair share prices it: its tokens
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def _train_op(tokens: int, queued_at: float | None = None) -> Op:
+    op = Op("forward_backward", ([_Rows(tokens)], None, True))
+    if queued_at is not None:
+        op.queued_at = queued_at
+    return op
+
+
+def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() -> None:
+    """Team-a's big call has waited long, held back by the fair share (its namespace is
+    dear and in debt: tenancy/client_share.py); team-b's forward_backward has just
+    arrived, its optim_step on its way. The window runs from the oldest call the tick
+    would take (b's), so the gather waits for b's step and the tick takes it whole; timing
+    from a's call would start the tick at once and split b's step over two ticks."""
+    a = ClientModel(ClientModelInfo("a", "team-a", "base", "tok", ClientLora(rank=4)), "a")
+    b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
+    a.queue.append(_train_op(1000, queued_at=0.0))
+    b.queue.append(_train_op(10))
+    clients = ClientModels(host=None, gather_s=LONG_S)
+    clients._models = {("team-a", "a"): a, ("team-b", "b"): b}
+    clients.share.credit = -(10**6)  # a's debt from its earlier calls
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for b's optim_step
+    _queue(clients, b, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {"b": ["forward_backward", "optim_step"]}
+
+
+def test_a_client_with_an_answer_to_fetch_is_not_on_its_way() -> None:
+    """Two clients the last tick served, each with a detached call's answer (the Tinker
+    layer's: the SDK fetches it with retrieve_future). ``lone`` has not fetched it, so it
+    cannot have sent its next step: the tick with ``other``'s queued step starts at once.
+    Once ``lone`` has fetched its answer, its next step is on its way and the gather
+    waits for it (``lone`` is then taken with ``other``)."""
+    lone, other = _model("lone"), _model("other", "forward_backward", "optim_step")
+    lone.outstanding = 1  # what take() counts for each detached call it took
+    clients = _registry(lone, other, gather_s=LONG_S)
+    clients._served_last = {lone, other}
+    waiter = _gather_in_thread(clients)
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()  # nothing on its way: at once
+    clients.retrieved(NS, "lone")
+    assert lone.outstanding == 0
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # lone holds its answer: its step is on its way
+    _queue(clients, lone, "forward_backward", "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {m: ["forward_backward", "optim_step"] for m in ("lone", "other")}
+
+
+def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
+    model = _model("m")
+    model.queue.extend(
+        [Op("forward_backward", detached=True), Op("optim_step", detached=True)]  # type: ignore[arg-type]
+    )
+    clients = _registry(model, gather_s=0.0)
+    clients.take()
+    assert model.outstanding == 2
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")  # once more (a repeated fetch): never below 0
+    assert model.outstanding == 0

@@ -277,8 +277,6 @@ class Engine(ClientExperimentAPI, Versions):
         self.scorer.close()
         self.backend.close()
 
-    # ---- EngineService: reads ---------------------------------------------------------
-
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded
 
@@ -314,8 +312,6 @@ class Engine(ClientExperimentAPI, Versions):
             plugins=self.trust.plugins.listing(installed()),  # type: ignore[arg-type]
             **self.publisher.slot_stats(),
         )
-
-    # ---- EngineService: mutations (between ticks) -------------------------------------
 
     def put_task_experiment(
         self,
@@ -420,21 +416,20 @@ class Engine(ClientExperimentAPI, Versions):
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.codec.chat_prompt_ids(messages)
 
-    # ---- the tick ---------------------------------------------------------------------
-
     def tick(self) -> TickReport | None:
         """A training tick or a serving tick, as the time share picks (tick/time_share.py)."""
         self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
+            cheapest = min((e.step_cost for e in running if e.step_cost > 0), default=None)
             with self._jobs_lock:  # pick and take together: no wake-up is lost
-                train = self._tick.has_work(running) or self.clients.has_work()
+                train = self._tick.has_work(running) or self.clients.has_work(cheapest)
                 kind = self.time_share.pick(train=train, serve=bool(self._jobs))
                 if kind is None:
                     self.work_available.clear()
                     return None
                 jobs: list[CompletionJob] = []
-                client = self.clients.take(train=kind == "train")
+                client = self.clients.take(kind == "train", cheapest)
                 if kind == "serve":
                     jobs, self._jobs = take_in_turn(
                         self._jobs, CompletionJob.model_of, CompletionJob.cost, self.max_step_tokens
@@ -443,7 +438,9 @@ class Engine(ClientExperimentAPI, Versions):
                 if kind == "serve":
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
+                    passes = getattr(self.strategy, "passes", 0)
                     report = self._tick.run(running, client.start(), client.train)
+                    report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
                 # answered, none waits for a tick that already gave up on it.
@@ -457,8 +454,6 @@ class Engine(ClientExperimentAPI, Versions):
                 with self._state_lock:  # capacity() reads it from request threads
                     self.adapter_sync.record(report.adapter_sync)
             return report
-
-    # ---- loading ----------------------------------------------------------------------
 
     def _build(
         self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str, run_id: str | None

@@ -155,6 +155,17 @@ class EngineMetrics:
         self.tick_seconds = Histogram(
             "loraplex_engine_tick_seconds", "One engine tick.", buckets=TICK_BUCKETS, registry=r
         )
+        self.ticks = Counter(
+            "loraplex_engine_ticks",
+            "Engine ticks run, by kind (train, serve).",
+            ["kind"],
+            registry=r,
+        )
+        self.train_passes = Counter(
+            "loraplex_engine_train_passes",
+            "Forward/backward passes over the model (experiments' update, client calls).",
+            registry=r,
+        )
         self.phase_seconds = Histogram(
             "loraplex_engine_phase_seconds",
             "Time per phase per tick.",
@@ -386,6 +397,8 @@ class EngineMetrics:
         now = self._clock()
         with self._lock:
             self.tick_seconds.observe(max(report.seconds, 0.0))
+            self.ticks.labels(kind=report.kind).inc()
+            self.train_passes.inc(max(report.train_passes, 0))
             for phase, seconds in report.phase_seconds.items():
                 self.phase_seconds.labels(phase=phase).observe(max(seconds, 0.0))
             sync = report.adapter_sync

@@ -4,10 +4,13 @@ briefly, so that their calls share it (Tinker's clock cycle; clients/models.py w
 A Tinker client sends ``forward_backward`` and then, once that is acknowledged,
 ``optim_step``: a tick that starts between the two runs the ``forward_backward`` alone
 and the ``optim_step`` in a tick of its own. And a client whose step the last tick
-answered sends its next step a round trip later. Both are *on their way*; a tick that
+answered sends its next step a round trip later, once it has fetched the answer (a
+client with an answer outstanding sends nothing yet). Both are *on their way*; a tick that
 waits for them (never longer than the window after the oldest queued call arrived, so
 a lone client's call is held at most that long) runs them together instead of in
-ticks of one or two models each, paying the tick's fixed cost once.
+ticks of one or two models each, paying the tick's fixed cost once. The window runs
+from the oldest call the tick would take: calls the fair share holds back
+(tenancy/client_share.py) wait anyway, and must not cut a co-tenant's gather short.
 
 Pure logic: no clock, no lock; the caller holds the registry's lock.
 """
@@ -35,14 +38,24 @@ def waiting_on(
 ) -> list[ClientModel]:
     """The models worth waiting for: among those the tick may take (the first ``limit``
     in turn that have a call queued or were served by the last client tick), each whose
-    segment is open, or that the last tick served and has nothing queued yet (its client
-    is sending its next step)."""
+    segment is open, or that the last tick served and has nothing queued yet while its
+    client holds every answer (it is sending its next step; with an answer still to
+    fetch it cannot have sent it, so nothing of it is on its way)."""
     line = [m for m in models if m.queue or m in served_last]
     if limit is not None:
         line = line[:limit]
-    return [m for m in line if segment_open(m.queue) or (not m.queue and m in served_last)]
+    return [
+        m
+        for m in line
+        if segment_open(m.queue) or (not m.queue and m in served_last and not m.outstanding)
+    ]
 
 
 def oldest_call(models: Iterable[ClientModel]) -> float | None:
     """When the longest-waiting queued call arrived (its ``queued_at``), or None."""
     return min((m.queue[0].queued_at for m in models if m.queue), default=None)
+
+
+def first_arrived(ops: Iterable[Op]) -> float | None:
+    """When the longest-waiting of ``ops`` arrived (its ``queued_at``), or None."""
+    return min((op.queued_at for op in ops), default=None)

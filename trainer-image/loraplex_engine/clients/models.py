@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraplex_engine.clients import saved, share
-from loraplex_engine.clients.gather import oldest_call, waiting_on
+from loraplex_engine.clients import saved, share, taking
+from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
-from loraplex_engine.clients.sampling import SampleTask
+from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.spec.api_types import CheckpointRef
@@ -53,6 +53,7 @@ from loraplex_engine.spec.training_service import (
 )
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import tree_bytes
+from loraplex_engine.tenancy.client_share import ClientShare, Lanes
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.versions import names
 
@@ -63,6 +64,7 @@ MLP = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc
 UNEMBED = frozenset({"lm_head"})
 # Tinker's AdamParams defaults until the first optim_step configures the model's own.
 DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+UNBOUNDED = 1 << 62  # a registry without an engine (unit tests): no ceiling
 
 
 class ClientModels:
@@ -86,6 +88,8 @@ class ClientModels:
         self._models: dict[tuple[str, str], ClientModel] = {}
         self._samples: list[Op] = []
         self._refusing: str | None = None
+        # Client work a tick takes, across namespaces (tenancy/client_share.py).
+        self.share = ClientShare(getattr(host, "max_step_tokens", None) or UNBOUNDED)
 
     # ---- the registry -------------------------------------------------------------------
 
@@ -206,7 +210,7 @@ class ClientModels:
         payload: Any = None,
         queued: Callable[[], None] | None = None,
     ) -> Any:
-        op = Op(kind, payload)
+        op = Op(kind, payload, detached=queued is not None)
         with self._lock:
             model = self._models.get((namespace, model_id))
             if model is None:
@@ -307,7 +311,7 @@ class ClientModels:
                     "sample from a sampler_weights path or the base model", field="model_path"
                 )
             self.state_of(namespace, state)  # NotFoundError before queueing
-        _check_sample(call, self.limits)
+        check_sample_call(call, self.limits)
         h.limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
         op = Op("sample", SampleTask(namespace, state, call, version=version))
         with self._lock:
@@ -322,23 +326,32 @@ class ClientModels:
 
     # ---- the tick's side --------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        """A call is queued: the next training tick has client work (tick/time_share.py)."""
+    def has_work(self, reference: int | None = None) -> bool:
+        """The next training tick would take a call (tick/time_share.py): the fair
+        share may hold a dear namespace's calls back (tenancy/client_share.py)."""
         with self._lock:
-            return bool(self._samples) or any(m.queue for m in self._models.values())
+            return bool(self.share.plan(self._lanes(), reference, time.monotonic()).taken)
 
     def gather(self, clock: Callable[[], float] = time.monotonic) -> None:
         """Before a tick: wait until every model on its way (gather.waiting_on) has its
-        call queued, or until ``gather_s`` after the oldest queued call arrived, whichever
-        is first; at once when no call is queued or none is on its way. Holds no engine
-        lock: calls queue meanwhile."""
+        call queued, or until ``gather_s`` after the oldest call the tick would take
+        arrived, whichever is first; at once when it would take none or none is on its
+        way. Calls the fair share holds back (tenancy/client_share.py) neither set the
+        window nor are waited for: they wait anyway. Holds no engine lock: calls queue
+        meanwhile."""
         if self.gather_s <= 0:
             return
         with self._queued:
             while True:
+                taken = self.share.plan(self._lanes(), None, clock()).taken
+                oldest = first_arrived(op for w in taken for op in w.item.ops)
+                takes = {id(w.item.model) for w in taken}
                 models = list(self._models.values())
-                oldest = oldest_call(models)
-                on_way = waiting_on(models, self._served_last, self.models_per_tick)
+                on_way = [
+                    m
+                    for m in waiting_on(models, self._served_last, self.models_per_tick)
+                    if not m.queue or id(m) in takes
+                ]
                 if oldest is None or not on_way:
                     return
                 left = oldest + self.gather_s - clock()
@@ -346,27 +359,44 @@ class ClientModels:
                     return
                 self._queued.wait(left)
 
-    def take(self, train: bool = True) -> ClientTick:
-        """This tick's work: one segment of every model's queue (of at most
-        ``models_per_tick`` models, in turn: a model taken goes to the back of the line),
-        and every sample call; none for a serving tick (a client's calls, its samples
-        too, are its training loop's)."""
+    def take(self, train: bool = True, reference: int | None = None) -> ClientTick:
+        """This tick's work, as the fair share takes it across namespaces
+        (tenancy/client_share.py; ``reference``: the cheapest running experiment's step
+        cost): of each model a prefix of its first segment, of at most
+        ``models_per_tick`` models in turn (a model taken goes to the back of the line),
+        and sample calls; none for a serving tick (a client's calls, its samples too, are
+        its training loop's)."""
         if not train:
             return ClientTick(self, [], [])
-        limit = self.models_per_tick
         with self._lock:
-            segments: list[tuple[ClientModel, list[Op]]] = []
-            for key, model in list(self._models.items()):
-                if limit is not None and len(segments) >= limit:
-                    break
-                if seg := model.take_segment():
-                    segments.append((model, seg))
-                    if limit is not None:
-                        self._models[key] = self._models.pop(key)
-            samples, self._samples = self._samples, []
+            taken = self.share.take(self._lanes(), reference, time.monotonic())
+            segments, samples = taking.pop(taken)
+            for model, ops in segments:
+                model.outstanding += sum(op.detached for op in ops)
+            gone = {id(op) for op in samples}
+            self._samples = [op for op in self._samples if id(op) not in gone]
             if segments:
                 self._served_last = {m for m, _ in segments}
+            if self.models_per_tick is not None:
+                for model, _ in segments:
+                    key = (model.info.namespace, model.info.model_id)
+                    self._models[key] = self._models.pop(key)
         return ClientTick(self, segments, samples)
+
+    def _lanes(self) -> Lanes[taking.Taken]:
+        models = [m for m in self._models.values() if m.queue]
+        if self.models_per_tick is not None:
+            models = models[: self.models_per_tick]
+        return taking.lanes(models, self._samples)
+
+    def retrieved(self, namespace: str, model_id: str) -> None:
+        """A detached call's answer was fetched (the Tinker layer's retrieve_future):
+        once its client holds every answer, its next call is on its way (gather.py)."""
+        with self._queued:
+            model = self._models.get((namespace, model_id))
+            if model is not None and model.outstanding:
+                model.outstanding -= 1
+                self._queued.notify_all()
 
     def refuse(self, reason: str) -> None:
         """No tick will run again: answer every queued call, and every later one."""
@@ -462,21 +492,3 @@ class ClientModels:
         h.model.remove_adapter(model.name)
         for op in left:
             op.resolve(error=NotFoundError(f"model {model.info.model_id!r} was unloaded"))
-
-
-def _check_sample(call: SampleCall, limits: Limits) -> None:
-    if not call.prompt_ids:
-        raise InvalidRequestError("an empty prompt", field="prompt")
-    bad = next((t for t in call.prompt_ids if not 0 <= t < limits.vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is outside the vocabulary", field="prompt")
-    for name, ok in (
-        ("num_samples", call.num_samples >= 1),
-        ("max_tokens", call.max_tokens >= 1),
-        ("temperature", call.temperature >= 0),
-        ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
-        ("top_p", 0 < call.top_p <= 1),
-        ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
-    ):
-        if not ok:
-            raise InvalidRequestError(f"{name} is out of range", field=f"sampling_params.{name}")

@@ -32,6 +32,9 @@ class Op:
     result: Any = None
     error: BaseException | None = None
     queued_at: float = field(default_factory=time.monotonic)  # the gather's bound
+    # Its caller fetches the answer later (the Tinker layer: the SDK's retrieve_future),
+    # and says so (ClientModels.retrieved); else the answer is delivered when wait returns.
+    detached: bool = False
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -67,6 +70,9 @@ class ClientModel:
     # When its client last queued a call (monotonic): a client experiment's idleness,
     # which the operator reads to enforce spec.client.idleSeconds.
     last_call: float = field(default_factory=time.monotonic)
+    # Answers of detached calls a tick took that its client has not fetched yet: until it
+    # has, its next call is not on its way (clients/gather.py).
+    outstanding: int = 0
 
     def idle_seconds(self, now: float) -> float:
         """Seconds since its client's last call; 0 while a call is queued."""

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
+from loraplex_engine.clients.inputs import Limits
 from loraplex_engine.clients.saved import StatePath
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import InvalidRequestError
 from loraplex_engine.spec.service import PromptJob
 from loraplex_engine.spec.training_service import SampleCall, SampledRow, SampleOutput
 
@@ -136,3 +138,23 @@ def prompt_logprobs(
     for ids_row, values_row in zip(top_ids.tolist(), values.tolist(), strict=True):
         tops.append(list(zip(ids_row, values_row, strict=True)))
     return lps, tops
+
+
+def check_sample_call(call: SampleCall, limits: Limits) -> None:
+    """A sample call's values within the engine's bounds (422 naming the field): the
+    engine's own check, whatever door the call came through."""
+    if not call.prompt_ids:
+        raise InvalidRequestError("an empty prompt", field="prompt")
+    bad = next((t for t in call.prompt_ids if not 0 <= t < limits.vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary", field="prompt")
+    for name, ok in (
+        ("num_samples", call.num_samples >= 1),
+        ("max_tokens", call.max_tokens >= 1),
+        ("temperature", call.temperature >= 0),
+        ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
+        ("top_p", 0 < call.top_p <= 1),
+        ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
+    ):
+        if not ok:
+            raise InvalidRequestError(f"{name} is out of range", field=f"sampling_params.{name}")

@@ -3,9 +3,11 @@
 1. ``start`` (before the rollout): each sample call gets its adapter (the live slot or
    a spare one holding the published version) and its prompt log-probs; its rows join
    the tick's rollout batch as completion jobs.
-2. ``train`` (in the tick's train phase, after the experiments' update): every model's
-   taken ``forward``/``forward_backward`` calls in one fused pass, then their
-   ``optim_step``\\ s (clients/fused.py).
+2. ``ride`` (before the update): the taken ``forward``/``forward_backward`` calls join
+   the experiments' update as riders (train/riders.py): one micro-batch plan, one
+   forward and backward for both kinds; ``train`` (after it) takes each model's
+   gradient into its accumulator (a pass of their own if no experiment trained), then
+   runs the ``optim_step``\\ s (clients/fused.py).
 3. ``finish``: saves, loads and unloads, in each model's call order; the sample answers;
    the spare slots freed.
 
@@ -19,24 +21,19 @@ experiments.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from loraplex_engine.clients.fused import (
-    StepCall,
-    TrainCall,
-    client_pass,
-    optim_steps,
-    take_slot_grads,
-)
+from loraplex_engine.clients.fused import StepCall, optim_steps, take_slot_grads
 from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
 from loraplex_engine.clients.saved import StateInfo, StatePath
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.spec.errors import ConflictError, UnavailableError
 from loraplex_engine.store.spare_slots import SpareSlots
-from loraplex_engine.train.strategy import AdapterTrainer, TrainingStrategy
+from loraplex_engine.train.riders import TrainCall
+from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
 
 log = logging.getLogger("loraplex_engine.clients")
 
@@ -67,6 +64,7 @@ class ClientTick:
     segments: list[tuple[ClientModel, list[Op]]]
     samples: list[Op]
     spare: SpareSlots | None = None  # ~sample adapters loaded this tick
+    calls: list[tuple[ClientModel, Op, TrainCall]] = field(default_factory=list)
     resident: Any = None  # the VersionSlots that served published versions this tick
 
     def __bool__(self) -> bool:
@@ -93,6 +91,7 @@ class ClientTick:
                 jobs.append(task.completion_job(self.owner.host.model_name, self.owner.decode))
             except Exception as e:
                 op.resolve(error=e)
+        self.ride()
         return jobs
 
     def _adapter_for(self, task: SampleTask) -> str | None:
@@ -120,37 +119,43 @@ class ClientTick:
 
     # ---- 2. the train phase -------------------------------------------------------------
 
-    def train(self, strategy: TrainingStrategy) -> None:
-        """The fused pass over every taken train call, then the optimiser steps."""
+    def ride(self) -> None:
+        """Before the tick's update: its train calls ride it (train/riders.py), so the
+        experiments' rows and theirs run in one pass; ``train`` runs them on their own
+        when no update took them (no experiment trained this tick)."""
+        self.calls = []
         host = self.owner.host
-        calls: list[tuple[ClientModel, Op, TrainCall]] = []
-        steps: list[tuple[ClientModel, Op]] = []
         for model, ops in self.segments:
             for op in ops:
                 if op.kind in ("forward", "forward_backward"):
-                    call: TrainCall = op.payload
-                    calls.append((model, op, TrainCall(host.model.slot_of(model.name), *call)))
-                elif op.kind == "optim_step":
-                    steps.append((model, op))
+                    call = TrainCall(host.model.slot_of(model.name), *op.payload)
+                    self.calls.append((model, op, call))
+        strategy = getattr(host, "strategy", None)
+        if self.calls and isinstance(strategy, FusedTraining):
+            strategy.riders = [c for _, _, c in self.calls]
+
+    def train(self, strategy: TrainingStrategy) -> None:
+        """The train calls' pass unless they rode the update, their gradients taken into
+        each model's accumulator, then the optimiser steps."""
+        host = self.owner.host
+        calls = self.calls
+        steps = [(m, op) for m, ops in self.segments for op in ops if op.kind == "optim_step"]
         if not calls and not steps:
             return
         if not isinstance(strategy, AdapterTrainer):
             raise UnavailableError("client training needs the engine's own trainer")
         if calls:
-            host.optimizer.zero_grad()
-            host.model.train()
             try:
-                client_pass(
-                    strategy.policy_forward,
-                    [c for _, _, c in calls],
-                    host.codec.pad_id,
-                    strategy.micro_batch_tokens,
-                    strategy.gradient_checkpointing,
-                )
+                if not all(c.outputs for _, _, c in calls):  # no update took them
+                    strategy.riders = [c for _, _, c in calls]  # a pass of their own
+                    host.optimizer.zero_grad()
+                    host.model.train()
+                    strategy.backward([], {})
                 for model in dict.fromkeys(m for m, _, c in calls if c.backward):
                     slot = host.model.slot_of(model.name)
                     model.grads = take_slot_grads(host.optimizer, slot, model.grads)
             finally:
+                strategy.riders = []
                 host.optimizer.zero_grad()
                 host.model.eval()
             for _, op, c in calls:

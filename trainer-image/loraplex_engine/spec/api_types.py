@@ -324,3 +324,7 @@ class TickReport:
     phase_seconds: dict[str, float]  # per TICK_PHASES entry
     experiments: list[ExperimentTick] = field(default_factory=list)
     adapter_sync: AdapterSync | None = None  # None: no adapter weights crossed this tick
+    kind: str = "train"  # or "serve" (tick/time_share.py)
+    # Forward/backward passes over the model this tick (the experiments' update, the
+    # client models' calls): loraplex_engine_train_passes_total.
+    train_passes: int = 0

@@ -13,6 +13,10 @@ from loraplex_engine.spec.errors import InvalidRequestError, InvalidSpecError, T
 from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.tokens import TokenCodec
 
+# An expensive experiment takes about 1 / (1 + EXPENSIVE_YIELD) of a cheap co-tenant's
+# ticks' time: 3 keeps the co-tenant near 75% of its pace alone (the target: 70%).
+EXPENSIVE_YIELD = 3
+
 # A prompt over this many characters per token of the prompt limit is refused before it is
 # tokenised: tokenising a 20 MB line took 4.5 GB (issue 26). Tokens of over 32 characters
 # are rare in any vocabulary, so no prompt that fits the limit is refused by it.

@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from loraplex_engine.experiment import Experiment
+from loraplex_engine.tenancy.work_limits import EXPENSIVE_YIELD
 
 _R = TypeVar("_R")
 
-# An expensive experiment takes about 1 / (1 + EXPENSIVE_YIELD) of a cheap co-tenant's
-# ticks' time: 3 keeps the co-tenant near 75% of its pace alone (the issue's target: 70%).
-EXPENSIVE_YIELD = 3
 # Calls in flight past their tick, per namespace. Its experiments have one each at most,
 # so a tenant with fewer experiments never meets it; a tick adds at most one per running
 # experiment on top.

@@ -144,7 +144,8 @@ class Tick:
         finally:
             spare.release()
         seconds = time.perf_counter() - start
-        return TickReport(seconds, {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds})
+        phases = {**dict.fromkeys(TICK_PHASES, 0.0), "rollout": seconds}
+        return TickReport(seconds, phases, kind="serve")
 
     def run(
         self,
@@ -153,9 +154,9 @@ class Tick:
         client_train: Callable[[TrainingStrategy], None] | None = None,
     ) -> TickReport:
         """A training tick: every running experiment that is due steps. ``jobs``: client
-        models' samples (their training loops'); ``client_train``: the client models' pass
-        (clients/ticking.py), run in the train phase after the experiments' update, with
-        the same strategy."""
+        models' samples (their training loops'); ``client_train``: the client models' steps
+        (clients/ticking.py; their calls rode the experiments' update, train/riders.py),
+        run in the train phase after it, with the same strategy."""
         start = time.perf_counter()
         self.count += 1
         phases = dict.fromkeys(TICK_PHASES, 0.0)

@@ -137,9 +137,12 @@ def pack_micro_batches_shared(rows: Sequence[TrainRow], token_budget: int) -> li
     return batches
 
 
-def collate_rows(rows: Sequence[TrainRow], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows; ``targets[t]`` is the token predicted at position ``t``."""
-    width = max(r.length for r in rows)
+def collate_rows(
+    rows: Sequence[TrainRow], pad_id: int, width: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-pad rows (to ``width``, default the longest); ``targets[t]`` is the token
+    predicted at position ``t``."""
+    width = max([*(r.length for r in rows), width or 0])
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width - 1))

@@ -33,6 +33,16 @@ import torch
 from loraplex_engine.lora.gradient_checkpointing import gradient_checkpointing as checkpointed
 from loraplex_engine.train.algorithms import LossInputs, PolicyLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
+from loraplex_engine.train.riders import (
+    PassItem,
+    RiderBatch,
+    TrainCall,
+    collate_riders,
+    joint_logprobs,
+    rider_items,
+    rider_loss,
+    start_outputs,
+)
 from loraplex_engine.train.rows import (
     RoutedForward,
     TrainRow,
@@ -163,8 +173,13 @@ def fused_backward(
     gradient_checkpointing: bool = False,
     row_counts: Mapping[str, int] | None = None,
     lockstep: Lockstep | None = None,
+    riders: Sequence[TrainCall] = (),
 ) -> TrainStats:
     """Accumulate every adapter's gradient over all rows; the caller steps the optimiser.
+
+    ``riders``: client models' calls (train/riders.py), in the same micro-batch plan as
+    the unshared rows and the same forward and backward; their outputs are filled in
+    and their gradients land in their own slots of ``.grad``.
 
     With ``shared_forward``, the rows of one prompt group compute their prompt once per
     micro-batch (``plan_micro_batches`` says which micro-batches do). A
@@ -188,8 +203,9 @@ def fused_backward(
         raise ValueError(f"row_counts has no count for experiments {missing}")
     weights = {exp: 1.0 / n for exp, n in counts.items()}
     run = functools.partial(
-        _fused_backward, forward, rows, losses, pad_id, token_budget, lockstep=lockstep
-    )
+        _fused_backward, forward, rows, losses, pad_id, token_budget, lockstep=lockstep,
+        riders=riders,
+    )  # fmt: skip
     if not gradient_checkpointing:
         return run(shared_forward, weights)
     if not isinstance(forward, HiddenStatesForward):
@@ -207,25 +223,47 @@ def _fused_backward(
     shared_forward: SharedForward | None,
     weights: dict[str, float],
     lockstep: Lockstep | None = None,
+    riders: Sequence[TrainCall] = (),
 ) -> TrainStats:
     stats = TrainStats()
-    for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward):
+    start_outputs(riders)
+    for mb in _micro_batches(forward, rows, pad_id, token_budget, shared_forward, riders):
         chunk = [rows[i] for i in mb.index]
-        with_ref = _needs_ref(chunk, losses)
-        if lockstep is not None:  # the same micro-batches and forwards on every rank
-            with_ref = lockstep.micro_batch(with_ref)
-        if mb.shared:
-            stats.shared_micro_batches += 1
-            stats.computed_tokens += int(mb.batch["prefix_attn"].sum())
-            stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
-        else:
-            stats.computed_tokens += sum(r.length for r in chunk)
-        loss = _micro_batch_loss(mb.run, chunk, mb.batch, losses, weights, stats, with_ref)
-        loss.backward()
+        loss = None
+        if chunk or lockstep is not None:
+            loss = _rows_loss(mb, chunk, losses, weights, stats, lockstep)
+        else:  # riders alone: their forward
+            mb.run({})
+        if mb.riders is not None:
+            stats.computed_tokens += sum(it.length for it in mb.riders.items)
+            extra = rider_loss(riders, mb.riders)
+            loss = extra if loss is None else loss if extra is None else loss + extra
+        if loss is not None and loss.requires_grad:
+            loss.backward()
         stats.micro_batches += 1
     if lockstep is not None:  # out of rows: dummies while another rank still trains
         lockstep.drain_micro_batches(functools.partial(dummy_backward, forward, pad_id))
     return stats
+
+
+def _rows_loss(
+    mb: _MicroBatch,
+    chunk: list[TrainRow],
+    losses: dict[str, PolicyLoss],
+    weights: dict[str, float],
+    stats: TrainStats,
+    lockstep: Lockstep | None,
+) -> torch.Tensor:
+    with_ref = _needs_ref(chunk, losses)
+    if lockstep is not None:  # the same micro-batches and forwards on every rank
+        with_ref = lockstep.micro_batch(with_ref)
+    if mb.shared:
+        stats.shared_micro_batches += 1
+        stats.computed_tokens += int(mb.batch["prefix_attn"].sum())
+        stats.computed_tokens += sum(len(r.completion_ids) for r in chunk)
+    else:
+        stats.computed_tokens += sum(r.length for r in chunk)
+    return _micro_batch_loss(mb.run, chunk, mb.batch, losses, weights, stats, with_ref)
 
 
 def _needs_ref(rows: Sequence[TrainRow], losses: dict[str, PolicyLoss]) -> bool:
@@ -239,6 +277,7 @@ class _MicroBatch:
     batch: dict[str, torch.Tensor]
     run: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # batch -> log-probs
     shared: bool  # ran with shared prompt prefixes: log-prob t is completion token t
+    riders: RiderBatch | None = None  # client data in the same forward (train/riders.py)
 
 
 def _micro_batches(
@@ -247,9 +286,16 @@ def _micro_batches(
     pad_id: int,
     token_budget: int,
     shared_forward: SharedForward | None,
+    riders: Sequence[TrainCall] = (),
 ) -> Iterator[_MicroBatch]:
-    """The update's micro-batches (``plan_micro_batches``), collated, with their forward."""
-    for groups, shared in plan_micro_batches(rows, token_budget, shared_forward is not None):
+    """The update's micro-batches (``plan_micro_batches``), collated, with their forward;
+    with ``riders`` the unshared rows and the riders' data are packed together."""
+    plan = plan_micro_batches(rows, token_budget, shared_forward is not None)
+    if riders:
+        loose = [i for groups, shared in plan if not shared for g in groups for i in g]
+        plan = [(groups, shared) for groups, shared in plan if shared]
+        yield from _with_riders(forward, rows, loose, riders, pad_id, token_budget)
+    for groups, shared in plan:
         # Tenants contiguous inside the micro-batch: the LoRA layers then add the delta
         # in place instead of gathering rows and scattering them back (lora.Routing).
         groups = sorted(groups, key=lambda g: rows[g[0]].slot)
@@ -261,6 +307,48 @@ def _micro_batches(
         else:
             batch = collate_rows([rows[i] for i in index], pad_id)
             yield _MicroBatch(index, batch, functools.partial(row_logprobs, forward), False)
+
+
+def _with_riders(
+    forward: RoutedForward | HiddenStatesForward,
+    rows: Sequence[TrainRow],
+    loose: list[int],
+    riders: Sequence[TrainCall],
+    pad_id: int,
+    token_budget: int,
+) -> Iterator[_MicroBatch]:
+    """Micro-batches of the unshared rows ``loose`` and the riders' data, one plan."""
+    items = [PassItem(rows[i].length, row=i) for i in loose] + rider_items(riders)
+    for batch in pack_micro_batches(items, token_budget):  # type: ignore[arg-type]
+        mine = [items[k] for k in batch]
+        index = sorted((it.row for it in mine if it.row is not None), key=lambda i: rows[i].slot)
+        data = sorted(
+            (it for it in mine if it.call is not None), key=lambda it: riders[it.call or 0].slot
+        )
+        width = max(it.length for it in mine)
+        exp = collate_rows([rows[i] for i in index], pad_id, width) if index else {}
+        if not data:
+            yield _MicroBatch(index, exp, functools.partial(row_logprobs, forward), False)
+            continue
+        on = collate_riders(riders, data, pad_id, width)
+        yield _MicroBatch(index, exp, _joint(forward, on), False, on)
+
+
+def _joint(
+    forward: RoutedForward | HiddenStatesForward, riders: RiderBatch
+) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """The micro-batch's forward: the first call runs every row (the riders' log-probs
+    kept on ``riders``); a later one (the KL reference) the experiments' rows alone."""
+    first = [True]
+
+    def run(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if first[0]:
+            first[0] = False
+            out = joint_logprobs(forward, batch or None, riders)
+            return out if out is not None else torch.zeros(0)
+        return row_logprobs(forward, batch)
+
+    return run
 
 
 @torch.no_grad()

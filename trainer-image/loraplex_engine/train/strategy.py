@@ -23,6 +23,7 @@ from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.train.algorithms import PolicyLoss
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.optim import PerAdapterAdamW
+from loraplex_engine.train.riders import TrainCall
 from loraplex_engine.train.rows import RoutedForward, TrainRow
 from loraplex_engine.train.shared_prefix import SharedForward
 from loraplex_engine.train.step import TokenTotals, TrainStats, fused_backward, score_rows
@@ -120,6 +121,10 @@ class AdapterTrainer:
     shared_forward: SharedForward | None
     gradient_checkpointing: bool = False
     computed_tokens: int = 0
+    passes: int = 0  # forward/backward passes over rows (the engine's metrics count them)
+    # Client models' calls that ride this tick's update (train/riders.py): set by the
+    # tick's client work before the update, taken by the next backward.
+    riders: list[TrainCall] = dataclasses.field(default_factory=list)
     recompute_old_logprobs: bool = False
     # A sharded base (parallel/sharding.py): the ranks' micro-batches run in step.
     lockstep: Lockstep | None = None
@@ -183,6 +188,7 @@ class AdapterTrainer:
         row_counts: dict[str, int] | None = None,
     ) -> TrainStats:
         """Accumulate the rows' gradients; ``row_counts``: training.fused_backward's."""
+        riders, self.riders = self.riders, []
         stats = fused_backward(
             self._forward or self._routed_forward,
             rows,
@@ -193,8 +199,10 @@ class AdapterTrainer:
             gradient_checkpointing=self.gradient_checkpointing,
             row_counts=row_counts,
             lockstep=self.lockstep,
+            riders=riders,
         )
         self.computed_tokens += stats.computed_tokens
+        self.passes += 1
         return stats
 
     def _routed_forward(

@@ -37,6 +37,8 @@ from loraplex_engine.spec.tinker_limits import DEFAULT_MAX_SESSIONS
 from loraplex_engine.spec.training_service import TrainingService
 
 PREFIX = "/api/v1"
+# The calls the engine queues detached (it answers them; the SDK fetches the answer).
+DETACHED = frozenset({"Forward", "ForwardBackward", "OptimStep"})
 LONG_POLL_S = 10.0  # a retrieve_future of a pending future waits this long for it
 OPEN = frozenset({f"{PREFIX}/healthz"})
 
@@ -347,6 +349,8 @@ def mount_tinker(
             await fut.changed(fut.state, long_poll_s)
         if fut.state in ("done", "failed"):
             proto.futures.retrieved(fut)  # its client has it: dropped after a grace
+            if fut.kind in DETACHED and fut.model_id:
+                await call(answer_fetched, training, ns, fut.model_id)
         if fut.state == "done":
             if isinstance(fut.result, bytes):
                 return Response(fut.result, media_type=PROTOBUF)
@@ -362,3 +366,11 @@ def mount_tinker(
     rest.add_rest_routes(r, proto, call)
     app.include_router(r)
     return proto
+
+
+def answer_fetched(training: Callable[[], TrainingService], ns: str, model_id: str) -> None:
+    """Tell the engine a model's answer is with its client (the gather waits for a
+    client's next call only once it holds every answer: clients/gather.py)."""
+    fetched = getattr(training(), "retrieved", None)
+    if fetched is not None:
+        fetched(ns, model_id)
