@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from engine_builders import engine, spec
 from loraplex_engine.tenancy.admissions import KeyedLocks
+
+from tests.support.engine_builders import engine, spec
 
 EXP = "team-a.big-data"
 WAIT_S = 30.0  # bounds a wait for another thread's progress; never reached when it works

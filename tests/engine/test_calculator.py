@@ -19,7 +19,8 @@ from loraplex_engine.workloads.calculator import (
     evaluate,
 )
 from loraplex_engine.workloads.calculator_env import CalculatorEnv, tool_call
-from plugin_install import with_path
+
+from tests.support.plugin_install import with_path
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,9 @@ from loraplex_engine.memory.planner import Workload, load_config, plan
 from loraplex_engine.memory.tracker import storage_bytes
 from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
-from server_process import EngineServer, engine_command
 from transformers import AutoModelForCausalLM
+
+from tests.support.server_process import EngineServer, engine_command
 
 GiB = 2**30
 # The planner's small workload (test_planner.py): rows of 6 + 10 tokens, two a micro-batch.

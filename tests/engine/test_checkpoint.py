@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import CONFIGS, batch, load_base, multi_model, rel_err
 from loraplex_engine.errors import CheckpointError
 from loraplex_engine.store.checkpoint import (
     atomic_dir,
@@ -18,6 +17,8 @@ from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.support.lora_helpers import CONFIGS, batch, load_base, multi_model, rel_err
 
 
 def _logits(model, ids, mask, slot: int | None = None) -> torch.Tensor:

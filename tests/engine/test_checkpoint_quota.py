@@ -15,7 +15,7 @@ import pytest
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 A, B = "team-a.filler", "team-b.bystander"
 

@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import resume_worker as w
 import torch
 from safetensors import safe_open
+
+from tests.conftest import REPO_ROOT
+from tests.support import resume_worker as w
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
@@ -51,13 +53,12 @@ def test_dropout_resume_needs_the_global_rng(tiny_model_dir: Path, tmp_path: Pat
 def resume_in_fresh_process(
     model_dir: Path, tmp_path: Path, dropout: float, step: int
 ) -> dict[str, torch.Tensor]:
-    here = Path(__file__).parent
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     out = tmp_path / "resumed.safetensors"
-    worker = [sys.executable, str(here / "resume_worker.py"), str(model_dir)]
+    worker = [sys.executable, "-m", "tests.support.resume_worker", str(model_dir)]
     subprocess.run(
         [*worker, str(tmp_path / "ckpt"), str(out), str(dropout)],
         check=True,

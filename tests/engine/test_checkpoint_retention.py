@@ -18,7 +18,7 @@ from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 from loraplex_engine.store.run_store import runs_to_prune
 from pydantic import ValidationError
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 # ---- which runs go (pure) ---------------------------------------------------------------
 

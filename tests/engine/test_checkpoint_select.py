@@ -27,7 +27,7 @@ from loraplex_engine.store.run_store import (
 )
 from safetensors.torch import load_file
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 
 def _c(step: int, run: str | None = "r1", readable: bool = True) -> Candidate:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_driver import NS, drive, sft_datum
 from loraplex_engine.errors import InvalidRequestError, NoCapacityError, NotFoundError
 from loraplex_engine.training_service import AdamStep, ClientDatum, ClientLora, LossCall, SampleCall
 
-from tests.engine.engine_builders import engine
+from tests.support.client_driver import NS, drive, sft_datum
+from tests.support.engine_builders import engine
 
 GOOD = sft_datum([1, 40, 41], [100, 101])
 N = len(GOOD.input_ids)

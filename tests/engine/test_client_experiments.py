@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from client_driver import drive, sft_datum
 from loraplex_engine.clients import saved
 from loraplex_engine.errors import ConflictError, NotFoundError
 from loraplex_engine.service import PromptJob
@@ -20,7 +19,8 @@ from loraplex_engine.spec import parse_spec
 from loraplex_engine.tinker.protocol import Protocol
 from loraplex_engine.training_service import AdamStep, LossCall
 
-from tests.engine.engine_builders import engine
+from tests.support.client_driver import drive, sft_datum
+from tests.support.engine_builders import engine
 
 NS = "team-a"
 MODEL = "s0123456789abcdef0123:train:0"
@@ -125,7 +125,7 @@ def test_the_tinker_protocol_adopts_the_model_in_its_namespace_only(eng) -> None
 
 
 def test_a_task_experiment_cannot_take_a_client_experiments_id(eng) -> None:
-    from tests.engine.engine_builders import spec
+    from tests.support.engine_builders import spec
 
     eng.put_experiment(EXP, client_spec(), NS, NAME)
     with pytest.raises(ConflictError):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 
-from client_driver import NS
 from loraplex_engine.clients.gather import oldest_call, segment_open, waiting_on
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.training_service import ClientLora, ClientModelInfo
+
+from tests.support.client_driver import NS
 
 LONG_S = 3600.0  # a window no test waits out: returning at all shows it did not wait
 JOIN_S = 30.0  # liveness guard on a gather thread, not a speed target

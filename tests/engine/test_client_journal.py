@@ -24,7 +24,7 @@ from loraplex_engine.tinker.protocol import Protocol
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.engine.engine_builders import engine
+from tests.support.engine_builders import engine
 
 NS = "team-a"
 MODEL = "s0123456789abcdef0123:train:0"

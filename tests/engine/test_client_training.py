@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from adapter_parity import adapter_gap, assert_same_training
-from client_driver import NS, drive, queued, sft_datum
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.errors import NotFoundError
@@ -25,7 +23,9 @@ from loraplex_engine.training_service import (
     SampleCall,
 )
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.adapter_parity import adapter_gap, assert_same_training
+from tests.support.client_driver import NS, drive, queued, sft_datum
+from tests.support.engine_builders import engine, spec
 
 PROMPT = [1, 40, 41, 42]
 ANSWER = [100, 101, 102, 103]

@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 import httpx
 import psutil
 import pytest
-from server_process import EngineServer, record_measurement, wait_until
+
+from tests.support.server_process import EngineServer, record_measurement, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -14,21 +14,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import child_processes
-import dp_worker
 import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from adapter_parity import (
-    STEP_RMS_TOL,
-    AdapterGap,
-    adapter_gap,
-    adapter_gap_of_files,
-    assert_same_training,
-)
-from lora_helpers import CONFIGS, multi_model, random_tick_rows
 from loraplex_engine import cli
 from loraplex_engine.parallel import distributed
 from loraplex_engine.parallel.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
@@ -39,6 +29,16 @@ from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.train.rows import TrainRow, count_rows
 from loraplex_engine.train.shared_prefix import shared_prefix_forward
 from loraplex_engine.train.step import fused_backward
+
+from tests.support import child_processes, dp_worker
+from tests.support.adapter_parity import (
+    STEP_RMS_TOL,
+    AdapterGap,
+    adapter_gap,
+    adapter_gap_of_files,
+    assert_same_training,
+)
+from tests.support.lora_helpers import CONFIGS, multi_model, random_tick_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

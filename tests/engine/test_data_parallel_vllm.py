@@ -21,14 +21,15 @@ import threading
 import time
 from pathlib import Path
 
-import child_processes
 import psutil
 import pytest
 import yaml
-from adapter_parity import assert_same_training
-from server_process import EngineServer, wait_until
-from test_data_parallel import run_cmd, run_gaps, short_demo
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_data_parallel import run_cmd, run_gaps, short_demo
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support import child_processes
+from tests.support.adapter_parity import assert_same_training
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

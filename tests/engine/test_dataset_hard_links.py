@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from server_process import EngineServer, wait_until
+
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-import child_processes
 import datasets
 import httpx
 import pyarrow as pa
@@ -30,7 +29,9 @@ from loraplex_engine.errors import TaskError
 from loraplex_engine.tasks.dataset import DatasetTask
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import TrustPolicy
-from server_process import EngineServer, wait_until
+
+from tests.support import child_processes
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

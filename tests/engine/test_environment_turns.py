@@ -11,15 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import test_environments
 from loraplex_engine.environments.episodes import new_group
 from loraplex_engine.environments.observations import ChatObserver
 from loraplex_engine.environments.player import EpisodePlayer, play
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from plugin_install import with_path
-from server_process import EngineServer, wait_until
-from test_environments import _group, _ids, _Policy, _spec, _text, _wait_steps
-from test_tenant_isolation import LIMITS, put, status
+
+from tests.engine import test_environments
+from tests.engine.test_environments import _group, _ids, _Policy, _spec, _text, _wait_steps
+from tests.engine.test_tenant_isolation import LIMITS, put, status
+from tests.support.plugin_install import with_path
+from tests.support.server_process import EngineServer, wait_until
 
 session_of = test_environments.session_of  # the fixture: plug-in workers, closed after
 

@@ -19,7 +19,6 @@ import httpx
 import psutil
 import pytest
 import torch
-from lora_helpers import CONFIGS, multi_model
 from loraplex_engine.environments.episodes import EpisodeGroup, new_group
 from loraplex_engine.environments.observations import text_observer
 from loraplex_engine.environments.player import play
@@ -32,9 +31,11 @@ from loraplex_engine.tasks.rewards import RewardItem
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
-from plugin_install import SAMPLE, install, with_path
-from server_process import EngineServer, wait_until
-from test_tenant_isolation import LIMITS, put, status
+
+from tests.engine.test_tenant_isolation import LIMITS, put, status
+from tests.support.lora_helpers import CONFIGS, multi_model
+from tests.support.plugin_install import SAMPLE, install, with_path
+from tests.support.server_process import EngineServer, wait_until
 
 PAD = 0
 

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adapter_parity import adapter_gap, assert_same_training
 from loraplex_engine.api_types import ExperimentTick
 from loraplex_engine.engine import Engine
 from loraplex_engine.errors import InvalidSpecError
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.tracking.records import StepRecord, records_of
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.adapter_parity import adapter_gap, assert_same_training
+from tests.support.engine_builders import engine, spec
 
 STEPS, EVERY, LR = 10, 2, 0.02
 EXP = "default.say-yes"

@@ -15,7 +15,7 @@ from loraplex_engine.tenancy.fair_share import (
 )
 from loraplex_engine.tenancy.trust import TrustPolicy
 
-from tests.engine.engine_builders import spec
+from tests.support.engine_builders import spec
 
 
 def experiment(exp_id: str, cost: int = 0, namespace: str = "default") -> Experiment:

@@ -19,11 +19,12 @@ import httpx
 import openai
 import pytest
 import tinker
-from gateway_process import GatewayProcess
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
 from tinker import types
-from tinker_clients import service_client, sft
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.gateway_process import GatewayProcess
+from tests.support.server_process import EngineServer, wait_until
+from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 

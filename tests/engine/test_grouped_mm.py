@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import load_base, randomise_b
 from loraplex_engine.errors import AdapterError
 from loraplex_engine.lora import grouped as grouped_lora
 from loraplex_engine.lora import layers as lora
@@ -31,6 +30,8 @@ from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.lora.routing import Router, Routing
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from tests.support.lora_helpers import load_base, randomise_b
 
 H100 = KernelEnv("cuda", (9, 0), True, False)
 SHAPES = (4096, 1024, 64)
@@ -336,7 +337,7 @@ def test_the_fused_kernel_equals_bmm_on_the_gpu(routing) -> None:
 def test_the_engine_trains_on_the_grouped_path_when_told(tiny_model_dir, tmp_path) -> None:
     """``--lora-kernel grouped`` on a CPU: every layer (the lm_head's per-token routing in
     the chunked log-probs included) runs the grouped algorithm through a real tick."""
-    from engine_builders import engine, spec
+    from tests.support.engine_builders import engine, spec
 
     with pytest.raises(ValueError, match="lora_kernel must be one of"):
         engine(tiny_model_dir, tmp_path, lora_kernel="cutlass")

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adapter_parity import adapter_gap, assert_same_training
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.spec import parse_spec
 
-from tests.engine.engine_builders import engine, run_to_end, spec
+from tests.support.adapter_parity import adapter_gap, assert_same_training
+from tests.support.engine_builders import engine, run_to_end, spec
 
 STEPS = 8
 LR = 0.02

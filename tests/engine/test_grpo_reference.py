@@ -12,7 +12,7 @@ from loraplex_engine.train import step as training
 from loraplex_engine.train.algorithms import token_logprobs
 from loraplex_engine.train.rows import TrainRow
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 Captured = tuple[list[TrainRow], torch.Tensor, list[torch.Tensor]]
 

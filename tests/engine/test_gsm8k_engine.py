@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_install import with_path
-from server_process import EngineServer, wait_until
-from test_plugins import workers
-from test_tenant_isolation import put, spec, status
+
+from tests.engine.test_plugins import workers
+from tests.engine.test_tenant_isolation import put, spec, status
+from tests.support.plugin_install import with_path
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 from loraplex_engine.server.app import create_app
-from test_server_app import AUTH, TOKEN, FakeEngine, put
+
+from tests.engine.test_server_app import AUTH, TOKEN, FakeEngine, put
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trainer-image" / "loraplex_engine"
 STARTUP = {"serve", "flags"}  # process start-up: may import both sides

@@ -2,7 +2,8 @@
 
 import torch
 import torch.nn.functional as F
-from lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
+
+from tests.support.lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
 
 ROWS = ["b", "a", None, "c", "a", "b", "c", "c"]
 

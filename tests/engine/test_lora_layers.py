@@ -2,16 +2,6 @@
 
 import pytest
 import torch
-from lora_helpers import (
-    ALL,
-    CONFIGS,
-    batch,
-    load_base,
-    multi_model,
-    peft_model,
-    randomise_b,
-    rel_err,
-)
 from loraplex_engine.errors import (
     DuplicateAdapterError,
     NoFreeSlotError,
@@ -22,6 +12,17 @@ from loraplex_engine.errors import (
 )
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
+
+from tests.support.lora_helpers import (
+    ALL,
+    CONFIGS,
+    batch,
+    load_base,
+    multi_model,
+    peft_model,
+    randomise_b,
+    rel_err,
+)
 
 # Row -> adapter name (None = base). Two rows per adapter, interleaved, plus two base rows.
 ROWS = ["a", None, "b", "c", "a", "c", "b", None]

@@ -14,7 +14,8 @@ from loraplex_engine.plugins.reward import PluginReward
 from loraplex_engine.tasks.rewards import RewardItem
 from loraplex_engine.workloads import math_reward
 from loraplex_engine.workloads.math_reward import math_verify_reward, score_one
-from plugin_install import with_path
+
+from tests.support.plugin_install import with_path
 
 GOLD = "Tom has 2*9 = <<2*9=18>>18 apples.\n#### 18"
 RIGHT = [

@@ -7,12 +7,13 @@ import random
 
 import pytest
 import torch
-from lora_helpers import CONFIGS, multi_model
 from loraplex_engine.lora.gradient_checkpointing import gradient_checkpointing
 from loraplex_engine.train.algorithms import ClippedRatioLoss, token_logprobs
 from loraplex_engine.train.chunked_logprobs import HiddenStatesForward, chunked_token_logprobs
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
+
+from tests.support.lora_helpers import CONFIGS, multi_model
 
 CPU = torch.device("cpu")
 KL = {"a": 0.0, "b": 0.1, "c": 0.0}  # one tenant with a KL term (slot 0 reference)

@@ -26,7 +26,7 @@ from loraplex_engine.train.strategy import (
     with_totals,
 )
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 QV = {"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]}  # frozen head
 TOL = 2e-5  # fp32: the decode (KV cache, one token at a time) vs one full forward

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 from loraplex_engine.server.openai.chat import room_left
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, wait_until
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet
 

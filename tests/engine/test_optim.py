@@ -1,8 +1,9 @@
 import pytest
 import torch
-from lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
 from loraplex_engine.errors import AdapterError
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+
+from tests.support.lora_helpers import CONFIGS, batch, multi_model, peft_model, rel_err
 
 SETTINGS = {
     "a": AdamWSettings(lr=1e-2),

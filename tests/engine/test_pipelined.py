@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine_builders import engine, spec
 from loraplex_engine.errors import UsageError
 from loraplex_engine.pipelined_tick import (
     Lane,
@@ -34,6 +33,8 @@ from loraplex_engine.pipelined_tick import (
     tick_class,
 )
 from loraplex_engine.tick import Tick
+
+from tests.support.engine_builders import engine, spec
 
 STEPS = 4
 TARGETS = ("yes", "no", "abc")
@@ -191,7 +192,7 @@ def test_run_command_takes_the_schedule_and_records_versions(
 ) -> None:
     """`loraplex-engine run --schedule pipelined`: one experiment on-policy, one allowing
     one step of staleness; summary.json records each step's rollout version."""
-    from test_runner import manifest, run_cli
+    from tests.engine.test_runner import manifest, run_cli
 
     yes, no = "{name: target-token, params: {target: 'yes'}}", "{name: target-token, params: {}}"
     code, summary = run_cli(

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
-from test_pipelined import flat, slot_weights
 
 from tests.conftest import REPO_ROOT
-from tests.engine.engine_builders import engine, spec
+from tests.engine.test_pipelined import flat, slot_weights
+from tests.support.engine_builders import engine, spec
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from lora_helpers import CONFIGS
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory.fake_model import keep_index_values
 from loraplex_engine.memory.plan_cli import parse_bytes
@@ -22,6 +21,8 @@ from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
+
+from tests.support.lora_helpers import CONFIGS
 
 CPU = torch.device("cpu")
 SMALL = dict(prompts_per_tenant=2, completions_per_prompt=2, prompt_tokens=6,

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from plugin_install import with_path
-from server_process import EngineServer, wait_until
-from test_tenant_isolation import LIMITS, failed, put, spec, status
+
+from tests.engine.test_tenant_isolation import LIMITS, failed, put, spec, status
+from tests.support.plugin_install import with_path
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

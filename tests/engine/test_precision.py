@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import CONFIGS, randomise_b
 from loraplex_engine import cli
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names
@@ -21,8 +20,9 @@ from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
 from transformers import AutoModelForCausalLM
 
-from tests.engine.engine_builders import engine, mean, spec
 from tests.engine.test_runner import assert_peft_adapter_loads
+from tests.support.engine_builders import engine, mean, spec
+from tests.support.lora_helpers import CONFIGS, randomise_b
 
 CPU = torch.device("cpu")
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.2%). Fused and alone differ only

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import CONFIGS, multi_model, rel_err
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.rows import TrainRow, pack_micro_batches_shared, prefix_groups
 from loraplex_engine.train.shared_prefix import prefix_sharing_unsupported, shared_prefix_forward
 from loraplex_engine.train.step import fused_backward, plan_micro_batches
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
+from tests.support.lora_helpers import CONFIGS, multi_model, rel_err
 
 PAD = 0
 KL = {"a": 0.0, "b": 0.1, "c": 0.0}  # one tenant with a KL term (slot 0 reference)

@@ -30,8 +30,9 @@ import httpx
 import psutil
 import pytest
 from loraplex_engine.tenancy.reward_exchange import MAX_REWARD_ANSWER_BYTES, REWARD_TIMEOUT_S
-from server_process import EngineServer, wait_until
-from test_tenant_isolation import LIMITS, put, spec, status
+
+from tests.engine.test_tenant_isolation import LIMITS, put, spec, status
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from loraplex_engine.rollout.torch.packing import kv_tokens, pack_rollout
 from loraplex_engine.rollout.torch.sampling import Sampler
 from loraplex_engine.rollout.vllm.config import kv_bytes_per_token
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 UNLIMITED = 10**9
 

@@ -17,8 +17,6 @@ import threading
 from pathlib import Path
 
 import torch
-from engine_builders import engine
-from lora_helpers import multi_model
 from loraplex_engine.api_types import MemoryPlan
 from loraplex_engine.pipelined_tick import PipelinedTick
 from loraplex_engine.rollout.torch.streams import (
@@ -28,6 +26,9 @@ from loraplex_engine.rollout.torch.streams import (
     overlap_blocker,
     static_blocker,
 )
+
+from tests.support.engine_builders import engine
+from tests.support.lora_helpers import multi_model
 
 
 def test_two_threads_route_one_model_each_through_its_own_slots(tiny_model_dir: Path) -> None:
@@ -148,7 +149,7 @@ def test_a_tick_overlaps_only_disjoint_cohorts() -> None:
 def test_on_the_cpu_the_pipelined_engine_never_takes_a_side_stream(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from test_pipelined import _specs
+    from tests.engine.test_pipelined import _specs
 
     eng = engine(tiny_model_dir, tmp_path, schedule="pipelined")
     tick = eng._tick
@@ -167,7 +168,7 @@ def test_each_tick_decides_from_its_own_cohorts(tiny_model_dir: Path, tmp_path: 
     On-policy cohorts are disjoint, so every tick that trains and generates may overlap;
     an experiment allowing staleness generates in the tick that trains it, so those may
     not (its slot would be read while written)."""
-    from test_pipelined import _specs
+    from tests.engine.test_pipelined import _specs
 
     def decisions(staleness: int, root: Path) -> list[str | None]:
         eng = engine(tiny_model_dir, root, schedule="pipelined")

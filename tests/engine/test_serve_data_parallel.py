@@ -19,14 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import child_processes
 import httpx
 import psutil
 import pytest
-from adapter_parity import AdapterGap, adapter_gap_of_files, assert_same_training
 from loraplex_engine.cli import build_parser, main
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support import child_processes
+from tests.support.adapter_parity import AdapterGap, adapter_gap_of_files, assert_same_training
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

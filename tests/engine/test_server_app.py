@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from app_routes import v1_routes
 from loraplex_engine.api_types import (
     Capacity,
     CheckpointRef,
@@ -34,6 +33,8 @@ from loraplex_engine.server.holder import EngineHolder
 from loraplex_engine.server.serve import EngineLoop
 from loraplex_engine.service import PromptJob, ServedRow
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.app_routes import v1_routes
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -178,7 +179,7 @@ def client(engine: FakeEngine):
 
 
 def _spec() -> dict[str, Any]:
-    from test_server_live import small_spec
+    from tests.engine.test_server_live import small_spec
 
     return small_spec(rank=4)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 from safetensors.torch import load_file
-from server_process import EngineServer, record_measurement, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, record_measurement, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -171,7 +172,7 @@ def test_kill_9_restart_and_resume_from_the_last_checkpoint(
 def test_refuses_to_start_without_a_token(tiny_model_dir: Path, tmp_path: Path) -> None:
     import subprocess
 
-    from server_process import engine_command
+    from tests.support.server_process import engine_command
 
     cmd = [*engine_command(), "serve", "--model", str(tiny_model_dir), "--port", "0"]
     env = {k: v for k, v in __import__("os").environ.items() if k != "LORAPLEX_TOKEN"}

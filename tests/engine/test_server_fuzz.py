@@ -40,8 +40,9 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

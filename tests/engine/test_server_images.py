@@ -174,8 +174,8 @@ def test_cpu_image_install_steps_give_a_working_server(
     then requirements/engine.txt, then the package, not editable, all constrained); then
     that venv's `loraplex-engine serve` trains. Only the CPU index URL is dropped: the
     wheels come from this machine's pip configuration."""
-    from server_process import EngineServer, wait_until
-    from test_server_live import put_body, small_spec
+    from tests.engine.test_server_live import put_body, small_spec
+    from tests.support.server_process import EngineServer, wait_until
 
     venv = tmp_path / "venv"
     workdir = tmp_path / "opt-loraplex"  # the image's WORKDIR

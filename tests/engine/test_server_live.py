@@ -14,11 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-from app_routes import v1_routes
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.holder import EngineHolder
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import EngineServer, record_measurement, wait_until
+
+from tests.support.app_routes import v1_routes
+from tests.support.server_process import EngineServer, record_measurement, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ import httpx
 import psutil
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
-from server_process import EngineServer, record_measurement, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, record_measurement, wait_until
 
 pytestmark = pytest.mark.slow
 

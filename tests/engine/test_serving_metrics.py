@@ -17,7 +17,8 @@ from loraplex_engine.errors import UnavailableError
 from loraplex_engine.metrics import OTHER_MODEL, EngineMetrics
 from loraplex_engine.server.app import create_app
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_app import AUTH, TOKEN, FakeEngine, put
+
+from tests.engine.test_server_app import AUTH, TOKEN, FakeEngine, put
 
 BASE = FakeEngine.model_name
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import EngineServer
-from test_server_live import small_spec
+
+from tests.engine.test_server_live import small_spec
+from tests.support.server_process import EngineServer
 
 REPO = Path(__file__).resolve().parents[2]
 PROMTOOL = REPO / ".tools" / "bin" / "promtool"

@@ -30,9 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import EngineServer, wait_until
-from test_reward_bounds import BYSTANDER, Meter
-from test_tenant_isolation import LIMITS, put, spec, status
+
+from tests.engine.test_reward_bounds import BYSTANDER, Meter
+from tests.engine.test_tenant_isolation import LIMITS, put, spec, status
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

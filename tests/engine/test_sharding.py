@@ -8,17 +8,17 @@ import json
 import socket
 import subprocess
 
-import child_processes
 import pytest
-import shard_worker
 import torch
 import torch.multiprocessing as mp
-from adapter_parity import assert_same_training
 from loraplex_engine import cli
 from loraplex_engine.parallel import distributed, rollout_shares
 from loraplex_engine.parallel.row_split import split_rollout
 from loraplex_engine.rollout.base import Completion, RolloutRequest
-from test_data_parallel import run_cmd, run_gaps, short_demo, spawn_run
+
+from tests.engine.test_data_parallel import run_cmd, run_gaps, short_demo, spawn_run
+from tests.support import child_processes, shard_worker
+from tests.support.adapter_parity import assert_same_training
 
 # ---- the rollout split and the wire (pure) ---------------------------------------------
 

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 from loraplex_engine.store.run_store import step_dirs
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

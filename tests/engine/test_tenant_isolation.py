@@ -24,7 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_process import EngineServer, wait_until
+
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -325,7 +326,7 @@ def test_failed_ticks_answer_their_completions_and_sigterm_still_exits(
         ckpt,
         max_adapters=4,
         workdir=tmp_path,
-        command=[sys.executable, str(REPO / "tests" / "engine" / "faulty_engine.py")],
+        command=[sys.executable, "-m", "tests.support.faulty_engine"],
         extra_args=[*LIMITS, *ALLOW_LOOPBACK_REWARDS],
         env={
             "LORAPLEX_TEST_FAULTS": str(faults),

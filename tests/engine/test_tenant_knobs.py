@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lora_helpers import multi_model
 from loraplex_engine.errors import AdapterError
 from loraplex_engine.spec import parse_spec
 from loraplex_engine.store.checkpoint import load_trainer_state, save_trainer_state
 from loraplex_engine.train.lr_schedule import lr_factor
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW, adamw_settings
+
+from tests.support.lora_helpers import multi_model
 
 COSINE = AdamWSettings(
     lr=1e-2, weight_decay=0.0, lr_schedule="cosine", warmup_steps=2, total_steps=6
@@ -276,7 +277,7 @@ def test_engine_takes_the_knobs_from_the_spec_and_resumes_mid_schedule(
 ) -> None:
     """The engine's optimiser gets the spec's schedule and clipping at placement, and a
     resume from the checkpoint on a fresh engine continues at the saved step count."""
-    from engine_builders import engine, spec
+    from tests.support.engine_builders import engine, spec
 
     body = spec(steps=6, group=2, prompts=1).to_json()
     body["algorithm"] |= {"lrSchedule": "cosine", "warmupSteps": 1, "maxGradNorm": 0.5}

@@ -12,9 +12,10 @@ import httpx
 import pytest
 from loraplex_engine.server.app import create_app
 from loraplex_engine.tinker.keys import AdminDelegation
-from test_server_app import FakeEngine
-from test_tinker_protocol import BASE, KEY_A, KEY_B, Server, _tokenizer_dir
-from tinker_double import FakeTraining
+
+from tests.engine.test_server_app import FakeEngine
+from tests.engine.test_tinker_protocol import BASE, KEY_A, KEY_B, Server, _tokenizer_dir
+from tests.support.tinker_double import FakeTraining
 
 ADMIN = {"Authorization": "Bearer admin-token"}
 

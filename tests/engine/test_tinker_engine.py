@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-from server_process import EngineServer
 from tinker import types
-from tinker_clients import service_client, sft
+
+from tests.support.server_process import EngineServer
+from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 

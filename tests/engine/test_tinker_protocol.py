@@ -19,10 +19,11 @@ import tinker
 import uvicorn
 from loraplex_engine.server.app import create_app
 from loraplex_engine.tinker.keys import KeyStore, digest
-from test_server_app import FakeEngine
 from tinker import types
-from tinker_clients import close_all, service_client
-from tinker_double import FakeTraining
+
+from tests.engine.test_server_app import FakeEngine
+from tests.support.tinker_clients import close_all, service_client
+from tests.support.tinker_double import FakeTraining
 
 KEY_A = "tml-aaaaaaaaaaaaaaaaaaaaaaaa"
 KEY_B = "tml-bbbbbbbbbbbbbbbbbbbbbbbb"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from server_process import EngineServer
+from tests.support.server_process import EngineServer
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "tml-demo-0123456789abcdef"  # the doc's key

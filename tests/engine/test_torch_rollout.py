@@ -12,7 +12,7 @@ import torch
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.rollout.torch.backend import distinct_prompts, generate
 
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 
 def _request(slot: int, prompt: list[int], new: int = 6) -> RolloutRequest:

@@ -260,8 +260,9 @@ def test_a_tracker_whose_client_is_missing_is_a_usage_error_naming_the_flag(
 
 
 def test_tensorboard_event_files_hold_each_metric_by_step(tmp_path: Path) -> None:
-    from event_reader import scalars
     from loraplex_engine.tracking.tensorboard_tracker import TensorBoardTracker
+
+    from tests.support.event_reader import scalars
 
     spec = TrackingSpec.model_validate({"runName": "r1", "tags": [{"name": "k", "value": "v"}]})
     tb = TensorBoardTracker(str(tmp_path))
@@ -283,8 +284,9 @@ def test_tensorboard_event_files_hold_each_metric_by_step(tmp_path: Path) -> Non
 def test_wandb_offline_run_files_hold_the_history(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from event_reader import wandb_history
     from loraplex_engine.tracking.wandb_tracker import WandbTracker
+
+    from tests.support.event_reader import wandb_history
 
     for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "home" / var))  # the tracker sets them if unset

@@ -17,14 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import child_processes
 import httpx
 import pytest
-from event_reader import scalars
 from mlflow.tracking import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support import child_processes
+from tests.support.event_reader import scalars
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -21,10 +21,11 @@ from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins import discovery
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec_blocks.plugins import EnvironmentSpec
-from plugin_install import install, with_path
-from server_process import EngineServer, wait_until
-from test_environments import _group, _ids, _play, _Policy, _spec, _text, _wait_steps
-from test_tenant_isolation import LIMITS, put, status
+
+from tests.engine.test_environments import _group, _ids, _play, _Policy, _spec, _text, _wait_steps
+from tests.engine.test_tenant_isolation import LIMITS, put, status
+from tests.support.plugin_install import install, with_path
+from tests.support.server_process import EngineServer, wait_until
 
 pytest.importorskip("verifiers.v1", reason="verifiers is in requirements/dev-nodeps.txt")
 

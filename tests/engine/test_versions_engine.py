@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_builders import engine, spec
-from lora_helpers import load_base
 from loraplex_engine.errors import NotFoundError
 from loraplex_engine.service import PromptJob
 from loraplex_engine.store.versions import VersionStore
 from peft import PeftModel
 from safetensors.torch import load_file
+
+from tests.support.engine_builders import engine, spec
+from tests.support.lora_helpers import load_base
 
 NS = "team"
 PROMPT = "the answer is"
@@ -225,8 +226,9 @@ def test_tinker_sampling_serves_a_version(eng, tiny_model_dir, root) -> None:
     near-tied logits) the greedy tokens can differ from a lone row's; what must hold is
     that they were sampled with the version's weights: their log-probs are peft's on the
     version's directory (fp32, batch rounding ~1e-6), far from the base model's."""
-    from client_driver import drive
     from loraplex_engine.training_service import SampleCall
+
+    from tests.support.client_driver import drive
 
     exp_id = f"{NS}.tink"
     eng.put_experiment(exp_id, _continual({"everySteps": 1, "keep": 50}), NS, "tink")

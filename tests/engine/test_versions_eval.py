@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_builders import engine, spec
 from loraplex_engine.engine import Engine
 from loraplex_engine.evaluation.scores import EvalResult
 from loraplex_engine.spec import parse_spec
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions.policy import improves
 from safetensors.torch import load_file
+
+from tests.support.engine_builders import engine, spec
 
 NS = "team"
 LR = 0.02  # the greedy eval of target-token rises from 0.0 to 1.0 within ~8 steps at this

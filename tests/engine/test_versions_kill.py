@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.store.versions import VersionStore
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
 

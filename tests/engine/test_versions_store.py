@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from child_processes import kill_group, spawn
 from loraplex_engine.errors import CheckpointError, CheckpointQuotaError
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.versions import (
@@ -24,7 +23,10 @@ from loraplex_engine.store.versions import (
     versions_to_prune,
 )
 
-WRITER = Path(__file__).with_name("version_writer.py")
+from tests.support import version_writer
+from tests.support.child_processes import kill_group, spawn
+
+WRITER = Path(version_writer.__file__)
 
 
 def _manifest(n: int, parent: int | None, digest: str) -> Manifest:

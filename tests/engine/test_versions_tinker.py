@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import tinker
 from loraplex_engine.store.versions import VersionStore
-from server_process import EngineServer, wait_until
-from test_server_live import put_body, small_spec
 from tinker import types
+
+from tests.engine.test_server_live import put_body, small_spec
+from tests.support.server_process import EngineServer, wait_until
 
 KEY = "tml-versions-0123456789abcdef"
 EXP = "demo.cont"

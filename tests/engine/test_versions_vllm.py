@@ -21,14 +21,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from child_processes import kill_group, spawn
-from engine_builders import engine, spec
 from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions.fleet import FleetSync, Watch
 from loraplex_engine.versions.spec import PublishSpec
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
+
+from tests.support.child_processes import kill_group, spawn
+from tests.support.engine_builders import engine, spec
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server_process import engine_command, record_measurement
+
+from tests.support.server_process import engine_command, record_measurement
 
 pytestmark = pytest.mark.slow
 

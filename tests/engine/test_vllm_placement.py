@@ -6,7 +6,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from engine_builders import engine, run_to_end, spec
 from loraplex_engine.rollout.vllm.config import vllm_engine_args
 from loraplex_engine.rollout.vllm.placement import (
     COLOCATED_FREE_SHARE,
@@ -15,6 +14,8 @@ from loraplex_engine.rollout.vllm.placement import (
     resolve_placement,
     worker_settings,
 )
+
+from tests.support.engine_builders import engine, run_to_end, spec
 
 GIB = 2**30
 

@@ -28,7 +28,7 @@ from loraplex_engine.rollout.vllm.requests import (
 )
 
 from tests.conftest import REPO_ROOT
-from tests.engine.engine_builders import engine, spec
+from tests.support.engine_builders import engine, spec
 
 VLLM_PYTHON = Path(
     os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")

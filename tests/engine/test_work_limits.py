@@ -7,7 +7,7 @@ import pytest
 from loraplex_engine.errors import InvalidRequestError, InvalidSpecError
 from loraplex_engine.tenancy.work_limits import WorkLimits
 
-from tests.engine.engine_builders import spec
+from tests.support.engine_builders import spec
 
 # 8 rows (groupSize 2 x promptsPerStep 4) x (100 prompt + 8 new tokens) = 864 tokens
 LIMITS = WorkLimits(max_prompt_tokens=100, max_step_tokens=864, context_tokens=128)

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from crdkit import CRD_FILES, schema_of
+
+from tests.support.crdkit import CRD_FILES, schema_of
 
 
 def undocumented(schema: dict[str, Any], path: str = "") -> Iterator[str]:

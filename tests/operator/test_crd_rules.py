@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from builders import experiment, pool
-from crdkit import admit, cel_errors, schema_of, walk_rules
 from loraplex_engine.errors import SpecError
 from loraplex_engine.spec import parse_spec
+
+from tests.support.builders import experiment, pool
+from tests.support.crdkit import admit, cel_errors, schema_of, walk_rules
 
 Obj = dict[str, Any]
 

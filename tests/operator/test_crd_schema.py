@@ -9,8 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import experiment, pool
-from crdkit import (
+from loraplex_engine.errors import SpecError
+from loraplex_engine.spec import ExperimentSpec, parse_spec
+from loraplex_operator.status import CONDITION_TYPES
+
+from tests.support.builders import experiment, pool
+from tests.support.crdkit import (
     CRD_FILES,
     REPO,
     admit,
@@ -22,9 +26,6 @@ from crdkit import (
     schema_of,
     unknown_fields,
 )
-from loraplex_engine.errors import SpecError
-from loraplex_engine.spec import ExperimentSpec, parse_spec
-from loraplex_operator.status import CONDITION_TYPES
 
 EXP = "LoRAExperiment"
 POOL = "EnginePool"

@@ -7,8 +7,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from builders import pod_of, pool, serve_args
-from crdkit import REPO, admit, apply_defaults, schema_of
 from loraplex_operator import manifests
 from loraplex_operator.config import Config
 from loraplex_operator.manifests import (
@@ -19,6 +17,9 @@ from loraplex_operator.manifests import (
     is_pod_ready,
 )
 from loraplex_operator.resources import Pool
+
+from tests.support.builders import pod_of, pool, serve_args
+from tests.support.crdkit import REPO, admit, apply_defaults, schema_of
 
 K8S_VERSION = "1.33"
 _PVC = {"persistentVolumeClaim": {"claimName": "ckpt"}}

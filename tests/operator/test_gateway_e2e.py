@@ -29,14 +29,15 @@ import httpx
 import openai
 import pytest
 import tinker
-from deployed_gateway import GatewayContainer, gateway_values, rendered_gateway
-from harness import Harness
 from loraplex_operator import idle
 from loraplex_operator.api.pool import FAMILY_TARGET_MODULES
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.kube import EXPERIMENTS, POOLS, SECRETS
 from tinker import types
-from tinker_clients import service_client, sft
+
+from tests.support.deployed_gateway import GatewayContainer, gateway_values, rendered_gateway
+from tests.support.harness import Harness
+from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
 

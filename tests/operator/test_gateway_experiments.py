@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import experiment
-from crdkit import admit
 from loraplex_engine.spec import parse_spec
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.resources import Experiment
+
+from tests.support.builders import experiment
+from tests.support.crdkit import admit
 
 SESSION = "s0123456789abcdef0123"
 CREATE = {"session_id": SESSION, "model_seq_id": 2, "lora_config": {"rank": 8, "seed": 5}}

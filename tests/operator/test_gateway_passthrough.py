@@ -1,5 +1,5 @@
 """The gateway's hop costs what a proxy must and no more: a real gateway process
-(tests/engine/gateway_process.py) in front of an upstream that answers in the engine's
+(tests/support/gateway_process.py) in front of an upstream that answers in the engine's
 shapes (a starlette app under uvicorn, here: no engine needed to see the hop) keeps its
 upstream connections open across requests (one pooled client, not one per request) and
 passes the engine's answers through byte for byte, streamed events included (no JSON
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,8 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from gateway_process import GatewayProcess
+from tests.support.gateway_process import GatewayProcess
 
 KEY = "tml-passthrough-0123456789"
 MODEL = "team-a.m"

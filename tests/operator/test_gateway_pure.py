@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 
-import builders
 import pytest
 from loraplex_operator.api.pool import LabelSelector
 from loraplex_operator.gateway import routing
@@ -23,6 +22,8 @@ from loraplex_operator.gateway.keys import (
 from loraplex_operator.gateway.routing import Engine
 from loraplex_operator.gateway.tinker import CLIENT_CONFIG
 from loraplex_operator.resources import Pool
+
+from tests.support import builders
 
 KEY_A = "tml-aaaaaaaaaaaaaaaaaaaaaaaa"
 KEY_B = "tml-bbbbbbbbbbbbbbbbbbbbbbbb"

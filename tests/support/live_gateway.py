@@ -2,7 +2,7 @@
 harness's engines, scraped as the chart's gateway ServiceMonitor says, with tenants'
 traffic through it.
 
-The gateway reads its view from ``--engines-file`` (tests/engine/gateway_process.py): the
+The gateway reads its view from ``--engines-file`` (tests/support/gateway_process.py): the
 engine pods of the pool (their URLs, the pool's token) and one key per namespace, the
 view KubeDirectory builds from the cluster (its API calls are tests/chart/
 test_gateway_rbac.py's). Its `/metrics` is scraped through file-based discovery with the
@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
-from chart_helpers import REPO, component
-from prometheus_process import endpoint_targets, service_monitor_scrape_config, write_sd_file
 
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-from gateway_process import GatewayProcess
+from tests.support.chart_helpers import component
+from tests.support.gateway_process import GatewayProcess
+from tests.support.prometheus_process import (
+    endpoint_targets,
+    service_monitor_scrape_config,
+    write_sd_file,
+)
 
 KEYS = {"team-a": "tml-live-team-a-0123456789", "team-b": "tml-live-team-b-0123456789"}
 

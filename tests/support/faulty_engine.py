@@ -1,4 +1,5 @@
-"""`loraplex-engine` whose shared device can be made to fail: `python faulty_engine.py serve`.
+"""`loraplex-engine` whose shared device can be made to fail:
+`python -m tests.support.faulty_engine serve`.
 
 A fault of the base model or the device (CUDA error, lost GPU) is the one failure that
 may fail a whole tick; on CPU no real component produces one on demand. This wrapper runs

@@ -35,16 +35,16 @@ import sys
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import kmock
-import kubelet_status as ks
 import psutil
 from loraplex_operator import manifests
 from loraplex_operator.kube import PODS, Kube
-from pod_runtime import (
+
+from tests.support import kubelet_status as ks
+from tests.support.pod_runtime import (
     ContainerConfigError,
     Node,
     PodSpecError,
@@ -53,9 +53,7 @@ from pod_runtime import (
     local_command,
     local_env,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from server_process import EngineServer
+from tests.support.server_process import EngineServer
 
 NODE = "kmock-node"
 # The kubelet's crash back-off: the first restart at once, then 10 s doubling to 300 s.

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import child_processes
 import httpx
+
+from tests.support import child_processes
 
 REPO = Path(__file__).resolve().parents[2]
 LISTEN_RE = re.compile(rb"loraplex-gateway listening: url=(\S+)")

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import child_processes
 import httpx
-from deployed import free_port
-from pod_runtime import container_env, local_command
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-from chart_helpers import merge, render
+from tests.support import child_processes
+from tests.support.chart_helpers import merge, render
+from tests.support.deployed import free_port
+from tests.support.pod_runtime import container_env, local_command
 
 GATEWAY_CONTAINER = "gateway"
 

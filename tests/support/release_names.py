@@ -7,7 +7,8 @@ import os
 import subprocess
 
 import yaml
-from chart_helpers import CHART, REPO
+
+from tests.support.chart_helpers import CHART, REPO
 
 DEFAULT_REGISTRY = "ghcr.io/loraplex"
 IMAGES = ("operator", "engine", "engine-cpu")

@@ -59,10 +59,11 @@ TIS_LR = 0.01
 def tis_trainer(model_dir: str, world: World | None):
     """The tiny model with adapters a, b, c; their trainer, recomputing the old log-probs
     as under a vLLM rollout (the rows' log-probs are then the sampler's)."""
-    from lora_helpers import CONFIGS, multi_model
     from loraplex_engine.parallel.data_parallel import DataParallelTraining
     from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
     from loraplex_engine.train.strategy import FusedTraining
+
+    from tests.support.lora_helpers import CONFIGS, multi_model
 
     model = multi_model(Path(model_dir))
     optimizer = PerAdapterAdamW(model)
@@ -79,14 +80,15 @@ def tis_trainer(model_dir: str, world: World | None):
 def tis_rows(model):
     """Every adapter's rows, sampler log-probs in [-6, -4] (the trainer's are ~-5.5): TIS
     weights spread over (0.2, cap], a different one per token."""
-    from lora_helpers import CONFIGS, random_tick_rows
+    from tests.support.lora_helpers import CONFIGS, random_tick_rows
 
     return random_tick_rows(model, CONFIGS, (4, 3, 2, 3), max_prompt=9, max_done=6)
 
 
 def tis_losses(tis_cap: float | None):
-    from lora_helpers import CONFIGS
     from loraplex_engine.train.algorithms import ClippedRatioLoss
+
+    from tests.support.lora_helpers import CONFIGS
 
     return {n: ClippedRatioLoss(kl_coef=0.1 if n == "b" else 0.0, tis_cap=tis_cap) for n in CONFIGS}
 
@@ -96,7 +98,7 @@ def train_with_tis(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, tuple[float | None, int]]]:
     """One update of every adapter; their weights after it, and each one's TIS statistic
     (its mean weight and the tokens weighted: TrainOutcome's, over every rank's rows)."""
-    from lora_helpers import CONFIGS
+    from tests.support.lora_helpers import CONFIGS
 
     rows = tis_rows(trainer.model)
     outcomes = trainer.train(rows, tis_losses(tis_cap))

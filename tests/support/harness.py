@@ -30,7 +30,7 @@ kmock mode (default)::
   the virtualenv's, against a kubeconfig that points at the emulator; tests may kill and
   restart it.
 - Every process the harness starts runs in its own process group, killed at teardown and
-  at interpreter exit (`tests/child_processes.py`); a run that leaves one fails.
+  at interpreter exit (`tests/support/child_processes.py`); a run that leaves one fails.
 
 Real-cluster mode (`make e2e`, `KUBECONFIG` set, `LORAPLEX_E2E=1`): no emulator and no
 kubelet; the CRDs must be installed and `LORAPLEX_E2E_IMAGE` names an engine image that
@@ -60,12 +60,13 @@ import kmock
 import kmock._internal.dsl as kmock_dsl
 import kmock._internal.parsing as kmock_parsing
 import yaml
-from crdkit import admit, apply_defaults, schema_of
-from deployed import OperatorProcess, chart_values, rendered_operator
-from kubelet import KUBELET_HOLD, Kubelet, now
 from loraplex_operator import manifests
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS, Kube
-from pod_runtime import Node
+
+from tests.support.crdkit import admit, apply_defaults, schema_of
+from tests.support.deployed import OperatorProcess, chart_values, rendered_operator
+from tests.support.kubelet import KUBELET_HOLD, Kubelet, now
+from tests.support.pod_runtime import Node
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_NS = "loraplex-system"

@@ -27,8 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import child_processes
 import httpx
+
+from tests.support import child_processes
 
 LISTEN_RE = re.compile(r"loraplex-engine listening: url=([^\s\"]+)")  # text or JSON line
 READY_RE = re.compile(r"loraplex-engine ready: url=([^\s\"]+) startup_s=([0-9.]+)")

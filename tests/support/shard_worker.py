@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.memory.capacity_plan import static_bytes
@@ -27,6 +26,8 @@ from loraplex_engine.train.chunked_logprobs import HiddenStatesForward
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from loraplex_engine.train.rows import TrainRow, count_rows
 from loraplex_engine.train.step import fused_backward, score_rows
+
+from tests.support.lora_helpers import CONFIGS, load_base, random_tick_rows, randomise_b
 
 CPU = torch.device("cpu")
 HEAD_ONLY = LoRAConfig(rank=4, alpha=8.0, target_modules=("lm_head",))

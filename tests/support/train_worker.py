@@ -1,6 +1,6 @@
 """Subprocess for crash tests: trains one experiment and prints its step after each tick.
 
-Usage: python -m tests.engine.train_worker MODEL_DIR CHECKPOINT_ROOT SPEC_JSON
+Usage: python -m tests.support.train_worker MODEL_DIR CHECKPOINT_ROOT SPEC_JSON
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A small fused training run that can stop at a checkpoint and resume in another process.
 
-Used by test_checkpoint_resume.py: ``python resume_worker.py MODEL_DIR CKPT_DIR OUT_FILE
-[DROPOUT]`` restores every adapter from CKPT_DIR, takes one more step and saves the weights
-to OUT_FILE. With DROPOUT > 0 every adapter has that LoRA dropout and the model trains in
+Used by test_checkpoint_resume.py:
+``python -m tests.support.resume_worker MODEL_DIR CKPT_DIR OUT_FILE [DROPOUT]``
+restores every adapter from CKPT_DIR, takes one more step and saves the weights to
+OUT_FILE. With DROPOUT > 0 every adapter has that LoRA dropout and the model trains in
 training mode, so the step's dropout masks come from torch's global RNG.
 """
 
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lora_helpers import CONFIGS, load_base, multi_model, randomise_b
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.store.checkpoint import (
     atomic_dir,
@@ -25,6 +25,8 @@ from loraplex_engine.store.checkpoint import (
 )
 from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 from safetensors.torch import save_file
+
+from tests.support.lora_helpers import CONFIGS, load_base, multi_model, randomise_b
 
 SETTINGS = {
     "a": AdamWSettings(lr=1e-2),

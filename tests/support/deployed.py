@@ -15,16 +15,13 @@ import contextlib
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import child_processes
-from pod_runtime import container_env, local_command
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-from chart_helpers import component, merge, operator_deployment, render
+from tests.support import child_processes
+from tests.support.chart_helpers import component, merge, operator_deployment, render
+from tests.support.pod_runtime import container_env, local_command
 
 OPERATOR_CONTAINER = "operator"
 
