@@ -130,7 +130,7 @@ demo-smollm2-gsm8k: smollm2
 # $(REGISTRY)/{operator,engine,engine-cpu}:<appVersion> and the chart at
 # oci://$(REGISTRY)/charts/loraplex:<chart version> (`make image-names` prints them).
 # `images` builds the three images (a running Docker or Podman engine; none runs on the
-# build machines here, where tests/engine/test_server_images.py checks the Dockerfiles);
+# build machines here, where tests/engine/server/test_server_images.py checks the Dockerfiles);
 # `release` builds and pushes them, then packages the chart and pushes it as an OCI
 # artifact (log in first: `docker login` and `helm registry login`); `release-chart`
 # pushes the chart alone (tests/chart/test_release_oci.py runs it against a real registry).

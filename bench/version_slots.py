@@ -54,7 +54,7 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _start(model_dir: Path, workdir: Path) -> Any:
-    from tests.engine.test_server_live import put_body, small_spec
+    from tests.engine.server.test_server_live import put_body, small_spec
     from tests.support.server_process import EngineServer
 
     srv = EngineServer(model_dir, workdir / "ckpt", max_adapters=3, workdir=workdir).start()

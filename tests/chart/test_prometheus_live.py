@@ -120,7 +120,7 @@ ABSENT_HERE = {
 # failed-experiments table has the FAILING experiment to show.
 EXCUSED: dict[str, str] = {
     "loraplex-experiment: annotation 'Published versions'": "no experiment here publishes "
-    "versions (spec.publish); tests/engine/test_versions_engine.py covers the series",
+    "versions (spec.publish); tests/engine/versions/test_versions_engine.py covers the series",
 }
 
 # Alerts that must stay quiet on a healthy live system (label joins: pool, job, pod).
