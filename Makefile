@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-unit test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -51,6 +51,12 @@ crds: $(STAMP)
 test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
 	$(PY) -m pytest -q --durations=30
 	$(MAKE) --no-print-directory test-kernel-paths
+
+# The tests that start no process: no engine, gateway or operator harness, no subprocess
+# (the e2e marker, derived in tests/support/markers.py), and none marked slow. Under 3
+# minutes on 2 cores; `make test` runs everything. One area: pytest tests/engine/<folder>.
+test-unit: tiny-model
+	$(PY) -m pytest -q -m "not slow and not e2e" --durations=10
 
 # The numeric tests again on torch's other CPU kernel paths (the run above took the
 # machine's native one, avx512 where present): a tolerance that holds on one path only

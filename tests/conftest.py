@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.markers import mark_e2e
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 
@@ -42,6 +44,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in NUMERIC_MODULES:
             item.add_marker(pytest.mark.numeric)
+        mark_e2e(item)
 
 
 def pytest_report_header() -> str:
