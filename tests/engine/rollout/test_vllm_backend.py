@@ -17,6 +17,8 @@ import pytest
 import torch
 from loraplex_engine.dev.tiny_model import build_model
 
+from tests.support.machine import scaled
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(
     os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
@@ -163,7 +165,7 @@ def test_update_adapter_is_adapter_only_and_not_stale(
     shutil.rmtree(step_dir)
     shutil.copytree(adapters["d"], step_dir)  # other weights, other rank
     seconds = rollout.update_adapter("a", step_dir)
-    assert seconds < 5
+    assert seconds < scaled(5.0)  # 5 s of an idle machine
     after = _greedy(rollout, [(None, prompt), ("a", prompt), ("b", prompt)])
     assert after[1].token_ids != before[1].token_ids
     _assert_matches_hf(tiny_vllm_dir, adapters["d"], prompt, after[1])

@@ -32,6 +32,7 @@ import pytest
 from loraplex_engine.tenancy.reward_exchange import MAX_REWARD_ANSWER_BYTES, REWARD_TIMEOUT_S
 
 from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, spec, status
+from tests.support.machine import scaled
 from tests.support.server_process import EngineServer, wait_until
 
 pytestmark = pytest.mark.slow
@@ -311,15 +312,19 @@ def test_deleting_experiments_with_trickling_rewards_leaves_no_thread_or_socket(
         wait_until(lambda: len(arrivals("/trickle")) > asked, timeout=10)  # the call is out
         assert api.delete(f"/v1/experiments/{exp_id}").status_code == 200
 
+    # Closed well inside the calls' 30 s deadline: 5 s of an idle machine, at most 20.
+    closed_within = min(scaled(5.0), 20.0)
     cycle(0)  # the request path's own threads exist from here on
-    wait_until(lambda: to_rewards() == 0, timeout=5)
+    wait_until(lambda: to_rewards() == 0, timeout=closed_within)
     threads0, sockets0 = engine.num_threads(), len(engine.net_connections("inet"))
     peak = threads0
     for i in range(1, 16):
         cycle(i)
         peak = max(peak, engine.num_threads())
     # Each DELETE closed its reward: no call outlives it (the deadline is 30 s away).
-    wait_until(lambda: to_rewards() == 0 and engine.num_threads() <= threads0, timeout=5)
+    wait_until(
+        lambda: to_rewards() == 0 and engine.num_threads() <= threads0, timeout=closed_within
+    )
     sockets = len(engine.net_connections("inet"))
     print(
         f"cycles: threads {threads0} -> peak {peak} -> {engine.num_threads()}, inet sockets "
