@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-unit test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -48,7 +48,16 @@ crds: $(STAMP)
 	$(PY) scripts/gen_crds.py
 	bash scripts/sync-chart-crds.sh
 
-test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
+# What the tests need, installed side by side: .venv-vllm (~4 min the first time) does not
+# need .venv, so it downloads while .venv installs and the tiny model is built; then the
+# tools (seconds; their script may borrow .venv's pip). Each step returns at once when
+# what it installs is already there.
+test-deps:
+	@$(MAKE) --no-print-directory -j3 -Otarget vllm-venv tiny-model gpu-rehearsal-wheels
+	@$(MAKE) --no-print-directory tools
+
+test: test-deps
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q --durations=30
 	$(MAKE) --no-print-directory test-kernel-paths
 
@@ -60,10 +69,13 @@ test-unit: tiny-model
 
 # The numeric tests again on torch's other CPU kernel paths (the run above took the
 # machine's native one, avx512 where present): a tolerance that holds on one path only
-# would fail on another machine's CPU. Each run first prints the path torch takes.
+# would fail on another machine's CPU. Each run first prints the path torch takes; the
+# native path, which the run above took, is not run again (avx2 on a machine without avx512).
 KERNEL_PATHS ?= default avx2
 test-kernel-paths: tiny-model
-	@for cap in $(KERNEL_PATHS); do \
+	@native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	for cap in $(KERNEL_PATHS); do \
+		if [[ "$$cap" == "$$native" ]]; then echo "== $$cap is this machine's native path: run above"; continue; fi; \
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
