@@ -30,6 +30,9 @@ def _deeper(tiny_model_dir, layers: int = 4):
     return config
 
 
+# The engine's whole step planned on fake tensors, four times over (10-30 s each on 2
+# cores): slow, so make test runs it and make test-unit does not.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sharded", "checkpointing", "depths"),
     [(False, False, (2, 3)), (True, True, (3, 4))],
@@ -51,6 +54,7 @@ def test_cut_layers_extend_to_the_full_depth(tiny_model_dir, sharded, checkpoint
     assert cut["detail"]["train_total"] == full["detail"]["train_total"]
 
 
+@pytest.mark.slow  # the planner's step on fake tensors, per rank: 10-20 s on 2 cores
 def test_a_sharded_rank_holds_its_shard_every_slot_and_its_share_of_rows(tiny_model_dir):
     config = _deeper(tiny_model_dir)
     work = dict(adapters=4, rank=4, checkpointing=True, **SMALL)
