@@ -66,8 +66,8 @@ class ClientExperiment:
 
     @property
     def model_id(self) -> str:
-        assert self.spec.client is not None
-        return self.spec.client.model_id
+        assert self.plan.client is not None
+        return self.plan.client.model_id
 
 
 class ClientExperiments:
@@ -103,15 +103,13 @@ class ClientExperiments:
     def put(
         self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str
     ) -> tuple[ExperimentStatus, bool]:
-        client = spec.client
-        assert client is not None
         plan = compile_plan(spec, self.clients.host.plan_limits)  # rank, modules: plan/
-        lora = plan.client_lora
-        assert lora is not None
+        client, lora = plan.client, plan.client_lora
+        assert client is not None and lora is not None
         with self._lock:
             existing = self._exps.get(exp_id)
         if existing is not None:
-            if existing.spec.client != client or existing.plan.client_lora != lora:
+            if existing.plan.client != client or existing.plan.client_lora != lora:
                 raise ConflictError(f"experiment {exp_id!r} is loaded with another spec.client")
             return self.status(exp_id), False
         if self.by_model(namespace, client.model_id) is not None:

@@ -15,6 +15,7 @@ from loraplex_engine.plan.client import client_lora_config
 from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.spec.algorithm import AlgorithmSpec
 from loraplex_engine.spec.checkpoint import CheckpointSpec
+from loraplex_engine.spec.client import ClientSpec
 from loraplex_engine.spec.errors import InvalidRequestError, InvalidSpecError, TaskError
 from loraplex_engine.spec.eval import EvalSpec
 from loraplex_engine.spec.experiment import ExperimentSpec, RolloutSpec, TaskSpec
@@ -36,7 +37,8 @@ class ExperimentPlan:
     algorithm: AlgorithmSpec
     rollout: RolloutSpec
     task: TaskSpec | None  # None: a client experiment
-    client_lora: ClientLora | None  # a client experiment's adapter, as Tinker asks for one
+    client: ClientSpec | None  # a client experiment's model (spec/client.py)
+    client_lora: ClientLora | None  # its adapter, as Tinker's lora_config asks for one
     checkpoint: CheckpointSpec
     publish: PublishSpec | None
     tracking: TrackingSpec
@@ -69,6 +71,7 @@ def compile_plan(spec: ExperimentSpec, limits: EngineLimits) -> ExperimentPlan:
         algorithm=spec.algorithm,
         rollout=spec.rollout,
         task=spec.task,
+        client=spec.client,
         client_lora=client_lora(spec),
         checkpoint=spec.checkpoint,
         publish=spec.publish,
