@@ -7,6 +7,8 @@ import threading
 import time
 
 from loraplex_engine.experiment import Experiment, new_experiment
+from loraplex_engine.plan.experiment import compile_plan
+from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tick.fair_share import (
     EXPENSIVE_YIELD,
@@ -19,7 +21,8 @@ from tests.support.engine_builders import spec
 
 
 def experiment(exp_id: str, cost: int = 0, namespace: str = "default") -> Experiment:
-    exp = new_experiment(exp_id, spec(), namespace, exp_id, None, TrustPolicy())
+    plan = compile_plan(spec(), EngineLimits(64, frozenset({"q_proj", "v_proj", "lm_head"})))
+    exp = new_experiment(exp_id, plan, namespace, exp_id, None, TrustPolicy())
     exp.step_cost = cost
     return exp
 
