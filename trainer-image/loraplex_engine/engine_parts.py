@@ -68,7 +68,7 @@ class EngineParts:
     codec: TokenCodec
     model: MultiLoRAModel
     lockstep: Lockstep | None  # a sharded base's collectives (--shard-base)
-    default_targets: Any  # the adapter targets a spec that names none gets
+    default_targets: tuple[str, ...] | None  # what a spec that names no targets gets
     optimizer: PerAdapterAdamW
     store: RunStore
     share_prompt_prefix: bool  # a group's shared prompt runs its forward once
