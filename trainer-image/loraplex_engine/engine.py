@@ -16,36 +16,27 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraplex_engine.base_model import model_shape_of
-from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
+from loraplex_engine.clients.experiments import ClientExperiments, ExperimentRoutes
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.completion_jobs import CompletionJob, resolve
+from loraplex_engine.engine_parts import build_parts, build_tick, client_parts
 from loraplex_engine.environments.observations import check_chat_templates
 from loraplex_engine.experiment import Experiment, new_experiment
-from loraplex_engine.lora.grouped import KERNEL_MODES
-from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
-from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
-from loraplex_engine.memory.capacity_plan import engine_plan
-from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
+from loraplex_engine.lora.precision import dtype_name
 from loraplex_engine.parallel.distributed import World
-from loraplex_engine.parallel.sharding import shard_engine_base
 from loraplex_engine.plan.experiment import ExperimentPlan, compile_plan
 from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.plugins.discovery import installed
-from loraplex_engine.rollout.backends import TorchRollout
-from loraplex_engine.rollout.select import RolloutParts, build_rollout
 from loraplex_engine.settings.engine import EngineSettings
 from loraplex_engine.spec.api_types import (
-    DEFAULT_MICRO_BATCH_TOKENS,
-    DEFAULT_ROLLOUT_KV_TOKENS,
-    AdapterSyncStats,
     Capacity,
     CheckpointRef,
     ExperimentStatus,
     MemoryUse,
     TickReport,
+    VersionSummary,
 )
 from loraplex_engine.spec.errors import (
     ConflictError,
@@ -56,23 +47,15 @@ from loraplex_engine.spec.errors import (
     UnavailableError,
 )
 from loraplex_engine.spec.experiment import ExperimentSpec
+from loraplex_engine.spec.publish import PublishSpec
 from loraplex_engine.spec.service import PromptJob, ServedRow
-from loraplex_engine.store import checkpoint as ckpt
-from loraplex_engine.store.quota import CheckpointQuota
-from loraplex_engine.store.run_store import RunStore, valid_run_id
-from loraplex_engine.store.versions import VersionStore
+from loraplex_engine.store.run_store import valid_run_id
 from loraplex_engine.tenancy.admissions import KeyedLocks
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tick.fair_share import RewardScorer
-from loraplex_engine.tick.pipelined import tick_class
 from loraplex_engine.tick.time_share import TimeShare, take_in_turn
-from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.train.optim import PerAdapterAdamW
-from loraplex_engine.train.shared_prefix import shared_forward_of
-from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
-from loraplex_engine.versions.publisher import Publisher
-from loraplex_engine.versions.service import Versions
+from loraplex_engine.versions.service import VersionRoutes
 
 log = logging.getLogger("loraplex_engine.engine")
 
@@ -81,7 +64,7 @@ log = logging.getLogger("loraplex_engine.engine")
 COMPLETION_TIMEOUT_S = 300.0
 
 
-class Engine(ClientExperimentAPI, Versions):
+class Engine:
     """Implements :class:`loraplex_engine.spec.service.TickingEngine`; its ``clients``
     (clients/models.py) implement :class:`loraplex_engine.spec.training_service.TrainingService`.
 
@@ -105,113 +88,29 @@ class Engine(ClientExperimentAPI, Versions):
         share_prompt_prefix: bool = True,
     ) -> None:
         s = self.settings = settings  # validated: settings/engine.py
-        micro_batch_tokens, rollout_kv_tokens = s.micro_batch_tokens, s.rollout_kv_tokens
-        self.model_dir = Path(model_dir)
-        self.model_name = model_name or self.model_dir.name
-        self.rollout_backend = s.rollout_backend
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(s.dtype, self.device)
-        enable_tf32(self.device)
-        self.train_mode = s.train_mode
+        p = build_parts(  # the model, slots, trainer, rollout, store: engine_parts.py
+            model_dir,
+            s,
+            device=device,
+            world=world,
+            model_name=model_name,
+            ignore_eos=ignore_eos,
+            share_prompt_prefix=share_prompt_prefix,
+        )
+        self.model_dir, self.model_name = p.model_dir, p.model_name
+        self.device, self.dtype, self.tokenizer = p.device, p.dtype, p.tokenizer
+        self.codec, self.model, self.lockstep = p.codec, p.model, p.lockstep
+        self.default_targets, self.optimizer, self.store = p.default_targets, p.optimizer, p.store
+        self.backend, self.strategy, self.ranks = p.backend, p.strategy, p.ranks
+        self.publisher, self.adapter_sync = p.publisher, p.adapter_sync
+        self.memory_plan, self.context_tokens = p.memory_plan, p.context_tokens
+        self.share_prompt_prefix = p.share_prompt_prefix
+        self.rollout_backend, self.train_mode = s.rollout_backend, s.train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
         self.ignore_eos = ignore_eos
-        self.max_step_tokens = s.max_step_tokens
-        self.max_prompt_tokens = s.max_prompt_tokens
+        self.max_step_tokens, self.max_prompt_tokens = s.max_step_tokens, s.max_prompt_tokens
         # What tenants' data and rewards may reach (tenancy/trust.py; default: the strictest).
         self.trust = trust or TrustPolicy()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-        # generation_config.json's eos_token_id: an int, a list (Llama 3) or none.
-        eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
-        self.codec = TokenCodec(self.tokenizer, eos)
-        base.to(self.device).eval()
-        self.model = MultiLoRAModel(
-            base,
-            max_adapters=s.max_adapters,
-            max_rank=s.max_rank,
-            target_modules=adaptable_module_names(base),
-            dtype=MASTER_DTYPE,
-            grouped_mm=KERNEL_MODES[s.lora_kernel],
-        )
-        self.lockstep = shard_engine_base(self.model, world, self.device) if s.shard_base else None
-        share_prompt_prefix = share_prompt_prefix and self.lockstep is None
-        self.optimizer = PerAdapterAdamW(self.model)
-        root, quota = Path(s.checkpoint_root), s.checkpoint_quota_bytes
-        quota = CheckpointQuota(quota) if quota is not None else None
-        self.store = RunStore(
-            root, self.model, self.optimizer, str(self.model_dir), quota, s.checkpoint_keep_runs
-        )
-        shared = shared_forward_of(self.model, self.device, share_prompt_prefix)
-        self.share_prompt_prefix = shared is not None
-        gradient_checkpointing = s.gradient_checkpointing
-        if gradient_checkpointing is None:
-            gradient_checkpointing = self.device.type == "cuda"
-        # Chosen once; from here on the engine asks the backend what it is (rollout/select.py).
-        self.backend = build_rollout(
-            s.rollout_backend,
-            RolloutParts(
-                self.model,
-                self.model_dir,
-                self.device,
-                self.dtype,
-                self.model.route,
-                decode_forward(self.model, self.device),
-                ckpt.peft_export(self.model, str(self.model_dir)),
-                self.codec.pad_id,
-                self.codec.eos_ids,
-                self.ignore_eos,
-                self.max_prompt_tokens,
-                self.max_step_tokens,
-                dict(s.vllm_options),
-                world,
-                self.lockstep,
-            ),
-        )
-        trainer: type[AdapterTrainer] = FusedTraining
-        if s.train_mode == "timesliced":  # the benchmark's baseline arm: dev code, on request
-            from loraplex_engine.dev.timesliced import TimeSlicedTraining
-
-            trainer = TimeSlicedTraining
-        if world is not None:  # data parallel over the process group (parallel/data_parallel.py)
-            trainer = data_parallel_trainer(world, s.train_mode, self.lockstep)
-        self.strategy: TrainingStrategy = trainer(
-            self.model,
-            self.optimizer,
-            self.device,
-            self.codec.pad_id,
-            micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
-            shared,
-            gradient_checkpointing=gradient_checkpointing,
-            # A sampler with its own kernels (vLLM): the trainer scores the rows itself
-            # (train/strategy.AdapterTrainer).
-            recompute_old_logprobs=not self.backend.shares_trainer_weights,
-        )
-        # Data parallel: rank 0's adapter adds and removes reach the workers (same slots),
-        # and every rank decodes a share of each torch rollout.
-        self.ranks = share_rollouts(self.strategy, self.backend)
-        # Published versions (versions/): from spare slots where one process decodes (torch).
-        one = self.ranks is None and self.lockstep is None and self.backend.shares_trainer_weights
-        self.publisher = Publisher(VersionStore(root, quota), self.model, self.model_dir, one)
-        # Weight syncs to a sampler with its own copy of the adapters (vLLM); torch: None.
-        self.adapter_sync = None if self.backend.shares_trainer_weights else AdapterSyncStats()
-        # Sized once the weights, slots and rollout worker hold their memory.
-        self.memory_plan = engine_plan(
-            self.model,
-            dtype=self.dtype,
-            device=self.device,
-            checkpointing=self.strategy.gradient_checkpointing,
-            max_prompt_tokens=self.max_prompt_tokens,
-            device_bytes=s.device_memory,
-            headroom=s.memory_headroom,
-            micro_batch_tokens=micro_batch_tokens,
-            rollout_kv_tokens=rollout_kv_tokens,
-            plan_rollout=self.backend.shares_trainer_weights,  # vLLM sizes its own cache
-        )
-        self.strategy.micro_batch_tokens = self.memory_plan.micro_batch_tokens
-        if isinstance(self.backend, TorchRollout):  # vLLM sizes its own cache
-            kv_tokens = self.memory_plan.rollout_kv_tokens or DEFAULT_ROLLOUT_KV_TOKENS
-            self.backend.kv_tokens = kv_tokens
-            self.memory_plan = self.memory_plan.model_copy(update={"rollout_kv_tokens": kv_tokens})
         self._experiments: dict[str, Experiment] = {}
         self._model_lock = threading.RLock()  # held for a whole tick and for mutations
         self._state_lock = threading.Lock()  # guards the dict for quick reads
@@ -221,31 +120,26 @@ class Engine(ClientExperimentAPI, Versions):
         self._refusing: str | None = None  # why completions are no longer served
         self.scorer = RewardScorer(s.reward_deadline, self._wake)
         self.time_share = TimeShare(s.serving_share)
-        # Longest row the base model takes (prompt + completion); None: not stated.
-        self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
         # What a spec is compiled against (plan/): every engine-side check of it.
         modules = frozenset(self.model.target_modules)
         self.plan_limits = EngineLimits(s.max_rank, modules, self.limits)
-        self._tick = tick_class(s.schedule, world)(  # sync, or tick/pipelined.py
-            self.model,
-            self.codec,
-            self.backend,
-            self.strategy,
-            self.store,
-            self.scorer,
-            s.max_prompt_tokens,
-            self.context_tokens,
-            self.publisher,
-            wake=self._wake,  # a multi-turn step's environment answered after its tick
-        )
-        self._tick.attach_streams(self.device, self.memory_plan)  # pipelined: a CUDA side stream
-        # Models a client trains itself (clients/).
+        self._tick = build_tick(p, s, world, self.scorer, self._wake)  # sync, or pipelined
+        # Models a client trains itself (clients/), handed the parts they use by name.
         self.clients = ClientModels(
-            self, s.client_models_per_tick, s.client_tick_gather, s.client_models_per_namespace
+            client_parts(p, self.limits, self.plan_limits, self._model_lock, self._wake),
+            s.client_models_per_tick,
+            s.client_tick_gather,
+            s.client_models_per_namespace,
         )
-        self.client_experiments = ClientExperiments(self.clients)  # spec.client ones
+        self.client_experiments = ClientExperiments(
+            self.clients, p.store.root, self.plan_limits
+        )  # spec.client
+        self.clients.adoptions = self.client_experiments.adoptable
         self.admissions = KeyedLocks()  # one PUT per experiment id at a time
+        # The EngineService's experiment and version routes (below) delegate to these.
+        self.experiments = ExperimentRoutes(self, self.client_experiments, self.admissions)
+        self.versions = VersionRoutes(self.publisher, self._model_lock, self._require)
 
     @property
     def computed_train_tokens(self) -> int:
@@ -281,6 +175,42 @@ class Engine(ClientExperimentAPI, Versions):
 
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded
+
+    # ---- the EngineService's experiments (task or client) and versions: delegated ------
+
+    def put_experiment(
+        self,
+        exp_id: str,
+        spec: ExperimentSpec,
+        namespace: str = "default",
+        name: str | None = None,
+        resume_from: str | None = None,
+        run_id: str | None = None,
+    ) -> tuple[ExperimentStatus, bool]:
+        return self.experiments.put_experiment(exp_id, spec, namespace, name, resume_from, run_id)
+
+    def get_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self.experiments.get_experiment(exp_id)
+
+    def list_experiments(self) -> list[ExperimentStatus]:
+        return self.experiments.list_experiments()
+
+    def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
+        return self.experiments.checkpoint_experiment(exp_id)
+
+    def remove_experiment(self, exp_id: str) -> ExperimentStatus:
+        return self.experiments.remove_experiment(exp_id)
+
+    def publish_version(self, exp_id: str) -> VersionSummary:
+        return self.versions.publish_version(exp_id)
+
+    def describe_version(self, model: str) -> VersionSummary:
+        return self.versions.describe_version(model)
+
+    def update_publish(self, exp_id: str, publish: PublishSpec | None) -> ExperimentStatus:
+        return self.versions.update_publish(exp_id, publish)
+
+    # ---- the engine's own experiments, those with a task --------------------------------
 
     def get_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._state_lock:

@@ -71,6 +71,7 @@ LAYERS: tuple[Layer, ...] = (
         (
             ("tick", "one step of every experiment, pipelined or not; fair and time share"),
             ("metrics", "Prometheus metrics"),
+            ("engine_parts", "the Engine's parts built from its settings, handed out by name"),
             ("engine", "the Engine: every part composed"),
         ),
     ),

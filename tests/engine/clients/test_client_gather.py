@@ -26,7 +26,7 @@ def _model(name: str, *kinds: str) -> ClientModel:
 
 
 def _registry(*models: ClientModel, gather_s: float, limit: int | None = None) -> ClientModels:
-    clients = ClientModels(host=None, models_per_tick=limit, gather_s=gather_s)
+    clients = ClientModels(parts=None, models_per_tick=limit, gather_s=gather_s)
     for m in models:
         clients._models[(NS, m.info.model_id)] = m
     return clients
@@ -154,7 +154,7 @@ def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() 
     b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
     a.queue.append(_train_op(1000, queued_at=0.0))
     b.queue.append(_train_op(10))
-    clients = ClientModels(host=None, gather_s=LONG_S)
+    clients = ClientModels(parts=None, gather_s=LONG_S)
     clients._models = {("team-a", "a"): a, ("team-b", "b"): b}
     clients.share.credit = -(10**6)  # a's debt from its earlier calls
     waiter = _gather_in_thread(clients)

@@ -214,7 +214,7 @@ def test_models_per_tick_takes_segments_in_turn() -> None:
         (1, [["a"], ["b"], ["c"], ["a"], ["b"], ["c"]]),
         (2, [["a", "b"], ["c", "a"], ["b", "c"]]),
     ):
-        clients = ClientModels(host=None, models_per_tick=limit)
+        clients = ClientModels(parts=None, models_per_tick=limit)
         for m in "abc":
             model = ClientModel(ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)), m)
             for _ in range(2):

@@ -11,7 +11,7 @@ optimiser step its client saw done survives the pod. ``DELETE`` (suspend, preemp
 deletion) writes one more and frees the slot. The status is an experiment's: phase
 Running while loaded, ``step`` its optimiser steps, ``checkpoint`` its newest.
 
-``ClientExperimentAPI`` is the Engine's experiment API over both kinds: a spec with a
+``ExperimentRoutes`` is the Engine's experiment API over both kinds: a spec with a
 task goes to the engine's own (``put_task_experiment``...), one with a client here.
 """
 
@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.plan.experiment import ExperimentPlan, compile_plan
+from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.spec.api_types import CheckpointRef, ExperimentStatus
 from loraplex_engine.spec.errors import ConflictError, NotFoundError
 from loraplex_engine.spec.experiment import ExperimentSpec
@@ -71,8 +72,10 @@ class ClientExperiment:
 
 
 class ClientExperiments:
-    def __init__(self, clients: ClientModels) -> None:
+    def __init__(self, clients: ClientModels, root: Path, plan_limits: EngineLimits) -> None:
         self.clients = clients
+        self.root = root  # the checkpoint volume (the client store's, clients/saved.py)
+        self.plan_limits = plan_limits  # what a spec.client is compiled against (plan/)
         self._lock = threading.Lock()
         self._exps: dict[str, ClientExperiment] = {}
 
@@ -94,7 +97,7 @@ class ClientExperiments:
     def newest(self, namespace: str, model_id: str) -> tuple[int, str] | None:
         """The newest ``step-<N>`` checkpoint of a model: (N, its tinker:// path)."""
         found = []
-        for s in saved.list_saved(self.clients.host.store.root, namespace, model_id):
+        for s in saved.list_saved(self.root, namespace, model_id):
             m = STEP.match(s.name)
             if s.kind == "weights" and m:
                 found.append((int(m.group(1)), s.path))
@@ -103,7 +106,7 @@ class ClientExperiments:
     def put(
         self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str
     ) -> tuple[ExperimentStatus, bool]:
-        plan = compile_plan(spec, self.clients.host.plan_limits)  # rank, modules: plan/
+        plan = compile_plan(spec, self.plan_limits)  # rank, modules: plan/
         client, lora = plan.client, plan.client_lora
         assert client is not None and lora is not None
         with self._lock:
@@ -166,7 +169,7 @@ class ClientExperiments:
 
     def _directory(self, exp: ClientExperiment, ref: CheckpointRef) -> str:
         state = saved.parse_path(ref.path)
-        return str(state.directory(self.clients.host.store.root, exp.namespace))
+        return str(state.directory(self.root, exp.namespace))
 
     def statuses(self) -> list[ExperimentStatus]:
         with self._lock:
@@ -214,8 +217,7 @@ class ClientExperiments:
         return dataclasses.replace(job, model=model.name)
 
     def journal_dir(self, namespace: str, model_id: str) -> Path:
-        root = self.clients.host.store.root
-        return root / namespace / saved.CLIENT_DIR / model_id / "journal"
+        return self.root / namespace / saved.CLIENT_DIR / model_id / "journal"
 
     def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
         """A loaded client experiment's model (the Tinker protocol adopts it), None if
@@ -228,60 +230,69 @@ class ClientExperiments:
         return Adoption(model.info.lora.rank, exp.restored_steps, every, str(journal))
 
 
-class ClientExperimentAPI:
-    """The Engine's experiment API (EngineService) over task and client experiments."""
+class TaskExperiments(Protocol):
+    """The engine's own experiments, those with a task (engine.py)."""
 
-    client_experiments: ClientExperiments
-    admissions: KeyedLocks
-    model_name: str  # the Engine's: its base model, and its task experiments by id
-    _experiments: dict[str, Any]
+    def put_task_experiment(
+        self,
+        exp_id: str,
+        spec: ExperimentSpec,
+        namespace: str,
+        name: str | None,
+        resume_from: str | None,
+        run_id: str | None,
+    ) -> tuple[ExperimentStatus, bool]: ...
+
+    def get_task_experiment(self, exp_id: str) -> ExperimentStatus: ...
+
+    def list_task_experiments(self) -> list[ExperimentStatus]: ...
+
+    def checkpoint_task_experiment(self, exp_id: str) -> CheckpointRef: ...
+
+    def remove_task_experiment(self, exp_id: str) -> ExperimentStatus: ...
+
+
+@dataclass(frozen=True)
+class ExperimentRoutes:
+    """The experiment API (EngineService's, the Engine delegates to it) over both kinds:
+    a spec with a client goes to ``clients``, one with a task to ``tasks``."""
+
+    tasks: TaskExperiments
+    clients: ClientExperiments
+    admissions: KeyedLocks  # one PUT per experiment id at a time
 
     def put_experiment(
         self,
         exp_id: str,
         spec: ExperimentSpec,
-        namespace: str = "default",
-        name: str | None = None,
-        resume_from: str | None = None,
-        run_id: str | None = None,
+        namespace: str,
+        name: str | None,
+        resume_from: str | None,
+        run_id: str | None,
     ) -> tuple[ExperimentStatus, bool]:
         with self.admissions.hold(exp_id):  # a retried PUT waits for the one in flight
             if spec.client is not None:
-                return self.client_experiments.put(exp_id, spec, namespace, name or exp_id)
-            if exp_id in self.client_experiments:
+                return self.clients.put(exp_id, spec, namespace, name or exp_id)
+            if exp_id in self.clients:
                 raise ConflictError(f"experiment {exp_id!r} is loaded as a client experiment")
-            return self.put_task_experiment(exp_id, spec, namespace, name, resume_from, run_id)
+            return self.tasks.put_task_experiment(
+                exp_id, spec, namespace, name, resume_from, run_id
+            )
 
     def get_experiment(self, exp_id: str) -> ExperimentStatus:
-        if exp_id in self.client_experiments:
-            return self.client_experiments.status(exp_id)
-        return self.get_task_experiment(exp_id)
+        if exp_id in self.clients:
+            return self.clients.status(exp_id)
+        return self.tasks.get_task_experiment(exp_id)
 
     def list_experiments(self) -> list[ExperimentStatus]:
-        return [*self.list_task_experiments(), *self.client_experiments.statuses()]
+        return [*self.tasks.list_task_experiments(), *self.clients.statuses()]
 
     def checkpoint_experiment(self, exp_id: str) -> CheckpointRef:
-        if exp_id in self.client_experiments:
-            return self.client_experiments.checkpoint(exp_id)
-        return self.checkpoint_task_experiment(exp_id)
+        if exp_id in self.clients:
+            return self.clients.checkpoint(exp_id)
+        return self.tasks.checkpoint_task_experiment(exp_id)
 
     def remove_experiment(self, exp_id: str) -> ExperimentStatus:
-        if exp_id in self.client_experiments:
-            return self.client_experiments.remove(exp_id)
-        return self.remove_task_experiment(exp_id)
-
-    # The Engine's own (engine.py), for task experiments.
-    def put_task_experiment(self, *args: Any) -> tuple[ExperimentStatus, bool]:
-        raise NotImplementedError
-
-    def get_task_experiment(self, exp_id: str) -> ExperimentStatus:
-        raise NotImplementedError
-
-    def list_task_experiments(self) -> list[ExperimentStatus]:
-        raise NotImplementedError
-
-    def checkpoint_task_experiment(self, exp_id: str) -> CheckpointRef:
-        raise NotImplementedError
-
-    def remove_task_experiment(self, exp_id: str) -> ExperimentStatus:
-        raise NotImplementedError
+        if exp_id in self.clients:
+            return self.clients.remove(exp_id)
+        return self.tasks.remove_task_experiment(exp_id)

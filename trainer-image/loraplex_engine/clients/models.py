@@ -7,10 +7,7 @@ A client model is an adapter in the engine's slot pool like an experiment's: the
 volume (with its namespace's quota). Identity is (namespace, model id): any call naming
 a model, path or sampler of another namespace finds nothing (``NotFoundError``).
 
-``host`` is the Engine; this reads its parts: ``model``, ``optimizer``, ``store``
-(``root``, ``quota``), ``codec``, ``strategy``, ``backend``, ``device``, ``model_name``,
-``model_dir``, ``plan_limits`` (plan/limits.py), ``context_tokens``, ``max_step_tokens``,
-``ranks``, ``lockstep``, its model lock (``_model_lock``) and its wake-up (``_wake``).
+The engine's parts it uses come by name in a ``ClientParts`` (clients/parts.py).
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from loraplex_engine.clients import saved, share, taking
 from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
+from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
 from loraplex_engine.plan.client import client_lora_config
@@ -65,12 +63,14 @@ UNBOUNDED = 1 << 62  # a registry without an engine (unit tests): no ceiling
 class ClientModels:
     def __init__(
         self,
-        host: Any,
+        parts: ClientParts | None,
         models_per_tick: int | None = None,
         gather_s: float = 0.0,
         per_namespace: int | None = None,
     ) -> None:
-        self.host = host
+        self._parts = parts  # None: a registry without an engine (unit tests)
+        # ClientExperiments.adoptable, handed in by the engine (clients/experiments.py).
+        self.adoptions: Callable[[str, str], Adoption | None] = lambda namespace, model_id: None
         # At most this many client models of one namespace (None: share.py's default).
         self.per_namespace = per_namespace
         # At most this many models' segments a tick (None: all), taken in turn.
@@ -84,16 +84,22 @@ class ClientModels:
         self._samples: list[Op] = []
         self._refusing: str | None = None
         # Client work a tick takes, across namespaces (tenancy/client_share.py).
-        self.share = ClientShare(getattr(host, "max_step_tokens", None) or UNBOUNDED)
+        self.share = ClientShare((parts.max_step_tokens if parts else None) or UNBOUNDED)
+
+    @property
+    def parts(self) -> ClientParts:
+        if self._parts is None:
+            raise UnavailableError("this registry has no engine")
+        return self._parts
 
     # ---- the registry -------------------------------------------------------------------
 
     @property
     def model_name(self) -> str:
-        return self.host.model_name
+        return self.parts.model_name
 
     def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
-        return self.host.client_experiments.adoptable(namespace, model_id)
+        return self.adoptions(namespace, model_id)
 
     def adapter_names(self) -> list[str]:
         with self._lock:
@@ -117,27 +123,27 @@ class ClientModels:
             return [m.info for (ns, _), m in sorted(self._models.items()) if ns == namespace]
 
     def decode(self, ids: list[int]) -> str:
-        return self.host.codec.decode(ids)
+        return self.parts.codec.decode(ids)
 
     @property
     def limits(self) -> Limits:
-        h = self.host
+        h = self.parts
         return Limits(h.model.base_model.config.vocab_size, h.context_tokens, h.max_step_tokens)
 
     # ---- creating ---------------------------------------------------------------------
 
     def create_model(self, namespace: str, model_id: str, lora: ClientLora) -> ClientModelInfo:
-        h = self.host
+        h = self.parts
         if not saved.valid_name(model_id):
             raise InvalidRequestError(
                 f"model id {model_id!r} is not a valid name", field="model_id"
             )
-        if h.ranks is not None or h.lockstep is not None or not h.backend.shares_trainer_weights:
+        if not h.one_rank_torch:
             raise UnavailableError(
                 "client-driven training needs a one-rank engine with the torch rollout"
             )
         config, granted = client_lora_config(lora, h.plan_limits)  # plan/client.py
-        with h._model_lock:
+        with h.model_lock:
             with self._lock:
                 if (namespace, model_id) in self._models:
                     raise ConflictError(f"model {model_id!r} exists")
@@ -164,7 +170,7 @@ class ClientModels:
         _, stored = self.state_of(namespace, state)
         info = self.create_model(namespace, model_id, stored.lora)
         model = self._get(namespace, model_id)
-        with self.host._model_lock:
+        with self.parts.model_lock:
             try:
                 self.load_into(model, path, with_optimizer)
             except BaseException:
@@ -194,7 +200,7 @@ class ClientModels:
             self._queued.notify_all()
         if queued is not None:
             queued()  # its place in the model's order is held: the caller may go on
-        self.host._wake()
+        self.parts.wake()
         return op.wait()
 
     def forward(
@@ -269,7 +275,7 @@ class ClientModels:
         self._submit(namespace, model_id, "unload", save)
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
-        h = self.host
+        h = self.parts
         state, version = None, None
         ref = names.parse(names.untinkered(sampler))
         if ref is not None:  # a published version or alias (versions/), the caller's own
@@ -284,17 +290,17 @@ class ClientModels:
                 )
             self.state_of(namespace, state)  # NotFoundError before queueing
         check_sample_call(call, self.limits)
-        h.limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
+        h.work_limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
         op = Op("sample", SampleTask(namespace, state, call, version=version))
         with self._lock:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             self._samples.append(op)
-        h._wake()
+        h.wake()
         return op.wait()
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]:
-        return saved.list_saved(self.host.store.root, namespace, model_id)
+        return saved.list_saved(self.parts.root, namespace, model_id)
 
     # ---- the tick's side --------------------------------------------------------------
 
@@ -382,19 +388,19 @@ class ClientModels:
             op.resolve(error=UnavailableError(reason))
 
     def state_of(self, namespace: str, state: saved.StatePath) -> tuple[Path, saved.StateInfo]:
-        directory = state.directory(self.host.store.root, namespace)
+        directory = state.directory(self.parts.root, namespace)
         return directory, saved.read_info(directory, state.uri)
 
     def save(self, model: ClientModel, name: str, kind: saved.Kind) -> SavedState:
         """Write the model's adapter (and, for ``weights``, its optimiser state) under the
         caller's namespace, within its quota; atomically (store/checkpoint.py)."""
-        h, info = self.host, model.info
+        h, info = self.parts, model.info
         state = saved.StatePath(info.model_id, kind, name)
-        target = state.directory(h.store.root, info.namespace)
-        if h.store.quota is not None:
+        target = state.directory(h.root, info.namespace)
+        if h.quota is not None:
             tensors = h.model.adapter_state_dict(model.name).values()
             writing = (3 if kind == "weights" else 1) * 4 * sum(t.numel() for t in tensors)
-            h.store.quota.check(h.store.root, info.namespace, writing, saved.removable(target))
+            h.quota.check(h.root, info.namespace, writing, saved.removable(target))
         stored = saved.StateInfo(
             info.model_id, kind, name, info.lora, model.version, model.incarnation, saved.now()
         )
@@ -410,7 +416,7 @@ class ClientModels:
     def load_into(self, model: ClientModel, path: str, with_optimizer: bool) -> None:
         """Weights (and with ``with_optimizer`` the optimiser state of a ``weights``
         state) of the caller's namespace into ``model``; its gradient is cleared."""
-        h = self.host
+        h = self.parts
         state = saved.parse_path(path)
         directory, stored = self.state_of(model.info.namespace, state)
         config = ckpt.read_adapter_config(directory)
@@ -443,17 +449,17 @@ class ClientModels:
         info = model.info
         steps = sorted(
             s.name
-            for s in saved.list_saved(self.host.store.root, info.namespace, info.model_id)
+            for s in saved.list_saved(self.parts.root, info.namespace, info.model_id)
             if s.kind == "weights" and s.name.startswith("step-")
         )
         for old in steps[: max(0, len(steps) - keep)]:
             target = saved.StatePath(info.model_id, "weights", old)
-            shutil.rmtree(target.directory(self.host.store.root, info.namespace), True)
+            shutil.rmtree(target.directory(self.parts.root, info.namespace), True)
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None:
         """Free its slot (under the model lock), its last weights saved as
         ``weights/final`` first when ``save``; calls still queued get NotFoundError."""
-        h = self.host
+        h = self.parts
         if save:
             self.save(model, "final", "weights")
         with self._lock:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from loraplex_engine.clients.fused import StepCall, optim_steps, take_slot_grads
 from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
 from loraplex_engine.clients.saved import StateInfo, StatePath
 from loraplex_engine.completion_jobs import CompletionJob
@@ -41,7 +42,8 @@ log = logging.getLogger("loraplex_engine.clients")
 class Owner(Protocol):
     """What the tick needs of the registry (clients/models.ClientModels)."""
 
-    host: Any
+    @property
+    def parts(self) -> ClientParts: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -82,13 +84,13 @@ class ClientTick:
             try:
                 task.adapter = self._adapter_for(task)
                 if task.call.prompt_logprobs or task.call.topk_prompt_logprobs:
-                    host = self.owner.host
-                    slot = 0 if task.adapter is None else host.model.slot_of(task.adapter)
+                    parts = self.owner.parts
+                    slot = 0 if task.adapter is None else parts.model.slot_of(task.adapter)
                     task.prompt_logprobs, task.topk = prompt_logprobs(
-                        host.model, host.device, slot, task.call.prompt_ids,
+                        parts.model, parts.device, slot, task.call.prompt_ids,
                         task.call.topk_prompt_logprobs,
                     )  # fmt: skip
-                jobs.append(task.completion_job(self.owner.host.model_name, self.owner.decode))
+                jobs.append(task.completion_job(self.owner.parts.model_name, self.owner.decode))
             except Exception as e:
                 op.resolve(error=e)
         self.ride()
@@ -96,12 +98,12 @@ class ClientTick:
 
     def _adapter_for(self, task: SampleTask) -> str | None:
         if task.version is not None:  # a published version: resident (versions/slot_cache.py)
-            slots = self.owner.host.publisher.slots
+            slots = self.owner.parts.publisher.slots
             if slots is not None:
                 self.resident = slots
                 return slots.load(*task.version, task.version[0])
             if self.spare is None:
-                self.spare = SpareSlots(self.owner.host.model)
+                self.spare = SpareSlots(self.owner.parts.model)
             return self.spare.load(*task.version, task.version[0])
         if task.state is None:
             return None
@@ -113,7 +115,7 @@ class ClientTick:
         ):
             return live.name
         if self.spare is None:
-            self.spare = SpareSlots(self.owner.host.model)
+            self.spare = SpareSlots(self.owner.parts.model)
         name = f"~sample:{task.namespace}/{task.state.uri}"
         return self.spare.load(name, directory, task.state.uri)
 
@@ -124,20 +126,20 @@ class ClientTick:
         experiments' rows and theirs run in one pass; ``train`` runs them on their own
         when no update took them (no experiment trained this tick)."""
         self.calls = []
-        host = self.owner.host
+        parts = self.owner.parts
         for model, ops in self.segments:
             for op in ops:
                 if op.kind in ("forward", "forward_backward"):
-                    call = TrainCall(host.model.slot_of(model.name), *op.payload)
+                    call = TrainCall(parts.model.slot_of(model.name), *op.payload)
                     self.calls.append((model, op, call))
-        strategy = getattr(host, "strategy", None)
+        strategy = parts.strategy
         if self.calls and isinstance(strategy, FusedTraining):
             strategy.riders = [c for _, _, c in self.calls]
 
     def train(self, strategy: TrainingStrategy) -> None:
         """The train calls' pass unless they rode the update, their gradients taken into
         each model's accumulator, then the optimiser steps."""
-        host = self.owner.host
+        parts = self.owner.parts
         calls = self.calls
         steps = [(m, op) for m, ops in self.segments for op in ops if op.kind == "optim_step"]
         if not calls and not steps:
@@ -148,26 +150,26 @@ class ClientTick:
             try:
                 if not all(c.outputs for _, _, c in calls):  # no update took them
                     strategy.riders = [c for _, _, c in calls]  # a pass of their own
-                    host.optimizer.zero_grad()
-                    host.model.train()
+                    parts.optimizer.zero_grad()
+                    parts.model.train()
                     strategy.backward([], {})
                 for model in dict.fromkeys(m for m, _, c in calls if c.backward):
-                    slot = host.model.slot_of(model.name)
-                    model.grads = take_slot_grads(host.optimizer, slot, model.grads)
+                    slot = parts.model.slot_of(model.name)
+                    model.grads = take_slot_grads(parts.optimizer, slot, model.grads)
             finally:
                 strategy.riders = []
-                host.optimizer.zero_grad()
-                host.model.eval()
+                parts.optimizer.zero_grad()
+                parts.model.eval()
             for _, op, c in calls:
                 op.resolve(c.output())
         self._steps(steps)
 
     def _steps(self, steps: list[tuple[ClientModel, Op]]) -> None:
-        host = self.owner.host
+        parts = self.owner.parts
         todo = [
-            StepCall(m.name, host.model.slot_of(m.name), m.grads, op.payload) for m, op in steps
+            StepCall(m.name, parts.model.slot_of(m.name), m.grads, op.payload) for m, op in steps
         ]
-        metrics = optim_steps(host.optimizer, todo)
+        metrics = optim_steps(parts.optimizer, todo)
         for model, op in steps:
             model.grads = None
             mine = metrics[model.name]
