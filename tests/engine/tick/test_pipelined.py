@@ -134,7 +134,7 @@ def test_stale_by_one_pipelined_rollouts_are_at_most_one_step_behind(
 def _exp(staleness: int, step: int = 0, max_steps: int = 5, eval_due: bool = False) -> Any:
     alg = SimpleNamespace(max_staleness=staleness)
     return SimpleNamespace(
-        spec=SimpleNamespace(algorithm=alg),
+        plan=SimpleNamespace(algorithm=alg),
         step=step,
         max_steps=max_steps,
         finished_steps=max_steps > 0 and step >= max_steps,
