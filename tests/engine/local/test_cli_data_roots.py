@@ -10,7 +10,8 @@ from pathlib import Path
 
 from loraplex_engine.local.checks import trust_of
 from loraplex_engine.settings.commands import RunSettings
-from test_cli_fast_errors import cli
+
+from tests.engine.test_cli_fast_errors import cli
 
 ROW = '{"prompt": "a", "answer": "b"}\n'
 

@@ -1,6 +1,6 @@
 """`loraplex-engine plugins` lists what a spec may name without starting a server: the
 built-in rewards and the reward and environment plug-ins installed for real (the test
-plug-in package, pip-installed by tests/engine/plugin_install.py and put on the CLI's
+plug-in package, pip-installed by tests/support/plugin_install.py and put on the CLI's
 PYTHONPATH, as `pip install` puts a platform's package in the engine's environment)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import loraplex_engine
 from loraplex_engine.tasks.rewards import BUILTIN_REWARDS
-from plugin_install import with_path
+
+from tests.support.plugin_install import with_path
 
 SOURCE = str(Path(loraplex_engine.__file__).resolve().parents[1])
 
