@@ -1,13 +1,14 @@
 """The chart's loraplex-gateway: the rendered Deployment's command line parses as the
 gateway's real CLI (loraplex_operator.gateway.cli), it runs from the operator image with
-2 replicas, a Service and a PodDisruptionBudget, and its RBAC reads key Secrets either
-cluster-wide or only in the namespaces listed, and writes nothing."""
+2 replicas, a Service and a PodDisruptionBudget, and its RBAC reads key Secrets and
+writes Tinker models' experiments only in the namespaces listed (none: the release
+namespace), or everywhere with gateway.keys.allNamespaces, and writes nothing else."""
 
 from __future__ import annotations
 
 from loraplex_operator.gateway.cli import parser
 
-from tests.support.chart_helpers import SCENARIOS, by_kind, one, render
+from tests.support.chart_helpers import SCENARIOS, by_kind, one, render, render_error
 
 NAME = "loraplex-gateway"
 
@@ -34,19 +35,43 @@ def test_the_rendered_command_line_is_the_gateways_cli() -> None:
     assert pdb["spec"]["minAvailable"] == 1
 
 
+def _key_roles(docs: list[dict]) -> list[str]:
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == NAME + "-keys"]
+    return [r["metadata"]["namespace"] for r in roles]
+
+
+def _cluster_resources(docs: list[dict]) -> set[str]:
+    return {res for r in one(docs, "ClusterRole", NAME)["rules"] for res in r["resources"]}
+
+
+def test_by_default_keys_and_tinker_experiments_stay_in_the_release_namespace() -> None:
+    """The safe default: no Secret outside the release namespace is readable, and no
+    LoRAExperiment outside it writable, by the gateway; the CLI is told the same."""
+    docs = render()
+    assert not _cluster_resources(docs) & {"secrets", "loraexperiments"}
+    assert _key_roles(docs) == ["loraplex-system"]
+    [container] = _deployment(docs)["spec"]["template"]["spec"]["containers"]
+    assert parser().parse_args(container["args"]).key_namespaces == "loraplex-system"
+
+
+def test_every_namespace_only_when_asked_and_never_with_a_list() -> None:
+    docs = render({"gateway": {"keys": {"allNamespaces": True}}})
+    assert {"secrets", "loraexperiments"} <= _cluster_resources(docs)
+    assert _key_roles(docs) == []
+    [container] = _deployment(docs)["spec"]["template"]["spec"]["containers"]
+    assert parser().parse_args(container["args"]).key_namespaces == ""  # = every namespace
+    both = {"allNamespaces": True, "namespaces": ["team-a"]}
+    assert "gateway.keys.namespaces" in render_error({"gateway": {"keys": both}})
+
+
 def test_key_secrets_are_read_where_the_values_say_and_only_experiments_are_written() -> None:
-    cluster = render()
-    rules = one(cluster, "ClusterRole", NAME)["rules"]
-    assert any(r["resources"] == ["secrets"] for r in rules)
     scoped = render({"gateway": {"keys": {"namespaces": ["team-a"]}}})
-    rules = one(scoped, "ClusterRole", NAME)["rules"]
-    assert not any("secrets" in r["resources"] for r in rules)
-    roles = [r for r in by_kind(scoped, "Role") if r["metadata"]["name"] == NAME + "-keys"]
-    assert [r["metadata"]["namespace"] for r in roles] == ["team-a"]
+    assert not _cluster_resources(scoped) & {"secrets", "loraexperiments"}
+    assert _key_roles(scoped) == ["team-a"]
     for doc in by_kind(scoped, "Role") + by_kind(scoped, "ClusterRole"):
         if doc["metadata"]["name"].startswith(NAME):
             for rule in doc["rules"]:
-                if rule["resources"] == ["loraexperiments"]:  # Tinker models (issue 29 item 3)
+                if rule["resources"] == ["loraexperiments"]:  # Tinker models
                     assert set(rule["verbs"]) == {"get", "create", "delete", "patch"}, rule
                 else:
                     assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule

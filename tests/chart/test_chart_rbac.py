@@ -249,6 +249,7 @@ def test_gateway_contract_is_well_formed_and_writes_only_experiments() -> None:
 
 
 def expected_gateway(engine_ns: str, key_namespaces: list[str]) -> dict[str, set[tuple]]:
+    """The grants by namespace ("cluster": the ClusterRole); no key namespaces = every one."""
     out: dict[str, set[tuple]] = {}
     for rule in contract()["gatewayRules"]:
         scope = rule["scope"]
@@ -264,19 +265,22 @@ def expected_gateway(engine_ns: str, key_namespaces: list[str]) -> dict[str, set
 
 
 @pytest.mark.parametrize(
-    ("scenario", "key_namespaces", "engine_ns"),
+    ("scenario", "keys", "engine_ns", "key_namespaces"),
     [
-        ("default", [], NAMESPACE),
-        ("default", ["team-b", "team-a"], NAMESPACE),
-        ("engines-elsewhere", [], "gpu-engines"),
-        ("engines-elsewhere", ["team-a"], "gpu-engines"),
+        # the default: keys (and Tinker models' experiments) in the release namespace only
+        ("default", {}, NAMESPACE, [NAMESPACE]),
+        ("default", {"namespaces": ["team-b", "team-a"]}, NAMESPACE, ["team-a", "team-b"]),
+        ("default", {"allNamespaces": True}, NAMESPACE, []),
+        ("engines-elsewhere", {}, "gpu-engines", [NAMESPACE]),
+        ("engines-elsewhere", {"allNamespaces": True}, "gpu-engines", []),
+        ("engines-elsewhere", {"namespaces": ["team-a"]}, "gpu-engines", ["team-a"]),
     ],
 )
 def test_rendered_gateway_rbac_matches_contract(
-    scenario: str, key_namespaces: list[str], engine_ns: str
+    scenario: str, keys: dict, engine_ns: str, key_namespaces: list[str]
 ) -> None:
-    docs = render({**SCENARIOS[scenario], "gateway": {"keys": {"namespaces": key_namespaces}}})
-    assert rendered(docs, "gateway") == expected_gateway(engine_ns, sorted(key_namespaces))
+    docs = render({**SCENARIOS[scenario], "gateway": {"keys": keys}})
+    assert rendered(docs, "gateway") == expected_gateway(engine_ns, key_namespaces)
     # and the operator's stays exactly its own contract (the gateway adds nothing to it)
     assert rendered(docs) == rendered(render(SCENARIOS[scenario]))
 

@@ -20,6 +20,7 @@ from tests.support.chart_helpers import (
     SCENARIOS,
     _helm_template,
     by_kind,
+    merge,
     one,
     operator_deployment,
     render,
@@ -74,24 +75,26 @@ def test_renders_well_formed(scenario: str) -> None:
 # Two components, each with a Deployment, ServiceAccount and Service: the operator and
 # the gateway (a PodDisruptionBudget too). ClusterRole: the operator's, the gateway's, and
 # the view and edit roles aggregated into the default user roles; Role: each one's in the
-# engine namespace; Service: the operator's metrics, the engines' (headless), the
-# gateway's; Pod: the `helm test` hook; no Secret: the operator creates the token.
+# engine namespace, and the gateway's key Role in the release namespace (its default key
+# namespace); Service: the operator's metrics, the engines' (headless), the gateway's;
+# Pod: the `helm test` hook; no Secret: the operator creates the token. The default pool
+# brings its checkpoint PersistentVolumeClaim.
 EXPECTED_KINDS = {
     "default": {
         "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
-        "Role": 2, "RoleBinding": 2, "Service": 3, "Pod": 1, "PodDisruptionBudget": 1,
+        "Role": 3, "RoleBinding": 3, "Service": 3, "Pod": 1, "PodDisruptionBudget": 1,
     },
     "all-on": {
         "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
-        "Role": 2, "RoleBinding": 2, "Service": 3, "Secret": 0, "ServiceMonitor": 2,
+        "Role": 3, "RoleBinding": 3, "Service": 3, "Secret": 0, "ServiceMonitor": 2,
         "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
-        "NetworkPolicy": 1, "EnginePool": 1, "Pod": 1,
+        "NetworkPolicy": 1, "EnginePool": 1, "PersistentVolumeClaim": 1, "Pod": 1,
     },
     # the operator's: two watched namespaces, the engine namespace, its own namespace;
-    # the gateway's: the engine namespace (keys: cluster-wide by default)
+    # the gateway's: the engine namespace and its key namespace (the release namespace)
     "namespaced": {
         "Deployment": 2, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2,
-        "Role": 5, "RoleBinding": 5, "Service": 3, "Secret": 0, "Pod": 1,
+        "Role": 6, "RoleBinding": 6, "Service": 3, "Secret": 0, "Pod": 1,
     },
     "existing-secret": {"Secret": 0, "EnginePool": 1},
     # no RBAC, no ServiceAccounts (both preexisting), no operator metrics Service: the
@@ -105,7 +108,7 @@ EXPECTED_KINDS = {
         "Role": 1, "RoleBinding": 1, "Service": 2, "PodDisruptionBudget": 0,
     },
     "netpol-only": {"NetworkPolicy": 1, "EnginePool": 0, "ServiceMonitor": 0},
-    "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "ConfigMap": 0},
+    "pool-only": {"NetworkPolicy": 0, "EnginePool": 1, "PersistentVolumeClaim": 1, "ConfigMap": 0},
     "monitoring-only": {
         "ServiceMonitor": 2, "PodMonitor": 1, "PrometheusRule": 1, "ConfigMap": len(DASHBOARDS),
         "NetworkPolicy": 0, "EnginePool": 0,
@@ -289,16 +292,76 @@ def test_default_pool_engine_image_follows_the_app_version() -> None:
 
 
 def test_default_pool_with_two_ranks_per_engine() -> None:
-    """gpusPerEngine passes through to a pool the CRD admits; its engine pods run two ranks
-    (the chart's default pool is a CPU pool: gloo ranks, no GPU asked for)."""
+    """gpusPerEngine passes through to a pool the CRD admits; its engine pods run two ranks,
+    one GPU each (the operator raises the default pool's one GPU to two)."""
     values = {"defaultPool": {"enabled": True, "spec": {"gpusPerEngine": 2}}}
     pool = one(render(values), "EnginePool")
     assert pool["spec"]["gpusPerEngine"] == 2 and admit("EnginePool", pool) == []
     pool["metadata"]["uid"] = "uid-default"
     (container,) = engine_pod(Pool.from_obj(pool), "a1b2c")["spec"]["containers"]
     assert container["args"][container["args"].index("--world-size") + 1] == "2"
-    assert GPU_RESOURCE not in json.dumps(container["resources"])
+    assert str(container["resources"]["limits"][GPU_RESOURCE]) == "2"
     assert "gpusPerEngine" in one(render(SCENARIOS["pool-only"]), "EnginePool")["spec"]
+
+
+def _default_pool_pod(values: dict) -> tuple[list[dict], dict, dict]:
+    """(rendered docs, the default pool, the engine pod the operator makes of it)."""
+    docs = render(merge({"defaultPool": {"enabled": True}}, values))
+    pool = one(docs, "EnginePool")
+    assert admit("EnginePool", pool) == [], "the EnginePool CRD's schema and rules"
+    pool["metadata"]["uid"] = "uid-default"
+    return docs, pool, engine_pod(Pool.from_obj(pool), "a1b2c")
+
+
+def test_the_default_pool_is_runnable_as_shipped() -> None:
+    """As shipped: the CRD admits it, and the engine pod the operator makes of it asks for
+    a GPU (the CUDA image), finds the base model at its --model path on the model claim,
+    and writes checkpoints to the chart's PersistentVolumeClaim in its namespace (kept on
+    uninstall), not to an emptyDir that goes with the pod."""
+    docs, pool, pod = _default_pool_pod({})
+    spec = pool["spec"]
+    (container,) = pod["spec"]["containers"]
+    assert str(container["resources"]["limits"][GPU_RESOURCE]) == "1"
+    assert str(container["resources"]["requests"][GPU_RESOURCE]) == "1"
+    assert spec["template"]["image"].startswith("ghcr.io/loraplex/engine:")  # CUDA image
+    model_path = container["args"][container["args"].index("--model") + 1]
+    assert model_path == spec["baseModel"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == model_path]
+    assert mount["readOnly"] is True
+    claim = volumes[mount["name"]]["persistentVolumeClaim"]
+    assert claim == {"claimName": "loraplex-models", "readOnly": True}
+    ckpt_volume = spec["checkpoint"]["volume"]
+    assert "emptyDir" not in json.dumps(volumes)
+    pvc = one(docs, "PersistentVolumeClaim", ckpt_volume["persistentVolumeClaim"]["claimName"])
+    assert pvc["metadata"]["namespace"] == spec["engineNamespace"] == pod["metadata"]["namespace"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and spec["replicas"]["max"] == 1
+    [ckpt_mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/ckpt"]
+    assert (
+        volumes[ckpt_mount["name"]]["persistentVolumeClaim"] == ckpt_volume["persistentVolumeClaim"]
+    )
+
+
+def test_the_default_pools_volumes_follow_the_values() -> None:
+    """An existing checkpoint claim, a model sub-directory, or the pool's own volume."""
+    values = {
+        "model": {"claimName": "hf-models", "subPath": "Qwen3-4B"},
+        "checkpoints": {"create": False, "existingClaim": "shared-ckpt"},
+    }
+    docs, pool, pod = _default_pool_pod({"defaultPool": values})
+    assert by_kind(docs, "PersistentVolumeClaim") == []
+    assert pool["spec"]["checkpoint"]["volume"] == {
+        "persistentVolumeClaim": {"claimName": "shared-ckpt"}
+    }
+    (container,) = pod["spec"]["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/models/base"]
+    assert mount["subPath"] == "Qwen3-4B"
+    own = {"nfs": {"server": "nfs.example", "path": "/ckpt"}}
+    values = {"spec": {"checkpoint": {"root": "/ckpt", "volume": own}}}
+    docs, pool, _ = _default_pool_pod({"defaultPool": values})
+    assert pool["spec"]["checkpoint"]["volume"] == own
+    assert by_kind(docs, "PersistentVolumeClaim") == []  # no claim nobody mounts
 
 
 def test_default_pool_sharding_its_base_over_two_ranks() -> None:

@@ -3,10 +3,12 @@
 The gateway's real `KubeDirectory` (the code its Deployment runs) reads a kmock API server
 (tests/support/harness.py's `ApiServer`, which records every request) holding a pool that
 admits namespaces by label, its token Secret and a ready engine pod, and API key Secrets
-in two namespaces; once with `gateway.keys.namespaces` empty (key Secrets listed
-cluster-wide) and once with one namespace. Both directions: every call it makes is granted
-by a rule whose scope covers that namespace (else a 403 in a cluster), and every verb a
-rule grants is called in one of the two runs (a grant no code uses is removed).
+in two namespaces; once as with `gateway.keys.allNamespaces` (key Secrets listed
+cluster-wide) and once with one key namespace (the chart's default is one: the release
+namespace), where the Tinker model's experiment is written too. Both directions: every
+call it makes is granted by a rule whose scope covers that namespace (else a 403 in a
+cluster), and every verb a rule grants is called in one of the two runs (a grant no code
+uses is removed).
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ GATEWAY_CONTAINER = "gateway"
 
 
 def gateway_values(base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`base` with the gateway on, at a free port, refreshing its view every second."""
-    return merge(
-        base or {}, {"gateway": {"enabled": True, "port": free_port(), "refreshSeconds": 1}}
-    )
+    """`base` with the gateway on, at a free port, refreshing its view every second, and
+    reading the keys of the tests' tenants (team-a, team-b) as an admin lists them."""
+    gateway = {"enabled": True, "port": free_port(), "refreshSeconds": 1}
+    gateway["keys"] = {"namespaces": ["team-a", "team-b"]}
+    return merge(base or {}, {"gateway": gateway})
 
 
 def rendered_gateway(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

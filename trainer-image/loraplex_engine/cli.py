@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_parser(sub)
     sub.choices["plan"].formatter_class = Help  # its help shows defaults too
+    from loraplex_engine.plugins import list_cli
+
+    list_cli.add_parser(sub)
     return parser
 
 

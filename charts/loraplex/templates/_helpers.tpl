@@ -99,6 +99,20 @@ app.kubernetes.io/component: operator
 {{- .Values.rbac.namespaces | uniq | sortAlpha | join "," }}
 {{- end }}
 
+{{/* The namespaces whose API key Secrets the gateway reads and where it writes Tinker
+models' experiments, comma-joined: gateway.keys.namespaces, or the release namespace when
+none is listed; empty only with gateway.keys.allNamespaces (the ClusterRole). */}}
+{{- define "loraplex.gatewayKeyNamespaces" -}}
+{{- $keys := .Values.gateway.keys }}
+{{- if $keys.allNamespaces }}
+{{- if $keys.namespaces }}
+{{- fail "gateway.keys.allNamespaces=true reads keys in every namespace: leave gateway.keys.namespaces empty" }}
+{{- end }}
+{{- else }}
+{{- $keys.namespaces | default (list .Release.Namespace) | uniq | sortAlpha | join "," }}
+{{- end }}
+{{- end }}
+
 {{/* The vLLM serving fleet (fleet.enabled, templates/fleet.yaml). */}}
 {{- define "loraplex.fleetSelectorLabels" -}}
 app.kubernetes.io/name: {{ include "loraplex.name" . }}

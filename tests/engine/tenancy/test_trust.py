@@ -55,6 +55,16 @@ def test_another_namespaces_file_is_refused_the_same_whether_it_exists_or_not(
         assert "not allowed" in _refusal(data, sneaky)
 
 
+def test_the_refusal_names_the_tenants_own_directories_only(roots: Path) -> None:
+    """Where a path may lie, for the one who asked: team-a's directory under each root,
+    never another namespace's (those are no business of team-a's)."""
+    other = roots.parent / "more"
+    data = DataRoots((roots, other))
+    message = _refusal(data, str(roots / "team-b" / "x.jsonl"))
+    assert f"({roots.resolve()}/team-a/, {other.resolve()}/team-a/)" in message, message
+    assert "team-b/," not in message and "team-b/)" not in message
+
+
 def test_a_symlink_out_of_the_namespace_directory_is_refused(roots: Path) -> None:
     link = roots / "team-a" / "link.jsonl"
     link.symlink_to(roots / "team-b" / "x.jsonl")

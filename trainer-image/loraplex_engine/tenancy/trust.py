@@ -87,11 +87,17 @@ class DataRoots:
                 f"(the pool admin sets one: {self.flag_hint})",
             )
         wanted = Path(dataset)
-        for base in self._bases(namespace):
+        bases = self._bases(namespace)
+        for base in bases:
             candidate = _resolve_quietly(wanted if wanted.is_absolute() else base / wanted)
             if candidate is not None and candidate.is_relative_to(base) and candidate != base:
                 return candidate, base
-        where = "<data root>/<namespace>/" if self.per_namespace else "a data root"
+        # Name the directories: the user's way out is a path under one (or, locally, a flag).
+        named = ", ".join(f"{b}/" for b in bases)
+        if self.per_namespace:
+            where = f"<data root>/<namespace>/ ({named})"
+        else:
+            where = f"a data root ({named}; add one with {self.flag_hint})"
         raise TaskError(
             DATASET_FIELD, f"dataset {dataset!r} is not allowed: it must lie under {where}"
         )
