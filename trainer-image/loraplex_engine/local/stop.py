@@ -9,6 +9,7 @@ a signal: 128 + its number (130 SIGINT, 143 SIGTERM).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -62,12 +63,15 @@ class StopRequest:
 @contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:
     """SIGINT and SIGTERM handled by a :class:`StopRequest` (main thread only), the
-    previous handlers restored after."""
+    previous handlers restored after. A worker rank of --world-size ignores both: rank 0
+    stops, checkpoints and releases it (as under `serve`)."""
     stop = StopRequest()
+    worker = os.environ.get("RANK", "0") != "0"
+    handler = signal.SIG_IGN if worker else stop.handle
     previous: dict[int, Any] = {}
     try:
         for signum in SIGNALS:
-            previous[signum] = signal.signal(signum, stop.handle)
+            previous[signum] = signal.signal(signum, handler)
     except ValueError:  # not the main thread (an embedding caller): leave signals alone
         pass
     try:
