@@ -112,3 +112,20 @@ def test_the_eta_is_the_most_steps_left_times_the_recent_seconds_per_step() -> N
     assert line == "  2.33 s/step, ETA 16s"  # 7 steps left × 7/3 s
     assert pace.line([status(3, None)]) == "  2.33 s/step"  # no end: no ETA
     assert [duration(s) for s in (59, 61, 3725)] == ["59s", "1m 01s", "1h 02m"]
+
+
+def test_a_tracker_run_cannot_build_is_a_usage_error_before_the_model_loads(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
+    monkeypatch.delitem(sys.modules, "loraplex_engine.tracking.tensorboard_tracker", False)
+    path = write(tmp_path, manifest("a", "{name: target-token}", 0))
+    args = ["run", str(path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out")]
+    assert cli.main([*args, "--tracking-tensorboard-dir", str(tmp_path / "tb")]) == 2
+    captured = capsys.readouterr()
+    assert "--tracking-tensorboard-dir: " in captured.err and "engine ready" not in captured.out

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -116,3 +117,19 @@ def test_sigint_checkpoints_and_resume_matches_an_uninterrupted_run(
         assert got[name].keys() == want[name].keys()
         for key, tensor in want[name].items():
             assert torch.equal(got[name][key], tensor), (name, key)
+
+
+def test_a_first_signal_while_training_asks_a_second_one_stops_now() -> None:
+    """SIGTERM (a timeout, a scheduler) the same as SIGINT, with the shell's 143; before
+    training, or asked twice, :class:`Interrupted` ends the command at once."""
+    from loraplex_engine.local.stop import Interrupted, StopRequest
+
+    stop = StopRequest()
+    with pytest.raises(Interrupted) as before:
+        stop.handle(signal.SIGTERM, None)
+    assert before.value.exit_status == 143 and not stop.requested
+    stop.armed = True
+    stop.handle(signal.SIGTERM, None)
+    assert stop.requested and stop.exit_status == 143
+    with pytest.raises(Interrupted):
+        stop.handle(signal.SIGINT, None)

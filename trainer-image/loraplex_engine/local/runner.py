@@ -7,6 +7,7 @@ progress, and writes ``summary.json``, ``rewards.png`` and the final adapters.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from loraplex_engine.local.checks import check_run, trust_of, with_targets
 from loraplex_engine.local.manifests import Manifest
@@ -331,23 +333,31 @@ def run_file(
         update={"checkpoint_root": str(out_dir / "checkpoints")}
     )
     argv = to_argv(settings)  # a worker rank: this very command
+    # Rank 0's trackers, before the model loads: a missing client is a usage error now.
+    leader = os.environ.get("RANK", "0") == "0"
+    tracking = start_local_tracking(settings, out_dir) if leader else None
     device = torch.device(rank_device)
-    with data_parallel(settings.world_size, argv, device, settings.dist_timeout) as world:
-        t0 = time.monotonic()
-        engine = Engine(
-            settings.model,
-            engine_settings,
-            device=rank_device,
-            world=world,
-            trust=trust_of(settings),
-        )
-        try:
-            local = LocalRun(settings, manifests, out, out_dir, t0, world, stop)
-            return _run(engine, local)
-        finally:
-            engine.close()  # the vLLM worker, the reward pool
-            # Before the group is left: a sharded base's DTensors hold it (distributed.leave).
-            del engine
+    try:
+        with data_parallel(settings.world_size, argv, device, settings.dist_timeout) as world:
+            t0 = time.monotonic()
+            engine = Engine(
+                settings.model,
+                engine_settings,
+                device=rank_device,
+                world=world,
+                trust=trust_of(settings),
+            )
+            try:
+                local = LocalRun(settings, manifests, out, out_dir, t0, world, stop)
+                return _run(engine, local, tracking or Tracking([], CollectorRegistry(), 1, ""))
+            finally:
+                engine.close()  # the vLLM worker, the reward pool
+                # Before the group is left: a sharded base's DTensors hold it
+                # (distributed.leave).
+                del engine
+    finally:
+        if tracking is not None:
+            tracking.close()  # what was queued is flushed, also after an error
 
 
 @dataclass
@@ -363,7 +373,7 @@ class LocalRun:
     stop: StopRequest | None
 
 
-def _run(engine: Engine, run: LocalRun) -> dict[str, Any] | None:
+def _run(engine: Engine, run: LocalRun, tracking: Tracking) -> dict[str, Any] | None:
     """Train on a loaded engine; a worker rank follows rank 0 and returns None."""
     world, out, manifests = run.world, run.out, run.manifests
     if world is None or world.is_leader:
@@ -395,14 +405,10 @@ def _run(engine: Engine, run: LocalRun) -> dict[str, Any] | None:
         steps = {i: engine.get_experiment(i).step for i in ids}
         carry_over(progress, state, steps)
         out.write(f"resumed {', '.join(f'{i} at step {n}' for i, n in steps.items())}\n")
-    tracking = start_local_tracking(run.settings, run.out_dir)
     if run.stop is not None:
         run.stop.armed = True  # from here a signal stops after the tick, with checkpoints
-    try:
-        observe = tracking.observe_tick
-        wall = run_until_done(engine, ids, out, progress, on_tick=observe, stop=run.stop)
-    finally:
-        tracking.close()
+    observe = tracking.observe_tick
+    wall = run_until_done(engine, ids, out, progress, on_tick=observe, stop=run.stop)
     if dp is not None:
         dp.stop()
     stopped = run.stop is not None and run.stop.requested
@@ -434,7 +440,5 @@ def checkpoint_running(engine: TickingEngine, ids: list[str]) -> None:
 
 def start_local_tracking(settings: RunSettings, out_dir: Path) -> Tracking:
     """`run`'s trackers (--tracking-*), as serve's; pool ``local``."""
-    from prometheus_client import CollectorRegistry
-
     trackers = build_trackers(settings, str(out_dir / "checkpoints"))
     return Tracking(trackers, CollectorRegistry(), settings.tracking_queue, "local")
