@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -48,16 +48,34 @@ crds: $(STAMP)
 	$(PY) scripts/gen_crds.py
 	bash scripts/sync-chart-crds.sh
 
-test: lint tiny-model tools vllm-venv gpu-rehearsal-wheels
+# What the tests need, installed side by side: .venv-vllm (~4 min the first time) does not
+# need .venv, so it downloads while .venv installs and the tiny model is built; then the
+# tools (seconds; their script may borrow .venv's pip). Each step returns at once when
+# what it installs is already there.
+test-deps:
+	@$(MAKE) --no-print-directory -j3 -Otarget vllm-venv tiny-model gpu-rehearsal-wheels
+	@$(MAKE) --no-print-directory tools
+
+test: test-deps
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q --durations=30
 	$(MAKE) --no-print-directory test-kernel-paths
 
+# The tests that start no process: no engine, gateway or operator harness, no subprocess
+# (the e2e marker, derived in tests/support/markers.py), and none marked slow. Under 3
+# minutes on 2 cores; `make test` runs everything. One area: pytest tests/engine/<folder>.
+test-unit: tiny-model
+	$(PY) -m pytest -q -m "not slow and not e2e" --durations=10
+
 # The numeric tests again on torch's other CPU kernel paths (the run above took the
 # machine's native one, avx512 where present): a tolerance that holds on one path only
-# would fail on another machine's CPU. Each run first prints the path torch takes.
+# would fail on another machine's CPU. Each run first prints the path torch takes; the
+# native path, which the run above took, is not run again (avx2 on a machine without avx512).
 KERNEL_PATHS ?= default avx2
 test-kernel-paths: tiny-model
-	@for cap in $(KERNEL_PATHS); do \
+	@native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	for cap in $(KERNEL_PATHS); do \
+		if [[ "$$cap" == "$$native" ]]; then echo "== $$cap is this machine's native path: run above"; continue; fi; \
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider || exit 1; \
@@ -130,7 +148,7 @@ demo-smollm2-gsm8k: smollm2
 # $(REGISTRY)/{operator,engine,engine-cpu}:<appVersion> and the chart at
 # oci://$(REGISTRY)/charts/loraplex:<chart version> (`make image-names` prints them).
 # `images` builds the three images (a running Docker or Podman engine; none runs on the
-# build machines here, where tests/engine/test_server_images.py checks the Dockerfiles);
+# build machines here, where tests/engine/server/test_server_images.py checks the Dockerfiles);
 # `release` builds and pushes them, then packages the chart and pushes it as an OCI
 # artifact (log in first: `docker login` and `helm registry login`); `release-chart`
 # pushes the chart alone (tests/chart/test_release_oci.py runs it against a real registry).

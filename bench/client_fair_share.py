@@ -12,7 +12,7 @@ as fast as it can. B (team-b) is measured alone, beside A, and alone again, twic
 - ``tinker_loop``: B is an SDK client looping its own small step, its steps/s counted.
 
 The target: B keeps >= 70% of its pace alone (the mean of the two windows alone). The big
-``forward_backward`` and many-samples patterns are tests/engine/test_client_fair_share.py.
+``forward_backward`` and many-samples patterns are tests/engine/tenancy/test_client_fair_share.py.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from server_process import EngineServer, wait_until  # noqa: E402
-from test_client_fair_share import KEY_A, KEY_B, LIMITS  # noqa: E402
-from test_tenant_isolation import put, spec, status  # noqa: E402
 from tinker import types  # noqa: E402
-from tinker_clients import close_all, service_client, sft  # noqa: E402
+
+from tests.engine.tenancy.test_client_fair_share import KEY_A, KEY_B, LIMITS  # noqa: E402
+from tests.engine.tenancy.test_tenant_isolation import put, spec, status  # noqa: E402
+from tests.support.server_process import EngineServer, wait_until  # noqa: E402
+from tests.support.tinker_clients import close_all, service_client, sft  # noqa: E402
 
 TINY = REPO / ".cache" / "models" / "tiny-llama"
 

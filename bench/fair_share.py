@@ -42,11 +42,10 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-sys.path.insert(0, str(REPO / "tests"))  # child_processes, which server_process imports
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
-from plugin_install import install, with_path  # noqa: E402
-from server_process import EngineServer, wait_until  # noqa: E402
+from tests.support.plugin_install import install, with_path  # noqa: E402
+from tests.support.server_process import EngineServer, wait_until  # noqa: E402
 
 COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"

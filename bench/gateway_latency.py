@@ -9,10 +9,10 @@ upstream vs through the gateway, on loopback (issue 29). A benchmark, not a test
 Processes, each its own (so each one's CPU time is read apart, from /proc via psutil):
 the bench's client (httpx.AsyncClient, one pooled client per cell, HTTP/1.1 keep-alive,
 as many connections as concurrent streams), a real ``python -m loraplex_operator.gateway``
-(tests/engine/gateway_process.py, ``--engines-file``: the view KubeDirectory builds in a
+(tests/support/gateway_process.py, ``--engines-file``: the view KubeDirectory builds in a
 cluster), and an upstream:
 
-- ``engine``: a real ``loraplex-engine serve`` (tests/engine/server_process.py: tiny
+- ``engine``: a real ``loraplex-engine serve`` (tests/support/server_process.py: tiny
   model, torch rollout, 1 thread) serving one adapter, ``bench.adapter``, that trained
   one step (maxSteps 1) and then stays loaded, so the engine does nothing but serve;
 - ``trivial``: this file's ``--serve-trivial`` (starlette + uvicorn, as the engine's API
@@ -53,7 +53,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "engine"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 NAMESPACE = "bench"
 ADAPTER = f"{NAMESPACE}.adapter"
@@ -128,7 +128,7 @@ class Trivial:
     token = "trivial"
 
     def __init__(self, max_tokens: int) -> None:
-        import child_processes
+        from tests.support import child_processes
 
         cmd = [sys.executable, __file__, "--serve-trivial", "--max-tokens", str(max_tokens)]
         self.proc = child_processes.spawn(
@@ -223,17 +223,14 @@ def cpu_s(pid: int) -> float:
 
 
 def start_engine(workdir: Path) -> Any:
-    from server_process import EngineServer
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import TINY_MODEL_DIR
+    from tests.conftest import TINY_MODEL_DIR
+    from tests.support.server_process import EngineServer
 
     if not (TINY_MODEL_DIR / "config.json").exists():
         from loraplex_engine.dev.tiny_model import build_model
 
         build_model(TINY_MODEL_DIR)
-    sys.path.insert(0, str(REPO / "tests" / "engine"))
-    from test_server_live import put_body, small_spec
+    from tests.engine.server.test_server_live import put_body, small_spec
 
     srv = EngineServer(TINY_MODEL_DIR, workdir / "ckpt", max_adapters=2, workdir=workdir)
     srv.start()
@@ -253,7 +250,7 @@ def start_engine(workdir: Path) -> Any:
 
 
 def start_gateway(workdir: Path, upstream: Any) -> Any:
-    from gateway_process import GatewayProcess
+    from tests.support.gateway_process import GatewayProcess
 
     engine = {"name": "e0", "pool": "bench", "url": upstream.url, "token": upstream.token}
     view = {"engines": [engine], "keys": [{"namespace": NAMESPACE, "key": KEY, "role": "sample"}]}

@@ -10,7 +10,7 @@ allows), each running throughput.py's N experiments (seeds, targets, lr spread) 
 and for the pipelined one how many ticks ran the rollout on the side stream and, if not
 every one, why the last did not (rollout/torch/streams.py). Parity, first round: each
 experiment's rewards step by step equal between the schedules, and its adapter's weights
-apart by at most a float reassociation (tests/engine/test_pipelined.py's bound, relative
+apart by at most a float reassociation (tests/engine/tick/test_pipelined.py's bound, relative
 to how far the updates moved them). On the CPU (the dry run) the side stream is never
 taken: the run checks the stage's plumbing and that parity.
 """
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput
 
-# tests/engine/test_pipelined.py's bound: fp32 sums in another order, amplified by Adam.
+# tests/engine/tick/test_pipelined.py's bound: fp32 sums in another order, amplified by Adam.
 WEIGHT_TOLERANCE = 1e-3
 
 

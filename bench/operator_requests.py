@@ -3,9 +3,9 @@
     python bench/operator_requests.py --pools 50 --experiments 1000 \
         --out bench/results/operator-requests.json --label after
 
-The test API server of the operator harness (kmock, `tests/operator/harness.py`) records
+The test API server of the operator harness (kmock, `tests/support/harness.py`) records
 every request; requests whose User-Agent is kopf's or the operator's are counted. The
-operator runs as the chart renders it (`tests/operator/deployed.py`), with the chart's
+operator runs as the chart renders it (`tests/support/deployed.py`), with the chart's
 defaults (a round every 5 s).
 
 No engines run: 1,000 real engines cannot run on a laptop. Each pool allows one engine
@@ -26,7 +26,7 @@ chart: `--before b5474a5^` is the operator that listed pools, experiments and Po
 round, before it read kopf's indexes.
 
 The operator runs in its own process group, killed when the bench ends, however it ends
-(SIGTERM and SIGHUP end the bench through its cleanup; `tests/child_processes.py` kills
+(SIGTERM and SIGHUP end the bench through its cleanup; `tests/support/child_processes.py` kills
 what is left at exit). Progress goes to stderr.
 """
 
@@ -52,10 +52,10 @@ import kmock
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "operator"), str(REPO / "tests")]
-import harness  # noqa: E402
-from deployed import OperatorProcess, chart_values, rendered_operator  # noqa: E402
-from harness import (  # noqa: E402
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
+from tests.support import harness  # noqa: E402
+from tests.support.deployed import OperatorProcess, chart_values, rendered_operator  # noqa: E402
+from tests.support.harness import (  # noqa: E402
     ENGINE_NS,
     OPERATOR_AGENTS,
     TOKEN_SECRET,

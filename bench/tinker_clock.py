@@ -66,9 +66,8 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "engine"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
-from server_process import EngineServer  # noqa: E402
 from tinker_clock_engine import RANK, SEED0, engine_only  # noqa: E402
 from tinker_clock_report import (  # noqa: E402
     TOLERANCES,
@@ -79,6 +78,8 @@ from tinker_clock_report import (  # noqa: E402
     summarise,
     verdict,
 )
+
+from tests.support.server_process import EngineServer  # noqa: E402
 
 MODELS = {
     "tiny": "tiny-llama (tests' fixture: 2 layers, hidden 64, vocab 473)",

@@ -34,9 +34,10 @@ def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
     (fused) or one model's per tick (per_model). The tick seconds are what the engine
     alone costs: the ratio's ceiling on this machine for this batch size."""
     import torch
-    from client_driver import drive, sft_datum
-    from engine_builders import engine
     from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
+
+    from tests.support.client_driver import drive, sft_datum
+    from tests.support.engine_builders import engine
 
     torch.set_num_threads(args.threads)
     # Every call is queued before its tick here: nothing is on its way to gather.

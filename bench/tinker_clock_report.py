@@ -11,7 +11,7 @@ float32 on the CPU, bfloat16 on CUDA; adapters and Adam's state are float32 in b
   STEP_MAX_TOL Adam steps per element, whose first-order effect on the loss is at most
   that share of what the k steps moved it (Adam moves every element by up to one step
   against its gradient's sign, so |L_0 - L_k| ~ sum |grad| * lr * k). Adapters:
-  tests/engine/adapter_parity.py's bounds (RMS <= STEP_RMS_TOL, max <= STEP_MAX_TOL).
+  tests/support/adapter_parity.py's bounds (RMS <= STEP_RMS_TOL, max <= STEP_MAX_TOL).
 - ``bfloat16`` (argued, not yet run on a GPU): fused and per_model run a client's rows in
   batches of different sizes, for which cuBLAS may choose another kernel (tile shape,
   split-K), so a row's fp32 accumulation order differs and, where it straddles a bf16
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from adapter_parity import STEP_MAX_TOL, STEP_RMS_TOL, adapter_gap_of_files
+
+from tests.support.adapter_parity import STEP_MAX_TOL, STEP_RMS_TOL, adapter_gap_of_files
 
 LOSS_RTOL = 1e-5
 BF16_LOSS_RTOL = 2.0**-7

@@ -35,7 +35,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "engine"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 EXP = "bench.versions"
 LOAD = re.compile(r"version bench\.versions@v\d+#[0-9a-f]+ loaded into slot \d+ in ([0-9.]+) ms")
@@ -44,7 +44,7 @@ LOAD = re.compile(r"version bench\.versions@v\d+#[0-9a-f]+ loaded into slot \d+ 
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from conftest import TINY_MODEL_DIR
+    from tests.conftest import TINY_MODEL_DIR
 
     if not (TINY_MODEL_DIR / "config.json").exists():
         from loraplex_engine.dev.tiny_model import build_model
@@ -54,8 +54,8 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _start(model_dir: Path, workdir: Path) -> Any:
-    from server_process import EngineServer
-    from test_server_live import put_body, small_spec
+    from tests.engine.server.test_server_live import put_body, small_spec
+    from tests.support.server_process import EngineServer
 
     srv = EngineServer(model_dir, workdir / "ckpt", max_adapters=3, workdir=workdir).start()
     spec = small_spec(max_steps=3, rank=16) | {"publish": {"everySteps": 1, "keep": 10}}

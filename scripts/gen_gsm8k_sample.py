@@ -3,7 +3,7 @@
 row format (``{"question": ..., "answer": "<steps>\\n#### <n>"}``), so the dataset path
 (task ``dataset`` with ``datasetOptions.columns: {prompt: question}``) has a file to read
 where no dataset can be downloaded. Seeded: rerunning writes the same bytes
-(tests/engine/test_gsm8k.py checks the committed file is what this writes).
+(tests/engine/tasks/test_gsm8k.py checks the committed file is what this writes).
 
     scripts/gen_gsm8k_sample.py [--out PATH] [--rows N] [--seed S] [--max-steps K]
 """

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.markers import mark_e2e
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 
@@ -42,6 +44,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in NUMERIC_MODULES:
             item.add_marker(pytest.mark.numeric)
+        mark_e2e(item)
 
 
 def pytest_report_header() -> str:
@@ -69,7 +72,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when a test left an engine or operator process running (then kill it)."""
-    children = sys.modules.get("child_processes")
+    children = sys.modules.get("tests.support.child_processes")
     if children is None:  # no test started one
         return
     left = children.survivors()
@@ -81,9 +84,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _close_tinker_clients() -> Iterator[None]:
-    """SDK clients a test opened (tests/engine/tinker_clients.py) end with the test."""
+    """SDK clients a test opened (tests/support/tinker_clients.py) end with the test."""
     yield
-    clients = sys.modules.get("tinker_clients")
+    clients = sys.modules.get("tests.support.tinker_clients")
     if clients is not None:
         clients.close_all()
 
@@ -91,7 +94,7 @@ def _close_tinker_clients() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test plug-in package installed in a directory of its own (for PYTHONPATH)."""
-    from tests.engine.plugin_install import install
+    from tests.support.plugin_install import install
 
     return install(tmp_path_factory.mktemp("plugins"))
 
@@ -100,6 +103,6 @@ def plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The engine's own metadata (its first-party plug-ins' entry points) as this tree
     declares them, for PYTHONPATH (plugin_install.install_engine_metadata)."""
-    from tests.engine.plugin_install import install_engine_metadata
+    from tests.support.plugin_install import install_engine_metadata
 
     return install_engine_metadata(tmp_path_factory.mktemp("engine-site"))

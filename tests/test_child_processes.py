@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-import child_processes
+from tests.support import child_processes
 
 
 def test_kill_group_ends_the_child_and_what_it_forked() -> None:

@@ -45,9 +45,18 @@ DEV_CODE = ("tests", "bench", "scripts")
 # verifiers drives). Not the engine's own requirement; the tests install them from
 # dev-nodeps.txt (verifiers) and dev.txt (openai).
 OPTIONAL = {"loraplex_engine": {"skyrl-gym", "verifiers", "openai"}}
+
+
 # Every top-level module name this repository itself provides: the packages (not their
 # subpackages: loraplex_engine.rollout.torch is no `torch`), test helpers, bench modules,
 # and the vLLM worker's siblings, which it imports as top-level modules.
+def in_tests_package(path: Path) -> bool:
+    """Modules of the tests package are imported as tests.x (their names, such as
+    tests/engine/server/tinker/, shadow nothing); its plug-ins are installed top-level."""
+    tests = REPO_ROOT / "tests"
+    return tests in path.parents and tests / "plugins" not in [path, *path.parents]
+
+
 LOCAL = (
     {
         p.stem if p.suffix == ".py" else p.name
@@ -59,7 +68,7 @@ LOCAL = (
         p.stem if p.suffix == ".py" else p.name
         for top in DEV_CODE
         for p in (REPO_ROOT / top).rglob("*")
-        if p.suffix == ".py" or (p / "__init__.py").exists()
+        if (p.suffix == ".py" or (p / "__init__.py").exists()) and not in_tests_package(p)
     }
     | {"tests", *(p.stem for p in VLLM_WORKER_FILES)}
 )

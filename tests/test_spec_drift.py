@@ -6,7 +6,7 @@ crds` a no-op on a clean checkout), and the generator honest: it refuses a const
 cannot translate.
 
 That both sides then judge values alike is checked on real values in
-tests/operator/test_crd_schema.py (bounds) and test_crd_rules.py (CEL rules).
+tests/operator/api/test_crd_schema.py (bounds) and test_crd_rules.py (CEL rules).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ model to answer two questions, then samples the answers from the published weigh
 
 Options: ``--steps`` (default 40), ``--rank`` (8), ``--lr`` (0.005), ``--seed`` (0).
 It prints the loss every 5 steps and the sampled answers; it exits 1 if an answer is not
-the one taught (tests/engine/test_tinker_sample.py runs it against a real serve).
+the one taught (tests/engine/server/tinker/test_tinker_sample.py runs it against a real serve).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
 from gpu_common import parse_memory_used, run_in_group  # noqa: E402
 

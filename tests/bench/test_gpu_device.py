@@ -42,7 +42,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
 import gpu_device  # noqa: E402
 
 CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "fastapi",

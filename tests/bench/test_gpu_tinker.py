@@ -4,7 +4,6 @@ bench/tinker_clock_report.py judges parity under each dtype's tolerances."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "bench"), str(REPO / "tests" / "engine")]
 import gpu_tinker  # noqa: E402
 import tinker_clock  # noqa: E402
 import tinker_clock_report as report  # noqa: E402

@@ -4,11 +4,9 @@ issues 12 and 17 name, and its verdicts follow from its own numbers."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
 
 from memory_plan import H100, H200, targets  # noqa: E402
 

@@ -11,11 +11,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from chart_helpers import CHART, REPO
 from loraplex_operator import status as st
 from loraplex_operator.engine_failures import PodFailure
 from loraplex_operator.resources import Experiment
 from lupa import lua51
+
+from tests.support.chart_helpers import CHART, REPO
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 SCRIPTS = {"LoRAExperiment": "loraexperiment.lua", "EnginePool": "enginepool.lua"}

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 import yaml
-from chart_helpers import CHART, REPO, crd_files
+
+from tests.support.chart_helpers import CHART, REPO, crd_files
 
 SYNC = REPO / "scripts" / "sync-chart-crds.sh"
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import DASHBOARDS, tool
-from promql_names import dashboard_queries
+
+from tests.support.chart_helpers import DASHBOARDS, tool
+from tests.support.promql_names import dashboard_queries
 
 # Grafana's built-in variables ($__rate_interval, ${__data.fields.x}, ...).
 BUILTINS = {

@@ -20,8 +20,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from chart_helpers import DASHBOARDS, RULES_FILE, tool
-from promql_names import dashboard_queries, rule_exprs
+
+from tests.support.chart_helpers import DASHBOARDS, RULES_FILE, tool
+from tests.support.promql_names import dashboard_queries, rule_exprs
 
 STEP_S = 15
 SPAN_S = 3600

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import REPO, SCENARIOS, component, render, render_error
 from loraplex_engine.versions.fleet import Watch, parser
+
+from tests.support.chart_helpers import REPO, SCENARIOS, component, render, render_error
 
 VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 VERSIONS_DOC = REPO / "docs" / "versions.md"

@@ -5,8 +5,9 @@ cluster-wide or only in the namespaces listed, and writes nothing."""
 
 from __future__ import annotations
 
-from chart_helpers import SCENARIOS, by_kind, one, render
 from loraplex_operator.gateway.cli import parser
+
+from tests.support.chart_helpers import SCENARIOS, by_kind, one, render
 
 NAME = "loraplex-gateway"
 

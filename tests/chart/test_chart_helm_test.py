@@ -9,7 +9,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from chart_helpers import (
+
+from tests.support.chart_helpers import (
     ALL_ON,
     NAMESPACE,
     SCENARIOS,

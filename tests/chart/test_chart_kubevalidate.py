@@ -13,7 +13,8 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from chart_helpers import (
+
+from tests.support.chart_helpers import (
     CUSTOM_KINDS,
     KUBE_VERSIONS,
     SCENARIOS,

@@ -7,8 +7,9 @@ register; test_prometheus_live.py runs every dashboard query against live proces
 from __future__ import annotations
 
 import pytest
-from chart_helpers import DASHBOARDS, METRICS_DOC, RULES_FILE
-from promql_names import (
+
+from tests.support.chart_helpers import DASHBOARDS, METRICS_DOC, RULES_FILE
+from tests.support.promql_names import (
     dashboard_names,
     documented_metrics,
     grafana_query_names,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from chart_helpers import CHART, REPO, SCENARIOS, render_notes
+
+from tests.support.chart_helpers import CHART, REPO, SCENARIOS, render_notes
 
 # A relative path with a directory part or a known extension: samples/pool-cpu.yaml,
 # charts/loraplex/dashboards/*.json, docs/runbooks.md, rbac-contract.yaml.

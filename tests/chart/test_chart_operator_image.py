@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chart_helpers import operator_deployment, render
+from tests.support.chart_helpers import operator_deployment, render
 
 DOCKERFILE = Path(__file__).resolve().parents[2] / "operator" / "Dockerfile"
 

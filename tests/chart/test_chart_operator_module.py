@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from chart_helpers import REPO, SCENARIOS, operator_deployment, render
+
+from tests.support.chart_helpers import REPO, SCENARIOS, operator_deployment, render
 
 OPERATOR_SRC = REPO / "operator" / "loraplex_operator"
 

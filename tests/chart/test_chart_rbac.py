@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from chart_helpers import (
+
+from tests.support.chart_helpers import (
     CONTRACT,
     NAMESPACE,
     SCENARIOS,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -28,11 +27,10 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import CONTRACT, REPO
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-from harness import ENGINE_NS, Call, Harness, operator_calls_in
 from loraplex_operator.kube import POOLS, SECRETS, Kube
+
+from tests.support.chart_helpers import CONTRACT
+from tests.support.harness import ENGINE_NS, Call, Harness, operator_calls_in
 
 WATCHED = "team-a"
 # kopf posts Events about cluster-scoped objects in its default namespace: the service

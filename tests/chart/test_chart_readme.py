@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 import yaml
-from chart_helpers import CHART, REPO
+
+from tests.support.chart_helpers import CHART, REPO
 
 spec = importlib.util.spec_from_file_location("chart_readme", REPO / "scripts" / "chart_readme.py")
 assert spec is not None and spec.loader is not None

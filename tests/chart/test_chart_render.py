@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
-from chart_helpers import (
+from loraplex_operator.config import Config
+from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
+from loraplex_operator.resources import Pool
+
+from tests.support.chart_helpers import (
     ALL_ON,
     CHART,
     DASHBOARDS,
     NAMESPACE,
-    REPO,
     RULES_FILE,
     SCENARIOS,
     _helm_template,
@@ -24,12 +26,7 @@ from chart_helpers import (
     render_notes,
     tool,
 )
-from loraplex_operator.config import Config
-from loraplex_operator.manifests import GPU_RESOURCE, engine_pod
-from loraplex_operator.resources import Pool
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-from crdkit import admit
+from tests.support.crdkit import admit
 
 FULL = "loraplex"  # release "loraplex" + chart "loraplex" → full name "loraplex"
 

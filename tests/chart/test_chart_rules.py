@@ -6,7 +6,8 @@ import re
 import subprocess
 
 import yaml
-from chart_helpers import REPO, RULES_FILE, RULES_TEST, tool
+
+from tests.support.chart_helpers import REPO, RULES_FILE, RULES_TEST, tool
 
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 # The chart's monitoring.prometheusRule.runbookUrl replaces this base (values.yaml).

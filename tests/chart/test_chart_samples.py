@@ -8,14 +8,14 @@ file's documents in order: those are the cluster samples. `samples/local/` holds
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from chart_helpers import (
+
+from tests.support.chart_helpers import (
     CHART,
     KUBE_VERSIONS,
     NAMESPACE,
@@ -25,9 +25,7 @@ from chart_helpers import (
     operator_deployment,
     render,
 )
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-from crdkit import CRD_FILES, admit, apply_defaults, schema_of
+from tests.support.crdkit import CRD_FILES, admit, apply_defaults, schema_of
 
 SAMPLES = REPO / "samples"
 CLUSTER_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix in {".yaml", ".yml", ".json"})

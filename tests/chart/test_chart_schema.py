@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from chart_helpers import CHART, render, render_error
+
+from tests.support.chart_helpers import CHART, render, render_error
 
 BAD_VALUES = {
     "unknown top-level key": (

@@ -1,7 +1,7 @@
 """The gateway's RBAC (rbac-contract.yaml, gatewayRules) against its real API calls.
 
 The gateway's real `KubeDirectory` (the code its Deployment runs) reads a kmock API server
-(tests/operator/harness.py's `ApiServer`, which records every request) holding a pool that
+(tests/support/harness.py's `ApiServer`, which records every request) holding a pool that
 admits namespaces by label, its token Secret and a ready engine pod, and API key Secrets
 in two namespaces; once with `gateway.keys.namespaces` empty (key Secrets listed
 cluster-wide) and once with one namespace. Both directions: every call it makes is granted
@@ -12,22 +12,20 @@ rule grants is called in one of the two runs (a grant no code uses is removed).
 from __future__ import annotations
 
 import base64
-import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-from chart_helpers import CONTRACT, REPO
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-import builders
 import kmock
-from harness import ApiServer, declare_resources, operator_calls_in
+import yaml
 from loraplex_operator import idle, manifests
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway.directory import KubeDirectory
 from loraplex_operator.gateway.keys import KEY_LABEL, ROLE_LABEL
 from loraplex_operator.kube import NAMESPACES, PODS, POOLS, SECRETS, Kube
+
+from tests.support import builders
+from tests.support.chart_helpers import CONTRACT
+from tests.support.harness import ApiServer, declare_resources, operator_calls_in
 
 ENGINE_NS = "engines"
 POOL = "gw-pool"

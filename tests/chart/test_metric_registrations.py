@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import DASHBOARDS, METRICS_DOC, REPO, RULES_FILE
-from promql_names import (
+
+from tests.support.chart_helpers import DASHBOARDS, METRICS_DOC, REPO, RULES_FILE
+from tests.support.promql_names import (
     SYNTHETIC,
     dashboard_names,
     documented_metrics,

@@ -1,7 +1,7 @@
 """Every dashboard panel shows data from a real Prometheus scraping a real engine and the
 real operator while experiments train.
 
-- The operator harness (tests/operator/harness.py): kmock as the API server, a kubelet
+- The operator harness (tests/support/harness.py): kmock as the API server, a kubelet
   that runs each engine Pod the operator writes (a real `loraplex-engine serve`, tiny
   model), and the operator container as the chart renders it, with its metrics port.
 - A real Prometheus (`.tools/bin/prometheus`, 127.0.0.1, scrape interval 1 s) whose
@@ -42,7 +42,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -53,18 +52,20 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import (
+
+from tests.support.chart_helpers import (
     ALL_ON,
     DASHBOARDS,
     METRICS_DOC,
-    REPO,
     RULES_FILE,
     one,
     operator_deployment,
     render,
     tool,
 )
-from prometheus_process import (
+from tests.support.harness import Harness
+from tests.support.live_gateway import LiveGateway, serve_through
+from tests.support.prometheus_process import (
     PrometheusServer,
     QueryError,
     endpoint_targets,
@@ -73,16 +74,12 @@ from prometheus_process import (
     service_monitor_scrape_config,
     write_sd_file,
 )
-from promql_names import (
+from tests.support.promql_names import (
     dashboard_queries,
     documented_metrics,
     exported_series_names,
     rule_exprs,
 )
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-from harness import Harness
-from live_gateway import LiveGateway, serve_through
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +120,7 @@ ABSENT_HERE = {
 # failed-experiments table has the FAILING experiment to show.
 EXCUSED: dict[str, str] = {
     "loraplex-experiment: annotation 'Published versions'": "no experiment here publishes "
-    "versions (spec.publish); tests/engine/test_versions_engine.py covers the series",
+    "versions (spec.publish); tests/engine/versions/test_versions_engine.py covers the series",
 }
 
 # Alerts that must stay quiet on a healthy live system (label joins: pool, job, pod).
@@ -248,8 +245,9 @@ async def _poll(h: Harness, what: str, check: Any, timeout: float) -> Any:
 async def _pool_token(h: Harness) -> str:
     import base64
 
-    from harness import ENGINE_NS, TOKEN_SECRET
     from loraplex_operator.kube import SECRETS
+
+    from tests.support.harness import ENGINE_NS, TOKEN_SECRET
 
     assert h.kube is not None
     secret = await h.kube.get(SECRETS, TOKEN_SECRET, ENGINE_NS)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_helpers import CHART, REPO, by_kind, one, render
-from release_names import DEFAULT_REGISTRY, IMAGES, chart_meta, release_names
+
+from tests.support.chart_helpers import CHART, REPO, by_kind, one, render
+from tests.support.release_names import DEFAULT_REGISTRY, IMAGES, chart_meta, release_names
 
 APP_VERSION = chart_meta()["appVersion"]
 CHART_VERSION = chart_meta()["version"]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_process import engine_command
+
+from tests.support.server_process import engine_command
 
 TIMEOUT_S = 120
 

@@ -20,7 +20,7 @@ from loraplex_engine.spec.errors import (
 )
 
 from tests.conftest import REPO_ROOT
-from tests.engine.engine_builders import engine, run_to_end, spec
+from tests.support.engine_builders import engine, run_to_end, spec
 
 
 class _BrokenReward(BaseHTTPRequestHandler):
@@ -82,7 +82,7 @@ def test_kill_9_then_resume_continues_the_same_run(tiny_model_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "tests.engine.train_worker",
+            "tests.support.train_worker",
             str(tiny_model_dir),
             str(tmp_path / "crashed"),
             json.dumps(body),

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adapter_parity import adapter_gap, assert_same_training
 
-from tests.engine.engine_builders import engine, mean, run_to_end, spec
+from tests.support.adapter_parity import adapter_gap, assert_same_training
+from tests.support.engine_builders import engine, mean, run_to_end, spec
 
 STEPS = 20
 # Three task types, as a user would mix them: a built-in target word, a built-in copy

@@ -25,8 +25,8 @@ from loraplex_engine.spec.errors import InvalidSpecError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from tests.engine.engine_builders import engine, spec
-from tests.engine.test_runner import assert_peft_adapter_loads
+from tests.engine.local.test_runner import assert_peft_adapter_loads
+from tests.support.engine_builders import engine, spec
 
 # arch: (its transformers config class, the LoRA targets an unset targetModules gets)
 FAMILIES: dict[str, tuple[str, list[str]]] = {

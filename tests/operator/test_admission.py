@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import experiment, pool
-from crdkit import apply_defaults, schema_of
 from loraplex_operator import admission
 from loraplex_operator.admission import Problem, experiment_memory_bytes, selector_matches
 from loraplex_operator.api.pool import EnginePoolSpec, LabelSelector
 from loraplex_operator.resources import Experiment, ExperimentSpec, Pool
+
+from tests.support.builders import experiment, pool
+from tests.support.crdkit import apply_defaults, schema_of
 
 
 def _full(kind: str, obj: dict[str, Any]) -> dict[str, Any]:

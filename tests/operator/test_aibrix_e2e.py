@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Harness, operator_calls_in
 from loraplex_engine.store.versions import VersionStore
 from loraplex_operator.aibrix import MODEL_ADAPTERS, artifact_url
+
+from tests.support.harness import Harness, operator_calls_in
 
 pytestmark = pytest.mark.slow
 

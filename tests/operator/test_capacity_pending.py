@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from builders import pool
 from loraplex_operator import status as st
 from loraplex_operator.observation import (
     WAIT_ADMISSION,
@@ -22,7 +21,9 @@ from loraplex_operator.observation import (
 )
 from loraplex_operator.planning import plan_round
 from loraplex_operator.publish import derive
-from test_reconcile import CFG, NOW, engine, exp, snap
+
+from tests.operator.test_reconcile import CFG, NOW, engine, exp, snap
+from tests.support.builders import pool
 
 KUEUE_GATE = {"name": "kueue.x-k8s.io/admission"}
 NOW_DT = datetime.fromtimestamp(NOW, UTC)

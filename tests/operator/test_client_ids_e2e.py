@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness
+
+from tests.support.harness import ENGINE_NS, TOKEN_SECRET, Harness
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, Harness, operator_calls_in
 from loraplex_operator import manifests
-from pod_runtime import VENV_BIN
+
+from tests.support.harness import ENGINE_NS, Harness, operator_calls_in
+from tests.support.pod_runtime import VENV_BIN
 
 pytestmark = pytest.mark.slow
 

@@ -10,14 +10,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from crdkit import schema_errors, schema_of
 from loraplex_operator import status as st
 from loraplex_operator.backoffs import RecreateBackoff, recreate_delay
 from loraplex_operator.engine_failures import PodFailure, pod_failure
 from loraplex_operator.observation import EngineView, pool_observation
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import Experiment
-from test_reconcile import CFG, NOW, _ts, engine, exp, snap
+
+from tests.operator.test_reconcile import CFG, NOW, _ts, engine, exp, snap
+from tests.support.crdkit import schema_errors, schema_of
 
 NOW_DT = datetime.fromtimestamp(NOW, UTC)
 KEY = Experiment.from_obj(exp("a")).key

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Harness
 from loraplex_operator.kube import POOLS, Resource
+
+from tests.support.harness import Harness
 
 pytestmark = pytest.mark.slow
 

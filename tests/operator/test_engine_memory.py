@@ -7,14 +7,15 @@ memory is not guessed."""
 
 from __future__ import annotations
 
-from builders import experiment, pool
 from loraplex_engine.spec.api_types import MemoryPlan
 from loraplex_operator.admission import experiment_memory_bytes
 from loraplex_operator.observation import EngineMemory, EngineView, slot_bytes
 from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import ExperimentSpec, Lora, Pool
-from test_reconcile import CFG, engine, snap
+
+from tests.operator.test_reconcile import CFG, engine, snap
+from tests.support.builders import experiment, pool
 
 SLOT = 1_000_000  # bytes one slot takes, as an engine reports it
 

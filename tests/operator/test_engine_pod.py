@@ -7,8 +7,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from builders import pod_of, pool, serve_args
-from crdkit import REPO, admit, apply_defaults, schema_of
 from loraplex_operator import manifests
 from loraplex_operator.config import Config
 from loraplex_operator.manifests import (
@@ -19,6 +17,9 @@ from loraplex_operator.manifests import (
     is_pod_ready,
 )
 from loraplex_operator.resources import Pool
+
+from tests.support.builders import pod_of, pool, serve_args
+from tests.support.crdkit import REPO, admit, apply_defaults, schema_of
 
 K8S_VERSION = "1.33"
 _PVC = {"persistentVolumeClaim": {"claimName": "ckpt"}}
@@ -314,7 +315,7 @@ def test_checkpoint_retention_and_hard_links_become_the_serve_flags_the_engine_p
 
 def test_the_plugin_allowlist_becomes_serve_flags_the_engine_enforces() -> None:
     """spec.plugins.allowed: one `--allow-plugins` a grant, which `serve` parses into the
-    allowlist its PUT checks (tests/engine/test_plugin_access.py: on a real engine)."""
+    allowlist its PUT checks (tests/engine/plugins/test_plugin_access.py: on a real engine)."""
     from loraplex_engine.cli import build_parser
     from loraplex_engine.server.flags import serve_settings
     from loraplex_engine.server.serve import trust_policy

@@ -12,8 +12,6 @@ from unittest import mock
 
 import kubernetes_validate
 import pytest
-from builders import pod_of, pod_resources, pool, serve_args
-from crdkit import admit, apply_defaults, schema_of
 from loraplex_engine.server.flags import add_arguments, serve_settings
 from loraplex_engine.spec.errors import UsageError
 from loraplex_operator.manifests import (
@@ -21,6 +19,9 @@ from loraplex_operator.manifests import (
     SHM_PATH,
     SHM_VOLUME,
 )
+
+from tests.support.builders import pod_of, pod_resources, pool, serve_args
+from tests.support.crdkit import admit, apply_defaults, schema_of
 
 K8S_VERSION = "1.33"
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import psutil
 import pytest
-from harness import ENGINE_NS, Harness
 from loraplex_operator.kube import PODS
+
+from tests.support.harness import ENGINE_NS, Harness
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, get_args
 
 import pytest
-from builders import experiment
-from crdkit import schema_errors, schema_of
 from loraplex_operator import status as st
 from loraplex_operator.api.condition import Condition
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentPhase, ExperimentStatus
@@ -25,6 +23,9 @@ from loraplex_operator.status import (
     phase_reason,
     pool_status,
 )
+
+from tests.support.builders import experiment
+from tests.support.crdkit import schema_errors, schema_of
 
 
 def derive_status(obj: dict[str, Any], obs: Observation, now: datetime) -> ExperimentStatus:
@@ -498,7 +499,8 @@ def test_pool_status_repeats_the_plugin_allowlist_the_engines_report() -> None:
 
 def test_the_pool_observation_takes_the_plugins_of_a_ready_engine() -> None:
     from loraplex_operator.observation import pool_observation
-    from test_reconcile import engine, snap
+
+    from tests.operator.test_reconcile import engine, snap
 
     plugins = {"rewards": ["acme-format"], "environments": ["gsm8k"]}
     views = [engine("e0"), engine("e1")]

@@ -13,13 +13,14 @@ from typing import Any
 import httpx
 import kmock
 import kmock._internal.dsl as kmock_dsl
-import pod_runtime
 import pytest
-from builders import experiment
-from harness import ENGINE_NS, ApiServer, Harness, declare_resources
 from loraplex_operator import manifests
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, Kube, KubeError
 from loraplex_operator.resources import Pool
+
+from tests.support import pod_runtime
+from tests.support.builders import experiment
+from tests.support.harness import ENGINE_NS, ApiServer, Harness, declare_resources
 
 
 @pytest.fixture
@@ -191,7 +192,7 @@ async def test_every_write_gets_a_new_resource_version(kube: Kube) -> None:
 
 
 def test_the_kubelet_restarts_containers_as_the_restart_policy_says() -> None:
-    from kubelet import crash_backoff, restarts_after
+    from tests.support.kubelet import crash_backoff, restarts_after
 
     def pod(policy: str | None) -> dict[str, Any]:
         return {"spec": {"restartPolicy": policy} if policy else {}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from builders import experiment
 from loraplex_engine.spec.client import IDLE_DEFAULT_S
 from loraplex_operator import idle
 from loraplex_operator import status as st
@@ -16,6 +15,7 @@ from loraplex_operator.planning import IDLE, SUSPEND, plan_round
 from loraplex_operator.publish import derive
 
 from tests.operator.test_reconcile import CFG, engine, snap
+from tests.support.builders import experiment
 
 NOW = datetime(2026, 12, 6, 8, 0, tzinfo=UTC)
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import kmock
 import pytest
-from harness import ENGINE_NS, ApiServer, declare_resources
 from loraplex_operator import kube as kube_module
 from loraplex_operator.kube import PODS, Kube, KubeError
+
+from tests.support.harness import ENGINE_NS, ApiServer, declare_resources
 
 
 class ThrottlingApiServer(ApiServer):

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import KUEUE_GATE, KUEUE_QUEUE_LABEL, Harness
 from loraplex_operator.kube import POOLS
+
+from tests.support.harness import KUEUE_GATE, KUEUE_QUEUE_LABEL, Harness
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import OPERATOR_AGENTS, Harness
+
+from tests.support.harness import OPERATOR_AGENTS, Harness
 
 EXEC_PLUGIN = """\
 import json, sys

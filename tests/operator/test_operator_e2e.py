@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness
-from kubelet import PodEngine
 from loraplex_operator.kube import POOLS, SECRETS, KubeError
+
+from tests.support.harness import ENGINE_NS, TOKEN_SECRET, Harness
+from tests.support.kubelet import PodEngine
 
 pytestmark = pytest.mark.slow
 

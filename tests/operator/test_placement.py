@@ -7,7 +7,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from builders import engine, limits, pending, run
 from loraplex_operator.placement import (
     SLOTS_FIRST,
     WAIT_NO_CAPACITY,
@@ -27,6 +26,8 @@ from loraplex_operator.placement import (
     lora_params,
     plan,
 )
+
+from tests.support.builders import engine, limits, pending, run
 
 
 def bindings(decisions: list[Decision]) -> dict[str, str]:

@@ -7,14 +7,15 @@ import re
 from typing import Any
 
 import pytest
-from builders import experiment, pool
-from crdkit import apply_defaults, schema_of
 from loraplex_operator import admission, placement
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.priority import DEFAULT_CLASS, class_of
 from loraplex_operator.planning import PREEMPT, plan_round
 from loraplex_operator.resources import Experiment, Pool
-from test_reconcile import CFG, engine, exp, snap
+
+from tests.operator.test_reconcile import CFG, engine, exp, snap
+from tests.support.builders import experiment, pool
+from tests.support.crdkit import apply_defaults, schema_of
 
 
 def _problems(exp_obj: dict[str, Any], pool_obj: dict[str, Any]) -> list[str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from builders import experiment, pool
-from builders import run as run_of
 from loraplex_operator import placement
 from loraplex_operator import status as st
 from loraplex_operator.config import Config
@@ -28,6 +26,9 @@ from loraplex_operator.planning import (
 )
 from loraplex_operator.publish import derive, status_changes
 from loraplex_operator.resources import Experiment, Pool
+
+from tests.support.builders import experiment, pool
+from tests.support.builders import run as run_of
 
 NOW = 1_800_000_000.0
 CFG = Config(scale_down_delay=30.0, max_restarts=2)

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from builders import experiment, pool
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
 from loraplex_operator.observation import EngineView, Snapshot
@@ -18,6 +17,8 @@ from loraplex_operator.publish import StatusPublisher
 from loraplex_operator.reconcile import PUT_ATTEMPTS, PoolReconciler, PutBackoff
 from loraplex_operator.resources import Experiment, Pool, parse_time
 from loraplex_operator.status import Binding
+
+from tests.support.builders import experiment, pool
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 

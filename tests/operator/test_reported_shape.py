@@ -4,14 +4,15 @@ memory checks wait (nothing binds before an engine answers anyway)."""
 
 from __future__ import annotations
 
-from builders import experiment, pool
 from loraplex_operator import admission
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.observation import EngineView, reported_shape, with_reported_shape
 from loraplex_operator.placement import ModelShape
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import ExperimentSpec
-from test_reconcile import CFG, engine, snap
+
+from tests.operator.test_reconcile import CFG, engine, snap
+from tests.support.builders import experiment, pool
 
 # What an engine serving Qwen3-4B reports (docs/engine-api.md, Capacity).
 QWEN3_4B = {"numLayers": 36, "hiddenSize": 2560, "intermediateSize": 9728, "kvDim": 1024}

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import experiment, pool
-from crdkit import apply_defaults, schema_of
 from loraplex_operator.resources import Algorithm, Experiment, ExperimentSpec, Lora, Pool
+
+from tests.support.builders import experiment, pool
+from tests.support.crdkit import apply_defaults, schema_of
 
 # (CRD kind, path under .spec, the view's default for it)
 VIEW_DEFAULTS: list[tuple[str, str, Any]] = [

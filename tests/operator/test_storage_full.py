@@ -8,10 +8,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from crdkit import schema_errors, schema_of
 from loraplex_operator import status as st
 from loraplex_operator.observation import EngineView, pool_observation
-from test_reconcile import NOW, engine, snap
+
+from tests.operator.test_reconcile import NOW, engine, snap
+from tests.support.crdkit import schema_errors, schema_of
 
 NOW_DT = datetime.fromtimestamp(NOW, UTC)
 FULL = "the checkpoint volume /ckpt is full (No space left on device)"

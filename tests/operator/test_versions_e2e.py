@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import ENGINE_NS, TOKEN_SECRET, Harness
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.harness import ENGINE_NS, TOKEN_SECRET, Harness
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,6 @@ and what each alias move is."""
 
 from __future__ import annotations
 
-from builders import experiment
-from crdkit import apply_defaults, schema_of
 from loraplex_engine.spec.experiment import parse_spec
 from loraplex_engine.spec.publish import TOKEN_PATTERN as ENGINE_TOKEN_PATTERN
 from loraplex_operator.api.status import (
@@ -23,6 +21,9 @@ from loraplex_operator.versions import (
     stable_number,
     status_fields,
 )
+
+from tests.support.builders import experiment
+from tests.support.crdkit import apply_defaults, schema_of
 
 PUBLISH = {
     "everySteps": 3,

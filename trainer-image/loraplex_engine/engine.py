@@ -18,12 +18,12 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraplex_engine.base_model import default_lora_targets, model_shape_of
+from loraplex_engine.base_model import model_shape_of
 from loraplex_engine.clients.experiments import ClientExperimentAPI, ClientExperiments
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.completion_jobs import CompletionJob, resolve
 from loraplex_engine.environments.observations import check_chat_templates
-from loraplex_engine.experiment import Experiment, adapter_field, lora_config, new_experiment
+from loraplex_engine.experiment import Experiment, new_experiment
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, dtype_name, enable_tf32, resolve_dtype
@@ -31,6 +31,8 @@ from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.parallel.data_parallel import data_parallel_trainer, share_rollouts
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.sharding import shard_engine_base
+from loraplex_engine.plan.experiment import ExperimentPlan, compile_plan
+from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.plugins.discovery import installed
 from loraplex_engine.rollout.backends import TorchRollout
 from loraplex_engine.rollout.select import RolloutParts, build_rollout
@@ -46,10 +48,8 @@ from loraplex_engine.spec.api_types import (
     TickReport,
 )
 from loraplex_engine.spec.errors import (
-    AdapterError,
     ConflictError,
     InvalidRequestError,
-    InvalidSpecError,
     NoCapacityError,
     NoFreeSlotError,
     NotFoundError,
@@ -68,7 +68,7 @@ from loraplex_engine.tick.fair_share import RewardScorer
 from loraplex_engine.tick.pipelined import tick_class
 from loraplex_engine.tick.time_share import TimeShare, take_in_turn
 from loraplex_engine.tokens import TokenCodec
-from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
+from loraplex_engine.train.optim import PerAdapterAdamW
 from loraplex_engine.train.shared_prefix import shared_forward_of
 from loraplex_engine.train.strategy import AdapterTrainer, FusedTraining, TrainingStrategy
 from loraplex_engine.versions.publisher import Publisher
@@ -135,7 +135,6 @@ class Engine(ClientExperimentAPI, Versions):
         )
         self.lockstep = shard_engine_base(self.model, world, self.device) if s.shard_base else None
         share_prompt_prefix = share_prompt_prefix and self.lockstep is None
-        self.default_targets = default_lora_targets(self.model.target_modules)
         self.optimizer = PerAdapterAdamW(self.model)
         root, quota = Path(s.checkpoint_root), s.checkpoint_quota_bytes
         quota = CheckpointQuota(quota) if quota is not None else None
@@ -225,6 +224,9 @@ class Engine(ClientExperimentAPI, Versions):
         # Longest row the base model takes (prompt + completion); None: not stated.
         self.context_tokens: int | None = getattr(base.config, "max_position_embeddings", None)
         self.limits = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, self.context_tokens)
+        # What a spec is compiled against (plan/): every engine-side check of it.
+        modules = frozenset(self.model.target_modules)
+        self.plan_limits = EngineLimits(s.max_rank, modules, self.limits)
         self._tick = tick_class(s.schedule, world)(  # sync, or tick/pipelined.py
             self.model,
             self.codec,
@@ -461,29 +463,26 @@ class Engine(ClientExperimentAPI, Versions):
         """Check the spec against the model, then build the experiment (its task reads
         the dataset); nothing is loaded yet. Needs no lock: it reads only what is fixed,
         and the free-slot check is done again when the adapter is added."""
-        config = lora_config(spec, self.default_targets)
-        check_chat_templates(spec.task, self.codec, self.model_name)  # prompts, observations
-        try:
-            self.model.check_config(config)
-        except AdapterError as e:
-            raise InvalidSpecError(str(e), field=adapter_field(e)) from e
-        self.limits.check_step(spec)
+        plan = compile_plan(spec, self.plan_limits)  # rank, targets, params, step cost
+        assert plan.task is not None  # a client experiment is clients/experiments.py's
+        check_chat_templates(plan.task, self.codec, self.model_name)  # prompts, observations
         if not self.model.has_room():  # a cached version gives its slot back when asked
             raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
         timeout = self.settings.plugin_timeout
-        return new_experiment(exp_id, spec, namespace, name, run_id, self.trust, timeout)
+        return new_experiment(exp_id, plan, namespace, name, run_id, self.trust, timeout)
 
     def _load(self, exp: Experiment, resume_from: str | None, run_id: str | None) -> None:
         """Its adapter, fresh or resumed, into a slot (under the model lock); a failure
         changes nothing."""
-        config = lora_config(exp.spec, self.default_targets)
+        plan: ExperimentPlan = exp.plan
+        config = plan.lora
         alone = not self._experiments
         try:
             if resume_from:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
             elif run_id is None or not self.store.resume_run(exp, config, alone):
-                self.model.add_adapter(exp.id, config, seed=exp.spec.algorithm.seed)
-                self.optimizer.add_adapter(exp.id, adamw_settings(exp.spec.algorithm))
+                self.model.add_adapter(exp.id, config, seed=plan.seed)
+                self.optimizer.add_adapter(exp.id, plan.optimizer)
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
 

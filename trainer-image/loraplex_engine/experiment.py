@@ -1,5 +1,5 @@
-"""One loaded experiment: its spec, task, RNGs and progress, and how a spec is turned
-into one (checked against the engine's model before anything is loaded)."""
+"""One loaded experiment: its plan (its spec compiled against the engine, plan/), task,
+RNGs and progress, and how a plan is turned into one."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from loraplex_engine.data.sources import resolve_dataset
 from loraplex_engine.environments.attach import check_plugins, plug_in, uses_plugins
 from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
-from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.plan.experiment import ExperimentPlan
 from loraplex_engine.spec.api_types import (
     CALL_TIMEOUT_S,
     DETERMINISTIC_FAILURES,
@@ -24,14 +24,7 @@ from loraplex_engine.spec.api_types import (
     VersionSummary,
 )
 from loraplex_engine.spec.data_options import DatasetOptions
-from loraplex_engine.spec.errors import (
-    AdapterError,
-    ConflictError,
-    InvalidSpecError,
-    RankTooLargeError,
-    TaskError,
-    UnknownTargetModuleError,
-)
+from loraplex_engine.spec.errors import ConflictError, InvalidSpecError, TaskError
 from loraplex_engine.spec.eval_scores import EvalResult, eval_due
 from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
@@ -69,10 +62,10 @@ class Experiment:
     id: str
     namespace: str
     name: str
-    spec: ExperimentSpec
+    plan: ExperimentPlan  # its spec compiled against this engine (plan/experiment.py)
     task: Task
     algorithm: Algorithm
-    prompt_rng: random.Random  # which prompts; seeded from spec.algorithm.seed
+    prompt_rng: random.Random  # which prompts; seeded from plan.seed
     sample_gen: torch.Generator  # which tokens; seeded likewise
     phase: ExperimentPhase = "Running"
     step: int = 0
@@ -108,8 +101,13 @@ class Experiment:
     eval_tokens: int = 0
 
     @property
+    def spec(self) -> ExperimentSpec:
+        """The spec as given (stored with checkpoints, compared on a repeated PUT)."""
+        return self.plan.spec
+
+    @property
     def max_steps(self) -> int:
-        return self.spec.algorithm.max_steps
+        return self.plan.max_steps
 
     @property
     def finished_steps(self) -> bool:
@@ -164,7 +162,7 @@ class Experiment:
             aliases={a: f"v{n}" for a, n in sorted(self.published.aliases.items())},
             publish_error=self.published.error,
             publish_request_token=self.published.token,
-            publish=None if self.spec.publish is None else self.spec.publish.to_json(),
+            publish=None if self.plan.publish is None else self.plan.publish.to_json(),
             **eval_status(self.last_eval, self.eval_tokens),
         )
 
@@ -182,53 +180,37 @@ def eval_status(result: EvalResult | None, tokens: int) -> dict[str, Any]:
     }
 
 
-def lora_config(spec: ExperimentSpec, default_targets: tuple[str, ...] | None) -> LoRAConfig:
-    """The adapter ``spec`` asks for; no targetModules = ``default_targets``, the base
-    model family's (base_model.default_lora_targets), an InvalidSpecError if it has none."""
-    targets = spec.lora.target_modules or default_targets
-    if not targets:
-        raise InvalidSpecError(
-            "the base model has neither q_proj+v_proj nor qkv_proj to target by default;"
-            " name the target modules",
-            field="spec.lora.targetModules",
-        )
-    return LoRAConfig(
-        rank=spec.lora.rank,
-        alpha=spec.lora.alpha,
-        dropout=spec.lora.dropout,
-        target_modules=tuple(targets),
-    )
-
-
 def new_experiment(
     exp_id: str,
-    spec: ExperimentSpec,
+    plan: ExperimentPlan,
     namespace: str,
     name: str,
     run_id: str | None,
     trust: TrustPolicy,
     plugin_timeout: float = CALL_TIMEOUT_S,
 ) -> Experiment:
-    """The experiment ``spec`` describes, at step 0 (its adapter is not loaded yet); an
+    """The experiment ``plan`` describes, at step 0 (its adapter is not loaded yet); an
     unknown task, reward or algorithm, or a dataset or reward URL ``trust`` does not
     allow, is an InvalidSpecError naming the field."""
+    spec, task_spec = plan.spec, plan.task
+    assert task_spec is not None  # a client experiment is clients/experiments.py's
     try:
         source = None
-        if spec.task.name in DATA_TASKS and spec.task.dataset:
-            options = spec.task.dataset_options
-            if spec.task.name == "jsonl":  # the older task: JSONL, keys prompt and answer
+        if task_spec.name in DATA_TASKS and task_spec.dataset:
+            options = task_spec.dataset_options
+            if task_spec.name == "jsonl":  # the older task: JSONL, keys prompt and answer
                 options = DatasetOptions(format="jsonl")
-            source = resolve_dataset(trust, spec.task.dataset, options, namespace)
-        reward, env = spec.task.reward or "default", spec.task.environment
+            source = resolve_dataset(trust, task_spec.dataset, options, namespace)
+        reward, env = task_spec.reward or "default", task_spec.environment
         plugged = uses_plugins(reward, env)
         if plugged:
             check_plugins(reward, env, namespace, trust.plugins)
         task = build_task(
-            spec.task.name,
-            spec.task.params,
+            task_spec.name,
+            task_spec.params,
             None,
             "default" if plugged else reward,
-            spec.task.reward_url,
+            task_spec.reward_url,
             reward_egress=trust.egress,
             source=source,
         )
@@ -238,7 +220,7 @@ def new_experiment(
             except BaseException:
                 task.close()  # its dataset's descriptors
                 raise
-        algorithm = build_algorithm(spec.algorithm, spec.rollout.max_new_tokens)
+        algorithm = build_algorithm(plan.algorithm, plan.rollout.max_new_tokens)
         try:
             eval_set = build_eval_set(spec, task, trust, namespace)
         except BaseException:
@@ -248,12 +230,12 @@ def new_experiment(
         raise InvalidSpecError(e.message, field=e.field) from e
     except KeyError as e:
         raise InvalidSpecError(str(e), field="spec.algorithm.name") from e
-    seed = spec.algorithm.seed
+    seed = plan.seed
     exp = Experiment(
         id=exp_id,
         namespace=namespace,
         name=name,
-        spec=spec,
+        plan=plan,
         task=task,
         algorithm=algorithm,
         prompt_rng=random.Random(seed),
@@ -263,15 +245,6 @@ def new_experiment(
     if run_id is not None:
         exp.run_id = run_id
     return exp
-
-
-def adapter_field(error: AdapterError) -> str:
-    """The spec field an adapter config error is about."""
-    if isinstance(error, RankTooLargeError):
-        return "spec.lora.rank"
-    if isinstance(error, UnknownTargetModuleError):
-        return "spec.lora.targetModules"
-    return "spec.lora"
 
 
 def adapter_spec(spec: ExperimentSpec) -> dict[str, Any]:

@@ -248,6 +248,8 @@ class EngineMetrics:
             self.adapter_sync_seconds.labels(transport=transport)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
+        for kind in ("train", "serve"):  # ticks of both kinds from the first scrape
+            self.ticks.labels(kind=kind)
 
         self._per_experiment = (
             self.steps,

@@ -32,7 +32,7 @@ PROTOBUF = "application/x-protobuf"
 
 # The engine's client config (loraplex_engine/server/tinker/routes.py CLIENT_CONFIG) but for
 # compression: the gateway reads forward_backward's model id from the protobuf, so the
-# SDK sends it uncompressed (tests/operator/test_gateway_pure.py keeps the two in step).
+# SDK sends it uncompressed (tests/operator/gateway/test_gateway_pure.py keeps the two in step).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",

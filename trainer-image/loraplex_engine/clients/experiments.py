@@ -29,11 +29,12 @@ from typing import Any
 
 from loraplex_engine.clients import saved
 from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.plan.experiment import ExperimentPlan, compile_plan
 from loraplex_engine.spec.api_types import CheckpointRef, ExperimentStatus
 from loraplex_engine.spec.errors import ConflictError, NotFoundError
 from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.spec.service import PromptJob
-from loraplex_engine.spec.training_service import Adoption, ClientLora
+from loraplex_engine.spec.training_service import Adoption
 from loraplex_engine.tenancy.admissions import KeyedLocks
 
 STEP = re.compile(r"^step-([0-9]{8,})$")
@@ -52,7 +53,7 @@ class ClientExperiment:
     id: str
     namespace: str
     name: str
-    spec: ExperimentSpec
+    plan: ExperimentPlan  # its spec compiled against the engine (plan/experiment.py)
     started_at: str
     checkpoint: CheckpointRef | None = None
     phase: str = "Running"
@@ -60,9 +61,13 @@ class ClientExperiment:
     restored_steps: int = 0  # the optimiser steps of the checkpoint it started from
 
     @property
+    def spec(self) -> ExperimentSpec:
+        return self.plan.spec
+
+    @property
     def model_id(self) -> str:
-        assert self.spec.client is not None
-        return self.spec.client.model_id
+        assert self.plan.client is not None
+        return self.plan.client.model_id
 
 
 class ClientExperiments:
@@ -98,25 +103,19 @@ class ClientExperiments:
     def put(
         self, exp_id: str, spec: ExperimentSpec, namespace: str, name: str
     ) -> tuple[ExperimentStatus, bool]:
-        client = spec.client
-        assert client is not None
+        plan = compile_plan(spec, self.clients.host.plan_limits)  # rank, modules: plan/
+        client, lora = plan.client, plan.client_lora
+        assert client is not None and lora is not None
         with self._lock:
             existing = self._exps.get(exp_id)
         if existing is not None:
-            if existing.spec.client != client or existing.spec.lora.rank != spec.lora.rank:
+            if existing.plan.client != client or existing.plan.client_lora != lora:
                 raise ConflictError(f"experiment {exp_id!r} is loaded with another spec.client")
             return self.status(exp_id), False
         if self.by_model(namespace, client.model_id) is not None:
             raise ConflictError(f"model {client.model_id!r} belongs to another experiment")
-        lora = ClientLora(
-            rank=spec.lora.rank,
-            seed=client.seed,
-            train_attn=client.train_attn,
-            train_mlp=client.train_mlp,
-            train_unembed=client.train_unembed,
-        )
         newest = self.newest(namespace, client.model_id)
-        exp = ClientExperiment(exp_id, namespace, name, spec, _now())
+        exp = ClientExperiment(exp_id, namespace, name, plan, _now())
         if newest is None:
             self.clients.create_model(namespace, client.model_id, lora)
             steps = 0
@@ -127,7 +126,7 @@ class ClientExperiments:
         model = self.clients.loaded(namespace, client.model_id)
         assert model is not None
         model.steps = exp.restored_steps = steps
-        model.checkpoints = (spec.checkpoint.every_steps, spec.checkpoint.keep)
+        model.checkpoints = (plan.checkpoint.every_steps, plan.checkpoint.keep)
         model.on_checkpoint = lambda ref, e=exp: setattr(e, "checkpoint", ref)
         with self._lock:
             self._exps[exp_id] = exp
@@ -225,7 +224,7 @@ class ClientExperiments:
         model = self.clients.loaded(namespace, model_id) if exp is not None else None
         if exp is None or model is None:
             return None
-        every, journal = exp.spec.checkpoint.every_steps, self.journal_dir(namespace, model_id)
+        every, journal = exp.plan.checkpoint.every_steps, self.journal_dir(namespace, model_id)
         return Adoption(model.info.lora.rank, exp.restored_steps, every, str(journal))
 
 

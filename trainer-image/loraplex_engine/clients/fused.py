@@ -7,7 +7,7 @@ its ``optim_step``, while the engine's own experiments zero and step the shared 
 after the pass each model's slot of every stacked gradient is added to its own
 accumulator (:class:`SlotGrads`) and ``.grad`` is cleared; an ``optim_step`` puts that
 model's accumulator back into ``.grad`` and steps its slot alone. Neither side can
-then clear or step the other's gradient (tests/engine/test_client_training.py).
+then clear or step the other's gradient (tests/engine/clients/test_client_training.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ a model, path or sampler of another namespace finds nothing (``NotFoundError``).
 
 ``host`` is the Engine; this reads its parts: ``model``, ``optimizer``, ``store``
 (``root``, ``quota``), ``codec``, ``strategy``, ``backend``, ``device``, ``model_name``,
-``model_dir``, ``context_tokens``, ``max_step_tokens``, ``ranks``, ``lockstep``, its
-model lock (``_model_lock``) and its wake-up (``_wake``).
+``model_dir``, ``plan_limits`` (plan/limits.py), ``context_tokens``, ``max_step_tokens``,
+``ranks``, ``lockstep``, its model lock (``_model_lock``) and its wake-up (``_wake``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
-from loraplex_engine.lora.layers import LoRAConfig
+from loraplex_engine.plan.client import client_lora_config
 from loraplex_engine.spec.api_types import CheckpointRef
 from loraplex_engine.spec.errors import (
     AdapterError,
@@ -57,11 +57,6 @@ from loraplex_engine.tenancy.client_share import ClientShare, Lanes
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.versions import names
 
-# Tinker's LoRA scale is alpha / rank with a fixed alpha (the client chooses the rank).
-LORA_ALPHA = 32.0
-ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value"})
-MLP = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2"})
-UNEMBED = frozenset({"lm_head"})
 # Tinker's AdamParams defaults until the first optim_step configures the model's own.
 DEFAULT_ADAM = AdamWSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
 UNBOUNDED = 1 << 62  # a registry without an engine (unit tests): no ceiling
@@ -131,29 +126,6 @@ class ClientModels:
 
     # ---- creating ---------------------------------------------------------------------
 
-    def lora_config(self, lora: ClientLora) -> tuple[LoRAConfig, ClientLora]:
-        """The adapter ``lora`` asks for on this model, and ``lora`` as granted
-        (``train_unembed`` off where the head is tied to the embeddings: not adaptable)."""
-        h = self.host
-        if not 1 <= lora.rank <= h.model.max_rank:
-            raise InvalidRequestError(
-                f"rank {lora.rank} must be between 1 and the engine's max rank {h.model.max_rank}",
-                field="lora_config.rank",
-            )
-        known = h.model.target_modules
-        unembed = bool(known & UNEMBED) and lora.train_unembed
-        targets = (known & ATTENTION if lora.train_attn else set()) | (
-            known & MLP if lora.train_mlp else set()
-        )
-        targets |= known & UNEMBED if unembed else set()
-        if not targets:
-            raise InvalidRequestError(
-                "no module to train: turn on train_attn, train_mlp or train_unembed",
-                field="lora_config",
-            )
-        granted = ClientLora(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, unembed)
-        return LoRAConfig(lora.rank, LORA_ALPHA, 0.0, tuple(sorted(targets))), granted
-
     def create_model(self, namespace: str, model_id: str, lora: ClientLora) -> ClientModelInfo:
         h = self.host
         if not saved.valid_name(model_id):
@@ -164,7 +136,7 @@ class ClientModels:
             raise UnavailableError(
                 "client-driven training needs a one-rank engine with the torch rollout"
             )
-        config, granted = self.lora_config(lora)
+        config, granted = client_lora_config(lora, h.plan_limits)  # plan/client.py
         with h._model_lock:
             with self._lock:
                 if (namespace, model_id) in self._models:

@@ -13,7 +13,10 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from loraplex_engine.spec.errors import ManifestError, SpecError, TaskError, UsageError
+from loraplex_engine.plan.experiment import check_task as plan_check_task
+from loraplex_engine.plan.experiment import plan_problems
+from loraplex_engine.plan.limits import EngineLimits
+from loraplex_engine.spec.errors import InvalidSpecError, ManifestError, SpecError, UsageError
 from loraplex_engine.spec.experiment import ExperimentSpec, all_spec_errors, parse_spec
 
 API_VERSION = "loraplex.dev/v1alpha1"
@@ -21,6 +24,7 @@ KIND = "LoRAExperiment"
 # Kubernetes object names (DNS-1123 label); namespaces hold no dot, so
 # "<namespace>.<name>" is a valid, unambiguous experiment id.
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_RANK = 256  # the schema's own bound on spec.lora.rank: no engine flag given
 
 
 class Manifest(NamedTuple):
@@ -69,27 +73,18 @@ def _check_doc(
     if spec.client is not None:
         why = "the local runner trains task experiments; a client's model trains on a cluster"
         return [*problems, SpecError("spec.client", why + " (through the gateway)")]
-    for check in (
-        lambda: check_task(spec),
-        lambda: _check_for_engine(spec, max_rank, known_modules),
-    ):
-        try:
-            check()
-        except SpecError as exc:
-            problems.append(exc)
+    problems += engine_problems(spec, max_rank, known_modules)
     return problems or Manifest(name, namespace, spec)
 
 
-def _check_for_engine(
+def engine_problems(
     spec: ExperimentSpec, max_rank: int | None, known_modules: Iterable[str] | None
-) -> None:
-    """The engine's limits; the target modules only where the model's are known."""
-    if known_modules is not None:
-        validate_for_engine(spec, max_rank if max_rank is not None else 256, known_modules)
-    elif max_rank is not None and spec.lora.rank > max_rank:
-        raise SpecError(
-            "spec.lora.rank", f"rank {spec.lora.rank} exceeds the engine's max rank {max_rank}"
-        )
+) -> list[SpecError]:
+    """What the engine's plan (plan/experiment.py) would refuse, before the model loads:
+    its rank, its task's params, and its target modules where the model's are known."""
+    known = frozenset(known_modules) if known_modules is not None else None
+    limits = EngineLimits(max_rank if max_rank is not None else MAX_RANK, known)
+    return [SpecError(e.field or "spec", e.message) for e in plan_problems(spec, limits)]
 
 
 def parse_manifests(
@@ -153,37 +148,14 @@ def load_manifests(
 
 def validate_for_engine(spec: ExperimentSpec, max_rank: int, known_modules: Iterable[str]) -> None:
     """Checks that depend on the engine (pool limits, base model); raise ``SpecError``."""
-    if spec.lora.rank > max_rank:
-        raise SpecError(
-            "spec.lora.rank", f"rank {spec.lora.rank} exceeds the engine's max rank {max_rank}"
-        )
-    known = set(known_modules)
-    if spec.lora.target_modules is None:
-        from loraplex_engine.base_model import default_lora_targets
-
-        if default_lora_targets(known) is None:
-            raise SpecError(
-                "spec.lora.targetModules",
-                "unset, and this engine's modules have neither q_proj+v_proj nor "
-                f"qkv_proj for a default; name them (supported: {sorted(known)})",
-            )
-    unknown = [m for m in spec.lora.target_modules or () if m not in known]
-    if unknown:
-        raise SpecError(
-            "spec.lora.targetModules",
-            f"unknown module(s) {unknown}; this engine supports {sorted(known)}",
-        )
-    check_task(spec)
+    problems = engine_problems(spec, max_rank, known_modules)
+    if problems:
+        raise problems[0]
 
 
 def check_task(spec: ExperimentSpec) -> None:
     """Task parameters (free-form in the schema) against the task's known ones."""
-    if spec.task is None:  # a client experiment (spec/client.py)
-        return
-    # Imported here: tasks pull in httpx; reading a manifest should not need it.
-    from loraplex_engine.tasks import check_task as check_params
-
     try:
-        check_params(spec.task.name, spec.task.params)
-    except TaskError as exc:
-        raise SpecError(exc.field, exc.message) from None
+        plan_check_task(spec)
+    except InvalidSpecError as exc:
+        raise SpecError(exc.field or "spec.task", exc.message) from None

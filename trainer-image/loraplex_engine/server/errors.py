@@ -36,7 +36,7 @@ from loraplex_engine.spec.errors import (
 log = logging.getLogger("loraplex_engine.server.app")
 
 # A class not listed answers its nearest listed base's status;
-# tests/engine/test_errors.py requires every ApiError subclass to be listed.
+# tests/engine/spec/test_errors.py requires every ApiError subclass to be listed.
 HTTP_STATUS: dict[type[ApiError], int] = {
     ApiError: 400,
     UnauthorizedError: 401,

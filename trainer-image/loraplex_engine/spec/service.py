@@ -5,7 +5,7 @@ This is the boundary between HTTP and engine. The server (server/app.py, server/
 server/middleware.py, server/openai/) imports this module, the wire types
 (spec/api_types.py, spec/experiment.py) and the errors, never torch or the engine's internals:
 a ``PromptJob`` goes in and ``ServedRow``s come out, and the Engine turns them into its own
-queued jobs and back (completion_jobs.py). tests/engine/test_http_boundary.py holds the line.
+queued jobs and back (completion_jobs.py). tests/engine/server/test_http_boundary.py holds the line.
 """
 
 from __future__ import annotations

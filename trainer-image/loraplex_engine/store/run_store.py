@@ -48,7 +48,7 @@ from loraplex_engine.spec.errors import BadCheckpointError, CheckpointError, Sto
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota, tree_bytes
 from loraplex_engine.tenancy.trust import checkpoint_inside
-from loraplex_engine.train.optim import PerAdapterAdamW, adamw_settings
+from loraplex_engine.train.optim import PerAdapterAdamW
 
 # Metadata key of the run id: made when an experiment starts fresh, carried over on resume.
 RUN_ID = "runId"
@@ -143,7 +143,7 @@ class RunStore:
         self.remove_leftovers(run_dir)  # the experiment is bound here: the run is ours
         target = run_dir / f"step-{exp.step:08d}"
         kept = [d for d in step_dirs(run_dir) if d != target]
-        pruned = kept[: max(0, len(kept) - (exp.spec.checkpoint.keep - 1))]
+        pruned = kept[: max(0, len(kept) - (exp.plan.checkpoint.keep - 1))]
         if self.quota is not None:
             writing = tree_bytes(kept[-1]) if kept else self._estimated_bytes(exp.id)
             self.quota.check(self.root, exp.namespace, writing, pruned)
@@ -160,7 +160,7 @@ class RunStore:
             raise
         exp.checkpoint = CheckpointRef(path=str(target), step=exp.step)
         exp.adapter_path = str(target)
-        for old in step_dirs(run_dir)[: -exp.spec.checkpoint.keep]:
+        for old in step_dirs(run_dir)[: -exp.plan.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return exp.checkpoint
 
@@ -286,7 +286,7 @@ class RunStore:
             ckpt.load_trainer_state(path, self.optimizer, exp.id, exp.sample_gen, global_rng=alone)
             # Settings (lr, schedule, clipping) from the spec; the step count, and with it
             # the schedule's position, from the checkpoint.
-            self.optimizer.configure(exp.id, adamw_settings(exp.spec.algorithm))
+            self.optimizer.configure(exp.id, exp.plan.optimizer)
         except BaseException:
             self._unload(exp.id)  # all or nothing: no half-loaded adapter keeps its slot
             raise

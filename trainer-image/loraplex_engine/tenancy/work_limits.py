@@ -32,10 +32,10 @@ class WorkLimits:
     max_step_tokens: int
     context_tokens: int | None
 
-    def check_step(self, spec: ExperimentSpec) -> None:
+    def check_step(self, spec: ExperimentSpec) -> int:
         """A step's cost, prompts included, is bounded before it is admitted: every row's
         prompt is at most max_prompt_tokens and every row at most the context (the tick
-        refuses longer ones)."""
+        refuses longer ones). Returns that bound, its eval's rows included."""
         alg, new_tokens = spec.algorithm, spec.rollout.max_new_tokens
         if self.context_tokens is not None and new_tokens >= self.context_tokens:
             raise InvalidSpecError(
@@ -71,6 +71,7 @@ class WorkLimits:
                 "lower one of them",
                 field="spec.eval.prompts",
             )
+        return (rows + eval_rows) * row
 
     def check_completion(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
         """A completion rides in a tick's rollout batch: the same limits as a step."""

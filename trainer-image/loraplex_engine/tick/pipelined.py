@@ -66,7 +66,7 @@ def tick_class(schedule: str, world: World | None = None) -> type[Tick]:
 
 
 def max_staleness(exp: Experiment) -> int:
-    return exp.spec.algorithm.max_staleness
+    return exp.plan.algorithm.max_staleness
 
 
 def may_roll_out(exp: Experiment, pending: int) -> bool:

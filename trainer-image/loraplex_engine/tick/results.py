@@ -164,7 +164,7 @@ def failed(f: Failure) -> ExperimentTick:
         failed_reason=f.kind,
         name=exp.name,
         run_id=exp.run_id,
-        tracking=exp.spec.tracking,
+        tracking=exp.plan.tracking,
     )
 
 
@@ -187,7 +187,7 @@ def eval_only_tick(t: Trained) -> ExperimentTick:
         0,
         name=exp.name,
         run_id=exp.run_id,
-        tracking=exp.spec.tracking,
+        tracking=exp.plan.tracking,
         finished=True,
         eval=t.scored.eval,
         eval_only=True,

@@ -213,7 +213,7 @@ class Tick:
     def _plan(self, exp: Experiment) -> Rollout:
         """The experiment's step (none once its steps are done) and the rows of its eval
         when one is due; both count in its step cost (tick/fair_share.py)."""
-        alg, roll = exp.spec.algorithm, exp.spec.rollout
+        alg, roll = exp.plan.algorithm, exp.plan.rollout
         slot = self.model.slot_of(exp.id)
         prompts = (
             []
@@ -223,7 +223,7 @@ class Tick:
         limits = (self.max_prompt_tokens, self.context_tokens, roll.max_new_tokens)
 
         def encode(p: Prompt) -> list[int]:
-            chat = exp.spec.task.chat_template
+            chat = exp.plan.task.chat_template
             return prompt_ids(self.codec, p.text, p.position, chat, *limits)
 
         def request(ids: list[int], new_tokens: int = roll.max_new_tokens) -> RolloutRequest:
@@ -246,7 +246,7 @@ class Tick:
         else:  # its first turns' requests once the environment has started its episodes
             env, bounds = exp.task.environment, limits[:2]
             episodes, exp.step_cost = plan_group(
-                exp.spec.task, env, prompts, alg.group_size, encode, request, self.codec, bounds
+                exp.plan.task, env, prompts, alg.group_size, encode, request, self.codec, bounds
             )
             requests = []
         evals = None
@@ -389,7 +389,7 @@ class Tick:
             for req, comp in zip(r.requests, r.completions, strict=True)
         ]
         slot = self.model.slot_of(exp.id)
-        group_size = exp.spec.algorithm.group_size
+        group_size = exp.plan.algorithm.group_size
         return experiment_rows(exp.id, slot, exp.algorithm, group_size, samples, s.rewards)
 
     # ---- sync ---------------------------------------------------------------------------
@@ -436,7 +436,7 @@ class Tick:
         exp.skipped_updates += t.skipped
         exp.updated_at = now()
         finished = exp.finished_steps
-        due = exp.step % exp.spec.checkpoint.every_steps == 0
+        due = exp.step % exp.plan.checkpoint.every_steps == 0
         tick = ExperimentTick(
             exp.id,
             exp.namespace,
@@ -453,7 +453,7 @@ class Tick:
             clip_fraction=t.outcome.clip_fraction,
             name=exp.name,
             run_id=exp.run_id,
-            tracking=exp.spec.tracking,
+            tracking=exp.plan.tracking,
             finished=_done(exp),
             eval=t.scored.eval,
             **rollout_stats(rewards, r.completions),

@@ -38,7 +38,7 @@ SharedForward = Callable[
 ]
 
 # Model families whose cached training forward has been checked exact against the
-# unshared one (tests/engine/test_prefix_share.py, test_model_families.py). Others train
+# unshared one (tests/engine/train/test_prefix_share.py, test_model_families.py). Others train
 # unshared. Gemma 2 and 3 are not here for the reasons prefix_sharing_unsupported gives.
 PREFIX_SHARING_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
 

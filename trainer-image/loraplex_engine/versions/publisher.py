@@ -89,14 +89,14 @@ class Publisher:
         version is published when one is due. With spec.eval and an eval due at this
         step, the version waits for that eval's scores (:meth:`after_eval`); if the
         adapter moved on before they came, it is published now with the latest before."""
-        if exp.spec.publish is None:
+        if exp.plan.publish is None:
             return
         st = exp.published
         st.window.append(reward)
         if st.awaiting_eval is not None and st.awaiting_eval < exp.step:
             st.awaiting_eval = None
             self.publish(exp)
-        if due(exp.step, exp.spec.publish):
+        if due(exp.step, exp.plan.publish):
             if exp.eval_due():
                 st.awaiting_eval = exp.step
             else:
@@ -108,7 +108,7 @@ class Publisher:
         stale pipelined step, one step on): its scores join the next version's; the
         version due at its step is published, and so is one whose score beats every
         published version's (publish.onEvalImprovement; never the untrained adapter)."""
-        st, spec = exp.published, exp.spec.publish
+        st, spec = exp.published, exp.plan.publish
         st.last_eval = result
         if spec is None:
             return
@@ -126,7 +126,7 @@ class Publisher:
         """Publish ``exp``'s adapter now; None (the reason in its status) when refused.
         ``by_hand``: the error is raised too, for the caller to answer with; ``token``:
         the publish.requestToken it answers."""
-        spec = exp.spec.publish or PublishSpec()
+        spec = exp.plan.publish or PublishSpec()
         scores = scores_of(exp.published.window, exp.published.last_eval, exp.step)
         last_eval = exp.published.last_eval
         eval_step = last_eval.step if last_eval and last_eval.step <= exp.step else None
@@ -195,7 +195,7 @@ class Publisher:
         publish block (kubectl patch of the aliases, a pin, the policy) is applied in
         place, the experiment training on; any other change is a ConflictError."""
         if check_same(exp, spec, run_id):
-            exp.spec = spec
+            exp.plan = exp.plan.republished(spec.publish)
             self._apply(exp)
             self._requested(exp)
 
@@ -203,7 +203,7 @@ class Publisher:
         """Publish the version a new publish.requestToken asks for (once per token: it is
         recorded with the version, so neither an edit nor a resume publishes it again). A
         refused one is retried after each step."""
-        token = token_due(exp.spec.publish, exp.published.token)
+        token = token_due(exp.plan.publish, exp.published.token)
         if token is not None:
             self.publish(exp, token=token)
 
@@ -215,7 +215,7 @@ class Publisher:
             log.warning("experiment %s: requestToken file not written: %s", exp.id, e)
 
     def _apply(self, exp: Experiment, promoted: int | None = None) -> None:
-        hand = hand_aliases(exp.spec.publish)
+        hand = hand_aliases(exp.plan.publish)
         existing = self.store.list(exp.namespace, exp.name)
         failed = {v for a, v in hand.items() if a == STABLE and self._gate_of(exp, v) is False}
         before = exp.published.aliases

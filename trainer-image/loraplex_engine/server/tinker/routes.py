@@ -21,6 +21,7 @@ from loraplex_engine.server.tinker.errors import add_protocol_error_handler, as_
 from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
 from loraplex_engine.server.tinker.futures import Runner
 from loraplex_engine.server.tinker.journal import find_future
+from loraplex_engine.server.tinker.json_bodies import off_loop_json_route
 from loraplex_engine.server.tinker.keys import AdminDelegation, KeyStore
 from loraplex_engine.server.tinker.metadata import check_metadata
 from loraplex_engine.server.tinker.protocol import Protocol
@@ -161,9 +162,10 @@ async def call(fn: Callable[..., Any], *args: Any) -> Any:
         raise InvalidRequestError(e.message, e.field) from None
 
 
-# forward_backward bodies are decoded (zstd, protobuf) on at most this many threads at
-# once, never on the event loop: a body that expands to megabytes costs a decode thread,
-# not every tenant's /healthz and polls. More wait their turn (holding only their body).
+# forward_backward bodies are decoded (zstd, protobuf), and big JSON bodies parsed
+# (json_bodies.py), on at most this many threads at once, never on the event loop: a body
+# that expands to megabytes costs a decode thread, not every tenant's /healthz and polls.
+# More wait their turn (holding only their body).
 MAX_DECODES = 2
 
 
@@ -222,7 +224,7 @@ def mount_tinker(
 
     app.state.tinker_keys = keys  # tenants' own keys (serve --tinker-keys), or None
     app.state.tinker_delegation = delegation  # the gateway's way in, or None
-    r = APIRouter(prefix=PREFIX, tags=["tinker"])
+    r = APIRouter(prefix=PREFIX, tags=["tinker"], route_class=off_loop_json_route(decodes))
 
     @r.get("/healthz")
     def healthz() -> dict[str, str]:

@@ -12,7 +12,7 @@ Pure tensor code. ``rewards`` is flat ``[n_groups * group_size]``, groups contig
   (Dr. GRPO: the std division over-weights groups that are nearly all right or all
   wrong). Population std (``unbiased=False``: ``groupSize`` 2 stays well defined) plus
   1e-6; TRL uses the sample std plus 1e-4, which is why the parity test
-  (tests/engine/test_trl_parity.py) compares losses on given advantages.
+  (tests/engine/train/test_trl_parity.py) compares losses on given advantages.
 - **Overlong shaping** (DAPO's soft overlong punishment, TRL's
   ``get_soft_overlong_punishment``, verl's ``overlong_buffer``): a completion of ``L``
   tokens out of ``max_tokens`` loses ``penalty * (L - (max_tokens - buffer)) / buffer``

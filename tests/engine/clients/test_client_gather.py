@@ -1,0 +1,204 @@
+"""The clock cycle's gather (clients/gather.py, ``ClientModels.gather``): which client
+models a tick waits for, that it takes every model whose call arrives within the window,
+and that nothing on its way (a lone client's whole segment) or a passed window holds a
+tick at all. No engine: the registry alone, its queues filled as ``_submit`` fills them
+(under the lock, notifying the condition)."""
+
+from __future__ import annotations
+
+import threading
+
+from loraplex_engine.clients.gather import oldest_call, segment_open, waiting_on
+from loraplex_engine.clients.models import ClientModels
+from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.spec.training_service import ClientLora, ClientModelInfo
+
+from tests.support.client_driver import NS
+
+LONG_S = 3600.0  # a window no test waits out: returning at all shows it did not wait
+JOIN_S = 30.0  # liveness guard on a gather thread, not a speed target
+
+
+def _model(name: str, *kinds: str) -> ClientModel:
+    model = ClientModel(ClientModelInfo(name, NS, "base", "tok", ClientLora(rank=4)), name)
+    model.queue.extend(Op(k) for k in kinds)  # type: ignore[arg-type]
+    return model
+
+
+def _registry(*models: ClientModel, gather_s: float, limit: int | None = None) -> ClientModels:
+    clients = ClientModels(host=None, models_per_tick=limit, gather_s=gather_s)
+    for m in models:
+        clients._models[(NS, m.info.model_id)] = m
+    return clients
+
+
+def _queue(clients: ClientModels, model: ClientModel, *kinds: str) -> None:
+    with clients._queued:  # as ClientModels._submit queues a call
+        model.queue.extend(Op(k) for k in kinds)  # type: ignore[arg-type]
+        clients._queued.notify_all()
+
+
+def _gather_in_thread(clients: ClientModels, **kw) -> threading.Thread:
+    t = threading.Thread(target=clients.gather, kwargs=kw, daemon=True)
+    t.start()
+    return t
+
+
+def _taken(clients: ClientModels) -> dict[str, list[str]]:
+    return {m.info.model_id: [op.kind for op in ops] for m, ops in clients.take().segments}
+
+
+def test_an_open_segment_is_a_forward_backward_with_nothing_after_it() -> None:
+    def open_(*kinds: str) -> bool:
+        return segment_open(_model("m", *kinds).queue)
+
+    assert open_("forward_backward")
+    assert open_("forward_backward", "forward_backward")  # an accumulated step, going on
+    assert open_("forward", "forward_backward")
+    assert not open_()  # nothing queued: no segment
+    assert not open_("forward_backward", "optim_step")  # whole
+    assert not open_("forward")  # an evaluation: no optim_step follows it
+    assert not open_("optim_step")
+    assert not open_("save_state")
+    assert not open_("forward_backward", "save_state")  # the segment ends at the save
+
+
+def test_waiting_on_models_with_an_open_segment_or_served_last_and_empty() -> None:
+    whole = _model("whole", "forward_backward", "optim_step")
+    opening = _model("opening", "forward_backward")
+    served = _model("served")  # the last tick served it; its next step is on its way
+    idle = _model("idle")  # never served lately: nothing is expected of it
+    models = [whole, opening, served, idle]
+    assert waiting_on(models, {served, whole}, None) == [opening, served]
+    assert waiting_on(models, set(), None) == [opening]
+    # One model a tick: only the first in turn that has work or is on its way matters.
+    assert waiting_on(models, {served}, 1) == []  # "whole" is first, and complete
+    assert waiting_on([opening, whole], set(), 1) == [opening]
+    assert waiting_on([whole, served], {served}, 2) == [served]
+
+
+def test_oldest_call_is_the_longest_waiting_queued_call() -> None:
+    a, b, c = _model("a", "forward_backward"), _model("b", "optim_step"), _model("c")
+    a.queue[0].queued_at, b.queue[0].queued_at = 7.0, 3.0
+    assert oldest_call([a, b, c]) == 3.0
+    assert oldest_call([c]) is None
+
+
+def test_a_tick_takes_every_model_whose_call_arrives_within_the_window() -> None:
+    """Three clients the last tick served: one has sent its step, one only its
+    forward_backward, one nothing yet. The gather holds the tick until both others'
+    calls are queued, then the tick takes all three whole segments."""
+    a = _model("a", "forward_backward", "optim_step")
+    b = _model("b", "forward_backward")
+    c = _model("c")
+    clients = _registry(a, b, c, gather_s=LONG_S)
+    clients._served_last = {a, b, c}
+    waiter = _gather_in_thread(clients)
+    _queue(clients, b, "optim_step")
+    waiter.join(0.05)
+    assert waiter.is_alive()  # c's step is still on its way: the tick has not started
+    _queue(clients, c, "forward_backward", "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {m: ["forward_backward", "optim_step"] for m in "abc"}
+
+
+def test_nothing_on_its_way_holds_no_tick() -> None:
+    """A lone client whose step is queued whole, an evaluation ``forward``, no queued
+    call at all, or the gather turned off: gather returns without waiting (the window
+    is an hour; the thread ends)."""
+    lone = _model("lone", "forward_backward", "optim_step")
+    evaluating = _model("eval", "forward")
+    for models, served in (([lone], {lone}), ([evaluating], {evaluating}), ([_model("x")], set())):
+        clients = _registry(*models, gather_s=LONG_S)
+        clients._served_last = served
+        waiter = _gather_in_thread(clients)
+        waiter.join(JOIN_S)
+        assert not waiter.is_alive(), [m.info.model_id for m in models]
+    off = _registry(_model("b", "forward_backward"), gather_s=0.0)
+    off.gather()  # returns: 0 turns the gather off, even with a segment open
+
+
+def test_a_call_is_held_no_longer_than_the_window_after_it_arrived() -> None:
+    """The bound runs from the oldest queued call's arrival: once the clock is past it,
+    the tick starts on what is there, though a model is still on its way; the partial
+    segment is taken as it stands and the rest goes to a later tick."""
+    b = _model("b", "forward_backward")
+    other = _model("other")
+    clients = _registry(b, other, gather_s=LONG_S)
+    clients._served_last = {other}
+    arrived = b.queue[0].queued_at
+    clients.gather(clock=lambda: arrived + LONG_S)  # the window has passed: at once
+    assert _taken(clients) == {"b": ["forward_backward"]}
+
+
+class _Rows:  # a training call's data as the fair share prices it: its tokens
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def _train_op(tokens: int, queued_at: float | None = None) -> Op:
+    op = Op("forward_backward", ([_Rows(tokens)], None, True))
+    if queued_at is not None:
+        op.queued_at = queued_at
+    return op
+
+
+def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() -> None:
+    """Team-a's big call has waited long, held back by the fair share (its namespace is
+    dear and in debt: tenancy/client_share.py); team-b's forward_backward has just
+    arrived, its optim_step on its way. The window runs from the oldest call the tick
+    would take (b's), so the gather waits for b's step and the tick takes it whole; timing
+    from a's call would start the tick at once and split b's step over two ticks."""
+    a = ClientModel(ClientModelInfo("a", "team-a", "base", "tok", ClientLora(rank=4)), "a")
+    b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
+    a.queue.append(_train_op(1000, queued_at=0.0))
+    b.queue.append(_train_op(10))
+    clients = ClientModels(host=None, gather_s=LONG_S)
+    clients._models = {("team-a", "a"): a, ("team-b", "b"): b}
+    clients.share.credit = -(10**6)  # a's debt from its earlier calls
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for b's optim_step
+    _queue(clients, b, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {"b": ["forward_backward", "optim_step"]}
+
+
+def test_a_client_with_an_answer_to_fetch_is_not_on_its_way() -> None:
+    """Two clients the last tick served, each with a detached call's answer (the Tinker
+    layer's: the SDK fetches it with retrieve_future). ``lone`` has not fetched it, so it
+    cannot have sent its next step: the tick with ``other``'s queued step starts at once.
+    Once ``lone`` has fetched its answer, its next step is on its way and the gather
+    waits for it (``lone`` is then taken with ``other``)."""
+    lone, other = _model("lone"), _model("other", "forward_backward", "optim_step")
+    lone.outstanding = 1  # what take() counts for each detached call it took
+    clients = _registry(lone, other, gather_s=LONG_S)
+    clients._served_last = {lone, other}
+    waiter = _gather_in_thread(clients)
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()  # nothing on its way: at once
+    clients.retrieved(NS, "lone")
+    assert lone.outstanding == 0
+    waiter = _gather_in_thread(clients)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # lone holds its answer: its step is on its way
+    _queue(clients, lone, "forward_backward", "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert _taken(clients) == {m: ["forward_backward", "optim_step"] for m in ("lone", "other")}
+
+
+def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
+    model = _model("m")
+    model.queue.extend(
+        [Op("forward_backward", detached=True), Op("optim_step", detached=True)]  # type: ignore[arg-type]
+    )
+    clients = _registry(model, gather_s=0.0)
+    clients.take()
+    assert model.outstanding == 2
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")
+    clients.retrieved(NS, "m")  # once more (a repeated fetch): never below 0
+    assert model.outstanding == 0

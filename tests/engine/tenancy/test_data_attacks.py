@@ -1,0 +1,356 @@
+"""Issue 26, items 1 and 2, on a real ``loraplex-engine serve`` process: tenant team-a
+attacks with nothing but its own dataset file, and bystander team-b.bystander trains
+throughout.
+
+Each attack measures B's step rate (its status polled every 0.1 s) in a baseline window just
+before the attack and during it: B keeps at least ``KEEP`` of its baseline rate and never
+goes ``STALL_S`` without a step. The baseline is B alone for the attacks at admission (A is
+not admitted while they are measured), and B beside A training on a benign file for the
+attacks inside the tick: fair share gives a training A its share of the ticks whatever its
+data, and that share is no attack. A's spec is B's (the same cost, so fair share
+alternates them). What may still differ between the windows, and sets the 30% tolerance:
+the test writes A's files during the attack, and the two cores are shared with other work
+whose load drifts. The
+engine's RSS (psutil, sampled with B) grows by less than ``RSS_GROWTH`` during a size
+attack. The pure bounds are tests/engine/data/test_jsonl_bounds.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.server_process import EngineServer, record_measurement, wait_until
+
+pytestmark = pytest.mark.slow
+
+BYSTANDER = "team-b.bystander"
+B_SECRET = "B-SECRET"
+KEEP = 0.7
+STALL_S = 2.0
+RSS_GROWTH = 512 << 20
+TARGETS = ["q_proj", "v_proj", "lm_head"]
+
+
+def _spec(task: dict[str, Any] | None = None, group: int = 4, prompts: int = 2) -> dict[str, Any]:
+    return {
+        "lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS},
+        "task": task or {"name": "target-token", "params": {"target": "yes"}},
+        "algorithm": {
+            "groupSize": group,
+            "promptsPerStep": prompts,
+            "learningRate": 0.05,
+            "maxSteps": 0,
+        },
+        "rollout": {"maxNewTokens": 2, "temperature": 1.0},
+        "checkpoint": {"everySteps": 1000, "keep": 1},
+    }
+
+
+class _Rewards(BaseHTTPRequestHandler):
+    """A's reward service: records every prompt it is sent."""
+
+    prompts: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
+        _Rewards.prompts.extend(i["prompt"] for i in items)
+        body = json.dumps({"scores": [0.5] * len(items)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Rewards)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_port}/score"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("data-attacks")
+    for ns in ("team-a", "team-b"):
+        (work / "data" / ns).mkdir(parents=True)
+    (work / "data" / "team-b" / "private.jsonl").write_text(
+        "".join(_line(f"{B_SECRET}-{i} say yes:") for i in range(50))
+    )
+    args = ["--max-prompt-tokens", "64", "--max-step-tokens", "10000"]
+    args += ["--allow-reward-host", "127.0.0.1", "--data-root", str(work / "data")]
+    srv = EngineServer(tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work, extra_args=args)
+    srv.start()
+    with srv.client() as api:
+        assert _put(api, BYSTANDER, _spec()).status_code == 201
+        wait_until(lambda: _status(api, BYSTANDER)["step"] >= 3)
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture()
+def api(server: EngineServer) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture()
+def team_a(server: EngineServer) -> Path:
+    return server.workdir / "data" / "team-a"
+
+
+def _line(prompt: str, answer: str = "yes") -> str:
+    return json.dumps({"prompt": prompt, "answer": answer}) + "\n"
+
+
+def _put(api: httpx.Client, exp_id: str, spec: dict[str, Any]) -> httpx.Response:
+    namespace, name = exp_id.split(".", 1)
+    body = {"spec": spec, "namespace": namespace, "name": name}
+    return api.put(f"/v1/experiments/{exp_id}", json=body)
+
+
+def _status(api: httpx.Client, exp_id: str) -> dict[str, Any]:
+    r = api.get(f"/v1/experiments/{exp_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _jsonl(dataset: Path, reward_url: str | None = None) -> dict[str, Any]:
+    task: dict[str, Any] = {"name": "jsonl", "dataset": str(dataset)}
+    if reward_url:
+        task |= {"reward": "http", "rewardUrl": reward_url}
+    return _spec(task)  # B's shape: fair share alternates them
+
+
+# ---- B, measured -------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """B's steps (time, step) and the engine's RSS over one window."""
+
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        (t0, s0), (t1, s1) = self.steps[0], self.steps[-1]
+        return (s1 - s0) / (t1 - t0)
+
+    @property
+    def longest_stall(self) -> float:
+        """The longest time B's step stood still (to the end of the window)."""
+        longest, since, last = 0.0, self.steps[0][0], self.steps[0][1]
+        for t, step in self.steps[1:]:
+            if step != last:
+                since, last = t, step
+            longest = max(longest, t - since)
+        return longest
+
+    @property
+    def rss_growth(self) -> int:
+        return max(self.rss) - self.rss[0]
+
+
+@contextmanager
+def measured(server: EngineServer, at_least_s: float = 3.0) -> Iterator[Window]:
+    """Sample B and the engine's RSS every 0.1 s while the block runs (and at least
+    ``at_least_s``)."""
+    window, stop = Window(), threading.Event()
+    proc = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
+
+    def sample() -> None:
+        with server.client() as c:
+            while not stop.is_set():
+                window.rss.append(proc.memory_info().rss)
+                window.steps.append((time.monotonic(), _status(c, BYSTANDER)["step"]))
+                stop.wait(0.1)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield window
+        time.sleep(max(0.0, start + at_least_s - time.monotonic()))
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def _baseline(server: EngineServer) -> float:
+    with measured(server, at_least_s=4.0) as w:
+        pass
+    return w.rate
+
+
+def _b_kept_up(name: str, baseline: float, during: Window, size_attack: bool = False) -> None:
+    note = f"B baseline {baseline:.1f} steps/s; longest stall {during.longest_stall:.2f}s"
+    record_measurement(f"data_attack.{name}.b_rate_ratio", during.rate / baseline, note)
+    if size_attack:
+        growth = during.rss_growth / 2**20
+        record_measurement(f"data_attack.{name}.rss_growth_mb", growth, "engine RSS, psutil")
+        assert during.rss_growth < RSS_GROWTH, f"engine RSS grew {growth:.0f} MB"
+    assert during.rate >= KEEP * baseline, f"B {during.rate:.1f} vs {baseline:.1f} steps/s"
+    assert during.longest_stall <= STALL_S, note
+
+
+# ---- item 1: the dataset swapped for a symlink to team-b's file ----------------------------
+
+
+def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a, reward_url):
+    data = team_a / "race.jsonl"
+    own = "".join(_line(f"A-OWN-{i} say yes:") for i in range(20))
+    data.write_text(own)
+    b_file = server.workdir / "data" / "team-b" / "private.jsonl"
+    swaps, stop = [0], threading.Event()
+
+    def swap() -> None:
+        """Replace the file by a link to B's file and back, a new inode each time."""
+        link, fresh = team_a / ".link", team_a / ".fresh"
+        while not stop.is_set():
+            link.unlink(missing_ok=True)
+            link.symlink_to(b_file)
+            os.replace(link, data)
+            time.sleep(0.02)
+            fresh.write_text(own)
+            os.replace(fresh, data)
+            swaps[0] += 1
+            time.sleep(0.12)  # mostly A's own file: some PUTs are admitted and train
+
+    _Rewards.prompts.clear()
+    assert _put(api, "team-a.race", _jsonl(data, reward_url)).status_code == 201
+    baseline = _baseline(server)  # beside A on its own file
+    api.delete("/v1/experiments/team-a.race")
+    puts = failures = 0
+    with measured(server) as during:
+        swapper = threading.Thread(target=swap, daemon=True)
+        swapper.start()
+        deadline = time.monotonic() + 60
+        while (swaps[0] < 55 or puts < 12) and time.monotonic() < deadline:
+            r = _put(api, "team-a.race", _jsonl(data, reward_url))
+            puts += 1
+            if r.status_code == 201:  # trains until it meets the link, then fails
+                st = wait_until(
+                    lambda: (s := _status(api, "team-a.race"))["phase"] == "Failed" and s,
+                    timeout=30,
+                )
+                assert "symbolic link" in st["error"] or "not allowed" in st["error"], st
+                failures += 1
+            else:  # admission resolved the link: refused as any path out of team-a
+                assert r.status_code == 422 and "not allowed" in r.text, r.text
+            api.delete("/v1/experiments/team-a.race")
+            time.sleep(0.25)  # a tenant's PUT/DELETE pace, not the data path, is not measured
+        stop.set()
+        swapper.join(10)
+    record_measurement("data_attack.symlink_race.swaps", swaps[0], f"{puts} PUTs")
+    assert swaps[0] >= 50 and puts >= 12 and failures >= 1, (swaps, puts, failures)
+    assert any(p.startswith("A-OWN") for p in _Rewards.prompts)  # the race was run
+    assert not [p for p in _Rewards.prompts if B_SECRET in p]
+    _b_kept_up("symlink_race", baseline, during)
+
+
+# ---- item 2: sizes --------------------------------------------------------------------------
+
+
+def test_a_20mb_line_is_never_tokenised(server, api, team_a):
+    data = team_a / "huge.jsonl"
+    huge = _line("word " * (4 << 20))  # 20 MB
+    data.write_text(_line("ok say yes:") + huge)
+    baseline = _baseline(server)
+    with measured(server) as during:
+        r = _put(api, "team-a.huge", _jsonl(data))
+        assert r.status_code == 422, r.text
+        assert "huge.jsonl:2: line " in r.json()["error"]["message"], r.text
+        assert "over the limit of 262144 bytes" in r.text
+        # The same line appended after admission fails A alone, in the tick.
+        data.write_text(_line("ok say yes:"))
+        assert _put(api, "team-a.huge", _jsonl(data)).status_code == 201
+        with data.open("a") as f:
+            f.write(huge)
+        st = wait_until(
+            lambda: (s := _status(api, "team-a.huge"))["phase"] == "Failed" and s, timeout=30
+        )
+        assert "huge.jsonl:2: line " in st["error"] and st["failureReason"] == "task_error"
+        # A prompt under the line bound but over 32 characters a token: not tokenised.
+        data.write_text(_line("word " * 20_000))
+        api.delete("/v1/experiments/team-a.huge")
+        assert _put(api, "team-a.huge", _jsonl(data)).status_code == 201
+        st = wait_until(
+            lambda: (s := _status(api, "team-a.huge"))["phase"] == "Failed" and s, timeout=30
+        )
+        assert "dataset line 1 has 100000 characters" in st["error"], st
+    api.delete("/v1/experiments/team-a.huge")
+    _b_kept_up("line_20mb", baseline, during, size_attack=True)
+
+
+def _many_rows(path: Path, rows: int, last: str = "") -> None:
+    with path.open("w") as f:
+        for start in range(0, rows, 100_000):
+            f.write("".join(_line(f"r{i} say yes:") for i in range(start, start + 100_000)))
+        f.write(last)
+
+
+def test_a_million_rows_are_checked_outside_the_lock(server, api, team_a):
+    data = team_a / "million.jsonl"
+    _many_rows(data, 1_000_000)
+    baseline = _baseline(server)
+    with measured(server, at_least_s=0.0) as during:  # the PUT: A not admitted yet
+        t0 = time.monotonic()
+        r = _put(api, "team-a.million", _jsonl(data))
+        took = time.monotonic() - t0
+        assert r.status_code == 201, r.text
+    wait_until(lambda: _status(api, "team-a.million")["step"] >= 2, timeout=30)
+    record_measurement("data_attack.million_rows.put_s", took, f"{data.stat().st_size} bytes")
+    api.delete("/v1/experiments/team-a.million")
+    _b_kept_up("million_rows", baseline, during, size_attack=True)
+
+
+def test_a_deeply_nested_line_after_a_million_rows_is_a_4xx_naming_it(server, api, team_a):
+    data = team_a / "deep.jsonl"
+    _many_rows(data, 1_000_000, "[" * 100_000 + "]" * 100_000 + "\n")
+    baseline = _baseline(server)
+    with measured(server) as during:
+        for _ in range(3):  # refused alike every time, and each PUT holds no tick
+            r = _put(api, "team-a.deep", _jsonl(data))
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert err["field"] == "spec.task.dataset", err
+            assert "deep.jsonl:1000001: invalid JSON (nested too deeply)" in err["message"]
+        data.write_text("[" * 200_000 + "]" * 200_000 + "\n")  # over the line bound
+        r = _put(api, "team-a.deep", _jsonl(data))
+        assert r.status_code == 422 and "deep.jsonl:1: line " in r.text, r.text
+    _b_kept_up("deep_nesting", baseline, during, size_attack=True)
+
+
+def test_a_dataset_growing_300k_rows_every_2s_does_not_stall_b(server, api, team_a):
+    data = team_a / "growing.jsonl"
+    data.write_text(_line("seed say yes:"))
+    batch = "".join(_line(f"g{i} say yes:") for i in range(300_000))
+    assert _put(api, "team-a.growing", _jsonl(data)).status_code == 201
+    baseline = _baseline(server)  # beside A on its one row
+    with measured(server, at_least_s=10.0) as during:
+        for _ in range(5):
+            with data.open("a") as f:
+                f.write(batch)
+            time.sleep(2.0)
+    st = _status(api, "team-a.growing")
+    assert st["phase"] == "Running" and st["step"] >= 5, st
+    api.delete("/v1/experiments/team-a.growing")
+    _b_kept_up("growing", baseline, during, size_attack=True)
