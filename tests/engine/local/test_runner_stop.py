@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 STEPS = 10
 K = 2  # SIGINT once step K shows
 NAMES = ("say-yes", "copy-ab")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def manifest(name: str, task: str, seed: int) -> str:
