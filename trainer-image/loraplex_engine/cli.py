@@ -77,8 +77,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except Interrupted as e:  # before training, or a second signal: nothing written
             print(f"loraplex-engine run: {e}; stopped without a checkpoint", file=sys.stderr)
             return e.exit_status
-    if stop.requested:
-        return stop.exit_status
     return summary_status
 
 
@@ -105,7 +103,7 @@ def _run_stoppable(args: argparse.Namespace, stop: Any) -> int:
     if summary is None:  # a worker rank: rank 0 reports
         return 0
     if summary.get("interrupted"):
-        return 0  # the caller answers with the signal's status
+        return stop.exit_status  # the shell's status for the signal: 130, 143
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-STEPS = 10
-K = 2  # SIGINT once step K shows
+STEPS = 12
+K = 1  # SIGINT once step K shows (the first step's line prints at once, then every 2 s)
 NAMES = ("say-yes", "copy-ab")
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -411,7 +411,9 @@ def _run(engine: Engine, run: LocalRun, tracking: Tracking) -> dict[str, Any] | 
     wall = run_until_done(engine, ids, out, progress, on_tick=observe, stop=run.stop)
     if dp is not None:
         dp.stop()
-    stopped = run.stop is not None and run.stop.requested
+    # A signal during the last tick stops nothing: the run is done, not interrupted.
+    running = any(engine.get_experiment(i).phase == "Running" for i in ids)
+    stopped = run.stop is not None and run.stop.requested and running
     if stopped:
         checkpoint_running(engine, ids)
     tasks = {m.id: m.spec.task.name for m in manifests}
