@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 from loraplex_engine.settings.commands import RunSettings, ServeSettings
 from loraplex_engine.settings.generate import DefaultsFormatter as Help
@@ -68,6 +69,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from loraplex_engine.local.stop import Interrupted, stop_on_signals
+
+    with stop_on_signals() as stop:
+        try:
+            summary_status = _run_stoppable(args, stop)
+        except Interrupted as e:  # before training, or a second signal: nothing written
+            print(f"loraplex-engine run: {e}; stopped without a checkpoint", file=sys.stderr)
+            return e.exit_status
+    return summary_status
+
+
+def _run_stoppable(args: argparse.Namespace, stop: Any) -> int:
     from loraplex_engine.local.checks import check_run
     from loraplex_engine.rollout.preflight import check_rollout
     from loraplex_engine.settings.commands import RunSettings
@@ -83,12 +96,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from loraplex_engine.spec.errors import RankFailed
 
     try:
-        summary = run_file(settings)
+        summary = run_file(settings, stop=stop)
     except RankFailed as e:  # the rank's own error is above (its stderr is ours)
         print(f"loraplex-engine run: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a worker rank: rank 0 reports
         return 0
+    if summary.get("interrupted"):
+        return stop.exit_status  # the shell's status for the signal: 130, 143
     failed = [e["name"] for e in summary["experiments"] if e["phase"] != "Succeeded"]
     if failed:
         print(f"experiments that did not succeed: {', '.join(failed)}", file=sys.stderr)

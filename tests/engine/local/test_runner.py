@@ -18,8 +18,15 @@ from loraplex_engine.spec.api_types import CheckpointRef
 STEPS = 6
 # The summary.json schema, plus the extras README documents (per-phase seconds;
 # per experiment its phase, reward curve and error): anything else is drift.
-TOP_KEYS = {"wall_seconds": float, "experiments": list, "phase_seconds": dict}
+TOP_KEYS = {
+    "interrupted": bool,
+    "wall_seconds": float,
+    "experiments": list,
+    "phase_seconds": dict,
+}
 EXP_KEYS = {
+    "id": str,
+    "run_id": str,
     "name": str,
     "task": str,
     "steps": int,

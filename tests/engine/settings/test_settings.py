@@ -89,6 +89,9 @@ CHANGED: dict[str, Any] = {
     "tracking_queue": 50,
     "manifests": "experiments.yaml",
     "out": "out/x",
+    "only": ("say-yes", "copy-abc"),
+    "overrides": ("algorithm.maxSteps=4", "say-yes:rollout.temperature=0.7"),
+    "resume": "out/y",
 }
 
 

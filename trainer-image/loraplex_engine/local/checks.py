@@ -10,7 +10,8 @@ from pathlib import Path
 
 from loraplex_engine.base_model import check_model_dir
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.local.manifests import Manifest, parse_manifests, read_manifest_file
+from loraplex_engine.local.manifests import Manifest, parse_manifests
+from loraplex_engine.local.overrides import manifest_text
 from loraplex_engine.settings.commands import RunSettings
 from loraplex_engine.spec.errors import FieldError, UsageError
 from loraplex_engine.spec.experiment import DATA_TASKS
@@ -27,8 +28,12 @@ def check_run(settings: RunSettings) -> list[Manifest]:
     """Every manifest, checked against the flags and the data roots; ``UsageError`` or
     ``ManifestError`` naming the problems. Imports nothing heavy."""
     settings.check()
+    default_out = RunSettings.model_fields["out"].default
+    if settings.resume and settings.out not in (default_out, settings.resume):
+        raise UsageError(f"--resume {settings.resume} and --out {settings.out}: give one")
     source = settings.manifests
-    manifests = parse_manifests(read_manifest_file(source), source, settings.max_rank)
+    text = manifest_text(source, settings.only, settings.overrides)
+    manifests = parse_manifests(text, source, settings.max_rank)
     if len(manifests) > settings.max_adapters:
         raise UsageError(
             f"{source}: {len(manifests)} experiments but the engine has "
@@ -52,5 +57,5 @@ def with_targets(settings: RunSettings) -> list[Manifest]:
     from loraplex_engine.base_model import lora_targets_of
 
     known = lora_targets_of(settings.model)
-    text = read_manifest_file(settings.manifests)
+    text = manifest_text(settings.manifests, settings.only, settings.overrides)
     return parse_manifests(text, settings.manifests, settings.max_rank, known)

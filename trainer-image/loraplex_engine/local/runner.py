@@ -7,6 +7,7 @@ progress, and writes ``summary.json``, ``rewards.png`` and the final adapters.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -16,9 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from loraplex_engine.local.checks import check_run, trust_of, with_targets
 from loraplex_engine.local.manifests import Manifest
+from loraplex_engine.local.pace import Pace
+from loraplex_engine.local.resume import RunState, carry_over, fresh_state, resumed_state
+from loraplex_engine.local.stop import StopRequest
 from loraplex_engine.parallel.data_parallel import DataParallelTraining
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.parallel.launch import data_parallel
@@ -30,6 +35,7 @@ from loraplex_engine.spec.errors import ApiError, UsageError
 from loraplex_engine.spec.eval_scores import EvalResult
 from loraplex_engine.spec.service import TickingEngine
 from loraplex_engine.store.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplex_engine.tracking.hub import Tracking, build_trackers
 
 if TYPE_CHECKING:
     from loraplex_engine.engine import Engine
@@ -144,23 +150,31 @@ def run_until_done(
     progress: Progress,
     print_every_s: float = 2.0,
     on_tick: Callable[[TickReport], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> float:
-    """Tick until every experiment has finished; returns wall seconds."""
+    """Tick until every experiment has finished, or ``stop`` is requested (between
+    ticks: a tick is never cut in half); returns wall seconds."""
     start = last_print = time.monotonic()
+    pace = Pace(start)
     while True:
         report = engine.tick()
+        stepped = report is not None and any(not e.eval_only for e in report.experiments)
         if report is not None:
             progress.record(report)
             if on_tick:
                 on_tick(report)
         statuses = [engine.get_experiment(i) for i in ids]
         now = time.monotonic()
-        done = all(s.phase != "Running" for s in statuses)
-        if done or now - last_print >= print_every_s:
+        if stepped:
+            pace.stepped(now)
+        done = all(s.phase != "Running" for s in statuses) or (stop is not None and stop.requested)
+        first = stepped and pace.steps == 1  # the first step shows at once, then every few s
+        if done or first or now - last_print >= print_every_s:
             last_print = now
             elapsed = max(now - start, 1e-9)
             sync = progress.syncs[-1] if progress.syncs else None
-            out.write(f"[{elapsed:7.1f}s]{sync_line(sync) if sync else ''}\n")
+            head = f"[{elapsed:7.1f}s]{pace.line(statuses)}"
+            out.write(f"{head}{sync_line(sync) if sync else ''}\n")
             for s in statuses:
                 out.write(progress_line(s, progress.tokens.get(s.id, 0) / elapsed) + "\n")
             out.flush()
@@ -204,6 +218,8 @@ def write_summary(
     wall: float,
     out_dir: Path,
     task_names: dict[str, str],
+    state: RunState | None = None,
+    interrupted: bool = False,
 ) -> dict[str, Any]:
     """summary.json + one PEFT adapter directory per experiment under ``out_dir``.
 
@@ -226,6 +242,8 @@ def write_summary(
         adapter = export_adapter(final_adapter(engine, status), out_dir, status.name)
         experiments.append(
             {
+                "id": exp_id,
+                "run_id": state.run_ids.get(exp_id) if state else None,
                 "name": status.name,
                 "task": task_names[exp_id],
                 "phase": status.phase,
@@ -244,6 +262,7 @@ def write_summary(
             }
         )
     summary = {
+        "interrupted": interrupted,  # stopped by a signal: `run --resume` goes on
         "wall_seconds": wall,
         "phase_seconds": progress.phase_seconds,
         "experiments": experiments,
@@ -284,7 +303,9 @@ def make_out_dir(out_dir: str | Path) -> Path:
     return path
 
 
-def run_file(settings: RunSettings, out: TextIO | None = None) -> dict[str, Any] | None:
+def run_file(
+    settings: RunSettings, out: TextIO | None = None, stop: StopRequest | None = None
+) -> dict[str, Any] | None:
     """Validate every manifest up front (local/checks.py), then train them all on one hot
     engine.
 
@@ -307,67 +328,119 @@ def run_file(settings: RunSettings, out: TextIO | None = None) -> dict[str, Any]
     check_run(settings)
     manifests = with_targets(settings)
     rank_device = resolve_device(settings.device, settings.world_size)
-    out_dir = make_out_dir(settings.out)
+    out_dir = make_out_dir(settings.out_dir)
     engine_settings = settings.engine().model_copy(
         update={"checkpoint_root": str(out_dir / "checkpoints")}
     )
     argv = to_argv(settings)  # a worker rank: this very command
+    # Rank 0's trackers, before the model loads: a missing client is a usage error now.
+    leader = os.environ.get("RANK", "0") == "0"
+    tracking = start_local_tracking(settings, out_dir) if leader else None
     device = torch.device(rank_device)
-    with data_parallel(settings.world_size, argv, device, settings.dist_timeout) as world:
-        t0 = time.monotonic()
-        engine = Engine(
-            settings.model,
-            engine_settings,
-            device=rank_device,
-            world=world,
-            trust=trust_of(settings),
-        )
-        try:
-            mode = settings.train_mode
-            return _run(engine, manifests, settings.manifests, out, out_dir, t0, mode, world)
-        finally:
-            engine.close()  # the vLLM worker, the reward pool
-            # Before the group is left: a sharded base's DTensors hold it (distributed.leave).
-            del engine
+    try:
+        with data_parallel(settings.world_size, argv, device, settings.dist_timeout) as world:
+            t0 = time.monotonic()
+            engine = Engine(
+                settings.model,
+                engine_settings,
+                device=rank_device,
+                world=world,
+                trust=trust_of(settings),
+            )
+            try:
+                local = LocalRun(settings, manifests, out, out_dir, t0, world, stop)
+                return _run(engine, local, tracking or Tracking([], CollectorRegistry(), 1, ""))
+            finally:
+                engine.close()  # the vLLM worker, the reward pool
+                # Before the group is left: a sharded base's DTensors hold it
+                # (distributed.leave).
+                del engine
+    finally:
+        if tracking is not None:
+            tracking.close()  # what was queued is flushed, also after an error
 
 
-def _run(
-    engine: Engine,
-    manifests: list[Manifest],
-    manifest_path: str | Path,
-    out: TextIO,
-    out_dir: Path,
-    t0: float,
-    train_mode: str,
-    world: World | None,
-) -> dict[str, Any] | None:
+@dataclass
+class LocalRun:
+    """What `_run` trains, where it writes, and what stops it."""
+
+    settings: RunSettings
+    manifests: list[Manifest]
+    out: TextIO
+    out_dir: Path
+    t0: float
+    world: World | None
+    stop: StopRequest | None
+
+
+def _run(engine: Engine, run: LocalRun, tracking: Tracking) -> dict[str, Any] | None:
     """Train on a loaded engine; a worker rank follows rank 0 and returns None."""
+    world, out, manifests = run.world, run.out, run.manifests
     if world is None or world.is_leader:
         ranks = f", data parallel over {world.size} ranks" if world else ""
         ranks += ", base sharded (FSDP2)" if engine.lockstep is not None else ""
         out.write(
-            f"engine ready in {time.monotonic() - t0:.1f}s: {engine.model_name} in "
+            f"engine ready in {time.monotonic() - run.t0:.1f}s: {engine.model_name} in "
             f"{engine.capacity().dtype} on {engine.device}, {engine.rollout_backend} rollout, "
-            f"{len(manifests)} experiments, {train_mode} training{ranks} (micro-batches of "
-            f"{engine.strategy.micro_batch_tokens} tokens; rollout micro-batches of "
-            f"{engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"
+            f"{len(manifests)} experiments, {run.settings.train_mode} training{ranks} (micro-"
+            f"batches of {engine.strategy.micro_batch_tokens} tokens; rollout micro-batches "
+            f"of {engine.memory_plan.rollout_kv_tokens or 'vLLM-sized'} KV tokens)\n"
         )
     dp = engine.strategy if isinstance(engine.strategy, DataParallelTraining) else None
     if dp is not None and not dp.world.is_leader:
         dp.follow()  # rank 0's adds, then its train phases, until its stop()
         return None
+    resume = run.settings.resume
+    state = resumed_state(run.out_dir, manifests) if resume else fresh_state(manifests)
+    state.write(run.out_dir)  # before the first step: a killed run can be resumed too
     for m in manifests:
         try:
-            engine.put_experiment(m.id, m.spec, m.namespace, m.name)
+            engine.put_experiment(m.id, m.spec, m.namespace, m.name, None, state.run_ids[m.id])
         except ApiError as e:
-            raise UsageError(f"{manifest_path}: {m.name}: {e.field}: {e.message}") from None
+            source = run.settings.manifests
+            raise UsageError(f"{source}: {m.name}: {e.field}: {e.message}") from None
     ids = [m.id for m in manifests]
     progress = Progress()
-    wall = run_until_done(engine, ids, out, progress)
+    if resume:
+        steps = {i: engine.get_experiment(i).step for i in ids}
+        carry_over(progress, state, steps)
+        out.write(f"resumed {', '.join(f'{i} at step {n}' for i, n in steps.items())}\n")
+    if run.stop is not None:
+        run.stop.armed = True  # from here a signal stops after the tick, with checkpoints
+    observe = tracking.observe_tick
+    wall = run_until_done(engine, ids, out, progress, on_tick=observe, stop=run.stop)
     if dp is not None:
         dp.stop()
+    # A signal during the last tick stops nothing: the run is done, not interrupted.
+    running = any(engine.get_experiment(i).phase == "Running" for i in ids)
+    stopped = run.stop is not None and run.stop.requested and running
+    if stopped:
+        checkpoint_running(engine, ids)
     tasks = {m.id: m.spec.task.name for m in manifests}
-    summary = write_summary(engine, ids, progress, wall, out_dir, tasks)
-    plot_rewards(summary, out_dir / "rewards.png")
-    out.write(f"done in {wall:.1f}s; wrote {out_dir / 'summary.json'} and rewards.png\n")
+    summary = write_summary(engine, ids, progress, wall, run.out_dir, tasks, state, stopped)
+    plot_rewards(summary, run.out_dir / "rewards.png")
+    if stopped:
+        steps = ", ".join(f"{e['name']} {e['steps']}" for e in summary["experiments"])
+        out.write(
+            f"stopped after {wall:.1f}s at steps {steps}: checkpointed; wrote "
+            f"{run.out_dir / 'summary.json'}; go on with --resume {run.out_dir}\n"
+        )
+    else:
+        out.write(f"done in {wall:.1f}s; wrote {run.out_dir / 'summary.json'} and rewards.png\n")
     return summary
+
+
+def checkpoint_running(engine: TickingEngine, ids: list[str]) -> None:
+    """A checkpoint of every running experiment at its step (unless it has one)."""
+    for exp_id in ids:
+        status = engine.get_experiment(exp_id)
+        if status.phase != "Running":
+            continue
+        if status.checkpoint is None or status.checkpoint.step != status.step:
+            engine.checkpoint_experiment(exp_id)
+
+
+def start_local_tracking(settings: RunSettings, out_dir: Path) -> Tracking:
+    """`run`'s trackers (--tracking-*), as serve's; pool ``local``."""
+    trackers = build_trackers(settings, str(out_dir / "checkpoints"))
+    return Tracking(trackers, CollectorRegistry(), settings.tracking_queue, "local")

@@ -167,7 +167,7 @@ class ServeSettings(ProcessSettings, TrackingSettings):
     ] = ()
 
 
-class RunSettings(ProcessSettings):
+class RunSettings(ProcessSettings, TrackingSettings):
     """A manifest file's experiments, trained on one engine in this process."""
 
     COMMAND: ClassVar[str] = "run"
@@ -202,6 +202,41 @@ class RunSettings(ProcessSettings):
             default_text="the manifest file's directory",
         ),
     ] = ()
+    only: Annotated[
+        tuple[str, ...],
+        Flag(
+            "train only the manifest document of this metadata.name; repeatable",
+            action="append",
+            metavar="NAME",
+            default_text="every document",
+        ),
+    ] = ()
+    overrides: Annotated[
+        tuple[str, ...],
+        Flag(
+            "change a field of every document's spec (algorithm.maxSteps=4), or of one "
+            "(NAME:algorithm.maxSteps=4), before validation; the value is read as YAML; "
+            "repeatable",
+            action="append",
+            flag="--set",
+            metavar="[NAME:]PATH=VALUE",
+            default_text="none",
+        ),
+    ] = ()
+    resume: Annotated[
+        str | None,
+        Flag(
+            "go on from the checkpoints of a stopped run's output directory (its --out; "
+            "give its manifests, --set and --only again)",
+            metavar="OUT",
+            default_text="none: a fresh run",
+        ),
+    ] = None
+
+    @property
+    def out_dir(self) -> str:
+        """Where this run writes: --resume's directory, else --out."""
+        return self.resume or self.out
 
 
 COMMANDS: tuple[type[ProcessSettings], ...] = (ServeSettings, RunSettings)
