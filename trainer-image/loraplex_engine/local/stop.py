@@ -17,19 +17,9 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from loraplex_engine.spec.errors import Interrupted
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Interrupted(Exception):
-    """A signal that stops the command now (nothing to checkpoint, or asked twice)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + self.signum
 
 
 class StopRequest:

@@ -16,6 +16,8 @@ Two branches:
 
 from __future__ import annotations
 
+import signal
+
 
 class LoraplexError(Exception):
     """Root of every loraplex engine error."""
@@ -121,6 +123,19 @@ class CheckpointError(LoraplexError, ValueError):
 class UsageError(LoraplexError, ValueError):
     """A mistake on the command line outside any spec: a file or model directory that is
     not there, a flag out of range. ``loraplex-engine`` prints it on one line, exit 2."""
+
+
+class Interrupted(LoraplexError):
+    """A signal that stops a command now (``run``: nothing to checkpoint yet, or asked
+    twice); its exit status is the shell's for a signal, 128 + its number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
 
 
 class CapacityError(UsageError):
