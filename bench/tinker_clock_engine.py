@@ -40,10 +40,11 @@ def engine_only(model: Path, work: Path, rows: int, n: int, args) -> dict:
     from tests.support.engine_builders import engine
 
     torch.set_num_threads(args.threads)
-    # Every call is queued before its tick here: nothing is on its way to gather.
+    # Every call is queued before its tick here: nothing is on its way to gather. One
+    # namespace holds all n models: the ceiling measures the engine, not a tenant's share.
     eng = engine(
         model, work / f"inproc-{rows}-{n}", max_adapters=n, max_rank=16, client_tick_gather=0,
-        device=args.device,
+        client_models_per_namespace=n, device=args.device,
     )  # fmt: skip
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=args.lr)
     data = {}
