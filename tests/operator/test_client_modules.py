@@ -3,7 +3,7 @@ choice, mirrored), and which of them a pool's allowedTargetModules refuses."""
 
 from __future__ import annotations
 
-from loraplex_engine.clients import models as engine_clients
+from loraplex_engine.plan import client as engine_clients
 from loraplex_operator import client_modules as cm
 
 WRAPPED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
