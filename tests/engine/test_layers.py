@@ -18,6 +18,8 @@ from pathlib import Path
 
 from loraplex_engine.layers import LAYERS, layer_of, order
 
+from tests.support.graphs import cycles
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer-image" / "loraplex_engine"
 NAME = PACKAGE.name
@@ -91,36 +93,6 @@ def edges(package: Path = PACKAGE) -> list[Edge]:
 
 def upward(found: list[Edge], rank: dict[str, int]) -> list[Edge]:
     return [e for e in found if e.source != NAME and rank[e.target] > rank[e.source]]
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one folder (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while (w := stack.pop()) != v:
-                comp.append(w)
-            comp.append(v)
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
 
 
 def graph_of(found: list[Edge]) -> dict[str, set[str]]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.graphs import cycles
+
 PACKAGE = Path(__file__).resolve().parents[2] / "trainer-image" / "loraplex_engine"
 NAME = PACKAGE.name
 MAX_ROOT_MODULES = 20
@@ -53,36 +55,6 @@ def import_graph() -> dict[str, set[str]]:
         deps |= {".".join(d.split(".")[:i]) for d in deps for i in range(2, d.count(".") + 1)}
         graph[name] = {d for d in deps if d in mods and not f"{name}.".startswith(f"{d}.")}
     return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while (w := stack.pop()) != v:
-                comp.append(w)
-            comp.append(v)
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
 
 
 def test_the_engine_package_has_no_import_cycles() -> None:
