@@ -40,6 +40,7 @@ from loraplex_engine.spec.errors import ApiError, InvalidRequestError, Unavailab
 from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.spec.publish import PublishSpec
 from loraplex_engine.spec.service import EngineService
+from loraplex_engine.spec.tinker_limits import DEFAULT_MAX_SESSIONS
 
 ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # DNS-1123 label: no dots
@@ -107,7 +108,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     tinker_keys: Any = None,
     training: Callable[[], Any] | None = None,
-    tinker_options: dict[str, Any] | None = None,
+    tinker_max_sessions: int = DEFAULT_MAX_SESSIONS,
     tinker_futures: Any = None,
 ) -> FastAPI:
     """The HTTP app for ``engine``.
@@ -122,14 +123,8 @@ def create_app(
         protocol is served under ``/api/v1`` (server/tinker/routes.py) to ``tinker_keys`` (a
         ``tinker.keys.KeyStore``: tenants' API keys, each a namespace) and to ``token``
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
-        mount_tinker(
-            app,
-            training,
-            tinker_keys,
-            admin_token=token,
-            future_limits=tinker_futures,
-            **(tinker_options or {}),
-        )
+    tinker_max_sessions: open Tinker sessions a namespace may hold at once.
+    tinker_futures: the Tinker futures' bounds (a ``server.tinker.future_table.FutureLimits``).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -328,7 +323,7 @@ def create_app(
             tinker_keys,
             admin_token=token,
             future_limits=tinker_futures,
-            **(tinker_options or {}),
+            max_sessions=tinker_max_sessions,
         )
 
     return app

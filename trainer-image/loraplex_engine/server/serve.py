@@ -305,7 +305,7 @@ def run(settings: ServeSettings) -> int:
         max_completion_tokens=settings.max_completion_tokens,
         tinker_keys=tinker_keys,
         training=training,
-        tinker_options={"max_sessions": settings.tinker_max_sessions},
+        tinker_max_sessions=settings.tinker_max_sessions,
         tinker_futures=FutureLimits(
             settings.tinker_futures_per_namespace,
             settings.tinker_future_ttl,
