@@ -55,6 +55,7 @@ from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tick.fair_share import RewardScorer
 from loraplex_engine.tick.time_share import TimeShare, take_in_turn
+from loraplex_engine.tick.working_set import WorkingSets
 from loraplex_engine.versions.service import VersionRoutes
 
 log = logging.getLogger("loraplex_engine.engine")
@@ -104,6 +105,8 @@ class Engine:
         self.backend, self.strategy, self.ranks = p.backend, p.strategy, p.ranks
         self.publisher, self.adapter_sync = p.publisher, p.adapter_sync
         self.memory_plan, self.context_tokens = p.memory_plan, p.context_tokens
+        self.pager = p.pager  # registered adapters beyond the slots (memory/paging.py)
+        self.working_sets = WorkingSets(p.pager)  # each tick's, chosen first
         self.share_prompt_prefix = p.share_prompt_prefix
         self.rollout_backend, self.train_mode = s.rollout_backend, s.train_mode
         # Benchmarks: every rollout generates exactly maxNewTokens (equal token counts).
@@ -139,7 +142,7 @@ class Engine:
         self.admissions = KeyedLocks()  # one PUT per experiment id at a time
         # The EngineService's experiment and version routes (below) delegate to these.
         self.experiments = ExperimentRoutes(self, self.client_experiments, self.admissions)
-        self.versions = VersionRoutes(self.publisher, self._model_lock, self._require)
+        self.versions = VersionRoutes(self.publisher, self._model_lock, self._resident)
 
     @property
     def computed_train_tokens(self) -> int:
@@ -281,6 +284,7 @@ class Engine:
                 except Exception:
                     self.optimizer.remove_adapter(exp_id)
                     self.model.remove_adapter(exp_id)
+                    self.pager.forget(exp_id)
                     raise
                 if self.ranks is not None:
                     self.ranks.adapter_added(exp_id)
@@ -298,11 +302,11 @@ class Engine:
             exp = self._require(exp_id)
             if exp.phase == "Failed":
                 raise ConflictError(f"experiment {exp_id!r} failed; its last checkpoint stands")
-            return self.store.save(exp)
+            return self.store.save(self._resident(exp_id))
 
     def remove_task_experiment(self, exp_id: str) -> ExperimentStatus:
         with self._model_lock:
-            exp = self._require(exp_id)
+            exp = self._resident(exp_id)
             if exp.phase != "Failed" and (
                 exp.checkpoint is None or exp.checkpoint.step != exp.step
             ):
@@ -312,6 +316,8 @@ class Engine:
             slot = self.model.slot_of(exp_id)
             self.optimizer.remove_adapter(exp_id)
             self.model.remove_adapter(exp_id)
+            self.pager.forget(exp_id)
+            self.working_sets.forget(exp_id)
             if self.ranks is not None:
                 self.ranks.adapter_removed(exp_id, slot)
             with self._state_lock:
@@ -353,6 +359,9 @@ class Engine:
         self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
         with self._model_lock:
             running = [e for e in self._experiments.values() if e.phase == "Running"]
+            waiting, samples = self.clients.demand()
+            ws = self.working_sets.choose(running, self._tick.waits, waiting, samples)
+            self.clients.room = ws.client_room
             cheapest = min((e.step_cost for e in running if e.step_cost > 0), default=None)
             with self._jobs_lock:  # pick and take together: no wake-up is lost
                 train = self._tick.has_work(running) or self.clients.has_work(cheapest)
@@ -368,10 +377,15 @@ class Engine:
                     )
             try:
                 if kind == "serve":
+                    self.pager.ensure(j.slot_name for j in jobs if j.slot_name)
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
+                    taken = [e.id for e in ws.experiments] + [m.name for m, _ in client.segments]
+                    self.pager.ensure(taken, ws.pinned)  # page in before any row runs
+                    if client.samples:  # a spare slot for a saved sampler's adapter
+                        self.pager.make_room(self.pager.busy)
                     passes = getattr(self.strategy, "passes", 0)
-                    report = self._tick.run(running, client.start(), client.train)
+                    report = self._tick.run(ws.experiments, client.start(), client.train)
                     report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is
@@ -381,6 +395,7 @@ class Engine:
                 raise
             finally:
                 client.finish()
+                self.pager.release()
             self.time_share.charge(kind, report.seconds)
             if report.adapter_sync is not None and self.adapter_sync is not None:
                 with self._state_lock:  # capacity() reads it from request threads
@@ -396,8 +411,8 @@ class Engine:
         plan = compile_plan(spec, self.plan_limits)  # rank, targets, params, step cost
         assert plan.task is not None  # a client experiment is clients/experiments.py's
         check_chat_templates(plan.task, self.codec, self.model_name)  # prompts, observations
-        if not self.model.has_room():  # a cached version gives its slot back when asked
-            raise NoCapacityError(f"all {self.model.max_adapters} adapter slots are taken")
+        if not self.pager.has_room():  # a cached version gives its slot back when asked
+            raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
         timeout = self.settings.plugin_timeout
         return new_experiment(exp_id, plan, namespace, name, run_id, self.trust, timeout)
 
@@ -407,6 +422,9 @@ class Engine:
         plan: ExperimentPlan = exp.plan
         config = plan.lora
         alone = not self._experiments
+        if not self.pager.has_room():
+            raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
+        self.pager.make_room()  # paging: the least recently used adapter leaves its slot
         try:
             if resume_from:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
@@ -415,6 +433,15 @@ class Engine:
                 self.optimizer.add_adapter(exp.id, plan.optimizer)
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
+        self.pager.register(exp.id)
+
+    def _resident(self, exp_id: str) -> Experiment:
+        """A loaded experiment whose adapter is in its slot (paged in if it was out);
+        under the model lock."""
+        exp = self._require(exp_id)
+        with self._model_lock:
+            self.pager.page_in(exp_id)
+        return exp
 
     def _require(self, exp_id: str) -> Experiment:
         exp = self._experiments.get(exp_id)

@@ -24,6 +24,7 @@ from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, enable_tf32, resolve_dtype
 from loraplex_engine.memory.capacity_plan import engine_plan
+from loraplex_engine.memory.paging import AdapterPager, registered_limit
 from loraplex_engine.parallel.data_parallel import (
     DataParallelTraining,
     data_parallel_trainer,
@@ -83,6 +84,7 @@ class EngineParts:
     # One process decodes with the trainer's own weights (torch, one rank, no sharded
     # base): spare slots serve versions, and clients may train models.
     one_rank_torch: bool
+    pager: AdapterPager  # registered adapters beyond the slots, paged (memory/paging.py)
 
 
 def build_parts(
@@ -172,6 +174,11 @@ def build_parts(
         # Longest row the base model takes (prompt + completion); None: not stated.
         context_tokens=getattr(base.config, "max_position_embeddings", None),
         one_rank_torch=one,
+        pager=AdapterPager(
+            model,
+            optimizer,
+            registered_limit(s.max_adapters, s.max_registered, one and s.schedule == "sync"),
+        ),
     )
 
 
@@ -290,6 +297,7 @@ def client_parts(
         context_tokens=p.context_tokens,
         max_step_tokens=limits.max_step_tokens,
         one_rank_torch=p.one_rank_torch,
+        pager=p.pager,
         model_lock=model_lock,
         wake=wake,
     )

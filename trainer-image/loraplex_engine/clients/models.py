@@ -75,6 +75,9 @@ class ClientModels:
         self.per_namespace = per_namespace
         # At most this many models' segments a tick (None: all), taken in turn.
         self.models_per_tick = models_per_tick
+        # At most this many this tick, when adapters are paged: the slots the engine
+        # gives the tick's client models (tick/working_set.py); None: no bound.
+        self.room: int | None = None
         # How long, at most, a queued call waits for others on their way (gather.py).
         self.gather_s = gather_s
         self._lock = threading.Lock()  # the registry and the queues
@@ -150,6 +153,9 @@ class ClientModels:
                 held = sum(ns == namespace for ns, _ in self._models)
                 share.check(namespace, held, h.model.max_adapters, self.per_namespace)
             name = adapter_name(namespace, model_id)
+            if not h.pager.has_room():
+                raise NoCapacityError(f"all {h.pager.max_registered} adapters are registered")
+            h.pager.make_room()  # paging: the least recently used adapter leaves its slot
             try:
                 h.model.add_adapter(name, config, seed=lora.seed)
             except NoFreeSlotError as e:
@@ -159,6 +165,7 @@ class ClientModels:
             h.optimizer.add_adapter(name, DEFAULT_ADAM)
             info = ClientModelInfo(model_id, namespace, h.model_name, str(h.model_dir), granted)
             model = ClientModel(info, name)
+            h.pager.register(name, model)  # its accumulated gradient pages with it
             with self._lock:
                 self._models[(namespace, model_id)] = model
             return info
@@ -355,7 +362,7 @@ class ClientModels:
             self._samples = [op for op in self._samples if id(op) not in gone]
             if segments:
                 self._served_last = {m for m, _ in segments}
-            if self.models_per_tick is not None:
+            if self.models_per_tick is not None or self.room is not None:
                 for model, _ in segments:
                     key = (model.info.namespace, model.info.model_id)
                     self._models[key] = self._models.pop(key)
@@ -363,9 +370,15 @@ class ClientModels:
 
     def _lanes(self) -> Lanes[taking.Taken]:
         models = [m for m in self._models.values() if m.queue]
-        if self.models_per_tick is not None:
-            models = models[: self.models_per_tick]
+        caps = [c for c in (self.models_per_tick, self.room) if c is not None]
+        if caps:
+            models = models[: min(caps)]
         return taking.lanes(models, self._samples)
+
+    def demand(self) -> tuple[int, bool]:
+        """Models with a call queued, and whether a sample call waits (paging's share)."""
+        with self._lock:
+            return sum(bool(m.queue) for m in self._models.values()), bool(self._samples)
 
     def retrieved(self, namespace: str, model_id: str) -> None:
         """A detached call's answer was fetched (the Tinker layer's retrieve_future):
@@ -395,6 +408,8 @@ class ClientModels:
         """Write the model's adapter (and, for ``weights``, its optimiser state) under the
         caller's namespace, within its quota; atomically (store/checkpoint.py)."""
         h, info = self.parts, model.info
+        with h.model_lock:
+            h.pager.page_in(model.name)  # paged out: its slot again, to be read
         state = saved.StatePath(info.model_id, kind, name)
         target = state.directory(h.root, info.namespace)
         if h.quota is not None:
@@ -460,6 +475,7 @@ class ClientModels:
         """Free its slot (under the model lock), its last weights saved as
         ``weights/final`` first when ``save``; calls still queued get NotFoundError."""
         h = self.parts
+        h.pager.page_in(model.name)  # paged out: back in its slot, then removed
         if save:
             self.save(model, "final", "weights")
         with self._lock:
@@ -468,5 +484,6 @@ class ClientModels:
             model.queue.clear()
         h.optimizer.remove_adapter(model.name)
         h.model.remove_adapter(model.name)
+        h.pager.forget(model.name)
         for op in left:
             op.resolve(error=NotFoundError(f"model {model.info.model_id!r} was unloaded"))

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.memory.paging import AdapterPager
 from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.tenancy.work_limits import WorkLimits
@@ -39,5 +40,6 @@ class ClientParts:
     context_tokens: int | None
     max_step_tokens: int  # the tick's client work is shared out in these
     one_rank_torch: bool  # client training needs one rank decoding with torch
+    pager: AdapterPager  # models beyond the slots wait paged out (memory/paging.py)
     model_lock: threading.RLock  # held for a whole tick and for slot changes
     wake: Callable[[], None]  # a call was queued: the loop runs a tick

@@ -109,9 +109,15 @@ class ClientTick:
             return None
         directory, info = self.owner.state_of(task.namespace, task.state)
         live = self.owner.loaded(task.namespace, task.state.model_id)
-        if live is not None and (live.incarnation, live.version) == (
-            info.incarnation,
-            info.version,
+        paged = live is not None and self.owner.parts.pager.is_paged(live.name)
+        if (
+            live is not None
+            and not paged
+            and (live.incarnation, live.version)
+            == (
+                info.incarnation,
+                info.version,
+            )
         ):
             return live.name
         if self.spare is None:

@@ -52,6 +52,18 @@ class EngineSettings(BaseModel):
 
     max_adapters: Annotated[int, Flag("adapter slots", v.to_int)] = 8
     max_rank: Annotated[int, Flag("largest LoRA rank", v.to_int)] = 64
+    max_registered: Annotated[
+        int | None,
+        Flag(
+            "adapters (experiments and client models) the engine holds at once: "
+            "--max-adapters of them resident in slots, the rest paged out to host memory "
+            "and paged in by the tick that needs them (docs/design/paging.md)",
+            v.positive_int,
+            metavar="N",
+            default_text="64 x --max-adapters with one rank, the torch rollout and the "
+            "sync schedule; else --max-adapters (no paging)",
+        ),
+    ] = None
     checkpoint_root: Annotated[
         str, Flag("checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/")
     ] = "/ckpt"
@@ -276,6 +288,7 @@ class EngineSettings(BaseModel):
         "checkpoint_keep_runs",
         "client_models_per_tick",
         "client_models_per_namespace",
+        "max_registered",
     )
     @classmethod
     def _positive_budget(cls, value: int | None, info: ValidationInfo) -> int | None:

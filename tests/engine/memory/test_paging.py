@@ -1,0 +1,130 @@
+"""Adapter paging (memory/paging.py) on a real Engine with the tiny model: an adapter
+paged out to host memory and back continues bit for bit as if it had stayed in its slot
+(losses, weights, both Adam moments, a client's accumulated gradient), and an engine with
+more registered adapters than slots trains every one of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
+
+from tests.support.client_driver import NS, drive, sft_datum
+from tests.support.engine_builders import engine, run_to_end, spec
+
+CE = LossCall("cross_entropy")
+DATA = [
+    [sft_datum([1, 40, 41], [100, 101, 102])],
+    [sft_datum([1, 50, 51, 52], [200, 201])],
+    [sft_datum([1, 60], [110, 111, 112, 113])],
+]
+ADAM = AdamStep(learning_rate=0.01)
+
+
+def _weights_and_moments(eng, name: str) -> dict[str, torch.Tensor]:
+    state = eng.optimizer.state_dict(name)
+    moments = {f"m:{k}": v for k, v in state["exp_avg"].items()}
+    moments |= {f"v:{k}": v for k, v in state["exp_avg_sq"].items()}
+    return eng.model.adapter_state_dict(name) | moments
+
+
+def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:2]}"
+
+
+def _client_run(eng, model_id: str, between=None) -> tuple[list[float], dict]:
+    """forward_backward, optim_step, forward_backward (accumulated, not stepped), then
+    ``between`` (which may page the model out), then forward_backward, optim_step twice."""
+    clients = eng.clients
+    clients.create_model(NS, model_id, ClientLora(rank=4, seed=3))
+    losses = []
+
+    def fb(i: int) -> None:
+        (out,) = drive(eng, lambda: clients.forward_backward(NS, model_id, DATA[i], CE))
+        losses.append(out.metrics["loss:sum"])
+
+    def step() -> None:
+        drive(eng, lambda: clients.optim_step(NS, model_id, ADAM))
+
+    fb(0), step(), fb(1)
+    if between is not None:
+        between()
+    fb(2), step(), fb(0), step()
+    name = clients.loaded(NS, model_id).name
+    eng.pager.page_in(name)
+    return losses, _weights_and_moments(eng, name)
+
+
+@pytest.fixture
+def eng(tiny_model_dir: Path, tmp_path: Path):
+    e = engine(tiny_model_dir, tmp_path, max_adapters=2, client_models_per_namespace=8)
+    yield e
+    e.close()
+
+
+def test_a_paged_client_model_keeps_its_accumulated_gradient_bit_for_bit(eng) -> None:
+    assert eng.pager.max_registered == 2 * 64  # the default: 64 per slot
+    alone_losses, alone = _client_run(eng, "alone")
+    drive(eng, lambda: eng.clients.unload_model(NS, "alone", save=False))
+    paged_names = []
+
+    def crowd() -> None:  # two other models take both slots: "paged" must leave its own
+        for other in ("f1", "f2"):
+            eng.clients.create_model(NS, other, ClientLora(rank=8, seed=1))
+        drive(
+            eng,
+            *(lambda o=o: eng.clients.forward_backward(NS, o, DATA[1], CE) for o in ("f1", "f2")),
+        )
+        paged = eng.clients.loaded(NS, "paged").name
+        assert eng.pager.is_paged(paged)
+        assert eng.pager.pages[paged].grads is not None  # the unstepped gradient went with it
+        paged_names.append(paged)
+
+    paged_losses, paged = _client_run(eng, "paged", crowd)
+    assert paged_names and eng.pager.stats.page_ins >= 1
+    assert paged_losses == alone_losses
+    _assert_identical(paged, alone)
+
+
+def test_a_paged_experiment_trains_as_if_it_had_stayed(tiny_model_dir: Path, tmp_path: Path):
+    alone = engine(tiny_model_dir, tmp_path / "alone", max_adapters=1, max_registered=1)
+    try:
+        alone.put_experiment("a", spec(steps=4, seed=7))
+        alone_curve = run_to_end(alone, ["a"])["a"]
+        alone_weights = _weights_and_moments(alone, "a")
+    finally:
+        alone.close()
+    shared = engine(tiny_model_dir, tmp_path / "shared", max_adapters=1)  # paging: 64 on 1
+    try:
+        shared.put_experiment("a", spec(steps=4, seed=7))
+        shared.put_experiment("b", spec(steps=4, seed=8))  # pages "a" out: one slot
+        assert shared.pager.is_paged("a")
+        curves = run_to_end(shared, ["a", "b"])
+        assert shared.pager.stats.page_ins >= 4  # they took turns in the one slot
+        shared.pager.page_in("a")
+        _assert_identical(_weights_and_moments(shared, "a"), alone_weights)
+        assert curves["a"] == alone_curve and len(curves["b"]) == 4
+    finally:
+        shared.close()
+
+
+def test_more_registered_models_than_slots_all_train(eng) -> None:
+    ids = [f"m{i}" for i in range(7)]  # 7 models, 2 slots
+    for i in ids:
+        eng.clients.create_model(NS, i, ClientLora(rank=4, seed=0))
+    for _ in range(2):
+        outs = drive(
+            eng,
+            *(lambda i=i: eng.clients.forward_backward(NS, i, DATA[0], CE) for i in ids),
+            *(lambda i=i: eng.clients.optim_step(NS, i, ADAM) for i in ids),
+        )
+    assert len(outs) == 14
+    assert eng.pager.registered() == 7 and len(eng.pager.pages) == 5
+    for i in ids:
+        name = eng.clients.loaded(NS, i).name
+        eng.pager.page_in(name)
+        assert eng.optimizer.step_count(name) == 2

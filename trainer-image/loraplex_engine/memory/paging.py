@@ -1,0 +1,294 @@
+"""Adapter paging: two tiers for every registered adapter, so an engine holds many more
+adapters than it has slots (docs/design/paging.md).
+
+An adapter is either *resident* (in a slot of the stacked LoRA buffers, with its AdamW
+state in the optimiser's stacked moments) or *paged out*: an :class:`AdapterPage` in host
+memory holding exactly what the slot held, at the adapter's own rank (never the engine's
+max rank): its weights, both Adam moments, its settings and step count, and any gradient
+its client accumulated but has not stepped. Paging is copies, no arithmetic, so an
+adapter paged out and in continues bit for bit as if it had stayed (the padding beyond
+its rank is exactly zero in a slot, and is recreated as zeros).
+
+The :class:`AdapterPager` keeps the resident ones in least-recently-used order. A tick
+names its working set first (``ensure``): each paged-out member is paged in, evicting the
+least recently used resident adapter outside the working set; an adapter the caller
+marks busy (work in flight: a reward pending, a call taken) is never evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from loraplex_engine.lora.config import LoRAConfig
+from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.spec.errors import NoFreeSlotError, UnknownAdapterError, UsageError
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+
+# Registered adapters per slot when --max-registered is not given and paging can run.
+DEFAULT_REGISTERED_PER_SLOT = 64
+
+SlotTensors = list[Tensor]  # one per optimizer.params entry: that parameter's [slot] block
+
+
+def registered_limit(slots: int, configured: int | None, supported: bool) -> int:
+    """How many adapters an engine registers: ``--max-registered``, by default 64 per
+    slot where paging runs (one rank decoding with the trainer's weights, the sync
+    tick: a page-in is a copy into the slot every forward reads), else the slots."""
+    if configured is None:
+        return slots * DEFAULT_REGISTERED_PER_SLOT if supported else slots
+    if configured < slots:
+        raise UsageError(f"--max-registered {configured} is below --max-adapters {slots}")
+    if configured > slots and not supported:
+        raise UsageError(
+            "--max-registered above --max-adapters pages adapters, which needs one rank, "
+            "the torch rollout and --schedule sync"
+        )
+    return configured
+
+
+class HoldsGrads(Protocol):
+    """Who keeps an adapter's gradient accumulated across calls (a client model)."""
+
+    grads: SlotTensors | None
+
+
+@dataclass(frozen=True)
+class CompactGrads:
+    """An accumulated gradient at the adapter's own rank: per stacked parameter, its
+    block ``[:r]`` (A) or ``[:, :r]`` (B), or None where the adapter does not train it;
+    ``full`` keeps the whole padded block instead when anything outside was nonzero (a
+    non-finite gradient spreads into the padding), so paging never changes a bit."""
+
+    blocks: list[Tensor | None]
+    full: bool
+
+
+@dataclass(frozen=True)
+class AdapterPage:
+    """One paged-out adapter: all a slot held for it, on the host, at its own rank."""
+
+    name: str
+    config: LoRAConfig
+    weights: dict[str, Tensor]  # PEFT key -> weight
+    settings: AdamWSettings
+    step: int
+    exp_avg: dict[str, Tensor]  # PEFT key -> first moment
+    exp_avg_sq: dict[str, Tensor]  # PEFT key -> second moment
+    grads: CompactGrads | None  # accumulated, not yet stepped (client models)
+
+    def nbytes(self) -> int:
+        tensors = [*self.weights.values(), *self.exp_avg.values(), *self.exp_avg_sq.values()]
+        if self.grads is not None:
+            tensors += [t for t in self.grads.blocks if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class PagingStats:
+    page_ins: int = 0
+    page_outs: int = 0
+    page_in_seconds: list[float] = field(default_factory=list)  # the most recent ones
+    page_out_seconds: list[float] = field(default_factory=list)
+
+    def record(self, into: list[float], seconds: float) -> None:
+        into.append(seconds)
+        del into[:-4096]  # a bounded window: percentiles of the recent ones
+
+
+def _blocks(model: MultiLoRAModel, config: LoRAConfig) -> list[tuple[bool, bool]]:
+    """Per optimizer.params entry (A then B of each layer): (targeted, is B)."""
+    out = []
+    for path in model.lora_layers:
+        targeted = path.rsplit(".", 1)[-1] in config.target_modules
+        out += [(targeted, False), (targeted, True)]
+    return out
+
+
+def compact_grads(model: MultiLoRAModel, config: LoRAConfig, grads: SlotTensors) -> CompactGrads:
+    r = config.rank
+    blocks: list[Tensor | None] = []
+    for (targeted, is_b), g in zip(_blocks(model, config), grads, strict=True):
+        blocks.append(None if not targeted else (g[:, :r] if is_b else g[:r]))
+    rest = sum(float(g.abs().sum()) for g in grads) - sum(
+        float(b.abs().sum()) for b in blocks if b is not None
+    )
+    if rest != 0.0 or any(not bool(torch.isfinite(g).all()) for g in grads):
+        return CompactGrads([g.to("cpu", copy=True) for g in grads], full=True)
+    return CompactGrads([None if b is None else b.to("cpu", copy=True) for b in blocks], False)
+
+
+def expand_grads(
+    model: MultiLoRAModel, config: LoRAConfig, grads: CompactGrads, like: Iterable[Tensor]
+) -> SlotTensors:
+    """The padded per-slot blocks again, on the stacked parameters' device."""
+    out: SlotTensors = []
+    for (_, is_b), block, p in zip(_blocks(model, config), grads.blocks, like, strict=True):
+        whole = torch.zeros_like(p[0])
+        if grads.full:
+            whole.copy_(block)  # type: ignore[arg-type]
+        elif block is not None:
+            (whole[:, : block.shape[1]] if is_b else whole[: block.shape[0]]).copy_(block)
+        out.append(whole)
+    return out
+
+
+def _host(views: dict[str, Tensor], pin: bool) -> dict[str, Tensor]:
+    out = {}
+    for key, view in views.items():
+        host = torch.empty(view.shape, dtype=view.dtype, pin_memory=pin)
+        out[key] = host.copy_(view.detach(), non_blocking=pin)
+    return out
+
+
+class AdapterPager:
+    """The resident adapters it manages, in LRU order, and the pages of the others.
+    The caller holds the engine's model lock around every call."""
+
+    def __init__(
+        self, model: MultiLoRAModel, optimizer: PerAdapterAdamW, max_registered: int
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.max_registered = max_registered
+        self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
+        self.pages: dict[str, AdapterPage] = {}
+        self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
+        self._holders: dict[str, HoldsGrads] = {}
+        self.busy: set[str] = set()  # this tick's working set: never evicted
+        self.stats = PagingStats()
+
+    # ---- the registry ------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_registered > self.model.max_adapters
+
+    def has_room(self) -> bool:
+        """One more adapter may register: under --max-registered when paging, else a
+        slot is free or can be freed (lora/model.py)."""
+        if not self.enabled:
+            return self.model.has_room()
+        return self.registered() < self.max_registered
+
+    def registered(self) -> int:
+        return len(self._resident) + len(self.pages)
+
+    def register(self, name: str, holder: HoldsGrads | None = None) -> None:
+        """A resident adapter (just added to the model and optimiser) is now pageable."""
+        self._resident[name] = None
+        if holder is not None:
+            self._holders[name] = holder
+
+    def forget(self, name: str) -> None:
+        """It was removed: its page (if any) goes too."""
+        self._resident.pop(name, None)
+        self.pages.pop(name, None)
+        self._holders.pop(name, None)
+
+    def is_paged(self, name: str) -> bool:
+        return name in self.pages
+
+    def touch(self, name: str) -> None:
+        if name in self._resident:
+            self._resident.move_to_end(name)
+
+    def host_bytes(self) -> int:
+        return sum(p.nbytes() for p in self.pages.values())
+
+    # ---- the tiers ---------------------------------------------------------------------
+
+    def page_out(self, name: str) -> AdapterPage:
+        """Copy the adapter's slot to the host and free the slot."""
+        if name not in self._resident:
+            raise UnknownAdapterError(f"no resident pageable adapter named {name!r}")
+        start = time.perf_counter()
+        model, opt = self.model, self.optimizer
+        config = model.config_of(name)
+        holder = self._holders.get(name)
+        slot = model.slot_of(name)
+        page = AdapterPage(
+            name=name,
+            config=config,
+            weights=_host(model.adapter_views(name), self.pin),
+            settings=opt.settings[slot],
+            step=opt.step_count(name),
+            exp_avg=_host(model.adapter_views(name, opt.exp_avg.__getitem__), self.pin),
+            exp_avg_sq=_host(model.adapter_views(name, opt.exp_avg_sq.__getitem__), self.pin),
+            grads=None if holder is None or holder.grads is None
+            else compact_grads(model, config, holder.grads),
+        )  # fmt: skip
+        if page.grads is not None and holder is not None:
+            holder.grads = None
+        opt.remove_adapter(name)
+        model.remove_adapter(name)
+        del self._resident[name]
+        self.pages[name] = page
+        self.stats.page_outs += 1
+        self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
+        return page
+
+    def page_in(self, name: str) -> int:
+        """Put a paged-out adapter back into a slot (evicting the least recently used
+        adapter not busy when none is free); returns the slot. Resident: a touch."""
+        if name not in self.pages:
+            if name not in self._resident:
+                raise UnknownAdapterError(f"no pageable adapter named {name!r}")
+            self.touch(name)
+            return self.model.slot_of(name)
+        if not self.make_room(self.busy | {name}):
+            raise NoFreeSlotError(
+                f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
+            )
+        start = time.perf_counter()
+        page = self.pages.pop(name)
+        slot = self.model.add_adapter(name, page.config, seed=0)
+        self.model.load_adapter_state_dict(name, page.weights)
+        self.optimizer.load_state_dict(name, {
+            "settings": asdict(page.settings), "step": page.step,
+            "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
+        })  # fmt: skip
+        holder = self._holders.get(name)
+        if holder is not None and page.grads is not None:
+            like = self.optimizer.params
+            grads = expand_grads(self.model, page.config, page.grads, (p.data for p in like))
+            holder.grads = grads
+        self._resident[name] = None
+        if self.pin:  # the copies ran asynchronously: the latency measured is theirs
+            torch.cuda.synchronize()
+        self.stats.page_ins += 1
+        self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
+        return slot
+
+    def make_room(self, keep: set[str] | frozenset[str] = frozenset()) -> bool:
+        """A free slot, by reclaiming a cached version (lora/model.py's reclaimer) or
+        paging out the least recently used adapter not in ``keep``; False if none can go."""
+        if self.model.free_slots(reclaim=True) or not self.enabled:
+            return bool(self.model.free_slots())
+        victim = next((n for n in self._resident if n not in keep), None)
+        if victim is None:
+            return False
+        self.page_out(victim)
+        return True
+
+    def ensure(self, names: Iterable[str], busy: Iterable[str] = ()) -> None:
+        """A tick's working set: every one of ``names`` resident (and most recently used),
+        none of them nor of ``busy`` evicted to make room. The caller sized the set to the
+        slots; ``release`` ends the tick's hold."""
+        wanted = [n for n in dict.fromkeys(names) if n in self.pages or n in self._resident]
+        self.busy = set(wanted) | set(busy)
+        for name in wanted:
+            self.page_in(name)
+            self.touch(name)
+
+    def release(self) -> None:
+        self.busy = set()
+
+    def resident_pageable(self) -> list[str]:
+        """Resident adapters, least recently used first."""
+        return list(self._resident)
