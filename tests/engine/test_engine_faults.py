@@ -148,7 +148,7 @@ def test_checkpoint_settings_edited_between_placements_apply_on_resume(tiny_mode
 
 
 def test_bad_requests_change_nothing(tiny_model_dir, tmp_path):
-    eng = engine(tiny_model_dir, tmp_path, max_adapters=1)
+    eng = engine(tiny_model_dir, tmp_path, max_adapters=1, max_registered=1)  # no paging
     with pytest.raises(InvalidSpecError) as err:
         eng.put_experiment("default.big", spec(lora={"rank": 64, "alpha": 16}), "default", "big")
     assert err.value.field == "spec.lora.rank"

@@ -27,7 +27,9 @@ IS = LossCall("importance_sampling")
 
 @pytest.fixture(scope="module")
 def eng(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    e = engine(tiny_model_dir, tmp_path_factory.mktemp("client-errors"), max_adapters=2)
+    e = engine(
+        tiny_model_dir, tmp_path_factory.mktemp("client-errors"), max_adapters=2, max_registered=2
+    )  # full at two models: no paging
     e.clients.create_model(NS, "m", ClientLora(rank=4, seed=0))
     yield e
     e.close()

@@ -62,7 +62,11 @@ def put_body(
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("live")
-    srv = EngineServer(tiny_model_dir, work / "ckpt", max_adapters=4, max_rank=16, workdir=work)
+    # --max-registered 4: the engine is full at its four slots (no paging), see below.
+    srv = EngineServer(
+        tiny_model_dir, work / "ckpt", max_adapters=4, max_rank=16, workdir=work,
+        extra_args=["--max-registered", "4"],
+    )  # fmt: skip
     srv.start()
     record_measurement("startup_s_cold", srv.startup_s, "process start -> /readyz 200 (test)")
     record_measurement("startup_s_server_reported", srv.reported_startup_s, "server's own")
