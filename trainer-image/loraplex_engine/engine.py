@@ -236,7 +236,7 @@ class Engine:
             max_rank=self.model.max_rank,
             dtype=dtype_name(self.dtype),
             gradient_checkpointing=self.strategy.gradient_checkpointing,
-            used_slots=len(ids),
+            used_slots=len(ids) - len(self.pager.pages),  # resident; the paged: below
             experiments=ids,
             memory=MemoryUse(rss_bytes=psutil.Process().memory_info().rss, device_bytes=device),
             model_shape=model_shape_of(self.model.base_model.config),
@@ -246,6 +246,7 @@ class Engine:
             storage_full=storage_full,
             plugins=self.trust.plugins.listing(installed()),  # type: ignore[arg-type]
             **self.publisher.slot_stats(),
+            **self.pager.capacity_fields(),
         )
 
     def put_task_experiment(

@@ -203,6 +203,15 @@ class EngineMetrics:
             registry=r,
         )
         self._version_loads_seen = 0
+        # Adapter paging (memory/paging.py): adapters in host memory, their bytes, moves.
+        self.paged = Gauge("loraplex_engine_paged_adapters", "Adapters paged out.", registry=r)
+        self.paged_bytes = Gauge(
+            "loraplex_engine_paged_host_bytes", "Host bytes of paged-out adapters.", registry=r
+        )
+        self.pages = Counter(
+            "loraplex_engine_pages", "Adapters paged in and out.", ["direction"], registry=r
+        )
+        self._pages_seen = {"in": 0, "out": 0}
         self.memory = Gauge("loraplex_engine_memory_bytes", "Memory in use.", ["kind"], registry=r)
         self.storage_full = Gauge(
             "loraplex_engine_checkpoint_storage_full",
@@ -464,6 +473,11 @@ class EngineMetrics:
         if capacity.version_loads > self._version_loads_seen:  # the engine's count so far
             self.version_loads.inc(capacity.version_loads - self._version_loads_seen)
         self._version_loads_seen = capacity.version_loads
+        self.paged.set(capacity.paged_adapters)
+        self.paged_bytes.set(capacity.paged_host_bytes)
+        for way, total in (("in", capacity.page_ins), ("out", capacity.page_outs)):
+            self.pages.labels(direction=way).inc(max(0, total - self._pages_seen[way]))
+            self._pages_seen[way] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

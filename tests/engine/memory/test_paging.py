@@ -135,6 +135,10 @@ def test_more_registered_models_than_slots_all_train(eng, tiny_model_dir, tmp_pa
     crowded = _crowd_losses(eng, ids)
     assert eng.pager.registered() == 7 and len(eng.pager.pages) == 5
     assert eng.pager.stats.page_ins >= 10
+    capacity = eng.capacity()  # what GET /v1/capacity and /metrics report
+    assert (capacity.used_slots, capacity.paged_adapters, capacity.max_registered) == (2, 5, 128)
+    assert capacity.page_ins == eng.pager.stats.page_ins and capacity.paged_host_bytes > 0
+    assert len(capacity.experiments) == 7 and capacity.free_slots == 0
     for i in ids:
         name = eng.clients.loaded(NS, i).name
         eng.pager.page_in(name)

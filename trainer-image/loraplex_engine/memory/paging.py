@@ -201,6 +201,17 @@ class AdapterPager:
     def host_bytes(self) -> int:
         return sum(p.nbytes() for p in self.pages.values())
 
+    def capacity_fields(self) -> dict[str, int]:
+        """What the engine's capacity report (spec/api_types.Capacity) says of paging."""
+        stats = self.stats
+        return {
+            "max_registered": self.max_registered,
+            "paged_adapters": len(self.pages),
+            "paged_host_bytes": self.host_bytes(),
+            "page_ins": stats.page_ins,
+            "page_outs": stats.page_outs,
+        }
+
     # ---- the tiers ---------------------------------------------------------------------
 
     def page_out(self, name: str) -> AdapterPage:

@@ -272,6 +272,15 @@ class Capacity(WireModel):
     # slot is needed, so free_slots counts theirs), and versions loaded into one so far.
     resident_versions: list[str] = []
     version_loads: int = 0
+    # Adapter paging (docs/design/paging.md): adapters it registers at most (experiments
+    # and client models; None: an engine before paging, its slots), those paged out to
+    # host memory now (listed in ``experiments``, not counted in ``used_slots``) and the
+    # bytes they take there, and the page-ins and page-outs so far.
+    max_registered: int | None = None
+    paged_adapters: int = 0
+    paged_host_bytes: int = 0
+    page_ins: int = 0
+    page_outs: int = 0
 
     @computed_field  # type: ignore[prop-decorator]
     @property
