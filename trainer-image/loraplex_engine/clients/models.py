@@ -151,7 +151,7 @@ class ClientModels:
                 if (namespace, model_id) in self._models:
                     raise ConflictError(f"model {model_id!r} exists")
                 held = sum(ns == namespace for ns, _ in self._models)
-                share.check(namespace, held, h.model.max_adapters, self.per_namespace)
+                share.check(namespace, held, h.pager.max_registered, self.per_namespace)
             name = adapter_name(namespace, model_id)
             if not h.pager.has_room():
                 raise NoCapacityError(f"all {h.pager.max_registered} adapters are registered")

@@ -237,7 +237,7 @@ class EngineSettings(BaseModel):
             "cannot take the slots of the others",
             v.positive_int,
             metavar="N",
-            default_text="half the adapter slots, rounded up",
+            default_text="half the adapters it registers (--max-registered), rounded up",
         ),
     ] = None
     client_tick_gather: Annotated[
