@@ -152,3 +152,35 @@ def test_more_registered_models_than_slots_all_train(eng, tiny_model_dir, tmp_pa
         assert roomy.pager.stats.page_ins == 0
     finally:
         roomy.close()
+
+
+def test_a_failed_page_in_keeps_the_page(eng, monkeypatch) -> None:
+    for i in ("x", "y", "z"):  # 3 models, 2 slots: "x" is paged out
+        eng.clients.create_model(NS, i, ClientLora(rank=4, seed=0))
+    name = eng.clients.loaded(NS, "x").name
+    page, free = eng.pager.pages[name], eng.model.free_slots()
+    real = eng.optimizer.load_state_dict
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no room for the moments")
+
+    monkeypatch.setattr(eng.optimizer, "load_state_dict", broken)
+    with pytest.raises(MemoryError):
+        eng.pager.page_in(name)
+    assert eng.pager.pages[name] is page and name not in eng.model.adapters()
+    assert not eng.optimizer.has_adapter(name) and len(eng.model.free_slots()) == len(free) + 1
+    monkeypatch.setattr(eng.optimizer, "load_state_dict", real)
+    eng.pager.page_in(name)
+    _assert_identical(eng.model.adapter_state_dict(name), page.weights)
+
+
+def test_max_registered_below_the_slots_or_without_paging_is_refused() -> None:
+    from loraplex_engine.memory.paging import registered_limit
+    from loraplex_engine.spec.errors import UsageError
+
+    assert registered_limit(8, None, supported=True) == 512
+    assert registered_limit(8, None, supported=False) == 8
+    with pytest.raises(UsageError, match="below --max-adapters"):
+        registered_limit(8, 4, supported=True)
+    with pytest.raises(UsageError, match="--schedule sync"):
+        registered_limit(8, 9, supported=False)

@@ -162,6 +162,7 @@ class AdapterPager:
         self._holders: dict[str, HoldsGrads] = {}
         self.busy: set[str] = set()  # this tick's working set: never evicted
         self.stats = PagingStats()
+        self._host_bytes = 0
 
     # ---- the registry ------------------------------------------------------------------
 
@@ -188,7 +189,9 @@ class AdapterPager:
     def forget(self, name: str) -> None:
         """It was removed: its page (if any) goes too."""
         self._resident.pop(name, None)
-        self.pages.pop(name, None)
+        page = self.pages.pop(name, None)
+        if page is not None:
+            self._host_bytes -= page.nbytes()
         self._holders.pop(name, None)
 
     def is_paged(self, name: str) -> bool:
@@ -199,7 +202,7 @@ class AdapterPager:
             self._resident.move_to_end(name)
 
     def host_bytes(self) -> int:
-        return sum(p.nbytes() for p in self.pages.values())
+        return self._host_bytes  # kept as pages come and go: read from request threads
 
     def capacity_fields(self) -> dict[str, int]:
         """What the engine's capacity report (spec/api_types.Capacity) says of paging."""
@@ -240,6 +243,7 @@ class AdapterPager:
         model.remove_adapter(name)
         del self._resident[name]
         self.pages[name] = page
+        self._host_bytes += page.nbytes()
         self.stats.page_outs += 1
         self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
         return page
@@ -257,8 +261,26 @@ class AdapterPager:
                 f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
             )
         start = time.perf_counter()
-        page = self.pages.pop(name)
+        page = self.pages[name]
         slot = self.model.add_adapter(name, page.config, seed=0)
+        try:
+            self._restore(page)
+        except BaseException:  # the page stays the adapter's copy: nothing is lost
+            if self.optimizer.has_adapter(name):
+                self.optimizer.remove_adapter(name)
+            self.model.remove_adapter(name)
+            raise
+        del self.pages[name]
+        self._host_bytes -= page.nbytes()
+        self._resident[name] = None
+        if self.pin:  # the copies ran asynchronously: the latency measured is theirs
+            torch.cuda.synchronize()
+        self.stats.page_ins += 1
+        self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
+        return slot
+
+    def _restore(self, page: AdapterPage) -> None:
+        name = page.name
         self.model.load_adapter_state_dict(name, page.weights)
         self.optimizer.load_state_dict(name, {
             "settings": asdict(page.settings), "step": page.step,
@@ -266,15 +288,8 @@ class AdapterPager:
         })  # fmt: skip
         holder = self._holders.get(name)
         if holder is not None and page.grads is not None:
-            like = self.optimizer.params
-            grads = expand_grads(self.model, page.config, page.grads, (p.data for p in like))
-            holder.grads = grads
-        self._resident[name] = None
-        if self.pin:  # the copies ran asynchronously: the latency measured is theirs
-            torch.cuda.synchronize()
-        self.stats.page_ins += 1
-        self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
-        return slot
+            like = (p.data for p in self.optimizer.params)
+            holder.grads = expand_grads(self.model, page.config, page.grads, like)
 
     def make_room(self, keep: set[str] | frozenset[str] = frozenset()) -> bool:
         """A free slot, by reclaiming a cached version (lora/model.py's reclaimer) or

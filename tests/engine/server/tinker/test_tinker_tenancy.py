@@ -9,8 +9,9 @@ against a real ``loraplex-engine serve`` (tiny model, 4 slots) and the official 
   namespace): team-a's client experiment under team-b's ``spec.client.modelId``, then
   called through team-a's delegation, leaves team-b's model and its session to team-b;
   and ``/metrics`` without the engine's token names no tenant;
-- a namespace holds at most its share of the slots (``--client-models-per-namespace``,
-  by default half): team-a asking for every slot leaves room for team-b's create_model.
+- a namespace holds at most its share of the registered adapters
+  (``--client-models-per-namespace``, by default half): team-a asking for every one leaves
+  room for team-b's create_model.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def server(
         "--tinker-futures-per-namespace", str(CAP),
         "--tinker-future-ttl", str(TTL_S),
         "--tinker-retrieved-grace", str(GRACE_S),
+        "--max-registered", str(SLOTS),  # no paging: the share is of these 4
     ]  # fmt: skip
     srv = EngineServer(
         tiny_model_dir, work / "ckpt", max_adapters=SLOTS, workdir=work, extra_args=flags
