@@ -175,6 +175,7 @@ class Engine:
         self.refuse_completions("the engine is shutting down")
         self.scorer.close()
         self.backend.close()
+        self.pager.close()
 
     def is_ready(self) -> bool:
         return True  # the constructor returns only once the model and backend are loaded

@@ -25,6 +25,7 @@ from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, d
 from loraplex_engine.lora.precision import MASTER_DTYPE, enable_tf32, resolve_dtype
 from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.memory.paging import AdapterPager, registered_limit
+from loraplex_engine.memory.spill import spill_dir
 from loraplex_engine.parallel.data_parallel import (
     DataParallelTraining,
     data_parallel_trainer,
@@ -178,6 +179,8 @@ def build_parts(
             model,
             optimizer,
             registered_limit(s.max_adapters, s.max_registered, one and s.schedule == "sync"),
+            s.host_adapter_memory,
+            spill_dir(root),
         ),
     )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from loraplex_engine.memory.spill import SpilledPage, read
 from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
 
 from tests.support.client_driver import NS, drive, sft_datum
@@ -67,7 +68,23 @@ def eng(tiny_model_dir: Path, tmp_path: Path):
     e.close()
 
 
-def test_a_paged_client_model_keeps_its_accumulated_gradient_bit_for_bit(eng) -> None:
+@pytest.mark.parametrize("host_memory", [None, 1], ids=["host", "spilled-to-volume"])
+def test_a_paged_client_model_keeps_its_accumulated_gradient_bit_for_bit(
+    tiny_model_dir: Path, tmp_path: Path, host_memory: int | None
+) -> None:
+    """In host memory, or (a 1-byte host budget) written to the checkpoint volume."""
+    eng = engine(
+        tiny_model_dir, tmp_path, max_adapters=2, client_models_per_namespace=8,
+        host_adapter_memory=host_memory,
+    )  # fmt: skip
+    try:
+        _paged_vs_alone(eng, spilled=host_memory is not None)
+    finally:
+        eng.close()
+    assert not list(tmp_path.glob(".paged-adapters/*/*"))  # the engine's spill went with it
+
+
+def _paged_vs_alone(eng, spilled: bool) -> None:
     assert eng.pager.max_registered == 2 * 64  # the default: 64 per slot
     alone_losses, alone = _client_run(eng, "alone")
     drive(eng, lambda: eng.clients.unload_model(NS, "alone", save=False))
@@ -82,7 +99,11 @@ def test_a_paged_client_model_keeps_its_accumulated_gradient_bit_for_bit(eng) ->
         )
         paged = eng.clients.loaded(NS, "paged").name
         assert eng.pager.is_paged(paged)
-        assert eng.pager.pages[paged].grads is not None  # the unstepped gradient went with it
+        page = eng.pager.pages[paged]
+        assert isinstance(page, SpilledPage) == spilled
+        assert eng.capacity().spilled_adapters >= spilled
+        page = read(page) if spilled else page
+        assert page.grads is not None  # the unstepped gradient went with it
         paged_names.append(paged)
 
     paged_losses, paged = _client_run(eng, "paged", crowd)

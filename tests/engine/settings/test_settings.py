@@ -53,6 +53,7 @@ CHANGED: dict[str, Any] = {
     "client_tick_gather": 0.05,
     "client_models_per_namespace": 2,
     "max_registered": 100,
+    "host_adapter_memory": 8 << 30,
     "vllm_options": {"max_model_len": 4096, "dtype": "bfloat16", "sleep_mode": True},
     "shard_base": True,
     "model": "/models/m with space",

@@ -21,20 +21,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from pathlib import Path
 
 import torch
-from torch import Tensor
 
-from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
+from loraplex_engine.memory import spill
+from loraplex_engine.memory.pages import (
+    AdapterPage,
+    HoldsGrads,
+    compact_grads,
+    expand_grads,
+    host_copy,
+)
 from loraplex_engine.spec.errors import NoFreeSlotError, UnknownAdapterError, UsageError
-from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
+from loraplex_engine.train.optim import PerAdapterAdamW
 
 # Registered adapters per slot when --max-registered is not given and paging can run.
 DEFAULT_REGISTERED_PER_SLOT = 64
-
-SlotTensors = list[Tensor]  # one per optimizer.params entry: that parameter's [slot] block
 
 
 def registered_limit(slots: int, configured: int | None, supported: bool) -> int:
@@ -53,47 +57,11 @@ def registered_limit(slots: int, configured: int | None, supported: bool) -> int
     return configured
 
 
-class HoldsGrads(Protocol):
-    """Who keeps an adapter's gradient accumulated across calls (a client model)."""
-
-    grads: SlotTensors | None
-
-
-@dataclass(frozen=True)
-class CompactGrads:
-    """An accumulated gradient at the adapter's own rank: per stacked parameter, its
-    block ``[:r]`` (A) or ``[:, :r]`` (B), or None where the adapter does not train it;
-    ``full`` keeps the whole padded block instead when anything outside was nonzero (a
-    non-finite gradient spreads into the padding), so paging never changes a bit."""
-
-    blocks: list[Tensor | None]
-    full: bool
-
-
-@dataclass(frozen=True)
-class AdapterPage:
-    """One paged-out adapter: all a slot held for it, on the host, at its own rank."""
-
-    name: str
-    config: LoRAConfig
-    weights: dict[str, Tensor]  # PEFT key -> weight
-    settings: AdamWSettings
-    step: int
-    exp_avg: dict[str, Tensor]  # PEFT key -> first moment
-    exp_avg_sq: dict[str, Tensor]  # PEFT key -> second moment
-    grads: CompactGrads | None  # accumulated, not yet stepped (client models)
-
-    def nbytes(self) -> int:
-        tensors = [*self.weights.values(), *self.exp_avg.values(), *self.exp_avg_sq.values()]
-        if self.grads is not None:
-            tensors += [t for t in self.grads.blocks if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class PagingStats:
     page_ins: int = 0
     page_outs: int = 0
+    spills: int = 0  # pages written to the third tier (memory/spill.py)
     page_in_seconds: list[float] = field(default_factory=list)  # the most recent ones
     page_out_seconds: list[float] = field(default_factory=list)
 
@@ -102,62 +70,25 @@ class PagingStats:
         del into[:-4096]  # a bounded window: percentiles of the recent ones
 
 
-def _blocks(model: MultiLoRAModel, config: LoRAConfig) -> list[tuple[bool, bool]]:
-    """Per optimizer.params entry (A then B of each layer): (targeted, is B)."""
-    out = []
-    for path in model.lora_layers:
-        targeted = path.rsplit(".", 1)[-1] in config.target_modules
-        out += [(targeted, False), (targeted, True)]
-    return out
-
-
-def compact_grads(model: MultiLoRAModel, config: LoRAConfig, grads: SlotTensors) -> CompactGrads:
-    r = config.rank
-    blocks: list[Tensor | None] = []
-    for (targeted, is_b), g in zip(_blocks(model, config), grads, strict=True):
-        blocks.append(None if not targeted else (g[:, :r] if is_b else g[:r]))
-    rest = sum(float(g.abs().sum()) for g in grads) - sum(
-        float(b.abs().sum()) for b in blocks if b is not None
-    )
-    if rest != 0.0 or any(not bool(torch.isfinite(g).all()) for g in grads):
-        return CompactGrads([g.to("cpu", copy=True) for g in grads], full=True)
-    return CompactGrads([None if b is None else b.to("cpu", copy=True) for b in blocks], False)
-
-
-def expand_grads(
-    model: MultiLoRAModel, config: LoRAConfig, grads: CompactGrads, like: Iterable[Tensor]
-) -> SlotTensors:
-    """The padded per-slot blocks again, on the stacked parameters' device."""
-    out: SlotTensors = []
-    for (_, is_b), block, p in zip(_blocks(model, config), grads.blocks, like, strict=True):
-        whole = torch.zeros_like(p[0])
-        if grads.full:
-            whole.copy_(block)  # type: ignore[arg-type]
-        elif block is not None:
-            (whole[:, : block.shape[1]] if is_b else whole[: block.shape[0]]).copy_(block)
-        out.append(whole)
-    return out
-
-
-def _host(views: dict[str, Tensor], pin: bool) -> dict[str, Tensor]:
-    out = {}
-    for key, view in views.items():
-        host = torch.empty(view.shape, dtype=view.dtype, pin_memory=pin)
-        out[key] = host.copy_(view.detach(), non_blocking=pin)
-    return out
-
-
 class AdapterPager:
     """The resident adapters it manages, in LRU order, and the pages of the others.
     The caller holds the engine's model lock around every call."""
 
     def __init__(
-        self, model: MultiLoRAModel, optimizer: PerAdapterAdamW, max_registered: int
+        self,
+        model: MultiLoRAModel,
+        optimizer: PerAdapterAdamW,
+        max_registered: int,
+        host_budget: int | None = None,
+        spill_dir: Path | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.max_registered = max_registered
+        # Past this many host bytes of pages, the coldest go to files in spill_dir
+        # (memory/spill.py, the third tier); None: host memory only.
+        self.host_budget, self.spill_dir = host_budget, spill_dir
         self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
-        self.pages: dict[str, AdapterPage] = {}
+        self.pages: dict[str, AdapterPage | spill.SpilledPage] = {}  # oldest first
         self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
         self._holders: dict[str, HoldsGrads] = {}
         self.busy: set[str] = set()  # this tick's working set: never evicted
@@ -190,8 +121,10 @@ class AdapterPager:
         """It was removed: its page (if any) goes too."""
         self._resident.pop(name, None)
         page = self.pages.pop(name, None)
-        if page is not None:
+        if isinstance(page, AdapterPage):
             self._host_bytes -= page.nbytes()
+        elif page is not None:
+            spill.remove(page)
         self._holders.pop(name, None)
 
     def is_paged(self, name: str) -> bool:
@@ -210,6 +143,7 @@ class AdapterPager:
         return {
             "max_registered": self.max_registered,
             "paged_adapters": len(self.pages),
+            "spilled_adapters": self.spilled(),
             "paged_host_bytes": self.host_bytes(),
             "page_ins": stats.page_ins,
             "page_outs": stats.page_outs,
@@ -229,11 +163,11 @@ class AdapterPager:
         page = AdapterPage(
             name=name,
             config=config,
-            weights=_host(model.adapter_views(name), self.pin),
+            weights=host_copy(model.adapter_views(name), self.pin),
             settings=opt.settings[slot],
             step=opt.step_count(name),
-            exp_avg=_host(model.adapter_views(name, opt.exp_avg.__getitem__), self.pin),
-            exp_avg_sq=_host(model.adapter_views(name, opt.exp_avg_sq.__getitem__), self.pin),
+            exp_avg=host_copy(model.adapter_views(name, opt.exp_avg.__getitem__), self.pin),
+            exp_avg_sq=host_copy(model.adapter_views(name, opt.exp_avg_sq.__getitem__), self.pin),
             grads=None if holder is None or holder.grads is None
             else compact_grads(model, config, holder.grads),
         )  # fmt: skip
@@ -244,6 +178,7 @@ class AdapterPager:
         del self._resident[name]
         self.pages[name] = page
         self._host_bytes += page.nbytes()
+        self._spill_coldest()
         self.stats.page_outs += 1
         self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
         return page
@@ -261,7 +196,8 @@ class AdapterPager:
                 f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
             )
         start = time.perf_counter()
-        page = self.pages[name]
+        held = self.pages[name]
+        page = spill.read(held) if isinstance(held, spill.SpilledPage) else held
         slot = self.model.add_adapter(name, page.config, seed=0)
         try:
             self._restore(page)
@@ -271,13 +207,34 @@ class AdapterPager:
             self.model.remove_adapter(name)
             raise
         del self.pages[name]
-        self._host_bytes -= page.nbytes()
+        if held is page:
+            self._host_bytes -= page.nbytes()
+        else:
+            spill.remove(held)
         self._resident[name] = None
         if self.pin:  # the copies ran asynchronously: the latency measured is theirs
             torch.cuda.synchronize()
         self.stats.page_ins += 1
         self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
         return slot
+
+    def _spill_coldest(self) -> None:
+        """Past the host budget, the pages paged out longest ago go to files."""
+        if self.host_budget is None or self.spill_dir is None:
+            return
+        for name, page in list(self.pages.items()):
+            if self._host_bytes <= self.host_budget:
+                return
+            if isinstance(page, AdapterPage):
+                self.pages[name] = spill.write(page, self.spill_dir)
+                self._host_bytes -= page.nbytes()
+                self.stats.spills += 1
+
+    def close(self) -> None:
+        spill.clear(self.spill_dir)
+
+    def spilled(self) -> int:
+        return sum(isinstance(p, spill.SpilledPage) for p in list(self.pages.values()))
 
     def _restore(self, page: AdapterPage) -> None:
         name = page.name

@@ -64,6 +64,16 @@ class EngineSettings(BaseModel):
             "sync schedule; else --max-adapters (no paging)",
         ),
     ] = None
+    host_adapter_memory: Annotated[
+        int | None,
+        Flag(
+            "host memory the paged-out adapters may take, e.g. 8GiB; past it the ones "
+            "paged out longest ago are written to the checkpoint volume (a third tier) "
+            "and read back when a tick needs them",
+            v.bytes_or_none,
+            default_text="none: unbounded",
+        ),
+    ] = None
     checkpoint_root: Annotated[
         str, Flag("checkpoints go to <root>/<namespace>/<name>/<run id>/step-<n>/")
     ] = "/ckpt"

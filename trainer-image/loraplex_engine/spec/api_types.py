@@ -278,6 +278,7 @@ class Capacity(WireModel):
     # bytes they take there, and the page-ins and page-outs so far.
     max_registered: int | None = None
     paged_adapters: int = 0
+    spilled_adapters: int = 0  # of those, written to the checkpoint volume (third tier)
     paged_host_bytes: int = 0
     page_ins: int = 0
     page_outs: int = 0
