@@ -9,6 +9,9 @@ cost (the SDK, HTTP) is not what is measured. A benchmark, not a test.
 Two arms on the CPU tiny model, one engine each, the same seeded workload:
 
 - ``paged``: ``--max-adapters 8 --max-registered <models>``;
+- ``spilled``: ``paged`` with ``--host-adapter-memory`` of ``--spill-budget`` bytes (64
+  MiB, about a quarter of what the paged-out models take): the rest are files on the
+  checkpoint volume (here a temporary directory on the local disk);
 - ``resident``: ``--max-adapters <models>``: every model in a slot, nothing paged.
 
 Each round draws ``--per-round`` models from a Zipf distribution over the registered
@@ -67,12 +70,12 @@ def _arm(name: str, args: argparse.Namespace, plan: list[list[int]]) -> dict[str
     from tests.support.client_driver import drive, sft_datum
     from tests.support.engine_builders import engine
 
-    paged = name == "paged"
-    slots = args.slots if paged else args.models
+    slots = args.models if name == "resident" else args.slots
+    budget = args.spill_budget if name == "spilled" else None
     work = Path(tempfile.mkdtemp(prefix=f"paging-{name}-"))
     eng = engine(
         _model_dir(), work, max_adapters=slots, max_rank=16, max_registered=args.models,
-        client_models_per_namespace=args.models,
+        client_models_per_namespace=args.models, host_adapter_memory=budget,
     )  # fmt: skip
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=0.01)
     data = [sft_datum([1, 40 + i % 50, 41], [100 + i % 60, 101, 102, 103, 104]) for i in range(7)]
@@ -120,7 +123,13 @@ def _arm(name: str, args: argparse.Namespace, plan: list[list[int]]) -> dict[str
         if ins
         else None,
         "paged_out_now": len(pager.pages),
-        "host_bytes_per_paged_model": pager.host_bytes() / max(1, len(pager.pages)),
+        "host_adapter_memory": budget,
+        "spilled_now": pager.spilled(),
+        "spills_total": pager.stats.spills,
+        "paged_host_bytes_now": pager.host_bytes(),
+        "host_bytes_per_paged_model": (
+            pager.host_bytes() / max(1, len(pager.pages) - pager.spilled())
+        ),
     }
     eng.close()
     return out
@@ -136,7 +145,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="rounds run first, not timed")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default="paged,resident")
+    ap.add_argument("--arms", default="paged,spilled,resident")
+    ap.add_argument(
+        "--spill-budget", type=int, default=64 << 20, help="the spilled arm's host bytes"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/paging-cpu-tiny.json")
     args = ap.parse_args()
     import torch
