@@ -39,7 +39,7 @@ class WorkingSets:
         client_demand: int,
         samples: bool,
     ) -> WorkingSet:
-        if not self.pager.enabled:
+        if not self.pager.enabled or not self.pager.pages:  # every one in its slot
             return WorkingSet(running, None, frozenset())
         self._count += 1
         pinned = [e for e in running if waits(e)]
