@@ -1,9 +1,10 @@
-"""Adapter paging: two tiers for every registered adapter, so an engine holds many more
+"""Adapter paging: tiers for every registered adapter, so an engine holds many more
 adapters than it has slots (docs/design/paging.md).
 
 An adapter is either *resident* (in a slot of the stacked LoRA buffers, with its AdamW
-state in the optimiser's stacked moments) or *paged out*: an :class:`AdapterPage` in host
-memory holding exactly what the slot held, at the adapter's own rank (never the engine's
+state in the optimiser's stacked moments) or *paged out*: an :class:`AdapterPage`
+(memory/pages.py) in host memory, or past the host budget a file on the checkpoint volume
+(memory/spill.py), holding exactly what the slot held, at the adapter's own rank (never the engine's
 max rank): its weights, both Adam moments, its settings and step count, and any gradient
 its client accumulated but has not stepped. Paging is copies, no arithmetic, so an
 adapter paged out and in continues bit for bit as if it had stayed (the padding beyond
