@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 # The Tinker SDK's loss names (tinker.types.LossFnType) the engine implements.
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 StopReason = Literal["length", "stop"]
 
 
@@ -43,7 +43,8 @@ class ClientLora:
 class ClientDatum:
     """One sequence: ``input_ids`` (N tokens) and the loss's inputs, each a 1-D array of N:
     ``target_tokens`` (int64: the token position i predicts), ``weights``, ``advantages``,
-    ``logprobs`` (the sampler's), ``clip_low_threshold``/``clip_high_threshold`` (float32),
+    ``logprobs`` (the sampler's), ``clip_low_threshold``/``clip_high_threshold``,
+    ``sequence_ratio_mask`` (gspo's; float32),
     as the SDK's ``Datum.loss_fn_inputs`` names them."""
 
     input_ids: list[int]

@@ -43,6 +43,11 @@ log = logging.getLogger("loraplex_engine.server.tinker")
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JANITOR_S = 1.0
+DIMUON_REFUSAL = (
+    "optimizer 'dimuon' is not supported: the tinker SDK defines only its settings "
+    "(learning_rate, beta1, grad_clip_norm), not its update rule, so no implementation "
+    "here could be checked to match it; this engine trains with AdamW (type 'adamw')"
+)
 
 
 def lane(namespace: str, model_id: str) -> str:
@@ -144,6 +149,8 @@ class Protocol:
     @staticmethod
     def _check_optimizer(config: dict[str, Any] | None, field: str) -> None:
         kind = (config or {}).get("type", "adamw")
+        if kind == "dimuon":  # the SDK names its settings, not its update rule
+            raise InvalidRequestError(DIMUON_REFUSAL, field=f"{field}.type")
         if kind != "adamw":
             raise InvalidRequestError(
                 f"optimizer {kind!r} is not supported; this engine trains with AdamW",
@@ -435,7 +442,11 @@ class Protocol:
             if body.get(name):
                 raise InvalidRequestError(f"{name} is not supported", field=name)
         if body.get("record_stability_info"):
-            raise InvalidRequestError("not supported", field="record_stability_info")
+            raise InvalidRequestError(
+                "not supported: it serves only the stable_reinforce loss, which this "
+                "engine does not implement (its objective is not published)",
+                field="record_stability_info",
+            )
         call = sample_call(body, self.training().limits)
         fut = self.futures.new(namespace, "Sample")
         fut.sample_sequence_ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]

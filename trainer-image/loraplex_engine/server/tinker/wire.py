@@ -40,8 +40,9 @@ LOSSES: tuple[str, ...] = get_args(LossName)
 UNSUPPORTED_LOSSES = {
     "custom": "server-side custom losses are not supported; the SDK runs "
     "forward_backward_custom on the client (this server answers custom_loss_server_side=false)",
-    "gspo": "the gspo loss is not implemented by this engine",
-    "stable_reinforce": "the stable_reinforce loss is not implemented by this engine",
+    "stable_reinforce": "the stable_reinforce loss is not implemented: Tinker publishes its "
+    "inputs (record_stability_info, provenance spans) but not its objective, so no "
+    "implementation here could be checked to match it; use gspo, ppo or cispo",
 }
 # loss_fn_inputs the engine reads, and the dtype each must have on the wire.
 INPUT_DTYPES = {
@@ -51,6 +52,7 @@ INPUT_DTYPES = {
     "logprobs": "float32",
     "clip_low_threshold": "float32",
     "clip_high_threshold": "float32",
+    "sequence_ratio_mask": "float32",
 }
 _PB_DTYPES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64"}
 _NUMPY = {"float32": np.float32, "int64": np.int64}
