@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from loraplex_engine.server.tinker import wire
+from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
 from loraplex_engine.server.tinker.future_table import FutureTable
 from loraplex_engine.server.tinker.futures import Future, Runner
@@ -81,6 +82,7 @@ class Protocol:
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
             self.registry.on_adopted = lambda model, found: replay(self, model, found.steps)
         self.futures = futures if futures is not None else FutureTable()
+        self.completions = Completions(self.futures)  # retrieve_futures, cancel_future
         self.runner = runner or Runner()
         self._stop = threading.Event()
         self._janitor = threading.Thread(
@@ -456,5 +458,8 @@ class Protocol:
             out = self.training().sample(namespace, target, call)
             return wire.sample_output_proto(out, topk)
 
-        self.runner.submit(lambda: self._finish(fut, run))
+        job = self.completions.tracked(
+            fut, target_of(namespace, body), lambda: self._finish(fut, run)
+        )
+        self.runner.submit(job)
         return fut
