@@ -122,10 +122,27 @@ class SampleTask:
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: MultiLoRAModel, device: torch.device, slot: int, ids: list[int], k: int
+    model: MultiLoRAModel,
+    device: torch.device,
+    slot: int,
+    ids: list[int],
+    k: int,
+    last_n: int | None = None,
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
     """log p(prompt[i] | prompt[:i]) per position (None at 0), and with ``k`` the top
-    ``k`` tokens of each position's distribution."""
+    ``k`` tokens of each position's distribution; with ``last_n`` only the last ``last_n``
+    positions (the others None)."""
+    lps, tops = _all_prompt_logprobs(model, device, slot, ids, k)
+    if last_n is None:
+        return lps, tops
+    cut = len(ids) - last_n
+    lps = [None] * cut + lps[cut:]
+    return lps, None if tops is None else [None] * cut + tops[cut:]
+
+
+def _all_prompt_logprobs(
+    model: MultiLoRAModel, device: torch.device, slot: int, ids: list[int], k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
     x = torch.tensor([ids], device=device)
     logits = model(input_ids=x, slot_ids=torch.tensor([slot], device=device)).logits
     logp = logits[0, :-1].float().log_softmax(-1)
@@ -155,6 +172,11 @@ def check_sample_call(call: SampleCall, limits: Limits) -> None:
         ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
         ("top_p", 0 < call.top_p <= 1),
         ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
+        (
+            "prompt_logprobs_last_n",
+            call.prompt_logprobs_last_n is None
+            or 1 <= call.prompt_logprobs_last_n < len(call.prompt_ids),
+        ),
     ):
         if not ok:
             raise InvalidRequestError(f"{name} is out of range", field=f"sampling_params.{name}")

@@ -94,6 +94,8 @@ class SampleCall:
     stop_strings: list[str] = field(default_factory=list)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    # Score only the prompt's last N positions (earlier ones None); None: all of them.
+    prompt_logprobs_last_n: int | None = None
 
 
 @dataclass(frozen=True)

@@ -437,12 +437,18 @@ class Protocol:
             target = body["model_path"]
         else:
             target = self._check_base(body.get("base_model"))
-        for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
-            if body.get(name) is not None:
-                raise InvalidRequestError(f"{name} is not supported", field=name)
-        for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(name):
-                raise InvalidRequestError(f"{name} is not supported", field=name)
+        if body.get("target_prompt_logprobs") is not None:
+            raise InvalidRequestError(
+                "target_prompt_logprobs is not supported", field="target_prompt_logprobs"
+            )
+        if body.get("topk_sample_logprobs"):  # the decoders keep each sampled token's only
+            raise InvalidRequestError(
+                "not supported: the engine's decoders return each sampled token's log-prob, "
+                "not the top k of its distribution",
+                field="topk_sample_logprobs",
+            )
+        if body.get("prompt_alt_tokens_k"):
+            raise InvalidRequestError("not supported", field="prompt_alt_tokens_k")
         if body.get("record_stability_info"):
             raise InvalidRequestError(
                 "not supported: it serves only the stable_reinforce loss, which this "

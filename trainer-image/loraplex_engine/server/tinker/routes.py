@@ -144,7 +144,7 @@ class Sample(Body):
     topk_sample_logprobs: int = 0
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_logprobs_last_n: Any = None  # checked strictly by sampling_params.py
     record_stability_info: bool | None = None
 
 
