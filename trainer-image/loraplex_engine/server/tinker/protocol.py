@@ -23,6 +23,7 @@ from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
 from loraplex_engine.server.tinker.future_table import FutureTable
 from loraplex_engine.server.tinker.futures import Future, Runner
+from loraplex_engine.server.tinker.inflight import Inflight, check_kind, sequence_ids
 from loraplex_engine.server.tinker.journal import Entry, journalled, replay
 from loraplex_engine.server.tinker.sampling_params import sample_call
 from loraplex_engine.server.tinker.state import Model, Registry, Sampler
@@ -83,6 +84,7 @@ class Protocol:
             self.registry.on_adopted = lambda model, found: replay(self, model, found.steps)
         self.futures = futures if futures is not None else FutureTable()
         self.completions = Completions(self.futures)  # retrieve_futures, cancel_future
+        self.inflight = Inflight()  # models' shared inflight sampler weights
         self.runner = runner or Runner()
         self._stop = threading.Event()
         self._janitor = threading.Thread(
@@ -334,8 +336,7 @@ class Protocol:
 
     def save_weights_for_sampler(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
-        if body.get("kind", "snapshot") != "snapshot":
-            raise InvalidRequestError("only snapshot sampling clients are supported", field="kind")
+        inflight = check_kind(body) == "inflight"
         seq = body.get("seq_id")
         session_seq = body.get("sampling_session_seq_id")
         name = _name(body.get("path"), f"sampler-{seq or int(time.time())}", "path")
@@ -347,7 +348,10 @@ class Protocol:
             if body.get("path") is None:  # save_weights_and_get_sampling_client
                 session = self.registry.session(namespace, model.session_id)
                 base = svc.model_name
-                sampler = self.registry.add_sampler(session, base, saved.path, session_seq)
+                shared = model.id if inflight else None
+                if inflight:  # the model's inflight clients sample it from now on
+                    self.inflight.publish(namespace, model.id, saved.path)
+                sampler = self.registry.add_sampler(session, base, saved.path, session_seq, shared)
                 out["sampling_session_id"] = sampler.id
             return out
 
@@ -360,6 +364,7 @@ class Protocol:
         def run() -> dict[str, Any]:
             self.training().unload_model(namespace, model.id)
             self.registry.drop_model(model.namespace, model.id)
+            self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
             return {"model_id": model.id, "type": "unload_model"}
 
@@ -383,6 +388,7 @@ class Protocol:
             except Exception:
                 log.exception("could not unload %s", model.id)
             self.registry.drop_model(model.namespace, model.id)
+            self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
             log.info("tinker model %s of %s unloaded: its session ended", model.id, model.namespace)
 
@@ -429,9 +435,13 @@ class Protocol:
             )
 
     def sample(self, namespace: str, body: dict[str, Any]) -> Future:
+        published = None
         if body.get("sampling_session_id"):
             sampler = self.registry.sampler(namespace, body["sampling_session_id"])
             target = sampler.model_path or sampler.base_model
+            if sampler.inflight_model is not None:  # resolved once: one version a sample
+                published = self.inflight.current(namespace, sampler.inflight_model)
+                target = published.path
         elif body.get("model_path"):
             self.check_sampler_path(namespace, body["model_path"])
             target = body["model_path"]
@@ -457,7 +467,7 @@ class Protocol:
             )
         call = sample_call(body, self.training().limits)
         fut = self.futures.new(namespace, "Sample")
-        fut.sample_sequence_ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
+        fut.sample_sequence_ids = sequence_ids(fut.request_id, call.num_samples, published)
         topk = call.topk_prompt_logprobs
 
         def run() -> bytes:
