@@ -100,6 +100,7 @@ class SampleTask:
             n=c.num_samples,
             top_p=c.top_p,
             top_k=c.top_k,
+            top_logprobs=c.topk_sample_logprobs,
             seed=c.seed,
             on_token=self.stops.push if watched else None,
             cancelled=self.stops.cancelled if watched else None,
@@ -112,12 +113,22 @@ class SampleTask:
         rows = []
         for c in self.job.answer():
             n = self.stops.cut(c.token_ids) if self.stops.active else None
+            tops = _likeliest_first(c.top_logprobs) if self.call.topk_sample_logprobs else None
             if n is not None:
-                rows.append(SampledRow(c.token_ids[:n], c.logprobs[:n], "stop"))
+                cut = None if tops is None else tops[:n]
+                rows.append(SampledRow(c.token_ids[:n], c.logprobs[:n], "stop", cut))
             else:
                 reason = "stop" if c.finish_reason == "stop" else "length"
-                rows.append(SampledRow(list(c.token_ids), list(c.logprobs), reason))
+                rows.append(SampledRow(list(c.token_ids), list(c.logprobs), reason, tops))
         return SampleOutput(rows, self.prompt_logprobs, self.topk)
+
+
+def _likeliest_first(
+    tops: list[dict[int, float]] | None,
+) -> list[list[tuple[int, float]]] | None:
+    if tops is None:
+        return None
+    return [sorted(t.items(), key=lambda kv: -kv[1]) for t in tops]
 
 
 @torch.no_grad()
@@ -172,6 +183,7 @@ def check_sample_call(call: SampleCall, limits: Limits) -> None:
         ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
         ("top_p", 0 < call.top_p <= 1),
         ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
+        ("topk_sample_logprobs", call.topk_sample_logprobs >= 0),
         (
             "prompt_logprobs_last_n",
             call.prompt_logprobs_last_n is None

@@ -96,6 +96,7 @@ class SampleCall:
     topk_prompt_logprobs: int = 0
     # Score only the prompt's last N positions (earlier ones None); None: all of them.
     prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0  # the k likeliest tokens at each sampled position
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ class SampledRow:
     token_ids: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    # Per sampled token, the k likeliest (token, log-prob), likeliest first; None: not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

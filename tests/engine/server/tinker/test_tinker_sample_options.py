@@ -1,6 +1,7 @@
 """Sampling options through the official SDK against a real ``loraplex-engine serve
 --tinker-keys``, checked against transformers running the same tiny model: greedy tokens
-and their log-probs, prompt log-probs (and their top-k) of the whole prompt and of its
+and their log-probs and top-k (``topk_sample_logprobs``), prompt log-probs (and their
+top-k) of the whole prompt and of its
 last N positions only (``prompt_logprobs_last_n``), and bad values answered 422 naming
 the field.
 """
@@ -73,6 +74,24 @@ def test_greedy_tokens_and_logprobs_match_transformers(server, reference) -> Non
     assert seq.tokens == tokens
     ref = [float(logp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(tokens)]
     np.testing.assert_allclose(seq.logprobs, ref, atol=ATOL)
+    client.close("success").result()
+
+
+def test_topk_of_each_sampled_token_matches_transformers(server, reference) -> None:
+    """``topk_sample_logprobs``: at every sampled position the k likeliest tokens, likeliest
+    first (the greedy token leads), with transformers' log-probs."""
+    client, sampler = _sampler(server)
+    greedy = types.SamplingParams(max_tokens=NEW, temperature=0.0)
+    got = sampler.sample(
+        types.ModelInput.from_ints(PROMPT), 2, greedy, topk_sample_logprobs=3
+    ).result()
+    tokens, logp = reference
+    for seq in got.sequences:
+        assert seq.tokens == tokens and len(seq.topk_logprobs) == NEW
+        for i, tops in enumerate(seq.topk_logprobs):
+            top = logp[len(PROMPT) - 1 + i].topk(3)
+            assert [t for t, _ in tops] == top.indices.tolist() and tops[0][0] == tokens[i]
+            np.testing.assert_allclose([lp for _, lp in tops], top.values.tolist(), atol=ATOL)
     client.close("success").result()
 
 

@@ -451,12 +451,6 @@ class Protocol:
             raise InvalidRequestError(
                 "target_prompt_logprobs is not supported", field="target_prompt_logprobs"
             )
-        if body.get("topk_sample_logprobs"):  # the decoders keep each sampled token's only
-            raise InvalidRequestError(
-                "not supported: the engine's decoders return each sampled token's log-prob, "
-                "not the top k of its distribution",
-                field="topk_sample_logprobs",
-            )
         if body.get("prompt_alt_tokens_k"):
             raise InvalidRequestError("not supported", field="prompt_alt_tokens_k")
         if body.get("record_stability_info"):
@@ -472,7 +466,7 @@ class Protocol:
 
         def run() -> bytes:
             out = self.training().sample(namespace, target, call)
-            return wire.sample_output_proto(out, topk)
+            return wire.sample_output_proto(out, topk, call.topk_sample_logprobs)
 
         job = self.completions.tracked(
             fut, target_of(namespace, body), lambda: self._finish(fut, run)

@@ -172,6 +172,7 @@ def sample_call(body: dict[str, Any], limits: Limits) -> SampleCall:
     tokens = prompt_tokens(body.get("prompt"), limits.vocab, limits.max_tokens)
     n = _int(body, "num_samples", 1, 1, MAX_SAMPLES)
     topk = _int(body, "topk_prompt_logprobs", 0, 0, MAX_TOPK)
+    topk_sampled = _int(body, "topk_sample_logprobs", 0, 0, MAX_TOPK)
     p = sampling_params(body.get("sampling_params"), limits.vocab)
     scored = bool(body.get("prompt_logprobs")) or topk > 0
     last_n = _last_n(body, scored, len(tokens))
@@ -189,6 +190,7 @@ def sample_call(body: dict[str, Any], limits: Limits) -> SampleCall:
         prompt_logprobs=scored,
         topk_prompt_logprobs=topk,
         prompt_logprobs_last_n=last_n,
+        topk_sample_logprobs=topk_sampled,
     )
 
 

@@ -270,14 +270,17 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
-def sample_output_proto(out: SampleOutput, topk: int) -> bytes:
+def sample_output_proto(out: SampleOutput, topk: int, topk_sampled: int = 0) -> bytes:
     msg = pb.SampleResponse()
     for row in out.rows:
-        msg.sequences.add(
+        seq = msg.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if row.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(row.token_ids, dtype=np.int32).tobytes(),
             logprobs=np.asarray(row.logprobs, dtype=np.float32).tobytes(),
         )
+        if topk_sampled > 0 and row.top_logprobs is not None:
+            rows: list[list[tuple[int, float]] | None] = list(row.top_logprobs)
+            seq.topk_sampled_logprobs.CopyFrom(_topk(rows, topk_sampled))
     if out.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in out.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
