@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -46,8 +47,10 @@ def client(server: EngineServer) -> Iterator[tinker.ServiceClient]:
     c.close("success").result()
 
 
-def _base(client: tinker.ServiceClient) -> str:
-    return client.get_server_capabilities().supported_models[0].model_name
+@pytest.fixture(scope="module")
+def base(server: EngineServer) -> str:
+    r = httpx.get(f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY})
+    return r.json()["supported_models"][0]["model_name"]
 
 
 def rl_datum(sampling_lp: list[float], advantage: float, mask: list[float] | None) -> types.Datum:
@@ -74,8 +77,8 @@ def gspo_reference(
     return -np.minimum(s * adv, np.clip(s, 0.8, 1.2) * adv)
 
 
-def test_gspo_through_the_sdk_matches_the_documented_formula(client) -> None:
-    tc = client.create_lora_training_client(base_model=_base(client), rank=4, seed=0).result()
+def test_gspo_through_the_sdk_matches_the_documented_formula(client, base) -> None:
+    tc = client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     ob = len(PROMPT) - 1
     mask = [0.0] * ob + [1.0] * len(SAMPLED)
     # Off-policy enough that the sequence ratio leaves [0.8, 1.2] for the second datum.
@@ -99,8 +102,8 @@ def test_gspo_through_the_sdk_matches_the_documented_formula(client) -> None:
 
 
 @pytest.mark.parametrize("mask", [None, [0.0] * 7], ids=["absent", "marks-none"])
-def test_gspo_names_a_missing_or_empty_sequence_ratio_mask(client, mask) -> None:
-    tc = client.create_lora_training_client(base_model=_base(client), rank=4, seed=0).result()
+def test_gspo_names_a_missing_or_empty_sequence_ratio_mask(client, base, mask) -> None:
+    tc = client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     with pytest.raises(
         (tinker.UnprocessableEntityError, tinker.RequestFailedError),
         match=r"data\[0\]\.loss_fn_inputs\.sequence_ratio_mask",
@@ -108,15 +111,15 @@ def test_gspo_names_a_missing_or_empty_sequence_ratio_mask(client, mask) -> None
         tc.forward_backward([rl_datum([-1.0] * 4, 1.0, mask)], "gspo").result()
 
 
-def test_dimuon_is_refused_naming_the_field_and_why(client) -> None:
+def test_dimuon_is_refused_naming_the_field_and_why(client, base) -> None:
     with pytest.raises(
         (tinker.UnprocessableEntityError, tinker.RequestFailedError),
         match=r"optimizer_config\.type.*update rule|update rule.*optimizer_config\.type",
     ):
         client.create_lora_training_client(
-            base_model=_base(client), rank=4, optimizer=types.DimuonOptimizerConfig()
+            base_model=base, rank=4, optimizer=types.DimuonOptimizerConfig()
         ).result()
-    tc = client.create_lora_training_client(base_model=_base(client), rank=4, seed=0).result()
+    tc = client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     with pytest.raises(
         (tinker.UnprocessableEntityError, tinker.RequestFailedError),
         match=r"optim_params\.type.*update rule|update rule.*optim_params\.type",
