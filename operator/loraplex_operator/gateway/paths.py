@@ -71,6 +71,8 @@ TINKER_ROUTES: tuple[Template, ...] = (
     _t("POST", "asample"),
     _t("POST", "create_custom_loss"),
     _t("POST", "retrieve_future"),
+    _t("POST", "retrieve_futures"),  # a sampling session's completions (sample role)
+    _t("POST", "cancel_future"),  # an abandoned sample (sample role)
     _t("GET", "training_runs"),
     _t("GET", "training_runs/{}"),
     _t("GET", "training_runs/{}/checkpoints"),

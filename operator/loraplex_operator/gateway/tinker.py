@@ -20,7 +20,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway import proxy, routing, tinker_batch
 from loraplex_operator.gateway.keys import Key
 from loraplex_operator.gateway.paths import TinkerCall
 from loraplex_operator.gateway.routing import Engine
@@ -100,6 +100,10 @@ class Tinker:
             return await self._to_session(request, ns, route, body, model_id, "model_id")
         if route == "retrieve_future":
             return await self._retrieve(request, ns, body)
+        if route == "retrieve_futures":
+            return await tinker_batch.retrieve_futures(self, request, ns, body)
+        if route == "cancel_future":
+            return await tinker_batch.cancel_future(self, request, ns, body)
         doc = _json(body)
         if route in BY_SESSION:
             return await self._to_session(request, ns, route, body, doc.get("session_id"))

@@ -123,3 +123,46 @@ def test_unknown_loss_or_key_names_it(name: str, config: dict, what: str) -> Non
 def test_bad_values_name_their_key(config: dict) -> None:
     with pytest.raises(ValueError, match="clip_"):
         build_token_loss("ppo", config)
+
+
+MASK = [0.0, 1.0, 1.0, 1.0]  # the sequence ratio over the last three tokens
+
+
+def _gspo_reference(low: float, high: float) -> tuple[list[float], list[float]]:
+    """Tinker's documented GSPO-token, by hand: s = exp(mean_M(logp - q)); each token's
+    ratio has s's value and d s_t / d logp_t = s (its own log-prob's gradient only);
+    loss_t = -min(s A_t, clip(s, low, high) A_t)."""
+    masked = [LOGP[i] - OLD[i] for i in range(4) if MASK[i]]
+    s = math.exp(sum(masked) / len(masked))
+    loss, grad = [], []
+    for a in ADV:
+        unclipped, clipped = s * a, min(max(s, low), high) * a
+        loss.append(-min(unclipped, clipped))
+        grad.append(-s * a if unclipped <= clipped else 0.0)
+    return loss, grad
+
+
+@pytest.mark.parametrize("low,high", [(0.8, 1.2), (0.95, 1.01)])
+def test_gspo_clips_the_sequence_ratio_each_token_keeping_its_own_gradient(
+    low: float, high: float
+) -> None:
+    config = (
+        {}
+        if (low, high) == (0.8, 1.2)
+        else {"clip_low_threshold": low, "clip_high_threshold": high}
+    )
+    loss, grad = _run("gspo", config, sequence_mask=torch.tensor(MASK))
+    ref_loss, ref_grad = _gspo_reference(low, high)
+    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-7)  # float32
+    assert grad == pytest.approx(ref_grad, rel=1e-6, abs=1e-7)
+
+
+def test_gspo_ignores_unmasked_tokens_in_the_ratio() -> None:
+    """A prompt position (mask 0) with a wild log-ratio leaves the sequence ratio alone."""
+    base, _ = _run("gspo", None, sequence_mask=torch.tensor(MASK))
+    logp = torch.tensor([5.0, *LOGP[1:]], requires_grad=True)
+    inputs = TokenLossInputs(
+        logp, advantages=torch.tensor(ADV), sampling_logprobs=torch.tensor(OLD),
+        sequence_mask=torch.tensor(MASK),
+    )  # fmt: skip
+    assert build_token_loss("gspo")(inputs).tolist()[1:] == pytest.approx(base[1:])

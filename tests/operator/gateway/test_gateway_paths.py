@@ -60,6 +60,8 @@ def test_a_plain_path_passes_unchanged(raw: str) -> None:
         ("GET", f"training_runs/{SID}:train:0/checkpoints", "training_runs/{}/checkpoints"),
         ("GET", "checkpoints", "checkpoints"),
         ("POST", "forward_backward", "forward_backward"),
+        ("POST", "retrieve_futures", "retrieve_futures"),
+        ("POST", "cancel_future", "cancel_future"),
     ],
 )
 def test_the_sdks_routes_match_as_themselves(method: str, route: str, name: str) -> None:
@@ -142,12 +144,12 @@ def test_the_allowlist_is_the_sdks_and_the_engines() -> None:
     """Every allowlisted route is one the engine serves, and the official SDK calls it
     (but the protocol's two it has no method for)."""
     import tinker
-    from loraplex_engine.server.tinker import rest, routes
+    from loraplex_engine.server.tinker import future_routes, rest, routes
 
     sdk = ""
     for f in Path(tinker.__file__).parent.rglob("*.py"):
         sdk += f.read_text(encoding="utf-8")
-    engine = Path(routes.__file__).read_text() + Path(rest.__file__).read_text()
+    engine = "".join(Path(m.__file__).read_text() for m in (routes, rest, future_routes))
     for t in paths.TINKER_ROUTES:
         sdk_pattern = re.escape("/api/v1/" + t.name).replace(re.escape("{}"), r"\{\w+\}")
         if t.name not in ("forward", "unload_model"):

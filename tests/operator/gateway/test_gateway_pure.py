@@ -67,6 +67,9 @@ def test_roles_a_sample_key_samples_a_train_key_trains() -> None:
         assert not sample.may(route) and train.may(route)
     for route in ("create_session", "asample", "retrieve_future", "create_sampling_session"):
         assert sample.may(route)
+    # A sample key polls its sampling sessions and cancels its own samples.
+    for route in ("retrieve_futures", "cancel_future"):
+        assert sample.may(route) and train.may(route)
 
 
 def test_the_presented_key_is_x_api_key_or_a_bearer_token() -> None:
@@ -175,7 +178,10 @@ def test_the_client_config_is_the_engines_but_uncompressed() -> None:
     pytest.importorskip("fastapi")
     from loraplex_engine.server.tinker.routes import CLIENT_CONFIG as ENGINE
 
-    assert {**ENGINE, "proto_compress_fwdbwd": False} == CLIENT_CONFIG
+    # And futures polled one by one: a session's engine may change under the gateway's
+    # client experiments, which a per-session poller would not follow (tinker_batch.py).
+    uncompressed = {**ENGINE, "proto_compress_fwdbwd": False}
+    assert {**uncompressed, "sample_use_retrieve_futures": False} == CLIENT_CONFIG
 
 
 def test_an_engine_serves_its_base_model_by_name_whatever_the_tag() -> None:

@@ -28,7 +28,9 @@ FLOAT_INPUTS = {
     "logprobs": "sampling_logprobs",
     "clip_low_threshold": "clip_low",
     "clip_high_threshold": "clip_high",
+    "sequence_ratio_mask": "sequence_mask",
 }
+MASK = "sequence_ratio_mask"
 TARGETS = "target_tokens"
 
 
@@ -113,6 +115,11 @@ def _check_datum(i: int, datum: ClientDatum, loss: TokenLoss, limits: Limits) ->
             if not np.all(np.isfinite(values)):
                 raise InvalidRequestError("values must be finite", field=field)
             floats[name] = torch.from_numpy(values.copy())
+    if MASK in loss.required and not bool((floats["sequence_mask"] != 0).any()):
+        raise InvalidRequestError(
+            f"marks no token: {loss.name}'s sequence ratio needs at least one",
+            field=f"{where}.loss_fn_inputs.{MASK}",
+        )
     return Datum(ids, torch.from_numpy(targets.astype(np.int64)), floats)
 
 

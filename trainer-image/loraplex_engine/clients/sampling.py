@@ -100,6 +100,7 @@ class SampleTask:
             n=c.num_samples,
             top_p=c.top_p,
             top_k=c.top_k,
+            top_logprobs=c.topk_sample_logprobs,
             seed=c.seed,
             on_token=self.stops.push if watched else None,
             cancelled=self.stops.cancelled if watched else None,
@@ -112,20 +113,47 @@ class SampleTask:
         rows = []
         for c in self.job.answer():
             n = self.stops.cut(c.token_ids) if self.stops.active else None
+            tops = _likeliest_first(c.top_logprobs) if self.call.topk_sample_logprobs else None
             if n is not None:
-                rows.append(SampledRow(c.token_ids[:n], c.logprobs[:n], "stop"))
+                cut = None if tops is None else tops[:n]
+                rows.append(SampledRow(c.token_ids[:n], c.logprobs[:n], "stop", cut))
             else:
                 reason = "stop" if c.finish_reason == "stop" else "length"
-                rows.append(SampledRow(list(c.token_ids), list(c.logprobs), reason))
+                rows.append(SampledRow(list(c.token_ids), list(c.logprobs), reason, tops))
         return SampleOutput(rows, self.prompt_logprobs, self.topk)
+
+
+def _likeliest_first(
+    tops: list[dict[int, float]] | None,
+) -> list[list[tuple[int, float]]] | None:
+    if tops is None:
+        return None
+    return [sorted(t.items(), key=lambda kv: -kv[1]) for t in tops]
 
 
 @torch.no_grad()
 def prompt_logprobs(
-    model: MultiLoRAModel, device: torch.device, slot: int, ids: list[int], k: int
+    model: MultiLoRAModel,
+    device: torch.device,
+    slot: int,
+    ids: list[int],
+    k: int,
+    last_n: int | None = None,
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
     """log p(prompt[i] | prompt[:i]) per position (None at 0), and with ``k`` the top
-    ``k`` tokens of each position's distribution."""
+    ``k`` tokens of each position's distribution; with ``last_n`` only the last ``last_n``
+    positions (the others None)."""
+    lps, tops = _all_prompt_logprobs(model, device, slot, ids, k)
+    if last_n is None:
+        return lps, tops
+    cut = len(ids) - last_n
+    lps = [None] * cut + lps[cut:]
+    return lps, None if tops is None else [None] * cut + tops[cut:]
+
+
+def _all_prompt_logprobs(
+    model: MultiLoRAModel, device: torch.device, slot: int, ids: list[int], k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
     x = torch.tensor([ids], device=device)
     logits = model(input_ids=x, slot_ids=torch.tensor([slot], device=device)).logits
     logp = logits[0, :-1].float().log_softmax(-1)
@@ -155,6 +183,12 @@ def check_sample_call(call: SampleCall, limits: Limits) -> None:
         ("top_k", -1 <= call.top_k <= limits.vocab),  # the door checks it too (server/tinker/)
         ("top_p", 0 < call.top_p <= 1),
         ("topk_prompt_logprobs", call.topk_prompt_logprobs >= 0),
+        ("topk_sample_logprobs", call.topk_sample_logprobs >= 0),
+        (
+            "prompt_logprobs_last_n",
+            call.prompt_logprobs_last_n is None
+            or 1 <= call.prompt_logprobs_last_n < len(call.prompt_ids),
+        ),
     ):
         if not ok:
             raise InvalidRequestError(f"{name} is out of range", field=f"sampling_params.{name}")

@@ -88,7 +88,7 @@ class ClientTick:
                     slot = 0 if task.adapter is None else parts.model.slot_of(task.adapter)
                     task.prompt_logprobs, task.topk = prompt_logprobs(
                         parts.model, parts.device, slot, task.call.prompt_ids,
-                        task.call.topk_prompt_logprobs,
+                        task.call.topk_prompt_logprobs, task.call.prompt_logprobs_last_n,
                     )  # fmt: skip
                 jobs.append(task.completion_job(self.owner.parts.model_name, self.owner.decode))
             except Exception as e:

@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 # The Tinker SDK's loss names (tinker.types.LossFnType) the engine implements.
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 StopReason = Literal["length", "stop"]
 
 
@@ -43,7 +43,8 @@ class ClientLora:
 class ClientDatum:
     """One sequence: ``input_ids`` (N tokens) and the loss's inputs, each a 1-D array of N:
     ``target_tokens`` (int64: the token position i predicts), ``weights``, ``advantages``,
-    ``logprobs`` (the sampler's), ``clip_low_threshold``/``clip_high_threshold`` (float32),
+    ``logprobs`` (the sampler's), ``clip_low_threshold``/``clip_high_threshold``,
+    ``sequence_ratio_mask`` (gspo's; float32),
     as the SDK's ``Datum.loss_fn_inputs`` names them."""
 
     input_ids: list[int]
@@ -93,6 +94,9 @@ class SampleCall:
     stop_strings: list[str] = field(default_factory=list)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    # Score only the prompt's last N positions (earlier ones None); None: all of them.
+    prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0  # the k likeliest tokens at each sampled position
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class SampledRow:
     token_ids: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    # Per sampled token, the k likeliest (token, log-prob), likeliest first; None: not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

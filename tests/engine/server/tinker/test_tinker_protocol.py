@@ -240,7 +240,7 @@ def test_an_unknown_loss_and_model_answer_the_field(server: Server) -> None:
         return httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers)
 
     tc = server.client().create_lora_training_client(base_model=BASE, rank=2).result()
-    r = post(tc.model_id, "gspo")
+    r = post(tc.model_id, "custom")
     assert r.status_code == 422 and r.json()["error"]["field"] == "loss_fn"
     r = post("someone:train:9", "cross_entropy")
     assert r.status_code == 404 and r.json()["error"]["field"] == "model_id"

@@ -54,17 +54,22 @@ class Future:
     retrieved: float | None = None  # when its client was answered its final state
     model_id: str | None = None
     sample_sequence_ids: list[str] | None = None
+    cancelled: bool = False  # its client cancelled it: the answer stays the failure
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
         default_factory=list, repr=False
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def finish(self, result: Any) -> None:
+        if self.cancelled:
+            return
         self.result = result
         self.finished = time.monotonic()
         self._set("done")
 
     def fail(self, message: str, category: Category = "user") -> None:
+        if self.cancelled:
+            return
         self.error = message
         self.category = category
         self.finished = time.monotonic()

@@ -19,9 +19,11 @@ from dataclasses import replace
 from typing import Any
 
 from loraplex_engine.server.tinker import wire
+from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
 from loraplex_engine.server.tinker.future_table import FutureTable
 from loraplex_engine.server.tinker.futures import Future, Runner
+from loraplex_engine.server.tinker.inflight import Inflight, check_kind, sequence_ids
 from loraplex_engine.server.tinker.journal import Entry, journalled, replay
 from loraplex_engine.server.tinker.sampling_params import sample_call
 from loraplex_engine.server.tinker.state import Model, Registry, Sampler
@@ -43,6 +45,11 @@ log = logging.getLogger("loraplex_engine.server.tinker")
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JANITOR_S = 1.0
+DIMUON_REFUSAL = (
+    "optimizer 'dimuon' is not supported: the tinker SDK defines only its settings "
+    "(learning_rate, beta1, grad_clip_norm), not its update rule, so no implementation "
+    "here could be checked to match it; this engine trains with AdamW (type 'adamw')"
+)
 
 
 def lane(namespace: str, model_id: str) -> str:
@@ -76,6 +83,8 @@ class Protocol:
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
             self.registry.on_adopted = lambda model, found: replay(self, model, found.steps)
         self.futures = futures if futures is not None else FutureTable()
+        self.completions = Completions(self.futures)  # retrieve_futures, cancel_future
+        self.inflight = Inflight()  # models' shared inflight sampler weights
         self.runner = runner or Runner()
         self._stop = threading.Event()
         self._janitor = threading.Thread(
@@ -144,6 +153,8 @@ class Protocol:
     @staticmethod
     def _check_optimizer(config: dict[str, Any] | None, field: str) -> None:
         kind = (config or {}).get("type", "adamw")
+        if kind == "dimuon":  # the SDK names its settings, not its update rule
+            raise InvalidRequestError(DIMUON_REFUSAL, field=f"{field}.type")
         if kind != "adamw":
             raise InvalidRequestError(
                 f"optimizer {kind!r} is not supported; this engine trains with AdamW",
@@ -325,8 +336,7 @@ class Protocol:
 
     def save_weights_for_sampler(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
-        if body.get("kind", "snapshot") != "snapshot":
-            raise InvalidRequestError("only snapshot sampling clients are supported", field="kind")
+        inflight = check_kind(body) == "inflight"
         seq = body.get("seq_id")
         session_seq = body.get("sampling_session_seq_id")
         name = _name(body.get("path"), f"sampler-{seq or int(time.time())}", "path")
@@ -338,7 +348,10 @@ class Protocol:
             if body.get("path") is None:  # save_weights_and_get_sampling_client
                 session = self.registry.session(namespace, model.session_id)
                 base = svc.model_name
-                sampler = self.registry.add_sampler(session, base, saved.path, session_seq)
+                shared = model.id if inflight else None
+                if inflight:  # the model's inflight clients sample it from now on
+                    self.inflight.publish(namespace, model.id, saved.path)
+                sampler = self.registry.add_sampler(session, base, saved.path, session_seq, shared)
                 out["sampling_session_id"] = sampler.id
             return out
 
@@ -351,6 +364,7 @@ class Protocol:
         def run() -> dict[str, Any]:
             self.training().unload_model(namespace, model.id)
             self.registry.drop_model(model.namespace, model.id)
+            self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
             return {"model_id": model.id, "type": "unload_model"}
 
@@ -374,6 +388,7 @@ class Protocol:
             except Exception:
                 log.exception("could not unload %s", model.id)
             self.registry.drop_model(model.namespace, model.id)
+            self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
             log.info("tinker model %s of %s unloaded: its session ended", model.id, model.namespace)
 
@@ -420,30 +435,41 @@ class Protocol:
             )
 
     def sample(self, namespace: str, body: dict[str, Any]) -> Future:
+        published = None
         if body.get("sampling_session_id"):
             sampler = self.registry.sampler(namespace, body["sampling_session_id"])
             target = sampler.model_path or sampler.base_model
+            if sampler.inflight_model is not None:  # resolved once: one version a sample
+                published = self.inflight.current(namespace, sampler.inflight_model)
+                target = published.path
         elif body.get("model_path"):
             self.check_sampler_path(namespace, body["model_path"])
             target = body["model_path"]
         else:
             target = self._check_base(body.get("base_model"))
-        for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
-            if body.get(name) is not None:
-                raise InvalidRequestError(f"{name} is not supported", field=name)
-        for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(name):
-                raise InvalidRequestError(f"{name} is not supported", field=name)
+        if body.get("target_prompt_logprobs") is not None:
+            raise InvalidRequestError(
+                "target_prompt_logprobs is not supported", field="target_prompt_logprobs"
+            )
+        if body.get("prompt_alt_tokens_k"):
+            raise InvalidRequestError("not supported", field="prompt_alt_tokens_k")
         if body.get("record_stability_info"):
-            raise InvalidRequestError("not supported", field="record_stability_info")
+            raise InvalidRequestError(
+                "not supported: it serves only the stable_reinforce loss, which this "
+                "engine does not implement (its objective is not published)",
+                field="record_stability_info",
+            )
         call = sample_call(body, self.training().limits)
         fut = self.futures.new(namespace, "Sample")
-        fut.sample_sequence_ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
+        fut.sample_sequence_ids = sequence_ids(fut.request_id, call.num_samples, published)
         topk = call.topk_prompt_logprobs
 
         def run() -> bytes:
             out = self.training().sample(namespace, target, call)
-            return wire.sample_output_proto(out, topk)
+            return wire.sample_output_proto(out, topk, call.topk_sample_logprobs)
 
-        self.runner.submit(lambda: self._finish(fut, run))
+        job = self.completions.tracked(
+            fut, target_of(namespace, body), lambda: self._finish(fut, run)
+        )
+        self.runner.submit(job)
         return fut

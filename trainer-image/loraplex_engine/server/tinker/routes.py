@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex_engine.server.tinker import rest
 from loraplex_engine.server.tinker.errors import add_protocol_error_handler, as_api_error
+from loraplex_engine.server.tinker.future_routes import add_future_routes
 from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
 from loraplex_engine.server.tinker.futures import Runner
 from loraplex_engine.server.tinker.journal import find_future
@@ -45,7 +46,8 @@ OPEN = frozenset({f"{PREFIX}/healthz"})
 
 # What the SDK asks at start-up (ClientConfigResponse): API keys, not JWT exchange;
 # forward_backward as protobuf, zstd compressed (chunks under the body limit);
-# futures polled one by one; custom losses run on the client.
+# samples' futures polled per sampling session (future_routes.py), others one by one;
+# custom losses run on the client.
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",
@@ -54,7 +56,7 @@ CLIENT_CONFIG = {
     "fwdbwd_max_chunk_len": 256,
     "fwdbwd_max_chunk_bytes_count": 2_000_000,
     "use_pyqwest_transport": False,
-    "sample_use_retrieve_futures": False,
+    "sample_use_retrieve_futures": True,
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
 }
@@ -142,7 +144,7 @@ class Sample(Body):
     topk_sample_logprobs: int = 0
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_logprobs_last_n: Any = None  # checked strictly by sampling_params.py
     record_stability_info: bool | None = None
 
 
@@ -236,7 +238,7 @@ def mount_tinker(
 
     @r.post("/client/dynamic_config")
     def dynamic_config(_: Ns) -> dict[str, Any]:
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
 
     @r.post("/telemetry")
     async def telemetry(_: Ns) -> dict[str, str]:
@@ -366,6 +368,7 @@ def mount_tinker(
         return JSONResponse(answer)
 
     rest.add_rest_routes(r, proto, call)
+    add_future_routes(r, proto, long_poll_s)
     app.include_router(r)
     return proto
 

@@ -172,7 +172,10 @@ def sample_call(body: dict[str, Any], limits: Limits) -> SampleCall:
     tokens = prompt_tokens(body.get("prompt"), limits.vocab, limits.max_tokens)
     n = _int(body, "num_samples", 1, 1, MAX_SAMPLES)
     topk = _int(body, "topk_prompt_logprobs", 0, 0, MAX_TOPK)
+    topk_sampled = _int(body, "topk_sample_logprobs", 0, 0, MAX_TOPK)
     p = sampling_params(body.get("sampling_params"), limits.vocab)
+    scored = bool(body.get("prompt_logprobs")) or topk > 0
+    last_n = _last_n(body, scored, len(tokens))
     defaults = SampleCall(prompt_ids=tokens)
     return replace(
         defaults,
@@ -184,6 +187,26 @@ def sample_call(body: dict[str, Any], limits: Limits) -> SampleCall:
         seed=p.seed,
         stop_token_ids=p.stop_ids,
         stop_strings=p.stop_strings,
-        prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
+        prompt_logprobs=scored,
         topk_prompt_logprobs=topk,
+        prompt_logprobs_last_n=last_n,
+        topk_sample_logprobs=topk_sampled,
     )
+
+
+def _last_n(body: dict[str, Any], scored: bool, prompt_len: int) -> int | None:
+    """``prompt_logprobs_last_n`` as the SDK defines it: 1..len(prompt) - 1, and only
+    with prompt logprobs asked for (it narrows them)."""
+    if body.get("prompt_logprobs_last_n") is None:
+        return None
+    if prompt_len < 2:
+        raise InvalidRequestError(
+            "needs a prompt of at least 2 tokens (position 0 is never scored)",
+            "prompt_logprobs_last_n",
+        )
+    n = _int(body, "prompt_logprobs_last_n", 0, 1, prompt_len - 1)
+    if not scored:
+        raise InvalidRequestError(
+            "requires prompt_logprobs (or topk_prompt_logprobs)", "prompt_logprobs_last_n"
+        )
+    return n

@@ -68,6 +68,7 @@ class Sampler:
     session_id: str
     base_model: str
     model_path: str | None
+    inflight_model: str | None = None  # an inflight client's model (server/tinker/inflight.py)
 
 
 Key = tuple[str, str]  # (namespace, the id)
@@ -246,11 +247,17 @@ class Registry:
     # --- samplers ---
 
     def add_sampler(
-        self, session: Session, base_model: str, model_path: str | None, seq: int | None
+        self,
+        session: Session,
+        base_model: str,
+        model_path: str | None,
+        seq: int | None,
+        inflight_model: str | None = None,
     ) -> Sampler:
         suffix = str(seq) if seq is not None else uuid.uuid4().hex[:12]
+        sid = f"{session.id}:sample:{suffix}"
         sampler = Sampler(
-            f"{session.id}:sample:{suffix}", session.namespace, session.id, base_model, model_path
+            sid, session.namespace, session.id, base_model, model_path, inflight_model
         )
         with self._lock:
             self._samplers[(session.namespace, sampler.id)] = sampler

@@ -40,8 +40,9 @@ LOSSES: tuple[str, ...] = get_args(LossName)
 UNSUPPORTED_LOSSES = {
     "custom": "server-side custom losses are not supported; the SDK runs "
     "forward_backward_custom on the client (this server answers custom_loss_server_side=false)",
-    "gspo": "the gspo loss is not implemented by this engine",
-    "stable_reinforce": "the stable_reinforce loss is not implemented by this engine",
+    "stable_reinforce": "the stable_reinforce loss is not implemented: Tinker publishes its "
+    "inputs (record_stability_info, provenance spans) but not its objective, so no "
+    "implementation here could be checked to match it; use gspo, ppo or cispo",
 }
 # loss_fn_inputs the engine reads, and the dtype each must have on the wire.
 INPUT_DTYPES = {
@@ -51,6 +52,7 @@ INPUT_DTYPES = {
     "logprobs": "float32",
     "clip_low_threshold": "float32",
     "clip_high_threshold": "float32",
+    "sequence_ratio_mask": "float32",
 }
 _PB_DTYPES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64"}
 _NUMPY = {"float32": np.float32, "int64": np.int64}
@@ -268,14 +270,17 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
-def sample_output_proto(out: SampleOutput, topk: int) -> bytes:
+def sample_output_proto(out: SampleOutput, topk: int, topk_sampled: int = 0) -> bytes:
     msg = pb.SampleResponse()
     for row in out.rows:
-        msg.sequences.add(
+        seq = msg.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if row.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(row.token_ids, dtype=np.int32).tobytes(),
             logprobs=np.asarray(row.logprobs, dtype=np.float32).tobytes(),
         )
+        if topk_sampled > 0 and row.top_logprobs is not None:
+            rows: list[list[tuple[int, float]] | None] = list(row.top_logprobs)
+            seq.topk_sampled_logprobs.CopyFrom(_topk(rows, topk_sampled))
     if out.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in out.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()

@@ -13,7 +13,11 @@ exactly as Tinker's do. Each loss maps one datum's per-token log-probs of its
   thresholds ``clip_low_threshold``/``clip_high_threshold`` (default 0.8 / 1.2);
 - ``cispo``: ``-sg(clamp(r, low, high)) * logp * A`` (the clipped ratio is a constant
   weight, so every token keeps a gradient);
-- ``dro``: ``-(logp * A - beta / 2 * (logp - sampling_logp)^2)``, ``beta`` (default 0.05).
+- ``dro``: ``-(logp * A - beta / 2 * (logp - sampling_logp)^2)``, ``beta`` (default 0.05);
+- ``gspo`` (GSPO-token): ppo's clipped objective on a *sequence* ratio ``s`` (the geometric
+  mean of the token ratios over the positions ``sequence_ratio_mask`` marks), each token
+  carrying ``s``'s value with its own log-prob's gradient:
+  ``s_t = exp(sg(mean_M(logp - sampling_logp)) + logp - sg(logp))``.
 
 Each is a frozen dataclass whose fields are its ``loss_fn_config`` settings;
 :func:`build_token_loss` builds one by its SDK name, refusing an unknown name or key
@@ -45,6 +49,7 @@ class TokenLossInputs:
     sampling_logprobs: Tensor | None = None  # the SDK's ``logprobs`` loss input
     clip_low: Tensor | None = None
     clip_high: Tensor | None = None
+    sequence_mask: Tensor | None = None  # the SDK's ``sequence_ratio_mask`` (gspo)
 
 
 class TokenLoss(Protocol):
@@ -138,8 +143,25 @@ class DRO:
         return -(inputs.logprobs * _adv(inputs) - 0.5 * self.beta * delta.pow(2))
 
 
+@dataclass(frozen=True)
+class GSPO(_Clipped):
+    """Clip thresholds bound the ratio itself (as ppo's do), defaults 0.8 / 1.2."""
+
+    name: ClassVar[str] = "gspo"
+    required: ClassVar[tuple[str, ...]] = ("logprobs", "advantages", "sequence_ratio_mask")
+
+    def __call__(self, inputs: TokenLossInputs) -> Tensor:
+        assert inputs.sampling_logprobs is not None and inputs.sequence_mask is not None
+        lp = inputs.logprobs
+        in_ratio = inputs.sequence_mask != 0  # the caller checked it marks a token
+        log_ratio = (lp.detach() - inputs.sampling_logprobs.detach())[in_ratio].mean()
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+        objective, _ = clipped_surrogate(ratio, _adv(inputs), *self.bounds(inputs))
+        return -objective
+
+
 TOKEN_LOSSES: dict[str, Callable[..., TokenLoss]] = {
-    loss.name: loss for loss in (CrossEntropy, ImportanceSampling, PPO, CISPO, DRO)
+    loss.name: loss for loss in (CrossEntropy, ImportanceSampling, PPO, CISPO, DRO, GSPO)
 }
 
 
