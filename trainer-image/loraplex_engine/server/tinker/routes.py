@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from loraplex_engine.server.tinker import rest
+from loraplex_engine.server.tinker.checkpoint_routes import TtlSeconds, add_checkpoint_routes
 from loraplex_engine.server.tinker.errors import add_protocol_error_handler, as_api_error
 from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
 from loraplex_engine.server.tinker.futures import Runner
@@ -109,6 +110,7 @@ class SaveWeights(ModelRef):
     path: str | None = None
     kind: str = "snapshot"
     sampling_session_seq_id: int | None = None
+    ttl_seconds: TtlSeconds = None
 
 
 class LoadWeights(Body):
@@ -366,6 +368,7 @@ def mount_tinker(
         return JSONResponse(answer)
 
     rest.add_rest_routes(r, proto, call)
+    add_checkpoint_routes(r, proto, call)
     app.include_router(r)
     return proto
 
