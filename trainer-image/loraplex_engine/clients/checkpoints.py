@@ -77,11 +77,12 @@ class ClientCheckpoints:
         )
         if kind == "sampler_weights":
             config = h.model.config_of(model.name)
-            snap = snapshot(stored, config, h.model.adapter_state_dict(model.name))
+            snap = snapshot(stored, config, h.model.adapter_views(model.name))  # copied once
             self.cache.put(info.namespace, snap)
             return _state(snap.info, snap.size_bytes)
         target = saved.StatePath(info.model_id, kind, name).directory(h.root, info.namespace)
         if h.quota is not None:
+            saved.list_saved(h.root, info.namespace, None)  # expired states removed first
             tensors = h.model.adapter_state_dict(model.name).values()
             writing = (3 if kind == "weights" else 1) * 4 * sum(t.numel() for t in tensors)
             h.quota.check(h.root, info.namespace, writing, saved.removable(target))

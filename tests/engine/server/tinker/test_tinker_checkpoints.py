@@ -232,3 +232,31 @@ def test_checkpoint_download_gives_a_peft_adapter_with_the_engines_logits(
         for c in client.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
     }
     assert "external" not in kinds
+
+
+def test_bad_ttls_foreign_paths_and_forged_urls_are_refused(server) -> None:
+    import httpx
+
+    client, tc = _trainer(server)
+    api = httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY_A}, timeout=60)
+    r = api.post("/save_weights_for_sampler", json={"model_id": tc.model_id, "ttl_seconds": 0})
+    assert r.status_code == 422 and "ttl_seconds" in r.text
+    run = f"/training_runs/{tc.model_id}/checkpoints"
+    assert api.put(f"{run}/weights/x/ttl", json={"ttl_seconds": -1}).status_code == 422
+    assert api.delete(f"{run}/nonsense/x").status_code == 422
+    path = tc.save_weights_external("export").result().path
+    urls = client.create_rest_client().get_external_weights_urls(path).result().urls
+    assert sorted(urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    url = urls["adapter_model.safetensors"]
+    assert httpx.get(url).status_code == 200
+    assert httpx.get(url.replace("team-a", "team-b")).status_code == 401  # signed for team-a
+    assert httpx.get(url[:-4] + "0000").status_code == 401
+    other = httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY_B})
+    assert other.get(f"{run}/external_weights/export/external_weights_urls").status_code == 404
+    r = api.post(
+        "/save_weights_external",
+        json={"model_id": tc.model_id, "path": "x", "age_encryption_recipients": ["age1x"]},
+    )
+    assert r.status_code == 422 and "age_encryption_recipients" in r.text
+    client.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    assert httpx.get(url).status_code == 404  # deleted: its URLs find nothing

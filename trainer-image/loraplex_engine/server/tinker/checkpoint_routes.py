@@ -101,7 +101,7 @@ def add_checkpoint_routes(
         path = checkpoint_path(run_id, kind, name)
         files = await call(proto.training().saved_files, ns, path.uri)
         expires = int(time.time()) + URL_TTL_S
-        base = str(request.base_url).rstrip("/") + request.scope.get("root_path", "")
+        base = str(request.base_url).rstrip("/")  # the address the client called
         where = "/".join(quote(p, safe=":") for p in (ns, run_id, kind, name))
         signed = {
             f: f"{base}/api/v1/{FILES}/{where}/{f}?expires={expires}"
