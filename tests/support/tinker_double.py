@@ -131,7 +131,7 @@ class FakeTraining:
         _placed(queued)
         return {"grad_norm": float(grads), "learning_rate": adam.learning_rate}
 
-    def save_state(self, namespace, model_id, name, kind) -> SavedState:
+    def save_state(self, namespace, model_id, name, kind, ttl_s=None) -> SavedState:
         with self.lock:
             m = self._model(namespace, model_id)
             path = f"tinker://{model_id}/{kind}/{name}"
@@ -158,6 +158,12 @@ class FakeTraining:
                 for (ns, _), (s, _, _) in self.saved.items()
                 if ns == namespace and (model_id is None or s.model_id == model_id)
             ]
+
+    def find_saved(self, namespace: str, path: str) -> SavedState:
+        with self.lock:
+            if (namespace, path) not in self.saved:
+                raise NotFoundError(f"no saved weights at {path!r}", field="model_path")
+            return self.saved[(namespace, path)][0]
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         with self.lock:
@@ -186,9 +192,11 @@ class FakeTraining:
             ]
         return SampleOutput(rows, prompt, topk)
 
-    def unload_model(self, namespace: str, model_id: str) -> None:
+    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
         with self.lock:
             self._model(namespace, model_id)
+            if save:  # as the engine's: its last weights saved as weights/final first
+                self.log.append(("save_state:weights:final", namespace, model_id))
             del self.models[(namespace, model_id)]
             self.log.append(("unload_model", namespace, model_id))
 

@@ -37,8 +37,11 @@ TRAIN_ROUTES = frozenset(
         "optim_step",
         "save_weights",
         "save_weights_for_sampler",
+        "save_weights_external",
         "load_weights",
         "unload_model",
+        "training_runs/{}/checkpoints/{}/{}",  # DELETE
+        "training_runs/{}/checkpoints/{}/{}/ttl",
     }
 )
 

@@ -64,6 +64,7 @@ TINKER_ROUTES: tuple[Template, ...] = (
     _t("POST", "optim_step"),
     _t("POST", "save_weights"),
     _t("POST", "save_weights_for_sampler"),
+    _t("POST", "save_weights_external"),
     _t("POST", "load_weights"),
     _t("POST", "unload_model"),
     _t("POST", "create_sampling_session"),
@@ -76,6 +77,10 @@ TINKER_ROUTES: tuple[Template, ...] = (
     _t("GET", "training_runs"),
     _t("GET", "training_runs/{}"),
     _t("GET", "training_runs/{}/checkpoints"),
+    # A checkpoint's id is ``<kind>/<name>``: two segments, each an id.
+    _t("DELETE", "training_runs/{}/checkpoints/{}/{}"),
+    _t("PUT", "training_runs/{}/checkpoints/{}/{}/ttl"),
+    _t("GET", "training_runs/{}/checkpoints/{}/{}/external_weights_urls"),
     _t("GET", "checkpoints"),
 )
 

@@ -52,7 +52,14 @@ LOCAL = {
 }
 BY_SESSION = frozenset({"session_heartbeat", "create_model", "create_sampling_session"})
 BY_MODEL = frozenset(
-    {"get_info", "optim_step", "save_weights", "save_weights_for_sampler", "unload_model"}
+    {
+        "get_info",
+        "optim_step",
+        "save_weights",
+        "save_weights_for_sampler",
+        "save_weights_external",
+        "unload_model",
+    }
 )
 ANY_ENGINE = frozenset({"get_server_capabilities", "create_custom_loss"})
 LISTINGS = {"training_runs": "training_runs", "checkpoints": "checkpoints"}

@@ -62,6 +62,22 @@ def test_a_plain_path_passes_unchanged(raw: str) -> None:
         ("POST", "forward_backward", "forward_backward"),
         ("POST", "retrieve_futures", "retrieve_futures"),
         ("POST", "cancel_future", "cancel_future"),
+        ("POST", "save_weights_external", "save_weights_external"),
+        (
+            "DELETE",
+            f"training_runs/{SID}:train:0/checkpoints/sampler_weights/step-1",
+            "training_runs/{}/checkpoints/{}/{}",
+        ),
+        (
+            "PUT",
+            f"training_runs/{SID}:train:0/checkpoints/weights/final/ttl",
+            "training_runs/{}/checkpoints/{}/{}/ttl",
+        ),
+        (
+            "GET",
+            f"training_runs/{SID}:train:0/checkpoints/external_weights/x/external_weights_urls",
+            "training_runs/{}/checkpoints/{}/{}/external_weights_urls",
+        ),
     ],
 )
 def test_the_sdks_routes_match_as_themselves(method: str, route: str, name: str) -> None:
@@ -87,6 +103,9 @@ def test_the_sdks_routes_match_as_themselves(method: str, route: str, name: str)
         ("GET", "samplers/a%2fb", 400),
         ("GET", "training_runs/.hidden", 400),
         ("GET", "training_runs/" + "x" * 600, 400),
+        ("GET", f"training_runs/{SID}:train:0/checkpoints/weights/final", 404),  # DELETE only
+        ("DELETE", f"training_runs/{SID}:train:0/checkpoints/../final", 400),
+        ("GET", f"external_weights_files/team-a/{SID}:train:0/external_weights/x/f", 404),
     ],
 )
 def test_anything_else_is_refused(method: str, route: str, status: int) -> None:
@@ -110,8 +129,24 @@ def test_the_role_check_reads_the_route_matched() -> None:
         call = match_tinker("POST", route)
         assert isinstance(call, TinkerCall)
         assert not sample.may(call.name) and train.may(call.name)
-    finish = match_tinker("POST", f"sessions/{SID}/finish")
-    assert isinstance(finish, TinkerCall) and sample.may(finish.name)
+    run = f"training_runs/{SID}:train:0/checkpoints/weights/final"
+    for method, route in (
+        ("POST", "save_weights_external"),
+        ("DELETE", run),
+        ("PUT", f"{run}/ttl"),
+    ):
+        call = match_tinker(method, route)
+        assert isinstance(call, TinkerCall)
+        assert not sample.may(call.name) and train.may(call.name), route
+    for method, route in (
+        ("POST", f"sessions/{SID}/finish"),
+        (
+            "GET",
+            f"training_runs/{SID}:train:0/checkpoints/external_weights/x/external_weights_urls",
+        ),
+    ):
+        call = match_tinker(method, route)
+        assert isinstance(call, TinkerCall) and sample.may(call.name), route
 
 
 @pytest.mark.parametrize(
@@ -144,14 +179,16 @@ def test_the_allowlist_is_the_sdks_and_the_engines() -> None:
     """Every allowlisted route is one the engine serves, and the official SDK calls it
     (but the protocol's two it has no method for)."""
     import tinker
-    from loraplex_engine.server.tinker import future_routes, rest, routes
+    from loraplex_engine.server.tinker import checkpoint_routes, future_routes, rest, routes
 
     sdk = ""
     for f in Path(tinker.__file__).parent.rglob("*.py"):
         sdk += f.read_text(encoding="utf-8")
-    engine = "".join(Path(m.__file__).read_text() for m in (routes, rest, future_routes))
+    modules = (routes, rest, future_routes, checkpoint_routes)
+    engine = "".join(Path(m.__file__).read_text() for m in modules)
     for t in paths.TINKER_ROUTES:
-        sdk_pattern = re.escape("/api/v1/" + t.name).replace(re.escape("{}"), r"\{\w+\}")
+        sdk_name = t.name.replace("checkpoints/{}/{}", "checkpoints/{}")  # the SDK's <kind>/<name>
+        sdk_pattern = re.escape("/api/v1/" + sdk_name).replace(re.escape("{}"), r"\{\w+\}")
         if t.name not in ("forward", "unload_model"):
             assert re.search(sdk_pattern, sdk), f"the SDK never calls {t.name}"
         engine_pattern = re.escape(f'@r.{t.method.lower()}("/{t.name}').replace(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex_engine.clients import saved, share, taking
+from loraplex_engine.clients.checkpoints import ClientCheckpoints, Found, check_ttl
 from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
 from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
@@ -50,7 +51,6 @@ from loraplex_engine.spec.training_service import (
     SavedState,
 )
 from loraplex_engine.store import checkpoint as ckpt
-from loraplex_engine.store.quota import tree_bytes
 from loraplex_engine.tenancy.client_share import ClientShare, Lanes
 from loraplex_engine.train.optim import AdamWSettings
 from loraplex_engine.versions import names
@@ -88,6 +88,7 @@ class ClientModels:
         self._refusing: str | None = None
         # Client work a tick takes, across namespaces (tenancy/client_share.py).
         self.share = ClientShare((parts.max_step_tokens if parts else None) or UNBOUNDED)
+        self.checkpoints = ClientCheckpoints(lambda: self.parts)  # clients/checkpoints.py
 
     @property
     def parts(self) -> ClientParts:
@@ -173,8 +174,7 @@ class ClientModels:
     def create_model_from_state(
         self, namespace: str, model_id: str, path: str, with_optimizer: bool
     ) -> ClientModelInfo:
-        state = saved.parse_path(path)
-        _, stored = self.state_of(namespace, state)
+        stored = self.find_state(namespace, saved.parse_path(path)).info
         info = self.create_model(namespace, model_id, stored.lora)
         model = self._get(namespace, model_id)
         with self.parts.model_lock:
@@ -265,17 +265,19 @@ class ClientModels:
             raise InvalidRequestError(str(e), field="adam_params") from e
         return self._submit(namespace, model_id, "optim_step", settings, queued)
 
-    def save_state(self, namespace: str, model_id: str, name: str, kind: saved.Kind) -> SavedState:
+    def save_state(
+        self, namespace: str, model_id: str, name: str, kind: saved.Kind, ttl_s: float | None = None
+    ) -> SavedState:
         self._get(namespace, model_id)
         if not saved.valid_name(name):
             raise InvalidRequestError(f"{name!r} is not a valid name", field="path")
         if kind not in saved.KINDS:
             raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
-        return self._submit(namespace, model_id, "save_state", (name, kind))
+        return self._submit(namespace, model_id, "save_state", (name, kind, check_ttl(ttl_s)))
 
     def load_state(self, namespace: str, model_id: str, path: str, with_optimizer: bool) -> None:
         self._get(namespace, model_id)
-        self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
+        self.find_state(namespace, saved.parse_path(path))  # NotFoundError before queueing
         self._submit(namespace, model_id, "load_state", (path, with_optimizer))
 
     def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
@@ -295,7 +297,7 @@ class ClientModels:
                 raise InvalidRequestError(
                     "sample from a sampler_weights path or the base model", field="model_path"
                 )
-            self.state_of(namespace, state)  # NotFoundError before queueing
+            self.find_state(namespace, state)  # NotFoundError before queueing
         check_sample_call(call, self.limits)
         h.work_limits.check_completion(len(call.prompt_ids), call.max_tokens, call.num_samples)
         op = Op("sample", SampleTask(namespace, state, call, version=version))
@@ -307,7 +309,19 @@ class ClientModels:
         return op.wait()
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]:
-        return saved.list_saved(self.parts.root, namespace, model_id)
+        return self.checkpoints.listed(namespace, model_id)
+
+    def find_saved(self, namespace: str, path: str) -> SavedState:
+        return self.checkpoints.saved_state(namespace, saved.parse_path(path, "model_path"))
+
+    def delete_saved(self, namespace: str, path: str) -> None:
+        self.checkpoints.delete(namespace, path)
+
+    def set_saved_ttl(self, namespace: str, path: str, ttl_s: float | None) -> None:
+        self.checkpoints.set_ttl(namespace, path, ttl_s)
+
+    def saved_files(self, namespace: str, path: str) -> dict[str, Path]:
+        return self.checkpoints.files(namespace, path)
 
     # ---- the tick's side --------------------------------------------------------------
 
@@ -400,50 +414,32 @@ class ClientModels:
         for op in ops:
             op.resolve(error=UnavailableError(reason))
 
-    def state_of(self, namespace: str, state: saved.StatePath) -> tuple[Path, saved.StateInfo]:
-        directory = state.directory(self.parts.root, namespace)
-        return directory, saved.read_info(directory, state.uri)
+    def find_state(self, namespace: str, state: saved.StatePath) -> Found:
+        return self.checkpoints.find(namespace, state)
 
-    def save(self, model: ClientModel, name: str, kind: saved.Kind) -> SavedState:
-        """Write the model's adapter (and, for ``weights``, its optimiser state) under the
-        caller's namespace, within its quota; atomically (store/checkpoint.py)."""
-        h, info = self.parts, model.info
-        with h.model_lock:
-            h.pager.page_in(model.name)  # paged out: its slot again, to be read
-        state = saved.StatePath(info.model_id, kind, name)
-        target = state.directory(h.root, info.namespace)
-        if h.quota is not None:
-            tensors = h.model.adapter_state_dict(model.name).values()
-            writing = (3 if kind == "weights" else 1) * 4 * sum(t.numel() for t in tensors)
-            h.quota.check(h.root, info.namespace, writing, saved.removable(target))
-        stored = saved.StateInfo(
-            info.model_id, kind, name, info.lora, model.version, model.incarnation, saved.now()
-        )
-        with ckpt.atomic_dir(target, overwrite=True) as tmp:
-            ckpt.save_adapter(h.model, model.name, tmp, base_model_name_or_path=str(h.model_dir))
-            if kind == "weights":
-                ckpt.save_trainer_state(tmp, h.optimizer, model.name, model.generator)
-            saved.write_info(tmp, stored)
-        return saved.SavedState(
-            state.uri, kind, info.model_id, name, stored.created, tree_bytes(target)
-        )
+    def save(
+        self, model: ClientModel, name: str, kind: saved.Kind, ttl_s: float | None = None
+    ) -> SavedState:
+        """The model's state under the caller's namespace (clients/checkpoints.py)."""
+        return self.checkpoints.save(model, name, kind, ttl_s)
 
     def load_into(self, model: ClientModel, path: str, with_optimizer: bool) -> None:
         """Weights (and with ``with_optimizer`` the optimiser state of a ``weights``
         state) of the caller's namespace into ``model``; its gradient is cleared."""
         h = self.parts
-        state = saved.parse_path(path)
-        directory, stored = self.state_of(model.info.namespace, state)
-        config = ckpt.read_adapter_config(directory)
+        found = self.find_state(model.info.namespace, saved.parse_path(path))
+        config = found.config
         if config != h.model.config_of(model.name):
             raise InvalidRequestError(
                 f"{path} holds rank {config.rank} on {list(config.target_modules)}; this model "
                 f"has rank {model.info.lora.rank}",
                 field="path",
             )
-        ckpt.load_adapter(h.model, model.name, directory)
-        if with_optimizer and stored.kind == "weights":
-            ckpt.load_trainer_state(directory, h.optimizer, model.name, model.generator, False)
+        found.load_weights(h.model, model.name)
+        if with_optimizer and found.directory is not None and found.info.kind == "weights":
+            ckpt.load_trainer_state(
+                found.directory, h.optimizer, model.name, model.generator, False
+            )
         else:
             h.optimizer.add_adapter(model.name, DEFAULT_ADAM)
         model.grads = None

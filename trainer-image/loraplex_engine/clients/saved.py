@@ -1,7 +1,9 @@
 """Client models' saved states on the checkpoint volume, and their ``tinker://`` paths.
 
-``tinker://<model_id>/<kind>/<name>`` (kind ``weights`` or ``sampler_weights``) lives at
-``<root>/<namespace>/_tinker/<model_id>/<kind>/<name>/``: under the caller's namespace, so
+``tinker://<model_id>/<kind>/<name>`` (kind ``weights``, ``sampler_weights`` or
+``external_weights``) lives at ``<root>/<namespace>/_tinker/<model_id>/<kind>/<name>/``
+(``sampler_weights`` only when an older engine wrote it: they are held in memory now,
+clients/sampler_cache.py): under the caller's namespace, so
 the namespace's checkpoint quota counts it (store/quota.py) and a path of another
 namespace is simply not there (NotFoundError). ``_tinker`` cannot be an experiment's
 name (Kubernetes names have no ``_``), so it never meets the run store's directories.
@@ -10,7 +12,8 @@ Each directory is a PEFT adapter (store/checkpoint.py), written atomically; ``we
 adds the optimiser state (the run store's trainer-state files), and both carry
 ``client_state.json``: the model, its LoRA settings and the adapter *version* saved (the
 model's count of weight changes, with the id of the model's incarnation), which tells
-the sampler whether the live adapter still is that version.
+the sampler whether the live adapter still is that version, and when it expires
+(``ttl_seconds``): an expired state is removed when it is next looked up or listed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +32,10 @@ from loraplex_engine.spec.training_service import ClientLora, SavedState
 from loraplex_engine.store.quota import tree_bytes
 
 SCHEME = "tinker://"
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
 CLIENT_DIR = "_tinker"
 STATE_FILE = "client_state.json"
-Kind = Literal["weights", "sampler_weights"]
+Kind = Literal["weights", "sampler_weights", "external_weights"]
 # ":" for the ids the Tinker protocol hands out (server/tinker/state.py: <session>:train:<n>).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
@@ -78,6 +82,7 @@ class StateInfo:
     version: int  # the model's weight version saved
     incarnation: str  # which load of the model (a model id may be created again)
     created: float
+    expires: float | None = None  # unix seconds; None: kept until deleted
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "lora": asdict(self.lora)}
@@ -87,26 +92,29 @@ class StateInfo:
         return cls(**{**raw, "lora": ClientLora(**raw["lora"])})
 
 
-def write_info(directory: Path, info: StateInfo) -> None:
-    (directory / STATE_FILE).write_text(json.dumps(info.to_json(), indent=2) + "\n")
+def write_info(directory: Path, info: StateInfo, file: str = STATE_FILE) -> None:
+    (directory / file).write_text(json.dumps(info.to_json(), indent=2) + "\n")
 
 
 def read_info(directory: Path, uri: str) -> StateInfo:
     """The saved state at ``directory``; NotFoundError when there is none (also for a
     path of another namespace: it is looked for under the caller's)."""
     try:
-        return StateInfo.from_json(json.loads((directory / STATE_FILE).read_text()))
+        info = StateInfo.from_json(json.loads((directory / STATE_FILE).read_text()))
     except FileNotFoundError:
         raise NotFoundError(f"no saved state {uri!r}") from None
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise NotFoundError(f"saved state {uri!r} cannot be read: {e}") from None
+    if info.expires is not None and now() >= info.expires:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise NotFoundError(f"saved state {uri!r} expired (its ttl_seconds passed)")
+    return info
 
 
 def saved_state(directory: Path, info: StateInfo) -> SavedState:
-    path = StatePath(info.model_id, info.kind, info.name)
-    return SavedState(
-        path.uri, info.kind, info.model_id, info.name, info.created, tree_bytes(directory)
-    )
+    uri = StatePath(info.model_id, info.kind, info.name).uri
+    size = tree_bytes(directory)
+    return SavedState(uri, info.kind, info.model_id, info.name, info.created, size, info.expires)
 
 
 def list_saved(root: Path, namespace: str, model_id: str | None) -> list[SavedState]:

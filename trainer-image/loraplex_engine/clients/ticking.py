@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
+from loraplex_engine.clients.checkpoints import Found
 from loraplex_engine.clients.fused import StepCall, optim_steps, take_slot_grads
 from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, prompt_logprobs
-from loraplex_engine.clients.saved import StateInfo, StatePath
+from loraplex_engine.clients.saved import StatePath
 from loraplex_engine.completion_jobs import CompletionJob
 from loraplex_engine.spec.errors import ConflictError, UnavailableError
 from loraplex_engine.store.spare_slots import SpareSlots
@@ -49,7 +49,7 @@ class Owner(Protocol):
 
     def loaded(self, namespace: str, model_id: str) -> ClientModel | None: ...
 
-    def state_of(self, namespace: str, state: StatePath) -> tuple[Path, StateInfo]: ...
+    def find_state(self, namespace: str, state: StatePath) -> Found: ...
 
     def save(self, model: ClientModel, name: str, kind: Any) -> Any: ...
 
@@ -107,7 +107,8 @@ class ClientTick:
             return self.spare.load(*task.version, task.version[0])
         if task.state is None:
             return None
-        directory, info = self.owner.state_of(task.namespace, task.state)
+        found = self.owner.find_state(task.namespace, task.state)
+        info = found.info
         live = self.owner.loaded(task.namespace, task.state.model_id)
         paged = live is not None and self.owner.parts.pager.is_paged(live.name)
         if (
@@ -123,7 +124,11 @@ class ClientTick:
         if self.spare is None:
             self.spare = SpareSlots(self.owner.parts.model)
         name = f"~sample:{task.namespace}/{task.state.uri}"
-        return self.spare.load(name, directory, task.state.uri)
+        if found.snapshot is not None:  # held in memory (clients/sampler_cache.py)
+            snap = found.snapshot
+            return self.spare.load_state(name, snap.config, snap.tensors, task.state.uri)
+        assert found.directory is not None
+        return self.spare.load(name, found.directory, task.state.uri)
 
     # ---- 2. the train phase -------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
@@ -140,11 +141,12 @@ class SavedState:
     """A saved checkpoint: ``path`` is the ``tinker://`` URI the SDK passes back."""
 
     path: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     model_id: str
     name: str
     created: float  # unix seconds
     size_bytes: int
+    expires: float | None = None  # unix seconds; None: kept until deleted
 
 
 @dataclass(frozen=True)
@@ -220,16 +222,31 @@ class TrainingService(Protocol):
         namespace: str,
         model_id: str,
         name: str,
-        kind: Literal["weights", "sampler_weights"],
+        kind: Literal["weights", "sampler_weights", "external_weights"],
+        ttl_s: float | None = None,
     ) -> SavedState:
         """``weights``: adapter and optimiser state (resumable); ``sampler_weights``: the
-        adapter as published for sampling (that version, frozen)."""
+        adapter as published for sampling (that version, frozen; held in memory,
+        bounded); ``external_weights``: the adapter as a PEFT directory to download.
+        ``ttl_s``: removed that many seconds from now (None: kept until deleted)."""
 
     def load_state(
         self, namespace: str, model_id: str, path: str, with_optimizer: bool
     ) -> None: ...
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]: ...
+
+    def find_saved(self, namespace: str, path: str) -> SavedState:
+        """The caller's saved state at ``path``; NotFoundError saying why when none."""
+
+    def delete_saved(self, namespace: str, path: str) -> None:
+        """Removes the caller's saved state at ``path``; NotFoundError when it has none."""
+
+    def set_saved_ttl(self, namespace: str, path: str, ttl_s: float | None) -> None:
+        """The state at ``path`` expires ``ttl_s`` from now (None: never)."""
+
+    def saved_files(self, namespace: str, path: str) -> dict[str, Path]:
+        """An ``external_weights`` state's files, by name relative to its root."""
 
     def adoptable(self, namespace: str, model_id: str) -> Adoption | None:
         """A client experiment's model loaded here (a ``LoRAExperiment`` with
@@ -239,5 +256,5 @@ class TrainingService(Protocol):
         """``sampler``: a ``sampler_weights`` path (exactly that version's weights) or the
         base model's name."""
 
-    def unload_model(self, namespace: str, model_id: str) -> None:
-        """Frees its slot; its last state stays saved."""
+    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
+        """Frees its slot, its last weights saved first when ``save``."""

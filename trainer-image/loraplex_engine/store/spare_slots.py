@@ -2,12 +2,17 @@
 slot before the rollout and removed after it. A Tinker sampler state
 (clients/ticking.py, ``~sample:`` names) and a published version
 (``<ns>.<name>@v<N>``, versions/) are served this way: the live slots stay the trained
-experiments', and the spare ones cost a slot only while their rows decode."""
+experiments', and the spare ones cost a slot only while their rows decode. A sampler state
+held in memory (clients/sampler_cache.py) comes as its config and tensors instead."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
+from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.spec.errors import NoCapacityError, NoFreeSlotError
 from loraplex_engine.store import checkpoint as ckpt
@@ -28,6 +33,19 @@ class SpareSlots:
             except NoFreeSlotError as e:
                 raise NoCapacityError(f"no spare slot to sample {what}: {e}") from e
             self.loaded.append(name)
+        return name
+
+    def load_state(
+        self, name: str, config: LoRAConfig, tensors: Mapping[str, torch.Tensor], what: str
+    ) -> str:
+        """Adapter ``name`` from tensors in memory, as :meth:`load` from a directory."""
+        if name not in self.model.adapters():
+            try:
+                self.model.add_adapter(name, config, 0)  # seeded: the global RNG untouched
+            except NoFreeSlotError as e:
+                raise NoCapacityError(f"no spare slot to sample {what}: {e}") from e
+            self.loaded.append(name)
+            self.model.load_adapter_state_dict(name, tensors)
         return name
 
     def release(self) -> None:

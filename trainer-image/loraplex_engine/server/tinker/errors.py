@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from loraplex_engine.spec.errors import (
     ApiError,
+    CheckpointQuotaError,
     ConflictError,
     InvalidRequestError,
     NoCapacityError,
@@ -55,6 +56,8 @@ def failure_text(exc: BaseException) -> tuple[str, str]:
         where = f"{exc.field}: " if exc.field else ""
         server = isinstance(exc, UnavailableError)
         return f"{where}{exc.message} ({exc.code})", "server" if server else "user"
+    if isinstance(exc, CheckpointQuotaError):  # the caller's own quota: its to free
+        return f"{exc} (checkpoint_quota)", "user"
     log.exception("tinker request failed", exc_info=exc)
     return f"internal error ({type(exc).__name__})", "server"
 

@@ -327,8 +327,10 @@ class Protocol:
         seq = body.get("seq_id")
         name = _name(body.get("path"), f"state-{seq or int(time.time())}", "path")
 
+        ttl = body.get("ttl_seconds")
+
         def run() -> dict[str, Any]:
-            saved = self.training().save_state(namespace, model.id, name, "weights")
+            saved = self.training().save_state(namespace, model.id, name, "weights", ttl)
             return {"path": saved.path, "type": "save_weights"}
 
         entry = ("save_weights", json.dumps(body).encode(), None)
@@ -340,10 +342,11 @@ class Protocol:
         seq = body.get("seq_id")
         session_seq = body.get("sampling_session_seq_id")
         name = _name(body.get("path"), f"sampler-{seq or int(time.time())}", "path")
+        ttl = body.get("ttl_seconds")  # held in memory, bounded (clients/sampler_cache.py)
 
         def run() -> dict[str, Any]:
             svc = self.training()
-            saved = svc.save_state(namespace, model.id, name, "sampler_weights")
+            saved = svc.save_state(namespace, model.id, name, "sampler_weights", ttl)
             out = {"path": saved.path, "type": "save_weights_for_sampler"}
             if body.get("path") is None:  # save_weights_and_get_sampling_client
                 session = self.registry.session(namespace, model.session_id)
@@ -371,22 +374,23 @@ class Protocol:
         return self._queue(model, body.get("seq_id"), "UnloadModel", run)
 
     def _retire(self, model: Model, *, save: bool) -> None:
-        """Save (when asked) and unload a model whose client has gone."""
+        """Unload a model whose client has gone, its weights saved once first when asked
+        (the unload's own save: one copy, not two)."""
 
         def run() -> None:
             svc = self.training()
-            if save:
-                try:
-                    name = f"expired-{int(time.time())}"
-                    svc.save_state(model.namespace, model.id, name, "weights")
-                except Exception:
-                    log.exception("could not save %s before unloading it", model.id)
             try:
-                svc.unload_model(model.namespace, model.id)
+                svc.unload_model(model.namespace, model.id, save=save)
             except NotFoundError:
                 pass
-            except Exception:
-                log.exception("could not unload %s", model.id)
+            except Exception:  # its save failed (a full quota): its slot is freed anyway
+                log.exception("could not save and unload %s", model.id)
+                try:
+                    svc.unload_model(model.namespace, model.id, save=False)
+                except NotFoundError:
+                    pass
+                except Exception:
+                    log.exception("could not unload %s", model.id)
             self.registry.drop_model(model.namespace, model.id)
             self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
@@ -425,10 +429,8 @@ class Protocol:
                     f"no model {path!r} in this key's namespace", field="model_path"
                 )
             return  # found (or not) when it is sampled: an alias resolves then
-        saved = [s for s in self.training().list_saved(namespace) if s.path == path]
-        if not saved:
-            raise NotFoundError(f"no saved weights at {path!r}", field="model_path")
-        if saved[0].kind != "sampler_weights":
+        saved = self.training().find_saved(namespace, path)  # NotFoundError saying why
+        if saved.kind != "sampler_weights":
             raise InvalidRequestError(
                 "a sampler needs save_weights_for_sampler's path, not save_state's",
                 field="model_path",

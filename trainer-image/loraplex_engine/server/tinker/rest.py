@@ -48,7 +48,7 @@ async def namespace(request: Request) -> str:
 Ns = Annotated[str, Depends(namespace)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Offset = Annotated[int, Query(ge=0)]
-_KIND = {"weights": "training", "sampler_weights": "sampler"}
+_KIND = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 def _iso(unix: float) -> str:
@@ -63,6 +63,7 @@ def checkpoint(saved: SavedState) -> dict[str, Any]:
         "tinker_path": saved.path,
         "size_bytes": saved.size_bytes,
         "public": False,
+        "expires_at": None if saved.expires is None else _iso(saved.expires),
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from loraplex_engine.server.tinker import rest
+from loraplex_engine.server.tinker.checkpoint_routes import TtlSeconds, add_checkpoint_routes
 from loraplex_engine.server.tinker.errors import add_protocol_error_handler, as_api_error
 from loraplex_engine.server.tinker.future_routes import add_future_routes
 from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
@@ -111,6 +112,7 @@ class SaveWeights(ModelRef):
     path: str | None = None
     kind: str = "snapshot"
     sampling_session_seq_id: int | None = None
+    ttl_seconds: TtlSeconds = None
 
 
 class LoadWeights(Body):
@@ -369,6 +371,7 @@ def mount_tinker(
 
     rest.add_rest_routes(r, proto, call)
     add_future_routes(r, proto, long_poll_s)
+    add_checkpoint_routes(r, proto, call)
     app.include_router(r)
     return proto
 
