@@ -22,7 +22,7 @@ from typing import Any
 from loraplex_engine.clients import saved, share, taking
 from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits, check_data, check_loss
-from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
+from loraplex_engine.clients.ops import DETACHED_KINDS, ClientModel, Op, OpKind, adapter_name
 from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
@@ -43,11 +43,17 @@ from loraplex_engine.spec.training_service import (
     ClientDatum,
     ClientLora,
     ClientModelInfo,
+    Forward,
     ForwardOutput,
+    LoadState,
     LossCall,
+    ModelCall,
+    OptimStep,
     SampleCall,
     SampleOutput,
     SavedState,
+    SaveState,
+    Unload,
 )
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import tree_bytes
@@ -180,99 +186,88 @@ class ClientModels:
 
     # ---- queued calls -----------------------------------------------------------------
 
-    def _submit(
+    def submit(
         self,
         namespace: str,
         model_id: str,
-        kind: OpKind,
-        payload: Any = None,
-        queued: Callable[[], None] | None = None,
-    ) -> Any:
-        op = Op(kind, payload, detached=queued is not None)
+        call: ModelCall,
+        order: int | None = None,
+        *,
+        detached: bool = True,
+    ) -> Op:
+        """Check ``call`` and queue it on the model (TrainingService.submit): the model's
+        one queue orders its calls, by ``order`` then arrival among those not taken yet.
+        ``detached``: its caller fetches a training call's answer later and says so
+        (``retrieved``), as the Tinker layer does."""
+        self._get(namespace, model_id)  # a model of another namespace: before any check
+        kind, payload = self._checked(namespace, model_id, call)
+        op = Op(kind, payload, order=order, detached=detached and kind in DETACHED_KINDS)
         with self._lock:
             model = self._models.get((namespace, model_id))
             if model is None:
                 raise NotFoundError(f"no model {model_id!r}")
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
-            model.queue.append(op)
+            model.put(op)
             model.last_call = op.queued_at
             self._queued.notify_all()
-        if queued is not None:
-            queued()  # its place in the model's order is held: the caller may go on
         self.parts.wake()
-        return op.wait()
+        return op
+
+    def _checked(self, namespace: str, model_id: str, call: ModelCall) -> tuple[OpKind, Any]:
+        """The queued op's kind and payload; a refused call raises, naming its field."""
+        if isinstance(call, Forward):
+            token_loss = check_loss(call.loss)
+            checked = check_data(call.data, token_loss, self.limits)
+            kind: OpKind = "forward_backward" if call.backward else "forward"
+            return kind, (checked, token_loss, call.backward)
+        if isinstance(call, OptimStep):
+            adam = call.adam
+            try:
+                return "optim_step", AdamWSettings(
+                    lr=adam.learning_rate,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                    max_grad_norm=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
+                )
+            except AdapterError as e:
+                raise InvalidRequestError(str(e), field="adam_params") from e
+        if isinstance(call, SaveState):
+            if not saved.valid_name(call.name):
+                raise InvalidRequestError(f"{call.name!r} is not a valid name", field="path")
+            if call.kind not in saved.KINDS:
+                raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
+            return "save_state", (call.name, call.kind)
+        if isinstance(call, LoadState):
+            self.state_of(namespace, saved.parse_path(call.path))  # NotFoundError before queueing
+            return "load_state", (call.path, call.with_optimizer)
+        return "unload", call.save
+
+    # Blocking forms (the engine's own callers and tests): submitted, then waited for.
 
     def forward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward", queued)
+        return self.submit(namespace, model_id, Forward(data, loss), detached=False).wait()
 
     def forward_backward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward_backward", queued)
+        call = Forward(data, loss, backward=True)
+        return self.submit(namespace, model_id, call, detached=False).wait()
 
-    def _train(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        kind: OpKind,
-        queued: Callable[[], None] | None,
-    ) -> ForwardOutput:
-        self._get(namespace, model_id)  # a model of another namespace: before any check
-        token_loss = check_loss(loss)
-        checked = check_data(data, token_loss, self.limits)
-        payload = (checked, token_loss, kind == "forward_backward")
-        return self._submit(namespace, model_id, kind, payload, queued)
-
-    def optim_step(
-        self,
-        namespace: str,
-        model_id: str,
-        adam: AdamStep,
-        queued: Callable[[], None] | None = None,
-    ) -> dict[str, float]:
-        self._get(namespace, model_id)
-        try:
-            settings = AdamWSettings(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-                max_grad_norm=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
-            )
-        except AdapterError as e:
-            raise InvalidRequestError(str(e), field="adam_params") from e
-        return self._submit(namespace, model_id, "optim_step", settings, queued)
+    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+        return self.submit(namespace, model_id, OptimStep(adam), detached=False).wait()
 
     def save_state(self, namespace: str, model_id: str, name: str, kind: saved.Kind) -> SavedState:
-        self._get(namespace, model_id)
-        if not saved.valid_name(name):
-            raise InvalidRequestError(f"{name!r} is not a valid name", field="path")
-        if kind not in saved.KINDS:
-            raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
-        return self._submit(namespace, model_id, "save_state", (name, kind))
+        return self.submit(namespace, model_id, SaveState(name, kind)).wait()
 
     def load_state(self, namespace: str, model_id: str, path: str, with_optimizer: bool) -> None:
-        self._get(namespace, model_id)
-        self.state_of(namespace, saved.parse_path(path))  # NotFoundError before queueing
-        self._submit(namespace, model_id, "load_state", (path, with_optimizer))
+        self.submit(namespace, model_id, LoadState(path, with_optimizer)).wait()
 
     def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
-        self._submit(namespace, model_id, "unload", save)
+        self.submit(namespace, model_id, Unload(save)).wait()
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.parts
@@ -323,13 +318,8 @@ class ClientModels:
             while True:
                 taken = self.share.plan(self._lanes(), None, clock()).taken
                 oldest = first_arrived(op for w in taken for op in w.item.ops)
-                takes = {id(w.item.model) for w in taken}
                 models = list(self._models.values())
-                on_way = [
-                    m
-                    for m in waiting_on(models, self._served_last, self.models_per_tick)
-                    if not m.queue or id(m) in takes
-                ]
+                on_way = waiting_on(models, self._served_last, self.models_per_tick)
                 if oldest is None or not on_way:
                     return
                 left = oldest + self.gather_s - clock()
@@ -360,6 +350,17 @@ class ClientModels:
                     key = (model.info.namespace, model.info.model_id)
                     self._models[key] = self._models.pop(key)
         return ClientTick(self, segments, samples)
+
+    def late_steps(
+        self, segments: list[tuple[ClientModel, list[Op]]]
+    ) -> list[tuple[ClientModel, Op]]:
+        """The optim_steps that arrived for this tick's open segments while it ran
+        (taking.late_steps): they join it."""
+        with self._lock:
+            late = taking.late_steps(segments)
+            for model, op in late:
+                model.outstanding += op.detached
+        return late
 
     def _lanes(self) -> Lanes[taking.Taken]:
         models = [m for m in self._models.values() if m.queue]
