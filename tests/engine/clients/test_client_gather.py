@@ -219,3 +219,24 @@ def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
     clients.retrieved(NS, "m")
     clients.retrieved(NS, "m")  # once more (a repeated fetch): never below 0
     assert model.outstanding == 0
+
+
+def test_the_step_phase_waits_within_the_window_for_an_open_segments_step() -> None:
+    """A tick ran a forward_backward whose optim_step has not come: at its step phase it
+    waits for it (the step arrives while waiting and joins the tick), but never past the
+    window after the forward_backward arrived (then it steps without it)."""
+    model = _model("m")
+    clients = _registry(model, gather_s=LONG_S)
+    fb = Op("forward_backward")
+    segments = [(model, [fb])]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(clients.late_steps(segments)))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive()  # its optim_step is on its way
+    _queue(clients, model, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert got == [(model, segments[0][1][-1])] and got[0][1].kind == "optim_step"
+    late = [(model, [Op("forward_backward")])]
+    assert clients.late_steps(late, clock=lambda: fb.queued_at + 2 * LONG_S) == []

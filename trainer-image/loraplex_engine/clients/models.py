@@ -352,15 +352,24 @@ class ClientModels:
         return ClientTick(self, segments, samples)
 
     def late_steps(
-        self, segments: list[tuple[ClientModel, list[Op]]]
+        self,
+        segments: list[tuple[ClientModel, list[Op]]],
+        clock: Callable[[], float] = time.monotonic,
     ) -> list[tuple[ClientModel, Op]]:
-        """The optim_steps that arrived for this tick's open segments while it ran
-        (taking.late_steps): they join it."""
-        with self._lock:
-            late = taking.late_steps(segments)
-            for model, op in late:
-                model.outstanding += op.detached
-        return late
+        """At the tick's step phase: the optim_steps that arrived for its open segments
+        while it ran (taking.late_steps) join it; for those still open it waits, until
+        ``gather_s`` after the oldest such forward_backward arrived (the gather's bound,
+        mostly spent by the pass already; the forward_backward's answer is given)."""
+        late: list[tuple[ClientModel, Op]] = []
+        with self._queued:
+            while True:
+                for model, op in taking.late_steps(segments):
+                    model.outstanding += op.detached
+                    late.append((model, op))
+                oldest = first_arrived(taking.still_open(segments))
+                if oldest is None or oldest + self.gather_s <= clock():
+                    return late
+                self._queued.wait(oldest + self.gather_s - clock())
 
     def _lanes(self) -> Lanes[taking.Taken]:
         models = [m for m in self._models.values() if m.queue]

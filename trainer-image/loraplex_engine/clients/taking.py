@@ -103,10 +103,10 @@ def pop(taken: Sequence[Work[Taken]]) -> tuple[list[tuple[ClientModel, list[Op]]
 
 def late_steps(segments: Sequence[tuple[ClientModel, list[Op]]]) -> list[tuple[ClientModel, Op]]:
     """At a tick's step phase: each segment that ended in a ``forward_backward`` (it was
-    open: gather.segment_open) whose model's queue now starts with an ``optim_step``,
-    which arrived while the tick ran. It joins this tick, as if it had been there when the
-    tick took the segment: the gradient is the same either way, and the tick need not
-    wait for it first. Popped off the queue and added to the segment."""
+    open) whose model's queue now starts with an ``optim_step``, which arrived while the
+    tick ran. It joins this tick, as if it had been there when the tick took the segment:
+    the gradient is the same either way, and the tick need not wait for it first.
+    Popped off the queue and added to the segment."""
     late = []
     for model, ops in segments:
         opened = bool(ops) and ops[-1].kind == "forward_backward"
@@ -115,3 +115,13 @@ def late_steps(segments: Sequence[tuple[ClientModel, list[Op]]]) -> list[tuple[C
             ops.append(op)
             late.append((model, op))
     return late
+
+
+def still_open(segments: Sequence[tuple[ClientModel, list[Op]]]) -> list[Op]:
+    """The last ``forward_backward`` of each segment still open: nothing has come after
+    it on its model's queue (its ``optim_step`` may be on its way)."""
+    return [
+        ops[-1]
+        for model, ops in segments
+        if ops and ops[-1].kind == "forward_backward" and not model.queue
+    ]
