@@ -16,13 +16,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from loraplex_engine.clients import saved, share, taking
+from loraplex_engine.clients.calls import queued_call
 from loraplex_engine.clients.gather import first_arrived, waiting_on
-from loraplex_engine.clients.inputs import Limits, check_data, check_loss
-from loraplex_engine.clients.ops import DETACHED_KINDS, ClientModel, Op, OpKind, adapter_name
+from loraplex_engine.clients.inputs import Limits
+from loraplex_engine.clients.ops import DETACHED_KINDS, ClientModel, Op, adapter_name
 from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
@@ -200,7 +201,8 @@ class ClientModels:
         ``detached``: its caller fetches a training call's answer later and says so
         (``retrieved``), as the Tinker layer does."""
         self._get(namespace, model_id)  # a model of another namespace: before any check
-        kind, payload = self._checked(namespace, model_id, call)
+        state = partial(self.state_of, namespace)  # NotFoundError before queueing
+        kind, payload = queued_call(call, self.limits, state)
         op = Op(kind, payload, order=order, detached=detached and kind in DETACHED_KINDS)
         with self._lock:
             model = self._models.get((namespace, model_id))
@@ -213,36 +215,6 @@ class ClientModels:
             self._queued.notify_all()
         self.parts.wake()
         return op
-
-    def _checked(self, namespace: str, model_id: str, call: ModelCall) -> tuple[OpKind, Any]:
-        """The queued op's kind and payload; a refused call raises, naming its field."""
-        if isinstance(call, Forward):
-            token_loss = check_loss(call.loss)
-            checked = check_data(call.data, token_loss, self.limits)
-            kind: OpKind = "forward_backward" if call.backward else "forward"
-            return kind, (checked, token_loss, call.backward)
-        if isinstance(call, OptimStep):
-            adam = call.adam
-            try:
-                return "optim_step", AdamWSettings(
-                    lr=adam.learning_rate,
-                    betas=(adam.beta1, adam.beta2),
-                    eps=adam.eps,
-                    weight_decay=adam.weight_decay,
-                    max_grad_norm=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
-                )
-            except AdapterError as e:
-                raise InvalidRequestError(str(e), field="adam_params") from e
-        if isinstance(call, SaveState):
-            if not saved.valid_name(call.name):
-                raise InvalidRequestError(f"{call.name!r} is not a valid name", field="path")
-            if call.kind not in saved.KINDS:
-                raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
-            return "save_state", (call.name, call.kind)
-        if isinstance(call, LoadState):
-            self.state_of(namespace, saved.parse_path(call.path))  # NotFoundError before queueing
-            return "load_state", (call.path, call.with_optimizer)
-        return "unload", call.save
 
     # Blocking forms (the engine's own callers and tests): submitted, then waited for.
 
