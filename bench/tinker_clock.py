@@ -9,7 +9,9 @@ A benchmark, not a test: it prints and writes numbers.
 Two real ``loraplex-engine serve --tinker-keys`` processes with the tiny model (tests'
 fixture), up at once, 8 slots, torch at ``--threads``, everything else at the engine's
 defaults; the cells run interleaved (each (rows, N) on one arm, then the other), so
-the load of a shared machine drifts alike over both arms:
+the load of a shared machine drifts alike over both arms, and each cell waits until its
+models are unloaded (closing a session retires them in the background) before the next
+starts:
 
 - ``fused``: the engine as shipped. A tick takes one segment (forward_backward +
   optim_step) of every model with a call waiting and runs all of their data in one
@@ -179,6 +181,23 @@ def engine_seconds(srv: EngineServer) -> dict[str, float]:
     return out
 
 
+def retired(srv: EngineServer, models: dict[int, str], timeout: float = 120.0) -> None:
+    """Wait until the cell's models are unloaded: closing a session retires its models in
+    the background (each saved twice, then unloaded), and that work must not run during
+    the next cell, which is the other arm's (it charged 8 models' retirement to the
+    fused arm's lone-client cells that follow a per_model N=8 cell)."""
+    finals = [
+        srv.checkpoint_root / f"ns{i}" / "_tinker" / model_id / "weights" / "final"
+        for i, model_id in models.items()
+    ]
+    deadline = time.monotonic() + timeout
+    while not all(f.is_dir() for f in finals):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the cell's models were never unloaded")
+        time.sleep(0.05)
+    time.sleep(0.2)  # each unload's last step (its slot freed) after its final save
+
+
 def cpu_seconds(pid: int) -> float:
     """A process's user + system CPU seconds, all its threads (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -217,10 +236,12 @@ def run_cell(srv: EngineServer, arm: str, n: int, rows: int, rep: int, args) -> 
             raise RuntimeError(f"client {c.i} failed") from c.error
     name = f"bench-r{rows}-n{n}-{rep}"
     adapters = {}
+    models = {}
     for c in clients:
-        model_id = c.finish(name)
-        ckpt = srv.checkpoint_root
-        adapters[str(c.i)] = str(ckpt / f"ns{c.i}" / "_tinker" / model_id / "weights" / name)
+        models[c.i] = c.finish(name)
+        ckpt = srv.checkpoint_root / f"ns{c.i}" / "_tinker" / models[c.i] / "weights"
+        adapters[str(c.i)] = str(ckpt / name)
+    retired(srv, models)
     tokens = sum(c.tokens for c in clients) * args.steps
     engine = {k: round(after[k] - before[k], 4) for k in after}
     latencies = [s for c in clients for s in c.step_s]

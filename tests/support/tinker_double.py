@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from loraplex_engine.spec.errors import InvalidRequestError, NoCapacityError, NotFoundError
@@ -17,13 +18,18 @@ from loraplex_engine.spec.training_service import (
     ClientDatum,
     ClientLora,
     ClientModelInfo,
+    Forward,
     ForwardOutput,
     Limits,
+    LoadState,
     LossCall,
+    ModelCall,
+    OptimStep,
     SampleCall,
     SampledRow,
     SampleOutput,
     SavedState,
+    SaveState,
 )
 
 
@@ -108,27 +114,41 @@ class FakeTraining:
             outputs.append({"logprobs": logprobs, "elementwise_loss": loss_el})
         return m, ForwardOutput(outputs, {"loss:sum": total})
 
-    def forward(self, namespace, model_id, data, loss, queued=None) -> ForwardOutput:
-        with self.lock:
-            out = self._forward(namespace, model_id, data, loss)[1]
-        _placed(queued)
-        return out
+    def submit(
+        self, namespace: str, model_id: str, call: ModelCall, order: int | None = None
+    ) -> Answered:
+        """Runs the call at once, in the order calls come (the protocol submits a model's
+        calls in the SDK's order); its error raises here."""
+        return Answered(self._run(namespace, model_id, call))
 
-    def forward_backward(self, namespace, model_id, data, loss, queued=None) -> ForwardOutput:
+    def _run(self, namespace: str, model_id: str, call: ModelCall) -> Any:
+        if isinstance(call, Forward):
+            if call.backward:
+                return self.forward_backward(namespace, model_id, call.data, call.loss)
+            return self.forward(namespace, model_id, call.data, call.loss)
+        if isinstance(call, OptimStep):
+            return self.optim_step(namespace, model_id, call.adam)
+        if isinstance(call, SaveState):
+            return self.save_state(namespace, model_id, call.name, call.kind)
+        if isinstance(call, LoadState):
+            return self.load_state(namespace, model_id, call.path, call.with_optimizer)
+        return self.unload_model(namespace, model_id)
+
+    def forward(self, namespace, model_id, data, loss) -> ForwardOutput:
+        with self.lock:
+            return self._forward(namespace, model_id, data, loss)[1]
+
+    def forward_backward(self, namespace, model_id, data, loss) -> ForwardOutput:
         with self.lock:
             m, out = self._forward(namespace, model_id, data, loss)
             m.pending_grads += len(data)
-        _placed(queued)
         return out
 
-    def optim_step(
-        self, namespace: str, model_id: str, adam: AdamStep, queued=None
-    ) -> dict[str, float]:
+    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
         with self.lock:
             m = self._model(namespace, model_id)
             m.steps += 1
             grads, m.pending_grads = m.pending_grads, 0
-        _placed(queued)
         return {"grad_norm": float(grads), "learning_rate": adam.learning_rate}
 
     def save_state(self, namespace, model_id, name, kind, ttl_s=None) -> SavedState:
@@ -201,8 +221,11 @@ class FakeTraining:
             self.log.append(("unload_model", namespace, model_id))
 
 
-def _placed(queued) -> None:
-    """The double runs a call at once: it holds its place from the start (released
-    after the work, so the lane's order is kept exactly)."""
-    if queued is not None:
-        queued()
+@dataclass
+class Answered:
+    """A call the double ran at once (TrainingService.submit's Pending)."""
+
+    result: Any
+
+    def wait(self) -> Any:
+        return self.result

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 
-from loraplex_engine.clients.gather import oldest_call, segment_open, waiting_on
+from loraplex_engine.clients.gather import oldest_call, waiting_on
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.clients.taking import late_steps
 from loraplex_engine.spec.training_service import ClientLora, ClientModelInfo
 
 from tests.support.client_driver import NS
@@ -48,33 +49,41 @@ def _taken(clients: ClientModels) -> dict[str, list[str]]:
     return {m.info.model_id: [op.kind for op in ops] for m, ops in clients.take().segments}
 
 
-def test_an_open_segment_is_a_forward_backward_with_nothing_after_it() -> None:
-    def open_(*kinds: str) -> bool:
-        return segment_open(_model("m", *kinds).queue)
-
-    assert open_("forward_backward")
-    assert open_("forward_backward", "forward_backward")  # an accumulated step, going on
-    assert open_("forward", "forward_backward")
-    assert not open_()  # nothing queued: no segment
-    assert not open_("forward_backward", "optim_step")  # whole
-    assert not open_("forward")  # an evaluation: no optim_step follows it
-    assert not open_("optim_step")
-    assert not open_("save_state")
-    assert not open_("forward_backward", "save_state")  # the segment ends at the save
-
-
-def test_waiting_on_models_with_an_open_segment_or_served_last_and_empty() -> None:
+def test_waiting_on_only_models_whose_next_call_is_on_its_way() -> None:
+    """Waited for: a model the last tick served, with nothing queued and every answer
+    fetched (its next step is on its way). Not a model whose forward_backward is queued
+    without its optim_step: the tick starts at once and the step joins it late
+    (taking.late_steps); a lone client's tick is never held for it."""
     whole = _model("whole", "forward_backward", "optim_step")
     opening = _model("opening", "forward_backward")
     served = _model("served")  # the last tick served it; its next step is on its way
     idle = _model("idle")  # never served lately: nothing is expected of it
     models = [whole, opening, served, idle]
-    assert waiting_on(models, {served, whole}, None) == [opening, served]
-    assert waiting_on(models, set(), None) == [opening]
+    assert waiting_on(models, {served, whole}, None) == [served]
+    assert waiting_on(models, set(), None) == []
+    assert waiting_on([opening], {opening}, None) == []  # a lone client: start at once
     # One model a tick: only the first in turn that has work or is on its way matters.
-    assert waiting_on(models, {served}, 1) == []  # "whole" is first, and complete
-    assert waiting_on([opening, whole], set(), 1) == [opening]
+    assert waiting_on(models, {served}, 1) == []  # "whole" is first, and queued
     assert waiting_on([whole, served], {served}, 2) == [served]
+
+
+def test_a_late_optim_step_joins_the_tick_of_its_forward_backward() -> None:
+    """At the step phase, a segment that ended in a forward_backward takes the
+    optim_step that has arrived since (the head of its model's queue); a whole segment,
+    a forward, or a queue headed by another call takes nothing."""
+    opened, whole = _model("opened", "optim_step", "forward"), _model("whole", "optim_step")
+    ahead, evaluating = _model("ahead", "save_state", "optim_step"), _model("ev", "optim_step")
+    segments = [
+        (opened, [Op("forward_backward")]),
+        (whole, [Op("forward_backward"), Op("optim_step")]),
+        (ahead, [Op("forward_backward")]),
+        (evaluating, [Op("forward")]),
+    ]  # type: ignore[arg-type]
+    step = opened.queue[0]
+    assert late_steps(segments) == [(opened, step)]
+    assert segments[0][1][-1] is step and [op.kind for op in opened.queue] == ["forward"]
+    assert len(whole.queue) == len(evaluating.queue) == 1
+    assert [op.kind for op in ahead.queue] == ["save_state", "optim_step"]
 
 
 def test_oldest_call_is_the_longest_waiting_queued_call() -> None:
@@ -86,7 +95,7 @@ def test_oldest_call_is_the_longest_waiting_queued_call() -> None:
 
 def test_a_tick_takes_every_model_whose_call_arrives_within_the_window() -> None:
     """Three clients the last tick served: one has sent its step, one only its
-    forward_backward, one nothing yet. The gather holds the tick until both others'
+    forward_backward, one nothing yet. The gather holds the tick until the last one's
     calls are queued, then the tick takes all three whole segments."""
     a = _model("a", "forward_backward", "optim_step")
     b = _model("b", "forward_backward")
@@ -104,12 +113,15 @@ def test_a_tick_takes_every_model_whose_call_arrives_within_the_window() -> None
 
 
 def test_nothing_on_its_way_holds_no_tick() -> None:
-    """A lone client whose step is queued whole, an evaluation ``forward``, no queued
+    """A lone client whose step is queued whole or only its forward_backward (its
+    optim_step on its way joins the tick late), an evaluation ``forward``, no queued
     call at all, or the gather turned off: gather returns without waiting (the window
     is an hour; the thread ends)."""
     lone = _model("lone", "forward_backward", "optim_step")
+    opening = _model("opening", "forward_backward")
     evaluating = _model("eval", "forward")
-    for models, served in (([lone], {lone}), ([evaluating], {evaluating}), ([_model("x")], set())):
+    cases = [([lone], {lone}), ([opening], {opening}), ([evaluating], {evaluating})]
+    for models, served in [*cases, ([_model("x")], set())]:
         clients = _registry(*models, gather_s=LONG_S)
         clients._served_last = served
         waiter = _gather_in_thread(clients)
@@ -146,24 +158,29 @@ def _train_op(tokens: int, queued_at: float | None = None) -> Op:
 
 def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() -> None:
     """Team-a's big call has waited long, held back by the fair share (its namespace is
-    dear and in debt: tenancy/client_share.py); team-b's forward_backward has just
-    arrived, its optim_step on its way. The window runs from the oldest call the tick
-    would take (b's), so the gather waits for b's step and the tick takes it whole; timing
-    from a's call would start the tick at once and split b's step over two ticks."""
+    dear and in debt: tenancy/client_share.py); team-b's step has just arrived, and its
+    other client, which the last tick served, is sending its own. The window runs from
+    the oldest call the tick would take (b's), so the gather waits for c and the tick
+    takes both; timing from a's call would start the tick at once without c."""
     a = ClientModel(ClientModelInfo("a", "team-a", "base", "tok", ClientLora(rank=4)), "a")
     b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
+    c = ClientModel(ClientModelInfo("c", "team-b", "base", "tok", ClientLora(rank=4)), "c")
     a.queue.append(_train_op(1000, queued_at=0.0))
-    b.queue.append(_train_op(10))
+    b.queue.extend([_train_op(10), Op("optim_step")])
     clients = ClientModels(parts=None, gather_s=LONG_S)
-    clients._models = {("team-a", "a"): a, ("team-b", "b"): b}
+    clients._models = {("team-a", "a"): a, ("team-b", "b"): b, ("team-b", "c"): c}
+    clients._served_last = {c}
     clients.share.credit = -(10**6)  # a's debt from its earlier calls
     waiter = _gather_in_thread(clients)
     waiter.join(0.2)
-    assert waiter.is_alive()  # waiting for b's optim_step
-    _queue(clients, b, "optim_step")
+    assert waiter.is_alive()  # waiting for c's step
+    with clients._queued:
+        c.queue.extend([_train_op(10), Op("optim_step")])
+        clients._queued.notify_all()
     waiter.join(JOIN_S)
     assert not waiter.is_alive()
-    assert _taken(clients) == {"b": ["forward_backward", "optim_step"]}
+    step = ["forward_backward", "optim_step"]
+    assert _taken(clients) == {"b": step, "c": step}
 
 
 def test_a_client_with_an_answer_to_fetch_is_not_on_its_way() -> None:
@@ -202,3 +219,24 @@ def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
     clients.retrieved(NS, "m")
     clients.retrieved(NS, "m")  # once more (a repeated fetch): never below 0
     assert model.outstanding == 0
+
+
+def test_the_step_phase_waits_within_the_window_for_an_open_segments_step() -> None:
+    """A tick ran a forward_backward whose optim_step has not come: at its step phase it
+    waits for it (the step arrives while waiting and joins the tick), but never past the
+    window after the forward_backward arrived (then it steps without it)."""
+    model = _model("m")
+    clients = _registry(model, gather_s=LONG_S)
+    fb = Op("forward_backward")
+    segments = [(model, [fb])]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(clients.late_steps(segments)))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive()  # its optim_step is on its way
+    _queue(clients, model, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert got == [(model, segments[0][1][-1])] and got[0][1].kind == "optim_step"
+    late = [(model, [Op("forward_backward")])]
+    assert clients.late_steps(late, clock=lambda: fb.queued_at + 2 * LONG_S) == []

@@ -4,9 +4,6 @@ gradient accumulation, isolation from the engine's own experiments, saved states
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +16,14 @@ from loraplex_engine.spec.training_service import (
     AdamStep,
     ClientLora,
     ClientModelInfo,
+    Forward,
     LossCall,
+    OptimStep,
     SampleCall,
 )
 
 from tests.support.adapter_parity import adapter_gap, assert_same_training
-from tests.support.client_driver import NS, drive, queued, sft_datum
+from tests.support.client_driver import NS, drive, sft_datum
 from tests.support.engine_builders import engine, spec
 
 PROMPT = [1, 40, 41, 42]
@@ -227,24 +226,29 @@ def test_models_per_tick_takes_segments_in_turn() -> None:
     assert [op.kind for op in segment] == ["forward", "forward", "optim_step"]
 
 
-def test_a_call_queued_signals_it_so_the_next_can_share_its_tick(eng) -> None:
-    """``queued``: called once the call holds its place, before any tick answers it; the
-    optim_step then sent shares the forward_backward's tick (the protocol pipelines so).
-    A call refused at once never calls it."""
-    eng.clients.create_model(NS, "pipe", ClientLora(rank=4, seed=1))
-    placed = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        data = [sft_datum(PROMPT, ANSWER)]
-        fb = pool.submit(eng.clients.forward_backward, NS, "pipe", data, CE, placed.set)
-        assert placed.wait(30) and queued(eng) == 1
-        opt = pool.submit(eng.clients.optim_step, NS, "pipe", AdamStep(learning_rate=LR))
-        deadline = time.monotonic() + 30
-        while queued(eng) < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert eng.tick() is not None
-        assert fb.result(30).metrics["loss:sum"] > 0 and opt.result(30)["learning_rate:mean"] == LR
-    never = threading.Event()
+def test_submitted_calls_run_in_their_order_not_their_arrival(eng) -> None:
+    """``submit`` queues at once (its caller goes on) on the model's one queue, which
+    orders the calls no tick has taken by their ``order`` (the SDK's seq_id): an
+    optim_step (3) and a forward (4) that arrive before the forward_backward (2) still
+    step its gradient, in one tick with it, and see the stepped weights. A call refused
+    at once raises and queues nothing."""
+    eng.clients.create_model(NS, "seq", ClientLora(rank=4, seed=1))
+    data = [sft_datum(PROMPT, ANSWER)]
+    (before,) = drive(eng, lambda: eng.clients.forward(NS, "seq", data, CE))
+    step = eng.clients.submit(NS, "seq", OptimStep(AdamStep(learning_rate=0.05)), order=3)
+    after = eng.clients.submit(NS, "seq", Forward(data, CE), order=4)
+    grad = eng.clients.submit(NS, "seq", Forward(data, CE, backward=True), order=2)
+    plain = eng.clients.submit(NS, "seq", Forward(data, CE))  # no order: after the numbered
+    model = eng.clients.loaded(NS, "seq")
+    assert list(model.queue) == [grad, step, after, plain]
     with pytest.raises(NotFoundError):
-        eng.clients.optim_step(NS, "nobody", AdamStep(), never.set)
-    assert not never.is_set()
+        eng.clients.submit(NS, "nobody", OptimStep(AdamStep()), order=1)
+    ticks = 0
+    while not plain.done.is_set():
+        ticks += eng.tick() is not None
+    loss = before.metrics["loss:sum"]
+    assert grad.wait().metrics["loss:sum"] == pytest.approx(loss)
+    assert step.wait()["learning_rate:mean"] == 0.05
+    assert after.wait().metrics["loss:sum"] < 0.9 * loss  # stepped before it ran
+    assert ticks == 2  # forward_backward + optim_step, then both forwards
     _unload_all(eng)

@@ -16,14 +16,15 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from loraplex_engine.clients import saved, share, taking
-from loraplex_engine.clients.checkpoints import ClientCheckpoints, Found, check_ttl
+from loraplex_engine.clients.calls import queued_call
+from loraplex_engine.clients.checkpoints import ClientCheckpoints, Found
 from loraplex_engine.clients.gather import first_arrived, waiting_on
-from loraplex_engine.clients.inputs import Limits, check_data, check_loss
-from loraplex_engine.clients.ops import ClientModel, Op, OpKind, adapter_name
+from loraplex_engine.clients.inputs import Limits
+from loraplex_engine.clients.ops import DETACHED_KINDS, ClientModel, Op, adapter_name
 from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
 from loraplex_engine.clients.ticking import ClientTick
@@ -44,11 +45,17 @@ from loraplex_engine.spec.training_service import (
     ClientDatum,
     ClientLora,
     ClientModelInfo,
+    Forward,
     ForwardOutput,
+    LoadState,
     LossCall,
+    ModelCall,
+    OptimStep,
     SampleCall,
     SampleOutput,
     SavedState,
+    SaveState,
+    Unload,
 )
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.tenancy.client_share import ClientShare, Lanes
@@ -187,101 +194,61 @@ class ClientModels:
 
     # ---- queued calls -----------------------------------------------------------------
 
-    def _submit(
+    def submit(
         self,
         namespace: str,
         model_id: str,
-        kind: OpKind,
-        payload: Any = None,
-        queued: Callable[[], None] | None = None,
-    ) -> Any:
-        op = Op(kind, payload, detached=queued is not None)
+        call: ModelCall,
+        order: int | None = None,
+        *,
+        detached: bool = True,
+    ) -> Op:
+        """Check ``call`` and queue it on the model (TrainingService.submit): the model's
+        one queue orders its calls, by ``order`` then arrival among those not taken yet.
+        ``detached``: its caller fetches a training call's answer later and says so
+        (``retrieved``), as the Tinker layer does."""
+        self._get(namespace, model_id)  # a model of another namespace: before any check
+        state = partial(self.find_state, namespace)  # NotFoundError before queueing
+        kind, payload = queued_call(call, self.limits, state)
+        op = Op(kind, payload, order=order, detached=detached and kind in DETACHED_KINDS)
         with self._lock:
             model = self._models.get((namespace, model_id))
             if model is None:
                 raise NotFoundError(f"no model {model_id!r}")
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
-            model.queue.append(op)
+            model.put(op)
             model.last_call = op.queued_at
             self._queued.notify_all()
-        if queued is not None:
-            queued()  # its place in the model's order is held: the caller may go on
         self.parts.wake()
-        return op.wait()
+        return op
+
+    # Blocking forms (the engine's own callers and tests): submitted, then waited for.
 
     def forward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward", queued)
+        return self.submit(namespace, model_id, Forward(data, loss), detached=False).wait()
 
     def forward_backward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
+        self, namespace: str, model_id: str, data: list[ClientDatum], loss: LossCall
     ) -> ForwardOutput:
-        return self._train(namespace, model_id, data, loss, "forward_backward", queued)
+        call = Forward(data, loss, backward=True)
+        return self.submit(namespace, model_id, call, detached=False).wait()
 
-    def _train(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        kind: OpKind,
-        queued: Callable[[], None] | None,
-    ) -> ForwardOutput:
-        self._get(namespace, model_id)  # a model of another namespace: before any check
-        token_loss = check_loss(loss)
-        checked = check_data(data, token_loss, self.limits)
-        payload = (checked, token_loss, kind == "forward_backward")
-        return self._submit(namespace, model_id, kind, payload, queued)
-
-    def optim_step(
-        self,
-        namespace: str,
-        model_id: str,
-        adam: AdamStep,
-        queued: Callable[[], None] | None = None,
-    ) -> dict[str, float]:
-        self._get(namespace, model_id)
-        try:
-            settings = AdamWSettings(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-                max_grad_norm=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
-            )
-        except AdapterError as e:
-            raise InvalidRequestError(str(e), field="adam_params") from e
-        return self._submit(namespace, model_id, "optim_step", settings, queued)
+    def optim_step(self, namespace: str, model_id: str, adam: AdamStep) -> dict[str, float]:
+        return self.submit(namespace, model_id, OptimStep(adam), detached=False).wait()
 
     def save_state(
         self, namespace: str, model_id: str, name: str, kind: saved.Kind, ttl_s: float | None = None
     ) -> SavedState:
-        self._get(namespace, model_id)
-        if not saved.valid_name(name):
-            raise InvalidRequestError(f"{name!r} is not a valid name", field="path")
-        if kind not in saved.KINDS:
-            raise InvalidRequestError(f"kind must be one of {list(saved.KINDS)}", field="kind")
-        return self._submit(namespace, model_id, "save_state", (name, kind, check_ttl(ttl_s)))
+        return self.submit(namespace, model_id, SaveState(name, kind, ttl_s)).wait()
 
     def load_state(self, namespace: str, model_id: str, path: str, with_optimizer: bool) -> None:
-        self._get(namespace, model_id)
-        self.find_state(namespace, saved.parse_path(path))  # NotFoundError before queueing
-        self._submit(namespace, model_id, "load_state", (path, with_optimizer))
+        self.submit(namespace, model_id, LoadState(path, with_optimizer)).wait()
 
     def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
-        self._submit(namespace, model_id, "unload", save)
+        self.submit(namespace, model_id, Unload(save)).wait()
 
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         h = self.parts
@@ -344,13 +311,8 @@ class ClientModels:
             while True:
                 taken = self.share.plan(self._lanes(), None, clock()).taken
                 oldest = first_arrived(op for w in taken for op in w.item.ops)
-                takes = {id(w.item.model) for w in taken}
                 models = list(self._models.values())
-                on_way = [
-                    m
-                    for m in waiting_on(models, self._served_last, self.models_per_tick)
-                    if not m.queue or id(m) in takes
-                ]
+                on_way = waiting_on(models, self._served_last, self.models_per_tick)
                 if oldest is None or not on_way:
                     return
                 left = oldest + self.gather_s - clock()
@@ -381,6 +343,26 @@ class ClientModels:
                     key = (model.info.namespace, model.info.model_id)
                     self._models[key] = self._models.pop(key)
         return ClientTick(self, segments, samples)
+
+    def late_steps(
+        self,
+        segments: list[tuple[ClientModel, list[Op]]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> list[tuple[ClientModel, Op]]:
+        """At the tick's step phase: the optim_steps that arrived for its open segments
+        while it ran (taking.late_steps) join it; for those still open it waits, until
+        ``gather_s`` after the oldest such forward_backward arrived (the gather's bound,
+        mostly spent by the pass already; the forward_backward's answer is given)."""
+        late: list[tuple[ClientModel, Op]] = []
+        with self._queued:
+            while True:
+                for model, op in taking.late_steps(segments):
+                    model.outstanding += op.detached
+                    late.append((model, op))
+                oldest = first_arrived(taking.still_open(segments))
+                if oldest is None or oldest + self.gather_s <= clock():
+                    return late
+                self._queued.wait(oldest + self.gather_s - clock())
 
     def _lanes(self) -> Lanes[taking.Taken]:
         models = [m for m in self._models.values() if m.queue]

@@ -20,6 +20,8 @@ OpKind = Literal[
     "forward", "forward_backward", "optim_step", "save_state", "load_state", "unload", "sample"
 ]
 TRAIN_KINDS = ("forward", "forward_backward")
+# A Tinker client fetches these answers later (the SDK's retrieve_future): clients/gather.py.
+DETACHED_KINDS = ("forward", "forward_backward", "optim_step")
 
 
 @dataclass
@@ -32,6 +34,9 @@ class Op:
     result: Any = None
     error: BaseException | None = None
     queued_at: float = field(default_factory=time.monotonic)  # the gather's bound
+    # Its place among the model's calls not taken yet: the SDK's seq_id (None: after
+    # every numbered call), then arrival (ClientModel.put).
+    order: int | None = None
     # Its caller fetches the answer later (the Tinker layer: the SDK's retrieve_future),
     # and says so (ClientModels.retrieved); else the answer is delivered when wait returns.
     detached: bool = False
@@ -78,19 +83,18 @@ class ClientModel:
         """Seconds since its client's last call; 0 while a call is queued."""
         return 0.0 if self.queue else max(0.0, now - self.last_call)
 
-    def take_segment(self) -> list[Op]:
-        """The ops one tick runs for this model, in call order: its leading forward /
-        forward_backward calls and the optim_step after them, or one other op."""
-        if not self.queue:
-            return []
-        if self.queue[0].kind not in TRAIN_KINDS:
-            return [self.queue.popleft()]
-        taken = []
-        while self.queue and self.queue[0].kind in TRAIN_KINDS:
-            taken.append(self.queue.popleft())
-        if self.queue and self.queue[0].kind == "optim_step":
-            taken.append(self.queue.popleft())
-        return taken
+    def put(self, op: Op) -> None:
+        """Queue ``op`` after every queued op of a lower or equal order: the one queue
+        that orders the model's calls (a tick takes a prefix of it)."""
+        rank = _rank(op)
+        i = len(self.queue)
+        while i and _rank(self.queue[i - 1]) > rank:
+            i -= 1
+        self.queue.insert(i, op)
+
+
+def _rank(op: Op) -> float:
+    return float("inf") if op.order is None else float(op.order)
 
 
 def adapter_name(namespace: str, model_id: str) -> str:

@@ -2,7 +2,7 @@
 namespace's queued calls as lanes of priced items, and the taken items back as the
 segments and samples a :class:`~loraplex_engine.clients.ticking.ClientTick` runs.
 
-A model's lane is the first segment of its queue (ops.ClientModel.take_segment): one
+A model's lane is the first segment of its queue (segment_items): one
 item per ``forward``/``forward_backward`` call, the ``optim_step`` after the last one in
 the same item (a tick that takes part of a segment leaves the rest, its step included,
 queued: the gradient accumulates across ticks as across calls, so the step's result is
@@ -99,3 +99,29 @@ def pop(taken: Sequence[Work[Taken]]) -> tuple[list[tuple[ClientModel, list[Op]]
             assert model.queue[0] is op, "a lane's items are taken as a prefix"
             model.queue.popleft()
     return list(segments.items()), samples
+
+
+def late_steps(segments: Sequence[tuple[ClientModel, list[Op]]]) -> list[tuple[ClientModel, Op]]:
+    """At a tick's step phase: each segment that ended in a ``forward_backward`` (it was
+    open) whose model's queue now starts with an ``optim_step``, which arrived while the
+    tick ran. It joins this tick, as if it had been there when the tick took the segment:
+    the gradient is the same either way, and the tick need not wait for it first.
+    Popped off the queue and added to the segment."""
+    late = []
+    for model, ops in segments:
+        opened = bool(ops) and ops[-1].kind == "forward_backward"
+        if opened and model.queue and model.queue[0].kind == "optim_step":
+            op = model.queue.popleft()
+            ops.append(op)
+            late.append((model, op))
+    return late
+
+
+def still_open(segments: Sequence[tuple[ClientModel, list[Op]]]) -> list[Op]:
+    """The last ``forward_backward`` of each segment still open: nothing has come after
+    it on its model's queue (its ``optim_step`` may be on its way)."""
+    return [
+        ops[-1]
+        for model, ops in segments
+        if ops and ops[-1].kind == "forward_backward" and not model.queue
+    ]

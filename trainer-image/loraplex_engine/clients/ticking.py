@@ -59,6 +59,10 @@ class Owner(Protocol):
 
     def stepped(self, model: ClientModel) -> None: ...
 
+    def late_steps(
+        self, segments: list[tuple[ClientModel, list[Op]]]
+    ) -> list[tuple[ClientModel, Op]]: ...
+
 
 @dataclass
 class ClientTick:
@@ -149,7 +153,9 @@ class ClientTick:
 
     def train(self, strategy: TrainingStrategy) -> None:
         """The train calls' pass unless they rode the update, their gradients taken into
-        each model's accumulator, then the optimiser steps."""
+        each model's accumulator, then the optimiser steps: those taken, and those that
+        arrived meanwhile for a segment left open (its forward_backward's optim_step,
+        sent after it: taking.late_steps)."""
         parts = self.owner.parts
         calls = self.calls
         steps = [(m, op) for m, ops in self.segments for op in ops if op.kind == "optim_step"]
@@ -173,7 +179,7 @@ class ClientTick:
                 parts.model.eval()
             for _, op, c in calls:
                 op.resolve(c.output())
-        self._steps(steps)
+        self._steps(steps + self.owner.late_steps(self.segments))
 
     def _steps(self, steps: list[tuple[ClientModel, Op]]) -> None:
         parts = self.owner.parts

@@ -17,10 +17,10 @@ protocol layer turns into the SDK's "paused for capacity" queue state and retrie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -161,9 +161,56 @@ class Adoption:
     journal_dir: str
 
 
+@dataclass(frozen=True)
+class Forward:
+    """``forward`` (``backward`` False) or ``forward_backward``."""
+
+    data: list[ClientDatum]
+    loss: LossCall
+    backward: bool = False
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    adam: AdamStep
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """``weights``: adapter and optimiser state (resumable); ``sampler_weights``: the
+    adapter as published for sampling (that version, frozen; held in memory, bounded);
+    ``external_weights``: the adapter as a PEFT directory to download. ``ttl_s``: removed
+    that many seconds from now (None: kept until deleted)."""
+
+    name: str
+    kind: Literal["weights", "sampler_weights", "external_weights"]
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadState:
+    path: str
+    with_optimizer: bool
+
+
+@dataclass(frozen=True)
+class Unload:
+    save: bool = True  # its last weights as ``weights/final`` first
+
+
+ModelCall = Forward | OptimStep | SaveState | LoadState | Unload
+
+
+class Pending(Protocol):
+    """A submitted call, queued: its answer once a tick has run it."""
+
+    def wait(self) -> Any:
+        """Blocks until answered; raises the call's error."""
+
+
 class TrainingService(Protocol):
-    """Thread-safe. Operations of one model run in the order they are called; calls of
-    different models pending together share a tick (one fused forward/backward)."""
+    """Thread-safe. Operations of one model run in their queue's order (``submit``); calls
+    of different models pending together share a tick (one fused forward/backward)."""
 
     @property
     def model_name(self) -> str: ...
@@ -183,56 +230,18 @@ class TrainingService(Protocol):
 
     def list_models(self, namespace: str) -> list[ClientModelInfo]: ...
 
-    # ``queued`` (forward, forward_backward, optim_step): called once the call holds its
-    # place in the model's order, before its answer; a call on the same model made after
-    # that, from any thread, runs after it. A caller pipelines with it (a forward_backward
-    # and the optim_step after it then share a tick). Not called for a call refused at once.
-
-    def forward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
-    ) -> ForwardOutput:
-        """The loss and log-probs, no gradient."""
-
-    def forward_backward(
-        self,
-        namespace: str,
-        model_id: str,
-        data: list[ClientDatum],
-        loss: LossCall,
-        queued: Callable[[], None] | None = None,
-    ) -> ForwardOutput:
-        """Gradients accumulate across calls until :meth:`optim_step`."""
-
-    def optim_step(
-        self,
-        namespace: str,
-        model_id: str,
-        adam: AdamStep,
-        queued: Callable[[], None] | None = None,
-    ) -> dict[str, float]:
-        """Steps this model's adapter alone with the accumulated gradient, then clears it."""
-
-    def save_state(
-        self,
-        namespace: str,
-        model_id: str,
-        name: str,
-        kind: Literal["weights", "sampler_weights", "external_weights"],
-        ttl_s: float | None = None,
-    ) -> SavedState:
-        """``weights``: adapter and optimiser state (resumable); ``sampler_weights``: the
-        adapter as published for sampling (that version, frozen; held in memory,
-        bounded); ``external_weights``: the adapter as a PEFT directory to download.
-        ``ttl_s``: removed that many seconds from now (None: kept until deleted)."""
-
-    def load_state(
-        self, namespace: str, model_id: str, path: str, with_optimizer: bool
-    ) -> None: ...
+    def submit(
+        self, namespace: str, model_id: str, call: ModelCall, order: int | None = None
+    ) -> Pending:
+        """Check ``call`` and put it on the model's queue at once, the one queue that orders
+        the model's calls: by ``order`` (the SDK's ``seq_id``; None after every numbered
+        call) among those no tick has taken yet, then by arrival. A call refused raises
+        here (nothing is queued); its answer (or error) comes from ``Pending.wait``.
+        Forward/ForwardBackward: the loss and log-probs (gradients accumulate until an
+        OptimStep); OptimStep: this model's adapter alone with the accumulated gradient,
+        then cleared; SaveState ``weights``: adapter and optimiser state (resumable),
+        ``sampler_weights``: the adapter as published for sampling; Unload frees its
+        slot."""
 
     def list_saved(self, namespace: str, model_id: str | None = None) -> list[SavedState]: ...
 
@@ -255,6 +264,3 @@ class TrainingService(Protocol):
     def sample(self, namespace: str, sampler: str, call: SampleCall) -> SampleOutput:
         """``sampler``: a ``sampler_weights`` path (exactly that version's weights) or the
         base model's name."""
-
-    def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
-        """Frees its slot, its last weights saved first when ``save``."""

@@ -29,6 +29,7 @@ from loraplex_engine.clients.saved import StatePath, parse_path
 from loraplex_engine.server.tinker.protocol import _name
 from loraplex_engine.server.tinker.rest import Ns
 from loraplex_engine.spec.errors import InvalidRequestError, NotFoundError, UnauthorizedError
+from loraplex_engine.spec.training_service import SavedState, SaveState
 
 if TYPE_CHECKING:
     from loraplex_engine.server.tinker.protocol import Protocol
@@ -124,7 +125,7 @@ def add_checkpoint_routes(
 
 def save_weights_external(proto: Protocol, ns: str, body: SaveExternal) -> str:
     """The model's adapter as a PEFT directory (``tinker://<model>/external_weights/<name>``),
-    queued on its lane like save_weights."""
+    queued on the model's queue like save_weights."""
     if body.age_encryption_recipients:
         raise InvalidRequestError(
             "age encryption of exported weights is not supported",
@@ -134,8 +135,8 @@ def save_weights_external(proto: Protocol, ns: str, body: SaveExternal) -> str:
     name = _name(body.path, "", "path")
     ttl = body.ttl_seconds
 
-    def run() -> dict[str, Any]:
-        saved = proto.training().save_state(ns, model.id, name, "external_weights", ttl)
+    def done(saved: SavedState) -> dict[str, Any]:
         return {"path": saved.path, "size_bytes": saved.size_bytes, "type": "save_weights_external"}
 
-    return proto._queue(model, body.seq_id, "SaveWeightsExternal", run)
+    call = SaveState(name, "external_weights", ttl)
+    return proto.queue_call(model, body.seq_id, "SaveWeightsExternal", call, done)

@@ -1,17 +1,14 @@
 """Futures: what a long-running Tinker call answers at once (``{"request_id"}``), and the
-worker threads that run the engine call behind it.
+worker threads that wait for the engine behind it.
 
 - **The table** (future_table.py) is bounded per namespace and in memory (a restart
   forgets it). A future belongs to the namespace that created it; another namespace
   polling its id gets 404, as for an id that never existed.
-- **Lanes**: the operations of one model run one after another, in the order of the
-  SDK's ``seq_id`` (then of arrival), on a shared pool of worker threads, since an
-  engine call blocks until the tick that serves it. Different models run at once, so
-  their calls can share a tick. A *pipelined* job (a call the engine queues on the
-  model in call order: forward, forward_backward, optim_step) hands the lane on as soon
-  as the engine has queued it (its ``release``), while it still waits for its answer:
-  the SDK's ``forward_backward`` then ``optim_step`` reach the engine together and
-  share one tick, as Tinker's clock cycle has them.
+- **No order here**: a model's calls are ordered by one queue, the engine's
+  (``TrainingService.submit``, by the SDK's ``seq_id``), which the protocol puts each
+  call on before answering its request. The pool's threads only wait: for an answer
+  (an engine call blocks until the tick that serves it), or on a blocking call that is
+  no model's (create, sample).
 - **Parked jobs**: a job that found the engine full (``NoCapacityError``) is parked and
   retried every ``retry_s`` seconds or as soon as a slot frees (:meth:`Runner.wake`);
   meanwhile its future reports the SDK's queue state ``paused_capacity``.
@@ -21,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -102,64 +97,34 @@ class Future:
 
 
 Job = Callable[[], None]
-# A pipelined job: called with ``release``, which it calls once the lane's next job may
-# start (the engine queued its call); it may call it from any thread, at most once counts.
-PipelinedJob = Callable[[Callable[[], None]], None]
-
-
-@dataclass
-class _Lane:
-    queue: list[tuple[float, int, Job | PipelinedJob, bool]] = field(default_factory=list)
-    running: bool = False
 
 
 class Runner:
-    """Per-model lanes on a shared thread pool, and the parked jobs' retries."""
+    """A shared thread pool for jobs that block, and the parked jobs' retries."""
 
     def __init__(self, workers: int = WORKERS, retry_s: float = CAPACITY_RETRY_S) -> None:
         self.retry_s = retry_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tinker")
         self._lock = threading.Lock()
-        self._lanes: dict[str, _Lane] = {}
-        self._count = itertools.count()
-        self._parked: list[tuple[str, float, Job]] = []
+        self._parked: list[tuple[float, Job]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._retry_loop, name="tinker-park", daemon=True)
         self._thread.start()
 
-    def run(self, lane: str, job: Job, order: float | None = None) -> None:
-        """Queue ``job`` on ``lane``; jobs of one lane run one at a time, lowest
-        ``order`` (the SDK's seq_id) first, then first come."""
-        self._push(lane, (_order(order), next(self._count), job, False))
-
-    def run_pipelined(self, lane: str, job: PipelinedJob, order: float | None = None) -> None:
-        """Like :meth:`run`, but the lane's next job starts once ``job`` calls its
-        ``release`` argument (or returns), not only once it returns."""
-        self._push(lane, (_order(order), next(self._count), job, True))
-
-    def _push(self, lane: str, key: tuple[float, int, Job | PipelinedJob, bool]) -> None:
-        with self._lock:
-            entry = self._lanes.setdefault(lane, _Lane())
-            heapq.heappush(entry.queue, key)
-            if entry.running:
-                return
-            entry.running = True
-        self._pool.submit(self._drain, lane)
-
     def submit(self, job: Job) -> None:
-        """Run ``job`` on the pool, in no lane."""
+        """Run ``job`` on the pool."""
         self._pool.submit(self._guarded, job)
 
-    def park(self, lane: str, job: Job) -> None:
-        """Run ``job`` on ``lane`` again after ``retry_s``, or at the next :meth:`wake`."""
+    def park(self, job: Job) -> None:
+        """Run ``job`` again after ``retry_s``, or at the next :meth:`wake`."""
         with self._lock:
-            self._parked.append((lane, time.monotonic() + self.retry_s, job))
+            self._parked.append((time.monotonic() + self.retry_s, job))
 
     def wake(self) -> None:
         """Something freed capacity: retry the parked jobs now."""
         with self._lock:
-            self._parked = [(lane, 0.0, job) for lane, _, job in self._parked]
+            self._parked = [(0.0, job) for _, job in self._parked]
         self._wake.set()
 
     def parked(self) -> int:
@@ -177,45 +142,13 @@ class Runner:
         except Exception:  # a job reports its own errors on its future
             log.exception("tinker job failed")
 
-    def _drain(self, lane: str) -> None:
-        while True:
-            with self._lock:
-                entry = self._lanes[lane]
-                if not entry.queue:
-                    entry.running = False
-                    del self._lanes[lane]
-                    return
-                _, _, job, pipelined = heapq.heappop(entry.queue)
-            if not pipelined:
-                self._guarded(job)
-                continue
-            handed = threading.Event()
-
-            def release(lane: str = lane, handed: threading.Event = handed) -> None:
-                with self._lock:
-                    if handed.is_set():
-                        return
-                    handed.set()
-                self._pool.submit(self._drain, lane)  # the lane goes on without this thread
-
-            self._guarded(lambda job=job, release=release: job(release))
-            with self._lock:
-                if not handed.is_set():  # never queued (refused at once): go on here
-                    handed.set()
-                    continue
-            return
-
     def _retry_loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(min(self.retry_s, 0.25))
             self._wake.clear()
             now = time.monotonic()
             with self._lock:
-                due = [p for p in self._parked if p[1] <= now]
-                self._parked = [p for p in self._parked if p[1] > now]
-            for lane, _, job in due:
-                self.run(lane, job)
-
-
-def _order(order: float | None) -> float:
-    return float("inf") if order is None else float(order)
+                due = [job for at, job in self._parked if at <= now]
+                self._parked = [p for p in self._parked if p[0] > now]
+            for job in due:
+                self.submit(job)

@@ -1,6 +1,6 @@
 """The Tinker operations over :class:`TrainingService`, apart from HTTP: each checks its
-request, answers at once what it can, and queues the engine call behind a future
-(futures.py) on its model's lane.
+request, answers at once what it can, and puts the engine call on its model's queue
+(the engine's, the one that orders the model's calls) behind a future (futures.py).
 
 Model ids are ``<session>:train:<model_seq_id>``, the SDK's own spelling (it computes a
 model's id itself when it creates a model from a checkpoint), so a resent request names
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from loraplex_engine.server.tinker import wire
@@ -37,7 +38,14 @@ from loraplex_engine.spec.errors import (
 from loraplex_engine.spec.training_service import (
     AdamStep,
     ClientLora,
+    Forward,
+    LoadState,
+    ModelCall,
+    OptimStep,
+    SavedState,
+    SaveState,
     TrainingService,
+    Unload,
 )
 from loraplex_engine.versions import names
 
@@ -52,9 +60,8 @@ DIMUON_REFUSAL = (
 )
 
 
-def lane(namespace: str, model_id: str) -> str:
-    """A model's lane: its namespace's, so an id another namespace chose is another lane."""
-    return f"{namespace}/{model_id}"
+def _raise(error: Exception) -> Any:
+    raise error
 
 
 def _name(value: str | None, default: str, field: str) -> str:
@@ -104,18 +111,19 @@ class Protocol:
         except Exception as e:
             fut.fail(*failure_text(e))
 
-    def _queue(
+    def queue_call(
         self,
         model: Model,
         seq_id: int | None,
         kind: str,
-        fn: Callable[[], Any] | None = None,
-        pipelined: Callable[[Callable[[], None]], Any] | None = None,
+        call: ModelCall,
+        answer: Callable[[Any], Any],
         entry: tuple[str, bytes, str | None] | None = None,
     ) -> str:
-        """A future for ``fn`` run on the model's lane; or for ``pipelined``, called with
-        the lane's ``release`` (the engine's ``queued``): the model's next call goes to the
-        engine once this one is queued there, not only once it is answered."""
+        """A future for ``call``, put on the model's queue in the engine (ordered there by
+        ``seq_id``) before this returns: the SDK sends a model's next call once this one is
+        acknowledged, so its calls reach that queue in order. A pool thread waits for the
+        answer and finishes the future with ``answer(result)``."""
         if seq_id is not None:  # the same request sent again: the same future
             earlier = self.registry.seq_request(model, seq_id)
             if earlier is not None and self.futures.get(model.namespace, earlier) is not None:
@@ -130,15 +138,12 @@ class Protocol:
         finish = self._finish
         if rid is not None and model.journal is not None and seq_id is not None:
             finish = journalled(self._finish, model.journal, seq_id)
-        if pipelined is not None:
-            job = pipelined
-            self.runner.run_pipelined(
-                lane(model.namespace, model.id),
-                lambda release: finish(fut, lambda: job(release)),
-                order=seq_id,
-            )
-        elif fn is not None:
-            self.runner.run(lane(model.namespace, model.id), lambda: finish(fut, fn), order=seq_id)
+        try:
+            pending = self.training().submit(model.namespace, model.id, call, seq_id)
+        except Exception as e:  # refused at once: the future says why
+            finish(fut, partial(_raise, e))
+            return fut.request_id
+        self.runner.submit(lambda: finish(fut, lambda: answer(pending.wait())))
         return fut.request_id
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
@@ -206,7 +211,7 @@ class Protocol:
                     return
                 fut.set_state("paused_capacity")
                 fut.error = e.message
-                self.runner.park(lane(namespace, model_id), attempt)
+                self.runner.park(attempt)
                 return
             except Exception as e:
                 self.registry.set_creating(namespace, model_id, None)
@@ -221,7 +226,7 @@ class Protocol:
                 return
             fut.finish(answer(model_id, info))
 
-        self.runner.run(lane(namespace, model_id), attempt, order=0)
+        self.runner.submit(attempt)
         return fut.request_id
 
     def create_model(self, namespace: str, body: dict[str, Any]) -> str:
@@ -270,12 +275,9 @@ class Protocol:
         if body.get("model_id") is None:
             raise InvalidRequestError("model_id or session_id is required", field="model_id")
         model = self.registry.model(namespace, body["model_id"])
-
-        def load() -> dict[str, Any]:
-            self.training().load_state(namespace, model.id, path, optimizer)
-            return {**answer, "model_id": model.id}
-
-        return self._queue(model, body.get("seq_id"), "LoadWeights", load)
+        call = LoadState(path, optimizer)
+        done = {**answer, "model_id": model.id}
+        return self.queue_call(model, body.get("seq_id"), "LoadWeights", call, lambda _: done)
 
     def forward_backward(self, namespace: str, body: bytes, encoding: str | None) -> str:
         svc = self.training()
@@ -283,15 +285,11 @@ class Protocol:
         raw = wire.decompress(body, encoding, wire.max_body_bytes(max_tokens))
         call = wire.read_forward_backward(raw, max_tokens)
         model = self.registry.model(namespace, call.model_id)
-        step = svc.forward if call.forward_only else svc.forward_backward
-
-        def run(queued: Callable[[], None]) -> bytes:
-            out = step(namespace, model.id, call.data, call.loss, queued=queued)
-            return wire.forward_output_proto(out)
-
+        step = Forward(call.data, call.loss, backward=not call.forward_only)
         kind = "Forward" if call.forward_only else "ForwardBackward"
         entry = ("forward_backward", body, encoding)
-        return self._queue(model, call.seq_id or None, kind, pipelined=run, entry=entry)
+        seq = call.seq_id or None
+        return self.queue_call(model, seq, kind, step, wire.forward_output_proto, entry)
 
     def optim_step(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -311,8 +309,7 @@ class Protocol:
 
         seq = body.get("seq_id")
 
-        def run(queued: Callable[[], None]) -> dict[str, Any]:
-            metrics = self.training().optim_step(namespace, model.id, adam, queued=queued)
+        def done(metrics: dict[str, float]) -> dict[str, Any]:
             answer = {"metrics": {k: float(v) for k, v in metrics.items()}}
             if model.journal is not None and seq is not None:  # kept, then the window moves
                 model.journal.done(seq, answer)
@@ -320,7 +317,7 @@ class Protocol:
             return answer
 
         entry = ("optim_step", json.dumps(body).encode(), None)
-        return self._queue(model, seq, "OptimStep", pipelined=run, entry=entry)
+        return self.queue_call(model, seq, "OptimStep", OptimStep(adam), done, entry)
 
     def save_weights(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -329,12 +326,12 @@ class Protocol:
 
         ttl = body.get("ttl_seconds")
 
-        def run() -> dict[str, Any]:
-            saved = self.training().save_state(namespace, model.id, name, "weights", ttl)
+        def done(saved: SavedState) -> dict[str, Any]:
             return {"path": saved.path, "type": "save_weights"}
 
         entry = ("save_weights", json.dumps(body).encode(), None)
-        return self._queue(model, seq, "SaveWeights", run, entry=entry)
+        call = SaveState(name, "weights", ttl)
+        return self.queue_call(model, seq, "SaveWeights", call, done, entry)
 
     def save_weights_for_sampler(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
@@ -344,13 +341,11 @@ class Protocol:
         name = _name(body.get("path"), f"sampler-{seq or int(time.time())}", "path")
         ttl = body.get("ttl_seconds")  # held in memory, bounded (clients/sampler_cache.py)
 
-        def run() -> dict[str, Any]:
-            svc = self.training()
-            saved = svc.save_state(namespace, model.id, name, "sampler_weights", ttl)
+        def done(saved: SavedState) -> dict[str, Any]:
             out = {"path": saved.path, "type": "save_weights_for_sampler"}
             if body.get("path") is None:  # save_weights_and_get_sampling_client
                 session = self.registry.session(namespace, model.session_id)
-                base = svc.model_name
+                base = self.training().model_name
                 shared = model.id if inflight else None
                 if inflight:  # the model's inflight clients sample it from now on
                     self.inflight.publish(namespace, model.id, saved.path)
@@ -359,19 +354,19 @@ class Protocol:
             return out
 
         entry = ("save_weights_for_sampler", json.dumps(body).encode(), None)
-        return self._queue(model, seq, "SaveWeightsForSampler", run, entry=entry)
+        call = SaveState(name, "sampler_weights", ttl)
+        return self.queue_call(model, seq, "SaveWeightsForSampler", call, done, entry)
 
     def unload_model(self, namespace: str, body: dict[str, Any]) -> str:
         model = self.registry.model(namespace, body["model_id"])
 
-        def run() -> dict[str, Any]:
-            self.training().unload_model(namespace, model.id)
+        def done(_: None) -> dict[str, Any]:
             self.registry.drop_model(model.namespace, model.id)
             self.inflight.forget(model.namespace, model.id)
             self.runner.wake()
             return {"model_id": model.id, "type": "unload_model"}
 
-        return self._queue(model, body.get("seq_id"), "UnloadModel", run)
+        return self.queue_call(model, body.get("seq_id"), "UnloadModel", Unload(), done)
 
     def _retire(self, model: Model, *, save: bool) -> None:
         """Unload a model whose client has gone, its weights saved once first when asked
@@ -380,13 +375,13 @@ class Protocol:
         def run() -> None:
             svc = self.training()
             try:
-                svc.unload_model(model.namespace, model.id, save=save)
+                svc.submit(model.namespace, model.id, Unload(save=save)).wait()
             except NotFoundError:
                 pass
             except Exception:  # its save failed (a full quota): its slot is freed anyway
                 log.exception("could not save and unload %s", model.id)
                 try:
-                    svc.unload_model(model.namespace, model.id, save=False)
+                    svc.submit(model.namespace, model.id, Unload(save=False)).wait()
                 except NotFoundError:
                     pass
                 except Exception:
@@ -396,7 +391,7 @@ class Protocol:
             self.runner.wake()
             log.info("tinker model %s of %s unloaded: its session ended", model.id, model.namespace)
 
-        self.runner.run(lane(model.namespace, model.id), run)
+        self.runner.submit(run)
 
     def end_session(self, namespace: str, session_id: str) -> None:
         for model in self.registry.end_session(namespace, session_id):
