@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex_engine.base_model import hub_id_of
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.store.quota import CheckpointQuota
@@ -41,3 +42,10 @@ class ClientParts:
     one_rank_torch: bool  # client training needs one rank decoding with torch
     model_lock: threading.RLock  # held for a whole tick and for slot changes
     wake: Callable[[], None]  # a call was queued: the loop runs a tick
+
+    @property
+    def tokenizer_id(self) -> str:
+        """What the Tinker SDK's ``get_tokenizer`` loads: the model's hub id where it has
+        one, else its directory as an absolute path (a relative one means nothing to a
+        client started elsewhere)."""
+        return hub_id_of(self.model_dir) or str(self.model_dir.resolve())

@@ -43,13 +43,17 @@ def _tokenizer_dir(path: Path) -> str:
 
 
 class Server:
-    def __init__(self, tmp: Path, slots: int = 2) -> None:
+    def __init__(self, tmp: Path, slots: int = 2, served_names: tuple[str, ...] = ()) -> None:
         self.keys_file = tmp / "keys"
         self.keys_file.write_text(f"team-a {KEY_A}\nteam-b sha256:{digest(KEY_B).hex()}\n")
         self.training = FakeTraining(BASE, _tokenizer_dir(tmp / "tok"), slots=slots)
         keys = KeyStore(str(self.keys_file), recheck_s=0.0)
         app = create_app(
-            FakeEngine(), "admin-token", tinker_keys=keys, training=lambda: self.training
+            FakeEngine(),
+            "admin-token",
+            tinker_keys=keys,
+            training=lambda: self.training,
+            served_names=served_names,
         )
         self.proto = app.state.tinker
         sock = socket.socket()
@@ -257,7 +261,8 @@ def test_a_vanished_client_has_its_models_saved_and_unloaded(server: Server) -> 
     ):
         time.sleep(0.1)
     calls = [c for c, _, m in server.training.log if m == tc.model_id]
-    assert calls[-2].startswith("save_state:weights:expired-") and calls[-1] == "unload_model"
+    assert calls[-2].startswith("save_state:weights:loraplex-expired-")
+    assert calls[-1] == "unload_model"
 
 
 def test_a_pipelined_job_hands_its_lane_on_once_queued() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from loraplex_engine.clients.saved import engine_name, reserved
 from loraplex_engine.server.tinker import wire
 from loraplex_engine.server.tinker.errors import failure_text
 from loraplex_engine.server.tinker.future_table import FutureTable
@@ -57,6 +58,12 @@ def _name(value: str | None, default: str, field: str) -> str:
         raise InvalidRequestError(
             "a checkpoint name is 1-128 letters, digits, '.', '_' or '-'", field=field
         )
+    if reserved(value):
+        raise InvalidRequestError(
+            f"checkpoint names starting {engine_name('')!r} are reserved for the engine's "
+            "own saves",
+            field=field,
+        )
     return value
 
 
@@ -69,8 +76,10 @@ class Protocol:
         futures: FutureTable | None = None,
         runner: Runner | None = None,
         janitor_s: float = JANITOR_S,
+        served_names: tuple[str, ...] = (),
     ) -> None:
         self.training = training
+        self.aliases = served_names  # serve --served-model-name: more names of the base
         self.registry = registry or Registry()
         if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
@@ -132,14 +141,20 @@ class Protocol:
             self.runner.run(lane(model.namespace, model.id), lambda: finish(fut, fn), order=seq_id)
         return fut.request_id
 
+    def served_names(self) -> list[str]:
+        """The base model's names, its own first (what the capabilities list)."""
+        own = self.training().model_name
+        return [own, *(n for n in self.aliases if n != own)]
+
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
-        name = self.training().model_name
-        if base_model is not None and base_model.split(":")[0] != name:
+        names = self.served_names()
+        if base_model is not None and base_model.split(":")[0] not in names:
+            served = ", ".join(repr(n) for n in names)
             raise NotFoundError(
-                f"base model {base_model!r} is not served here; this engine serves {name!r}",
+                f"base model {base_model!r} is not served here; this engine serves {served}",
                 field=field,
             )
-        return name
+        return names[0]
 
     @staticmethod
     def _check_optimizer(config: dict[str, Any] | None, field: str) -> None:
@@ -363,7 +378,7 @@ class Protocol:
             svc = self.training()
             if save:
                 try:
-                    name = f"expired-{int(time.time())}"
+                    name = engine_name(f"expired-{int(time.time())}")
                     svc.save_state(model.namespace, model.id, name, "weights")
                 except Exception:
                     log.exception("could not save %s before unloading it", model.id)
