@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -313,6 +314,8 @@ def run(settings: ServeSettings) -> int:
             settings.tinker_retrieved_grace,
         ),
         served_names=names,
+        # the name it had before it had others: a gateway or client may still say it
+        unlisted_names=(Path(settings.model).resolve().name,),
     )
 
     try:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.cookbook import (
     HUB_ID,
+    REVISION,
     HubCache,
     RecipeRun,
     build_hub_cache,
@@ -26,6 +27,7 @@ from tests.support.cookbook import (
     run_recipe,
 )
 from tests.support.server_process import EngineServer, record_measurement
+from tests.support.tinker_clients import service_client
 
 KEY = "tml-cookbookcookbookcookbook"
 RECIPE_TIMEOUT_S = 240
@@ -93,6 +95,11 @@ def _saved(server: EngineServer, run: RecipeRun) -> list[str]:
 def test_the_engine_serves_the_snapshot_under_its_hub_id(server: EngineServer) -> None:
     caps = server.client().get("/api/v1/get_server_capabilities", headers={"X-API-Key": KEY})
     assert [m["model_name"] for m in caps.json()["supported_models"]] == [HUB_ID]
+    # the directory's own name, the one it had before, is still taken (not listed)
+    client = service_client(server.url, KEY)
+    tc = client.create_lora_training_client(base_model=REVISION, rank=2).result()
+    assert tc.get_info().model_data.model_name == HUB_ID
+    assert tc.get_info().model_data.tokenizer_id == HUB_ID
 
 
 def test_sl_loop_runs_and_lowers_the_loss(server, cache, tmp_path) -> None:

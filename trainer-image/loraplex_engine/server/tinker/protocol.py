@@ -77,9 +77,11 @@ class Protocol:
         runner: Runner | None = None,
         janitor_s: float = JANITOR_S,
         served_names: tuple[str, ...] = (),
+        unlisted_names: tuple[str, ...] = (),
     ) -> None:
         self.training = training
         self.aliases = served_names  # serve --served-model-name: more names of the base
+        self.unlisted = unlisted_names  # accepted, not listed: the directory's name
         self.registry = registry or Registry()
         if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
@@ -148,7 +150,7 @@ class Protocol:
 
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
         names = self.served_names()
-        if base_model is not None and base_model.split(":")[0] not in names:
+        if base_model is not None and base_model.split(":")[0] not in (*names, *self.unlisted):
             served = ", ".join(repr(n) for n in names)
             raise NotFoundError(
                 f"base model {base_model!r} is not served here; this engine serves {served}",

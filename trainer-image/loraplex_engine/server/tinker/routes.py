@@ -209,6 +209,7 @@ def mount_tinker(
     long_poll_s: float = LONG_POLL_S,
     max_sessions: int = DEFAULT_MAX_SESSIONS,
     served_names: tuple[str, ...] = (),
+    unlisted_names: tuple[str, ...] = (),
 ) -> Protocol:
     """Adds the ``/api/v1`` routes to ``app``; returns the protocol state. Requests
     authenticate with ``keys`` (a tenant's ``X-API-Key``) or ``admin_token`` (the engine's
@@ -219,7 +220,12 @@ def mount_tinker(
     registry = registry or Registry(max_sessions=max_sessions)
     futures = futures if futures is not None else FutureTable(future_limits)
     proto = Protocol(
-        training, registry=registry, futures=futures, runner=runner, served_names=served_names
+        training,
+        registry=registry,
+        futures=futures,
+        runner=runner,
+        served_names=served_names,
+        unlisted_names=unlisted_names,
     )
     decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto
