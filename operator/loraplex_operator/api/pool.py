@@ -15,6 +15,7 @@ from pydantic import Field
 
 from loraplex_operator.api.object_store import ObjectStore
 from loraplex_operator.api.plugins import PluginAccess
+from loraplex_operator.api.pool_names import SERVED_MODEL_NAMES, ServedName
 from loraplex_operator.api.pool_template import EngineTemplate
 from loraplex_operator.api.pool_tracking import PoolTracking
 from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
@@ -275,10 +276,6 @@ def _names(alias: str, max_items: int, description: str) -> Any:
 
 
 ModuleName = Annotated[str, Field(min_length=1, max_length=63)]
-# A name clients call the base model by: a hub id (org/model) or one plain name, no ':'
-# (the engine's own check: loraplex_engine.base_model.served_names).
-SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$"
-ServedName = Annotated[str, Field(max_length=193, pattern=SERVED_NAME)]
 Host = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-a-zA-Z0-9.:]+$")]
 
 
@@ -314,15 +311,7 @@ class EnginePoolSpec(ApiModel):
         "pod (baked into the image or on a template volume); passed to `loraplex-engine serve "
         "--model`.",
     )
-    served_model_names: tuple[ServedName, ...] | None = Field(
-        None,
-        alias="servedModelNames",
-        max_length=16,
-        description="Names clients may call the base model by (Tinker's base_model, e.g. the "
-        "hub id 'Qwen/Qwen3-8B' a cookbook recipe names), the first the engines' own; passed "
-        "as `serve --served-model-name`. Absent: the model's hub id where its directory says "
-        "it (config.json's _name_or_path, or a hub cache snapshot), else the directory's name.",
-    )
+    served_model_names: tuple[ServedName, ...] | None = SERVED_MODEL_NAMES
     rollout_backend: Literal["torch", "vllm"] = Field(
         "torch",
         alias="rolloutBackend",
