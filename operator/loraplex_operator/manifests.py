@@ -85,6 +85,7 @@ def engine_args(spec: EnginePoolSpec, log_format: str = "text") -> list[str]:
         "--max-adapters", str(spec.capacity.max_adapters),
         "--max-rank", str(spec.capacity.max_rank),
         "--rollout-backend", spec.rollout_backend,
+        *(f"--served-model-name={name}" for name in spec.served_model_names or ()),
         *_precision_args(spec),
         *_vllm_args(spec),
         *_memory_args(spec),

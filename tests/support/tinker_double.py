@@ -215,8 +215,8 @@ class FakeTraining:
     def unload_model(self, namespace: str, model_id: str, save: bool = True) -> None:
         with self.lock:
             self._model(namespace, model_id)
-            if save:  # as the engine's: its last weights saved as weights/final first
-                self.log.append(("save_state:weights:final", namespace, model_id))
+            if save:  # as the engine's: its last weights saved as weights/loraplex-final first
+                self.log.append(("save_state:weights:loraplex-final", namespace, model_id))
             del self.models[(namespace, model_id)]
             self.log.append(("unload_model", namespace, model_id))
 

@@ -9,7 +9,9 @@ device: the real module tree from ``config.json``, with no weights read or alloc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,50 @@ def check_model_dir(path: str | Path) -> Path:
     if not (model_dir / CONFIG_FILE).is_file():
         raise UsageError(f"model directory {model_dir} has no {CONFIG_FILE}")
     return model_dir
+
+
+# A served name: a hub id (org/model) or one plain name, as recipes spell models; no ':'
+# (clients cut a name at ':' to drop a checkpoint suffix) and no path.
+_SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+# A Hugging Face hub cache snapshot: <cache>/models--<org>--<name>/snapshots/<revision>
+_HUB_CACHE_REPO = re.compile(r"models--([^/]+?)--([^/]+)")
+
+
+def hub_id_of(model_dir: str | Path) -> str | None:
+    """The hub id (``org/model``) a model directory is a copy of, where it says: its
+    config's ``_name_or_path``, or the hub cache's layout around it; else None."""
+    path = Path(model_dir).resolve()
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    named = config.get("_name_or_path") if isinstance(config, dict) else None
+    if isinstance(named, str) and "/" in named and _SERVED_NAME.fullmatch(named):
+        return named
+    repo = _HUB_CACHE_REPO.fullmatch(path.parent.parent.name)
+    if path.parent.name == "snapshots" and repo is not None:
+        return f"{repo.group(1)}/{repo.group(2)}"
+    return None
+
+
+def served_names(model_dir: str | Path, given: Sequence[str]) -> tuple[str, ...]:
+    """The names ``serve`` serves the base model under, the first its own: those given
+    (``--served-model-name``, repeatable or comma-separated), else the model's hub id, else
+    its directory's name. UsageError names the flag for a name no client could send."""
+    names: list[str] = []
+    for item in (part.strip() for entry in given for part in entry.split(",")):
+        if not item:
+            continue
+        if not _SERVED_NAME.fullmatch(item):
+            raise UsageError(
+                f"--served-model-name {item!r}: a name is 'org/model' or 'model', letters, "
+                "digits, '.', '_' or '-', each part 1-96 characters"
+            )
+        if item not in names:
+            names.append(item)
+    if names:
+        return tuple(names)
+    return (hub_id_of(model_dir) or Path(model_dir).resolve().name,)
 
 
 def lora_targets_of(model_dir: str | Path) -> list[str]:

@@ -19,14 +19,16 @@ USER_ERRORS = (UsageError, ManifestError, FieldError)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from loraplex_engine.dev.tiny_model import ARCHES, PRESETS, build_model
+    from loraplex_engine.dev.tiny_model import ARCHES, CHATS, PRESETS, build_model
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
     if args.arch not in ARCHES:
         raise UsageError(f"--arch {args.arch!r}: choose one of {', '.join(ARCHES)}")
+    if args.chat is not None and args.chat not in CHATS:
+        raise UsageError(f"--chat {args.chat!r}: choose one of {', '.join(CHATS)}")
     try:
-        out = build_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+        out = build_model(args.out, args.preset, args.arch, args.seed, args.chat)
     except OSError as e:
         raise UsageError(f"--out {args.out}: {e.strerror or e}") from None
     n_files = sum(1 for _ in out.iterdir())
@@ -136,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="model family: llama, llama3, qwen2, qwen3, mistral, gemma2, gemma3 or phi3",
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.add_argument(
+        "--chat",
+        default=None,
+        help="qwen3: Qwen3 instruct's chat tokens and template (tinker-cookbook's renderer)",
+    )
     tiny.set_defaults(func=_cmd_tiny_model)
 
     gguf = sub.add_parser(

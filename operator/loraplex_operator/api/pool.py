@@ -15,6 +15,7 @@ from pydantic import Field
 
 from loraplex_operator.api.object_store import ObjectStore
 from loraplex_operator.api.plugins import PluginAccess
+from loraplex_operator.api.pool_names import SERVED_MODEL_NAMES, ServedName
 from loraplex_operator.api.pool_template import EngineTemplate
 from loraplex_operator.api.pool_tracking import PoolTracking
 from loraplex_operator.api.priority import MAX_CLASSES, PriorityClass
@@ -310,6 +311,7 @@ class EnginePoolSpec(ApiModel):
         "pod (baked into the image or on a template volume); passed to `loraplex-engine serve "
         "--model`.",
     )
+    served_model_names: tuple[ServedName, ...] | None = SERVED_MODEL_NAMES
     rollout_backend: Literal["torch", "vllm"] = Field(
         "torch",
         alias="rolloutBackend",

@@ -16,12 +16,12 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import PurePosixPath
 from typing import Any
 
 from loraplex_operator import manifests
 from loraplex_operator.gateway.keys import KEY_FIELD, KEY_LABEL, ROLE_LABEL, KeyTable
 from loraplex_operator.gateway.routing import Engine
+from loraplex_operator.gateway.served_names import names_of
 from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS, Kube, KubeError
 from loraplex_operator.observation import EngineView
 from loraplex_operator.resources import Pool
@@ -37,6 +37,7 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
     if not token:
         return []
     spec = pool.spec
+    names = names_of(spec)
     out = []
     for pod in pods:
         view = EngineView.from_pod(pod)
@@ -49,7 +50,8 @@ def pool_engines(pool: Pool, pods: list[Mapping[str, Any]], token: str | None) -
                     token=token,
                     allowed_namespaces=spec.allowed_namespaces,
                     namespace_selector=spec.namespace_selector,
-                    base_model=PurePosixPath(spec.base_model).name,
+                    base_model=names[0],
+                    served_names=names,
                     allowed_target_modules=spec.allowed_target_modules,
                 )
             )

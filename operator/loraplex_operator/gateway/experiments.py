@@ -229,11 +229,12 @@ def base_sampler_id(session: str, seq: object, base_model: str) -> str | None:
     tag = format(seq, "x") if isinstance(seq, int) and not isinstance(seq, bool) else None
     if tag is None or seq < 0:  # type: ignore[operator]
         tag = secrets.token_hex(6)
-    sid = f"{session}:sample:b{tag[-12:]}:{base_model}"
+    # A hub id's '/' is '--' in the id (a path segment); hub names never hold '--'.
+    sid = f"{session}:sample:b{tag[-12:]}:{base_model.replace('/', '--')}"
     return sid if BASE_SAMPLER.fullmatch(sid) else None
 
 
 def split_base_sampler(sampler_id: object) -> tuple[str, str] | None:
     """(session, base model) of a base-model sampler's id, else None."""
     m = BASE_SAMPLER.fullmatch(sampler_id) if isinstance(sampler_id, str) else None
-    return (m.group(1), m.group(3)) if m else None
+    return (m.group(1), m.group(3).replace("--", "/")) if m else None

@@ -37,9 +37,11 @@ class Engine:
     token: str
     allowed_namespaces: tuple[str, ...] | None = None
     namespace_selector: LabelSelector | None = None
-    # The name its engines serve the base model by (the pool's baseModel directory's
-    # name, as `serve --model` names it); None = unknown (a file view without it).
+    # The name its engines serve the base model by (the pool's servedModelNames' first,
+    # else its baseModel directory's name); None = unknown (a file view without it).
     base_model: str | None = None
+    # Every name the engines take for it (served_names.names_of): base_model among them.
+    served_names: tuple[str, ...] = ()
     # The pool's allowedTargetModules (None: unknown, a file view without it).
     allowed_target_modules: tuple[str, ...] | None = None
 
@@ -47,7 +49,7 @@ class Engine:
         """As the engine's own check: the name before any ``:`` tag; None asks for any."""
         if base_model is None or self.base_model is None:
             return True
-        return base_model.split(":")[0] == self.base_model
+        return base_model.split(":")[0] in (self.base_model, *self.served_names)
 
     def admits(self, namespace: str, labels: Mapping[str, str] | None = None) -> bool:
         """As admission.namespace_allowed: listed or selected; neither set = all."""

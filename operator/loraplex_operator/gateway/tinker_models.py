@@ -250,7 +250,8 @@ class Models:
             return JSONResponse({"error": found.reason, "category": "user"})
         engine = self.directory.engine(found.engine or "")
         if found.state != "running" or engine is None:
-            return JSONResponse(gx.paused_future(str(given), found.reason))
+            # 408, as an engine answers a pending future: the SDK polls again quietly.
+            return JSONResponse(gx.paused_future(str(given), found.reason), 408)
         if kind == "create":
             return JSONResponse(gx.created_answer(exp))
         forwarded = json.dumps({**doc, "request_id": rid}).encode()

@@ -48,3 +48,30 @@ def test_every_preset_has_a_head_size_vllm_cpu_serves(name: str) -> None:
 def test_unknown_arch_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown arch 'gpt2'"):
         build_model(tmp_path, arch="gpt2")
+
+
+def test_the_qwen3_chat_model_speaks_the_cookbook_qwen3_instruct_renderer(tmp_path: Path) -> None:
+    # tinker-cookbook's own renderer (the recipes' tokens), on the tiny model's tokenizer:
+    # <|im_start|>/<|im_end|> one token each, and the same text as the model's template.
+    from tinker_cookbook import renderers
+
+    model_dir = build_model(tmp_path / "qwen3", arch="qwen3", chat="qwen3")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    plain = AutoTokenizer.from_pretrained(build_model(tmp_path / "plain", arch="qwen3"))
+    renderer = renderers.get_renderer("qwen3_instruct", tok)
+    messages = [{"role": "user", "content": "say yes"}, {"role": "assistant", "content": "yes"}]
+    prompt = renderer.build_generation_prompt(messages[:1])
+    assert tok.decode(prompt.to_ints()) == tok.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True
+    )
+    assert renderer.get_stop_sequences() == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert tok.eos_token == "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.vocab_size == len(tok) == len(plain) + 2
+    # the base vocabulary keeps its ids: the two markers come after it
+    assert tok("12 + 7 = 19").input_ids == plain("12 + 7 = 19").input_ids
+
+
+def test_unknown_chat_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown chat 'chatml'"):
+        build_model(tmp_path, chat="chatml")

@@ -65,6 +65,7 @@ CHANGED: dict[str, Any] = {
     "token_file": "/var/run/token",
     "tinker_keys": "/var/run/tinker-keys",
     "tinker_max_sessions": 16,
+    "served_model_name": ("Qwen/Qwen3-8B", "base"),
     "tinker_futures_per_namespace": 50,
     "tinker_future_ttl": 60.0,
     "tinker_retrieved_grace": 5.0,

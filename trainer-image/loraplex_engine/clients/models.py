@@ -171,7 +171,7 @@ class ClientModels:
             except AdapterError as e:
                 raise InvalidRequestError(str(e), field="lora_config") from e
             h.optimizer.add_adapter(name, DEFAULT_ADAM)
-            info = ClientModelInfo(model_id, namespace, h.model_name, str(h.model_dir), granted)
+            info = ClientModelInfo(model_id, namespace, h.model_name, h.tokenizer_id, granted)
             model = ClientModel(info, name)
             h.pager.register(name, model)  # its accumulated gradient pages with it
             with self._lock:
@@ -451,11 +451,11 @@ class ClientModels:
 
     def unload_now(self, model: ClientModel, save: bool = True) -> None:
         """Free its slot (under the model lock), its last weights saved as
-        ``weights/final`` first when ``save``; calls still queued get NotFoundError."""
+        ``weights/loraplex-final`` first when ``save``; calls still queued get NotFoundError."""
         h = self.parts
         h.pager.page_in(model.name)  # paged out: back in its slot, then removed
         if save:
-            self.save(model, "final", "weights")
+            self.save(model, saved.engine_name("final"), "weights")
         with self._lock:
             self._models.pop((model.info.namespace, model.info.model_id), None)
             left, model.unloaded = list(model.queue), True

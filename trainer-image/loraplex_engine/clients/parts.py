@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex_engine.base_model import hub_id_of
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory.paging import AdapterPager
 from loraplex_engine.plan.limits import EngineLimits
@@ -43,3 +44,10 @@ class ClientParts:
     pager: AdapterPager  # models beyond the slots wait paged out (memory/paging.py)
     model_lock: threading.RLock  # held for a whole tick and for slot changes
     wake: Callable[[], None]  # a call was queued: the loop runs a tick
+
+    @property
+    def tokenizer_id(self) -> str:
+        """What the Tinker SDK's ``get_tokenizer`` loads: the model's hub id where it has
+        one, else its directory as an absolute path (a relative one means nothing to a
+        client started elsewhere)."""
+        return hub_id_of(self.model_dir) or str(self.model_dir.resolve())

@@ -40,6 +40,21 @@ Kind = Literal["weights", "sampler_weights", "external_weights"]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
+# The engine's own saves (a model's last weights when it unloads, a vanished client's)
+# are named under this prefix, which a client's save is refused: the engine never
+# overwrites a checkpoint a client named (every cookbook recipe names its last "final").
+ENGINE_PREFIX = "loraplex-"
+
+
+def engine_name(name: str) -> str:
+    """The name the engine saves ``name`` under: one no client can write."""
+    return ENGINE_PREFIX + name
+
+
+def reserved(name: str) -> bool:
+    return name.startswith(ENGINE_PREFIX)
+
+
 def valid_name(value: str) -> bool:
     """A model id or state name the store may use as one directory name."""
     return _NAME.fullmatch(value) is not None and ".." not in value

@@ -128,6 +128,33 @@ LLAMA3_CHAT_TEMPLATE = (
 )
 
 
+# Qwen3 instruct's chat layout, the one tinker-cookbook's ``qwen3_instruct`` renderer writes
+# token by token: each turn is <|im_start|>role\n...<|im_end|>\n, both markers ONE token
+# each (the renderer asserts it), and <|im_end|> ends generation.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATS = ("qwen3",)
+
+
+def _qwen3_style(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """The same vocabulary with Qwen3 instruct's chat markers: two special tokens added at
+    the end (the base vocabulary's ids are unchanged), no BOS, <|im_end|> as EOS."""
+    styled = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    styled.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    styled.eos_token = IM_END
+    styled.chat_template = QWEN3_CHAT_TEMPLATE
+    return styled
+
+
 def _family_config(arch: str, common: dict[str, Any], head_dim: int) -> PretrainedConfig:
     """``arch``'s own config class at the preset's size."""
     # Gemma's head_dim is free (default 256) and scores scale by query_pre_attn_scalar;
@@ -165,15 +192,25 @@ def _llama3_style(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast
 
 
 def build_model(
-    out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0
+    out_dir: str | Path,
+    preset: str = "tiny",
+    arch: str = "llama",
+    seed: int = 0,
+    chat: str | None = None,
 ) -> Path:
-    """Write a random-weight model + tokenizer to ``out_dir`` and return the path."""
+    """Write a random-weight model + tokenizer to ``out_dir`` and return the path;
+    ``chat="qwen3"``: Qwen3 instruct's chat tokens and template (tinker-cookbook's
+    ``qwen3_instruct`` renderer renders for it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if chat is not None and chat not in CHATS:
+        raise ValueError(f"unknown chat {chat!r}; choose one of {', '.join(CHATS)}")
     p = PRESETS[preset]
     tokenizer = train_tokenizer(p.vocab_size)
     if arch == "llama3":
         tokenizer = _llama3_style(tokenizer)
+    if chat == "qwen3":
+        tokenizer = _qwen3_style(tokenizer)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=p.hidden_size,
@@ -195,6 +232,8 @@ def build_model(
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=eos
         )
+    if chat == "qwen3":  # Qwen3 instruct stops at <|im_end|>
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id)
     if p.head_std is not None:
         torch.nn.init.normal_(model.lm_head.weight, std=p.head_std)
     out = Path(out_dir)

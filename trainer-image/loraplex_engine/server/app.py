@@ -110,6 +110,8 @@ def create_app(
     training: Callable[[], Any] | None = None,
     tinker_max_sessions: int = DEFAULT_MAX_SESSIONS,
     tinker_futures: Any = None,
+    served_names: tuple[str, ...] = (),
+    unlisted_names: tuple[str, ...] = (),
 ) -> FastAPI:
     """The HTTP app for ``engine``.
 
@@ -125,6 +127,9 @@ def create_app(
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
     tinker_max_sessions: open Tinker sessions a namespace may hold at once.
     tinker_futures: the Tinker futures' bounds (a ``server.tinker.future_table.FutureLimits``).
+    served_names: more names a Tinker client may call the base model by (serve
+        --served-model-name; base_model.served_names), besides ``engine.model_name``;
+        ``unlisted_names`` are accepted too, but not listed (the model directory's name).
     """
     metrics = metrics if metrics is not None else EngineMetrics()
     wake = on_work or (lambda: None)
@@ -324,6 +329,8 @@ def create_app(
             admin_token=token,
             future_limits=tinker_futures,
             max_sessions=tinker_max_sessions,
+            served_names=served_names,
+            unlisted_names=unlisted_names,
         )
 
     return app

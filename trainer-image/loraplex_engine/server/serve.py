@@ -30,11 +30,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 
-from loraplex_engine.base_model import check_model_dir
+from loraplex_engine.base_model import check_model_dir, served_names
 from loraplex_engine.logs import announce, quiet_libraries, setup_logging
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.plugins.discovery import installed
@@ -267,7 +268,8 @@ def run(settings: ServeSettings) -> int:
     t0 = time.monotonic() - (age if age is not None else 0.0)
     metrics = EngineMetrics()
     tracking = start_tracking(settings, metrics.registry)  # a missing client: a usage error
-    model_name = os.path.basename(os.path.normpath(str(settings.model)))
+    names = served_names(settings.model, settings.served_model_name)
+    model_name = names[0]
     holder = EngineHolder(model_name, settings.rollout_backend)
     loop_box: dict[str, EngineLoop] = {}
 
@@ -311,6 +313,9 @@ def run(settings: ServeSettings) -> int:
             settings.tinker_future_ttl,
             settings.tinker_retrieved_grace,
         ),
+        served_names=names,
+        # the name it had before it had others: a gateway or client may still say it
+        unlisted_names=(Path(settings.model).resolve().name,),
     )
 
     try:
@@ -410,7 +415,15 @@ def _build_engine(
     from loraplex_engine.engine import Engine
 
     engine_settings = settings.engine()
-    return Engine(str(settings.model), engine_settings, device=device, world=world, trust=trust)
+    name = served_names(settings.model, settings.served_model_name)[0]
+    return Engine(
+        str(settings.model),
+        engine_settings,
+        device=device,
+        world=world,
+        trust=trust,
+        model_name=name,
+    )
 
 
 def shutdown(holder: EngineHolder, loop: EngineLoop | None, *, checkpoint: bool) -> None:

@@ -57,6 +57,20 @@ class ServeSettings(ProcessSettings, TrackingSettings):
             default_text="none: no /api/v1",
         ),
     ] = None
+    served_model_name: Annotated[
+        tuple[str, ...],
+        Flag(
+            "a name clients may call the base model by (Tinker's base_model, e.g. the hub id "
+            "'Qwen/Qwen3-8B' a recipe names); repeatable or comma-separated, the first "
+            "answered as the model's own",
+            action="append",
+            metavar="NAME",
+            env_parse=v.split_on(","),
+            env_help="--served-model-name names, separated by ','",
+            default_text="the model's hub id (its config's _name_or_path, or the hub "
+            "cache's folder), else the directory's name",
+        ),
+    ] = ()
     tinker_max_sessions: Annotated[
         int,
         Flag(

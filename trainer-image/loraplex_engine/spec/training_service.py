@@ -195,7 +195,7 @@ class LoadState:
 
 @dataclass(frozen=True)
 class Unload:
-    save: bool = True  # its last weights as ``weights/final`` first
+    save: bool = True  # its last weights as ``weights/loraplex-final`` first
 
 
 ModelCall = Forward | OptimStep | SaveState | LoadState | Unload

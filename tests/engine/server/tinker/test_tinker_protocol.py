@@ -43,13 +43,17 @@ def _tokenizer_dir(path: Path) -> str:
 
 
 class Server:
-    def __init__(self, tmp: Path, slots: int = 2) -> None:
+    def __init__(self, tmp: Path, slots: int = 2, served_names: tuple[str, ...] = ()) -> None:
         self.keys_file = tmp / "keys"
         self.keys_file.write_text(f"team-a {KEY_A}\nteam-b sha256:{digest(KEY_B).hex()}\n")
         self.training = FakeTraining(BASE, _tokenizer_dir(tmp / "tok"), slots=slots)
         keys = KeyStore(str(self.keys_file), recheck_s=0.0)
         app = create_app(
-            FakeEngine(), "admin-token", tinker_keys=keys, training=lambda: self.training
+            FakeEngine(),
+            "admin-token",
+            tinker_keys=keys,
+            training=lambda: self.training,
+            served_names=served_names,
         )
         self.proto = app.state.tinker
         sock = socket.socket()
@@ -258,4 +262,6 @@ def test_a_vanished_client_has_its_models_saved_and_unloaded(server: Server) -> 
         time.sleep(0.1)
     calls = [c for c, _, m in server.training.log if m == tc.model_id]
     saves = [c for c in calls if c.startswith("save_state:")]
-    assert saves == ["save_state:weights:final"] and calls[-1] == "unload_model"  # one copy
+    assert (
+        saves == ["save_state:weights:loraplex-final"] and calls[-1] == "unload_model"
+    )  # one copy

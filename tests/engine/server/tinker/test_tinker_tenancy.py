@@ -85,6 +85,8 @@ def _retrieve(api: httpx.Client, request_id: str, timeout: float = 120) -> httpx
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = api.post("/retrieve_future", json={"request_id": request_id})
+        if r.status_code == 408:  # pending: the SDK's quiet try-again
+            continue
         if r.status_code != 200 or r.headers["content-type"].startswith("application/x-proto"):
             return r
         if r.json().get("type") != "try_again":

@@ -19,6 +19,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from loraplex_engine.clients.saved import reserved
 from loraplex_engine.server.tinker import wire
 from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
@@ -71,6 +72,12 @@ def _name(value: str | None, default: str, field: str) -> str:
         raise InvalidRequestError(
             "a checkpoint name is 1-128 letters, digits, '.', '_' or '-'", field=field
         )
+    if reserved(value):
+        raise InvalidRequestError(
+            f"checkpoint names starting {engine_name('')!r} are reserved for the engine's "
+            "own saves",
+            field=field,
+        )
     return value
 
 
@@ -83,8 +90,12 @@ class Protocol:
         futures: FutureTable | None = None,
         runner: Runner | None = None,
         janitor_s: float = JANITOR_S,
+        served_names: tuple[str, ...] = (),
+        unlisted_names: tuple[str, ...] = (),
     ) -> None:
         self.training = training
+        self.aliases = served_names  # serve --served-model-name: more names of the base
+        self.unlisted = unlisted_names  # accepted, not listed: the directory's name
         self.registry = registry or Registry()
         if self.registry.adopter is None:  # client experiments' models (clients/experiments.py)
             self.registry.adopter = lambda ns, mid: self.training().adoptable(ns, mid)
@@ -146,14 +157,20 @@ class Protocol:
         self.runner.submit(lambda: finish(fut, lambda: answer(pending.wait())))
         return fut.request_id
 
+    def served_names(self) -> list[str]:
+        """The base model's names, its own first (what the capabilities list)."""
+        own = self.training().model_name
+        return [own, *(n for n in self.aliases if n != own)]
+
     def _check_base(self, base_model: str | None, field: str = "base_model") -> str:
-        name = self.training().model_name
-        if base_model is not None and base_model.split(":")[0] != name:
+        names = self.served_names()
+        if base_model is not None and base_model.split(":")[0] not in (*names, *self.unlisted):
+            served = ", ".join(repr(n) for n in names)
             raise NotFoundError(
-                f"base model {base_model!r} is not served here; this engine serves {name!r}",
+                f"base model {base_model!r} is not served here; this engine serves {served}",
                 field=field,
             )
-        return name
+        return names[0]
 
     @staticmethod
     def _check_optimizer(config: dict[str, Any] | None, field: str) -> None:

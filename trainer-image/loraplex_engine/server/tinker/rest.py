@@ -79,7 +79,7 @@ def training_runs(proto: Protocol, ns: str) -> list[dict[str, Any]]:
     by_model: dict[str, list[SavedState]] = {}
     for s in saved:
         by_model.setdefault(s.model_id, []).append(s)
-    known = {m.id: m for m in proto.registry.models(ns)}
+    known = {m.id: m for m in proto.registry.known_models(ns)}
     runs = []
     for model_id in sorted(set(loaded) | set(by_model)):
         info = loaded.get(model_id)

@@ -212,6 +212,8 @@ def mount_tinker(
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
     max_sessions: int = DEFAULT_MAX_SESSIONS,
+    served_names: tuple[str, ...] = (),
+    unlisted_names: tuple[str, ...] = (),
 ) -> Protocol:
     """Adds the ``/api/v1`` routes to ``app``; returns the protocol state. Requests
     authenticate with ``keys`` (a tenant's ``X-API-Key``) or ``admin_token`` (the engine's
@@ -221,7 +223,14 @@ def mount_tinker(
         raise ValueError("the Tinker routes need tenant keys or the admin token")
     registry = registry or Registry(max_sessions=max_sessions)
     futures = futures if futures is not None else FutureTable(future_limits)
-    proto = Protocol(training, registry=registry, futures=futures, runner=runner)
+    proto = Protocol(
+        training,
+        registry=registry,
+        futures=futures,
+        runner=runner,
+        served_names=served_names,
+        unlisted_names=unlisted_names,
+    )
     decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto
     add_protocol_error_handler(app)
@@ -248,9 +257,9 @@ def mount_tinker(
 
     @r.get("/get_server_capabilities")
     async def capabilities(_: Ns) -> dict[str, Any]:
-        name = (await call(training)).model_name
-        model = {"model_name": name, "trainable": True, "sampleable": True}
-        return {"supported_models": [model]}
+        names = await call(proto.served_names)
+        models = [{"model_name": n, "trainable": True, "sampleable": True} for n in names]
+        return {"supported_models": models}
 
     @r.post("/create_session")
     def create_session(ns: Ns, body: CreateSession) -> dict[str, Any]:
@@ -367,11 +376,21 @@ def mount_tinker(
         if fut.state == "paused_capacity":
             reason = f"every adapter slot of the engine is taken ({fut.error}); waiting"
             answer |= {"queue_state": "paused_capacity", "queue_state_reason": reason}
-        return JSONResponse(answer)
+        # 408: the SDK polls again quietly (a 200 try_again logs a warning per poll).
+        return JSONResponse(answer, status_code=408)
 
     rest.add_rest_routes(r, proto, call)
     add_future_routes(r, proto, long_poll_s)
     add_checkpoint_routes(r, proto, call)
+
+    @r.api_route("/{route:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    def unsupported(_: Ns, route: str, request: Request) -> None:
+        raise NotFoundError(
+            f"{request.method} {PREFIX}/{route} is not supported by this engine "
+            "(docs/tinker.md lists the Tinker calls it serves)",
+            field="path",
+        )
+
     app.include_router(r)
     return proto
 

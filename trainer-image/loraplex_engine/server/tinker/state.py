@@ -31,6 +31,7 @@ from loraplex_engine.spec.training_service import Adoption
 
 SESSION_TTL_S = 300.0  # no heartbeat (or request) for this long: the client has vanished
 MAX_SEQ_MEMORY = 256  # (model, seq_id) -> future remembered, for resent requests
+MAX_RETIRED = 4096  # unloaded models whose run metadata the REST reads still answer
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Registry:
         self._models: dict[Key, Model] = {}
         self._samplers: dict[Key, Sampler] = {}
         self._creating: dict[tuple[str, str], str] = {}  # (ns, model id) -> request id
+        # Unloaded models, newest last: a training run's rank and user_metadata outlive
+        # its model (the REST reads answer them); bounded, oldest forgotten first.
+        self._retired: dict[Key, Model] = {}
 
     # --- sessions ---
 
@@ -226,6 +230,11 @@ class Registry:
     def drop_model(self, namespace: str, model_id: str) -> None:
         with self._lock:
             m = self._models.pop((namespace, model_id), None)
+            if m is not None:
+                self._retired.pop((namespace, model_id), None)
+                self._retired[(namespace, model_id)] = m
+                while len(self._retired) > MAX_RETIRED:
+                    del self._retired[next(iter(self._retired))]
             s = None if m is None else self._sessions.get((namespace, m.session_id))
             if s is not None:
                 s.models.discard(model_id)
@@ -233,6 +242,13 @@ class Registry:
     def models(self, namespace: str) -> list[Model]:
         with self._lock:
             return [m for m in self._models.values() if m.namespace == namespace]
+
+    def known_models(self, namespace: str) -> list[Model]:
+        """The namespace's models, loaded or unloaded (the loaded one of an id wins)."""
+        with self._lock:
+            found = {m.id: m for (ns, _), m in self._retired.items() if ns == namespace}
+            found |= {m.id: m for m in self._models.values() if m.namespace == namespace}
+            return list(found.values())
 
     def seq_request(self, model: Model, seq_id: int) -> str | None:
         with self._lock:

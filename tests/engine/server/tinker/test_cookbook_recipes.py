@@ -1,0 +1,135 @@
+"""tinker-cookbook's recipes, from the installed package and unchanged, against a real
+``loraplex-engine serve --tinker-keys`` on the tiny model: only base_url, the key and the
+model's name are the recipe's own settings (tests/support/cookbook.py: the tiny model
+stands in the offline hub cache as the Qwen3 instruct model the cookbook knows, so the
+recipe's renderer, tokenizer and base model all resolve from that name; the datasets
+the recipes load by name are small stand-ins).
+
+The engine serves the snapshot under the hub id its cache folder names (no
+--served-model-name given), the name every recipe derives its renderer from."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cookbook import (
+    HUB_ID,
+    REVISION,
+    HubCache,
+    RecipeRun,
+    build_hub_cache,
+    cache_dataset,
+    run_recipe,
+)
+from tests.support.server_process import EngineServer, record_measurement
+from tests.support.tinker_clients import service_client
+
+KEY = "tml-cookbookcookbookcookbook"
+RECIPE_TIMEOUT_S = 240
+# The SDK's warning for each poll of a pending future answered 200 try_again.
+TRY_AGAIN_WARNING = "because of try_again"
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+    for w in ["yes", "no", "copy", "the", "answer", "sum", "plus", "token"] * 2
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> HubCache:
+    c = build_hub_cache(tmp_path_factory.mktemp("hf"))
+    no_robots = [{**row, "prompt": "", "prompt_id": str(i), "category": "Chat"} for i, row in (
+        enumerate(CONVERSATIONS)
+    )]  # fmt: skip
+    cache_dataset(c, "HuggingFaceH4/no_robots", "default", {"train": no_robots, "test": no_robots})
+    sums = [{"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"} for a in range(8)]
+    cache_dataset(c, "openai/gsm8k", "main", {"train": sums, "test": sums[:2]})
+    return c
+
+
+@pytest.fixture(scope="module")
+def server(cache: HubCache, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    work = tmp_path_factory.mktemp("cookbook")
+    keys = work / "keys.txt"
+    keys.write_text(f"team-a {KEY}\n")
+    srv = EngineServer(
+        cache.model_dir, work / "ckpt", max_adapters=4, workdir=work,
+        extra_args=["--tinker-keys", str(keys)],
+    )  # fmt: skip
+    with srv:
+        yield srv
+
+
+def recipe(module: str, args: list[str], server: EngineServer, cache: HubCache, tmp: Path):
+    common = [f"base_url={server.url}", f"model_name={HUB_ID}", "lora_rank=8"]
+    run = run_recipe(module, common + args, cache, KEY, tmp / "run", RECIPE_TIMEOUT_S)
+    assert run.returncode == 0, run.output[-4000:]
+    assert TRY_AGAIN_WARNING not in run.output
+    return run
+
+
+def _steps(run: RecipeRun, key: str) -> list[float]:
+    return [m[key] for m in run.metrics if key in m]
+
+
+def _record(name: str, run: RecipeRun, step_key: str, note: str) -> None:
+    """The recipe's wall time, with its mean step time (its own metric) in the note."""
+    steps = _steps(run, step_key)
+    step_s = sum(steps) / len(steps) if steps else float("nan")
+    record_measurement(f"cookbook {name} s", run.seconds, f"{note}; mean step {step_s:.3f} s")
+
+
+def _saved(server: EngineServer, run: RecipeRun) -> list[str]:
+    """The checkpoints (weights/<name>) of the recipe's model on the engine's volume."""
+    found = re.findall(r"tinker://([^/]+)/weights/final", run.output)
+    assert found, run.output[-2000:]
+    weights = server.checkpoint_root / "team-a" / "_tinker" / found[-1] / "weights"
+    return sorted(p.name for p in weights.iterdir())
+
+
+def test_the_engine_serves_the_snapshot_under_its_hub_id(server: EngineServer) -> None:
+    caps = server.client().get("/api/v1/get_server_capabilities", headers={"X-API-Key": KEY})
+    assert [m["model_name"] for m in caps.json()["supported_models"]] == [HUB_ID]
+    # the directory's own name, the one it had before, is still taken (not listed)
+    client = service_client(server.url, KEY)
+    tc = client.create_lora_training_client(base_model=REVISION, rank=2).result()
+    assert tc.get_info().model_data.model_name == HUB_ID
+    assert tc.get_info().model_data.tokenizer_id == HUB_ID
+
+
+def test_sl_loop_runs_and_lowers_the_loss(server, cache, tmp_path) -> None:
+    args = ["batch_size=4", "learning_rate=1e-3", "save_every=2"]
+    run = recipe("tinker_cookbook.recipes.sl_loop", args, server, cache, tmp_path)
+    nll = _steps(run, "train_mean_nll")
+    assert len(nll) == 4 and nll[-1] < nll[0], nll
+    assert "final" in _saved(server, run) and "000002" in _saved(server, run)
+    _record("sl_loop", run, "time_total", f"4 steps, nll {nll[0]:.3f}->{nll[-1]:.3f}")
+
+
+def test_chat_sl_runs_supervised_train_and_lowers_the_loss(server, cache, tmp_path) -> None:
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONS))
+    args = [
+        f"dataset={data}", "batch_size=4", "learning_rate=1e-3", "save_every=2",
+        "behavior_if_log_dir_exists=delete",
+    ]  # fmt: skip
+    run = recipe("tinker_cookbook.recipes.chat_sl.train", args, server, cache, tmp_path)
+    nll = _steps(run, "train_mean_nll")
+    assert len(nll) == 4 and nll[-1] < nll[0], nll
+    assert "final" in _saved(server, run)
+    _record("chat_sl", run, "time/step", f"4 steps, nll {nll[0]:.3f}->{nll[-1]:.3f}")
+
+
+def test_rl_loop_with_importance_sampling_runs_to_its_end(server, cache, tmp_path) -> None:
+    # The random tiny model never writes \boxed{...}: every reward is 0, so the recipe
+    # skips its updates (all advantages zero); sampling, grading and checkpoints run.
+    args = ["batch_size=2", "group_size=4", "max_tokens=8", "loss_fn=importance_sampling"]
+    run = recipe("tinker_cookbook.recipes.rl_loop", args, server, cache, tmp_path)
+    assert _steps(run, "reward/total") == [0.0] * 4
+    assert "final" in _saved(server, run)
+    _record("rl_loop", run, "time/total", "4 steps of 2x4 samples, 8 tokens, reward 0")

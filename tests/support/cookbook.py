@@ -1,0 +1,102 @@
+"""tinker-cookbook's recipes, run unchanged (``python -m tinker_cookbook...``) against a
+real ``serve --tinker-keys``, offline: a Hugging Face cache holding what a recipe loads by
+name. The tiny model (built with Qwen3 instruct's chat tokens) stands in the hub cache as
+``Qwen/Qwen3-4B-Instruct-2507``, so the recipe's tokenizer, renderer (``qwen3_instruct``)
+and base model all resolve from that name; the datasets a recipe loads by name are small
+stand-ins in the datasets cache (``HF_HUB_OFFLINE=1`` reads them as the cached copy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HUB_ID = "Qwen/Qwen3-4B-Instruct-2507"  # a model the cookbook knows, renderer qwen3_instruct
+REVISION = "0" * 40
+
+
+@dataclass(frozen=True)
+class HubCache:
+    home: Path  # HF_HOME
+    model_dir: Path  # the snapshot serve --model reads
+
+    def env(self, key: str) -> dict[str, str]:
+        """A recipe's environment: this cache, offline, and the Tinker key."""
+        return {
+            **os.environ,
+            "HF_HOME": str(self.home),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TINKER_API_KEY": key,
+            "WANDB_MODE": "disabled",
+        }
+
+
+def build_hub_cache(home: Path) -> HubCache:
+    from loraplex_engine.dev.tiny_model import build_model
+
+    repo = home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    model_dir = build_model(repo / "snapshots" / REVISION, arch="qwen3", chat="qwen3")
+    return HubCache(home, model_dir)
+
+
+def cache_dataset(
+    cache: HubCache, repo_id: str, config: str, splits: dict[str, list[dict[str, Any]]]
+) -> None:
+    """``datasets.load_dataset(repo_id, config)`` answers ``splits`` offline: the datasets
+    cache's layout (``<org>___<name>/<config>/0.0.0/<hash>/<name>-<split>.arrow``)."""
+    import datasets
+
+    name = repo_id.split("/")[-1]
+    out = cache.home / "datasets" / repo_id.replace("/", "___") / config / "0.0.0" / "0"
+    out.mkdir(parents=True)
+    info = datasets.DatasetInfo(config_name=config, dataset_name=name)
+    info.splits = datasets.SplitDict(dataset_name=name)
+    for split, rows in splits.items():
+        table = datasets.Dataset.from_list(rows).data.table
+        with datasets.arrow_writer.ArrowWriter(path=str(out / f"{name}-{split}.arrow")) as w:
+            w.write_table(table)
+            count, size = w.finalize()
+        info.features = datasets.Features.from_arrow_schema(table.schema)
+        info.splits.add(datasets.SplitInfo(split, size, count, dataset_name=name))
+    info.write_to_directory(str(out))
+
+
+@dataclass(frozen=True)
+class RecipeRun:
+    returncode: int
+    output: str
+    metrics: list[dict[str, Any]]  # metrics.jsonl, one dict a step
+    seconds: float
+
+
+def run_recipe(
+    module: str, args: list[str], cache: HubCache, key: str, log_path: Path, timeout: float
+) -> RecipeRun:
+    """``python -m <module> <args> log_path=<log_path>`` to its end."""
+    import time
+
+    if log_path.exists():
+        shutil.rmtree(log_path)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, f"log_path={log_path}"],
+        env=cache.env(key),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=log_path.parent,
+    )
+    seconds = time.monotonic() - t0
+    metrics_file = log_path / "metrics.jsonl"
+    metrics = []
+    if metrics_file.exists():
+        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    return RecipeRun(proc.returncode, proc.stdout + proc.stderr, metrics, seconds)
