@@ -19,7 +19,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from loraplex_engine.clients.saved import reserved
+from loraplex_engine.clients.saved import engine_name, reserved
 from loraplex_engine.server.tinker import wire
 from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
