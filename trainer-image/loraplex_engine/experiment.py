@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.environments.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.environments.attach import plug_in
 from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
 from loraplex_engine.plan.experiment import ExperimentPlan
+from loraplex_engine.plan.scoring import check_scoring
 from loraplex_engine.spec.api_types import (
     CALL_TIMEOUT_S,
     DETERMINISTIC_FAILURES,
@@ -202,9 +203,7 @@ def new_experiment(
                 options = DatasetOptions(format="jsonl")
             source = resolve_dataset(trust, task_spec.dataset, options, namespace)
         reward, env = task_spec.reward or "default", task_spec.environment
-        plugged = uses_plugins(reward, env)
-        if plugged:
-            check_plugins(reward, env, namespace, trust.plugins)
+        plugged = check_scoring(spec, namespace, trust.plugins)  # as `run` checks before load
         task = build_task(
             task_spec.name,
             task_spec.params,
