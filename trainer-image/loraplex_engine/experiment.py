@@ -4,7 +4,6 @@ RNGs and progress, and how a plan is turned into one."""
 from __future__ import annotations
 
 import random
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +29,7 @@ from loraplex_engine.spec.eval_scores import EvalResult, eval_due
 from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.tracking.run_ids import new_run_id
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
 
 
@@ -81,7 +81,7 @@ class Experiment:
     # Ties this run's checkpoints together across engines and names their directory
     # (store/run_store.py): given by the caller (the operator: the object's uid), or made at a
     # fresh start and carried over on resume.
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    run_id: str = field(default_factory=new_run_id)  # readable, as `run`'s (tracking/run_ids.py)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
     tis_weight_mean: float | None = None  # likewise
