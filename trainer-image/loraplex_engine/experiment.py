@@ -4,7 +4,6 @@ RNGs and progress, and how a plan is turned into one."""
 from __future__ import annotations
 
 import random
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -12,9 +11,10 @@ from typing import Any
 import torch
 
 from loraplex_engine.data.sources import resolve_dataset
-from loraplex_engine.environments.attach import check_plugins, plug_in, uses_plugins
+from loraplex_engine.environments.attach import plug_in
 from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
 from loraplex_engine.plan.experiment import ExperimentPlan
+from loraplex_engine.plan.scoring import check_scoring
 from loraplex_engine.spec.api_types import (
     CALL_TIMEOUT_S,
     DETERMINISTIC_FAILURES,
@@ -29,6 +29,7 @@ from loraplex_engine.spec.eval_scores import EvalResult, eval_due
 from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.tracking.run_ids import new_run_id
 from loraplex_engine.train.algorithms import Algorithm, build_algorithm
 
 
@@ -80,7 +81,7 @@ class Experiment:
     # Ties this run's checkpoints together across engines and names their directory
     # (store/run_store.py): given by the caller (the operator: the object's uid), or made at a
     # fresh start and carried over on resume.
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    run_id: str = field(default_factory=new_run_id)  # readable, as `run`'s (tracking/run_ids.py)
     failure_reason: str | None = None  # FAILURE_REASONS entry, with ``error``
     logprob_gap: float | None = None  # of the latest step (api_types.ExperimentStatus)
     tis_weight_mean: float | None = None  # likewise
@@ -202,9 +203,7 @@ def new_experiment(
                 options = DatasetOptions(format="jsonl")
             source = resolve_dataset(trust, task_spec.dataset, options, namespace)
         reward, env = task_spec.reward or "default", task_spec.environment
-        plugged = uses_plugins(reward, env)
-        if plugged:
-            check_plugins(reward, env, namespace, trust.plugins)
+        plugged = check_scoring(spec, namespace, trust.plugins)  # as `run` checks before load
         task = build_task(
             task_spec.name,
             task_spec.params,

@@ -6,7 +6,7 @@ params checked there at once (its ``check_params``; a bad one is the PUT's 422).
 from __future__ import annotations
 
 from loraplex_engine.environments.session import EnvironmentSession
-from loraplex_engine.plugins.discovery import installed
+from loraplex_engine.plugins.discovery import environment_names, reward_names
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
 from loraplex_engine.spec.errors import PluginError, TaskError
@@ -34,16 +34,16 @@ def check_plugins(
     """``TaskError`` naming the field when a name is not one ``namespace`` may use (the
     pool's allowlist), is not installed, or both are set. The listings name only what
     the namespace may use: another team's plug-ins stay unnamed."""
-    found = installed()
     if environment is not None:
         if reward != "default":
             raise TaskError(
                 "spec.task.reward",
                 "not used with task.environment (the environment scores its episodes)",
             )
-        _check_one("environment", environment.name, found.environments, namespace, access)
+        names = environment_names(environment.name)
+        _check_one("environment", environment.name, names, namespace, access)
     else:
-        _check_one("reward", reward, found.rewards, namespace, access)
+        _check_one("reward", reward, reward_names(), namespace, access)
 
 
 _FIELDS = {"reward": "spec.task.reward", "environment": "spec.task.environment.name"}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex_engine.data.sources import resolve_dataset
+from loraplex_engine.evaluation.fit import check_eval_fits
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.spec.eval import EvalSpec
@@ -59,14 +60,7 @@ def build_eval_set(
     ev = spec.evaluation
     if ev is None:
         return None
-    if spec.task is not None and spec.task.environment is not None:
-        # An eval is single-turn rows scored by the task's reward; an environment's reward
-        # scores whole episodes, so an eval here would measure something else.
-        raise TaskError(
-            "spec.eval",
-            "spec.eval is not supported with task.environment (multi-turn episodes): "
-            "leave spec.eval unset",
-        )
+    check_eval_fits(spec)
     if ev.dataset is None:
         rng = random.Random(spec.algorithm.seed ^ EVAL_SEED_SALT)
         return EvalSet(ev, tuple(task.sample_prompts(ev.prompts, rng)))

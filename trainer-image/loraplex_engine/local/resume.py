@@ -6,21 +6,20 @@ resume adds the experiments again under those run ids, so the engine loads each 
 newest intact checkpoint (store/run_store.py), and takes the curves of the stopped run's
 ``summary.json`` up to that checkpoint's step: the resumed summary reads as one run's.
 
-Run ids are readable, ``<UTC time>-<4 hex>``: the trackers show a run as
-``<namespace>/<name>/<run id>``.
+Run ids are readable, ``<UTC time>-<4 hex>`` (tracking/run_ids.py, as `serve` makes them):
+the trackers show a run as ``<namespace>/<name>/<run id>``.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loraplex_engine.local.manifests import Manifest
 from loraplex_engine.spec.errors import UsageError
+from loraplex_engine.tracking.run_ids import new_run_id
 
 RUN_FILE = "run.json"
 # summary.json's per-step curves, carried over on resume (Progress's field of each).
@@ -32,10 +31,6 @@ CURVES = (
     "tis_weight_means",
     "tis_tokens",
 )
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
 
 
 @dataclass

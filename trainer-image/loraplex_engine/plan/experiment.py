@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.plan.client import client_lora_config
 from loraplex_engine.plan.limits import EngineLimits
+from loraplex_engine.plan.scoring import check_scoring
 from loraplex_engine.spec.algorithm import AlgorithmSpec
 from loraplex_engine.spec.checkpoint import CheckpointSpec
 from loraplex_engine.spec.client import ClientSpec
@@ -82,10 +83,12 @@ def compile_plan(spec: ExperimentSpec, limits: EngineLimits) -> ExperimentPlan:
 
 
 def plan_problems(spec: ExperimentSpec, limits: EngineLimits) -> list[InvalidSpecError]:
-    """Every problem compile_plan would find, each check on its own (the local runner
-    lists them all); checks ``limits`` does not know enough for are left out."""
+    """Every problem compile_plan would find, and the admission's scoring check (with no
+    allowlist: plan/scoring.py), each check on its own (the local runner lists them all,
+    before its model loads); checks ``limits`` does not know enough for are left out."""
     problems = []
-    for check in (check_lora, lambda s, _: check_task(s), check_step):
+    checks = (check_lora, lambda s, _: check_task(s), check_step, lambda s, _: check_scoring(s))
+    for check in checks:
         try:
             check(spec, limits)
         except InvalidSpecError as e:

@@ -118,6 +118,19 @@ def list_here() -> Installed:
     )
 
 
+def reward_names() -> tuple[str, ...]:
+    """The reward plug-ins :func:`installed` lists (entry points only, no plug-in code
+    imported), without its child process: a reward is checked in milliseconds."""
+    return tuple(entry_point_names(REWARD_GROUP))
+
+
+def environment_names(name: str) -> tuple[str, ...]:
+    """The environments to check ``name`` against: the entry points when it is one of them
+    (milliseconds), else the full listing of :func:`installed` (seconds, once)."""
+    entry_points = tuple(entry_point_names(ENVIRONMENT_GROUP))
+    return entry_points if name in entry_points else installed().environments
+
+
 _cache: Installed | None = None
 _lock = threading.Lock()
 

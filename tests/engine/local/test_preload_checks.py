@@ -1,0 +1,137 @@
+"""`loraplex-engine run` makes every spec check of the engine's admission before it loads
+the model: a rank over --max-rank, an unknown reward or environment plug-in, a reward
+beside an environment, an eval beside an environment. Each is one line naming its field,
+exit status 2, from a real `loraplex-engine run` process.
+
+"Before the model loads" is asserted three ways, none a fixed wall-clock bound: the
+process never imported torch (no model can load without it), it never printed the line
+that follows the model load (``engine ready in ...``), and, measured in the same test on
+the same machine, it exited sooner than a good manifest takes to reach that line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import loraplex_engine
+import pytest
+
+# The package under test first on the child's path (the venv's editable install may
+# point at another checkout).
+SOURCE = str(Path(loraplex_engine.__file__).resolve().parents[1])
+LOADED = "engine ready in"  # runner.py's first line, printed once the model is loaded
+# Runs the CLI, then prints, as its last stdout line, whether torch was ever imported.
+PROBE = """
+import sys
+from loraplex_engine.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(__import__("json").dumps("torch" in sys.modules))
+sys.exit(code)
+"""
+START_S = 300.0  # a bound on a loaded 2-core machine, not a speed expectation
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+    seconds: float
+    torch_imported: bool
+
+
+def manifest(spec_extra: str = "", lora: str = "{rank: 4}", task: str = "{name: copy}") -> str:
+    return (
+        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\nmetadata: {name: a}\n"
+        f"spec:\n  lora: {lora}\n  task: {task}\n  algorithm: {{maxSteps: 2}}\n{spec_extra}"
+    )
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": SOURCE, "LORAPLEX_MODEL": ""}
+
+
+def run_cli(text: str, model: Path, cwd: Path) -> Outcome:
+    (cwd / "m.yaml").write_text(text)
+    argv = ["run", "m.yaml", "--model", str(model), "--out", str(cwd / "out")]
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+        cwd=cwd,
+        env=env(),
+    )
+    seconds = time.monotonic() - t0
+    torch_imported = json.loads(r.stdout.splitlines()[-1])
+    return Outcome(r.returncode, r.stdout, r.stderr, seconds, torch_imported)
+
+
+def seconds_to_model_loaded(text: str, model: Path, cwd: Path) -> float:
+    """How long a good manifest's `run` takes to print LOADED; stopped there."""
+    (cwd / "good.yaml").write_text(text)
+    argv = ["run", "good.yaml", "--model", str(model), "--out", str(cwd / "good-out")]
+    cmd = [sys.executable, "-m", "loraplex_engine.cli", *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env())
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if LOADED in line:
+                return time.monotonic() - t0
+        raise AssertionError(f"no {LOADED!r} line; exit status {proc.wait()}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+ENV = "{name: gsm8k, environment: {name: gsm8k-calculator}}"
+CASES = [
+    ("rank over --max-rank", manifest(lora="{rank: 65}"), "spec.lora.rank"),
+    ("unknown reward", manifest(task="{name: copy, reward: no-such-reward}"), "spec.task.reward"),
+    (
+        "unknown environment",
+        manifest(task="{name: gsm8k, environment: {name: no-such-env}}"),
+        "spec.task.environment.name",
+    ),
+    (
+        "reward beside an environment",
+        manifest(task=ENV.replace("}}", "}, reward: exact-match}")),
+        "spec.task.reward",
+    ),
+    ("eval beside an environment", manifest("  eval: {everySteps: 1}\n", task=ENV), "spec.eval"),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "field"), CASES, ids=[c[0] for c in CASES])
+def test_a_spec_the_engine_refuses_fails_before_the_model_loads(
+    case: str, text: str, field: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = run_cli(text, tiny_model_dir, tmp_path)
+    assert out.code == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert f"document 0 ('a'): {field}:" in line, line
+    assert LOADED not in out.stdout
+    assert not out.torch_imported, f"{case}: torch imported before the error"
+
+
+def test_the_error_comes_sooner_than_a_good_run_loads_its_model(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The unknown reward was the engine's 422 only after the model had loaded: now it
+    comes before, measured against a good manifest's time to load on the same machine."""
+    loaded_s = seconds_to_model_loaded(manifest(), tiny_model_dir, tmp_path)
+    bad = run_cli(manifest(task="{name: copy, reward: no-such-reward}"), tiny_model_dir, tmp_path)
+    assert bad.code == 2 and "spec.task.reward" in bad.stderr
+    assert bad.seconds < loaded_s, (bad.seconds, loaded_s)
+    print(f"unknown reward: exit 2 after {bad.seconds:.2f}s; a good run loaded in {loaded_s:.2f}s")
