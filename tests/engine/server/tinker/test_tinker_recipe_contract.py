@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loraplex_engine.spec.training_service import OptimStep
 from tinker import types
 
 from tests.engine.server.tinker.test_tinker_protocol import BASE, KEY_A, Server
@@ -89,9 +90,17 @@ class HeldTraining(FakeTraining):
         super().__init__(*a, **kw)
         self.release = threading.Event()
 
-    def optim_step(self, *a: object, **kw: object) -> dict[str, float]:
-        self.release.wait(10)
-        return super().optim_step(*a, **kw)
+    def submit(self, namespace: str, model_id: str, call: object, order: object = None) -> object:
+        if not isinstance(call, OptimStep):
+            return super().submit(namespace, model_id, call, order)
+        held = self
+
+        class Held:  # queued at once; answered once released, as the engine's tick would
+            def wait(self) -> object:
+                held.release.wait(10)
+                return held.optim_step(namespace, model_id, call.adam)
+
+        return Held()
 
 
 def test_a_pending_future_answers_the_sdks_quiet_retry(tmp_path: Path) -> None:
