@@ -84,8 +84,11 @@ ENGINE_MODULES = (
 # What `serve --tinker-keys` adds (the tinker-clock stage); reported, not this stage's code.
 SERVER_MODULES = ("loraplex_engine.server.app", "loraplex_engine.server.tinker.routes")
 NOT_STARTED = -1  # bench/gpu_device.sh's code for a stage the budget left no time for
-PIP_TIMEOUT_S = 60
-IMPORT_TIMEOUT_S = 90
+# bench/gpu_device.sh's GPU_DEVICE_SLOWDOWN_PCT: the CPU rehearsal's limits scale with its
+# machine's load, these with the stages' (1 on the device).
+SLOWDOWN = int(os.environ.get("GPU_DEVICE_SLOWDOWN_PCT", "100")) / 100
+PIP_TIMEOUT_S = round(60 * SLOWDOWN)
+IMPORT_TIMEOUT_S = round(90 * SLOWDOWN)
 # bf16 activations, fp32 LoRA masters: the two paths sum in different orders.
 KERNEL_TOLERANCE = 2e-2
 

@@ -42,7 +42,9 @@
 # e2e's model and runs), GPU_DEVICE_TINKER_S (110: the tinker-clock stage's cap, reserved
 # from the scale stage's share), GPU_DEVICE_TINKER_WORK (/tmp/gpu-device-tinker),
 # GPU_SCALE_ARGS (more gpu_scale.py options), GPU_DEVICE_PIPELINED_S (60: the
-# torch-pipelined stage's cap, reserved from the scale stage's share).
+# torch-pipelined stage's cap, reserved from the scale stage's share),
+# GPU_DEVICE_SLOWDOWN_PCT (100: every limit and the budget times this / 100; the CPU
+# rehearsal sets it from its machine's load, tests/bench/test_gpu_device.py).
 set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
 START=$SECONDS
 cd "$(dirname "$0")/.."
@@ -52,14 +54,16 @@ OUT="${OUT:-out/gpu-device}"
 PY="${PYTHON:-python3}"
 WHEELS="${WHEELS:-.whl}"
 SITE="${SITE:-/tmp/site}"
-BUDGET="${GPU_DEVICE_BUDGET_S:-510}"
+SLOWDOWN="${GPU_DEVICE_SLOWDOWN_PCT:-100}"
+slow() { echo $(($1 * SLOWDOWN / 100)); }  # seconds of an idle device, on this machine now
+BUDGET=$(slow "${GPU_DEVICE_BUDGET_S:-510}")
 DEMO="${GPU_DEVICE_DEMO:-samples/local/demo.yaml}"
 WORK="${GPU_DEVICE_WORK:-/tmp/gpu-device-e2e}"  # the e2e's model and runs: many files, not $OUT
-E2E_S=120
-TINKER_S="${GPU_DEVICE_TINKER_S:-110}"  # reserved from the scale stage's share, like E2E_S
+E2E_S=$(slow 120)
+TINKER_S=$(slow "${GPU_DEVICE_TINKER_S:-110}")  # reserved from the scale stage's share, like E2E_S
 TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
-WORKLOADS_S=60
-PIPELINED_S="${GPU_DEVICE_PIPELINED_S:-60}"  # reserved from the scale stage's share
+WORKLOADS_S=$(slow 60)
+PIPELINED_S=$(slow "${GPU_DEVICE_PIPELINED_S:-60}")  # reserved from the scale stage's share
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.
@@ -109,9 +113,9 @@ tinker_clock_stage() {
 main() {
     echo "bench/gpu_device.sh${DRY_RUN:+ (dry run)}: $(date -u +%FT%TZ), OUT=$OUT, budget ${BUDGET}s"
     "$PY" bench/gpu_device.py begin --out "$OUT"
-    stage preflight preflight.json 60 \
+    stage preflight preflight.json "$(slow 60)" \
         "$PY" bench/gpu_device.py preflight --out "$OUT" --wheels "$WHEELS" --site "$SITE"
-    stage grouped-kernel grouped-kernel.json 60 \
+    stage grouped-kernel grouped-kernel.json "$(slow 60)" \
         "$PY" bench/gpu_device.py kernel --out "$OUT/grouped-kernel.json" ${DRY_RUN:+--dry-run}
     stage workloads grouped-kernel.json "$WORKLOADS_S" \
         "$PY" bench/fused_workloads.py --out "$OUT/grouped-kernel.json" --into fused_workloads \

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support.markers import mark_e2e
+from tests.support.numeric import NUMERIC_MODULES, numeric_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
@@ -19,32 +20,18 @@ TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 torch.set_num_threads(int(os.environ.get("LORAPLEX_TEST_THREADS", "1")))
 
 
-# Modules whose every test compares float results across summation orders (fused vs alone,
-# sharded vs not, chunked vs whole, resumed vs uninterrupted); single tests elsewhere carry
-# @pytest.mark.numeric. `make test-kernel-paths` reruns them on every CPU kernel path.
-NUMERIC_MODULES = frozenset(
-    {
-        "test_checkpoint_resume.py",
-        "test_grpo.py",
-        "test_grpo_reference.py",
-        "test_grpo_tis.py",
-        "test_lora_grad.py",
-        "test_lora_layers.py",
-        "test_memory_bounds.py",
-        "test_off_policy.py",
-        "test_optim.py",
-        "test_precision.py",
-        "test_prefix_share.py",
-        "test_sharding.py",
-    }
-)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in NUMERIC_MODULES:
             item.add_marker(pytest.mark.numeric)
         mark_e2e(item)
+    # `make test-kernel-paths` collects only numeric_files(): a numeric test elsewhere
+    # would silently never run on the other kernel paths.
+    listed = set(numeric_files())
+    stray = sorted({i.nodeid for i in items if i.get_closest_marker("numeric")
+                    and i.path.resolve() not in listed})  # fmt: skip
+    if stray:
+        raise pytest.UsageError(f"numeric tests outside tests/support/numeric.py's files: {stray}")
 
 
 def pytest_report_header() -> str:
