@@ -140,6 +140,22 @@ class EngineView:
     def used_slots(self) -> int:
         return int((self.capacity or {}).get("usedSlots", len(self.experiments)))
 
+    @property
+    def max_registered(self) -> int | None:
+        """Adapters it registers at most (`maxRegistered`); None: an engine before
+        paging, whose slots are all it holds."""
+        said = (self.capacity or {}).get("maxRegistered")
+        return None if said is None else int(said)
+
+    @property
+    def registered(self) -> int:
+        """Adapters it holds, resident in slots or paged out (what maxRegistered bounds)."""
+        return self.used_slots + self.paging("pagedAdapters")
+
+    def paging(self, field_name: str) -> int:
+        """A paging count of its /v1/capacity (pagedAdapters, ...); 0 where not reported."""
+        return int((self.capacity or {}).get(field_name) or 0)
+
     def why_lost(self) -> str:
         if self.dead:
             return f"engine pod {self.name} is {self.pod_phase}"
@@ -262,7 +278,27 @@ def pool_observation(snap: Snapshot) -> st.PoolObservation:
         ),
         failures=failures(snap),
         plugins=next((p for e in ready if (p := (e.capacity or {}).get("plugins"))), None),
+        paging=pool_paging(ready),
     )
+
+
+def pool_paging(ready: list[EngineView]) -> st.PoolPaging:
+    """The ready engines' registered adapters (each engine's `maxRegistered`, else its
+    slots: what placement packs by) and the paging counts they report."""
+    used = sum(e.registered for e in ready)
+    room = sum(_registers(e) for e in ready)
+    return st.PoolPaging(
+        registered_used=used,
+        registered_free=max(room - used, 0),
+        paged_adapters=sum(e.paging("pagedAdapters") for e in ready),
+        spilled_adapters=sum(e.paging("spilledAdapters") for e in ready),
+        paged_host_bytes=sum(e.paging("pagedHostBytes") for e in ready),
+    )
+
+
+def _registers(e: EngineView) -> int:
+    said = e.max_registered
+    return int((e.capacity or {}).get("maxAdapters", 0)) if said is None else said
 
 
 def failures(snap: Snapshot) -> list[PodFailure]:

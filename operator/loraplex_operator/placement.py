@@ -111,6 +111,9 @@ class Engine:
     memory_budget: int = 0  # 0 = not enforced
     memory_used: int = 0
     running: tuple[RunningExperiment, ...] = ()
+    # A paging engine's slots (its `slots_total` counts registered adapters): only this
+    # many of its experiments take device memory at once. 0: every one it holds does.
+    resident_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,10 @@ class PoolLimits:
 
     max_replicas: int
     current_replicas: int  # engine pods that exist, ready or not
-    slots_per_engine: int
+    slots_per_engine: int  # registered adapters where the pool sets maxRegistered
     max_rank: int
     memory_budget: int = 0
+    resident_slots: int = 0  # a new engine's slots, where it pages (Engine.resident_slots)
 
 
 # --- outputs ---------------------------------------------------------------------------
@@ -177,11 +181,23 @@ class _Slotting:
     memory_budget: int
     memory_used: int
     running: list[RunningExperiment] = field(default_factory=list)
+    slots_total: int = 0
+    resident_slots: int = 0
 
     def fits(self, exp: PendingExperiment) -> bool:
         if self.free_slots < 1 or exp.rank > self.max_rank:
             return False
-        return self.memory_budget <= 0 or self.memory_used + exp.memory_bytes <= self.memory_budget
+        return self.memory_fits(exp, self.free_slots, self.memory_used)
+
+    def memory_fits(self, exp: PendingExperiment, free: int, used: int) -> bool:
+        """Room for exp's memory with `free` places left and `used` bytes held. On a
+        paging engine whose slots are all taken, one more is paged, not resident: the
+        device holds no more than its slots (every slot costs the same)."""
+        if self.memory_budget <= 0:
+            return True
+        if self.resident_slots and self.slots_total - free >= self.resident_slots:
+            return True
+        return used + exp.memory_bytes <= self.memory_budget
 
     def take(self, exp: PendingExperiment) -> None:
         self.free_slots -= 1
@@ -209,6 +225,8 @@ def _slotting(engine: Engine) -> _Slotting:
         memory_budget=engine.memory_budget,
         memory_used=engine.memory_used,
         running=sorted(engine.running, key=_victim_order),
+        slots_total=engine.slots_total,
+        resident_slots=engine.resident_slots,
     )
 
 
@@ -219,6 +237,8 @@ def _new_engine(limits: PoolLimits, index: int) -> _Slotting:
         max_rank=limits.max_rank,
         memory_budget=limits.memory_budget,
         memory_used=0,
+        slots_total=limits.slots_per_engine,
+        resident_slots=limits.resident_slots,
     )
 
 
@@ -250,15 +270,12 @@ def _victims_on(engine: _Slotting, exp: PendingExperiment) -> list[RunningExperi
     # In victim order; another namespace's experiment is skipped, not a stop: a lower one
     # of exp's own namespace may still come after it.
     for victim in (v for v in engine.running if exp.may_preempt(v)):
-        if free >= 1 and (
-            engine.memory_budget <= 0 or mem + exp.memory_bytes <= engine.memory_budget
-        ):
+        if free >= 1 and engine.memory_fits(exp, free, mem):
             break
         chosen.append(victim)
         free += 1
         mem -= victim.memory_bytes
-    ok_mem = engine.memory_budget <= 0 or mem + exp.memory_bytes <= engine.memory_budget
-    return chosen if free >= 1 and ok_mem else None
+    return chosen if free >= 1 and engine.memory_fits(exp, free, mem) else None
 
 
 def _preemption(

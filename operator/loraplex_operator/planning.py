@@ -345,9 +345,10 @@ def placement_inputs(
     limits = placement.PoolLimits(
         max_replicas=pool.replicas.max,
         current_replicas=len(engines),
-        slots_per_engine=capacity.max_adapters,
+        slots_per_engine=capacity.max_registered or capacity.max_adapters,
         max_rank=capacity.max_rank,
         memory_budget=capacity.memory_bytes,
+        resident_slots=capacity.max_adapters if capacity.max_registered else 0,
     )
     return inputs, limits
 
@@ -357,18 +358,29 @@ def _placement_engine(
 ) -> placement.Engine:
     if not e.usable:  # starting (or unreachable): its room is reserved, never bound to
         return placement.Engine(
-            e.name, False, pool.max_adapters, 0, pool.max_rank, memory_budget=pool.memory_bytes
+            e.name,
+            False,
+            pool.max_registered or pool.max_adapters,
+            0,
+            pool.max_rank,
+            memory_budget=pool.memory_bytes,
+            resident_slots=pool.max_adapters if pool.max_registered else 0,
         )
     said = e.capacity or {}  # what the engine reports wins over the pool's spec
+    slots = int(said.get("maxAdapters", pool.max_adapters))
+    # A paging engine takes experiments up to the adapters it registers; an engine that
+    # does not report `maxRegistered` (before paging) holds what its slots hold.
+    registers = e.max_registered
     return placement.Engine(
         name=e.name,
         ready=True,
-        slots_total=int(said.get("maxAdapters", pool.max_adapters)),
-        slots_used=e.used_slots,
+        slots_total=slots if registers is None else registers,
+        slots_used=e.used_slots if registers is None else e.registered,
         max_rank=int(said.get("maxRank", pool.max_rank)),
         memory_budget=pool.memory_bytes,
         memory_used=sum(r.memory_bytes for r in running),
         running=tuple(running),
+        resident_slots=slots if registers is not None and registers > slots else 0,
     )
 
 

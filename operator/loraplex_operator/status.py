@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -388,6 +388,19 @@ class PoolObservation:
     failures: Sequence[ef.PodFailure] = ()
     # The plug-ins a ready engine reports (/v1/capacity `plugins`); None: none ready.
     plugins: Mapping[str, Any] | None = None
+    paging: PoolPaging | None = None  # registered and paged adapters of the ready engines
+
+
+@dataclass(frozen=True)
+class PoolPaging:
+    """Adapters the ready engines register, and how many of them are paged out
+    (docs/design/paging.md); an engine that does not page counts its slots."""
+
+    registered_used: int = 0
+    registered_free: int = 0
+    paged_adapters: int = 0
+    spilled_adapters: int = 0
+    paged_host_bytes: int = 0
 
 
 def _capacity_pending(obs: PoolObservation) -> dict[str, Any]:
@@ -454,6 +467,11 @@ def pool_conditions(obs: PoolObservation) -> list[dict[str, Any]]:
     ]
 
 
+def _paging_status(paging: PoolPaging | None) -> dict[str, int]:
+    """EnginePoolStatus fields of the pool's paging counts (none until they are known)."""
+    return {} if paging is None else asdict(paging)
+
+
 def pool_status(
     obs: PoolObservation,
     generation: int,
@@ -467,6 +485,7 @@ def pool_status(
         ready=obs.ready,
         slots_used=obs.slots_used,
         slots_free=obs.slots_free,
+        **_paging_status(obs.paging),
         plugins=None if obs.plugins is None else InstalledPlugins.model_validate(obs.plugins),
         conditions=merge_conditions(old_conditions, pool_conditions(obs), generation, now),
     )

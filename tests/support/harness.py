@@ -554,15 +554,23 @@ class Harness:
         max_rank: int = 16,
         replicas: tuple[int, int] = (0, 2),
         priority_classes: list[dict[str, Any]] | None = None,
+        max_registered: int | None = None,
     ) -> dict[str, Any]:
-        """`priority_classes`: the pool's spec.priorityClasses (absent when None)."""
+        """`priority_classes`: the pool's spec.priorityClasses (absent when None).
+        `max_registered`: adapters an engine registers (pages beyond its slots); None:
+        its slots, so that an engine takes no more experiments than it has slots (the
+        engine's own default pages, which would pack scenarios onto fewer engines)."""
         image = os.environ.get("LORAPLEX_E2E_IMAGE", "loraplex/engine-cpu:test")
         model = os.environ.get("LORAPLEX_E2E_MODEL", ENGINE_MODEL)
         spec: dict[str, Any] = {
             "baseModel": model,
             "rolloutBackend": "torch",
             "engineNamespace": ENGINE_NS,
-            "capacity": {"maxAdapters": slots, "maxRank": max_rank},
+            "capacity": {
+                "maxAdapters": slots,
+                "maxRank": max_rank,
+                "maxRegistered": max_registered or slots,
+            },
             "replicas": {"min": replicas[0], "max": replicas[1]},
             "template": {"image": image, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
             "tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"},

@@ -134,6 +134,25 @@ class Capacity(ApiModel):
         "a GPU what is free once the engine has loaded, plus what it holds; on a CPU none, so "
         "a CPU engine derives nothing.",
     )
+    max_registered: Int32 | None = Field(
+        None,
+        alias="maxRegistered",
+        ge=1,
+        description="Adapters (experiments and client models) an engine registers at once "
+        "(`serve --max-registered`): maxAdapters of them in slots, the rest paged out to host "
+        "memory and paged in by the tick that needs them; placement packs an engine up to "
+        "this many. At least maxAdapters; above it needs one rank, the torch rollout and the "
+        "sync schedule. Absent: the engine's default (64 x maxAdapters where it can page, "
+        "else maxAdapters), which placement reads from the engine once it answers.",
+    )
+    host_adapter_memory_bytes: Int64 | None = Field(
+        None,
+        alias="hostAdapterMemoryBytes",
+        ge=1,
+        description="Host memory an engine's paged-out adapters may take (`serve "
+        "--host-adapter-memory`); past it the ones paged out longest ago are written to the "
+        "checkpoint volume and read back when needed. Absent: unbounded.",
+    )
 
 
 class ModelShape(ApiModel):

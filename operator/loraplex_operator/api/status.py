@@ -74,6 +74,40 @@ class EnginePoolStatus(ApiModel):
         ge=0,
         description="Adapter slots free over the ready engines.",
     )
+    registered_used: Int32 | None = Field(
+        None,
+        alias="registeredUsed",
+        ge=0,
+        description="Adapters registered over the ready engines, resident in slots or paged "
+        "out to host memory (an engine that does not page counts its slots).",
+    )
+    registered_free: Int32 | None = Field(
+        None,
+        alias="registeredFree",
+        ge=0,
+        description="Adapters the ready engines may still register (each engine's "
+        "maxRegistered, else its slots): what placement packs by.",
+    )
+    paged_adapters: Int32 | None = Field(
+        None,
+        alias="pagedAdapters",
+        ge=0,
+        description="Of the registered adapters, those paged out of their slots now (in "
+        "host memory or spilled to the checkpoint volume).",
+    )
+    spilled_adapters: Int32 | None = Field(
+        None,
+        alias="spilledAdapters",
+        ge=0,
+        description="Of the paged adapters, those written to the checkpoint volume past "
+        "hostAdapterMemoryBytes.",
+    )
+    paged_host_bytes: Int64 | None = Field(
+        None,
+        alias="pagedHostBytes",
+        ge=0,
+        description="Host memory the paged-out adapters take over the ready engines.",
+    )
     plugins: InstalledPlugins | None = Field(
         None,
         description="Plug-ins the pool's engines have installed, as a ready engine reports "

@@ -508,6 +508,10 @@ POOL_BOUNDS = [
     ("spec.capacity.microBatchTokens", 8192, True),
     ("spec.capacity.deviceMemoryBytes", 0, False),
     ("spec.capacity.deviceMemoryBytes", 80 * 2**30, True),
+    ("spec.capacity.maxRegistered", 0, False),
+    ("spec.capacity.maxRegistered", 512, True),
+    ("spec.capacity.hostAdapterMemoryBytes", 0, False),
+    ("spec.capacity.hostAdapterMemoryBytes", 8 * 2**30, True),
     ("spec.modelShape.numLayers", DELETE, False),
     ("spec.modelShape.hiddenSize", DELETE, False),
     ("spec.modelShape.numLayers", 0, False),
@@ -610,6 +614,16 @@ POOL_BOUNDS = [
     ("spec.tokenSecretRef.key", "", False),
     ("spec.tokenSecretRef.key", _long(253), False),
     *[(f"status.{f}", -1, False) for f in ("engines", "ready", "slotsUsed", "slotsFree")],
+    *[
+        (f"status.{f}", -1, False)
+        for f in (
+            "registeredUsed",
+            "registeredFree",
+            "pagedAdapters",
+            "spilledAdapters",
+            "pagedHostBytes",
+        )
+    ],
     ("status.engines", 0, True),
     *_condition_cases(),
 ]
