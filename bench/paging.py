@@ -38,8 +38,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
+sys.path.insert(0, str(REPO / "bench"))  # its siblings, as the other benchmarks import them
 
-from bench.throughput import machine_info  # noqa: E402
+from throughput import machine_info  # noqa: E402
 
 
 def _model_dir() -> Path:

@@ -141,8 +141,9 @@ def _memory_args(spec: EnginePoolSpec) -> list[str]:
         args += ["--rollout-kv-tokens", str(capacity.rollout_kv_tokens)]
     if capacity.device_memory_bytes is not None:
         args += ["--device-memory", str(capacity.device_memory_bytes)]
-    if capacity.max_registered is not None:
-        args += ["--max-registered", str(capacity.max_registered)]
+    # The engine's own default pages (64 x slots); a pool pages only when it sets this.
+    registered = capacity.max_registered or capacity.max_adapters
+    args += ["--max-registered", str(registered)]
     if capacity.host_adapter_memory_bytes is not None:
         args += ["--host-adapter-memory", str(capacity.host_adapter_memory_bytes)]
     return args

@@ -49,7 +49,13 @@ def _id(doc: dict[str, Any]) -> str:
 
 def test_samples_are_split_as_the_readme_says() -> None:
     assert {p.name for p in CLUSTER_FILES} == {"experiments.yaml", "pool-cpu.yaml", "pool-gpu.yaml"}
-    local = {"demo.yaml", "demo-smollm2.yaml", "gsm8k-smollm2.yaml", "gsm8k-smollm2-learn.yaml"}
+    local = {
+        "demo.yaml",
+        "demo-smollm2.yaml",
+        "gsm8k-smoke.yaml",
+        "gsm8k-smollm2.yaml",
+        "gsm8k-smollm2-learn.yaml",
+    }
     assert {p.name for p in LOCAL_FILES} == local
 
 

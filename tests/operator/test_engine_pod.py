@@ -113,6 +113,7 @@ def test_engine_command_line() -> None:
         "--max-adapters", "16",
         "--max-rank", "64",
         "--rollout-backend", "vllm",
+        "--max-registered", "16",
         "--log-level", "info",
     ]  # fmt: skip
 

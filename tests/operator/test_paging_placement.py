@@ -79,7 +79,9 @@ def test_the_pool_spec_sets_the_engines_paging_flags() -> None:
     assert args[args.index("--max-registered") + 1] == "256"
     assert args[args.index("--host-adapter-memory") + 1] == str(8 << 30)
     plain = engine_args(Pool.from_obj(pool().slots(4).obj()).spec)
-    assert "--max-registered" not in plain and "--host-adapter-memory" not in plain
+    # Absent: the pool does not page (its slots), whatever the engine's own default.
+    assert plain[plain.index("--max-registered") + 1] == "4"
+    assert "--host-adapter-memory" not in plain
 
 
 def test_pool_status_counts_registered_and_paged_adapters() -> None:

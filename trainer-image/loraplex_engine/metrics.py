@@ -259,6 +259,8 @@ class EngineMetrics:
             self.failures.labels(reason=reason)
         for kind in ("train", "serve"):  # ticks of both kinds from the first scrape
             self.ticks.labels(kind=kind)
+        for direction in ("in", "out"):  # pages both ways from the first scrape
+            self.pages.labels(direction=direction)
 
         self._per_experiment = (
             self.steps,

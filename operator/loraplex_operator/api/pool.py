@@ -142,8 +142,8 @@ class Capacity(ApiModel):
         "(`serve --max-registered`): maxAdapters of them in slots, the rest paged out to host "
         "memory and paged in by the tick that needs them; placement packs an engine up to "
         "this many. At least maxAdapters; above it needs one rank, the torch rollout and the "
-        "sync schedule. Absent: the engine's default (64 x maxAdapters where it can page, "
-        "else maxAdapters), which placement reads from the engine once it answers.",
+        "sync schedule. Absent: maxAdapters (no paging): a pool pages only when it asks to, "
+        "since experiments that train every tick gain nothing from taking turns in a slot.",
     )
     host_adapter_memory_bytes: Int64 | None = Field(
         None,

@@ -512,6 +512,10 @@ POOL_BOUNDS = [
     ("spec.capacity.maxRegistered", 512, True),
     ("spec.capacity.hostAdapterMemoryBytes", 0, False),
     ("spec.capacity.hostAdapterMemoryBytes", 8 * 2**30, True),
+    ("spec.servedModelNames", ["Qwen/Qwen3-8B", "qwen3"], True),
+    ("spec.servedModelNames", [f"name-{i}" for i in range(17)], False),  # maxItems
+    ("spec.servedModelNames", ["a" * 194], False),  # maxLength (and pattern)
+    ("spec.servedModelNames", ["Qwen/Qwen3-8B:latest"], False),  # pattern: no tag
     ("spec.modelShape.numLayers", DELETE, False),
     ("spec.modelShape.hiddenSize", DELETE, False),
     ("spec.modelShape.numLayers", 0, False),
