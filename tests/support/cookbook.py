@@ -88,17 +88,28 @@ class RecipeRun:
     seconds: float
 
 
+def recipe_command(module: str, args: list[str], log_path: Path) -> list[str]:
+    return [sys.executable, "-m", module, *args, f"log_path={log_path}"]
+
+
 def run_recipe(
-    module: str, args: list[str], cache: HubCache, key: str, log_path: Path, timeout: float
+    module: str,
+    args: list[str],
+    cache: HubCache,
+    key: str,
+    log_path: Path,
+    timeout: float,
+    fresh: bool = True,
 ) -> RecipeRun:
-    """``python -m <module> <args> log_path=<log_path>`` to its end."""
+    """``python -m <module> <args> log_path=<log_path>`` to its end; ``fresh=False`` keeps
+    what an earlier run left in ``log_path`` (the recipe resumes from it)."""
     import time
 
-    if log_path.exists():
+    if fresh and log_path.exists():
         shutil.rmtree(log_path)
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", module, *args, f"log_path={log_path}"],
+        recipe_command(module, args, log_path),
         env=cache.env(key),
         capture_output=True,
         text=True,

@@ -14,7 +14,9 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from tests.support.cookbook import (
     RecipeRun,
     build_hub_cache,
     cache_dataset,
+    recipe_command,
     run_recipe,
 )
 from tests.support.server_process import EngineServer, record_measurement
@@ -201,3 +204,73 @@ def test_math_rl_runs_the_async_off_policy_path(server, cache, tmp_path) -> None
     assert len(reward) == 4, run.output[-2000:]
     assert "final" in _saved(server, run)
     _record("math_rl async", run, "time/total", f"4 steps of 2x4 samples, reward {reward}")
+
+
+def _checkpoint_names(log_path: Path) -> list[str]:
+    found = log_path / "checkpoints.jsonl"
+    lines = found.read_text().splitlines() if found.exists() else []
+    return [json.loads(line)["name"] for line in lines if line.endswith("}")]
+
+
+def test_sl_loop_killed_mid_run_resumes_from_its_last_checkpoint(server, cache, tmp_path) -> None:
+    common = [f"base_url={server.url}", f"model_name={HUB_ID}", "lora_rank=8"]
+    args = [*common, "batch_size=2", "learning_rate=1e-3", "save_every=2"]  # 8 steps
+    module, log_path = "tinker_cookbook.recipes.sl_loop", tmp_path / "run"
+    first = subprocess.Popen(
+        recipe_command(module, args, log_path), env=cache.env(KEY), cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + RECIPE_TIMEOUT_S
+    while "000004" not in _checkpoint_names(log_path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.kill()
+    first.wait()
+    assert "final" not in _checkpoint_names(log_path)  # killed before its end
+    run = run_recipe(module, args, cache, KEY, log_path, RECIPE_TIMEOUT_S, fresh=False)
+    assert run.returncode == 0, run.output[-4000:]
+    resumed_from = int(re.findall(r"Resuming from batch (\d+)", run.output)[0])
+    assert resumed_from >= 4
+    steps = [m["step"] for m in run.metrics]
+    assert steps[-1] == 7 and "final" in _checkpoint_names(log_path)
+    # metrics.jsonl holds both runs: the rerun's first step starts from trained weights
+    # (by hand: 5.99 at batch 4; the untrained model's 6.23 at batch 0, 6.18 at batch 4)
+    nll = {m["step"]: m["train_mean_nll"] for m in run.metrics}  # the rerun's win
+    assert nll[resumed_from] < nll[0] - 0.1, nll
+    _record("sl_loop resumed", run, "time_total", f"resumed from batch {resumed_from} of 8")
+
+
+def test_two_recipes_of_different_ranks_train_at_once(server, cache, tmp_path) -> None:
+    def one(rank: int) -> RecipeRun:
+        args = [f"base_url={server.url}", f"model_name={HUB_ID}", f"lora_rank={rank}"]
+        args += ["batch_size=4", "learning_rate=1e-3"]
+        log_path = tmp_path / f"rank{rank}"
+        return run_recipe(
+            "tinker_cookbook.recipes.sl_loop", args, cache, KEY, log_path, RECIPE_TIMEOUT_S
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip((4, 32), pool.map(one, (4, 32)), strict=True))
+    for rank, run in runs.items():
+        assert run.returncode == 0, run.output[-4000:]
+        nll = _steps(run, "train_mean_nll")
+        assert len(nll) == 4 and nll[-1] < nll[0], (rank, nll)
+        model = re.findall(r"tinker://([^/]+)/weights/final", run.output)[-1]
+        final = server.checkpoint_root / "team-a" / "_tinker" / model / "weights" / "final"
+        (config,) = final.rglob("adapter_config.json")
+        assert json.loads(config.read_text())["r"] == rank
+    _record("sl_loop rank 4 with rank 32", runs[4], "time_total", "4 steps each, at once")
+
+
+def test_the_cookbook_gsm8k_benchmark_grades_the_engine_s_samples(server, cache, tmp_path) -> None:
+    # The random model scores 0 (its 16 tokens never hold the answer); sampling through
+    # the engine, grading and saving run.
+    script = Path(__file__).parents[4] / "tests" / "support" / "cookbook_benchmark.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), server.url, HUB_ID, str(tmp_path / "bench")],
+        env=cache.env(KEY), capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["num_examples"], result["num_errors"], result["score"]) == (2, 0, 0.0)
+    assert any((tmp_path / "bench").rglob("*.jsonl"))  # the graded trajectories
+    record_measurement("cookbook gsm8k benchmark s", result["s"], "2 examples, 16 tokens")
