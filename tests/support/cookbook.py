@@ -18,6 +18,7 @@ from typing import Any
 
 HUB_ID = "Qwen/Qwen3-4B-Instruct-2507"  # a model the cookbook knows, renderer qwen3_instruct
 REVISION = "0" * 40
+CONTEXT = 4096  # tokens; see build_hub_cache
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,13 @@ def build_hub_cache(home: Path) -> HubCache:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     model_dir = build_model(repo / "snapshots" / REVISION, arch="qwen3", chat="qwen3")
+    # The tiny tokenizer spends a token on about a character, so a multi-turn recipe's
+    # system prompt alone nears the built context (512); rotary positions have no learned
+    # table, so the model runs longer sequences as they are.
+    config = model_dir / "config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "max_position_embeddings": CONTEXT})
+    )
     return HubCache(home, model_dir)
 
 
@@ -51,11 +59,14 @@ def cache_dataset(
     cache: HubCache, repo_id: str, config: str, splits: dict[str, list[dict[str, Any]]]
 ) -> None:
     """``datasets.load_dataset(repo_id, config)`` answers ``splits`` offline: the datasets
-    cache's layout (``<org>___<name>/<config>/0.0.0/<hash>/<name>-<split>.arrow``)."""
+    cache's layout (``<org>___<name>/<config>/0.0.0/<hash>/<name>-<split>.arrow``, the name
+    snake-cased the library's way: ``DeepMath-103K`` is ``deep_math-103_k``)."""
     import datasets
+    from datasets.naming import camelcase_to_snakecase
 
-    name = repo_id.split("/")[-1]
-    out = cache.home / "datasets" / repo_id.replace("/", "___") / config / "0.0.0" / "0"
+    org, name = repo_id.split("/")
+    name = camelcase_to_snakecase(name)
+    out = cache.home / "datasets" / f"{org}___{name}" / config / "0.0.0" / "0"
     out.mkdir(parents=True)
     info = datasets.DatasetInfo(config_name=config, dataset_name=name)
     info.splits = datasets.SplitDict(dataset_name=name)
@@ -77,17 +88,28 @@ class RecipeRun:
     seconds: float
 
 
+def recipe_command(module: str, args: list[str], log_path: Path) -> list[str]:
+    return [sys.executable, "-m", module, *args, f"log_path={log_path}"]
+
+
 def run_recipe(
-    module: str, args: list[str], cache: HubCache, key: str, log_path: Path, timeout: float
+    module: str,
+    args: list[str],
+    cache: HubCache,
+    key: str,
+    log_path: Path,
+    timeout: float,
+    fresh: bool = True,
 ) -> RecipeRun:
-    """``python -m <module> <args> log_path=<log_path>`` to its end."""
+    """``python -m <module> <args> log_path=<log_path>`` to its end; ``fresh=False`` keeps
+    what an earlier run left in ``log_path`` (the recipe resumes from it)."""
     import time
 
-    if log_path.exists():
+    if fresh and log_path.exists():
         shutil.rmtree(log_path)
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", module, *args, f"log_path={log_path}"],
+        recipe_command(module, args, log_path),
         env=cache.env(key),
         capture_output=True,
         text=True,

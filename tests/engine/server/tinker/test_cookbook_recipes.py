@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from tests.support.cookbook import (
     RecipeRun,
     build_hub_cache,
     cache_dataset,
+    recipe_command,
     run_recipe,
 )
 from tests.support.server_process import EngineServer, record_measurement
@@ -40,6 +45,14 @@ CONVERSATIONS = [
 ]
 
 
+# hh-rlhf's shape: the chosen and rejected transcripts share the human turn.
+PAIRS = [
+    {"chosen": f"\n\nHuman: say {w}\n\nAssistant: {w}",
+     "rejected": f"\n\nHuman: say {w}\n\nAssistant: no way"}
+    for w in ["yes", "copy", "the", "answer", "sum", "plus", "token", "four"] * 2
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> HubCache:
     c = build_hub_cache(tmp_path_factory.mktemp("hf"))
@@ -49,6 +62,9 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> HubCache:
     cache_dataset(c, "HuggingFaceH4/no_robots", "default", {"train": no_robots, "test": no_robots})
     sums = [{"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"} for a in range(8)]
     cache_dataset(c, "openai/gsm8k", "main", {"train": sums, "test": sums[:2]})
+    cache_dataset(c, "Anthropic/hh-rlhf", "default", {"train": PAIRS, "test": PAIRS[:4]})
+    prompts = [{"question": row["question"]} for row in sums]
+    cache_dataset(c, "zwhe99/DeepMath-103K", "default", {"train": prompts})
     return c
 
 
@@ -57,16 +73,19 @@ def server(cache: HubCache, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("cookbook")
     keys = work / "keys.txt"
     keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        cache.model_dir, work / "ckpt", max_adapters=4, workdir=work,
+    srv = EngineServer(  # max rank 32: the DPO recipe's own rank
+        cache.model_dir, work / "ckpt", max_adapters=4, max_rank=32, workdir=work,
         extra_args=["--tinker-keys", str(keys)],
     )  # fmt: skip
     with srv:
         yield srv
 
 
-def recipe(module: str, args: list[str], server: EngineServer, cache: HubCache, tmp: Path):
-    common = [f"base_url={server.url}", f"model_name={HUB_ID}", "lora_rank=8"]
+def recipe(
+    module: str, args: list[str], server: EngineServer, cache: HubCache, tmp: Path, rank=True
+) -> RecipeRun:
+    """``rank=False``: a recipe whose command line has no ``lora_rank`` (its default)."""
+    common = [f"base_url={server.url}", f"model_name={HUB_ID}"] + ["lora_rank=8"] * rank
     run = run_recipe(module, common + args, cache, KEY, tmp / "run", RECIPE_TIMEOUT_S)
     assert run.returncode == 0, run.output[-4000:]
     assert TRY_AGAIN_WARNING not in run.output
@@ -133,3 +152,125 @@ def test_rl_loop_with_importance_sampling_runs_to_its_end(server, cache, tmp_pat
     assert _steps(run, "reward/total") == [0.0] * 4
     assert "final" in _saved(server, run)
     _record("rl_loop", run, "time/total", "4 steps of 2x4 samples, 8 tokens, reward 0")
+
+
+def test_dpo_lowers_its_loss_and_its_checkpoint_downloads(server, cache, tmp_path) -> None:
+    args = ["batch_size=4", "learning_rate=1e-3", "max_length=256"]
+    args.append("behavior_if_log_dir_exists=delete")
+    run = recipe(
+        "tinker_cookbook.recipes.preference.dpo.train", args, server, cache, tmp_path, False
+    )
+    loss = _steps(run, "dpo_loss")
+    assert len(loss) == 4 and loss[0] == pytest.approx(0.6931, abs=1e-3) and loss[-1] < loss[0]
+    assert _steps(run, "accuracy")[-1] == 1.0  # every chosen answer now the likelier
+    _record("dpo", run, "time/total", f"4 steps of 4 pairs, dpo_loss {loss[0]:.3f}->{loss[-1]:.3f}")
+    final = re.findall(r"tinker://[^'\"]+/weights/final", run.output)[-1]
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "tinker"), "checkpoint", "download", final,
+         "--output", str(tmp_path / "dl")],
+        env=cache.env(KEY) | {"TINKER_BASE_URL": server.url},
+        capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (got,) = (tmp_path / "dl").iterdir()
+    assert json.loads((got / "adapter_config.json").read_text())["r"] == 32  # DPO's own rank
+    assert (got / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_on_policy_distillation_runs_to_its_end(server, cache, tmp_path) -> None:
+    # The teacher is the base model: the student starts equal to it (LoRA's B is zero), so
+    # the reverse KL it minimises starts at 0 and stays at noise level.
+    args = [
+        f"teacher_model={HUB_ID}", "dataset=deepmath", "groups_per_batch=2", "group_size=2",
+        "max_tokens=8", "learning_rate=1e-3", "behavior_if_log_dir_exists=delete",
+    ]  # fmt: skip
+    module = "tinker_cookbook.recipes.distillation.on_policy_distillation"
+    run = recipe(module, args, server, cache, tmp_path)
+    kl = _steps(run, "teacher_kl")
+    assert len(kl) == 4 and abs(kl[0]) < 1e-5 and all(abs(v) < 0.05 for v in kl), kl
+    assert "final" in _saved(server, run)
+    _record("on_policy_distillation", run, "time/total", f"4 steps of 2x2 samples, kl {kl}")
+
+
+def test_math_rl_runs_the_async_off_policy_path(server, cache, tmp_path) -> None:
+    # max_steps_off_policy: the cookbook's async RL loop (sampling runs ahead of training).
+    args = [
+        "env=arithmetic", "group_size=4", "groups_per_batch=2", "max_tokens=5", "max_steps=4",
+        "max_steps_off_policy=2", "loss_fn=importance_sampling", "eval_every=0",
+        "learning_rate=1e-3", "behavior_if_log_dir_exists=delete",
+    ]  # fmt: skip
+    run = recipe("tinker_cookbook.recipes.math_rl.train", args, server, cache, tmp_path)
+    reward = _steps(run, "env/all/reward/total")
+    assert len(reward) == 4, run.output[-2000:]
+    assert "final" in _saved(server, run)
+    _record("math_rl async", run, "time/total", f"4 steps of 2x4 samples, reward {reward}")
+
+
+def _checkpoint_names(log_path: Path) -> list[str]:
+    found = log_path / "checkpoints.jsonl"
+    lines = found.read_text().splitlines() if found.exists() else []
+    return [json.loads(line)["name"] for line in lines if line.endswith("}")]
+
+
+def test_sl_loop_killed_mid_run_resumes_from_its_last_checkpoint(server, cache, tmp_path) -> None:
+    common = [f"base_url={server.url}", f"model_name={HUB_ID}", "lora_rank=8"]
+    args = [*common, "batch_size=2", "learning_rate=1e-3", "save_every=2"]  # 8 steps
+    module, log_path = "tinker_cookbook.recipes.sl_loop", tmp_path / "run"
+    first = subprocess.Popen(
+        recipe_command(module, args, log_path), env=cache.env(KEY), cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + RECIPE_TIMEOUT_S
+    while "000004" not in _checkpoint_names(log_path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.kill()
+    first.wait()
+    assert "final" not in _checkpoint_names(log_path)  # killed before its end
+    run = run_recipe(module, args, cache, KEY, log_path, RECIPE_TIMEOUT_S, fresh=False)
+    assert run.returncode == 0, run.output[-4000:]
+    resumed_from = int(re.findall(r"Resuming from batch (\d+)", run.output)[0])
+    assert resumed_from >= 4
+    steps = [m["step"] for m in run.metrics]
+    assert steps[-1] == 7 and "final" in _checkpoint_names(log_path)
+    # metrics.jsonl holds both runs: the rerun's first step starts from trained weights
+    # (by hand: 5.99 at batch 4; the untrained model's 6.23 at batch 0, 6.18 at batch 4)
+    nll = {m["step"]: m["train_mean_nll"] for m in run.metrics}  # the rerun's win
+    assert nll[resumed_from] < nll[0] - 0.1, nll
+    _record("sl_loop resumed", run, "time_total", f"resumed from batch {resumed_from} of 8")
+
+
+def test_two_recipes_of_different_ranks_train_at_once(server, cache, tmp_path) -> None:
+    def one(rank: int) -> RecipeRun:
+        args = [f"base_url={server.url}", f"model_name={HUB_ID}", f"lora_rank={rank}"]
+        args += ["batch_size=4", "learning_rate=1e-3"]
+        log_path = tmp_path / f"rank{rank}"
+        return run_recipe(
+            "tinker_cookbook.recipes.sl_loop", args, cache, KEY, log_path, RECIPE_TIMEOUT_S
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip((4, 32), pool.map(one, (4, 32)), strict=True))
+    for rank, run in runs.items():
+        assert run.returncode == 0, run.output[-4000:]
+        nll = _steps(run, "train_mean_nll")
+        assert len(nll) == 4 and nll[-1] < nll[0], (rank, nll)
+        model = re.findall(r"tinker://([^/]+)/weights/final", run.output)[-1]
+        final = server.checkpoint_root / "team-a" / "_tinker" / model / "weights" / "final"
+        (config,) = final.rglob("adapter_config.json")
+        assert json.loads(config.read_text())["r"] == rank
+    _record("sl_loop rank 4 with rank 32", runs[4], "time_total", "4 steps each, at once")
+
+
+def test_the_cookbook_gsm8k_benchmark_grades_the_engine_s_samples(server, cache, tmp_path) -> None:
+    # The random model scores 0 (its 16 tokens never hold the answer); sampling through
+    # the engine, grading and saving run.
+    script = Path(__file__).parents[4] / "tests" / "support" / "cookbook_benchmark.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), server.url, HUB_ID, str(tmp_path / "bench")],
+        env=cache.env(KEY), capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["num_examples"], result["num_errors"], result["score"]) == (2, 0, 0.0)
+    assert any((tmp_path / "bench").rglob("*.jsonl"))  # the graded trajectories
+    record_measurement("cookbook gsm8k benchmark s", result["s"], "2 examples, 16 tokens")
