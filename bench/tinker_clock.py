@@ -70,6 +70,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
+from loraplex_engine.clients.saved import engine_name  # noqa: E402
 from tinker_clock_engine import RANK, SEED0, engine_only  # noqa: E402
 from tinker_clock_report import (  # noqa: E402
     TOLERANCES,
@@ -181,13 +182,16 @@ def engine_seconds(srv: EngineServer) -> dict[str, float]:
     return out
 
 
+FINAL = engine_name("final")  # the engine's own save as it unloads a model
+
+
 def retired(srv: EngineServer, models: dict[int, str], timeout: float = 120.0) -> None:
     """Wait until the cell's models are unloaded: closing a session retires its models in
-    the background (each saved twice, then unloaded), and that work must not run during
+    the background (each saved once, then unloaded), and that work must not run during
     the next cell, which is the other arm's (it charged 8 models' retirement to the
     fused arm's lone-client cells that follow a per_model N=8 cell)."""
     finals = [
-        srv.checkpoint_root / f"ns{i}" / "_tinker" / model_id / "weights" / "final"
+        srv.checkpoint_root / f"ns{i}" / "_tinker" / model_id / "weights" / FINAL
         for i, model_id in models.items()
     ]
     deadline = time.monotonic() + timeout
