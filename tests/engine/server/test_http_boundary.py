@@ -72,6 +72,7 @@ TINKER_MODULES = sorted(
 TINKER_ALLOWED = ALLOWED | {
     *TINKER_MODULES,
     "loraplex_engine.spec.training_service",
+    "loraplex_engine.spec.tinker_paths",  # tinker:// paths and reserved names (pure)
     "loraplex_engine.versions",
     "loraplex_engine.versions.names",
 }

@@ -20,11 +20,11 @@ from loraplex_engine.clients.sampler_cache import SamplerCache, Snapshot, snapsh
 from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.spec.errors import InvalidRequestError, NotFoundError
+from loraplex_engine.spec.tinker_paths import MAX_TTL_S
 from loraplex_engine.spec.training_service import SavedState
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import tree_bytes
 
-MAX_TTL_S = 10 * 365 * 86400  # the SDK's bound: ten years
 EXPORT_FILES = (ckpt.ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS)  # what a download holds
 
 

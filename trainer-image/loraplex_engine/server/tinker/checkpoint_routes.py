@@ -24,11 +24,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex_engine.clients.checkpoints import MAX_TTL_S
-from loraplex_engine.clients.saved import StatePath, parse_path
 from loraplex_engine.server.tinker.protocol import _name
 from loraplex_engine.server.tinker.rest import Ns
 from loraplex_engine.spec.errors import InvalidRequestError, NotFoundError, UnauthorizedError
+from loraplex_engine.spec.tinker_paths import MAX_TTL_S, StatePath, parse_path
 from loraplex_engine.spec.training_service import SavedState, SaveState
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from loraplex_engine.clients.saved import engine_name, reserved
 from loraplex_engine.server.tinker import wire
 from loraplex_engine.server.tinker.completions import Completions, target_of
 from loraplex_engine.server.tinker.errors import failure_text
@@ -36,6 +35,7 @@ from loraplex_engine.spec.errors import (
     NoCapacityError,
     NotFoundError,
 )
+from loraplex_engine.spec.tinker_paths import engine_name, reserved
 from loraplex_engine.spec.training_service import (
     AdamStep,
     ClientLora,
