@@ -51,8 +51,8 @@ class Snapshot:
 
 def snapshot(info: StateInfo, config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> Snapshot:
     """A snapshot owning host copies of ``tensors`` (the slot trains on after this)."""
-    host = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-    return Snapshot(info, config, host)
+    copies = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    return Snapshot(info, config, copies)
 
 
 class SamplerCache:
