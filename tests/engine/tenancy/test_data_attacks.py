@@ -34,11 +34,17 @@ import pytest
 
 from tests.support.server_process import EngineServer, record_measurement, wait_until
 
-pytestmark = pytest.mark.slow
+# pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
+pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
 BYSTANDER = "team-b.bystander"
 B_SECRET = "B-SECRET"
 KEEP = 0.7
+# While the engine itself parses an attacker's file (a size attack), the parse is Python
+# holding the GIL beside B's tick thread: CPython's switch interval hands the GIL to each
+# runnable thread in turn, so a tick that were all Python would get half the interpreter.
+# B's floor is that half; the lock-free check is proved by the stall bound, not the rate.
+KEEP_BESIDE_PARSE = 0.5
 STALL_S = 2.0
 RSS_GROWTH = 512 << 20
 TARGETS = ["q_proj", "v_proj", "lm_head"]
@@ -207,7 +213,8 @@ def _b_kept_up(name: str, baseline: float, during: Window, size_attack: bool = F
         growth = during.rss_growth / 2**20
         record_measurement(f"data_attack.{name}.rss_growth_mb", growth, "engine RSS, psutil")
         assert during.rss_growth < RSS_GROWTH, f"engine RSS grew {growth:.0f} MB"
-    assert during.rate >= KEEP * baseline, f"B {during.rate:.1f} vs {baseline:.1f} steps/s"
+    keep = KEEP_BESIDE_PARSE if size_attack else KEEP
+    assert during.rate >= keep * baseline, f"B {during.rate:.1f} vs {baseline:.1f} steps/s"
     assert during.longest_stall <= STALL_S, note
 
 
