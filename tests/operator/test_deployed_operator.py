@@ -21,6 +21,7 @@ import pytest
 from loraplex_operator import manifests
 
 from tests.support.harness import ENGINE_NS, Harness, operator_calls_in
+from tests.support.measurements import record_seconds
 from tests.support.pod_runtime import VENV_BIN
 
 pytestmark = pytest.mark.slow
@@ -38,11 +39,7 @@ MEASURE_FILE = Path("out/operator-measurements.json")
 
 
 def _record(name: str, seconds: float) -> None:
-    MEASURE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(MEASURE_FILE.read_text()) if MEASURE_FILE.exists() else {}
-    data[name] = round(seconds, 3)
-    MEASURE_FILE.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"measure {name}: {seconds:.2f}s")
+    record_seconds(MEASURE_FILE, name, seconds)
 
 
 def _ran_exactly_the_rendered_container(h: Harness) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from loraplex_operator.kube import POOLS, SECRETS, KubeError
 
 from tests.support.harness import ENGINE_NS, TOKEN_SECRET, Harness
 from tests.support.kubelet import PodEngine
+from tests.support.measurements import record_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +34,7 @@ MEASURE_FILE = Path(os.environ.get("LORAPLEX_MEASURE_FILE", "out/operator-measur
 
 
 def _record(name: str, seconds: float) -> None:
-    MEASURE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(MEASURE_FILE.read_text()) if MEASURE_FILE.exists() else {}
-    data[name] = round(seconds, 3)
-    MEASURE_FILE.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"measure {name}: {seconds:.2f}s")
+    record_seconds(MEASURE_FILE, name, seconds)
 
 
 @pytest.fixture

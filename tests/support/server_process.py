@@ -14,7 +14,6 @@ with the log tail, if the process exits first. Output goes to ``<workdir>/server
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 
 from tests.support import child_processes
+from tests.support.measurements import OUT, record_value
 
 LISTEN_RE = re.compile(r"loraplex-engine listening: url=([^\s\"]+)")  # text or JSON line
 READY_RE = re.compile(r"loraplex-engine ready: url=([^\s\"]+) startup_s=([0-9.]+)")
@@ -269,20 +269,9 @@ def wait_until(
         time.sleep(interval)
 
 
-MEASUREMENTS = Path(__file__).resolve().parents[2] / "out" / "engine-server-measurements.json"
+MEASUREMENTS = OUT / "engine-server-measurements.json"
 
 
 def record_measurement(name: str, value: float | None, note: str = "") -> None:
     """Keep a number for the report (out/engine-server-measurements.json)."""
-    MEASUREMENTS.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(MEASUREMENTS.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[name] = {
-        "value": value,
-        "note": note,
-        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    MEASUREMENTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"measurement {name} = {value} ({note})", file=sys.stderr)
+    record_value(MEASUREMENTS, name, value, note)
