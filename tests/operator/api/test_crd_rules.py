@@ -471,7 +471,9 @@ def test_every_spec_field_is_classified() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "message", "base"), IMMUTABLE_EDITS, ids=lambda v: str(v)[:40]
+    ("field", "value", "message", "base"),
+    IMMUTABLE_EDITS,
+    ids=lambda v: getattr(v, "__name__", str(v)[:40]),  # the same in every xdist worker
 )
 def test_edit_of_immutable_field_is_refused(
     field: str, value: Any, message: str, base: Callable[[], Obj]
