@@ -202,12 +202,15 @@ def test_error_shapes(client, server, base) -> None:
 
 
 def test_a_stream_arrives_while_the_completion_decodes(client, base) -> None:
+    """Chunks arrive while the decode runs, not in one burst at its end. 400 tokens (the
+    context allows, as the leaving client's test) make the decode last long enough that a
+    reader descheduled for a while on a busy machine still sees it spread out."""
     start = time.monotonic()
     arrivals: list[tuple[float, Any]] = []
     stream = client.completions.create(
         model=base,
         prompt="stream",
-        max_tokens=96,
+        max_tokens=400,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -220,7 +223,7 @@ def test_a_stream_arrives_while_the_completion_decodes(client, base) -> None:
     assert len(finals) == 1
     before_final = [t for t, c in arrivals if c.choices and t < finals[0] - 0.05]
     assert len(before_final) >= 5, arrivals[:8]  # tokens left as the decode made them
-    whole = client.completions.create(model=base, prompt="stream", max_tokens=96, temperature=0)
+    whole = client.completions.create(model=base, prompt="stream", max_tokens=400, temperature=0)
     assert "".join(texts) == whole.choices[0].text
     assert usage.completion_tokens == whole.usage.completion_tokens
 
