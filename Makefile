@@ -56,9 +56,15 @@ test-deps:
 	@$(MAKE) --no-print-directory -j3 -Otarget vllm-venv tiny-model gpu-rehearsal-wheels
 	@$(MAKE) --no-print-directory tools
 
+# The suite mostly waits on the engine and operator processes it starts, so it runs on
+# TEST_WORKERS pytest-xdist workers, a test file to a worker (a module's shared engine
+# stays one engine). The pace tests compare a tenant's rate with its rate alone, which a
+# neighbouring worker would disturb: they run after, one at a time (tests/support/pace.py).
+TEST_WORKERS ?= 2
 test: test-deps
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not pace"
+	$(PY) -m pytest -q --durations=10 -m pace $$($(PY) -m tests.support.pace)
 	$(MAKE) --no-print-directory test-kernel-paths
 
 # The tests that start no process: no engine, gateway or operator harness, no subprocess

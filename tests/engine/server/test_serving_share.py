@@ -35,7 +35,8 @@ from tests.engine.tenancy.test_reward_bounds import BYSTANDER, Meter
 from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, spec, status
 from tests.support.server_process import EngineServer, wait_until
 
-pytestmark = pytest.mark.slow
+# pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
+pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
 WINDOW_S = 15.0
 CLIENTS = 8

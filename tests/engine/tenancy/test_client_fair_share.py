@@ -42,7 +42,8 @@ from tests.engine.tenancy.test_tenant_isolation import put, spec, status
 from tests.support.server_process import EngineServer, wait_until
 from tests.support.tinker_clients import service_client
 
-pytestmark = pytest.mark.slow
+# pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
+pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
 KEY_A = "tml-team-a-0123456789abcdef"
 KEY_B = "tml-team-b-0123456789abcdef"
