@@ -20,7 +20,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loraplex_operator.gateway import proxy, routing, tinker_batch
+from loraplex_operator.gateway import proxy, routing, tinker_batch, tinker_downloads
 from loraplex_operator.gateway.keys import Key
 from loraplex_operator.gateway.paths import TinkerCall
 from loraplex_operator.gateway.routing import Engine
@@ -124,6 +124,8 @@ class Tinker:
             if ref:
                 return await self._to_session(request, ns, route, body, ref, "model_path")
             return await self._any_engine(request, ns, route, body)
+        if name == "training_runs" and route.endswith(tinker_downloads.URLS_SUFFIX):
+            return await tinker_downloads.signed_urls(self, request, ns, route)
         if name in ("sessions", "samplers", "training_runs"):
             ref = route.split("/")[1] if "/" in route else None
             return await self._to_session(request, ns, route, body, ref)
