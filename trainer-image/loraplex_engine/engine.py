@@ -412,7 +412,8 @@ class Engine:
         and the free-slot check is done again when the adapter is added."""
         plan = compile_plan(spec, self.plan_limits)  # rank, targets, params, step cost
         assert plan.task is not None  # a client experiment is clients/experiments.py's
-        check_chat_templates(plan.task, self.codec, self.model_name)  # prompts, observations
+        # Prompts, observations: plan/admission.py, as `run` checks before its model loads.
+        check_chat_templates(plan.task, self.codec, self.model_name)
         if not self.pager.has_room():  # a cached version gives its slot back when asked
             raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
         timeout = self.settings.plugin_timeout
