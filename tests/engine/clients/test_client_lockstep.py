@@ -14,6 +14,8 @@ that ran its ``optim_step`` is over."""
 
 from __future__ import annotations
 
+import time
+
 from loraplex_engine.clients.calls import queued_call
 from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
@@ -26,6 +28,7 @@ from loraplex_engine.spec.training_service import (
     LossCall,
     OptimStep,
 )
+from loraplex_engine.tenancy.client_share import RECENT_S, SETTLED_S
 
 from tests.support.client_driver import sft_datum
 
@@ -94,3 +97,24 @@ def test_equal_clients_share_every_tick_when_an_optim_step_comes_late() -> None:
                 else:
                     _queue(registry, model, fb, _train_op("optim_step", rows))
         assert all(n == STEPS for n in done.values())
+
+
+def test_a_held_back_client_is_told_when_its_co_tenant_stops_counting() -> None:
+    """A dear client (40 rows a call beside a 1-row one) in debt, its small co-tenant
+    between calls: no tick takes its call, and the registry says when one will (the
+    co-tenant's ``RECENT_S`` ends), so the engine wakes then instead of an idle poll."""
+    registry, (small, dear) = _clients(2)
+    _queue(registry, small, _train_op("forward_backward", 1))
+    _queue(registry, dear, _train_op("forward_backward", 40))
+    assert registry.held_until() is None  # queued, but nobody served yet: no window to end
+    before = time.monotonic()
+    assert {m.info.model_id for m, _ in registry.take().segments} == {"m0", "m1"}
+    _queue(registry, dear, _train_op("forward_backward", 40))  # the small one is thinking
+    assert not registry.has_work()  # the dear one's debt: held back
+    at = registry.held_until()
+    assert at is not None and before + RECENT_S < at <= time.monotonic() + RECENT_S + 0.01
+    while not registry.has_work():  # what the engine's timer waits for
+        assert time.monotonic() <= at + 0.5, "still held after the co-tenant stopped counting"
+        time.sleep(0.05)
+    assert time.monotonic() >= at - SETTLED_S
+    assert {m.info.model_id for m, _ in registry.take().segments} == {"m1"}

@@ -82,8 +82,13 @@ def test_a_co_tenant_between_calls_still_counts_and_nothing_runs_on_credit_alone
     assert tokens(share.take({**a, "b": [lane("b", 100)]}, None, 0.0), "a") == 1000
     assert share.take(a, None, 0.1) == []  # B between calls: A waits
     assert not share.plan(a, None, 0.2).taken
-    # B gone for longer than RECENT_S: A is alone, and runs
-    assert tokens(share.take(a, None, 0.1 + RECENT_S + 0.01), "a") == 2000
+    # B gone for longer than RECENT_S: A is alone, and runs. The share says when, so an
+    # idle engine looks again then (Engine._wake_when_the_share_settles), not a poll later.
+    settles = share.settles_at(0.2)
+    assert settles is not None and RECENT_S < settles <= RECENT_S + 0.01, settles
+    assert not share.plan(a, None, RECENT_S).taken  # the window's last instant: still B's
+    assert tokens(share.take(a, None, settles), "a") == 2000
+    assert share.settles_at(settles + RECENT_S + 0.01) is None  # nobody recent: no wake-up
 
 
 def test_a_lane_is_taken_as_a_prefix() -> None:

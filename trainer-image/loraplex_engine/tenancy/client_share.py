@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 LOCKSTEP = 1.5  # as fair_share.rollout_interval: under 1.5x the cheapest runs every tick
 RECENT_S = 1.0  # a namespace served this recently is a co-tenant while its call is on its way
+SETTLED_S = 0.001  # settles_at() answers this long after a window ends: past its last instant
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,14 @@ class ClientShare:
                 self.seen[ns] = (now, d)
         self.seen = {ns: s for ns, s in self.seen.items() if now - s[0] <= RECENT_S}
         return plan.taken
+
+    def settles_at(self, now: float) -> float | None:
+        """When the oldest namespace served within ``RECENT_S`` of ``now`` stops counting
+        as a co-tenant: what a held-back namespace may take can change then with no new
+        call, so an idle engine looks again at that moment, not a poll later. Just past
+        the window's end (plan() counts its last instant as recent); None: none is recent."""
+        ends = [t + RECENT_S for t, _ in self.seen.values() if now - t <= RECENT_S]
+        return min(ends) + SETTLED_S if ends else None
 
 
 def _demand(lanes: Lanes[T]) -> dict[str, int]:
