@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,26 @@ class EngineServer:
 
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+
+@contextlib.contextmanager
+def tinker_engine(
+    model_dir: Path,
+    work: Path,
+    keys: dict[str, str],
+    *,
+    max_adapters: int = 4,
+    flags: Sequence[str] = (),
+) -> Iterator[EngineServer]:
+    """A real engine serving the Tinker API to the official SDK: ``keys`` (namespace ->
+    its API key) in its ``--tinker-keys`` file, checkpoints and log under ``work``."""
+    key_file = work / "keys.txt"
+    key_file.write_text("".join(f"{ns} {key}\n" for ns, key in keys.items()))
+    args = ["--tinker-keys", str(key_file), *flags]
+    with EngineServer(
+        model_dir, work / "ckpt", max_adapters=max_adapters, workdir=work, extra_args=args
+    ) as srv:
+        yield srv
 
 
 def wait_until(

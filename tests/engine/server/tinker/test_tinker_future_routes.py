@@ -17,7 +17,7 @@ import httpx
 import pytest
 from tinker import types
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -32,13 +32,9 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineServer]:
     work = tmp_path_factory.mktemp("tinker-futures")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY_A}\nteam-b {KEY_B}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=2, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
+    with tinker_engine(
+        tiny_model_dir, work, {"team-a": KEY_A, "team-b": KEY_B}, max_adapters=2
+    ) as srv:
         yield srv
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from tinker import types
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine
 from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
@@ -30,13 +30,7 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineServer]:
     work = tmp_path_factory.mktemp("tinker-inflight")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
+    with tinker_engine(tiny_model_dir, work, {"team-a": KEY}) as srv:
         yield srv
 
 

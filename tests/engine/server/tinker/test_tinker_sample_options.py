@@ -18,7 +18,7 @@ import torch
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -34,13 +34,7 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineServer]:
     work = tmp_path_factory.mktemp("tinker-sample-options")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=2, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
+    with tinker_engine(tiny_model_dir, work, {"team-a": KEY}, max_adapters=2) as srv:
         yield srv
 
 
