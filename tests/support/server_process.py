@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support import child_processes
 
@@ -273,6 +274,25 @@ def tinker_engine(
         model_dir, work / "ckpt", max_adapters=max_adapters, workdir=work, extra_args=args
     ) as srv:
         yield srv
+
+
+def tinker_engine_fixture(
+    name: str, keys: dict[str, str], *, max_adapters: int = 4, flags: Sequence[str] = ()
+) -> Any:
+    """A module's ``server`` fixture: one :func:`tinker_engine` for all the module's tests,
+    under a temp dir ``name``."""
+
+    @pytest.fixture(scope="module", name="server")
+    def server(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[EngineServer]:
+        work = tmp_path_factory.mktemp(name)
+        with tinker_engine(
+            tiny_model_dir, work, keys, max_adapters=max_adapters, flags=flags
+        ) as srv:
+            yield srv
+
+    return server
 
 
 def wait_until(
