@@ -216,7 +216,7 @@ def create_app(
         call = paths.match_tinker(request.method, route)
         if isinstance(call, paths.TinkerCall) and tinker_downloads.is_download(call):
             # A signed download URL: the signature is the credential (tinker_downloads.py).
-            answer = await tinker_downloads.download(state["tinker"], request, key, call)
+            answer = await tinker_downloads.download(state["upstream"], request, key, call)
             # (the URL's namespace is the caller's word: never a metric label)
             record(key.namespace if key else "", "tinker", t0, answer.status_code)
             return answer

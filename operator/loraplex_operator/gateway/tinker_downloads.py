@@ -18,7 +18,6 @@ is refused here (404) before any engine sees it.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -27,12 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway.forwarding import Forwarder
 from loraplex_operator.gateway.keys import Key
 from loraplex_operator.gateway.paths import TinkerCall
-from loraplex_operator.gateway.upstream import checked, engine_headers
-
-if TYPE_CHECKING:
-    from loraplex_operator.gateway.tinker import Tinker
+from loraplex_operator.gateway.upstream import Upstream, checked, engine_headers
 
 FILES = "external_weights_files"  # the engine's download route (its first segment)
 URLS_SUFFIX = "/external_weights_urls"  # the signing route's last segment
@@ -63,10 +60,10 @@ def on_gateway(answer: bytes, gateway_base: str) -> bytes | None:
     return json.dumps({**doc, "urls": moved}).encode()
 
 
-async def signed_urls(tinker: Tinker, request: Request, ns: str, route: str) -> Response:
+async def signed_urls(forwarder: Forwarder, request: Request, ns: str, route: str) -> Response:
     """The signing route, forwarded to the run's engine, its URLs moved to the gateway."""
     run = route.split("/")[1]
-    answer = await tinker._to_session(request, ns, route, b"", run, "training_run_id")
+    answer = await forwarder.to_session(request, ns, route, b"", run, "training_run_id")
     if answer.status_code != 200:
         return answer
     moved = on_gateway(bytes(answer.body), str(request.base_url))
@@ -75,16 +72,16 @@ async def signed_urls(tinker: Tinker, request: Request, ns: str, route: str) -> 
     return Response(moved, 200, media_type="application/json")
 
 
-async def download(tinker: Tinker, request: Request, key: Key | None, call: TinkerCall) -> Response:
+async def download(up: Upstream, request: Request, key: Key | None, call: TinkerCall) -> Response:
     """One file of a signed URL, streamed from the engine holding the run."""
     ns, run = call.ids[0], call.ids[1]
     if key is not None and key.namespace != ns:
         return proxy.error(404, "not_found", "no such checkpoint file for this API key", "path")
     session = routing.session_of(run)
-    engine = await tinker.up.find_session(ns, session) if session else None
+    engine = await up.find_session(ns, session) if session else None
     if engine is None:
         return proxy.error(404, "not_found", f"no training run {run!r}", "path")
-    client = tinker.up.client
+    client = up.client
     upstream = client.build_request(
         "GET",
         engine.url + checked(f"/api/v1/{call.route}"),
@@ -94,7 +91,7 @@ async def download(tinker: Tinker, request: Request, key: Key | None, call: Tink
     try:
         r = await client.send(upstream, stream=True)
     except httpx.TransportError as e:
-        tinker.up.forget(engine)
+        up.forget(engine)
         return proxy.lost(engine, e)
     if r.status_code != 200:
         await r.aread()
