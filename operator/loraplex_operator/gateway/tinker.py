@@ -4,7 +4,8 @@ tenant's key, checked against its role, and sent to the engine that holds what i
 routes reach here (paths.py), each as the route rebuilt from its checked parts.
 
 Stage 1 (docs/design/gateway.md): a session lives on one engine, chosen at
-``create_session`` among the pools that admit the namespace (most free slots); its
+``create_session`` among the pools that admit the namespace (most room: registered, not
+resident, where the engine pages: routing.registered_room); its
 models and samplers live there too. The gateway finds a session's engine by asking the
 engines, and a future's engine is written in the future's id, so any replica answers
 any call and a replica lost mid-training loses nothing.
@@ -128,7 +129,7 @@ class Tinker:
 
     async def _create_session(self, request: Request, ns: str, body: bytes) -> Response:
         engines = self.up.directory.admitting(ns)
-        free = await self.up.free_slots(engines)
+        free = await self.up.room(engines)
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
         engine = self.up.directory.engine(choice) if choice else None
         if engine is None:

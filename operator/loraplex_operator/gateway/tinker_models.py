@@ -138,7 +138,7 @@ class Models:
             client = gx.manifest(ns, "", doc)["spec"]["client"]
         except gx.BadRequest as e:
             return proxy.error(422, "invalid_request", e.message, e.field)
-        free = await self.up.free_slots(engines)
+        free = await self.up.room(engines)
         refusals = {e.name: self._refused(e, client) for e in engines}
         free = {name: n for name, n in free.items() if refusals.get(name) is None}
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
