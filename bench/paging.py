@@ -18,7 +18,17 @@ Each round draws ``--per-round`` models from a Zipf distribution over the regist
 ones (exponent ``--zipf``; a few hot tenants, a long tail) and queues one
 ``forward_backward`` and one ``optim_step`` for each (one SFT datum of 8 tokens), then
 ticks until all are answered. Throughput: optimiser steps per second of the rounds'
-wall time (registration and ``--warmup`` rounds excluded).
+wall time (registration and ``--warmup`` rounds excluded). ``--working-sets 8,16,32,64``
+adds one phase per size on the same engine after the first: the same Zipf draws over only
+that many of the registered models (how throughput falls as the hot set outgrows the
+slots). Page-in latency is reported per tier (host memory, disk), with the process's
+resident memory and the spill files' bytes per registered model.
+
+    # 10,000 models, most on the disk tier; and the working-set curve at 1,000
+    .venv/bin/python bench/paging.py --models 10000 --arms spilled --spill-budget 16MiB \
+        --working-sets 8 --rounds 33 --out bench/results/paging-10k-cpu-tiny.json
+    .venv/bin/python bench/paging.py --models 1000 --arms paged --working-sets 8,16,32,64 \
+        --rounds 33 --out bench/results/paging-working-set-cpu-tiny.json
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,19 +64,48 @@ def _model_dir() -> Path:
     return TINY_MODEL_DIR
 
 
-def _workload(models: int, rounds: int, per_round: int, zipf: float, seed: int) -> list[list[int]]:
-    """Each round's models: ``per_round`` Zipf draws over ranks 1..models, deduplicated."""
+def _workload(
+    models: int, rounds: int, per_round: int, zipf: float, seed: int, among: int | None = None
+) -> list[list[int]]:
+    """Each round's models: ``per_round`` Zipf draws, deduplicated, over ``among`` of the
+    registered models (a working set; None: all of them)."""
     rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, models + 1) ** zipf
+    n = among or models
+    weights = 1.0 / np.arange(1, n + 1) ** zipf
     weights /= weights.sum()
-    perm = rng.permutation(models)  # hot tenants anywhere in creation order
+    perm = rng.permutation(models)[:n]  # hot tenants anywhere in creation order
     return [
-        sorted({int(perm[i]) for i in rng.choice(models, per_round, p=weights)})
-        for _ in range(rounds)
+        sorted({int(perm[i]) for i in rng.choice(n, per_round, p=weights)}) for _ in range(rounds)
     ]
 
 
-def _arm(name: str, args: argparse.Namespace, plan: list[list[int]]) -> dict[str, Any]:
+def _percentiles(seconds: list[float]) -> dict[str, float] | None:
+    ins = sorted(seconds)
+    if not ins:
+        return None
+    return {
+        "n": len(ins),
+        "p50": 1000 * statistics.median(ins),
+        "p99": 1000 * ins[min(len(ins) - 1, int(0.99 * len(ins)))],
+        "max": 1000 * ins[-1],
+    }
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _phases(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """The full Zipf over every registered model, then one per ``--working-sets`` size."""
+    common = (args.models, args.rounds, args.per_round, args.zipf, args.seed)
+    phases = {"zipf": _workload(*common)}
+    for w in args.working_sets:
+        phases[f"working_set_{w}"] = _workload(*common, among=w)
+    return phases
+
+
+def _arm(name: str, args: argparse.Namespace, phases: dict[str, list[list[int]]]) -> dict:
+    from loraplex_engine.memory.spill import SpilledPage
     from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
 
     from tests.support.client_driver import drive, sft_datum
@@ -74,19 +114,50 @@ def _arm(name: str, args: argparse.Namespace, plan: list[list[int]]) -> dict[str
     slots = args.models if name == "resident" else args.slots
     budget = args.spill_budget if name == "spilled" else None
     work = Path(tempfile.mkdtemp(prefix=f"paging-{name}-"))
+    rss_before = _rss()
     eng = engine(
         _model_dir(), work, max_adapters=slots, max_rank=16, max_registered=args.models,
         client_models_per_namespace=args.models, host_adapter_memory=budget,
     )  # fmt: skip
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=0.01)
     data = [sft_datum([1, 40 + i % 50, 41], [100 + i % 60, 101, 102, 103, 104]) for i in range(7)]
-    ids = [f"m{i:04d}" for i in range(args.models)]
+    ids = [f"m{i:05d}" for i in range(args.models)]
+    rss_engine = _rss()
     t = time.perf_counter()
     for i, model_id in enumerate(ids):
         eng.clients.create_model("bench", model_id, ClientLora(rank=args.rank, seed=i))
     register_s = time.perf_counter() - t
     pager = eng.pager
-    page_outs_at_register = pager.stats.page_outs
+    rss_registered = _rss()
+    spill_dir = pager.spill_dir.path if pager.spill_dir is not None else None
+    disk_bytes = sum(f.stat().st_size for f in spill_dir.iterdir()) if spill_dir else 0
+    registered = {
+        "register_seconds": register_s,
+        "paged_out": len(pager.pages),
+        "spilled": pager.spilled(),
+        "rss_bytes_per_registered_model": (rss_registered - rss_engine) / args.models,
+        "rss_engine_bytes": rss_engine - rss_before,
+        "paged_host_bytes": pager.host_bytes(),
+        "host_bytes_per_paged_model": (
+            pager.host_bytes() / max(1, len(pager.pages) - pager.spilled())
+        ),
+        "disk_bytes": disk_bytes,
+        "disk_bytes_per_spilled_model": disk_bytes / max(1, pager.spilled()),
+        "loadavg": list(os.getloadavg()),
+    }
+    tiers: dict[str, list[float]] = {"host": [], "disk": []}
+    real_page_in = pager.page_in
+
+    def page_in(model: str) -> int:  # which tier each page-in came from, and its time
+        held = pager.pages.get(model)
+        before = len(pager.stats.page_in_seconds)
+        slot = real_page_in(model)
+        if held is not None and len(pager.stats.page_in_seconds) > before:
+            tier = "disk" if isinstance(held, SpilledPage) else "host"
+            tiers[tier].append(pager.stats.page_in_seconds[-1])
+        return slot
+
+    pager.page_in = page_in  # type: ignore[method-assign]
 
     def run(members: list[int]) -> None:
         calls = [
@@ -95,45 +166,49 @@ def _arm(name: str, args: argparse.Namespace, plan: list[list[int]]) -> dict[str
         ] + [lambda m=m: eng.clients.optim_step("bench", ids[m], adam) for m in members]
         drive(eng, *calls)
 
-    for members in plan[: args.warmup]:  # torch's first calls: not timed
-        run(members)
-    pager.stats.page_in_seconds.clear()
-    page_outs_at_register = pager.stats.page_outs
-    ticks = eng._tick.count
-    steps, t = 0, time.perf_counter()
-    for members in plan[args.warmup :]:
-        run(members)
-        steps += len(members)
-    seconds = time.perf_counter() - t
-    ins = sorted(pager.stats.page_in_seconds)
-    out = {
-        "max_adapters": slots,
-        "registered": pager.registered(),
-        "register_seconds": register_s,
-        "optim_steps": steps,
-        "ticks": eng._tick.count - ticks,
-        "seconds": seconds,
-        "steps_per_s": steps / seconds,
-        "page_ins": len(ins),
-        "page_outs_during_rounds": pager.stats.page_outs - page_outs_at_register,
-        "page_in_ms": {
-            "p50": 1000 * statistics.median(ins),
-            "p99": 1000 * ins[min(len(ins) - 1, int(0.99 * len(ins)))],
-            "max": 1000 * ins[-1],
+    out: dict[str, Any] = {"max_adapters": slots, "registered": pager.registered()}
+    out["host_adapter_memory"] = budget
+    out["registration"] = registered
+    out["phases"] = {}
+    for label, plan in phases.items():
+        for members in plan[: args.warmup]:  # torch's first calls, a set's first pages
+            run(members)
+        for tier in tiers.values():
+            tier.clear()
+        page_ins, page_outs, spills = (
+            pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills
+        )  # fmt: skip
+        ticks = eng._tick.count
+        steps, t = 0, time.perf_counter()
+        for members in plan[args.warmup :]:
+            run(members)
+            steps += len(members)
+        seconds = time.perf_counter() - t
+        out["phases"][label] = {
+            "distinct_models_per_round": statistics.mean(len(r) for r in plan),
+            "distinct_models_touched": len({m for r in plan[args.warmup :] for m in r}),
+            "optim_steps": steps,
+            "ticks": eng._tick.count - ticks,
+            "seconds": seconds,
+            "steps_per_s": steps / seconds,
+            "page_ins": pager.stats.page_ins - page_ins,
+            "page_outs": pager.stats.page_outs - page_outs,
+            "spills": pager.stats.spills - spills,
+            "page_in_ms": _percentiles(tiers["host"] + tiers["disk"]),
+            "page_in_ms_by_tier": {k: _percentiles(v) for k, v in tiers.items()},
+            "loadavg_after": list(os.getloadavg()),
         }
-        if ins
-        else None,
-        "paged_out_now": len(pager.pages),
-        "host_adapter_memory": budget,
-        "spilled_now": pager.spilled(),
-        "spills_total": pager.stats.spills,
-        "paged_host_bytes_now": pager.host_bytes(),
-        "host_bytes_per_paged_model": (
-            pager.host_bytes() / max(1, len(pager.pages) - pager.spilled())
-        ),
-    }
+    out["spilled_now"] = pager.spilled()
+    out["spills_total"] = pager.stats.spills
     eng.close()
+    shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _bytes(text: str) -> int:
+    from loraplex_engine.settings.values import parse_bytes
+
+    return parse_bytes(text)
 
 
 def main() -> None:
@@ -148,16 +223,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="paged,spilled,resident")
     ap.add_argument(
-        "--spill-budget", type=int, default=64 << 20, help="the spilled arm's host bytes"
+        "--spill-budget", type=_bytes, default=64 << 20, help="the spilled arm's host bytes"
+    )
+    ap.add_argument(
+        "--working-sets", default="", help="comma-separated sizes: a Zipf phase over each"
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/paging-cpu-tiny.json")
     args = ap.parse_args()
+    args.working_sets = [int(w) for w in args.working_sets.split(",") if w]
     import torch
 
     torch.set_num_threads(1)
-    plan = _workload(args.models, args.rounds, args.per_round, args.zipf, args.seed)
+    phases = _phases(args)
     start = machine_info()
-    arms = {name: _arm(name, args, plan) for name in args.arms.split(",")}
+    arms = {name: _arm(name, args, phases) for name in args.arms.split(",")}
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
@@ -165,15 +244,14 @@ def main() -> None:
         "bench": "paging",
         "commit": commit,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "distinct_models_per_round": statistics.mean(len(r) for r in plan),
-        "distinct_models_touched": len({m for r in plan for m in r}),
         "machine_start": start,
         "loadavg_end": list(os.getloadavg()),
         "torch_threads": 1,
         "arms": arms,
     }
     if "paged" in arms and "resident" in arms:
-        paged, resident = arms["paged"]["steps_per_s"], arms["resident"]["steps_per_s"]
+        paged = arms["paged"]["phases"]["zipf"]["steps_per_s"]
+        resident = arms["resident"]["phases"]["zipf"]["steps_per_s"]
         result["paged_over_resident"] = paged / resident
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

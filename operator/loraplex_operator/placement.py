@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # The pool's spec.modelShape (or its engines' report), with the dimensions of each module.
-from loraplex_operator.api.pool import ModelShape
+from loraplex_operator.api.pool_capacity import ModelShape
 
 # --- memory estimate -------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ from loraplex_operator.aibrix import AdapterSync
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from loraplex_operator.config import Config
 from loraplex_operator.kube import EXPERIMENTS, POOLS, Kube, KubeError
-from loraplex_operator.planning import NORMAL, WARNING, Work
 from loraplex_operator.resources import Experiment, Pool
+from loraplex_operator.round_plan import NORMAL, WARNING, Work
 
 log = logging.getLogger("loraplex_operator.publish")
 

@@ -48,7 +48,10 @@ from loraplex_operator.observation import (
     failures,
     pool_observation,
 )
-from loraplex_operator.planning import (
+from loraplex_operator.planning import plan_round
+from loraplex_operator.publish import EventSink, StatusPublisher, experiment_state, kopf_event
+from loraplex_operator.resources import API_VERSION, POOL_KIND, Experiment, Pool, parse_time
+from loraplex_operator.round_plan import (
     DUPLICATE,
     IDLE,
     NORMAL,
@@ -59,10 +62,7 @@ from loraplex_operator.planning import (
     RoundPlan,
     Unload,
     Work,
-    plan_round,
 )
-from loraplex_operator.publish import EventSink, StatusPublisher, experiment_state, kopf_event
-from loraplex_operator.resources import API_VERSION, POOL_KIND, Experiment, Pool, parse_time
 from loraplex_operator.sources import ClusterSource, ListedCluster
 from loraplex_operator.versions import push_publish
 

@@ -11,8 +11,9 @@ from loraplex_engine.spec.client import IDLE_DEFAULT_S
 from loraplex_operator import idle
 from loraplex_operator import status as st
 from loraplex_operator.gateway import experiments as gx
-from loraplex_operator.planning import IDLE, SUSPEND, plan_round
+from loraplex_operator.planning import plan_round
 from loraplex_operator.publish import derive
+from loraplex_operator.round_plan import IDLE, SUSPEND
 
 from tests.operator.test_reconcile import CFG, engine, snap
 from tests.support.builders import experiment

@@ -10,8 +10,9 @@ import pytest
 from loraplex_operator import admission, placement
 from loraplex_operator.api.pool import EnginePoolSpec
 from loraplex_operator.api.priority import DEFAULT_CLASS, class_of
-from loraplex_operator.planning import PREEMPT, plan_round
+from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import Experiment, Pool
+from loraplex_operator.round_plan import PREEMPT
 
 from tests.operator.test_reconcile import CFG, engine, exp, snap
 from tests.support.builders import experiment, pool

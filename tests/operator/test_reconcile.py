@@ -9,23 +9,13 @@ from typing import Any
 
 from loraplex_operator import placement
 from loraplex_operator import status as st
+from loraplex_operator.classification import classify
 from loraplex_operator.config import Config
 from loraplex_operator.observation import EngineView, Snapshot
-from loraplex_operator.planning import (
-    DUPLICATE,
-    FINISHED,
-    ORPHAN,
-    PREEMPT,
-    SUSPEND,
-    Work,
-    act_on,
-    classify,
-    placement_inputs,
-    plan_round,
-    scale,
-)
+from loraplex_operator.planning import act_on, placement_inputs, plan_round, scale
 from loraplex_operator.publish import derive, status_changes
 from loraplex_operator.resources import Experiment, Pool
+from loraplex_operator.round_plan import DUPLICATE, FINISHED, ORPHAN, PREEMPT, SUSPEND, Work
 
 from tests.support.builders import experiment, pool
 from tests.support.builders import run as run_of

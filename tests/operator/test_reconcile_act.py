@@ -12,10 +12,10 @@ import httpx
 from loraplex_operator.config import Config
 from loraplex_operator.engine_client import EngineClient, EngineError, EngineUnreachable
 from loraplex_operator.observation import EngineView, Snapshot
-from loraplex_operator.planning import PREEMPT, SUSPEND, Put, RoundPlan, Unload, Work
 from loraplex_operator.publish import StatusPublisher
 from loraplex_operator.reconcile import PUT_ATTEMPTS, PoolReconciler, PutBackoff
 from loraplex_operator.resources import Experiment, Pool, parse_time
+from loraplex_operator.round_plan import PREEMPT, SUSPEND, Put, RoundPlan, Unload, Work
 from loraplex_operator.status import Binding
 
 from tests.support.builders import experiment, pool
@@ -423,7 +423,7 @@ async def test_an_idle_client_experiment_is_suspended_before_its_unload() -> Non
     that fails leaves it loaded (tried again next round)."""
     from loraplex_operator import idle
     from loraplex_operator.kube import KubeError
-    from loraplex_operator.planning import IDLE
+    from loraplex_operator.round_plan import IDLE
 
     obj = experiment("a").client(idleSeconds=60).status(phase="Running", engine="e1").obj()
     final = {"id": "team-a.a", "phase": "Running", "step": 5, "idleSeconds": 61.0}

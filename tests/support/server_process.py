@@ -22,11 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support import child_processes
 from tests.support.measurements import OUT, record_value
@@ -253,6 +254,45 @@ class EngineServer:
 
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+
+@contextlib.contextmanager
+def tinker_engine(
+    model_dir: Path,
+    work: Path,
+    keys: dict[str, str],
+    *,
+    max_adapters: int = 4,
+    flags: Sequence[str] = (),
+) -> Iterator[EngineServer]:
+    """A real engine serving the Tinker API to the official SDK: ``keys`` (namespace ->
+    its API key) in its ``--tinker-keys`` file, checkpoints and log under ``work``."""
+    key_file = work / "keys.txt"
+    key_file.write_text("".join(f"{ns} {key}\n" for ns, key in keys.items()))
+    args = ["--tinker-keys", str(key_file), *flags]
+    with EngineServer(
+        model_dir, work / "ckpt", max_adapters=max_adapters, workdir=work, extra_args=args
+    ) as srv:
+        yield srv
+
+
+def tinker_engine_fixture(
+    name: str, keys: dict[str, str], *, max_adapters: int = 4, flags: Sequence[str] = ()
+) -> Any:
+    """A module's ``server`` fixture: one :func:`tinker_engine` for all the module's tests,
+    under a temp dir ``name``."""
+
+    @pytest.fixture(scope="module", name="server")
+    def server(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[EngineServer]:
+        work = tmp_path_factory.mktemp(name)
+        with tinker_engine(
+            tiny_model_dir, work, keys, max_adapters=max_adapters, flags=flags
+        ) as srv:
+            yield srv
+
+    return server
 
 
 def wait_until(

@@ -103,6 +103,35 @@ def lora_targets_of(model_dir: str | Path) -> list[str]:
     return adaptable_module_names(base)
 
 
+def context_tokens_of(model_dir: str | Path) -> int | None:
+    """The longest row the model takes, as the loaded engine reads it (its config's
+    ``max_position_embeddings``; None: not stated), from the config alone (imports torch:
+    transformers' config classes do)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(check_model_dir(model_dir))
+    return getattr(config, "max_position_embeddings", None)
+
+
+def tokenizer_of(model_dir: str | Path) -> Any:
+    """The model's tokenizer alone, no weights: what `run` checks chat templates with
+    before its model loads. With a ``tokenizer.json`` the tokenizers backend reads it, its
+    config and its chat template without importing torch (AutoTokenizer does: it builds
+    the model's config class); without one, AutoTokenizer."""
+    path = check_model_dir(model_dir)
+    try:
+        if (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"model directory {path}: its tokenizer: {first_line}") from None
+
+
 def model_shape_of(config: Any) -> ModelShape | None:
     """The dimensions of a transformers decoder config (Llama, Qwen, Mistral, ...), for the
     operator's adapter memory estimate; None when the config lacks them."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -120,6 +121,7 @@ class Engine:
         self._jobs: list[CompletionJob] = []
         self._jobs_lock = threading.Lock()
         self.work_available = threading.Event()  # set when a tick would have work
+        self._settle_timer: threading.Timer | None = None  # _wake_when_the_share_settles
         self._refusing: str | None = None  # why completions are no longer served
         self.scorer = RewardScorer(s.reward_deadline, self._wake)
         self.time_share = TimeShare(s.serving_share)
@@ -356,6 +358,16 @@ class Engine:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.codec.chat_prompt_ids(messages)
 
+    def _wake_when_the_share_settles(self) -> None:
+        """Held-back client calls may run once a recent co-tenant's window ends
+        (tenancy/client_share.py): set ``work_available`` then, not an idle poll later."""
+        at = self.clients.held_until()
+        if at is None or (self._settle_timer is not None and self._settle_timer.is_alive()):
+            return
+        self._settle_timer = threading.Timer(max(0.0, at - time.monotonic()), self._wake)
+        self._settle_timer.daemon = True
+        self._settle_timer.start()
+
     def tick(self) -> TickReport | None:
         """A training tick or a serving tick, as the time share picks (tick/time_share.py)."""
         self.clients.gather()  # client calls on their way join this tick (clients/gather.py)
@@ -370,6 +382,7 @@ class Engine:
                 kind = self.time_share.pick(train=train, serve=bool(self._jobs))
                 if kind is None:
                     self.work_available.clear()
+                    self._wake_when_the_share_settles()
                     return None
                 jobs: list[CompletionJob] = []
                 client = self.clients.take(kind == "train", cheapest)
@@ -412,7 +425,8 @@ class Engine:
         and the free-slot check is done again when the adapter is added."""
         plan = compile_plan(spec, self.plan_limits)  # rank, targets, params, step cost
         assert plan.task is not None  # a client experiment is clients/experiments.py's
-        check_chat_templates(plan.task, self.codec, self.model_name)  # prompts, observations
+        # Prompts, observations: plan/admission.py, as `run` checks before its model loads.
+        check_chat_templates(plan.task, self.codec, self.model_name)
         if not self.pager.has_room():  # a cached version gives its slot back when asked
             raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
         timeout = self.settings.plugin_timeout

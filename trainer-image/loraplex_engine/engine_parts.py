@@ -23,9 +23,9 @@ from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.lora.grouped import KERNEL_MODES
 from loraplex_engine.lora.model import MultiLoRAModel, adaptable_module_names, decode_forward
 from loraplex_engine.lora.precision import MASTER_DTYPE, enable_tf32, resolve_dtype
+from loraplex_engine.memory import spill_owner
 from loraplex_engine.memory.capacity_plan import engine_plan
 from loraplex_engine.memory.paging import AdapterPager, registered_limit
-from loraplex_engine.memory.spill import spill_dir
 from loraplex_engine.parallel.data_parallel import (
     DataParallelTraining,
     data_parallel_trainer,
@@ -180,9 +180,16 @@ def build_parts(
             optimizer,
             registered_limit(s.max_adapters, s.max_registered, one and s.schedule == "sync"),
             s.host_adapter_memory,
-            spill_dir(root),
+            _spill_dir(root, s.host_adapter_memory),
         ),
     )
+
+
+def _spill_dir(root: Path, host_budget: int | None) -> spill_owner.SpillDir | None:
+    """What dead engines spilled on this volume goes first; this one spills into its own
+    directory only when its host memory for pages is bounded."""
+    spill_owner.sweep(root)
+    return None if host_budget is None else spill_owner.claim(root)
 
 
 def _strategy(

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from loraplex_engine.data.sources import resolve_dataset
 from loraplex_engine.environments.attach import plug_in
 from loraplex_engine.evaluation.eval_set import EvalSet, build_eval_set
+from loraplex_engine.plan.admission import task_source
 from loraplex_engine.plan.experiment import ExperimentPlan
 from loraplex_engine.plan.scoring import check_scoring
 from loraplex_engine.spec.api_types import (
@@ -23,10 +23,9 @@ from loraplex_engine.spec.api_types import (
     ExperimentStatus,
     VersionSummary,
 )
-from loraplex_engine.spec.data_options import DatasetOptions
 from loraplex_engine.spec.errors import ConflictError, InvalidSpecError, TaskError
 from loraplex_engine.spec.eval_scores import EvalResult, eval_due
-from loraplex_engine.spec.experiment import DATA_TASKS, ExperimentSpec
+from loraplex_engine.spec.experiment import ExperimentSpec
 from loraplex_engine.tasks import Task, build_task
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tracking.run_ids import new_run_id
@@ -196,12 +195,7 @@ def new_experiment(
     spec, task_spec = plan.spec, plan.task
     assert task_spec is not None  # a client experiment is clients/experiments.py's
     try:
-        source = None
-        if task_spec.name in DATA_TASKS and task_spec.dataset:
-            options = task_spec.dataset_options
-            if task_spec.name == "jsonl":  # the older task: JSONL, keys prompt and answer
-                options = DatasetOptions(format="jsonl")
-            source = resolve_dataset(trust, task_spec.dataset, options, namespace)
+        source = task_source(task_spec, trust, namespace)  # as `run` checks before load
         reward, env = task_spec.reward or "default", task_spec.environment
         plugged = check_scoring(spec, namespace, trust.plugins)  # as `run` checks before load
         task = build_task(

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex_operator.gateway import metrics, paths, proxy, routing
+from loraplex_operator.gateway import metrics, paths, proxy, routing, tinker_downloads
 from loraplex_operator.gateway.directory import Directory
 from loraplex_operator.gateway.keys import Key, presented_key
 from loraplex_operator.gateway.tinker import PREFIX, Tinker
@@ -213,10 +213,16 @@ def create_app(
         route = request.path_params["route"]
         if route == "healthz":
             return JSONResponse({"status": "ok"})
+        call = paths.match_tinker(request.method, route)
+        if isinstance(call, paths.TinkerCall) and tinker_downloads.is_download(call):
+            # A signed download URL: the signature is the credential (tinker_downloads.py).
+            answer = await tinker_downloads.download(state["upstream"], request, key, call)
+            # (the URL's namespace is the caller's word: never a metric label)
+            record(key.namespace if key else "", "tinker", t0, answer.status_code)
+            return answer
         if key is None:
             record("", "tinker", t0, 401)
             return unauthorized()
-        call = paths.match_tinker(request.method, route)
         if isinstance(call, paths.Refused):
             record(key.namespace, "tinker", t0, call.status)
             return refused(call)
@@ -249,6 +255,7 @@ def create_app(
         Route("/v1/models/{id:path}", get_model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route(PREFIX + "/{route:path}", tinker, methods=["GET", "POST"]),
+        # every method of an allowlisted route (paths.py): checkpoint TTLs are PUT, deletes DELETE
+        Route(PREFIX + "/{route:path}", tinker, methods=["GET", "POST", "PUT", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(PlainPaths)])

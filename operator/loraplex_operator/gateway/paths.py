@@ -82,6 +82,9 @@ TINKER_ROUTES: tuple[Template, ...] = (
     _t("PUT", "training_runs/{}/checkpoints/{}/{}/ttl"),
     _t("GET", "training_runs/{}/checkpoints/{}/{}/external_weights_urls"),
     _t("GET", "checkpoints"),
+    # A signed download URL's file (ns, run, kind, name, file): keyless, the signature is
+    # the credential (tinker_downloads.py).
+    _t("GET", "external_weights_files/{}/{}/{}/{}/{}"),
 )
 
 

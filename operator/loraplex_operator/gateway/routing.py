@@ -106,10 +106,28 @@ def with_future_ids(engine: str, answer: Any) -> Any:
     return answer
 
 
-def pick_engine(free_slots: Mapping[str, int]) -> str | None:
-    """The engine (by name) with the most free slots, ties by name; None if none is free."""
-    best = sorted((-free, name) for name, free in free_slots.items() if free > 0)
+def pick_engine(room: Mapping[str, int]) -> str | None:
+    """The engine (by name) with the most room for one more model, ties by name; None if
+    none has room."""
+    best = sorted((-free, name) for name, free in room.items() if free > 0)
     return best[0][1] if best else None
+
+
+def registered_room(capacity: Mapping[str, Any]) -> int:
+    """How many more models an engine takes, from its ``/v1/capacity``: a paging engine
+    registers up to ``maxRegistered`` (resident ``usedSlots`` plus ``pagedAdapters``),
+    whatever its slots hold; one that does not report it (no paging, or built before
+    paging) has its free slots."""
+    limit = capacity.get("maxRegistered")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        held = _count(capacity, "usedSlots") + _count(capacity, "pagedAdapters")
+        return max(0, limit - held)
+    return _count(capacity, "freeSlots") or _count(capacity, "free_slots")
+
+
+def _count(capacity: Mapping[str, Any], key: str) -> int:
+    value = capacity.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:

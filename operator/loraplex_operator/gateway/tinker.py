@@ -4,7 +4,8 @@ tenant's key, checked against its role, and sent to the engine that holds what i
 routes reach here (paths.py), each as the route rebuilt from its checked parts.
 
 Stage 1 (docs/design/gateway.md): a session lives on one engine, chosen at
-``create_session`` among the pools that admit the namespace (most free slots); its
+``create_session`` among the pools that admit the namespace (most room: registered, not
+resident, where the engine pages: routing.registered_room); its
 models and samplers live there too. The gateway finds a session's engine by asking the
 engines, and a future's engine is written in the future's id, so any replica answers
 any call and a replica lost mid-training loses nothing.
@@ -13,21 +14,18 @@ any call and a replica lost mid-training loses nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loraplex_operator.gateway import proxy, routing, tinker_batch
+from loraplex_operator.gateway import proxy, routing, tinker_batch, tinker_downloads
+from loraplex_operator.gateway.forwarding import PREFIX, Forwarder, json_doc
 from loraplex_operator.gateway.keys import Key
 from loraplex_operator.gateway.paths import TinkerCall
-from loraplex_operator.gateway.routing import Engine
 from loraplex_operator.gateway.tinker_models import Models
 from loraplex_operator.gateway.upstream import Upstream
 
-PREFIX = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 
 # The engine's client config (loraplex_engine/server/tinker/routes.py CLIENT_CONFIG) but for
@@ -61,20 +59,18 @@ BY_MODEL = frozenset(
         "unload_model",
     }
 )
+BY_FUTURE_ID = frozenset({"retrieve_future", "cancel_future"})  # forwarding.by_future_id
 ANY_ENGINE = frozenset({"get_server_capabilities", "create_custom_loss"})
 LISTINGS = {"training_runs": "training_runs", "checkpoints": "checkpoints"}
 LIST_ALL = {"limit": "1000", "offset": "0"}
 
 
-def not_found(what: str, field: str | None = None) -> Response:
-    return proxy.error(404, "not_found", f"no {what}", field)
-
-
 class Tinker:
     def __init__(self, upstream: Upstream) -> None:
         self.up = upstream
+        self.forwarder = Forwarder(upstream)
         # Item 3 (gateway/tinker_models.py) where the view has the Kubernetes API.
-        self.models = Models(self) if upstream.directory.models_as_experiments else None
+        self.models = Models(self.forwarder) if upstream.directory.models_as_experiments else None
 
     async def handle(self, request: Request, key: Key, call: TinkerCall, body: bytes) -> Response:
         route = call.route
@@ -104,99 +100,43 @@ class Tinker:
                     422, "invalid_request", "send forward_backward uncompressed to the gateway"
                 )
             model_id = routing.proto_string_field(body, 1)
-            return await self._to_session(request, ns, route, body, model_id, "model_id")
-        if route == "retrieve_future":
-            return await self._retrieve(request, ns, body)
+            return await self.forwarder.to_session(request, ns, route, body, model_id, "model_id")
+        if route in BY_FUTURE_ID:
+            return await self.forwarder.by_future_id(request, ns, route, body)
         if route == "retrieve_futures":
-            return await tinker_batch.retrieve_futures(self, request, ns, body)
-        if route == "cancel_future":
-            return await tinker_batch.cancel_future(self, request, ns, body)
-        doc = _json(body)
+            return await tinker_batch.retrieve_futures(self.forwarder, request, ns, body)
+        doc = json_doc(body)
         if route in BY_SESSION:
-            return await self._to_session(request, ns, route, body, doc.get("session_id"))
+            return await self.forwarder.to_session(request, ns, route, body, doc.get("session_id"))
         if route in BY_MODEL:
-            return await self._to_session(request, ns, route, body, doc.get("model_id"), "model_id")
+            return await self.forwarder.to_session(
+                request, ns, route, body, doc.get("model_id"), "model_id"
+            )
         if route == "load_weights":
             ref = doc.get("session_id") or doc.get("model_id") or doc.get("path")
-            return await self._to_session(request, ns, route, body, ref, "path")
+            return await self.forwarder.to_session(request, ns, route, body, ref, "path")
         if route == "asample":
             ref = doc.get("sampling_session_id") or doc.get("model_path")
             if ref:
-                return await self._to_session(request, ns, route, body, ref, "model_path")
+                return await self.forwarder.to_session(request, ns, route, body, ref, "model_path")
             return await self._any_engine(request, ns, route, body)
+        if name == "training_runs" and route.endswith(tinker_downloads.URLS_SUFFIX):
+            return await tinker_downloads.signed_urls(self.forwarder, request, ns, route)
         if name in ("sessions", "samplers", "training_runs"):
             ref = route.split("/")[1] if "/" in route else None
-            return await self._to_session(request, ns, route, body, ref)
+            return await self.forwarder.to_session(request, ns, route, body, ref)
         return proxy.error(404, "not_found", f"no Tinker route {route!r}")
-
-    # --- forwarding -------------------------------------------------------------------
-
-    async def _forward(
-        self,
-        request: Request,
-        engine: Engine,
-        ns: str,
-        route: str,
-        body: bytes,
-        idempotent: bool = False,
-        futures: Callable[[str], str] | None = None,
-    ) -> Response:
-        """The call on ``engine``; a future in its answer renamed by ``futures`` (default:
-        ``<engine pod>~<id>``)."""
-        headers = {}
-        if ctype := request.headers.get("content-type"):
-            headers["Content-Type"] = ctype
-        if accept := request.headers.get("accept"):
-            headers["Accept"] = accept
-        try:
-            r = await self.up.call(
-                engine,
-                request.method,
-                f"{PREFIX}/{route}",
-                ns,
-                content=body or None,
-                headers=headers,
-                params=dict(request.query_params),
-                idempotent=idempotent or request.method == "GET",
-            )
-        except httpx.TransportError as e:
-            self.up.forget(engine)
-            return proxy.lost(engine, e)
-        if r.headers.get("content-type", "").startswith("application/json"):
-            answer = r.json()
-            rid = answer.get("request_id") if isinstance(answer, dict) else None
-            if futures is not None and isinstance(rid, str):
-                answer = {**answer, "request_id": futures(rid)}
-            else:
-                answer = routing.with_future_ids(engine.name, answer)
-            return proxy.passed(r, json.dumps(answer).encode())
-        return proxy.passed(r)
-
-    async def _to_session(
-        self,
-        request: Request,
-        ns: str,
-        route: str,
-        body: bytes,
-        ref: Any,
-        field: str = "session_id",
-    ) -> Response:
-        session = routing.session_of(ref if isinstance(ref, str) else None)
-        engine = await self.up.find_session(ns, session) if session else None
-        if engine is None:
-            return not_found(f"session, model or sampler {ref!r}", field)
-        return await self._forward(request, engine, ns, route, body)
 
     async def _create_session(self, request: Request, ns: str, body: bytes) -> Response:
         engines = self.up.directory.admitting(ns)
-        free = await self.up.free_slots(engines)
+        free = await self.up.room(engines)
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
         engine = self.up.directory.engine(choice) if choice else None
         if engine is None:
             return proxy.error(
                 503, "unavailable", f"no engine of a pool that admits namespace {ns!r} answers"
             )
-        answer = await self._forward(request, engine, ns, "create_session", body)
+        answer = await self.forwarder.forward(request, engine, ns, "create_session", body)
         if answer.status_code == 200:
             session = json.loads(bytes(answer.body)).get("session_id")
             if isinstance(session, str):
@@ -207,29 +147,7 @@ class Tinker:
         engines = self.up.directory.admitting(ns)
         if not engines:
             return proxy.error(503, "unavailable", f"no pool admits namespace {ns!r}")
-        return await self._first_answer(request, engines, ns, route, body)
-
-    async def _first_answer(
-        self, request: Request, engines: list[Engine], ns: str, route: str, body: bytes
-    ) -> Response:
-        """The first of ``engines`` (not empty) to answer below 500."""
-        last: Response | None = None
-        for engine in engines:
-            last = await self._forward(request, engine, ns, route, body)
-            if last.status_code < 500:
-                return last
-        assert last is not None
-        return last
-
-    async def _retrieve(self, request: Request, ns: str, body: bytes) -> Response:
-        doc = _json(body)
-        given = doc.get("request_id")
-        split = routing.split_future_id(given) if isinstance(given, str) else None
-        engine = self.up.directory.engine(split[0]) if split else None
-        if split is None or engine is None:
-            return not_found(f"request {given!r} (unknown, or its engine is gone)", "request_id")
-        forwarded = json.dumps({**doc, "request_id": split[1]}).encode()
-        return await self._forward(request, engine, ns, "retrieve_future", forwarded, True)
+        return await self.forwarder.first_answer(request, engines, ns, route, body)
 
     async def _listing(self, request: Request, ns: str, name: str) -> Response:
         """A REST listing gathered from every admitting engine, then paged here."""
@@ -248,11 +166,3 @@ class Tinker:
         ordered = [items[k] for k in sorted(items)]
         cursor = {"offset": offset, "limit": limit, "total_count": len(ordered)}
         return JSONResponse({LISTINGS[name]: ordered[offset : offset + limit], "cursor": cursor})
-
-
-def _json(body: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(body or b"{}")
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}

@@ -16,7 +16,7 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,11 +24,9 @@ from starlette.responses import JSONResponse, Response
 from loraplex_operator import client_modules, idle
 from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway import proxy, routing
+from loraplex_operator.gateway.forwarding import Forwarder, json_doc
 from loraplex_operator.gateway.routing import Engine
 from loraplex_operator.kube import KubeError
-
-if TYPE_CHECKING:
-    from loraplex_operator.gateway.tinker import Tinker
 
 log = logging.getLogger("loraplex_operator.gateway.tinker_models")
 
@@ -41,42 +39,35 @@ BY_MODEL = frozenset(
 )
 
 
-def _json(body: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(body or b"{}")
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
 def new_session_id() -> str:
     return "s" + secrets.token_hex(10)
 
 
 class Models:
-    def __init__(self, tinker: Tinker) -> None:
-        self.tinker = tinker
-        self.directory = tinker.up.directory
+    def __init__(self, forwarder: Forwarder) -> None:
+        self.forwarder = forwarder
+        self.up = forwarder.up
+        self.directory = forwarder.up.directory
 
     async def handle(self, request: Request, ns: str, route: str, body: bytes) -> Response | None:
         name = route.split("/", 1)[0]
         if route == "create_session":
             return JSONResponse({"type": "create_session", "session_id": new_session_id()})
         if route == "session_heartbeat":
-            sid = _json(body).get("session_id")
+            sid = json_doc(body).get("session_id")
             if isinstance(sid, str) and gx.SESSION.fullmatch(sid):
                 return JSONResponse({"type": "session_heartbeat"})
             return proxy.error(404, "not_found", f"no session {sid!r}", "session_id")
         if name == "sessions" and route.endswith("/finish"):
             return JSONResponse({})  # its models are experiments: they outlive the session
         if route == "create_model":
-            return await self._create(ns, _json(body))
+            return await self._create(ns, json_doc(body))
         if route == "retrieve_future":
             return await self._retrieve(request, ns, body)
         if route == "create_sampling_session":
-            return self._base_sampler(ns, _json(body))
+            return self._base_sampler(ns, json_doc(body))
         if route == "asample":
-            return await self._sample_base(request, ns, _json(body))
+            return await self._sample_base(request, ns, json_doc(body))
         if name == "samplers" and (split := gx.split_base_sampler(route[len(name) + 1 :])):
             sid = route[len(name) + 1 :]
             return JSONResponse({"sampler_id": sid, "base_model": split[1], "model_path": None})
@@ -85,7 +76,7 @@ class Models:
                 return None  # tinker.py answers 422
             model_id = routing.proto_string_field(body, 1)
         elif route in BY_MODEL or route == "unload_model":
-            model_id = _json(body).get("model_id")
+            model_id = json_doc(body).get("model_id")
         else:
             return None
         exp = gx.experiment_name(model_id if isinstance(model_id, str) else None)
@@ -137,7 +128,7 @@ class Models:
         if isinstance(serving, Response):
             return serving
         body = json.dumps({**doc, "sampling_session_id": None, "base_model": split[1]}).encode()
-        return await self.tinker._first_answer(request, serving, ns, "asample", body)
+        return await self.forwarder.first_answer(request, serving, ns, "asample", body)
 
     async def _create(self, ns: str, doc: dict[str, Any]) -> Response:
         engines = self._serving(ns, doc.get("base_model"))
@@ -147,7 +138,7 @@ class Models:
             client = gx.manifest(ns, "", doc)["spec"]["client"]
         except gx.BadRequest as e:
             return proxy.error(422, "invalid_request", e.message, e.field)
-        free = await self.tinker.up.free_slots(engines)
+        free = await self.up.room(engines)
         refusals = {e.name: self._refused(e, client) for e in engines}
         free = {name: n for name, n in free.items() if refusals.get(name) is None}
         choice = routing.pick_engine(free) or next(iter(sorted(free)), None)
@@ -168,7 +159,7 @@ class Models:
     def _refused(self, engine: Engine, client: dict[str, Any]) -> Response | None:
         """422 where the module kinds asked would train a module the engine's pool does not
         allow (as the operator's admission: client_modules.py); None where it may take it."""
-        allowed, wrapped = engine.allowed_target_modules, self.tinker.up.wrapped.get(engine.name)
+        allowed, wrapped = engine.allowed_target_modules, self.up.wrapped.get(engine.name)
         if allowed is None or wrapped is None:
             return None  # not known here: the operator's admission checks it
         asked = client_modules.granted(client, allowed)
@@ -202,7 +193,7 @@ class Models:
         engine = self.directory.engine(found.engine or "")
         if found.state != "running" or engine is None:
             return JSONResponse(gx.paused_error(found.reason), 503)
-        return await self.tinker._forward(
+        return await self.forwarder.forward(
             request, engine, ns, route, body, futures=lambda rid: gx.model_future(exp, rid)
         )
 
@@ -217,7 +208,7 @@ class Models:
         )
         engine = self.directory.engine(found.engine or "")
         if found.state == "running" and engine is not None:
-            answer = await self.tinker._forward(
+            answer = await self.forwarder.forward(
                 request,
                 engine,
                 ns,
@@ -229,7 +220,7 @@ class Models:
         return answer
 
     async def _retrieve(self, request: Request, ns: str, body: bytes) -> Response | None:
-        doc = _json(body)
+        doc = json_doc(body)
         given = doc.get("request_id")
         split = gx.split_future(given) if isinstance(given, str) else None
         if split is None:
@@ -255,7 +246,7 @@ class Models:
         if kind == "create":
             return JSONResponse(gx.created_answer(exp))
         forwarded = json.dumps({**doc, "request_id": rid}).encode()
-        return await self.tinker._forward(
+        return await self.forwarder.forward(
             request,
             engine,
             ns,

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loraplex_operator.gateway import metrics, paths
+from loraplex_operator.gateway import metrics, paths, routing
 from loraplex_operator.gateway.directory import Directory
 from loraplex_operator.gateway.routing import Engine
 
@@ -175,13 +175,14 @@ class Upstream:
                 return engine
         return None
 
-    async def free_slots(self, engines: list[Engine]) -> dict[str, int]:
+    async def room(self, engines: list[Engine]) -> dict[str, int]:
+        """Each answering engine's room for one more model (routing.registered_room)."""
         answers = await self._ask(engines, "GET", "/v1/capacity", None, idempotent=True)
         out = {}
         for engine, r in answers:
             if r is not None and r.status_code == 200:
                 body = r.json()
-                out[engine.name] = int(body.get("freeSlots", body.get("free_slots", 0)))
+                out[engine.name] = routing.registered_room(body)
                 if isinstance(modules := body.get("targetModules"), list):
                     self.wrapped[engine.name] = [str(m) for m in modules]
         return out

@@ -1,7 +1,9 @@
 """`loraplex-engine run` makes every spec check of the engine's admission before it loads
 the model: a rank over --max-rank, an unknown reward or environment plug-in, a reward
-beside an environment, an eval beside an environment. Each is one line naming its field,
-exit status 2, from a real `loraplex-engine run` process.
+beside an environment, an eval beside an environment, an eval dataset that is missing or
+has no rows, a chat template the model's tokenizer lacks (for the prompts or an
+environment's observations). Each is one line naming its field, exit status 2, from a
+real `loraplex-engine run` process.
 
 "Before the model loads" is asserted three ways, none a fixed wall-clock bound: the
 process never imported torch (no model can load without it), it never printed the line
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,8 +63,20 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SOURCE, "LORAPLEX_MODEL": ""}
 
 
+def without_chat_template(model_dir: Path, out: Path) -> Path:
+    """A copy of the model whose tokenizer has no chat template (the tiny model ships one)."""
+    shutil.copytree(model_dir, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config = out / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    return out
+
+
 def run_cli(text: str, model: Path, cwd: Path) -> Outcome:
     (cwd / "m.yaml").write_text(text)
+    (cwd / "empty.jsonl").write_text("")  # an eval dataset that is there, with no rows
     argv = ["run", "m.yaml", "--model", str(model), "--out", str(cwd / "out")]
     t0 = time.monotonic()
     r = subprocess.run(
@@ -110,6 +125,23 @@ CASES = [
         "spec.task.reward",
     ),
     ("eval beside an environment", manifest("  eval: {everySteps: 1}\n", task=ENV), "spec.eval"),
+    (
+        "missing eval dataset",
+        manifest("  eval: {everySteps: 1, dataset: missing.jsonl}\n"),
+        "spec.eval.dataset",
+    ),
+    (
+        "eval dataset with no rows",
+        manifest("  eval: {everySteps: 1, dataset: empty.jsonl}\n"),
+        "spec.eval.dataset",
+    ),
+]
+CHAT = "{name: copy, chatTemplate: true}"
+CHAT_ENV = "{name: gsm8k, environment: {name: gsm8k-calculator, observationFormat: chat}}"
+# A model without a chat template: (case, manifest, the field named).
+CHAT_CASES = [
+    ("chat prompts", manifest(task=CHAT), "spec.task.chatTemplate"),
+    ("chat observations", manifest(task=CHAT_ENV), "spec.task.environment.observationFormat"),
 ]
 
 
@@ -125,6 +157,46 @@ def test_a_spec_the_engine_refuses_fails_before_the_model_loads(
     assert not out.torch_imported, f"{case}: torch imported before the error"
 
 
+@pytest.mark.parametrize(("case", "text", "field"), CHAT_CASES, ids=[c[0] for c in CHAT_CASES])
+def test_a_chat_template_the_model_lacks_fails_before_the_model_loads(
+    case: str, text: str, field: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The tokenizer is read alone (no weights, no torch), as serve's PUT checks it."""
+    plain = without_chat_template(tiny_model_dir, tmp_path / "plain")
+    out = run_cli(text, plain, tmp_path)
+    assert out.code == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert f"document 0 ('a'): {field}: the tokenizer of plain has no chat template" in line
+    assert LOADED not in out.stdout
+    assert not out.torch_imported, f"{case}: torch imported before the error"
+
+
+STEPS = [
+    ("no room for a prompt", "  rollout: {maxNewTokens: 512}\n", "spec.rollout.maxNewTokens"),
+    (
+        "step over --max-step-tokens",
+        "  rollout: {maxNewTokens: 8}\n",
+        "spec.algorithm.promptsPerStep",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "extra", "field"), STEPS, ids=[s[0] for s in STEPS])
+def test_a_step_over_the_engine_limits_fails_before_the_model_loads(
+    case: str, extra: str, field: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The step's token cost against the model's context (512 tokens) and the step limit
+    needs the model's config (torch: imported, the weights are not loaded)."""
+    text = manifest(extra)
+    if "promptsPerStep" in field:  # 64 x 16 rows of up to 512 tokens > 2^18
+        text = text.replace("{maxSteps: 2}", "{maxSteps: 2, groupSize: 64, promptsPerStep: 16}")
+    out = run_cli(text, tiny_model_dir, tmp_path)
+    assert out.code == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert f"document 0 ('a'): {field}:" in line, line
+    assert LOADED not in out.stdout
+
+
 def test_the_error_comes_sooner_than_a_good_run_loads_its_model(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -135,3 +207,12 @@ def test_the_error_comes_sooner_than_a_good_run_loads_its_model(
     assert bad.code == 2 and "spec.task.reward" in bad.stderr
     assert bad.seconds < loaded_s, (bad.seconds, loaded_s)
     print(f"unknown reward: exit 2 after {bad.seconds:.2f}s; a good run loaded in {loaded_s:.2f}s")
+    # The checks that read a file or the tokenizer: sooner too.
+    eval_text = manifest("  eval: {everySteps: 1, dataset: missing.jsonl}\n")
+    missing = run_cli(eval_text, tiny_model_dir, tmp_path)
+    assert missing.code == 2 and "spec.eval.dataset" in missing.stderr, missing.stderr
+    plain = without_chat_template(tiny_model_dir, tmp_path / "plain")
+    chat = run_cli(manifest(task=CHAT), plain, tmp_path)
+    assert chat.code == 2 and "spec.task.chatTemplate" in chat.stderr, chat.stderr
+    assert max(missing.seconds, chat.seconds) < loaded_s, (missing, chat, loaded_s)
+    print(f"eval dataset: {missing.seconds:.2f}s; chat template: {chat.seconds:.2f}s")

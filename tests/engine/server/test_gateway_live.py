@@ -10,6 +10,10 @@ directory.py's KubeDirectory builds from EnginePools, engine pods and labelled S
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,6 +164,47 @@ def test_tinker_trains_and_samples_through_the_gateway(gateway: GatewayProcess) 
     with pytest.raises(tinker.PermissionDeniedError):
         service(gateway, KEY_A_RO).create_lora_training_client(base_model=base, rank=4).result()
     client.close("success").result()  # saves and unloads: the slot is free again
+
+
+def test_a_checkpoint_downloads_through_the_gateway_for_its_namespace_only(
+    gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """``tinker checkpoint download`` with only the gateway's address: the signed URLs
+    the SDK is given are the gateway's, and no other namespace gets or uses them."""
+    client = service(gateway)
+    base = client.create_rest_client().get_server_capabilities().result()
+    tc = client.create_lora_training_client(
+        base_model=base.supported_models[0].model_name, rank=8, seed=0
+    ).result()
+    tc.forward_backward([sft([1, 40, 41], [100, 101, 102])], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.005)).result()
+    state = tc.save_state("to-download").result().path
+    env = {**os.environ, "TINKER_BASE_URL": gateway.url, "TINKER_API_KEY": KEY_A}
+    cli = [sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "-o", str(tmp_path)]
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (adapter,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+
+    ext = tc.save_weights_external("export").result().path
+    urls = client.create_rest_client().get_external_weights_urls(ext).result().urls
+    files = f"{gateway.url}/api/v1/external_weights_files/team-a/"
+    assert all(u.startswith(files) for u in urls.values()), urls  # never the engine's
+    url = urls["adapter_model.safetensors"]
+    got = httpx.get(url, timeout=60)  # as the SDK fetches it: no key
+    assert got.status_code == 200, got.text
+    assert len(got.content) == int(got.headers["content-length"]) > 1000
+    # B's key: A's run is not found to sign, and A's URL is refused carrying it
+    with pytest.raises(tinker.NotFoundError):
+        service(gateway, KEY_B).create_rest_client().get_external_weights_urls(ext).result()
+    assert httpx.get(url, headers={"X-API-Key": KEY_B}).status_code == 404
+    assert httpx.get(url.replace("/team-a/", "/team-b/")).status_code == 404  # B has no such run
+    assert httpx.get(url[:-4] + "0000").status_code == 401  # the signature is the engine's
+    client.close("success").result()
 
 
 def test_a_revoked_key_stops_without_a_restart(

@@ -5,15 +5,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from tinker import types
 
 from tests.engine.tenancy.test_tenant_isolation import put, spec, status
-from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_process import EngineServer, tinker_engine_fixture, wait_until
 from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
@@ -22,19 +20,7 @@ KEY = "tml-team-a-0123456789abcdef"
 STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineServer]:
-    work = tmp_path_factory.mktemp("train-passes")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
-        yield srv
+server = tinker_engine_fixture("train-passes", {"team-a": KEY})
 
 
 def counters(api: httpx.Client) -> tuple[float, float]:

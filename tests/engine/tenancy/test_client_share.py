@@ -82,8 +82,13 @@ def test_a_co_tenant_between_calls_still_counts_and_nothing_runs_on_credit_alone
     assert tokens(share.take({**a, "b": [lane("b", 100)]}, None, 0.0), "a") == 1000
     assert share.take(a, None, 0.1) == []  # B between calls: A waits
     assert not share.plan(a, None, 0.2).taken
-    # B gone for longer than RECENT_S: A is alone, and runs
-    assert tokens(share.take(a, None, 0.1 + RECENT_S + 0.01), "a") == 2000
+    # B gone for longer than RECENT_S: A is alone, and runs. The share says when, so an
+    # idle engine looks again then (Engine._wake_when_the_share_settles), not a poll later.
+    settles = share.settles_at(0.2)
+    assert settles is not None and RECENT_S < settles <= RECENT_S + 0.01, settles
+    assert not share.plan(a, None, RECENT_S).taken  # the window's last instant: still B's
+    assert tokens(share.take(a, None, settles), "a") == 2000
+    assert share.settles_at(settles + RECENT_S + 0.01) is None  # nobody recent: no wake-up
 
 
 def test_a_lane_is_taken_as_a_prefix() -> None:
@@ -100,3 +105,20 @@ def test_a_co_tenant_with_only_its_optim_step_queued_still_sets_the_pace() -> No
     share.take({**a, "b": [lane("b", 6)]}, None, 0.0)
     taken = share.take({**a, "b": [lane("b", 0)]}, None, 0.01)
     assert [w.namespace for w in taken] == ["b"]
+
+
+def test_an_optim_step_sets_no_size_so_equal_clients_stay_in_lockstep() -> None:
+    """A and B train one row each (95 tokens a forward_backward, 64 more its optim_step):
+    A's optim_steps miss their ticks and wait queued alone, B's come with its calls. Sized
+    by their training calls (an optim_step's ``pace`` 0), neither is dear: B runs every
+    tick. Sized by cost (as before), A's lone 64 made B dear beside it: B ran once, then
+    paid its debt for ticks (a third of 64 a tick) while its calls waited."""
+    lanes: Lanes[str] = {
+        "a": [[Work("a", 64, "a:optim_step", pace=0)]],
+        "b": [[Work("b", 159, "b:forward_backward+optim_step", pace=95)]],
+    }
+    by_cost: Lanes[str] = {ns: [[Work(ns, w.cost, w.item)]] for ns, [[w]] in lanes.items()}
+    for queued, b_ran in ((lanes, 5), (by_cost, 1)):
+        share = ClientShare(ceiling=20_000)
+        ticks = [share.take(queued, None, t * 0.01) for t in range(5)]
+        assert sum(tokens(taken, "b") > 0 for taken in ticks) == b_ran

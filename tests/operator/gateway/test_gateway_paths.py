@@ -78,6 +78,11 @@ def test_a_plain_path_passes_unchanged(raw: str) -> None:
             f"training_runs/{SID}:train:0/checkpoints/external_weights/x/external_weights_urls",
             "training_runs/{}/checkpoints/{}/{}/external_weights_urls",
         ),
+        (
+            "GET",
+            f"external_weights_files/team-a/{SID}:train:0/external_weights/x/adapter_config.json",
+            "external_weights_files/{}/{}/{}/{}/{}",
+        ),
     ],
 )
 def test_the_sdks_routes_match_as_themselves(method: str, route: str, name: str) -> None:
@@ -105,7 +110,9 @@ def test_the_sdks_routes_match_as_themselves(method: str, route: str, name: str)
         ("GET", "training_runs/" + "x" * 600, 400),
         ("GET", f"training_runs/{SID}:train:0/checkpoints/weights/final", 404),  # DELETE only
         ("DELETE", f"training_runs/{SID}:train:0/checkpoints/../final", 400),
-        ("GET", f"external_weights_files/team-a/{SID}:train:0/external_weights/x/f", 404),
+        ("POST", f"external_weights_files/team-a/{SID}:train:0/external_weights/x/f", 404),
+        ("GET", f"external_weights_files/team-a/{SID}:train:0/external_weights/x", 404),
+        ("GET", f"external_weights_files/team-a/{SID}:train:0/external_weights/x/..", 400),
     ],
 )
 def test_anything_else_is_refused(method: str, route: str, status: int) -> None:
@@ -186,7 +193,16 @@ def test_the_allowlist_is_the_sdks_and_the_engines() -> None:
         sdk += f.read_text(encoding="utf-8")
     modules = (routes, rest, future_routes, checkpoint_routes)
     engine = "".join(Path(m.__file__).read_text() for m in modules)
+    from loraplex_operator.gateway import tinker_downloads
+
+    # The signed download URL's route: the SDK fetches the URL it is given, and the
+    # engine's route is written with its FILES constant.
+    download = f"{tinker_downloads.FILES}/{{}}/{{}}/{{}}/{{}}/{{}}"
+    assert tinker_downloads.FILES == checkpoint_routes.FILES
+    assert '@r.get(f"/{FILES}/{{ns}}/{{run_id}}/{{kind}}/{{name}}/{{file}}"' in engine
     for t in paths.TINKER_ROUTES:
+        if t.name == download:
+            continue
         sdk_name = t.name.replace("checkpoints/{}/{}", "checkpoints/{}")  # the SDK's <kind>/<name>
         sdk_pattern = re.escape("/api/v1/" + sdk_name).replace(re.escape("{}"), r"\{\w+\}")
         if t.name not in ("forward", "unload_model"):

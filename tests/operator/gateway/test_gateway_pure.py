@@ -112,6 +112,17 @@ def test_a_new_session_goes_where_most_slots_are_free() -> None:
     assert routing.pick_engine({"a": 0}) is None and routing.pick_engine({}) is None
 
 
+def test_an_engine_s_room_is_what_it_registers_where_it_pages() -> None:
+    full_slots = {"freeSlots": 0, "usedSlots": 8, "maxRegistered": 512, "pagedAdapters": 100}
+    assert routing.registered_room(full_slots) == 404  # its slots are full, it pages
+    full = {"freeSlots": 0, "usedSlots": 8, "maxRegistered": 512, "pagedAdapters": 504}
+    assert routing.registered_room(full) == 0
+    no_paging = {"freeSlots": 3, "usedSlots": 5}  # an engine built before paging
+    assert routing.registered_room(no_paging) == 3
+    assert routing.registered_room({"maxRegistered": "9", "freeSlots": 1}) == 1  # not a count
+    assert routing.registered_room({}) == 0
+
+
 def test_the_protobuf_model_id_is_read_from_the_wire() -> None:
     from tinker.proto import tinker_public_pb2 as pb
 

@@ -292,6 +292,13 @@ class ClientModels:
 
     # ---- the tick's side --------------------------------------------------------------
 
+    def held_until(self) -> float | None:
+        """With calls queued that the fair share holds back, when it may take them with no
+        new call arriving (ClientShare.settles_at); None when nothing waits on that."""
+        with self._lock:
+            queued = any(any(lanes) for lanes in self._lanes().values())
+            return self.share.settles_at(time.monotonic()) if queued else None
+
     def has_work(self, reference: int | None = None) -> bool:
         """The next training tick would take a call (tick/time_share.py): the fair
         share may hold a dear namespace's calls back (tenancy/client_share.py)."""

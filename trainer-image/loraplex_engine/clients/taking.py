@@ -42,7 +42,8 @@ def segment_items(model: ClientModel) -> list[Work[Taken]]:
     if not queue:
         return []
     if queue[0].kind not in TRAIN_KINDS:
-        return [Work(ns, CALL_TOKENS, Taken(model, (queue[0],)))]
+        ops = (queue[0],)
+        return [Work(ns, CALL_TOKENS, Taken(model, ops), CALL_TOKENS - _pace_free(ops))]
     items = []
     n = 0
     while n < len(queue) and queue[n].kind in TRAIN_KINDS:
@@ -51,8 +52,14 @@ def segment_items(model: ClientModel) -> list[Work[Taken]]:
         ops = (queue[i],)
         if i == n - 1 and n < len(queue) and queue[n].kind == "optim_step":
             ops += (queue[n],)
-        items.append(Work(ns, call_tokens(queue[i]) + CALL_TOKENS * len(ops), Taken(model, ops)))
+        cost = call_tokens(queue[i]) + CALL_TOKENS * len(ops)
+        items.append(Work(ns, cost, Taken(model, ops), cost - _pace_free(ops)))
     return items
+
+
+def _pace_free(ops: Sequence[Op]) -> int:
+    """Tokens of ``ops`` that set no pace: an ``optim_step``'s (client_share.Work.pace)."""
+    return CALL_TOKENS * sum(op.kind == "optim_step" for op in ops)
 
 
 def call_tokens(op: Op) -> int:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from loraplex_engine.environments.base import Step
-from loraplex_engine.environments.episodes import Observe
 from loraplex_engine.spec.errors import InvalidSpecError
 from loraplex_engine.tokens import TokenCodec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # episodes.py imports torch; `run` checks templates before it loads
+    from loraplex_engine.environments.episodes import Observe
     from loraplex_engine.spec.experiment import TaskSpec
 
 # Characters of an observation encoded at most per token of room (a token is at least a

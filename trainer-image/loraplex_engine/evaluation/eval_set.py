@@ -1,10 +1,9 @@
 """An experiment's eval set and the rollout rows of one eval (docs/evaluation.md).
 
 The set is fixed when the experiment is built (outside the engine's model lock): drawn
-from the task with a seed of its own, or the first rows of ``spec.eval.dataset`` (read
-as task.dataset is, any format and source, under the same rules: data/sources.py,
-tenancy/trust.py). Every eval
-samples the same prompts, so its numbers are comparable step to step and run to run.
+from the task with a seed of its own, or the first rows of ``spec.eval.dataset``
+(eval_data.py: read as task.dataset is). Every eval samples the same prompts, so its
+numbers are comparable step to step and run to run.
 The rows of one eval ride in the tick's rollout batch beside the experiment's step
 (tick/tick.py) under a sampling group of their own: they never train, and they draw no
 randomness from the training samples' generator.
@@ -18,18 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex_engine.data.sources import resolve_dataset
+from loraplex_engine.evaluation.eval_data import FIELD, eval_dataset_rows
 from loraplex_engine.evaluation.fit import check_eval_fits
 from loraplex_engine.rollout.base import RolloutRequest
 from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.spec.eval import EvalSpec
 from loraplex_engine.spec.eval_scores import EVAL_SEED_SALT, eval_seed
 from loraplex_engine.spec.experiment import ExperimentSpec
-from loraplex_engine.tasks import JsonlTask, Prompt, Task
-from loraplex_engine.tasks.dataset import DatasetTask, open_dataset
+from loraplex_engine.tasks import Prompt, Task
 from loraplex_engine.tenancy.trust import TrustPolicy
 
-FIELD = "spec.eval.dataset"
 EVAL_GROUP_SUFFIX = "~eval"  # its rows' sampling group: "<experiment id>~eval"
 
 
@@ -64,26 +61,7 @@ def build_eval_set(
     if ev.dataset is None:
         rng = random.Random(spec.algorithm.seed ^ EVAL_SEED_SALT)
         return EvalSet(ev, tuple(task.sample_prompts(ev.prompts, rng)))
-    return EvalSet(ev, tuple(_dataset_rows(ev, trust, namespace)))
-
-
-def _dataset_rows(ev: EvalSpec, trust: TrustPolicy, namespace: str) -> list[Prompt]:
-    """The first ``prompts`` rows of the eval dataset, read as a task's dataset is (any
-    format, local or object storage, checked whole: data/sources.py, tasks/dataset.py)."""
-    assert ev.dataset is not None
-    data: Task | None = None
-    try:
-        source = resolve_dataset(trust, ev.dataset, ev.dataset_options, namespace)
-        data = open_dataset(source, {}, None)
-        assert isinstance(data, JsonlTask | DatasetTask)  # what open_dataset opens: rows
-        if not len(data):
-            raise TaskError(FIELD, f"eval dataset {ev.dataset!r} has no rows")
-        return [data.row(i) for i in range(min(ev.prompts, len(data)))]
-    except TaskError as e:  # the rules are task.dataset's: name the eval's own fields
-        raise TaskError(e.field.replace("spec.task.", "spec.eval.", 1), e.message) from None
-    finally:
-        if data is not None:
-            data.close()
+    return EvalSet(ev, tuple(eval_dataset_rows(ev, trust, namespace)))
 
 
 def eval_rows(

@@ -1,21 +1,25 @@
 """What `loraplex-engine run` checks before it imports torch: its flags, the manifest
-file (every problem of every document at once), the slots, the model directory and the
-datasets. A mistake there is one line in a fraction of a second, not after seconds of
-imports; only the target modules need the model's module tree (:func:`with_targets`).
+file (every problem of every document at once), the slots, the model directory, the
+datasets (the eval's read) and the chat templates (the tokenizer read alone). A mistake
+there is one line in a second or two, not after seconds of imports; only the target
+modules need the model's module tree (:func:`with_targets`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex_engine.base_model import check_model_dir
-from loraplex_engine.data.sources import resolve_dataset
+from loraplex_engine.base_model import check_model_dir, tokenizer_of
 from loraplex_engine.local.manifests import Manifest, parse_manifests
 from loraplex_engine.local.overrides import manifest_text
+from loraplex_engine.plan.admission import Resources, needs_chat_template, resource_problems
+from loraplex_engine.plan.experiment import check_step
+from loraplex_engine.plan.limits import EngineLimits
 from loraplex_engine.settings.commands import RunSettings
-from loraplex_engine.spec.errors import FieldError, UsageError
-from loraplex_engine.spec.experiment import DATA_TASKS
+from loraplex_engine.spec.errors import InvalidSpecError, ManifestError, UsageError
 from loraplex_engine.tenancy.trust import TrustPolicy
+from loraplex_engine.tenancy.work_limits import WorkLimits
+from loraplex_engine.tokens import TokenCodec
 
 
 def trust_of(settings: RunSettings) -> TrustPolicy:
@@ -40,15 +44,30 @@ def check_run(settings: RunSettings) -> list[Manifest]:
             f"{settings.max_adapters} adapter slots (raise --max-adapters)"
         )
     check_model_dir(settings.model)
-    trust = trust_of(settings)
-    for m in manifests:
-        task = m.spec.task
-        if task.name in DATA_TASKS and task.dataset:
-            try:
-                resolve_dataset(trust, task.dataset, task.dataset_options, m.namespace)
-            except FieldError as e:
-                raise UsageError(f"{source}: {m.name}: {e}") from None
+    check_resources(manifests, settings)
     return manifests
+
+
+def check_resources(manifests: list[Manifest], settings: RunSettings) -> None:
+    """The admission's checks of files and chat templates (plan/admission.py), each
+    problem a line naming its document and field, as the manifest's own; the tokenizer
+    is read only where a manifest renders through its chat template."""
+    codec = None
+    if any(needs_chat_template(m.spec.task) for m in manifests):
+        codec = TokenCodec(tokenizer_of(settings.model))
+    # Named as the engine names its model: its directory's name (engine_parts.py).
+    res = Resources(trust_of(settings), Path(settings.model).name, codec)
+    problems = []
+    for index, m in enumerate(manifests):  # one manifest per document, in order
+        for e in resource_problems(m.spec, m.namespace, res):
+            problems.append(problem_line(index, m, e))
+    if problems:
+        raise ManifestError(settings.manifests, problems)
+
+
+def problem_line(index: int, m: Manifest, e: InvalidSpecError) -> str:
+    """As parse_manifests words a document's problem (one manifest per document)."""
+    return f"document {index} ({m.name!r}): {e.field or 'spec'}: {e.message}"
 
 
 def with_targets(settings: RunSettings) -> list[Manifest]:
@@ -58,4 +77,24 @@ def with_targets(settings: RunSettings) -> list[Manifest]:
 
     known = lora_targets_of(settings.model)
     text = manifest_text(settings.manifests, settings.only, settings.overrides)
-    return parse_manifests(text, settings.manifests, settings.max_rank, known)
+    manifests = parse_manifests(text, settings.manifests, settings.max_rank, known)
+    check_step_costs(manifests, settings)
+    return manifests
+
+
+def check_step_costs(manifests: list[Manifest], settings: RunSettings) -> None:
+    """Each step's token cost against the engine's limits and the model's context, the
+    check the engine's PUT compiles (plan.experiment.check_step): needs the config."""
+    from loraplex_engine.base_model import context_tokens_of
+
+    s = settings.engine()
+    work = WorkLimits(s.max_prompt_tokens, s.max_step_tokens, context_tokens_of(settings.model))
+    limits = EngineLimits(settings.max_rank, None, work)
+    problems = []
+    for index, m in enumerate(manifests):  # one manifest per document, in order
+        try:
+            check_step(m.spec, limits)
+        except InvalidSpecError as e:
+            problems.append(problem_line(index, m, e))
+    if problems:
+        raise ManifestError(settings.manifests, problems)

@@ -22,7 +22,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -35,6 +34,7 @@ from loraplex_engine.memory.pages import (
     expand_grads,
     host_copy,
 )
+from loraplex_engine.memory.spill_owner import SpillDir
 from loraplex_engine.spec.errors import NoFreeSlotError, UnknownAdapterError, UsageError
 from loraplex_engine.train.optim import PerAdapterAdamW
 
@@ -81,7 +81,7 @@ class AdapterPager:
         optimizer: PerAdapterAdamW,
         max_registered: int,
         host_budget: int | None = None,
-        spill_dir: Path | None = None,
+        spill_dir: SpillDir | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.max_registered = max_registered
@@ -95,6 +95,9 @@ class AdapterPager:
         self.busy: set[str] = set()  # this tick's working set: never evicted
         self.stats = PagingStats()
         self._host_bytes = 0
+        # The pages in host memory, paged out longest ago first: what spills next, found
+        # without walking the (mostly spilled) pages of ten thousand adapters.
+        self._in_host: OrderedDict[str, None] = OrderedDict()
 
     # ---- the registry ------------------------------------------------------------------
 
@@ -122,6 +125,7 @@ class AdapterPager:
         """It was removed: its page (if any) goes too."""
         self._resident.pop(name, None)
         page = self.pages.pop(name, None)
+        self._in_host.pop(name, None)
         if isinstance(page, AdapterPage):
             self._host_bytes -= page.nbytes()
         elif page is not None:
@@ -178,6 +182,7 @@ class AdapterPager:
         model.remove_adapter(name)
         del self._resident[name]
         self.pages[name] = page
+        self._in_host[name] = None
         self._host_bytes += page.nbytes()
         self._spill_coldest()
         self.stats.page_outs += 1
@@ -208,6 +213,7 @@ class AdapterPager:
             self.model.remove_adapter(name)
             raise
         del self.pages[name]
+        self._in_host.pop(name, None)
         if held is page:
             self._host_bytes -= page.nbytes()
         else:
@@ -223,19 +229,20 @@ class AdapterPager:
         """Past the host budget, the pages paged out longest ago go to files."""
         if self.host_budget is None or self.spill_dir is None:
             return
-        for name, page in list(self.pages.items()):
-            if self._host_bytes <= self.host_budget:
-                return
-            if isinstance(page, AdapterPage):
-                self.pages[name] = spill.write(page, self.spill_dir)
-                self._host_bytes -= page.nbytes()
-                self.stats.spills += 1
+        while self._in_host and self._host_bytes > self.host_budget:
+            name, _ = self._in_host.popitem(last=False)
+            page = self.pages[name]
+            assert isinstance(page, AdapterPage)
+            self.pages[name] = spill.write(page, self.spill_dir.path)
+            self._host_bytes -= page.nbytes()
+            self.stats.spills += 1
 
     def close(self) -> None:
-        spill.clear(self.spill_dir)
+        if self.spill_dir is not None:  # spilled pages die with the process
+            self.spill_dir.release()
 
     def spilled(self) -> int:
-        return sum(isinstance(p, spill.SpilledPage) for p in list(self.pages.values()))
+        return max(0, len(self.pages) - len(self._in_host))  # read from request threads
 
     def _restore(self, page: AdapterPage) -> None:
         name = page.name

@@ -4,15 +4,14 @@ come back from there when a tick needs them. One safetensors file per adapter, i
 tensors exactly as paged (so a spilled adapter is still bit for bit itself) and its
 config, optimiser settings and step as JSON metadata; written atomically (a temporary
 file renamed), removed once read back or forgotten. Names are hashed into file names: an
-adapter's name carries a tenant's ids."""
+adapter's name carries a tenant's ids. Which directory is whose, and the sweep of a dead
+process's: memory/spill_owner.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,15 +83,3 @@ def read(spilled: SpilledPage) -> records.AdapterPage:
 
 def remove(spilled: SpilledPage) -> None:
     spilled.path.unlink(missing_ok=True)
-
-
-def spill_dir(root: Path) -> Path:
-    """This engine process's own directory under the checkpoint root (engines may share a
-    volume; a namespace's name never starts with a dot). Created on the first spill."""
-    return root / ".paged-adapters" / uuid.uuid4().hex
-
-
-def clear(directory: Path | None) -> None:
-    """The engine closes: its spilled pages die with its resident adapters."""
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)

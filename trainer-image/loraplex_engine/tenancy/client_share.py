@@ -42,16 +42,28 @@ T = TypeVar("T")
 
 LOCKSTEP = 1.5  # as fair_share.rollout_interval: under 1.5x the cheapest runs every tick
 RECENT_S = 1.0  # a namespace served this recently is a co-tenant while its call is on its way
+SETTLED_S = 0.001  # settles_at() answers this long after a window ends: past its last instant
 
 
 @dataclass(frozen=True)
 class Work(Generic[T]):
     """One item of a namespace's client work: a training call (with the ``optim_step``
-    after it when that is the segment's last), a sample call, or another call (cost 0)."""
+    after it when that is the segment's last), a sample call, or another call.
+
+    ``cost``: its tokens, what the tick's budgets spend. ``pace``: what it says of its
+    namespace's size, the demand the cheapest tenant and the lockstep are judged by (None:
+    its cost). An ``optim_step``'s is 0: it ends a step its training call priced, and
+    comes with it or a moment after it (taking.late_steps), so two clients of one size
+    look alike whichever way it came."""
 
     namespace: str
     cost: int
     item: T
+    pace: int | None = None
+
+    @property
+    def size(self) -> int:
+        return self.cost if self.pace is None else self.pace
 
 
 Lanes = dict[str, list[list[Work[T]]]]  # namespace -> its lanes, each in call order
@@ -74,10 +86,9 @@ class ClientShare:
 
     def plan(self, lanes: Lanes[T], reference: int | None, now: float) -> Plan[T]:
         """What a tick starting ``now`` would take; changes nothing."""
-        demand = {ns: sum(w.cost for lane in ls for w in lane) for ns, ls in lanes.items()}
-        demand = {ns: d for ns, d in demand.items() if any(lanes[ns])}
+        demand = {ns: d for ns, d in _demand(lanes).items() if any(lanes[ns])}
         # A namespace served lately with nothing priced queued now counts at its demand
-        # then: its next call is on its way, or what it has queued is the cost-free rest
+        # then: its next call is on its way, or what it has queued is the pace-free rest
         # of a step (its optim_step).
         recent = {ns: d for ns, (t, d) in self.seen.items() if now - t <= RECENT_S}
         pace = {**recent, **{ns: d for ns, d in demand.items() if d > 0}}
@@ -103,12 +114,24 @@ class ClientShare:
         plan = self.plan(lanes, reference, now)
         self.credit = plan.credit if plan.dear else 0  # no dear work: nothing to pay back
         self.cursor = plan.cursor
-        for ns, ls in lanes.items():
-            d = sum(w.cost for lane in ls for w in lane)
+        for ns, d in _demand(lanes).items():
             if d > 0 and any(w.namespace == ns for w in plan.taken):
                 self.seen[ns] = (now, d)
         self.seen = {ns: s for ns, s in self.seen.items() if now - s[0] <= RECENT_S}
         return plan.taken
+
+    def settles_at(self, now: float) -> float | None:
+        """When the oldest namespace served within ``RECENT_S`` of ``now`` stops counting
+        as a co-tenant: what a held-back namespace may take can change then with no new
+        call, so an idle engine looks again at that moment, not a poll later. Just past
+        the window's end (plan() counts its last instant as recent); None: none is recent."""
+        ends = [t + RECENT_S for t, _ in self.seen.values() if now - t <= RECENT_S]
+        return min(ends) + SETTLED_S if ends else None
+
+
+def _demand(lanes: Lanes[T]) -> dict[str, int]:
+    """Each namespace's queued demand, by its items' pace (``Work.size``)."""
+    return {ns: sum(w.size for lane in ls for w in lane) for ns, ls in lanes.items()}
 
 
 def _in_turn(lanes: Lanes[T], order: Sequence[str]) -> Iterator[Work[T]]:

@@ -13,15 +13,9 @@ import pytest
 from loraplex_engine.server.app import create_app
 from loraplex_engine.server.tinker.keys import AdminDelegation
 
-from tests.engine.server.test_server_app import FakeEngine
-from tests.engine.server.tinker.test_tinker_protocol import (
-    BASE,
-    KEY_A,
-    KEY_B,
-    Server,
-    _tokenizer_dir,
-)
+from tests.support.fake_engine import FakeEngine
 from tests.support.tinker_double import FakeTraining
+from tests.support.tinker_server import BASE, KEY_A, KEY_B, Server, tokenizer_dir
 
 ADMIN = {"Authorization": "Bearer admin-token"}
 
@@ -84,7 +78,7 @@ def test_only_the_admin_token_may_name_a_namespace(server: Server) -> None:
 
 
 def test_an_engine_with_a_token_and_no_tenant_keys_serves_the_gateway(tmp_path: Path) -> None:
-    training = FakeTraining(BASE, _tokenizer_dir(tmp_path / "tok"), slots=1)
+    training = FakeTraining(BASE, tokenizer_dir(tmp_path / "tok"), slots=1)
     app = create_app(FakeEngine(), "admin-token", training=lambda: training)
     from fastapi.testclient import TestClient
 

@@ -8,16 +8,14 @@ namespace (another's session or request answers 404 naming the field).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from tinker import types
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine_fixture
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -27,19 +25,7 @@ KEY_B = "tml-team-b-0123456789abcdef"
 PROMPT = [1, 40, 41, 42]
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineServer]:
-    work = tmp_path_factory.mktemp("tinker-futures")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY_A}\nteam-b {KEY_B}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=2, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
-        yield srv
+server = tinker_engine_fixture("tinker-futures", {"team-a": KEY_A, "team-b": KEY_B}, max_adapters=2)
 
 
 def post(

@@ -7,14 +7,11 @@ bad ``kind`` is a 422 naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 from tinker import types
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import tinker_engine_fixture
 from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow
@@ -25,19 +22,7 @@ ANSWER = [100, 101, 102, 103]
 GREEDY = types.SamplingParams(max_tokens=len(ANSWER), temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineServer]:
-    work = tmp_path_factory.mktemp("tinker-inflight")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
-        yield srv
+server = tinker_engine_fixture("tinker-inflight", {"team-a": KEY})
 
 
 def _say(sampler) -> tuple[list[int], str]:

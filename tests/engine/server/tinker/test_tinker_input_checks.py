@@ -222,3 +222,13 @@ def test_a_requests_own_error_never_stops_the_engine_loop() -> None:
         assert engine.ticks >= 10 and loop.running and not loop.failed
     finally:
         loop.stop(5)
+
+
+def test_stable_reinforce_is_refused_saying_what_is_missing_and_what_to_pass() -> None:
+    """Tinker publishes what stable_reinforce takes but not its objective: the refusal
+    names loss_fn, says so, and names the loss a cookbook recipe can pass instead."""
+    with pytest.raises(InvalidRequestError) as refused:
+        wire.loss_call("stable_reinforce", {})
+    assert refused.value.field == "loss_fn"
+    message = str(refused.value)
+    assert "objective" in message and "loss_fn=importance_sampling" in message, message

@@ -7,7 +7,6 @@ optimiser, refused with the field named.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine_fixture
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -25,19 +24,7 @@ PROMPT = [1, 40, 41, 42]
 SAMPLED = [100, 101, 102, 103]
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineServer]:
-    work = tmp_path_factory.mktemp("tinker-losses")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
-        yield srv
+server = tinker_engine_fixture("tinker-losses", {"team-a": KEY})
 
 
 @pytest.fixture

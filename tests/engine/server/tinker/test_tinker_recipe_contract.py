@@ -1,8 +1,9 @@
 """What tinker-cookbook's recipes take for granted of a Tinker server, over the real SDK
-against the protocol (TEST DOUBLE engine: tinker_double.FakeTraining, as in
-test_tinker_protocol.py): the base model answers to its hub id, the engine's own saves
-never take a name a client can write, a run's metadata outlives its model, a route the
-engine lacks says so, and a pending future is not an SDK warning."""
+against the protocol (TEST DOUBLE engine: tinker_double.FakeTraining, served by
+tests/support/tinker_server.py as for test_tinker_protocol.py): the base model answers to
+its hub id, the engine's own saves never take a name a client can write, a run's metadata
+outlives its model, a route the engine lacks says so, and a pending future is not an SDK
+warning."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pytest
 from loraplex_engine.spec.training_service import OptimStep
 from tinker import types
 
-from tests.engine.server.tinker.test_tinker_protocol import BASE, KEY_A, Server
 from tests.support.tinker_double import FakeTraining
+from tests.support.tinker_server import BASE, KEY_A, Server
 
 HUB_ID = "Qwen/Qwen3-4B-Instruct-2507"
 

@@ -8,7 +8,6 @@ the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import torch
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from tests.support.server_process import EngineServer
+from tests.support.server_process import EngineServer, tinker_engine_fixture
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -29,19 +28,7 @@ NEW = 5
 ATOL = 2e-4  # float32, another kernel path
 
 
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineServer]:
-    work = tmp_path_factory.mktemp("tinker-sample-options")
-    keys = work / "keys.txt"
-    keys.write_text(f"team-a {KEY}\n")
-    srv = EngineServer(
-        tiny_model_dir, work / "ckpt", max_adapters=2, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
-    )  # fmt: skip
-    with srv:
-        yield srv
+server = tinker_engine_fixture("tinker-sample-options", {"team-a": KEY}, max_adapters=2)
 
 
 @pytest.fixture(scope="module")

@@ -469,8 +469,10 @@ class Protocol:
             raise InvalidRequestError("not supported", field="prompt_alt_tokens_k")
         if body.get("record_stability_info"):
             raise InvalidRequestError(
-                "not supported: it serves only the stable_reinforce loss, which this "
-                "engine does not implement (its objective is not published)",
+                "not supported: it records what the stable_reinforce loss reads, and "
+                + wire.STABLE_REINFORCE_MISSING
+                + "; sample without it and train with loss_fn=importance_sampling (the "
+                "cookbook records only for loss_fn=stable_reinforce)",
                 field="record_stability_info",
             )
         call = sample_call(body, self.training().limits)

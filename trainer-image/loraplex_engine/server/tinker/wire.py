@@ -36,13 +36,20 @@ PROTOBUF = "application/x-protobuf"
 BYTES_PER_TOKEN = 64
 BODY_SLACK_BYTES = 2 * 1024 * 1024
 LOSSES: tuple[str, ...] = get_args(LossName)
+# Why stable_reinforce is refused (at forward_backward and at a sample that records for
+# it): Tinker's docs and SDK give what it takes, never the formula it computes from that.
+STABLE_REINFORCE_MISSING = (
+    "the stable_reinforce loss is not implemented: Tinker publishes what it takes (samples "
+    "recorded with record_stability_info, provenance spans naming their sequence_id, "
+    "loss_fn_config kl_coeff) but not the objective it computes from them, so no "
+    "implementation here could be shown to match it"
+)
 # The SDK's loss names this engine does not implement: each answers a clear error.
 UNSUPPORTED_LOSSES = {
     "custom": "server-side custom losses are not supported; the SDK runs "
     "forward_backward_custom on the client (this server answers custom_loss_server_side=false)",
-    "stable_reinforce": "the stable_reinforce loss is not implemented: Tinker publishes its "
-    "inputs (record_stability_info, provenance spans) but not its objective, so no "
-    "implementation here could be checked to match it; use gspo, ppo or cispo",
+    "stable_reinforce": STABLE_REINFORCE_MISSING + "; pass loss_fn=importance_sampling "
+    "instead (or cispo, gspo, ppo)",
 }
 # loss_fn_inputs the engine reads, and the dtype each must have on the wire.
 INPUT_DTYPES = {
