@@ -56,15 +56,14 @@ test-deps:
 	@$(MAKE) --no-print-directory -j3 -Otarget vllm-venv tiny-model gpu-rehearsal-wheels
 	@$(MAKE) --no-print-directory tools
 
-# The suite runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (a module's
-# shared engine stays one engine), in the order tests/conftest.py gives: the files that
-# start processes first (xdist's own order, most tests first, would leave the single long
-# e2e files for last). The pace tests compare a tenant's rate with its rate alone, which a
+# The suite mostly waits on the engine and operator processes it starts, so it runs on
+# TEST_WORKERS pytest-xdist workers, a test file to a worker (a module's shared engine
+# stays one engine). The pace tests compare a tenant's rate with its rate alone, which a
 # neighbouring worker would disturb: they run after, one at a time (tests/support/pace.py).
 TEST_WORKERS ?= 2
 test: test-deps
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not pace"
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not pace"
 	$(PY) -m pytest -q --durations=10 -m pace $$($(PY) -m tests.support.pace)
 	$(MAKE) --no-print-directory test-kernel-paths
 
@@ -90,7 +89,7 @@ test-kernel-paths: tiny-model
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider \
-			-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $$files || exit 1; \
+			-n $(TEST_WORKERS) --dist loadfile $$files || exit 1; \
 	done
 
 # The wheels a lent GPU machine lacks (pydantic and its needs, cp312) in .whl, carried by
