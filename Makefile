@@ -78,8 +78,7 @@ test-unit: tiny-model
 # would fail on another machine's CPU. Each run first prints the path torch takes; the
 # native path, which the run above took, is not run again (avx2 on a machine without avx512).
 # Only the files that hold numeric tests are collected (tests/support/numeric.py): the whole
-# suite's collection took about a minute per path. One path's run kept the 2-core machine
-# at a load of about 1.3, so it too runs on TEST_WORKERS workers.
+# suite's collection took about a minute per path.
 KERNEL_PATHS ?= default avx2
 test-kernel-paths: tiny-model
 	@native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
@@ -88,8 +87,7 @@ test-kernel-paths: tiny-model
 		if [[ "$$cap" == "$$native" ]]; then echo "== $$cap is this machine's native path: run above"; continue; fi; \
 		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
-		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider \
-			-n $(TEST_WORKERS) --dist loadfile $$files || exit 1; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider $$files || exit 1; \
 	done
 
 # The wheels a lent GPU machine lacks (pydantic and its needs, cp312) in .whl, carried by

@@ -25,12 +25,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.path.name in NUMERIC_MODULES:
             item.add_marker(pytest.mark.numeric)
         mark_e2e(item)
-    # Longest first: the files that start processes (or run long) go before the in-process
-    # ones, so on `make test`'s pytest-xdist workers (a file to a worker) the long files
-    # start early and the short ones fill the end, not one worker finishing a long file
-    # alone. The sort is stable and by file, so a module's tests stay together in order.
-    heavy = {i.path for i in items if i.get_closest_marker("e2e") or i.get_closest_marker("slow")}
-    items.sort(key=lambda i: i.path not in heavy)
     # `make test-kernel-paths` collects only numeric_files(): a numeric test elsewhere
     # would silently never run on the other kernel paths.
     listed = set(numeric_files())
