@@ -78,17 +78,27 @@ test-unit: tiny-model
 # would fail on another machine's CPU. Each run first prints the path torch takes; the
 # native path, which the run above took, is not run again (avx2 on a machine without avx512).
 # Only the files that hold numeric tests are collected (tests/support/numeric.py): the whole
-# suite's collection took about a minute per path.
+# suite's collection took about a minute per path. The paths run side by side, each one
+# pytest process: one alone kept a 2-core machine at a load of about 1.3. Each path's
+# output is printed whole when it ends, so the two never interleave.
 KERNEL_PATHS ?= default avx2
 test-kernel-paths: tiny-model
 	@native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
-	files=$$($(PY) -m tests.support.numeric); \
+	files=$$($(PY) -m tests.support.numeric); logs=$$(mktemp -d); pids=(); caps=(); \
 	for cap in $(KERNEL_PATHS); do \
 		if [[ "$$cap" == "$$native" ]]; then echo "== $$cap is this machine's native path: run above"; continue; fi; \
-		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap"; \
-		ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())"; \
-		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider $$files || exit 1; \
-	done
+		echo "== numeric tests, ATEN_CPU_CAPABILITY=$$cap: started"; \
+		( ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print('torch kernel path:', torch.backends.cpu.get_cpu_capability())" \
+		  && ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numeric -p no:cacheprovider $$files ) > "$$logs/$$cap.log" 2>&1 & \
+		pids+=($$!); caps+=($$cap); \
+	done; \
+	failed=""; \
+	for i in "$${!pids[@]}"; do \
+		wait "$${pids[$$i]}" || failed="$$failed $${caps[$$i]}"; \
+		echo "== numeric tests, ATEN_CPU_CAPABILITY=$${caps[$$i]}"; cat "$$logs/$${caps[$$i]}.log"; \
+	done; \
+	rm -rf "$$logs"; \
+	if [[ -n "$$failed" ]]; then echo "== numeric tests failed on:$$failed"; exit 1; fi
 
 # The wheels a lent GPU machine lacks (pydantic and its needs, cp312) in .whl, carried by
 # the one `device` call of bench/gpu_device.sh (docs/benchmarks.md, "GPU"); and the same

@@ -16,8 +16,16 @@ from tests.support.numeric import NUMERIC_MODULES, numeric_files
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 
-# Two cores in CI: keep torch from oversubscribing when pytest runs engine processes too.
-torch.set_num_threads(int(os.environ.get("LORAPLEX_TEST_THREADS", "1")))
+# Two cores in CI, two test workers, and each test may start engine processes: one torch
+# thread per process, this one and every process a test starts (they inherit the
+# environment). With torch's default (a thread per core) the processes oversubscribe the
+# cores and OpenMP's spin-waits burn the difference: `loraplex-engine run` of the demo,
+# 6 steps, took 16.4-18.8 s of CPU against 10.4-11.2 with one thread, beside the
+# suite's load. A test that wants more threads passes them to its process explicitly.
+TEST_THREADS = os.environ.get("LORAPLEX_TEST_THREADS", "1")
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, TEST_THREADS)
+torch.set_num_threads(int(TEST_THREADS))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
