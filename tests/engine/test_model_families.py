@@ -12,7 +12,6 @@ test_model_families_vllm.py.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tests.engine.local.test_runner import assert_peft_adapter_loads
 from tests.support.engine_builders import engine, spec
+from tests.support.model_dirs import without_chat_template
 
 # arch: (its transformers config class, the LoRA targets an unset targetModules gets)
 FAMILIES: dict[str, tuple[str, list[str]]] = {
@@ -188,19 +188,8 @@ def test_chat_template_option_renders_prompts_through_the_template(family_dirs, 
     assert report is not None and eng.get_experiment("d.chat").phase == "Succeeded"
 
 
-def _without_chat_template(model_dir: Path, out: Path) -> Path:
-    """A copy of the model whose tokenizer has no chat template (tiny models ship one)."""
-    shutil.copytree(model_dir, out)
-    (out / "chat_template.jinja").unlink(missing_ok=True)
-    config = out / "tokenizer_config.json"
-    settings = json.loads(config.read_text())
-    settings.pop("chat_template", None)
-    config.write_text(json.dumps(settings))
-    return out
-
-
 def test_chat_template_without_a_template_is_refused_at_put(family_dirs, tmp_path) -> None:
-    eng = engine(_without_chat_template(family_dirs["qwen2"], tmp_path / "plain"), tmp_path)
+    eng = engine(without_chat_template(family_dirs["qwen2"], tmp_path / "plain"), tmp_path)
     task = {"name": "copy", "chatTemplate": True}
     with pytest.raises(InvalidSpecError, match="no chat template") as info:
         eng.put_experiment("d.x", spec(task), "d", "x")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,12 @@ from loraplex_engine.spec.api_types import ModelShape
 from loraplex_engine.spec.errors import UsageError
 
 CONFIG_FILE = "config.json"
+# Where a transformers tokenizer reads its chat template from (tokenization_utils_base):
+# its own file, a folder of named ones, the tokenizer config's entry; a processor's legacy
+# file is counted too (a template that may be there is the tokenizer's to decide).
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+TEMPLATE_DIR = "additional_chat_templates"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # An adapter that names no target modules gets the attention's query and value projections
 # (the LoRA paper's choice), under the names its family gives them: separate q_proj and
@@ -177,3 +184,35 @@ def fingerprint(model_dir: str | Path) -> str:
         with open(file, "rb") as f:
             h.update(f.read(_HEAD_BYTES))
     return "sha256:" + h.hexdigest()
+
+
+class TemplateFiles:
+    """A model directory's chat template as `run` checks it before its model loads:
+    whether there is one, from its files (transformers, a second or more to import, is
+    not needed to say there is none), and the tokenizer that renders it, read only when
+    a check renders the template (environments/observations.check_chat_templates)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = check_model_dir(model_dir)
+        self.has_chat_template = _has_template_file(self.model_dir)
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        return tokenizer_of(self.model_dir)
+
+
+def _has_template_file(path: Path) -> bool:
+    """Whether ``path`` holds a chat template where its tokenizer reads one; a config
+    that cannot be read says yes (the tokenizer, read later, names its problem)."""
+    if any((path / name).is_file() and (path / name).stat().st_size for name in TEMPLATE_FILES):
+        return True
+    named = path / TEMPLATE_DIR
+    if named.is_dir() and any(f.suffix == ".jinja" for f in named.iterdir()):
+        return True
+    config = path / TOKENIZER_CONFIG
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return True

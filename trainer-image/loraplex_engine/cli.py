@@ -98,7 +98,7 @@ def _run_stoppable(args: argparse.Namespace, stop: Any) -> int:
     from loraplex_engine.spec.errors import RankFailed
 
     try:
-        summary = run_file(settings, stop=stop)
+        summary = run_file(settings, stop=stop, checked=True)
     except RankFailed as e:  # the rank's own error is above (its stderr is ours)
         print(f"loraplex-engine run: error: {e}", file=sys.stderr)
         return 1

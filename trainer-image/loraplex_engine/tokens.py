@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from loraplex_engine.spec.errors import InvalidRequestError
+
+
+class ChatTemplates(Protocol):
+    """What a check of the chat template reads: whether the model has one, and the
+    tokenizer that renders it (a TokenCodec, or base_model.TemplateFiles before the
+    model loads)."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
 
 
 class TokenCodec:

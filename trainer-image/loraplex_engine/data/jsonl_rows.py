@@ -33,8 +33,13 @@ def parse_row(raw: bytes, keys: tuple[str, ...] = KEYS) -> tuple[str, ...] | str
     the tenant's data, not ours."""
     try:
         row = json.loads(raw.decode("utf-8"))
-        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in keys):
+        if not isinstance(row, dict):
             return row_shape(keys)
+        for k in keys:  # the first key that is not text, named (the tenant's own, clipped)
+            if k not in row:
+                return f"{row_shape(keys)} (it has no {k[:64]!r})"
+            if not isinstance(row[k], str):
+                return f"{row_shape(keys)} (its {k[:64]!r} is {_kind(row[k])})"
         values = tuple(row[k] for k in keys)
         for value in values:
             value.encode("utf-8")  # lone surrogates
@@ -49,6 +54,17 @@ def parse_row(raw: bytes, keys: tuple[str, ...] = KEYS) -> tuple[str, ...] | str
         return "too large to parse"
     except Exception as e:  # any other parse failure is still the row's
         return f"invalid JSON ({type(e).__name__})"
+
+
+def _kind(value: object) -> str:
+    """A JSON value's kind, as a row's problem names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a list" if isinstance(value, list) else "an object"
 
 
 def check_file(fd: int, end: int, max_line: int, keys: tuple[str, ...] = KEYS) -> str | None:

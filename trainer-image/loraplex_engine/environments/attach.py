@@ -77,13 +77,32 @@ def plug_in(
     if environment is not None:
         session = EnvironmentSession(environment, host)
         try:  # bad params are the PUT's 422, not the first episode's failure
-            session.check()
-        except (TaskError, PluginError) as e:
+            check_session(session)
+        except TaskError:
             session.close()
-            if isinstance(e, TaskError):
-                raise
-            raise TaskError("spec.task.environment.name", str(e)) from e
+            raise
         task.environment = session
     else:
         task.reward_fn = PluginReward(reward, host)
     return task
+
+
+def check_session(session: EnvironmentSession) -> None:
+    """The environment's verdict on its params (its ``check_params``, in its worker): a
+    ``TaskError`` naming the param, or the environment when it cannot answer."""
+    try:
+        session.check()
+    except PluginError as e:
+        raise TaskError("spec.task.environment.name", str(e)) from e
+
+
+def check_environment(environment: EnvironmentSpec, timeout: float, owner: str) -> None:
+    """:func:`check_session` in a worker of its own, closed after: what `run` asks before
+    its model loads (plan/admission.py); the engine's PUT asks the worker it keeps."""
+    session = EnvironmentSession(
+        environment, PluginHost(owner, f"environment:{environment.name}", timeout)
+    )
+    try:
+        check_session(session)
+    finally:
+        session.close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex_engine.environments.base import Step
 from loraplex_engine.spec.errors import InvalidSpecError
-from loraplex_engine.tokens import TokenCodec
+from loraplex_engine.tokens import ChatTemplates, TokenCodec
 
 if TYPE_CHECKING:  # episodes.py imports torch; `run` checks templates before it loads
     from loraplex_engine.environments.episodes import Observe
@@ -111,7 +111,7 @@ def observer(task: TaskSpec, codec: TokenCodec) -> Observe:
     return text_observer(codec.encode)
 
 
-def check_chat_templates(task: TaskSpec, codec: TokenCodec, model: str) -> None:
+def check_chat_templates(task: TaskSpec, codec: ChatTemplates, model: str) -> None:
     """At PUT: the prompt's and the observations' chat rendering, where the spec asks
     for them, work with this engine's tokenizer (an ``InvalidSpecError`` naming the
     field otherwise)."""

@@ -1,15 +1,16 @@
 """What `loraplex-engine run` checks before it imports torch: its flags, the manifest
 file (every problem of every document at once), the slots, the model directory, the
-datasets (the eval's read) and the chat templates (the tokenizer read alone). A mistake
-there is one line in a second or two, not after seconds of imports; only the target
-modules need the model's module tree (:func:`with_targets`).
+datasets (every row of the task's and the eval's read), an environment plug-in's params
+and the chat templates (from the model's files; its tokenizer only to render one). A
+mistake there is one line in a second or two, not after seconds of imports; only the
+target modules need the model's module tree (:func:`with_targets`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex_engine.base_model import check_model_dir, tokenizer_of
+from loraplex_engine.base_model import TemplateFiles, check_model_dir
 from loraplex_engine.local.manifests import Manifest, parse_manifests
 from loraplex_engine.local.overrides import manifest_text
 from loraplex_engine.plan.admission import Resources, needs_chat_template, resource_problems
@@ -19,7 +20,6 @@ from loraplex_engine.settings.commands import RunSettings
 from loraplex_engine.spec.errors import InvalidSpecError, ManifestError, UsageError
 from loraplex_engine.tenancy.trust import TrustPolicy
 from loraplex_engine.tenancy.work_limits import WorkLimits
-from loraplex_engine.tokens import TokenCodec
 
 
 def trust_of(settings: RunSettings) -> TrustPolicy:
@@ -49,14 +49,15 @@ def check_run(settings: RunSettings) -> list[Manifest]:
 
 
 def check_resources(manifests: list[Manifest], settings: RunSettings) -> None:
-    """The admission's checks of files and chat templates (plan/admission.py), each
-    problem a line naming its document and field, as the manifest's own; the tokenizer
-    is read only where a manifest renders through its chat template."""
+    """The admission's checks of datasets, plug-ins and chat templates
+    (plan/admission.py), each problem a line naming its document and field, as the
+    manifest's own; the chat template is read only where a manifest renders through it."""
     codec = None
     if any(needs_chat_template(m.spec.task) for m in manifests):
-        codec = TokenCodec(tokenizer_of(settings.model))
+        codec = TemplateFiles(settings.model)
     # Named as the engine names its model: its directory's name (engine_parts.py).
-    res = Resources(trust_of(settings), Path(settings.model).name, codec)
+    model, timeout = Path(settings.model).name, settings.engine().plugin_timeout
+    res = Resources(trust_of(settings), model, codec, timeout)
     problems = []
     for index, m in enumerate(manifests):  # one manifest per document, in order
         for e in resource_problems(m.spec, m.namespace, res):

@@ -304,10 +304,13 @@ def make_out_dir(out_dir: str | Path) -> Path:
 
 
 def run_file(
-    settings: RunSettings, out: TextIO | None = None, stop: StopRequest | None = None
+    settings: RunSettings,
+    out: TextIO | None = None,
+    stop: StopRequest | None = None,
+    checked: bool = False,
 ) -> dict[str, Any] | None:
-    """Validate every manifest up front (local/checks.py), then train them all on one hot
-    engine.
+    """Validate every manifest up front (local/checks.py; ``checked``: the caller did, as
+    the CLI does before it imports torch), then train them all on one hot engine.
 
     JSONL datasets must lie under ``settings.data_root`` (default: the manifest file's
     directory); a relative one is taken from the first. One user runs the runner: reward
@@ -325,7 +328,8 @@ def run_file(
     from loraplex_engine.engine import Engine
 
     out = out or sys.stdout
-    check_run(settings)
+    if not checked:
+        check_run(settings)
     manifests = with_targets(settings)
     rank_device = resolve_device(settings.device, settings.world_size)
     out_dir = make_out_dir(settings.out_dir)
