@@ -25,6 +25,7 @@ TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 TEST_THREADS = os.environ.get("LORAPLEX_TEST_THREADS", "1")
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, TEST_THREADS)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the same for its Rust threads
 torch.set_num_threads(int(TEST_THREADS))
 
 
