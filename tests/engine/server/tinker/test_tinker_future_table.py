@@ -63,3 +63,19 @@ def test_live_sessions_are_capped_per_namespace() -> None:
     with pytest.raises(TooManyRequests, match=r"'team-a' has 3 open Tinker sessions"):
         registry.new_session("team-a", None)
     assert registry.new_session("team-b", None).namespace == "team-b"
+
+
+def test_the_retrieved_grace_outlasts_the_sdks_own_wait_for_a_lost_answer() -> None:
+    """The official SDK asks again for a future only when its answer was lost on the way:
+    after its retrieve call's timeout (read here from the installed SDK's source) and its
+    backoff (1, 2, 4, 8 s). A grace shorter than that turns a lost answer into a 404 for a
+    future the engine finished (seen with the cookbook's chat_sl on a loaded machine)."""
+    import inspect
+    import re
+
+    from loraplex_engine.spec.tinker_limits import RETRIEVED_GRACE_S
+    from tinker.lib.api_future_impl import _APIFuture
+
+    source = inspect.getsource(_APIFuture._fetch_via_rest)
+    sdk_timeout_s = float(re.search(r"\btimeout=(\d+(?:\.\d+)?)", source).group(1))
+    assert sdk_timeout_s + 1 + 2 + 4 + 8 < RETRIEVED_GRACE_S, (RETRIEVED_GRACE_S, sdk_timeout_s)

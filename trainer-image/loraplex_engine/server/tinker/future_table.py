@@ -7,7 +7,7 @@ Bounded per namespace, so one tenant can neither fill the table for the others n
 - keyed by (namespace, request id): a request id another namespace chose, a client
   experiment's ``<model id>#<seq_id>`` included, names a different future;
 - a future retrieved in its final state is dropped ``grace_s`` after (the SDK asks once,
-  and again only when the answer was lost on the way: it retries a lost connection
+  and again only when the answer was lost on the way: after its 45 s read timeout it retries
   after 1, 2, 4, 8 s), and one never retrieved ``ttl_s`` after it finished;
 - a namespace holds at most ``per_namespace`` futures: a new one beyond that evicts the
   namespace's oldest finished one (retrieved ones first); only when all of them are
