@@ -35,8 +35,8 @@ TEACHER = "<teacher>"  # replaced by the supervised recipe's final sampler weigh
 SUPERVISED = "supervised.train (chat_sl)"  # its final sampler weights: the teacher
 DPO = "preference.dpo.train"  # its final weights: the download
 GUESS_NOTE = (
-    "one step only: too slow on SmolLM2 here for more (its training batch is the whole "
-    "10-turn transcripts, about a token a character of a long system prompt each turn)"
+    "one step only, too slow on SmolLM2 here for more: a step samples 10 turns of each "
+    "episode and trains on the whole transcripts"
 )
 
 
@@ -137,7 +137,7 @@ def run_one(recipe: Recipe, url: str, model: str, cache: Any, work: Path) -> Res
         command=f"python -m {recipe.module} "
         + " ".join(args).replace(url, "<engine>").replace(str(work), "<work>"),
         returncode=run.returncode,
-        steps=len(run.metrics),
+        steps=len(values),  # metrics.jsonl may hold a line more (a final eval's)
         metric=recipe.metric,
         first=values[0] if values else None,
         last=values[-1] if values else None,

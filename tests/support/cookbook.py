@@ -38,20 +38,19 @@ class HubCache:
         }
 
 
-def _snapshot(home: Path, hub_id: str = HUB_ID) -> Path:
-    """The hub cache's folder for ``hub_id``'s snapshot (``refs/main`` naming it)."""
-    repo = home / "hub" / ("models--" + hub_id.replace("/", "--"))
+def _snapshot(home: Path) -> Path:
+    """The hub cache's folder for HUB_ID's snapshot (``refs/main`` naming it)."""
+    repo = home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     return repo / "snapshots" / REVISION
 
 
-def link_hub_cache(home: Path, model_dir: Path, hub_id: str = HUB_ID) -> HubCache:
+def link_hub_cache(home: Path, model_dir: Path) -> HubCache:
     """A real model (its weights and tokenizer, each file a link) standing in the hub cache
-    under ``hub_id``: for a model whose chat tokens are Qwen3 instruct's (ChatML's
-    ``<|im_start|>``/``<|im_end|>``, as SmolLM2-Instruct's), so the recipe's renderer fits.
-    Called again with another ``hub_id``, the same files answer to that id too."""
-    snapshot = _snapshot(home, hub_id)
+    under HUB_ID: for a model whose chat tokens are Qwen3 instruct's (ChatML's
+    ``<|im_start|>``/``<|im_end|>``, as SmolLM2-Instruct's), so the recipe's renderer fits."""
+    snapshot = _snapshot(home)
     snapshot.mkdir(parents=True)
     for f in sorted(model_dir.resolve().iterdir()):
         (snapshot / f.name).symlink_to(f)
