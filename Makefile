@@ -160,9 +160,9 @@ demo-smollm2-gsm8k: smollm2
 	$(VENV)/bin/loraplex-engine run samples/local/gsm8k-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2-gsm8k
 
 # tinker-cookbook's recipes, unchanged, on SmolLM2 (docs/tinker.md, "Verified recipes"):
-# a real serve --tinker-keys, one recipe at a time, a few steps each, niced; about 10 minutes
-# on 2 shared cores. Rewrites the committed bench/results/cookbook-smollm2.json, whose table
-# docs/tinker.md holds (tests/bench/test_cookbook_smollm2_result.py checks they agree).
+# a real serve --tinker-keys, one recipe at a time, a few steps each, niced; 7 minutes here
+# (2 cores at a load of 3-5). Rewrites the committed bench/results/cookbook-smollm2.json,
+# whose table docs/tinker.md holds (tests/bench/test_cookbook_smollm2_result.py checks).
 cookbook-smollm2: smollm2
 	nice -n 10 $(PY) bench/cookbook_smollm2.py --model $(SMOLLM2) \
 		--work out/cookbook-smollm2 --out bench/results/cookbook-smollm2.json
