@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny-llama
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo demo-gsm8k smollm2 demo-smollm2 demo-smollm2-gsm8k bench bench-quick memory-plan chart images image-names release release-chart e2e clean
+.PHONY: all venv vllm-venv tiny-model tools gpu-wheelhouse gpu-rehearsal-wheels test-deps test test-unit test-kernel-paths lint fmt crds demo demo-gsm8k smollm2 demo-smollm2 demo-smollm2-gsm8k cookbook-smollm2 bench bench-quick memory-plan chart images image-names release release-chart e2e clean
 
 all: test
 
@@ -168,6 +168,14 @@ demo-smollm2: smollm2
 # the math-verify reward, the calculator environment, and GSM8K-format rows from a file.
 demo-smollm2-gsm8k: smollm2
 	$(VENV)/bin/loraplex-engine run samples/local/gsm8k-smollm2.yaml --model $(SMOLLM2) --out out/demo-smollm2-gsm8k
+
+# tinker-cookbook's recipes, unchanged, on SmolLM2 (docs/tinker.md, "Verified recipes"):
+# a real serve --tinker-keys, one recipe at a time, a few steps each, niced; 7 minutes here
+# (2 cores at a load of 3-5). Rewrites the committed bench/results/cookbook-smollm2.json,
+# whose table docs/tinker.md holds (tests/bench/test_cookbook_smollm2_result.py checks).
+cookbook-smollm2: smollm2
+	nice -n 10 $(PY) bench/cookbook_smollm2.py --model $(SMOLLM2) \
+		--work out/cookbook-smollm2 --out bench/results/cookbook-smollm2.json
 
 # Releases (scripts/release.sh): one naming scheme from the chart's appVersion,
 # $(REGISTRY)/{operator,engine,engine-cpu}:<appVersion> and the chart at

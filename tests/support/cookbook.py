@@ -38,13 +38,29 @@ class HubCache:
         }
 
 
-def build_hub_cache(home: Path) -> HubCache:
-    from loraplex_engine.dev.tiny_model import build_model
-
+def _snapshot(home: Path) -> Path:
+    """The hub cache's folder for HUB_ID's snapshot (``refs/main`` naming it)."""
     repo = home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
-    model_dir = build_model(repo / "snapshots" / REVISION, arch="qwen3", chat="qwen3")
+    return repo / "snapshots" / REVISION
+
+
+def link_hub_cache(home: Path, model_dir: Path) -> HubCache:
+    """A real model (its weights and tokenizer, each file a link) standing in the hub cache
+    under HUB_ID: for a model whose chat tokens are Qwen3 instruct's (ChatML's
+    ``<|im_start|>``/``<|im_end|>``, as SmolLM2-Instruct's), so the recipe's renderer fits."""
+    snapshot = _snapshot(home)
+    snapshot.mkdir(parents=True)
+    for f in sorted(model_dir.resolve().iterdir()):
+        (snapshot / f.name).symlink_to(f)
+    return HubCache(home, snapshot)
+
+
+def build_hub_cache(home: Path) -> HubCache:
+    from loraplex_engine.dev.tiny_model import build_model
+
+    model_dir = build_model(_snapshot(home), arch="qwen3", chat="qwen3")
     # The tiny tokenizer spends a token on about a character, so a multi-turn recipe's
     # system prompt alone nears the built context (512); rotary positions have no learned
     # table, so the model runs longer sequences as they are.

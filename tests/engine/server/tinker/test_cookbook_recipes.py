@@ -27,10 +27,10 @@ from tests.support.cookbook import (
     HubCache,
     RecipeRun,
     build_hub_cache,
-    cache_dataset,
     recipe_command,
     run_recipe,
 )
+from tests.support.cookbook_data import cache_stand_ins, write_conversations
 from tests.support.server_process import EngineServer, record_measurement
 from tests.support.tinker_clients import service_client
 
@@ -39,32 +39,11 @@ RECIPE_TIMEOUT_S = 240
 # The SDK's warning for each poll of a pending future answered 200 try_again.
 TRY_AGAIN_WARNING = "because of try_again"
 
-CONVERSATIONS = [
-    {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
-    for w in ["yes", "no", "copy", "the", "answer", "sum", "plus", "token"] * 2
-]
-
-
-# hh-rlhf's shape: the chosen and rejected transcripts share the human turn.
-PAIRS = [
-    {"chosen": f"\n\nHuman: say {w}\n\nAssistant: {w}",
-     "rejected": f"\n\nHuman: say {w}\n\nAssistant: no way"}
-    for w in ["yes", "copy", "the", "answer", "sum", "plus", "token", "four"] * 2
-]  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> HubCache:
     c = build_hub_cache(tmp_path_factory.mktemp("hf"))
-    no_robots = [{**row, "prompt": "", "prompt_id": str(i), "category": "Chat"} for i, row in (
-        enumerate(CONVERSATIONS)
-    )]  # fmt: skip
-    cache_dataset(c, "HuggingFaceH4/no_robots", "default", {"train": no_robots, "test": no_robots})
-    sums = [{"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"} for a in range(8)]
-    cache_dataset(c, "openai/gsm8k", "main", {"train": sums, "test": sums[:2]})
-    cache_dataset(c, "Anthropic/hh-rlhf", "default", {"train": PAIRS, "test": PAIRS[:4]})
-    prompts = [{"question": row["question"]} for row in sums]
-    cache_dataset(c, "zwhe99/DeepMath-103K", "default", {"train": prompts})
+    cache_stand_ins(c)
     return c
 
 
@@ -131,8 +110,7 @@ def test_sl_loop_runs_and_lowers_the_loss(server, cache, tmp_path) -> None:
 
 
 def test_chat_sl_runs_supervised_train_and_lowers_the_loss(server, cache, tmp_path) -> None:
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONS))
+    data = write_conversations(tmp_path / "conversations.jsonl")
     args = [
         f"dataset={data}", "batch_size=4", "learning_rate=1e-3", "save_every=2",
         "behavior_if_log_dir_exists=delete",
