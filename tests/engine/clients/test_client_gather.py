@@ -248,7 +248,7 @@ def test_the_step_phase_window_runs_from_its_start_not_from_the_forward_backward
     """Eight clients: the gather and the pass spend the window after the oldest
     forward_backward arrived before the step phase begins. An optim_step the SDK sends
     once its forward_backward is acknowledged, a moment after that, still joins the tick
-    (it made a tick of its own: 43-46 ticks for 20 steps of 8 clients)."""
+    (it made a tick of its own)."""
     models = [_model(f"m{i}") for i in range(8)]
     clients = _registry(*models, gather_s=LONG_S)
     segments = [(m, [Op("forward_backward")]) for m in models]
