@@ -8,10 +8,10 @@ A benchmark, not a test: it prints and writes numbers.
 
 Two real ``loraplex-engine serve --tinker-keys`` processes with the tiny model (tests'
 fixture), up at once, 8 slots, torch at ``--threads``, everything else at the engine's
-defaults; the cells run interleaved (each (rows, N) on one arm, then the other), so
-the load of a shared machine drifts alike over both arms, and each cell waits until its
-models are unloaded (closing a session retires them in the background) before the next
-starts:
+defaults; the cells run interleaved (each (rows, N) on one arm, then the other, the
+order reversed every other repeat), so the load of a shared machine drifts alike over
+both arms, and each cell waits until its models are unloaded (closing a session retires
+them in the background) before the next starts:
 
 - ``fused``: the engine as shipped. A tick takes one segment (forward_backward +
   optim_step) of every model with a call waiting and runs all of their data in one
@@ -419,6 +419,14 @@ def ceiling(run: Run, model: Path, work: Path) -> None:
     pin(args.client_cpus)
 
 
+def in_turn(servers: dict[str, Any], rep: int) -> list[tuple[str, Any]]:
+    """The arms in the order a repeat runs them: reversed every other repeat, so that
+    neither always runs first of its pair (after the other arm's previous cell, the
+    first cell of the run included)."""
+    arms = list(servers.items())
+    return arms[::-1] if rep % 2 else arms
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     t_start = time.time()  # the budget counts the model's build too
@@ -441,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                 for n in args.ns:
                     if run.past_budget(f"rows {rows} N {n} repeat {rep}"):
                         continue
-                    for arm, srv in servers.items():
+                    for arm, srv in in_turn(servers, rep):
                         run.runs.append(run_cell(srv, arm, n, rows, rep, args))
                     run.write()
             if rep + 1 == args.engine_only_after:  # the servers idle meanwhile

@@ -224,7 +224,7 @@ def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
 def test_the_step_phase_waits_within_the_window_for_an_open_segments_step() -> None:
     """A tick ran a forward_backward whose optim_step has not come: at its step phase it
     waits for it (the step arrives while waiting and joins the tick), but never past the
-    window after the forward_backward arrived (then it steps without it)."""
+    window after the step phase began (then it steps without it)."""
     model = _model("m")
     clients = _registry(model, gather_s=LONG_S)
     fb = Op("forward_backward")
@@ -239,4 +239,29 @@ def test_the_step_phase_waits_within_the_window_for_an_open_segments_step() -> N
     assert not waiter.is_alive()
     assert got == [(model, segments[0][1][-1])] and got[0][1].kind == "optim_step"
     late = [(model, [Op("forward_backward")])]
-    assert clients.late_steps(late, clock=lambda: fb.queued_at + 2 * LONG_S) == []
+    began = late[0][1][0].queued_at + 2 * LONG_S
+    times = [began]  # the phase begins; then its window has passed
+    assert clients.late_steps(late, clock=lambda: times.pop() if times else began + LONG_S) == []
+
+
+def test_the_step_phase_window_runs_from_its_start_not_from_the_forward_backward() -> None:
+    """Eight clients: the gather and the pass spend the window after the oldest
+    forward_backward arrived before the step phase begins. An optim_step the SDK sends
+    once its forward_backward is acknowledged, a moment after that, still joins the tick
+    (it made a tick of its own)."""
+    models = [_model(f"m{i}") for i in range(8)]
+    clients = _registry(*models, gather_s=LONG_S)
+    segments = [(m, [Op("forward_backward")]) for m in models]
+    began = max(ops[0].queued_at for _, ops in segments) + 2 * LONG_S  # the window is spent
+    got: list = []
+    waiter = threading.Thread(
+        target=lambda: got.extend(clients.late_steps(segments, clock=lambda: began))
+    )
+    waiter.start()
+    for m in models:
+        _queue(clients, m, "optim_step")
+    waiter.join(JOIN_S)
+    assert not waiter.is_alive()
+    assert [(m.info.model_id, op.kind) for m, op in got] == [
+        (m.info.model_id, "optim_step") for m in models
+    ]

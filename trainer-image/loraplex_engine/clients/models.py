@@ -358,18 +358,21 @@ class ClientModels:
     ) -> list[tuple[ClientModel, Op]]:
         """At the tick's step phase: the optim_steps that arrived for its open segments
         while it ran (taking.late_steps) join it; for those still open it waits, until
-        ``gather_s`` after the oldest such forward_backward arrived (the gather's bound,
-        mostly spent by the pass already; the forward_backward's answer is given)."""
+        ``gather_s`` after the step phase began (the forward_backward's answer is given).
+        The window runs from here, not from the forward_backward's arrival: the gather
+        and the pass spend that one (always, with several clients), and an optim_step the
+        SDK sends once its forward_backward is acknowledged, behind the other clients'
+        calls, then missed the tick and made one of its own."""
         late: list[tuple[ClientModel, Op]] = []
+        until = clock() + self.gather_s
         with self._queued:
             while True:
                 for model, op in taking.late_steps(segments):
                     model.outstanding += op.detached
                     late.append((model, op))
-                oldest = first_arrived(taking.still_open(segments))
-                if oldest is None or oldest + self.gather_s <= clock():
+                if not taking.still_open(segments) or until <= clock():
                     return late
-                self._queued.wait(oldest + self.gather_s - clock())
+                self._queued.wait(until - clock())
 
     def _lanes(self) -> Lanes[taking.Taken]:
         models = [m for m in self._models.values() if m.queue]
