@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from loraplex_engine.memory.spill import SpilledPage
-from loraplex_engine.spec.errors import CheckpointQuotaError
+from loraplex_engine.spec.errors import CheckpointQuotaError, NamespaceShareError
 from loraplex_engine.spec.training_service import ClientLora
 
 from tests.support.engine_builders import engine
@@ -65,12 +65,12 @@ def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
         assert eng.pager.is_paged("tinker:team-a/a2") and eng.pager.host_bytes() > 0
         with pytest.raises(CheckpointQuotaError, match="paged-out adapters spilled"):
             eng.store.quota.check(tmp_path / "ckpt", A, page)  # a checkpoint counts them too
-        with pytest.raises(CheckpointQuotaError, match=f"checkpoint quota of {quota} bytes"):
+        with pytest.raises(NamespaceShareError, match=f"checkpoint quota of {quota} bytes"):
             _create(eng, A, "a5")
         assert eng.clients.loaded(A, "a5") is None
         unload = eng.clients.unload_now
         unload(eng.clients.loaded(A, "a4"), save=False)  # a slot frees; a2 is still held
-        with pytest.raises(CheckpointQuotaError):
+        with pytest.raises(NamespaceShareError):
             _create(eng, A, "a5")
         unload(eng.clients.loaded(A, "a0"), save=False)  # its spilled page goes: room again
         _create(eng, A, "a5")  # a2 spills first, then a5 registers
@@ -78,7 +78,7 @@ def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
         _create(eng, B, "b0", "b1", "b2", "b3")  # a3, a5 held; the neighbour spills b0, b1
         assert _spilled(eng, B) == ["b0", "b1"]
         assert eng.store.quota.used(tmp_path / "ckpt", B) == 2 * page
-        with pytest.raises(CheckpointQuotaError):
+        with pytest.raises(NamespaceShareError):
             _create(eng, A, "a6")
     finally:
         eng.close()

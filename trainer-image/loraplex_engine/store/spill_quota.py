@@ -9,7 +9,8 @@ checkpoints.
 A spill that would take its namespace past the quota does not happen: the page stays in
 host memory (the pager spills the next coldest page instead), so no tick and no other
 tenant fails for it. While any page of a namespace is held so, the namespace registers no
-new adapter (``check_registration``: a CheckpointQuotaError naming the quota), which
+new adapter (``check_registration``: a NamespaceShareError naming the quota, 409
+``namespace_share``, refused at once rather than waited for, as its own limit), which
 bounds what it holds in host memory beyond the budget by the adapters it already has.
 The hold ends when the page is paged in or forgotten, or spills once the namespace has
 room again (a checkpoint pruned, a model unloaded).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex_engine.spec.errors import CheckpointQuotaError
+from loraplex_engine.spec.errors import NamespaceShareError
 from loraplex_engine.store.quota import CheckpointQuota
 
 
@@ -72,7 +73,7 @@ class SpillQuota:
         held = self._held.get(namespace)
         if held:
             used = self.quota.used(self.root, namespace)
-            raise CheckpointQuotaError(
+            raise NamespaceShareError(
                 f"namespace {namespace!r} has {len(held)} paged-out adapters that do not "
                 f"fit its checkpoint quota of {self.quota.bytes_per_namespace} bytes "
                 f"(serve --checkpoint-quota-bytes; {used} used now, spilled pages "
