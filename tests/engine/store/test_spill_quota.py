@@ -14,7 +14,7 @@ from loraplex_engine.memory.spill import SpilledPage
 from loraplex_engine.spec.errors import CheckpointQuotaError, NamespaceShareError
 from loraplex_engine.spec.training_service import ClientLora
 
-from tests.support.engine_builders import engine
+from tests.support.engine_builders import engine, spec
 
 A, B = "team-a", "team-b"
 
@@ -80,5 +80,7 @@ def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
         assert eng.store.quota.used(tmp_path / "ckpt", B) == 2 * page
         with pytest.raises(NamespaceShareError):
             _create(eng, A, "a6")
+        with pytest.raises(NamespaceShareError, match="checkpoint quota"):  # the other door
+            eng.put_experiment(f"{A}.exp", spec(steps=1), A, "exp")
     finally:
         eng.close()

@@ -26,7 +26,6 @@ class TurnLine:
         self._next = count()
         self._place: dict[ClientModel, int] = {}  # every registered model: its place
         self._queued: set[ClientModel] = set()  # a superset of those with calls queued
-        self.visits = 0  # models looked at by waiting/in_turn (tests count them)
 
     def join(self, model: ClientModel) -> None:
         """A new model, at the back of the line."""
@@ -47,12 +46,10 @@ class TurnLine:
 
     def waiting(self) -> list[ClientModel]:
         """The registered models with calls queued, in turn order."""
-        self.visits += len(self._queued)
         self._queued = {m for m in self._queued if m.queue}
         return sorted(self._queued, key=self._place.__getitem__)
 
     def in_turn(self, models: Iterable[ClientModel]) -> list[ClientModel]:
         """Those of ``models`` still registered, in turn order."""
         here = [m for m in models if m in self._place]
-        self.visits += len(here)
         return sorted(here, key=self._place.__getitem__)
