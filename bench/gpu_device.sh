@@ -27,6 +27,10 @@
 #   (torch-pipelined)    bench/gpu_pipelined.py: the pipelined schedule vs sync with the torch
 #                        rollout (its side CUDA stream beside training, issue 32), N=8, timed,
 #                        reward and weight parity, into e2e.json's "torch_pipelined"   <= 60 s
+#   (paging)             bench/paging.py --device cuda: 1,000 client models on 8 slots of the
+#                        tiny model, host-memory and spilled arms, a working set of 8: page-in
+#                        latency per tier with pinned copies, steps/s, into e2e.json's
+#                        "paging" (docs/design/paging.md)                               <= 45 s
 #   tinker-clock.json    bench/gpu_tinker.py: bench/tinker_clock.py's 8 tinker SDK clients,
 #                        fused clock cycle vs per_model, on the CPU tiny model with the
 #                        clients on other cores than the engine, then on serve --device
@@ -42,7 +46,8 @@
 # e2e's model and runs), GPU_DEVICE_TINKER_S (110: the tinker-clock stage's cap, reserved
 # from the scale stage's share), GPU_DEVICE_TINKER_WORK (/tmp/gpu-device-tinker),
 # GPU_SCALE_ARGS (more gpu_scale.py options), GPU_DEVICE_PIPELINED_S (60: the
-# torch-pipelined stage's cap, reserved from the scale stage's share),
+# torch-pipelined stage's cap, reserved from the scale stage's share), GPU_DEVICE_PAGING_S
+# (45: the paging stage's cap, reserved from the scale stage's share too),
 # GPU_DEVICE_SLOWDOWN_PCT (100: every limit and the budget times this / 100; the CPU
 # rehearsal sets it from its machine's load, tests/bench/test_gpu_device.py).
 set -uo pipefail  # not -e: a stage that fails is recorded and the next still runs
@@ -64,6 +69,7 @@ TINKER_S=$(slow "${GPU_DEVICE_TINKER_S:-110}")  # reserved from the scale stage'
 TINKER_WORK="${GPU_DEVICE_TINKER_WORK:-/tmp/gpu-device-tinker}"
 WORKLOADS_S=$(slow 60)
 PIPELINED_S=$(slow "${GPU_DEVICE_PIPELINED_S:-60}")  # reserved from the scale stage's share
+PAGING_S=$(slow "${GPU_DEVICE_PAGING_S:-45}")  # reserved from the scale stage's share
 mkdir -p "$OUT" "$SITE"
 OUT="$(cd "$OUT" && pwd)"
 # The wheels first: they bring a newer typing_extensions than the image's.
@@ -125,7 +131,7 @@ main() {
     kernel=$(scale_kernel)
     echo "scale cells: --lora-kernel $kernel"
     left=$((BUDGET - (SECONDS - START)))
-    scale_s=$((left - E2E_S - PIPELINED_S - TINKER_S))
+    scale_s=$((left - E2E_S - PIPELINED_S - PAGING_S - TINKER_S))
     # shellcheck disable=SC2086  # GPU_SCALE_ARGS: options, split on purpose
     stage scale scale.json "$scale_s" \
         "$PY" bench/gpu_scale.py --out "$OUT/scale.json" --budget-s "$((scale_s * 8 / 10))" \
@@ -141,6 +147,15 @@ main() {
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
         --budget-s "$(((left < PIPELINED_S ? left : PIPELINED_S) - 10))" \
         ${DRY_RUN:+--preset tiny --n 2 --steps 3 --rounds 1}
+    local paging_size=(--models 1000 --slots 8 --rounds 33 --spill-budget 16MiB)
+    [[ -n "$DRY_RUN" ]] && paging_size=(--models 40 --slots 4 --rounds 5 --warmup 1 --spill-budget 2MiB)
+    left=$((BUDGET - (SECONDS - START)))
+    # The arms share what is left after ~15 s of imports and the tiny model's build.
+    stage paging e2e.json "$PAGING_S" \
+        "$PY" bench/paging.py --out "$OUT/e2e.json" --into paging \
+        --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
+        --budget-s "$(((left < PAGING_S ? left : PAGING_S) - 15))" \
+        --arms paged,spilled --working-sets 8 "${paging_size[@]}"
     tinker_clock_stage
     echo "bench/gpu_device.sh: done in $((SECONDS - START))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return "$FAILED"

@@ -29,6 +29,11 @@ resident memory and the spill files' bytes per registered model.
         --working-sets 8 --rounds 33 --out bench/results/paging-10k-cpu-tiny.json
     .venv/bin/python bench/paging.py --models 1000 --arms paged --working-sets 8,16,32,64 \
         --rounds 33 --out bench/results/paging-working-set-cpu-tiny.json
+
+On a GPU (bench/gpu_device.sh's paging stage): ``--device cuda`` (pinned host pages,
+``non_blocking`` copies; a page-in's time includes its synchronize), ``--budget-s`` (each
+arm gets its share: registration stops at half of it, a phase's rounds at the end; what
+ran is recorded) and ``--into KEY`` (the result under KEY of the JSON already at ``--out``).
 """
 
 from __future__ import annotations
@@ -55,13 +60,12 @@ from throughput import machine_info  # noqa: E402
 
 
 def _model_dir() -> Path:
-    from tests.conftest import TINY_MODEL_DIR
-
-    if not (TINY_MODEL_DIR / "config.json").exists():
+    tiny = REPO / ".cache" / "models" / "tiny-llama"  # tests/conftest.py's (no pytest here)
+    if not (tiny / "config.json").exists():
         from loraplex_engine.dev.tiny_model import build_model
 
-        build_model(TINY_MODEL_DIR)
-    return TINY_MODEL_DIR
+        build_model(tiny)
+    return tiny
 
 
 def _workload(
@@ -104,7 +108,11 @@ def _phases(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     return phases
 
 
-def _arm(name: str, args: argparse.Namespace, phases: dict[str, list[list[int]]]) -> dict:
+def _arm(
+    name: str, args: argparse.Namespace, phases: dict[str, list[list[int]]], until: float
+) -> dict:
+    """One engine's run; past ``until`` (monotonic) a phase runs no more rounds, and
+    registration stops halfway to it."""
     from loraplex_engine.memory.spill import SpilledPage
     from loraplex_engine.spec.training_service import AdamStep, ClientLora, LossCall
 
@@ -118,21 +126,30 @@ def _arm(name: str, args: argparse.Namespace, phases: dict[str, list[list[int]]]
     eng = engine(
         _model_dir(), work, max_adapters=slots, max_rank=16, max_registered=args.models,
         client_models_per_namespace=args.models, host_adapter_memory=budget,
+        device=args.device,
     )  # fmt: skip
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=0.01)
     data = [sft_datum([1, 40 + i % 50, 41], [100 + i % 60, 101, 102, 103, 104]) for i in range(7)]
     ids = [f"m{i:05d}" for i in range(args.models)]
     rss_engine = _rss()
     t = time.perf_counter()
+    halfway = time.monotonic() + (until - time.monotonic()) / 2
     for i, model_id in enumerate(ids):
+        if i >= 2 * slots and time.monotonic() > halfway:  # the budget's; draws beyond: cut
+            ids = ids[:i]
+            break
         eng.clients.create_model("bench", model_id, ClientLora(rank=args.rank, seed=i))
     register_s = time.perf_counter() - t
+    phases = {
+        k: [kept for r in p if (kept := [m for m in r if m < len(ids)])] for k, p in phases.items()
+    }
     pager = eng.pager
     rss_registered = _rss()
     spill_dir = pager.spill_dir.path if pager.spill_dir is not None else None
     disk_bytes = sum(f.stat().st_size for f in spill_dir.iterdir()) if spill_dir else 0
     registered = {
         "register_seconds": register_s,
+        "models": len(ids),
         "paged_out": len(pager.pages),
         "spilled": pager.spilled(),
         "rss_bytes_per_registered_model": (rss_registered - rss_engine) / args.models,
@@ -179,14 +196,18 @@ def _arm(name: str, args: argparse.Namespace, phases: dict[str, list[list[int]]]
             pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills
         )  # fmt: skip
         ticks = eng._tick.count
-        steps, t = 0, time.perf_counter()
+        steps, rounds, t = 0, 0, time.perf_counter()
         for members in plan[args.warmup :]:
+            if time.monotonic() > until:
+                break
             run(members)
             steps += len(members)
-        seconds = time.perf_counter() - t
+            rounds += 1
+        seconds = max(time.perf_counter() - t, 1e-9)
         out["phases"][label] = {
-            "distinct_models_per_round": statistics.mean(len(r) for r in plan),
+            "distinct_models_per_round": statistics.mean(len(r) for r in plan) if plan else 0,
             "distinct_models_touched": len({m for r in plan[args.warmup :] for m in r}),
+            "rounds_timed": rounds,
             "optim_steps": steps,
             "ticks": eng._tick.count - ticks,
             "seconds": seconds,
@@ -229,6 +250,10 @@ def main() -> None:
         "--working-sets", default="", help="comma-separated sizes: a Zipf phase over each"
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/paging-cpu-tiny.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds, all arms together")
+    ap.add_argument("--into", default=None, metavar="KEY",
+                    help="write under KEY of the JSON object already at --out")  # fmt: skip
     args = ap.parse_args()
     args.working_sets = [int(w) for w in args.working_sets.split(",") if w]
     import torch
@@ -236,7 +261,16 @@ def main() -> None:
     torch.set_num_threads(1)
     phases = _phases(args)
     start = machine_info()
-    arms = {name: _arm(name, args, phases) for name in args.arms.split(",")}
+    names = args.arms.split(",")
+    _model_dir()  # the model built and the engine imported before the budget's clock starts
+    import tests.support.engine_builders  # noqa: F401
+
+    end = time.monotonic() + (args.budget_s or float("inf"))
+    arms = {}
+    for i, n in enumerate(names):  # each arm an equal share of what is left
+        arms[n] = _arm(
+            n, args, phases, time.monotonic() + (end - time.monotonic()) / (len(names) - i)
+        )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
@@ -247,15 +281,19 @@ def main() -> None:
         "machine_start": start,
         "loadavg_end": list(os.getloadavg()),
         "torch_threads": 1,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "arms": arms,
     }
     if "paged" in arms and "resident" in arms:
         paged = arms["paged"]["phases"]["zipf"]["steps_per_s"]
         resident = arms["resident"]["phases"]["zipf"]["steps_per_s"]
         result["paged_over_resident"] = paged / resident
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.into:
+        whole = json.loads(args.out.read_text()) if args.out.exists() else {}
+        result = {**whole, args.into: result}
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

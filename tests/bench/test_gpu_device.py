@@ -55,7 +55,7 @@ CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", 
            "orjson", "sniffio", "h2", "hpack", "hyperframe")  # fmt: skip
 ABSENT = ("pyqwest", "vllm")
 STAGES = ["preflight", "grouped-kernel", "workloads", "scale", "e2e", "torch-pipelined",
-          "tinker-clock"]  # fmt: skip
+          "paging", "tinker-clock"]  # fmt: skip
 FILES = {"preflight.json", "grouped-kernel.json", "scale.json", "e2e.json", "stages.json",
          "gpu-device.log", "e2e-rewards.png", "tinker-clock.json"}  # fmt: skip
 # Brings the loopback up in the new network namespace (SIOCGIFFLAGS / SIOCSIFFLAGS on lo,
@@ -267,6 +267,20 @@ def test_the_torch_pipelined_stage_timed_both_schedules_with_parity(run: dict) -
     assert all(e["steps"] == 3 for e in got["parity"]["experiments"].values())
     assert got["speedup"] > 0 and set(got["wall_s_median"]) == {"sync", "pipelined"}
     assert run["e2e.json"]["runs"]["fused"]["succeeded"]  # the e2e's own result is kept
+
+
+def test_the_paging_stage_paged_both_tiers(run: dict) -> None:
+    """bench/paging.py, folded into e2e.json: more client models registered than slots,
+    pages read back from host memory and from spill files, steps timed in every phase."""
+    got = run["e2e.json"]["paging"]
+    assert got["device"] == "cpu" and set(got["arms"]) == {"paged", "spilled"}
+    for arm in got["arms"].values():
+        assert arm["registration"]["models"] > arm["max_adapters"] == 4
+        assert set(arm["phases"]) == {"zipf", "working_set_8"}
+        assert all(p["optim_steps"] > 0 for p in arm["phases"].values())
+    assert got["arms"]["paged"]["phases"]["zipf"]["page_in_ms_by_tier"]["host"]["n"] > 0
+    assert got["arms"]["spilled"]["registration"]["spilled"] > 0
+    assert run["e2e.json"]["torch_pipelined"]["runs"]  # the stages before keep theirs
 
 
 def test_the_tinker_clock_ran_both_configs_with_ratio_and_parity(run: dict) -> None:

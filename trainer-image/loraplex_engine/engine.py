@@ -440,6 +440,7 @@ class Engine:
         alone = not self._experiments
         if not self.pager.has_room():
             raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
+        self.pager.check_registration(exp.namespace)  # its spilled pages within its quota
         self.pager.make_room()  # paging: the least recently used adapter leaves its slot
         try:
             if resume_from:
@@ -449,7 +450,7 @@ class Engine:
                 self.optimizer.add_adapter(exp.id, plan.optimizer)
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
-        self.pager.register(exp.id)
+        self.pager.register(exp.id, namespace=exp.namespace)
 
     def _resident(self, exp_id: str) -> Experiment:
         """A loaded experiment whose adapter is in its slot (paged in if it was out);

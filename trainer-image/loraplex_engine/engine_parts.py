@@ -47,6 +47,7 @@ from loraplex_engine.spec.api_types import (
 from loraplex_engine.store import checkpoint as ckpt
 from loraplex_engine.store.quota import CheckpointQuota
 from loraplex_engine.store.run_store import RunStore
+from loraplex_engine.store.spill_quota import SpillQuota
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.tenancy.work_limits import WorkLimits
 from loraplex_engine.tick.fair_share import RewardScorer
@@ -181,6 +182,7 @@ def build_parts(
             registered_limit(s.max_adapters, s.max_registered, one and s.schedule == "sync"),
             s.host_adapter_memory,
             _spill_dir(root, s.host_adapter_memory),
+            None if quota is None else SpillQuota(quota, root),  # spills count as checkpoints
         ),
     )
 

@@ -29,13 +29,14 @@ def _model(name: str, *kinds: str) -> ClientModel:
 def _registry(*models: ClientModel, gather_s: float, limit: int | None = None) -> ClientModels:
     clients = ClientModels(parts=None, models_per_tick=limit, gather_s=gather_s)
     for m in models:
-        clients._models[(NS, m.info.model_id)] = m
+        clients._enroll(m)
     return clients
 
 
 def _queue(clients: ClientModels, model: ClientModel, *kinds: str) -> None:
     with clients._queued:  # as ClientModels._submit queues a call
         model.queue.extend(Op(k) for k in kinds)  # type: ignore[arg-type]
+        clients._line.queued(model)
         clients._queued.notify_all()
 
 
@@ -168,7 +169,8 @@ def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() 
     a.queue.append(_train_op(1000, queued_at=0.0))
     b.queue.extend([_train_op(10), Op("optim_step")])
     clients = ClientModels(parts=None, gather_s=LONG_S)
-    clients._models = {("team-a", "a"): a, ("team-b", "b"): b, ("team-b", "c"): c}
+    for m in (a, b, c):
+        clients._enroll(m)
     clients._served_last = {c}
     clients.share.credit = -(10**6)  # a's debt from its earlier calls
     waiter = _gather_in_thread(clients)
@@ -176,6 +178,7 @@ def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() 
     assert waiter.is_alive()  # waiting for c's step
     with clients._queued:
         c.queue.extend([_train_op(10), Op("optim_step")])
+        clients._line.queued(c)
         clients._queued.notify_all()
     waiter.join(JOIN_S)
     assert not waiter.is_alive()

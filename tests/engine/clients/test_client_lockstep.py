@@ -55,7 +55,7 @@ def _clients(n: int) -> tuple[ClientModels, list[ClientModel]]:
     for i in range(n):
         info = ClientModelInfo(f"m{i}", f"ns{i}", "base", "tok", ClientLora(rank=8))
         model = ClientModel(info, f"tinker:ns{i}/m{i}")
-        registry._models[(info.namespace, info.model_id)] = model
+        registry._enroll(model)
         models.append(model)
     return registry, models
 
@@ -64,6 +64,7 @@ def _queue(registry: ClientModels, model: ClientModel, *ops: Op) -> None:
     with registry._queued:  # as ClientModels.submit queues a call
         for op in ops:
             model.put(op)
+        registry._line.queued(model)
         registry._queued.notify_all()
 
 

@@ -218,10 +218,11 @@ def test_models_per_tick_takes_segments_in_turn() -> None:
             model = ClientModel(ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)), m)
             for _ in range(2):
                 model.queue.extend([Op("forward_backward"), Op("optim_step")])
-            clients._models[(NS, m)] = model
+            clients._enroll(model)
         assert [taken(clients) for _ in ticks] == ticks, limit
         assert not clients.has_work()
     clients._models[(NS, "a")].queue.extend([Op("forward"), Op("forward"), Op("optim_step")])
+    clients._line.queued(clients._models[(NS, "a")])
     (segment,) = [ops for _, ops in clients.take().segments]  # a whole segment: one model's
     assert [op.kind for op in segment] == ["forward", "forward", "optim_step"]
 

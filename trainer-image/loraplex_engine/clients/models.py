@@ -24,6 +24,7 @@ from loraplex_engine.clients.calls import queued_call
 from loraplex_engine.clients.checkpoints import ClientCheckpoints, Found
 from loraplex_engine.clients.gather import first_arrived, waiting_on
 from loraplex_engine.clients.inputs import Limits
+from loraplex_engine.clients.line import TurnLine
 from loraplex_engine.clients.ops import DETACHED_KINDS, ClientModel, Op, adapter_name
 from loraplex_engine.clients.parts import ClientParts
 from loraplex_engine.clients.sampling import SampleTask, check_sample_call
@@ -91,6 +92,7 @@ class ClientModels:
         self._queued = threading.Condition(self._lock)  # a call was queued
         self._served_last: set[ClientModel] = set()  # by the last tick that took any
         self._models: dict[tuple[str, str], ClientModel] = {}
+        self._line = TurnLine()  # turn order, and which models have calls queued (line.py)
         self._samples: list[Op] = []
         self._refusing: str | None = None
         # Client work a tick takes, across namespaces (tenancy/client_share.py).
@@ -163,6 +165,7 @@ class ClientModels:
             name = adapter_name(namespace, model_id)
             if not h.pager.has_room():
                 raise NoCapacityError(f"all {h.pager.max_registered} adapters are registered")
+            h.pager.check_registration(namespace)  # its spilled pages within its quota
             h.pager.make_room()  # paging: the least recently used adapter leaves its slot
             try:
                 h.model.add_adapter(name, config, seed=lora.seed)
@@ -173,10 +176,17 @@ class ClientModels:
             h.optimizer.add_adapter(name, DEFAULT_ADAM)
             info = ClientModelInfo(model_id, namespace, h.model_name, h.tokenizer_id, granted)
             model = ClientModel(info, name)
-            h.pager.register(name, model)  # its accumulated gradient pages with it
+            h.pager.register(name, model, namespace)  # its gradient pages with it
             with self._lock:
-                self._models[(namespace, model_id)] = model
+                self._enroll(model)
             return info
+
+    def _enroll(self, model: ClientModel) -> None:
+        """Register ``model`` at the back of the line (the caller holds the lock)."""
+        self._models[(model.info.namespace, model.info.model_id)] = model
+        self._line.join(model)
+        if model.queue:  # calls queued already (tests build models so)
+            self._line.queued(model)
 
     def create_model_from_state(
         self, namespace: str, model_id: str, path: str, with_optimizer: bool
@@ -218,6 +228,7 @@ class ClientModels:
             if self._refusing is not None:
                 raise UnavailableError(self._refusing)
             model.put(op)
+            self._line.queued(model)
             model.last_call = op.queued_at
             self._queued.notify_all()
         self.parts.wake()
@@ -318,7 +329,7 @@ class ClientModels:
             while True:
                 taken = self.share.plan(self._lanes(), None, clock()).taken
                 oldest = first_arrived(op for w in taken for op in w.item.ops)
-                models = list(self._models.values())
+                models = self._line.in_turn({*self._line.waiting(), *self._served_last})
                 on_way = waiting_on(models, self._served_last, self.models_per_tick)
                 if oldest is None or not on_way:
                     return
@@ -347,8 +358,7 @@ class ClientModels:
                 self._served_last = {m for m, _ in segments}
             if self.models_per_tick is not None or self.room is not None:
                 for model, _ in segments:
-                    key = (model.info.namespace, model.info.model_id)
-                    self._models[key] = self._models.pop(key)
+                    self._line.to_back(model)
         return ClientTick(self, segments, samples)
 
     def late_steps(
@@ -375,7 +385,7 @@ class ClientModels:
                 self._queued.wait(until - clock())
 
     def _lanes(self) -> Lanes[taking.Taken]:
-        models = [m for m in self._models.values() if m.queue]
+        models = self._line.waiting()
         caps = [c for c in (self.models_per_tick, self.room) if c is not None]
         if caps:
             models = models[: min(caps)]
@@ -384,7 +394,7 @@ class ClientModels:
     def demand(self) -> tuple[int, bool]:
         """Models with a call queued, and whether a sample call waits (paging's share)."""
         with self._lock:
-            return sum(bool(m.queue) for m in self._models.values()), bool(self._samples)
+            return len(self._line.waiting()), bool(self._samples)
 
     def retrieved(self, namespace: str, model_id: str) -> None:
         """A detached call's answer was fetched (the Tinker layer's retrieve_future):
@@ -468,6 +478,7 @@ class ClientModels:
             self.save(model, saved.engine_name("final"), "weights")
         with self._lock:
             self._models.pop((model.info.namespace, model.info.model_id), None)
+            self._line.leave(model)
             left, model.unloaded = list(model.queue), True
             model.queue.clear()
         h.optimizer.remove_adapter(model.name)

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -58,6 +59,17 @@ def registered_limit(slots: int, configured: int | None, supported: bool) -> int
     return configured
 
 
+class SpillGate(Protocol):
+    """Whose quota a spilled page counts against (store/spill_quota.py)."""
+
+    def owner(self, name: str, namespace: str | None) -> None: ...
+    def may_spill(self, name: str, nbytes: int) -> bool: ...
+    def spilled(self, name: str, disk_bytes: int) -> None: ...
+    def returned(self, name: str) -> None: ...
+    def forget(self, name: str) -> None: ...
+    def check_registration(self, namespace: str) -> None: ...
+
+
 @dataclass
 class PagingStats:
     page_ins: int = 0
@@ -82,12 +94,14 @@ class AdapterPager:
         max_registered: int,
         host_budget: int | None = None,
         spill_dir: SpillDir | None = None,
+        gate: SpillGate | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.max_registered = max_registered
         # Past this many host bytes of pages, the coldest go to files in spill_dir
         # (memory/spill.py, the third tier); None: host memory only.
         self.host_budget, self.spill_dir = host_budget, spill_dir
+        self.gate = gate  # a spill past its namespace's quota keeps the page in host memory
         self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
         self.pages: dict[str, AdapterPage | spill.SpilledPage] = {}  # oldest first
         self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
@@ -115,9 +129,21 @@ class AdapterPager:
     def registered(self) -> int:
         return len(self._resident) + len(self.pages)
 
-    def register(self, name: str, holder: HoldsGrads | None = None) -> None:
-        """A resident adapter (just added to the model and optimiser) is now pageable."""
+    def check_registration(self, namespace: str) -> None:
+        """Refuse a new adapter of ``namespace`` while its pages are held in host memory
+        for want of quota (store/spill_quota.py)."""
+        if self.gate is not None:
+            self._spill_coldest()  # a held page spills now if its namespace made room
+            self.gate.check_registration(namespace)
+
+    def register(
+        self, name: str, holder: HoldsGrads | None = None, namespace: str | None = None
+    ) -> None:
+        """A resident adapter (just added to the model and optimiser) is now pageable;
+        its spilled page counts against ``namespace``'s quota."""
         self._resident[name] = None
+        if self.gate is not None:
+            self.gate.owner(name, namespace)
         if holder is not None:
             self._holders[name] = holder
 
@@ -131,6 +157,8 @@ class AdapterPager:
         elif page is not None:
             spill.remove(page)
         self._holders.pop(name, None)
+        if self.gate is not None:
+            self.gate.forget(name)
 
     def is_paged(self, name: str) -> bool:
         return name in self.pages
@@ -218,6 +246,8 @@ class AdapterPager:
             self._host_bytes -= page.nbytes()
         else:
             spill.remove(held)
+        if self.gate is not None:
+            self.gate.returned(name)
         self._resident[name] = None
         if self.pin:  # the copies ran asynchronously: the latency measured is theirs
             torch.cuda.synchronize()
@@ -226,16 +256,24 @@ class AdapterPager:
         return slot
 
     def _spill_coldest(self) -> None:
-        """Past the host budget, the pages paged out longest ago go to files."""
+        """Past the host budget, the pages paged out longest ago go to files; one its
+        namespace's quota has no room for stays (the gate holds it)."""
         if self.host_budget is None or self.spill_dir is None:
             return
-        while self._in_host and self._host_bytes > self.host_budget:
-            name, _ = self._in_host.popitem(last=False)
+        for name in list(self._in_host):
+            if self._host_bytes <= self.host_budget:
+                return
             page = self.pages[name]
             assert isinstance(page, AdapterPage)
-            self.pages[name] = spill.write(page, self.spill_dir.path)
+            if self.gate is not None and not self.gate.may_spill(name, page.nbytes()):
+                continue
+            del self._in_host[name]
+            written = spill.write(page, self.spill_dir.path)
+            self.pages[name] = written
             self._host_bytes -= page.nbytes()
             self.stats.spills += 1
+            if self.gate is not None:
+                self.gate.spilled(name, written.disk_bytes)
 
     def close(self) -> None:
         if self.spill_dir is not None:  # spilled pages die with the process

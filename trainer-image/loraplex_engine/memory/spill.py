@@ -29,6 +29,7 @@ class SpilledPage:
     name: str
     path: Path
     nbytes: int  # what its page takes in host memory once read back
+    disk_bytes: int = 0  # what its file takes on the volume
 
 
 def write(page: records.AdapterPage, directory: Path) -> SpilledPage:
@@ -50,7 +51,7 @@ def write(page: records.AdapterPage, directory: Path) -> SpilledPage:
     tmp = path.with_suffix(".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, {"page": json.dumps(meta)})
     os.replace(tmp, path)
-    return SpilledPage(page.name, path, page.nbytes())
+    return SpilledPage(page.name, path, page.nbytes(), path.stat().st_size)
 
 
 def read(spilled: SpilledPage) -> records.AdapterPage:

@@ -5,14 +5,16 @@ its namespace past it is refused before it starts, and fails that experiment alo
 
 Counted: every file under ``<root>/<namespace>/`` (all its experiments and runs, on any
 engine), less what the write's own pruning frees, plus what it writes (the size of the
-run's newest checkpoint, or an estimate before the first).
+run's newest checkpoint, or an estimate before the first), plus the namespace's adapter
+pages this engine has spilled to the volume (memory/spill.py; store/spill_quota.py keeps
+the count: their files are named by hashes, outside the namespace's directory).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex_engine.spec.errors import CheckpointQuotaError
@@ -36,6 +38,12 @@ class CheckpointQuota:
     """``bytes_per_namespace``: what each namespace's checkpoints may take."""
 
     bytes_per_namespace: int
+    # Bytes of each namespace's spilled adapter pages on the volume (store/spill_quota.py).
+    spilled: dict[str, int] = field(default_factory=dict, compare=False)
+
+    def used(self, root: Path, namespace: str) -> int:
+        """What ``namespace`` holds on the volume: its checkpoints and its spilled pages."""
+        return tree_bytes(root / namespace) + self.spilled.get(namespace, 0)
 
     def check(
         self,
@@ -48,12 +56,13 @@ class CheckpointQuota:
         """Refuse a write of ``writing`` bytes that would take ``namespace`` past its
         quota, counting the checkpoints ``freeing`` its pruning then deletes; ``advice``:
         the spec setting that bounds what is written."""
-        used = tree_bytes(root / namespace)
+        used = self.used(root, namespace)
         after = used - sum(tree_bytes(p) for p in freeing) + writing
         if after > self.bytes_per_namespace:
             raise CheckpointQuotaError(
                 f"namespace {namespace!r}'s checkpoints would take {after} bytes, over its "
                 f"quota of {self.bytes_per_namespace} (serve --checkpoint-quota-bytes; "
-                f"{used} used now): {advice}, or delete the namespace's "
+                f"{used} used now, {self.spilled.get(namespace, 0)} of them paged-out "
+                f"adapters spilled to the volume): {advice}, or delete the namespace's "
                 "experiments whose checkpoints are no longer needed"
             )

@@ -1,0 +1,86 @@
+"""Spilled adapter pages count against their namespace's checkpoint quota
+(store/spill_quota.py), on a real Engine with the tiny model: 2 slots, a 1-byte host
+budget (every paged-out adapter spills to the volume) and a quota of two and a half
+spilled pages. The namespace's third spill stays in host memory, its next registration is
+refused naming the quota until unloading a model makes room again, and a neighbour
+namespace spills and registers within its own quota meanwhile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loraplex_engine.memory.spill import SpilledPage
+from loraplex_engine.spec.errors import CheckpointQuotaError, NamespaceShareError
+from loraplex_engine.spec.training_service import ClientLora
+
+from tests.support.engine_builders import engine, spec
+
+A, B = "team-a", "team-b"
+
+
+def _engine(model_dir: Path, root: Path, quota: int | None):
+    return engine(
+        model_dir, root, max_adapters=2, host_adapter_memory=1,
+        client_models_per_namespace=16, checkpoint_quota_bytes=quota,
+    )  # fmt: skip
+
+
+def _create(eng, namespace: str, *ids: str) -> None:
+    for i, model_id in enumerate(ids):
+        eng.clients.create_model(namespace, model_id, ClientLora(rank=4, seed=i))
+
+
+def _spilled(eng, namespace: str) -> list[str]:
+    prefix = f"tinker:{namespace}/"
+    return sorted(
+        n.removeprefix(prefix)
+        for n, p in eng.pager.pages.items()
+        if isinstance(p, SpilledPage) and n.startswith(prefix)
+    )
+
+
+def _page_file_bytes(model_dir: Path, root: Path) -> int:
+    eng = _engine(model_dir, root, None)
+    try:
+        _create(eng, A, "p0", "p1", "p2")  # p0 leaves its slot and spills
+        (page,) = [p for p in eng.pager.pages.values() if isinstance(p, SpilledPage)]
+        return page.disk_bytes
+    finally:
+        eng.close()
+
+
+def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    page = _page_file_bytes(tiny_model_dir, tmp_path / "probe")
+    quota = 2 * page + page // 2
+    eng = _engine(tiny_model_dir, tmp_path / "ckpt", quota)
+    try:
+        _create(eng, A, "a0", "a1", "a2", "a3")  # a0, a1 leave their slots and spill
+        assert _spilled(eng, A) == ["a0", "a1"]
+        assert eng.store.quota.used(tmp_path / "ckpt", A) == 2 * page
+        _create(eng, A, "a4")  # a2 leaves its slot: a third page does not fit the quota
+        assert _spilled(eng, A) == ["a0", "a1"]
+        assert eng.pager.is_paged("tinker:team-a/a2") and eng.pager.host_bytes() > 0
+        with pytest.raises(CheckpointQuotaError, match="paged-out adapters spilled"):
+            eng.store.quota.check(tmp_path / "ckpt", A, page)  # a checkpoint counts them too
+        with pytest.raises(NamespaceShareError, match=f"checkpoint quota of {quota} bytes"):
+            _create(eng, A, "a5")
+        assert eng.clients.loaded(A, "a5") is None
+        unload = eng.clients.unload_now
+        unload(eng.clients.loaded(A, "a4"), save=False)  # a slot frees; a2 is still held
+        with pytest.raises(NamespaceShareError):
+            _create(eng, A, "a5")
+        unload(eng.clients.loaded(A, "a0"), save=False)  # its spilled page goes: room again
+        _create(eng, A, "a5")  # a2 spills first, then a5 registers
+        assert _spilled(eng, A) == ["a1", "a2"] and eng.clients.loaded(A, "a5") is not None
+        _create(eng, B, "b0", "b1", "b2", "b3")  # a3, a5 held; the neighbour spills b0, b1
+        assert _spilled(eng, B) == ["b0", "b1"]
+        assert eng.store.quota.used(tmp_path / "ckpt", B) == 2 * page
+        with pytest.raises(NamespaceShareError):
+            _create(eng, A, "a6")
+        with pytest.raises(NamespaceShareError, match="checkpoint quota"):  # the other door
+            eng.put_experiment(f"{A}.exp", spec(steps=1), A, "exp")
+    finally:
+        eng.close()
