@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from tinker import types  # noqa: E402
 
-from tests.engine.tenancy.test_client_fair_share import KEY_A, KEY_B, LIMITS  # noqa: E402
-from tests.engine.tenancy.test_tenant_isolation import put, spec, status  # noqa: E402
+from tests.support.fair_share_setup import KEY_A, KEY_B, LIMITS  # noqa: E402
 from tests.support.server_process import EngineServer, wait_until  # noqa: E402
+from tests.support.tenant_api import put, spec, status  # noqa: E402
 from tests.support.tinker_clients import close_all, service_client, sft  # noqa: E402
 
 TINY = REPO / ".cache" / "models" / "tiny-llama"

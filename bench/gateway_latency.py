@@ -230,7 +230,7 @@ def start_engine(workdir: Path) -> Any:
         from loraplex_engine.dev.tiny_model import build_model
 
         build_model(TINY_MODEL_DIR)
-    from tests.engine.server.test_server_live import put_body, small_spec
+    from tests.support.server_specs import put_body, small_spec
 
     srv = EngineServer(TINY_MODEL_DIR, workdir / "ckpt", max_adapters=2, workdir=workdir)
     srv.start()

@@ -54,8 +54,8 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _start(model_dir: Path, workdir: Path) -> Any:
-    from tests.engine.server.test_server_live import put_body, small_spec
     from tests.support.server_process import EngineServer
+    from tests.support.server_specs import put_body, small_spec
 
     srv = EngineServer(model_dir, workdir / "ckpt", max_adapters=3, workdir=workdir).start()
     spec = small_spec(max_steps=3, rank=16) | {"publish": {"everySteps": 1, "keep": 10}}

@@ -1,7 +1,9 @@
-"""Test helpers are imported one way: from the tests package (`from tests.support import x`,
-`from tests.engine.test_server_live import small_spec`), never by bare name off a
-sys.path entry. A bare import loads a second copy of the module (two `engine_builders`,
-two `child_processes` registries of processes to kill), and a sys.path edit makes one
+"""Test helpers are imported one way: from the support package
+(`from tests.support.server_specs import small_spec`), never from another test module
+and never by bare name off a sys.path entry. Importing a test module runs its module
+scope (marks, fixtures, skips) inside another and ties one test's helpers to another's
+file; a bare import loads a second copy of the module (two `engine_builders`, two
+`child_processes` registries of processes to kill), and a sys.path edit makes one
 test's helpers shadow another's."""
 
 from __future__ import annotations
@@ -69,6 +71,37 @@ def test_every_tests_import_names_a_module_that_is_there() -> None:
     assert not stale, "imports of a tests module that is not there:\n" + "\n".join(stale)
 
 
+def is_test_module(dotted: str) -> bool:
+    """A `tests.<...>` name with a test module in it."""
+    parts = dotted.split(".")
+    return parts[0] == "tests" and any(p.startswith("test_") for p in parts)
+
+
+def imports_of_test_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every import of a test module, eager or inside a function: `import tests.a.test_b`,
+    `from tests.a.test_b import x` and `from tests.a import test_b`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if is_test_module(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            hit = next((n for n in names if is_test_module(n)), None)
+            if hit:
+                out.append((node.lineno, hit))
+    return out
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/support/ (fixtures in a conftest.py)."""
+    found = [
+        f"{where(path, line)}: {name}"
+        for path in source_files() + bench_sources()
+        for line, name in imports_of_test_modules(ast.parse(path.read_text()))
+    ]
+    assert not found, "move these helpers to tests/support/:\n" + "\n".join(found)
+
+
 def sys_path_edits(tree: ast.AST) -> list[int]:
     lines = []
     for node in ast.walk(tree):
@@ -120,4 +153,11 @@ def test_the_guard_sees_what_it_guards() -> None:
     assert {"engine_builders", "test_server_live", "child_processes"} <= names
     assert [n for _, n in imported(bad) if n in names] == ["engine_builders", "test_server_live"]
     assert module_exists("tests.support.engine_builders")
+    hits = ast.parse(
+        "from tests.engine.server.test_server_live import small_spec\n"
+        "def f():\n    from tests.operator import test_reconcile\n"
+        "import tests.engine.local.test_runner\nfrom tests.support.builders import pool\n"
+        "from tests.engine.tenancy import test_reward_bounds as rb\n"
+    )
+    assert sorted(line for line, _ in imports_of_test_modules(hits)) == [1, 3, 4, 6]
     assert not module_exists("tests.engine.engine_builders")

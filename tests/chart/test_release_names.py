@@ -10,14 +10,19 @@ a chart naming one image and a release pushing another ends in ImagePullBackOff.
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.support.chart_helpers import CHART, REPO, by_kind, one, render
-from tests.support.release_names import DEFAULT_REGISTRY, IMAGES, chart_meta, release_names
+from tests.support.release_names import (
+    DEFAULT_REGISTRY,
+    IMAGES,
+    chart_meta,
+    readme_install,
+    release_names,
+)
 
 APP_VERSION = chart_meta()["appVersion"]
 CHART_VERSION = chart_meta()["version"]
@@ -90,13 +95,6 @@ def test_every_written_image_reference_follows_the_scheme(path: Path) -> None:
         if repo not in repositories or not tag_ok:
             wrong.append(m.group(0))
     assert not wrong, f"{path.name}: image references outside the release scheme: {wrong}"
-
-
-def readme_install() -> list[str]:
-    """The README's `helm install ... oci://...` command, as argv (continuations joined)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
-    (line,) = [ln for ln in text.splitlines() if re.match(r"\s*helm install \S+ oci://", ln)]
-    return shlex.split(line.split("#")[0])
 
 
 def test_the_readme_installs_the_published_chart() -> None:

@@ -25,9 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.chart.test_release_names import readme_install
 from tests.support.chart_helpers import CHART, REPO, by_kind, one, tool
-from tests.support.release_names import chart_meta, release_names
+from tests.support.release_names import chart_meta, readme_install, release_names
 
 HELM_CONFIG_MEDIA_TYPE = "application/vnd.cncf.helm.config.v1+json"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -13,28 +13,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 import socket
-import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from loraplex_engine.cli import main
 
-from tests.support.server_process import engine_command
-
-TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class Outcome:
-    returncode: int
-    stdout: str
-    stderr: str
-
+from tests.support.engine_cli import Outcome, assert_usage_error, engine_cli
 
 Cli = Callable[..., Outcome]
 
@@ -45,19 +32,6 @@ def manifest(lora: str = "{rank: 4, targetModules: [q_proj, v_proj]}", name: str
         f"metadata: {{name: {name}}}\nspec:\n  lora: {lora}\n  task: {{name: copy}}\n"
         "  algorithm: {maxSteps: 2}\n"
     )
-
-
-def engine_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Outcome:
-    """The installed console command, in a process of its own."""
-    r = subprocess.run(
-        [*engine_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
-    return Outcome(r.returncode, r.stdout, r.stderr)
 
 
 @pytest.fixture
@@ -84,17 +58,6 @@ def cli(
     yield call
     root.handlers[:], root.level = handlers, level
     logging.captureWarnings(False)
-
-
-def assert_usage_error(r: Outcome, *named: str) -> str:
-    """Status 2 and one stderr line, without a traceback, naming each of ``named``."""
-    lines = r.stderr.splitlines()
-    assert r.returncode == 2, r.stderr
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    for what in named:
-        assert what in lines[0], (what, lines[0])
-    return lines[0]
 
 
 def run_manifests(

@@ -24,8 +24,8 @@ from loraplex_engine.spec.errors import InvalidSpecError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from tests.engine.local.test_runner import assert_peft_adapter_loads
 from tests.support.engine_builders import engine, spec
+from tests.support.lora_helpers import assert_peft_adapter_loads
 from tests.support.model_dirs import without_chat_template
 
 # arch: (its transformers config class, the LoRA targets an unset targetModules gets)

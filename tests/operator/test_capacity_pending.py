@@ -22,8 +22,8 @@ from loraplex_operator.observation import (
 from loraplex_operator.planning import plan_round
 from loraplex_operator.publish import derive
 
-from tests.operator.test_reconcile import CFG, NOW, engine, exp, snap
 from tests.support.builders import pool
+from tests.support.reconcile_inputs import CFG, NOW, engine, exp, snap
 
 KUEUE_GATE = {"name": "kueue.x-k8s.io/admission"}
 NOW_DT = datetime.fromtimestamp(NOW, UTC)

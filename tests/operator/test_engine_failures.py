@@ -17,8 +17,8 @@ from loraplex_operator.observation import EngineView, pool_observation
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import Experiment
 
-from tests.operator.test_reconcile import CFG, NOW, _ts, engine, exp, snap
 from tests.support.crdkit import schema_errors, schema_of
+from tests.support.reconcile_inputs import CFG, NOW, engine, exp, snap, timestamp
 
 NOW_DT = datetime.fromtimestamp(NOW, UTC)
 KEY = Experiment.from_obj(exp("a")).key
@@ -88,13 +88,13 @@ CASES = {
     ),
     "ReadinessProbeFailing": (
         pod(
-            state={"running": {"startedAt": _ts(NOW - 900)}},
+            state={"running": {"startedAt": timestamp(NOW - 900)}},
             started=True,
             conditions=[
                 {
                     "type": "Ready",
                     "status": "False",
-                    "lastTransitionTime": _ts(NOW - 700),
+                    "lastTransitionTime": timestamp(NOW - 700),
                     "message": "containers with unready status: [engine]",
                 }
             ],
@@ -110,7 +110,7 @@ CASES = {
                     "type": "PodScheduled",
                     "status": "False",
                     "reason": "Unschedulable",
-                    "lastTransitionTime": _ts(NOW - 601),
+                    "lastTransitionTime": timestamp(NOW - 601),
                     "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
                 }
             ],
@@ -135,15 +135,15 @@ def test_each_failure_is_one_reason_with_the_containers_message(reason: str) -> 
 
 def test_what_waiting_fixes_is_no_failure() -> None:
     starting = pod(state={"waiting": {"reason": "ContainerCreating"}})
-    loading = pod(state={"running": {"startedAt": _ts(NOW - 900)}}, started=False)
+    loading = pod(state={"running": {"startedAt": timestamp(NOW - 900)}}, started=False)
     recent = CASES["ReadinessProbeFailing"][0]
-    ready = pod(state={"running": {"startedAt": _ts(NOW - 900)}}, ready=True, started=True)
+    ready = pod(state={"running": {"startedAt": timestamp(NOW - 900)}}, ready=True, started=True)
     ready["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
     for obj in (starting, loading, ready):
         assert pod_failure(obj, NOW, stall_after=600) is None
     assert pod_failure(recent, NOW, stall_after=701) is None  # not long enough yet
     deleting = CASES["CrashLoopBackOff"][0] | {
-        "metadata": {"name": "x", "deletionTimestamp": _ts(NOW)}
+        "metadata": {"name": "x", "deletionTimestamp": timestamp(NOW)}
     }
     assert pod_failure(deleting, NOW) is None
 

@@ -14,8 +14,8 @@ from loraplex_operator.placement import WAIT_STARTING
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import ExperimentSpec, Lora, Pool
 
-from tests.operator.test_reconcile import CFG, engine, snap
 from tests.support.builders import experiment, pool
+from tests.support.reconcile_inputs import CFG, engine, snap
 
 SLOT = 1_000_000  # bytes one slot takes, as an engine reports it
 

@@ -500,7 +500,7 @@ def test_pool_status_repeats_the_plugin_allowlist_the_engines_report() -> None:
 def test_the_pool_observation_takes_the_plugins_of_a_ready_engine() -> None:
     from loraplex_operator.observation import pool_observation
 
-    from tests.operator.test_reconcile import engine, snap
+    from tests.support.reconcile_inputs import engine, snap
 
     plugins = {"rewards": ["acme-format"], "environments": ["gsm8k"]}
     views = [engine("e0"), engine("e1")]

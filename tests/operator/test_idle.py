@@ -15,8 +15,8 @@ from loraplex_operator.planning import plan_round
 from loraplex_operator.publish import derive
 from loraplex_operator.round_plan import IDLE, SUSPEND
 
-from tests.operator.test_reconcile import CFG, engine, snap
 from tests.support.builders import experiment
+from tests.support.reconcile_inputs import CFG, engine, snap
 
 NOW = datetime(2026, 12, 6, 8, 0, tzinfo=UTC)
 

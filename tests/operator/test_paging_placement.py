@@ -11,8 +11,8 @@ from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import Pool
 from loraplex_operator.status import PoolPaging, pool_status
 
-from tests.operator.test_reconcile import CFG, NOW, engine, snap
 from tests.support.builders import experiment, pool
+from tests.support.reconcile_inputs import CFG, NOW, engine, snap
 
 SLOT = 1_000_000
 

@@ -14,9 +14,9 @@ from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import Experiment, Pool
 from loraplex_operator.round_plan import PREEMPT
 
-from tests.operator.test_reconcile import CFG, engine, exp, snap
 from tests.support.builders import experiment, pool
 from tests.support.crdkit import apply_defaults, schema_of
+from tests.support.reconcile_inputs import CFG, engine, exp, snap
 
 
 def _problems(exp_obj: dict[str, Any], pool_obj: dict[str, Any]) -> list[str]:

@@ -5,13 +5,12 @@ steps on their own."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 from loraplex_operator import placement
 from loraplex_operator import status as st
 from loraplex_operator.classification import classify
 from loraplex_operator.config import Config
-from loraplex_operator.observation import EngineView, Snapshot
+from loraplex_operator.observation import EngineView
 from loraplex_operator.planning import act_on, placement_inputs, plan_round, scale
 from loraplex_operator.publish import derive, status_changes
 from loraplex_operator.resources import Experiment, Pool
@@ -19,48 +18,7 @@ from loraplex_operator.round_plan import DUPLICATE, FINISHED, ORPHAN, PREEMPT, S
 
 from tests.support.builders import experiment, pool
 from tests.support.builders import run as run_of
-
-NOW = 1_800_000_000.0
-CFG = Config(scale_down_delay=30.0, max_restarts=2)
-
-
-def engine(
-    name: str, *running: str, slots: int = 4, ready: bool = True, **statuses: Any
-) -> EngineView:
-    exps = {}
-    for exp_id in running:
-        ns, _, n = exp_id.partition(".")
-        exps[exp_id] = {"id": exp_id, "namespace": ns, "name": n, "phase": "Running", "step": 3}
-        exps[exp_id].update(statuses.get(exp_id.replace(".", "_").replace("-", "_"), {}))
-    return EngineView(
-        name=name,
-        url=f"http://{name}:8000",
-        node="node-1",
-        pod_ready=ready,
-        reachable=ready,
-        pod_phase="Running",
-        capacity={"maxAdapters": slots, "maxRank": 64, "usedSlots": len(exps)},
-        experiments=exps if ready else {},
-    )
-
-
-def exp(name: str, created: int = 0, **status: Any) -> dict[str, Any]:
-    w = experiment(name).set("metadata.creationTimestamp", _ts(NOW - 1000 + created))
-    if status:
-        w = w.status(**status)
-    return w.obj()
-
-
-def _ts(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def snap(
-    exps: list[dict[str, Any]], engines: list[EngineView], p: Any = None, **kw: Any
-) -> Snapshot:
-    p = p or pool().slots(4).replicas(0, 2).obj()
-    views = [Experiment.from_obj(x) for x in exps]
-    return Snapshot(pool=Pool.from_obj(p), experiments=views, engines=engines, now=NOW, **kw)
+from tests.support.reconcile_inputs import CFG, NOW, engine, exp, snap, timestamp
 
 
 def test_pending_experiments_bind_to_a_ready_engine_with_resume_from_checkpoint() -> None:
@@ -248,7 +206,7 @@ def test_orphan_on_engine_is_unloaded() -> None:
 
 
 def test_deleting_experiment_is_left_to_the_finalizer() -> None:
-    obj = experiment("a").set("metadata.deletionTimestamp", _ts(NOW)).obj()
+    obj = experiment("a").set("metadata.deletionTimestamp", timestamp(NOW)).obj()
     plan = plan_round(snap([obj], [engine("e1", "team-a.a")]), CFG)
     assert not plan.unloads and not plan.puts and "team-a/a" not in plan.work
 

@@ -11,8 +11,8 @@ from loraplex_operator.placement import ModelShape
 from loraplex_operator.planning import plan_round
 from loraplex_operator.resources import ExperimentSpec
 
-from tests.operator.test_reconcile import CFG, engine, snap
 from tests.support.builders import experiment, pool
+from tests.support.reconcile_inputs import CFG, engine, snap
 
 # What an engine serving Qwen3-4B reports (docs/engine-api.md, Capacity).
 QWEN3_4B = {"numLayers": 36, "hiddenSize": 2560, "intermediateSize": 9728, "kvDim": 1024}

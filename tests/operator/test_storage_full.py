@@ -11,8 +11,8 @@ from typing import Any
 from loraplex_operator import status as st
 from loraplex_operator.observation import EngineView, pool_observation
 
-from tests.operator.test_reconcile import NOW, engine, snap
 from tests.support.crdkit import schema_errors, schema_of
+from tests.support.reconcile_inputs import NOW, engine, snap
 
 NOW_DT = datetime.fromtimestamp(NOW, UTC)
 FULL = "the checkpoint volume /ckpt is full (No space left on device)"

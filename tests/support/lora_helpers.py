@@ -1,4 +1,5 @@
-"""Shared helpers for the multi-LoRA tests: build models and adapters with nonzero weights."""
+"""Shared helpers for the multi-LoRA tests: build models and adapters with nonzero weights,
+and check that PEFT loads a saved adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import torch
 from loraplex_engine.lora.layers import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.train.rows import TrainRow
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -94,3 +102,15 @@ def random_tick_rows(
                 adv = rng.uniform(-1, 1)
                 rows.append(TrainRow(name, model.slot_of(name), prompt, done, old, adv, 1.0, group))
     return rows
+
+
+def assert_peft_adapter_loads(path: Path, model_dir: Path) -> None:
+    """PEFT loads the directory onto the tiny base and uses every saved tensor (a key
+    PEFT did not recognise would leave its freshly initialised weight in place)."""
+    assert path.parent.name == "adapters"
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, str(path)))
+    saved = load_file(path / "adapter_model.safetensors")
+    assert saved and set(saved) <= set(loaded)
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)

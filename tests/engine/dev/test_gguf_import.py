@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from loraplex_engine.dev.gguf_import import extract_gguf, resolve_gguf
 
-from tests.engine.test_cli_errors import assert_usage_error, engine_cli
+from tests.support.engine_cli import assert_usage_error, engine_cli
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 8192  # 2 MiB: more than one copy chunk
 

@@ -2,7 +2,7 @@
 its own experiment (its step completes in a later tick, the others' steps go on),
 observations through the chat template (the exact sampled ids kept, the rendered
 observation masked), on real plug-in workers and real engine processes. Helpers and the
-scripted policy are test_environments.py's.
+scripted policy are tests/support/episode_driver.py's.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from loraplex_engine.environments.observations import ChatObserver
 from loraplex_engine.environments.player import EpisodePlayer, play
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 
-from tests.engine.environments import test_environments
-from tests.engine.environments.test_environments import (
-    _group,
-    _ids,
-    _Policy,
-    _spec,
-    _text,
-    _wait_steps,
+from tests.support.episode_driver import (
+    ScriptedPolicy,
+    as_ids,
+    as_text,
+    episode_group,
+    opened_sessions,
 )
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, status
 from tests.support.plugin_install import with_path
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, environment_spec, put, status, wait_steps
 
-session_of = test_environments.session_of  # the fixture: plug-in workers, closed after
+
+@pytest.fixture
+def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    yield from opened_sessions(plugins_site, monkeypatch)
 
 
 def test_a_slow_environment_leaves_its_turns_to_later_ticks_and_the_others_play_on(
@@ -44,15 +45,15 @@ def test_a_slow_environment_leaves_its_turns_to_later_ticks_and_the_others_play_
     gate = tmp_path / "gate"
     slow = session_of("gated", max_turns=1, params={"gate": str(gate)})
     fast = session_of("word-tool", max_turns=2)
-    slow_group = _group(slow, [("p", "a")], budget=64, slot=1, opened=False)
-    fast_group = _group(fast, [("say yes:", "yes")], budget=64, slot=2, opened=False)
+    slow_group = episode_group(slow, [("p", "a")], budget=64, slot=1, opened=False)
+    fast_group = episode_group(fast, [("say yes:", "yes")], budget=64, slot=2, opened=False)
     player: EpisodePlayer[str] = EpisodePlayer(deadline_s=0.05)
-    policy = _Policy("yes")
-    ended = player.play([("slow", slow_group), ("fast", fast_group)], policy, _text)
+    policy = ScriptedPolicy("yes")
+    ended = player.play([("slow", slow_group), ("fast", fast_group)], policy, as_text)
 
     def tick() -> None:  # as the engine loop does: the next tick once an answer is back
         wait_until(player.has_arrived, timeout=60)
-        ended.extend(player.play([], policy, _text))
+        ended.extend(player.play([], policy, as_text))
 
     while not ended:  # the fast one's worker starts, its two turns are played
         tick()
@@ -162,8 +163,8 @@ def test_an_observation_in_the_assistants_role_fails_its_group(
     def request(ids: list[int], room: int) -> RolloutRequest:
         return RolloutRequest(1, prompt_ids=ids, max_new_tokens=min(8, room), temperature=1)
 
-    group = new_group(session, [("p", "a")], _ids, request, lambda ids: 64, ChatObserver(tok))
-    play([group], _Policy("x"), _text)
+    group = new_group(session, [("p", "a")], as_ids, request, lambda ids: 64, ChatObserver(tok))
+    play([group], ScriptedPolicy("x"), as_text)
     assert group.error is not None and group.error[1] == "reward_error"
     assert "has a 'assistant' message; observations may be user or tool messages" in group.error[0]
 
@@ -241,13 +242,13 @@ def test_a_slow_environment_does_not_hold_the_other_tenants_steps(
     env = {"name": "gated", "params": {"gate": str(gate)}, "maxTurns": 1, "maxEpisodeTokens": 8}
     slow, fast = "team-a.slow-env", "team-b.steps-on"
     with server.client() as api:
-        body = _spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
+        body = environment_spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
         assert put(api, fast, body).status_code == 201
-        body = _spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
+        body = environment_spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
         assert put(api, slow, body).status_code == 201
         wait_until(gate.with_suffix(".waiting").exists, timeout=120)
         start = status(api, fast)["step"]
-        _wait_steps(api, fast, start + 3, timeout=120)
+        wait_steps(api, fast, start + 3, timeout=120)
         s = status(api, slow)
         assert s["step"] == 0 and s["phase"] == "Running", s
         gate.touch()
@@ -266,9 +267,9 @@ def test_an_environment_trains_with_chat_observations(patient_server: EngineServ
     task = {"name": "target-token", "params": {"target": "yes"}, "chatTemplate": True}
     exp = "default.chat-env"
     with patient_server.client() as api:
-        body = _spec({**task, "environment": env}, group=4, prompts=2)
+        body = environment_spec({**task, "environment": env}, group=4, prompts=2)
         assert put(api, exp, body).status_code == 201
-        s = _wait_steps(api, exp, 2)
+        s = wait_steps(api, exp, 2)
         assert s["phase"] == "Running", s
         # Each row: two sampled turns and "\nuser: yes count N\nassistant:" between them.
         assert s["rolloutTokens"] / (s["step"] * 8) > 8, s
@@ -285,7 +286,7 @@ def test_an_experiment_removed_while_its_environment_holds_a_turn_goes_cleanly(
     gate = tmp_path / "gate"
     env = {"name": "gated", "params": {"gate": str(gate)}, "maxTurns": 1, "maxEpisodeTokens": 8}
     exp = "team-a.removed"
-    body = _spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
+    body = environment_spec({"name": "copy", "environment": env}, steps=1, group=2, prompts=1)
     with patient_server.client() as api:
         assert put(api, exp, body).status_code == 201
         wait_until(gate.with_suffix(".waiting").exists, timeout=120)
@@ -316,8 +317,8 @@ def test_a_template_that_refuses_an_observation_fails_only_that_group(
         return RolloutRequest(1, prompt_ids=ids, max_new_tokens=min(8, room), temperature=1)
 
     group = new_group(
-        session, [("say yes:", "yes")], _ids, request, lambda ids: 64, ChatObserver(tok)
+        session, [("say yes:", "yes")], as_ids, request, lambda ids: 64, ChatObserver(tok)
     )
-    play([group], _Policy("yes no"), _text)
+    play([group], ScriptedPolicy("yes no"), as_text)
     assert group.error is not None and group.error[1] == "reward_error", group.error
     assert "this template refuses it" in group.error[0]

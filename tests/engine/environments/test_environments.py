@@ -3,7 +3,7 @@ real environments in a real plug-in worker, the loss's mask, and real engine pro
 training on skyrl-gym environments, with hostile environments failing or degrading only
 their own experiment.
 
-The driver tests stand a scripted policy in for the model (``_Policy``): what they check
+The driver tests stand a scripted policy in for the model (``ScriptedPolicy``): what they check
 is the driver's bookkeeping (which ids, log-probs and masks a row gets, which bound ends
 an episode), which a sampled policy would make unknowable; the engine tests below run
 the same driver with the tiny model's real rollouts.
@@ -19,89 +19,34 @@ import httpx
 import psutil
 import pytest
 import torch
-from loraplex_engine.environments.episodes import EpisodeGroup, new_group
-from loraplex_engine.environments.observations import text_observer
-from loraplex_engine.environments.player import play
 from loraplex_engine.environments.session import EnvironmentSession
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.plugins.reward import PluginReward
-from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.spec.plugins import EnvironmentSpec
 from loraplex_engine.tasks.rewards import RewardItem
 from loraplex_engine.train.algorithms import ClippedRatioLoss
 from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
 
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, status
+from tests.support.episode_driver import (
+    ScriptedPolicy,
+    as_ids,
+    as_text,
+    episode_group,
+    opened_sessions,
+    play_group,
+)
 from tests.support.lora_helpers import CONFIGS, multi_model
 from tests.support.plugin_install import SAMPLE, install, with_path
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, environment_spec, put, status, wait_steps
 
 PAD = 0
 
 
-def _text(ids: list[int]) -> str:
-    return "".join(chr(i) for i in ids)
-
-
-def _ids(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-class _Policy:
-    """Answers each request with ``turn`` (ids of one character each) and log-probs that
-    say which call and row they came from; records the requests."""
-
-    def __init__(self, turn: str) -> None:
-        self.turn, self.calls = turn, []
-
-    def __call__(self, requests: list[RolloutRequest]) -> list[Completion]:
-        self.calls.append(requests)
-        k = len(self.calls)
-        out = []
-        for r, req in enumerate(requests):
-            ids = _ids(self.turn)[: req.max_new_tokens]
-            out.append(Completion(ids, [-(k + r / 100)] * len(ids), finish_reason="stop"))
-        return out
-
-
 @pytest.fixture
 def session_of(plugins_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    monkeypatch.setenv("PYTHONPATH", with_path(plugins_site)["PYTHONPATH"])
-    opened: list[EnvironmentSession] = []
-
-    def make(name: str, max_turns: int, max_tokens: int = 512, timeout: float = 30.0, params=None):
-        spec = EnvironmentSpec(
-            name=name, maxTurns=max_turns, maxEpisodeTokens=max_tokens, params=params or {}
-        )
-        host = PluginHost("test", f"environment:{name}", timeout)
-        opened.append(EnvironmentSession(spec, host))
-        return opened[-1]
-
-    yield make
-    for s in opened:
-        s.close()
-
-
-def _group(
-    session: EnvironmentSession,
-    prompts: list[tuple[str, str]],
-    budget: int,
-    new: int = 8,
-    slot: int = 1,
-    opened: bool = True,
-):
-    def request(ids: list[int], room: int) -> RolloutRequest:
-        return RolloutRequest(slot, prompt_ids=ids, max_new_tokens=min(new, room), temperature=1)
-
-    group = new_group(session, prompts, _ids, request, lambda ids: budget, text_observer(_ids))
-    if opened:  # started here, at once (its environment's errors raise): as the worker
-        group.start(*session.open(prompts))  # answers the tick's first call of a step
-    return group
-
-
-def _play(group: EpisodeGroup, policy: _Policy) -> None:
-    play([group], policy, _text)
+    yield from opened_sessions(plugins_site, monkeypatch)
 
 
 def test_a_tool_episode_interleaves_sampled_turns_and_masked_observations(session_of) -> None:
@@ -109,30 +54,30 @@ def test_a_tool_episode_interleaves_sampled_turns_and_masked_observations(sessio
     between them; the row keeps every sampled id and log-prob, the observation's tokens
     are masked, and the second turn was sampled from the whole context."""
     session = session_of("word-tool", max_turns=2)
-    group = _group(session, [("say yes:", "yes")], budget=512)
-    policy = _Policy("yes no")
-    _play(group, policy)
+    group = episode_group(session, [("say yes:", "yes")], budget=512)
+    policy = ScriptedPolicy("yes no")
+    play_group(group, policy)
     (episode,) = group.episodes
     observation = "\nyes count 1\n"  # the count_word tool's output
-    assert _text(episode.ids) == "yes no" + observation + "yes no"
+    assert as_text(episode.ids) == "yes no" + observation + "yes no"
     assert episode.mask == [1] * 6 + [0] * len(observation) + [1] * 6
     assert episode.logprobs == [-1.0] * 6 + [0.0] * len(observation) + [-2.0] * 6
     assert episode.turns == 2 and episode.done and not episode.cut and episode.tool_calls == 2
     assert episode.reward == pytest.approx(2 * (1 / 2) / 2)  # half the words, each turn / 2
     (second,) = policy.calls[1]
-    assert second.prompt_ids == _ids("say yes:") + _ids("yes no" + observation)
+    assert second.prompt_ids == as_ids("say yes:") + as_ids("yes no" + observation)
     assert group.error is None
 
 
 def test_an_environment_that_never_ends_is_cut_at_max_turns(session_of) -> None:
     session = session_of("never-ends", max_turns=3)
-    group = _group(session, [("p", "a"), ("q", "b")], budget=512)
-    policy = _Policy("xy")
-    _play(group, policy)
+    group = episode_group(session, [("p", "a"), ("q", "b")], budget=512)
+    policy = ScriptedPolicy("xy")
+    play_group(group, policy)
     assert len(policy.calls) == 3  # one generate call a turn, both episodes in it
     for e in group.episodes:
         assert e.turns == 3 and e.done and e.cut
-        assert _text(e.ids) == "xy again" * 2 + "xy"  # no observation after the last turn
+        assert as_text(e.ids) == "xy again" * 2 + "xy"  # no observation after the last turn
         assert e.ids[-1] == ord("y") and e.mask[-1] == 1
 
 
@@ -140,11 +85,11 @@ def test_the_token_bound_ends_an_episode_and_cuts_an_observation(session_of) -> 
     """Budget 12: a turn of 8, an observation cut to 3 (one token left for the policy),
     then a last turn of 1."""
     session = session_of("never-ends", max_turns=10)
-    group = _group(session, [("p", "a")], budget=12)
-    policy = _Policy("abcdefgh")
-    _play(group, policy)
+    group = episode_group(session, [("p", "a")], budget=12)
+    policy = ScriptedPolicy("abcdefgh")
+    play_group(group, policy)
     (e,) = group.episodes
-    assert _text(e.ids) == "abcdefgh" + " ag" + "a"
+    assert as_text(e.ids) == "abcdefgh" + " ag" + "a"
     assert e.mask == [1] * 8 + [0] * 3 + [1]
     assert len(e.ids) == 12 and e.cut and e.turns == 2
 
@@ -153,27 +98,27 @@ def test_skyrl_gyms_gsm8k_multi_turn_scores_a_correct_answer(session_of) -> None
     """SkyRL's own GSM8K multi-turn environment: a wrong answer gets its feedback message,
     the right one (#### 7) ends the episode with reward 1."""
     session = session_of("gsm8k_multi_turn", max_turns=3)
-    group = _group(session, [("3 + 4 =", "7")], budget=512)
+    group = episode_group(session, [("3 + 4 =", "7")], budget=512)
 
-    class Answers(_Policy):
+    class Answers(ScriptedPolicy):
         def __call__(self, requests):
             self.turn = "#### 5" if not self.calls else "#### 7"
             return super().__call__(requests)
 
-    _play(group, Answers(""))
+    play_group(group, Answers(""))
     (e,) = group.episodes
     assert e.turns == 2 and e.done and not e.cut
-    assert "exact format: '#### ANSWER'" in _text(e.ids)
+    assert "exact format: '#### ANSWER'" in as_text(e.ids)
     # 0.2 / 3 for the well-formatted wrong answer, 1 for the right one.
     assert e.reward == pytest.approx(0.2 / 3 + 1.0)
 
 
 def test_an_environment_that_hangs_fails_its_group_and_its_worker_is_killed(session_of) -> None:
     session = session_of("hangs-env", max_turns=3, timeout=1.0)
-    group = _group(session, [("p", "a")], budget=64)
+    group = episode_group(session, [("p", "a")], budget=64)
     pid = session.host.pid
     started = time.monotonic()
-    _play(group, _Policy("x"))
+    play_group(group, ScriptedPolicy("x"))
     assert group.error is not None and group.error[1] == "reward_error"
     assert "environment hangs-env did not answer within 1s" in group.error[0]
     assert time.monotonic() - started < 10
@@ -189,16 +134,16 @@ def test_the_sample_plugin_package_works(tmp_path: Path, monkeypatch: pytest.Mon
     session = EnvironmentSession(spec, PluginHost("sample", "environment:acme-calculator"))
     reward_host = PluginHost("sample", "reward:acme-format")
     try:
-        group = _group(session, [("12 * 7 =", "84")], budget=512, new=16)
+        group = episode_group(session, [("12 * 7 =", "84")], budget=512, new=16)
 
-        class Calculates(_Policy):
+        class Calculates(ScriptedPolicy):
             def __call__(self, requests):
                 self.turn = "calc: 12 * 7" if not self.calls else "answer: 84"
                 return super().__call__(requests)
 
-        _play(group, Calculates(""))
+        play_group(group, Calculates(""))
         (e,) = group.episodes
-        assert "\nresult: 84\n" in _text(e.ids) and e.tool_calls == 1
+        assert "\nresult: 84\n" in as_text(e.ids) and e.tool_calls == 1
         assert e.done and e.reward == 1.0 and e.turns == 2
         items = [RewardItem("q", "<answer>84</answer>", "84"), RewardItem("q", "84", "84")]
         assert PluginReward("acme-format", reward_host).score(items) == [1.0, 0.0]
@@ -245,34 +190,8 @@ def test_masked_tokens_add_nothing_to_the_gradient(tiny_model_dir: Path) -> None
 
 # ---- on a real engine process -----------------------------------------------------------
 
-TARGETS = ["q_proj", "v_proj", "lm_head"]
 STEPS = 20
 PLUGIN_TIMEOUT_S = 3.0
-
-
-def _spec(
-    task: dict,
-    *,
-    steps: int = 0,
-    seed: int = 0,
-    new_tokens: int = 8,
-    lr: float = 0.05,
-    group: int = 8,
-    prompts: int = 4,
-) -> dict:
-    return {
-        "lora": {"rank": 8, "alpha": 16, "targetModules": TARGETS},
-        "task": task,
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": lr,
-            "maxSteps": steps,
-            "seed": seed,
-        },
-        "rollout": {"maxNewTokens": new_tokens, "temperature": 1.0},
-        "checkpoint": {"everySteps": 10, "keep": 2},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +240,10 @@ def test_a_skyrl_gym_tool_environment_trains_with_rewards_rising(server: EngineS
     env = {"name": "word-tool", "maxTurns": 2, "maxEpisodeTokens": 40}
     task = {"name": "target-token", "params": {"target": "yes"}, "environment": env}
     with server.client() as api:
-        assert put(api, "default.env-rises", _spec(task, steps=STEPS, seed=0)).status_code == 201
+        assert (
+            put(api, "default.env-rises", environment_spec(task, steps=STEPS, seed=0)).status_code
+            == 201
+        )
         curve = _curve(api, "default.env-rises")
     first = [curve[s] for s in range(1, 6) if s in curve]
     last = [curve[s] for s in range(STEPS - 4, STEPS + 1) if s in curve]
@@ -330,10 +252,6 @@ def test_a_skyrl_gym_tool_environment_trains_with_rewards_rising(server: EngineS
 
 
 MIN_RISE = 0.15
-
-
-def _wait_steps(api: httpx.Client, exp_id: str, steps: int, timeout: float = 600) -> dict:
-    return wait_until(lambda: (s := status(api, exp_id))["step"] >= steps and s, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -346,9 +264,9 @@ def test_skyrl_gyms_gsm8k_multi_turn_trains_on_generated_problems(server: Engine
     env = {"name": "gsm8k_multi_turn", "maxTurns": 3, "maxEpisodeTokens": 96}
     exp = "default.gsm8k"
     with server.client() as api:
-        body = _spec({"name": "arithmetic", "environment": env}, group=4, prompts=2)
+        body = environment_spec({"name": "arithmetic", "environment": env}, group=4, prompts=2)
         assert put(api, exp, body).status_code == 201
-        s = _wait_steps(api, exp, 2)
+        s = wait_steps(api, exp, 2)
         assert s["phase"] == "Running", s
         per_row = s["rolloutTokens"] / (s["step"] * 8)
         assert per_row > 8, s  # one turn samples at most maxNewTokens 8
@@ -363,9 +281,9 @@ def test_an_environment_that_never_ends_degrades_only_its_experiment(
     env = {"name": "never-ends", "maxTurns": 3, "maxEpisodeTokens": 64}
     exp = "default.never-ends"
     with server.client() as api:
-        body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
+        body = environment_spec({"name": "copy", "environment": env}, group=4, prompts=2)
         assert put(api, exp, body).status_code == 201
-        s = _wait_steps(api, exp, 3)
+        s = wait_steps(api, exp, 3)
         assert s["phase"] == "Running" and s["reward"] == 0.0, s
         assert s["rolloutTokens"] / (s["step"] * 8) > 8, s
         assert api.delete(f"/v1/experiments/{exp}").status_code == 200
@@ -378,15 +296,15 @@ def test_an_environment_that_hangs_fails_only_its_experiment(server: EngineServe
     bystander, exp = "team-b.bystander", "team-a.hangs"
     env = {"name": "hangs-env", "maxTurns": 2}
     with server.client() as api:
-        body = _spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
+        body = environment_spec({"name": "copy"}, new_tokens=4, group=4, prompts=2)
         assert put(api, bystander, body).status_code == 201
-        step = _wait_steps(api, bystander, 1)["step"]
-        body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
+        step = wait_steps(api, bystander, 1)["step"]
+        body = environment_spec({"name": "copy", "environment": env}, group=4, prompts=2)
         assert put(api, exp, body).status_code == 201
         s = wait_until(lambda: (s := status(api, exp))["phase"] == "Failed" and s, timeout=120)
         assert s["failureReason"] == "reward_error", s
         assert f"environment hangs-env did not answer within {PLUGIN_TIMEOUT_S:g}s" in s["error"]
-        _wait_steps(api, bystander, step + 3)
+        wait_steps(api, bystander, step + 3)
         assert status(api, bystander)["phase"] == "Running"
         for e in (exp, bystander):
             assert api.delete(f"/v1/experiments/{e}").status_code == 200

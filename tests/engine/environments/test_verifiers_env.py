@@ -3,8 +3,8 @@ installed from a test package (tests/plugins/loraplex_vf_envs, pip-installed as 
 platform would), listed as ``verifiers:<taskset>`` ids, run by the real verifiers
 machinery in a real plug-in worker with the engine answering every model call.
 
-The driver tests stand a scripted policy in for the model (test_environments.py's
-``_Policy``: which ids, log-probs and masks a row gets is what they check, which a
+The driver tests stand a scripted policy in for the model (tests/support/episode_driver.py's
+``ScriptedPolicy``: which ids, log-probs and masks a row gets is what they check, which a
 sampled policy would make unknowable); the engine tests run real engine processes.
 """
 
@@ -22,18 +22,16 @@ from loraplex_engine.plugins import discovery
 from loraplex_engine.plugins.host import PluginHost
 from loraplex_engine.spec.plugins import EnvironmentSpec
 
-from tests.engine.environments.test_environments import (
-    _group,
-    _ids,
-    _play,
-    _Policy,
-    _spec,
-    _text,
-    _wait_steps,
+from tests.support.episode_driver import (
+    ScriptedPolicy,
+    as_ids,
+    as_text,
+    episode_group,
+    play_group,
 )
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, status
 from tests.support.plugin_install import install, with_path
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, environment_spec, put, status, wait_steps
 
 pytest.importorskip("verifiers.v1", reason="verifiers is in requirements/dev-nodeps.txt")
 
@@ -62,7 +60,7 @@ def session_of(vf_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
         s.close()
 
 
-class _Turns(_Policy):
+class _Turns(ScriptedPolicy):
     """Answers the k-th call with ``turns[k]``."""
 
     def __init__(self, *turns: str) -> None:
@@ -95,20 +93,20 @@ def test_a_verifiers_episode_trains_on_the_sampled_ids_with_the_env_turns_masked
     encoded and masked (log-prob 0); each turn was sampled from the whole context; the
     task's @reward scored the episode."""
     session = session_of(GUESS)
-    group = _group(session, [("say yes", "yes")], budget=512)
+    group = episode_group(session, [("say yes", "yes")], budget=512)
     policy = _Turns("no", "nope", "yes!")
-    _play(group, policy)
+    play_group(group, policy)
     assert group.error is None
     (e,) = group.episodes
     obs = f"\n{FEEDBACK}\n"
-    assert _text(e.ids) == "no" + obs + "nope" + obs + "yes!"
+    assert as_text(e.ids) == "no" + obs + "nope" + obs + "yes!"
     assert e.mask == [1] * 2 + [0] * len(obs) + [1] * 4 + [0] * len(obs) + [1] * 4
     assert e.logprobs == [-1.0] * 2 + [0.0] * len(obs) + [-2.0] * 4 + [0.0] * len(obs) + [-3.0] * 4
     assert e.turns == 3 and e.done and not e.cut and e.reward == 1.0
     first, second, third = (calls[0] for calls in policy.calls)
-    assert first.prompt_ids == _ids("say yes")
-    assert second.prompt_ids == _ids("say yes") + _ids("no" + obs)
-    assert third.prompt_ids == second.prompt_ids + _ids("nope" + obs)
+    assert first.prompt_ids == as_ids("say yes")
+    assert second.prompt_ids == as_ids("say yes") + as_ids("no" + obs)
+    assert third.prompt_ids == second.prompt_ids + as_ids("nope" + obs)
 
 
 def test_an_episode_the_engine_cuts_is_scored_so_far_and_its_worker_goes_on(session_of) -> None:
@@ -116,12 +114,12 @@ def test_an_episode_the_engine_cuts_is_scored_so_far_and_its_worker_goes_on(sess
     environment never scored it) and its coroutine cancelled; the next step's episodes
     play in the same worker."""
     session = session_of(GUESS, max_turns=2)
-    group = _group(session, [("say yes", "yes")], budget=512)
-    _play(group, _Turns("no"))
+    group = episode_group(session, [("say yes", "yes")], budget=512)
+    play_group(group, _Turns("no"))
     (e,) = group.episodes
     assert group.error is None and e.cut and e.turns == 2 and e.reward == 0.0
-    again = _group(session, [("say no", "no")], budget=512)
-    _play(again, _Turns("no"))
+    again = episode_group(session, [("say no", "no")], budget=512)
+    play_group(again, _Turns("no"))
     assert again.error is None and again.episodes[0].reward == 1.0
 
 
@@ -130,19 +128,19 @@ def test_rows_from_the_taskset_and_params_to_its_config(session_of) -> None:
     its answer), the same row for every copy of a prompt; another param sets the
     taskset's config (the feedback)."""
     session = session_of(GUESS, rows="taskset", feedback="again:")
-    group = _group(session, [("p", "ignored"), ("p", "ignored")], budget=512)
-    starts = [_text(e.request.prompt_ids) for e in group.episodes]
+    group = episode_group(session, [("p", "ignored"), ("p", "ignored")], budget=512)
+    starts = [as_text(e.request.prompt_ids) for e in group.episodes]
     assert starts[0] == starts[1] and starts[0].startswith("row ")
     answer = starts[0].rsplit(" ", 1)[1]
-    _play(group, _Turns("hmm", answer))
+    play_group(group, _Turns("hmm", answer))
     for e in group.episodes:
-        assert _text(e.ids) == f"hmm\nagain:\n{answer}" and e.reward == 1.0
+        assert as_text(e.ids) == f"hmm\nagain:\n{answer}" and e.reward == 1.0
 
 
 def test_a_param_the_taskset_does_not_have_is_named(session_of) -> None:
     session = session_of(GUESS, colour="red")
     with pytest.raises(Exception, match=r"taskset\.colour.*Extra inputs are not permitted"):
-        _group(session, [("p", "a")], budget=64)
+        episode_group(session, [("p", "a")], budget=64)
 
 
 @pytest.mark.parametrize("field", ["id", "system_prompt"])
@@ -151,12 +149,12 @@ def test_params_cannot_set_verifiers_own_taskset_fields(session_of, field: str) 
     (system_prompt): refused, naming the param."""
     session = session_of(GUESS, **{field: "/etc/passwd"})
     with pytest.raises(Exception, match=rf"params {field}: not settable"):
-        _group(session, [("p", "a")], budget=64)
+        episode_group(session, [("p", "a")], budget=64)
 
 
 def _failed(session, turns: int = 1) -> EpisodeGroup:
-    group = _group(session, [("p", "a")], budget=64)
-    _play(group, _Turns("x"))
+    group = episode_group(session, [("p", "a")], budget=64)
+    play_group(group, _Turns("x"))
     assert group.error is not None and group.error[1] == "reward_error"
     return group
 
@@ -211,11 +209,11 @@ def test_an_experiment_trains_on_a_verifiers_environment_and_hostile_ones_fail_a
     env = {"name": GUESS, "maxTurns": 3, "maxEpisodeTokens": 96}
     with server.client() as api:
         unknown = {"name": "copy", "environment": {**env, "name": "verifiers:nope"}}
-        refused = put(api, "default.unknown", _spec(unknown, group=4, prompts=2))
+        refused = put(api, "default.unknown", environment_spec(unknown, group=4, prompts=2))
         assert refused.status_code == 422 and GUESS in refused.text, refused.text
-        body = _spec({"name": "copy", "environment": env}, group=4, prompts=2)
+        body = environment_spec({"name": "copy", "environment": env}, group=4, prompts=2)
         assert put(api, "team-a.guess", body).status_code == 201
-        s = _wait_steps(api, "team-a.guess", 2, timeout=300)
+        s = wait_steps(api, "team-a.guess", 2, timeout=300)
         assert s["phase"] == "Running", s
         assert s["rolloutTokens"] / (s["step"] * 8) > 8, s  # one turn samples at most 8
         hostile = {
@@ -226,7 +224,9 @@ def test_an_experiment_trains_on_a_verifiers_environment_and_hostile_ones_fail_a
             ),
         }
         for exp, (name, _) in hostile.items():
-            body = _spec({"name": "copy", "environment": {"name": name}}, group=2, prompts=1)
+            body = environment_spec(
+                {"name": "copy", "environment": {"name": name}}, group=2, prompts=1
+            )
             assert put(api, exp, body).status_code == 201
         for exp, (_, why) in hostile.items():
             f = wait_until(
@@ -234,7 +234,7 @@ def test_an_experiment_trains_on_a_verifiers_environment_and_hostile_ones_fail_a
             )
             assert f["failureReason"] == "reward_error" and why in f["error"], f
         step = status(api, "team-a.guess")["step"]
-        s = _wait_steps(api, "team-a.guess", step + 2, timeout=300)
+        s = wait_steps(api, "team-a.guess", step + 2, timeout=300)
         assert s["phase"] == "Running", s
         for exp in ["team-a.guess", *hostile]:
             assert api.delete(f"/v1/experiments/{exp}").status_code == 200

@@ -11,7 +11,7 @@ from pathlib import Path
 from loraplex_engine.local.checks import trust_of
 from loraplex_engine.settings.commands import RunSettings
 
-from tests.engine.test_cli_fast_errors import cli
+from tests.support.import_probe import cli
 
 ROW = '{"prompt": "a", "answer": "b"}\n'
 

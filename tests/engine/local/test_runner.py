@@ -10,12 +10,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from loraplex_engine import cli
 from loraplex_engine.local.runner import final_adapter
 from loraplex_engine.spec.api_types import CheckpointRef
 
-STEPS = 6
+from tests.support.local_runs import STEPS, manifest, run_cli
+from tests.support.lora_helpers import assert_peft_adapter_loads
+
 # The issue's summary.json schema, plus the extras README documents (per-phase seconds;
 # per experiment its phase, reward curve and error): anything else is drift.
 TOP_KEYS = {
@@ -45,34 +46,6 @@ EXP_KEYS = {
 }
 
 
-def manifest(name: str, task: str, seed: int, algorithm: str = "") -> str:
-    """One LoRAExperiment at tiny size: group 2, 2 prompts, 4 new tokens; ``algorithm``:
-    more of its algorithm's fields (", key: value" ...)."""
-    return (
-        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
-        f"metadata: {{name: {name}}}\nspec:\n"
-        "  lora: {rank: 4, alpha: 8, targetModules: [q_proj, v_proj, lm_head]}\n"
-        f"  task: {task}\n"
-        "  algorithm: {groupSize: 2, promptsPerStep: 2, learningRate: 0.02, "
-        f"maxSteps: {STEPS}, seed: {seed}{algorithm}}}\n"
-        "  rollout: {maxNewTokens: 4}\n"
-        "  checkpoint: {everySteps: 4, keep: 1}\n"
-    )
-
-
-def run_cli(
-    manifests: list[str], tmp_path: Path, model: Path, *flags: str
-) -> tuple[int, dict[str, Any]]:
-    """`loraplex-engine run` in-process; returns its exit code and summary.json, parsed
-    strictly (a bare NaN or Infinity, which Python's json would accept, is an error)."""
-    path = tmp_path / "experiments.yaml"
-    path.write_text("---\n".join(manifests))
-    out = tmp_path / "out"
-    code = cli.main(["run", str(path), "--model", str(model), "--out", str(out), *flags])
-    text = (out / "summary.json").read_text()
-    return code, json.loads(text, parse_constant=_reject_constant)
-
-
 def test_summary_and_progress_carry_the_evals(tiny_model_dir, tmp_path, capsys) -> None:
     """spec.eval in a manifest: summary.json's ``evals`` holds one entry per eval (step 0,
     every everySteps, the last), the progress line the latest."""
@@ -87,10 +60,6 @@ def test_summary_and_progress_carry_the_evals(tiny_model_dir, tmp_path, capsys) 
         assert set(e) == {"step", "reward", "pass_at_k", "k", "tokens"} and e["k"] == 2
         assert 0.0 <= e["reward"] <= 1.0 and 0.0 <= e["pass_at_k"] <= 1.0 and e["tokens"] > 0
     assert f"eval@{STEPS} " in capsys.readouterr().out
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"summary.json is not valid JSON: it contains {name}")
 
 
 def _closed_port_url() -> str:
@@ -205,22 +174,6 @@ def assert_types(obj: dict[str, Any], schema: dict[str, type]) -> None:
     for key, kind in schema.items():
         # bool is an int: a True "steps" would pass isinstance(…, int) unnoticed.
         assert type(obj[key]) is kind, (key, obj[key])
-
-
-def assert_peft_adapter_loads(path: Path, model_dir: Path) -> None:
-    """PEFT loads the directory onto the tiny base and uses every saved tensor (a key
-    PEFT did not recognise would leave its freshly initialised weight in place)."""
-    from peft import PeftModel, get_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    assert path.parent.name == "adapters"
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, str(path)))
-    saved = load_file(path / "adapter_model.safetensors")
-    assert saved and set(saved) <= set(loaded)
-    for key, value in saved.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
 
 
 def assert_progress(text: str, names: list[str]) -> None:

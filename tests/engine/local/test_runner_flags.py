@@ -12,7 +12,7 @@ from loraplex_engine.local.pace import Pace, duration
 from loraplex_engine.spec.api_types import ExperimentStatus
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.engine.local.test_runner import manifest
+from tests.support.local_runs import manifest
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")  # <UTC time>-<4 hex>: readable
 

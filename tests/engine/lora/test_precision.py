@@ -20,9 +20,8 @@ from loraplex_engine.train.rows import TrainRow
 from loraplex_engine.train.step import fused_backward
 from transformers import AutoModelForCausalLM
 
-from tests.engine.local.test_runner import assert_peft_adapter_loads
 from tests.support.engine_builders import engine, mean, spec
-from tests.support.lora_helpers import CONFIGS, randomise_b
+from tests.support.lora_helpers import CONFIGS, assert_peft_adapter_loads, randomise_b
 
 CPU = torch.device("cpu")
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.2%). Fused and alone differ only

@@ -4,21 +4,16 @@ real gloo processes, and `loraplex-engine run --world-size 2` against `--world-s
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-import yaml
 from loraplex_engine import cli
 from loraplex_engine.parallel import distributed
 from loraplex_engine.parallel.data_parallel import DataParallelTraining, NewAdapter, TrainMessage
@@ -33,14 +28,11 @@ from loraplex_engine.train.step import fused_backward
 from tests.support import child_processes, dp_worker
 from tests.support.adapter_parity import (
     STEP_RMS_TOL,
-    AdapterGap,
     adapter_gap,
-    adapter_gap_of_files,
     assert_same_training,
 )
 from tests.support.lora_helpers import CONFIGS, multi_model, random_tick_rows
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from tests.support.parallel_runs import run_cmd, run_gaps, short_demo, spawn_run
 
 
 def row(exp: str, group: int | None, prompt: int, completion: int) -> TrainRow:
@@ -243,45 +235,7 @@ def test_worker_ranks_apply_rank_0s_off_policy_correction(tiny_model_dir, tmp_pa
 
 # ---- `loraplex-engine run --world-size N`, real processes -----------------------------
 
-DEMO = REPO_ROOT / "samples" / "local" / "demo.yaml"
 DEMO_STEPS = 8  # of the demo's 30: every experiment has had a nonzero reward by then
-
-
-def short_demo(tmp_path: Path, steps: int) -> Path:
-    """samples/local/demo.yaml with maxSteps lowered to ``steps``."""
-    docs = list(yaml.safe_load_all(DEMO.read_text()))
-    for doc in docs:
-        doc["spec"]["algorithm"]["maxSteps"] = steps
-    path = tmp_path / "demo.yaml"
-    path.write_text(yaml.safe_dump_all(docs))
-    return path
-
-
-def run_gaps(manifest: Path, ref: Path, got: Path) -> dict[str, AdapterGap]:
-    """Per experiment of a ``run`` manifest: its adapter in ``got`` against ``ref``'s
-    (two ``--out`` directories), in Adam steps of that experiment's lr."""
-    gaps = {}
-    for doc in yaml.safe_load_all(manifest.read_text()):
-        name, algorithm = doc["metadata"]["name"], doc["spec"]["algorithm"]
-        gaps[name] = adapter_gap_of_files(
-            ref / "adapters" / name,
-            got / "adapters" / name,
-            algorithm["learningRate"],
-            algorithm["maxSteps"],
-        )
-    return gaps
-
-
-def run_cmd(manifest: Path, model: Path, out: Path, *flags: str) -> list[str]:
-    cli_run = [sys.executable, "-m", "loraplex_engine.cli", "run", str(manifest)]
-    return [*cli_run, "--model", str(model), "--out", str(out), *flags]
-
-
-def spawn_run(cmd: list[str], stderr: Path, **kw: Any) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two cores in CI, two ranks
-    return child_processes.spawn(
-        cmd, "loraplex-engine run", env=env, stderr=stderr.open("w"), text=True, **kw
-    )
 
 
 @pytest.mark.numeric

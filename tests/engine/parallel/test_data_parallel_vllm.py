@@ -25,11 +25,11 @@ import psutil
 import pytest
 import yaml
 
-from tests.engine.parallel.test_data_parallel import run_cmd, run_gaps, short_demo
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support import child_processes
 from tests.support.adapter_parity import assert_same_training
+from tests.support.parallel_runs import run_cmd, run_gaps, short_demo
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

@@ -24,11 +24,11 @@ import psutil
 import pytest
 from loraplex_engine.cli import build_parser, main
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support import child_processes
 from tests.support.adapter_parity import AdapterGap, adapter_gap_of_files, assert_same_training
 from tests.support.machine import scaled
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from loraplex_engine.parallel import distributed, rollout_shares
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.train.row_split import split_rollout
 
-from tests.engine.parallel.test_data_parallel import run_cmd, run_gaps, short_demo, spawn_run
 from tests.support import child_processes, shard_worker
 from tests.support.adapter_parity import assert_same_training
+from tests.support.parallel_runs import run_cmd, run_gaps, short_demo, spawn_run
 
 # ---- the rollout split and the wire (pure) ---------------------------------------------
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, spec, status
 from tests.support.plugin_install import with_path
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, put, spec, status
 
 pytestmark = pytest.mark.slow
 

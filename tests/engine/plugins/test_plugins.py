@@ -17,12 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, failed, put, spec, status
 from tests.support.plugin_install import with_path
+from tests.support.plugin_workers import workers
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, failed, put, spec, status
 
 pytestmark = pytest.mark.slow
 
@@ -51,20 +51,6 @@ def server(
         assert put(api, BYSTANDER, spec()).status_code == 201
         wait_until(lambda: status(api, BYSTANDER)["step"] >= 1)
         yield srv
-
-
-def workers(srv: EngineServer) -> list[psutil.Process]:
-    """The engine's plug-in worker processes."""
-    assert srv.proc is not None
-    kids = psutil.Process(srv.proc.pid).children(recursive=True)
-    return [p for p in kids if "loraplex_engine.environments.worker" in " ".join(_cmdline(p))]
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:  # it ended while we looked
-        return []
 
 
 def test_capacity_lists_the_installed_plugins(server: EngineServer) -> None:

@@ -149,13 +149,13 @@ def test_a_tick_overlaps_only_disjoint_cohorts() -> None:
 def test_on_the_cpu_the_pipelined_engine_never_takes_a_side_stream(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from tests.engine.tick.test_pipelined import _specs
+    from tests.support.pipelined_specs import staleness_specs
 
     eng = engine(tiny_model_dir, tmp_path, schedule="pipelined")
     tick = eng._tick
     assert isinstance(tick, PipelinedTick)
     assert tick.streams is None and tick.stream_blocker == "not on CUDA"
-    for exp_id, s in _specs(0).items():
+    for exp_id, s in staleness_specs(0).items():
         eng.put_experiment(exp_id, s)
     while eng.tick() is not None:
         pass
@@ -168,7 +168,7 @@ def test_each_tick_decides_from_its_own_cohorts(tiny_model_dir: Path, tmp_path: 
     On-policy cohorts are disjoint, so every tick that trains and generates may overlap;
     an experiment allowing staleness generates in the tick that trains it, so those may
     not (its slot would be read while written)."""
-    from tests.engine.tick.test_pipelined import _specs
+    from tests.support.pipelined_specs import staleness_specs
 
     def decisions(staleness: int, root: Path) -> list[str | None]:
         eng = engine(tiny_model_dir, root, schedule="pipelined")
@@ -183,11 +183,11 @@ def test_each_tick_decides_from_its_own_cohorts(tiny_model_dir: Path, tmp_path: 
             return None  # the CPU runs the stages in turn
 
         tick._side_stream = record  # type: ignore[method-assign]
-        for exp_id, s in _specs(staleness).items():
+        for exp_id, s in staleness_specs(staleness).items():
             eng.put_experiment(exp_id, s)
         while eng.tick() is not None:
             pass
-        assert all(eng.get_experiment(e).phase == "Succeeded" for e in _specs(staleness))
+        assert all(eng.get_experiment(e).phase == "Succeeded" for e in staleness_specs(staleness))
         return got
 
     strict = decisions(0, tmp_path / "strict")

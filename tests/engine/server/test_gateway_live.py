@@ -25,9 +25,9 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.gateway_process import GatewayProcess
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from loraplex_engine.server.app import create_app
 
-from tests.engine.server.test_server_app import AUTH, TOKEN, put
+from tests.support.app_client import AUTH, TOKEN, put
 from tests.support.fake_engine import FakeEngine
 
 PACKAGE = Path(__file__).resolve().parents[3] / "trainer-image" / "loraplex_engine"

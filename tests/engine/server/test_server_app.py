@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 from loraplex_engine.metrics import EngineMetrics
 from loraplex_engine.server.app import create_app
@@ -23,12 +22,10 @@ from loraplex_engine.server.serve import EngineLoop
 from loraplex_engine.spec.api_types import ExperimentTick, TickReport
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.app_client import AUTH, TOKEN, put
 from tests.support.app_routes import v1_routes
 from tests.support.fake_engine import FakeEngine
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
+from tests.support.server_specs import small_spec
 
 SPEC = {"lora": {"rank": 4}, "task": {"name": "target-token"}}
 
@@ -49,24 +46,12 @@ def client(engine: FakeEngine):
         yield c
 
 
-def _spec() -> dict[str, Any]:
-    from tests.engine.server.test_server_live import small_spec
-
-    return small_spec(rank=4)
-
-
-def put(client, exp_id: str, spec=None, **extra) -> httpx.Response:
-    name = exp_id.split(".", 1)[-1]
-    body = {"spec": spec or _spec(), "namespace": "default", "name": name, **extra}
-    return client.put(f"/v1/experiments/{exp_id}", json=body, headers=AUTH)
-
-
 def test_put_is_idempotent_and_conflicts_on_a_different_spec(client) -> None:
     r = put(client, "default.a")
     assert r.status_code == 201, r.text
     assert r.json()["id"] == "default.a" and r.json()["phase"] == "Running"
     assert put(client, "default.a").status_code == 200
-    other = _spec()
+    other = small_spec(rank=4)
     other["lora"] = {**other["lora"], "rank": 2}
     r = put(client, "default.a", spec=other)
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
@@ -162,7 +147,7 @@ def test_oversized_bodies_are_refused_before_parsing(engine: FakeEngine) -> None
 
 
 def test_rank_and_capacity_errors_come_from_the_engine(client) -> None:
-    spec = _spec()
+    spec = small_spec(rank=4)
     spec["lora"] = {**spec["lora"], "rank": 64}
     r = put(client, "default.big", spec=spec)
     assert r.status_code == 422, r.text
@@ -344,7 +329,7 @@ BAD_ALGORITHM = [
 def test_a_bad_grpo_family_setting_is_a_422_naming_it(
     client, engine: FakeEngine, algorithm: dict[str, Any], field: str, words: str
 ) -> None:
-    spec = _spec()  # rollout.maxNewTokens 4
+    spec = small_spec(rank=4)  # rollout.maxNewTokens 4
     spec["algorithm"] = {**spec["algorithm"], **algorithm}
     r = put(client, "default.a", spec=spec)
     assert r.status_code == 422, r.text

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

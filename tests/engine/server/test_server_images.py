@@ -175,8 +175,8 @@ def test_cpu_image_install_steps_give_a_working_server(
     that venv's `loraplex-engine serve` trains. Only the CPU index URL is dropped: the
     wheels come from this machine's pip configuration; and pip byte-compiles nothing
     (the image's build does: that is not what this test checks)."""
-    from tests.engine.server.test_server_live import put_body, small_spec
     from tests.support.server_process import EngineServer, wait_until
+    from tests.support.server_specs import put_body, small_spec
 
     venv = tmp_path / "venv"
     workdir = tmp_path / "opt-loraplex"  # the image's WORKDIR

@@ -20,43 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.app_routes import v1_routes
 from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
 THREE = ("default.say-yes", "default.say-no", "team-b.say-sum")
 TARGETS = {"default.say-yes": "yes", "default.say-no": "no", "team-b.say-sum": "sum"}
-
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def small_spec(
-    target: str = "yes", *, seed: int = 0, rank: int = 4, max_steps: int = 0, **algorithm: Any
-) -> dict[str, Any]:
-    """A spec the tiny model trains in tens of milliseconds per step."""
-    return {
-        "lora": {"rank": rank, "alpha": 2 * rank, "targetModules": list(TARGET_MODULES)},
-        "task": {"name": "target-token", "params": {"target": target}},
-        "algorithm": {
-            "groupSize": 4,
-            "promptsPerStep": 2,
-            "learningRate": 0.05,
-            "maxSteps": max_steps,
-            "seed": seed,
-            **algorithm,
-        },
-        "rollout": {"maxNewTokens": 4, "temperature": 1.0},
-        "checkpoint": {"everySteps": 2, "keep": 2},
-    }
-
-
-def put_body(
-    exp_id: str, spec: dict[str, Any], resume_from: str | None = None, run_id: str | None = None
-) -> dict:
-    namespace, name = exp_id.split(".", 1)
-    body = {"spec": spec, "namespace": namespace, "name": name, "resumeFrom": resume_from}
-    return body | ({"runId": run_id} if run_id is not None else {})
 
 
 @pytest.fixture(scope="module")

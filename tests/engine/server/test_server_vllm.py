@@ -15,8 +15,8 @@ import psutil
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

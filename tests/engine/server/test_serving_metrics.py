@@ -18,7 +18,7 @@ from loraplex_engine.server.app import create_app
 from loraplex_engine.spec.errors import UnavailableError
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.server.test_server_app import AUTH, TOKEN, put
+from tests.support.app_client import AUTH, TOKEN, put
 from tests.support.fake_engine import FakeEngine
 
 BASE = FakeEngine.model_name

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.server.test_server_live import small_spec
 from tests.support.server_process import EngineServer
+from tests.support.server_specs import small_spec
 
 REPO = Path(__file__).resolve().parents[3]
 PROMTOOL = REPO / ".tools" / "bin" / "promtool"

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tenancy.test_reward_bounds import BYSTANDER, Meter
-from tests.engine.tenancy.test_tenant_isolation import LIMITS, put, spec, status
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.step_meter import BYSTANDER, Meter
+from tests.support.tenant_api import LIMITS, put, spec, status
 
 # pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
 pytestmark = [pytest.mark.slow, pytest.mark.pace]

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from tinker import types
 
-from tests.engine.tenancy.test_tenant_isolation import put, spec, status
 from tests.support.server_process import EngineServer, tinker_engine_fixture, wait_until
+from tests.support.tenant_api import put, spec, status
 from tests.support.tinker_clients import service_client, sft
 
 pytestmark = pytest.mark.slow

@@ -38,16 +38,14 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.engine.tenancy.test_tenant_isolation import put, spec, status
+from tests.support.fair_share_setup import KEY_A, KEY_B, LIMITS
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import put, spec, status
 from tests.support.tinker_clients import service_client
 
 # pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
 pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
-KEY_A = "tml-team-a-0123456789abcdef"
-KEY_B = "tml-team-b-0123456789abcdef"
-LIMITS = ["--max-prompt-tokens", "64", "--max-step-tokens", "4096"]
 WINDOW_S = 6.0
 ALONE_S = 4.0
 FLOOR = 0.6

@@ -24,8 +24,8 @@ import httpx
 import pytest
 from loraplex_engine.store.run_store import step_dirs
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import LIMITS, failed, put, spec, status
 
 pytestmark = pytest.mark.slow
 
@@ -34,50 +35,7 @@ COTENANT = "default.cotenant"
 SLOW_REWARD_S = 3.0
 STALL_S = 25.0
 REWARD_DEADLINE_S = 0.3
-LIMITS = ["--max-prompt-tokens", "64", "--max-step-tokens", "10000"]
 ALLOW_LOOPBACK_REWARDS = ["--allow-reward-host", "127.0.0.1"]
-TARGETS = ["q_proj", "v_proj", "lm_head"]
-
-
-def spec(
-    task: dict[str, Any] | None = None,
-    *,
-    group: int = 4,
-    prompts: int = 2,
-    new_tokens: int = 4,
-    every: int = 2,
-) -> dict[str, Any]:
-    """A spec the tiny model steps in tens of milliseconds (maxSteps 0: runs until deleted)."""
-    return {
-        "lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS},
-        "task": task or {"name": "target-token", "params": {"target": "yes"}},
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": 0.05,
-            "maxSteps": 0,
-        },
-        "rollout": {"maxNewTokens": new_tokens, "temperature": 1.0},
-        "checkpoint": {"everySteps": every, "keep": 2},
-    }
-
-
-def put(api: httpx.Client, exp_id: str, body_spec: dict[str, Any], **extra: Any) -> httpx.Response:
-    namespace, name = exp_id.split(".", 1)
-    body = {"spec": body_spec, "namespace": namespace, "name": name, **extra}
-    return api.put(f"/v1/experiments/{exp_id}", json=body)
-
-
-def status(api: httpx.Client, exp_id: str) -> dict[str, Any]:
-    r = api.get(f"/v1/experiments/{exp_id}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def failed(api: httpx.Client, exp_id: str, timeout: float = 60) -> dict[str, Any]:
-    return wait_until(
-        lambda: (s := status(api, exp_id))["phase"] == "Failed" and s, timeout=timeout
-    )
 
 
 def free_slots(api: httpx.Client) -> int:

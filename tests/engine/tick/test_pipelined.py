@@ -23,7 +23,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from loraplex_engine.spec.errors import UsageError
 from loraplex_engine.tick.pipelined import (
     Lane,
@@ -35,35 +34,16 @@ from loraplex_engine.tick.pipelined import (
 from loraplex_engine.tick.tick import Tick
 
 from tests.support.engine_builders import engine, spec
-
-STEPS = 4
-TARGETS = ("yes", "no", "abc")
-
-
-def _specs(staleness: int) -> dict[str, Any]:
-    out = {}
-    for i, target in enumerate(TARGETS):
-        s = spec(
-            {"name": "target-token", "params": {"target": target}},
-            lr=0.05,
-            steps=STEPS,
-            seed=10 + i,
-            group=4,
-            prompts=2,
-            every=100,
-        )
-        alg = s.algorithm.model_copy(update={"max_staleness": staleness})
-        out[f"exp{i}"] = s.model_copy(update={"algorithm": alg})
-    return out
+from tests.support.pipelined_specs import STEPS, TARGETS, flat, slot_weights, staleness_specs
 
 
 def run(model_dir: Path, root: Path, schedule: str, staleness: int) -> tuple[Any, Any, Any]:
     """The engine after its experiments end, each tick's experiment reports, and each
     adapter's weights before the first step."""
     eng = engine(model_dir, root, schedule=schedule)
-    for exp_id, s in _specs(staleness).items():
+    for exp_id, s in staleness_specs(staleness).items():
         eng.put_experiment(exp_id, s)
-    start = {exp_id: slot_weights(eng, exp_id) for exp_id in _specs(staleness)}
+    start = {exp_id: slot_weights(eng, exp_id) for exp_id in staleness_specs(staleness)}
     ticks = []
     for _ in range(10 * STEPS):
         report = eng.tick()
@@ -71,19 +51,6 @@ def run(model_dir: Path, root: Path, schedule: str, staleness: int) -> tuple[Any
             return eng, ticks, start
         ticks.append(report.experiments)
     raise AssertionError("still running")
-
-
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.flatten() for t in tensors])
-
-
-def slot_weights(eng: Any, exp_id: str) -> list[torch.Tensor]:
-    slot = eng.model.slot_of(exp_id)
-    return [
-        p[slot].detach().clone()
-        for layer in eng.model.lora_layers.values()
-        for p in (layer.lora_A, layer.lora_B)
-    ]
 
 
 def test_on_policy_pipelined_updates_equal_the_sync_runs(
@@ -94,7 +61,7 @@ def test_on_policy_pipelined_updates_equal_the_sync_runs(
     assert isinstance(piped._tick, PipelinedTick) and type(sync._tick) is Tick
     sync_ticks = [t for r in sync_reports for t in r]
     piped_ticks = [t for r in piped_reports for t in r]
-    for exp_id in _specs(0):
+    for exp_id in staleness_specs(0):
         mine = [t for t in piped_ticks if t.id == exp_id]
         theirs = [t for t in sync_ticks if t.id == exp_id]
         assert [t.step for t in mine] == list(range(1, STEPS + 1))
@@ -126,7 +93,7 @@ def test_stale_by_one_pipelined_rollouts_are_at_most_one_step_behind(
     staleness = [t.step - 1 - t.rollout_version for t in trained]
     assert all(0 <= s <= 1 for s in staleness), staleness
     assert staleness.count(1) >= len(TARGETS) * (STEPS - 2)  # the overlap happened
-    for exp_id in _specs(1):
+    for exp_id in staleness_specs(1):
         status = eng.get_experiment(exp_id)
         assert status.phase == "Succeeded" and status.step == STEPS
 
@@ -192,7 +159,7 @@ def test_run_command_takes_the_schedule_and_records_versions(
 ) -> None:
     """`loraplex-engine run --schedule pipelined`: one experiment on-policy, one allowing
     one step of staleness; summary.json records each step's rollout version."""
-    from tests.engine.local.test_runner import manifest, run_cli
+    from tests.support.local_runs import manifest, run_cli
 
     yes, no = "{name: target-token, params: {target: 'yes'}}", "{name: target-token, params: {}}"
     code, summary = run_cli(
@@ -244,7 +211,7 @@ def test_a_stale_experiment_failing_in_its_next_rollout_does_not_step(
     try:
         url = f"http://127.0.0.1:{server.server_port}/score"
         eng = engine(tiny_model_dir, tmp_path, schedule="pipelined")
-        specs = _specs(1)
+        specs = staleness_specs(1)
         flaky = {"name": "target-token", "reward": "http", "rewardUrl": url}
         bad = spec(flaky, steps=STEPS, group=4, prompts=2)
         alg = bad.algorithm.model_copy(update={"max_staleness": 1})
@@ -324,7 +291,7 @@ def test_stale_by_k_rollouts_are_at_most_k_steps_behind(
         slow = spec(held, steps=steps, group=4, prompts=2)  # the size of strict's: same pace
         alg = slow.algorithm.model_copy(update={"max_staleness": k})
         eng.put_experiment("slow", slow.model_copy(update={"algorithm": alg}))
-        eng.put_experiment("strict", _specs(0)["exp0"])
+        eng.put_experiment("strict", staleness_specs(0)["exp0"])
         reports = _drive(eng, ["slow", "strict"])
     finally:
         server.shutdown()

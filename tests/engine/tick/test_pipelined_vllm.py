@@ -21,8 +21,8 @@ import pytest
 from loraplex_engine.dev.tiny_model import build_model
 
 from tests.conftest import REPO_ROOT
-from tests.engine.tick.test_pipelined import flat, slot_weights
 from tests.support.engine_builders import engine, spec
+from tests.support.pipelined_specs import flat, slot_weights
 
 pytestmark = pytest.mark.slow
 

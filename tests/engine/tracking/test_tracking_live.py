@@ -22,10 +22,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support import child_processes
 from tests.support.event_reader import scalars
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 pytestmark = pytest.mark.slow
 

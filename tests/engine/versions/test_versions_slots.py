@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 from loraplex_engine.store.versions import VersionStore
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 EXP = "demo.cont"
 

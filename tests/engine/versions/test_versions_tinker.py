@@ -10,8 +10,8 @@ import tinker
 from loraplex_engine.store.versions import VersionStore
 from tinker import types
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 KEY = "tml-versions-0123456789abcdef"
 EXP = "demo.cont"

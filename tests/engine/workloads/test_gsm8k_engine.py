@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.engine.plugins.test_plugins import workers
-from tests.engine.tenancy.test_tenant_isolation import put, spec, status
 from tests.support.plugin_install import with_path
+from tests.support.plugin_workers import workers
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.tenant_api import put, spec, status
 
 pytestmark = pytest.mark.slow
 

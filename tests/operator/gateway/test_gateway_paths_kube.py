@@ -26,7 +26,9 @@ from loraplex_operator.gateway import experiments as gx
 from loraplex_operator.gateway.keys import KEY_LABEL, ROLE_LABEL
 from loraplex_operator.kube import NAMESPACES, PODS, POOLS, SECRETS, Kube
 
-from tests.engine.server.test_gateway_paths_live import (
+from tests.support import builders
+from tests.support.deployed_gateway import GatewayContainer, gateway_values, rendered_gateway
+from tests.support.gateway_attacks import (
     FORWARDED,
     KEY_A_RO,
     KEY_B,
@@ -36,8 +38,6 @@ from tests.engine.server.test_gateway_paths_live import (
     send_raw,
     tinker_attacks,
 )
-from tests.support import builders
-from tests.support.deployed_gateway import GatewayContainer, gateway_values, rendered_gateway
 from tests.support.harness import ApiServer, _kubeconfig, declare_resources
 from tests.support.server_process import EngineServer
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from loraplex_engine.server.openai.chat import room_left
 
-from tests.engine.server.test_server_live import put_body, small_spec
 from tests.support.server_process import EngineServer, wait_until
+from tests.support.server_specs import put_body, small_spec
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet
 
