@@ -95,14 +95,28 @@ def summarise(runs: list[dict], lr: float, steps: int, tol: dict) -> tuple[list[
             for a, rs in arms.items()
         }
         ratio = med["fused"]["train_tokens_per_s"] / med["per_model"]["train_tokens_per_s"]
-        ratios.append({"rows": rows, "n": n, "median": med,
-                       "fused_vs_per_model": round(ratio, 3)})  # fmt: skip
         by_repeat = {r["repeat"]: r for r in arms["per_model"]}
+        pairs = paired_ratios(arms["fused"], by_repeat)
+        ratios.append({"rows": rows, "n": n, "median": med,
+                       "fused_vs_per_model": round(ratio, 3),
+                       "per_repeat": pairs,
+                       "fused_vs_per_model_paired": round(float(np.median(pairs)), 3)})  # fmt: skip
         for f in arms["fused"]:
             if f["repeat"] in by_repeat:
                 key = f"rows{rows}-n{n}-{f['repeat']}-fused"
                 parities[key] = parity(f, by_repeat[f["repeat"]], lr, steps, tol)
     return ratios, parities
+
+
+def paired_ratios(fused: list[dict], per_model_by_repeat: dict[int, dict]) -> list[float]:
+    """fused / per_model of each repeat: the two arms of a repeat run back to back (in
+    turns), so a drift in the machine's speed over the run (a shared host's) cancels in
+    the pair and not in the ratio of the two arms' medians."""
+    return [
+        round(f["train_tokens_per_s"] / per_model_by_repeat[f["repeat"]]["train_tokens_per_s"], 3)
+        for f in sorted(fused, key=lambda r: r["repeat"])
+        if f["repeat"] in per_model_by_repeat
+    ]
 
 
 def verdict(parities: dict, dtype: str) -> dict[str, Any]:
@@ -134,15 +148,16 @@ def ratio_by_rows(ratios: list[dict]) -> dict[str, dict[str, float]]:
 def print_table(ratios: list[dict], summary: dict) -> None:
     print(
         "\n| rows | N | fused tok/s | fused steps/s | per_model tok/s | per_model steps/s "
-        "| fused / per_model |"
+        "| fused / per_model | paired |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in ratios:
         f, s = r["median"]["fused"], r["median"]["per_model"]
         print(
             f"| {r['rows']} | {r['n']} | {f['train_tokens_per_s']:.0f} | "
             f"{f['steps_per_s']:.1f} | {s['train_tokens_per_s']:.0f} | "
-            f"{s['steps_per_s']:.1f} | {r['fused_vs_per_model']} |"
+            f"{s['steps_per_s']:.1f} | {r['fused_vs_per_model']} | "
+            f"{r['fused_vs_per_model_paired']} |"
         )
     if summary["client_runs"]:
         print(f"parity ({summary['dtype']}): {summary['losses_within']}/"
