@@ -68,10 +68,11 @@ test: test-deps
 	$(MAKE) --no-print-directory test-kernel-paths
 
 # The tests that start no process: no engine, gateway or operator harness, no subprocess
-# (the e2e marker, derived in tests/support/markers.py), and none marked slow. Under 3
-# minutes on 2 cores; `make test` runs everything. One area: pytest tests/engine/<folder>.
+# (the e2e marker, derived in tests/support/markers.py), and none marked slow, on the same
+# workers as `make test` (a file to a worker). About 2 minutes on 2 cores (one worker:
+# 3); `make test` runs everything. One area: pytest tests/engine/<folder>.
 test-unit: tiny-model
-	$(PY) -m pytest -q -m "not slow and not e2e" --durations=10
+	$(PY) -m pytest -q -m "not slow and not e2e" --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
 # The numeric tests again on torch's other CPU kernel paths (the run above took the
 # machine's native one, avx512 where present): a tolerance that holds on one path only
