@@ -166,3 +166,37 @@ def test_gspo_ignores_unmasked_tokens_in_the_ratio() -> None:
         sequence_mask=torch.tensor(MASK),
     )  # fmt: skip
     assert build_token_loss("gspo")(inputs).tolist()[1:] == pytest.approx(base[1:])
+
+
+def _stable(config: dict | None, mask: list[float]) -> tuple[list[float], list[float]]:
+    logp = torch.tensor(LOGP, requires_grad=True)
+    inputs = TokenLossInputs(
+        logp,
+        advantages=torch.tensor(ADV),
+        sampling_logprobs=torch.tensor(OLD),
+        sampled_mask=torch.tensor(mask),
+    )
+    loss = build_token_loss("stable_reinforce", config)(inputs)
+    loss.sum().backward()
+    return loss.tolist(), logp.grad.tolist()
+
+
+def test_stable_reinforce_is_importance_sampling_on_the_sampled_targets() -> None:
+    mask = [1.0, 1.0, 0.0, 1.0]  # the third target was not sampled (a prompt token)
+    loss, grad = _stable(None, mask)
+    is_loss, is_grad = _run("importance_sampling")
+    assert loss == pytest.approx([v * m for v, m in zip(is_loss, mask, strict=True)], rel=1e-6)
+    assert grad == pytest.approx([g * m for g, m in zip(is_grad, mask, strict=True)], rel=1e-6)
+
+
+def test_stable_reinforce_kl_coeff_adds_the_k3_estimate() -> None:
+    mask = [1.0, 1.0, 1.0, 0.0]
+    loss, grad = _stable({"kl_coeff": 0.3}, mask)
+    for i in range(4):
+        r = _ratio(i)
+        k3 = r - 1 - math.log(r)
+        assert loss[i] == pytest.approx(mask[i] * (-r * ADV[i] + 0.3 * k3), rel=1e-5)
+        # d/dlogp: -r A + 0.3 (r - 1)
+        assert grad[i] == pytest.approx(mask[i] * (-r * ADV[i] + 0.3 * (r - 1)), rel=1e-5)
+    with pytest.raises(ValueError, match="kl_coeff"):
+        build_token_loss("stable_reinforce", {"kl_coeff": -1.0})

@@ -32,6 +32,7 @@ FLOAT_INPUTS = {
 }
 MASK = "sequence_ratio_mask"
 TARGETS = "target_tokens"
+RECORDED = "stable_reinforce"  # the loss that reads the engine's recorded sampling
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,28 @@ def _check_datum(i: int, datum: ClientDatum, loss: TokenLoss, limits: Limits) ->
             f"marks no token: {loss.name}'s sequence ratio needs at least one",
             field=f"{where}.loss_fn_inputs.{MASK}",
         )
+    if loss.name == RECORDED:
+        floats.update(_recorded(datum, n, where))
     return Datum(ids, torch.from_numpy(targets.astype(np.int64)), floats)
+
+
+def _recorded(datum: ClientDatum, n: int, where: str) -> dict[str, torch.Tensor]:
+    """The engine's recorded sampler log-probs in place of the client's ``logprobs``,
+    and the mask of the targets it sampled."""
+    rec = datum.recorded
+    if rec is None:
+        raise InvalidRequestError(
+            "stable_reinforce needs provenance: spans naming the sampled sequences "
+            "(Datum.with_provenance) from a sampler with record_stability_info",
+            field=f"{where}.loss_fn_input_spans",
+        )
+    if rec.sampled.shape != (n,) or rec.logprobs.shape != (n,):
+        raise InvalidRequestError("provenance does not cover the targets", f"{where}")
+    sampled = torch.from_numpy(rec.sampled.astype(np.float32))
+    return {
+        "sampling_logprobs": torch.from_numpy(rec.logprobs.astype(np.float32)),
+        "sampled_mask": sampled,
+    }
 
 
 def _vector(value: object, n: int, field: str) -> np.ndarray:

@@ -25,7 +25,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 # The Tinker SDK's loss names (tinker.types.LossFnType) the engine implements.
-LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LossName = Literal[
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"
+]
 StopReason = Literal["length", "stop"]
 
 
@@ -41,15 +43,29 @@ class ClientLora:
 
 
 @dataclass(frozen=True)
+class RecordedInputs:
+    """What the engine itself recorded when it sampled a datum's tokens (a sample with
+    ``record_stability_info``), aligned with the datum's N targets: ``sampled`` (bool [N])
+    marks the targets its provenance names as sampled tokens, ``logprobs`` (float32 [N])
+    the sampler's log-prob of each (0 elsewhere). The protocol layer resolves it from the
+    datum's provenance spans (server/tinker/provenance.py); ``stable_reinforce`` reads it."""
+
+    sampled: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
 class ClientDatum:
     """One sequence: ``input_ids`` (N tokens) and the loss's inputs, each a 1-D array of N:
     ``target_tokens`` (int64: the token position i predicts), ``weights``, ``advantages``,
     ``logprobs`` (the sampler's), ``clip_low_threshold``/``clip_high_threshold``,
     ``sequence_ratio_mask`` (gspo's; float32),
-    as the SDK's ``Datum.loss_fn_inputs`` names them."""
+    as the SDK's ``Datum.loss_fn_inputs`` names them; ``recorded``: the engine's own record
+    of its sampled tokens, where its provenance named one."""
 
     input_ids: list[int]
     loss_inputs: Mapping[str, np.ndarray]
+    recorded: RecordedInputs | None = None
 
 
 @dataclass(frozen=True)

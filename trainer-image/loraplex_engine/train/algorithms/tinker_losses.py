@@ -17,7 +17,12 @@ exactly as Tinker's do. Each loss maps one datum's per-token log-probs of its
 - ``gspo`` (GSPO-token): ppo's clipped objective on a *sequence* ratio ``s`` (the geometric
   mean of the token ratios over the positions ``sequence_ratio_mask`` marks), each token
   carrying ``s``'s value with its own log-prob's gradient:
-  ``s_t = exp(sg(mean_M(logp - sampling_logp)) + logp - sg(logp))``.
+  ``s_t = exp(sg(mean_M(logp - sampling_logp)) + logp - sg(logp))``;
+- ``stable_reinforce`` (this engine's reading: the SDK names its inputs, not its formula):
+  importance-sampled REINFORCE on the log-probs the engine *recorded* when it sampled
+  each token (``q``, never the client's), on the targets its provenance names as sampled
+  (``m``), with an optional ``kl_coeff`` (default 0) on the k3 estimate of KL(sampler ||
+  policy): ``r = exp(logp - sg(q))``, ``m_t * (-r * A + kl_coeff * (r - 1 - log r))``.
 
 Each is a frozen dataclass whose fields are its ``loss_fn_config`` settings;
 :func:`build_token_loss` builds one by its SDK name, refusing an unknown name or key
@@ -50,6 +55,7 @@ class TokenLossInputs:
     clip_low: Tensor | None = None
     clip_high: Tensor | None = None
     sequence_mask: Tensor | None = None  # the SDK's ``sequence_ratio_mask`` (gspo)
+    sampled_mask: Tensor | None = None  # 1 where the engine recorded the sampled target
 
 
 class TokenLoss(Protocol):
@@ -160,8 +166,32 @@ class GSPO(_Clipped):
         return -objective
 
 
+@dataclass(frozen=True)
+class StableReinforce:
+    """``sampling_logprobs`` here are the engine's recorded ones (clients/inputs.py puts
+    them there from the datum's ``recorded``): a target not sampled carries no loss."""
+
+    name: ClassVar[str] = "stable_reinforce"
+    required: ClassVar[tuple[str, ...]] = ("advantages",)  # and provenance (recorded)
+    kl_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.kl_coeff >= 0.0:
+            raise ValueError(f"kl_coeff: must be >= 0, got {self.kl_coeff}")
+
+    def __call__(self, inputs: TokenLossInputs) -> Tensor:
+        assert inputs.sampling_logprobs is not None and inputs.sampled_mask is not None
+        log_ratio = inputs.logprobs - inputs.sampling_logprobs.detach()
+        ratio = torch.exp(log_ratio)
+        loss = -ratio * _adv(inputs)
+        if self.kl_coeff > 0.0:
+            loss = loss + self.kl_coeff * (ratio - 1.0 - log_ratio)
+        return loss * inputs.sampled_mask.to(loss.dtype)
+
+
 TOKEN_LOSSES: dict[str, Callable[..., TokenLoss]] = {
-    loss.name: loss for loss in (CrossEntropy, ImportanceSampling, PPO, CISPO, DRO, GSPO)
+    loss.name: loss
+    for loss in (CrossEntropy, ImportanceSampling, PPO, CISPO, DRO, GSPO, StableReinforce)
 }
 
 
