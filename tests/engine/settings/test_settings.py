@@ -69,6 +69,8 @@ CHANGED: dict[str, Any] = {
     "tinker_futures_per_namespace": 50,
     "tinker_future_ttl": 60.0,
     "tinker_retrieved_grace": 5.0,
+    "tinker_recorded_tokens": 1000,
+    "tinker_recorded_ttl": 30.0,
     "insecure_no_auth": True,
     "threads": 2,
     "max_completion_tokens": 64,

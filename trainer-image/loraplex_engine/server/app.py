@@ -110,6 +110,7 @@ def create_app(
     training: Callable[[], Any] | None = None,
     tinker_max_sessions: int = DEFAULT_MAX_SESSIONS,
     tinker_futures: Any = None,
+    tinker_records: Any = None,
     served_names: tuple[str, ...] = (),
     unlisted_names: tuple[str, ...] = (),
 ) -> FastAPI:
@@ -127,6 +128,8 @@ def create_app(
         acting for the namespace in ``X-Loraplex-Namespace`` (the gateway's way in).
     tinker_max_sessions: open Tinker sessions a namespace may hold at once.
     tinker_futures: the Tinker futures' bounds (a ``server.tinker.future_table.FutureLimits``).
+    tinker_records: the bounds of samples recorded for stable_reinforce (a
+        ``server.tinker.recorded.RecordLimits``).
     served_names: more names a Tinker client may call the base model by (serve
         --served-model-name; base_model.served_names), besides ``engine.model_name``;
         ``unlisted_names`` are accepted too, but not listed (the model directory's name).
@@ -328,6 +331,7 @@ def create_app(
             tinker_keys,
             admin_token=token,
             future_limits=tinker_futures,
+            record_limits=tinker_records,
             max_sessions=tinker_max_sessions,
             served_names=served_names,
             unlisted_names=unlisted_names,

@@ -49,6 +49,7 @@ from loraplex_engine.settings.commands import ServeSettings
 from loraplex_engine.settings.generate import to_argv
 from loraplex_engine.spec.errors import ApiError, RankFailed, UnavailableError, UsageError
 from loraplex_engine.spec.service import TickingEngine
+from loraplex_engine.spec.tinker_limits import RecordLimits
 from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import DataRoots, RewardEgress, TrustPolicy, system_resolver
 from loraplex_engine.tracking.hub import TickObservers, start_tracking
@@ -313,6 +314,7 @@ def run(settings: ServeSettings) -> int:
             settings.tinker_future_ttl,
             settings.tinker_retrieved_grace,
         ),
+        tinker_records=RecordLimits(settings.tinker_recorded_tokens, settings.tinker_recorded_ttl),
         served_names=names,
         # the name it had before it had others: a gateway or client may still say it
         unlisted_names=(Path(settings.model).resolve().name,),

@@ -19,6 +19,8 @@ from loraplex_engine.spec.tinker_limits import (
     DEFAULT_MAX_SESSIONS,
     FUTURE_TTL_S,
     FUTURES_PER_NAMESPACE,
+    RECORDED_TOKENS_PER_NAMESPACE,
+    RECORDED_TTL_S,
     RETRIEVED_GRACE_S,
 )
 
@@ -98,6 +100,18 @@ class ServeSettings(ProcessSettings, TrackingSettings):
             v.seconds,
         ),
     ] = RETRIEVED_GRACE_S
+    tinker_recorded_tokens: Annotated[
+        int,
+        Flag(
+            "tokens a namespace's samples recorded for stable_reinforce (record_stability_info)"
+            " may hold: beyond it the least recently used are dropped",
+            v.positive_int,
+        ),
+    ] = RECORDED_TOKENS_PER_NAMESPACE
+    tinker_recorded_ttl: Annotated[
+        float,
+        Flag("how long a recorded sample no training request uses is kept", v.seconds),
+    ] = RECORDED_TTL_S
     threads: Annotated[int, Flag("torch CPU threads (0: torch's default)", v.to_int)] = 0
     max_completion_tokens: Annotated[
         int, Flag("largest max_tokens accepted by /v1/completions", v.to_int)

@@ -224,11 +224,10 @@ def test_a_requests_own_error_never_stops_the_engine_loop() -> None:
         loop.stop(5)
 
 
-def test_stable_reinforce_is_refused_saying_what_is_missing_and_what_to_pass() -> None:
-    """Tinker publishes what stable_reinforce takes but not its objective: the refusal
-    names loss_fn, says so, and names the loss a cookbook recipe can pass instead."""
+def test_stable_reinforce_is_taken_and_an_unknown_loss_still_named() -> None:
+    """stable_reinforce is this engine's reading of the name (docs/design/tinker-protocol.md);
+    a name outside the SDK's losses is still refused naming loss_fn."""
+    assert wire.loss_call("stable_reinforce", {"kl_coeff": 0.1}).name == "stable_reinforce"
     with pytest.raises(InvalidRequestError) as refused:
-        wire.loss_call("stable_reinforce", {})
+        wire.loss_call("stable_reinforce_v2", {})
     assert refused.value.field == "loss_fn"
-    message = str(refused.value)
-    assert "objective" in message and "loss_fn=importance_sampling" in message, message

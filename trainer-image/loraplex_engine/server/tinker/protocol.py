@@ -27,6 +27,7 @@ from loraplex_engine.server.tinker.futures import Future, Runner
 from loraplex_engine.server.tinker.inflight import Inflight, check_kind, sequence_ids
 from loraplex_engine.server.tinker.journal import Entry, journalled, replay
 from loraplex_engine.server.tinker.sampling_params import sample_call
+from loraplex_engine.server.tinker.stability import Stability
 from loraplex_engine.server.tinker.state import Model, Registry, Sampler
 from loraplex_engine.spec.errors import (
     ApiError,
@@ -35,6 +36,7 @@ from loraplex_engine.spec.errors import (
     NoCapacityError,
     NotFoundError,
 )
+from loraplex_engine.spec.tinker_limits import RecordLimits
 from loraplex_engine.spec.tinker_paths import engine_name, reserved
 from loraplex_engine.spec.training_service import (
     AdamStep,
@@ -92,6 +94,7 @@ class Protocol:
         janitor_s: float = JANITOR_S,
         served_names: tuple[str, ...] = (),
         unlisted_names: tuple[str, ...] = (),
+        records: RecordLimits | None = None,
     ) -> None:
         self.training = training
         self.aliases = served_names  # serve --served-model-name: more names of the base
@@ -103,6 +106,7 @@ class Protocol:
         self.futures = futures if futures is not None else FutureTable()
         self.completions = Completions(self.futures)  # retrieve_futures, cancel_future
         self.inflight = Inflight()  # models' shared inflight sampler weights
+        self.stability = Stability(self.registry, records)  # stable_reinforce's recordings
         self.runner = runner or Runner()
         self._stop = threading.Event()
         self._janitor = threading.Thread(
@@ -302,7 +306,8 @@ class Protocol:
         raw = wire.decompress(body, encoding, wire.max_body_bytes(max_tokens))
         call = wire.read_forward_backward(raw, max_tokens)
         model = self.registry.model(namespace, call.model_id)
-        step = Forward(call.data, call.loss, backward=not call.forward_only)
+        data = self.stability.data(namespace, model.session_id, call)
+        step = Forward(data, call.loss, backward=not call.forward_only)
         kind = "Forward" if call.forward_only else "ForwardBackward"
         entry = ("forward_backward", body, encoding)
         seq = call.seq_id or None
@@ -413,11 +418,13 @@ class Protocol:
     def end_session(self, namespace: str, session_id: str) -> None:
         for model in self.registry.end_session(namespace, session_id):
             self._retire(model, save=True)
+        self.stability.end_session(namespace, session_id)
 
     def _janitor_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
             try:
                 self.futures.sweep()
+                self.stability.sweep()
                 for model in self.registry.expired():
                     self._retire(model, save=True)
             except Exception:
@@ -467,21 +474,16 @@ class Protocol:
             )
         if body.get("prompt_alt_tokens_k"):
             raise InvalidRequestError("not supported", field="prompt_alt_tokens_k")
-        if body.get("record_stability_info"):
-            raise InvalidRequestError(
-                "not supported: it records what the stable_reinforce loss reads, and "
-                + wire.STABLE_REINFORCE_MISSING
-                + "; sample without it and train with loss_fn=importance_sampling (the "
-                "cookbook records only for loss_fn=stable_reinforce)",
-                field="record_stability_info",
-            )
         call = sample_call(body, self.training().limits)
+        record = self.stability.before_sample(namespace, body, call, target)
         fut = self.futures.new(namespace, "Sample")
         fut.sample_sequence_ids = sequence_ids(fut.request_id, call.num_samples, published)
         topk = call.topk_prompt_logprobs
 
         def run() -> bytes:
             out = self.training().sample(namespace, target, call)
+            if record is not None:
+                record(fut.request_id, fut.sample_sequence_ids or [], out)
             return wire.sample_output_proto(out, topk, call.topk_sample_logprobs)
 
         job = self.completions.tracked(

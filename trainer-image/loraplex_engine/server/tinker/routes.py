@@ -36,7 +36,7 @@ from loraplex_engine.spec.errors import (
     NoCapacityError,
     NotFoundError,
 )
-from loraplex_engine.spec.tinker_limits import DEFAULT_MAX_SESSIONS
+from loraplex_engine.spec.tinker_limits import DEFAULT_MAX_SESSIONS, RecordLimits
 from loraplex_engine.spec.training_service import TrainingService
 
 PREFIX = "/api/v1"
@@ -209,6 +209,7 @@ def mount_tinker(
     registry: Registry | None = None,
     futures: FutureTable | None = None,
     future_limits: FutureLimits | None = None,
+    record_limits: RecordLimits | None = None,
     runner: Runner | None = None,
     long_poll_s: float = LONG_POLL_S,
     max_sessions: int = DEFAULT_MAX_SESSIONS,
@@ -230,6 +231,7 @@ def mount_tinker(
         runner=runner,
         served_names=served_names,
         unlisted_names=unlisted_names,
+        records=record_limits,
     )
     decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto

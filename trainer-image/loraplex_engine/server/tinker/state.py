@@ -133,6 +133,10 @@ class Registry:
                 )
         raise NotFoundError(f"no session {session_id!r}", field=field_name)
 
+    def is_open(self, namespace: str, session_id: str) -> bool:
+        with self._lock:
+            return (namespace, session_id) in self._sessions
+
     def end_session(self, namespace: str, session_id: str) -> list[Model]:
         """Ends the session; returns its models (the caller saves and unloads them)."""
         with self._lock:

@@ -18,6 +18,7 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
+from loraplex_engine.server.tinker.provenance import DatumSpans, read_spans
 from loraplex_engine.server.tinker.sampling_params import brief
 from loraplex_engine.spec.errors import BodyTooLargeError, InvalidRequestError
 from loraplex_engine.spec.training_service import (
@@ -36,21 +37,12 @@ PROTOBUF = "application/x-protobuf"
 BYTES_PER_TOKEN = 64
 BODY_SLACK_BYTES = 2 * 1024 * 1024
 LOSSES: tuple[str, ...] = get_args(LossName)
-# Why stable_reinforce is refused (at forward_backward and at a sample that records for
-# it): Tinker's docs and SDK give what it takes, never the formula it computes from that.
-STABLE_REINFORCE_MISSING = (
-    "the stable_reinforce loss is not implemented: Tinker publishes what it takes (samples "
-    "recorded with record_stability_info, provenance spans naming their sequence_id, "
-    "loss_fn_config kl_coeff) but not the objective it computes from them, so no "
-    "implementation here could be shown to match it"
-)
 # The SDK's loss names this engine does not implement: each answers a clear error.
 UNSUPPORTED_LOSSES = {
     "custom": "server-side custom losses are not supported; the SDK runs "
     "forward_backward_custom on the client (this server answers custom_loss_server_side=false)",
-    "stable_reinforce": STABLE_REINFORCE_MISSING + "; pass loss_fn=importance_sampling "
-    "instead (or cispo, gspo, ppo)",
 }
+RECORDED = "stable_reinforce"  # the loss that reads a datum's provenance
 # loss_fn_inputs the engine reads, and the dtype each must have on the wire.
 INPUT_DTYPES = {
     "target_tokens": "int64",
@@ -73,6 +65,7 @@ class ForwardBackwardCall:
     forward_only: bool
     data: list[ClientDatum]
     loss: LossCall
+    spans: list[DatumSpans | None]  # each datum's provenance (server/tinker/provenance.py)
 
 
 def max_body_bytes(max_tokens: int) -> int:
@@ -217,7 +210,7 @@ def read_forward_backward(body: bytes, max_tokens: int) -> ForwardBackwardCall:
     if not msg.data:
         raise InvalidRequestError("no data", field="forward_backward_input.data")
     _count_tokens(msg, max_tokens)
-    data = []
+    data, spans = [], []
     for i, datum in enumerate(msg.data):
         where = f"data[{i}]"
         tokens = _tokens(datum, where)
@@ -229,7 +222,10 @@ def read_forward_backward(body: bytes, max_tokens: int) -> ForwardBackwardCall:
                 "target_tokens is required", field=f"{where}.loss_fn_inputs.target_tokens"
             )
         data.append(ClientDatum(input_ids=tokens, loss_inputs=inputs))
-    return ForwardBackwardCall(msg.model_id, int(msg.seq_id), bool(msg.forward_only), data, loss)
+        # provenance is read only for the loss that trains on it (server/tinker/stability.py)
+        spans.append(read_spans(datum, len(tokens), where) if loss.name == RECORDED else None)
+    seq = int(msg.seq_id)
+    return ForwardBackwardCall(msg.model_id, seq, bool(msg.forward_only), data, loss, spans)
 
 
 def metric_name(key: str) -> str:
