@@ -80,7 +80,7 @@ class Result:
 
 def recipes(conversations: Path) -> list[Recipe]:
     rl = ["group_size=4", "groups_per_batch=2", "max_steps=3", "eval_every=0"]
-    rl += ["loss_fn=importance_sampling", "learning_rate=1e-4"]
+    rl += ["learning_rate=1e-4"]  # the recipes' default loss, stable_reinforce
     rl += ["behavior_if_log_dir_exists=delete"]
     delete = "behavior_if_log_dir_exists=delete"
     return [
@@ -99,7 +99,7 @@ def recipes(conversations: Path) -> list[Recipe]:
                "dpo_loss", "time/total", rank=False),
         Recipe("recipes.rl_loop", CB + "rl_loop",
                ["batch_size=2", "group_size=4", "max_tokens=32", "max_steps=3",
-                "learning_rate=1e-4", "loss_fn=importance_sampling"],
+                "learning_rate=1e-4"],
                "reward/total", "time/total"),
         Recipe("rl.train sync (math_rl)", CB + "math_rl.train",
                ["env=arithmetic", "max_tokens=8", *rl], "env/all/reward/total", "time/total"),

@@ -122,31 +122,16 @@ def test_chat_sl_runs_supervised_train_and_lowers_the_loss(server, cache, tmp_pa
     _record("chat_sl", run, "time/step", f"4 steps, nll {nll[0]:.3f}->{nll[-1]:.3f}")
 
 
-def test_rl_loop_with_importance_sampling_runs_to_its_end(server, cache, tmp_path) -> None:
-    # The random tiny model never writes \boxed{...}: every reward is 0, so the recipe
-    # skips its updates (all advantages zero); sampling, grading and checkpoints run.
-    args = ["batch_size=2", "group_size=4", "max_tokens=8", "loss_fn=importance_sampling"]
+def test_rl_loop_with_its_default_loss_runs_to_its_end(server, cache, tmp_path) -> None:
+    # Its default loss, stable_reinforce: every sample is recorded (record_stability_info)
+    # and answers sequence ids. The random tiny model never writes \boxed{...}: every
+    # reward is 0, so the recipe skips its updates (all advantages zero); sampling,
+    # recording, grading and checkpoints run.
+    args = ["batch_size=2", "group_size=4", "max_tokens=8"]
     run = recipe("tinker_cookbook.recipes.rl_loop", args, server, cache, tmp_path)
     assert _steps(run, "reward/total") == [0.0] * 4
     assert "final" in _saved(server, run)
     _record("rl_loop", run, "time/total", "4 steps of 2x4 samples, 8 tokens, reward 0")
-
-
-def test_rl_loop_with_its_default_loss_stops_at_once_saying_what_to_pass(
-    server, cache, tmp_path
-) -> None:
-    # stable_reinforce (rl_loop's default) is refused: Tinker does not publish its objective.
-    # Its first sample (record_stability_info) answers a 422 naming the field and the loss
-    # to pass instead; nothing is trained.
-    args = [f"base_url={server.url}", f"model_name={HUB_ID}", "lora_rank=8", "batch_size=2"]
-    args += ["group_size=4", "max_tokens=8"]
-    run = run_recipe(
-        "tinker_cookbook.recipes.rl_loop", args, cache, KEY, tmp_path / "run", RECIPE_TIMEOUT_S
-    )
-    assert run.returncode != 0
-    assert "record_stability_info" in run.output, run.output[-3000:]
-    assert "loss_fn=importance_sampling" in run.output, run.output[-3000:]
-    assert run.seconds < RECIPE_TIMEOUT_S / 2 and not run.metrics  # at once, not retried
 
 
 def test_dpo_lowers_its_loss_and_its_checkpoint_downloads(server, cache, tmp_path) -> None:
@@ -188,29 +173,35 @@ def test_on_policy_distillation_runs_to_its_end(server, cache, tmp_path) -> None
 
 
 def test_math_rl_runs_the_async_off_policy_path(server, cache, tmp_path) -> None:
-    # max_steps_off_policy: the cookbook's async RL loop (sampling runs ahead of training).
+    # max_steps_off_policy: the cookbook's async RL loop (sampling runs ahead of training),
+    # with its default loss, stable_reinforce.
     args = [
         "env=arithmetic", "group_size=4", "groups_per_batch=2", "max_tokens=5", "max_steps=4",
-        "max_steps_off_policy=2", "loss_fn=importance_sampling", "eval_every=0",
+        "max_steps_off_policy=2", "eval_every=0",
         "learning_rate=1e-3", "behavior_if_log_dir_exists=delete",
     ]  # fmt: skip
     run = recipe("tinker_cookbook.recipes.math_rl.train", args, server, cache, tmp_path)
     reward = _steps(run, "env/all/reward/total")
     assert len(reward) == 4, run.output[-2000:]
+    # every step trained with the default loss, stable_reinforce (the metric is computed
+    # from its forward_backward's answer)
+    assert len(_steps(run, "optim/kl_sample_train_v1")) == 4, run.output[-2000:]
     assert "final" in _saved(server, run)
     _record("math_rl async", run, "time/total", f"4 steps of 2x4 samples, reward {reward}")
 
 
 def test_math_rl_runs_rl_train_synchronously(server, cache, tmp_path) -> None:
-    # No max_steps_off_policy: rl.train's synchronous loop (sample, then train, each step).
+    # No max_steps_off_policy: rl.train's synchronous loop (sample, then train, each step),
+    # with its default loss, stable_reinforce.
     args = [
         "env=arithmetic", "group_size=4", "groups_per_batch=2", "max_tokens=5", "max_steps=4",
-        "loss_fn=importance_sampling", "eval_every=0", "learning_rate=1e-3",
+        "eval_every=0", "learning_rate=1e-3",
         "behavior_if_log_dir_exists=delete",
     ]  # fmt: skip
     run = recipe("tinker_cookbook.recipes.math_rl.train", args, server, cache, tmp_path)
     reward = _steps(run, "env/all/reward/total")
     assert len(reward) == 4, run.output[-2000:]
+    assert len(_steps(run, "optim/kl_sample_train_v1")) == 4, run.output[-2000:]  # trained
     assert "final" in _saved(server, run)
     _record("math_rl sync", run, "time/total", f"4 steps of 2x4 samples, reward {reward}")
 
