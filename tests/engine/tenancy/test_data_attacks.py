@@ -22,23 +22,20 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
-import psutil
 import pytest
 
 from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.step_meter import BYSTANDER, Meter
 from tests.support.tenant_api import failed, put, spec, status
 
 # pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
 pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
-BYSTANDER = "team-b.bystander"
 B_SECRET = "B-SECRET"
 KEEP = 0.7
 # While the engine itself parses an attacker's file (a size attack), the parse is Python
@@ -123,65 +120,11 @@ def _jsonl(dataset: Path, reward_url: str | None = None) -> dict[str, Any]:
 # ---- B, measured -------------------------------------------------------------------------
 
 
-@dataclass
-class Window:
-    """B's steps (time, step) and the engine's RSS over one window."""
-
-    steps: list[tuple[float, int]] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
-
-    @property
-    def rate(self) -> float:
-        (t0, s0), (t1, s1) = self.steps[0], self.steps[-1]
-        return (s1 - s0) / (t1 - t0)
-
-    @property
-    def longest_stall(self) -> float:
-        """The longest time B's step stood still (to the end of the window)."""
-        longest, since, last = 0.0, self.steps[0][0], self.steps[0][1]
-        for t, step in self.steps[1:]:
-            if step != last:
-                since, last = t, step
-            longest = max(longest, t - since)
-        return longest
-
-    @property
-    def rss_growth(self) -> int:
-        return max(self.rss) - self.rss[0]
-
-
-@contextmanager
-def measured(server: EngineServer, at_least_s: float = 3.0) -> Iterator[Window]:
-    """Sample B and the engine's RSS every 0.1 s while the block runs (and at least
-    ``at_least_s``)."""
-    window, stop = Window(), threading.Event()
-    proc = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
-
-    def sample() -> None:
-        with server.client() as c:
-            while not stop.is_set():
-                window.rss.append(proc.memory_info().rss)
-                window.steps.append((time.monotonic(), status(c, BYSTANDER)["step"]))
-                stop.wait(0.1)
-
-    start = time.monotonic()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield window
-        time.sleep(max(0.0, start + at_least_s - time.monotonic()))
-    finally:
-        stop.set()
-        thread.join(30)
-
-
 def _baseline(server: EngineServer) -> float:
-    with measured(server, at_least_s=4.0) as w:
-        pass
-    return w.rate
+    return Meter(server).run(min_s=4.0).rate
 
 
-def _b_kept_up(name: str, baseline: float, during: Window, size_attack: bool = False) -> None:
+def _b_kept_up(name: str, baseline: float, during: Meter, size_attack: bool = False) -> None:
     note = f"B baseline {baseline:.1f} steps/s; longest stall {during.longest_stall:.2f}s"
     record_measurement(f"data_attack.{name}.b_rate_ratio", during.rate / baseline, note)
     if size_attack:
@@ -221,7 +164,7 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
     baseline = _baseline(server)  # beside A on its own file
     api.delete("/v1/experiments/team-a.race")
     puts = failures = 0
-    with measured(server) as during:
+    with Meter(server).running(min_s=3.0) as during:
         swapper = threading.Thread(target=swap, daemon=True)
         swapper.start()
         deadline = time.monotonic() + 60
@@ -253,7 +196,7 @@ def test_a_20mb_line_is_never_tokenised(server, api, team_a):
     huge = _line("word " * (4 << 20))  # 20 MB
     data.write_text(_line("ok say yes:") + huge)
     baseline = _baseline(server)
-    with measured(server) as during:
+    with Meter(server).running(min_s=3.0) as during:
         r = put(api, "team-a.huge", _jsonl(data))
         assert r.status_code == 422, r.text
         assert "huge.jsonl:2: line " in r.json()["error"]["message"], r.text
@@ -286,7 +229,7 @@ def test_a_million_rows_are_checked_outside_the_lock(server, api, team_a):
     data = team_a / "million.jsonl"
     _many_rows(data, 1_000_000)
     baseline = _baseline(server)
-    with measured(server, at_least_s=0.0) as during:  # the PUT: A not admitted yet
+    with Meter(server).running(min_s=0.0) as during:  # the PUT: A not admitted yet
         t0 = time.monotonic()
         r = put(api, "team-a.million", _jsonl(data))
         took = time.monotonic() - t0
@@ -301,7 +244,7 @@ def test_a_deeply_nested_line_after_a_million_rows_is_a_4xx_naming_it(server, ap
     data = team_a / "deep.jsonl"
     _many_rows(data, 1_000_000, "[" * 100_000 + "]" * 100_000 + "\n")
     baseline = _baseline(server)
-    with measured(server) as during:
+    with Meter(server).running(min_s=3.0) as during:
         for _ in range(3):  # refused alike every time, and each PUT holds no tick
             r = put(api, "team-a.deep", _jsonl(data))
             assert r.status_code == 422, r.text
@@ -320,7 +263,7 @@ def test_a_dataset_growing_300k_rows_every_2s_does_not_stall_b(server, api, team
     batch = "".join(_line(f"g{i} say yes:") for i in range(300_000))
     assert put(api, "team-a.growing", _jsonl(data)).status_code == 201
     baseline = _baseline(server)  # beside A on its one row
-    with measured(server, at_least_s=10.0) as during:
+    with Meter(server).running(min_s=10.0) as during:
         for _ in range(5):
             with data.open("a") as f:
                 f.write(batch)
