@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 from tests.support.plugin_install import install, with_path  # noqa: E402
 from tests.support.server_process import EngineServer, wait_until  # noqa: E402
+from tests.support.spec_bodies import spec_body  # noqa: E402
 
 COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"
@@ -53,25 +54,11 @@ SLOW_REWARD_S = 20.0
 SLOW_ENVIRONMENT_S = 0.5  # per episode's turn: 16 s for the 32 of a step, one call
 MAX_PROMPT_TOKENS = 384
 MAX_STEP_TOKENS = 32768
-TARGETS = ["q_proj", "v_proj", "lm_head"]
 
 
-def spec(
-    task: dict[str, Any] | None = None, *, group: int, prompts: int, new_tokens: int, seed: int
-) -> dict[str, Any]:
-    return {
-        "lora": {"rank": 8, "alpha": 16, "targetModules": TARGETS},
-        "task": task or {"name": "target-token", "params": {"target": "yes"}},
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": 0.02,
-            "maxSteps": 0,
-            "seed": seed,
-        },
-        "rollout": {"maxNewTokens": new_tokens, "temperature": 1.0},
-        "checkpoint": {"everySteps": 1000, "keep": 1},
-    }
+def spec(task: dict[str, Any] | None = None, **numbers: int) -> dict[str, Any]:
+    """Each scenario's ``group``, ``prompts``, ``new_tokens`` and ``seed`` (all four)."""
+    return spec_body(task, rank=8, lr=0.02, steps=0, every=1000, keep=1, **numbers)
 
 
 class _SlowReward(BaseHTTPRequestHandler):

@@ -12,8 +12,8 @@ import torch
 
 from tests.support.markers import mark_e2e
 from tests.support.numeric import NUMERIC_MODULES, numeric_files
+from tests.support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 
 # Two cores in CI, two test workers, and each test may start engine processes: one torch

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 REQUIREMENTS = REPO_ROOT / "requirements"
 # The vLLM worker runs in vLLM's own environment (requirements/vllm/, the images' vLLM

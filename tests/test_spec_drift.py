@@ -28,7 +28,7 @@ from loraplex_operator.api.schema import ApiModel
 from loraplex_operator.api.status import EnginePoolStatus, ExperimentStatus
 from pydantic import Field
 
-from tests.conftest import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 GEN = REPO_ROOT / "scripts" / "gen_crds.py"
 CRD = REPO_ROOT / "crds" / "loraexperiments.yaml"

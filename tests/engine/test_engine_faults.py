@@ -19,8 +19,8 @@ from loraplex_engine.spec.errors import (
     NoCapacityError,
 )
 
-from tests.conftest import REPO_ROOT
 from tests.support.engine_builders import engine, run_to_end, spec
+from tests.support.paths import REPO_ROOT
 
 
 class _BrokenReward(BaseHTTPRequestHandler):

@@ -11,14 +11,12 @@ from loraplex_engine.settings.engine import EngineSettings
 from loraplex_engine.spec.experiment import ExperimentSpec, parse_spec
 from loraplex_engine.tenancy.trust import TrustPolicy
 
+from tests.support.spec_bodies import spec_body
+
 # Engine tests keep their datasets in pytest's temporary directories and score with
 # loopback reward servers: the local runner's policy over the temporary directory. The
 # engine service's own limits are tested in test_tenant_boundaries.py and test_trust.py.
 TEST_TRUST = TrustPolicy.local([Path(tempfile.gettempdir()).resolve()])
-
-# LoRA on lm_head: the tiny random model learns its tasks through the head (see
-# docs/design/rl.md, "RL: tasks, rewards, GRPO").
-TINY_LORA = {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "lm_head"]}
 
 
 def spec(
@@ -34,22 +32,20 @@ def spec(
     kl: float = 0.0,
     **extra: Any,
 ) -> ExperimentSpec:
-    body: dict[str, Any] = {
-        "lora": dict(TINY_LORA),
-        "task": task or {"name": "target-token", "params": {"target": "yes"}},
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": lr,
-            "maxSteps": steps,
-            "seed": seed,
-            "klCoef": kl,
-        },
-        "rollout": {"maxNewTokens": 8, "temperature": 1.0},
-        "checkpoint": {"everySteps": every, "keep": keep},
-    }
-    body.update(extra)
-    return parse_spec(body)
+    body = spec_body(
+        task,
+        rank=8,
+        group=group,
+        prompts=prompts,
+        lr=lr,
+        steps=steps,
+        new_tokens=8,
+        every=every,
+        keep=keep,
+        seed=seed,
+        kl=kl,
+    )
+    return parse_spec(body | extra)
 
 
 def engine(model_dir: Path, root: Path, **kwargs: Any) -> Engine:

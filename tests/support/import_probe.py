@@ -39,3 +39,30 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, 
         env={**os.environ, "PYTHONPATH": SOURCE, **(env or {})},
     )
     return r.returncode, r.stderr, json.loads(r.stdout.splitlines()[-1])
+
+
+# Builds the CLI's parser (what `--help` and every command do first) and prints the
+# modules of the package named that it imported.
+PARSER_PROBE = """
+import sys
+from loraplex_engine.cli import build_parser
+build_parser()
+package = {package!r}
+print(__import__("json").dumps(sorted(
+    m for m in sys.modules if m == package or m.startswith(package + ".")
+)))
+"""
+
+
+def parser_imports(package: str) -> list[str]:
+    """The modules of ``package`` that building `loraplex-engine`'s parser imports, in a
+    fresh interpreter."""
+    r = subprocess.run(
+        [sys.executable, "-c", PARSER_PROBE.format(package=package)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": SOURCE},
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])

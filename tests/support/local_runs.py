@@ -12,18 +12,20 @@ from loraplex_engine import cli
 STEPS = 6
 
 
-def manifest(name: str, task: str, seed: int, algorithm: str = "") -> str:
+def manifest(
+    name: str, task: str, seed: int, algorithm: str = "", *, steps: int = STEPS, every: int = 4
+) -> str:
     """One LoRAExperiment at tiny size: group 2, 2 prompts, 4 new tokens; ``algorithm``:
-    more of its algorithm's fields (", key: value" ...)."""
+    more of its algorithm's fields (", key: value" ...); a checkpoint ``every`` steps."""
     return (
         "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
         f"metadata: {{name: {name}}}\nspec:\n"
         "  lora: {rank: 4, alpha: 8, targetModules: [q_proj, v_proj, lm_head]}\n"
         f"  task: {task}\n"
         "  algorithm: {groupSize: 2, promptsPerStep: 2, learningRate: 0.02, "
-        f"maxSteps: {STEPS}, seed: {seed}{algorithm}}}\n"
+        f"maxSteps: {steps}, seed: {seed}{algorithm}}}\n"
         "  rollout: {maxNewTokens: 4}\n"
-        "  checkpoint: {everySteps: 4, keep: 1}\n"
+        f"  checkpoint: {{everySteps: {every}, keep: 1}}\n"
     )
 
 

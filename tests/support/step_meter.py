@@ -1,12 +1,14 @@
 """A bystander tenant's pace on a live engine: its step and the engine's RSS, sampled
-every 0.1 s while an attack runs, as a rate and the longest stall between steps."""
+every 0.1 s while an attack runs, as a rate, the longest stall between steps and the
+RSS's growth."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -34,16 +36,22 @@ class Meter:
                 self.rss.append(self.engine.memory_info().rss)
                 self._stop.wait(0.1)
 
-    def run(self, attack: Callable[[], None] = lambda: None, min_s: float = 5.0) -> Meter:
-        """Sample while ``attack`` runs, for ``min_s`` at least."""
+    @contextmanager
+    def running(self, min_s: float = 5.0) -> Iterator[Meter]:
+        """Sample while the block runs, for ``min_s`` at least."""
         t0 = time.monotonic()
         self._thread.start()
         try:
-            attack()
+            yield self
             self._stop.wait(max(0.0, min_s - (time.monotonic() - t0)))
         finally:
             self._stop.set()
             self._thread.join(10)
+
+    def run(self, attack: Callable[[], None] = lambda: None, min_s: float = 5.0) -> Meter:
+        """Sample while ``attack`` runs, for ``min_s`` at least."""
+        with self.running(min_s):
+            attack()
         return self
 
     @property
@@ -58,3 +66,8 @@ class Meter:
         changes += [t for (_, prev), (t, s) in itertools.pairwise(self.steps) if s != prev]
         changes.append(self.steps[-1][0])
         return max(b - a for a, b in itertools.pairwise(changes))
+
+    @property
+    def rss_growth(self) -> int:
+        """The engine's RSS: its peak over the first sample's, in bytes."""
+        return max(self.rss) - self.rss[0]

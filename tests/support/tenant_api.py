@@ -8,34 +8,24 @@ from typing import Any
 import httpx
 
 from tests.support.server_process import wait_until
+from tests.support.spec_bodies import spec_body
 
 LIMITS = ["--max-prompt-tokens", "64", "--max-step-tokens", "10000"]
 
 
-TARGETS = ["q_proj", "v_proj", "lm_head"]
+# A spec the tiny model steps in tens of milliseconds (maxSteps 0: runs until deleted).
+TENANT_SPEC: dict[str, Any] = dict(
+    rank=4, group=4, prompts=2, lr=0.05, steps=0, new_tokens=4, every=2, keep=2
+)
+# An environment's: rank 8, a seed, checkpoints every 10 steps.
+ENVIRONMENT_SPEC: dict[str, Any] = dict(
+    rank=8, group=8, prompts=4, lr=0.05, steps=0, new_tokens=8, every=10, keep=2, seed=0
+)
 
 
-def spec(
-    task: dict[str, Any] | None = None,
-    *,
-    group: int = 4,
-    prompts: int = 2,
-    new_tokens: int = 4,
-    every: int = 2,
-) -> dict[str, Any]:
-    """A spec the tiny model steps in tens of milliseconds (maxSteps 0: runs until deleted)."""
-    return {
-        "lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS},
-        "task": task or {"name": "target-token", "params": {"target": "yes"}},
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": 0.05,
-            "maxSteps": 0,
-        },
-        "rollout": {"maxNewTokens": new_tokens, "temperature": 1.0},
-        "checkpoint": {"everySteps": every, "keep": 2},
-    }
+def spec(task: dict[str, Any] | None = None, **numbers: Any) -> dict[str, Any]:
+    """``TENANT_SPEC`` with ``numbers`` (``spec_body``'s keywords) over it."""
+    return spec_body(task, **(TENANT_SPEC | numbers))
 
 
 def put(api: httpx.Client, exp_id: str, body_spec: dict[str, Any], **extra: Any) -> httpx.Response:
@@ -56,29 +46,9 @@ def failed(api: httpx.Client, exp_id: str, timeout: float = 60) -> dict[str, Any
     )
 
 
-def environment_spec(
-    task: dict,
-    *,
-    steps: int = 0,
-    seed: int = 0,
-    new_tokens: int = 8,
-    lr: float = 0.05,
-    group: int = 8,
-    prompts: int = 4,
-) -> dict:
-    return {
-        "lora": {"rank": 8, "alpha": 16, "targetModules": TARGETS},
-        "task": task,
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": lr,
-            "maxSteps": steps,
-            "seed": seed,
-        },
-        "rollout": {"maxNewTokens": new_tokens, "temperature": 1.0},
-        "checkpoint": {"everySteps": 10, "keep": 2},
-    }
+def environment_spec(task: dict[str, Any], **numbers: Any) -> dict[str, Any]:
+    """``ENVIRONMENT_SPEC`` with ``numbers`` (``spec_body``'s keywords) over it."""
+    return spec_body(task, **(ENVIRONMENT_SPEC | numbers))
 
 
 def wait_steps(api: httpx.Client, exp_id: str, steps: int, timeout: float = 600) -> dict:

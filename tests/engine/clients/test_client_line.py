@@ -9,6 +9,8 @@ from loraplex_engine.clients.models import ClientModels
 from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.spec.training_service import ClientLora, ClientModelInfo
 
+from tests.support.client_registry import enrolled, queue
+
 NS = "team-a"
 
 
@@ -23,21 +25,15 @@ class CountingQueue(deque):
 
 
 def _registry(n: int, limit: int | None = None) -> tuple[ClientModels, list[ClientModel]]:
-    clients = ClientModels(parts=None, models_per_tick=limit)
-    models = []
-    for i in range(n):
-        info = ClientModelInfo(f"m{i:05d}", f"ns{i % 7}", "base", "tok", ClientLora(rank=4))
-        model = ClientModel(info, f"tinker:{info.namespace}/{info.model_id}")
-        clients._enroll(model)
-        models.append(model)
-    return clients, models
+    infos = (
+        ClientModelInfo(f"m{i:05d}", f"ns{i % 7}", "base", "tok", ClientLora(rank=4))
+        for i in range(n)
+    )
+    return enrolled(infos, limit)
 
 
 def _queue(clients: ClientModels, model: ClientModel, *kinds: str) -> None:
-    with clients._queued:  # as ClientModels.submit queues a call
-        for k in kinds:
-            model.put(Op(k))  # type: ignore[arg-type]
-        clients._line.queued(model)
+    queue(clients, model, *(Op(k) for k in kinds))  # type: ignore[arg-type]
 
 
 def _taken(clients: ClientModels) -> list[str]:

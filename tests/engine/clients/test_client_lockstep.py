@@ -31,6 +31,7 @@ from loraplex_engine.spec.training_service import (
 from loraplex_engine.tenancy.client_share import RECENT_S, SETTLED_S
 
 from tests.support.client_driver import sft_datum
+from tests.support.client_registry import enrolled, queue
 
 CLIENTS = 8
 STEPS = 20
@@ -50,22 +51,10 @@ def _train_op(kind: str, rows: int) -> Op:
 
 
 def _clients(n: int) -> tuple[ClientModels, list[ClientModel]]:
-    registry = ClientModels(parts=None)
-    models = []
-    for i in range(n):
-        info = ClientModelInfo(f"m{i}", f"ns{i}", "base", "tok", ClientLora(rank=8))
-        model = ClientModel(info, f"tinker:ns{i}/m{i}")
-        registry._enroll(model)
-        models.append(model)
-    return registry, models
-
-
-def _queue(registry: ClientModels, model: ClientModel, *ops: Op) -> None:
-    with registry._queued:  # as ClientModels.submit queues a call
-        for op in ops:
-            model.put(op)
-        registry._line.queued(model)
-        registry._queued.notify_all()
+    infos = (
+        ClientModelInfo(f"m{i}", f"ns{i}", "base", "tok", ClientLora(rank=8)) for i in range(n)
+    )
+    return enrolled(infos)
 
 
 def test_equal_clients_share_every_tick_when_an_optim_step_comes_late() -> None:
@@ -74,7 +63,7 @@ def test_equal_clients_share_every_tick_when_an_optim_step_comes_late() -> None:
         done = dict.fromkeys(models, 0)
         late: dict[ClientModel, Op] = {}  # its optim_step, sent after its tick's step phase
         for model in models:  # every client sends its first step
-            _queue(registry, model, _train_op("forward_backward", rows))
+            queue(registry, model, _train_op("forward_backward", rows))
             late[model] = _train_op("optim_step", rows)
         ticks = 0
         while any(m.queue for m in models):
@@ -85,7 +74,7 @@ def test_equal_clients_share_every_tick_when_an_optim_step_comes_late() -> None:
             assert {m.info.model_id for m, _ in taken} == queued, (rows, ticks)
             for model, ops in taken:
                 if ops[-1].kind == "forward_backward":  # its optim_step arrives now, alone
-                    _queue(registry, model, late.pop(model))
+                    queue(registry, model, late.pop(model))
                     continue
                 done[model] += 1
                 if done[model] == STEPS:
@@ -93,10 +82,10 @@ def test_equal_clients_share_every_tick_when_an_optim_step_comes_late() -> None:
                 # the next step; one client in turn sends its optim_step late
                 fb = _train_op("forward_backward", rows)
                 if (done[model] + models.index(model)) % CLIENTS == 0:
-                    _queue(registry, model, fb)
+                    queue(registry, model, fb)
                     late[model] = _train_op("optim_step", rows)
                 else:
-                    _queue(registry, model, fb, _train_op("optim_step", rows))
+                    queue(registry, model, fb, _train_op("optim_step", rows))
         assert all(n == STEPS for n in done.values())
 
 
@@ -105,12 +94,12 @@ def test_a_held_back_client_is_told_when_its_co_tenant_stops_counting() -> None:
     between calls: no tick takes its call, and the registry says when one will (the
     co-tenant's ``RECENT_S`` ends), so the engine wakes then instead of an idle poll."""
     registry, (small, dear) = _clients(2)
-    _queue(registry, small, _train_op("forward_backward", 1))
-    _queue(registry, dear, _train_op("forward_backward", 40))
+    queue(registry, small, _train_op("forward_backward", 1))
+    queue(registry, dear, _train_op("forward_backward", 40))
     assert registry.held_until() is None  # queued, but nobody served yet: no window to end
     before = time.monotonic()
     assert {m.info.model_id for m, _ in registry.take().segments} == {"m0", "m1"}
-    _queue(registry, dear, _train_op("forward_backward", 40))  # the small one is thinking
+    queue(registry, dear, _train_op("forward_backward", 40))  # the small one is thinking
     assert not registry.has_work()  # the dear one's debt: held back
     at = registry.held_until()
     assert at is not None and before + RECENT_S < at <= time.monotonic() + RECENT_S + 0.01

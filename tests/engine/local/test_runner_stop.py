@@ -18,24 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.local_runs import manifest
+
 STEPS = 12
 K = 1  # SIGINT once step K shows (the first step's line prints at once, then every 2 s)
 NAMES = ("say-yes", "copy-ab")
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def manifest(name: str, task: str, seed: int) -> str:
-    return (
-        "apiVersion: loraplex.dev/v1alpha1\nkind: LoRAExperiment\n"
-        f"metadata: {{name: {name}}}\nspec:\n"
-        "  lora: {rank: 4, alpha: 8, targetModules: [q_proj, v_proj, lm_head]}\n"
-        f"  task: {task}\n"
-        "  algorithm: {groupSize: 2, promptsPerStep: 2, learningRate: 0.02, "
-        f"maxSteps: {STEPS}, seed: {seed}}}\n"
-        "  rollout: {maxNewTokens: 4}\n"
-        # Larger than the steps done: the stop's checkpoint is the only one.
-        "  checkpoint: {everySteps: 100, keep: 1}\n"
-    )
 
 
 def command(path: Path, model: Path, *flags: str) -> list[str]:
@@ -76,10 +64,14 @@ def test_sigint_checkpoints_and_resume_matches_an_uninterrupted_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     path = tmp_path / "experiments.yaml"
+    # A checkpoint interval larger than the steps done: the stop's checkpoint is the only one.
+    one_checkpoint = {"steps": STEPS, "every": 100}
     path.write_text(
-        manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0)
+        manifest("say-yes", "{name: target-token, params: {target: 'yes'}}", 0, **one_checkpoint)
         + "---\n"
-        + manifest("copy-ab", "{name: copy, params: {length: '2', alphabet: ab}}", 1)
+        + manifest(
+            "copy-ab", "{name: copy, params: {length: '2', alphabet: ab}}", 1, **one_checkpoint
+        )
     )
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     subprocess.run(

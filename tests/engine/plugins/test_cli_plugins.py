@@ -14,6 +14,7 @@ from pathlib import Path
 import loraplex_engine
 from loraplex_engine.tasks.rewards import BUILTIN_REWARDS
 
+from tests.support.import_probe import parser_imports
 from tests.support.plugin_install import with_path
 
 SOURCE = str(Path(loraplex_engine.__file__).resolve().parents[1])
@@ -43,3 +44,9 @@ def test_without_the_package_its_plugins_are_not_listed() -> None:
     done = plugins_cli("--json")
     assert done.returncode == 0, done.stderr
     assert "says-target" not in json.loads(done.stdout)["rewards"]
+
+
+def test_the_parser_is_built_without_importing_the_tasks() -> None:
+    """`loraplex-engine --help` builds this command's parser too: the tasks package (every
+    built-in task, numpy) is imported only when the command lists the built-in rewards."""
+    assert parser_imports("loraplex_engine.tasks") == []

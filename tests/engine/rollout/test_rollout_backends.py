@@ -16,8 +16,8 @@ import pytest
 from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.spec.service import PromptJob
 
-from tests.conftest import REPO_ROOT
 from tests.support.engine_builders import engine, mean, run_to_end, spec
+from tests.support.paths import REPO_ROOT
 
 VLLM_PYTHON = Path(
     os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")

@@ -18,8 +18,8 @@ import torch
 from loraplex_engine.dev.tiny_model import build_model
 
 from tests.support.machine import scaled
+from tests.support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(
     os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
 )

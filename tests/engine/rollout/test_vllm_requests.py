@@ -27,8 +27,8 @@ from loraplex_engine.rollout.vllm.requests import (
     rows_from,
 )
 
-from tests.conftest import REPO_ROOT
 from tests.support.engine_builders import engine, spec
+from tests.support.paths import REPO_ROOT
 
 VLLM_PYTHON = Path(
     os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")

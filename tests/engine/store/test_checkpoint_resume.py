@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import REPO_ROOT
 from tests.support import resume_worker as w
+from tests.support.paths import REPO_ROOT
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])

@@ -22,7 +22,7 @@ from loraplex_engine.tasks.math_answer import (
     risky,
 )
 
-from tests.conftest import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 _CALC = re.compile(r"<<(\d+)([-+*/])(\d+)=(\d+)>>")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

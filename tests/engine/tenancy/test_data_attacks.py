@@ -22,22 +22,20 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
-import psutil
 import pytest
 
 from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.step_meter import BYSTANDER, Meter
+from tests.support.tenant_api import failed, put, spec, status
 
 # pace: rates compared, so `make test` runs this module alone (tests/support/pace.py)
 pytestmark = [pytest.mark.slow, pytest.mark.pace]
 
-BYSTANDER = "team-b.bystander"
 B_SECRET = "B-SECRET"
 KEEP = 0.7
 # While the engine itself parses an attacker's file (a size attack), the parse is Python
@@ -47,22 +45,8 @@ KEEP = 0.7
 KEEP_BESIDE_PARSE = 0.5
 STALL_S = 2.0
 RSS_GROWTH = 512 << 20
-TARGETS = ["q_proj", "v_proj", "lm_head"]
-
-
-def _spec(task: dict[str, Any] | None = None, group: int = 4, prompts: int = 2) -> dict[str, Any]:
-    return {
-        "lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS},
-        "task": task or {"name": "target-token", "params": {"target": "yes"}},
-        "algorithm": {
-            "groupSize": group,
-            "promptsPerStep": prompts,
-            "learningRate": 0.05,
-            "maxSteps": 0,
-        },
-        "rollout": {"maxNewTokens": 2, "temperature": 1.0},
-        "checkpoint": {"everySteps": 1000, "keep": 1},
-    }
+# B's spec, and A's (the same cost): two new tokens, no checkpoint while measured.
+B_SHAPE: dict[str, int] = {"new_tokens": 2, "every": 1000, "keep": 1}
 
 
 class _Rewards(BaseHTTPRequestHandler):
@@ -105,8 +89,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = EngineServer(tiny_model_dir, work / "ckpt", max_adapters=4, workdir=work, extra_args=args)
     srv.start()
     with srv.client() as api:
-        assert _put(api, BYSTANDER, _spec()).status_code == 201
-        wait_until(lambda: _status(api, BYSTANDER)["step"] >= 3)
+        assert put(api, BYSTANDER, spec(**B_SHAPE)).status_code == 201
+        wait_until(lambda: status(api, BYSTANDER)["step"] >= 3)
     yield srv
     srv.kill()
 
@@ -126,87 +110,21 @@ def _line(prompt: str, answer: str = "yes") -> str:
     return json.dumps({"prompt": prompt, "answer": answer}) + "\n"
 
 
-def _put(api: httpx.Client, exp_id: str, spec: dict[str, Any]) -> httpx.Response:
-    namespace, name = exp_id.split(".", 1)
-    body = {"spec": spec, "namespace": namespace, "name": name}
-    return api.put(f"/v1/experiments/{exp_id}", json=body)
-
-
-def _status(api: httpx.Client, exp_id: str) -> dict[str, Any]:
-    r = api.get(f"/v1/experiments/{exp_id}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def _jsonl(dataset: Path, reward_url: str | None = None) -> dict[str, Any]:
     task: dict[str, Any] = {"name": "jsonl", "dataset": str(dataset)}
     if reward_url:
         task |= {"reward": "http", "rewardUrl": reward_url}
-    return _spec(task)  # B's shape: fair share alternates them
+    return spec(task, **B_SHAPE)  # B's shape: fair share alternates them
 
 
 # ---- B, measured -------------------------------------------------------------------------
 
 
-@dataclass
-class Window:
-    """B's steps (time, step) and the engine's RSS over one window."""
-
-    steps: list[tuple[float, int]] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
-
-    @property
-    def rate(self) -> float:
-        (t0, s0), (t1, s1) = self.steps[0], self.steps[-1]
-        return (s1 - s0) / (t1 - t0)
-
-    @property
-    def longest_stall(self) -> float:
-        """The longest time B's step stood still (to the end of the window)."""
-        longest, since, last = 0.0, self.steps[0][0], self.steps[0][1]
-        for t, step in self.steps[1:]:
-            if step != last:
-                since, last = t, step
-            longest = max(longest, t - since)
-        return longest
-
-    @property
-    def rss_growth(self) -> int:
-        return max(self.rss) - self.rss[0]
-
-
-@contextmanager
-def measured(server: EngineServer, at_least_s: float = 3.0) -> Iterator[Window]:
-    """Sample B and the engine's RSS every 0.1 s while the block runs (and at least
-    ``at_least_s``)."""
-    window, stop = Window(), threading.Event()
-    proc = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
-
-    def sample() -> None:
-        with server.client() as c:
-            while not stop.is_set():
-                window.rss.append(proc.memory_info().rss)
-                window.steps.append((time.monotonic(), _status(c, BYSTANDER)["step"]))
-                stop.wait(0.1)
-
-    start = time.monotonic()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield window
-        time.sleep(max(0.0, start + at_least_s - time.monotonic()))
-    finally:
-        stop.set()
-        thread.join(30)
-
-
 def _baseline(server: EngineServer) -> float:
-    with measured(server, at_least_s=4.0) as w:
-        pass
-    return w.rate
+    return Meter(server).run(min_s=4.0).rate
 
 
-def _b_kept_up(name: str, baseline: float, during: Window, size_attack: bool = False) -> None:
+def _b_kept_up(name: str, baseline: float, during: Meter, size_attack: bool = False) -> None:
     note = f"B baseline {baseline:.1f} steps/s; longest stall {during.longest_stall:.2f}s"
     record_measurement(f"data_attack.{name}.b_rate_ratio", during.rate / baseline, note)
     if size_attack:
@@ -242,22 +160,19 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
             time.sleep(0.12)  # mostly A's own file: some PUTs are admitted and train
 
     _Rewards.prompts.clear()
-    assert _put(api, "team-a.race", _jsonl(data, reward_url)).status_code == 201
+    assert put(api, "team-a.race", _jsonl(data, reward_url)).status_code == 201
     baseline = _baseline(server)  # beside A on its own file
     api.delete("/v1/experiments/team-a.race")
     puts = failures = 0
-    with measured(server) as during:
+    with Meter(server).running(min_s=3.0) as during:
         swapper = threading.Thread(target=swap, daemon=True)
         swapper.start()
         deadline = time.monotonic() + 60
         while (swaps[0] < 55 or puts < 12) and time.monotonic() < deadline:
-            r = _put(api, "team-a.race", _jsonl(data, reward_url))
+            r = put(api, "team-a.race", _jsonl(data, reward_url))
             puts += 1
             if r.status_code == 201:  # trains until it meets the link, then fails
-                st = wait_until(
-                    lambda: (s := _status(api, "team-a.race"))["phase"] == "Failed" and s,
-                    timeout=30,
-                )
+                st = failed(api, "team-a.race", timeout=30)
                 assert "symbolic link" in st["error"] or "not allowed" in st["error"], st
                 failures += 1
             else:  # admission resolved the link: refused as any path out of team-a
@@ -281,27 +196,23 @@ def test_a_20mb_line_is_never_tokenised(server, api, team_a):
     huge = _line("word " * (4 << 20))  # 20 MB
     data.write_text(_line("ok say yes:") + huge)
     baseline = _baseline(server)
-    with measured(server) as during:
-        r = _put(api, "team-a.huge", _jsonl(data))
+    with Meter(server).running(min_s=3.0) as during:
+        r = put(api, "team-a.huge", _jsonl(data))
         assert r.status_code == 422, r.text
         assert "huge.jsonl:2: line " in r.json()["error"]["message"], r.text
         assert "over the limit of 262144 bytes" in r.text
         # The same line appended after admission fails A alone, in the tick.
         data.write_text(_line("ok say yes:"))
-        assert _put(api, "team-a.huge", _jsonl(data)).status_code == 201
+        assert put(api, "team-a.huge", _jsonl(data)).status_code == 201
         with data.open("a") as f:
             f.write(huge)
-        st = wait_until(
-            lambda: (s := _status(api, "team-a.huge"))["phase"] == "Failed" and s, timeout=30
-        )
+        st = failed(api, "team-a.huge", timeout=30)
         assert "huge.jsonl:2: line " in st["error"] and st["failureReason"] == "task_error"
         # A prompt under the line bound but over 32 characters a token: not tokenised.
         data.write_text(_line("word " * 20_000))
         api.delete("/v1/experiments/team-a.huge")
-        assert _put(api, "team-a.huge", _jsonl(data)).status_code == 201
-        st = wait_until(
-            lambda: (s := _status(api, "team-a.huge"))["phase"] == "Failed" and s, timeout=30
-        )
+        assert put(api, "team-a.huge", _jsonl(data)).status_code == 201
+        st = failed(api, "team-a.huge", timeout=30)
         assert "dataset line 1 has 100000 characters" in st["error"], st
     api.delete("/v1/experiments/team-a.huge")
     _b_kept_up("line_20mb", baseline, during, size_attack=True)
@@ -318,12 +229,12 @@ def test_a_million_rows_are_checked_outside_the_lock(server, api, team_a):
     data = team_a / "million.jsonl"
     _many_rows(data, 1_000_000)
     baseline = _baseline(server)
-    with measured(server, at_least_s=0.0) as during:  # the PUT: A not admitted yet
+    with Meter(server).running(min_s=0.0) as during:  # the PUT: A not admitted yet
         t0 = time.monotonic()
-        r = _put(api, "team-a.million", _jsonl(data))
+        r = put(api, "team-a.million", _jsonl(data))
         took = time.monotonic() - t0
         assert r.status_code == 201, r.text
-    wait_until(lambda: _status(api, "team-a.million")["step"] >= 2, timeout=30)
+    wait_until(lambda: status(api, "team-a.million")["step"] >= 2, timeout=30)
     record_measurement("data_attack.million_rows.put_s", took, f"{data.stat().st_size} bytes")
     api.delete("/v1/experiments/team-a.million")
     _b_kept_up("million_rows", baseline, during, size_attack=True)
@@ -333,15 +244,15 @@ def test_a_deeply_nested_line_after_a_million_rows_is_a_4xx_naming_it(server, ap
     data = team_a / "deep.jsonl"
     _many_rows(data, 1_000_000, "[" * 100_000 + "]" * 100_000 + "\n")
     baseline = _baseline(server)
-    with measured(server) as during:
+    with Meter(server).running(min_s=3.0) as during:
         for _ in range(3):  # refused alike every time, and each PUT holds no tick
-            r = _put(api, "team-a.deep", _jsonl(data))
+            r = put(api, "team-a.deep", _jsonl(data))
             assert r.status_code == 422, r.text
             err = r.json()["error"]
             assert err["field"] == "spec.task.dataset", err
             assert "deep.jsonl:1000001: invalid JSON (nested too deeply)" in err["message"]
         data.write_text("[" * 200_000 + "]" * 200_000 + "\n")  # over the line bound
-        r = _put(api, "team-a.deep", _jsonl(data))
+        r = put(api, "team-a.deep", _jsonl(data))
         assert r.status_code == 422 and "deep.jsonl:1: line " in r.text, r.text
     _b_kept_up("deep_nesting", baseline, during, size_attack=True)
 
@@ -350,14 +261,14 @@ def test_a_dataset_growing_300k_rows_every_2s_does_not_stall_b(server, api, team
     data = team_a / "growing.jsonl"
     data.write_text(_line("seed say yes:"))
     batch = "".join(_line(f"g{i} say yes:") for i in range(300_000))
-    assert _put(api, "team-a.growing", _jsonl(data)).status_code == 201
+    assert put(api, "team-a.growing", _jsonl(data)).status_code == 201
     baseline = _baseline(server)  # beside A on its one row
-    with measured(server, at_least_s=10.0) as during:
+    with Meter(server).running(min_s=10.0) as during:
         for _ in range(5):
             with data.open("a") as f:
                 f.write(batch)
             time.sleep(2.0)
-    st = _status(api, "team-a.growing")
+    st = status(api, "team-a.growing")
     assert st["phase"] == "Running" and st["step"] >= 5, st
     api.delete("/v1/experiments/team-a.growing")
     _b_kept_up("growing", baseline, during, size_attack=True)

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from loraplex_engine.dev.tiny_model import build_model
 
-from tests.conftest import REPO_ROOT
 from tests.support.engine_builders import engine, spec
+from tests.support.paths import REPO_ROOT
 from tests.support.pipelined_specs import flat, slot_weights
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 from loraplex_engine.plugins.discovery import installed
-from loraplex_engine.tasks.rewards import BUILTIN_REWARDS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +26,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not at the top: every command's parser (`--help` too) builds this one, and the
+    # tasks package imports every built-in task.
+    from loraplex_engine.tasks.rewards import BUILTIN_REWARDS
+
     found = installed()
     listing = {"builtinRewards": sorted(BUILTIN_REWARDS), **found.to_json()}
     if args.json:

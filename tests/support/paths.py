@@ -1,0 +1,7 @@
+"""Where the checkout is, for tests that read its files or run its scripts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
