@@ -46,10 +46,13 @@ def registered(registry: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def engine_registry() -> Any:
     from loraplex_engine.metrics import EngineMetrics
+    from loraplex_engine.server.tinker.gauges import export_tinker_gauges
+    from loraplex_engine.server.tinker.recorded import Recorder
     from loraplex_engine.tracking.hub import TrackingMetrics
 
     registry = EngineMetrics().registry
     TrackingMetrics(registry, [])  # `serve` registers the tracking series beside them
+    export_tinker_gauges(registry, Recorder())  # and the Tinker ones, serving /api/v1
     return registry
 
 

@@ -2,8 +2,9 @@
 real ``serve --tinker-keys``, offline: a Hugging Face cache holding what a recipe loads by
 name. The tiny model (built with Qwen3 instruct's chat tokens) stands in the hub cache as
 ``Qwen/Qwen3-4B-Instruct-2507``, so the recipe's tokenizer, renderer (``qwen3_instruct``)
-and base model all resolve from that name; the datasets a recipe loads by name are small
-stand-ins in the datasets cache (``HF_HUB_OFFLINE=1`` reads them as the cached copy)."""
+and base model all resolve from that name, and as ``Qwen/Qwen3.5-9B`` for the recipes that
+name that model in their code; the datasets a recipe loads by name are small stand-ins in
+the datasets cache (``HF_HUB_OFFLINE=1`` reads them as the cached copy)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 HUB_ID = "Qwen/Qwen3-4B-Instruct-2507"  # a model the cookbook knows, renderer qwen3_instruct
+QWEN3_5_ID = "Qwen/Qwen3.5-9B"  # named in code by eval.custom_evaluators (qwen3_5 renderers)
 REVISION = "0" * 40
+# Qwen3's own reasoning markers, each one token (added, not special, as Qwen3 ships them):
+# the qwen3_5 renderers' parse_response asserts ``</think>`` is one token.
+THINK_TOKENS = ["<think>", "</think>"]
 CONTEXT = 4096  # tokens; see build_hub_cache
 
 
@@ -38,9 +43,9 @@ class HubCache:
         }
 
 
-def _snapshot(home: Path) -> Path:
-    """The hub cache's folder for HUB_ID's snapshot (``refs/main`` naming it)."""
-    repo = home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
+def _snapshot(home: Path, hub_id: str = HUB_ID) -> Path:
+    """The hub cache's folder for ``hub_id``'s snapshot (``refs/main`` naming it)."""
+    repo = home / "hub" / ("models--" + hub_id.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     return repo / "snapshots" / REVISION
@@ -68,7 +73,26 @@ def build_hub_cache(home: Path) -> HubCache:
     config.write_text(
         json.dumps({**json.loads(config.read_text()), "max_position_embeddings": CONTEXT})
     )
+    _add_think_tokens(model_dir)
+    alias = _snapshot(home, QWEN3_5_ID)  # the same files under the name Qwen3.5's recipes use
+    alias.mkdir(parents=True)
+    for f in sorted(model_dir.iterdir()):
+        (alias / f.name).symlink_to(f)
     return HubCache(home, model_dir)
+
+
+def _add_think_tokens(model_dir: Path) -> None:
+    """THINK_TOKENS appended to this copy's tokenizer (the earlier ids unchanged) and its
+    embedding and output head grown to cover them (transformers' resize: the new rows at
+    the mean of the others)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(THINK_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
 
 
 def cache_dataset(

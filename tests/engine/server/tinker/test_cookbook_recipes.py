@@ -5,11 +5,13 @@ stands in the offline hub cache as the Qwen3 instruct model the cookbook knows, 
 recipe's renderer, tokenizer and base model all resolve from that name; the datasets
 the recipes load by name are small stand-ins).
 
-The engine serves the snapshot under the hub id its cache folder names (no
---served-model-name given), the name every recipe derives its renderer from."""
+The engine serves the snapshot under that hub id, the name every recipe derives its
+renderer from, and under ``Qwen/Qwen3.5-9B`` (``--served-model-name``), the name
+``eval.custom_evaluators`` holds in its code (the cache holds the same files under it)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -23,6 +25,7 @@ import pytest
 
 from tests.support.cookbook import (
     HUB_ID,
+    QWEN3_5_ID,
     REVISION,
     HubCache,
     RecipeRun,
@@ -54,7 +57,7 @@ def server(cache: HubCache, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     keys.write_text(f"team-a {KEY}\n")
     srv = EngineServer(  # max rank 32: the DPO recipe's own rank
         cache.model_dir, work / "ckpt", max_adapters=4, max_rank=32, workdir=work,
-        extra_args=["--tinker-keys", str(keys)],
+        extra_args=["--tinker-keys", str(keys), "--served-model-name", f"{HUB_ID},{QWEN3_5_ID}"],
     )  # fmt: skip
     with srv:
         yield srv
@@ -90,9 +93,10 @@ def _saved(server: EngineServer, run: RecipeRun) -> list[str]:
     return sorted(p.name for p in weights.iterdir())
 
 
-def test_the_engine_serves_the_snapshot_under_its_hub_id(server: EngineServer) -> None:
+def test_the_engine_serves_the_snapshot_under_the_names_given(server: EngineServer) -> None:
+    # (a hub cache snapshot's default name, its repo id: tests/engine/test_served_names.py)
     caps = server.client().get("/api/v1/get_server_capabilities", headers={"X-API-Key": KEY})
-    assert [m["model_name"] for m in caps.json()["supported_models"]] == [HUB_ID]
+    assert [m["model_name"] for m in caps.json()["supported_models"]] == [HUB_ID, QWEN3_5_ID]
     # the directory's own name, the one it had before, is still taken (not listed)
     client = service_client(server.url, KEY)
     tc = client.create_lora_training_client(base_model=REVISION, rank=2).result()
@@ -274,3 +278,23 @@ def test_the_cookbook_gsm8k_benchmark_grades_the_engine_s_samples(server, cache,
     assert (result["num_examples"], result["num_errors"], result["score"]) == (2, 0, 0.0)
     assert any((tmp_path / "bench").rglob("*.jsonl"))  # the graded trajectories
     record_measurement("cookbook gsm8k benchmark s", result["s"], "2 examples, 16 tokens")
+
+
+def test_custom_evaluators_runs_its_own_main_against_the_engine(server, cache, tmp_path) -> None:
+    # Its __main__ as shipped: QA_DATASET (3 questions) in code, Qwen/Qwen3.5-9B's
+    # tokenizer and base model, renderer qwen3_5_disable_thinking (its parse_response needs
+    # the cache's one-token </think>); the engine reached through TINKER_BASE_URL.
+    asked = server.log_text().count("POST /api/v1/asample 200")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinker_cookbook.eval.custom_evaluators"],
+        env=cache.env(KEY) | {"TINKER_BASE_URL": server.url},
+        capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"accuracy"} and 0.0 <= result["accuracy"] <= 1.0, result
+    # one sample a question, answered by the engine
+    assert server.log_text().count("POST /api/v1/asample 200") - asked == 3
+    record_measurement("cookbook custom_evaluators s", seconds, f"3 questions, {result}")

@@ -16,9 +16,10 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
-from tests.support.server_process import EngineServer, tinker_engine_fixture
+from tests.support.server_process import EngineServer, tinker_engine_fixture, wait_until
 from tests.support.tinker_clients import service_client
 
 pytestmark = pytest.mark.slow
@@ -189,3 +190,28 @@ def test_recordings_are_capped_per_namespace_oldest_pushed_out(client, base) -> 
         tc.forward_backward([rl_datum(first, 1.0)], "stable_reinforce").result()
     assert "pushed out" in str(refused.value), refused.value
     assert "data[0].model_input_spans[0].sequence_id" in str(refused.value), refused.value
+
+
+def _recorded_bytes(server: EngineServer, token: bool = True) -> dict[str, float]:
+    """``loraplex_engine_tinker_recorded_bytes`` by namespace, as /metrics answers it (with
+    the engine's token, or as anyone on the port)."""
+    headers = server.headers if token else {}
+    text = httpx.get(f"{server.url}/metrics", headers=headers).text
+    return {
+        s.labels["namespace"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "loraplex_engine_tinker_recorded_bytes"
+    }
+
+
+def test_the_recordings_memory_is_a_gauge_per_namespace(server, base) -> None:
+    c = service_client(server.url, KEY_B)
+    tc = c.create_lora_training_client(base_model=base, rank=4, seed=0).result()
+    out = sample(tc, n=2, max_tokens=6)
+    # int32 prompt and tokens, float32 log-probs: what the recording holds
+    held = 4 * len(PROMPT) + sum(8 * len(s.tokens) for s in out.sequences)
+    assert _recorded_bytes(server).get("team-b") == held
+    assert "team-b" not in _recorded_bytes(server, token=False)  # a tenant label: token only
+    c.close("success").result()  # its session's end frees them: no series left
+    wait_until(lambda: "team-b" not in _recorded_bytes(server), timeout=30)

@@ -183,6 +183,14 @@ class Recorder:
             )
             return sum(r.nbytes for s in spaces for r in s.recordings.values())
 
+    def held_bytes_by_namespace(self) -> dict[str, int]:
+        """Each namespace's recordings' memory (namespaces holding none are left out)."""
+        with self._lock:
+            held = {
+                ns: sum(r.nbytes for r in s.recordings.values()) for ns, s in self._spaces.items()
+            }
+        return {ns: n for ns, n in held.items() if n}
+
     def _drop_locked(self, space: _Space, key: str, why: str) -> None:
         rec = space.recordings.pop(key, None)
         if rec is None:

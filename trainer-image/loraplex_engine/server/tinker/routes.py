@@ -22,6 +22,7 @@ from loraplex_engine.server.tinker.errors import add_protocol_error_handler, as_
 from loraplex_engine.server.tinker.future_routes import add_future_routes
 from loraplex_engine.server.tinker.future_table import FutureLimits, FutureTable
 from loraplex_engine.server.tinker.futures import Runner
+from loraplex_engine.server.tinker.gauges import export_tinker_gauges
 from loraplex_engine.server.tinker.journal import find_future
 from loraplex_engine.server.tinker.json_bodies import off_loop_json_route
 from loraplex_engine.server.tinker.keys import AdminDelegation, KeyStore
@@ -235,6 +236,9 @@ def mount_tinker(
     )
     decodes = anyio.CapacityLimiter(MAX_DECODES)
     app.state.tinker = proto
+    metrics = getattr(app.state, "metrics", None)  # the engine's (server/app.py)
+    if metrics is not None:
+        export_tinker_gauges(metrics.registry, proto.stability.recorder)
     add_protocol_error_handler(app)
 
     app.state.tinker_keys = keys  # tenants' own keys (serve --tinker-keys), or None
