@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from loraplex_engine.memory.spill import SpilledPage
 from loraplex_engine.spec.errors import CheckpointQuotaError, NamespaceShareError
-from loraplex_engine.spec.training_service import ClientLora
+from loraplex_engine.spec.training_service import ClientLora, LossCall
 
 from tests.support.engine_builders import engine, spec
 
@@ -82,5 +82,31 @@ def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
             _create(eng, A, "a6")
         with pytest.raises(NamespaceShareError, match="checkpoint quota"):  # the other door
             eng.put_experiment(f"{A}.exp", spec(steps=1), A, "exp")
+    finally:
+        eng.close()
+
+
+def test_a_ticks_spill_decision_never_walks_the_volume(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick pages a0 back in, evicting a model whose page then spills: that decision
+    reads the namespace's checkpoint bytes as last counted (registration walked them), so
+    ``tree_bytes`` is not called on the tick's thread (counted by wrapping it)."""
+    from loraplex_engine.store import quota as quota_module
+
+    from tests.support.client_driver import drive, sft_datum
+
+    eng = _engine(tiny_model_dir, tmp_path / "ckpt", 1 << 30)
+    try:
+        _create(eng, A, "a0", "a1", "a2")  # a0 leaves its slot (and spills)
+        walks: list[Path] = []
+        real = quota_module.tree_bytes
+        monkeypatch.setattr(quota_module, "tree_bytes", lambda p: walks.append(p) or real(p))
+        spills = eng.pager.stats.spills
+        datum = [sft_datum([1, 40, 41], [100, 101, 102])]
+        loss = LossCall("cross_entropy")
+        drive(eng, lambda: eng.clients.forward_backward(A, "a0", datum, loss))
+        assert eng.pager.stats.spills > spills  # the tick paged one out, and it spilled
+        assert walks == []
     finally:
         eng.close()
