@@ -152,12 +152,13 @@ def _arm(
         "models": len(ids),
         "paged_out": len(pager.pages),
         "spilled": pager.spilled(),
+        "page_outs": pager.stats.page_outs,  # none since registering takes no slot
+        "never_in_a_slot": pager.fresh(),
         "rss_bytes_per_registered_model": (rss_registered - rss_engine) / args.models,
         "rss_engine_bytes": rss_engine - rss_before,
         "paged_host_bytes": pager.host_bytes(),
-        "host_bytes_per_paged_model": (
-            pager.host_bytes() / max(1, len(pager.pages) - pager.spilled())
-        ),
+        "host_bytes_per_paged_model": pager.host_bytes()
+        / max(1, len(pager.pages) - pager.spilled() - pager.fresh()),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_spilled_model": disk_bytes / max(1, pager.spilled()),
         "loadavg": list(os.getloadavg()),
@@ -192,8 +193,9 @@ def _arm(
             run(members)
         for tier in tiers.values():
             tier.clear()
-        page_ins, page_outs, spills = (
-            pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills
+        page_ins, page_outs, spills, first_slots = (
+            pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills,
+            pager.stats.first_slots,
         )  # fmt: skip
         ticks = eng._tick.count
         steps, rounds, t = 0, 0, time.perf_counter()
@@ -213,6 +215,7 @@ def _arm(
             "seconds": seconds,
             "steps_per_s": steps / seconds,
             "page_ins": pager.stats.page_ins - page_ins,
+            "first_slots": pager.stats.first_slots - first_slots,  # registered, never in one
             "page_outs": pager.stats.page_outs - page_outs,
             "spills": pager.stats.spills - spills,
             "page_in_ms": _percentiles(tiers["host"] + tiers["disk"]),

@@ -286,9 +286,7 @@ class Engine:
                 try:
                     self.backend.add_adapter(exp_id)
                 except Exception:
-                    self.optimizer.remove_adapter(exp_id)
-                    self.model.remove_adapter(exp_id)
-                    self.pager.forget(exp_id)
+                    self.pager.discard(exp_id)  # its slot, or its fresh page
                     raise
                 if self.ranks is not None:
                     self.ranks.adapter_added(exp_id)
@@ -441,13 +439,15 @@ class Engine:
         if not self.pager.has_room():
             raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
         self.pager.check_registration(exp.namespace)  # its spilled pages within its quota
-        self.pager.make_room()  # paging: the least recently used adapter leaves its slot
         try:
+            if resume_from or run_id is not None:  # state to read into a slot: room first
+                self.pager.make_room()  # the least recently used adapter leaves its slot
             if resume_from:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
             elif run_id is None or not self.store.resume_run(exp, config, alone):
-                self.model.add_adapter(exp.id, config, seed=plan.seed)
-                self.optimizer.add_adapter(exp.id, plan.optimizer)
+                # A free slot, else a fresh page its first tick pages in.
+                self.pager.add(exp.id, config, plan.seed, plan.optimizer, None, exp.namespace)
+                return
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
         self.pager.register(exp.id, namespace=exp.namespace)

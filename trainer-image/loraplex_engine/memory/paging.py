@@ -14,6 +14,10 @@ The :class:`AdapterPager` keeps the resident ones in least-recently-used order. 
 names its working set first (``ensure``): each paged-out member is paged in, evicting the
 least recently used resident adapter outside the working set; an adapter the caller
 marks busy (work in flight: a reward pending, a call taken) is never evicted.
+
+Registering is bookkeeping (``add``): a new adapter takes a free slot when there is one,
+else it is recorded as a :class:`FreshPage` and its first slot is made by the tick that
+first needs it, so no page-out (or spill) runs on a registering request's thread.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from typing import Protocol
 
 import torch
 
+from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory import spill
 from loraplex_engine.memory.pages import (
     AdapterPage,
+    FreshPage,
     HoldsGrads,
     compact_grads,
     expand_grads,
@@ -37,7 +43,7 @@ from loraplex_engine.memory.pages import (
 )
 from loraplex_engine.memory.spill_owner import SpillDir
 from loraplex_engine.spec.errors import NoFreeSlotError, UnknownAdapterError, UsageError
-from loraplex_engine.train.optim import PerAdapterAdamW
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 
 # Registered adapters per slot when --max-registered is not given and paging can run.
 DEFAULT_REGISTERED_PER_SLOT = 64
@@ -76,6 +82,7 @@ class PagingStats:
     page_ins: int = 0
     page_outs: int = 0
     spills: int = 0  # pages written to the third tier (memory/spill.py)
+    first_slots: int = 0  # fresh pages given their first slot (not counted as page-ins)
     page_in_seconds: list[float] = field(default_factory=list)  # the most recent ones
     page_out_seconds: list[float] = field(default_factory=list)
 
@@ -104,7 +111,8 @@ class AdapterPager:
         self.host_budget, self.spill_dir = host_budget, spill_dir
         self.gate = gate  # a spill past its namespace's quota keeps the page in host memory
         self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
-        self.pages: dict[str, AdapterPage | spill.SpilledPage] = {}  # oldest first
+        self.pages: dict[str, AdapterPage | spill.SpilledPage | FreshPage] = {}  # oldest first
+        self._fresh = 0  # of the pages, those never in a slot (FreshPage)
         self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
         self._holders: dict[str, HoldsGrads] = {}
         self.busy: set[str] = set()  # this tick's working set: never evicted
@@ -144,6 +152,41 @@ class AdapterPager:
         """A resident adapter (just added to the model and optimiser) is now pageable;
         its spilled page counts against ``namespace``'s quota."""
         self._resident[name] = None
+        self._own(name, holder, namespace)
+
+    def add(
+        self,
+        name: str,
+        config: LoRAConfig,
+        seed: int | None,
+        settings: AdamWSettings,
+        holder: HoldsGrads | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        """A new adapter: into a free slot when one is (or a cached version gives its slot
+        back), else a fresh page that its first tick pages in. No page-out here: this runs
+        on the registering request's thread. Raises as ``model.add_adapter`` does."""
+        self.model.check_config(config)
+        if self.enabled and not self.model.free_slots(reclaim=True):
+            if name in self.pages or name in self._resident:
+                raise UsageError(f"adapter {name!r} is already registered")
+            self.pages[name] = FreshPage(name, config, seed, settings)
+            self._fresh += 1
+            self._own(name, holder, namespace)
+            return
+        self.model.add_adapter(name, config, seed=seed)
+        self.optimizer.add_adapter(name, settings)
+        self.register(name, holder, namespace)
+
+    def discard(self, name: str) -> None:
+        """Undo a registration: its slot (if it has one), its page, its bookkeeping."""
+        if self.optimizer.has_adapter(name):
+            self.optimizer.remove_adapter(name)
+        if name in self.model.adapters():
+            self.model.remove_adapter(name)
+        self.forget(name)
+
+    def _own(self, name: str, holder: HoldsGrads | None, namespace: str | None) -> None:
         if self.gate is not None:
             self.gate.owner(name, namespace)
         if holder is not None:
@@ -156,6 +199,8 @@ class AdapterPager:
         self._in_host.pop(name, None)
         if isinstance(page, AdapterPage):
             self._host_bytes -= page.nbytes()
+        elif isinstance(page, FreshPage):
+            self._fresh -= 1
         elif page is not None:
             spill.remove(page)
         self._holders.pop(name, None)
@@ -231,8 +276,10 @@ class AdapterPager:
             raise NoFreeSlotError(
                 f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
             )
-        start = time.perf_counter()
         held = self.pages[name]
+        if isinstance(held, FreshPage):
+            return self._first_slot(held)
+        start = time.perf_counter()
         page = spill.read(held) if isinstance(held, spill.SpilledPage) else held
         slot = self.model.add_adapter(name, page.config, seed=0)
         try:
@@ -255,6 +302,18 @@ class AdapterPager:
             torch.cuda.synchronize()
         self.stats.page_ins += 1
         self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
+        return slot
+
+    def _first_slot(self, page: FreshPage) -> int:
+        """A fresh page's first slot (room made by the caller): its seeded initial weights,
+        as registering it in a free slot would have made them."""
+        name = page.name
+        slot = self.model.add_adapter(name, page.config, seed=page.seed)
+        self.optimizer.add_adapter(name, page.settings)
+        del self.pages[name]
+        self._fresh -= 1
+        self._resident[name] = None
+        self.stats.first_slots += 1
         return slot
 
     def _spill_coldest(self) -> None:
@@ -281,8 +340,13 @@ class AdapterPager:
         if self.spill_dir is not None:  # spilled pages die with the process
             self.spill_dir.release()
 
+    def fresh(self) -> int:
+        """Registered adapters that have never had a slot (FreshPage)."""
+        return self._fresh
+
     def spilled(self) -> int:
-        return max(0, len(self.pages) - len(self._in_host))  # read from request threads
+        # read from request threads
+        return max(0, len(self.pages) - len(self._in_host) - self._fresh)
 
     def _restore(self, page: AdapterPage) -> None:
         name = page.name
