@@ -390,7 +390,9 @@ class Engine:
                     )
             try:
                 if kind == "serve":
-                    self.pager.ensure(j.slot_name for j in jobs if j.slot_name)
+                    live = [j.slot_name for j in jobs if j.slot_name]
+                    self.pager.ensure(live)
+                    self.pager.ready(live)  # their page-ins' copies, right before the rows
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
                     taken = [e.id for e in ws.experiments] + [m.name for m, _ in client.segments]
@@ -398,6 +400,7 @@ class Engine:
                     if client.samples:  # a spare slot for a saved sampler's adapter
                         self.pager.make_room(self.pager.busy)
                     passes = getattr(self.strategy, "passes", 0)
+                    self.pager.ready(taken)  # their copies, right before any row runs
                     report = self._tick.run(ws.experiments, client.start(), client.train)
                     report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:

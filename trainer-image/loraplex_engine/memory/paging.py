@@ -18,6 +18,10 @@ marks busy (work in flight: a reward pending, a call taken) is never evicted.
 Registering is bookkeeping (``add``): a new adapter takes a free slot when there is one,
 else it is recorded as a :class:`FreshPage` and its first slot is made by the tick that
 first needs it, so no page-out (or spill) runs on a registering request's thread.
+
+A tick's page-ins are issued without waiting (memory/copy_stream.py: on CUDA a side
+stream, an event per adapter) and the tick calls ``ready`` right before the rows run, so
+the copies overlap the work before them; every other page-in waits at once.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory import spill
+from loraplex_engine.memory.copy_stream import CopyStream, for_device
 from loraplex_engine.memory.pages import (
     AdapterPage,
     FreshPage,
@@ -110,7 +115,10 @@ class AdapterPager:
         # (memory/spill.py, the third tier); None: host memory only.
         self.host_budget, self.spill_dir = host_budget, spill_dir
         self.gate = gate  # a spill past its namespace's quota keeps the page in host memory
-        self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
+        self.device = next(iter(model.lora_layers.values())).lora_A.device
+        self.pin = self.device.type == "cuda"
+        self.copies: CopyStream = for_device(self.device)  # page-ins' copies (a side stream)
+        self.overlap = True  # a tick's page-ins wait at ``ready``, not each at once
         self.pages: dict[str, AdapterPage | spill.SpilledPage | FreshPage] = {}  # oldest first
         self._fresh = 0  # of the pages, those never in a slot (FreshPage)
         self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
@@ -235,6 +243,7 @@ class AdapterPager:
         """Copy the adapter's slot to the host and free the slot."""
         if name not in self._resident:
             raise UnknownAdapterError(f"no resident pageable adapter named {name!r}")
+        self.copies.wait([name])  # its slot is read below: its own page-in comes first
         start = time.perf_counter()
         model, opt = self.model, self.optimizer
         config = model.config_of(name)
@@ -264,9 +273,10 @@ class AdapterPager:
         self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
         return page
 
-    def page_in(self, name: str) -> int:
+    def page_in(self, name: str, wait: bool = True) -> int:
         """Put a paged-out adapter back into a slot (evicting the least recently used
-        adapter not busy when none is free); returns the slot. Resident: a touch."""
+        adapter not busy when none is free); returns the slot. Resident: a touch.
+        ``wait``: the compute stream waits for the copies now, else at ``ready``."""
         if name not in self.pages:
             if name not in self._resident:
                 raise UnknownAdapterError(f"no pageable adapter named {name!r}")
@@ -285,6 +295,7 @@ class AdapterPager:
         try:
             self._restore(page)
         except BaseException:  # the page stays the adapter's copy: nothing is lost
+            self.copies.wait([name])  # no copy may land in the slot once it is freed
             if self.optimizer.has_adapter(name):
                 self.optimizer.remove_adapter(name)
             self.model.remove_adapter(name)
@@ -298,8 +309,8 @@ class AdapterPager:
         if self.gate is not None:
             self.gate.returned(name)
         self._resident[name] = None
-        if self.pin:  # the copies ran asynchronously: the latency measured is theirs
-            torch.cuda.synchronize()
+        if wait:
+            self.copies.wait([name])
         self.stats.page_ins += 1
         self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
         return slot
@@ -321,6 +332,7 @@ class AdapterPager:
         namespace's quota has no room for stays (the gate holds it)."""
         if self.host_budget is None or self.spill_dir is None:
             return
+        synced = not self.pin
         for name in list(self._in_host):
             if self._host_bytes <= self.host_budget:
                 return
@@ -328,6 +340,9 @@ class AdapterPager:
             assert isinstance(page, AdapterPage)
             if self.gate is not None and not self.gate.may_spill(name, page.nbytes()):
                 continue
+            if not synced:  # a page-out's copies to pinned memory may still be running
+                torch.cuda.current_stream(self.device).synchronize()
+                synced = True
             del self._in_host[name]
             written = spill.write(page, self.spill_dir.path)
             self.pages[name] = written
@@ -350,11 +365,13 @@ class AdapterPager:
 
     def _restore(self, page: AdapterPage) -> None:
         name = page.name
-        self.model.load_adapter_state_dict(name, page.weights)
-        self.optimizer.load_state_dict(name, {
-            "settings": asdict(page.settings), "step": page.step,
-            "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
-        })  # fmt: skip
+        with self.copies.issue(name):  # weights and moments: host-to-device copies only
+            self.model.load_adapter_state_dict(name, page.weights)
+            self.optimizer.load_state_dict(name, {
+                "settings": asdict(page.settings), "step": page.step,
+                "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
+            })  # fmt: skip
+        # A gradient is allocated and used on the compute stream, ordered as before.
         holder = self._holders.get(name)
         if holder is not None and page.grads is not None:
             like = (p.data for p in self.optimizer.params)
@@ -378,10 +395,16 @@ class AdapterPager:
         wanted = [n for n in dict.fromkeys(names) if n in self.pages or n in self._resident]
         self.busy = set(wanted) | set(busy)
         for name in wanted:
-            self.page_in(name)
+            self.page_in(name, wait=not self.overlap)
             self.touch(name)
 
+    def ready(self, names: Iterable[str]) -> None:
+        """Right before these adapters' rows run: the compute stream waits for their
+        page-ins' copies (issued by ``ensure``; on CPU they are done already)."""
+        self.copies.wait(names)
+
     def release(self) -> None:
+        self.copies.wait(self.copies.pending())  # a failed tick's copies: none left loose
         self.busy = set()
 
     def resident_pageable(self) -> list[str]:
