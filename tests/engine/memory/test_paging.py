@@ -214,6 +214,10 @@ def test_registering_past_the_slots_pages_nothing_out_and_trains_bit_for_bit(eng
     assert fresh_losses == alone_losses
     _assert_identical(fresh, alone)
     assert eng.pager.stats.first_slots >= 1
+    stats = (eng.pager.stats.page_outs, eng.pager.stats.page_ins, eng.pager.stats.first_slots)
+    eng.clients.unload_now(eng.clients.loaded(NS, "e1"), save=False)  # never called
+    assert (eng.pager.stats.page_outs, eng.pager.stats.page_ins) == stats[:2]
+    assert eng.pager.stats.first_slots == stats[2] and eng.pager.registered() == 5
 
 
 def test_max_registered_below_the_slots_or_without_paging_is_refused() -> None:

@@ -471,16 +471,14 @@ class ClientModels:
         """Free its slot (under the model lock), its last weights saved as
         ``weights/loraplex-final`` first when ``save``; calls still queued get NotFoundError."""
         h = self.parts
-        h.pager.page_in(model.name)  # paged out: back in its slot, then removed
         if save:
+            h.pager.page_in(model.name)  # paged out: back in its slot, to be saved
             self.save(model, saved.engine_name("final"), "weights")
         with self._lock:
             self._models.pop((model.info.namespace, model.info.model_id), None)
             self._line.leave(model)
             left, model.unloaded = list(model.queue), True
             model.queue.clear()
-        h.optimizer.remove_adapter(model.name)
-        h.model.remove_adapter(model.name)
-        h.pager.forget(model.name)
+        h.pager.discard(model.name)  # its slot, or its page (no page-in to drop it)
         for op in left:
             op.resolve(error=NotFoundError(f"model {model.info.model_id!r} was unloaded"))
