@@ -6,8 +6,11 @@ pages) are issued on one side stream, after it waits for the compute stream (a s
 contents never race the slot's earlier readers, its reset, or the page-out that freed
 it); an event recorded after the copies marks the adapter ready. The compute stream
 waits on that event (``wait_event``: on the device, no host sync) right before the
-adapter's rows run, so the copies overlap what the compute stream is still running and
-the host work in between (building the tick's batches). Elsewhere (CPU) the same calls
+adapter's rows run, so a copy overlaps the host work that follows it (the next page-ins:
+reading a spill file, building views). It starts after the work queued on the compute
+stream before it (that includes the slot's reset), so it does not overlap the previous
+tick's compute: that needs the next tick's set predicted and the slot's last reader as
+an event of its own. Elsewhere (CPU) the same calls
 run with an inline stream: the copies are synchronous and every adapter is ready at once.
 
 ``CopyStats`` counts, per waited-on copy, whether it had finished by then (hidden: it ran
