@@ -395,7 +395,7 @@ class Engine:
                     self.pager.ready(live)  # their page-ins' copies, right before the rows
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
-                    taken = [e.id for e in ws.experiments] + [m.name for m, _ in client.segments]
+                    taken = [e.id for e in ws.experiments] + client.slot_names()
                     self.pager.ensure(taken, ws.pinned)  # page in before any row runs
                     if client.samples:  # a spare slot for a saved sampler's adapter
                         self.pager.make_room(self.pager.busy)

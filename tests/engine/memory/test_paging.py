@@ -215,7 +215,7 @@ def test_registering_past_the_slots_pages_nothing_out_and_trains_bit_for_bit(eng
     _assert_identical(fresh, alone)
     assert eng.pager.stats.first_slots >= 1
     stats = (eng.pager.stats.page_outs, eng.pager.stats.page_ins, eng.pager.stats.first_slots)
-    eng.clients.unload_now(eng.clients.loaded(NS, "e1"), save=False)  # never called
+    drive(eng, lambda: eng.clients.unload_model(NS, "e1", save=False))  # never called
     assert (eng.pager.stats.page_outs, eng.pager.stats.page_ins) == stats[:2]
     assert eng.pager.stats.first_slots == stats[2] and eng.pager.registered() == 5
 
