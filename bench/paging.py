@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 sys.path.insert(0, str(REPO / "bench"))  # its siblings, as the other benchmarks import them
 
+from loraplex_engine.memory.copy_stream import CopyStats  # noqa: E402
 from throughput import machine_info  # noqa: E402
 
 
@@ -92,6 +94,18 @@ def _percentiles(seconds: list[float]) -> dict[str, float] | None:
         "p50": 1000 * statistics.median(ins),
         "p99": 1000 * ins[min(len(ins) - 1, int(0.99 * len(ins)))],
         "max": 1000 * ins[-1],
+    }
+
+
+def _copies(before: CopyStats, now: CopyStats) -> dict[str, Any]:
+    """A phase's page-in copies (memory/copy_stream.py): on CUDA, how many had finished
+    under earlier work by the time the tick waited on them (hidden) and how many the
+    compute stream stalled on (exposed), and their device time; on CPU all are inline."""
+    return {
+        "issued": now.issued - before.issued,
+        "hidden": now.hidden - before.hidden,
+        "exposed": now.exposed - before.exposed,
+        "copy_ms": _percentiles(now.copy_seconds[len(before.copy_seconds) :]),
     }
 
 
@@ -152,12 +166,13 @@ def _arm(
         "models": len(ids),
         "paged_out": len(pager.pages),
         "spilled": pager.spilled(),
+        "page_outs": pager.stats.page_outs,  # none since registering takes no slot
+        "never_in_a_slot": pager.fresh(),
         "rss_bytes_per_registered_model": (rss_registered - rss_engine) / args.models,
         "rss_engine_bytes": rss_engine - rss_before,
         "paged_host_bytes": pager.host_bytes(),
-        "host_bytes_per_paged_model": (
-            pager.host_bytes() / max(1, len(pager.pages) - pager.spilled())
-        ),
+        "host_bytes_per_paged_model": pager.host_bytes()
+        / max(1, len(pager.pages) - pager.spilled() - pager.fresh()),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_spilled_model": disk_bytes / max(1, pager.spilled()),
         "loadavg": list(os.getloadavg()),
@@ -165,10 +180,10 @@ def _arm(
     tiers: dict[str, list[float]] = {"host": [], "disk": []}
     real_page_in = pager.page_in
 
-    def page_in(model: str) -> int:  # which tier each page-in came from, and its time
+    def page_in(model: str, wait: bool = True) -> int:  # each page-in's tier and time
         held = pager.pages.get(model)
         before = len(pager.stats.page_in_seconds)
-        slot = real_page_in(model)
+        slot = real_page_in(model, wait)
         if held is not None and len(pager.stats.page_in_seconds) > before:
             tier = "disk" if isinstance(held, SpilledPage) else "host"
             tiers[tier].append(pager.stats.page_in_seconds[-1])
@@ -192,9 +207,11 @@ def _arm(
             run(members)
         for tier in tiers.values():
             tier.clear()
-        page_ins, page_outs, spills = (
-            pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills
+        page_ins, page_outs, spills, first_slots = (
+            pager.stats.page_ins, pager.stats.page_outs, pager.stats.spills,
+            pager.stats.first_slots,
         )  # fmt: skip
+        copies = replace(pager.copies.stats, copy_seconds=list(pager.copies.stats.copy_seconds))
         ticks = eng._tick.count
         steps, rounds, t = 0, 0, time.perf_counter()
         for members in plan[args.warmup :]:
@@ -213,10 +230,12 @@ def _arm(
             "seconds": seconds,
             "steps_per_s": steps / seconds,
             "page_ins": pager.stats.page_ins - page_ins,
+            "first_slots": pager.stats.first_slots - first_slots,  # registered, never in one
             "page_outs": pager.stats.page_outs - page_outs,
             "spills": pager.stats.spills - spills,
             "page_in_ms": _percentiles(tiers["host"] + tiers["disk"]),
             "page_in_ms_by_tier": {k: _percentiles(v) for k, v in tiers.items()},
+            "copies": _copies(copies, pager.copies.stats),
             "loadavg_after": list(os.getloadavg()),
         }
     out["spilled_now"] = pager.spilled()

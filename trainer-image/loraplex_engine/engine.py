@@ -286,9 +286,7 @@ class Engine:
                 try:
                     self.backend.add_adapter(exp_id)
                 except Exception:
-                    self.optimizer.remove_adapter(exp_id)
-                    self.model.remove_adapter(exp_id)
-                    self.pager.forget(exp_id)
+                    self.pager.discard(exp_id)  # its slot, or its fresh page
                     raise
                 if self.ranks is not None:
                     self.ranks.adapter_added(exp_id)
@@ -392,14 +390,17 @@ class Engine:
                     )
             try:
                 if kind == "serve":
-                    self.pager.ensure(j.slot_name for j in jobs if j.slot_name)
+                    live = [j.slot_name for j in jobs if j.slot_name]
+                    self.pager.ensure(live)
+                    self.pager.ready(live)  # their page-ins' copies, right before the rows
                     report = self._tick.serve(jobs)
                 else:  # client models' calls are training work (clients/ticking.py)
-                    taken = [e.id for e in ws.experiments] + [m.name for m, _ in client.segments]
+                    taken = [e.id for e in ws.experiments] + client.slot_names()
                     self.pager.ensure(taken, ws.pinned)  # page in before any row runs
                     if client.samples:  # a spare slot for a saved sampler's adapter
                         self.pager.make_room(self.pager.busy)
                     passes = getattr(self.strategy, "passes", 0)
+                    self.pager.ready(taken)  # their copies, right before any row runs
                     report = self._tick.run(ws.experiments, client.start(), client.train)
                     report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:
@@ -441,13 +442,15 @@ class Engine:
         if not self.pager.has_room():
             raise NoCapacityError(f"all {self.pager.max_registered} adapters are registered")
         self.pager.check_registration(exp.namespace)  # its spilled pages within its quota
-        self.pager.make_room()  # paging: the least recently used adapter leaves its slot
         try:
+            if resume_from or run_id is not None:  # state to read into a slot: room first
+                self.pager.make_room()  # the least recently used adapter leaves its slot
             if resume_from:
                 self.store.resume_from(exp, config, Path(resume_from), run_id, alone)
             elif run_id is None or not self.store.resume_run(exp, config, alone):
-                self.model.add_adapter(exp.id, config, seed=plan.seed)
-                self.optimizer.add_adapter(exp.id, plan.optimizer)
+                # A free slot, else a fresh page its first tick pages in.
+                self.pager.add(exp.id, config, plan.seed, plan.optimizer, None, exp.namespace)
+                return
         except NoFreeSlotError as e:
             raise NoCapacityError(str(e)) from e
         self.pager.register(exp.id, namespace=exp.namespace)

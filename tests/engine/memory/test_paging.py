@@ -123,8 +123,8 @@ def test_a_paged_experiment_trains_as_if_it_had_stayed(tiny_model_dir: Path, tmp
     shared = engine(tiny_model_dir, tmp_path / "shared", max_adapters=1)  # paging: 64 on 1
     try:
         shared.put_experiment("a", spec(steps=4, seed=7))
-        shared.put_experiment("b", spec(steps=4, seed=8))  # pages "a" out: one slot
-        assert shared.pager.is_paged("a")
+        shared.put_experiment("b", spec(steps=4, seed=8))  # one slot: "b" waits paged
+        assert shared.pager.is_paged("b") and not shared.pager.is_paged("a")
         curves = run_to_end(shared, ["a", "b"])
         assert shared.pager.stats.page_ins >= 4  # they took turns in the one slot
         shared.pager.page_in("a")
@@ -176,9 +176,11 @@ def test_more_registered_models_than_slots_all_train(eng, tiny_model_dir, tmp_pa
 
 
 def test_a_failed_page_in_keeps_the_page(eng, monkeypatch) -> None:
-    for i in ("x", "y", "z"):  # 3 models, 2 slots: "x" is paged out
+    for i in ("x", "y", "z"):  # 3 models, 2 slots
         eng.clients.create_model(NS, i, ClientLora(rank=4, seed=0))
     name = eng.clients.loaded(NS, "x").name
+    eng.pager.page_out(name)  # "x" paged out; "z" (registered paged) takes its slot
+    eng.pager.page_in(eng.clients.loaded(NS, "z").name)
     page, free = eng.pager.pages[name], eng.model.free_slots()
     real = eng.optimizer.load_state_dict
 
@@ -193,6 +195,29 @@ def test_a_failed_page_in_keeps_the_page(eng, monkeypatch) -> None:
     monkeypatch.setattr(eng.optimizer, "load_state_dict", real)
     eng.pager.page_in(name)
     _assert_identical(eng.model.adapter_state_dict(name), page.weights)
+
+
+def test_registering_past_the_slots_pages_nothing_out_and_trains_bit_for_bit(eng) -> None:
+    """With both slots taken, registering is bookkeeping (a fresh page, no page-out on
+    the request's thread); the model's first call pages it in (never a 404 or 409), and it
+    trains bit for bit as a model registered into a free slot does."""
+    alone_losses, alone = _client_run(eng, "alone")
+    drive(eng, lambda: eng.clients.unload_model(NS, "alone", save=False))
+    for other in ("f1", "f2"):  # both slots taken
+        eng.clients.create_model(NS, other, ClientLora(rank=8, seed=1))
+    outs, ins = eng.pager.stats.page_outs, eng.pager.stats.page_ins
+    for extra in ("e1", "e2", "e3"):
+        eng.clients.create_model(NS, extra, ClientLora(rank=4, seed=5))
+    assert (eng.pager.stats.page_outs, eng.pager.stats.page_ins) == (outs, ins)
+    assert eng.pager.registered() == 5 and eng.capacity().spilled_adapters == 0
+    fresh_losses, fresh = _client_run(eng, "fresh")  # registered with no slot free
+    assert fresh_losses == alone_losses
+    _assert_identical(fresh, alone)
+    assert eng.pager.stats.first_slots >= 1
+    stats = (eng.pager.stats.page_outs, eng.pager.stats.page_ins, eng.pager.stats.first_slots)
+    drive(eng, lambda: eng.clients.unload_model(NS, "e1", save=False))  # never called
+    assert (eng.pager.stats.page_outs, eng.pager.stats.page_ins) == stats[:2]
+    assert eng.pager.stats.first_slots == stats[2] and eng.pager.registered() == 5
 
 
 def test_max_registered_below_the_slots_or_without_paging_is_refused() -> None:

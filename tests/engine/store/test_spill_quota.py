@@ -1,9 +1,10 @@
 """Spilled adapter pages count against their namespace's checkpoint quota
 (store/spill_quota.py), on a real Engine with the tiny model: 2 slots, a 1-byte host
 budget (every paged-out adapter spills to the volume) and a quota of two and a half
-spilled pages. The namespace's third spill stays in host memory, its next registration is
-refused naming the quota until unloading a model makes room again, and a neighbour
-namespace spills and registers within its own quota meanwhile."""
+spilled pages (models spill as ticks page others in). The namespace's third spill stays
+in host memory, its next registration is refused naming the quota until unloading a model
+makes room again, and a neighbour namespace spills and registers within its own quota
+meanwhile."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 import pytest
 from loraplex_engine.memory.spill import SpilledPage
 from loraplex_engine.spec.errors import CheckpointQuotaError, NamespaceShareError
-from loraplex_engine.spec.training_service import ClientLora
+from loraplex_engine.spec.training_service import ClientLora, LossCall
 
+from tests.support.client_driver import drive, sft_datum
 from tests.support.engine_builders import engine, spec
 
 A, B = "team-a", "team-b"
+DATUM, CE = [sft_datum([1, 40, 41], [100, 101, 102])], LossCall("cross_entropy")
 
 
 def _engine(model_dir: Path, root: Path, quota: int | None):
@@ -27,8 +30,12 @@ def _engine(model_dir: Path, root: Path, quota: int | None):
 
 
 def _create(eng, namespace: str, *ids: str) -> None:
+    """Register each model and give it one call: registering past the slots only records
+    it, so it is the call's tick that pages it in (and the least recently used model out,
+    whose page then spills)."""
     for i, model_id in enumerate(ids):
         eng.clients.create_model(namespace, model_id, ClientLora(rank=4, seed=i))
+        drive(eng, lambda m=model_id: eng.clients.forward_backward(namespace, m, DATUM, CE))
 
 
 def _spilled(eng, namespace: str) -> list[str]:
@@ -82,5 +89,27 @@ def test_spills_past_the_quota_stay_in_host_memory_and_stop_registration(
             _create(eng, A, "a6")
         with pytest.raises(NamespaceShareError, match="checkpoint quota"):  # the other door
             eng.put_experiment(f"{A}.exp", spec(steps=1), A, "exp")
+    finally:
+        eng.close()
+
+
+def test_a_ticks_spill_decision_never_walks_the_volume(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick pages a0 back in, evicting a model whose page then spills: that decision
+    reads the namespace's checkpoint bytes as last counted (registration walked them), so
+    ``tree_bytes`` is not called on the tick's thread (counted by wrapping it)."""
+    from loraplex_engine.store import quota as quota_module
+
+    eng = _engine(tiny_model_dir, tmp_path / "ckpt", 1 << 30)
+    try:
+        _create(eng, A, "a0", "a1", "a2")  # a0 leaves its slot (and spills)
+        walks: list[Path] = []
+        real = quota_module.tree_bytes
+        monkeypatch.setattr(quota_module, "tree_bytes", lambda p: walks.append(p) or real(p))
+        spills = eng.pager.stats.spills
+        drive(eng, lambda: eng.clients.forward_backward(A, "a0", DATUM, CE))
+        assert eng.pager.stats.spills > spills  # the tick paged one out, and it spilled
+        assert walks == []
     finally:
         eng.close()

@@ -166,17 +166,14 @@ class ClientModels:
             if not h.pager.has_room():
                 raise NoCapacityError(f"all {h.pager.max_registered} adapters are registered")
             h.pager.check_registration(namespace)  # its spilled pages within its quota
-            h.pager.make_room()  # paging: the least recently used adapter leaves its slot
-            try:
-                h.model.add_adapter(name, config, seed=lora.seed)
+            info = ClientModelInfo(model_id, namespace, h.model_name, h.tokenizer_id, granted)
+            model = ClientModel(info, name)
+            try:  # a free slot, else a fresh page its first tick pages in (no page-out here)
+                h.pager.add(name, config, lora.seed, DEFAULT_ADAM, model, namespace)
             except NoFreeSlotError as e:
                 raise NoCapacityError(str(e)) from e
             except AdapterError as e:
                 raise InvalidRequestError(str(e), field="lora_config") from e
-            h.optimizer.add_adapter(name, DEFAULT_ADAM)
-            info = ClientModelInfo(model_id, namespace, h.model_name, h.tokenizer_id, granted)
-            model = ClientModel(info, name)
-            h.pager.register(name, model, namespace)  # its gradient pages with it
             with self._lock:
                 self._enroll(model)
             return info
@@ -431,6 +428,7 @@ class ClientModels:
         h = self.parts
         found = self.find_state(model.info.namespace, saved.parse_path(path))
         config = found.config
+        h.pager.page_in(model.name)  # registered with every slot taken: its first one now
         if config != h.model.config_of(model.name):
             raise InvalidRequestError(
                 f"{path} holds rank {config.rank} on {list(config.target_modules)}; this model "
@@ -473,16 +471,14 @@ class ClientModels:
         """Free its slot (under the model lock), its last weights saved as
         ``weights/loraplex-final`` first when ``save``; calls still queued get NotFoundError."""
         h = self.parts
-        h.pager.page_in(model.name)  # paged out: back in its slot, then removed
         if save:
+            h.pager.page_in(model.name)  # paged out: back in its slot, to be saved
             self.save(model, saved.engine_name("final"), "weights")
         with self._lock:
             self._models.pop((model.info.namespace, model.info.model_id), None)
             self._line.leave(model)
             left, model.unloaded = list(model.queue), True
             model.queue.clear()
-        h.optimizer.remove_adapter(model.name)
-        h.model.remove_adapter(model.name)
-        h.pager.forget(model.name)
+        h.pager.discard(model.name)  # its slot, or its page (no page-in to drop it)
         for op in left:
             op.resolve(error=NotFoundError(f"model {model.info.model_id!r} was unloaded"))

@@ -79,6 +79,15 @@ class ClientTick:
     def ops(self) -> list[Op]:
         return [op for _, ops in self.segments for op in ops] + self.samples
 
+    def slot_names(self) -> list[str]:
+        """The adapters this tick reads: every model taken, but one whose only calls are
+        unloads without a save (its page is dropped, never paged in to be dropped)."""
+        return [
+            m.name
+            for m, ops in self.segments
+            if not all(op.kind == "unload" and op.payload is False for op in ops)
+        ]
+
     # ---- 1. before the rollout ----------------------------------------------------------
 
     def start(self) -> list[CompletionJob]:

@@ -55,6 +55,18 @@ class AdapterPage:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class FreshPage:
+    """A registered adapter that has not had a slot yet (it registered while every slot
+    was taken): what makes its first one, its seeded initial weights and fresh AdamW
+    state, when a tick first pages it in. Costs no copy and no host tensor."""
+
+    name: str
+    config: LoRAConfig
+    seed: int | None
+    settings: AdamWSettings
+
+
 def _blocks(model: MultiLoRAModel, config: LoRAConfig) -> list[tuple[bool, bool]]:
     """Per optimizer.params entry (A then B of each layer): (targeted, is B)."""
     out = []

@@ -14,6 +14,14 @@ The :class:`AdapterPager` keeps the resident ones in least-recently-used order. 
 names its working set first (``ensure``): each paged-out member is paged in, evicting the
 least recently used resident adapter outside the working set; an adapter the caller
 marks busy (work in flight: a reward pending, a call taken) is never evicted.
+
+Registering is bookkeeping (``add``): a new adapter takes a free slot when there is one,
+else it is recorded as a :class:`FreshPage` and its first slot is made by the tick that
+first needs it, so no page-out (or spill) runs on a registering request's thread.
+
+A tick's page-ins are issued without waiting (memory/copy_stream.py: on CUDA a side
+stream, an event per adapter) and the tick calls ``ready`` right before the rows run, so
+the copies overlap the work before them; every other page-in waits at once.
 """
 
 from __future__ import annotations
@@ -26,10 +34,13 @@ from typing import Protocol
 
 import torch
 
+from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
 from loraplex_engine.memory import spill
+from loraplex_engine.memory.copy_stream import CopyStream, for_device
 from loraplex_engine.memory.pages import (
     AdapterPage,
+    FreshPage,
     HoldsGrads,
     compact_grads,
     expand_grads,
@@ -37,7 +48,7 @@ from loraplex_engine.memory.pages import (
 )
 from loraplex_engine.memory.spill_owner import SpillDir
 from loraplex_engine.spec.errors import NoFreeSlotError, UnknownAdapterError, UsageError
-from loraplex_engine.train.optim import PerAdapterAdamW
+from loraplex_engine.train.optim import AdamWSettings, PerAdapterAdamW
 
 # Registered adapters per slot when --max-registered is not given and paging can run.
 DEFAULT_REGISTERED_PER_SLOT = 64
@@ -63,6 +74,7 @@ class SpillGate(Protocol):
     """Whose quota a spilled page counts against (store/spill_quota.py)."""
 
     def owner(self, name: str, namespace: str | None) -> None: ...
+    def refresh(self, namespace: str) -> None: ...
     def may_spill(self, name: str, nbytes: int) -> bool: ...
     def spilled(self, name: str, disk_bytes: int) -> None: ...
     def returned(self, name: str) -> None: ...
@@ -75,6 +87,7 @@ class PagingStats:
     page_ins: int = 0
     page_outs: int = 0
     spills: int = 0  # pages written to the third tier (memory/spill.py)
+    first_slots: int = 0  # fresh pages given their first slot (not counted as page-ins)
     page_in_seconds: list[float] = field(default_factory=list)  # the most recent ones
     page_out_seconds: list[float] = field(default_factory=list)
 
@@ -102,8 +115,12 @@ class AdapterPager:
         # (memory/spill.py, the third tier); None: host memory only.
         self.host_budget, self.spill_dir = host_budget, spill_dir
         self.gate = gate  # a spill past its namespace's quota keeps the page in host memory
-        self.pin = next(iter(model.lora_layers.values())).lora_A.device.type == "cuda"
-        self.pages: dict[str, AdapterPage | spill.SpilledPage] = {}  # oldest first
+        self.device = next(iter(model.lora_layers.values())).lora_A.device
+        self.pin = self.device.type == "cuda"
+        self.copies: CopyStream = for_device(self.device)  # page-ins' copies (a side stream)
+        self.overlap = True  # a tick's page-ins wait at ``ready``, not each at once
+        self.pages: dict[str, AdapterPage | spill.SpilledPage | FreshPage] = {}  # oldest first
+        self._fresh = 0  # of the pages, those never in a slot (FreshPage)
         self._resident: OrderedDict[str, None] = OrderedDict()  # LRU first
         self._holders: dict[str, HoldsGrads] = {}
         self.busy: set[str] = set()  # this tick's working set: never evicted
@@ -133,6 +150,7 @@ class AdapterPager:
         """Refuse a new adapter of ``namespace`` while its pages are held in host memory
         for want of quota (store/spill_quota.py)."""
         if self.gate is not None:
+            self.gate.refresh(namespace)  # the volume walked here, never on the tick
             self._spill_coldest()  # a held page spills now if its namespace made room
             self.gate.check_registration(namespace)
 
@@ -142,6 +160,41 @@ class AdapterPager:
         """A resident adapter (just added to the model and optimiser) is now pageable;
         its spilled page counts against ``namespace``'s quota."""
         self._resident[name] = None
+        self._own(name, holder, namespace)
+
+    def add(
+        self,
+        name: str,
+        config: LoRAConfig,
+        seed: int | None,
+        settings: AdamWSettings,
+        holder: HoldsGrads | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        """A new adapter: into a free slot when one is (or a cached version gives its slot
+        back), else a fresh page that its first tick pages in. No page-out here: this runs
+        on the registering request's thread. Raises as ``model.add_adapter`` does."""
+        self.model.check_config(config)
+        if self.enabled and not self.model.free_slots(reclaim=True):
+            if name in self.pages or name in self._resident:
+                raise UsageError(f"adapter {name!r} is already registered")
+            self.pages[name] = FreshPage(name, config, seed, settings)
+            self._fresh += 1
+            self._own(name, holder, namespace)
+            return
+        self.model.add_adapter(name, config, seed=seed)
+        self.optimizer.add_adapter(name, settings)
+        self.register(name, holder, namespace)
+
+    def discard(self, name: str) -> None:
+        """Undo a registration: its slot (if it has one), its page, its bookkeeping."""
+        if self.optimizer.has_adapter(name):
+            self.optimizer.remove_adapter(name)
+        if name in self.model.adapters():
+            self.model.remove_adapter(name)
+        self.forget(name)
+
+    def _own(self, name: str, holder: HoldsGrads | None, namespace: str | None) -> None:
         if self.gate is not None:
             self.gate.owner(name, namespace)
         if holder is not None:
@@ -154,6 +207,8 @@ class AdapterPager:
         self._in_host.pop(name, None)
         if isinstance(page, AdapterPage):
             self._host_bytes -= page.nbytes()
+        elif isinstance(page, FreshPage):
+            self._fresh -= 1
         elif page is not None:
             spill.remove(page)
         self._holders.pop(name, None)
@@ -188,6 +243,7 @@ class AdapterPager:
         """Copy the adapter's slot to the host and free the slot."""
         if name not in self._resident:
             raise UnknownAdapterError(f"no resident pageable adapter named {name!r}")
+        self.copies.wait([name])  # its slot is read below: its own page-in comes first
         start = time.perf_counter()
         model, opt = self.model, self.optimizer
         config = model.config_of(name)
@@ -217,9 +273,10 @@ class AdapterPager:
         self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
         return page
 
-    def page_in(self, name: str) -> int:
+    def page_in(self, name: str, wait: bool = True) -> int:
         """Put a paged-out adapter back into a slot (evicting the least recently used
-        adapter not busy when none is free); returns the slot. Resident: a touch."""
+        adapter not busy when none is free); returns the slot. Resident: a touch.
+        ``wait``: the compute stream waits for the copies now, else at ``ready``."""
         if name not in self.pages:
             if name not in self._resident:
                 raise UnknownAdapterError(f"no pageable adapter named {name!r}")
@@ -229,13 +286,16 @@ class AdapterPager:
             raise NoFreeSlotError(
                 f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
             )
-        start = time.perf_counter()
         held = self.pages[name]
+        if isinstance(held, FreshPage):
+            return self._first_slot(held)
+        start = time.perf_counter()
         page = spill.read(held) if isinstance(held, spill.SpilledPage) else held
         slot = self.model.add_adapter(name, page.config, seed=0)
         try:
             self._restore(page)
         except BaseException:  # the page stays the adapter's copy: nothing is lost
+            self.copies.wait([name])  # no copy may land in the slot once it is freed
             if self.optimizer.has_adapter(name):
                 self.optimizer.remove_adapter(name)
             self.model.remove_adapter(name)
@@ -249,10 +309,22 @@ class AdapterPager:
         if self.gate is not None:
             self.gate.returned(name)
         self._resident[name] = None
-        if self.pin:  # the copies ran asynchronously: the latency measured is theirs
-            torch.cuda.synchronize()
+        if wait:
+            self.copies.wait([name])
         self.stats.page_ins += 1
         self.stats.record(self.stats.page_in_seconds, time.perf_counter() - start)
+        return slot
+
+    def _first_slot(self, page: FreshPage) -> int:
+        """A fresh page's first slot (room made by the caller): its seeded initial weights,
+        as registering it in a free slot would have made them."""
+        name = page.name
+        slot = self.model.add_adapter(name, page.config, seed=page.seed)
+        self.optimizer.add_adapter(name, page.settings)
+        del self.pages[name]
+        self._fresh -= 1
+        self._resident[name] = None
+        self.stats.first_slots += 1
         return slot
 
     def _spill_coldest(self) -> None:
@@ -260,6 +332,7 @@ class AdapterPager:
         namespace's quota has no room for stays (the gate holds it)."""
         if self.host_budget is None or self.spill_dir is None:
             return
+        synced = not self.pin
         for name in list(self._in_host):
             if self._host_bytes <= self.host_budget:
                 return
@@ -267,6 +340,9 @@ class AdapterPager:
             assert isinstance(page, AdapterPage)
             if self.gate is not None and not self.gate.may_spill(name, page.nbytes()):
                 continue
+            if not synced:  # a page-out's copies to pinned memory may still be running
+                torch.cuda.current_stream(self.device).synchronize()
+                synced = True
             del self._in_host[name]
             written = spill.write(page, self.spill_dir.path)
             self.pages[name] = written
@@ -279,16 +355,23 @@ class AdapterPager:
         if self.spill_dir is not None:  # spilled pages die with the process
             self.spill_dir.release()
 
+    def fresh(self) -> int:
+        """Registered adapters that have never had a slot (FreshPage)."""
+        return self._fresh
+
     def spilled(self) -> int:
-        return max(0, len(self.pages) - len(self._in_host))  # read from request threads
+        # read from request threads
+        return max(0, len(self.pages) - len(self._in_host) - self._fresh)
 
     def _restore(self, page: AdapterPage) -> None:
         name = page.name
-        self.model.load_adapter_state_dict(name, page.weights)
-        self.optimizer.load_state_dict(name, {
-            "settings": asdict(page.settings), "step": page.step,
-            "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
-        })  # fmt: skip
+        with self.copies.issue(name):  # weights and moments: host-to-device copies only
+            self.model.load_adapter_state_dict(name, page.weights)
+            self.optimizer.load_state_dict(name, {
+                "settings": asdict(page.settings), "step": page.step,
+                "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
+            })  # fmt: skip
+        # A gradient is allocated and used on the compute stream, ordered as before.
         holder = self._holders.get(name)
         if holder is not None and page.grads is not None:
             like = (p.data for p in self.optimizer.params)
@@ -312,10 +395,16 @@ class AdapterPager:
         wanted = [n for n in dict.fromkeys(names) if n in self.pages or n in self._resident]
         self.busy = set(wanted) | set(busy)
         for name in wanted:
-            self.page_in(name)
+            self.page_in(name, wait=not self.overlap)
             self.touch(name)
 
+    def ready(self, names: Iterable[str]) -> None:
+        """Right before these adapters' rows run: the compute stream waits for their
+        page-ins' copies (issued by ``ensure``; on CPU they are done already)."""
+        self.copies.wait(names)
+
     def release(self) -> None:
+        self.copies.wait(self.copies.pending())  # a failed tick's copies: none left loose
         self.busy = set()
 
     def resident_pageable(self) -> list[str]:

@@ -15,6 +15,11 @@ bounds what it holds in host memory beyond the budget by the adapters it already
 The hold ends when the page is paged in or forgotten, or spills once the namespace has
 room again (a checkpoint pruned, a model unloaded).
 
+The spill decision runs on the tick's thread (a page-out there spills the coldest page),
+so it never walks the volume: it reads the namespace's checkpoint bytes as last counted
+(``CheckpointQuota.known_used``: every checkpoint write's quota check and every
+registration walks and remembers them, on request threads).
+
 Implements memory/paging.SpillGate; the pager calls it under the engine's model lock.
 """
 
@@ -37,12 +42,22 @@ class SpillQuota:
         if namespace is not None:
             self._namespace[name] = namespace
 
+    def refresh(self, namespace: str) -> None:
+        """Count ``namespace``'s checkpoints and those of every namespace with pages held
+        again (a walk of each: on a registering request's thread, never the tick's)."""
+        for ns in {namespace, *self._held}:
+            self.quota.used(self.root, ns)
+
     def may_spill(self, name: str, nbytes: int) -> bool:
-        """Whether a page of ``nbytes`` fits the namespace's quota; if not it is held."""
+        """Whether a page of ``nbytes`` fits the namespace's quota (as last counted: no
+        walk); if not it is held."""
         ns = self._namespace.get(name)
         if ns is None:
             return True
-        if self.quota.used(self.root, ns) + nbytes <= self.quota.bytes_per_namespace:
+        used = self.quota.known_used(ns)
+        if used is None:  # never counted (its adapters registered before the quota knew it)
+            used = self.quota.spilled_bytes(ns)
+        if used + nbytes <= self.quota.bytes_per_namespace:
             return True
         self._held.setdefault(ns, set()).add(name)
         return False
@@ -52,18 +67,14 @@ class SpillQuota:
         ns = self._namespace.get(name)
         if ns is not None:
             self._disk[name] = disk_bytes
-            self.quota.spilled[ns] = self.quota.spilled.get(ns, 0) + disk_bytes
+            self.quota.add_spilled(ns, disk_bytes)
 
     def returned(self, name: str) -> None:
         """Its page left the volume or host memory: read back, or the adapter removed."""
         self._release(name)
         ns, disk = self._namespace.get(name), self._disk.pop(name, 0)
         if ns is not None and disk:
-            left = self.quota.spilled.get(ns, 0) - disk
-            if left > 0:
-                self.quota.spilled[ns] = left
-            else:
-                self.quota.spilled.pop(ns, None)
+            self.quota.remove_spilled(ns, disk)
 
     def forget(self, name: str) -> None:
         self.returned(name)
@@ -72,7 +83,7 @@ class SpillQuota:
     def check_registration(self, namespace: str) -> None:
         held = self._held.get(namespace)
         if held:
-            used = self.quota.used(self.root, namespace)
+            used = self.quota.known_used(namespace)  # refresh counted it just now
             raise NamespaceShareError(
                 f"namespace {namespace!r} has {len(held)} paged-out adapters that do not "
                 f"fit its checkpoint quota of {self.quota.bytes_per_namespace} bytes "
