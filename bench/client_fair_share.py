@@ -26,8 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 from tinker import types  # noqa: E402
 
