@@ -22,13 +22,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.reward_server import reward_server
 from tests.support.server_process import EngineServer, record_measurement, wait_until
 from tests.support.step_meter import BYSTANDER, Meter
 from tests.support.tenant_api import failed, put, spec, status
@@ -49,31 +49,19 @@ RSS_GROWTH = 512 << 20
 B_SHAPE: dict[str, int] = {"new_tokens": 2, "every": 1000, "keep": 1}
 
 
-class _Rewards(BaseHTTPRequestHandler):
+SCORED_PROMPTS: list[str] = []  # every prompt A's reward service was sent
+
+
+def _record(path: str, items: list[dict[str, Any]]) -> list[float]:
     """A's reward service: records every prompt it is sent."""
-
-    prompts: ClassVar[list[str]] = []
-
-    def do_POST(self) -> None:
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        _Rewards.prompts.extend(i["prompt"] for i in items)
-        body = json.dumps({"scores": [0.5] * len(items)}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+    SCORED_PROMPTS.extend(i["prompt"] for i in items)
+    return [0.5] * len(items)
 
 
 @pytest.fixture(scope="module")
 def reward_url() -> Iterator[str]:
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Rewards)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}/score"
-    srv.shutdown()
-    srv.server_close()
+    with reward_server(_record) as url:
+        yield f"{url}/score"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +147,7 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
             swaps[0] += 1
             time.sleep(0.12)  # mostly A's own file: some PUTs are admitted and train
 
-    _Rewards.prompts.clear()
+    SCORED_PROMPTS.clear()
     assert put(api, "team-a.race", _jsonl(data, reward_url)).status_code == 201
     baseline = _baseline(server)  # beside A on its own file
     api.delete("/v1/experiments/team-a.race")
@@ -183,8 +171,8 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
         swapper.join(10)
     record_measurement("data_attack.symlink_race.swaps", swaps[0], f"{puts} PUTs")
     assert swaps[0] >= 50 and puts >= 12 and failures >= 1, (swaps, puts, failures)
-    assert any(p.startswith("A-OWN") for p in _Rewards.prompts)  # the race was run
-    assert not [p for p in _Rewards.prompts if B_SECRET in p]
+    assert any(p.startswith("A-OWN") for p in SCORED_PROMPTS)  # the race was run
+    assert not [p for p in SCORED_PROMPTS if B_SECRET in p]
     _b_kept_up("symlink_race", baseline, during)
 
 
