@@ -142,6 +142,7 @@ def main() -> None:
     long_prompt_dataset(data, model)
     limits = ["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
     limits += ["--max-step-tokens", str(MAX_STEP_TOKENS)]
+    limits += ["--allow-reward-host", "127.0.0.1"]  # the slow reward service, on loopback
     plugins = with_path(install(work / "plugins"))  # the slow environment's package
     srv = EngineServer(
         model,
