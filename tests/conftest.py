@@ -13,6 +13,7 @@ import torch
 from tests.support.markers import mark_e2e
 from tests.support.numeric import NUMERIC_MODULES, numeric_files
 from tests.support.paths import REPO_ROOT
+from tests.support.tiny_models import tiny_vllm_model
 
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
 
@@ -56,6 +57,12 @@ def tiny_model_dir() -> Path:
 
         build_model(TINY_MODEL_DIR)
     return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_dir() -> Path:
+    """The tiny-vllm preset, for the tests that run real vLLM (built here if missing)."""
+    return tiny_vllm_model()
 
 
 @pytest.fixture(scope="session")

@@ -5,3 +5,5 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The tiny-vllm preset's model (tests/support/tiny_models.py builds it).
+TINY_VLLM_DIR = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
