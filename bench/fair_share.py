@@ -46,6 +46,7 @@ from tests.support.plugin_install import install, with_path  # noqa: E402
 from tests.support.reward_server import reward_server  # noqa: E402
 from tests.support.server_process import EngineServer, wait_until  # noqa: E402
 from tests.support.spec_bodies import spec_body  # noqa: E402
+from tests.support.tiny_models import tiny_model  # noqa: E402
 
 COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"
@@ -132,11 +133,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fair-share.json")
     p.add_argument("--scenarios", default="", help="comma-separated; default: every one")
     args = p.parse_args()
-    model = REPO / ".cache" / "models" / "tiny-llama"
-    if not (model / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
-
-        build_model(model)
+    model = tiny_model()
     work = Path(tempfile.mkdtemp(prefix="fair-share-"))
     data = work / "long.jsonl"
     long_prompt_dataset(data, model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.paths import TINY_VLLM_DIR
+from tests.support.paths import TINY_MODEL_DIR, TINY_VLLM_DIR
 
 
 def built(path: Path, preset: str = "tiny") -> Path:
@@ -15,6 +15,11 @@ def built(path: Path, preset: str = "tiny") -> Path:
 
         build_model(path, preset=preset)
     return path
+
+
+def tiny_model() -> Path:
+    """The tiny Llama (2 layers, hidden 64): conftest's `tiny_model_dir`."""
+    return built(TINY_MODEL_DIR)
 
 
 def tiny_vllm_model() -> Path:
