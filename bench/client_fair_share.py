@@ -26,8 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 from tinker import types  # noqa: E402
 
@@ -35,8 +34,7 @@ from tests.support.fair_share_setup import KEY_A, KEY_B, LIMITS  # noqa: E402
 from tests.support.server_process import EngineServer, wait_until  # noqa: E402
 from tests.support.tenant_api import put, spec, status  # noqa: E402
 from tests.support.tinker_clients import close_all, service_client, sft  # noqa: E402
-
-TINY = REPO / ".cache" / "models" / "tiny-llama"
+from tests.support.tiny_models import tiny_model  # noqa: E402
 
 
 def step(tc: object, data: list[types.Datum]) -> None:
@@ -79,7 +77,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     keys = work / "keys.txt"
     keys.write_text(f"team-a {KEY_A}\nteam-b {KEY_B}\n")
-    srv = EngineServer(TINY, work / "ckpt", max_adapters=8, workdir=work,
+    srv = EngineServer(tiny_model(), work / "ckpt", max_adapters=8, workdir=work,
                        extra_args=[*LIMITS, "--tinker-keys", str(keys)])  # fmt: skip
     with srv:
         a = service_client(srv.url, KEY_A)

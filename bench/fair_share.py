@@ -33,9 +33,7 @@ import json
 import platform
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 
 from tests.support.plugin_install import install, with_path  # noqa: E402
+from tests.support.reward_server import reward_server  # noqa: E402
 from tests.support.server_process import EngineServer, wait_until  # noqa: E402
 from tests.support.spec_bodies import spec_body  # noqa: E402
+from tests.support.tiny_models import tiny_model  # noqa: E402
 
 COTENANT = "default.cotenant"
 NEIGHBOUR = "team-b.neighbour"
@@ -61,18 +61,9 @@ def spec(task: dict[str, Any] | None = None, **numbers: int) -> dict[str, Any]:
     return spec_body(task, rank=8, lr=0.02, steps=0, every=1000, keep=1, **numbers)
 
 
-class _SlowReward(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        time.sleep(SLOW_REWARD_S)
-        body = json.dumps({"scores": [0.5] * len(items)}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+def slow_reward(path: str, items: list[dict[str, Any]]) -> list[float]:
+    time.sleep(SLOW_REWARD_S)
+    return [0.5] * len(items)
 
 
 def put(api: httpx.Client, exp_id: str, body: dict[str, Any]) -> None:
@@ -142,18 +133,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fair-share.json")
     p.add_argument("--scenarios", default="", help="comma-separated; default: every one")
     args = p.parse_args()
-    model = REPO / ".cache" / "models" / "tiny-llama"
-    if not (model / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
-
-        build_model(model)
-    reward = ThreadingHTTPServer(("127.0.0.1", 0), _SlowReward)
-    threading.Thread(target=reward.serve_forever, daemon=True).start()
+    model = tiny_model()
     work = Path(tempfile.mkdtemp(prefix="fair-share-"))
     data = work / "long.jsonl"
     long_prompt_dataset(data, model)
     limits = ["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
     limits += ["--max-step-tokens", str(MAX_STEP_TOKENS)]
+    limits += ["--allow-reward-host", "127.0.0.1"]  # the slow reward service, on loopback
     plugins = with_path(install(work / "plugins"))  # the slow environment's package
     srv = EngineServer(
         model,
@@ -166,11 +152,11 @@ def main() -> None:
     )
     chosen = set(filter(None, args.scenarios.split(",")))
     results: dict[str, Any] = {}
-    with srv, srv.client() as api:
+    with reward_server(slow_reward) as reward_url, srv, srv.client() as api:
         put(api, COTENANT, spec(group=8, prompts=4, new_tokens=16, seed=0))
         wait_until(lambda: step(api, COTENANT) >= 3)
         results["alone"] = measure(api, args.seconds)
-        for name, body in neighbours(f"http://127.0.0.1:{reward.server_port}/score", data).items():
+        for name, body in neighbours(f"{reward_url}/score", data).items():
             if chosen and name not in chosen:
                 continue
             put(api, NEIGHBOUR, body)
@@ -182,7 +168,6 @@ def main() -> None:
             api.delete(f"/v1/experiments/{NEIGHBOUR}").raise_for_status()
             print(name, results[name], flush=True)
         results["alone_again"] = measure(api, args.seconds)
-    reward.shutdown()
     alone = (
         results["alone"]["cotenant_steps_per_s"] + results["alone_again"]["cotenant_steps_per_s"]
     ) / 2

@@ -223,16 +223,11 @@ def cpu_s(pid: int) -> float:
 
 
 def start_engine(workdir: Path) -> Any:
-    from tests.conftest import TINY_MODEL_DIR
     from tests.support.server_process import EngineServer
-
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
-
-        build_model(TINY_MODEL_DIR)
     from tests.support.server_specs import put_body, small_spec
+    from tests.support.tiny_models import tiny_model
 
-    srv = EngineServer(TINY_MODEL_DIR, workdir / "ckpt", max_adapters=2, workdir=workdir)
+    srv = EngineServer(tiny_model(), workdir / "ckpt", max_adapters=2, workdir=workdir)
     srv.start()
     with srv.client() as api:
         r = api.put(f"/v1/experiments/{ADAPTER}", json=put_body(ADAPTER, small_spec(max_steps=1)))

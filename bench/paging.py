@@ -62,12 +62,9 @@ from throughput import machine_info  # noqa: E402
 
 
 def _model_dir() -> Path:
-    tiny = REPO / ".cache" / "models" / "tiny-llama"  # tests/conftest.py's (no pytest here)
-    if not (tiny / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
+    from tests.support.tiny_models import tiny_model
 
-        build_model(tiny)
-    return tiny
+    return tiny_model()  # the tests' tiny Llama
 
 
 def _workload(

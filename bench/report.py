@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 ARMS = ("sequential_cold", "hot_timesliced", "hot_fused")
@@ -79,5 +79,11 @@ def tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Markdown tables from a throughput results.json.")
+    ap.add_argument("results", type=Path, help="the results.json bench/throughput.py wrote")
+    print(tables(json.loads(ap.parse_args().results.read_text())))
+
+
 if __name__ == "__main__":
-    print(tables(json.loads(Path(sys.argv[1]).read_text())))
+    main()

@@ -83,6 +83,7 @@ from tinker_clock_report import (  # noqa: E402
 )
 
 from tests.support.server_process import EngineServer  # noqa: E402
+from tests.support.tiny_models import tiny_model  # noqa: E402
 
 MODELS = {
     "tiny": "tiny-llama (tests' fixture: 2 layers, hidden 64, vocab 473)",
@@ -299,12 +300,7 @@ def pin(cpus: set[int] | None) -> None:
 def model_dir(name: str, device: str) -> Path:
     """The model's directory, built when missing (no downloads)."""
     if name == "tiny":
-        model = REPO / ".cache" / "models" / "tiny-llama"
-        if not (model / "config.json").exists():
-            from loraplex_engine.dev.tiny_model import build_model
-
-            build_model(model)
-        return model
+        return tiny_model()
     from gpu_common import FAMILY_MODEL_DIRS, build_family_model
 
     dry_run = name == "qwen3-dry-run"

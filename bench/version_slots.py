@@ -44,13 +44,9 @@ LOAD = re.compile(r"version bench\.versions@v\d+#[0-9a-f]+ loaded into slot \d+ 
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from tests.conftest import TINY_MODEL_DIR
+    from tests.support.tiny_models import tiny_model
 
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
-
-        build_model(TINY_MODEL_DIR)
-    return TINY_MODEL_DIR
+    return tiny_model()
 
 
 def _start(model_dir: Path, workdir: Path) -> Any:

@@ -16,6 +16,7 @@ it spawns us), so the cold start is measured as a user would pay it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -124,8 +125,16 @@ def main(job_path: str, result_path: str) -> None:
         json.dump(result, f)
 
 
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="One benchmark process (throughput.py starts it).")
+    ap.add_argument("job", help="JOB.json: the model, mode and experiments to train")
+    ap.add_argument("result", help="RESULT.json: where the timings are written")
+    return ap.parse_args()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    args = parse_args()
+    main(args.job, args.result)
     # Skip interpreter teardown (seconds for torch + transformers on a loaded machine): a
     # single-tenant trainer that has saved its adapter is done. Favours the cold arm.
     sys.stdout.flush()

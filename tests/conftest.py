@@ -12,9 +12,7 @@ import torch
 
 from tests.support.markers import mark_e2e
 from tests.support.numeric import NUMERIC_MODULES, numeric_files
-from tests.support.paths import REPO_ROOT
-
-TINY_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "tiny-llama"
+from tests.support.tiny_models import tiny_model, tiny_vllm_model
 
 # Two cores in CI, two test workers, and each test may start engine processes: one torch
 # thread per process, this one and every process a test starts (they inherit the
@@ -51,11 +49,13 @@ def pytest_report_header() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny Llama model (built by `make tiny-model`; built here if missing)."""
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        from loraplex_engine.dev.tiny_model import build_model
+    return tiny_model()
 
-        build_model(TINY_MODEL_DIR)
-    return TINY_MODEL_DIR
+
+@pytest.fixture(scope="session")
+def tiny_vllm_dir() -> Path:
+    """The tiny-vllm preset, for the tests that run real vLLM (built here if missing)."""
+    return tiny_vllm_model()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as REPO  # the name its importers use
+
 CHART = REPO / "charts" / "loraplex"
 TOOLS_BIN = REPO / ".tools" / "bin"
 METRICS_DOC = REPO / "docs" / "metrics.md"

@@ -11,17 +11,23 @@ from loraplex_engine.clients.ops import ClientModel, Op
 from loraplex_engine.spec.training_service import ClientModelInfo
 
 
+def registry_of(
+    *models: ClientModel, limit: int | None = None, gather_s: float = 0.0
+) -> ClientModels:
+    """A registry taking at most ``limit`` models a tick, holding one up to ``gather_s``
+    for calls on their way, with ``models`` enrolled in order (what they hold, queued)."""
+    registry = ClientModels(parts=None, models_per_tick=limit, gather_s=gather_s)
+    for model in models:
+        registry._enroll(model)
+    return registry
+
+
 def enrolled(
     infos: Iterable[ClientModelInfo], limit: int | None = None
 ) -> tuple[ClientModels, list[ClientModel]]:
     """A registry taking at most ``limit`` models a tick, one model per info, in order."""
-    registry = ClientModels(parts=None, models_per_tick=limit)
-    models = []
-    for info in infos:
-        model = ClientModel(info, f"tinker:{info.namespace}/{info.model_id}")
-        registry._enroll(model)
-        models.append(model)
-    return registry, models
+    models = [ClientModel(info, f"tinker:{info.namespace}/{info.model_id}") for info in infos]
+    return registry_of(*models, limit=limit), models
 
 
 def queue(registry: ClientModels, model: ClientModel, *ops: Op) -> None:

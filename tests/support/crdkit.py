@@ -17,14 +17,14 @@ import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import celpy
 import jsonschema
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as REPO  # the name its importers use
+
 CRD_DIR = REPO / "crds"
 CRD_FILES = {
     "LoRAExperiment": CRD_DIR / "loraexperiments.yaml",

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from tests.support import child_processes
+from tests.support.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 LISTEN_RE = re.compile(rb"loraplex-gateway listening: url=(\S+)")
 
 
@@ -37,7 +37,7 @@ class GatewayProcess:
         os.replace(tmp, self.file)
 
     def start(self) -> GatewayProcess:
-        path = os.pathsep.join(str(REPO / p) for p in ("operator", "trainer-image", "."))
+        path = os.pathsep.join(str(REPO_ROOT / p) for p in ("operator", "trainer-image", "."))
         cmd = [sys.executable, "-m", "loraplex_operator.gateway", "--host", "127.0.0.1"]
         cmd += ["--port", "0", "--engines-file", str(self.file), *self.extra]
         self.proc = child_processes.spawn(

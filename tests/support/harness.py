@@ -66,9 +66,9 @@ from loraplex_operator.kube import EXPERIMENTS, NAMESPACES, PODS, POOLS, SECRETS
 from tests.support.crdkit import admit, apply_defaults, schema_of
 from tests.support.deployed import OperatorProcess, chart_values, rendered_operator
 from tests.support.kubelet import KUBELET_HOLD, Kubelet, now
+from tests.support.paths import REPO_ROOT
 from tests.support.pod_runtime import Node
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE_NS = "loraplex-system"
 TOKEN_SECRET = "engine-token"
 ENGINE_MODEL = "/models/tiny-llama"  # where the engine image holds the model
@@ -385,7 +385,7 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
 
 # --- RBAC: what the operator called vs. what the chart grants ------------------------
 
-RBAC_CONTRACT = REPO / "charts" / "loraplex" / "rbac-contract.yaml"
+RBAC_CONTRACT = REPO_ROOT / "charts" / "loraplex" / "rbac-contract.yaml"
 OPERATOR_AGENTS = ("kopf/", "loraplex-operator/")
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
 VERBS |= {"UPDATE": "patch", "DELETE": "delete"}

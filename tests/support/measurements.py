@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[2] / "out"
+from tests.support.paths import REPO_ROOT
+
+OUT = REPO_ROOT / "out"
 
 
 def update(report: Path, change: Callable[[dict[str, Any]], None]) -> None:

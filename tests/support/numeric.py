@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
-REPO = TESTS.parent
+from tests.support.paths import REPO_ROOT
+
+TESTS = REPO_ROOT / "tests"
 
 # Modules whose every test is numeric; single tests elsewhere carry @pytest.mark.numeric.
 NUMERIC_MODULES = frozenset(
@@ -44,7 +45,7 @@ def numeric_files(root: Path = TESTS) -> list[Path]:
 
 
 def main() -> None:
-    print(" ".join(str(p.relative_to(REPO)) for p in numeric_files()))
+    print(" ".join(str(p.relative_to(REPO_ROOT)) for p in numeric_files()))
 
 
 if __name__ == "__main__":

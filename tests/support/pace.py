@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
-REPO = TESTS.parent
+from tests.support.paths import REPO_ROOT
+
+TESTS = REPO_ROOT / "tests"
 MARK = "mark.pace"
 
 
@@ -24,7 +25,7 @@ def pace_files(root: Path = TESTS) -> list[Path]:
 
 
 def main() -> None:
-    print(" ".join(str(p.relative_to(REPO)) for p in pace_files()))
+    print(" ".join(str(p.relative_to(REPO_ROOT)) for p in pace_files()))
 
 
 if __name__ == "__main__":

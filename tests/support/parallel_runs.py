@@ -14,9 +14,9 @@ import yaml
 
 from tests.support import child_processes
 from tests.support.adapter_parity import AdapterGap, adapter_gap_of_files
+from tests.support.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "samples" / "local" / "demo.yaml"
+DEMO = REPO_ROOT / "samples" / "local" / "demo.yaml"
 
 
 def short_demo(tmp_path: Path, steps: int) -> Path:

@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "loraplex_test_plugins"
-SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "plugins" / "acme_rewards"
-ENGINE = Path(__file__).resolve().parents[2] / "trainer-image"
+from tests.support.paths import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "tests" / "plugins" / "loraplex_test_plugins"
+SAMPLE = REPO_ROOT / "samples" / "plugins" / "acme_rewards"
+ENGINE = REPO_ROOT / "trainer-image"
 
 
 def install(work: Path, package: Path = PACKAGE) -> Path:

@@ -295,6 +295,18 @@ def tinker_engine_fixture(
     return server
 
 
+def engine_api_fixture() -> Any:
+    """A module's ``api`` fixture: an HTTP client of the engine its ``server`` fixture runs,
+    one a test."""
+
+    @pytest.fixture(name="api")
+    def api(server: EngineServer) -> Iterator[httpx.Client]:
+        with server.client() as c:
+            yield c
+
+    return api
+
+
 def wait_until(
     condition: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.05
 ) -> Any:

@@ -15,29 +15,20 @@ from loraplex_engine.clients.taking import late_steps
 from loraplex_engine.spec.training_service import ClientLora, ClientModelInfo
 
 from tests.support.client_driver import NS
+from tests.support.client_registry import queue, registry_of
 
 LONG_S = 3600.0  # a window no test waits out: returning at all shows it did not wait
 JOIN_S = 30.0  # liveness guard on a gather thread, not a speed target
 
 
-def _model(name: str, *kinds: str) -> ClientModel:
-    model = ClientModel(ClientModelInfo(name, NS, "base", "tok", ClientLora(rank=4)), name)
+def _model(name: str, *kinds: str, namespace: str = NS) -> ClientModel:
+    model = ClientModel(ClientModelInfo(name, namespace, "base", "tok", ClientLora(rank=4)), name)
     model.queue.extend(Op(k) for k in kinds)  # type: ignore[arg-type]
     return model
 
 
-def _registry(*models: ClientModel, gather_s: float, limit: int | None = None) -> ClientModels:
-    clients = ClientModels(parts=None, models_per_tick=limit, gather_s=gather_s)
-    for m in models:
-        clients._enroll(m)
-    return clients
-
-
 def _queue(clients: ClientModels, model: ClientModel, *kinds: str) -> None:
-    with clients._queued:  # as ClientModels._submit queues a call
-        model.queue.extend(Op(k) for k in kinds)  # type: ignore[arg-type]
-        clients._line.queued(model)
-        clients._queued.notify_all()
+    queue(clients, model, *(Op(k) for k in kinds))  # type: ignore[arg-type]
 
 
 def _gather_in_thread(clients: ClientModels, **kw) -> threading.Thread:
@@ -101,7 +92,7 @@ def test_a_tick_takes_every_model_whose_call_arrives_within_the_window() -> None
     a = _model("a", "forward_backward", "optim_step")
     b = _model("b", "forward_backward")
     c = _model("c")
-    clients = _registry(a, b, c, gather_s=LONG_S)
+    clients = registry_of(a, b, c, gather_s=LONG_S)
     clients._served_last = {a, b, c}
     waiter = _gather_in_thread(clients)
     _queue(clients, b, "optim_step")
@@ -123,12 +114,12 @@ def test_nothing_on_its_way_holds_no_tick() -> None:
     evaluating = _model("eval", "forward")
     cases = [([lone], {lone}), ([opening], {opening}), ([evaluating], {evaluating})]
     for models, served in [*cases, ([_model("x")], set())]:
-        clients = _registry(*models, gather_s=LONG_S)
+        clients = registry_of(*models, gather_s=LONG_S)
         clients._served_last = served
         waiter = _gather_in_thread(clients)
         waiter.join(JOIN_S)
         assert not waiter.is_alive(), [m.info.model_id for m in models]
-    off = _registry(_model("b", "forward_backward"), gather_s=0.0)
+    off = registry_of(_model("b", "forward_backward"), gather_s=0.0)
     off.gather()  # returns: 0 turns the gather off, even with a segment open
 
 
@@ -138,7 +129,7 @@ def test_a_call_is_held_no_longer_than_the_window_after_it_arrived() -> None:
     segment is taken as it stands and the rest goes to a later tick."""
     b = _model("b", "forward_backward")
     other = _model("other")
-    clients = _registry(b, other, gather_s=LONG_S)
+    clients = registry_of(b, other, gather_s=LONG_S)
     clients._served_last = {other}
     arrived = b.queue[0].queued_at
     clients.gather(clock=lambda: arrived + LONG_S)  # the window has passed: at once
@@ -163,23 +154,17 @@ def test_calls_the_fair_share_holds_back_do_not_cut_a_co_tenants_window_short() 
     other client, which the last tick served, is sending its own. The window runs from
     the oldest call the tick would take (b's), so the gather waits for c and the tick
     takes both; timing from a's call would start the tick at once without c."""
-    a = ClientModel(ClientModelInfo("a", "team-a", "base", "tok", ClientLora(rank=4)), "a")
-    b = ClientModel(ClientModelInfo("b", "team-b", "base", "tok", ClientLora(rank=4)), "b")
-    c = ClientModel(ClientModelInfo("c", "team-b", "base", "tok", ClientLora(rank=4)), "c")
+    a = _model("a", namespace="team-a")
+    b, c = _model("b", namespace="team-b"), _model("c", namespace="team-b")
     a.queue.append(_train_op(1000, queued_at=0.0))
     b.queue.extend([_train_op(10), Op("optim_step")])
-    clients = ClientModels(parts=None, gather_s=LONG_S)
-    for m in (a, b, c):
-        clients._enroll(m)
+    clients = registry_of(a, b, c, gather_s=LONG_S)
     clients._served_last = {c}
     clients.share.credit = -(10**6)  # a's debt from its earlier calls
     waiter = _gather_in_thread(clients)
     waiter.join(0.2)
     assert waiter.is_alive()  # waiting for c's step
-    with clients._queued:
-        c.queue.extend([_train_op(10), Op("optim_step")])
-        clients._line.queued(c)
-        clients._queued.notify_all()
+    queue(clients, c, _train_op(10), Op("optim_step"))
     waiter.join(JOIN_S)
     assert not waiter.is_alive()
     step = ["forward_backward", "optim_step"]
@@ -194,7 +179,7 @@ def test_a_client_with_an_answer_to_fetch_is_not_on_its_way() -> None:
     waits for it (``lone`` is then taken with ``other``)."""
     lone, other = _model("lone"), _model("other", "forward_backward", "optim_step")
     lone.outstanding = 1  # what take() counts for each detached call it took
-    clients = _registry(lone, other, gather_s=LONG_S)
+    clients = registry_of(lone, other, gather_s=LONG_S)
     clients._served_last = {lone, other}
     waiter = _gather_in_thread(clients)
     waiter.join(JOIN_S)
@@ -215,7 +200,7 @@ def test_a_tick_counts_the_detached_answers_it_will_give() -> None:
     model.queue.extend(
         [Op("forward_backward", detached=True), Op("optim_step", detached=True)]  # type: ignore[arg-type]
     )
-    clients = _registry(model, gather_s=0.0)
+    clients = registry_of(model, gather_s=0.0)
     clients.take()
     assert model.outstanding == 2
     clients.retrieved(NS, "m")
@@ -229,7 +214,7 @@ def test_the_step_phase_waits_within_the_window_for_an_open_segments_step() -> N
     waits for it (the step arrives while waiting and joins the tick), but never past the
     window after the step phase began (then it steps without it)."""
     model = _model("m")
-    clients = _registry(model, gather_s=LONG_S)
+    clients = registry_of(model, gather_s=LONG_S)
     fb = Op("forward_backward")
     segments = [(model, [fb])]
     got: list = []
@@ -253,7 +238,7 @@ def test_the_step_phase_window_runs_from_its_start_not_from_the_forward_backward
     once its forward_backward is acknowledged, a moment after that, still joins the tick
     (it made a tick of its own)."""
     models = [_model(f"m{i}") for i in range(8)]
-    clients = _registry(*models, gather_s=LONG_S)
+    clients = registry_of(*models, gather_s=LONG_S)
     segments = [(m, [Op("forward_backward")]) for m in models]
     began = max(ops[0].queued_at for _, ops in segments) + 2 * LONG_S  # the window is spent
     got: list = []

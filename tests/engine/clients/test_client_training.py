@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from loraplex_engine.clients.models import ClientModels
-from loraplex_engine.clients.ops import ClientModel, Op
+from loraplex_engine.clients.ops import Op
 from loraplex_engine.spec.errors import NotFoundError
 from loraplex_engine.spec.training_service import (
     AdamStep,
@@ -24,6 +24,7 @@ from loraplex_engine.spec.training_service import (
 
 from tests.support.adapter_parity import adapter_gap, assert_same_training
 from tests.support.client_driver import NS, drive, sft_datum
+from tests.support.client_registry import enrolled, queue
 from tests.support.engine_builders import engine, spec
 
 PROMPT = [1, 40, 41, 42]
@@ -213,16 +214,14 @@ def test_models_per_tick_takes_segments_in_turn() -> None:
         (1, [["a"], ["b"], ["c"], ["a"], ["b"], ["c"]]),
         (2, [["a", "b"], ["c", "a"], ["b", "c"]]),
     ):
-        clients = ClientModels(parts=None, models_per_tick=limit)
-        for m in "abc":
-            model = ClientModel(ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)), m)
+        infos = (ClientModelInfo(m, NS, "base", "tok", ClientLora(rank=4)) for m in "abc")
+        clients, models = enrolled(infos, limit)
+        for model in models:
             for _ in range(2):
-                model.queue.extend([Op("forward_backward"), Op("optim_step")])
-            clients._enroll(model)
+                queue(clients, model, Op("forward_backward"), Op("optim_step"))
         assert [taken(clients) for _ in ticks] == ticks, limit
         assert not clients.has_work()
-    clients._models[(NS, "a")].queue.extend([Op("forward"), Op("forward"), Op("optim_step")])
-    clients._line.queued(clients._models[(NS, "a")])
+    queue(clients, models[0], Op("forward"), Op("forward"), Op("optim_step"))
     (segment,) = [ops for _, ops in clients.take().segments]  # a whole segment: one model's
     assert [op.kind for op in segment] == ["forward", "forward", "optim_step"]
 

@@ -31,7 +31,8 @@ from loraplex_engine.tenancy.object_store import ObjectStore
 from loraplex_engine.tenancy.trust import TrustPolicy
 
 from tests.support import child_processes
-from tests.support.server_process import EngineServer, wait_until
+from tests.support.jsonl_rows import jsonl_row
+from tests.support.server_process import EngineServer, engine_api_fixture, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,7 @@ def _upload(s3: S3, work: Path) -> None:
         Key="team-a/gsm.parquet",
         Body=_parquet({"question": prompts, "solution": ["yes"] * 200}),
     )
-    rows = "".join(json.dumps({"prompt": p, "answer": "yes"}) + "\n" for p in prompts)
+    rows = "".join(jsonl_row(p) for p in prompts)
     c.put_object(Bucket=BUCKET, Key="team-a/rows.jsonl", Body=rows.encode())
     c.put_object(
         Bucket=BUCKET,
@@ -149,10 +150,7 @@ def server(tiny_model_dir: Path, s3: S3) -> Iterator[EngineServer]:
     srv.kill()
 
 
-@pytest.fixture()
-def api(server: EngineServer) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
+api = engine_api_fixture()
 
 
 def _spec(dataset: str, options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -6,7 +6,6 @@ test_data_attacks.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -17,9 +16,7 @@ from loraplex_engine.spec.errors import TaskError
 from loraplex_engine.tasks import jsonl
 from loraplex_engine.tasks.jsonl import JsonlTask
 
-
-def _row(prompt: str, answer: str = "yes") -> str:
-    return json.dumps({"prompt": prompt, "answer": answer}) + "\n"
+from tests.support.jsonl_rows import jsonl_row
 
 
 def _refusal(path: Path, **kw: object) -> str:
@@ -34,14 +31,14 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
     own, other = tmp_path / "team-a", tmp_path / "team-b"
     own.mkdir()
     other.mkdir()
-    (other / "private.jsonl").write_text(_row("B-SECRET"))
+    (other / "private.jsonl").write_text(jsonl_row("B-SECRET"))
     return own, other
 
 
 def test_a_directory_on_the_way_swapped_for_a_symlink_is_refused(dirs) -> None:
     own, other = dirs
     (own / "sub").mkdir()
-    (own / "sub" / "private.jsonl").write_text(_row("mine"))
+    (own / "sub" / "private.jsonl").write_text(jsonl_row("mine"))
     task = JsonlTask(own / "sub" / "private.jsonl", root=own)
     (own / "sub").rename(own / "old")
     (own / "sub").symlink_to(other)  # same file name, now through a link to team-b
@@ -53,10 +50,10 @@ def test_a_directory_on_the_way_swapped_for_a_symlink_is_refused(dirs) -> None:
 def test_a_file_replaced_by_rename_is_read_again_through_the_same_walk(dirs) -> None:
     own, _ = dirs
     path = own / "d.jsonl"
-    path.write_text(_row("old"))
+    path.write_text(jsonl_row("old"))
     task = JsonlTask(path, root=own)
     fresh = own / "fresh.jsonl"
-    fresh.write_text(_row("new 1") + _row("new 2"))
+    fresh.write_text(jsonl_row("new 1") + jsonl_row("new 2"))
     fresh.rename(path)  # a new inode under the same name
     assert {p.text for p in task.sample_prompts(8, random.Random(0))} == {"new 1", "new 2"}
     assert len(task) == 2
@@ -106,7 +103,7 @@ def test_every_parse_failure_is_a_task_error_naming_the_line(
 ) -> None:
     rows = 20_000 if big else 3  # 20k rows: over the inline limit, checked in a child
     path = tmp_path / "d.jsonl"
-    head = "".join(_row(f"p{i}") for i in range(rows)).encode()
+    head = "".join(jsonl_row(f"p{i}") for i in range(rows)).encode()
     path.write_bytes(head + (bad if isinstance(bad, bytes) else bad.encode()) + b"\n")
     assert not big or path.stat().st_size > jsonl.INLINE_CHECK_BYTES
     message = _refusal(path)
@@ -115,11 +112,11 @@ def test_every_parse_failure_is_a_task_error_naming_the_line(
 
 def test_rows_are_offsets_read_again_when_sampled(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(_row("aaaa", "1") + "\n" + _row("bbbb", "2"))
+    path.write_text(jsonl_row("aaaa", "1") + "\n" + jsonl_row("bbbb", "2"))
     task = JsonlTask(path)
     assert [task.row(i).meta["line"] for i in range(len(task))] == ["1", "3"]
     with path.open("r+b") as f:  # rewritten in place, same size: read as it is now
-        f.write(_row("cccc", "1").encode())
+        f.write(jsonl_row("cccc", "1").encode())
     assert task.row(0).text == "cccc"
     with path.open("r+b") as f:
         f.write(b"not json at all!!!!!!!!!")
@@ -130,10 +127,10 @@ def test_rows_are_offsets_read_again_when_sampled(tmp_path: Path) -> None:
 
 def test_a_refresh_reads_at_most_its_budget(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(_row("first"))
+    path.write_text(jsonl_row("first"))
     task = JsonlTask(path, refresh_bytes=64 << 10)
     with path.open("a") as f:
-        f.write("".join(_row(f"p{i}") for i in range(20_000)))  # ~700 KB
+        f.write("".join(jsonl_row(f"p{i}") for i in range(20_000)))  # ~700 KB
     added = [task.refresh() for _ in range(4)]
     assert all(0 < n <= (64 << 10) // 20 for n in added), added
     while task.refresh():
@@ -144,7 +141,7 @@ def test_a_refresh_reads_at_most_its_budget(tmp_path: Path) -> None:
 
 def test_an_unterminated_line_over_the_limit_is_refused_before_its_end(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(_row("ok"))
+    path.write_text(jsonl_row("ok"))
     task = JsonlTask(path)
     with path.open("a") as f:
         f.write('{"prompt": "' + "x" * (300 << 10))  # still being written, already too long
@@ -155,13 +152,13 @@ def test_an_unterminated_line_over_the_limit_is_refused_before_its_end(tmp_path:
 
 def test_rows_over_the_limit_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(_row(f"p{i}") for i in range(11)))
+    path.write_text("".join(jsonl_row(f"p{i}") for i in range(11)))
     assert "limit of 10 rows" in _refusal(path, max_rows=10)
 
 
 def test_close_releases_the_descriptors(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(_row("x"))
+    path.write_text(jsonl_row("x"))
     before = len(os.listdir("/proc/self/fd"))
     tasks = [JsonlTask(path) for _ in range(5)]
     assert len(os.listdir("/proc/self/fd")) > before
@@ -172,10 +169,10 @@ def test_close_releases_the_descriptors(tmp_path: Path) -> None:
 
 def test_blank_lines_are_skipped_and_indented_rows_kept(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text("x\n".replace("x", _row("first").strip()))
+    path.write_text("x\n".replace("x", jsonl_row("first").strip()))
     task = JsonlTask(path)
     with path.open("a") as f:
-        f.write("\n   \n\t\r\n  " + _row("indented") + " \n" + _row("last"))
+        f.write("\n   \n\t\r\n  " + jsonl_row("indented") + " \n" + jsonl_row("last"))
     task.refresh()
     assert [task.row(i).text for i in range(len(task))] == ["first", "indented", "last"]
     assert [task.row(i).meta["line"] for i in range(len(task))] == ["1", "5", "7"]

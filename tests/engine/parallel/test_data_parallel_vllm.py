@@ -30,11 +30,10 @@ from tests.support.adapter_parity import assert_same_training
 from tests.support.parallel_runs import run_cmd, run_gaps, short_demo
 from tests.support.server_process import EngineServer, wait_until
 from tests.support.server_specs import put_body, small_spec
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 STEPS = 8  # as the torch DP test: every experiment has had a nonzero reward by then
 # The adapters of DP=2 and DP=1 differ by float rounding alone (the ranks' micro-batches
 # pack the rows differently): adapter_parity says how far that can carry them, in Adam
@@ -150,8 +149,7 @@ def test_world_size_2_with_vllm_matches_world_size_1(tiny_model_dir: Path, tmp_p
     the reward curves of `--world-size 1` exactly and its adapters within adapter_parity's
     tolerances, with one vLLM worker per run, rank 0's; its TIS experiments' weights
     reached every rank's tokens, as many as with one rank, every step."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     manifest = tis_demo(tmp_path, STEPS)
     procs = spawn_runs(manifest, tiny_model_dir, tmp_path)
     seen = {name: {} for name in procs}
@@ -203,8 +201,7 @@ def test_serve_world_size_2_with_vllm(tiny_model_dir: Path, tmp_path: Path) -> N
     """`serve --world-size 2 --rollout-backend vllm`: one vLLM, rank 0's; an experiment
     trains 3 steps with the gap measured, a completion is served, and SIGTERM finds both
     ranks' adapters equal bit for bit before releasing rank 1."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     srv = EngineServer(
         tiny_model_dir,
         tmp_path / "ckpt",

@@ -9,19 +9,14 @@ lm_head).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.spec.service import PromptJob
 
 from tests.support.engine_builders import engine, mean, run_to_end, spec
-from tests.support.paths import REPO_ROOT
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
-VLLM_PYTHON = Path(
-    os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
-)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (lr, seed). Learning in 16 steps is seed-sensitive on the tiny model: with one vLLM
 # request of n = groupSize per prompt, yes-b's seed 1 spiked to 0.65 at step 6 and
@@ -30,18 +25,9 @@ EXPERIMENTS = {"default.yes-a": (0.02, 0), "default.yes-b": (0.03, 3)}
 STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_vllm_dir() -> Path:
-    path = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
-    if not (path / "config.json").exists():
-        build_model(path, preset="tiny-vllm")
-    return path
-
-
 def _engine(backend: str, model: Path, root: Path):
     if backend == "vllm":
-        if not VLLM_PYTHON.exists():
-            pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+        skip_without_vllm()
         return engine(
             model, root, rollout_backend="vllm", vllm_options={"python": str(VLLM_PYTHON)}
         )
@@ -98,8 +84,7 @@ def eng_complete(eng, model: str) -> list[str]:
 def test_vllm_backend_runs_in_the_engines_bfloat16(tiny_vllm_dir, tmp_path) -> None:
     """``--dtype bfloat16``: vLLM is started in the engine's dtype (no duplicate dtype
     keyword), with its limits derived from the engine's, and trains in it."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     eng = engine(
         tiny_vllm_dir,
         tmp_path,

@@ -9,37 +9,19 @@ reported log-probability must equal peft's log-softmax.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.dev.tiny_model import build_model
 
 from tests.support.machine import scaled
-from tests.support.paths import REPO_ROOT
+from tests.support.vllm_env import NO_VLLM, VLLM_PYTHON
 
-VLLM_PYTHON = Path(
-    os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
-)
-TINY_VLLM_DIR = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
-
-pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason=f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv` (make test does)",
-)
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)
 
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43, 44], [1, 99]]
 MAX_NEW = 6
-
-
-@pytest.fixture(scope="module")
-def tiny_vllm_dir() -> Path:
-    """The tiny model with head_dim 32 (vLLM's CPU attention has no head_dim 16 kernel)."""
-    if not (TINY_VLLM_DIR / "config.json").exists():
-        build_model(TINY_VLLM_DIR, preset="tiny-vllm")
-    return TINY_VLLM_DIR
 
 
 def _make_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str], seed: int) -> Path:
@@ -245,7 +227,9 @@ def test_sampling_is_seeded_and_reports_logprobs(rollout) -> None:
             assert all(lp <= 0.0 for lp in c.logprobs)
 
 
-def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_path) -> None:
+def test_errors_are_reported_and_worker_keeps_serving(
+    rollout, adapters, tiny_vllm_dir, tmp_path
+) -> None:
     from loraplex_engine.spec.errors import VLLMWorkerError
 
     with pytest.raises(VLLMWorkerError, match="not loaded"):
@@ -259,7 +243,7 @@ def test_errors_are_reported_and_worker_keeps_serving(rollout, adapters, tmp_pat
     assert set(rollout.adapters) == {"a", "b"}
     with pytest.raises(VLLMWorkerError, match="not loaded"):
         rollout.generate([("c", PROMPTS[0])], max_new_tokens=2)
-    big = _make_adapter(TINY_VLLM_DIR, tmp_path / "big", rank=16, targets=["q_proj"], seed=5)
+    big = _make_adapter(tiny_vllm_dir, tmp_path / "big", rank=16, targets=["q_proj"], seed=5)
     with pytest.raises(VLLMWorkerError, match="max_lora_rank"):
         rollout.load_adapter("big", big)
     rollout.load_adapter("c", adapters["c"])  # the freed slot is reusable

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.server_process import engine_command, record_measurement
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 DEMO = REPO / "samples" / "local" / "demo.yaml"
 STEPS = 20  # the demo's 30, shortened: its target words are learnt by step ~16-21 here
 
@@ -43,8 +43,7 @@ def demo_with_tis(path: Path) -> Path:
 
 @pytest.mark.timeout(1500)
 def test_demo_trains_with_tis_on_vllm_rollouts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     out = tmp_path / "out"
     r = subprocess.run(
         [

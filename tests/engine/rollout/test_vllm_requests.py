@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.rollout.base import Completion, RolloutRequest
 from loraplex_engine.rollout.vllm.requests import (
     RequestResult,
@@ -28,11 +27,8 @@ from loraplex_engine.rollout.vllm.requests import (
 )
 
 from tests.support.engine_builders import engine, spec
-from tests.support.paths import REPO_ROOT
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
-VLLM_PYTHON = Path(
-    os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
-)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"rank": 8, "alpha": 16, "targetModules": ALL_LINEAR}
 VLLM_MAX_MODEL_LEN = 48  # small: a long prompt is one vLLM refuses, not the engine
@@ -187,17 +183,8 @@ def test_a_worker_that_keeps_dying_fails_the_call_after_bounded_restarts() -> No
 
 
 @pytest.fixture(scope="module")
-def tiny_vllm_dir() -> Path:
-    path = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
-    if not (path / "config.json").exists():
-        build_model(path, preset="tiny-vllm")
-    return path
-
-
-@pytest.fixture(scope="module")
 def eng(tiny_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     root = tmp_path_factory.mktemp("vllm-requests")
     options = {"python": str(VLLM_PYTHON), "max_model_len": VLLM_MAX_MODEL_LEN}
     e = engine(tiny_vllm_dir, root, rollout_backend="vllm", vllm_options=options)

@@ -6,35 +6,22 @@ completions. Skipped when that environment is missing. Model: the tiny-vllm pres
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from loraplex_engine.dev.tiny_model import build_model
 
 from tests.support.server_process import EngineServer, record_measurement, wait_until
 from tests.support.server_specs import put_body, small_spec
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-
-
-@pytest.fixture(scope="module")
-def tiny_vllm_dir() -> Path:
-    path = REPO / ".cache" / "models" / "tiny-vllm"
-    if not (path / "config.json").exists():
-        build_model(path, preset="tiny-vllm")
-    return path
-
 
 def test_serve_with_the_vllm_backend(tiny_vllm_dir: Path, tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     srv = EngineServer(
         tiny_vllm_dir,
         tmp_path / "ckpt",

@@ -17,19 +17,23 @@ attack. The pure bounds are tests/engine/data/test_jsonl_bounds.py.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import httpx
 import pytest
 
-from tests.support.server_process import EngineServer, record_measurement, wait_until
+from tests.support.jsonl_rows import jsonl_row
+from tests.support.reward_server import reward_server
+from tests.support.server_process import (
+    EngineServer,
+    engine_api_fixture,
+    record_measurement,
+    wait_until,
+)
 from tests.support.step_meter import BYSTANDER, Meter
 from tests.support.tenant_api import failed, put, spec, status
 
@@ -49,31 +53,19 @@ RSS_GROWTH = 512 << 20
 B_SHAPE: dict[str, int] = {"new_tokens": 2, "every": 1000, "keep": 1}
 
 
-class _Rewards(BaseHTTPRequestHandler):
+SCORED_PROMPTS: list[str] = []  # every prompt A's reward service was sent
+
+
+def _record(path: str, items: list[dict[str, Any]]) -> list[float]:
     """A's reward service: records every prompt it is sent."""
-
-    prompts: ClassVar[list[str]] = []
-
-    def do_POST(self) -> None:
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        _Rewards.prompts.extend(i["prompt"] for i in items)
-        body = json.dumps({"scores": [0.5] * len(items)}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+    SCORED_PROMPTS.extend(i["prompt"] for i in items)
+    return [0.5] * len(items)
 
 
 @pytest.fixture(scope="module")
 def reward_url() -> Iterator[str]:
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Rewards)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}/score"
-    srv.shutdown()
-    srv.server_close()
+    with reward_server(_record) as url:
+        yield f"{url}/score"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +74,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     for ns in ("team-a", "team-b"):
         (work / "data" / ns).mkdir(parents=True)
     (work / "data" / "team-b" / "private.jsonl").write_text(
-        "".join(_line(f"{B_SECRET}-{i} say yes:") for i in range(50))
+        "".join(jsonl_row(f"{B_SECRET}-{i} say yes:") for i in range(50))
     )
     args = ["--max-prompt-tokens", "64", "--max-step-tokens", "10000"]
     args += ["--allow-reward-host", "127.0.0.1", "--data-root", str(work / "data")]
@@ -95,19 +87,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv.kill()
 
 
-@pytest.fixture()
-def api(server: EngineServer) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
+api = engine_api_fixture()
 
 
 @pytest.fixture()
 def team_a(server: EngineServer) -> Path:
     return server.workdir / "data" / "team-a"
-
-
-def _line(prompt: str, answer: str = "yes") -> str:
-    return json.dumps({"prompt": prompt, "answer": answer}) + "\n"
 
 
 def _jsonl(dataset: Path, reward_url: str | None = None) -> dict[str, Any]:
@@ -141,7 +126,7 @@ def _b_kept_up(name: str, baseline: float, during: Meter, size_attack: bool = Fa
 
 def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a, reward_url):
     data = team_a / "race.jsonl"
-    own = "".join(_line(f"A-OWN-{i} say yes:") for i in range(20))
+    own = "".join(jsonl_row(f"A-OWN-{i} say yes:") for i in range(20))
     data.write_text(own)
     b_file = server.workdir / "data" / "team-b" / "private.jsonl"
     swaps, stop = [0], threading.Event()
@@ -159,7 +144,7 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
             swaps[0] += 1
             time.sleep(0.12)  # mostly A's own file: some PUTs are admitted and train
 
-    _Rewards.prompts.clear()
+    SCORED_PROMPTS.clear()
     assert put(api, "team-a.race", _jsonl(data, reward_url)).status_code == 201
     baseline = _baseline(server)  # beside A on its own file
     api.delete("/v1/experiments/team-a.race")
@@ -183,8 +168,8 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
         swapper.join(10)
     record_measurement("data_attack.symlink_race.swaps", swaps[0], f"{puts} PUTs")
     assert swaps[0] >= 50 and puts >= 12 and failures >= 1, (swaps, puts, failures)
-    assert any(p.startswith("A-OWN") for p in _Rewards.prompts)  # the race was run
-    assert not [p for p in _Rewards.prompts if B_SECRET in p]
+    assert any(p.startswith("A-OWN") for p in SCORED_PROMPTS)  # the race was run
+    assert not [p for p in SCORED_PROMPTS if B_SECRET in p]
     _b_kept_up("symlink_race", baseline, during)
 
 
@@ -193,8 +178,8 @@ def test_a_dataset_swapped_for_a_symlink_never_leaks_b_rows(server, api, team_a,
 
 def test_a_20mb_line_is_never_tokenised(server, api, team_a):
     data = team_a / "huge.jsonl"
-    huge = _line("word " * (4 << 20))  # 20 MB
-    data.write_text(_line("ok say yes:") + huge)
+    huge = jsonl_row("word " * (4 << 20))  # 20 MB
+    data.write_text(jsonl_row("ok say yes:") + huge)
     baseline = _baseline(server)
     with Meter(server).running(min_s=3.0) as during:
         r = put(api, "team-a.huge", _jsonl(data))
@@ -202,14 +187,14 @@ def test_a_20mb_line_is_never_tokenised(server, api, team_a):
         assert "huge.jsonl:2: line " in r.json()["error"]["message"], r.text
         assert "over the limit of 262144 bytes" in r.text
         # The same line appended after admission fails A alone, in the tick.
-        data.write_text(_line("ok say yes:"))
+        data.write_text(jsonl_row("ok say yes:"))
         assert put(api, "team-a.huge", _jsonl(data)).status_code == 201
         with data.open("a") as f:
             f.write(huge)
         st = failed(api, "team-a.huge", timeout=30)
         assert "huge.jsonl:2: line " in st["error"] and st["failureReason"] == "task_error"
         # A prompt under the line bound but over 32 characters a token: not tokenised.
-        data.write_text(_line("word " * 20_000))
+        data.write_text(jsonl_row("word " * 20_000))
         api.delete("/v1/experiments/team-a.huge")
         assert put(api, "team-a.huge", _jsonl(data)).status_code == 201
         st = failed(api, "team-a.huge", timeout=30)
@@ -221,7 +206,7 @@ def test_a_20mb_line_is_never_tokenised(server, api, team_a):
 def _many_rows(path: Path, rows: int, last: str = "") -> None:
     with path.open("w") as f:
         for start in range(0, rows, 100_000):
-            f.write("".join(_line(f"r{i} say yes:") for i in range(start, start + 100_000)))
+            f.write("".join(jsonl_row(f"r{i} say yes:") for i in range(start, start + 100_000)))
         f.write(last)
 
 
@@ -259,8 +244,8 @@ def test_a_deeply_nested_line_after_a_million_rows_is_a_4xx_naming_it(server, ap
 
 def test_a_dataset_growing_300k_rows_every_2s_does_not_stall_b(server, api, team_a):
     data = team_a / "growing.jsonl"
-    data.write_text(_line("seed say yes:"))
-    batch = "".join(_line(f"g{i} say yes:") for i in range(300_000))
+    data.write_text(jsonl_row("seed say yes:"))
+    batch = "".join(jsonl_row(f"g{i} say yes:") for i in range(300_000))
     assert put(api, "team-a.growing", _jsonl(data)).status_code == 201
     baseline = _baseline(server)  # beside A on its one row
     with Meter(server).running(min_s=10.0) as during:

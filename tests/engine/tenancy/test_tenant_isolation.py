@@ -18,13 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.reward_server import reward_server
 from tests.support.server_process import EngineServer, wait_until
 from tests.support.tenant_api import LIMITS, failed, put, spec, status
 
@@ -76,31 +76,17 @@ def cotenant_keeps_training(server: EngineServer, window_s: float = 3.0) -> Iter
 # ---- servers -----------------------------------------------------------------------------
 
 
-class _Rewards(BaseHTTPRequestHandler):
+def _score(path: str, items: list[dict[str, Any]]) -> list[int | float]:
     """/huge: scores of 401 digits; /slow: 1.0 each after SLOW_REWARD_S seconds; /stall:
     after STALL_S (under the reward client's 30 s timeout)."""
-
-    def do_POST(self) -> None:
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        time.sleep({"/slow": SLOW_REWARD_S, "/stall": STALL_S}.get(self.path, 0.0))
-        score = 10**400 if self.path == "/huge" else 1.0
-        body = json.dumps({"scores": [score] * len(items)}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+    time.sleep({"/slow": SLOW_REWARD_S, "/stall": STALL_S}.get(path, 0.0))
+    return [10**400 if path == "/huge" else 1.0] * len(items)
 
 
 @pytest.fixture(scope="module")
 def reward_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Rewards)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with reward_server(_score) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

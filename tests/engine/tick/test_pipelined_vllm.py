@@ -13,22 +13,17 @@ environment.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from loraplex_engine.dev.tiny_model import build_model
 
 from tests.support.engine_builders import engine, spec
-from tests.support.paths import REPO_ROOT
 from tests.support.pipelined_specs import flat, slot_weights
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path(
-    os.environ.get("LORAPLEX_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python")
-)
 LORA = {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "gate_proj"]}
 STEPS = 3
 STRICT = ("strict-a", "strict-b", "strict-c")
@@ -71,12 +66,11 @@ def run(model: Path, root: Path, schedule: str) -> tuple[dict[str, list[Any]], d
 
 
 @pytest.mark.timeout(1200)
-def test_pipelined_with_vllm_matches_sync_and_bounds_staleness(tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
-    model = REPO_ROOT / ".cache" / "models" / "tiny-vllm"
-    if not (model / "config.json").exists():
-        build_model(model, preset="tiny-vllm")
+def test_pipelined_with_vllm_matches_sync_and_bounds_staleness(
+    tiny_vllm_dir: Path, tmp_path: Path
+) -> None:
+    skip_without_vllm()
+    model = tiny_vllm_dir
     sync, sync_w = run(model, tmp_path / "sync", "sync")
     piped, piped_w = run(model, tmp_path / "piped", "pipelined")
     for exp_id in STRICT:

@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from loraplex_engine.dev.tiny_model import build_model
 from loraplex_engine.spec.publish import PublishSpec
 from loraplex_engine.store.versions import VersionStore
 from loraplex_engine.versions.fleet import FleetSync, Watch
@@ -30,11 +29,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.support.child_processes import kill_group, spawn
 from tests.support.engine_builders import engine, spec
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 NS, NAME = "team", "cont"
 PROMPT = [1, 17, 42, 99, 7]
 TOKENS = 6
@@ -52,14 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def tiny_vllm_dir() -> Path:
-    path = REPO / ".cache" / "models" / "tiny-vllm"
-    if not (path / "config.json").exists():
-        build_model(path, preset="tiny-vllm")
-    return path
 
 
 def _peft(model_dir: Path, version_dir: Path) -> tuple[list[int], list[float]]:
@@ -111,8 +101,7 @@ def _same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]
 def test_vllm_serves_stable_through_a_promotion_and_a_rollback(
     tiny_vllm_dir: Path, tmp_path: Path
 ) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     root = tmp_path / "ckpt"
     lora = {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]}  # vLLM: no lm_head
     eng = engine(tiny_vllm_dir, root, max_adapters=2, max_rank=8)

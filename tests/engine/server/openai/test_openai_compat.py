@@ -18,6 +18,7 @@ from loraplex_engine.server.openai.chat import room_left
 
 from tests.support.server_process import EngineServer, wait_until
 from tests.support.server_specs import put_body, small_spec
+from tests.support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet
 
@@ -361,15 +362,11 @@ def test_litellm_text_completion_and_chat(server) -> None:
 
 # ---- the vllm rollout backend ---------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[4]
-VLLM_PYTHON = Path(os.environ.get("LORAPLEX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-
 
 def test_the_vllm_backend_serves_the_openai_routes(tmp_path: Path) -> None:
     """Same routes through vLLM (docs/engine-api.md: whole rows, so a stream's chunks
     come when the row is done)."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-venv`")
+    skip_without_vllm()
     from loraplex_engine.dev.tiny_model import build_model
 
     model = build_model(tmp_path / "tiny-vllm-chat", preset="tiny-vllm")
