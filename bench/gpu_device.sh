@@ -29,7 +29,8 @@
 #                        reward and weight parity, into e2e.json's "torch_pipelined"   <= 60 s
 #   (paging)             bench/paging.py --device cuda: 1,000 client models on 8 slots of the
 #                        tiny model, host-memory and spilled arms, a working set of 8: page-in
-#                        latency per tier with pinned copies, steps/s, into e2e.json's
+#                        latency per tier with pinned copies, steps/s, prefetch hits and
+#                        hidden copies (4 models a tick), into e2e.json's
 #                        "paging" (docs/design/paging.md)                               <= 45 s
 #   tinker-clock.json    bench/gpu_tinker.py: bench/tinker_clock.py's 8 tinker SDK clients,
 #                        fused clock cycle vs per_model, on the CPU tiny model with the
@@ -147,8 +148,9 @@ main() {
         --device "$([[ -n "$DRY_RUN" ]] && echo cpu || echo cuda)" \
         --budget-s "$(((left < PIPELINED_S ? left : PIPELINED_S) - 10))" \
         ${DRY_RUN:+--preset tiny --n 2 --steps 3 --rounds 1}
-    local paging_size=(--models 1000 --slots 8 --rounds 33 --spill-budget 16MiB)
-    [[ -n "$DRY_RUN" ]] && paging_size=(--models 40 --slots 4 --rounds 5 --warmup 1 --spill-budget 2MiB)
+    # Half the slots a tick: the models still queued are prefetched under its compute.
+    local paging_size=(--models 1000 --slots 8 --models-per-tick 4 --rounds 33 --spill-budget 16MiB)
+    [[ -n "$DRY_RUN" ]] && paging_size=(--models 40 --slots 4 --models-per-tick 2 --rounds 5 --warmup 1 --spill-budget 2MiB)
     left=$((BUDGET - (SECONDS - START)))
     # The arms share what is left after ~15 s of imports and the tiny model's build.
     stage paging e2e.json "$PAGING_S" \

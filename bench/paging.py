@@ -34,6 +34,13 @@ On a GPU (bench/gpu_device.sh's paging stage): ``--device cuda`` (pinned host pa
 ``non_blocking`` copies; a page-in's time includes its synchronize), ``--budget-s`` (each
 arm gets its share: registration stops at half of it, a phase's rounds at the end; what
 ran is recorded) and ``--into KEY`` (the result under KEY of the JSON already at ``--out``).
+
+Prefetch (memory/prefetch.py): ``--models-per-tick N`` caps the client models a tick
+takes, so a round's models span ticks and the ones still queued are paged in while the
+tick before computes; each phase's ``prefetch`` reports those issued, **hits** (members
+a tick found resident because they were prefetched), **misses** (page-ins a tick made
+itself) and **wasted** (prefetched, not in the next tick). ``--prefetch-limit 0`` turns
+prefetch off (the comparison arm).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ sys.path.insert(0, str(REPO))  # the test helpers, as tests.support
 sys.path.insert(0, str(REPO / "bench"))  # its siblings, as the other benchmarks import them
 
 from loraplex_engine.memory.copy_stream import CopyStats  # noqa: E402
+from loraplex_engine.memory.paging import PagingStats  # noqa: E402
 from throughput import machine_info  # noqa: E402
 
 
@@ -106,6 +114,17 @@ def _copies(before: CopyStats, now: CopyStats) -> dict[str, Any]:
     }
 
 
+def _prefetch(before: PagingStats, now: PagingStats) -> dict[str, int]:
+    """A phase's prefetches (memory/prefetch.py): issued during a tick for the next; hits:
+    members a tick found resident because they were; misses: page-ins it made itself."""
+    return {
+        "issued": now.prefetches - before.prefetches,
+        "hits": now.prefetch_hits - before.prefetch_hits,
+        "misses": now.prefetch_misses - before.prefetch_misses,
+        "wasted": now.prefetch_wasted - before.prefetch_wasted,
+    }
+
+
 def _rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -137,8 +156,9 @@ def _arm(
     eng = engine(
         _model_dir(), work, max_adapters=slots, max_rank=16, max_registered=args.models,
         client_models_per_namespace=args.models, host_adapter_memory=budget,
-        device=args.device,
+        device=args.device, client_models_per_tick=args.models_per_tick,
     )  # fmt: skip
+    eng.pager.prefetch_limit = args.prefetch_limit
     ce, adam = LossCall("cross_entropy"), AdamStep(learning_rate=0.01)
     data = [sft_datum([1, 40 + i % 50, 41], [100 + i % 60, 101, 102, 103, 104]) for i in range(7)]
     ids = [f"m{i:05d}" for i in range(args.models)]
@@ -209,6 +229,7 @@ def _arm(
             pager.stats.first_slots,
         )  # fmt: skip
         copies = replace(pager.copies.stats, copy_seconds=list(pager.copies.stats.copy_seconds))
+        fetched = replace(pager.stats)
         ticks = eng._tick.count
         steps, rounds, t = 0, 0, time.perf_counter()
         for members in plan[args.warmup :]:
@@ -233,6 +254,7 @@ def _arm(
             "page_in_ms": _percentiles(tiers["host"] + tiers["disk"]),
             "page_in_ms_by_tier": {k: _percentiles(v) for k, v in tiers.items()},
             "copies": _copies(copies, pager.copies.stats),
+            "prefetch": _prefetch(fetched, pager.stats),
             "loadavg_after": list(os.getloadavg()),
         }
     out["spilled_now"] = pager.spilled()
@@ -267,6 +289,10 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/paging-cpu-tiny.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--models-per-tick", type=int, default=None,
+                    help="client models a tick takes (the rest are prefetched)")  # fmt: skip
+    ap.add_argument("--prefetch-limit", type=int, default=None,
+                    help="page-ins prefetched a tick (default: the slots; 0: off)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=None, help="seconds, all arms together")
     ap.add_argument("--into", default=None, metavar="KEY",
                     help="write under KEY of the JSON object already at --out")  # fmt: skip

@@ -281,6 +281,8 @@ def test_the_paging_stage_paged_both_tiers(run: dict) -> None:
     zipf = got["arms"]["paged"]["phases"]["zipf"]
     assert zipf["page_in_ms_by_tier"]["host"]["n"] > 0
     assert zipf["copies"]["issued"] >= zipf["page_ins"] > 0  # copy_stream's counts
+    prefetch = zipf["prefetch"]  # two models a tick: the rest queued are prefetched
+    assert prefetch["hits"] > 0 and prefetch["issued"] >= prefetch["hits"]
     assert got["arms"]["spilled"]["registration"]["page_outs"] == 0  # registering: a record
     assert got["arms"]["spilled"]["spills_total"] > 0  # the ticks' page-outs spilled
     assert run["e2e.json"]["torch_pipelined"]["runs"]  # the stages before keep theirs

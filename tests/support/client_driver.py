@@ -25,7 +25,8 @@ def queued(eng: Engine) -> int:
 
 def drive(eng: Engine, *calls: Callable[[], Any], timeout: float = 120.0) -> list[Any]:
     """Queue every call (all before the first tick, so different models share it), then
-    tick until each is answered; their results in order (an error is raised)."""
+    tick until each is answered; their results in order (an error is raised, a tick's
+    error too: the calls still queued are then refused, so nothing waits on them)."""
     with ThreadPoolExecutor(max(1, len(calls))) as pool:
         futures: list[Future[Any]] = []
         for call in calls:
@@ -38,7 +39,14 @@ def drive(eng: Engine, *calls: Callable[[], Any], timeout: float = 120.0) -> lis
                 time.sleep(0.001)
         deadline = time.monotonic() + timeout
         while not all(f.done() for f in futures):
-            if eng.tick() is None:
+            try:
+                ticked = eng.tick()
+            except BaseException as e:
+                # The calls no tick took would wait forever (and the pool for them):
+                # answer them, as an engine whose tick loop died does, then raise.
+                eng.clients.refuse(f"the tick failed: {type(e).__name__}")
+                raise
+            if ticked is None:
                 time.sleep(0.001)
             if time.monotonic() > deadline:
                 raise TimeoutError("calls still unanswered")

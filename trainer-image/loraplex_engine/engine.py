@@ -26,6 +26,7 @@ from loraplex_engine.engine_parts import build_parts, build_tick, client_parts
 from loraplex_engine.environments.observations import check_chat_templates
 from loraplex_engine.experiment import Experiment, new_experiment
 from loraplex_engine.lora.precision import dtype_name
+from loraplex_engine.memory.prefetch import prefetch
 from loraplex_engine.parallel.distributed import World
 from loraplex_engine.plan.experiment import ExperimentPlan, compile_plan
 from loraplex_engine.plan.limits import EngineLimits
@@ -402,6 +403,8 @@ class Engine:
                     passes = getattr(self.strategy, "passes", 0)
                     self.pager.ready(taken)  # their copies, right before any row runs
                     report = self._tick.run(ws.experiments, client.start(), client.train)
+                    # The next tick's likely members, copied while this tick's kernels run.
+                    prefetch(self.pager, self.clients.waiting_names(), bool(client.samples))
                     report.train_passes = getattr(self.strategy, "passes", 0) - passes
             except BaseException as e:
                 # A fault of the shared model or device: every job this tick took is

@@ -31,10 +31,16 @@ class RecordingStream:
         self.stats, self.log, self._pending = CopyStats(), log, set[str]()
 
     @contextmanager
-    def issue(self, name: str) -> Iterator[None]:
+    def issue(self, name: str, after: object = None) -> Iterator[None]:
         yield
         self.log.append(("issue", name))
         self._pending.add(name)
+
+    def mark(self) -> object:
+        return None
+
+    def sync(self) -> None:
+        return None
 
     def wait(self, names: Iterable[str]) -> None:
         for name in names:
@@ -139,3 +145,19 @@ def test_a_side_stream_copy_is_seen_once_waited_on() -> None:
     stream.wait(["a"])
     assert torch.equal(slot.cpu(), host) and stream.pending() == frozenset()
     assert stream.stats.hidden + stream.stats.exposed == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA side stream")
+def test_a_side_stream_copy_after_a_mark_is_seen_once_waited_on() -> None:
+    device = torch.device("cuda")
+    stream = for_device(device)
+    slot = torch.zeros(1 << 20, device=device)
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    start = stream.mark()  # a prefetch waits for this point only, not later kernels
+    busy = torch.randn(2048, 2048, device=device)
+    for _ in range(8):
+        busy = busy @ busy / 2048  # the "running tick": queued after the mark
+    with stream.issue("a", start):
+        slot.copy_(host, non_blocking=True)
+    stream.wait(["a"])
+    assert torch.equal(slot.cpu(), host) and stream.pending() == frozenset()

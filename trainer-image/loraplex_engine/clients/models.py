@@ -393,6 +393,12 @@ class ClientModels:
         with self._lock:
             return len(self._line.waiting()), bool(self._samples)
 
+    def waiting_names(self) -> list[str]:
+        """The adapters of the models with calls queued, in turn order (a prefetch's
+        guess at the next tick: memory/prefetch.py)."""
+        with self._lock:
+            return [m.name for m in self._line.waiting()]
+
     def retrieved(self, namespace: str, model_id: str) -> None:
         """A detached call's answer was fetched (the Tinker layer's retrieve_future):
         once its client holds every answer, its next call is on its way (gather.py)."""

@@ -7,11 +7,16 @@ contents never race the slot's earlier readers, its reset, or the page-out that 
 it); an event recorded after the copies marks the adapter ready. The compute stream
 waits on that event (``wait_event``: on the device, no host sync) right before the
 adapter's rows run, so a copy overlaps the host work that follows it (the next page-ins:
-reading a spill file, building views). It starts after the work queued on the compute
-stream before it (that includes the slot's reset), so it does not overlap the previous
-tick's compute: that needs the next tick's set predicted and the slot's last reader as
-an event of its own. Elsewhere (CPU) the same calls
-run with an inline stream: the copies are synchronous and every adapter is ready at once.
+reading a spill file, building views). A tick's own page-ins start after the work
+queued on the compute stream before them (that includes the slot's reset). Elsewhere
+(CPU) the same calls run with an inline stream: the copies are synchronous and every
+adapter is ready at once.
+
+A copy may instead wait for one point of the compute stream (``mark``: an event recorded
+there), not for all of it: a prefetch (memory/prefetch.py) writes slots the running tick
+does not touch, so it waits only for the point after those slots' last readers (the
+tick's start) and runs under the tick's compute. The slot's reset is then issued inside
+``issue`` too, on the side stream.
 
 ``CopyStats`` counts, per waited-on copy, whether it had finished by then (hidden: it ran
 under earlier work) or not (exposed: the compute stream stalls on it), and the copies'
@@ -39,8 +44,18 @@ class CopyStats:
 class CopyStream(Protocol):
     stats: CopyStats
 
-    def issue(self, name: str) -> AbstractContextManager[None]:
-        """A context: the copies made inside it are ``name``'s page-in."""
+    def issue(self, name: str, after: object = None) -> AbstractContextManager[None]:
+        """A context: the copies made inside it are ``name``'s page-in. They start after
+        the point ``after`` (from ``mark``) of the compute stream, or after everything
+        queued there when None."""
+        ...
+
+    def mark(self) -> object:
+        """A point of the compute stream: what is queued there now."""
+        ...
+
+    def sync(self) -> None:
+        """The host waits for every copy and every kernel (before a page is read on it)."""
         ...
 
     def wait(self, names: Iterable[str]) -> None:
@@ -59,9 +74,15 @@ class InlineStream:
         self.stats = CopyStats()
 
     @contextmanager
-    def issue(self, name: str) -> Iterator[None]:
+    def issue(self, name: str, after: object = None) -> Iterator[None]:
         yield
         self.stats.issued += 1
+
+    def mark(self) -> object:
+        return None
+
+    def sync(self) -> None:
+        return None
 
     def wait(self, names: Iterable[str]) -> None:
         return None
@@ -87,8 +108,11 @@ class SideStream:
         self._waited: list[_Copy] = []  # their device time is read once they are done
 
     @contextmanager
-    def issue(self, name: str) -> Iterator[None]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def issue(self, name: str, after: object = None) -> Iterator[None]:
+        if isinstance(after, torch.cuda.Event):
+            self.stream.wait_event(after)  # that point only: later kernels keep running
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         copy = _Copy(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         copy.start.record(self.stream)
         with torch.cuda.stream(self.stream):
@@ -96,6 +120,14 @@ class SideStream:
         copy.end.record(self.stream)
         self._issued[name] = copy
         self.stats.issued += 1
+
+    def mark(self) -> object:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def wait(self, names: Iterable[str]) -> None:
         compute = torch.cuda.current_stream(self.device)

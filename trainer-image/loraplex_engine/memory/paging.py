@@ -21,7 +21,9 @@ first needs it, so no page-out (or spill) runs on a registering request's thread
 
 A tick's page-ins are issued without waiting (memory/copy_stream.py: on CUDA a side
 stream, an event per adapter) and the tick calls ``ready`` right before the rows run, so
-the copies overlap the work before them; every other page-in waits at once.
+the copies overlap the work before them; every other page-in waits at once. After a
+tick's compute is issued, memory/prefetch.py pages the next tick's likely members into
+slots this tick does not touch, on the side stream, waiting only for the tick's start.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
-
-import torch
 
 from loraplex_engine.lora.config import LoRAConfig
 from loraplex_engine.lora.model import MultiLoRAModel
@@ -88,6 +89,10 @@ class PagingStats:
     page_outs: int = 0
     spills: int = 0  # pages written to the third tier (memory/spill.py)
     first_slots: int = 0  # fresh pages given their first slot (not counted as page-ins)
+    prefetches: int = 0  # page-ins issued ahead, during the previous tick (memory/prefetch.py)
+    prefetch_hits: int = 0  # members a tick found resident because they were prefetched
+    prefetch_misses: int = 0  # members a tick had to page in itself
+    prefetch_wasted: int = 0  # prefetched, and not a member of the next tick
     page_in_seconds: list[float] = field(default_factory=list)  # the most recent ones
     page_out_seconds: list[float] = field(default_factory=list)
 
@@ -129,6 +134,15 @@ class AdapterPager:
         # The pages in host memory, paged out longest ago first: what spills next, found
         # without walking the (mostly spilled) pages of ten thousand adapters.
         self._in_host: OrderedDict[str, None] = OrderedDict()
+        # The tick's start on the compute stream (``ensure``), the slots free then, and
+        # the pages made since (their device-to-host copies are queued after that point):
+        # what a prefetch may write without waiting for the tick (memory/prefetch.py).
+        self.ticking = False  # between ``ensure`` and ``release``
+        self.tick_start: object | None = None
+        self.free_at_start: frozenset[int] = frozenset()
+        self.paged_out_in_tick: set[str] = set()
+        self.prefetched: set[str] = set()  # issued for the next tick, not yet waited
+        self.prefetch_limit: int | None = None  # None: the slots; 0: no prefetch
 
     # ---- the registry ------------------------------------------------------------------
 
@@ -188,6 +202,8 @@ class AdapterPager:
 
     def discard(self, name: str) -> None:
         """Undo a registration: its slot (if it has one), its page, its bookkeeping."""
+        self.copies.wait([name])  # a prefetch's copies land before the slot is cleared
+        self.prefetched.discard(name)
         if self.optimizer.has_adapter(name):
             self.optimizer.remove_adapter(name)
         if name in self.model.adapters():
@@ -239,8 +255,10 @@ class AdapterPager:
 
     # ---- the tiers ---------------------------------------------------------------------
 
-    def page_out(self, name: str) -> AdapterPage:
-        """Copy the adapter's slot to the host and free the slot."""
+    def page_out(self, name: str, spill_now: bool = True) -> AdapterPage:
+        """Copy the adapter's slot to the host and free the slot (on the current stream:
+        a prefetch's side stream when it evicts). ``spill_now``: past the host budget
+        the coldest pages spill here, else at the next tick's start."""
         if name not in self._resident:
             raise UnknownAdapterError(f"no resident pageable adapter named {name!r}")
         self.copies.wait([name])  # its slot is read below: its own page-in comes first
@@ -268,7 +286,12 @@ class AdapterPager:
         self.pages[name] = page
         self._in_host[name] = None
         self._host_bytes += page.nbytes()
-        self._spill_coldest()
+        self.paged_out_in_tick.add(name)
+        if name in self.prefetched:  # evicted before any tick used it
+            self.prefetched.discard(name)
+            self.stats.prefetch_wasted += 1
+        if spill_now:
+            self._spill_coldest()
         self.stats.page_outs += 1
         self.stats.record(self.stats.page_out_seconds, time.perf_counter() - start)
         return page
@@ -280,25 +303,42 @@ class AdapterPager:
         if name not in self.pages:
             if name not in self._resident:
                 raise UnknownAdapterError(f"no pageable adapter named {name!r}")
+            if wait:  # prefetched: its copies land before the caller reads the slot
+                self.copies.wait([name])
             self.touch(name)
             return self.model.slot_of(name)
         if not self.make_room(self.busy | {name}):
             raise NoFreeSlotError(
                 f"all {self.model.max_adapters} adapter slots hold adapters with work in flight"
             )
+        return self.fill(name, wait)
+
+    def fill(self, name: str, wait: bool, side: bool = False, evict: str | None = None) -> int:
+        """Page ``name`` in: into a free slot, its reset and grads on the compute stream.
+        ``side`` (a prefetch, during a tick): everything that touches the slot
+        (``evict``'s page-out, the reset, the copies) is issued on the copy stream, after
+        the tick's start only (``tick_start``: that slot's last reader ran before it)."""
         held = self.pages[name]
-        if isinstance(held, FreshPage):
-            return self._first_slot(held)
         start = time.perf_counter()
-        page = spill.read(held) if isinstance(held, spill.SpilledPage) else held
-        slot = self.model.add_adapter(name, page.config, seed=0)
+        page = held if isinstance(held, (FreshPage, AdapterPage)) else spill.read(held)
         try:
-            self._restore(page)
+            with self.copies.issue(name, self.tick_start) if side else nullcontext():
+                if evict is not None:
+                    self.page_out(evict, spill_now=False)
+                if isinstance(page, FreshPage):
+                    return self._first_slot(page)
+                slot = self.model.add_adapter(name, page.config, seed=0)
+                self._restore(page, side)
+            self._restore_grads(page)
         except BaseException:  # the page stays the adapter's copy: nothing is lost
-            self.copies.wait([name])  # no copy may land in the slot once it is freed
+            if side:  # no copy may land in the slot once it is freed
+                self.copies.sync()
+            else:
+                self.copies.wait([name])
             if self.optimizer.has_adapter(name):
                 self.optimizer.remove_adapter(name)
-            self.model.remove_adapter(name)
+            if name in self.model.adapters():
+                self.model.remove_adapter(name)
             raise
         del self.pages[name]
         self._in_host.pop(name, None)
@@ -341,7 +381,7 @@ class AdapterPager:
             if self.gate is not None and not self.gate.may_spill(name, page.nbytes()):
                 continue
             if not synced:  # a page-out's copies to pinned memory may still be running
-                torch.cuda.current_stream(self.device).synchronize()
+                self.copies.sync()
                 synced = True
             del self._in_host[name]
             written = spill.write(page, self.spill_dir.path)
@@ -363,15 +403,21 @@ class AdapterPager:
         # read from request threads
         return max(0, len(self.pages) - len(self._in_host) - self._fresh)
 
-    def _restore(self, page: AdapterPage) -> None:
+    def _restore(self, page: AdapterPage, issued: bool = False) -> None:
         name = page.name
-        with self.copies.issue(name):  # weights and moments: host-to-device copies only
+        # Weights and moments: host-to-device copies only (``issued``: already inside
+        # the copy stream's context).
+        with nullcontext() if issued else self.copies.issue(name):
             self.model.load_adapter_state_dict(name, page.weights)
             self.optimizer.load_state_dict(name, {
                 "settings": asdict(page.settings), "step": page.step,
                 "exp_avg": page.exp_avg, "exp_avg_sq": page.exp_avg_sq,
             })  # fmt: skip
-        # A gradient is allocated and used on the compute stream, ordered as before.
+
+    def _restore_grads(self, page: AdapterPage) -> None:
+        """A gradient is allocated and used on the compute stream (never the copy
+        stream's: the allocator would reuse its memory there), ordered as before."""
+        name = page.name
         holder = self._holders.get(name)
         if holder is not None and page.grads is not None:
             like = (p.data for p in self.optimizer.params)
@@ -394,6 +440,11 @@ class AdapterPager:
         slots; ``release`` ends the tick's hold."""
         wanted = [n for n in dict.fromkeys(names) if n in self.pages or n in self._resident]
         self.busy = set(wanted) | set(busy)
+        self._count_prefetches(wanted)
+        self._spill_coldest()  # what the previous tick's prefetch left past the budget
+        self.ticking, self.tick_start = True, self.copies.mark()  # every slot's earlier readers
+        self.free_at_start = frozenset(self.model.free_slots())
+        self.paged_out_in_tick = set()
         for name in wanted:
             self.page_in(name, wait=not self.overlap)
             self.touch(name)
@@ -403,9 +454,25 @@ class AdapterPager:
         page-ins' copies (issued by ``ensure``; on CPU they are done already)."""
         self.copies.wait(names)
 
+    def _count_prefetches(self, wanted: list[str]) -> None:
+        if self.prefetched:
+            hits = self.prefetched.intersection(wanted)
+            self.stats.prefetch_hits += len(hits)
+            self.stats.prefetch_wasted += len(self.prefetched) - len(hits)
+            self.prefetched = set()
+        self.stats.prefetch_misses += sum(n in self.pages for n in wanted)
+
     def release(self) -> None:
-        self.copies.wait(self.copies.pending())  # a failed tick's copies: none left loose
+        # A failed tick's copies: none left loose (a prefetch's wait for the next tick).
+        self.copies.wait(self.copies.pending() - self.prefetched)
         self.busy = set()
+        self.ticking, self.tick_start = False, None
+
+    def in_flight(self, name: str) -> bool:
+        """Work in flight on a resident adapter: this tick's, or a gradient accumulated
+        and not yet stepped (a client's forward_backward awaiting its optim_step)."""
+        holder = self._holders.get(name)
+        return name in self.busy or (holder is not None and holder.grads is not None)
 
     def resident_pageable(self) -> list[str]:
         """Resident adapters, least recently used first."""
