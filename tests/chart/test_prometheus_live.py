@@ -103,6 +103,9 @@ ABSENT_HERE = {
     "loraplex_engine_logprob_gap",
     "loraplex_engine_tis_weight_mean",
     "loraplex_pool_stalled",  # a series only while a pool is stalled; this one is healthy
+    # a series only while a namespace holds samples recorded for stable_reinforce; no
+    # client samples here (test_tinker_stable_reinforce.py reads it)
+    "loraplex_engine_tinker_recorded_bytes",
     # per tracker the pool configures (docs/tracking.md); this pool configures none
     "loraplex_engine_tracking_records_total",
     "loraplex_engine_tracking_errors_total",
